@@ -1,0 +1,85 @@
+"""Paged latent KV-cache layout, memory math and allocation.
+
+A bf16 cache row is ``[latent (kv_lora_rank) | k_pe (qk_rope_head_dim)]``: 576 values, 1152 bytes for
+DeepSeek. The fp8 DeepSeek format stores 512 e4m3 latents, one fp32 scale per 128 latents and the 64
+rope values in bf16: 656 bytes per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_compile.config import MLAConfig
+
+FP8_GROUP = 128  # latent values per fp32 scale in the DeepSeek fp8 format
+
+
+def fp8_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
+    """Bytes of one token in the DeepSeek fp8 latent format (656 for 512/64)."""
+    if kv_lora_rank % FP8_GROUP:
+        raise ValueError(f"kv_lora_rank must be a multiple of {FP8_GROUP} for the fp8 format, got {kv_lora_rank}")
+    return kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP) + 2 * rope_dim
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Bytes per token for one layer and for the whole model, and the compression versus MHA."""
+
+    config: MLAConfig
+    cache_dtype: str = "bf16"  # "bf16", "fp32" or "fp8" (the 656-byte DeepSeek format)
+
+    def __post_init__(self) -> None:
+        if self.cache_dtype not in ("bf16", "fp32", "fp8"):
+            raise ValueError(f"cache_dtype must be 'bf16', 'fp32' or 'fp8', got {self.cache_dtype!r}")
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Latent cache bytes of one token in one layer."""
+        c = self.config
+        if self.cache_dtype == "fp8":
+            return fp8_row_bytes(c.kv_lora_rank, c.qk_rope_head_dim)
+        return c.latent_dim * (2 if self.cache_dtype == "bf16" else 4)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Latent cache bytes of one token across all layers."""
+        return self.bytes_per_token_per_layer * self.config.num_layers
+
+    @property
+    def mha_bytes_per_token(self) -> int:
+        """What a dense per-head K/V cache (bf16, as HF keeps it) would take per token, all layers."""
+        c = self.config
+        return c.num_layers * c.num_heads * (c.qk_head_dim + c.v_head_dim) * 2
+
+    @property
+    def compression_ratio(self) -> float:
+        """MHA-equivalent bytes over latent bytes (about 57x for DeepSeek-V3 in bf16)."""
+        return self.mha_bytes_per_token / self.bytes_per_token
+
+    def capacity_tokens(self, memory_bytes: int) -> int:
+        """Tokens that fit in ``memory_bytes`` of cache across all layers."""
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+        return memory_bytes // self.bytes_per_token
+
+    def num_blocks(self, memory_bytes: int, block_size: int) -> int:
+        """Whole cache blocks of ``block_size`` tokens that fit in ``memory_bytes``."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        return self.capacity_tokens(memory_bytes) // block_size
+
+
+def allocate_latent_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
+                          dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                          fill: float = 0.0) -> torch.Tensor:
+    """One layer's paged latent cache ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+
+    Tests pass ``fill=float("nan")`` so that any read of a row that was never written shows up.
+    """
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32), got {dtype}")
+    return torch.full((num_blocks, block_size, config.latent_dim), fill, dtype=dtype, device=device)

@@ -1,0 +1,162 @@
+"""MLA dimensions and model presets, read from HF DeepSeek configs (V2, V2-Lite, V3, V3.2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's yarn attention-temperature factor (1.0 when the rope is not stretched)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Static dimensions of one MLA attention stack; validated on construction.
+
+    ``softmax_scale`` is derived: ``1/sqrt(qk_nope + qk_rope)``, times ``mscale**2`` under yarn.
+    ``index_*`` are set only for DeepSeek-V3.2 (sparse) models.
+    """
+
+    hidden_size: int
+    num_heads: int
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    q_lora_rank: int | None = None
+    num_layers: int = 1
+    vocab_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    max_position_embeddings: int = 4096
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even for rotary pairs, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(f"MLAConfig.q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        sparse = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if any(v is not None for v in sparse) and not all(v is not None and v > 0 for v in sparse):
+            raise ValueError(f"MLAConfig index_n_heads/index_head_dim/index_topk must be all set (V3.2) or all None, got {sparse}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width of the non-absorbed path (nope + rope, 192 for DeepSeek)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one latent cache row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mscale(self) -> float:
+        """Yarn attention temperature (1.0 without yarn)."""
+        if self.rope_type == "default" or not self.rope_mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
+
+    @property
+    def softmax_scale(self) -> float:
+        """Scale applied to q.k in both the absorbed and the non-absorbed path."""
+        return self.qk_head_dim ** -0.5 * self.mscale * self.mscale
+
+    @property
+    def is_sparse(self) -> bool:
+        """True for DeepSeek-V3.2-style models with a top-k indexer."""
+        return self.index_topk is not None
+
+    def replace(self, **changes: Any) -> "MLAConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "MLAConfig":
+        """Read an HF ``DeepseekV2Config``/``DeepseekV3Config``/V3.2 config (or any object with those fields)."""
+        if not is_mla_model(hf_config):
+            raise ValueError(
+                f"config of type {type(hf_config).__name__} is not an MLA model: it needs kv_lora_rank and "
+                "qk_rope_head_dim (DeepSeek V2/V3 configs have them)")
+        g = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+        rope = _rope_parameters(hf_config)
+        return cls(
+            hidden_size=g("hidden_size"), num_heads=g("num_attention_heads"),
+            kv_lora_rank=g("kv_lora_rank"), qk_nope_head_dim=g("qk_nope_head_dim"),
+            qk_rope_head_dim=g("qk_rope_head_dim"), v_head_dim=g("v_head_dim"),
+            q_lora_rank=g("q_lora_rank"), num_layers=g("num_hidden_layers", 1),
+            vocab_size=g("vocab_size", 0), rms_norm_eps=g("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", g("rope_theta", 10000.0))),
+            rope_interleave=bool(g("rope_interleave", True)),
+            rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
+            rope_factor=float(rope.get("factor", 1.0) or 1.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0) or 0.0),
+            max_position_embeddings=g("max_position_embeddings", 4096),
+            index_n_heads=g("index_n_heads"), index_head_dim=g("index_head_dim"),
+            index_topk=g("index_topk"),
+        )
+
+
+def _rope_parameters(hf_config: Any) -> Mapping[str, Any]:
+    """The rope dict of a transformers 5.x (``rope_parameters``) or 4.x (``rope_scaling``) config."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, Mapping):
+            return value
+    return {}
+
+
+def is_mla_model(config: Any) -> bool:
+    """True when an HF config (or MLAConfig) describes Multi-head Latent Attention."""
+    if isinstance(config, MLAConfig):
+        return True
+    return all(getattr(config, f, None) for f in ("kv_lora_rank", "qk_rope_head_dim"))
+
+
+def is_sparse_mla_model(config: Any) -> bool:
+    """True for DeepSeek-V3.2-style sparse MLA (a lightning indexer with ``index_topk``)."""
+    if isinstance(config, MLAConfig):
+        return config.is_sparse
+    return is_mla_model(config) and bool(getattr(config, "index_topk", None))
+
+
+_YARN = dict(rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=1.0, rope_interleave=True)
+
+PRESETS: dict[str, MLAConfig] = {
+    "deepseek-v2-lite": MLAConfig(hidden_size=2048, num_heads=16, q_lora_rank=None, num_layers=27,
+                                  vocab_size=102400, max_position_embeddings=163840,
+                                  rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707),
+    "deepseek-v2": MLAConfig(hidden_size=5120, num_heads=128, q_lora_rank=1536, num_layers=60,
+                             vocab_size=102400, max_position_embeddings=163840,
+                             rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707),
+    "deepseek-v3": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, num_layers=61,
+                             vocab_size=129280, max_position_embeddings=163840, **_YARN),
+    "deepseek-v3.2": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, num_layers=61,
+                               vocab_size=129280, max_position_embeddings=163840,
+                               index_n_heads=64, index_head_dim=128, index_topk=2048, **_YARN),
+}
+
+
+def preset(name: str) -> MLAConfig:
+    """A named preset: one of ``PRESETS`` (deepseek-v2-lite, deepseek-v2, deepseek-v3, deepseek-v3.2)."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None

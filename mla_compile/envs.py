@@ -1,0 +1,19 @@
+"""Every environment variable mla_compile reads, in one place.
+
+- ``MLA_COMPILE_BACKEND``: default backend for the attention ops ("auto", "reference", "triton", ...).
+- ``MLA_COMPILE_CHECKED``: "1" turns on data checks (host syncs) for accelerator tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def backend() -> str:
+    """The backend override from ``MLA_COMPILE_BACKEND`` ("auto" when unset)."""
+    return os.environ.get("MLA_COMPILE_BACKEND", "auto").strip() or "auto"
+
+
+def checked() -> bool:
+    """Whether ``MLA_COMPILE_CHECKED`` asks for data checks on accelerator tensors."""
+    return os.environ.get("MLA_COMPILE_CHECKED", "0").strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,18 @@
+"""MLA ops: ``torch.library`` custom ops (namespace ``mla``) with fake functions, torch references
+that run on any device, and per-backend implementations chosen at trace time.
+
+Importing this package registers every op. Public functions pick a backend and call its op.
+"""
+
+from mla_compile.ops._checks import checked_mode, set_checked_mode
+from mla_compile.ops._dispatch import backends_for, resolve
+from mla_compile.ops.cache_write import write_latent_cache
+from mla_compile.ops.decode import decode
+from mla_compile.ops.gather import gather_latent_cache
+from mla_compile.ops.merge import merge_attn_states
+from mla_compile.ops.prefill import prefill
+
+__all__ = [
+    "backends_for", "checked_mode", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
+    "resolve", "set_checked_mode", "write_latent_cache",
+]

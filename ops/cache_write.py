@@ -1,0 +1,69 @@
+"""``mla::write_latent_cache``: scatter new latent rows into the paged latent cache.
+
+Contract: ``latent [T, Dc]`` and ``k_pe [T, Dr]`` go to ``kv_cache[slot // block_size, slot % block_size]``
+as ``[latent | k_pe]`` (cast to the cache dtype) for every token whose ``slot_mapping [T]`` entry is not
+-1 (padding, skipped). The cache is mutated in place and nothing is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor, data_checks_enabled
+from mla_compile.ops._dispatch import register_impl, resolve
+
+OP = "mla.write_latent_cache"
+
+
+def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write."""
+    check_tensor(OP, "latent", latent, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, kv_lora_rank]")
+    T, Dc = latent.shape
+    check_tensor(OP, "k_pe", k_pe, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, None), expected="[T, rope_dim]")
+    check_tensor(OP, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,), expected="[T] int32/int64")
+    check_tensor(OP, "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES,
+                 shape=(None, None, Dc + k_pe.shape[1]), expected=f"[num_blocks, block_size, {Dc}+{k_pe.shape[1]}]")
+    check_same_device(OP, latent=latent, k_pe=k_pe, slot_mapping=slot_mapping, kv_cache=kv_cache)
+    if data_checks_enabled(slot_mapping):
+        check_range(OP, "slot_mapping", slot_mapping, 0, kv_cache.shape[0] * kv_cache.shape[1], ignore=-1,
+                    what="num_blocks * block_size, or -1 for padding")
+
+
+@torch.library.custom_op("mla::write_latent_cache_ref", mutates_args=("kv_cache",))
+def write_latent_cache_ref(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
+    """Reference (plain torch, any device): ``index_put_`` of ``[latent | k_pe]`` rows at valid slots."""
+    validate(latent, k_pe, slot_mapping, kv_cache)
+    rows = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
+    if rows.shape[0] == 0:
+        return
+    block_size = kv_cache.shape[1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    # No host sync: padding rows are pointed at the first real row's slot with that row's value (so
+    # every duplicate write is identical), or, when all rows are padding, at slot 0 with its own value.
+    first = torch.argmax(valid.to(torch.int32))
+    any_valid = valid.any()
+    pad_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
+    pad_row = torch.where(any_valid, rows[first], kv_cache[0, 0])
+    target = torch.where(valid, slots, pad_slot)
+    values = torch.where(valid[:, None], rows, pad_row)
+    kv_cache.index_put_((target // block_size, target % block_size), values)
+
+
+@write_latent_cache_ref.register_fake
+def _(latent, k_pe, slot_mapping, kv_cache):
+    validate(latent, k_pe, slot_mapping, kv_cache)
+    return None
+
+
+register_impl(OP, "reference", torch.ops.mla.write_latent_cache_ref, devices=("any",))
+
+
+def write_latent_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, *,
+                       backend: str | None = None) -> None:
+    """Write ``latent [T, Dc]`` and ``k_pe [T, Dr]`` into ``kv_cache [NB, BS, Dc+Dr]`` at ``slot_mapping [T]``.
+
+    Slot -1 marks padding and is skipped. Mutates ``kv_cache``; returns None.
+    """
+    resolve(OP, kv_cache.device, backend).fn(latent, k_pe, slot_mapping, kv_cache)

@@ -1,0 +1,96 @@
+"""``mla::decode``: absorbed MLA decode over the paged latent cache.
+
+Contract: ``q [B, s_q, H, D]`` (D = kv_lora_rank + rope_dim, the absorbed query ``[q_nope @ W_UK | q_pe]``)
+attends over the first ``seq_lens[b]`` rows of sequence b, found through ``block_table [B, max_blocks]``
+in ``kv_cache [num_blocks, block_size, D]``. The values are the first ``kv_lora_rank`` columns of each
+row. With ``s_q > 1`` (speculative / MTP decode) query i of a sequence sees the rows before
+``seq_lens[b] - (s_q - 1 - i)``: the new tokens are the last ``s_q`` rows, causally.
+Returns ``out [B, s_q, H, kv_lora_rank]`` (q's dtype) and ``lse [B, s_q, H]`` (float32, natural log).
+A query that sees no rows gets ``out = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
+                                     data_checks_enabled)
+from mla_compile.ops._dispatch import register_impl, resolve
+
+OP = "mla.decode"
+
+
+def validate(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_lora_rank: int) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode."""
+    check_tensor(OP, "q", q, ndim=4, dtypes=FLOAT_DTYPES, expected="[B, s_q, H, kv_lora_rank + rope_dim]")
+    B, s_q, H, D = q.shape
+    check_tensor(OP, "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, D),
+                 expected=f"[num_blocks, block_size, {D}] (the last dim must equal q's)")
+    check_tensor(OP, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, shape=(B, None),
+                 expected="[B, max_blocks] int32")
+    check_tensor(OP, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(B,), expected="[B] int32")
+    if not 0 < kv_lora_rank <= D:
+        raise ValueError(f"{OP}: kv_lora_rank must be in (0, {D}] (the value width inside a cache row), "
+                         f"got {kv_lora_rank}")
+    check_same_device(OP, q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
+    if data_checks_enabled(seq_lens):
+        capacity = block_table.shape[1] * kv_cache.shape[1]
+        check_range(OP, "seq_lens", seq_lens, 0, capacity + 1, what=f"at most max_blocks * block_size = {capacity}")
+        pos = torch.arange(capacity, device=seq_lens.device)
+        used = (pos[None, :] < seq_lens[:, None].long())[:, ::kv_cache.shape[1]]
+        check_range(OP, "block_table", block_table[used], 0, kv_cache.shape[0],
+                    what=f"block ids of used blocks, num_blocks = {kv_cache.shape[0]}")
+
+
+def _gather_rows(kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, dtype: torch.dtype):
+    """Rows ``[B, L, D]`` of each sequence (L = max_blocks * block_size) and the validity mask ``[B, L]``."""
+    block_size = kv_cache.shape[1]
+    L = block_table.shape[1] * block_size
+    pos = torch.arange(L, device=kv_cache.device)
+    valid = pos[None, :] < seq_lens[:, None].long()
+    blocks = torch.where(valid, block_table.long()[:, pos // block_size], 0)
+    rows = kv_cache[blocks, (pos % block_size)[None, :].expand_as(blocks)].to(dtype)
+    return torch.where(valid[..., None], rows, 0), valid, pos
+
+
+@torch.library.custom_op("mla::decode_ref", mutates_args=())
+def decode_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+               kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Reference (plain torch, any device, float32 or float64 math): gather every row, mask, softmax."""
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, s_q, H, _ = q.shape
+    rows, _, pos = _gather_rows(kv_cache, block_table, seq_lens, acc)
+    scores = torch.einsum("bqhd,bld->bqhl", q.to(acc), rows) * scale
+    # query i of s_q sees positions < seq_len - (s_q - 1 - i)
+    limit = seq_lens[:, None].long() - (s_q - 1 - torch.arange(s_q, device=q.device))[None, :]
+    visible = (pos[None, None, :] < limit[..., None])[:, :, None, :]  # [B, s_q, 1, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.where(visible, torch.exp(scores - lse[..., None]), 0.0)
+    out = torch.einsum("bqhl,bld->bqhd", probs, rows[..., :kv_lora_rank])
+    return out.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
+
+
+@decode_ref.register_fake
+def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    B, s_q, H, _ = q.shape
+    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+register_impl(OP, "reference", torch.ops.mla.decode_ref, devices=("any",))
+
+
+def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
+           kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Absorbed MLA decode; see the module docstring for the contract.
+
+    ``q`` is ``[B, s_q, H, D]`` or ``[B, H, D]`` (s_q = 1; then ``out`` is ``[B, H, kv_lora_rank]`` and
+    ``lse`` is ``[B, H]``). ``backend``: None/"auto", "reference", or a registered kernel backend.
+    """
+    squeeze = q.dim() == 3
+    q4 = q.unsqueeze(1) if squeeze else q
+    out, lse = resolve(OP, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)

@@ -1,0 +1,78 @@
+"""``mla::gather_latent_cache``: copy token ranges of paged sequences into a contiguous workspace.
+
+Contract: for sequence i, workspace rows ``cu_seqlens[i]:cu_seqlens[i+1]`` receive the cache rows of
+token positions ``seq_starts[i], seq_starts[i] + 1, ...`` of that sequence, found through
+``block_table [N, max_blocks]`` in ``kv_cache [num_blocks, block_size, D]``. Workspace rows past
+``cu_seqlens[-1]`` are set to 0. ``out [S, D]`` (the bounded workspace; its size is a shape, never read
+from data) is mutated in place and nothing is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
+                                     data_checks_enabled)
+from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._ragged import segments
+
+OP = "mla.gather_latent_cache"
+
+
+def validate(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor, out: Tensor) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write."""
+    check_tensor(OP, "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES, expected="[num_blocks, block_size, D]")
+    check_tensor(OP, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, expected="[N, max_blocks] int32")
+    N = block_table.shape[0]
+    check_tensor(OP, "cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES, shape=(N + 1,), expected=f"[{N + 1}] int32")
+    check_tensor(OP, "seq_starts", seq_starts, ndim=1, dtypes=INDEX_DTYPES, shape=(N,), expected=f"[{N}] int32")
+    check_tensor(OP, "out", out, ndim=2, dtypes=FLOAT_DTYPES, shape=(None, kv_cache.shape[2]),
+                 expected=f"[S, {kv_cache.shape[2]}] workspace")
+    check_same_device(OP, kv_cache=kv_cache, block_table=block_table, cu_seqlens=cu_seqlens, seq_starts=seq_starts, out=out)
+    if data_checks_enabled(cu_seqlens):
+        S = out.shape[0]
+        if int(cu_seqlens[0]) != 0 or bool((cu_seqlens.diff() < 0).any()) or int(cu_seqlens[-1]) > S:
+            raise ValueError(f"{OP}: cu_seqlens must start at 0, be non-decreasing and end at most at the "
+                             f"workspace size {S}, got {cu_seqlens.tolist()}")
+        capacity = block_table.shape[1] * kv_cache.shape[1]
+        check_range(OP, "seq_starts + lengths", seq_starts.long() + cu_seqlens.diff().long(), 0, capacity + 1,
+                    what=f"token ranges must end within max_blocks * block_size = {capacity}")
+        seq, loc = segments(cu_seqlens, S)
+        live = seq < N
+        pos = seq_starts.long()[seq[live]] + loc[live]
+        check_range(OP, "block_table", block_table.long()[seq[live], pos // kv_cache.shape[1]], 0, kv_cache.shape[0],
+                    what=f"block ids of gathered rows, num_blocks = {kv_cache.shape[0]}")
+
+
+@torch.library.custom_op("mla::gather_latent_cache_ref", mutates_args=("out",))
+def gather_latent_cache_ref(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
+                            out: Tensor) -> None:
+    """Reference (plain torch, any device, no host sync): one indexed gather, padding rows zeroed."""
+    validate(kv_cache, block_table, cu_seqlens, seq_starts, out)
+    N, bs = block_table.shape[0], kv_cache.shape[1]
+    seq, loc = segments(cu_seqlens, out.shape[0])
+    live = seq < N
+    s = seq.clamp(max=max(N - 1, 0))
+    if N == 0:
+        out.zero_()
+        return
+    pos = torch.where(live, seq_starts.long()[s] + loc, 0)
+    blocks = torch.where(live, block_table.long()[s, (pos // bs).clamp(max=block_table.shape[1] - 1)], 0)
+    rows = kv_cache[blocks, pos % bs]
+    out.copy_(torch.where(live[:, None], rows.to(out.dtype), 0))
+
+
+@gather_latent_cache_ref.register_fake
+def _(kv_cache, block_table, cu_seqlens, seq_starts, out):
+    validate(kv_cache, block_table, cu_seqlens, seq_starts, out)
+    return None
+
+
+register_impl(OP, "reference", torch.ops.mla.gather_latent_cache_ref, devices=("any",))
+
+
+def gather_latent_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
+                        out: Tensor, *, backend: str | None = None) -> None:
+    """Gather paged rows into the workspace ``out [S, D]`` (mutated); see the module docstring."""
+    resolve(OP, kv_cache.device, backend).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)

@@ -1,0 +1,61 @@
+"""``mla::merge_attn_states``: combine two partial attention results over disjoint key sets by LSE.
+
+Contract: ``out_a, out_b [T, H, D]`` with ``lse_a, lse_b [T, H]`` (float32, natural log). Returns
+``out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b})`` and ``lse = log(e^{lse_a} + e^{lse_b})``.
+Exact for empty parts: a part with ``lse = -inf`` contributes nothing (even if its ``out`` is NaN), and
+two empty parts give ``out = 0``, ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mla_compile.ops._dispatch import register_impl, resolve
+
+OP = "mla.merge_attn_states"
+
+
+def validate(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Shape/dtype checks only (no data is read)."""
+    check_tensor(OP, "out_a", out_a, ndim=3, dtypes=FLOAT_DTYPES, expected="[T, H, D]")
+    T, H, D = out_a.shape
+    check_tensor(OP, "out_b", out_b, dtypes=(out_a.dtype,), shape=(T, H, D), expected="out_a's shape and dtype")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(OP, name, lse, dtypes=(torch.float32,), shape=(T, H), expected=f"[{T}, {H}] float32")
+    check_same_device(OP, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+
+
+@torch.library.custom_op("mla::merge_attn_states_ref", mutates_args=())
+def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Reference (plain torch, any device): max-shifted weights, -inf parts weigh exactly 0."""
+    validate(out_a, lse_a, out_b, lse_b)
+    acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa = torch.exp(lse_a - m_safe)  # exp(-inf) = 0 exactly
+    wb = torch.exp(lse_b - m_safe)
+    total = wa + wb
+    empty = total == 0
+    denom = torch.where(empty, torch.ones_like(total), total)
+    a = torch.where((wa > 0)[..., None], out_a.to(acc), 0.0)
+    b = torch.where((wb > 0)[..., None], out_b.to(acc), 0.0)
+    out = (a * (wa / denom)[..., None].to(acc) + b * (wb / denom)[..., None].to(acc))
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
+    return out.to(out_a.dtype).contiguous(), lse.contiguous()
+
+
+@merge_attn_states_ref.register_fake
+def _(out_a, lse_a, out_b, lse_b):
+    validate(out_a, lse_a, out_b, lse_b)
+    return torch.empty_like(out_a), torch.empty_like(lse_a)
+
+
+register_impl(OP, "reference", torch.ops.mla.merge_attn_states_ref, devices=("any",))
+
+
+def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
+                      backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Merge two partial attention results by LSE; see the module docstring. Returns ``(out, lse)``."""
+    return resolve(OP, out_a.device, backend).fn(out_a, lse_a, out_b, lse_b)

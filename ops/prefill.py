@@ -1,0 +1,80 @@
+"""``mla::prefill``: non-absorbed varlen attention (qk 192 / v 128 for DeepSeek) returning LSE.
+
+Contract: ragged ``q [T, H, Dqk]``, ``k [S, H, Dqk]``, ``v [S, H, Dv]``; sequence i owns query rows
+``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``. With
+``causal`` the mask is aligned bottom-right: local query j sees local keys ``<= j + len_k - len_q``
+(so new tokens see all their context and themselves causally). Rows past ``cu_seqlens_*[-1]`` are
+padding. Returns ``out [T, H, Dv]`` (q's dtype) and ``lse [T, H]`` (float32, natural log, token-major
+like every LSE in mla_compile); a query that sees no key gets ``out = 0``, ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
+                                     data_checks_enabled)
+from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._ragged import segments
+
+OP = "mla.prefill"
+
+
+def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode."""
+    check_tensor(OP, "q", q, ndim=3, dtypes=FLOAT_DTYPES, expected="[T, H, qk_head_dim]")
+    T, H, Dqk = q.shape
+    check_tensor(OP, "k", k, ndim=3, dtypes=(q.dtype,), shape=(None, H, Dqk), expected=f"[S, {H}, {Dqk}], q's dtype")
+    check_tensor(OP, "v", v, ndim=3, dtypes=(q.dtype,), shape=(k.shape[0], H, None), expected=f"[{k.shape[0]}, {H}, v_head_dim]")
+    check_tensor(OP, "cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=INDEX_DTYPES, expected="[N + 1] int32")
+    check_tensor(OP, "cu_seqlens_k", cu_seqlens_k, ndim=1, dtypes=INDEX_DTYPES, shape=(cu_seqlens_q.shape[0],),
+                 expected=f"[{cu_seqlens_q.shape[0]}] int32, one entry per cu_seqlens_q entry")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"{OP}: cu_seqlens_q must have at least one entry (0), got shape {list(cu_seqlens_q.shape)}")
+    check_same_device(OP, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    if data_checks_enabled(cu_seqlens_q):
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, T), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
+                raise ValueError(f"{OP}: {name} must start at 0, be non-decreasing and end at most at {total} "
+                                 f"(rows of the ragged tensor), got {cu.tolist()}")
+        check_range(OP, "cu_seqlens_k - cu_seqlens_q", (cu_seqlens_k.diff() - cu_seqlens_q.diff()), 0, 1 << 62,
+                    what="each sequence needs at least as many keys as queries")
+
+
+@torch.library.custom_op("mla::prefill_ref", mutates_args=())
+def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                causal: bool) -> tuple[Tensor, Tensor]:
+    """Reference (plain torch, any device, float32/float64 math): one masked [T, S] score matrix per head."""
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = cu_seqlens_q.shape[0] - 1
+    seq_q, loc_q = segments(cu_seqlens_q, q.shape[0])
+    seq_k, loc_k = segments(cu_seqlens_k, k.shape[0])
+    mask = (seq_q[:, None] == seq_k[None, :]) & (seq_q[:, None] < n)
+    if causal:
+        idx = seq_q.clamp(max=max(n - 1, 0))
+        offset = (cu_seqlens_k.diff().long() - cu_seqlens_q.diff().long())[idx] if n > 0 else torch.zeros_like(idx)
+        mask &= loc_k[None, :] <= (loc_q + offset)[:, None]
+    scores = torch.einsum("thd,shd->hts", q.to(acc), k.to(acc)) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, T]
+    probs = torch.where(mask[None], torch.exp(scores - lse[..., None]), 0.0)
+    out = torch.einsum("hts,shd->thd", probs, v.to(acc))
+    return out.to(q.dtype).contiguous(), lse.transpose(0, 1).to(torch.float32).contiguous()
+
+
+@prefill_ref.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    T, H, _ = q.shape
+    return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+
+
+register_impl(OP, "reference", torch.ops.mla.prefill_ref, devices=("any",))
+
+
+def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float, *,
+            causal: bool = True, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Varlen prefill attention; see the module docstring. Returns ``(out [T, H, Dv], lse [T, H])``."""
+    return resolve(OP, q.device, backend).fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)

@@ -1,0 +1,1 @@
+"""Triton kernels for the MLA ops (CUDA path); imported lazily so CPU machines need no Triton."""
