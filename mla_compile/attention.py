@@ -1,0 +1,110 @@
+"""The MLA attention module: DeepSeek projections around the paged-latent-cache ops.
+
+Prefill tokens take the non-absorbed path (latents up-projected by ``kv_b_proj``, qk 192 / v 128);
+decode tokens take the absorbed path (``q_nope @ W_UK`` against the 576-wide latent rows, then
+``@ W_UV``). Both write their latents into this layer's cache first. Metadata arrives as an argument.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mla_compile import ops
+from mla_compile.config import MLAConfig
+from mla_compile.metadata import MLAMetadata
+from mla_compile.rope import apply_rope
+
+
+class MLAAttention(nn.Module):
+    """Multi-head Latent Attention over a paged latent cache.
+
+    Holds (shares, not copies) the projection modules of an HF DeepSeek attention layer:
+    ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj`` (split into W_UK / W_UV views at run time) and ``o_proj``. The cache is the buffer
+    ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]`` set by :meth:`set_cache`.
+    """
+
+    def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.q_proj = getattr(hf_attn, "q_proj", None)
+        self.q_a_proj = getattr(hf_attn, "q_a_proj", None)
+        self.q_a_layernorm = getattr(hf_attn, "q_a_layernorm", None)
+        self.q_b_proj = getattr(hf_attn, "q_b_proj", None)
+        self.kv_a_proj_with_mqa = hf_attn.kv_a_proj_with_mqa
+        self.kv_a_layernorm = hf_attn.kv_a_layernorm
+        self.kv_b_proj = hf_attn.kv_b_proj
+        self.o_proj = hf_attn.o_proj
+        if self.q_proj is None and self.q_b_proj is None:
+            raise ValueError(f"{type(hf_attn).__name__} has neither q_proj nor q_a_proj/q_b_proj: not a DeepSeek MLA layer")
+        expected = (config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)
+        if tuple(self.kv_b_proj.weight.shape) != expected:
+            raise ValueError(f"kv_b_proj.weight must be {list(expected)} for this config, got {list(self.kv_b_proj.weight.shape)}")
+        self.register_buffer("kv_cache", None, persistent=False)
+
+    def set_cache(self, kv_cache: Tensor) -> None:
+        """Attach this layer's paged latent cache (``[num_blocks, block_size, kv_lora_rank + rope_dim]``)."""
+        if kv_cache.dim() != 3 or kv_cache.shape[-1] != self.config.latent_dim:
+            raise ValueError(f"kv_cache must be [num_blocks, block_size, {self.config.latent_dim}], got {list(kv_cache.shape)}")
+        self.kv_cache = kv_cache
+
+    def _w_uk_uv(self) -> tuple[Tensor, Tensor]:
+        """Views of kv_b_proj: ``W_UK [H, nope, Dc]`` and ``W_UV [H, v, Dc]``."""
+        c = self.config
+        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; tokens ordered decode first, then prefill."""
+        c = self.config
+        if self.kv_cache is None:
+            raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
+        T = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, c.num_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
+        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
+        ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=self.backend)
+
+        parts = []
+        n_dec = 0
+        if meta.decode is not None:
+            n_dec = meta.decode.num_tokens
+            parts.append(self._decode(q_nope[:n_dec], q_pe[:n_dec], meta))
+        if meta.prefill is not None:
+            parts.append(self._prefill(q_nope[n_dec:], q_pe[n_dec:], latent[n_dec:], k_pe[n_dec:], meta))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
+
+    def _decode(self, q_nope: Tensor, q_pe: Tensor, meta: MLAMetadata) -> Tensor:
+        """Absorbed path: ``[n_dec, H, v_head_dim]``."""
+        c, d = self.config, meta.decode
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        B = d.block_table.shape[0]
+        q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
+        out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+                                kv_lora_rank=c.kv_lora_rank, backend=self.backend)
+        out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
+        return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+
+    def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
+        """Non-absorbed path over the new tokens: ``[n_pre, H, v_head_dim]``."""
+        c, p = self.config, meta.prefill
+        n = latent.shape[0]
+        kv = self.kv_b_proj(latent).view(n, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(n, c.num_heads, c.qk_rope_head_dim).to(k_nope.dtype)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out, _ = ops.prefill(q, k, v.contiguous(), p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale,
+                             causal=True, backend=self.backend)
+        return out

@@ -1,0 +1,110 @@
+"""Minimal greedy generation over the paged cache: prefill all prompts in one step, then batched decode.
+
+A reference loop for the demo, tests and ``inspect``; the serving engine (admission, scheduling,
+CUDA graphs) builds on the same metadata. Host-side planning runs before each step; the step itself
+(``step_fn``, e.g. a compiled model) sees only tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic, plan_step
+
+
+class BlockAllocator:
+    """Hands out cache block ids from a free list; raises when the cache is full."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free block ids."""
+        if n > len(self.free):
+            raise RuntimeError(f"paged cache is full: need {n} more blocks, {len(self.free)} free")
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Return blocks to the free list."""
+        self.free.extend(blocks)
+
+
+@dataclass
+class GenerationResult:
+    """Tokens generated per prompt, the logits of every step, and timings (seconds)."""
+
+    tokens: list[list[int]]
+    step_logits: list[Tensor] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+
+def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int, *, block_size: int, num_blocks: int, device: torch.device | str = "cpu",
+                    dynamic: bool = True, keep_logits: bool = False) -> GenerationResult:
+    """Greedy-decode ``max_new_tokens`` tokens for each prompt with ``step_fn(input_ids, positions, meta)``.
+
+    ``step_fn`` is a patched model or its compiled form, with caches of ``num_blocks`` blocks of
+    ``block_size`` already allocated. ``dynamic`` marks per-step sizes dynamic (one graph for all).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    alloc = BlockAllocator(num_blocks)
+    lens = [len(p) for p in prompts]
+    blocks = [alloc.take(-(-(n + max_new_tokens) // block_size)) for n in lens]
+    max_blocks = max([len(b) for b in blocks] + [2])
+    result = GenerationResult(tokens=[[] for _ in prompts])
+
+    def run(step: StepInputs) -> list[int]:
+        step = step.to(device)
+        if dynamic:
+            mark_dynamic(step.input_ids, step.positions, step.meta)
+        with torch.no_grad():
+            logits = step_fn(step.input_ids, step.positions, step.meta)[:step.num_rows]
+        if keep_logits:
+            result.step_logits.append(logits.float().cpu())
+        return logits.argmax(-1).tolist()
+
+    t0 = time.perf_counter()
+    nxt = run(plan_step([], [SeqChunk(b, list(p)) for b, p in zip(blocks, prompts)], block_size,
+                        max_blocks=max_blocks, num_blocks=num_blocks))
+    sync()
+    result.prefill_s = time.perf_counter() - t0
+    for i, t in enumerate(nxt):
+        result.tokens[i].append(t)
+    t0 = time.perf_counter()
+    for step in range(1, max_new_tokens):
+        chunks = [SeqChunk(b, [toks[-1]], n + step - 1) for b, toks, n in zip(blocks, result.tokens, lens)]
+        nxt = run(plan_step(chunks, [], block_size, max_blocks=max_blocks, num_blocks=num_blocks))
+        for i, t in enumerate(nxt):
+            result.tokens[i].append(t)
+        result.decode_steps += 1
+    sync()
+    result.decode_s = time.perf_counter() - t0
+    return result
+
+
+def hf_greedy_reference(hf_model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                        device: torch.device | str = "cpu") -> tuple[list[list[int]], list[Tensor]]:
+    """Greedy tokens and per-step last-token logits from an unpatched HF model, one prompt at a time
+    (no padding, full recompute each step: the simplest correct reference)."""
+    tokens, logits = [], []
+    for prompt in prompts:
+        seq = list(prompt)
+        out, steps = [], []
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                last = hf_model(torch.tensor([seq], device=device)).logits[0, -1].float().cpu()
+            steps.append(last)
+            seq.append(int(last.argmax()))
+            out.append(seq[-1])
+        tokens.append(out)
+        logits.append(torch.stack(steps))
+    return tokens, logits

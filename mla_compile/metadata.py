@@ -1,0 +1,192 @@
+"""Step metadata: tensors that tell every layer where this step's tokens live in the paged cache.
+
+A step's tokens are laid out decode first, then prefill: ``[B * s_q decode tokens | prefill tokens]``.
+The split point is ``decode.block_table.shape[0] * decode.query_len``, a shape, so one compiled graph
+serves every batch size. Metadata is passed explicitly to the model as an argument (never through
+globals); every field that changes per step is a tensor, and the only Python values are static
+(``query_len``). Host-side planning (:func:`plan_step`) happens before the step, outside compiled code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DecodeMetadata:
+    """Decode part: ``block_table [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (context incl. new tokens).
+
+    ``query_len`` (static) is the number of new tokens per sequence (s_q; > 1 for MTP/speculative).
+    """
+
+    block_table: Tensor
+    seq_lens: Tensor
+    query_len: int = 1
+
+    @property
+    def num_tokens(self):
+        """Decode tokens in this step (a shape, symbolic under dynamic shapes)."""
+        return self.block_table.shape[0] * self.query_len
+
+
+@dataclass
+class PrefillMetadata:
+    """Prefill part: ``cu_seqlens_q [N+1]`` int32 over the new prefill tokens.
+
+    ``cu_seqlens_k`` equals ``cu_seqlens_q`` until cached-context prefill (prefix caching) adds context.
+    """
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+
+
+@dataclass
+class MLAMetadata:
+    """Everything a step needs: ``slot_mapping [T]`` (int64, -1 = padding, nothing written) for the
+    cache write, the decode and/or prefill parts, and ``logits_indices [R]`` (rows whose logits the
+    model returns; None = every token)."""
+
+    slot_mapping: Tensor
+    decode: DecodeMetadata | None = None
+    prefill: PrefillMetadata | None = None
+    logits_indices: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor in the metadata (for moving, marking dynamic, or copying into static buffers)."""
+        out = []
+        for part in (self, self.decode, self.prefill):
+            if part is None:
+                continue
+            out.extend(v for f in fields(part) if isinstance(v := getattr(part, f.name), Tensor))
+        return out
+
+    def to(self, device: torch.device | str) -> "MLAMetadata":
+        """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len)
+        pre = self.prefill and PrefillMetadata(mv(self.prefill.cu_seqlens_q), mv(self.prefill.cu_seqlens_k))
+        return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
+
+
+def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> None:
+    """Mark every per-step size dynamic so one compiled graph serves all batch sizes and lengths."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (input_ids, positions, meta.slot_mapping):
+        mark(t, 0)
+    if meta.decode is not None:
+        mark(meta.decode.block_table, 0)
+        mark(meta.decode.block_table, 1)
+        mark(meta.decode.seq_lens, 0)
+    if meta.prefill is not None:
+        mark(meta.prefill.cu_seqlens_q, 0)
+        mark(meta.prefill.cu_seqlens_k, 0)
+    if meta.logits_indices is not None:
+        mark(meta.logits_indices, 0)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of a step: its cache ``blocks``, its new ``tokens`` and the position of the
+    first new token (``start``; the sequence holds ``start + len(tokens)`` tokens after the step)."""
+
+    blocks: Sequence[int]
+    tokens: Sequence[int]
+    start: int = 0
+
+
+@dataclass
+class StepInputs:
+    """What one model step takes: ``input_ids [T]``, ``positions [T]``, ``meta``; the first ``num_rows``
+    rows of the returned logits are real (the rest are padding)."""
+
+    input_ids: Tensor
+    positions: Tensor
+    meta: MLAMetadata
+    num_rows: int
+
+    def to(self, device: torch.device | str) -> "StepInputs":
+        """A copy on ``device``."""
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), self.meta.to(device), self.num_rows)
+
+
+def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_size: int, *,
+              max_blocks: int | None = None, num_blocks: int | None = None, query_len: int = 1,
+              logits: str = "last", min_batch: int = 2) -> StepInputs:
+    """Host-side planning of one step (CPU tensors; move once with ``.to(device)``).
+
+    Decode chunks carry ``query_len`` new tokens each; prefill chunks carry whole prompts (start 0).
+    ``logits``: "last" (one row per sequence) or "all" (one row per new token). Each non-empty part,
+    the token count and the logits rows are padded up to ``min_batch`` with rows that read and write
+    nothing (seq_len 0, slot -1), so sizes 0/1 never specialise a compiled graph. Validates block ids
+    and capacities here, on host data, so the ops need no device-side checks.
+    """
+    if logits not in ("last", "all"):
+        raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+    chunks = list(decode) + list(prefill)
+    if not chunks:
+        raise ValueError("plan_step needs at least one decode or prefill sequence")
+    max_blocks = max([len(c.blocks) for c in chunks] + [min_batch]) if max_blocks is None else max_blocks
+    for i, c in enumerate(chunks):
+        end = c.start + len(c.tokens)
+        if c.start < 0 or end > len(c.blocks) * block_size:
+            raise ValueError(f"sequence {i}: tokens up to position {end} need {-(-end // block_size)} blocks of "
+                             f"{block_size}, but {len(c.blocks)} were given")
+        if len(c.blocks) > max_blocks:
+            raise ValueError(f"sequence {i}: {len(c.blocks)} blocks exceed max_blocks={max_blocks}")
+        if num_blocks is not None and any(not 0 <= b < num_blocks for b in c.blocks):
+            raise ValueError(f"sequence {i}: block ids {list(c.blocks)} must lie in [0, {num_blocks})")
+    for i, c in enumerate(decode):
+        if len(c.tokens) != query_len:
+            raise ValueError(f"decode sequence {i}: {len(c.tokens)} new tokens, expected query_len={query_len}")
+    for i, c in enumerate(prefill):
+        if c.start != 0 or not c.tokens:
+            raise ValueError(f"prefill sequence {i}: needs a non-empty prompt starting at position 0 "
+                             "(cached-prefix prefill is not supported yet)")
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+
+    def add(c: SeqChunk) -> None:
+        for j, t in enumerate(c.tokens):
+            p = c.start + j
+            ids.append(t)
+            pos.append(p)
+            slots.append(c.blocks[p // block_size] * block_size + p % block_size)
+        n = len(c.tokens)
+        rows.extend(range(len(ids) - n, len(ids)) if logits == "all" else [len(ids) - 1])
+
+    def pad_tokens(n: int) -> None:
+        ids.extend([0] * n)
+        pos.extend([0] * n)
+        slots.extend([-1] * n)
+
+    dec = None
+    if decode:
+        n_seq = max(len(decode), min_batch)
+        table = torch.zeros(n_seq, max_blocks, dtype=torch.int32)
+        seq_lens = torch.zeros(n_seq, dtype=torch.int32)
+        for i, c in enumerate(decode):
+            table[i, :len(c.blocks)] = torch.tensor(list(c.blocks), dtype=torch.int32)
+            seq_lens[i] = c.start + len(c.tokens)
+            add(c)
+        pad_tokens((n_seq - len(decode)) * query_len)
+        dec = DecodeMetadata(table, seq_lens, query_len)
+    pre = None
+    if prefill:
+        cu = [0]
+        for c in prefill:
+            add(c)
+            cu.append(cu[-1] + len(c.tokens))
+        cu += [cu[-1]] * max(0, min_batch - len(prefill))
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        pre = PrefillMetadata(cu_t, cu_t.clone())
+    num_rows = len(rows)
+    pad_tokens(max(0, min_batch - len(ids)))
+    rows += [rows[-1]] * max(0, min_batch - len(rows))
+    meta = MLAMetadata(torch.tensor(slots, dtype=torch.int64), dec, pre, torch.tensor(rows, dtype=torch.int64))
+    return StepInputs(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, num_rows)

@@ -1,0 +1,90 @@
+"""HF DeepSeek V2/V3 integration: :func:`patch` turns a ``DeepseekV{2,3}ForCausalLM`` into a paged-MLA model.
+
+The patched model runs flat token batches (``input_ids [T]``, ``positions [T]``) with explicit
+:class:`~mla_compile.metadata.MLAMetadata` and compiles whole with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mla_compile import envs
+from mla_compile.attention import MLAAttention
+from mla_compile.cache import allocate_latent_cache
+from mla_compile.config import MLAConfig, is_mla_model
+from mla_compile.metadata import MLAMetadata
+from mla_compile.moe import MLAMoE
+from mla_compile.rope import default_inv_freq, rope_cos_sin
+
+
+class MLAForCausalLM(nn.Module):
+    """A DeepSeek causal LM over a paged latent cache; parameter names match the HF model's.
+
+    ``forward(input_ids [T], positions [T], meta) -> logits [R, vocab]`` where R is
+    ``len(meta.logits_indices)`` (or T when it is None).
+    """
+
+    def __init__(self, hf_model: nn.Module, config: MLAConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        rotary = getattr(self.model, "rotary_emb", None)
+        if rotary is not None and hasattr(rotary, "inv_freq"):
+            inv_freq, scaling = rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))
+        else:
+            inv_freq, scaling = default_inv_freq(config.qk_rope_head_dim, config.rope_theta), 1.0
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = scaling
+
+    @property
+    def attentions(self) -> list[MLAAttention]:
+        """The MLA attention module of every layer."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def allocate_cache(self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None, fill: float = 0.0) -> list[Tensor]:
+        """Allocate one paged latent cache per layer (defaults: the weights' dtype and device)."""
+        ref = self.lm_head.weight
+        caches = [allocate_latent_cache(num_blocks, block_size, self.config, dtype=dtype or ref.dtype,
+                                        device=device or ref.device, fill=fill) for _ in self.attentions]
+        for attn, cache in zip(self.attentions, caches):
+            attn.set_cache(cache)
+        return caches
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:
+        """One step over ``T`` flat tokens (decode tokens first, then prefill); returns logits."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
+        for layer in self.model.layers:
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, meta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h)
+        if meta.logits_indices is not None:
+            h = h[meta.logits_indices]
+        return self.lm_head(h)
+
+
+def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
+    """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM`` in place to the paged MLA path.
+
+    Every layer's ``self_attn`` becomes an :class:`MLAAttention` and every MoE ``mlp`` an
+    :class:`MLAMoE`, both sharing the HF weights. Returns the :class:`MLAForCausalLM` to run; the HF
+    model's own ``forward`` is not usable afterwards. ``backend`` picks the attention ops' backend
+    (default: ``MLA_COMPILE_BACKEND`` or "auto").
+    """
+    hf_config = getattr(hf_model, "config", None)
+    if hf_config is None or not is_mla_model(hf_config):
+        raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")
+    if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):
+        raise ValueError(f"patch() needs a ...ForCausalLM with .model.layers and .lm_head, got {type(hf_model).__name__}")
+    config = MLAConfig.from_hf(hf_config)
+    backend = backend or envs.backend()
+    for layer in hf_model.model.layers:
+        if not isinstance(layer.self_attn, MLAAttention):
+            layer.self_attn = MLAAttention(config, layer.self_attn, backend=backend)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate") and hasattr(mlp, "experts") and not isinstance(mlp, MLAMoE):
+            layer.mlp = MLAMoE(mlp, impl=moe_impl)
+    return MLAForCausalLM(hf_model, config)

@@ -1,0 +1,34 @@
+"""Rotary embedding for the MLA rope part (DeepSeek interleaved pairs, or rotate-half halves)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def default_inv_freq(rope_dim: int, theta: float) -> Tensor:
+    """Plain RoPE inverse frequencies ``theta ** (-2i / rope_dim)`` (float32)."""
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, attention_scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    """``cos, sin [T, rope_dim/2]`` (float32) for ``positions [T]``, computed as HF does (float32 product)."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
+    """Rotate ``x [T, ..., rope_dim]`` by ``cos/sin [T, rope_dim/2]``.
+
+    ``interleave=True`` (DeepSeek's layout, HF ``rope_interleave`` / V2): pairs ``(x0, x1), (x2, x3)...``
+    are rotated and the output is written de-interleaved ``[evens' | odds']``, as HF does, so the
+    rotated k_pe in the cache and q_pe agree. ``False``: rotate-half on ``[first half | second half]``.
+    """
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)

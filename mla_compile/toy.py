@@ -1,0 +1,57 @@
+"""Small random-initialised HF DeepSeek models with real MLA dims, for the demo, tests and benchmarks.
+
+``"v2-lite"`` is DeepSeek-V2-Lite-shaped (no q_lora, softmax greedy routing, yarn rope);
+``"v3"`` is DeepSeek-V3-shaped (q_lora, sigmoid group-limited routing with bias, yarn rope).
+Hidden size, layers, experts and vocab are shrunk; kv_lora_rank 512, rope 64, nope 128, v 128 are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+KINDS = ("v2-lite", "v3")
+
+
+def toy_hf_config(kind: str = "v2-lite", **overrides: Any):
+    """An HF ``DeepseekV2Config``/``DeepseekV3Config`` of a small model of ``kind``."""
+    import transformers
+
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+                  max_position_embeddings=5120, rms_norm_eps=1e-6, n_shared_experts=1,
+                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0,
+                                       mscale_all_dim=0.707, original_max_position_embeddings=128,
+                                       beta_fast=32, beta_slow=1))
+    if kind == "v2-lite":
+        cfg = dict(common, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, topk_method="greedy",
+                   n_group=1, topk_group=1, routed_scaling_factor=1.0)
+        cls = transformers.DeepseekV2Config
+    elif kind == "v3":
+        cfg = dict(common, q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                   norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True)
+        cfg["rope_parameters"] = dict(cfg["rope_parameters"], mscale_all_dim=1.0)
+        cls = transformers.DeepseekV3Config
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+def toy_hf_model(kind: str = "v2-lite", *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", **overrides: Any):
+    """A seeded random-initialised HF ``DeepseekV{2,3}ForCausalLM`` (eager attention) of ``kind``."""
+    import transformers
+
+    config = toy_hf_config(kind, **overrides)
+    config._attn_implementation = "eager"
+    cls = transformers.DeepseekV2ForCausalLM if kind == "v2-lite" else transformers.DeepseekV3ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype=dtype, device=device).eval()
+    with torch.no_grad():  # HF zero-inits the V3 routing bias; give it values so the test sees it
+        for module in model.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.uniform_(-0.05, 0.05)
+    return model
