@@ -52,7 +52,7 @@ def _mask_groups(scores: Tensor, group_scores: Tensor, n_group: int, topk_group:
 def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, act) -> Tensor:
     """Every expert on every token, combined by a ``[T, E]`` routing matrix (exact, static shapes)."""
     num_experts = gate_up.shape[0]
-    combine = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device).scatter_add_(1, ids, weights)
+    combine = torch.zeros(x.shape[0], num_experts, dtype=weights.dtype, device=x.device).scatter_add_(1, ids, weights)
     h = torch.einsum("th,eih->eti", x, gate_up)
     g, u = h.chunk(2, dim=-1)
     y = torch.einsum("eti,ehi->eth", act(g) * u, down)
