@@ -55,7 +55,7 @@ class CacheLayout:
 
     @property
     def compression_ratio(self) -> float:
-        """MHA-equivalent bytes over latent bytes (about 57x for DeepSeek-V3 in bf16)."""
+        """MHA-equivalent bytes over latent bytes (71x for DeepSeek-V3 in bf16: K 192 + V 128 per head vs 576)."""
         return self.mha_bytes_per_token / self.bytes_per_token
 
     def capacity_tokens(self, memory_bytes: int) -> int:

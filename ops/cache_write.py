@@ -67,3 +67,15 @@ def write_latent_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_ca
     Slot -1 marks padding and is skipped. Mutates ``kv_cache``; returns None.
     """
     resolve(OP, kv_cache.device, backend).fn(latent, k_pe, slot_mapping, kv_cache)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
+    import mla_compile.ops.triton.cache_write  # noqa: F401  (registers mla::write_latent_cache_triton)
+    torch.ops.mla.write_latent_cache_triton(latent, k_pe, slot_mapping, kv_cache)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

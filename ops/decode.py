@@ -94,3 +94,16 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     q4 = q.unsqueeze(1) if squeeze else q
     out, lse = resolve(OP, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+            scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode  # noqa: F401  (registers mla::decode_triton)
+    return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

@@ -36,6 +36,8 @@ def validate(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_star
             raise ValueError(f"{OP}: cu_seqlens must start at 0, be non-decreasing and end at most at the "
                              f"workspace size {S}, got {cu_seqlens.tolist()}")
         capacity = block_table.shape[1] * kv_cache.shape[1]
+        # a negative start would index the block table from its end and gather another block's rows
+        check_range(OP, "seq_starts", seq_starts, 0, capacity + 1, what=f"token positions, at most {capacity}")
         check_range(OP, "seq_starts + lengths", seq_starts.long() + cu_seqlens.diff().long(), 0, capacity + 1,
                     what=f"token ranges must end within max_blocks * block_size = {capacity}")
         seq, loc = segments(cu_seqlens, S)
@@ -76,3 +78,16 @@ def gather_latent_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tenso
                         out: Tensor, *, backend: str | None = None) -> None:
     """Gather paged rows into the workspace ``out [S, D]`` (mutated); see the module docstring."""
     resolve(OP, kv_cache.device, backend).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
+            seq_starts: Tensor, out: Tensor) -> None:
+    import mla_compile.ops.triton.gather  # noqa: F401  (registers mla::gather_latent_cache_triton)
+    torch.ops.mla.gather_latent_cache_triton(kv_cache, block_table, cu_seqlens, seq_starts, out)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

@@ -32,10 +32,11 @@ def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Te
     """Reference (plain torch, any device): max-shifted weights, -inf parts weigh exactly 0."""
     validate(out_a, lse_a, out_b, lse_b)
     acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
-    m = torch.maximum(lse_a, lse_b)
+    la, lb = lse_a.to(acc), lse_b.to(acc)  # float32 weights would cap a float64 merge at float32 accuracy
+    m = torch.maximum(la, lb)
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wa = torch.exp(lse_a - m_safe)  # exp(-inf) = 0 exactly
-    wb = torch.exp(lse_b - m_safe)
+    wa = torch.exp(la - m_safe)  # exp(-inf) = 0 exactly
+    wb = torch.exp(lb - m_safe)
     total = wa + wb
     empty = total == 0
     denom = torch.where(empty, torch.ones_like(total), total)
@@ -43,7 +44,7 @@ def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Te
     b = torch.where((wb > 0)[..., None], out_b.to(acc), 0.0)
     out = (a * (wa / denom)[..., None].to(acc) + b * (wb / denom)[..., None].to(acc))
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m_safe + torch.log(denom))
-    return out.to(out_a.dtype).contiguous(), lse.contiguous()
+    return out.to(out_a.dtype).contiguous(), lse.to(torch.float32).contiguous()
 
 
 @merge_attn_states_ref.register_fake
@@ -59,3 +60,15 @@ def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
                       backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results by LSE; see the module docstring. Returns ``(out, lse)``."""
     return resolve(OP, out_a.device, backend).fn(out_a, lse_a, out_b, lse_b)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.merge  # noqa: F401  (registers mla::merge_attn_states_triton)
+    return torch.ops.mla.merge_attn_states_triton(out_a, lse_a, out_b, lse_b)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

@@ -60,7 +60,9 @@ def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     scores = scores.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, T]
     probs = torch.where(mask[None], torch.exp(scores - lse[..., None]), 0.0)
-    out = torch.einsum("hts,shd->thd", probs, v.to(acc))
+    # Padding key rows may hold anything, NaN included; their weight is 0 but 0 * NaN would still leak.
+    v_live = torch.where((seq_k < n)[:, None, None], v.to(acc), 0.0)
+    out = torch.einsum("hts,shd->thd", probs, v_live)
     return out.to(q.dtype).contiguous(), lse.transpose(0, 1).to(torch.float32).contiguous()
 
 
@@ -78,3 +80,16 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
             causal: bool = True, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Varlen prefill attention; see the module docstring. Returns ``(out [T, H, Dv], lse [T, H])``."""
     return resolve(OP, q.device, backend).fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+            cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill  # noqa: F401  (registers mla::prefill_triton)
+    return torch.ops.mla.prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

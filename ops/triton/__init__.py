@@ -1,1 +1,19 @@
-"""Triton kernels for the MLA ops (CUDA path); imported lazily so CPU machines need no Triton."""
+"""Triton kernels for the MLA ops (CUDA path); imported lazily so CPU machines need no Triton.
+
+Each module here defines the kernels of one op, an internal ``_launch`` (the kernel path on any tensors,
+used directly by the interpreter tests) and a ``torch.library.triton_op`` named ``mla::<op>_triton``
+with the reference op's signature. ``ops/<op>.py`` registers it as backend "triton" through a lazy
+function, so importing ``mla_compile`` never imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+# find_spec locates the package without importing it.
+_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+def available() -> bool:
+    """Whether Triton is installed here (found without importing it)."""
+    return _AVAILABLE

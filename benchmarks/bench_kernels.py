@@ -1,0 +1,368 @@
+"""Time the Triton MLA kernels against FlashMLA, FlashInfer and plain torch in one run.
+
+    python benchmarks/bench_kernels.py --out OUT_DIR [--budget-s 300] [--quick]
+
+Measures the two ceilings first (device-to-device copy bandwidth, counting bytes read plus written,
+and a bf16 8192^3 matmul), then each kernel/shape. The main time is the median per-call time of a
+replayed CUDA graph holding a few calls (GPU time without host dispatch); inputs that would fit in
+the 60 MB L2 are rotated over several sets inside the graph so they are read from memory. "eager"
+is ``triton.testing.do_bench`` on the Python call (L2 cleared before each run): it includes the
+host-side dispatch, which dominates for small kernels. TFLOPS and effective GB/s (the fewest bytes
+the op must move) come from the graph time, also as fractions of the ceilings. Peers that are not
+installed, fail, or would overrun ``--budget-s`` are reported and skipped. Writes
+``bench_kernels.json``, ``bench_kernels.txt`` and ``bench_kernels.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch._library.triton import set_wrap_triton_enabled
+from triton.testing import do_bench
+
+import mla_compile  # noqa: F401
+from mla_compile.ops import decode, gather_latent_cache, merge_attn_states, prefill, write_latent_cache
+from mla_compile.ops.triton import decode as tdecode
+from mla_compile.ops.triton import prefill as tprefill
+
+DEV, PAGE, DC, DR = "cuda", 64, 512, 64
+D = DC + DR
+SCALE = 1 / math.sqrt(192)
+ROWS: list[dict] = []
+CEIL: dict = {}
+START = time.time()
+
+
+def bench(fn, rep_ms=200) -> float:
+    """Median milliseconds of ``fn`` (CUDA events, L2 cleared before each run, after warm-up)."""
+    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+
+
+def graph_ms(fn, target_ms=10.0, max_reps=20) -> float:
+    """Median milliseconds per call of ``fn`` from 10 replays of a CUDA graph of a few calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        reps = max(1, min(max_reps, int(target_ms / max(start.elapsed_time(end), 1e-3))))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    del graph
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def record(group, impl, ms, eager_ms, flops, nbytes, note=""):
+    row = {"group": group, "impl": impl, "us": ms * 1e3, "eager_us": eager_ms * 1e3, "tflops": flops / ms / 1e9,
+           "gbs": nbytes / ms / 1e6, "frac_bw": nbytes / ms / 1e6 / CEIL["copy_gbs"],
+           "frac_mm": flops / ms / 1e9 / CEIL["mm_tflops"], "note": note}
+    ROWS.append(row)
+    print("  " + _fmt(row), flush=True)
+
+
+def _fmt(r) -> str:
+    if "error" in r:
+        return f"{r['impl']:30s} FAILED {r['error'][:140]}"
+    return (f"{r['impl']:30s} {r['us']:9.1f} us {r['eager_us']:9.1f} us {r['tflops']:6.1f} {r['gbs']:7.0f} "
+            f"{100 * r['frac_bw']:5.1f}% {100 * r['frac_mm']:5.1f}%  {r['note']}")
+
+
+def direct(fn):
+    """``fn`` with ``wrap_triton`` off, as inside a triton_op's eager call: ``_launch`` called from plain
+    Python would otherwise go through the higher-order-op dispatch (hundreds of us of host time)."""
+    def run():
+        with set_wrap_triton_enabled(False):
+            return fn()
+    return run
+
+
+def attempt(group, impl, fn, flops, nbytes, note="", rep_ms=200, sets=1, graph=True):
+    """Time ``fn`` (which makes ``sets`` calls over rotating inputs) both ways; failures become rows.
+
+    ``graph=False`` for code that cannot be captured: a failed capture can leave the CUDA RNG in
+    capture mode and break every later ``torch.randn``.
+    """
+    try:
+        fn()
+        torch.cuda.synchronize()
+        eager = bench(fn, rep_ms) / sets
+        if not graph:
+            ms, note = eager, f"{note} [not capturable: time is eager]"
+        else:
+            try:
+                ms = graph_ms(fn) / sets
+            except Exception as exc:  # not capturable: report the eager time and why
+                torch.cuda.synchronize()
+                ms, note = eager, f"{note} [graph capture failed: {type(exc).__name__}; time is eager]"
+        record(group, impl, ms, eager, flops, nbytes, note)
+    except Exception as exc:  # keep measuring the rest; the reason goes into the table
+        ROWS.append({"group": group, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:300]})
+        print(f"  {impl:30s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        traceback.print_exc(limit=2)
+
+
+_SHORT = {"BLOCK_H": "BH", "BLOCK_M": "BM", "BLOCK_N": "BN", "num_warps": "w", "num_stages": "s", "SPLITS": "sp"}
+
+
+def cfg_name(c: dict) -> str:
+    return "ours " + " ".join(f"{_SHORT.get(k, k)}{v}" for k, v in c.items())
+
+
+def over_budget(budget_s):
+    return time.time() - START > budget_s
+
+
+def ceilings():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    CEIL["copy_gbs"] = 2 * src.numel() / ms / 1e6
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b)
+    CEIL["mm_tflops"] = 2 * 8192**3 / ms / 1e9
+    props = torch.cuda.get_device_properties(0)
+    CEIL.update(device=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
+    print(f"ceilings: copy {CEIL['copy_gbs']:.0f} GB/s (read+write), bf16 matmul {CEIL['mm_tflops']:.0f} TFLOPS, "
+          f"{props.name}, {props.multi_processor_count} SMs", flush=True)
+
+
+def decode_case(B, H, L, sweep, budget_s):
+    group = f"decode B={B} L={L} H={H}"
+    print(group, flush=True)
+    nblk = triton.cdiv(L, PAGE)
+    pages = B * nblk
+    cache = torch.randn(pages, PAGE, D, device=DEV, dtype=torch.bfloat16) * 0.5
+    table = torch.randperm(pages, device=DEV).view(B, nblk).int().contiguous()
+    lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    q = torch.randn(B, 1, H, D, device=DEV, dtype=torch.bfloat16)
+    flops = 2 * B * H * L * (D + DC)
+    nbytes = B * L * D * 2 + q.numel() * 2 + B * H * DC * 2 + B * H * 4
+    ours = lambda: decode(q, cache, table, lens, SCALE, backend="triton")
+    cfg = tdecode._pick(H, B, nblk * PAGE, DC, q.device, None)
+    attempt(group, "triton (ours)", ours, flops, nbytes,
+            note=cfg_name(cfg)[5:])
+    for c in sweep:
+        attempt(group, cfg_name(c), direct(lambda c=c: tdecode._launch(q, cache, table, lens, SCALE, DC, config=c)),
+                flops, nbytes)
+    out, lse = ours()
+
+    def torch_naive():
+        kv = cache[table.long()].view(B, nblk * PAGE, D)[:, :L]
+        p = torch.softmax(torch.einsum("bhd,bld->bhl", q[:, 0], kv).float() * SCALE, -1)
+        return torch.einsum("bhl,bld->bhd", p.to(kv.dtype), kv[..., :DC])
+    attempt(group, "torch gather+einsum", torch_naive, flops, nbytes, rep_ms=100)
+    try:
+        import flash_mla
+        meta, _ = flash_mla.get_mla_metadata()
+        k_cache = cache.view(pages, PAGE, 1, D)
+        fm = lambda: flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE,
+                                                      causal=False, use_legacy=True)
+        o2, l2 = fm()
+        diff = f"max|out-ours|={(o2.float() - out.float()).abs().max():.2e} " \
+               f"max|lse-ours|={(l2[:, :, 0].float() - lse[:, 0]).abs().max():.2e}"
+        attempt(group, "FlashMLA", fm, flops, nbytes, note=diff)
+    except Exception as exc:
+        ROWS.append({"group": group, "impl": "FlashMLA", "error": repr(exc)[:300]})
+        print(f"  FlashMLA unavailable: {exc!r:.200}", flush=True)
+    if over_budget(budget_s):
+        print("  FlashInfer skipped: time budget", flush=True)
+        return
+    try:
+        import flashinfer
+        w = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV))
+        indptr = torch.arange(B + 1, device=DEV, dtype=torch.int32)
+        w.plan(indptr, indptr * nblk, table.reshape(-1).contiguous(), lens, H, DC, DR, PAGE, False, SCALE,
+               torch.bfloat16, torch.bfloat16)
+        qn, qp = q[:, 0, :, :DC].contiguous(), q[:, 0, :, DC:].contiguous()
+        fi = lambda: w.run(qn, qp, cache[..., :DC], cache[..., DC:], return_lse=True)
+        o3, l3 = fi()
+        diff = f"max|out-ours|={(o3.float() - out[:, 0].float()).abs().max():.2e} " \
+               f"max|lse*ln2-ours|={(l3.float() * math.log(2) - lse[:, 0]).abs().max():.2e}"
+        attempt(group, "FlashInfer MLA", fi, flops, nbytes, note=diff)
+    except Exception as exc:
+        ROWS.append({"group": group, "impl": "FlashInfer MLA", "error": repr(exc)[:300]})
+        print(f"  FlashInfer unavailable: {exc!r:.200}", flush=True)
+
+
+def prefill_case(NS, LQ, H, sweep, budget_s):
+    group = f"prefill causal {NS}x{LQ} H={H} qk192/v128"
+    print(group, flush=True)
+    T = NS * LQ
+    q = torch.randn(T, H, 192, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(T, H, 192, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(T, H, 128, device=DEV, dtype=torch.bfloat16)
+    cu = torch.arange(NS + 1, device=DEV, dtype=torch.int32) * LQ
+    flops = 2 * NS * H * (LQ * (LQ + 1) / 2) * (192 + 128)
+    nbytes = (q.numel() + k.numel() + v.numel() + T * H * 128) * 2 + T * H * 4
+    attempt(group, "triton (ours)", lambda: prefill(q, k, v, cu, cu, SCALE, causal=True, backend="triton"),
+            flops, nbytes, note=cfg_name(tprefill._pick(192, 128, None))[5:])
+    for c in sweep:
+        attempt(group, cfg_name(c), direct(lambda c=c: tprefill._launch(q, k, v, cu, cu, SCALE, True, config=c)),
+                flops, nbytes)
+    qs, ks, vs = (x.view(NS, LQ, H, -1).transpose(1, 2) for x in (q, k, v))
+    attempt(group, "torch SDPA (default backend)",
+            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE), flops, nbytes, rep_ms=100)
+    if over_budget(budget_s):
+        print("  FlashInfer prefill skipped: time budget", flush=True)
+        return
+    try:
+        import flashinfer
+        w = flashinfer.prefill.BatchPrefillWithRaggedKVCacheWrapper(
+            torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+        w.plan(cu, cu, H, H, 192, head_dim_vo=128, causal=True, sm_scale=SCALE, q_data_type=torch.bfloat16)
+        attempt(group, "FlashInfer ragged prefill", lambda: w.run(q, k, v), flops, nbytes)
+    except Exception as exc:
+        ROWS.append({"group": group, "impl": "FlashInfer ragged prefill", "error": repr(exc)[:300]})
+        print(f"  FlashInfer prefill unavailable: {exc!r:.200}", flush=True)
+
+
+def small_ops(t_merge=1024, t_write=8192, n_seqs=8, ctx=4096):
+    """Merge, cache write and gather at serving sizes (smaller ones for a dry run)."""
+    # merge: two [T, H, 512] partials + LSEs -> one (134 MB per partial: no rotation needed)
+    T, H = t_merge, 128
+    oa, ob = (torch.randn(T, H, DC, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    la, lb = (torch.randn(T, H, device=DEV) for _ in range(2))
+    group = f"merge T={T} H={H} D={DC}"
+    print(group, flush=True)
+    nbytes = 3 * oa.numel() * 2 + 3 * la.numel() * 4
+    attempt(group, "triton (ours)", lambda: merge_attn_states(oa, la, ob, lb, backend="triton"), 0, nbytes)
+    attempt(group, "torch reference op", lambda: merge_attn_states(oa, la, ob, lb, backend="reference"), 0, nbytes)
+    # cache write: 8192 new tokens scattered into a 600 MB cache; 8 rotating input sets
+    T, K = t_write, 8
+    cache = torch.randn(64 * T // PAGE, PAGE, D, device=DEV, dtype=torch.bfloat16)
+    sets = [(torch.randn(T, DC, device=DEV, dtype=torch.bfloat16), torch.randn(T, DR, device=DEV, dtype=torch.bfloat16),
+             torch.randperm(cache.shape[0] * PAGE, device=DEV)[:T].int()) for _ in range(K)]
+    group = f"cache write T={T} bf16"
+    print(group, flush=True)
+    nbytes = 2 * T * D * 2 + T * 4
+    for backend in ("triton", "reference"):  # the reference's index_put_ failed capture on the H200
+        attempt(group, "triton (ours)" if backend == "triton" else "torch reference op",
+                lambda b=backend: [write_latent_cache(*x, cache, backend=b) for x in sets], 0, nbytes, sets=K,
+                graph=backend == "triton")
+    # gather: 8 sequences x 4096 context tokens into a workspace; 4 rotating tables/workspaces
+    N, L, K = n_seqs, ctx, 4
+    nblk = L // PAGE
+    cache = torch.randn(K * N * nblk + 8, PAGE, D, device=DEV, dtype=torch.bfloat16)
+    perm = torch.randperm(cache.shape[0], device=DEV)
+    tables = [perm[i * N * nblk:(i + 1) * N * nblk].view(N, nblk).int() for i in range(K)]
+    works = [torch.empty(N * L, D, device=DEV, dtype=torch.bfloat16) for _ in range(K)]
+    cu = torch.arange(N + 1, device=DEV, dtype=torch.int32) * L
+    starts = torch.zeros(N, device=DEV, dtype=torch.int32)
+    group = f"gather {N}x{L} rows"
+    print(group, flush=True)
+    nbytes = 2 * works[0].numel() * 2
+    for backend in ("triton", "reference"):
+        attempt(group, "triton (ours)" if backend == "triton" else "torch reference op",
+                lambda b=backend: [gather_latent_cache(cache, t, cu, starts, w, backend=b)
+                                   for t, w in zip(tables, works)],
+                0, nbytes, sets=K)
+
+
+def table_text() -> str:
+    lines = [f"device {CEIL.get('device')} ({CEIL.get('sms')} SMs), torch {CEIL.get('torch')}, triton "
+             f"{CEIL.get('triton')}; ceilings: copy {CEIL.get('copy_gbs', 0):.0f} GB/s (read+write), "
+             f"bf16 matmul {CEIL.get('mm_tflops', 0):.0f} TFLOPS",
+             "time = CUDA-graph replay per call (GPU time); eager = do_bench on the Python call (with dispatch)"]
+    group = None
+    for r in ROWS:
+        if r["group"] != group:
+            group = r["group"]
+            lines.append(f"\n{group}\n  {'impl':30s} {'time':>12s} {'eager':>12s} {'TFLOPS':>6s} {'GB/s':>7s} "
+                         f"{'%bw':>6s} {'%mm':>6s}")
+        lines.append("  " + _fmt(r))
+    return "\n".join(lines)
+
+
+def plot(path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys(r["group"] for r in ROWS))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.2 * len(groups) + 1), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        rows = [r for r in ROWS if r["group"] == g and "us" in r]
+        names = [r["impl"] for r in rows]
+        colors = ["tab:orange" if n.startswith(("triton", "ours")) else "tab:blue" for n in names]
+        ax.barh(names, [r["us"] for r in rows], color=colors)
+        ax.set_title(g, fontsize=9)
+        ax.set_xlabel("median GPU time per call (us, CUDA-graph replay), lower is better", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for bench_kernels.{json,txt,png}")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
+    ap.add_argument("--quick", action="store_true", help="no config sweeps")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    ceilings()
+    dsweep_128 = [] if args.quick else [
+        dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, SPLITS=1),   # run 1's default
+        dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, SPLITS=2),
+    ]
+    dsweep_16 = [] if args.quick else [
+        dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=3),   # run 1's default
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=4),
+        dict(BLOCK_H=16, BLOCK_N=64, num_warps=8, num_stages=3, SPLITS=6),
+    ]
+    psweep = [] if args.quick else [
+        dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+    ]
+    sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
+                lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
+                lambda: prefill_case(8, 4096, 128, psweep, args.budget_s),
+                small_ops]
+    for section in sections:
+        try:
+            section()
+        except Exception:
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+            json.dump({"ceilings": CEIL, "rows": ROWS}, f, indent=1)
+    text = table_text()
+    with open(os.path.join(args.out, "bench_kernels.txt"), "w") as f:
+        f.write(text + "\n")
+    try:
+        plot(os.path.join(args.out, "bench_kernels.png"))
+    except Exception as exc:
+        print(f"plot failed: {exc!r}")
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,373 @@
+"""What ``torch.compile`` made of a function: graphs, graph breaks, recompiles, custom ops, compile time.
+
+:func:`inspect_compile` compiles any function or module, lets a caller-supplied ``run_steps`` drive it,
+and returns an :class:`InspectReport`; with ``out_dir`` it also writes ``report.txt``,
+``report.json`` and (when depyf is installed) a depyf dump of the decompiled bytecode, FX graphs and
+Inductor output code. :class:`CompileWatch` is the counting part alone, for code that compiles on
+its own (the demo). This module depends only on torch (and optionally depyf), not on mla_compile.
+
+Sources (torch 2.11-2.13, private but stable across them): ``torch._dynamo.utils.counters``
+(graph breaks, unique graphs, cache hits), ``torch._dynamo.utils.graph_break_reasons`` (where each
+break happened), ``torch._dynamo.utils.get_compilation_metrics()`` (one record per frame compile:
+recompile reason, compile time) and ``GraphLowering.save_output_code`` (the Inductor output code;
+also called on FX-graph-cache hits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+
+@dataclass
+class GraphBreak:
+    """One distinct graph break: a short ``reason``, how often Dynamo hit it, where, and the full text."""
+
+    reason: str
+    count: int
+    locations: list[str] = field(default_factory=list)
+    detail: str = ""
+
+
+@dataclass
+class Recompile:
+    """One recompilation: the frame's compile id (``frame/attempt``), its function and the guard that failed."""
+
+    compile_id: str
+    function: str
+    reason: str
+
+
+@dataclass
+class GraphInfo:
+    """One graph handed to the backend: its compile id, function, op count and namespace ops it calls."""
+
+    compile_id: str
+    function: str
+    num_ops: int
+    custom_ops: list[str]
+
+
+def short_reason(reason: str) -> str:
+    """The first line of a Dynamo graph-break message plus its ``Explanation:`` line, if any."""
+    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "unknown reason"
+    head = lines[0]
+    explanation = next((ln for ln in lines[1:] if ln.startswith("Explanation:")), None)
+    return f"{head} ({explanation[len('Explanation:'):].strip()})" if explanation else head
+
+
+class CompileWatch:
+    """Context manager counting what Dynamo compiles while it is active (any ``torch.compile`` call).
+
+    After exit: ``graph_count``, ``graph_breaks`` (list of :class:`GraphBreak`), ``recompiles`` (list of
+    :class:`Recompile`), ``compile_time_s`` (Dynamo + backend time of every frame compiled) and
+    ``cache_hits`` (AOTAutograd / FX graph cache hits, which make compiles fast and dumps partial).
+    Works by differencing global counters, so nested or concurrent compiles of other code count too.
+    """
+
+    def __init__(self) -> None:
+        self.graph_count = 0
+        self.graph_breaks: list[GraphBreak] = []
+        self.recompiles: list[Recompile] = []
+        self.compile_time_s = 0.0
+        self.frames_compiled = 0
+        self.cache_hits: dict[str, int] = {}
+
+    def __enter__(self) -> "CompileWatch":
+        self._t0 = time.time()
+        self._breaks0 = Counter(counters["graph_break"])
+        self._graphs0 = counters["stats"]["unique_graphs"]
+        self._inductor0 = Counter(counters["inductor"])
+        self._aot0 = Counter(counters["aot_autograd"])
+        self._reasons0 = len(_graph_break_reasons())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.update()
+
+    def update(self) -> None:
+        """Recompute every field from the counters (called on exit; call it earlier for a live view)."""
+        self.graph_count = counters["stats"]["unique_graphs"] - self._graphs0
+        breaks = Counter(counters["graph_break"]) - self._breaks0
+        reasons = _graph_break_reasons()
+        new_reasons = reasons[self._reasons0:] if len(reasons) >= self._reasons0 else reasons
+        where: dict[str, list[str]] = {}
+        for r in new_reasons:
+            frames = getattr(r, "user_stack", None) or []
+            if frames:
+                loc = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
+                locs = where.setdefault(getattr(r, "reason", ""), [])
+                if loc not in locs:
+                    locs.append(loc)
+        self.graph_breaks = [GraphBreak(short_reason(k), n, where.get(k, []), k) for k, n in breaks.most_common()]
+        self.recompiles, self.compile_time_s, self.frames_compiled = [], 0.0, 0
+        for m in _compilation_metrics():
+            if (getattr(m, "start_time", None) or 0.0) < self._t0:
+                continue
+            self.frames_compiled += 1
+            self.compile_time_s += getattr(m, "entire_frame_compile_time_s", None) or 0.0
+            reason = getattr(m, "recompile_reason", None)
+            if reason:
+                self.recompiles.append(Recompile(str(m.compile_id), str(m.co_name), _first_line(reason)))
+        hits = {
+            "aot_autograd": (Counter(counters["aot_autograd"]) - self._aot0)["autograd_cache_hit"],
+            "fx_graph": (Counter(counters["inductor"]) - self._inductor0)["fxgraph_cache_hit"],
+        }
+        self.cache_hits = {k: v for k, v in hits.items() if v}
+
+    @property
+    def graph_break_count(self) -> int:
+        """Graph breaks hit (each distinct reason counted as often as Dynamo met it)."""
+        return sum(b.count for b in self.graph_breaks)
+
+
+@dataclass
+class InspectReport:
+    """What :func:`inspect_compile` found; ``to_text()`` for people, ``to_json()`` for tools."""
+
+    graphs: list[GraphInfo]
+    graph_breaks: list[GraphBreak]
+    recompiles: list[Recompile]
+    ops_in_graphs: list[str]
+    ops_in_output_code: list[str]
+    compile_time_s: float
+    run_time_s: float
+    backend: str
+    fullgraph: bool
+    namespace: str
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    dump_dir: str | None = None
+    dump_files: list[str] = field(default_factory=list)
+    dump_skipped: str | None = None
+    output_code_files: list[str] = field(default_factory=list)
+    user_triton_kernels: list[str] = field(default_factory=list)
+    error: str | None = None
+    torch_version: str = torch.__version__
+
+    @property
+    def graph_count(self) -> int:
+        """Graphs compiled (one per frame compile that produced a graph, recompiles included)."""
+        return len(self.graphs)
+
+    @property
+    def graph_break_count(self) -> int:
+        """Graph breaks hit in total."""
+        return sum(b.count for b in self.graph_breaks)
+
+    @property
+    def recompile_count(self) -> int:
+        """Frames compiled again because a guard failed."""
+        return len(self.recompiles)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, counts included."""
+        d = dataclasses.asdict(self)
+        d.update(graph_count=self.graph_count, graph_break_count=self.graph_break_count,
+                 recompile_count=self.recompile_count)
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON (the content of ``report.json``)."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    def to_text(self) -> str:
+        """A short human-readable summary (the content of ``report.txt``)."""
+        ns = self.namespace
+        lines = [f"compile inspection: backend={self.backend} fullgraph={self.fullgraph} torch {self.torch_version}",
+                 f"  graphs:        {self.graph_count}",
+                 f"  graph breaks:  {self.graph_break_count}",
+                 f"  recompiles:    {self.recompile_count}",
+                 f"  compile time:  {self.compile_time_s:.1f} s (whole run {self.run_time_s:.1f} s)",
+                 f"  {ns}:: ops in Dynamo graphs:       {', '.join(self.ops_in_graphs) or 'none'}",
+                 f"  {ns}:: ops in Inductor output code: {', '.join(self.ops_in_output_code) or 'none'}"]
+        if self.user_triton_kernels:  # triton_op kernels pasted into the output code (CUDA)
+            lines.append(f"  user Triton kernels in output code: {', '.join(self.user_triton_kernels)}")
+        if self.cache_hits:
+            lines.append(f"  compile cache hits: {self.cache_hits} (AOT/post-grad graphs are not re-dumped; "
+                         "fresh=True / --fresh recompiles without caches)")
+        for g in self.graphs:
+            ops = f"; {', '.join(g.custom_ops)}" if g.custom_ops else ""
+            lines.append(f"  graph {g.compile_id} ({g.function}): {g.num_ops} ops{ops}")
+        for b in self.graph_breaks:
+            at = f" at {', '.join(b.locations)}" if b.locations else ""
+            lines.append(f"  break x{b.count}: {b.reason}{at}")
+        for r in self.recompiles:
+            lines.append(f"  recompile {r.compile_id} ({r.function}): {r.reason}")
+        if self.dump_dir:
+            lines.append(f"  depyf dump: {self.dump_dir} ({len(self.dump_files)} files)")
+        elif self.dump_skipped:
+            lines.append(f"  depyf dump skipped: {self.dump_skipped}")
+        if self.output_code_files:
+            lines.append(f"  output code: {', '.join(self.output_code_files)}")
+        if self.error:
+            shown = [ln for ln in self.error.splitlines() if ln.strip()][:4]
+            lines.append("  ERROR while running: " + "\n    ".join(shown))
+        return "\n".join(lines)
+
+    def write(self, out_dir: str) -> None:
+        """Write ``report.txt`` and ``report.json`` into ``out_dir``."""
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "report.txt"), "w") as f:
+            f.write(self.to_text() + "\n")
+        with open(os.path.join(out_dir, "report.json"), "w") as f:
+            f.write(self.to_json() + "\n")
+
+
+def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir: str | None = None, *,
+                    backend: str | Callable = "inductor", fullgraph: bool = False, dynamic: bool | None = None,
+                    namespace: str = "mla", reset: bool = True, dump: bool = True,
+                    fresh: bool = False) -> InspectReport:
+    """Compile ``fn`` with ``torch.compile``, call ``run_steps(compiled_fn)``, and report what happened.
+
+    Parameters
+    ----------
+    fn : callable or nn.Module to compile.
+    run_steps : called once with the compiled ``fn``; it should call it with every input shape of
+        interest (e.g. prefill then decode, two batch sizes) so graphs and recompiles show up.
+    out_dir : where ``report.txt``, ``report.json`` and the depyf dump go; None writes nothing. The dump
+        folder ``out_dir/depyf`` is emptied first; without depyf the Inductor output code goes to
+        ``out_dir/output_code_N.py``.
+    backend : a ``torch.compile`` backend name or callable; every graph passes through a recorder
+        before it (to list ``namespace`` ops per graph).
+    fullgraph : False (default) lets breaks happen so they are reported with reasons; True makes the
+        first break an error, recorded in ``report.error``.
+    namespace : custom-op namespace to look for (``"mla"`` finds ``torch.ops.mla.*``).
+    reset : call ``torch._dynamo.reset()`` first so earlier compiles of ``fn`` do not hide graphs.
+    dump : write a depyf dump (skipped, with the reason in ``report.dump_skipped``, if depyf is missing).
+    fresh : compile with Inductor's caches disabled (slower; complete AOT/post-grad graph dumps).
+
+    An exception raised by ``run_steps`` is recorded in ``report.error``, not raised.
+    """
+    from torch._inductor.graph import GraphLowering
+
+    if reset:
+        torch._dynamo.reset()
+    backend_fn = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+    graphs: list[GraphInfo] = []
+    output_code: list[str] = []
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        graphs.append(GraphInfo(str(compile_id), "?", len(calls), _graph_custom_ops(gm, namespace)))
+        return backend_fn(gm, example_inputs)
+
+    dump_ctx: Any = contextlib.nullcontext()
+    dump_dir = dump_skipped = None
+    if not dump or out_dir is None:
+        dump_skipped = "not requested" if not dump else "no out_dir given"
+    else:
+        try:
+            import depyf
+        except ImportError as e:
+            dump_skipped = f"depyf is not installed ({e}); pip install 'mla-compile[inspect]'"
+        else:
+            dump_dir = os.path.join(out_dir, "depyf")
+            shutil.rmtree(dump_dir, ignore_errors=True)  # ours alone: files of an earlier run would mislead
+            os.makedirs(dump_dir)
+            dump_ctx = depyf.prepare_debug(dump_dir)
+
+    compiled = torch.compile(fn, backend=recording_backend, fullgraph=fullgraph, dynamic=dynamic)
+    error = None
+    cache_ctx = torch._inductor.config.patch(force_disable_caches=True) if fresh else contextlib.nullcontext()
+    prev_hook = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(output_code.append)
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*You are trying to debug `torch.compile`.*")
+            with CompileWatch() as watch, cache_ctx, dump_ctx:
+                try:
+                    run_steps(compiled)
+                except Exception as e:  # reported, not raised: the report is the product
+                    error = f"{type(e).__name__}: {str(e).strip()[:4000]}"
+    finally:
+        GraphLowering.save_output_code = prev_hook
+    run_time = time.perf_counter() - t0
+
+    names = {str(m.compile_id): str(m.co_name) for m in _compilation_metrics()}
+    for g in graphs:
+        g.function = names.get(g.compile_id, g.function)
+    dump_files: list[str] = sorted(os.listdir(dump_dir)) if dump_dir is not None else []
+    sources = list(output_code)
+    for name in dump_files:  # output code that came another way (e.g. a subprocess compile)
+        if ".kernel_" in name:
+            with open(os.path.join(dump_dir, name), errors="replace") as f:
+                sources.append(f.read())
+    ops_in_code: set[str] = set()
+    user_kernels: set[str] = set()
+    pattern = re.compile(rf"torch\.ops\.{re.escape(namespace)}\.([A-Za-z_]\w*)")
+    for code in sources:
+        ops_in_code.update(f"{namespace}::{m}" for m in pattern.findall(code))
+        # Inductor names its own kernels triton_{poi,red,per,tem,...}_*; other names are user kernels
+        user_kernels.update(k for k in _TRITON_KERNEL.findall(code) if not k.startswith("triton_"))
+    code_files: list[str] = []
+    if out_dir is not None and dump_dir is None:  # without depyf, still keep the output code
+        os.makedirs(out_dir, exist_ok=True)
+        for stale in os.listdir(out_dir):
+            if re.fullmatch(r"output_code_\d+\.py", stale):
+                os.remove(os.path.join(out_dir, stale))
+        for i, code in enumerate(output_code):
+            code_files.append(f"output_code_{i}.py")
+            with open(os.path.join(out_dir, code_files[-1]), "w") as f:
+                f.write(code)
+
+    report = InspectReport(
+        graphs=graphs, graph_breaks=watch.graph_breaks, recompiles=watch.recompiles,
+        ops_in_graphs=sorted({op for g in graphs for op in g.custom_ops}), ops_in_output_code=sorted(ops_in_code),
+        compile_time_s=watch.compile_time_s, run_time_s=run_time, backend=str(backend_name), fullgraph=fullgraph,
+        namespace=namespace, cache_hits=watch.cache_hits, dump_dir=dump_dir, dump_files=dump_files,
+        dump_skipped=dump_skipped, output_code_files=code_files, user_triton_kernels=sorted(user_kernels),
+        error=error)
+    if out_dir is not None:
+        report.write(out_dir)
+    return report
+
+
+_TRITON_KERNEL = re.compile(r"async_compile\.triton\(\s*['\"](\w+)['\"]")
+
+
+def _graph_custom_ops(gm: torch.fx.GraphModule, namespace: str) -> list[str]:
+    """``ns::name`` of every op of ``namespace`` called in ``gm`` (OpOverload or OpOverloadPacket targets)."""
+    found = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            qualified = target._schema.name
+        elif isinstance(target, torch._ops.OpOverloadPacket):
+            qualified = target._qualified_op_name
+        else:
+            continue
+        if qualified.split("::")[0] == namespace and qualified not in found:
+            found.append(qualified)
+    return sorted(found)
+
+
+def _graph_break_reasons() -> list:
+    return list(getattr(torch._dynamo.utils, "graph_break_reasons", []))
+
+
+def _compilation_metrics() -> list:
+    get = getattr(torch._dynamo.utils, "get_compilation_metrics", None)
+    return list(get()) if get is not None else []
+
+
+def _first_line(text: str) -> str:
+    """First line of ``text`` with runs of spaces collapsed (guard reasons are column-aligned)."""
+    return re.sub(r"\s+", " ", text.strip().splitlines()[0]) if text.strip() else text

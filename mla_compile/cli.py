@@ -1,0 +1,148 @@
+"""The ``mla-compile`` command line: ``demo`` (serve a toy model, check against HF) and ``inspect``
+(what torch.compile made of it: graphs, breaks, recompiles, mla:: ops, a depyf dump).
+
+``main(argv)`` returns the exit status, so tests call it in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from mla_compile.toy import KINDS
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected 'cpu' or 'cuda', got {text!r}")
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("'cuda' asked for, but torch.cuda.is_available() is False; "
+                                             "use --device cpu or a CUDA build of torch")
+    return text
+
+
+def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
+    p.add_argument("--model", choices=KINDS, default="v2-lite", help="toy model shape (default: %(default)s)")
+    p.add_argument("--layers", type=_positive, default=layers,
+                   help="layers of the toy model; layer 0 is dense, later ones MoE (default: %(default)s)")
+    p.add_argument("--device", type=_device, default="cpu", metavar="{cpu,cuda}", help="cpu or cuda (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights, activations and cache dtype, for ours and HF alike (default: %(default)s)")
+    p.add_argument("--backend", default=None, metavar="NAME",
+                   help="attention ops backend: auto, reference, triton, ... (default: $MLA_COMPILE_BACKEND or auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=_positive, default=8, help="tokens generated per prompt (default: %(default)s)")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per cache block (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (subcommands ``demo`` and ``inspect``)."""
+    parser = argparse.ArgumentParser(
+        prog="mla-compile", description="DeepSeek MLA under torch.compile: run the demo or inspect the compiled graphs.")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,inspect}")
+    demo = sub.add_parser("demo", help="serve a toy DeepSeek model compiled whole; check tokens against HF eager",
+                          description="Build a seeded toy DeepSeek model, patch it to paged MLA, compile it with "
+                          "torch.compile(fullgraph=True), generate greedily for prompts of different lengths "
+                          "(prefill + decode over the paged latent cache) and compare with HF eager. Exit status "
+                          "1 if tokens differ or the graph breaks.")
+    _add_model_args(demo, layers=2)
+    demo.add_argument("--prompts", type=_positive, default=4, help="number of prompts (default: %(default)s)")
+    demo.add_argument("--no-compile", action="store_true", help="run the patched model eagerly")
+    insp = sub.add_parser("inspect", help="report graphs, graph breaks, recompiles and mla:: ops; write a depyf dump",
+                          description="Compile the demo model, run prefill and decode at two batch sizes "
+                          "(--batch and --batch + 1), and report what torch.compile produced. Writes "
+                          "report.txt, report.json and a depyf dump (if depyf is installed) to --out.")
+    _add_model_args(insp, layers=2)
+    insp.add_argument("--batch", type=_positive, default=2, help="prompts in the first run (default: %(default)s)")
+    insp.add_argument("--out", default="mla_inspect", help="output folder (default: %(default)s)")
+    insp.add_argument("--json", action="store_true", help="print report.json instead of the text report")
+    insp.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a break is an error)")
+    insp.add_argument("--fresh", action="store_true",
+                      help="disable Inductor's caches so every graph is compiled and dumped in full")
+    return parser
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``mla-compile demo``: exit 0 when tokens match HF eager and the graph does not break."""
+    from mla_compile.demo import run_demo
+
+    result = run_demo(args.model, layers=args.layers, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      block_size=args.block_size, device=args.device, dtype=_dtype(args.dtype), seed=args.seed,
+                      backend=args.backend, compile=not args.no_compile, log=_log)
+    print(result.to_text())
+    return 0 if result.ok else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``mla-compile inspect``: exit 0 when the compiled runs completed (breaks are reported, not fatal)."""
+    from mla_compile.demo import build_demo
+    from mla_compile.generate import greedy_generate
+    from mla_compile.graphs.inspect import inspect_compile
+
+    setup = build_demo(args.model, layers=args.layers, num_prompts=args.batch + 1,
+                       max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
+                       dtype=_dtype(args.dtype), seed=args.seed, backend=args.backend)
+
+    def run_steps(compiled) -> None:
+        for batch in (args.batch, args.batch + 1):  # a second batch size: shows whether shapes recompile
+            greedy_generate(compiled, setup.prompts[:batch], args.max_new_tokens, block_size=args.block_size,
+                            num_blocks=setup.num_blocks, device=setup.device)
+
+    _log(f"compiling the toy {args.model} model ({args.layers} layers) on {args.device}; "
+         f"batches {args.batch} and {args.batch + 1} ...")
+    report = inspect_compile(setup.model, run_steps, args.out, fullgraph=args.fullgraph, fresh=args.fresh)
+    print(report.to_json() if args.json else report.to_text())
+    if not args.json:
+        print(f"report: {args.out}/report.txt, {args.out}/report.json")
+    return 1 if report.error else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``mla-compile`` script; returns the exit status (2 for usage errors)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on --help and on errors; hand the status back instead
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        import transformers  # noqa: F401  (the toy model and the HF reference are transformers models)
+    except ImportError:
+        print(f"mla-compile {args.command}: error: needs transformers>=5.17 for the toy DeepSeek model; "
+              "pip install 'transformers>=5.17' (or pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    try:
+        return cmd_demo(args) if args.command == "demo" else cmd_inspect(args)
+    except ValueError as e:  # the package's errors for bad inputs name the argument and the fix
+        print(f"mla-compile {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

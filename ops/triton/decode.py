@@ -1,0 +1,221 @@
+"""Triton split-KV flash-decoding for ``mla::decode`` (absorbed MLA over the paged latent cache).
+
+One program owns ``BLOCK_H`` query rows of one sequence (the ``s_q * H`` rows of a sequence are
+folded into one row axis, each row with its own causal limit) and one contiguous range of the
+sequence's positions (a split). Each KV tile is gathered through the block table once and used by
+all of the program's rows: ``[latent | k_pe]`` rows give the scores through two ``tl.dot`` (512 and
+64 wide for DeepSeek) and the latent part is the value of the second ``tl.dot``. Scores are in
+log2 units (``scale * log2(e)``) so the softmax uses ``exp2``. With one split the kernel writes the
+result; otherwise each split writes a normalized partial and its base-2 LSE to a workspace and a
+second kernel merges them. The split count comes from shapes and the multiprocessor count only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from mla_compile.ops.decode import validate
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt,
+    stride_bt,
+    M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < M
+    qi = rows // H
+    limit = seq_len - (S_Q - 1 - qi)  # row sees positions < limit (its causal bound)
+    offs_c = tl.arange(0, BLOCK_DC)
+    offs_r = tl.arange(0, BLOCK_DR)
+    c_ok = offs_c < DC
+    r_ok = offs_r < DR
+
+    q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
+    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    q_c = q_c.to(kv_ptr.dtype.element_ty)
+    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    q_r = q_r.to(kv_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
+        k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
+        k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
+            s = tl.dot(q_r, tl.trans(k_r), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_c, tl.trans(k_c))
+            s = tl.dot(q_r, tl.trans(k_r), s)
+        visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
+        s = tl.where(visible, s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = tl.dot(p.to(k_c.dtype), k_c, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(k_c.dtype), k_c, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]  # acc is 0 where empty
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    row_idx = b * M + rows
+    if DIRECT:  # one split: the final result
+        o_off = row_idx[:, None] * DC + offs_c[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+        tl.store(lse_ptr + row_idx, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        ws_row = row_idx * n_splits + pid_s
+        tl.store(o_ptr + ws_row[:, None] * DC + offs_c[None, :], out, mask=row_ok[:, None] & c_ok[None, :])
+        tl.store(lse_ptr + ws_row, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits,
+                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, CHUNK_S)
+    offs_c = tl.arange(0, BLOCK_DC)
+    c_ok = offs_c < DC
+    mx = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, CHUNK_S):
+        s_ok = s0 + offs_s < n_splits
+        mx = tl.maximum(mx, tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")))
+    m = tl.max(mx, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([CHUNK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_DC], dtype=tl.float32)
+    for s0 in range(0, n_splits, CHUNK_S):
+        s_ok = s0 + offs_s < n_splits
+        w = tl.math.exp2(tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
+        part = tl.load(ws_ptr + (row * n_splits + s0 + offs_s)[:, None] * DC + offs_c[None, :],
+                       mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+        total += w
+        acc += tl.sum(part * w[:, None], axis=0)
+    tot = tl.sum(total, axis=0)
+    empty = tot == 0.0
+    out = acc / tl.where(empty, 1.0, tot)
+    lse = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
+    tl.store(out_ptr + row * DC + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+    tl.store(lse_ptr + row, lse)
+
+
+def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: dict | None,
+          wide: bool = False) -> dict:
+    """Tile sizes, warps, stages and split count, from shapes only.
+
+    Defaults from sm_90 compiles (benchmarks/kernel_resources.py; no spills) and H200 timings
+    (benchmarks/results): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~245 registers, 216 KB of
+    shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync at ~165/225 registers with 8 warps.
+    ``wide`` (4-byte cache elements) halves the tiles to stay within shared memory.
+    """
+    cfg = dict(config or {})
+    block_h = cfg.setdefault("BLOCK_H", min(32 if wide else 64, pow2(M)))
+    wgmma = block_h == 64 and not wide
+    # H200 (benchmarks/results): B=128 L=4096 H=128, BLOCK_N 64 / 2 stages ran 654 us against 880 us
+    # for 32 / 3; B=128 L=8192 H=16, BLOCK_N 64 / 3 stages ran 520 us against 690 us for 32 / 3.
+    block_n = cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
+    cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
+    cfg.setdefault("num_stages", 2 if wide or wgmma else 3)
+    if "SPLITS" not in cfg:
+        programs = B * triton.cdiv(M, block_h)
+        sms = num_sms(device)
+        # Splitting adds a workspace round trip: only worth it while a wave of the SMs is not full.
+        # sym_min/sym_max keep a dynamic batch size symbolic (one guard, on programs >= sms).
+        if programs >= sms:
+            cfg["SPLITS"] = 1
+        else:
+            # Every split should get a few tiles of the longest possible sequence.
+            cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
+            cfg["SPLITS"] = torch.sym_min(triton.cdiv(2 * sms, programs), cap)
+    return cfg
+
+
+def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+            kv_lora_rank: int, config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Kernel path (any device the Triton runtime accepts; the interpreter on CPU tensors).
+
+    ``config`` overrides the heuristics: BLOCK_H, BLOCK_N, num_warps, num_stages, SPLITS. The split
+    count is a runtime kernel argument, so batch sizes that change it reuse the compiled kernels.
+    """
+    B, s_q, H, D = q.shape
+    dc, dr = kv_lora_rank, D - kv_lora_rank
+    M = s_q * H
+    out = torch.empty(B, s_q, H, dc, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    if B == 0 or M == 0:
+        return out, lse
+    q = last_dim_contiguous(q)
+    kv_cache = last_dim_contiguous(kv_cache)
+    block_size = kv_cache.shape[1]
+    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, kv_cache.element_size() > 2)
+    splits = cfg["SPLITS"]
+    direct = bool(splits == 1)
+    block_dc = pow2(dc)
+    if direct:
+        o_buf, l_buf = out, lse
+    else:
+        o_buf = torch.empty(B, M, splits, dc, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(B, M, splits, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
+    wrap_triton(_decode_split_kernel)[grid](
+        q, kv_cache, block_table, seq_lens, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        M, H, s_q, splits, DC=dc, DR=dr,
+        BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=kv_cache.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not direct:
+        wrap_triton(_decode_reduce_kernel)[(B * M,)](
+            o_buf, l_buf, out, lse, splits, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
+            num_warps=4,
+        )
+    return out, lse
+
+
+@triton_op("mla::decode_triton", mutates_args=())
+def decode_triton(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                  kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Triton ``mla::decode`` (same contract as ``mla::decode_ref``); non-CUDA or float64 runs the reference."""
+    if q.device.type != "cuda" or torch.float64 in (q.dtype, kv_cache.dtype):
+        return torch.ops.mla.decode_ref(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)

@@ -1,0 +1,35 @@
+"""Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile.
+
+``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
+
+# Hypothesis keeps constants and failure patches in a home dir; keep it out of the checkout.
+if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "mla_compile-hypothesis"))
+
+# database=None: no .hypothesis/ folder written into the checkout; deadline=None: the first call of
+# an op pays for dispatch setup and would trip hypothesis' per-example timer.
+settings.register_profile("ci", deadline=None, max_examples=25, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, max_examples=500, database=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,64 @@
+"""GPU: the patched model with the Triton backend against HF eager and the reference backend."""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mla_compile import toy
+from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.model import patch
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _prompts(seed, lens):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("kind", toy.KINDS)
+def test_triton_backend_matches_hf_fp32_logits_bf16_close(kind):
+    hf = toy.toy_hf_model(kind, seed=2, device="cuda")
+    ref = copy.deepcopy(hf)
+    prompts = _prompts(1, [33, 5, 70, 1])
+    want_tokens, want_logits = hf_greedy_reference(ref, prompts, 4, device="cuda")
+    model = patch(hf, backend="triton")
+    model.allocate_cache(128, 16, fill=float("nan"))
+    got = greedy_generate(model, prompts, 4, block_size=16, num_blocks=128, device="cuda", keep_logits=True)
+    # fp32 model; tl.dot may use tf32 internally, so compare logits with a tf32-level tolerance
+    for s in range(4):
+        want = torch.stack([want_logits[i][s] for i in range(len(prompts))])
+        torch.testing.assert_close(got.step_logits[s], want, atol=5e-2, rtol=5e-2)
+    # bf16: the whole model in bf16 against the reference backend in bf16
+    hf16 = toy.toy_hf_model(kind, seed=2, device="cuda", dtype=torch.bfloat16)
+    ref16 = patch(copy.deepcopy(hf16), backend="reference")
+    tri16 = patch(hf16, backend="triton")
+    ref16.allocate_cache(128, 16)
+    tri16.allocate_cache(128, 16)
+    a = greedy_generate(ref16, prompts, 3, block_size=16, num_blocks=128, device="cuda", keep_logits=True)
+    b = greedy_generate(tri16, prompts, 3, block_size=16, num_blocks=128, device="cuda", keep_logits=True)
+    rel = (a.step_logits[0] - b.step_logits[0]).norm() / a.step_logits[0].norm()
+    assert rel < 2e-2
+
+
+def test_compiled_model_on_cuda_has_triton_kernels_inline_and_no_breaks():
+    torch._dynamo.reset()
+    counters.clear()
+    hf = toy.toy_hf_model("v3", seed=4, device="cuda", dtype=torch.bfloat16, num_hidden_layers=1,
+                          first_k_dense_replace=0)
+    model = patch(hf, backend="triton")
+    model.allocate_cache(64, 16)
+    prompts = _prompts(2, [9, 40, 3])
+    eager = greedy_generate(model, prompts, 3, block_size=16, num_blocks=64, device="cuda", keep_logits=True)
+    compiled = torch.compile(model, fullgraph=True)
+    model.allocate_cache(64, 16)
+    got = greedy_generate(compiled, prompts, 3, block_size=16, num_blocks=64, device="cuda", keep_logits=True)
+    assert dict(counters["graph_break"]) == {}
+    for x, y in zip(got.step_logits, eager.step_logits):
+        rel = (x - y).norm() / y.norm()
+        assert rel < 2e-2
+    with torch.compiler.set_stance("fail_on_recompile"):
+        model.allocate_cache(64, 16)
+        greedy_generate(compiled, _prompts(3, [5, 6, 7, 8, 90]), 3, block_size=16, num_blocks=64, device="cuda")

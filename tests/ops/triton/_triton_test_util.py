@@ -1,0 +1,94 @@
+"""Input builders and float64 references shared by the CUDA kernel tests (not a test module)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAN = float("nan")
+DEVICE = "cuda"  # a CPU dry run of the test code (interpreter) sets this to "cpu"
+
+
+def poison_allocator(nbytes: int = 1 << 30, device: str | None = None) -> None:
+    """Fill a large block of the caching allocator with NaN and free it: the op's next ``torch.empty``
+    outputs and workspaces are carved from it, so an element the kernel never writes stays NaN."""
+    device = device or DEVICE
+    if torch.device(device).type == "cuda":
+        torch.full((nbytes // 4,), NAN, dtype=torch.float32, device=device)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` over the finite entries of ``b`` (float64)."""
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    return float((a - b)[fin].norm() / b[fin].norm().clamp_min(1e-30))
+
+
+def assert_attention_close(out, lse, ref, ref_lse, dtype, *, tol=None):
+    """Outputs fully written, the same -inf LSE pattern, and errors within ``dtype``'s budget."""
+    assert not out.isnan().any(), "output holds NaN: some element was never written"
+    assert not lse.isnan().any(), "LSE holds NaN"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "-inf LSE pattern differs from the reference"
+    empty = torch.isinf(ref_lse)
+    assert (out[empty] == 0).all(), "a query that sees nothing must give out = 0"
+    tol = tol or {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+    atol = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out.double(), ref.double(), atol=atol, rtol=atol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-3, rtol=1e-3)
+
+
+def paged_cache(lens, block_size, D, dtype, device=None, spare_blocks=5, table_cols=None, gen=None):
+    """A NaN-poisoned paged cache ``[nb, bs, D]`` with random rows at the used positions of each
+    sequence, a shuffled ``block_table`` (unused entries hold a huge invalid id that must never be
+    read) and ``seq_lens`` (int32)."""
+    device = device or DEVICE
+    lens_t = torch.as_tensor(lens, dtype=torch.int64)
+    B = len(lens)
+    need = max(1, math.ceil(int(lens_t.max()) / block_size)) if B else 1
+    cols = max(need, table_cols or 0)
+    nb = B * need + spare_blocks
+    cache = torch.full((nb, block_size, D), NAN, dtype=dtype, device=device)
+    perm = torch.randperm(nb, generator=gen)[: B * need].view(B, need)
+    table = torch.full((B, cols), 1 << 30, dtype=torch.int32)
+    table[:, :need] = perm.to(torch.int32)
+    pos = torch.arange(need * block_size)
+    used = pos[None, :] < lens_t[:, None]
+    blocks = table[:, :need].long()[:, pos // block_size][used]
+    offs = (pos % block_size)[None, :].expand(B, -1)[used]
+    cache[blocks.to(device), offs.to(device)] = (torch.randn(int(used.sum()), D, generator=gen) * 0.5).to(device, dtype)
+    return cache, table.to(device), lens_t.to(torch.int32).to(device)
+
+
+def prefill_ref64(q, k, v, cu_q, cu_k, scale, causal, head_chunk=8):
+    """float64 varlen attention, one sequence and a few heads at a time (bounded memory)."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, v.shape[-1], dtype=torch.float64, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if lq == 0:
+            continue
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+        if causal:
+            mask = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+        for h0 in range(0, H, head_chunk):
+            qs = q[cq[i]:cq[i + 1], h0:h0 + head_chunk].double()
+            ks = k[ck[i]:ck[i + 1], h0:h0 + head_chunk].double()
+            vs = v[ck[i]:ck[i + 1], h0:h0 + head_chunk].double()
+            s = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            s = s.masked_fill(~mask[None], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)
+            p = torch.where(mask[None], torch.exp(s - m[..., None]), 0.0)
+            out[cq[i]:cq[i + 1], h0:h0 + head_chunk] = torch.einsum("hqk,khd->qhd", p, vs)
+            lse[cq[i]:cq[i + 1], h0:h0 + head_chunk] = m.transpose(0, 1)
+    return out, lse
+
+
+def cu_from_lens(lens, device=None):
+    """``[0, cumsum(lens)]`` as int32."""
+    device = device or DEVICE
+    cum = torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()
+    return torch.tensor([0] + cum, dtype=torch.int32, device=device)

@@ -1,0 +1,89 @@
+"""CUDA: the Triton merge, cache-write and gather kernels against the reference ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_compile  # noqa: F401
+import _triton_test_util as util
+from _triton_test_util import NAN, assert_attention_close, cu_from_lens, paged_cache, poison_allocator
+from mla_compile.ops import gather_latent_cache, merge_attn_states, write_latent_cache
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _call(public, launch, *args):
+    if util.DEVICE == "cuda":
+        return public(*args, backend="triton")
+    return launch(*args)
+
+
+@pytest.mark.parametrize("dtype,T,H,D", [(torch.bfloat16, 1000, 128, 512), (torch.float32, 33, 16, 128),
+                                         (torch.float16, 5, 3, 40)])
+def test_merge(dtype, T, H, D):
+    from mla_compile.ops.triton.merge import _launch
+
+    gen = torch.Generator().manual_seed(T)
+    oa, ob = (torch.randn(T, H, D, generator=gen).to(util.DEVICE, dtype) for _ in range(2))
+    la, lb = (torch.randn(T, H, generator=gen).to(util.DEVICE) * 4 for _ in range(2))
+    pick = torch.rand(T, H, generator=gen).to(util.DEVICE)
+    la[pick < 0.1] = float("-inf")
+    oa[pick < 0.1] = NAN  # an empty part may hold anything
+    lb[(pick > 0.05) & (pick < 0.15)] = float("-inf")
+    ob[(pick > 0.05) & (pick < 0.15)] = NAN
+    poison_allocator()
+    out, lse = _call(merge_attn_states, _launch, oa, la, ob, lb)
+    ref, ref_lse = torch.ops.mla.merge_attn_states_ref(oa.double(), la, ob.double(), lb)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_attention_close(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype,row_dtype,bs", [(torch.bfloat16, torch.bfloat16, 64),
+                                                      (torch.bfloat16, torch.float32, 16),
+                                                      (torch.float32, torch.float32, 1)])
+def test_cache_write(cache_dtype, row_dtype, bs):
+    from mla_compile.ops.triton.cache_write import _launch
+
+    gen = torch.Generator().manual_seed(bs)
+    nb, T, dc, dr = 300 // bs + 4, 257, 512, 64
+    n_slots = nb * bs
+    cache = torch.full((nb, bs, dc + dr), NAN, dtype=cache_dtype, device=util.DEVICE)
+    latent = torch.randn(T, dc, generator=gen).to(util.DEVICE, row_dtype)
+    k_pe = torch.randn(T, dr, generator=gen).to(util.DEVICE, row_dtype)
+    slots = torch.randperm(n_slots, generator=gen)[:T] if T <= n_slots else torch.arange(T) % n_slots
+    slots = slots.to(torch.int32)
+    slots[::7] = -1  # padding
+    slots[3] = n_slots + 11  # out of range: never written
+    slots = slots.to(util.DEVICE)
+    expected = cache.clone()
+    in_range = torch.where(slots >= n_slots, -1, slots)
+    keep = in_range >= 0
+    expected.view(-1, dc + dr)[in_range[keep].long()] = torch.cat([latent, k_pe], -1)[keep].to(cache_dtype)
+    _call(write_latent_cache, _launch, latent, k_pe, slots, cache)
+    assert torch.equal(cache.isnan(), expected.isnan())
+    assert torch.equal(cache.nan_to_num(), expected.nan_to_num())
+
+
+@pytest.mark.parametrize("bs,N", [(16, 20), (64, 5), (1, 3), (64, 0)])
+def test_gather(bs, N):
+    from mla_compile.ops.triton.gather import _launch
+
+    gen = torch.Generator().manual_seed(bs + N)
+    total = torch.randint(1, 700, (max(N, 1),), generator=gen)[:N]
+    starts = (torch.rand(N, generator=gen) * total).long()
+    lens = (total - starts).tolist()
+    if N > 1:
+        lens[1] = 0
+    D = 576
+    cache, table, _ = paged_cache(total.tolist() or [1], bs, D, torch.bfloat16, gen=gen)
+    table = table[:N]
+    cu = cu_from_lens(lens)
+    S = sum(lens) + 13  # padding rows are zeroed
+    out = torch.full((S, D), NAN, dtype=torch.bfloat16, device=util.DEVICE)
+    expected = out.clone()
+    st = starts.to(torch.int32).to(util.DEVICE)
+    torch.ops.mla.gather_latent_cache_ref(cache, table, cu, st, expected)
+    _call(gather_latent_cache, _launch, cache, table, cu, st, out)
+    assert not out.isnan().any()
+    assert torch.equal(out, expected)

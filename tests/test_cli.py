@@ -1,0 +1,80 @@
+"""The ``mla-compile`` CLI, in-process through ``main(argv)``: usage errors, the demo (eager and
+compiled) and ``inspect``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from mla_compile.cli import main
+
+TINY = ["--layers", "1", "--prompts", "2", "--max-new-tokens", "3"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--prompts", "0"], "--prompts: expected a positive integer, got 0"),
+    (["demo", "--max-new-tokens", "x"], "expected a positive integer, got 'x'"),
+    (["demo", "--model", "v9"], "invalid choice: 'v9'"),
+    (["demo", "--device", "tpu"], "expected 'cpu' or 'cuda', got 'tpu'"),
+    (["inspect", "--batch", "-1"], "--batch: expected a positive integer"),
+    (["serve"], "invalid choice: 'serve'"),
+    (["demo", "--backend", "nope", "--no-compile"], "unknown backend 'nope'"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_usage(capsys):
+    assert main([]) == 2
+    assert "{demo,inspect}" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_cuda_without_a_gpu_is_a_usage_error(capsys):
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_missing_transformers_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    assert main(["demo", "--no-compile"]) == 2
+    assert "needs transformers>=5.17" in capsys.readouterr().err
+
+
+def test_demo_eager_matches_hf(capsys):
+    assert main(["demo", "--no-compile", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "tokens match HF eager: yes" in out and "compile: off" in out
+
+
+@pytest.mark.slow
+def test_demo_compiled_matches_hf_without_breaks(capsys):
+    assert main(["demo", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "tokens match HF eager: yes" in out
+    assert "graphs: 2, graph breaks: 0, recompiles: 1 (1 by design" in out and "0 from shapes" in out
+    assert out.rstrip().endswith("OK")
+
+
+@pytest.mark.slow
+def test_inspect_writes_reports_and_prints_json(tmp_path, capsys):
+    out_dir = tmp_path / "inspect"
+    assert main(["inspect", "--layers", "1", "--batch", "2", "--max-new-tokens", "2", "--out", str(out_dir),
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    on_disk = json.loads((out_dir / "report.json").read_text())
+    assert printed == on_disk
+    assert on_disk["graph_count"] == 2 and on_disk["graph_break_count"] == 0
+    assert any(op.startswith("mla::decode") for op in on_disk["ops_in_graphs"])
+    assert (out_dir / "report.txt").exists()
