@@ -49,3 +49,37 @@ def find_segment(cu_ptr, n_seq, slot, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         start = tl.load(cu_ptr + idx, mask=ok, other=0) // BLOCK + idx
         count += tl.sum(((start <= slot) & ok).to(tl.int32), axis=0)
     return count - 1
+
+
+@triton.jit
+def dot_two_part(q_a, k_a, q_b, k_b, IEEE: tl.constexpr):
+    """``q_a @ k_a^T + q_b @ k_b^T`` (fp32): scores over a head dim split in two tiles (512+64, 128+64)."""
+    if IEEE:
+        s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
+        s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_a, tl.trans(k_a))
+        s = tl.dot(q_b, tl.trans(k_b), s)
+    return s
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc, v, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One flash-attention update with base-2 scores ``s``: returns the new ``(m_i, l_i, acc)``.
+
+    ``MASKED`` tiles may hold rows that have seen only -inf so far; their shift is taken as 0 so that
+    no ``-inf - -inf`` NaN appears (``l_i`` stays 0 and marks the row empty).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_shift = m_new
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, pow2
+from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -71,24 +71,10 @@ def _decode_split_kernel(
         kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
         k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
         k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q_c, tl.trans(k_c), input_precision="ieee")
-            s = tl.dot(q_r, tl.trans(k_r), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_c, tl.trans(k_c))
-            s = tl.dot(q_r, tl.trans(k_r), s)
+        s = dot_two_part(q_c, k_c, q_r, k_r, IEEE)
         visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p.to(k_c.dtype), k_c, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(k_c.dtype), k_c, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, k_c, True, IEEE)  # the latent is the value
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]  # acc is 0 where empty

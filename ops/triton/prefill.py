@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.prefill import validate
-from mla_compile.ops.triton._common import find_segment, last_dim_contiguous, pow2
+from mla_compile.ops.triton._common import (dot_two_part, find_segment, last_dim_contiguous, online_softmax_step,
+                                             pow2)
 
 _LOG2E = 1.4426950408889634
 
@@ -84,22 +85,8 @@ def _prefill_kernel(
         k_a = tl.load(k_base + kt[:, None] * stride_kt + offs_a[None, :], mask=a_ok[None, :], other=0.0)
         k_b = tl.load(k_base + kt[:, None] * stride_kt + DA + offs_b[None, :], mask=b_ok[None, :], other=0.0)
         v = tl.load(v_base + kt[:, None] * stride_vt + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_a, tl.trans(k_a))
-            s = tl.dot(q_b, tl.trans(k_b), s)
-        s = s * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        s = dot_two_part(q_a, k_a, q_b, k_b, IEEE)
+        m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, v, False, IEEE)
 
     # Diagonal (causal) and tail (length) tiles: masked.
     for n0 in range(full_end, hi, BLOCK_N):
@@ -110,26 +97,12 @@ def _prefill_kernel(
         k_b = tl.load(k_base + kt[:, None] * stride_kt + DA + offs_b[None, :],
                       mask=n_ok[:, None] & b_ok[None, :], other=0.0)
         v = tl.load(v_base + kt[:, None] * stride_vt + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q_a, tl.trans(k_a), input_precision="ieee")
-            s = tl.dot(q_b, tl.trans(k_b), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_a, tl.trans(k_a))
-            s = tl.dot(q_b, tl.trans(k_b), s)
+        s = dot_two_part(q_a, k_a, q_b, k_b, IEEE)
         visible = n_ok[None, :]
         if CAUSAL:
             visible = visible & (n[None, :] <= offs_m[:, None] + off)
         s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, True, IEEE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
