@@ -115,14 +115,15 @@ class StepInputs:
 
 def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_size: int, *,
               max_blocks: int | None = None, num_blocks: int | None = None, query_len: int = 1,
-              logits: str = "last", min_batch: int = 2) -> StepInputs:
+              logits: str = "last", min_batch: int = 2, decode_batch: int | None = None) -> StepInputs:
     """Host-side planning of one step (CPU tensors; move once with ``.to(device)``).
 
     Decode chunks carry ``query_len`` new tokens each; prefill chunks carry whole prompts (start 0).
     ``logits``: "last" (one row per sequence) or "all" (one row per new token). Each non-empty part,
     the token count and the logits rows are padded up to ``min_batch`` with rows that read and write
-    nothing (seq_len 0, slot -1), so sizes 0/1 never specialise a compiled graph. Validates block ids
-    and capacities here, on host data, so the ops need no device-side checks.
+    nothing (seq_len 0, slot -1), so sizes 0/1 never specialise a compiled graph; ``decode_batch``
+    pads the decode part to exactly that many sequences (a CUDA-graph capture size). Validates block
+    ids and capacities here, on host data, so the ops need no device-side checks.
     """
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
@@ -139,6 +140,8 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
             raise ValueError(f"sequence {i}: {len(c.blocks)} blocks exceed max_blocks={max_blocks}")
         if num_blocks is not None and any(not 0 <= b < num_blocks for b in c.blocks):
             raise ValueError(f"sequence {i}: block ids {list(c.blocks)} must lie in [0, {num_blocks})")
+    if decode_batch is not None and decode_batch < max(len(decode), min_batch):
+        raise ValueError(f"decode_batch={decode_batch} must be >= the decode sequences ({len(decode)}) and min_batch ({min_batch})")
     for i, c in enumerate(decode):
         if len(c.tokens) != query_len:
             raise ValueError(f"decode sequence {i}: {len(c.tokens)} new tokens, expected query_len={query_len}")
@@ -165,16 +168,20 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         pos.extend([0] * n)
         slots.extend([-1] * n)
 
+    pad_rows: list[int] = []  # logits rows of padding decode sequences: after the real rows
     dec = None
     if decode:
-        n_seq = max(len(decode), min_batch)
+        n_seq = decode_batch if decode_batch is not None else max(len(decode), min_batch)
         table = torch.zeros(n_seq, max_blocks, dtype=torch.int32)
         seq_lens = torch.zeros(n_seq, dtype=torch.int32)
         for i, c in enumerate(decode):
             table[i, :len(c.blocks)] = torch.tensor(list(c.blocks), dtype=torch.int32)
             seq_lens[i] = c.start + len(c.tokens)
             add(c)
-        pad_tokens((n_seq - len(decode)) * query_len)
+        n_pad = (n_seq - len(decode)) * query_len
+        pad_tokens(n_pad)
+        last = range(len(ids) - n_pad, len(ids))
+        pad_rows = list(last) if logits == "all" else list(last)[query_len - 1::query_len]
         dec = DecodeMetadata(table, seq_lens, query_len)
     pre = None
     if prefill:
@@ -186,6 +193,7 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         cu_t = torch.tensor(cu, dtype=torch.int32)
         pre = PrefillMetadata(cu_t, cu_t.clone())
     num_rows = len(rows)
+    rows += pad_rows
     pad_tokens(max(0, min_batch - len(ids)))
     rows += [rows[-1]] * max(0, min_batch - len(rows))
     meta = MLAMetadata(torch.tensor(slots, dtype=torch.int64), dec, pre, torch.tensor(rows, dtype=torch.int64))

@@ -1,0 +1,120 @@
+"""CUDA-graph capture of whole decode steps, one graph per capture size, sharing one memory pool.
+
+The step function (usually ``torch.compile(model)`` with dynamic shapes, so one compiled graph serves
+every size) reads its inputs from a :class:`~mla_compile.builder.MetadataBuilder`'s persistent
+buffers. Capture runs a padding step of each size (largest first, as peers do, so smaller graphs
+reuse the pool). At run time the builder fills the buffers for the real batch, padded to the smallest
+captured size that fits, and the graph is replayed. Larger batches, prefill and mixed steps run the
+step function directly. Without CUDA (or with ``enabled=False``) the same padded steps run directly,
+which is how the logic is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from mla_compile.builder import MetadataBuilder
+from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
+
+StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
+
+
+def default_capture_sizes(max_batch: int, min_batch: int = 2) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to ``max_batch`` (sizes below ``min_batch`` raised to it)."""
+    if max_batch < min_batch:
+        raise ValueError(f"max_batch must be >= min_batch={min_batch}, got {max_batch}")
+    sizes = {max(s, min_batch) for s in (1, 2, 4, 8) if s <= max_batch}
+    sizes.update(range(16, max_batch + 1, 8))
+    sizes.add(max_batch)
+    return sorted(sizes)
+
+
+class DecodeGraphRunner:
+    """Replays captured decode steps of ``step_fn``; falls back to calling it for anything else."""
+
+    def __init__(self, step_fn: StepFn, builder: MetadataBuilder, capture_sizes: Sequence[int] | None = None, *,
+                 enabled: bool | None = None, warmup: int = 2, strict_sync: bool = False) -> None:
+        self.step_fn = step_fn
+        self.builder = builder
+        sizes = sorted(set(capture_sizes or default_capture_sizes(builder.max_batch, builder.min_batch)))
+        bad = [s for s in sizes if not builder.min_batch <= s <= builder.max_batch]
+        if bad:
+            raise ValueError(f"capture_sizes {bad} are outside [min_batch={builder.min_batch}, "
+                             f"max_batch={builder.max_batch}] of the builder")
+        self.capture_sizes = sizes
+        self.enabled = builder.device.type == "cuda" if enabled is None else enabled
+        if self.enabled and builder.device.type != "cuda":
+            raise ValueError(f"CUDA-graph capture needs a CUDA builder, got device {builder.device}")
+        self.warmup = warmup
+        self.strict_sync = strict_sync  # fill + replay under torch.cuda.set_sync_debug_mode("error")
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = None
+        self.replays = 0
+        self.fallbacks = 0
+
+    def _call(self, step: StepInputs) -> Tensor:
+        mark_dynamic(step.input_ids, step.positions, step.meta)
+        with torch.no_grad():
+            return self.step_fn(step.input_ids, step.positions, step.meta)
+
+    def capture(self) -> None:
+        """Capture one graph per capture size (largest first) into one shared memory pool."""
+        if not self.enabled:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("DecodeGraphRunner.capture() cannot run inside another CUDA-graph capture")
+        self.pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.capture_sizes):
+            step = self.builder.padding_decode(size)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._call(step)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._call(step)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    def graph_size(self, batch: int) -> int | None:
+        """The smallest capture size that holds ``batch`` decode sequences (None: run uncaptured)."""
+        if self.enabled and not self.graphs:
+            return None
+        i = bisect.bisect_left(self.capture_sizes, max(batch, self.builder.min_batch))
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def decode(self, chunks: Sequence[SeqChunk]) -> Tensor:
+        """Logits ``[len(chunks), vocab]`` of one decode step. A replayed graph's output is a view that
+        the next replay overwrites: consume (or clone) it before the next step."""
+        size = self.graph_size(len(chunks))
+        if size is None:
+            self.fallbacks += 1
+            step = self.builder.build(chunks)
+            return self._call(step)[:step.num_rows]
+        if not self.enabled:  # no CUDA: the same padded step, run directly
+            step = self.builder.build(chunks, decode_batch=size)
+            return self._call(step)[:step.num_rows]
+        graph, out = self.graphs[size]
+        previous = torch.cuda.get_sync_debug_mode()
+        if self.strict_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = self.builder.build(chunks, decode_batch=size)
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        self.replays += 1
+        return out[:step.num_rows]
+
+    def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = ()) -> Tensor:
+        """Any step: pure decode goes through :meth:`decode`; prefill and mixed steps run uncaptured."""
+        if decode and not prefill:
+            return self.decode(decode)
+        step = self.builder.build(decode, prefill)
+        return self._call(step)[:step.num_rows]

@@ -1,0 +1,96 @@
+"""DecodeGraphRunner: capture-size choice and padded steps (CPU), capture and replay (CUDA)."""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mla_compile import toy
+from mla_compile.builder import MetadataBuilder
+from mla_compile.engine import Engine
+from mla_compile.graphs.cuda_graph import DecodeGraphRunner, default_capture_sizes
+from mla_compile.metadata import SeqChunk
+from mla_compile.model import patch
+
+pytest.importorskip("transformers")
+
+
+def test_default_capture_sizes_like_peers():
+    assert default_capture_sizes(40) == [2, 4, 8, 16, 24, 32, 40]
+    assert default_capture_sizes(20) == [2, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="max_batch"):
+        default_capture_sizes(1)
+
+
+def test_graph_size_picks_smallest_fit_and_falls_back():
+    b = MetadataBuilder(max_batch=16, max_blocks_per_seq=4, max_tokens=64, block_size=4, device="cpu")
+    r = DecodeGraphRunner(lambda *a: None, b, capture_sizes=[2, 4, 8])
+    assert [r.graph_size(n) for n in (1, 2, 3, 5, 8, 9)] == [2, 2, 4, 8, 8, None]
+    with pytest.raises(ValueError, match="capture_sizes"):
+        DecodeGraphRunner(lambda *a: None, b, capture_sizes=[1, 32])
+    with pytest.raises(ValueError, match="CUDA"):
+        DecodeGraphRunner(lambda *a: None, b, enabled=True)
+
+
+def _engine(model, sizes, device="cpu", num_blocks=96, max_batch=8, block_size=4, max_blocks=24, **runner_kw):
+    builder = MetadataBuilder(max_batch=max_batch, max_blocks_per_seq=max_blocks, max_tokens=256,
+                              block_size=block_size, device=device)
+    return Engine(DecodeGraphRunner(model, builder, capture_sizes=sizes, **runner_kw), num_blocks=num_blocks)
+
+
+def _workload(engine, seed, n_requests=12, gap=8, max_new=60):
+    """Requests arriving while others run and finish: batch sizes, lengths and block tables change."""
+    gen = torch.Generator().manual_seed(seed)
+    at = 0
+    pending = []
+    for _ in range(n_requests):
+        at += int(torch.randint(0, gap, (1,), generator=gen))
+        prompt = torch.randint(0, 1024, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
+        pending.append((at, prompt, int(torch.randint(1, max_new, (1,), generator=gen))))
+    steps = 0
+    while pending or engine.waiting or engine.running:
+        while pending and pending[0][0] <= steps:
+            _, prompt, n = pending.pop(0)
+            engine.add_request(prompt, n)
+        if pending and not (engine.waiting or engine.running):
+            pending[0] = (steps, *pending[0][1:])
+            continue
+        engine.step(keep_logits=True)
+        steps += 1
+    return [r.output for r in sorted(engine.finished, key=lambda r: r.id)], steps
+
+
+def test_padded_capture_sizes_give_the_same_tokens_as_unpadded_steps():
+    model = patch(toy.toy_hf_model("v2-lite", seed=9, num_hidden_layers=1))
+    model.allocate_cache(96, 4)
+    padded, steps = _workload(_engine(model, [2, 4, 8]), seed=1)
+    model.allocate_cache(96, 4)
+    plain, _ = _workload(_engine(model, [8]), seed=1)
+    assert padded == plain and steps > 30
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_replay_equals_eager_over_1000_steps_without_syncs_or_recompiles():
+    torch._dynamo.reset()
+    counters.clear()
+    hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.bfloat16, num_hidden_layers=2)
+    kw = dict(device="cuda", num_blocks=1024, max_batch=32, block_size=16, max_blocks=32)
+    load = dict(seed=2, n_requests=80, gap=30, max_new=300)
+    model = patch(hf, backend="triton")
+    compiled = torch.compile(model, fullgraph=True)
+    # without graphs: the same compiled step and the same padded sizes, run directly
+    model.allocate_cache(1024, 16)
+    want, steps = _workload(_engine(compiled, None, enabled=False, **kw), **load)
+    model.allocate_cache(1024, 16)
+    engine = _engine(compiled, None, strict_sync=True, **kw)  # fill + replay under sync_debug_mode "error"
+    engine.runner.capture()
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, got_steps = _workload(engine, **load)
+    assert steps >= 1000 and got_steps == steps
+    assert got == want
+    assert engine.runner.replays > 900
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["inductor"]["cudagraph_skips"] == 0
