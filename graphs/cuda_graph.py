@@ -62,7 +62,11 @@ class DecodeGraphRunner:
             return self.step_fn(step.input_ids, step.positions, step.meta)
 
     def capture(self) -> None:
-        """Capture one graph per capture size (largest first) into one shared memory pool."""
+        """Capture one graph per capture size (largest first) into one shared memory pool.
+
+        The model's caches must be allocated before, and never replaced after: graphs hold their addresses.
+        Called on the first decode step if not called before.
+        """
         if not self.enabled:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -84,14 +88,14 @@ class DecodeGraphRunner:
 
     def graph_size(self, batch: int) -> int | None:
         """The smallest capture size that holds ``batch`` decode sequences (None: run uncaptured)."""
-        if self.enabled and not self.graphs:
-            return None
         i = bisect.bisect_left(self.capture_sizes, max(batch, self.builder.min_batch))
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
     def decode(self, chunks: Sequence[SeqChunk]) -> Tensor:
         """Logits ``[len(chunks), vocab]`` of one decode step. A replayed graph's output is a view that
         the next replay overwrites: consume (or clone) it before the next step."""
+        if self.enabled and not self.graphs:  # capture lazily, on the first decode step
+            self.capture()
         size = self.graph_size(len(chunks))
         if size is None:
             self.fallbacks += 1

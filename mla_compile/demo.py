@@ -18,7 +18,10 @@ from typing import Callable
 import torch
 
 from mla_compile import envs, ops
-from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.builder import MetadataBuilder
+from mla_compile.engine import Engine
+from mla_compile.generate import GenerationResult, greedy_generate, hf_greedy_reference
+from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.graphs.inspect import CompileWatch, short_reason
 from mla_compile.model import MLAForCausalLM, patch
 from mla_compile.toy import KINDS, toy_hf_model
@@ -146,14 +149,38 @@ class DemoResult:
         return "\n".join(lines)
 
 
+def engine_generate(runner: DecodeGraphRunner, prompts: list[list[int]], max_new_tokens: int, *,
+                    num_blocks: int) -> GenerationResult:
+    """Greedy generation through the serving engine: one prefill step for all prompts, then decode
+    steps (CUDA-graph replays when the runner captures)."""
+    sync = torch.cuda.synchronize if runner.builder.device.type == "cuda" else (lambda: None)
+    engine = Engine(runner, num_blocks=num_blocks)
+    for p in prompts:
+        engine.add_request(p, max_new_tokens)
+    t0 = time.perf_counter()
+    engine.step()
+    sync()
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.running or engine.waiting:
+        engine.step()
+        steps += 1
+    sync()
+    tokens = [r.output for r in sorted(engine.finished, key=lambda r: r.id)]
+    return GenerationResult(tokens=tokens, prefill_s=prefill_s, decode_s=time.perf_counter() - t0, decode_steps=steps)
+
+
 def run_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, max_new_tokens: int = 8,
              block_size: int = 16, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             seed: int = 0, backend: str | None = None, compile: bool = True,
+             seed: int = 0, backend: str | None = None, compile: bool = True, cuda_graphs: bool = False,
              log: Callable[[str], None] = lambda s: None) -> DemoResult:
     """Run the demo end to end and return its :class:`DemoResult` (see the module docstring).
 
     The generation runs twice: the first run compiles (prefill graph, then decode graph), the second
-    is timed for steady-state throughput. ``log`` receives progress lines.
+    is timed for steady-state throughput. ``cuda_graphs`` serves through the engine with decode steps
+    captured as CUDA graphs (on CPU the engine runs the same padded steps uncaptured). ``log``
+    receives progress lines.
     """
     setup = build_demo(kind, layers=layers, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                        block_size=block_size, device=device, dtype=dtype, seed=seed, backend=backend)
@@ -162,13 +189,22 @@ def run_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, ma
     description = (f"mla-compile demo: toy {kind} model ({c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads, "
                    f"kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}) on {setup.device.type} {dtype_name}, "
                    f"paged latent cache of {setup.num_blocks} x {block_size}-token blocks, "
-                   + ("torch.compile(fullgraph=True)" if compile else "eager"))
+                   + ("torch.compile(fullgraph=True)" if compile else "eager")
+                   + (", engine with CUDA-graph decode" if cuda_graphs else ""))
     log(description)
     log("HF eager reference ...")
     ref_tokens, _ = hf_greedy_reference(setup.reference, setup.prompts, max_new_tokens, device=setup.device)
     step = torch.compile(setup.model, fullgraph=True) if compile else setup.model
-    gen = lambda: greedy_generate(step, setup.prompts, max_new_tokens, block_size=block_size,  # noqa: E731
-                                  num_blocks=setup.num_blocks, device=setup.device)
+    if cuda_graphs:
+        n = len(setup.prompts)
+        builder = MetadataBuilder(max_batch=max(n, 2), max_blocks_per_seq=setup.num_blocks,
+                                  max_tokens=sum(len(p) for p in setup.prompts) + 2 * n, block_size=block_size,
+                                  device=setup.device)
+        runner = DecodeGraphRunner(step, builder, enabled=setup.device.type == "cuda")
+        gen = lambda: engine_generate(runner, setup.prompts, max_new_tokens, num_blocks=setup.num_blocks)  # noqa: E731
+    else:
+        gen = lambda: greedy_generate(step, setup.prompts, max_new_tokens, block_size=block_size,  # noqa: E731
+                                      num_blocks=setup.num_blocks, device=setup.device)
     breaks: list[str] = []
     log("first run (compiles prefill and decode graphs) ..." if compile else "first run ...")
     with CompileWatch() as watch:
