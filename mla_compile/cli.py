@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(demo, layers=2)
     demo.add_argument("--prompts", type=_positive, default=4, help="number of prompts (default: %(default)s)")
     demo.add_argument("--no-compile", action="store_true", help="run the patched model eagerly")
+    demo.add_argument("--cuda-graphs", action="store_true",
+                      help="serve through the engine, decode steps replayed as CUDA graphs (on CPU: same steps, uncaptured)")
     insp = sub.add_parser("inspect", help="report graphs, graph breaks, recompiles and mla:: ops; write a depyf dump",
                           description="Compile the demo model, run prefill and decode at two batch sizes "
                           "(--batch and --batch + 1), and report what torch.compile produced. Writes "
@@ -92,7 +94,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     result = run_demo(args.model, layers=args.layers, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       block_size=args.block_size, device=args.device, dtype=_dtype(args.dtype), seed=args.seed,
-                      backend=args.backend, compile=not args.no_compile, log=_log)
+                      backend=args.backend, compile=not args.no_compile, cuda_graphs=args.cuda_graphs, log=_log)
     print(result.to_text())
     return 0 if result.ok else 1
 
