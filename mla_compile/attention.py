@@ -97,14 +97,30 @@ class MLAAttention(nn.Module):
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
-    def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
-        """Non-absorbed path over the new tokens: ``[n_pre, H, v_head_dim]``."""
-        c, p = self.config, meta.prefill
+    def _up_project(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
+        """Latent rows -> per-head ``k [n, H, nope+rope]`` and ``v [n, H, v_head_dim]`` (non-absorbed)."""
+        c = self.config
         n = latent.shape[0]
         kv = self.kv_b_proj(latent).view(n, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(n, c.num_heads, c.qk_rope_head_dim).to(k_nope.dtype)], dim=-1)
+        return k, v.contiguous()
+
+    def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
+        """Non-absorbed path: ``[n_pre, H, v_head_dim]``. New tokens attend causally to each other, then
+        to their cached context chunk by chunk (bounded workspace), merged by LSE."""
+        c, p = self.config, meta.prefill
         q = torch.cat([q_nope, q_pe], dim=-1)
-        out, _ = ops.prefill(q, k, v.contiguous(), p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale,
-                             causal=True, backend=self.backend)
+        k, v = self._up_project(latent, k_pe)
+        out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,
+                               backend=self.backend)
+        for chunk in p.context_chunks:
+            rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=self.kv_cache.dtype, device=q.device)
+            ops.gather_latent_cache(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows,
+                                    backend=self.backend)
+            ctx_latent, ctx_pe = rows.to(latent.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+            k_ctx, v_ctx = self._up_project(ctx_latent, ctx_pe)
+            out_c, lse_c = ops.prefill(q, k_ctx, v_ctx, p.cu_seqlens_q, chunk.cu_seqlens, c.softmax_scale,
+                                       causal=False, backend=self.backend)
+            out, lse = ops.merge_attn_states(out, lse, out_c, lse_c, backend=self.backend)
         return out

@@ -71,8 +71,11 @@ class MetadataBuilder:
             dec = DecodeMetadata(self._put(self.block_table, meta.decode.block_table),
                                  self._put(self.seq_lens, meta.decode.seq_lens), self.query_len)
         if meta.prefill is not None:
+            # prefill runs uncaptured: its context metadata (sized by the context) is moved, not buffered
+            moved = meta.prefill.to(self.device)
             pre = PrefillMetadata(self._put(self.cu_seqlens_q, meta.prefill.cu_seqlens_q),
-                                  self._put(self.cu_seqlens_k, meta.prefill.cu_seqlens_k))
+                                  self._put(self.cu_seqlens_k, meta.prefill.cu_seqlens_k),
+                                  moved.block_table, moved.context_chunks, moved.chunk_tokens)
         out_meta = MLAMetadata(self._put(self.slot_mapping, meta.slot_mapping), dec, pre,
                                self._put(self.logits_indices, meta.logits_indices))
         return StepInputs(self._put(self.input_ids, plan.input_ids), self._put(self.positions, plan.positions),

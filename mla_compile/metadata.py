@@ -9,7 +9,7 @@ globals); every field that changes per step is a tensor, and the only Python val
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
@@ -34,14 +34,35 @@ class DecodeMetadata:
 
 
 @dataclass
-class PrefillMetadata:
-    """Prefill part: ``cu_seqlens_q [N+1]`` int32 over the new prefill tokens.
+class ContextChunk:
+    """One bounded slice of the cached context: workspace rows ``cu_seqlens[i]:cu_seqlens[i+1]`` hold
+    positions ``seq_starts[i], ...`` of prefill sequence i (``[N+1]`` and ``[N]`` int32)."""
 
-    ``cu_seqlens_k`` equals ``cu_seqlens_q`` until cached-context prefill (prefix caching) adds context.
+    cu_seqlens: Tensor
+    seq_starts: Tensor
+
+
+@dataclass
+class PrefillMetadata:
+    """Prefill part: ``cu_seqlens_q [N+1]`` int32 over the new prefill tokens, which attend causally to
+    each other (``cu_seqlens_k`` = ``cu_seqlens_q``). Sequences with cached context (a prefix-cache hit
+    or an earlier chunk of a chunked prefill) also attend to it: ``block_table [N, max_blocks]`` finds
+    it, and ``context_chunks`` cover it in slices of at most ``chunk_tokens`` rows (a static workspace
+    size), each gathered, up-projected, attended and merged by LSE.
     """
 
     cu_seqlens_q: Tensor
     cu_seqlens_k: Tensor
+    block_table: Tensor | None = None
+    context_chunks: list[ContextChunk] = field(default_factory=list)
+    chunk_tokens: int = 0
+
+    def to(self, device: torch.device | str) -> "PrefillMetadata":
+        """A copy on ``device``."""
+        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table),
+                               [ContextChunk(mv(c.cu_seqlens), mv(c.seq_starts)) for c in self.context_chunks],
+                               self.chunk_tokens)
 
 
 @dataclass
@@ -58,7 +79,8 @@ class MLAMetadata:
     def tensors(self) -> list[Tensor]:
         """Every tensor in the metadata (for moving, marking dynamic, or copying into static buffers)."""
         out = []
-        for part in (self, self.decode, self.prefill):
+        parts = [self, self.decode, self.prefill] + (self.prefill.context_chunks if self.prefill else [])
+        for part in parts:
             if part is None:
                 continue
             out.extend(v for f in fields(part) if isinstance(v := getattr(part, f.name), Tensor))
@@ -68,7 +90,7 @@ class MLAMetadata:
         """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
         mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len)
-        pre = self.prefill and PrefillMetadata(mv(self.prefill.cu_seqlens_q), mv(self.prefill.cu_seqlens_k))
+        pre = self.prefill and self.prefill.to(device)
         return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
 
 
@@ -84,6 +106,12 @@ def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Non
     if meta.prefill is not None:
         mark(meta.prefill.cu_seqlens_q, 0)
         mark(meta.prefill.cu_seqlens_k, 0)
+        if meta.prefill.block_table is not None:
+            mark(meta.prefill.block_table, 0)
+            mark(meta.prefill.block_table, 1)
+        for c in meta.prefill.context_chunks:
+            mark(c.cu_seqlens, 0)
+            mark(c.seq_starts, 0)
     if meta.logits_indices is not None:
         mark(meta.logits_indices, 0)
 
@@ -115,10 +143,13 @@ class StepInputs:
 
 def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_size: int, *,
               max_blocks: int | None = None, num_blocks: int | None = None, query_len: int = 1,
-              logits: str = "last", min_batch: int = 2, decode_batch: int | None = None) -> StepInputs:
+              logits: str = "last", min_batch: int = 2, decode_batch: int | None = None,
+              context_chunk_tokens: int = 65536) -> StepInputs:
     """Host-side planning of one step (CPU tensors; move once with ``.to(device)``).
 
-    Decode chunks carry ``query_len`` new tokens each; prefill chunks carry whole prompts (start 0).
+    Decode chunks carry ``query_len`` new tokens each. Prefill chunks carry new prompt tokens from
+    ``start``: positions before ``start`` are cached context (a prefix-cache hit, or earlier chunks of
+    a chunked prefill), attended in slices of at most ``context_chunk_tokens`` rows.
     ``logits``: "last" (one row per sequence) or "all" (one row per new token). Each non-empty part,
     the token count and the logits rows are padded up to ``min_batch`` with rows that read and write
     nothing (seq_len 0, slot -1), so sizes 0/1 never specialise a compiled graph; ``decode_batch``
@@ -146,9 +177,10 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         if len(c.tokens) != query_len:
             raise ValueError(f"decode sequence {i}: {len(c.tokens)} new tokens, expected query_len={query_len}")
     for i, c in enumerate(prefill):
-        if c.start != 0 or not c.tokens:
-            raise ValueError(f"prefill sequence {i}: needs a non-empty prompt starting at position 0 "
-                             "(cached-prefix prefill is not supported yet)")
+        if not c.tokens:
+            raise ValueError(f"prefill sequence {i}: needs at least one new token")
+    if context_chunk_tokens < 1:
+        raise ValueError(f"context_chunk_tokens must be positive, got {context_chunk_tokens}")
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -189,12 +221,36 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         for c in prefill:
             add(c)
             cu.append(cu[-1] + len(c.tokens))
-        cu += [cu[-1]] * max(0, min_batch - len(prefill))
+        n_pad = max(0, min_batch - len(prefill))
+        cu += [cu[-1]] * n_pad
         cu_t = torch.tensor(cu, dtype=torch.int32)
         pre = PrefillMetadata(cu_t, cu_t.clone())
+        starts = [c.start for c in prefill] + [0] * n_pad
+        if any(starts):
+            table = torch.zeros(len(starts), max_blocks, dtype=torch.int32)
+            for i, c in enumerate(prefill):
+                table[i, :len(c.blocks)] = torch.tensor(list(c.blocks), dtype=torch.int32)
+            pre.block_table = table
+            pre.chunk_tokens = min(context_chunk_tokens, sum(starts))
+            pre.context_chunks = _context_chunks(starts, pre.chunk_tokens)
     num_rows = len(rows)
     rows += pad_rows
     pad_tokens(max(0, min_batch - len(ids)))
     rows += [rows[-1]] * max(0, min_batch - len(rows))
     meta = MLAMetadata(torch.tensor(slots, dtype=torch.int64), dec, pre, torch.tensor(rows, dtype=torch.int64))
     return StepInputs(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, num_rows)
+
+
+def _context_chunks(context_lens: list[int], budget: int) -> list[ContextChunk]:
+    """Cover every sequence's context ``[0, context_lens[i])`` in slices of at most ``budget`` rows."""
+    chunks, done = [], [0] * len(context_lens)
+    while any(d < n for d, n in zip(done, context_lens)):
+        room, cu, starts = budget, [0], []
+        for i, n in enumerate(context_lens):
+            take = min(n - done[i], room)
+            starts.append(done[i])
+            cu.append(cu[-1] + take)
+            done[i] += take
+            room -= take
+        chunks.append(ContextChunk(torch.tensor(cu, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)))
+    return chunks

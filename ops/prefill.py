@@ -21,8 +21,9 @@ from mla_compile.ops._ragged import segments
 OP = "mla.prefill"
 
 
-def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> None:
-    """Shape/dtype checks (no sync); data checks on CPU or in checked mode."""
+def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool = True) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Causal attention needs at
+    least as many keys as queries per sequence; non-causal (a context chunk) may have fewer."""
     check_tensor(OP, "q", q, ndim=3, dtypes=FLOAT_DTYPES, expected="[T, H, qk_head_dim]")
     T, H, Dqk = q.shape
     check_tensor(OP, "k", k, ndim=3, dtypes=(q.dtype,), shape=(None, H, Dqk), expected=f"[S, {H}, {Dqk}], q's dtype")
@@ -38,15 +39,16 @@ def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
             if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
                 raise ValueError(f"{OP}: {name} must start at 0, be non-decreasing and end at most at {total} "
                                  f"(rows of the ragged tensor), got {cu.tolist()}")
-        check_range(OP, "cu_seqlens_k - cu_seqlens_q", (cu_seqlens_k.diff() - cu_seqlens_q.diff()), 0, 1 << 62,
-                    what="each sequence needs at least as many keys as queries")
+        if causal:
+            check_range(OP, "cu_seqlens_k - cu_seqlens_q", (cu_seqlens_k.diff() - cu_seqlens_q.diff()), 0, 1 << 62,
+                        what="each sequence needs at least as many keys as queries when causal")
 
 
 @torch.library.custom_op("mla::prefill_ref", mutates_args=())
 def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                 causal: bool) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, float32/float64 math): one masked [T, S] score matrix per head."""
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n = cu_seqlens_q.shape[0] - 1
     seq_q, loc_q = segments(cu_seqlens_q, q.shape[0])
@@ -68,7 +70,7 @@ def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
 @prefill_ref.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
 

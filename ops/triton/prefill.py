@@ -153,5 +153,5 @@ def prefill_triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
     """Triton ``mla::prefill`` (same contract as ``mla::prefill_ref``); non-CUDA or float64 runs the reference."""
     if q.device.type != "cuda" or q.dtype == torch.float64:
         return torch.ops.mla.prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
