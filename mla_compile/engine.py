@@ -1,10 +1,13 @@
-"""A small reference serving engine: block allocation, admission, prefill-then-decode, greedy sampling.
+"""A small reference serving engine: prefix-cached block allocation, chunked prefill mixed with
+decodes, greedy sampling.
 
-Each :meth:`Engine.step` is one model step: if requests are waiting and fit (token budget, batch
-and free blocks), they are prefilled together; otherwise every running request decodes one token.
-New requests join running ones between steps; a request stops at ``max_new_tokens``. Steps go
-through a runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`), so decode steps replay
-CUDA graphs when the runner has captured them.
+Each :meth:`Engine.step` is one model step under a token budget: every running request decodes one
+token, and the rest of the budget goes to prompt chunks of requests being prefilled (a long prompt
+spreads over several steps; each chunk attends to the cached context before it). Admission reserves
+a request's blocks up front; full blocks of earlier prompts are shared through the prefix cache, so
+a prefill starts after its cached prefix. A request stops at ``max_new_tokens``. Steps go through a
+runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`): pure decode steps replay CUDA
+graphs when the runner has captured them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Protocol, Sequence
 from torch import Tensor
 
 from mla_compile.builder import MetadataBuilder
-from mla_compile.generate import BlockAllocator
+from mla_compile.block_manager import Allocation, BlockManager
 from mla_compile.metadata import SeqChunk
 
 
@@ -34,17 +37,28 @@ class StepRunner(Protocol):
 
 @dataclass
 class Request:
-    """One generation request and its state."""
+    """One generation request and its state (``computed``: prompt tokens already in the cache)."""
 
     id: int
     prompt: list[int]
     max_new_tokens: int
     output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
+    alloc: Allocation = field(default_factory=Allocation)
+    computed: int = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        """The request's cache blocks."""
+        return self.alloc.blocks
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens remain to be computed."""
+        return self.computed < len(self.prompt)
 
     @property
     def length(self) -> int:
-        """Tokens in the cache after the last step (prompt plus generated, minus the unfed last token)."""
+        """Tokens in the cache before the next decode step (prompt plus generated, minus the last)."""
         return len(self.prompt) + max(len(self.output) - 1, 0)
 
     @property
@@ -56,18 +70,23 @@ class Request:
 class Engine:
     """Greedy serving over a patched model's paged cache, driven one step at a time."""
 
-    def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None) -> None:
+    def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
         self.max_blocks = runner.builder.max_blocks
         self.max_tokens = min(max_tokens_per_step or runner.builder.max_tokens, runner.builder.max_tokens)
-        self.allocator = BlockAllocator(num_blocks)
+        if self.max_tokens <= self.max_batch:
+            raise ValueError(f"max_tokens_per_step ({self.max_tokens}) must exceed max_batch ({self.max_batch}) "
+                             "so prompts progress while a full batch decodes")
+        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self._ids = itertools.count()
         self.step_logits: list[Tensor] = []
+        self.cached_prompt_tokens = 0
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue a request; returns its id. Errors if it could never fit."""
@@ -77,59 +96,60 @@ class Engine:
         if -(-total // self.block_size) > self.max_blocks:
             raise ValueError(f"prompt + max_new_tokens = {total} tokens exceed max_blocks_per_seq * block_size = "
                              f"{self.max_blocks * self.block_size}")
-        if len(prompt) > self.max_tokens:
-            raise ValueError(f"prompt of {len(prompt)} tokens exceeds the step token budget {self.max_tokens}")
         req = Request(next(self._ids), list(prompt), max_new_tokens)
         self.waiting.append(req)
         return req.id
 
-    def _blocks_for(self, req: Request, tokens: int) -> None:
-        need = -(-tokens // self.block_size) - len(req.blocks)
-        if need > 0:
-            req.blocks.extend(self.allocator.take(need))
-
-    def _admit(self) -> list[Request]:
-        batch, tokens = [], 0
-        while self.waiting and len(batch) < self.max_batch and len(self.running) + len(batch) < self.max_batch:
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
-            need = -(-len(req.prompt) // self.block_size)
-            if tokens + len(req.prompt) > self.max_tokens or need > len(self.allocator.free):
-                break
+            try:
+                req.alloc = self.blocks.allocate(req.prompt, len(req.prompt) + req.max_new_tokens)
+            except RuntimeError:
+                break  # not enough free blocks now; retry after requests finish
             self.waiting.popleft()
-            self._blocks_for(req, len(req.prompt))
-            batch.append(req)
-            tokens += len(req.prompt)
-        return batch
+            req.computed = req.alloc.cached_tokens
+            self.cached_prompt_tokens += req.computed
+            self.running.append(req)
 
     def step(self, keep_logits: bool = False) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
-        prefill = self._admit()
-        if prefill:
-            logits = self.runner.run([], [SeqChunk(r.blocks, r.prompt) for r in prefill])
-            batch = prefill
-            self.running.extend(prefill)
-        elif self.running:
-            batch = self.running
-            for r in batch:
-                self._blocks_for(r, r.length + 1)
-            logits = self.runner.decode([SeqChunk(r.blocks, [r.output[-1]], r.length) for r in batch])
-        else:
+        self._admit()
+        decoding = [r for r in self.running if not r.prefilling]
+        # the decode part is padded to the builder's min_batch, so count its padded size
+        budget = self.max_tokens - (max(len(decoding), self.runner.builder.min_batch) if decoding else 0)
+        chunks = []
+        for r in self.running:
+            if r.prefilling and budget > 0:
+                n = min(len(r.prompt) - r.computed, budget)
+                chunks.append((r, n))
+                budget -= n
+        if not decoding and not chunks:
             return []
+        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
+        pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
+        logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
         if keep_logits:
             self.step_logits.append(logits.float().cpu())
-        for r, t in zip(batch, logits.argmax(-1).tolist()):
+        sampled = logits.argmax(-1).tolist()
+        for r, t in zip(decoding, sampled):
             r.output.append(t)
+        for (r, n), t in zip(chunks, sampled[len(decoding):]):
+            r.computed += n
+            self.blocks.register(r.alloc, r.prompt[:r.computed])
+            if not r.prefilling:  # the chunk that completes the prompt yields the first token
+                r.output.append(t)
         done = [r for r in self.running if r.done]
         for r in done:
             self.running.remove(r)
-            self.allocator.release(r.blocks)
-            r.blocks = []
+            self.blocks.free(r.alloc)
         self.finished.extend(done)
         return done
 
     def run(self) -> list[Request]:
         """Step until no request is waiting or running; returns all finished requests by id."""
         while self.waiting or self.running:
-            if not self.step() and not self.running and self.waiting:
+            self.step()
+            if self.waiting and not self.running:
                 raise RuntimeError("engine is stuck: waiting requests cannot be admitted (cache too small?)")
         return sorted(self.finished, key=lambda r: r.id)
