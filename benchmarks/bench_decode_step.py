@@ -1,0 +1,596 @@
+"""Decode-step latency and tokens/s of a DeepSeek-V2-Lite-shaped model: HF transformers vs mla_compile, one run.
+
+    python benchmarks/bench_decode_step.py --out OUT_DIR [--budget-s 300] [--batches 1,8,64,256] [--ctx 4096]
+    python benchmarks/bench_decode_step.py --device cpu --tiny --out /tmp/bds        # CPU smoke test
+
+A random-weight V2-Lite-shaped model (default 4 layers, hidden 2048, 16 heads, 64 experts top-6, bf16)
+decodes one new token per sequence over ``--ctx`` tokens of random context already in the cache, at
+each batch size, in five configurations: HF eager (its forward and DynamicCache), HF compiled
+(``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` over a ``StaticCache``),
+ours eager (patched model), ours compiled (``torch.compile(model, fullgraph=True)``) and ours
+compiled + CUDA graph (``MetadataBuilder`` + ``DecodeGraphRunner``; the time includes the builder's
+host planning and copies). A step's latency is the median, over ``--iters`` steps after warm-up, of
+CUDA events around one whole step (host dispatch included: the stream is idle before each step, as
+in a decode loop that samples every step). Both sides hold the same context latents, so the first
+step's logits are compared (rel. error in the notes). Also reported: KV-cache bytes per token, the
+largest batch that fits ``--fit-ctx`` tokens per sequence in ``--fit-frac`` of the free memory, compile
+times (cold: a fresh Inductor cache dir) and the metadata build time (host, and GPU time of its
+copies) at the largest batch. Rows that fail keep their error in the table; rows past ``--budget-s``
+are skipped. Writes ``bench_decode_step.json`` and ``bench_decode_step.txt`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+
+START = time.time()
+IMPLS = {"hf eager": "HF eager (DynamicCache)", "hf compiled": "HF compiled (StaticCache)",
+         "ours eager": "ours eager", "ours compiled": "ours compiled", "ours graph": "ours compiled + CUDA graph"}
+FULL = dict(layers=4, hidden=2048, heads=16, experts=64, topk=6, moe_inter=1408, inter=10944, vocab=102400,
+            ctx="4096", batches="1,8,64,256", block_size=64, warmup=3, iters=20)
+TINY = dict(layers=2, hidden=256, heads=4, experts=8, topk=3, moe_inter=64, inter=512, vocab=1024,
+            ctx="64", batches="1,4", block_size=16, warmup=1, iters=3)
+COMPILE_S = 60.0  # expected cold compile: a compile row is not started with less budget left
+ROWS: list[dict] = []
+INFO: dict = {}
+REF_LOGITS: dict = {}  # (impl, batch, ctx) -> first step's logits (first rows, float32, CPU)
+
+
+def elapsed() -> float:
+    return time.time() - START
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def measure(step, dev: torch.device, warmup: int, iters: int) -> dict:
+    """Run ``step(k)`` (k picks the input set) once (timed: compile), ``warmup - 1`` more times, once for
+    peak memory, then ``iters`` timed times; returns the median step time and the first call's logits."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = step(0)
+    first = out[:4].float().cpu()
+    sync(dev)
+    first_s = time.perf_counter() - t0
+    for k in range(1, warmup):
+        step(k)
+    sync(dev)
+    res = {"first_call_s": first_s}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(warmup)
+        sync(dev)
+        res["step_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+    times = []
+    for i in range(iters):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(i)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - t0) * 1e3)
+    res.update(ms=statistics.median(times), times_ms=[round(t, 4) for t in times], first_logits=first)
+    return res
+
+
+def run_row(out_dir: str, impl: str, batch: int, ctx: int, fn, skip: str | None = None, budget_s: float = 1e9,
+            reserve_s: float = 0.0) -> dict:
+    """One table cell: ``fn()`` -> measure()'s dict; failures and skips become the cell's text."""
+    row = dict(impl=impl, batch=batch, ctx=ctx)
+    if skip is None and elapsed() > budget_s - reserve_s:
+        skip = "time budget"
+    if skip is not None:
+        row["skipped"] = skip
+    else:
+        try:
+            res = fn()
+            first = res.pop("first_logits", None)
+            if first is not None:
+                REF_LOGITS[(impl, batch, ctx)] = first
+            row.update(res)
+            row["tok_s"] = batch / (row["ms"] / 1e3)
+        except Exception as exc:  # keep measuring the rest; the reason goes into the table
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            traceback.print_exc(limit=4)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    ROWS.append(row)
+    print(f"[{elapsed():6.1f}s] {impl:14s} B={batch:<4d} ctx={ctx:<5d} {_cell(row)}", flush=True)
+    save(out_dir)
+    return row
+
+
+def _cell(r: dict | None, width: int = 200) -> str:
+    if r is None:
+        return "-"
+    if "skipped" in r:
+        text = f"skipped ({r['skipped']})"
+    elif "error" in r:
+        text = "FAILED " + r["error"]
+    else:
+        text = f"{r['ms']:.3f} ms ({r['tok_s']:.0f} tok/s)"
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def note_vs(impl: str, ref_impl: str, batch: int, ctx: int) -> None:
+    """Add to the last row the rel. error of its first step's logits against ``ref_impl``'s."""
+    a, b = REF_LOGITS.get((impl, batch, ctx)), REF_LOGITS.get((ref_impl, batch, ctx))
+    if a is not None and b is not None and ROWS[-1]["impl"] == impl:
+        ROWS[-1][f"rel_err_vs_{ref_impl.replace(' ', '_')}"] = rel_err(a, b)
+
+
+def save(out_dir: str) -> None:
+    with open(os.path.join(out_dir, "bench_decode_step.json"), "w") as f:
+        json.dump({"info": INFO, "rows": ROWS}, f, indent=1, default=str)
+
+
+class Workload:
+    """What every configuration shares: paged block tables, random token ids and the context latents.
+
+    Context latents are regenerated from a per-layer seed, so HF's cache (keys = latent [B, 1, L, 512],
+    values = rope'd k_pe [B, 1, L, 64], the layout of transformers 5.x DeepSeek-V2) and ours (the same
+    576 values in paged rows) hold identical contexts.
+    """
+
+    def __init__(self, args, dev: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int):
+        self.dev, self.dtype, self.seed = dev, dtype, args.seed
+        self.bs, self.dc, self.dr = args.block_size, kv_lora_rank, rope_dim
+        self.max_batch = max(max(args.batch_list), 2)
+        self.nb = -(-(max(args.ctx_list) + 1) // self.bs)  # blocks per sequence: context + the new token
+        self.num_blocks = self.max_batch * self.nb
+        gen = torch.Generator().manual_seed(args.seed)
+        self.tables = torch.randperm(self.num_blocks, generator=gen).view(self.max_batch, self.nb)
+        self.blocks = self.tables.tolist()
+        self.ids = torch.randint(0, args.vocab, (8, self.max_batch), generator=gen)
+        self._chunks: dict = {}
+
+    def latents(self, layer: int) -> torch.Tensor:
+        """The whole paged cache of ``layer``: ``[num_blocks, block_size, kv_lora_rank + rope]``."""
+        gen = torch.Generator(self.dev).manual_seed(self.seed * 1000 + layer)
+        return torch.randn(self.num_blocks, self.bs, self.dc + self.dr, generator=gen, device=self.dev,
+                           dtype=self.dtype)
+
+    def hf_context(self, layer: int, batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``ctx`` tokens of sequences ``0..batch-1`` as HF cache tensors (keys, values).
+
+        HF's V2 rope (complex pairs) leaves k_pe interleaved ``(e0, o0, e1, o1, ...)``; ours stores the
+        same rotated values de-interleaved ``[evens | odds]``, so the rope part is re-interleaved here.
+        """
+        lat = self.latents(layer)[self.tables[:batch].to(self.dev)].view(batch, -1, self.dc + self.dr)[:, :ctx]
+        k_pe = lat[..., self.dc:]
+        k_pe = torch.stack([k_pe[..., :self.dr // 2], k_pe[..., self.dr // 2:]], dim=-1).flatten(-2)
+        return lat[..., :self.dc].unsqueeze(1).contiguous(), k_pe.unsqueeze(1).contiguous()
+
+    def hf_ids(self, batch: int, k: int) -> torch.Tensor:
+        return self.ids[k % len(self.ids), :batch].view(batch, 1).to(self.dev)
+
+    def chunks(self, batch: int, ctx: int, k: int):
+        """Decode chunks: sequence i holds ``ctx`` tokens and decodes token ids[k, i] at position ctx."""
+        from mla_compile.metadata import SeqChunk
+
+        key = (batch, ctx, k % len(self.ids))
+        if key not in self._chunks:
+            need = -(-(ctx + 1) // self.bs)
+            self._chunks[key] = [SeqChunk(self.blocks[i][:need], [int(self.ids[key[2], i])], ctx) for i in range(batch)]
+        return self._chunks[key]
+
+
+def build_hf(args, dev: torch.device, dtype: torch.dtype):
+    """The seeded random HF model (same weights every call), built directly on ``dev``."""
+    from mla_compile import toy
+
+    kw = dict(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+              num_hidden_layers=args.layers, n_routed_experts=args.experts, num_experts_per_tok=args.topk,
+              moe_intermediate_size=args.moe_inter, intermediate_size=args.inter, vocab_size=args.vocab,
+              n_shared_experts=2, first_k_dense_replace=1,
+              max_position_embeddings=max(5120, max(args.ctx_list) + 1024))
+    with torch.device(dev):
+        return toy.toy_hf_model("v2-lite", seed=args.seed, dtype=dtype, device=dev, **kw)
+
+
+def free_memory() -> None:
+    """Release what a finished phase left: compiled code, CUDA-graph pools, cached blocks."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def phase_ours(args, dev, dtype, wl: Workload) -> None:
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from mla_compile.metadata import mark_dynamic
+    from mla_compile.model import patch
+    from torch._dynamo.utils import counters
+
+    hf = build_hf(args, dev, dtype)
+    if dev.type == "cuda":
+        sync(dev)
+        torch.cuda.empty_cache()  # the float32 init copies are cached, not used
+        INFO["weights_bytes"] = torch.cuda.memory_allocated()
+        INFO["free_bytes_after_weights"] = torch.cuda.mem_get_info()[0]
+    model = patch(hf, backend=args.backend)
+    try:
+        from mla_compile.ops._dispatch import default_backend
+        INFO["ours_backend"] = args.backend if args.backend != "auto" else f"auto -> {default_backend('decode', dev)}"
+    except Exception:  # the dispatch module is internal; the choice is informative only
+        INFO["ours_backend"] = args.backend
+    caches = model.allocate_cache(wl.num_blocks, wl.bs)
+    for i, cache in enumerate(caches):
+        cache.copy_(wl.latents(i))
+    INFO["ours_cache_bytes_per_token"] = sum(c[0, 0].numel() * c.element_size() for c in caches)
+    builder = MetadataBuilder(max_batch=wl.max_batch, max_blocks_per_seq=wl.nb, max_tokens=wl.max_batch,
+                              block_size=wl.bs, device=dev)
+
+    def step_fn(fn, batch, ctx, dynamic):
+        def step(k):
+            s = builder.build(wl.chunks(batch, ctx, k))
+            if dynamic:
+                mark_dynamic(s.input_ids, s.positions, s.meta)
+            with torch.no_grad():
+                return fn(s.input_ids, s.positions, s.meta)[:s.num_rows]
+        return step
+
+    cells = [(b, c) for c in args.ctx_list for b in args.batch_list]
+    for b, c in cells:
+        run_row(args.out, "ours eager", b, c, lambda: measure(step_fn(model, b, c, False), dev, args.warmup, args.iters),
+                budget_s=args.budget_s)
+    compile_skip = None if args.compile else "no --compile"
+    compiled = torch.compile(model, fullgraph=True)
+    for i, (b, c) in enumerate(cells):
+        def ours_compiled(b=b, c=c):
+            graphs = counters["stats"]["unique_graphs"]
+            res = measure(step_fn(compiled, b, c, True), dev, args.warmup, args.iters)
+            res["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            return res
+        row = run_row(args.out, "ours compiled", b, c, ours_compiled, skip=compile_skip, budget_s=args.budget_s,
+                      reserve_s=COMPILE_S if i == 0 else 0.0)
+        note_vs("ours compiled", "ours eager", b, c)
+        if "ms" in row and "ours_compile_s" not in INFO:
+            INFO["ours_compile_s"] = row["first_call_s"]
+    graph_skip = "cpu" if dev.type != "cuda" else compile_skip
+    compiled_ok = "ours_compile_s" in INFO  # else capture would compile first
+    if graph_skip is None and elapsed() > args.budget_s - (0.0 if compiled_ok else COMPILE_S):
+        graph_skip = "time budget"
+    runner = None
+    if graph_skip is None:
+        try:
+            runner = DecodeGraphRunner(compiled, builder, capture_sizes=sorted({max(b, 2) for b in args.batch_list}))
+            t0 = time.perf_counter()
+            runner.capture()
+            INFO["ours_capture_s"] = time.perf_counter() - t0
+        except Exception as exc:
+            graph_skip = "capture failed"
+            INFO["ours_capture_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            traceback.print_exc(limit=4)
+    for b, c in cells:
+        def ours_graph(b=b, c=c):
+            res = measure(lambda k: runner.decode(wl.chunks(b, c, k)), dev, args.warmup, args.iters)
+            graph = runner.graphs[runner.graph_size(b)][0]
+            replay = []
+            for _ in range(args.iters):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                replay.append(start.elapsed_time(end))
+            res.update(replay_ms=statistics.median(replay), replays=runner.replays, fallbacks=runner.fallbacks)
+            return res
+        run_row(args.out, "ours graph", b, c, ours_graph, skip=graph_skip, budget_s=args.budget_s)
+        note_vs("ours graph", "ours eager", b, c)
+    try:
+        metadata_timing(args, dev, builder, wl, runner)
+    except Exception as exc:
+        INFO["metadata"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        traceback.print_exc(limit=4)
+
+
+def metadata_timing(args, dev, builder, wl: Workload, runner) -> None:
+    """Host time of ``builder.build`` at the largest batch, and (CUDA) the GPU time of its copies: the
+    stream is held by a sleep kernel while the host enqueues them, so the events see only the copies."""
+    batch, ctx = max(args.batch_list), max(args.ctx_list)
+    size = runner.graph_size(batch) if runner is not None else None
+    chunks = wl.chunks(batch, ctx, 0)
+    host = []
+    for _ in range(args.iters + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        builder.build(chunks, decode_batch=size)
+        host.append((time.perf_counter() - t0) * 1e6)
+    res = {"batch": batch, "ctx": ctx, "host_us": statistics.median(host[3:])}
+    if dev.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+        hold_ms = 2 * max(host) / 1e3 + 2.0
+        gpu, late = [], 0
+        for _ in range(args.iters):
+            sync(dev)
+            torch.cuda._sleep(int(hold_ms * cycles_per_ms))
+            start.record()
+            t0 = time.perf_counter()
+            builder.build(chunks, decode_batch=size)
+            late += (time.perf_counter() - t0) * 1e3 > hold_ms
+            end.record()
+            torch.cuda.synchronize()
+            gpu.append(start.elapsed_time(end) * 1e3)
+        res.update(gpu_us=statistics.median(gpu), gpu_runs_where_host_outran_the_hold=late)
+    INFO["metadata"] = res
+    print(f"[{elapsed():6.1f}s] metadata build B={batch}: {res}", flush=True)
+
+
+def phase_hf(args, dev, dtype, wl: Workload) -> None:
+    import transformers
+    from torch._dynamo.utils import counters
+
+    hf = build_hf(args, dev, dtype)
+    hf.set_attn_implementation(args.hf_attn)
+    INFO["hf_attn"] = hf.config._attn_implementation
+    INFO["hf_experts"] = getattr(hf.config, "_experts_implementation", None)
+    # transformers 5.17 names the cache argument past_key_values; 5.24 renamed it cache (the old name warns)
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    INFO["hf_cache_kwarg"] = kw
+    layers = hf.config.num_hidden_layers
+
+    def filled(cache, batch, ctx):
+        for i in range(layers):
+            cache.update(*wl.hf_context(i, batch, ctx), i)
+        return cache
+
+    def step_fn(fn, cache, batch, mark_step):
+        def step(k):
+            if mark_step:
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.no_grad():
+                return fn(input_ids=wl.hf_ids(batch, k), use_cache=True, **{kw: cache}).logits[:, -1]
+        return step
+
+    cells = [(b, c) for c in args.ctx_list for b in args.batch_list]
+    for b, c in cells:
+        def hf_eager(b=b, c=c):
+            cache = filled(transformers.DynamicCache(config=hf.config), b, c)
+            INFO.setdefault("hf_cache_bytes_per_token", sum(
+                layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) // (b * c))
+            return measure(step_fn(hf, cache, b, False), dev, args.warmup, args.iters)
+        run_row(args.out, "hf eager", b, c, hf_eager, budget_s=args.budget_s)
+        note_vs("hf eager", "ours eager", b, c)
+    if dev.type == "cuda":
+        mode, skip = args.hf_compile_mode, None if args.compile else "no --compile"
+    else:  # no CUDA graphs on CPU: with --compile, trace the same code in the default mode
+        mode, skip = "default", None if args.compile else "cpu"
+    INFO["hf_compile_mode"] = mode
+    compiled = torch.compile(hf.forward, mode=mode, fullgraph=True)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{limit: 64}):  # one StaticCache shape per batch: let them all compile
+        for i, (b, c) in enumerate(cells):
+            def hf_compiled(b=b, c=c):
+                n_calls = 1 + args.warmup + args.iters
+                cache = filled(transformers.StaticCache(config=hf.config, max_cache_len=c + n_calls + 2), b, c)
+                skips, graphs = counters["inductor"]["cudagraph_skips"], counters["stats"]["unique_graphs"]
+                res = measure(step_fn(compiled, cache, b, mode == "reduce-overhead"), dev, args.warmup, args.iters)
+                res["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
+                res["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+                res["max_cache_len"] = c + n_calls + 2
+                return res
+            row = run_row(args.out, "hf compiled", b, c, hf_compiled, skip=skip, budget_s=args.budget_s,
+                          reserve_s=COMPILE_S if i == 0 else 0.0)
+            note_vs("hf compiled", "hf eager", b, c)
+            if "ms" in row and "hf_compile_s" not in INFO:
+                INFO["hf_compile_s"] = row["first_call_s"]
+
+
+def memory_fit(args) -> list[str]:
+    """KV-cache bytes per token and the largest batch at ``--fit-ctx`` in ``--fit-frac`` of free memory."""
+    layers, heads, elt = args.layers, args.heads, torch.tensor([], dtype=args.torch_dtype).element_size()
+    dense = layers * heads * (192 + 128) * elt
+    lines = [f"KV-cache bytes per token ({layers} layers): HF {INFO.get('hf_cache_bytes_per_token', '?')} "
+             f"(measured: transformers 5.x caches the latent {args.layers} x (512 + 64) values), ours "
+             f"{INFO.get('ours_cache_bytes_per_token', '?')} (576 per layer); a dense per-head K 192 + V 128 "
+             f"cache would take {dense} ({dense / (layers * 576 * elt):.1f}x ours)"]
+    free = INFO.get("free_bytes_after_weights")
+    if free is None:
+        return lines + ["largest batch that fits: n/a (needs CUDA memory figures)"]
+    budget = args.fit_frac * free
+    fit = {}
+    for name, impls, per_tok in (("HF", ("hf eager",), INFO.get("hf_cache_bytes_per_token")),
+                                 ("ours", ("ours compiled", "ours eager"), INFO.get("ours_cache_bytes_per_token"))):
+        if per_tok is None:
+            continue
+        cache_seq = per_tok * args.fit_ctx
+        entry = {"cache_bytes_per_seq": cache_seq, "max_batch_cache_only": int(budget // cache_seq)}
+        rows = [r for r in ROWS if r["impl"] in impls and "step_extra_bytes" in r]
+        if rows:  # step working memory per sequence, from the largest measured step, scaled to fit_ctx
+            r = max(rows, key=lambda r: (r["impl"] == impls[0], r["ctx"], r["batch"]))
+            extra = r["step_extra_bytes"] / r["batch"] * args.fit_ctx / r["ctx"]
+            entry.update(step_bytes_per_seq=extra, from_row=f"{r['impl']} B={r['batch']} ctx={r['ctx']}",
+                         max_batch_with_step=int(budget // (cache_seq + extra)))
+        fit[name] = entry
+    INFO["memory_fit"] = dict(fit_ctx=args.fit_ctx, fit_frac=args.fit_frac, free_bytes=free, per_impl=fit)
+    lines.append(f"largest batch at {args.fit_ctx} tokens of context in {args.fit_frac:.0%} of free memory "
+                 f"({free / 2**30:.1f} GiB free after weights):")
+    for name, e in fit.items():
+        step = (f"{e['max_batch_with_step']} with the step's working memory "
+                f"({e['step_bytes_per_seq'] / 2**20:.1f} MiB/seq, from {e['from_row']})" if "from_row" in e else "")
+        lines.append(f"  {name:5s} {e['max_batch_cache_only']} (cache only, {e['cache_bytes_per_seq'] / 2**20:.1f} "
+                     f"MiB/seq); {step}")
+    return lines
+
+
+def goals(args) -> list[str]:
+    get = lambda impl, b: next((r for r in ROWS if r["impl"] == impl and r["batch"] == b  # noqa: E731
+                                and r["ctx"] == max(args.ctx_list) and "ms" in r), None)
+    ours = "ours graph" if any(r["impl"] == "ours graph" and "ms" in r for r in ROWS) else "ours compiled"
+    out = [f"Goals (ours = {IMPLS[ours]}, ctx {max(args.ctx_list)}):"]
+
+    def ratio(b, ref, goal):
+        o, h = get(ours, b), get(ref, b)
+        if o is None or h is None:
+            return f"  >= {goal}x over {IMPLS[ref]} at B={b}: n/a (row missing)"
+        x = h["ms"] / o["ms"]
+        return f"  >= {goal}x over {IMPLS[ref]} at B={b}: {x:.2f}x {'PASS' if x >= goal else 'MISSED'}"
+
+    out += [ratio(1, "hf eager", 8), ratio(64, "hf eager", 3)]
+    out += [ratio(b, "hf compiled", 1).replace(">= 1x over", "faster than") for b in args.batch_list]
+    md = INFO.get("metadata", {})
+    if "gpu_us" in md:
+        ok = "PASS" if md["gpu_us"] <= 30 else "MISSED"
+        out.append(f"  metadata build <= 30 us GPU at B=256: {md['gpu_us']:.1f} us at B={md['batch']} {ok} "
+                   f"(host {md['host_us']:.0f} us; no indexer: V2-Lite is dense MLA)")
+    else:
+        out.append(f"  metadata build <= 30 us GPU at B=256: n/a ({md.get('error', 'no CUDA')}; host "
+                   f"{md.get('host_us', float('nan')):.0f} us)")
+    return out
+
+
+def table_text(args) -> str:
+    cols = [(b, c) for c in args.ctx_list for b in args.batch_list]
+    cell = {(r["impl"], r["batch"], r["ctx"]): r for r in ROWS}
+    head = "".join(f"{f'B={b} ctx={c}':>26s}" for b, c in cols)
+    lines = [f"{INFO.get('device')}, torch {INFO.get('torch')}, transformers {INFO.get('transformers')}; model: "
+             f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.experts} experts top-"
+             f"{args.topk}, vocab {args.vocab}, {args.dtype}; block {args.block_size}; ours backend "
+             f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
+             f"compile mode {INFO.get('hf_compile_mode')}",
+             "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
+             "(tokens/s); 'A vs B' rows: speedup = B's time / A's time", f"{'':28s}{head}"]
+    for impl, label in IMPLS.items():
+        lines.append(f"{label:28s}" + "".join(f"{_cell(cell.get((impl, b, c)), 25):>26s}" for b, c in cols))
+        if impl == "ours graph":
+            replay = [cell.get((impl, b, c)) or {} for b, c in cols]
+            lines.append(f"{'  graph replay only (GPU)':28s}" + "".join(
+                f"{'%.3f ms' % r['replay_ms'] if 'replay_ms' in r else '-':>26s}" for r in replay))
+    for ref in ("hf eager", "hf compiled"):
+        for ours in ("ours compiled", "ours graph"):
+            vals = []
+            for b, c in cols:
+                o, h = cell.get((ours, b, c)), cell.get((ref, b, c))
+                vals.append(f"{h['ms'] / o['ms']:.2f}x" if o and h and "ms" in o and "ms" in h else "-")
+            lines.append(f"{f'{ours} vs {ref}':28s}" + "".join(f"{v:>26s}" for v in vals))
+    checks: dict = {}
+    for r in ROWS:
+        for k, v in r.items():
+            if k.startswith("rel_err_vs_"):
+                checks.setdefault(f"{r['impl']} vs {k[11:].replace('_', ' ')}", []).append(f"B={r['batch']} {v:.1e}")
+    lines.append("first-step logits, same weights and context, rel. error: "
+                 + ("; ".join(f"{k}: {', '.join(v)}" for k, v in checks.items()) or "n/a"))
+    lines.append(f"compile (cold, first call incl. warm-up run): HF {INFO.get('hf_compile_s', float('nan')):.1f} s, "
+                 f"ours {INFO.get('ours_compile_s', float('nan')):.1f} s; ours CUDA-graph capture of "
+                 f"{len(args.batch_list)} sizes {INFO.get('ours_capture_s', float('nan')):.1f} s; first call of each compiled row: "
+                 + ", ".join(f"{r['impl']} B={r['batch']} {r['first_call_s']:.1f} s" for r in ROWS
+                             if "first_call_s" in r and "compiled" in r["impl"]))
+    md = INFO.get("metadata", {})
+    lines.append(f"metadata build (builder.build) at B={md.get('batch')}: host {md.get('host_us', float('nan')):.0f} us, "
+                 f"GPU copies {md.get('gpu_us', float('nan')):.1f} us {md.get('error', '')}")
+    lines += memory_fit(args)
+    lines += goals(args)
+    errors = [f"  {r['impl']} B={r['batch']} ctx={r['ctx']}: {r['error']}" for r in ROWS if "error" in r]
+    errors += [f"  {k}: {v}" for k, v in INFO.items() if k.endswith("_error")]
+    if errors:
+        lines += ["errors:"] + errors
+    lines.append(f"total {elapsed():.0f} s")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for bench_decode_step.{json,txt}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, batches 1,4, ctx 64 (CPU smoke test)")
+    ap.add_argument("--compile", action="store_true", help="with --tiny: also run the compiled rows (slow on CPU)")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="skip rows that would start later than this (seconds since start)")
+    for name in FULL:
+        kind = str if name in ("ctx", "batches") else int
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                        help=f"default {FULL[name]} ({TINY[name]} with --tiny)")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
+    ap.add_argument("--backend", default="auto", help="attention-op backend of ours (auto, triton, reference, ...)")
+    ap.add_argument("--hf-attn", default="sdpa", help="HF attention implementation (sdpa: HF's default; eager)")
+    ap.add_argument("--hf-compile-mode", default="reduce-overhead")
+    ap.add_argument("--fit-ctx", type=int, default=4096)
+    ap.add_argument("--fit-frac", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-cache", action="store_true", help="keep the Inductor cache dir (default: a fresh one)")
+    ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
+    args = ap.parse_args(argv)
+    preset = TINY if args.tiny else FULL
+    for name, value in preset.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.compile = args.compile or not args.tiny
+    args.batch_list = [int(x) for x in args.batches.split(",")]
+    args.ctx_list = [int(x) for x in str(args.ctx).split(",")]
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.torch_dtype = getattr(torch, args.dtype)
+    if min(args.batch_list) < 1 or min(args.ctx_list) < 1:
+        ap.error(f"--batches and --ctx must be positive, got {args.batches!r} and {args.ctx!r}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    fresh = None
+    if not args.warm_cache:  # cold compile times: Inductor reads this when it first needs its cache
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh = tempfile.mkdtemp(prefix="bench_decode_inductor_")
+    import transformers
+
+    import mla_compile  # noqa: F401  (registers the ops)
+
+    dev = torch.device(args.device)
+    INFO.update(args={k: v for k, v in vars(args).items() if k != "torch_dtype"}, torch=torch.__version__,
+                transformers=transformers.__version__,
+                device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    torch.manual_seed(args.seed)
+    from mla_compile.config import preset
+
+    mla = preset("deepseek-v2-lite")  # the latent dims (512 + 64), which the toy model keeps
+    wl = Workload(args, dev, args.torch_dtype, mla.kv_lora_rank, mla.qk_rope_head_dim)
+    phases = [p.strip() for p in args.only.split(",")]
+    for name, phase in (("ours", phase_ours), ("hf", phase_hf)):
+        if name in phases:
+            try:
+                phase(args, dev, args.torch_dtype, wl)
+            except Exception as exc:  # a phase that fails to start (model build, OOM) loses only its rows
+                INFO[f"{name}_phase_error"] = f"{type(exc).__name__}: {exc}"[:500]
+                traceback.print_exc()
+            free_memory()
+    save(args.out)
+    text = table_text(args)
+    with open(os.path.join(args.out, "bench_decode_step.txt"), "w") as f:
+        f.write(text + "\n")
+    if fresh is not None:
+        shutil.rmtree(fresh, ignore_errors=True)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
