@@ -8,11 +8,16 @@ from mla_compile.ops._checks import checked_mode, set_checked_mode
 from mla_compile.ops._dispatch import backends_for, resolve
 from mla_compile.ops.cache_write import write_latent_cache
 from mla_compile.ops.decode import decode
+from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.prefill import prefill
+from mla_compile.ops.sparse_decode import sparse_decode
+from mla_compile.ops.sparse_index import lightning_index, sink_window_indices, to_csr, write_index_cache
 
 __all__ = [
     "backends_for", "checked_mode", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
+    "decode_fp8", "gather_latent_cache_fp8", "write_latent_cache_fp8",
+    "lightning_index", "sink_window_indices", "sparse_decode", "to_csr", "write_index_cache",
 ]

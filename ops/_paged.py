@@ -1,0 +1,75 @@
+"""Helpers for paged caches shared by the fp8-cache, sparse-index and sparse-decode references.
+
+All of them are plain torch and sync-free: sizes come from shapes, never from tensor data.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import check_range
+
+
+def scatter_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
+    """``cache[slot // bs, slot % bs] = rows[t]`` for every ``slot_mapping[t] != -1``, with no host sync.
+
+    ``rows [T, W]`` already has the cache's dtype. Padding rows are pointed at the first real row's
+    slot with that row's value (so every duplicate write is identical), or, when all rows are padding,
+    at slot 0 with the value it already holds.
+    """
+    if rows.shape[0] == 0:
+        return
+    block_size = cache.shape[1]
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    first = torch.argmax(valid.to(torch.int32))
+    any_valid = valid.any()
+    pad_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
+    pad_row = torch.where(any_valid, rows[first], cache[0, 0])
+    target = torch.where(valid, slots, pad_slot)
+    values = torch.where(valid[:, None], rows, pad_row)
+    cache.index_put_((target // block_size, target % block_size), values)
+
+
+def sequence_slots(block_table: Tensor, seq_lens: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Physical slots ``[B, L]`` (int64, 0 where invalid) of every position of every sequence,
+    the validity mask ``pos < seq_lens[b]`` ``[B, L]`` and the positions ``[L]`` (L = max_blocks * block_size)."""
+    L = block_table.shape[1] * block_size
+    pos = torch.arange(L, device=block_table.device)
+    valid = pos[None, :] < seq_lens[:, None].long()
+    blocks = torch.where(valid, block_table.long()[:, pos // block_size], 0)
+    return torch.where(valid, blocks * block_size + (pos % block_size)[None, :], 0), valid, pos
+
+
+def attend(q: Tensor, rows: Tensor, visible: Tensor, scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Masked softmax attention in ``rows``' dtype (float32 or float64).
+
+    ``q [B, s_q, H, D]``; ``rows [B, s_q or 1, L, D]`` (zero where not visible, so nothing NaN leaks);
+    ``visible [B, s_q, L]`` bool. The values are ``rows[..., :kv_lora_rank]``. Returns ``out
+    [B, s_q, H, kv_lora_rank]`` (q's dtype) and ``lse [B, s_q, H]`` (float32, natural log); a query that
+    sees nothing gets 0 and -inf.
+    """
+    B, s_q, H, D = q.shape
+    rows = rows.expand(B, s_q, rows.shape[2], D)
+    scores = torch.einsum("bqhd,bqld->bqhl", q.to(rows.dtype), rows) * scale
+    vis = visible[:, :, None, :]
+    scores = scores.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.where(vis, torch.exp(scores - lse[..., None]), 0.0)
+    out = torch.einsum("bqhl,bqld->bqhd", probs, rows[..., :kv_lora_rank])
+    return out.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
+
+
+def check_paged_data(op: str, block_table: Tensor, seq_lens: Tensor, block_size: int, num_blocks: int | None) -> None:
+    """Data checks (sync): ``seq_lens`` fit the table; block ids of used blocks lie in ``[0, num_blocks)``.
+
+    With ``num_blocks`` None (no cache argument to size against) only negative ids are refused.
+    """
+    capacity = block_table.shape[1] * block_size
+    check_range(op, "seq_lens", seq_lens, 0, capacity + 1, what=f"at most max_blocks * block_size = {capacity}")
+    pos = torch.arange(capacity, device=seq_lens.device)
+    used = (pos[None, :] < seq_lens[:, None].long())[:, ::block_size]
+    high = 2**62 if num_blocks is None else num_blocks
+    what = "block ids of used blocks" + ("" if num_blocks is None else f", num_blocks = {num_blocks}")
+    check_range(op, "block_table", block_table[used], 0, high, what=what)

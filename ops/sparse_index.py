@@ -1,0 +1,231 @@
+"""Sparse-MLA indexers: which physical cache slots each query attends to.
+
+- ``mla::sink_window_indices``: per sequence, the slots of its first ``sink`` and last ``window``
+  tokens (positions ``[0, min(sink, L))`` and ``[max(L - window, 0), L)``, L = seq_len, each position
+  once when the two overlap), ordered by position, in a fixed-capacity ``[B, max_kv]`` int32 layout
+  padded with -1, plus ``counts [B]`` int32. ``max_kv >= sink + window`` so nothing is cut.
+  :func:`to_csr` turns that into CSR form.
+- ``mla::lightning_index``: DeepSeek-V3.2's lightning indexer, ``score(t, j) = sum_h weights[t, h] *
+  relu(q_idx[t, h] . k_idx[j])`` over the positions ``j <= query_pos[t]`` (and ``< seq_len``) of query
+  t's sequence, top ``topk`` slots per query token.
+- ``mla::write_index_cache``: the indexer's key cache write (``mla::write_latent_cache``'s slot rules).
+
+All are sync-free tensor programs (sizes come from shapes and static ints), so they run under
+``torch.compile(fullgraph=True)`` and inside CUDA-graph capture. The slots feed
+``mla_compile.ops.sparse_decode``: a decode step (s_q = 1) passes ``indices[:, None]``. With s_q > 1
+every query of a sequence would get the same set, so multi-token steps use ``lightning_index``,
+which is per query token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
+                                     data_checks_enabled)
+from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._paged import check_paged_data, scatter_rows, sequence_slots
+
+OP_WINDOW = "mla.sink_window_indices"
+OP_LIGHTNING = "mla.lightning_index"
+OP_WRITE = "mla.write_index_cache"
+
+
+# ------------------------------------------------------------------------------------------- sink + window
+
+def validate_window(block_table: Tensor, seq_lens: Tensor, block_size: int, sink: int, window: int,
+                    max_kv: int) -> None:
+    """Shape/dtype/int checks (no sync); data checks on CPU or in checked mode."""
+    check_tensor(OP_WINDOW, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, expected="[B, max_blocks] int32")
+    B = block_table.shape[0]
+    check_tensor(OP_WINDOW, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(B,), expected="[B] int32")
+    if block_size <= 0:
+        raise ValueError(f"{OP_WINDOW}: block_size must be positive (the cache's tokens per block), got {block_size}")
+    if sink < 0 or window < 0:
+        raise ValueError(f"{OP_WINDOW}: sink and window must be >= 0, got sink={sink}, window={window}")
+    if max_kv < sink + window:
+        raise ValueError(f"{OP_WINDOW}: max_kv must be >= sink + window = {sink + window} so no slot is cut, "
+                         f"got {max_kv}")
+    check_same_device(OP_WINDOW, block_table=block_table, seq_lens=seq_lens)
+    if data_checks_enabled(seq_lens):
+        check_paged_data(OP_WINDOW, block_table, seq_lens, block_size, None)
+
+
+@torch.library.custom_op("mla::sink_window_indices_ref", mutates_args=())
+def sink_window_indices_ref(block_table: Tensor, seq_lens: Tensor, block_size: int, sink: int, window: int,
+                            max_kv: int) -> tuple[Tensor, Tensor]:
+    """Reference (plain torch, any device, no host sync): column j holds the j-th selected position."""
+    validate_window(block_table, seq_lens, block_size, sink, window, max_kv)
+    L = seq_lens.long()[:, None]
+    head = L.clamp(max=sink)  # positions [0, head) are the sink
+    tail_start = (L - window).clamp(min=0).maximum(head)  # window positions not already in the sink
+    count = head + (L - tail_start)
+    j = torch.arange(max_kv, device=seq_lens.device)[None, :]
+    valid = j < count
+    pos = torch.where(valid, torch.where(j < head, j, tail_start + (j - head)), 0)
+    max_blocks = block_table.shape[1]
+    if max_blocks == 0:  # no block can be used, so every sequence is empty (seq_lens <= 0)
+        blocks = torch.zeros_like(pos)
+    else:
+        blocks = block_table.long().gather(1, (pos // block_size).clamp(max=max_blocks - 1))
+    slots = torch.where(valid, blocks * block_size + pos % block_size, -1)
+    return slots.to(torch.int32), count[:, 0].to(torch.int32)
+
+
+@sink_window_indices_ref.register_fake
+def _(block_table, seq_lens, block_size, sink, window, max_kv):
+    validate_window(block_table, seq_lens, block_size, sink, window, max_kv)
+    B = block_table.shape[0]
+    return block_table.new_empty(B, max_kv, dtype=torch.int32), block_table.new_empty(B, dtype=torch.int32)
+
+
+register_impl(OP_WINDOW, "reference", torch.ops.mla.sink_window_indices_ref, devices=("any",))
+
+
+def sink_window_indices(block_table: Tensor, seq_lens: Tensor, *, block_size: int, sink: int, window: int,
+                        max_kv: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Slots of each sequence's sink and window tokens: ``(indices int32 [B, max_kv] (-1 padded), counts
+    int32 [B])`` from ``block_table [B, max_blocks]`` and ``seq_lens [B]``; see the module docstring."""
+    return resolve(OP_WINDOW, block_table.device, backend).fn(block_table, seq_lens, block_size, sink, window, max_kv)
+
+
+def to_csr(indices: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """CSR form of a padded ``indices [B, max_kv]`` with ``counts [B]``: ``(indptr int32 [B + 1], flat
+    int32 [B * max_kv])``; row b's slots are ``flat[indptr[b]:indptr[b + 1]]``.
+
+    The packed length ``indptr[-1]`` depends on data, so ``flat`` has the fixed capacity ``B * max_kv``
+    (a shape, never read from data; graph-capturable) and holds -1 past ``indptr[-1]``. With a cache
+    viewed as pages of one token, ``(indptr, flat)`` are FlashInfer's ``kv_indptr`` / ``kv_indices``.
+    """
+    B, max_kv = indices.shape
+    counts = counts.long()
+    indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    j = torch.arange(max_kv, device=indices.device)[None, :]
+    valid = j < counts[:, None]
+    # Padding entries go to one extra dump slot (all writing -1), cut off at the end: no data-dependent size.
+    target = torch.where(valid, indptr[:-1, None] + j, B * max_kv).flatten()
+    values = torch.where(valid, indices.long(), -1).flatten()
+    flat = torch.full((B * max_kv + 1,), -1, dtype=torch.long, device=indices.device).scatter_(0, target, values)
+    return indptr.to(torch.int32), flat[:-1].to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------- lightning indexer
+
+def validate_lightning(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                       query_seq: Tensor, query_pos: Tensor, topk: int) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode."""
+    check_tensor(OP_LIGHTNING, "q_idx", q_idx, ndim=3, dtypes=FLOAT_DTYPES, expected="[T, n_idx_heads, d_idx]")
+    T, Hi, d = q_idx.shape
+    check_tensor(OP_LIGHTNING, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, Hi),
+                 expected=f"[T, n_idx_heads] = [{T}, {Hi}]")
+    check_tensor(OP_LIGHTNING, "k_idx_cache", k_idx_cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, d),
+                 expected=f"[num_blocks, block_size, {d}] (the last dim must equal q_idx's)")
+    check_tensor(OP_LIGHTNING, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES,
+                 expected="[B, max_blocks] int32")
+    B = block_table.shape[0]
+    check_tensor(OP_LIGHTNING, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES, shape=(B,), expected="[B] int32")
+    check_tensor(OP_LIGHTNING, "query_seq", query_seq, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
+                 expected="[T] int32 sequence of each query token, -1 for padding")
+    check_tensor(OP_LIGHTNING, "query_pos", query_pos, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
+                 expected="[T] int32 position of each query token")
+    if topk <= 0:
+        raise ValueError(f"{OP_LIGHTNING}: topk must be positive, got {topk}")
+    check_same_device(OP_LIGHTNING, q_idx=q_idx, weights=weights, k_idx_cache=k_idx_cache, block_table=block_table,
+                      seq_lens=seq_lens, query_seq=query_seq, query_pos=query_pos)
+    if data_checks_enabled(seq_lens):
+        bs = k_idx_cache.shape[1]
+        check_paged_data(OP_LIGHTNING, block_table, seq_lens, bs, k_idx_cache.shape[0])
+        check_range(OP_LIGHTNING, "query_seq", query_seq, -1, B, what=f"sequence ids < B = {B}, or -1 for padding")
+        live = query_seq >= 0
+        check_range(OP_LIGHTNING, "query_pos", query_pos[live], 0, block_table.shape[1] * bs,
+                    what=f"positions < max_blocks * block_size = {block_table.shape[1] * bs} (padding tokens excepted)")
+
+
+@torch.library.custom_op("mla::lightning_index_ref", mutates_args=())
+def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                        query_seq: Tensor, query_pos: Tensor, topk: int) -> Tensor:
+    """Reference (plain torch, any device, float32 or float64 math): score every position of the query's
+    sequence, mask the future and padding, stable descending sort, keep ``topk``.
+
+    Returns ``indices int32 [T, topk]``: slots by descending score (equal scores: lower position first),
+    -1 past the visible count and for padding tokens (``query_seq == -1``).
+    """
+    validate_lightning(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, topk)
+    T = q_idx.shape[0]
+    if block_table.shape[0] == 0:  # no sequences: every token is padding
+        return torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
+    acc = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
+    slots, valid, pos = sequence_slots(block_table, seq_lens, k_idx_cache.shape[1])  # [B, L]
+    keys = k_idx_cache.reshape(-1, k_idx_cache.shape[2])[slots].to(acc)
+    keys = torch.where(valid[..., None], keys, 0)  # unwritten rows may hold NaN
+    live = query_seq >= 0
+    seq = torch.where(live, query_seq.long(), 0)
+    logits = torch.einsum("thd,tld->thl", q_idx.to(acc), keys[seq])  # [T, Hi, L]
+    scores = (torch.relu(logits) * weights.to(acc)[..., None]).sum(dim=1)  # [T, L]
+    visible = valid[seq] & (pos[None, :] <= query_pos.long()[:, None]) & live[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # stable: equal scores keep position order; invisible ones (-inf) sort after every visible one
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    chosen = torch.where(visible.gather(1, order), slots[seq].gather(1, order), -1).to(torch.int32)
+    if chosen.shape[1] < topk:  # fewer positions than topk in the whole table
+        chosen = torch.cat([chosen, chosen.new_full((T, topk - chosen.shape[1]), -1)], dim=1)
+    return chosen
+
+
+@lightning_index_ref.register_fake
+def _(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, topk):
+    validate_lightning(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, topk)
+    return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
+
+
+register_impl(OP_LIGHTNING, "reference", torch.ops.mla.lightning_index_ref, devices=("any",))
+
+
+def lightning_index(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                    query_seq: Tensor, query_pos: Tensor, *, topk: int = 2048,
+                    backend: str | None = None) -> Tensor:
+    """DeepSeek-V3.2 top-k selection: ``indices int32 [T, topk]`` physical slots (-1 padded) for
+    ``q_idx [T, n_idx_heads, d_idx]``, ``weights [T, n_idx_heads]`` over ``k_idx_cache [NB, BS, d_idx]``
+    through ``block_table [B, max_blocks]`` / ``seq_lens [B]``; ``query_seq [T]`` (-1 = padding) and
+    ``query_pos [T]`` place each query token. Causal: token t sees positions ``<= query_pos[t]``."""
+    return resolve(OP_LIGHTNING, q_idx.device, backend).fn(q_idx, weights, k_idx_cache, block_table, seq_lens,
+                                                           query_seq, query_pos, topk)
+
+
+# ------------------------------------------------------------------------------------------- index-key cache write
+
+def validate_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write."""
+    check_tensor(OP_WRITE, "k_idx", k_idx, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, d_idx]")
+    T, d = k_idx.shape
+    check_tensor(OP_WRITE, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
+                 expected="[T] int32/int64")
+    check_tensor(OP_WRITE, "k_idx_cache", k_idx_cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, d),
+                 expected=f"[num_blocks, block_size, {d}]")
+    check_same_device(OP_WRITE, k_idx=k_idx, slot_mapping=slot_mapping, k_idx_cache=k_idx_cache)
+    if data_checks_enabled(slot_mapping):
+        check_range(OP_WRITE, "slot_mapping", slot_mapping, 0, k_idx_cache.shape[0] * k_idx_cache.shape[1],
+                    ignore=-1, what="num_blocks * block_size, or -1 for padding")
+
+
+@torch.library.custom_op("mla::write_index_cache_ref", mutates_args=("k_idx_cache",))
+def write_index_cache_ref(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> None:
+    """Reference (plain torch, any device, no host sync): ``index_put_`` of the rows at valid slots."""
+    validate_write(k_idx, slot_mapping, k_idx_cache)
+    scatter_rows(k_idx_cache, slot_mapping, k_idx.to(k_idx_cache.dtype))
+
+
+@write_index_cache_ref.register_fake
+def _(k_idx, slot_mapping, k_idx_cache):
+    validate_write(k_idx, slot_mapping, k_idx_cache)
+    return None
+
+
+register_impl(OP_WRITE, "reference", torch.ops.mla.write_index_cache_ref, devices=("any",))
+
+
+def write_index_cache(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor, *, backend: str | None = None) -> None:
+    """Write index keys ``k_idx [T, d_idx]`` into ``k_idx_cache [NB, BS, d_idx]`` at ``slot_mapping [T]``
+    (-1 = padding, skipped; the latent cache's slots). Mutates ``k_idx_cache``; returns None."""
+    resolve(OP_WRITE, k_idx_cache.device, backend).fn(k_idx, slot_mapping, k_idx_cache)
