@@ -12,6 +12,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor, data_checks_enabled
 from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._paged import scatter_rows
 
 OP = "mla.write_latent_cache"
 
@@ -34,21 +35,7 @@ def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tenso
 def write_latent_cache_ref(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
     """Reference (plain torch, any device): ``index_put_`` of ``[latent | k_pe]`` rows at valid slots."""
     validate(latent, k_pe, slot_mapping, kv_cache)
-    rows = torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype)
-    if rows.shape[0] == 0:
-        return
-    block_size = kv_cache.shape[1]
-    slots = slot_mapping.long()
-    valid = slots >= 0
-    # No host sync: padding rows are pointed at the first real row's slot with that row's value (so
-    # every duplicate write is identical), or, when all rows are padding, at slot 0 with its own value.
-    first = torch.argmax(valid.to(torch.int32))
-    any_valid = valid.any()
-    pad_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    pad_row = torch.where(any_valid, rows[first], kv_cache[0, 0])
-    target = torch.where(valid, slots, pad_slot)
-    values = torch.where(valid[:, None], rows, pad_row)
-    kv_cache.index_put_((target // block_size, target % block_size), values)
+    scatter_rows(kv_cache, slot_mapping, torch.cat([latent, k_pe], dim=-1).to(kv_cache.dtype))
 
 
 @write_latent_cache_ref.register_fake
