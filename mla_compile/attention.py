@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from mla_compile import ops
+from mla_compile import envs, ops
+from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
 from mla_compile.config import MLAConfig
 from mla_compile.metadata import MLAMetadata
 from mla_compile.rope import apply_rope
@@ -23,12 +24,23 @@ class MLAAttention(nn.Module):
     ``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
     ``kv_b_proj`` (split into W_UK / W_UV views at run time) and ``o_proj``. The cache is the buffer
     ``kv_cache [num_blocks, block_size, kv_lora_rank + rope_dim]`` set by :meth:`set_cache`.
+
+    ``backend``: a name, per-op names (``"decode=flashmla,prefill=sdpa-cudnn"``), "auto", or None
+    (``MLA_COMPILE_BACKEND``, read here once). Decode and prefill ask :func:`mla_compile.backends.select_backend`
+    once per static configuration (kept in ``_backend_choices``, a constant of compiled graphs); an
+    explicit backend that cannot serve it raises. ``cuda_graph``: set True by a decode CUDA-graph runner
+    so "auto" picks only decode backends that replay with changing lengths.
     """
 
     def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        spec = parse_backend_spec(backend if backend is not None else envs.backend())
+        op_names = ("decode", "prefill", "merge", "cache_write", "gather")
+        self._requested = {op: requested_for(op, spec) for op in op_names}
+        self._choice_token, self._backend_choices = new_choice_cache()
+        self.cuda_graph = False
         self.q_proj = getattr(hf_attn, "q_proj", None)
         self.q_a_proj = getattr(hf_attn, "q_a_proj", None)
         self.q_a_layernorm = getattr(hf_attn, "q_a_layernorm", None)
@@ -72,7 +84,9 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
-        ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=self.backend)
+        write_backend = self._requested["cache_write"]
+        ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache,
+                               backend=None if write_backend == "auto" else write_backend)
 
         parts = []
         n_dec = 0
@@ -92,8 +106,12 @@ class MLAAttention(nn.Module):
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
         B = d.block_table.shape[0]
         q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
+        plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
+        name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
+                             query_len=d.query_len, need_lse=False, planned=plan is not None)
         out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
-                                kv_lora_rank=c.kv_lora_rank, backend=self.backend)
+                                kv_lora_rank=c.kv_lora_rank, backend=name,
+                                plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
@@ -112,15 +130,31 @@ class MLAAttention(nn.Module):
         c, p = self.config, meta.prefill
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = self._up_project(latent, k_pe)
+        plan = getattr(p, "plan", None)  # a host-side plan (FlashInfer) for the causal call, if the builder made one
+        name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim), planned=plan is not None)
         out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,
-                               backend=self.backend)
+                               backend=name, plan=plan if takes_plan("prefill", name) else None)
+        if p.context_chunks:
+            chunk_name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim))
+            merge_name = self._backend("merge", out.dtype, head_dims=(c.v_head_dim,))
+            gather = self._requested["gather"]
         for chunk in p.context_chunks:
             rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=self.kv_cache.dtype, device=q.device)
             ops.gather_latent_cache(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows,
-                                    backend=self.backend)
+                                    backend=None if gather == "auto" else gather)
             ctx_latent, ctx_pe = rows.to(latent.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             k_ctx, v_ctx = self._up_project(ctx_latent, ctx_pe)
             out_c, lse_c = ops.prefill(q, k_ctx, v_ctx, p.cu_seqlens_q, chunk.cu_seqlens, c.softmax_scale,
-                                       causal=False, backend=self.backend)
-            out, lse = ops.merge_attn_states(out, lse, out_c, lse_c, backend=self.backend)
+                                       causal=False, backend=chunk_name)
+            out, lse = ops.merge_attn_states(out, lse, out_c, lse_c, backend=merge_name)
         return out
+
+    def _backend(self, op: str, dtype: torch.dtype, *, head_dims: tuple[int, ...], query_len: int = 1,
+                 need_lse: bool = True, planned: bool = False) -> str:
+        """The backend of ``op`` for this layer's static configuration (selected once, then cached)."""
+        cache = self.kv_cache
+        return cached_backend(self._choice_token, op, self._requested[op], device=cache.device, dtype=dtype,
+                              cache_dtype=cache.dtype, block_size=cache.shape[1] if op == "decode" else None,
+                              num_heads=self.config.num_heads, head_dims=head_dims, query_len=query_len,
+                              need_lse=need_lse, planned=planned,
+                              cuda_graph=self.cuda_graph and op == "decode")

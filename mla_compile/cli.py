@@ -1,5 +1,6 @@
-"""The ``mla-compile`` command line: ``demo`` (serve a toy model, check against HF) and ``inspect``
-(what torch.compile made of it: graphs, breaks, recompiles, mla:: ops, a depyf dump).
+"""The ``mla-compile`` command line: ``demo`` (serve a toy model, check against HF), ``inspect``
+(what torch.compile made of it: graphs, breaks, recompiles, mla:: ops, a depyf dump) and ``doctor``
+(versions, the GPU, which attention backends can run here and which one is picked).
 
 ``main(argv)`` returns the exit status, so tests call it in-process.
 """
@@ -52,8 +53,9 @@ def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (subcommands ``demo`` and ``inspect``)."""
     parser = argparse.ArgumentParser(
-        prog="mla-compile", description="DeepSeek MLA under torch.compile: run the demo or inspect the compiled graphs.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,inspect}")
+        prog="mla-compile", description="DeepSeek MLA under torch.compile: run the demo, inspect the compiled graphs, "
+        "or check which attention backends run here.")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,inspect,doctor}")
     demo = sub.add_parser("demo", help="serve a toy DeepSeek model compiled whole; check tokens against HF eager",
                           description="Build a seeded toy DeepSeek model, patch it to paged MLA, compile it with "
                           "torch.compile(fullgraph=True), generate greedily for prompts of different lengths "
@@ -75,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a break is an error)")
     insp.add_argument("--fresh", action="store_true",
                       help="disable Inductor's caches so every graph is compiled and dumped in full")
+    sub.add_parser("doctor", help="versions, the GPU, every attention backend (available or why not) and the "
+                   "selector's choice for DeepSeek-V2-Lite and V3 shapes",
+                   description="Print torch/triton/CUDA versions, the GPU, every decode/prefill/merge backend with "
+                   "whether it can run here and why not, and the backend 'auto' picks for DeepSeek-V2-Lite (16 "
+                   "heads) and V3 (128 heads) in bf16 with block size 64. Imports no peer library.")
     return parser
 
 
@@ -133,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "doctor":  # needs neither transformers nor a GPU
+        from mla_compile.doctor import doctor_report
+
+        print(doctor_report())
+        return 0
     try:
         import transformers  # noqa: F401  (the toy model and the HF reference are transformers models)
     except ImportError:

@@ -1,6 +1,8 @@
 """Every environment variable mla_compile reads, in one place.
 
-- ``MLA_COMPILE_BACKEND``: default backend for the attention ops ("auto", "reference", "triton", ...).
+- ``MLA_COMPILE_BACKEND``: default backend for the attention ops: "auto", one name ("triton",
+  "reference", "flashmla", ...) or per-op names ("decode=flashmla,prefill=sdpa-cudnn"); parsed and
+  checked by :func:`mla_compile.backends.parse_backend_spec`.
 - ``MLA_COMPILE_CHECKED``: "1" turns on data checks (host syncs) for accelerator tensors.
 """
 

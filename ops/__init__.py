@@ -14,9 +14,10 @@ from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.prefill import prefill
 from mla_compile.ops.sparse_decode import sparse_decode
 from mla_compile.ops.sparse_index import lightning_index, sink_window_indices, to_csr, write_index_cache
+from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-library backends; imports no peer)
 
 __all__ = [
-    "backends_for", "checked_mode", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
+    "adapters", "backends_for", "checked_mode", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "gather_latent_cache_fp8", "write_latent_cache_fp8",
     "lightning_index", "sink_window_indices", "sparse_decode", "to_csr", "write_index_cache",

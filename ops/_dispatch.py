@@ -16,21 +16,37 @@ import torch
 
 @dataclass(frozen=True)
 class Impl:
-    """One implementation of an op: ``fn`` runs it; ``devices`` are the device types it accepts."""
+    """One implementation of an op: ``fn`` runs it; ``devices`` are the device types it accepts.
+
+    ``takes_plan``: ``fn`` accepts a ``plan=`` keyword (a host-side plan made before the step, e.g.
+    FlashInfer's); the public op function passes it only to such implementations.
+    """
 
     backend: str
     fn: Callable
     devices: tuple[str, ...]
     available: Callable[[], bool] = lambda: True
+    takes_plan: bool = False
 
 
 _TABLE: dict[str, dict[str, Impl]] = {}
 
 
 def register_impl(op: str, backend: str, fn: Callable, devices: tuple[str, ...],
-                  available: Callable[[], bool] = lambda: True) -> None:
+                  available: Callable[[], bool] = lambda: True, takes_plan: bool = False) -> None:
     """Register ``fn`` as ``backend``'s implementation of ``op`` on ``devices`` (e.g. ("cuda",))."""
-    _TABLE.setdefault(op, {})[backend] = Impl(backend, fn, devices, available)
+    _TABLE.setdefault(op, {})[backend] = Impl(backend, fn, devices, available, takes_plan)
+
+
+def call_impl(op: str, impl: Impl, args: tuple, plan: object | None):
+    """Run ``impl.fn(*args)``, passing ``plan=`` when given; a plan for a backend that takes none is an error."""
+    if plan is None:
+        return impl.fn(*args)
+    if not impl.takes_plan:
+        takers = sorted(b for b, i in _TABLE.get(op, {}).items() if i.takes_plan)
+        raise ValueError(f"{op}: plan= is only used by backends that plan on the host ({takers}); "
+                         f"backend {impl.backend!r} takes none: drop plan= or pick one of those")
+    return impl.fn(*args, plan=plan)
 
 
 def backends_for(op: str) -> dict[str, Impl]:

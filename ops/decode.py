@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import call_impl, register_impl, resolve
 
 OP = "mla.decode"
 
@@ -84,15 +84,19 @@ register_impl(OP, "reference", torch.ops.mla.decode_ref, devices=("any",))
 
 
 def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
-           kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
+           kv_lora_rank: int = 512, backend: str | None = None, plan: object | None = None
+           ) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode; see the module docstring for the contract.
 
     ``q`` is ``[B, s_q, H, D]`` or ``[B, H, D]`` (s_q = 1; then ``out`` is ``[B, H, kv_lora_rank]`` and
     ``lse`` is ``[B, H]``). ``backend``: None/"auto", "reference", or a registered kernel backend.
+    ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
+    ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step).
     """
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
-    out, lse = resolve(OP, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    impl = resolve(OP, q.device, backend)
+    out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import call_impl, register_impl, resolve
 from mla_compile.ops._ragged import segments
 
 OP = "mla.prefill"
@@ -79,9 +79,14 @@ register_impl(OP, "reference", torch.ops.mla.prefill_ref, devices=("any",))
 
 
 def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float, *,
-            causal: bool = True, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """Varlen prefill attention; see the module docstring. Returns ``(out [T, H, Dv], lse [T, H])``."""
-    return resolve(OP, q.device, backend).fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+            causal: bool = True, backend: str | None = None, plan: object | None = None) -> tuple[Tensor, Tensor]:
+    """Varlen prefill attention; see the module docstring. Returns ``(out [T, H, Dv], lse [T, H])``.
+
+    ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
+    ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill`` before the step).
+    """
+    impl = resolve(OP, q.device, backend)
+    return call_impl(OP, impl, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal), plan)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

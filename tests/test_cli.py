@@ -37,7 +37,18 @@ def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
 
 def test_no_subcommand_prints_usage(capsys):
     assert main([]) == 2
-    assert "{demo,inspect}" in capsys.readouterr().err
+    assert "{demo,inspect,doctor}" in capsys.readouterr().err
+
+
+def test_doctor_lists_every_backend_and_the_choice(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    for name in ("flashmla", "flashinfer", "flashinfer-trtllm", "flashinfer-cutlass", "sdpa-cudnn", "flash-attn",
+                 "triton", "reference"):
+        assert f"  {name} " in out
+    assert "DeepSeek-V2-Lite (16 heads) decode  -> " in out and "DeepSeek-V3 (128 heads) prefill -> " in out
+    if not torch.cuda.is_available():
+        assert "GPU: none" in out and "decode  -> reference" in out and "no CUDA GPU visible" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")

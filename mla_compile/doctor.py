@@ -1,0 +1,84 @@
+"""``mla-compile doctor``: versions, the GPU, every attention backend with whether it can run here (and
+why not), and what the selector picks for DeepSeek-V2-Lite and V3 shapes. Imports no peer library."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+import torch
+
+from mla_compile import backends, envs
+from mla_compile.config import preset
+
+# (label, preset name) of the shapes the report resolves, with the cache block size and dtype it assumes.
+SHAPES = (("DeepSeek-V2-Lite", "deepseek-v2-lite"), ("DeepSeek-V3", "deepseek-v3"))
+BLOCK_SIZE = 64
+DTYPE = torch.bfloat16
+PACKAGES = ("triton", "sgl-flash-mla", "flashinfer-python", "flash-attn")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _gpu() -> str:
+    if not torch.cuda.is_available():
+        return "none (torch.cuda.is_available() is False)"
+    names = []
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        names.append(f"cuda:{i} {torch.cuda.get_device_name(i)} (sm{major}{minor})")
+    return "; ".join(names)
+
+
+def _choices(device: torch.device) -> list[str]:
+    lines = []
+    for label, name in SHAPES:
+        cfg = preset(name)
+        asks = (("decode", dict(block_size=BLOCK_SIZE, head_dims=(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+                                need_lse=False)),
+                ("prefill", dict(head_dims=(cfg.qk_head_dim, cfg.v_head_dim), need_lse=True)))
+        for op, kw in asks:
+            try:
+                choice = backends.select_backend(op, device=device, dtype=DTYPE, num_heads=cfg.num_heads, **kw)
+            except ValueError as e:
+                lines.append(f"  {label} ({cfg.num_heads} heads) {op:7s} -> error: {e}")
+                continue
+            lines.append(f"  {label} ({cfg.num_heads} heads) {op:7s} -> {choice.name}")
+            for other in backends.PRIORITY[op]:
+                if other in choice.rejected:
+                    lines.append(f"      not {other}: {choice.rejected[other]}")
+    return lines
+
+
+def doctor_report() -> str:
+    """The report as text (what ``mla-compile doctor`` prints)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    lines = [
+        "mla-compile doctor",
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda or 'none (CPU build)'}, cuDNN {cudnn or 'none'}",
+        "packages: " + ", ".join(f"{p} {_version(p)}" for p in PACKAGES),
+        f"GPU: {_gpu()}",
+        f"MLA_COMPILE_BACKEND: {envs.backend()}",
+        "",
+        "backends (in priority order; 'graphs' = CUDA-graph support: full / planned (host plan before each "
+        "replay) / none):",
+    ]
+    for op in backends.SPECS:
+        lines.append(f"{op}:")
+        for row in (r for r in backends.describe() if r["op"] == op):
+            state = "available" if row["available"] else "unavailable"
+            tested = "" if row["gpu_tested"] else " [adapter not yet run on a GPU]"
+            lse = "" if row["lse"] else ", no LSE"
+            why = f": {row['why']}" if row["why"] else ""
+            lines.append(f"  {row['backend']:19s} {state}{why} (graphs {row['cuda_graph']}{lse}){tested}")
+    lines += ["", f"selection for {str(DTYPE).replace('torch.', '')}, block size {BLOCK_SIZE} on {device.type}, as "
+              "MLAAttention asks (decode LSE unused; no FlashInfer plan from the metadata builder yet):"]
+    lines += _choices(device)
+    return "\n".join(lines)

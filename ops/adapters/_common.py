@@ -1,0 +1,144 @@
+"""What every peer-library adapter shares: finding a library without importing it, the device
+capability, persistent workspaces, and the boundary rules of our ops (natural-log LSE, token-major
+layout, a query that sees no key gets ``out = 0`` and ``lse = -inf``, padding rows likewise).
+
+The boundary fix-ups below read only tensors already on the device (``seq_lens``, ``cu_seqlens``) and
+shapes: no host sync, so they are safe inside ``torch.compile`` and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._ragged import segments
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+
+@torch.compiler.assume_constant_result
+def importable(module: str) -> bool:
+    """Whether top-level ``module`` can be imported here, found without importing it.
+
+    A module already in ``sys.modules`` counts (the contract tests install fakes there); a ``None``
+    entry there means "blocked" and does not. Under Dynamo (the public op functions check backends
+    while tracing) the answer is computed at trace time and is a constant of the graph.
+    """
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """``(major, minor)`` compute capability of a CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(dev))  # type: ignore[return-value]
+
+
+def require_capability(op: str, backend: str, device: torch.device, minimum: tuple[int, int],
+                       maximum: tuple[int, int] | None = None) -> None:
+    """Raise a ValueError naming the backend when ``device`` is outside ``[minimum, maximum]``.
+
+    Runs inside adapter op bodies (never traced), so the capability query costs nothing under compile.
+    """
+    if device.type != "cuda":
+        return  # CPU contract tests drive the adapters with fake libraries
+    cap = capability(device)
+    if cap is None or cap < minimum or (maximum is not None and cap > maximum):
+        want = f"sm{minimum[0]}{minimum[1]}" + (f" to sm{maximum[0]}{maximum[1]}" if maximum else " or newer")
+        have = "not a CUDA GPU" if cap is None else f"sm{cap[0]}{cap[1]}"
+        raise ValueError(f"{op}: backend {backend!r} needs a GPU of {want}, this one is {have}; "
+                         f"use backend='auto' to pick one that runs here")
+
+
+def check_dtype(op: str, backend: str, name: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    """A TypeError naming the argument when ``t``'s dtype is not one the peer kernel takes."""
+    if t.dtype not in allowed:
+        raise TypeError(f"{op}: backend {backend!r} needs {name} in {[str(d) for d in allowed]}, got {t.dtype}; "
+                        f"cast it or use backend='triton'/'reference'")
+
+
+def check_value(op: str, backend: str, name: str, value: int, allowed: tuple[int, ...]) -> None:
+    """A ValueError naming the argument when a static size is not one the peer kernel takes."""
+    if value not in allowed:
+        raise ValueError(f"{op}: backend {backend!r} needs {name} in {list(allowed)}, got {value}; "
+                         f"use backend='triton' or 'reference' for other sizes")
+
+
+_WORKSPACES: dict[tuple[str, str, int], Tensor] = {}
+
+
+def workspace(key: str, device: torch.device, nbytes: int, *, zero: bool = False) -> Tensor:
+    """A persistent uint8 buffer per ``(key, device)``, allocated on first use and reused after.
+
+    Allocate it in a warm-up call before CUDA-graph capture (every capture recipe warms up first);
+    ``zero`` buffers (semaphores of the trtllm-gen kernels) are zeroed once, and those kernels reset them.
+    """
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    k = (key, device.type, index)
+    buf = _WORKSPACES.get(k)
+    if buf is None or buf.numel() < nbytes:
+        buf = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
+        _WORKSPACES[k] = buf
+    return buf
+
+
+# ------------------------------------------------------------------------------------------ boundary
+
+def decode_visible(seq_lens: Tensor, s_q: int) -> Tensor:
+    """``[B, s_q]`` bool: query i of sequence b sees at least one row (``seq_len - (s_q - 1 - i) > 0``)."""
+    back = (s_q - 1 - torch.arange(s_q, device=seq_lens.device))[None, :]
+    return seq_lens.long()[:, None] - back > 0
+
+
+def finish_decode(out: Tensor, lse: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
+    """Our decode boundary: ``out [B, s_q, H, Dc]``, ``lse [B, s_q, H]`` float32 natural log,
+    empty queries 0 / -inf whatever the peer wrote there; both fresh and contiguous."""
+    vis = decode_visible(seq_lens, out.shape[1])
+    out = torch.where(vis[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    lse = torch.where(vis[:, :, None], lse.to(torch.float32), float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+def prefill_live_rows(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, num_rows: int, causal: bool) -> Tensor:
+    """``[T]`` bool: row t belongs to a sequence and sees at least one key (bottom-right causal)."""
+    n = cu_seqlens_q.shape[0] - 1
+    seq, loc = segments(cu_seqlens_q, num_rows)
+    if n == 0:
+        return torch.zeros(num_rows, dtype=torch.bool, device=cu_seqlens_q.device)
+    idx = seq.clamp(max=n - 1)
+    len_q = cu_seqlens_q.diff().long()[idx]
+    len_k = cu_seqlens_k.diff().long()[idx]
+    seen = torch.minimum(len_k, loc + len_k - len_q + 1) if causal else len_k
+    return (seq < n) & (seen > 0)
+
+
+def finish_prefill(out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                   causal: bool) -> tuple[Tensor, Tensor]:
+    """Our prefill boundary: ``out [T, H, Dv]``, ``lse [T, H]`` float32 natural log; padding rows
+    (past ``cu_seqlens_q[-1]``) and rows that see no key get 0 / -inf (FA2's +inf, garbage, NaN all go)."""
+    live = prefill_live_rows(cu_seqlens_q, cu_seqlens_k, out.shape[0], causal)
+    out = torch.where(live[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    lse = torch.where(live[:, None], lse.to(torch.float32), float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+def merge_natural(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Float32 LSE merge of two non-empty partial results (used inside adapters that split a call)."""
+    m = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = wa + wb
+    out = (out_a.float() * (wa / total)[..., None] + out_b.float() * (wb / total)[..., None]).to(out_a.dtype)
+    return out, m + torch.log(total)

@@ -1,0 +1,299 @@
+"""Fake peer libraries for the adapter contract tests.
+
+Each fake records every call (positional args and keywords), asserts what the real library requires
+(head dims, dtypes, index dtypes, layouts), and answers with results computed by the float64
+references of ``tests/ops/ref64.py`` in the *peer's* layout and LSE base, including the peer's
+behaviour on rows it does not define (FA2: ``+inf`` LSE for rows without keys; unwritten padding rows
+are NaN; ``merge_state`` turns an empty part into NaN). The adapters must turn all of that into our
+contract. Installed with ``monkeypatch.setitem(sys.modules, ...)`` so nothing leaks between tests.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from ..ref64 import Paged, decode_ref64, merge_ref64, prefill_ref64
+
+LOG2E = 1.0 / math.log(2.0)
+NAN, INF = float("nan"), float("inf")
+
+
+def paged_from_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int) -> Paged:
+    """The ref64 ``Paged`` layout a block table and lengths describe (used blocks only)."""
+    lens = [int(x) for x in seq_lens.tolist()]
+    tables = tuple(tuple(int(b) for b in block_table[i, :-(-n // block_size)].tolist()) for i, n in enumerate(lens))
+    return Paged(block_size, num_blocks, tuple(lens), tables, block_table.shape[1], -1)
+
+
+def _lens(cu: torch.Tensor) -> list[int]:
+    c = [int(x) for x in cu.tolist()]
+    return [b - a for a, b in zip(c[:-1], c[1:])]
+
+
+class Calls(list):
+    """Recorded calls: ``(name, args, kwargs)``."""
+
+    def named(self, name: str) -> list[tuple[tuple, dict]]:
+        return [(a, k) for n, a, k in self if n == name]
+
+
+# ------------------------------------------------------------------------------------------ flash_attn
+
+def make_flash_attn(calls: Calls) -> types.ModuleType:
+    mod = types.ModuleType("flash_attn")
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+        calls.append(("flash_attn_varlen_func", (q, k, v), dict(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, return_attn_probs=return_attn_probs)))
+        assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FA2 takes one head dim for q, k and v"
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        lq, lk = _lens(cu_seqlens_q), _lens(cu_seqlens_k)
+        assert max(lq, default=0) <= max_seqlen_q and max(lk, default=0) <= max_seqlen_k
+        out, lse = prefill_ref64(q, k, v, lq, lk, softmax_scale, causal)
+        out = out.to(q.dtype)
+        lse = lse.to(torch.float32)
+        lse[lse == -INF] = INF  # FA2: rows that see no key
+        written = int(cu_seqlens_q[-1])
+        out[written:], lse[written:] = NAN, NAN  # rows past cu_seqlens_q[-1] are never written
+        lse = lse.transpose(0, 1).contiguous()  # [H, total_q]
+        return (out, lse, None) if return_attn_probs else out
+
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    return mod
+
+
+# ------------------------------------------------------------------------------------------ flash_mla
+
+class FakeSchedMeta:
+    def __init__(self):
+        self.have_initialized = False
+
+
+def make_flash_mla(calls: Calls) -> types.ModuleType:
+    mod = types.ModuleType("flash_mla")
+
+    def get_mla_metadata(*args, **kwargs):
+        calls.append(("get_mla_metadata", args, kwargs))
+        return FakeSchedMeta(), None
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                               use_legacy=False):
+        calls.append(("flash_mla_with_kvcache", (q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                 tile_scheduler_metadata),
+                      dict(num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
+                           is_fp8_kvcache=is_fp8_kvcache, indices=indices, use_legacy=use_legacy)))
+        meta = tile_scheduler_metadata
+        assert isinstance(meta, FakeSchedMeta) and not meta.have_initialized, "a fresh schedule per call"
+        meta.have_initialized = True
+        B, s_q, H, D = q.shape
+        assert q.dtype == k_cache.dtype == torch.bfloat16 and D == 576 and head_dim_v == 512
+        assert k_cache.dim() == 4 and k_cache.shape[1] == 64 and k_cache.shape[2] == 1 and k_cache.shape[3] == D
+        assert block_table.dtype == cache_seqlens.dtype == torch.int32
+        layout = paged_from_tables(block_table, cache_seqlens, k_cache.shape[0], 64)
+        out, lse = decode_ref64(q, k_cache[:, :, 0], layout, softmax_scale, head_dim_v)
+        if not causal:  # FlashMLA without causal: every query of a sequence sees all its rows
+            for i in range(s_q - 1):
+                out[:, i], lse[:, i] = out[:, -1], lse[:, -1]
+        out, lse = out.to(q.dtype), lse.to(torch.float32)
+        empty = lse == -INF
+        out[empty], lse[empty] = NAN, INF  # undefined in FlashMLA: make the adapter fix it
+        return out, lse.transpose(1, 2).contiguous()  # lse [B, H, s_q]
+
+    mod.get_mla_metadata = get_mla_metadata
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    return mod
+
+
+# ------------------------------------------------------------------------------------------ flashinfer
+
+def _paged_mla64(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len, causal, scale):
+    """FlashInfer MLA semantics from its plan arrays: ``out [n, H, 512]``, base-2 ``lse [n, H]``."""
+    n, H, dc = q_nope.shape
+    page = ckv.shape[1]
+    out = torch.full((n, H, dc), NAN, dtype=torch.float64)
+    lse = torch.full((n, H), NAN, dtype=torch.float64)
+    q = torch.cat([q_nope, q_pe], -1).double()
+    rows = torch.cat([ckv, kpe], -1).double()
+    for i in range(len(kv_len)):
+        q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
+        pages = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])].long()
+        L = int(kv_len[i])
+        keys = rows[pages].reshape(-1, rows.shape[-1])[:L]
+        for j in range(q1 - q0):
+            visible = L - (q1 - q0 - 1 - j) if causal else L
+            if visible <= 0:
+                out[q0 + j], lse[q0 + j] = 0.0, -INF
+                continue
+            s = torch.einsum("hd,ld->hl", q[q0 + j], keys[:visible]) * scale
+            lse_e = torch.logsumexp(s, -1)
+            out[q0 + j] = torch.softmax(s, -1) @ keys[:visible, :dc]
+            lse[q0 + j] = lse_e * LOG2E
+    return out.to(q_nope.dtype), lse.float()
+
+
+class FakeMLAWrapper:
+    def __init__(self, calls: Calls, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
+                 kv_indices=None, kv_len_arr=None, backend="auto"):
+        calls.append(("BatchMLAPagedAttentionWrapper", (float_workspace_buffer,),
+                      dict(use_cuda_graph=use_cuda_graph, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                           kv_indices=kv_indices, kv_len_arr=kv_len_arr, backend=backend)))
+        self.calls, self.backend, self.use_cuda_graph = calls, backend, use_cuda_graph
+        self.bufs = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
+        self.planned = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type, use_profiler=False):
+        self.calls.append(("mla.plan", (qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
+                                        head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type), {}))
+        for t in (qo_indptr, kv_indptr, kv_indices, kv_len_arr):
+            assert t.dtype == torch.int32 and t.device.type == "cpu", "host arrays: plan() reads them on the CPU"
+        if self.use_cuda_graph:
+            for buf, t in zip(self.bufs, (qo_indptr, kv_indptr, kv_indices, kv_len_arr)):
+                buf[:len(t)].copy_(t)
+        self.planned = dict(qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(),
+                            kv_len=kv_len_arr.clone(), num_heads=num_heads, page_size=page_size, causal=causal,
+                            sm_scale=sm_scale)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
+            kv_len=None, page_table=None):
+        self.calls.append(("mla.run", (q_nope, q_pe, ckv_cache, kpe_cache),
+                           dict(return_lse=return_lse, kv_len=kv_len, page_table=page_table)))
+        if self.backend == "cutlass":
+            assert not return_lse and q_nope.shape[1] == 128 and page_table.shape[1] % (128 // ckv_cache.shape[1]) == 0
+            B = q_nope.shape[0]
+            pages_per = page_table.shape[1]
+            qo = torch.arange(B + 1, dtype=torch.int32)
+            o, _ = _paged_mla64(q_nope, q_pe, ckv_cache, kpe_cache, qo, qo * pages_per, page_table.reshape(-1),
+                                kv_len, False, 192 ** -0.5)
+            return o
+        p = self.planned
+        assert p is not None, "run() before plan()"
+        assert q_nope.shape[1] == p["num_heads"] and ckv_cache.shape[1] == p["page_size"]
+        assert q_nope.is_contiguous() and q_pe.is_contiguous()
+        o, l = _paged_mla64(q_nope, q_pe, ckv_cache, kpe_cache, p["qo_indptr"], p["kv_indptr"], p["kv_indices"],
+                            p["kv_len"], p["causal"], p["sm_scale"])
+        return (o, l) if return_lse else o
+
+
+class FakeRaggedWrapper:
+    def __init__(self, calls: Calls, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, backend="auto"):
+        calls.append(("BatchPrefillWithRaggedKVCacheWrapper", (float_workspace_buffer, kv_layout), {}))
+        assert kv_layout == "NHD"
+        self.calls, self.planned = calls, None
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None, causal=False,
+             sm_scale=None, q_data_type="float16", kv_data_type=None, **kwargs):
+        self.calls.append(("ragged.plan", (qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk),
+                           dict(head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
+                                kv_data_type=kv_data_type, **kwargs)))
+        assert qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"
+        self.planned = dict(lq=_lens(qo_indptr), lk=_lens(kv_indptr), written=int(qo_indptr[-1]), causal=causal,
+                            sm_scale=sm_scale, dims=(head_dim_qk, head_dim_vo))
+
+    def run(self, q, k, v, out=None, lse=None, return_lse=False):
+        self.calls.append(("ragged.run", (q, k, v), dict(return_lse=return_lse)))
+        p = self.planned
+        assert (q.shape[-1], v.shape[-1]) == p["dims"]
+        o, l = prefill_ref64(q, k, v, p["lq"], p["lk"], p["sm_scale"], p["causal"])
+        o, l = o.to(q.dtype), (l * LOG2E).float()
+        o[p["written"]:], l[p["written"]:] = NAN, NAN
+        return (o, l) if return_lse else o
+
+
+def make_flashinfer(calls: Calls) -> dict[str, types.ModuleType]:
+    root = types.ModuleType("flashinfer")
+    mla, prefill = types.ModuleType("flashinfer.mla"), types.ModuleType("flashinfer.prefill")
+    cascade, decode = types.ModuleType("flashinfer.cascade"), types.ModuleType("flashinfer.decode")
+    mla.BatchMLAPagedAttentionWrapper = lambda *a, **k: FakeMLAWrapper(calls, *a, **k)
+    prefill.BatchPrefillWithRaggedKVCacheWrapper = lambda *a, **k: FakeRaggedWrapper(calls, *a, **k)
+
+    def merge_state(v_a, s_a, v_b, s_b):
+        """FlashInfer's arithmetic, base 2, literally (an empty/empty row gives NaN, 0 x NaN leaks)."""
+        calls.append(("merge_state", (v_a, s_a, v_b, s_b), {}))
+        assert s_a.dtype == s_b.dtype == torch.float32 and v_a.is_contiguous() and s_a.is_contiguous()
+        m = torch.maximum(s_a, s_b).double()
+        wa, wb = torch.exp2(s_a.double() - m), torch.exp2(s_b.double() - m)
+        v = (v_a.double() * wa[..., None] + v_b.double() * wb[..., None]) / (wa + wb)[..., None]
+        return v.to(v_a.dtype), (m + torch.log2(wa + wb)).float()
+
+    def trtllm_ragged_attention_deepseek(**kw):
+        calls.append(("trtllm_ragged_attention_deepseek", (), kw))
+        q, k, v = kw["query"], kw["key"], kw["value"]
+        assert (q.shape[2], k.shape[2], v.shape[2]) == (192, 192, 128) and kw["workspace_buffer"].dtype == torch.uint8
+        lq, lk = _lens(kw["cum_seq_lens_q"]), _lens(kw["cum_seq_lens_kv"])
+        assert kw["seq_lens"].tolist() == lk and kw["batch_size"] == len(lq)
+        assert max(lq, default=0) <= kw["max_q_len"] and max(lk, default=0) <= kw["max_kv_len"]
+        o, l = prefill_ref64(q, k, v, lq, lk, kw["bmm1_scale"], kw["is_causal"])
+        o, l = o.to(q.dtype), (l * LOG2E).float()
+        written = int(kw["cum_seq_lens_q"][-1])
+        o[written:], l[written:] = NAN, NAN
+        return (o, l) if kw["return_lse"] else o
+
+    def trtllm_batch_decode_with_kv_cache_mla(**kw):
+        calls.append(("trtllm_batch_decode_with_kv_cache_mla", (), kw))
+        q, cache, table = kw["query"], kw["kv_cache"], kw["block_tables"]
+        bs = cache.shape[1]
+        assert q.dim() == 4 and q.shape[-1] == 576 and cache.dim() == 3 and bs in (32, 64)
+        assert table.shape[1] % (128 // bs) == 0 and kw["max_seq_len"] >= int(kw["seq_lens"].max())
+        layout = paged_from_tables(table, kw["seq_lens"], cache.shape[0], bs)
+        out, _ = decode_ref64(q, cache, layout, kw["bmm1_scale"] * kw["bmm2_scale"], kw["kv_lora_rank"])
+        return out.to(torch.bfloat16)
+
+    cascade.merge_state = merge_state
+    prefill.trtllm_ragged_attention_deepseek = trtllm_ragged_attention_deepseek
+    decode.trtllm_batch_decode_with_kv_cache_mla = trtllm_batch_decode_with_kv_cache_mla
+    root.mla, root.prefill, root.cascade, root.decode = mla, prefill, cascade, decode
+    return {"flashinfer": root, "flashinfer.mla": mla, "flashinfer.prefill": prefill,
+            "flashinfer.cascade": cascade, "flashinfer.decode": decode}
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch) -> Calls:
+    calls = Calls()
+    monkeypatch.setitem(sys.modules, "flash_attn", make_flash_attn(calls))
+    return calls
+
+
+@pytest.fixture
+def fake_flash_mla(monkeypatch) -> Calls:
+    calls = Calls()
+    monkeypatch.setitem(sys.modules, "flash_mla", make_flash_mla(calls))
+    return calls
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch) -> Calls:
+    calls = Calls()
+    for name, mod in make_flashinfer(calls).items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return calls
+
+
+@pytest.fixture
+def allow_cpu(monkeypatch):
+    """``allow_cpu(op, backend)``: let a CUDA-only backend serve CPU tensors (its fake library computes them),
+    so the public op function (dispatch, plan passing) can be traced and compiled on CPU."""
+    import dataclasses
+
+    from mla_compile.ops import _dispatch
+
+    def allow(op: str, backend: str) -> None:
+        impl = _dispatch._TABLE[op][backend]
+        monkeypatch.setitem(_dispatch._TABLE[op], backend, dataclasses.replace(impl, devices=("cpu", "cuda")))
+
+    return allow
+
+
+__all__ = ["Calls", "merge_ref64", "paged_from_tables"]

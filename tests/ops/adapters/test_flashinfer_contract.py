@@ -1,0 +1,160 @@
+"""FlashInfer adapters against a fake ``flashinfer``: the host-side plan made outside the op (indptr /
+indices built from the block table, CPU arrays, CUDA-graph buffers), the run call, base-2 LSE -> natural
+log, empty rows and padding -> ``0 / -inf``, ``merge_state``'s NaN on empty parts fixed, and outputs
+equal to the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mla_compile import ops
+from mla_compile.ops import backends_for
+from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, flashinfer_decode_core, flashinfer_merge_core,
+                                                 flashinfer_prefill_core, plan_flashinfer_decode,
+                                                 plan_flashinfer_prefill)
+from ..ref64 import (LSE_TOL, OUT_TOL, Paged, decode_ref64, fill_paged_cache, generator, merge_ref64, prefill_ref64,
+                     randn)
+
+BF16, I32 = torch.bfloat16, torch.int32
+LAYOUT = Paged(16, 9, (0, 20, 1, 40), ((), (7, 2), (0,), (5, 1, 8)), 4, 3)
+WS = 1 << 10  # a tiny workspace: the fake does not use it
+
+
+def _decode_inputs(s_q: int, heads: int = 2, seed: int = 0, layout: Paged = LAYOUT):
+    gen = generator(seed)
+    cache = fill_paged_cache(layout, 576, BF16, gen)
+    q = randn(gen, len(layout.seq_lens), s_q, heads, 576, dtype=BF16)
+    return q, cache, layout.block_table(I32), layout.seq_lens_tensor(I32)
+
+
+def _plan(table, lens, s_q, heads=2, scale=0.1, **kw):
+    return plan_flashinfer_decode(table, lens, num_heads=heads, block_size=16, scale=scale, dtype=BF16, query_len=s_q,
+                                  device="cpu", workspace_bytes=WS, **kw)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_decode_plan_and_run_contract(fake_flashinfer, s_q):
+    q, cache, table, lens = _decode_inputs(s_q)
+    plan = _plan(table, lens, s_q)
+    [(pargs, _)] = fake_flashinfer.named("mla.plan")
+    qo_indptr, kv_indptr, kv_indices, kv_len, H, dc, dr, page, causal, scale, qdt, kvdt = pargs
+    assert qo_indptr.tolist() == [i * s_q for i in range(5)]
+    assert kv_indptr.tolist() == [0, 0, 2, 3, 6] and kv_indices.tolist() == [7, 2, 0, 5, 1, 8]
+    assert kv_len.tolist() == [0, 20, 1, 40] and (H, dc, dr, page) == (2, 512, 64, 16)
+    assert causal is (s_q > 1) and scale == 0.1 and qdt == kvdt == BF16
+
+    out, lse = flashinfer_decode_core(q, cache, table, lens, 0.1, 512, plan)
+    [(rargs, rkw)] = fake_flashinfer.named("mla.run")
+    q_nope, q_pe, ckv, kpe = rargs
+    assert q_nope.shape == (4 * s_q, 2, 512) and q_pe.shape == (4 * s_q, 2, 64) and rkw["return_lse"] is True
+    assert ckv.shape == (9, 16, 512) and kpe.shape == (9, 16, 64) and ckv.data_ptr() == cache.data_ptr()
+
+    ref_out, ref_lse = decode_ref64(q, cache, LAYOUT, 0.1, 512)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])  # base 2 x ln 2
+    empty = ref_lse == float("-inf")
+    assert empty.any() and torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
+
+
+def test_decode_through_the_custom_op_and_compiled(fake_flashinfer, allow_cpu):
+    allow_cpu("mla.decode", "flashinfer")
+    q, cache, table, lens = _decode_inputs(1, seed=1)
+    plan = _plan(table, lens, 1)
+    want = flashinfer_decode_core(q, cache, table, lens, 0.1, 512, plan)
+    got = torch.ops.mla.decode_flashinfer(q, cache, table, lens, 0.1, 512, plan.plan_id)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the public function: dispatch, the plan handed to the backend, the plan id a constant of the graph
+    fn = torch.compile(lambda *a: ops.decode(*a, 0.1, kv_lora_rank=512, backend="flashinfer", plan=plan),
+                       fullgraph=True, backend="aot_eager")
+    got = fn(q, cache, table, lens)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _plan(table, lens, 1, plan=plan)  # re-planned in place: the compiled graph keeps working, no recompile
+    with torch.compiler.set_stance("fail_on_recompile"):
+        fn(q, cache, table, lens)
+    with pytest.raises(ValueError, match="plan= is only used by backends that plan on the host"):
+        ops.decode(q, cache, table, lens, 0.1, kv_lora_rank=512, backend="reference", plan=plan)
+    torch.library.opcheck(torch.ops.mla.decode_flashinfer.default, (q, cache, table, lens, 0.1, 512, plan.plan_id))
+
+
+def test_replanning_keeps_the_plan_id_and_follows_new_lengths(fake_flashinfer):
+    q, _, table, lens = _decode_inputs(1, seed=2)
+    plan = _plan(table, lens, 1)
+    first_id = plan.plan_id
+    layout2 = Paged(16, 9, (3, 17, 1, 33), ((6,), (7, 2), (0,), (5, 1, 8)), 4, 3)
+    cache2 = fill_paged_cache(layout2, 576, BF16, generator(3))
+    table2, lens2 = layout2.block_table(I32), layout2.seq_lens_tensor(I32)
+    assert _plan(table2, lens2, 1, plan=plan) is plan and plan.plan_id == first_id and plan.times_planned == 2
+    out, lse = torch.ops.mla.decode_flashinfer(q, cache2, table2, lens2, 0.1, 512, plan.plan_id)
+    ref_out, ref_lse = decode_ref64(q, cache2, layout2, 0.1, 512)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+    assert len(fake_flashinfer.named("BatchMLAPagedAttentionWrapper")) == 1, "one wrapper per plan object"
+
+
+def test_cuda_graph_plans_fill_persistent_buffers(fake_flashinfer):
+    _, _, table, lens = _decode_inputs(1)
+    plan = _plan(table, lens, 1, use_cuda_graph=True)
+    [(_, ckw)] = fake_flashinfer.named("BatchMLAPagedAttentionWrapper")
+    assert ckw["use_cuda_graph"] is True and ckw["kv_indices"] is plan.buffers[2]
+    assert plan.buffers[1].tolist() == [0, 0, 2, 3, 6] and plan.buffers[3].tolist() == [0, 20, 1, 40]
+    with pytest.raises(ValueError, match="make one plan per captured batch size"):
+        _plan(table[:2], lens[:2], 1, plan=plan, use_cuda_graph=True)
+
+
+def test_plan_mismatch_and_missing_plan_are_clear_errors(fake_flashinfer):
+    q, cache, table, lens = _decode_inputs(1)
+    plan = _plan(table, lens, 1, heads=4)
+    with pytest.raises(ValueError, match=r"plan \d+ does not match this call \(num_heads: planned 4, got 2\)"):
+        flashinfer_decode_core(q, cache, table, lens, 0.1, 512, plan)
+    with pytest.raises(ValueError, match="made for other static facts"):
+        _plan(table, lens, 1, heads=2, plan=plan)
+    with pytest.raises(ValueError, match="needs plan=FlashInferDecodePlan"):
+        backends_for("mla.decode")["flashinfer"].fn(q, cache, table, lens, 0.1, 512)
+    with pytest.raises(ValueError, match="no longer exists"):
+        torch.ops.mla.decode_flashinfer(q, cache, table, lens, 0.1, 512, 10 ** 9)
+    assert isinstance(plan, FlashInferDecodePlan)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_plan_and_run_contract(fake_flashinfer, causal):
+    gen = generator(5)
+    lens_q, lens_k = ([3, 4], [5, 4]) if causal else ([3, 4], [0, 6])
+    q, k = randn(gen, 8, 2, 192, dtype=BF16), randn(gen, 11, 2, 192, dtype=BF16)
+    v = randn(gen, 11, 2, 128, dtype=BF16)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(2)], dtype=I32)
+    plan = plan_flashinfer_prefill(cu_q, cu_k, num_heads=2, head_dim_qk=192, head_dim_v=128, scale=0.1, dtype=BF16,
+                                   causal=causal, device="cpu", workspace_bytes=WS)
+    [(pargs, pkw)] = fake_flashinfer.named("ragged.plan")
+    assert pargs[2:] == (2, 2, 192) and pkw["head_dim_vo"] == 128 and pkw["causal"] is causal
+    assert pkw["sm_scale"] == 0.1 and pkw["q_data_type"] == pkw["kv_data_type"] == BF16
+
+    out, lse = flashinfer_prefill_core(q, k, v, cu_q, cu_k, 0.1, causal, plan)
+    assert fake_flashinfer.named("ragged.run")[0][1]["return_lse"] is True
+    ref_out, ref_lse = prefill_ref64(q, k, v, lens_q, lens_k, 0.1, causal)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+    assert torch.isneginf(lse[7]).all() and (out[7] == 0).all(), "the padding row past cu_seqlens_q[-1]"
+    got = torch.ops.mla.prefill_flashinfer(q, k, v, cu_q, cu_k, 0.1, causal, plan.plan_id)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+
+
+def test_merge_converts_the_base_and_keeps_empty_parts_exact(fake_flashinfer):
+    gen = generator(7)
+    out_a, out_b = randn(gen, 5, 2, 16, dtype=BF16), randn(gen, 5, 2, 16, dtype=BF16)
+    lse_a, lse_b = randn(gen, 5, 2, dtype=torch.float32), randn(gen, 5, 2, dtype=torch.float32)
+    lse_a[0], out_a[0] = float("-inf"), float("nan")  # an empty part whose output is garbage
+    lse_a[1] = lse_b[1] = float("-inf")  # both empty
+    out, lse = flashinfer_merge_core(out_a, lse_a, out_b, lse_b)
+    [(args, _)] = fake_flashinfer.named("merge_state")
+    assert_close(args[1], lse_a * (1 / math.log(2)))  # handed over in base 2
+    ref_out, ref_lse = merge_ref64(out_a, lse_a, out_b, lse_b)
+    assert not out.isnan().any()
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    got = torch.ops.mla.merge_attn_states_flashinfer(out_a, lse_a, out_b, lse_b)
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
