@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
+from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops._dispatch import call_impl, register_impl, resolve
+from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
 
 OP = "mla.decode"
 
@@ -35,23 +36,7 @@ def validate(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                          f"got {kv_lora_rank}")
     check_same_device(OP, q=q, kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens)
     if data_checks_enabled(seq_lens):
-        capacity = block_table.shape[1] * kv_cache.shape[1]
-        check_range(OP, "seq_lens", seq_lens, 0, capacity + 1, what=f"at most max_blocks * block_size = {capacity}")
-        pos = torch.arange(capacity, device=seq_lens.device)
-        used = (pos[None, :] < seq_lens[:, None].long())[:, ::kv_cache.shape[1]]
-        check_range(OP, "block_table", block_table[used], 0, kv_cache.shape[0],
-                    what=f"block ids of used blocks, num_blocks = {kv_cache.shape[0]}")
-
-
-def _gather_rows(kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, dtype: torch.dtype):
-    """Rows ``[B, L, D]`` of each sequence (L = max_blocks * block_size) and the validity mask ``[B, L]``."""
-    block_size = kv_cache.shape[1]
-    L = block_table.shape[1] * block_size
-    pos = torch.arange(L, device=kv_cache.device)
-    valid = pos[None, :] < seq_lens[:, None].long()
-    blocks = torch.where(valid, block_table.long()[:, pos // block_size], 0)
-    rows = kv_cache[blocks, (pos % block_size)[None, :].expand_as(blocks)].to(dtype)
-    return torch.where(valid[..., None], rows, 0), valid, pos
+        check_paged_data(OP, block_table, seq_lens, kv_cache.shape[1], kv_cache.shape[0])
 
 
 @torch.library.custom_op("mla::decode_ref", mutates_args=())
@@ -60,17 +45,13 @@ def decode_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     """Reference (plain torch, any device, float32 or float64 math): gather every row, mask, softmax."""
     validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, s_q, H, _ = q.shape
-    rows, _, pos = _gather_rows(kv_cache, block_table, seq_lens, acc)
-    scores = torch.einsum("bqhd,bld->bqhl", q.to(acc), rows) * scale
+    s_q = q.shape[1]
+    slots, valid, pos = sequence_slots(block_table, seq_lens, kv_cache.shape[1])
+    rows = kv_cache[slots // kv_cache.shape[1], slots % kv_cache.shape[1]].to(acc)
+    rows = torch.where(valid[..., None], rows, 0)  # unread rows may hold NaN: never let them in
     # query i of s_q sees positions < seq_len - (s_q - 1 - i)
     limit = seq_lens[:, None].long() - (s_q - 1 - torch.arange(s_q, device=q.device))[None, :]
-    visible = (pos[None, None, :] < limit[..., None])[:, :, None, :]  # [B, s_q, 1, L]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.where(visible, torch.exp(scores - lse[..., None]), 0.0)
-    out = torch.einsum("bqhl,bld->bqhd", probs, rows[..., :kv_lora_rank])
-    return out.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
+    return attend(q, rows[:, None], pos[None, None, :] < limit[..., None], scale, kv_lora_rank)
 
 
 @decode_ref.register_fake
