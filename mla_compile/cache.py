@@ -12,16 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_compile.config import MLAConfig
-
-FP8_GROUP = 128  # latent values per fp32 scale in the DeepSeek fp8 format
-
-
-def fp8_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64) -> int:
-    """Bytes of one token in the DeepSeek fp8 latent format (656 for 512/64)."""
-    if kv_lora_rank % FP8_GROUP:
-        raise ValueError(f"kv_lora_rank must be a multiple of {FP8_GROUP} for the fp8 format, got {kv_lora_rank}")
-    return kv_lora_rank + 4 * (kv_lora_rank // FP8_GROUP) + 2 * rope_dim
-
+from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes  # noqa: F401  (re-exported)
 
 @dataclass(frozen=True)
 class CacheLayout:

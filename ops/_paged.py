@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import check_range
+from mla_compile.ops._ragged import segments
 
 
 def scatter_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
@@ -73,3 +74,17 @@ def check_paged_data(op: str, block_table: Tensor, seq_lens: Tensor, block_size:
     high = 2**62 if num_blocks is None else num_blocks
     what = "block ids of used blocks" + ("" if num_blocks is None else f", num_blocks = {num_blocks}")
     check_range(op, "block_table", block_table[used], 0, high, what=what)
+
+
+def ragged_rows(block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor, n_rows: int,
+                block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Cache coordinates of ``n_rows`` ragged workspace rows: row ``cu_seqlens[i] + j`` is position
+    ``seq_starts[i] + j`` of sequence i. Returns ``(block ids, offsets, live)`` (``[n_rows]`` each; rows
+    past ``cu_seqlens[-1]`` are not live and point at block 0, offset 0). Needs at least one sequence."""
+    n_seq = block_table.shape[0]
+    seq, loc = segments(cu_seqlens, n_rows)
+    live = seq < n_seq
+    s = seq.clamp(max=n_seq - 1)
+    pos = torch.where(live, seq_starts.long()[s] + loc, 0)
+    blocks = torch.where(live, block_table.long()[s, (pos // block_size).clamp(max=block_table.shape[1] - 1)], 0)
+    return blocks, pos % block_size, live

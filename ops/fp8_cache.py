@@ -36,11 +36,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.cache import FP8_GROUP, fp8_row_bytes
+from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops._dispatch import register_impl, resolve
-from mla_compile.ops._paged import attend, check_paged_data, scatter_rows, sequence_slots
+from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -183,12 +183,8 @@ def gather_latent_cache_fp8_ref(kv_cache: Tensor, block_table: Tensor, cu_seqlen
     if N == 0:
         out.zero_()
         return
-    seq, loc = segments(cu_seqlens, out.shape[0])
-    live = seq < N
-    s = seq.clamp(max=N - 1)
-    pos = torch.where(live, seq_starts.long()[s] + loc, 0)
-    blocks = torch.where(live, block_table.long()[s, (pos // bs).clamp(max=block_table.shape[1] - 1)], 0)
-    rows = _dequantized(kv_cache[blocks, pos % bs], rank)
+    blocks, offsets, live = ragged_rows(block_table, cu_seqlens, seq_starts, out.shape[0], bs)
+    rows = _dequantized(kv_cache[blocks, offsets], rank)
     out.copy_(torch.where(live[:, None], rows.to(out.dtype), 0))
 
 

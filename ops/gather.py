@@ -15,6 +15,7 @@ from torch import Tensor
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._paged import ragged_rows
 from mla_compile.ops._ragged import segments
 
 OP = "mla.gather_latent_cache"
@@ -52,17 +53,11 @@ def gather_latent_cache_ref(kv_cache: Tensor, block_table: Tensor, cu_seqlens: T
                             out: Tensor) -> None:
     """Reference (plain torch, any device, no host sync): one indexed gather, padding rows zeroed."""
     validate(kv_cache, block_table, cu_seqlens, seq_starts, out)
-    N, bs = block_table.shape[0], kv_cache.shape[1]
-    seq, loc = segments(cu_seqlens, out.shape[0])
-    live = seq < N
-    s = seq.clamp(max=max(N - 1, 0))
-    if N == 0:
+    if block_table.shape[0] == 0:
         out.zero_()
         return
-    pos = torch.where(live, seq_starts.long()[s] + loc, 0)
-    blocks = torch.where(live, block_table.long()[s, (pos // bs).clamp(max=block_table.shape[1] - 1)], 0)
-    rows = kv_cache[blocks, pos % bs]
-    out.copy_(torch.where(live[:, None], rows.to(out.dtype), 0))
+    blocks, offsets, live = ragged_rows(block_table, cu_seqlens, seq_starts, out.shape[0], kv_cache.shape[1])
+    out.copy_(torch.where(live[:, None], kv_cache[blocks, offsets].to(out.dtype), 0))
 
 
 @gather_latent_cache_ref.register_fake
