@@ -54,11 +54,14 @@ def decode_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     return attend(q, rows[:, None], pos[None, None, :] < limit[..., None], scale, kv_lora_rank)
 
 
-@decode_ref.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+def fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *backend_args):
+    """Fake outputs shared by every decode implementation: validate, then ``out``, ``lse``."""
     validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     B, s_q, H, _ = q.shape
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+decode_ref.register_fake(fake)
 
 
 register_impl(OP, "reference", torch.ops.mla.decode_ref, devices=("any",))

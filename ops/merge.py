@@ -47,10 +47,13 @@ def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Te
     return out.to(out_a.dtype).contiguous(), lse.to(torch.float32).contiguous()
 
 
-@merge_attn_states_ref.register_fake
-def _(out_a, lse_a, out_b, lse_b):
+def fake(out_a, lse_a, out_b, lse_b):
+    """Fake outputs shared by every merge implementation: validate, then ``out``, ``lse`` like the inputs."""
     validate(out_a, lse_a, out_b, lse_b)
     return torch.empty_like(out_a), torch.empty_like(lse_a)
+
+
+merge_attn_states_ref.register_fake(fake)
 
 
 register_impl(OP, "reference", torch.ops.mla.merge_attn_states_ref, devices=("any",))

@@ -68,11 +68,14 @@ def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
     return out.to(q.dtype).contiguous(), lse.transpose(0, 1).to(torch.float32).contiguous()
 
 
-@prefill_ref.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
+def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, *backend_args):
+    """Fake outputs shared by every prefill implementation: validate, then ``out [T, H, Dv]``, ``lse [T, H]``."""
     validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     T, H, _ = q.shape
     return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+
+
+prefill_ref.register_fake(fake)
 
 
 register_impl(OP, "reference", torch.ops.mla.prefill_ref, devices=("any",))

@@ -25,6 +25,7 @@ from torch import Tensor
 from mla_compile.ops._dispatch import register_impl
 from mla_compile.ops.adapters._common import check_dtype, finish_prefill, importable, require_capability
 from mla_compile.ops.prefill import OP, validate
+from mla_compile.ops.prefill import fake as prefill_fake
 
 BACKEND = "flash-attn"
 MODULE = "flash_attn"
@@ -62,11 +63,7 @@ def prefill_flash_attn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
     return flash_attn_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-@prefill_flash_attn.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-    T, H, _ = q.shape
-    return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+prefill_flash_attn.register_fake(prefill_fake)
 
 
 def available() -> bool:

@@ -33,10 +33,13 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops.decode import OP as DECODE_OP
+from mla_compile.ops.decode import fake as decode_fake
 from mla_compile.ops.decode import validate as validate_decode
 from mla_compile.ops.merge import OP as MERGE_OP
+from mla_compile.ops.merge import fake as merge_fake
 from mla_compile.ops.merge import validate as validate_merge
 from mla_compile.ops.prefill import OP as PREFILL_OP
+from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
 from mla_compile.ops._dispatch import register_impl
 from mla_compile.ops.adapters._common import (LN2, LOG2E, check_dtype, finish_decode, finish_prefill, importable,
@@ -198,11 +201,7 @@ def decode_flashinfer(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens
     return flashinfer_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, plan)
 
 
-@decode_flashinfer.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, plan_id):
-    validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    B, s_q, H, _ = q.shape
-    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+decode_flashinfer.register_fake(decode_fake)
 
 
 def _decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
@@ -297,11 +296,7 @@ def prefill_flashinfer(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
     return flashinfer_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan)
 
 
-@prefill_flashinfer.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan_id):
-    validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-    T, H, _ = q.shape
-    return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+prefill_flashinfer.register_fake(prefill_fake)
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -342,10 +337,7 @@ def merge_attn_states_flashinfer(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
     return flashinfer_merge_core(out_a, lse_a, out_b, lse_b)
 
 
-@merge_attn_states_flashinfer.register_fake
-def _(out_a, lse_a, out_b, lse_b):
-    validate_merge(out_a, lse_a, out_b, lse_b)
-    return torch.empty_like(out_a), torch.empty_like(lse_a)
+merge_attn_states_flashinfer.register_fake(merge_fake)
 
 
 register_impl(MERGE_OP, BACKEND, torch.ops.mla.merge_attn_states_flashinfer, devices=("cuda",),

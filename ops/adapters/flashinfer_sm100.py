@@ -25,8 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mla_compile.ops.decode import OP as DECODE_OP
+from mla_compile.ops.decode import fake as decode_fake
 from mla_compile.ops.decode import validate as validate_decode
 from mla_compile.ops.prefill import OP as PREFILL_OP
+from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
 from mla_compile.ops._dispatch import register_impl
 from mla_compile.ops.adapters._common import (LN2, check_dtype, check_value, finish_decode, finish_prefill,
@@ -129,12 +131,6 @@ def trtllm_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
     return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
 
 
-def _decode_fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-    validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    B, s_q, H, _ = q.shape
-    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
-
-
 @torch.library.custom_op("mla::decode_flashinfer_trtllm", mutates_args=())
 def decode_flashinfer_trtllm(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                              kv_lora_rank: int) -> tuple[Tensor, Tensor]:
@@ -159,15 +155,11 @@ def prefill_flashinfer_trtllm(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Ten
     return trtllm_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-decode_flashinfer_trtllm.register_fake(_decode_fake)
-decode_flashinfer_cutlass.register_fake(_decode_fake)
+decode_flashinfer_trtllm.register_fake(decode_fake)
+decode_flashinfer_cutlass.register_fake(decode_fake)
 
 
-@prefill_flashinfer_trtllm.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-    T, H, _ = q.shape
-    return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+prefill_flashinfer_trtllm.register_fake(prefill_fake)
 
 
 register_impl(DECODE_OP, "flashinfer-trtllm", torch.ops.mla.decode_flashinfer_trtllm, devices=("cuda",),

@@ -27,6 +27,7 @@ from mla_compile.ops._dispatch import register_impl
 from mla_compile.ops.adapters._common import (check_dtype, check_value, finish_decode, importable,
                                               require_capability)
 from mla_compile.ops.decode import OP, validate
+from mla_compile.ops.decode import fake as decode_fake
 
 BACKEND = "flashmla"
 MODULE = "flash_mla"
@@ -64,11 +65,7 @@ def decode_flashmla(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: 
     return flashmla_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-@decode_flashmla.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    B, s_q, H, _ = q.shape
-    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+decode_flashmla.register_fake(decode_fake)
 
 
 def available() -> bool:

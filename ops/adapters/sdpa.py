@@ -29,6 +29,7 @@ from torch import Tensor
 from mla_compile.ops._dispatch import register_impl
 from mla_compile.ops.adapters._common import check_dtype, merge_natural, require_capability
 from mla_compile.ops.prefill import OP, validate
+from mla_compile.ops.prefill import fake as prefill_fake
 
 BACKEND = "sdpa-cudnn"
 DTYPES = (torch.float16, torch.bfloat16)
@@ -79,11 +80,7 @@ def prefill_sdpa_cudnn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
     return sdpa_cudnn_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-@prefill_sdpa_cudnn.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
-    T, H, _ = q.shape
-    return q.new_empty(T, H, v.shape[-1]), q.new_empty(T, H, dtype=torch.float32)
+prefill_sdpa_cudnn.register_fake(prefill_fake)
 
 
 @torch.compiler.assume_constant_result
