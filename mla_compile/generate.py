@@ -14,24 +14,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from mla_compile.block_manager import BlockManager
 from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic, plan_step
-
-
-class BlockAllocator:
-    """Hands out cache block ids from a free list; raises when the cache is full."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(num_blocks - 1, -1, -1))
-
-    def take(self, n: int) -> list[int]:
-        """``n`` free block ids."""
-        if n > len(self.free):
-            raise RuntimeError(f"paged cache is full: need {n} more blocks, {len(self.free)} free")
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, blocks: Sequence[int]) -> None:
-        """Return blocks to the free list."""
-        self.free.extend(blocks)
 
 
 @dataclass
@@ -56,9 +40,9 @@ def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], pr
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    alloc = BlockAllocator(num_blocks)
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     lens = [len(p) for p in prompts]
-    blocks = [alloc.take(-(-(n + max_new_tokens) // block_size)) for n in lens]
+    blocks = [manager.allocate(p, len(p) + max_new_tokens).blocks for p in prompts]
     max_blocks = max([len(b) for b in blocks] + [2])
     result = GenerationResult(tokens=[[] for _ in prompts])
 

@@ -17,6 +17,10 @@ import torch
 from torch import Tensor
 
 
+def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if t is None else t.to(device, non_blocking=True)
+
+
 @dataclass
 class DecodeMetadata:
     """Decode part: ``block_table [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (context incl. new tokens).
@@ -60,7 +64,7 @@ class PrefillMetadata:
 
     def to(self, device: torch.device | str) -> "PrefillMetadata":
         """A copy on ``device``."""
-        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        mv = lambda t: _to(t, device)  # noqa: E731
         return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table),
                                [ContextChunk(mv(c.cu_seqlens), mv(c.seq_starts)) for c in self.context_chunks],
                                self.chunk_tokens)
@@ -89,7 +93,7 @@ class MLAMetadata:
 
     def to(self, device: torch.device | str) -> "MLAMetadata":
         """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
-        mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        mv = lambda t: _to(t, device)  # noqa: E731
         dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len)
         pre = self.prefill and self.prefill.to(device)
         return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
