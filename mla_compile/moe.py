@@ -72,8 +72,10 @@ def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, do
     h = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs)
     g, u = h.chunk(2, dim=-1)
     y = torch._grouped_mm((act(g) * u).contiguous(), down.transpose(1, 2), offs=offs)
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, token, y)
+    # back to (token, slot) order by a permutation, then a float32 sum over the k slots: deterministic
+    # (an index_add_ would add in atomic order, so bf16 rounding and greedy tokens could vary run to run)
+    y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
+    return torch.einsum("tkh,tk->th", y.float(), weights.float())
 
 
 class MLAMoE(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mla_compile import toy
-from mla_compile.moe import MLAMoE, experts_dense
+from mla_compile.moe import MLAMoE, experts_dense, experts_grouped
 
 pytest.importorskip("transformers")
 
@@ -43,3 +43,23 @@ def test_moe_rejects_unknown_impl():
     hf = toy.toy_hf_model("v2-lite", seed=0)
     with pytest.raises(ValueError, match="impl"):
         MLAMoE(hf.model.layers[1].mlp, impl="magic")
+
+
+def test_grouped_experts_match_dense_float64_with_fp32_combine():
+    """bf16 grouped experts (``torch._grouped_mm``) against float64 dense; the combine sums in fp32."""
+    gen = torch.Generator().manual_seed(1)
+    T, H, I, E, k = 13, 32, 16, 6, 3
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * 0.2).bfloat16()
+    down = (torch.randn(E, H, I, generator=gen) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    act = torch.nn.functional.silu
+    try:
+        got = experts_grouped(x, w, ids, gate_up, down, act)
+    except (RuntimeError, NotImplementedError) as e:  # torch builds without CPU _grouped_mm
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    want = experts_dense(x.double(), w.double(), ids, gate_up.double(), down.double(), act)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(got.double(), torch.zeros_like(want))

@@ -231,6 +231,8 @@ class FlashInferPrefillPlan:
     scale: float
     causal: bool
     dtype: torch.dtype
+    total_q: int = 0  # cu_seqlens_q[-1] / cu_seqlens_k[-1] at plan time (host): FlashInfer wants exact row counts
+    total_k: int = 0
     times_planned: int = 0
 
     def check(self, q: Tensor, v: Tensor, cu_seqlens_q: Tensor, scale: float, causal: bool) -> None:
@@ -271,6 +273,7 @@ def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_h
             raise ValueError(f"plan_flashinfer_prefill: plan {plan.plan_id} was made for other static facts "
                              f"({'; '.join(bad)}); make a new plan")
         plan.num_seqs = cu_q.shape[0] - 1
+    plan.total_q, plan.total_k = int(cu_q[-1]), int(cu_k[-1])
     plan.wrapper.plan(cu_q, cu_k, num_heads, num_heads, head_dim_qk, head_dim_vo=head_dim_v, causal=causal,
                       sm_scale=float(scale), q_data_type=dtype, kv_data_type=dtype)
     plan.times_planned += 1
@@ -283,7 +286,14 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     validate_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
     check_dtype(PREFILL_OP, BACKEND, "q", q, DTYPES)
     plan.check(q, v, cu_seqlens_q, scale, causal)
-    out, lse = plan.wrapper.run(q, k, v, return_lse=True)
+    if q.shape[0] < plan.total_q or k.shape[0] < plan.total_k:
+        raise ValueError(f"{PREFILL_OP}: FlashInfer plan {plan.plan_id} covers {plan.total_q} query / {plan.total_k} "
+                         f"key rows but q has {q.shape[0]} and k {k.shape[0]}; re-plan for this step")
+    tq, tk = plan.total_q, plan.total_k  # our API allows padding rows past cu[-1]; FlashInfer does not
+    out, lse = plan.wrapper.run(q[:tq], k[:tk], v[:tk], return_lse=True)
+    if tq < q.shape[0]:
+        out = torch.cat([out, out.new_zeros(q.shape[0] - tq, *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((q.shape[0] - tq, lse.shape[1]), float("-inf"))])
     return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
 
 

@@ -197,13 +197,16 @@ class FakeRaggedWrapper:
                            dict(head_dim_vo=head_dim_vo, causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
                                 kv_data_type=kv_data_type, **kwargs)))
         assert qo_indptr.device.type == "cpu" and kv_indptr.device.type == "cpu"
-        self.planned = dict(lq=_lens(qo_indptr), lk=_lens(kv_indptr), written=int(qo_indptr[-1]), causal=causal,
+        self.planned = dict(lq=_lens(qo_indptr), lk=_lens(kv_indptr), written=int(qo_indptr[-1]),
+                            keys=int(kv_indptr[-1]), causal=causal,
                             sm_scale=sm_scale, dims=(head_dim_qk, head_dim_vo))
 
     def run(self, q, k, v, out=None, lse=None, return_lse=False):
         self.calls.append(("ragged.run", (q, k, v), dict(return_lse=return_lse)))
         p = self.planned
         assert (q.shape[-1], v.shape[-1]) == p["dims"]
+        if q.shape[0] != p["written"] or k.shape[0] != p["keys"]:  # as the real wrapper (0.6.18) checks
+            raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({p['written']})")
         o, l = prefill_ref64(q, k, v, p["lq"], p["lk"], p["sm_scale"], p["causal"])
         o, l = o.to(q.dtype), (l * LOG2E).float()
         o[p["written"]:], l[p["written"]:] = NAN, NAN
