@@ -235,11 +235,13 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         INFO["weights_bytes"] = torch.cuda.memory_allocated()
         INFO["free_bytes_after_weights"] = torch.cuda.mem_get_info()[0]
     model = patch(hf, backend=args.backend)
-    try:
-        from mla_compile.ops._dispatch import default_backend
-        INFO["ours_backend"] = args.backend if args.backend != "auto" else f"auto -> {default_backend('decode', dev)}"
-    except Exception:  # the dispatch module is internal; the choice is informative only
-        INFO["ours_backend"] = args.backend
+    from mla_compile.backends import select_backend
+    c = model.config
+    picks = {op: select_backend(op, device=dev, dtype=dtype, block_size=wl.bs if op == "decode" else None,
+                                num_heads=c.num_heads, head_dims=dims, requested=args.backend, need_lse=op != "decode",
+                                cuda_graph=op == "decode" and dev.type == "cuda").name
+             for op, dims in (("decode", (c.kv_lora_rank, c.qk_rope_head_dim)), ("prefill", (c.qk_head_dim, c.v_head_dim)))}
+    INFO["ours_backend"] = f"{args.backend} -> decode {picks['decode']}, prefill {picks['prefill']}"
     caches = model.allocate_cache(wl.num_blocks, wl.bs)
     for i, cache in enumerate(caches):
         cache.copy_(wl.latents(i))

@@ -83,10 +83,10 @@ _TRITON = dict(dtypes=_FLOATS, package="triton", gpu_tested=True, note="ours; po
 SPECS: dict[str, dict[str, BackendSpec]] = {
     "decode": {s.name: s for s in (
         _spec("flashmla", "decode", dtypes=(torch.bfloat16,), block_sizes=(64,), head_dims=_DEEPSEEK_DECODE,
-              min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla",
+              min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=True,
               note="dense bf16, Hopper kernels (use_legacy=True); fp8 and sparse not wired"),
         _spec("flashinfer", "decode", head_dims=_DEEPSEEK_DECODE, needs_plan=True, cuda_graph="planned",
-              min_capability=_SM80, package="flashinfer-python",
+              min_capability=_SM80, package="flashinfer-python", gpu_tested=True,
               note="plan_flashinfer_decode() on the host before each step"),
         _spec("flashinfer-trtllm", "decode", dtypes=(torch.bfloat16,), block_sizes=(32, 64), head_dims=_DEEPSEEK_DECODE,
               lse=False, min_capability=_SM100, max_capability=_SM103, package="flashinfer-python",
@@ -100,21 +100,21 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
     )},
     "prefill": {s.name: s for s in (
         _spec("flashinfer", "prefill", head_dims=_DEEPSEEK_PREFILL, needs_plan=True, cuda_graph="none",
-              min_capability=_SM80, package="flashinfer-python",
+              min_capability=_SM80, package="flashinfer-python", gpu_tested=True,
               note="plan_flashinfer_prefill() on the host before each step"),
         _spec("flashinfer-trtllm", "prefill", dtypes=(torch.bfloat16,), head_dims=_DEEPSEEK_PREFILL,
               min_capability=_SM100, max_capability=_SM103, package="flashinfer-python",
               note="Blackwell trtllm-gen ragged prefill"),
-        _spec("sdpa-cudnn", "prefill", max_head_dim=256, cuda_graph="none", min_capability=_SM80, package="torch",
-              note="one cuDNN call per sequence; reads cu_seqlens on the host"),
         _spec("flash-attn", "prefill", max_head_dim=256, min_capability=_SM80, package="flash-attn",
               note="FA2, v padded to the qk dim; no wheel for the H200 test machine"),
         _spec("triton", "prefill", **_TRITON),
+        _spec("sdpa-cudnn", "prefill", max_head_dim=256, cuda_graph="none", min_capability=_SM80, package="torch",
+              gpu_tested=True, note="one cuDNN call per sequence; reads cu_seqlens on the host (a sync)"),
         _spec("reference", "prefill", **_REF),
     )},
     "merge": {s.name: s for s in (
         _spec("triton", "merge", **_TRITON),
-        _spec("flashinfer", "merge", min_capability=_SM80, package="flashinfer-python",
+        _spec("flashinfer", "merge", min_capability=_SM80, package="flashinfer-python", gpu_tested=True,
               note="merge_state (base-2 LSE converted at the boundary)"),
         _spec("reference", "merge", **_REF),
     )},
@@ -127,7 +127,11 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
 #   flashinfer, then triton, then the reference. The Blackwell paths are unmeasured (no sm100 machine):
 #   trtllm-gen after flashinfer; the CUTLASS path, which copies the cache per call, after triton.
 # - prefill (8 x 4096 causal, H=128, qk 192 / v 128): FlashInfer 9.07 ms, SDPA cuDNN 10.16 ms, Triton
-#   12.94 ms; flash-attn is unmeasured (not installable there) and sits between cuDNN and Triton.
+#   12.94 ms; flash-attn is unmeasured (not installable there) and comes before Triton. SDPA cuDNN is
+#   faster than Triton on long sequences but loops over sequences on the host and reads cu_seqlens
+#   there (a host sync per call), so "auto" puts it after Triton; ask for it by name for long prompts.
+# gpu_tested: FlashMLA, FlashInfer (decode, prefill, merge) and SDPA cuDNN passed their CUDA tests on
+# the H200 (BENCHMARKS.md run 5, torch 2.11); flash-attn and the sm100 paths have never run on a GPU.
 # - merge: Triton 104 us (92% of copy bandwidth); FlashInfer's merge_state is unmeasured and pays two
 #   extra passes at our boundary (empty parts), so it comes second.
 PRIORITY: dict[str, tuple[str, ...]] = {op: tuple(specs) for op, specs in SPECS.items()}

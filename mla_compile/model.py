@@ -43,6 +43,12 @@ class MLAForCausalLM(nn.Module):
         """The MLA attention module of every layer."""
         return [layer.self_attn for layer in self.model.layers]
 
+    def set_cuda_graph(self, enabled: bool = True) -> None:
+        """Tell every layer its decode steps will be captured, so "auto" picks only decode backends that
+        replay with changing lengths (a CUDA-graph runner calls this before the first step)."""
+        for attn in self.attentions:
+            attn.cuda_graph = bool(enabled)
+
     def allocate_cache(self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None, fill: float = 0.0) -> list[Tensor]:
         """Allocate one paged latent cache per layer (defaults: the weights' dtype and device)."""

@@ -26,10 +26,14 @@ PREFILL = dict(num_heads=16, head_dims=(192, 128))
 
 @pytest.fixture
 def installed_untested(monkeypatch):
-    """Every peer library "installed" (empty fake modules) and a CUDA/cuDNN torch build; the peer
-    adapters keep their real gpu_tested=False."""
+    """Every peer library "installed" (empty fake modules) and a CUDA/cuDNN torch build; every peer
+    adapter marked gpu_tested=False (as they were before their first H200 run)."""
     for name in ("flash_mla", "flashinfer", "flash_attn"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for specs in SPECS.values():
+        for name, spec in specs.items():
+            if name not in ("triton", "reference"):
+                monkeypatch.setitem(specs, name, dataclasses.replace(spec, gpu_tested=False))
     monkeypatch.setattr(ops_triton, "_AVAILABLE", True)
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
@@ -64,7 +68,7 @@ def _pick(op, cap=SM90, **kw):
     ("decode", dict(block_size=16, planned=True), "flashinfer"),
     ("decode", dict(block_size=64, dtype=torch.float32), "triton"),
     ("decode", dict(block_size=64, query_len=2), "flashmla"),
-    ("prefill", dict(), "sdpa-cudnn"),  # FlashInfer first, but needs a plan
+    ("prefill", dict(), "flash-attn"),  # FlashInfer first, but needs a plan
     ("prefill", dict(planned=True), "flashinfer"),
     ("prefill", dict(cuda_graph=True), "flash-attn"),  # cuDNN reads lengths on the host
     ("prefill", dict(dtype=torch.float32), "triton"),
@@ -82,7 +86,7 @@ def test_auto_follows_the_measured_priority_on_hopper(everything_installed, op, 
 def test_priority_order_is_the_documented_one():
     assert backends.PRIORITY["decode"][:4] == ("flashmla", "flashinfer", "flashinfer-trtllm", "triton")
     assert backends.PRIORITY["decode"][-1] == "reference"
-    assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "sdpa-cudnn", "flash-attn", "triton",
+    assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "flash-attn", "triton", "sdpa-cudnn",
                                              "reference")
     assert backends.PRIORITY["merge"] == ("triton", "flashinfer", "reference")
 
@@ -213,3 +217,21 @@ def test_mla_attention_selects_once_per_configuration_and_rejects_bad_specs():
     assert {k[0] for k in attn._backend_choices} == {"decode", "prefill"}
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), backend="nope")
+
+
+def test_h200_tested_flags_pick_flashmla_decode_and_triton_prefill(monkeypatch):
+    """With the real gpu_tested flags (after H200 run 5) and the H200's packages (no flash-attn)."""
+    for name in ("flash_mla", "flashinfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setattr(ops_triton, "_AVAILABLE", True)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.delenv("MLA_COMPILE_BACKEND", raising=False)
+    assert _pick("decode", block_size=64).name == "flashmla"
+    assert _pick("decode", block_size=16).name == "triton"
+    assert _pick("decode", block_size=16, planned=True).name == "flashinfer"
+    prefill = _pick("prefill")
+    assert prefill.name == "triton" and "not installed" in prefill.rejected["flash-attn"]
+    assert _pick("prefill", planned=True).name == "flashinfer"
+    assert not SPECS["prefill"]["flash-attn"].gpu_tested and not SPECS["decode"]["flashinfer-trtllm"].gpu_tested

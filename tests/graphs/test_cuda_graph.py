@@ -86,6 +86,7 @@ def test_graph_replay_equals_eager_over_1000_steps_without_syncs_or_recompiles()
     model.allocate_cache(1024, 16)
     engine = _engine(compiled, None, strict_sync=True, **kw)  # fill + replay under sync_debug_mode "error"
     engine.runner.capture()
+    assert all(a.cuda_graph for a in model.attentions), "the runner flags captured decode for backend selection"
     graphs = counters["stats"]["unique_graphs"]
     with torch.compiler.set_stance("fail_on_recompile"):
         got, got_steps = _workload(engine, **load)
