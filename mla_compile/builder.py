@@ -1,20 +1,29 @@
-"""Capture-safe step metadata: persistent device buffers filled per step with ``copy_``.
+"""Capture-safe step metadata: one persistent device arena filled per step by one copy.
 
-:class:`MetadataBuilder` owns one buffer per metadata field, sized once for ``max_batch``,
-``max_blocks_per_seq`` and ``max_tokens``. Each step it plans on the host (:func:`plan_step`), copies
-the host tensors into its buffers through pinned memory with ``non_blocking`` copies (no device
-allocation, no host sync), and hands out *views* of the buffers. Views of one size always have the
-same addresses, which is what a captured CUDA graph needs: fill, then replay.
+:class:`MetadataBuilder` owns one device byte buffer (the arena) sized once for ``max_batch``,
+``max_blocks_per_seq`` and ``max_tokens``. Each step it plans on the host (:func:`plan_step`), packs
+every field into one pinned host buffer, copies it into the front of the arena with a single
+``non_blocking`` copy (no device allocation, no host sync; one H2D transfer instead of one per field)
+and hands out *views* of the arena, each at a 16-byte aligned offset. The layout depends only on the
+step's sizes (tokens, logits rows, decode rows, prefill rows), so steps of one size always get the same
+addresses, which is what a captured CUDA graph needs: fill, then replay.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mla_compile.metadata import DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs, plan_step
+
+_ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 class MetadataBuilder:
@@ -33,26 +42,33 @@ class MetadataBuilder:
         self.device = torch.device(device)
         self.max_batch, self.max_blocks, self.max_tokens = max_batch, max_blocks_per_seq, max_tokens
         self.block_size, self.query_len, self.min_batch = block_size, query_len, min_batch
-        i32, i64 = dict(dtype=torch.int32, device=self.device), dict(dtype=torch.int64, device=self.device)
-        self.input_ids = torch.zeros(max_tokens, **i64)
-        self.positions = torch.zeros(max_tokens, **i64)
-        self.slot_mapping = torch.full((max_tokens,), -1, **i64)
-        self.logits_indices = torch.zeros(max_tokens, **i64)
-        self.block_table = torch.zeros(max_batch, max_blocks_per_seq, **i32)
-        self.seq_lens = torch.zeros(max_batch, **i32)
-        self.cu_seqlens_q = torch.zeros(max_batch + 1, **i32)
-        self.cu_seqlens_k = torch.zeros(max_batch + 1, **i32)
+        # ids, positions, slots, logits rows (int64) | block table, seq_lens, cu_seqlens_q, cu_seqlens_k (int32)
+        capacity = (3 * _aligned(8 * max_tokens) + _aligned(8 * max_tokens) + _aligned(4 * max_batch * max_blocks_per_seq)
+                    + _aligned(4 * max_batch) + 2 * _aligned(4 * (max_batch + 1)))
+        self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
 
-    def _put(self, buf: Tensor, src: Tensor) -> Tensor:
-        """Copy host ``src`` into the front of ``buf`` (async through pinned memory); return that view."""
-        view = buf[:src.shape[0]] if src.dim() == 1 else buf[:src.shape[0], :src.shape[1]]
-        view.copy_(src.pin_memory() if self._pin else src, non_blocking=self._pin)
-        return view
+    def _stage(self, arrays: Sequence[np.ndarray]) -> list[Tensor]:
+        """Pack host ``arrays`` into one pinned buffer, copy it to the front of the arena in one
+        (async) copy, and return arena views with the arrays' dtypes and shapes."""
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += _aligned(a.nbytes)
+        if end > self.arena.numel():  # unreachable when the size checks in build() hold
+            raise ValueError(f"step metadata needs {end} bytes; the builder's arena holds {self.arena.numel()}")
+        on_host = self.arena.device.type == "cpu"  # a CPU arena is written in place
+        host = self.arena[:end] if on_host else torch.empty(end, dtype=torch.uint8, pin_memory=self._pin)
+        flat = host.numpy()
+        for a, off in zip(arrays, offsets):
+            flat[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        if not on_host:
+            self.arena[:end].copy_(host, non_blocking=self._pin)
+        return [self.arena[off:off + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
 
     def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
               decode_batch: int | None = None, logits: str = "last") -> StepInputs:
-        """Plan a step on the host and fill the buffers; returns views of them as :class:`StepInputs`.
+        """Plan a step on the host and fill the arena; returns views of it as :class:`StepInputs`.
 
         ``decode_batch`` pads the decode part to a capture size. Raises before writing anything when the
         step does not fit the buffers.
@@ -63,35 +79,37 @@ class MetadataBuilder:
                              f"max_batch={self.max_batch}")
         plan = plan_step(decode, prefill, self.block_size, max_blocks=self.max_blocks, query_len=self.query_len,
                          logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None)
-        if plan.input_ids.shape[0] > self.max_tokens:
+        if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
             raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; the builder holds max_tokens={self.max_tokens}")
         meta = plan.meta
+        arrays = [plan.input_ids, plan.positions, meta.slot_mapping, meta.logits_indices]
+        if meta.decode is not None:
+            arrays += [meta.decode.block_table, meta.decode.seq_lens]
+        if meta.prefill is not None:
+            arrays += [meta.prefill.cu_seqlens_q, meta.prefill.cu_seqlens_k]
+        views = self._stage([t.numpy() for t in arrays])
+        ids, pos, slots, rows = views[:4]
         dec = pre = None
         if meta.decode is not None:
-            dec = DecodeMetadata(self._put(self.block_table, meta.decode.block_table),
-                                 self._put(self.seq_lens, meta.decode.seq_lens), self.query_len)
+            dec = DecodeMetadata(views[4], views[5], self.query_len)
         if meta.prefill is not None:
-            # prefill runs uncaptured: its context metadata (sized by the context) is moved, not buffered
+            # prefill runs uncaptured: its context metadata (sized by the context) is moved, not staged
             moved = meta.prefill.to(self.device)
-            pre = PrefillMetadata(self._put(self.cu_seqlens_q, meta.prefill.cu_seqlens_q),
-                                  self._put(self.cu_seqlens_k, meta.prefill.cu_seqlens_k),
-                                  moved.block_table, moved.context_chunks, moved.chunk_tokens)
-        out_meta = MLAMetadata(self._put(self.slot_mapping, meta.slot_mapping), dec, pre,
-                               self._put(self.logits_indices, meta.logits_indices))
-        return StepInputs(self._put(self.input_ids, plan.input_ids), self._put(self.positions, plan.positions),
-                          out_meta, plan.num_rows)
+            pre = PrefillMetadata(views[-2], views[-1], moved.block_table, moved.context_chunks, moved.chunk_tokens)
+        return StepInputs(ids, pos, MLAMetadata(slots, dec, pre, rows), plan.num_rows)
 
     def padding_decode(self, batch: int) -> StepInputs:
-        """A decode step of ``batch`` padding sequences (reads and writes nothing): for graph capture."""
+        """A decode step of ``batch`` padding sequences (reads and writes nothing): for graph capture.
+        Its views have the addresses of every later real decode step of ``batch`` sequences."""
         if not self.min_batch <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [{self.min_batch}, {self.max_batch}], got {batch}")
         n = batch * self.query_len
-        self.input_ids[:n].zero_()
-        self.positions[:n].zero_()
-        self.slot_mapping[:n].fill_(-1)
-        self.block_table[:batch].zero_()
-        self.seq_lens[:batch].zero_()
-        self.logits_indices[:batch].copy_(torch.arange(self.query_len - 1, n, self.query_len, device=self.device))
-        meta = MLAMetadata(self.slot_mapping[:n], DecodeMetadata(self.block_table[:batch], self.seq_lens[:batch],
-                                                                 self.query_len), None, self.logits_indices[:batch])
-        return StepInputs(self.input_ids[:n], self.positions[:n], meta, 0)
+        zeros = np.zeros(n, dtype=np.int64)
+        arrays = [zeros, zeros, np.full(n, -1, dtype=np.int64), np.arange(self.query_len - 1, n, self.query_len),
+                  np.zeros((batch, self.max_blocks), dtype=np.int32), np.zeros(batch, dtype=np.int32)]
+        ids, pos, slots, rows, table, lens = self._stage(arrays)
+        meta = MLAMetadata(slots, DecodeMetadata(table, lens, self.query_len), None, rows)
+        return StepInputs(ids, pos, meta, 0)
+
+
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

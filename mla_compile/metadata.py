@@ -10,6 +10,7 @@ globals); every field that changes per step is a tensor, and the only Python val
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -186,69 +187,93 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
             raise ValueError(f"prefill sequence {i}: needs at least one new token")
     if context_chunk_tokens < 1:
         raise ValueError(f"context_chunk_tokens must be positive, got {context_chunk_tokens}")
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    rows: list[int] = []
-
-    def add(c: SeqChunk) -> None:
-        for j, t in enumerate(c.tokens):
-            p = c.start + j
-            ids.append(t)
-            pos.append(p)
-            slots.append(c.blocks[p // block_size] * block_size + p % block_size)
-        n = len(c.tokens)
-        rows.extend(range(len(ids) - n, len(ids)) if logits == "all" else [len(ids) - 1])
-
-    def pad_tokens(n: int) -> None:
-        ids.extend([0] * n)
-        pos.extend([0] * n)
-        slots.extend([-1] * n)
-
-    pad_rows: list[int] = []  # logits rows of padding decode sequences: after the real rows
+    # decode: whole-batch numpy (no per-token Python); prefill: a per-token loop (prompts are uncaptured)
+    ids_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+    slot_parts: list[np.ndarray] = []
+    rows: list[np.ndarray] = []
+    pad_rows = np.zeros(0, dtype=np.int64)  # logits rows of padding decode sequences: after the real rows
     dec = None
     if decode:
         n_seq = decode_batch if decode_batch is not None else max(len(decode), min_batch)
-        for c in decode:
-            add(c)
-        table = _block_table([c.blocks for c in decode], n_seq, max_blocks)
-        seq_lens = torch.tensor([c.start + len(c.tokens) for c in decode] + [0] * (n_seq - len(decode)),
-                                dtype=torch.int32)
-        n_pad = (n_seq - len(decode)) * query_len
-        pad_tokens(n_pad)
-        last = range(len(ids) - n_pad, len(ids))
-        pad_rows = list(last) if logits == "all" else list(last)[query_len - 1::query_len]
-        dec = DecodeMetadata(table, seq_lens, query_len)
+        table, starts = _block_table_np([c.blocks for c in decode], n_seq, max_blocks), _starts(decode)
+        n, q = len(decode), query_len
+        tok = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
+        pos = (starts[:, None] + np.arange(q)).reshape(-1)
+        slots = table[np.repeat(np.arange(n), q), pos // block_size].astype(np.int64) * block_size + pos % block_size
+        n_pad = (n_seq - n) * q
+        ids_parts += [tok, np.zeros(n_pad, dtype=np.int64)]
+        pos_parts += [pos, np.zeros(n_pad, dtype=np.int64)]
+        slot_parts += [slots, np.full(n_pad, -1, dtype=np.int64)]
+        every = logits == "all"
+        rows.append(np.arange(n * q) if every else np.arange(q - 1, n * q, q))
+        pad_rows = np.arange(n * q, n_seq * q) if every else np.arange(n * q + q - 1, n_seq * q, q)
+        seq_lens = np.zeros(n_seq, dtype=np.int32)
+        seq_lens[:n] = starts + q
+        dec = DecodeMetadata(torch.from_numpy(table), torch.from_numpy(seq_lens), query_len)
     pre = None
     if prefill:
+        offset = sum(len(a) for a in ids_parts)
+        ids: list[int] = []
+        pos_l: list[int] = []
+        slots_l: list[int] = []
+        pre_rows: list[int] = []
         cu = [0]
         for c in prefill:
-            add(c)
-            cu.append(cu[-1] + len(c.tokens))
+            for j, t in enumerate(c.tokens):
+                p = c.start + j
+                ids.append(t)
+                pos_l.append(p)
+                slots_l.append(c.blocks[p // block_size] * block_size + p % block_size)
+            n_tok = len(c.tokens)
+            first = offset + len(ids) - n_tok
+            pre_rows.extend(range(first, first + n_tok) if logits == "all" else [first + n_tok - 1])
+            cu.append(cu[-1] + n_tok)
+        ids_parts.append(np.asarray(ids, dtype=np.int64))
+        pos_parts.append(np.asarray(pos_l, dtype=np.int64))
+        slot_parts.append(np.asarray(slots_l, dtype=np.int64))
+        rows.append(np.asarray(pre_rows, dtype=np.int64))
         n_pad = max(0, min_batch - len(prefill))
         cu += [cu[-1]] * n_pad
         cu_t = torch.tensor(cu, dtype=torch.int32)
         pre = PrefillMetadata(cu_t, cu_t.clone())
-        starts = [c.start for c in prefill] + [0] * n_pad
-        if any(starts):
-            pre.block_table = _block_table([c.blocks for c in prefill], len(starts), max_blocks)
-            pre.chunk_tokens = min(context_chunk_tokens, sum(starts))
-            pre.context_chunks = _context_chunks(starts, pre.chunk_tokens)
-    num_rows = len(rows)
-    rows += pad_rows
-    pad_tokens(max(0, min_batch - len(ids)))
-    rows += [rows[-1]] * max(0, min_batch - len(rows))
-    meta = MLAMetadata(torch.tensor(slots, dtype=torch.int64), dec, pre, torch.tensor(rows, dtype=torch.int64))
-    return StepInputs(torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, num_rows)
+        starts_l = [c.start for c in prefill] + [0] * n_pad
+        if any(starts_l):
+            pre.block_table = _block_table([c.blocks for c in prefill], len(starts_l), max_blocks)
+            pre.chunk_tokens = min(context_chunk_tokens, sum(starts_l))
+            pre.context_chunks = _context_chunks(starts_l, pre.chunk_tokens)
+    real_rows = np.concatenate(rows)
+    num_rows = len(real_rows)
+    all_rows = np.concatenate([real_rows, pad_rows])
+    total = sum(len(a) for a in ids_parts)
+    tail = max(0, min_batch - total)
+    ids_parts.append(np.zeros(tail, dtype=np.int64))
+    pos_parts.append(np.zeros(tail, dtype=np.int64))
+    slot_parts.append(np.full(tail, -1, dtype=np.int64))
+    if len(all_rows) < min_batch:
+        all_rows = np.concatenate([all_rows, np.full(min_batch - len(all_rows), all_rows[-1], dtype=np.int64)])
+    cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))  # noqa: E731
+    meta = MLAMetadata(cat(slot_parts), dec, pre, torch.from_numpy(all_rows.astype(np.int64, copy=False)))
+    return StepInputs(cat(ids_parts), cat(pos_parts), meta, num_rows)
+
+
+def _starts(chunks: Sequence[SeqChunk]) -> np.ndarray:
+    return np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+
+
+def _block_table_np(blocks: list[Sequence[int]], rows: int, width: int) -> np.ndarray:
+    """``[rows, width]`` int32 table of the given block lists, zero-padded: one flat C-level pass over
+    all ids and one masked store (B=256 x 64 blocks: ~0.2 ms against ~1 ms row by row)."""
+    lens = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
+    table = np.zeros((rows, width), dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int32, count=int(lens.sum()))
+    table[:len(blocks)][np.arange(width) < lens[:, None]] = flat
+    return table
 
 
 def _block_table(blocks: list[Sequence[int]], rows: int, width: int) -> Tensor:
-    """``[rows, width]`` int32 table of the given block lists, zero-padded (filled in numpy: the host
-    cost of a 256 x 64 table is ~1 ms this way against ~2.7 ms through nested lists)."""
-    table = np.zeros((rows, width), dtype=np.int32)
-    for i, b in enumerate(blocks):
-        table[i, :len(b)] = b
-    return torch.from_numpy(table)
+    """:func:`_block_table_np` as a tensor."""
+    return torch.from_numpy(_block_table_np(blocks, rows, width))
 
 
 def _context_chunks(context_lens: list[int], budget: int) -> list[ContextChunk]:

@@ -66,12 +66,13 @@ def test_prefill_and_mixed_steps():
 
 def test_oversize_steps_raise_before_writing():
     b = _builder()
-    before = b.input_ids.clone()
+    b.build(_decode_chunks(3, 7))
+    before = b.arena.clone()
     with pytest.raises(ValueError, match="max_batch"):
         b.build(_decode_chunks(9, 6))
     with pytest.raises(ValueError, match="max_tokens"):
         b.build([], [SeqChunk(list(range(6)), list(range(21))), SeqChunk(list(range(6, 12)), list(range(20)))])
-    assert torch.equal(b.input_ids, before)
+    assert torch.equal(b.arena, before)
 
 
 @pytest.mark.parametrize("kw, match", [({"max_batch": 0}, "max_batch"), ({"max_tokens": 4}, "max_tokens"),
