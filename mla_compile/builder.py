@@ -11,7 +11,7 @@ addresses, which is what a captured CUDA graph needs: fill, then replay.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -30,7 +30,12 @@ class MetadataBuilder:
     """Persistent metadata buffers for steps of at most ``max_batch`` sequences and ``max_tokens`` tokens."""
 
     def __init__(self, *, max_batch: int, max_blocks_per_seq: int, max_tokens: int, block_size: int,
-                 device: torch.device | str, query_len: int = 1, min_batch: int = 2) -> None:
+                 device: torch.device | str, query_len: int = 1, min_batch: int = 2,
+                 decode_planner: Callable[[Tensor, Tensor], Any] | None = None) -> None:
+        """``decode_planner``: called with each decode step's host ``block_table`` and ``seq_lens`` before
+        the step (and for each padding step at capture); what it returns rides along as
+        ``DecodeMetadata.plan`` (e.g. ``ops.adapters.flashinfer.FlashInferDecodePlanner``, which returns
+        itself, so compiled graphs see one constant object)."""
         for name, value in (("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq),
                             ("max_tokens", max_tokens), ("block_size", block_size), ("query_len", query_len)):
             if not isinstance(value, int) or value < 1:
@@ -47,6 +52,7 @@ class MetadataBuilder:
                     + _aligned(4 * max_batch) + 2 * _aligned(4 * (max_batch + 1)))
         self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
+        self.decode_planner = decode_planner
 
     def _stage(self, arrays: Sequence[np.ndarray]) -> list[Tensor]:
         """Pack host ``arrays`` into one pinned buffer, copy it to the front of the arena in one
@@ -82,6 +88,8 @@ class MetadataBuilder:
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
             raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; the builder holds max_tokens={self.max_tokens}")
         meta = plan.meta
+        planned = None if meta.decode is None or self.decode_planner is None else \
+            self.decode_planner(meta.decode.block_table, meta.decode.seq_lens)
         arrays = [plan.input_ids, plan.positions, meta.slot_mapping, meta.logits_indices]
         if meta.decode is not None:
             arrays += [meta.decode.block_table, meta.decode.seq_lens]
@@ -91,7 +99,7 @@ class MetadataBuilder:
         ids, pos, slots, rows = views[:4]
         dec = pre = None
         if meta.decode is not None:
-            dec = DecodeMetadata(views[4], views[5], self.query_len)
+            dec = DecodeMetadata(views[4], views[5], self.query_len, planned)
         if meta.prefill is not None:
             # prefill runs uncaptured: its context metadata (sized by the context) is moved, not staged
             moved = meta.prefill.to(self.device)
@@ -107,8 +115,10 @@ class MetadataBuilder:
         zeros = np.zeros(n, dtype=np.int64)
         arrays = [zeros, zeros, np.full(n, -1, dtype=np.int64), np.arange(self.query_len - 1, n, self.query_len),
                   np.zeros((batch, self.max_blocks), dtype=np.int32), np.zeros(batch, dtype=np.int32)]
+        planned = None if self.decode_planner is None else \
+            self.decode_planner(torch.from_numpy(arrays[4]), torch.from_numpy(arrays[5]))
         ids, pos, slots, rows, table, lens = self._stage(arrays)
-        meta = MLAMetadata(slots, DecodeMetadata(table, lens, self.query_len), None, rows)
+        meta = MLAMetadata(slots, DecodeMetadata(table, lens, self.query_len, planned), None, rows)
         return StepInputs(ids, pos, meta, 0)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from itertools import chain
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ class DecodeMetadata:
     block_table: Tensor
     seq_lens: Tensor
     query_len: int = 1
+    plan: Any = None  # a host-side planner object (FlashInfer), the same object every step: static, not a tensor
 
     @property
     def num_tokens(self):
@@ -95,7 +96,8 @@ class MLAMetadata:
     def to(self, device: torch.device | str) -> "MLAMetadata":
         """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
         mv = lambda t: _to(t, device)  # noqa: E731
-        dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len)
+        dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len,
+                                             self.decode.plan)
         pre = self.prefill and self.prefill.to(device)
         return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
 

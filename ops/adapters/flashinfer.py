@@ -169,6 +169,39 @@ def plan_flashinfer_decode(block_table: Tensor, seq_lens: Tensor, *, num_heads: 
     return plan
 
 
+class FlashInferDecodePlanner:
+    """One CUDA-graph plan per batch size behind one ``plan_id``: hand it to
+    :class:`~mla_compile.builder.MetadataBuilder` (``decode_planner=``), which calls it with each step's
+    host ``block_table`` / ``seq_lens`` before the step (and before capture). The op picks the plan of
+    the batch size it runs with, so one compiled graph serves every capture size without recompiling.
+    """
+
+    def __init__(self, *, num_heads: int, block_size: int, scale: float, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None, query_len: int = 1, kv_lora_rank: int = 512, rope_dim: int = 64,
+                 device: torch.device | str = "cuda", use_cuda_graph: bool = True,
+                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self.plan_id = next(_IDS)
+        self.facts = dict(num_heads=num_heads, block_size=block_size, scale=float(scale), dtype=dtype,
+                          kv_dtype=kv_dtype, query_len=query_len, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                          device=device, use_cuda_graph=use_cuda_graph, workspace_bytes=workspace_bytes)
+        self.plans: dict[int, FlashInferDecodePlan] = {}
+        _PLANS[self.plan_id] = self
+
+    def __call__(self, block_table: Tensor, seq_lens: Tensor) -> "FlashInferDecodePlanner":
+        """(Re-)plan the batch size of ``block_table [B, max_blocks]`` (host tensors); returns ``self``."""
+        B = block_table.shape[0]
+        self.plans[B] = plan_flashinfer_decode(block_table, seq_lens, plan=self.plans.get(B), **self.facts)
+        return self
+
+    def plan_for(self, batch: int) -> FlashInferDecodePlan:
+        """The plan of ``batch`` sequences (ValueError when that size was never planned)."""
+        plan = self.plans.get(batch)
+        if plan is None:
+            raise ValueError(f"FlashInfer decode planner {self.plan_id} has no plan for batch {batch} (planned: "
+                             f"{sorted(self.plans)}): the metadata builder plans each step before it runs")
+        return plan
+
+
 def _lookup(plan_id: int, kind: type):
     plan = _PLANS.get(plan_id)
     if not isinstance(plan, kind):
@@ -197,7 +230,8 @@ def decode_flashinfer(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens
                       kv_lora_rank: int, plan_id: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashInfer's MLA paged decode, planned by ``plan_flashinfer_decode``."""
     require_capability(DECODE_OP, BACKEND, q.device, (8, 0))
-    plan = _lookup(plan_id, FlashInferDecodePlan)
+    plan = _PLANS.get(plan_id)
+    plan = plan.plan_for(q.shape[0]) if isinstance(plan, FlashInferDecodePlanner) else _lookup(plan_id, FlashInferDecodePlan)
     return flashinfer_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, plan)
 
 
@@ -205,10 +239,11 @@ decode_flashinfer.register_fake(decode_fake)
 
 
 def _decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
-            plan: FlashInferDecodePlan | None = None) -> tuple[Tensor, Tensor]:
-    if not isinstance(plan, FlashInferDecodePlan):
+            plan: FlashInferDecodePlan | FlashInferDecodePlanner | None = None) -> tuple[Tensor, Tensor]:
+    if not isinstance(plan, (FlashInferDecodePlan, FlashInferDecodePlanner)):
         raise ValueError(f"{DECODE_OP}: backend 'flashinfer' needs plan=FlashInferDecodePlan (made on the host by "
-                         f"mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode before the step), got "
+                         f"mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode before the step) or a "
+                         f"FlashInferDecodePlanner given to the MetadataBuilder, got "
                          f"{type(plan).__name__}; or use backend 'flashmla'/'triton'")
     return torch.ops.mla.decode_flashinfer(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, plan.plan_id)
 

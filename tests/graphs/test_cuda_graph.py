@@ -95,3 +95,34 @@ def test_graph_replay_equals_eager_over_1000_steps_without_syncs_or_recompiles()
     assert engine.runner.replays > 900
     assert counters["stats"]["unique_graphs"] == graphs
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flashinfer_decode_planned_by_the_builder_replays_like_uncaptured_steps():
+    """FlashInfer's host plan made by the builder before each step (block size 16: FlashMLA cannot serve),
+    replayed in CUDA graphs: the same tokens as the same planned steps run uncaptured."""
+    pytest.importorskip("flashinfer")
+    from mla_compile.ops.adapters.flashinfer import FlashInferDecodePlanner
+
+    torch._dynamo.reset()
+    counters.clear()
+    hf = toy.toy_hf_model("v2-lite", seed=4, device="cuda", dtype=torch.bfloat16, num_hidden_layers=1,
+                          num_attention_heads=16, num_key_value_heads=16)
+    model = patch(hf, backend="decode=flashinfer,prefill=triton")
+    c = model.config
+    compiled = torch.compile(model, fullgraph=True)
+    load = dict(seed=5, n_requests=16, gap=12, max_new=60)
+    results = []
+    for enabled in (False, True):
+        planner = FlashInferDecodePlanner(num_heads=c.num_heads, block_size=16, scale=c.softmax_scale,
+                                          dtype=torch.bfloat16, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim)
+        builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=16, max_tokens=256, block_size=16, device="cuda",
+                                  decode_planner=planner)
+        model.allocate_cache(256, 16)
+        engine = Engine(DecodeGraphRunner(compiled, builder, capture_sizes=[2, 4, 8], enabled=enabled), num_blocks=256)
+        results.append(_workload(engine, **load))
+        if enabled:
+            assert engine.runner.replays > 20 and all(p.times_planned > 1 for p in planner.plans.values())
+    assert results[0][0] == results[1][0] and results[0][1] > 60
+    assert counters["inductor"]["cudagraph_skips"] == 0

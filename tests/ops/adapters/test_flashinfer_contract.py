@@ -13,7 +13,9 @@ from torch.testing import assert_close
 
 from mla_compile import ops
 from mla_compile.ops import backends_for
-from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, flashinfer_decode_core, flashinfer_merge_core,
+from mla_compile.builder import MetadataBuilder
+from mla_compile.metadata import SeqChunk
+from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, FlashInferDecodePlanner, flashinfer_decode_core, flashinfer_merge_core,
                                                  flashinfer_prefill_core, plan_flashinfer_decode,
                                                  plan_flashinfer_prefill)
 from ..ref64 import (LSE_TOL, OUT_TOL, Paged, decode_ref64, fill_paged_cache, generator, merge_ref64, prefill_ref64,
@@ -158,3 +160,31 @@ def test_merge_converts_the_base_and_keeps_empty_parts_exact(fake_flashinfer):
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
     got = torch.ops.mla.merge_attn_states_flashinfer(out_a, lse_a, out_b, lse_b)
     assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+
+
+def test_metadata_builder_plans_every_step_through_one_planner(fake_flashinfer):
+    """The builder calls the planner with host tables before capture and before each step; the op
+    picks the plan of its batch size, re-planned in place (the same object a captured graph holds)."""
+    planner = FlashInferDecodePlanner(num_heads=2, block_size=16, scale=0.1, dtype=BF16, device="cpu",
+                                      workspace_bytes=WS)
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=3, max_tokens=8, block_size=16, device="cpu",
+                              decode_planner=planner)
+    pad = builder.padding_decode(4)
+    assert pad.meta.decode.plan is planner and sorted(planner.plans) == [4]
+    captured = planner.plans[4]
+    chunks = [SeqChunk(list(LAYOUT.tables[i]), [1], LAYOUT.seq_lens[i] - 1) for i in (1, 3, 2)]
+    step = builder.build(chunks, decode_batch=4)
+    assert step.meta.decode.plan is planner and planner.plans[4] is captured and captured.times_planned == 2
+    _, kv_indptr, kv_indices, kv_len, *_ = fake_flashinfer.named("mla.plan")[-1][0]
+    assert kv_len.tolist() == [20, 40, 1, 0] and kv_indices.tolist() == [7, 2, 5, 1, 8, 0]
+    gen = generator(5)
+    cache = fill_paged_cache(LAYOUT, 576, BF16, gen)
+    q = randn(gen, 4, 1, 2, 576, dtype=BF16)
+    meta = step.meta.decode
+    out, lse = torch.ops.mla.decode_flashinfer(q, cache, meta.block_table, meta.seq_lens, 0.1, 512, meta.plan.plan_id)
+    ref_out, ref_lse = torch.ops.mla.decode_ref(q.double(), cache.double(), meta.block_table, meta.seq_lens, 0.1, 512)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse.double(), **LSE_TOL[BF16])
+    with pytest.raises(ValueError, match="no plan for batch 2"):
+        torch.ops.mla.decode_flashinfer(q[:2], cache, meta.block_table[:2], meta.seq_lens[:2], 0.1, 512,
+                                        planner.plan_id)
