@@ -123,6 +123,6 @@ def test_flashinfer_decode_planned_by_the_builder_replays_like_uncaptured_steps(
         engine = Engine(DecodeGraphRunner(compiled, builder, capture_sizes=[2, 4, 8], enabled=enabled), num_blocks=256)
         results.append(_workload(engine, **load))
         if enabled:
-            assert engine.runner.replays > 20 and all(p.times_planned > 1 for p in planner.plans.values())
+            assert engine.runner.replays > 20 and max(p.times_planned for p in planner.plans.values()) > 10
     assert results[0][0] == results[1][0] and results[0][1] > 60
     assert counters["inductor"]["cudagraph_skips"] == 0
