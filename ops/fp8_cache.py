@@ -258,3 +258,22 @@ def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     q4 = q.unsqueeze(1) if squeeze else q
     out, lse = resolve(OP_DECODE, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+# Triton backends: their modules (and Triton) are imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton_write(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
+    import mla_compile.ops.triton.fp8_cache_write  # noqa: F401  (registers mla::write_latent_cache_fp8_triton)
+    torch.ops.mla.write_latent_cache_fp8_triton(latent, k_pe, slot_mapping, kv_cache)
+
+
+def _triton_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                   kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.fp8_decode  # noqa: F401  (registers mla::decode_fp8_triton)
+    return torch.ops.mla.decode_fp8_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+register_impl(OP_WRITE, "triton", _triton_write, devices=("cuda",), available=_triton_available)
+register_impl(OP_DECODE, "triton", _triton_decode, devices=("cuda",), available=_triton_available)

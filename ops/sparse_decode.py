@@ -88,3 +88,15 @@ def sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, *,
     q4, idx = (q.unsqueeze(1), indices.unsqueeze(1)) if squeeze else (q, indices)
     out, lse = resolve(OP, q.device, backend).fn(q4, kv_cache, idx, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.sparse_decode  # noqa: F401  (registers mla::sparse_decode_triton)
+    return torch.ops.mla.sparse_decode_triton(q, kv_cache, indices, scale, kv_lora_rank)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)

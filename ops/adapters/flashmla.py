@@ -1,4 +1,5 @@
-"""FlashMLA (PyPI ``sgl-flash-mla``, import ``flash_mla``) as a ``mla::decode`` backend: ``"flashmla"``.
+"""FlashMLA (PyPI ``sgl-flash-mla``, import ``flash_mla``) as backend ``"flashmla"`` of ``mla::decode``,
+``mla::decode_fp8`` and ``mla::sparse_decode``.
 
 Call contract (the one measured on the H200, see ``shared/device/anchors.py``):
 ``meta, _ = flash_mla.get_mla_metadata()`` then
@@ -14,8 +15,14 @@ it on every replay with the new lengths. (Sharing one schedule across the layers
 persistent buffers by the metadata builder, is a later optimisation.) At our boundary the LSE goes
 ``[B, H, s_q] -> [B, s_q, H]`` and queries that see no row get ``out = 0``, ``lse = -inf``.
 
-Dense fp8 and sparse (index-list) decode are not wired yet. Not run on a GPU yet: the CPU contract
-tests (a fake ``flash_mla`` module) cover the call; ``tests/ops/adapters`` has the CUDA tests.
+fp8 (``mla::decode_fp8``, ``mla::sparse_decode`` on a uint8 cache): our 656-byte rows are FlashMLA's
+"V32_FP8Sparse" layout byte for byte, passed as ``k_cache.view(float8_e4m3fn)`` ``[blocks, 64, 1, 656]``
+with ``is_fp8_kvcache=True``. Sparse: ``indices [B, s_q, topk]`` int32 slots (-1 = invalid) with
+``block_table``/``cache_seqlens`` None and ``causal=False``; the adapter pads topk with -1 to a multiple
+of 64 (FlashMLA's index tile) and gives queries whose list holds no valid slot ``out = 0``, ``lse = -inf``.
+
+Not run on a GPU yet: the CPU contract tests (a fake ``flash_mla`` module) cover the calls;
+``tests/ops/adapters`` has the CUDA tests.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._dispatch import register_impl
+from mla_compile.ops import fp8_cache
 from mla_compile.ops.adapters._common import (check_dtype, check_value, finish_decode, importable,
                                               require_capability)
 from mla_compile.ops.decode import OP, validate
 from mla_compile.ops.decode import fake as decode_fake
+from mla_compile.ops.sparse_decode import OP as SPARSE_OP
+from mla_compile.ops.sparse_decode import validate as validate_sparse
 
 BACKEND = "flashmla"
 MODULE = "flash_mla"
@@ -74,3 +84,97 @@ def available() -> bool:
 
 
 register_impl(OP, BACKEND, torch.ops.mla.decode_flashmla, devices=("cuda",), available=available)
+
+
+# ------------------------------------------------------------------------------------------ fp8 / sparse
+
+FP8_ROW_BYTES = 656
+TOPK_TILE = 64  # FlashMLA's sparse kernels walk the index list in tiles of 64
+
+
+def _fp8_k_cache(op: str, kv_cache: Tensor) -> Tensor:
+    """Our uint8 ``[NB, 64, 656]`` fp8 cache as FlashMLA's ``float8_e4m3fn [NB, 64, 1, 656]`` (a view, no copy)."""
+    check_value(op, BACKEND, "block_size (kv_cache.shape[1])", kv_cache.shape[1], (BLOCK_SIZE,))
+    if kv_cache.stride(-1) != 1 or kv_cache.stride(1) != FP8_ROW_BYTES:
+        raise ValueError(f"{op}: backend {BACKEND!r} needs densely packed 656-byte rows, got kv_cache strides "
+                         f"{tuple(kv_cache.stride())}; allocate the cache contiguous or use backend='triton'")
+    return kv_cache.view(torch.float8_e4m3fn).unsqueeze(2)
+
+
+def flashmla_decode_fp8_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                             kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_fp8`` through FlashMLA on any tensors (CPU with a fake ``flash_mla`` in tests)."""
+    op = fp8_cache.OP_DECODE
+    fp8_cache.validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    check_dtype(op, BACKEND, "q", q, DTYPES)
+    check_value(op, BACKEND, "kv_lora_rank", kv_lora_rank, (512,))
+    check_value(op, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (576,))
+    k_cache = _fp8_k_cache(op, kv_cache)
+    import flash_mla
+
+    s_q = q.shape[1]
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, k_cache, block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank, meta,
+        softmax_scale=scale, causal=s_q > 1, is_fp8_kvcache=True, use_legacy=True)
+    return finish_decode(out, lse.transpose(1, 2), seq_lens)
+
+
+def flashmla_sparse_decode_core(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
+                                kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::sparse_decode`` through FlashMLA's fp8 sparse kernel on any tensors (fake ``flash_mla`` in tests)."""
+    op = SPARSE_OP
+    validate_sparse(q, kv_cache, indices, kv_lora_rank)
+    check_dtype(op, BACKEND, "q", q, DTYPES)
+    check_dtype(op, BACKEND, "kv_cache", kv_cache, (torch.uint8,))
+    check_value(op, BACKEND, "kv_lora_rank", kv_lora_rank, (512,))
+    check_value(op, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (576,))
+    k_cache = _fp8_k_cache(op, kv_cache)
+    import flash_mla
+
+    idx = indices.to(torch.int32)
+    pad = -idx.shape[-1] % TOPK_TILE
+    if pad or idx.shape[-1] == 0:
+        idx = torch.nn.functional.pad(idx, (0, pad or TOPK_TILE), value=-1)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(
+        q, k_cache, None, None, kv_lora_rank, meta, softmax_scale=scale, causal=False, is_fp8_kvcache=True,
+        indices=idx.contiguous(), use_legacy=True)
+    live = (indices >= 0).any(dim=-1)  # [B, s_q]: the query has at least one valid slot
+    out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    lse = torch.where(live[:, :, None], lse.transpose(1, 2).to(torch.float32), float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("mla::decode_fp8_flashmla", mutates_args=())
+def decode_fp8_flashmla(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                        kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_fp8`` through FlashMLA's fp8 kernels (same contract as ``mla::decode_fp8_ref``)."""
+    require_capability(fp8_cache.OP_DECODE, BACKEND, q.device, (9, 0), (9, 0))
+    return flashmla_decode_fp8_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+@decode_fp8_flashmla.register_fake
+def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+    fp8_cache.validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    B, s_q, H, _ = q.shape
+    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("mla::sparse_decode_flashmla", mutates_args=())
+def sparse_decode_flashmla(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
+                           kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::sparse_decode`` through FlashMLA's fp8 sparse kernel (same contract as ``mla::sparse_decode_ref``)."""
+    require_capability(SPARSE_OP, BACKEND, q.device, (9, 0), (9, 0))
+    return flashmla_sparse_decode_core(q, kv_cache, indices, scale, kv_lora_rank)
+
+
+@sparse_decode_flashmla.register_fake
+def _(q, kv_cache, indices, scale, kv_lora_rank):
+    validate_sparse(q, kv_cache, indices, kv_lora_rank)
+    B, s_q, H, _ = q.shape
+    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+register_impl(fp8_cache.OP_DECODE, BACKEND, torch.ops.mla.decode_fp8_flashmla, devices=("cuda",), available=available)
+register_impl(SPARSE_OP, BACKEND, torch.ops.mla.sparse_decode_flashmla, devices=("cuda",), available=available)

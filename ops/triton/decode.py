@@ -20,6 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
+from mla_compile.ops.triton._fp8 import load_fp8_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -34,6 +35,7 @@ def _decode_split_kernel(
     M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -56,9 +58,10 @@ def _decode_split_kernel(
 
     q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
     q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-    q_c = q_c.to(kv_ptr.dtype.element_ty)
     q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    q_r = q_r.to(kv_ptr.dtype.element_ty)
+    if not FP8:  # the fp8 cache is dequantized to q's dtype; otherwise compute in the cache's dtype
+        q_c = q_c.to(kv_ptr.dtype.element_ty)
+        q_r = q_r.to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -69,8 +72,12 @@ def _decode_split_kernel(
         pos_ok = pos < end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
-        k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
-        k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+        if FP8:
+            k_c, k_r = load_fp8_tile(kv_row, pos_ok, offs_c, offs_r, DC, DR, BLOCK_N, BLOCK_DC)
+            k_c, k_r = k_c.to(q_c.dtype), k_r.to(q_c.dtype)
+        else:
+            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
+            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         s = dot_two_part(q_c, k_c, q_r, k_r, IEEE)
         visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -152,11 +159,13 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
 
 
 def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
-            kv_lora_rank: int, config: dict | None = None) -> tuple[Tensor, Tensor]:
+            kv_lora_rank: int, config: dict | None = None, fp8: bool = False) -> tuple[Tensor, Tensor]:
     """Kernel path (any device the Triton runtime accepts; the interpreter on CPU tensors).
 
     ``config`` overrides the heuristics: BLOCK_H, BLOCK_N, num_warps, num_stages, SPLITS. The split
     count is a runtime kernel argument, so batch sizes that change it reuse the compiled kernels.
+    ``fp8``: ``kv_cache`` is the uint8 DeepSeek fp8 format (``mla::decode_fp8``), dequantized per tile
+    to q's dtype (float32 q: float32 math).
     """
     B, s_q, H, D = q.shape
     dc, dr = kv_lora_rank, D - kv_lora_rank
@@ -168,10 +177,11 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     q = last_dim_contiguous(q)
     kv_cache = last_dim_contiguous(kv_cache)
     block_size = kv_cache.shape[1]
-    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, kv_cache.element_size() > 2)
+    compute = q if fp8 else kv_cache  # the dtype of the tiles in the dots
+    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2)
     splits = cfg["SPLITS"]
     direct = bool(splits == 1)
-    block_dc = pow2(dc)
+    block_dc = pow2(dc, 128 if fp8 else 16)
     if direct:
         o_buf, l_buf = out, lse
     else:
@@ -186,7 +196,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=dr,
         BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=kv_cache.dtype == torch.float32,
+        BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:

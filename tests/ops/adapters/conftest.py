@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ..ref64 import Paged, decode_ref64, merge_ref64, prefill_ref64
+from ..ref_sparse import dequantize64, sparse_decode_ref64
 
 LOG2E = 1.0 / math.log(2.0)
 NAN, INF = float("nan"), float("inf")
@@ -96,11 +97,27 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
         assert isinstance(meta, FakeSchedMeta) and not meta.have_initialized, "a fresh schedule per call"
         meta.have_initialized = True
         B, s_q, H, D = q.shape
-        assert q.dtype == k_cache.dtype == torch.bfloat16 and D == 576 and head_dim_v == 512
-        assert k_cache.dim() == 4 and k_cache.shape[1] == 64 and k_cache.shape[2] == 1 and k_cache.shape[3] == D
+        assert q.dtype == torch.bfloat16 and D == 576 and head_dim_v == 512
+        assert k_cache.dim() == 4 and k_cache.shape[1] == 64 and k_cache.shape[2] == 1
+        if is_fp8_kvcache:  # the 656-byte V3.2 layout, viewed as float8_e4m3fn
+            assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[3] == 656 and k_cache.is_contiguous()
+            rows = dequantize64(k_cache.view(torch.uint8)[:, :, 0], head_dim_v)  # [nb, 64, 576] float64
+        else:
+            assert k_cache.dtype == torch.bfloat16 and k_cache.shape[3] == D
+            rows = k_cache[:, :, 0]
+        if indices is not None:  # sparse: fp8 only, not causal, no table, topk in tiles of 64
+            assert is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
+            assert indices.dtype == torch.int32 and indices.shape[:2] == (B, s_q) and indices.shape[2] % 64 == 0
+            assert indices.is_contiguous()
+            slots = [[[int(x) for x in indices[b, i].tolist()] for i in range(s_q)] for b in range(B)]
+            out, lse = sparse_decode_ref64(q, rows.reshape(-1, D), slots, softmax_scale, head_dim_v)
+            out, lse = out.to(q.dtype), lse.to(torch.float32)
+            empty = lse == -INF
+            out[empty], lse[empty] = NAN, INF  # undefined in FlashMLA: make the adapter fix it
+            return out, lse.transpose(1, 2).contiguous()
         assert block_table.dtype == cache_seqlens.dtype == torch.int32
         layout = paged_from_tables(block_table, cache_seqlens, k_cache.shape[0], 64)
-        out, lse = decode_ref64(q, k_cache[:, :, 0], layout, softmax_scale, head_dim_v)
+        out, lse = decode_ref64(q, rows, layout, softmax_scale, head_dim_v)
         if not causal:  # FlashMLA without causal: every query of a sequence sees all its rows
             for i in range(s_q - 1):
                 out[:, i], lse[:, i] = out[:, -1], lse[:, -1]

@@ -1,0 +1,55 @@
+"""Triton helpers for the DeepSeek fp8 latent format (``mla_compile.ops.fp8_cache``): the e4m3 encoder
+of the cache write and the dequantizing tile load shared by the dense and sparse fp8 decode kernels.
+
+The encoder rounds in integer arithmetic instead of a float8 cast: the result is the same
+round-to-nearest-even code as ``torch.Tensor.to(torch.float8_e4m3fn)`` on every device, and Triton's
+CPU interpreter (whose float8 cast does not round to nearest) gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+SCALE_FLOOR = 2.0 ** -64
+GROUP = 128
+
+
+@triton.jit
+def e4m3_codes(q):
+    """float32 ``q`` with ``|q| <= 448`` (finite) to float8 e4m3fn codes (uint8), round to nearest even."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    mag = bits & 0x7FFFFFFF
+    # normal range (>= 2**-6): drop 20 of float32's 23 mantissa bits, ties to even; a carry bumps the
+    # exponent as it should. Rebias 127 -> 7 (120 << 3 = 960 in code units).
+    lsb = (mag >> 20) & 1
+    normal = ((mag + 0x7FFFF + lsb) >> 20) - 960
+    # subnormals: the nearest multiple of 2**-9, as an integer 0..8 (8 is the smallest normal, code 8),
+    # rounded by the float adder: adding 2**23 leaves the rounded integer in the low mantissa bits.
+    a = mag.to(tl.float32, bitcast=True)
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(mag < 0x3C800000, sub, normal)  # 0x3C800000 = 2**-6
+    return code.to(tl.uint8) | sign
+
+
+@triton.jit
+def load_fp8_tile(row_ptr, ok, offs_c, offs_r, DC: tl.constexpr, DR: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Dequantize the fp8 rows at ``row_ptr [BLOCK_N]`` (uint8 pointers to row starts, valid where ``ok``).
+
+    Returns ``(latent [BLOCK_N, BLOCK_DC], k_pe [BLOCK_N, BLOCK_DR])`` float32, 0 where masked.
+    ``BLOCK_DC`` is a power of two >= 128 (DC is a multiple of 128).
+    """
+    G: tl.constexpr = BLOCK_DC // 128
+    c_ok = offs_c < DC
+    codes = tl.load(row_ptr[:, None] + offs_c[None, :], mask=ok[:, None] & c_ok[None, :], other=0)
+    vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    offs_g = tl.arange(0, G)
+    scale_ptr = (row_ptr + DC).to(tl.pointer_type(tl.float32))
+    sc = tl.load(scale_ptr[:, None] + offs_g[None, :], mask=ok[:, None] & (offs_g < DC // 128)[None, :], other=0.0)
+    latent = tl.reshape(tl.reshape(vals, (BLOCK_N, G, 128)) * sc[:, :, None], (BLOCK_N, BLOCK_DC))
+    rope_ptr = (row_ptr + DC + 4 * (DC // 128)).to(tl.pointer_type(tl.bfloat16))
+    k_pe = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=ok[:, None] & (offs_r < DR)[None, :], other=0.0)
+    return latent, k_pe.to(tl.float32)

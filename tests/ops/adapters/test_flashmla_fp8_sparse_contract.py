@@ -1,0 +1,139 @@
+"""FlashMLA fp8 and sparse decode adapters against a fake ``flash_mla``: the cache passed as a
+``float8_e4m3fn [blocks, 64, 1, 656]`` view (no copy) with ``is_fp8_kvcache=True``; sparse calls with
+int32 indices padded by -1 to a multiple of 64, no table, ``causal=False``; LSE ``[B, H, s_q] ->
+[B, s_q, H]``; FlashMLA's undefined empty rows (NaN / +inf here) -> ``0 / -inf``; outputs equal to the
+float64 references over the dequantized rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mla_compile.ops import decode_fp8, sparse_decode
+from mla_compile.ops.adapters.flashmla import flashmla_decode_fp8_core, flashmla_sparse_decode_core
+from ..ref64 import LSE_TOL, OUT_TOL, Paged, decode_ref64, generator, randn
+from ..ref_sparse import dequantize64, fill_fp8_cache, sparse_decode_ref64
+
+BF16 = torch.bfloat16
+# lengths 0 (a padding slot), 1 (with s_q = 2 its first query sees nothing), across block edges
+LAYOUT = Paged(64, 6, (0, 70, 1, 128), ((), (4, 1), (0,), (5, 2)), 3, 3)
+SCALE = 192 ** -0.5
+
+
+def _inputs(s_q: int, heads: int = 2, seed: int = 0, dtype=BF16, layout=LAYOUT):
+    gen = generator(seed)
+    cache = fill_fp8_cache(layout, 512, 64, gen)
+    q = randn(gen, len(layout.seq_lens), s_q, heads, 576, dtype=dtype)
+    return q, cache, layout.block_table(torch.int64), layout.seq_lens_tensor(torch.int64), gen
+
+
+def _check(out, lse, ref_out, ref_lse, shape):
+    assert out.shape == shape and lse.shape == shape[:3] and lse.dtype == torch.float32
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+    empty = ref_lse == float("-inf")
+    assert empty.any(), "the inputs must hold a query that sees nothing"
+    assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_fp8_decode_call_contract_and_result(fake_flash_mla, s_q):
+    q, cache, table, lens, _ = _inputs(s_q)
+    out, lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
+
+    assert len(fake_flash_mla.named("get_mla_metadata")) == 1
+    [(args, kw)] = fake_flash_mla.named("flash_mla_with_kvcache")
+    q_in, k_cache, bt, seqlens, head_dim_v, _meta = args
+    assert q_in is q and k_cache.shape == (6, 64, 1, 656) and k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.data_ptr() == cache.data_ptr(), "the cache must be passed as a view, never copied"
+    assert bt.dtype == seqlens.dtype == torch.int32 and torch.equal(bt.long(), table) and head_dim_v == 512
+    assert kw["softmax_scale"] == SCALE and kw["causal"] is (s_q > 1) and kw["use_legacy"] is True
+    assert kw["indices"] is None and kw["is_fp8_kvcache"] is True
+
+    ref_out, ref_lse = decode_ref64(q, dequantize64(cache, 512), LAYOUT, SCALE, 512)
+    _check(out, lse, ref_out, ref_lse, (4, s_q, 2, 512))
+
+
+def _sparse_indices(gen, B, s_q, topk, n_slots, live_slots, dtype=torch.int32):
+    """Distinct written slots in random order, -1 anywhere; query (0, 0) gets only -1."""
+    rows = []
+    for b in range(B):
+        for i in range(s_q):
+            k = 0 if (b, i) == (0, 0) else int(torch.randint(1, topk + 1, (1,), generator=gen))
+            chosen = live_slots[torch.randperm(len(live_slots), generator=gen)[:k]].tolist()
+            row = chosen + [-1] * (topk - len(chosen))
+            rows.append([row[j] for j in torch.randperm(topk, generator=gen).tolist()])
+    return torch.tensor(rows, dtype=dtype).view(B, s_q, topk)
+
+
+@pytest.mark.parametrize("s_q,topk,idx_dtype", [(1, 40, torch.int64), (2, 64, torch.int32), (1, 130, torch.int32)])
+def test_sparse_decode_call_contract_and_result(fake_flash_mla, s_q, topk, idx_dtype):
+    q, cache, _, _, gen = _inputs(s_q, seed=topk)
+    rows = dequantize64(cache, 512).reshape(-1, 576)
+    live = torch.nonzero(~rows.isnan().any(dim=1)).flatten()
+    indices = _sparse_indices(gen, 4, s_q, topk, rows.shape[0], live, idx_dtype)
+    out, lse = flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)
+
+    [(args, kw)] = fake_flash_mla.named("flash_mla_with_kvcache")
+    q_in, k_cache, bt, seqlens, head_dim_v, _meta = args
+    assert q_in is q and k_cache.dtype == torch.float8_e4m3fn and k_cache.data_ptr() == cache.data_ptr()
+    assert bt is None and seqlens is None and head_dim_v == 512
+    assert kw["causal"] is False and kw["is_fp8_kvcache"] is True and kw["use_legacy"] is True
+    sent = kw["indices"]
+    padded = -(-topk // 64) * 64
+    assert sent.dtype == torch.int32 and sent.shape == (4, s_q, padded)
+    assert torch.equal(sent[..., :topk].long(), indices.long()) and (sent[..., topk:] == -1).all()
+
+    slots = [[[int(x) for x in indices[b, i].tolist()] for i in range(s_q)] for b in range(4)]
+    ref_out, ref_lse = sparse_decode_ref64(q, rows, slots, SCALE, 512)
+    _check(out, lse, ref_out, ref_lse, (4, s_q, 2, 512))
+
+
+def test_public_functions_dispatch_to_flashmla(fake_flash_mla, allow_cpu):
+    allow_cpu("mla.decode_fp8", "flashmla")
+    allow_cpu("mla.sparse_decode", "flashmla")
+    q, cache, table, lens, gen = _inputs(1, seed=5)
+    out, lse = decode_fp8(q[:, 0], cache, table, lens, SCALE, backend="flashmla")
+    want, want_lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
+    assert torch.equal(out, want[:, 0]) and torch.equal(lse, want_lse[:, 0])
+    rows = dequantize64(cache, 512).reshape(-1, 576)
+    live = torch.nonzero(~rows.isnan().any(dim=1)).flatten()
+    indices = _sparse_indices(gen, 4, 1, 64, rows.shape[0], live)
+    out, lse = sparse_decode(q[:, 0], cache, indices[:, 0], SCALE, backend="flashmla")
+    want, want_lse = flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)
+    assert torch.equal(out, want[:, 0]) and torch.equal(lse, want_lse[:, 0])
+
+
+def test_the_custom_ops_compile_fullgraph(fake_flash_mla):
+    q, cache, table, lens, gen = _inputs(1, seed=3)
+    rows = dequantize64(cache, 512).reshape(-1, 576)
+    live = torch.nonzero(~rows.isnan().any(dim=1)).flatten()
+    indices = _sparse_indices(gen, 4, 1, 64, rows.shape[0], live)
+    m = torch.ops.mla
+    fn = torch.compile(lambda *a: m.decode_fp8_flashmla(*a, SCALE, 512), fullgraph=True, backend="aot_eager")
+    out, lse = fn(q, cache, table, lens)
+    want, want_lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    fn = torch.compile(lambda *a: m.sparse_decode_flashmla(*a, SCALE, 512), fullgraph=True, backend="aot_eager")
+    out, lse = fn(q, cache, indices)
+    want, want_lse = flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(m.decode_fp8_flashmla.default, (q, cache, table, lens, SCALE, 512), test_utils=checks)
+    torch.library.opcheck(m.sparse_decode_flashmla.default, (q, cache, indices, SCALE, 512), test_utils=checks)
+
+
+def test_refuses_what_flashmla_cannot_take(fake_flash_mla):
+    q, cache, table, lens, _ = _inputs(1)
+    with pytest.raises(TypeError, match="backend 'flashmla' needs q in"):
+        flashmla_decode_fp8_core(q.half(), cache, table, lens, SCALE, 512)
+    small = fill_fp8_cache(Paged(16, 8, (20,), ((0, 1),), 2, 0), 512, 64, generator(1))
+    with pytest.raises(ValueError, match=r"needs block_size \(kv_cache.shape\[1\]\) in \[64\]"):
+        flashmla_decode_fp8_core(q[:1], small, torch.tensor([[0, 1]]), torch.tensor([20]), SCALE, 512)
+    idx = torch.full((4, 1, 64), -1, dtype=torch.int32)
+    bf16_cache = torch.randn(6, 64, 576).to(BF16)
+    with pytest.raises(TypeError, match="backend 'flashmla' needs kv_cache in"):
+        flashmla_sparse_decode_core(q, bf16_cache, idx, SCALE, 512)
+    assert not fake_flash_mla
