@@ -51,10 +51,11 @@ class DecodeGraphRunner:
             raise ValueError(f"CUDA-graph capture needs a CUDA builder, got device {builder.device}")
         self.warmup = warmup
         self.strict_sync = strict_sync  # fill + replay under torch.cuda.set_sync_debug_mode("error")
-        if self.enabled:  # backend selection of a captured model: only decode paths that replay correctly
-            model = getattr(step_fn, "_orig_mod", step_fn)  # torch.compile's wrapper keeps the module there
-            if callable(getattr(model, "set_cuda_graph", None)):
-                model.set_cuda_graph(True)
+        # backend selection of a captured model: only decode paths that replay correctly. Set also when
+        # capture is off, so the same padded steps run directly pick (and compile) exactly the same code.
+        model = getattr(step_fn, "_orig_mod", step_fn)  # torch.compile's wrapper keeps the module there
+        if callable(getattr(model, "set_cuda_graph", None)):
+            model.set_cuda_graph(True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.pool = None
         self.replays = 0
