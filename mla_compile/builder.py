@@ -53,6 +53,12 @@ class MetadataBuilder:
         self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
         self.decode_planner = decode_planner
+        # two persistent pinned staging buffers, used in turn; each is reused only after its last copy
+        # finished (an event query; a wait only when the host runs two steps ahead of the GPU)
+        self._staging = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
+            if self._pin else []
+        self._copied: list = [None, None]
+        self._turn = 0
 
     def _stage(self, arrays: Sequence[np.ndarray]) -> list[Tensor]:
         """Pack host ``arrays`` into one pinned buffer, copy it to the front of the arena in one
@@ -63,13 +69,25 @@ class MetadataBuilder:
             end += _aligned(a.nbytes)
         if end > self.arena.numel():  # unreachable when the size checks in build() hold
             raise ValueError(f"step metadata needs {end} bytes; the builder's arena holds {self.arena.numel()}")
-        on_host = self.arena.device.type == "cpu"  # a CPU arena is written in place
-        host = self.arena[:end] if on_host else torch.empty(end, dtype=torch.uint8, pin_memory=self._pin)
+        if self._pin:
+            turn, self._turn = self._turn, self._turn ^ 1
+            done = self._copied[turn]
+            if done is not None and not done.query():
+                done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
+            host = self._staging[turn][:end]
+        elif self.arena.device.type == "cpu":
+            host = self.arena[:end]  # a CPU arena is written in place
+        else:  # another device without pinned staging
+            host = torch.empty(end, dtype=torch.uint8)
         flat = host.numpy()
         for a, off in zip(arrays, offsets):
             flat[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        if not on_host:
-            self.arena[:end].copy_(host, non_blocking=self._pin)
+        if self._pin:
+            self.arena[:end].copy_(host, non_blocking=True)
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        elif self.arena.device.type != "cpu":  # another device without pinned memory
+            self.arena[:end].copy_(host)
         return [self.arena[off:off + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
 
     def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
