@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from mla_compile import toy
+from mla_compile.builder import MetadataBuilder
+from mla_compile.engine import Engine
 from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.metadata import SeqChunk, plan_step
 from mla_compile.model import MLAForCausalLM, patch
 from mla_compile.rope import rope_cos_sin
@@ -84,6 +87,27 @@ def test_mixed_step_with_cached_prefix_matches_hf(pair):
         want = [ref(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(running, nxt)]
         want.append(ref(torch.tensor([new])).logits[0, 9:])
     torch.testing.assert_close(ours, torch.cat([torch.stack(want[:2]), want[2]]), atol=2e-5, rtol=1e-4)
+
+
+def test_engine_with_builder_buffers_matches_hf(pair):
+    """The serving path (persistent builder buffers, padded decode sizes, requests joining running ones)
+    needs no sparse-specific metadata: the indexer derives it from the step's tensors."""
+    ref, model = pair
+    model.allocate_cache(64, 4, fill=float("nan"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = _prompts(gen, [6, 11, 2, 15])
+    new_tokens = [4, 2, 5, 3]
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=4, device="cpu")
+    engine = Engine(DecodeGraphRunner(model, builder, capture_sizes=[2, 4]), num_blocks=64)
+    for p, n in zip(prompts[:2], new_tokens[:2]):
+        engine.add_request(p, n)
+    engine.step()
+    engine.step()
+    for p, n in zip(prompts[2:], new_tokens[2:]):
+        engine.add_request(p, n)
+    done = engine.run()
+    want = [hf_greedy_reference(ref, [p], n)[0][0] for p, n in zip(prompts, new_tokens)]
+    assert [r.output for r in done] == want
 
 
 # ------------------------------------------------------------------ one layer against a float64 masked reference
