@@ -3,6 +3,12 @@
 Prefill tokens take the non-absorbed path (latents up-projected by ``kv_b_proj``, qk 192 / v 128);
 decode tokens take the absorbed path (``q_nope @ W_UK`` against the 576-wide latent rows, then
 ``@ W_UV``). Both write their latents into this layer's cache first. Metadata arrives as an argument.
+
+Sparse (DeepSeek-V3.2) layers own an :class:`~mla_compile.indexer.MLAIndexer`: it picks ``index_topk``
+cache slots per token, and *every* token, decode and prefill alike, takes the absorbed path over just
+those slots (``mla_compile.ops.sparse_decode`` with one query row per token, as FlashMLA's sparse
+prefill does). Cached context (prefix hits, earlier prefill chunks) is covered by the same indices, so
+no context chunks are needed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from torch import Tensor, nn
 from mla_compile import envs, ops
 from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
 from mla_compile.config import MLAConfig
+from mla_compile.indexer import MLAIndexer
 from mla_compile.metadata import MLAMetadata
 from mla_compile.rope import apply_rope
 
@@ -30,6 +37,9 @@ class MLAAttention(nn.Module):
     once per static configuration (kept in ``_backend_choices``, a constant of compiled graphs); an
     explicit backend that cannot serve it raises. ``cuda_graph``: set True by a decode CUDA-graph runner
     so "auto" picks only decode backends that replay with changing lengths.
+
+    A sparse config (V3.2) also wraps the HF layer's ``indexer`` as ``self.indexer`` (an
+    :class:`MLAIndexer`); its attention ignores the decode/prefill backends and uses ``ops.sparse_decode``.
     """
 
     def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
@@ -55,6 +65,12 @@ class MLAAttention(nn.Module):
         if tuple(self.kv_b_proj.weight.shape) != expected:
             raise ValueError(f"kv_b_proj.weight must be {list(expected)} for this config, got {list(self.kv_b_proj.weight.shape)}")
         self.register_buffer("kv_cache", None, persistent=False)
+        self.indexer = None
+        if config.is_sparse:
+            if getattr(hf_attn, "indexer", None) is None or self.q_a_proj is None:
+                raise ValueError(f"a sparse (V3.2) config needs an attention layer with q_a_proj and an indexer, "
+                                 f"got {type(hf_attn).__name__}")
+            self.indexer = MLAIndexer(config, hf_attn.indexer)
 
     def set_cache(self, kv_cache: Tensor) -> None:
         """Attach this layer's paged latent cache (``[num_blocks, block_size, kv_lora_rank + rope_dim]``)."""
@@ -68,16 +84,19 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``; tokens ordered decode first, then prefill."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata, positions: Tensor | None = None) -> Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; tokens ordered decode first, then prefill.
+        ``positions [T]`` is needed by sparse (V3.2) layers only."""
         c = self.config
         if self.kv_cache is None:
             raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
         T = x.shape[0]
+        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(T, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
@@ -87,6 +106,12 @@ class MLAAttention(nn.Module):
         write_backend = self._requested["cache_write"]
         ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache,
                                backend=None if write_backend == "auto" else write_backend)
+        if self.indexer is not None:
+            if positions is None:
+                raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")
+            indices = self.indexer(x, q_resid, cos, sin, positions, meta)
+            out = self._sparse(q_nope, q_pe, indices)
+            return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
 
         parts = []
         n_dec = 0
@@ -113,6 +138,15 @@ class MLAAttention(nn.Module):
                                 kv_lora_rank=c.kv_lora_rank, backend=name,
                                 plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
+        return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+
+    def _sparse(self, q_nope: Tensor, q_pe: Tensor, indices: Tensor) -> Tensor:
+        """Absorbed attention of every token over its selected slots ``indices [T, topk]``: ``[T, H, v_head_dim]``."""
+        c = self.config
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
     def _up_project(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:

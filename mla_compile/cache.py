@@ -74,3 +74,17 @@ def allocate_latent_cache(num_blocks: int, block_size: int, config: MLAConfig, *
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32), got {dtype}")
     return torch.full((num_blocks, block_size, config.latent_dim), fill, dtype=dtype, device=device)
+
+
+def allocate_index_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
+                         dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                         fill: float = 0.0) -> torch.Tensor:
+    """One V3.2 layer's paged index-key cache ``[num_blocks, block_size, index_head_dim]`` (the lightning
+    indexer's keys; same blocks and slots as the latent cache)."""
+    if not config.is_sparse:
+        raise ValueError("allocate_index_cache needs a sparse (V3.2) config with index_head_dim set")
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32), got {dtype}")
+    return torch.full((num_blocks, block_size, config.index_head_dim), fill, dtype=dtype, device=device)

@@ -55,7 +55,8 @@ class PrefillMetadata:
     each other (``cu_seqlens_k`` = ``cu_seqlens_q``). Sequences with cached context (a prefix-cache hit
     or an earlier chunk of a chunked prefill) also attend to it: ``block_table [N, max_blocks]`` finds
     it, and ``context_chunks`` cover it in slices of at most ``chunk_tokens`` rows (a static workspace
-    size), each gathered, up-projected, attended and merged by LSE.
+    size), each gathered, up-projected, attended and merged by LSE. :func:`plan_step` always sets
+    ``block_table`` (sparse V3.2 layers read the whole sequence's index keys and latents through it).
     """
 
     cu_seqlens_q: Tensor
@@ -240,8 +241,9 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         cu_t = torch.tensor(cu, dtype=torch.int32)
         pre = PrefillMetadata(cu_t, cu_t.clone())
         starts_l = [c.start for c in prefill] + [0] * n_pad
+        # always set: sparse (V3.2) layers read every prefill sequence's index keys through it
+        pre.block_table = _block_table([c.blocks for c in prefill], len(starts_l), max_blocks)
         if any(starts_l):
-            pre.block_table = _block_table([c.blocks for c in prefill], len(starts_l), max_blocks)
             pre.chunk_tokens = min(context_chunk_tokens, sum(starts_l))
             pre.context_chunks = _context_chunks(starts_l, pre.chunk_tokens)
     real_rows = np.concatenate(rows)

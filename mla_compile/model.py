@@ -1,4 +1,4 @@
-"""HF DeepSeek V2/V3 integration: :func:`patch` turns a ``DeepseekV{2,3}ForCausalLM`` into a paged-MLA model.
+"""HF DeepSeek V2/V3/V3.2 integration: :func:`patch` turns a ``DeepseekV{2,3,32}ForCausalLM`` into a paged-MLA model.
 
 The patched model runs flat token batches (``input_ids [T]``, ``positions [T]``) with explicit
 :class:`~mla_compile.metadata.MLAMetadata` and compiles whole with ``torch.compile(fullgraph=True)``.
@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from mla_compile import envs
 from mla_compile.attention import MLAAttention
-from mla_compile.cache import allocate_latent_cache
+from mla_compile.cache import allocate_index_cache, allocate_latent_cache
 from mla_compile.config import MLAConfig, is_mla_model
 from mla_compile.metadata import MLAMetadata
 from mla_compile.moe import MLAMoE
@@ -51,12 +51,18 @@ class MLAForCausalLM(nn.Module):
 
     def allocate_cache(self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None, fill: float = 0.0) -> list[Tensor]:
-        """Allocate one paged latent cache per layer (defaults: the weights' dtype and device)."""
+        """Allocate one paged latent cache per layer (defaults: the weights' dtype and device); returns them.
+
+        Sparse (V3.2) models also get one index-key cache per layer with the same blocks, set on each
+        layer's ``self_attn.indexer.k_cache``.
+        """
         ref = self.lm_head.weight
-        caches = [allocate_latent_cache(num_blocks, block_size, self.config, dtype=dtype or ref.dtype,
-                                        device=device or ref.device, fill=fill) for _ in self.attentions]
+        kw = dict(dtype=dtype or ref.dtype, device=device or ref.device, fill=fill)
+        caches = [allocate_latent_cache(num_blocks, block_size, self.config, **kw) for _ in self.attentions]
         for attn, cache in zip(self.attentions, caches):
             attn.set_cache(cache)
+            if attn.indexer is not None:
+                attn.indexer.set_cache(allocate_index_cache(num_blocks, block_size, self.config, **kw))
         return caches
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:
@@ -64,7 +70,7 @@ class MLAForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, meta)
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, meta, positions)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
         if meta.logits_indices is not None:
@@ -73,7 +79,8 @@ class MLAForCausalLM(nn.Module):
 
 
 def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
-    """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM`` in place to the paged MLA path.
+    """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
+    to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
     Every layer's ``self_attn`` becomes an :class:`MLAAttention` and every MoE ``mlp`` an
     :class:`MLAMoE`, both sharing the HF weights. Returns the :class:`MLAForCausalLM` to run; the HF

@@ -58,4 +58,4 @@ def test_metadata_tensors_and_to():
     step = plan_step([SeqChunk([1], [7], 2)], [SeqChunk([3], [9, 10])], 4)
     moved = step.meta.to("cpu")
     assert isinstance(moved, MLAMetadata)
-    assert len(step.meta.tensors()) == 6
+    assert len(step.meta.tensors()) == 7  # slots, logits rows, decode table + lens, cu_q, cu_k, prefill table

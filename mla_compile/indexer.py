@@ -1,0 +1,98 @@
+"""DeepSeek-V3.2's lightning indexer over a paged index-key cache (the "DSA" top-k selection).
+
+Per token: index queries ``wq_b(q_resid)`` ``[T, n_idx_heads, d_idx]`` and one index key
+``LayerNorm(wk(x))`` ``[T, d_idx]``, both rotated (rotate-half, not interleaved) on their first
+``qk_rope_head_dim`` dims; head weights ``weights_proj(x) * n_idx_heads^-0.5``. The score of key j for
+query t is ``sum_h w[t, h] * relu(q[t, h] . k[j] * d_idx^-0.5)`` (HF's and DeepSeek's formula; the
+positive ``d_idx^-0.5`` is folded into the weights). Keys go into this layer's paged index cache at the
+latent cache's slots; :func:`mla_compile.ops.lightning_index` then picks the top ``index_topk`` visible
+slots per token (causal). Everything per step is derived from the explicit metadata and ``positions``
+with tensor ops (no host sync, static shapes), so it compiles with ``fullgraph=True``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mla_compile import ops
+from mla_compile.config import MLAConfig
+from mla_compile.metadata import MLAMetadata
+from mla_compile.rope import apply_rope
+
+
+class MLAIndexer(nn.Module):
+    """The top-k indexer of one V3.2 layer; shares ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj`` with
+    the HF ``DeepseekV32Indexer`` (same parameter names). The key cache ``k_cache [num_blocks,
+    block_size, index_head_dim]`` is set by :meth:`set_cache` next to the layer's latent cache."""
+
+    def __init__(self, config: MLAConfig, hf_indexer: nn.Module) -> None:
+        super().__init__()
+        if not config.is_sparse:
+            raise ValueError("MLAIndexer needs a sparse (V3.2) MLAConfig with index_n_heads/index_head_dim/index_topk")
+        if config.index_head_dim < config.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim ({config.index_head_dim}) must be >= qk_rope_head_dim "
+                             f"({config.qk_rope_head_dim}): the index rope covers the first qk_rope_head_dim dims")
+        self.config = config
+        for name in ("wq_b", "wk", "k_norm", "weights_proj"):
+            if getattr(hf_indexer, name, None) is None:
+                raise ValueError(f"{type(hf_indexer).__name__} has no {name}: not a DeepSeek-V3.2 indexer")
+        self.wq_b, self.wk, self.k_norm = hf_indexer.wq_b, hf_indexer.wk, hf_indexer.k_norm
+        self.weights_proj = hf_indexer.weights_proj
+        expected = (config.index_n_heads * config.index_head_dim,)
+        if tuple(self.wq_b.weight.shape[:1]) != expected:
+            raise ValueError(f"indexer wq_b.weight must have {expected[0]} rows (index_n_heads * index_head_dim), "
+                             f"got {list(self.wq_b.weight.shape)}")
+        self.register_buffer("k_cache", None, persistent=False)
+
+    def set_cache(self, k_cache: Tensor) -> None:
+        """Attach this layer's paged index-key cache ``[num_blocks, block_size, index_head_dim]``."""
+        d = self.config.index_head_dim
+        if k_cache.dim() != 3 or k_cache.shape[-1] != d:
+            raise ValueError(f"index k_cache must be [num_blocks, block_size, {d}], got {list(k_cache.shape)}")
+        self.k_cache = k_cache
+
+    def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                meta: MLAMetadata) -> Tensor:
+        """Write this step's index keys; return ``indices int32 [T, index_topk]`` (physical slots of the
+        selected tokens, -1 padded) for ``x [T, hidden]``, ``q_resid [T, q_lora_rank]``, ``positions [T]``."""
+        c = self.config
+        if self.k_cache is None:
+            raise RuntimeError("MLAIndexer has no index cache: call MLAForCausalLM.allocate_cache(...) first")
+        T, Hi, d, r = x.shape[0], c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        q = self.wq_b(q_resid).view(T, Hi, d)
+        q = torch.cat([apply_rope(q[..., :r], cos, sin, False), q[..., r:]], dim=-1)
+        k = self.k_norm(self.wk(x))
+        k = torch.cat([apply_rope(k[:, :r], cos, sin, False), k[:, r:]], dim=-1)
+        ops.write_index_cache(k, meta.slot_mapping, self.k_cache)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # HF scores in float32
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(acc) * (Hi ** -0.5 * d ** -0.5)
+
+        live = meta.slot_mapping >= 0  # padding tokens select nothing
+        parts, n_dec = [], 0
+        if meta.decode is not None:
+            dm = meta.decode
+            n_dec = dm.num_tokens
+            seq = torch.arange(n_dec, device=x.device) // dm.query_len
+            parts.append(self._select(q[:n_dec], w[:n_dec], dm.block_table, dm.seq_lens,
+                                      torch.where(live[:n_dec], seq, -1), positions[:n_dec]))
+        if meta.prefill is not None:
+            pm = meta.prefill
+            if pm.block_table is None:
+                raise ValueError("sparse (V3.2) prefill needs meta.prefill.block_table (the indexer reads its keys "
+                                 "through it): plan the step with mla_compile.metadata.plan_step")
+            n_pre = T - n_dec
+            pos = positions[n_dec:]
+            cu = pm.cu_seqlens_q.long()
+            seq = torch.searchsorted(cu[1:], torch.arange(n_pre, device=x.device), right=True)
+            seq = torch.where(live[n_dec:] & (seq < cu.shape[0] - 1), seq, -1)
+            # each prefill sequence holds (last new position + 1) tokens after the step; empty rows 0
+            last = pos[(cu[1:] - 1).clamp(min=0, max=n_pre - 1)]
+            seq_lens = torch.where(cu[1:] > cu[:-1], last + 1, 0).to(torch.int32)
+            parts.append(self._select(q[n_dec:], w[n_dec:], pm.block_table, seq_lens, seq, pos))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _select(self, q: Tensor, w: Tensor, block_table: Tensor, seq_lens: Tensor, query_seq: Tensor,
+                query_pos: Tensor) -> Tensor:
+        return ops.lightning_index(q, w, self.k_cache, block_table, seq_lens, query_seq.to(torch.int32),
+                                   query_pos.to(torch.int32), topk=self.config.index_topk)

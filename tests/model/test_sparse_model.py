@@ -1,0 +1,211 @@
+"""The patched DeepSeek-V3.2 (sparse MLA) toy against HF's own V3.2 and a float64 masked reference."""
+
+import copy
+
+import pytest
+import torch
+
+from mla_compile import toy
+from mla_compile.builder import MetadataBuilder
+from mla_compile.engine import Engine
+from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+from mla_compile.metadata import SeqChunk, plan_step
+from mla_compile.model import MLAForCausalLM, patch
+from mla_compile.rope import rope_cos_sin
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not toy.has_sparse_kinds(), reason="transformers has no DeepseekV32ForCausalLM")
+
+TOPK = 8  # the toy's index_topk: prompts longer than this really drop tokens
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = toy.toy_hf_model("v3.2", seed=1234)
+    return copy.deepcopy(hf), patch(hf)
+
+
+def _prompts(gen, lens):
+    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
+
+
+def _chunks(prompts, block_size, perm, starts=None):
+    chunks, at = [], 0
+    for i, p in enumerate(prompts):
+        need = -(-len(p) // block_size)
+        start = 0 if starts is None else starts[i]
+        chunks.append(SeqChunk(perm[at:at + need], p[start:], start))
+        at += need
+    return chunks
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_logits_match_hf(pair, block_size):
+    ref, model = pair
+    gen = torch.Generator().manual_seed(7)
+    prompts = _prompts(gen, [5, 19, 1, 12])
+    num_blocks = 64
+    model.allocate_cache(num_blocks, block_size, fill=float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled physical blocks
+    step = plan_step([], _chunks(prompts, block_size, perm), block_size, logits="all", num_blocks=num_blocks)
+    with torch.no_grad():
+        ours = model(step.input_ids, step.positions, step.meta)[:step.num_rows]
+        want = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
+    torch.testing.assert_close(ours, want, atol=2e-5, rtol=1e-4)
+
+
+def test_greedy_decode_matches_hf(pair):
+    ref, model = pair
+    prompts = _prompts(torch.Generator().manual_seed(3), [7, 2, 13])
+    steps = 5
+    want_tokens, want_logits = hf_greedy_reference(ref, prompts, steps)
+    model.allocate_cache(64, 4, fill=float("nan"))
+    res = greedy_generate(model, prompts, steps, block_size=4, num_blocks=64, keep_logits=True, dynamic=False)
+    assert res.tokens == want_tokens
+    for s in range(steps):
+        want = torch.stack([want_logits[i][s] for i in range(len(prompts))])
+        torch.testing.assert_close(res.step_logits[s], want, atol=2e-5, rtol=1e-4)
+
+
+def test_mixed_step_with_cached_prefix_matches_hf(pair):
+    """One step: decode tokens of running sequences plus the rest of a prompt whose first 9 tokens are
+    already cached (a prefix hit / chunked prefill): the indices cover the cached context too."""
+    ref, model = pair
+    gen = torch.Generator().manual_seed(11)
+    running = _prompts(gen, [6, 10])
+    new = _prompts(gen, [21])[0]
+    bs = 4
+    model.allocate_cache(32, bs, fill=float("nan"))
+    blocks = [[5, 1, 9], [3, 12, 0], [7, 2, 30, 11, 4, 6]]
+    first = plan_step([], [SeqChunk(b, p) for b, p in zip(blocks, running + [new[:9]])], bs)
+    with torch.no_grad():
+        nxt = model(first.input_ids, first.positions, first.meta)[:2].argmax(-1).tolist()
+        step = plan_step([SeqChunk(b, [t], len(p)) for b, t, p in zip(blocks, nxt, running)],
+                         [SeqChunk(blocks[2], new[9:], 9)], bs, logits="all")
+        ours = model(step.input_ids, step.positions, step.meta)[:step.num_rows]
+        want = [ref(torch.tensor([p + [t]])).logits[0, -1] for p, t in zip(running, nxt)]
+        want.append(ref(torch.tensor([new])).logits[0, 9:])
+    torch.testing.assert_close(ours, torch.cat([torch.stack(want[:2]), want[2]]), atol=2e-5, rtol=1e-4)
+
+
+def test_engine_with_builder_buffers_matches_hf(pair):
+    """The serving path (persistent builder buffers, padded decode sizes, requests joining running ones)
+    needs no sparse-specific metadata: the indexer derives it from the step's tensors."""
+    ref, model = pair
+    model.allocate_cache(64, 4, fill=float("nan"))
+    gen = torch.Generator().manual_seed(1)
+    prompts = _prompts(gen, [6, 11, 2, 15])
+    new_tokens = [4, 2, 5, 3]
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=4, device="cpu")
+    engine = Engine(DecodeGraphRunner(model, builder, capture_sizes=[2, 4]), num_blocks=64)
+    for p, n in zip(prompts[:2], new_tokens[:2]):
+        engine.add_request(p, n)
+    engine.step()
+    engine.step()
+    for p, n in zip(prompts[2:], new_tokens[2:]):
+        engine.add_request(p, n)
+    done = engine.run()
+    want = [hf_greedy_reference(ref, [p], n)[0][0] for p, n in zip(prompts, new_tokens)]
+    assert [r.output for r in done] == want
+
+
+# ------------------------------------------------------------------ one layer against a float64 masked reference
+
+def _rope(x, cos, sin, interleave):
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _reference_layer(attn, model, x, topk):
+    """float64 V3.2 attention of one whole sequence ``x [L, hidden]`` (positions 0..L-1), written out
+    densely: indexer scores, causal top-k, then non-absorbed attention masked to the selected keys."""
+    c, ix = attn.config, attn.indexer
+    L = x.shape[0]
+    freqs = torch.arange(L, dtype=torch.float64)[:, None] * model.inv_freq.double()[None, :]
+    cos, sin = freqs.cos() * model.attention_scaling, freqs.sin() * model.attention_scaling
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(x))
+    q = attn.q_b_proj(q_resid).view(L, c.num_heads, c.qk_head_dim)
+    q = torch.cat([q[..., :c.qk_nope_head_dim], _rope(q[..., c.qk_nope_head_dim:], cos, sin, True)], -1)
+    lat, k_pe = attn.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+    k_pe = _rope(k_pe, cos, sin, True)
+    k_nope, v = attn.kv_b_proj(attn.kv_a_layernorm(lat)).view(L, c.num_heads, -1).split(
+        [c.qk_nope_head_dim, c.v_head_dim], -1)
+    k = torch.cat([k_nope, k_pe[:, None].expand(L, c.num_heads, c.qk_rope_head_dim)], -1)
+    r, Hi, d = c.qk_rope_head_dim, c.index_n_heads, c.index_head_dim
+    qi = ix.wq_b(q_resid).view(L, Hi, d)
+    qi = torch.cat([_rope(qi[..., :r], cos, sin, False), qi[..., r:]], -1)
+    ki = ix.k_norm(ix.wk(x))
+    ki = torch.cat([_rope(ki[:, :r], cos, sin, False), ki[:, r:]], -1)
+    w = ix.weights_proj(x) * Hi ** -0.5
+    score = (torch.relu(torch.einsum("thd,sd->ths", qi, ki) * d ** -0.5) * w[..., None]).sum(1)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    score = score.masked_fill(~causal, float("-inf"))
+    chosen = torch.zeros(L, L, dtype=torch.bool).scatter_(1, score.topk(min(topk, L), dim=-1).indices, True)
+    mask = causal & chosen
+    logits = torch.einsum("thd,shd->hts", q, k) * c.softmax_scale
+    probs = logits.masked_fill(~mask[None], float("-inf")).softmax(-1)
+    return attn.o_proj(torch.einsum("hts,shd->thd", probs, v).reshape(L, -1))
+
+
+def test_layer_drops_tokens_like_float64_masked_reference():
+    """Prefill, a mixed step (decodes + a prefill with cached prefix) and a decode step of one V3.2
+    layer equal a float64 dense-masked reference; and top-k < context, so the masking matters."""
+    model = patch(toy.toy_hf_model("v3.2", seed=21, num_hidden_layers=1, dtype=torch.float64))
+    attn = model.attentions[0]
+    gen = torch.Generator().manual_seed(5)
+    lens = [13, 20, 16]
+    xs = [torch.randn(n, attn.config.hidden_size, generator=gen, dtype=torch.float64) for n in lens]
+    bs = 4
+    model.allocate_cache(40, bs, fill=float("nan"))
+    perm = torch.randperm(40, generator=gen).tolist()
+    blocks = [perm[0:4], perm[4:9], perm[9:13]]
+    # (decode (seq, pos) pairs, prefill (seq, start, end) triples) per step
+    plan = [([], [(0, 0, 10), (1, 0, 18), (2, 0, 6)]),
+            ([(0, 10), (1, 18)], [(2, 6, 15)]),
+            ([(0, 11), (1, 19), (2, 15)], []),
+            ([(0, 12)], [])]
+    got = [torch.full((n, attn.config.hidden_size), float("nan"), dtype=torch.float64) for n in lens]
+    for dec, pre in plan:
+        step = plan_step([SeqChunk(blocks[s], [0], p) for s, p in dec],
+                         [SeqChunk(blocks[s], [0] * (e - a), a) for s, a, e in pre], bs)
+        rows = [(s, p) for s, p in dec] + [(s, p) for s, a, e in pre for p in range(a, e)]
+        T = step.positions.shape[0]
+        x = torch.zeros(T, attn.config.hidden_size, dtype=torch.float64)
+        for t, (s, p) in enumerate(rows):
+            x[t] = xs[s][p]
+        cos, sin = rope_cos_sin(model.inv_freq, step.positions, model.attention_scaling)
+        with torch.no_grad():
+            out = attn(x, cos, sin, step.meta, step.positions)
+        for t, (s, p) in enumerate(rows):
+            got[s][p] = out[t]
+    with torch.no_grad():
+        for s, n in enumerate(lens):
+            want = _reference_layer(attn, model, xs[s], TOPK)
+            # rope angles are float32 products (as in HF), hence not float64-tight
+            torch.testing.assert_close(got[s], want, atol=1e-8, rtol=1e-6)
+            dense = _reference_layer(attn, model, xs[s], n)  # top-k = everything: plain causal attention
+            assert (dense[TOPK:] - want[TOPK:]).abs().amax() > 1e-3  # 5 orders above the tolerance
+            torch.testing.assert_close(dense[:TOPK], want[:TOPK], atol=1e-12, rtol=1e-12)  # nothing dropped yet
+
+
+def test_sparse_prefill_without_block_table_is_a_clear_error():
+    model = patch(toy.toy_hf_model("v3.2", seed=0, num_hidden_layers=1))
+    model.allocate_cache(8, 4)
+    step = plan_step([], [SeqChunk([0], [1, 2])], 4)
+    step.meta.prefill.block_table = None
+    with pytest.raises(ValueError, match="block_table"):
+        model(step.input_ids, step.positions, step.meta)
+
+
+def test_patch_keeps_hf_parameter_names_and_allocates_index_cache():
+    hf = toy.toy_hf_model("v3.2", seed=0, num_hidden_layers=1)
+    names = {k for k, _ in hf.named_parameters()}
+    model = patch(hf)
+    assert isinstance(model, MLAForCausalLM)
+    assert {k for k, _ in model.named_parameters()} == names
+    model.allocate_cache(6, 4)
+    k_cache = model.attentions[0].indexer.k_cache
+    assert list(k_cache.shape) == [6, 4, model.config.index_head_dim]
