@@ -114,7 +114,7 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
     )},
     "merge": {s.name: s for s in (
         _spec("triton", "merge", **_TRITON),
-        _spec("flashinfer", "merge", min_capability=_SM80, package="flashinfer-python", gpu_tested=True,
+        _spec("flashinfer", "merge", min_capability=_SM80, package="flashinfer-python", gpu_tested=True, max_head_dim=256,
               note="merge_state (base-2 LSE converted at the boundary)"),
         _spec("reference", "merge", **_REF),
     )},

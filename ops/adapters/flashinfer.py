@@ -358,10 +358,16 @@ register_impl(PREFILL_OP, BACKEND, _prefill, devices=("cuda",), available=availa
 
 # ------------------------------------------------------------------------------------------ merge
 
+MERGE_MAX_DIM = 256
+
+
 def flashinfer_merge_core(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """The merge adapter on any tensors: natural-log LSE in and out, empty parts exact."""
     validate_merge(out_a, lse_a, out_b, lse_b)
     check_dtype(MERGE_OP, BACKEND, "out_a", out_a, DTYPES)
+    if out_a.shape[-1] > MERGE_MAX_DIM:  # measured on the H200: D=512 fails at launch ("invalid argument")
+        raise ValueError(f"{MERGE_OP}: backend 'flashinfer' takes head dims up to {MERGE_MAX_DIM} (out_a "
+                         f"[..., D]), got D={out_a.shape[-1]}; use backend 'triton'")
     from flashinfer.cascade import merge_state
 
     empty_a, empty_b = torch.isneginf(lse_a), torch.isneginf(lse_b)

@@ -235,3 +235,9 @@ def test_h200_tested_flags_pick_flashmla_decode_and_triton_prefill(monkeypatch):
     assert prefill.name == "triton" and "not installed" in prefill.rejected["flash-attn"]
     assert _pick("prefill", planned=True).name == "flashinfer"
     assert not SPECS["prefill"]["flash-attn"].gpu_tested and not SPECS["decode"]["flashinfer-trtllm"].gpu_tested
+
+
+def test_flashinfer_merge_only_up_to_head_dim_256(everything_installed):
+    assert _pick("merge", head_dims=(128,), requested="flashinfer").name == "flashinfer"
+    choice = _pick("merge", head_dims=(512,))
+    assert choice.name == "triton" and "exceed 256" in choice.rejected["flashinfer"]

@@ -188,3 +188,12 @@ def test_metadata_builder_plans_every_step_through_one_planner(fake_flashinfer):
     with pytest.raises(ValueError, match="no plan for batch 2"):
         torch.ops.mla.decode_flashinfer(q[:2], cache, meta.block_table[:2], meta.seq_lens[:2], 0.1, 512,
                                         planner.plan_id)
+
+
+def test_merge_refuses_head_dims_flashinfer_cannot_launch(fake_flashinfer):
+    """D=512 failed at launch on the H200 (run 6): a clear error before the call."""
+    out = torch.randn(4, 2, 512).to(BF16)
+    lse = torch.randn(4, 2)
+    with pytest.raises(ValueError, match="head dims up to 256.*D=512"):
+        flashinfer_merge_core(out, lse, out, lse)
+    assert not fake_flashinfer.named("merge_state")
