@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(demo, layers=2)
     demo.add_argument("--prompts", type=_positive, default=4, help="number of prompts (default: %(default)s)")
     demo.add_argument("--no-compile", action="store_true", help="run the patched model eagerly")
-    demo.add_argument("--cuda-graphs", action="store_true",
-                      help="serve through the engine, decode steps replayed as CUDA graphs (on CPU: same steps, uncaptured)")
+    demo.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                      help="serve through the engine, decode steps replayed as CUDA graphs (on CPU: same steps, "
+                      "uncaptured); default: on for --device cuda when compiling, off otherwise")
     insp = sub.add_parser("inspect", help="report graphs, graph breaks, recompiles and mla:: ops; write a depyf dump",
                           description="Compile the demo model, run prefill and decode at two batch sizes "
                           "(--batch and --batch + 1), and report what torch.compile produced. Writes "
@@ -95,13 +96,20 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def _cuda_graphs(args: argparse.Namespace) -> bool:
+    """``--cuda-graphs`` as given, else on for compiled CUDA runs (what a serving user wants)."""
+    if args.cuda_graphs is not None:
+        return args.cuda_graphs
+    return str(args.device).startswith("cuda") and not args.no_compile
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """``mla-compile demo``: exit 0 when tokens match HF eager and the graph does not break."""
     from mla_compile.demo import run_demo
 
     result = run_demo(args.model, layers=args.layers, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       block_size=args.block_size, device=args.device, dtype=_dtype(args.dtype), seed=args.seed,
-                      backend=args.backend, compile=not args.no_compile, cuda_graphs=args.cuda_graphs, log=_log)
+                      backend=args.backend, compile=not args.no_compile, cuda_graphs=_cuda_graphs(args), log=_log)
     print(result.to_text())
     return 0 if result.ok else 1
 

@@ -96,3 +96,14 @@ def test_inspect_writes_reports_and_prints_json(tmp_path, capsys):
     assert on_disk["graph_count"] == 2 and on_disk["graph_break_count"] == 0
     assert any(op.startswith("mla::decode") for op in on_disk["ops_in_graphs"])
     assert (out_dir / "report.txt").exists()
+
+
+def test_demo_uses_cuda_graphs_by_default_only_for_compiled_cuda_runs():
+    from mla_compile.cli import _cuda_graphs, build_parser
+
+    parse = lambda *a: build_parser().parse_args(["demo", *a])  # noqa: E731
+    assert _cuda_graphs(parse("--device", "cuda")) is True
+    assert _cuda_graphs(parse("--device", "cuda", "--no-compile")) is False
+    assert _cuda_graphs(parse("--device", "cuda", "--no-cuda-graphs")) is False
+    assert _cuda_graphs(parse("--device", "cpu")) is False
+    assert _cuda_graphs(parse("--device", "cpu", "--cuda-graphs")) is True
