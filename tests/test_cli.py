@@ -101,9 +101,14 @@ def test_inspect_writes_reports_and_prints_json(tmp_path, capsys):
 def test_demo_uses_cuda_graphs_by_default_only_for_compiled_cuda_runs():
     from mla_compile.cli import _cuda_graphs, build_parser
 
-    parse = lambda *a: build_parser().parse_args(["demo", *a])  # noqa: E731
-    assert _cuda_graphs(parse("--device", "cuda")) is True
-    assert _cuda_graphs(parse("--device", "cuda", "--no-compile")) is False
-    assert _cuda_graphs(parse("--device", "cuda", "--no-cuda-graphs")) is False
+    def parse(*a):
+        args = build_parser().parse_args(["demo", *[x for x in a if x != "--gpu"]])
+        if "--gpu" in a:  # --device cuda is refused by the parser on a machine without CUDA
+            args.device = "cuda"
+        return args
+
+    assert _cuda_graphs(parse("--gpu")) is True
+    assert _cuda_graphs(parse("--gpu", "--no-compile")) is False
+    assert _cuda_graphs(parse("--gpu", "--no-cuda-graphs")) is False
     assert _cuda_graphs(parse("--device", "cpu")) is False
     assert _cuda_graphs(parse("--device", "cpu", "--cuda-graphs")) is True
