@@ -8,7 +8,8 @@ Core (``mla_compile``) never imports this package.
 """
 
 from mla_compile.lowerings import decode as _decode
+from mla_compile.lowerings.passes import PASS_NAMES, MLAFusionPass, compile_options, fuse_kv_write, mla_passes
 
 LOWERING_INSTALLED = _decode.install()
 
-__all__ = ["LOWERING_INSTALLED"]
+__all__ = ["LOWERING_INSTALLED", "MLAFusionPass", "PASS_NAMES", "compile_options", "fuse_kv_write", "mla_passes"]
