@@ -4,7 +4,9 @@
 and returns an :class:`InspectReport`; with ``out_dir`` it also writes ``report.txt``,
 ``report.json`` and (when depyf is installed) a depyf dump of the decompiled bytecode, FX graphs and
 Inductor output code. :class:`CompileWatch` is the counting part alone, for code that compiles on
-its own (the demo). This module depends only on torch (and optionally depyf), not on mla_compile.
+its own (the demo). This module depends only on torch (and optionally depyf); when ``mla_compile.ops`` is importable
+it also reports the autotune decisions of ``mla_compile.lowerings`` and the fusion passes that fired
+(``counters["mla_passes"]``), and names the backend of every ``mla::`` op in the output code.
 
 Sources (torch 2.11-2.13, private but stable across them): ``torch._dynamo.utils.counters``
 (graph breaks, unique graphs, cache hits), ``torch._dynamo.utils.graph_break_reasons`` (where each
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import linecache
 import os
 import re
 import shutil
@@ -40,6 +43,7 @@ class GraphBreak:
     count: int
     locations: list[str] = field(default_factory=list)
     detail: str = ""
+    source_lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +91,12 @@ class CompileWatch:
         self.compile_time_s = 0.0
         self.frames_compiled = 0
         self.cache_hits: dict[str, int] = {}
+        self.guard_count = 0
+        self.compile_phases_s: dict[str, float] = {}
+        self.cudagraph_skips: list[str] = []
+        self.cudagraph_skip_count = 0
+        self.passes_fired: dict[str, int] = {}
+        self.autotune: list[dict] = []
 
     def __enter__(self) -> "CompileWatch":
         self._t0 = time.time()
@@ -95,9 +105,14 @@ class CompileWatch:
         self._inductor0 = Counter(counters["inductor"])
         self._aot0 = Counter(counters["aot_autograd"])
         self._reasons0 = len(_graph_break_reasons())
+        self._passes0 = Counter(counters["mla_passes"])
+        self._log0 = _autotune_mark()
+        self._skip_msgs: list[str] = []
+        self._unhook = _hook_cudagraph_skips(self._skip_msgs)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._unhook()
         self.update()
 
     def update(self) -> None:
@@ -107,20 +122,29 @@ class CompileWatch:
         reasons = _graph_break_reasons()
         new_reasons = reasons[self._reasons0:] if len(reasons) >= self._reasons0 else reasons
         where: dict[str, list[str]] = {}
+        code: dict[str, list[str]] = {}
         for r in new_reasons:
             frames = getattr(r, "user_stack", None) or []
             if frames:
-                loc = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
+                f = frames[-1]
+                loc = f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
                 locs = where.setdefault(getattr(r, "reason", ""), [])
                 if loc not in locs:
                     locs.append(loc)
-        self.graph_breaks = [GraphBreak(short_reason(k), n, where.get(k, []), k) for k, n in breaks.most_common()]
+                    text = (getattr(f, "line", None) or linecache.getline(f.filename, f.lineno or 0)).strip()
+                    code.setdefault(getattr(r, "reason", ""), []).append(text)
+        self.graph_breaks = [GraphBreak(short_reason(k), n, where.get(k, []), k, code.get(k, []))
+                             for k, n in breaks.most_common()]
         self.recompiles, self.compile_time_s, self.frames_compiled = [], 0.0, 0
+        self.guard_count, phases = 0, Counter()
         for m in _compilation_metrics():
             if (getattr(m, "start_time", None) or 0.0) < self._t0:
                 continue
             self.frames_compiled += 1
             self.compile_time_s += getattr(m, "entire_frame_compile_time_s", None) or 0.0
+            self.guard_count += getattr(m, "guard_count", None) or 0
+            for phase, attr, unit in _PHASES:
+                phases[phase] += (getattr(m, attr, None) or 0) * unit
             reason = getattr(m, "recompile_reason", None)
             if reason:
                 self.recompiles.append(Recompile(str(m.compile_id), str(m.co_name), _first_line(reason)))
@@ -129,6 +153,11 @@ class CompileWatch:
             "fx_graph": (Counter(counters["inductor"]) - self._inductor0)["fxgraph_cache_hit"],
         }
         self.cache_hits = {k: v for k, v in hits.items() if v}
+        self.compile_phases_s = {k: round(v, 4) for k, v in phases.items() if v}
+        self.cudagraph_skip_count = (Counter(counters["inductor"]) - self._inductor0)["cudagraph_skips"]
+        self.cudagraph_skips = list(dict.fromkeys(self._skip_msgs))
+        self.passes_fired = dict(Counter(counters["mla_passes"]) - self._passes0)
+        self.autotune = _autotune_since(self._log0)
 
     @property
     def graph_break_count(self) -> int:
@@ -158,6 +187,13 @@ class InspectReport:
     user_triton_kernels: list[str] = field(default_factory=list)
     error: str | None = None
     torch_version: str = torch.__version__
+    guard_count: int = 0
+    compile_phases_s: dict[str, float] = field(default_factory=dict)
+    mla_ops: list[dict] = field(default_factory=list)
+    autotune: list[dict] = field(default_factory=list)
+    passes_fired: dict[str, int] = field(default_factory=dict)
+    cudagraph_skip_count: int = 0
+    cudagraph_skips: list[str] = field(default_factory=list)
 
     @property
     def graph_count(self) -> int:
@@ -192,9 +228,22 @@ class InspectReport:
                  f"  graphs:        {self.graph_count}",
                  f"  graph breaks:  {self.graph_break_count}",
                  f"  recompiles:    {self.recompile_count}",
-                 f"  compile time:  {self.compile_time_s:.1f} s (whole run {self.run_time_s:.1f} s)",
+                 f"  guards:        {self.guard_count} (all frames compiled)",
+                 f"  compile time:  {self.compile_time_s:.1f} s (whole run {self.run_time_s:.1f} s)"
+                 + (f"; by phase: {', '.join(f'{k} {v:.2f} s' for k, v in self.compile_phases_s.items())}"
+                    if self.compile_phases_s else ""),
                  f"  {ns}:: ops in Dynamo graphs:       {', '.join(self.ops_in_graphs) or 'none'}",
                  f"  {ns}:: ops in Inductor output code: {', '.join(self.ops_in_output_code) or 'none'}"]
+        for op in self.mla_ops:
+            lines.append(f"  final graph: {op['op']} -> backend {op['backend']}")
+        for a in self.autotune:
+            times = ", ".join(f"{k} {v:.3f} ms" if v is not None else f"{k} -" for k, v in a["timings_ms"].items())
+            lines.append(f"  autotune {a['op']} {a['shapes']} {a['dtype']}: {a['winner']} ({a['winner_backend']})"
+                         + (f" [{times}]" if times else ""))
+        lines.append(f"  fusion passes fired: {', '.join(f'{k} x{v}' for k, v in self.passes_fired.items()) or 'none'}")
+        if self.cudagraph_skip_count or self.cudagraph_skips:
+            lines.append(f"  CUDA-graph skips: {self.cudagraph_skip_count}")
+            lines.extend(f"    {r}" for r in self.cudagraph_skips)
         if self.user_triton_kernels:  # triton_op kernels pasted into the output code (CUDA)
             lines.append(f"  user Triton kernels in output code: {', '.join(self.user_triton_kernels)}")
         if self.cache_hits:
@@ -206,6 +255,7 @@ class InspectReport:
         for b in self.graph_breaks:
             at = f" at {', '.join(b.locations)}" if b.locations else ""
             lines.append(f"  break x{b.count}: {b.reason}{at}")
+            lines.extend(f"    > {src}" for src in b.source_lines if src)
         for r in self.recompiles:
             lines.append(f"  recompile {r.compile_id} ({r.function}): {r.reason}")
         if self.dump_dir:
@@ -231,7 +281,7 @@ class InspectReport:
 def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir: str | None = None, *,
                     backend: str | Callable = "inductor", fullgraph: bool = False, dynamic: bool | None = None,
                     namespace: str = "mla", reset: bool = True, dump: bool = True,
-                    fresh: bool = False) -> InspectReport:
+                    fresh: bool = False, options: dict | None = None) -> InspectReport:
     """Compile ``fn`` with ``torch.compile``, call ``run_steps(compiled_fn)``, and report what happened.
 
     Parameters
@@ -250,6 +300,8 @@ def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir:
     reset : call ``torch._dynamo.reset()`` first so earlier compiles of ``fn`` do not hide graphs.
     dump : write a depyf dump (skipped, with the reason in ``report.dump_skipped``, if depyf is missing).
     fresh : compile with Inductor's caches disabled (slower; complete AOT/post-grad graph dumps).
+    options : Inductor config patched in while ``run_steps`` runs (e.g. ``mla_compile.lowerings.compile_options()``
+        for the MLA fusion passes).
 
     An exception raised by ``run_steps`` is recorded in ``report.error``, not raised.
     """
@@ -285,7 +337,8 @@ def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir:
 
     compiled = torch.compile(fn, backend=recording_backend, fullgraph=fullgraph, dynamic=dynamic)
     error = None
-    cache_ctx = torch._inductor.config.patch(force_disable_caches=True) if fresh else contextlib.nullcontext()
+    patches = dict(options or {}, **({"force_disable_caches": True} if fresh else {}))
+    cache_ctx = torch._inductor.config.patch(patches) if patches else contextlib.nullcontext()
     prev_hook = GraphLowering.save_output_code
     GraphLowering.save_output_code = staticmethod(output_code.append)
     t0 = time.perf_counter()
@@ -334,10 +387,81 @@ def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir:
         compile_time_s=watch.compile_time_s, run_time_s=run_time, backend=str(backend_name), fullgraph=fullgraph,
         namespace=namespace, cache_hits=watch.cache_hits, dump_dir=dump_dir, dump_files=dump_files,
         dump_skipped=dump_skipped, output_code_files=code_files, user_triton_kernels=sorted(user_kernels),
-        error=error)
+        error=error, guard_count=watch.guard_count, compile_phases_s=watch.compile_phases_s,
+        mla_ops=[{"op": op, "backend": op_backend(op)} for op in sorted(ops_in_code)] + [
+            {"op": k, "backend": op_backend(k)} for k in sorted(user_kernels) if op_backend(k) != "?"],
+        autotune=watch.autotune, passes_fired=watch.passes_fired, cudagraph_skip_count=watch.cudagraph_skip_count,
+        cudagraph_skips=watch.cudagraph_skips)
     if out_dir is not None:
         report.write(out_dir)
     return report
+
+
+# (phase, CompilationMetrics attribute, factor to seconds); absent attributes count 0. Per frame; the
+# phases nest (inductor inside aot_autograd inside dynamo), so they do not add up to the total.
+_PHASES = (("dynamo", "dynamo_cumulative_compile_time_us", 1e-6),
+           ("aot_autograd", "aot_autograd_cumulative_compile_time_us", 1e-6),
+           ("inductor", "inductor_cumulative_compile_time_us", 1e-6),
+           ("inductor_codegen", "inductor_code_gen_cumulative_compile_time_us", 1e-6),
+           ("kernel_compile", "triton_compile_time_us", 1e-6))
+
+# Our op names and Triton kernel names -> the backend they belong to (suffix conventions of mla_compile.ops)
+_BACKEND_SUFFIXES = (("_ref", "reference"), ("_triton_config", "triton (autotuned config)"), ("_triton", "triton"),
+                     ("_flashmla", "flashmla"), ("_flashinfer_trtllm", "flashinfer-trtllm"),
+                     ("_flashinfer_cutlass", "flashinfer-cutlass"), ("_flashinfer", "flashinfer"),
+                     ("_fa2", "flash-attn"), ("_flash_attn", "flash-attn"), ("_sdpa", "sdpa-cudnn"),
+                     ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"))
+_KERNEL_BACKENDS = {"_decode_split_kernel": "triton", "_decode_reduce_kernel": "triton",
+                    "_cache_write_kernel": "triton", "_fused_kv_write_kernel": "triton"}
+
+
+def op_backend(name: str) -> str:
+    """The backend an ``mla::`` op name (``mla::decode_flashmla`` -> ``flashmla``) or a user Triton kernel serves; "?" if unknown."""
+    if name in _KERNEL_BACKENDS:
+        return _KERNEL_BACKENDS[name]
+    base = name.split("::")[-1].split(".")[0]
+    for suffix, backend in _BACKEND_SUFFIXES:
+        if base.endswith(suffix):
+            return backend
+    return "?"
+
+
+def _autotune_mark() -> int:
+    try:
+        from mla_compile.ops import _compile_log
+    except ImportError:
+        return 0
+    return _compile_log.mark()
+
+
+def _autotune_since(position: int) -> list[dict]:
+    """Autotune decisions recorded by ``mla_compile.lowerings`` since ``position`` (plain dicts)."""
+    try:
+        from mla_compile.ops import _compile_log
+    except ImportError:
+        return []
+    return [dataclasses.asdict(r) for r in _compile_log.records_since(position)]
+
+
+def _hook_cudagraph_skips(sink: list[str]) -> Callable[[], None]:
+    """Collect Inductor's "skipping cudagraphs due to ..." messages into ``sink``; returns the unhook."""
+    try:
+        from torch._inductor import cudagraph_utils
+    except ImportError:
+        return lambda: None
+    logger = getattr(cudagraph_utils, "cudagraphs_log", None) or getattr(cudagraph_utils, "perf_hint_log", None)
+    if logger is None:
+        return lambda: None
+    original = logger.warning
+
+    def warning(msg, *args, **kwargs):
+        text = str(msg) % args if args else str(msg)
+        if "cudagraph" in text.lower():
+            sink.append(_first_line(text))
+        return original(msg, *args, **kwargs)
+
+    logger.warning = warning
+    return lambda: setattr(logger, "warning", original) if logger.warning is warning else None
 
 
 _TRITON_KERNEL = re.compile(r"async_compile\.triton\(\s*['\"](\w+)['\"]")

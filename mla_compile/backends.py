@@ -96,6 +96,9 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
               head_dims=_DEEPSEEK_DECODE, multi_query=False, lse=False, min_capability=_SM100,
               max_capability=_SM103, package="flashinfer-python",
               note="Blackwell CUTLASS kernel; no LSE; FlashInfer's wrapper copies the cache per call"),
+        _spec("autotune", "decode", devices=("any",), dtypes=_FLOATS,
+              note="Inductor times every decode backend that serves the compiled shapes and emits the fastest "
+                   "(needs `import mla_compile.lowerings`; eager and CPU run the static default); never picked by 'auto'"),
         _spec("reference", "decode", **_REF),
     )},
     "prefill": {s.name: s for s in (
@@ -176,6 +179,8 @@ def requested_for(op: str, spec: str | dict[str, str] | None) -> str:
     name = parsed.get("*", "auto")
     if op in KERNEL_OPS and name not in backends_for(OP_KEYS[op]):
         return "auto"  # a single peer name is about attention; the cache write/gather have no peer backends
+    if name == "autotune" and name not in backends_for(OP_KEYS[op]):
+        return "auto"  # ops without an autotuned variant (prefill, merge) keep the static choice
     return name
 
 
@@ -266,9 +271,11 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
         # "auto" only picks paths that have passed their CUDA tests on a GPU; the others serve when
         # asked for by name (and join "auto" once their gpu_tested flag is set after an H200 run).
         for n in usable:
-            if not SPECS[op][n].gpu_tested:
+            if n == "autotune":  # a compile-time choice among the others, asked for by name only
+                rejected[n] = "chosen by Inductor's timing at compile time: 'auto' skips it, ask for it by name"
+            elif not SPECS[op][n].gpu_tested:
                 rejected[n] = "not yet tested on a GPU: 'auto' skips it, ask for it by name"
-        verified = [n for n in usable if SPECS[op][n].gpu_tested]
+        verified = [n for n in usable if SPECS[op][n].gpu_tested and n != "autotune"]
         if not verified:
             raise ValueError(f"{op}: no GPU-tested backend serves {config}: {rejected}")
         return Choice(verified[0], f"auto: first GPU-tested backend of the {op} priority {list(PRIORITY[op])} "

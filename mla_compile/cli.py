@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--fullgraph", action="store_true", help="compile with fullgraph=True (a break is an error)")
     insp.add_argument("--fresh", action="store_true",
                       help="disable Inductor's caches so every graph is compiled and dumped in full")
+    insp.add_argument("--lowerings", action="store_true",
+                      help="import mla_compile.lowerings, run the MLA fusion passes and autotune the decode "
+                      "(backend decode=autotune unless --backend is given); the report lists passes and choices")
     sub.add_parser("doctor", help="versions, the GPU, every attention backend (available or why not) and the "
                    "selector's choice for DeepSeek-V2-Lite and V3 shapes",
                    description="Print torch/triton/CUDA versions, the GPU, every decode/prefill/merge backend with "
@@ -120,9 +123,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from mla_compile.generate import greedy_generate
     from mla_compile.graphs.inspect import inspect_compile
 
+    options = None
+    backend = args.backend
+    if getattr(args, "lowerings", False):
+        import mla_compile.lowerings as lowerings  # registers the autotuned decode lowering
+
+        options = lowerings.compile_options(True)
+        backend = backend or "decode=autotune"
     setup = build_demo(args.model, layers=args.layers, num_prompts=args.batch + 1,
                        max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
-                       dtype=_dtype(args.dtype), seed=args.seed, backend=args.backend)
+                       dtype=_dtype(args.dtype), seed=args.seed, backend=backend)
 
     def run_steps(compiled) -> None:
         for batch in (args.batch, args.batch + 1):  # a second batch size: shows whether shapes recompile
@@ -131,7 +141,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     _log(f"compiling the toy {args.model} model ({args.layers} layers) on {args.device}; "
          f"batches {args.batch} and {args.batch + 1} ...")
-    report = inspect_compile(setup.model, run_steps, args.out, fullgraph=args.fullgraph, fresh=args.fresh)
+    report = inspect_compile(setup.model, run_steps, args.out, fullgraph=args.fullgraph, fresh=args.fresh,
+                             options=options)
     print(report.to_json() if args.json else report.to_text())
     if not args.json:
         print(f"report: {args.out}/report.txt, {args.out}/report.json")

@@ -70,8 +70,11 @@ def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, 
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False; use device 'cpu'")
     chosen = backend or envs.backend()
+    from mla_compile.backends import OP_KEYS, requested_for
+
     for op in _MODEL_OPS:  # an unusable backend fails here, not as a confusing error inside tracing
-        ops.resolve(op, device, chosen)
+        key = next(k for k, v in OP_KEYS.items() if v == op)
+        ops.resolve(op, device, requested_for(key, chosen))  # per-op specs ("decode=autotune") included
     hf = toy_hf_model(kind, seed=seed, dtype=dtype, device=device, num_hidden_layers=layers)
     reference = copy.deepcopy(hf)  # patch() rewrites hf in place
     model = patch(hf, backend=backend)

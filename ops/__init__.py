@@ -8,6 +8,8 @@ from mla_compile.ops._checks import checked_mode, set_checked_mode
 from mla_compile.ops._dispatch import backends_for, resolve
 from mla_compile.ops.cache_write import write_latent_cache
 from mla_compile.ops.decode import decode
+from mla_compile.ops import decode_autotune as _decode_autotune  # noqa: E402,F401  (registers backend "autotune")
+from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401  (registers mla::write_latent_cache_fused)
 from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states

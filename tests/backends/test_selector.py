@@ -95,7 +95,9 @@ def test_cpu_always_gets_the_reference_with_reasons(everything_installed):
     for op in ("decode", "prefill", "merge"):
         choice = select_backend(op, device="cpu", dtype=BF16, block_size=64, num_heads=16, head_dims=(512, 64))
         assert choice.name == "reference"
-        assert all("runs on cuda, not cpu" in why for why in choice.rejected.values())
+        assert all("runs on cuda, not cpu" in why for n, why in choice.rejected.items() if n != "autotune")
+    # "autotune" runs anywhere (on CPU its lowering falls back) but 'auto' never picks it
+    assert "'auto' skips it" in select_backend("decode", device="cpu", dtype=BF16).rejected["autotune"]
 
 
 def test_blackwell_paths_are_unavailable_on_a_faked_sm90(everything_installed):
@@ -134,7 +136,7 @@ def test_an_explicit_backend_that_cannot_serve_says_why_and_what_would(everythin
         _pick("decode", block_size=16, requested="flashmla")
     msg = str(err.value)
     assert "decode: backend 'flashmla' (from the argument) cannot serve [cuda (sm90), bfloat16, block size 16" in msg
-    assert "block size 16 not in [64]" in msg and "Backends that can: ['triton', 'reference']" in msg
+    assert "block size 16 not in [64]" in msg and "Backends that can: ['triton', 'autotune', 'reference']" in msg
     with pytest.raises(ValueError, match=r"needs a host-side plan \(plan_flashinfer_decode\)"):
         _pick("decode", block_size=16, requested="flashinfer")
     with pytest.raises(ValueError, match=r"prefill: unknown backend 'flashmla' .*prefill backends: \['flashinfer'"):

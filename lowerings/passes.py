@@ -1,0 +1,211 @@
+"""Post-grad fusion passes for MLA graphs (a ``CustomGraphPass`` with a stable ``uuid()``, so Inductor's
+FX-graph cache keeps working: the uuid is the hash of this file).
+
+``fuse_kv_write``: the latent RMSNorm (``kv_a_layernorm``), the RoPE of k_pe and the paged cache write
+become one ``mla::write_latent_cache_fused`` call (one launch instead of a norm kernel, a rope kernel
+and the write). The norm and the rope are found with Inductor's pattern matcher (patterns traced from
+the model's own math for float32/bfloat16/float16 and both RoPE layouts, ``eps`` free); the write is
+the functionalized ``mla::write_latent_cache_ref`` (``auto_functionalized``/``_v2``) or our Triton cache
+write kernel (``triton_kernel_wrapper_functional``). It fires only when the normed latent and the
+roped k_pe feed nothing but the write (a decode-only step); otherwise the graph is left alone.
+
+Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_options())``, or
+``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
+in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
+``torch._dynamo.utils.counters["mla_passes"]["fuse_kv_write"]`` (the inspect report lists it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import operator
+from typing import Iterator
+
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from mla_compile import envs
+from mla_compile.ops.fused_kv_write import rms_norm, rope
+
+PASS_NAMES = ("fuse_kv_write",)
+_EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
+
+
+def _norm_search(latent, weight):
+    return rms_norm(latent, weight, _EPS_PLACEHOLDER)
+
+
+def _rope_search_interleave(k_pe, cos, sin):
+    return rope(k_pe, cos, sin, True)
+
+
+def _rope_search_half(k_pe, cos, sin):
+    return rope(k_pe, cos, sin, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _patterns(dtype: torch.dtype):
+    """(norm pattern, {interleave: rope pattern}) traced for activations of ``dtype`` (traced once)."""
+    from torch._inductor.pattern_matcher import fwd_only, gen_pattern
+
+    T, Dc, Dr = 4, 16, 8
+    lat, w = torch.empty(T, Dc, dtype=dtype), torch.empty(Dc, dtype=dtype)
+    kpe = torch.empty(T, Dr, dtype=dtype)
+    cos, sin = torch.empty(T, Dr // 2), torch.empty(T, Dr // 2)  # distinct objects: one placeholder each
+    norm = gen_pattern(_norm_search, [lat, w], fwd_only, scalar_workaround={"eps": _EPS_PLACEHOLDER})
+    ropes = {True: gen_pattern(_rope_search_interleave, [kpe, cos, sin], fwd_only),
+             False: gen_pattern(_rope_search_half, [kpe, cos, sin], fwd_only)}
+    return norm, ropes
+
+
+def _match_norm(node: torch.fx.Node):
+    """``(latent, weight, eps)`` when ``node`` computes DeepSeek's RMSNorm, else None."""
+    val = node.meta.get("val")
+    if val is None or val.dim() != 2:
+        return None
+    for dtype in dict.fromkeys((val.dtype, torch.float32, torch.bfloat16, torch.float16)):
+        m = _patterns(dtype)[0].match(node)
+        if m:
+            kw = m.kwargs
+            eps = kw.get("eps", None)
+            if "latent" in kw and "weight" in kw and isinstance(eps, (int, float)):
+                return kw["latent"], kw["weight"], float(eps), m
+    return None
+
+
+def _match_rope(node: torch.fx.Node):
+    """``(k_pe, cos, sin, interleave)`` when ``node`` is the RoPE of a 2-D k_pe, else None."""
+    val = node.meta.get("val")
+    if val is None or val.dim() != 2:
+        return None
+    for dtype in dict.fromkeys((val.dtype, torch.float32, torch.bfloat16, torch.float16)):
+        for interleave, pat in _patterns(dtype)[1].items():
+            m = pat.match(node)
+            if m and {"k_pe", "cos", "sin"} <= set(m.kwargs):
+                return m.kwargs["k_pe"], m.kwargs["cos"], m.kwargs["sin"], interleave, m
+    return None
+
+
+def _write_ops() -> tuple:
+    return (torch.ops.mla.write_latent_cache_ref.default,)
+
+
+def _triton_write_kernel():
+    """Our Triton cache-write kernel object, when Triton imports (its functional wrapper is matched)."""
+    try:
+        from mla_compile.ops.triton.cache_write import _cache_write_kernel
+    except Exception:
+        return None
+    return _cache_write_kernel
+
+
+def _write_site(node: torch.fx.Node):
+    """``(latent, k_pe, slot_mapping, cache_base, outputs_to_replace)`` for a functionalized cache write."""
+    hop = torch.ops.higher_order
+    if node.target in (getattr(hop, "auto_functionalized_v2", None), getattr(hop, "auto_functionalized", None)):
+        if not node.args or node.args[0] not in _write_ops():
+            return None
+        kw = node.kwargs
+        return kw["latent"], kw["k_pe"], kw["slot_mapping"], "auto", None
+    if node.target is getattr(hop, "triton_kernel_wrapper_functional", None):
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+        if kernel is None or kernel is not _triton_write_kernel():
+            return None
+        kw = node.kwargs["kwargs"]
+        return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"]
+    return None
+
+
+def _only_feeds(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+    return set(node.users) == {user}
+
+
+def fuse_kv_write(graph: torch.fx.Graph) -> int:
+    """Rewrite every norm + rope + cache write site of ``graph``; returns the number of rewrites."""
+    hop = torch.ops.higher_order
+    fused = 0
+    for node in list(graph.nodes):
+        site = _write_site(node)
+        if site is None:
+            continue
+        latent_n, kpe_n, slots, kind, cache = site
+        if not (isinstance(latent_n, torch.fx.Node) and isinstance(kpe_n, torch.fx.Node)):
+            continue
+        if not (_only_feeds(latent_n, node) and _only_feeds(kpe_n, node)):
+            continue  # the normed latent / roped k_pe are used elsewhere too (prefill): keep the graph
+        norm = _match_norm(latent_n)
+        rot = _match_rope(kpe_n)
+        if norm is None or rot is None:
+            continue
+        latent, weight, eps, _ = norm
+        k_pe, cos, sin, interleave, _ = rot
+        args = dict(latent=latent, k_pe=k_pe, norm_weight=weight, cos=cos, sin=sin, slot_mapping=slots,
+                    eps=eps, interleave=interleave)
+        op = torch.ops.mla.write_latent_cache_fused.default
+        if kind == "auto":
+            base = {k: v for k, v in node.kwargs.items() if k.startswith("_") or k == "kv_cache"}
+            with graph.inserting_before(node):
+                new = graph.call_function(node.target, (op,), {**args, **base})
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+            node.replace_all_uses_with(new)
+        else:
+            if not (isinstance(cache, torch.fx.Node) and cache.op == "placeholder"):
+                continue  # a view of the cache would need the view's size/stride kwargs: leave it
+            getters = [u for u in node.users if u.target is operator.getitem]
+            if len(getters) != len(node.users) or any(g.args[1] != "cache_ptr" for g in getters):
+                continue
+            v2 = getattr(hop, "auto_functionalized_v2", None)
+            if v2 is None:
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(v2, (op,), {**args, "_kv_cache_base_index": 0, "_all_bases": [cache]})
+                out = graph.call_function(operator.getitem, (new, 1))
+            cache_val = getters[0].meta.get("val")
+            new.meta["val"] = (None, cache_val)
+            out.meta["val"] = cache_val
+            for g in getters:
+                g.replace_all_uses_with(out)
+                graph.erase_node(g)
+        graph.erase_node(node)
+        fused += 1
+    if fused:
+        graph.eliminate_dead_code()
+        counters["mla_passes"]["fuse_kv_write"] += fused
+    return fused
+
+
+def _source_hash() -> str:
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+class MLAFusionPass(CustomGraphPass):
+    """Every MLA post-grad fusion (``PASS_NAMES``); a no-op when ``MLA_COMPILE_PASSES=0``."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if envs.passes_enabled():
+            fuse_kv_write(graph)
+
+    def uuid(self) -> str:
+        return f"mla_compile.lowerings.passes:{_source_hash()}:{int(envs.passes_enabled())}"
+
+
+def compile_options(passes: bool | None = None) -> dict:
+    """Inductor options for ``torch.compile(options=...)``: the MLA passes as ``post_grad_custom_post_pass``.
+
+    ``passes``: None follows ``MLA_COMPILE_PASSES`` (default on); False returns ``{}``.
+    """
+    on = envs.passes_enabled() if passes is None else passes
+    return {"post_grad_custom_post_pass": MLAFusionPass()} if on else {}
+
+
+@contextlib.contextmanager
+def mla_passes(enabled: bool | None = None) -> Iterator[None]:
+    """Within the block, compiles run the MLA passes (``torch._inductor.config.patch`` of the post-grad hook)."""
+    with torch._inductor.config.patch(compile_options(enabled) or {"post_grad_custom_post_pass": None}):
+        yield

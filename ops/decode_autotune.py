@@ -1,0 +1,91 @@
+"""``mla::decode_autotune``: the backend-neutral decode whose implementation Inductor picks by timing.
+
+Same contract as ``mla::decode`` (see :mod:`mla_compile.ops.decode`): ``q [B, s_q, H, D]`` over the
+paged latent cache, returns ``out [B, s_q, H, kv_lora_rank]`` and ``lse [B, s_q, H]``.
+
+The op itself is plain: its eager kernel runs the static default (our Triton kernel on CUDA, the
+reference elsewhere), and its fake is the decode fake. What makes it "autotune" is the Inductor
+lowering in :mod:`mla_compile.lowerings.decode`: when that module is imported and the graph runs on
+CUDA, Inductor benchmarks every implementation that can serve the shapes (Triton configurations,
+FlashMLA) and emits the fastest. Without the lowering (``mla_compile.lowerings`` not imported, or the
+private Inductor API unusable) the compiled graph calls this op's eager kernel: correct, not tuned;
+:func:`lowering_installed` says which case holds, and ``backend="autotune"`` warns once at trace time
+(from :func:`mla_compile.ops.decode.decode`'s dispatch, outside compiled code) when it is not.
+
+``mla::decode_triton_config`` is the Triton kernel with explicit launch parameters (one autotune
+choice per configuration); 0 means "the heuristic's value".
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._dispatch import default_backend, register_impl, resolve
+from mla_compile.ops.decode import OP, fake, validate
+
+BACKEND = "autotune"
+_LOWERED: set[str] = set()
+_WARNED: set[str] = set()
+
+
+def mark_lowered(op_name: str) -> None:
+    """Called by :mod:`mla_compile.lowerings` when it registers the lowering of ``op_name`` (e.g. "mla::decode_autotune")."""
+    _LOWERED.add(op_name)
+
+
+def lowering_installed(op_name: str = "mla::decode_autotune") -> bool:
+    """Whether an Inductor lowering that autotunes ``op_name`` is registered in this process."""
+    return op_name in _LOWERED
+
+
+@torch.library.custom_op("mla::decode_autotune", mutates_args=())
+def decode_autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                    kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
+    name = default_backend(OP, q.device)
+    if name == BACKEND:  # never: the default is never the autotuned op itself
+        name = "reference"
+    out, lse = resolve(OP, q.device, name).fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    return out.contiguous(), lse.contiguous()
+
+
+decode_autotune.register_fake(fake)
+
+
+@torch.library.custom_op("mla::decode_triton_config", mutates_args=(), device_types="cuda")
+def decode_triton_config(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                         kv_lora_rank: int, block_n: int, num_warps: int, num_stages: int,
+                         splits: int) -> tuple[Tensor, Tensor]:
+    """Our Triton decode with explicit ``BLOCK_N``/``num_warps``/``num_stages``/split count (0: heuristic)."""
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    from mla_compile.ops.triton.decode import _launch
+
+    cfg = {k: v for k, v in (("BLOCK_N", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
+                             ("SPLITS", splits)) if v > 0}
+    return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=cfg)
+
+
+decode_triton_config.register_fake(fake)
+
+
+@torch.compiler.assume_constant_result
+def _warn_if_unlowered(device_type: str) -> bool:
+    """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""
+    if device_type != "cpu" and not lowering_installed() and "decode" not in _WARNED:
+        _WARNED.add("decode")
+        warnings.warn("backend='autotune': no Inductor lowering is installed for mla::decode_autotune, so "
+                      "compiled graphs run the static default backend untuned; `import mla_compile.lowerings` "
+                      "before compiling to let Inductor time every backend", stacklevel=2)
+    return True
+
+
+def _autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+              kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    _warn_if_unlowered(q.device.type)
+    return torch.ops.mla.decode_autotune(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+register_impl(OP, BACKEND, _autotune, devices=("any",))

@@ -1,0 +1,81 @@
+"""Triton kernel of ``mla::write_latent_cache_fused``: one program per token computes the latent's
+RMSNorm, the RoPE of k_pe and stores ``[norm | rope]`` at the token's cache slot (slot -1 and slots out
+of range are skipped). Rounding follows the unfused torch code: the normalized latent is rounded to the
+latent's dtype before the weight multiply, the product to the promoted dtype of weight and latent, the
+rotated k_pe to k_pe's dtype, then both to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from mla_compile.ops.triton._common import pow2
+
+
+@triton.jit
+def _fused_kv_write_kernel(
+    lat_ptr, kpe_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
+    n_slots, block_size, eps,
+    s_lat, s_kpe, s_cos, s_sin, s_cb, s_ct,
+    DC: tl.constexpr, HALF: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr, ROUND_NORM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)
+    dst = cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct
+    eps = tl.full([], eps, tl.float32)  # Python floats may arrive as fp64
+
+    d = tl.arange(0, BLOCK_DC)
+    dm = d < DC
+    x = tl.load(lat_ptr + t * s_lat + d, mask=dm & ok, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / DC
+    xn = x * tl.math.rsqrt(var + eps)
+    xn = xn.to(lat_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    y = w * xn
+    if ROUND_NORM:  # the product's dtype: torch.promote_types(weight, latent)
+        y = y.to(lat_ptr.dtype.element_ty)
+    else:
+        y = y.to(w_ptr.dtype.element_ty)
+    tl.store(dst + d, y.to(cache_ptr.dtype.element_ty), mask=dm & ok)
+
+    j = tl.arange(0, BLOCK_HALF)
+    jm = (j < HALF) & ok
+    if INTERLEAVE:
+        x1 = tl.load(kpe_ptr + t * s_kpe + 2 * j, mask=jm, other=0.0).to(tl.float32)
+        x2 = tl.load(kpe_ptr + t * s_kpe + 2 * j + 1, mask=jm, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(kpe_ptr + t * s_kpe + j, mask=jm, other=0.0).to(tl.float32)
+        x2 = tl.load(kpe_ptr + t * s_kpe + HALF + j, mask=jm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * s_cos + j, mask=jm, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * s_sin + j, mask=jm, other=0.0).to(tl.float32)
+    o1 = (x1 * c - x2 * s).to(kpe_ptr.dtype.element_ty)
+    o2 = (x2 * c + x1 * s).to(kpe_ptr.dtype.element_ty)
+    tl.store(dst + DC + j, o1.to(cache_ptr.dtype.element_ty), mask=jm)
+    tl.store(dst + DC + HALF + j, o2.to(cache_ptr.dtype.element_ty), mask=jm)
+
+
+def launch(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,
+           kv_cache: Tensor, eps: float, interleave: bool) -> None:
+    """Run the kernel (any device the Triton runtime accepts; the interpreter on CPU tensors). Mutates ``kv_cache``."""
+    T, dc = latent.shape
+    half = k_pe.shape[1] // 2
+    if T == 0 or kv_cache.numel() == 0:
+        return
+    if kv_cache.stride(-1) != 1:
+        raise ValueError(f"mla.write_latent_cache_fused (triton): kv_cache needs a unit stride in its last dim, "
+                         f"got strides {tuple(kv_cache.stride())}")
+    latent, k_pe, norm_weight = (t if t.stride(-1) == 1 else t.contiguous() for t in (latent, k_pe, norm_weight))
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
+    round_norm = torch.promote_types(norm_weight.dtype, latent.dtype) == latent.dtype
+    _fused_kv_write_kernel[(T,)](
+        latent, k_pe, norm_weight, cos, sin, slot_mapping, kv_cache,
+        kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1], float(eps),
+        latent.stride(0), k_pe.stride(0), cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        DC=dc, HALF=half, BLOCK_DC=pow2(dc), BLOCK_HALF=pow2(half), INTERLEAVE=bool(interleave),
+        ROUND_NORM=bool(round_norm), num_warps=4 if dc <= 512 else 8,
+    )
