@@ -4,7 +4,8 @@
 
 Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 queries):
 - dense decode B=128, L=8192, H=16 (memory-bound): Triton bf16 cache vs Triton fp8 cache (the issue's
-  goal: fp8 >= 1.7x faster than bf16), FlashMLA bf16 and FlashMLA fp8; also H=128 at L=4096;
+  goal: fp8 >= 1.7x faster than bf16), FlashMLA bf16 and FlashMLA fp8 (its sparse V3.2 kernel over
+  causal slot lists, heads padded to 64: its dense fp8 kernel reads another format); also H=128 at L=4096;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches,
   FlashMLA fp8 sparse.
@@ -68,7 +69,7 @@ def dense_case(B, H, L):
         import flash_mla  # noqa: F401
         bk.attempt(group, "FlashMLA bf16", lambda: decode(q, bf16, table, lens, SCALE, backend="flashmla"),
                    flops, B * L * D * 2 + out_bytes)
-        bk.attempt(group, "FlashMLA fp8", lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="flashmla"),
+        bk.attempt(group, "FlashMLA fp8 (sparse kernel)", lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="flashmla"),
                    flops, B * L * W + out_bytes)
     except ImportError as exc:
         print(f"  FlashMLA unavailable: {exc!r}", flush=True)

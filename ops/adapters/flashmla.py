@@ -16,13 +16,19 @@ persistent buffers by the metadata builder, is a later optimisation.) At our bou
 ``[B, H, s_q] -> [B, s_q, H]`` and queries that see no row get ``out = 0``, ``lse = -inf``.
 
 fp8 (``mla::decode_fp8``, ``mla::sparse_decode`` on a uint8 cache): our 656-byte rows are FlashMLA's
-"V32_FP8Sparse" layout byte for byte, passed as ``k_cache.view(float8_e4m3fn)`` ``[blocks, 64, 1, 656]``
-with ``is_fp8_kvcache=True``. Sparse: ``indices [B, s_q, topk]`` int32 slots (-1 = invalid) with
-``block_table``/``cache_seqlens`` None and ``causal=False``; the adapter pads topk with -1 to a multiple
-of 64 (FlashMLA's index tile) and gives queries whose list holds no valid slot ``out = 0``, ``lse = -inf``.
+V3.2 sparse layout byte for byte, passed as ``k_cache.view(float8_e4m3fn)`` ``[blocks, 64, 1, 656]`` to the
+sparse decode kernel: ``indices [B, s_q, topk]`` int32 slots (-1 = invalid; FlashMLA checks no upper
+bound, so out-of-range slots become -1 here), ``block_table``/``cache_seqlens`` None, ``causal=False``,
+``is_fp8_kvcache=True``, topk padded with -1 to a multiple of 64. That kernel takes ``h_q`` 64 or 128
+only ("Unsupported h_q: 16" on the H200): q's heads are zero-padded to 64 (H <= 64) or 128 and the
+results sliced back (H > 128: one call per 128 heads). FlashMLA's *dense* fp8 kernel is another format
+(576 e4m3 bytes per token with per-tensor ``descale_q``/``descale_k`` and an fp8 q, its own
+``get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)`` schedule), so ``mla::decode_fp8``
+runs the sparse kernel over each query's causal slot list built from the block table. Queries whose
+list holds no valid slot get ``out = 0``, ``lse = -inf``.
 
-Not run on a GPU yet: the CPU contract tests (a fake ``flash_mla`` module) cover the calls;
-``tests/ops/adapters`` has the CUDA tests.
+The CPU contract tests (a fake ``flash_mla`` module that asserts the real interface's requirements)
+cover the calls; ``tests/ops/adapters`` has the CUDA tests.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ register_impl(OP, BACKEND, torch.ops.mla.decode_flashmla, devices=("cuda",), ava
 
 FP8_ROW_BYTES = 656
 TOPK_TILE = 64  # FlashMLA's sparse kernels walk the index list in tiles of 64
+SPARSE_HEADS = (64, 128)  # the h_q FlashMLA's sparse decode accepts
 
 
 def _fp8_k_cache(op: str, kv_cache: Tensor) -> Tensor:
@@ -101,28 +108,90 @@ def _fp8_k_cache(op: str, kv_cache: Tensor) -> Tensor:
     return kv_cache.view(torch.float8_e4m3fn).unsqueeze(2)
 
 
+def _head_groups(H: int) -> tuple[int, list[tuple[int, int]]]:
+    """FlashMLA's sparse kernels take ``h_q`` 64 or 128 only ("Unsupported h_q" otherwise): the padded
+    head count and the ``(start, stop)`` head ranges, one sparse call each (a single call for H <= 128)."""
+    width = SPARSE_HEADS[0] if H <= SPARSE_HEADS[0] else SPARSE_HEADS[1]
+    return width, [(h, min(h + width, H)) for h in range(0, H, width)]
+
+
+def _sparse_call(q: Tensor, k_cache: Tensor, idx: Tensor, scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """FlashMLA sparse decode on ``q [B, s_q, H, 576]`` for any H: heads zero-padded to 64 / 128 (padded
+    rows are computed and dropped), ``idx`` int32 with -1 padding. Returns ``out [B, s_q, H, 512]``,
+    ``lse [B, s_q, H]`` as FlashMLA gives them (undefined for queries without a valid slot)."""
+    import flash_mla
+
+    B, s_q, H, D = q.shape
+    width, groups = _head_groups(H)
+    outs, lses = [], []
+    for h0, h1 in groups:
+        qg = q[:, :, h0:h1]
+        if h1 - h0 != width:
+            qg = torch.cat([qg, qg.new_zeros(B, s_q, width - (h1 - h0), D)], dim=2)
+        meta, _ = flash_mla.get_mla_metadata()
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            qg.contiguous(), k_cache, None, None, kv_lora_rank, meta, softmax_scale=scale, causal=False,
+            is_fp8_kvcache=True, indices=idx, use_legacy=True)
+        outs.append(out[:, :, :h1 - h0])
+        lses.append(lse[:, :h1 - h0].transpose(1, 2))  # [B, h, s_q] -> [B, s_q, h]
+    if len(groups) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _sparse_finish(out: Tensor, lse: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """Our contract for queries whose list holds no valid slot: ``out = 0``, ``lse = -inf``."""
+    live = (idx >= 0).any(dim=-1)  # [B, s_q]
+    out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    lse = torch.where(live[:, :, None], lse.to(torch.float32), float("-inf"))
+    return out.contiguous(), lse.contiguous()
+
+
+def _pad_topk(idx: Tensor) -> Tensor:
+    """-1 padding of the last dim to a positive multiple of FlashMLA's index tile (64)."""
+    pad = -idx.shape[-1] % TOPK_TILE
+    if pad or idx.shape[-1] == 0:
+        idx = torch.nn.functional.pad(idx, (0, pad or TOPK_TILE), value=-1)
+    return idx.contiguous()
+
+
+def dense_indices(block_table: Tensor, seq_lens: Tensor, s_q: int, block_size: int) -> Tensor:
+    """``[B, s_q, capacity]`` int32 slot lists of dense causal decode: query i of sequence b lists the slots
+    of positions ``< seq_lens[b] - (s_q - 1 - i)`` in order, -1 after (shape-only, capture-safe)."""
+    B, nbt = block_table.shape
+    pos = torch.arange(nbt * block_size, device=block_table.device)
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size  # [B, capacity]
+    limit = seq_lens.long()[:, None] - (s_q - 1 - torch.arange(s_q, device=seq_lens.device))  # [B, s_q]
+    visible = pos[None, None, :] < limit[:, :, None]
+    return torch.where(visible, slots[:, None, :], -1).to(torch.int32)
+
+
 def flashmla_decode_fp8_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                              kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """``mla::decode_fp8`` through FlashMLA on any tensors (CPU with a fake ``flash_mla`` in tests)."""
+    """``mla::decode_fp8`` through FlashMLA on any tensors (CPU with a fake ``flash_mla`` in tests).
+
+    FlashMLA's dense fp8 kernel reads another format (576 e4m3 bytes per token, per-tensor
+    ``descale_q``/``descale_k``, fp8 q), not the 656-byte rows: dense decode runs as sparse decode
+    (the V3.2 kernel, which reads our rows byte for byte) over each query's causal slot list.
+    """
     op = fp8_cache.OP_DECODE
     fp8_cache.validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     check_dtype(op, BACKEND, "q", q, DTYPES)
     check_value(op, BACKEND, "kv_lora_rank", kv_lora_rank, (512,))
     check_value(op, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (576,))
     k_cache = _fp8_k_cache(op, kv_cache)
-    import flash_mla
-
-    s_q = q.shape[1]
-    meta, _ = flash_mla.get_mla_metadata()
-    out, lse = flash_mla.flash_mla_with_kvcache(
-        q, k_cache, block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank, meta,
-        softmax_scale=scale, causal=s_q > 1, is_fp8_kvcache=True, use_legacy=True)
-    return finish_decode(out, lse.transpose(1, 2), seq_lens)
+    idx = _pad_topk(dense_indices(block_table, seq_lens, q.shape[1], BLOCK_SIZE))
+    out, lse = _sparse_call(q, k_cache, idx, scale, kv_lora_rank)
+    return _sparse_finish(out, lse, idx)
 
 
 def flashmla_sparse_decode_core(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
                                 kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """``mla::sparse_decode`` through FlashMLA's fp8 sparse kernel on any tensors (fake ``flash_mla`` in tests)."""
+    """``mla::sparse_decode`` through FlashMLA's fp8 sparse kernel on any tensors (fake ``flash_mla`` in tests).
+
+    Any head count (padded to 64 / 128 per call); slots outside ``[0, num_blocks * 64)`` become -1
+    (FlashMLA checks no upper bound), matching the Triton kernel.
+    """
     op = SPARSE_OP
     validate_sparse(q, kv_cache, indices, kv_lora_rank)
     check_dtype(op, BACKEND, "q", q, DTYPES)
@@ -130,20 +199,11 @@ def flashmla_sparse_decode_core(q: Tensor, kv_cache: Tensor, indices: Tensor, sc
     check_value(op, BACKEND, "kv_lora_rank", kv_lora_rank, (512,))
     check_value(op, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (576,))
     k_cache = _fp8_k_cache(op, kv_cache)
-    import flash_mla
-
-    idx = indices.to(torch.int32)
-    pad = -idx.shape[-1] % TOPK_TILE
-    if pad or idx.shape[-1] == 0:
-        idx = torch.nn.functional.pad(idx, (0, pad or TOPK_TILE), value=-1)
-    meta, _ = flash_mla.get_mla_metadata()
-    out, lse = flash_mla.flash_mla_with_kvcache(
-        q, k_cache, None, None, kv_lora_rank, meta, softmax_scale=scale, causal=False, is_fp8_kvcache=True,
-        indices=idx.contiguous(), use_legacy=True)
-    live = (indices >= 0).any(dim=-1)  # [B, s_q]: the query has at least one valid slot
-    out = torch.where(live[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-    lse = torch.where(live[:, :, None], lse.transpose(1, 2).to(torch.float32), float("-inf"))
-    return out.contiguous(), lse.contiguous()
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    idx = torch.where((indices >= 0) & (indices < n_slots), indices, -1).to(torch.int32)
+    idx = _pad_topk(idx)
+    out, lse = _sparse_call(q, k_cache, idx, scale, kv_lora_rank)
+    return _sparse_finish(out, lse, idx)
 
 
 @torch.library.custom_op("mla::decode_fp8_flashmla", mutates_args=())

@@ -11,9 +11,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-SCALE_FLOOR = 2.0 ** -64
-GROUP = 128
+# Globals read inside @triton.jit must be tl.constexpr: the CPU interpreter accepts plain floats, the
+# sm_90 compiler rejects them (NameError at compile time).
+FP8_MAX = tl.constexpr(448.0)
+SCALE_FLOOR = tl.constexpr(2.0 ** -64)
+GROUP = tl.constexpr(128)
 
 
 @triton.jit

@@ -75,30 +75,64 @@ def make_flash_attn(calls: Calls) -> types.ModuleType:
 # ------------------------------------------------------------------------------------------ flash_mla
 
 class FakeSchedMeta:
+    """``flash_mla.FlashMLASchedMeta`` (sgl-flash-mla 1.0.0): filled by the first call."""
+
     def __init__(self):
         self.have_initialized = False
+        self.config = None
+        self.tile_scheduler_metadata = None
+        self.num_splits = None
 
 
 def make_flash_mla(calls: Calls) -> types.ModuleType:
+    """The sgl-flash-mla 1.0.0 interface (``flash_mla_interface.py``) with the requirements its Python code
+    and its legacy (sm90) extension enforce: sparse decode takes h_q 64 or 128 only ("Unsupported h_q"),
+    fp8 caches, int32 indices (-1 = invalid, no upper-bound check); dense fp8 wants metadata from
+    ``get_mla_decoding_metadata(..., is_fp8_kvcache=True, use_legacy=True)``, a 576-byte fp8 cache and
+    ``descale_q``/``descale_k``; dense decode needs ``use_legacy=True``."""
     mod = types.ModuleType("flash_mla")
 
     def get_mla_metadata(*args, **kwargs):
         calls.append(("get_mla_metadata", args, kwargs))
         return FakeSchedMeta(), None
 
+    def get_mla_decoding_metadata(seqlens_k, num_q_tokens_per_head_k, h_k, h_q=None, is_fp8_kvcache=False,
+                                  topk=None, use_legacy=False):
+        calls.append(("get_mla_decoding_metadata", (seqlens_k, num_q_tokens_per_head_k, h_k),
+                      dict(h_q=h_q, is_fp8_kvcache=is_fp8_kvcache, topk=topk, use_legacy=use_legacy)))
+        if is_fp8_kvcache and topk is None:
+            assert use_legacy, "dense fp8 decoding exists only on the legacy side"
+        return torch.zeros(8, 8, dtype=torch.int32), torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32)
+
     def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
-                               use_legacy=False):
+                               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
+                               attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                               extra_topk_length=None, enable_batch_invariant=False, use_legacy=False, kv_format=None,
+                               descale_q=None, descale_k=None):
+        if is_fp8_kvcache is None:  # the real default: inferred from ``indices``
+            is_fp8_kvcache = indices is not None
         calls.append(("flash_mla_with_kvcache", (q, k_cache, block_table, cache_seqlens, head_dim_v,
                                                  tile_scheduler_metadata),
                       dict(num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
-                           is_fp8_kvcache=is_fp8_kvcache, indices=indices, use_legacy=use_legacy)))
+                           is_fp8_kvcache=is_fp8_kvcache, indices=indices, use_legacy=use_legacy,
+                           descale_q=descale_q, descale_k=descale_k)))
         meta = tile_scheduler_metadata
-        assert isinstance(meta, FakeSchedMeta) and not meta.have_initialized, "a fresh schedule per call"
-        meta.have_initialized = True
+        assert isinstance(meta, FakeSchedMeta), "tile_scheduler_metadata must be of type FlashMLASchedMeta"
+        assert num_splits is None, "num_splits must be None"
         B, s_q, H, D = q.shape
         assert q.dtype == torch.bfloat16 and D == 576 and head_dim_v == 512
         assert k_cache.dim() == 4 and k_cache.shape[1] == 64 and k_cache.shape[2] == 1
+        if indices is None:
+            assert use_legacy, "Dense MLA decoding was removed from the current kernels; pass use_legacy=True"
+            if is_fp8_kvcache:  # the fork's sm90 dense fp8 extension: another format than the 656-byte rows
+                assert meta.tile_scheduler_metadata is not None, (
+                    "dense fp8 decoding needs metadata from get_mla_decoding_metadata(..., is_fp8_kvcache=True, "
+                    "use_legacy=True) before the first call")
+                assert k_cache.shape[3] == 576, "Only head_size_k == 576 is supported"
+                assert descale_q is not None and descale_k is not None, "descale is required when input dtype is fp8"
+                raise NotImplementedError("fake flash_mla: the per-tensor-scale dense fp8 format is not modelled")
+        assert not meta.have_initialized, "a fresh schedule per call"
+        meta.have_initialized = True
         if is_fp8_kvcache:  # the 656-byte V3.2 layout, viewed as float8_e4m3fn
             assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[3] == 656 and k_cache.is_contiguous()
             rows = dequantize64(k_cache.view(torch.uint8)[:, :, 0], head_dim_v)  # [nb, 64, 576] float64
@@ -106,9 +140,18 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
             assert k_cache.dtype == torch.bfloat16 and k_cache.shape[3] == D
             rows = k_cache[:, :, 0]
         if indices is not None:  # sparse: fp8 only, not causal, no table, topk in tiles of 64
-            assert is_fp8_kvcache and not causal and block_table is None and cache_seqlens is None
+            assert not causal, "causal must be False when sparse attention is enabled"
+            assert is_fp8_kvcache, "is_fp8_kvcache must be True"
+            assert use_legacy, "the V3.2 format and sm90 are legacy-only"
+            if H not in (64, 128):
+                raise RuntimeError(f"sparse_attn_decode_interface, sparse_decode.cpp:377, Unsupported h_q: {H}")
+            assert q.is_contiguous()
+            assert block_table is None and cache_seqlens is None
             assert indices.dtype == torch.int32 and indices.shape[:2] == (B, s_q) and indices.shape[2] % 64 == 0
             assert indices.is_contiguous()
+            n_slots = k_cache.shape[0] * 64
+            assert ((indices == -1) | ((indices >= 0) & (indices < n_slots))).all(), (
+                "FlashMLA treats only -1 as invalid and checks no upper bound (out-of-bounds reads)")
             slots = [[[int(x) for x in indices[b, i].tolist()] for i in range(s_q)] for b in range(B)]
             out, lse = sparse_decode_ref64(q, rows.reshape(-1, D), slots, softmax_scale, head_dim_v)
             out, lse = out.to(q.dtype), lse.to(torch.float32)
@@ -126,7 +169,9 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
         out[empty], lse[empty] = NAN, INF  # undefined in FlashMLA: make the adapter fix it
         return out, lse.transpose(1, 2).contiguous()  # lse [B, H, s_q]
 
+    mod.FlashMLASchedMeta = FakeSchedMeta
     mod.get_mla_metadata = get_mla_metadata
+    mod.get_mla_decoding_metadata = get_mla_decoding_metadata
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
     return mod
 

@@ -38,22 +38,63 @@ def _check(out, lse, ref_out, ref_lse, shape):
     assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all() and not out.isnan().any()
 
 
-@pytest.mark.parametrize("s_q", [1, 2])
-def test_fp8_decode_call_contract_and_result(fake_flash_mla, s_q):
-    q, cache, table, lens, _ = _inputs(s_q)
+def _sparse_calls(calls, q, cache, topk_padded):
+    """The recorded sparse calls: q's heads zero-padded to 64 / 128 per call, the cache as an fp8 view."""
+    sent = calls.named("flash_mla_with_kvcache")
+    width = 64 if q.shape[2] <= 64 else 128
+    assert len(sent) == -(-q.shape[2] // width) == len(calls.named("get_mla_metadata")), "one fresh schedule per call"
+    for n, (args, kw) in enumerate(sent):
+        q_in, k_cache, bt, seqlens, head_dim_v, _meta = args
+        h0, h1 = n * width, min((n + 1) * width, q.shape[2])
+        assert q_in.shape == (*q.shape[:2], width, 576) and q_in.is_contiguous()
+        assert torch.equal(q_in[:, :, :h1 - h0], q[:, :, h0:h1]) and (q_in[:, :, h1 - h0:] == 0).all()
+        assert k_cache.shape == (cache.shape[0], 64, 1, 656) and k_cache.dtype == torch.float8_e4m3fn
+        assert k_cache.data_ptr() == cache.data_ptr(), "the cache must be passed as a view, never copied"
+        assert bt is None and seqlens is None and head_dim_v == 512
+        assert kw["softmax_scale"] == SCALE and kw["causal"] is False and kw["is_fp8_kvcache"] is True
+        assert kw["use_legacy"] is True and kw["indices"].shape == (*q.shape[:2], topk_padded)
+    return [kw["indices"] for _, kw in sent]
+
+
+@pytest.mark.parametrize("s_q,heads", [(1, 2), (2, 2), (1, 130)])
+def test_fp8_decode_runs_the_sparse_kernel_over_causal_slot_lists(fake_flash_mla, s_q, heads):
+    """FlashMLA's dense fp8 kernel reads another format (576 bytes, per-tensor descales): dense fp8 decode
+    goes through the sparse kernel with each query's causal slots, in order, -1 after."""
+    q, cache, table, lens, _ = _inputs(s_q, heads=heads)
     out, lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
 
-    assert len(fake_flash_mla.named("get_mla_metadata")) == 1
-    [(args, kw)] = fake_flash_mla.named("flash_mla_with_kvcache")
-    q_in, k_cache, bt, seqlens, head_dim_v, _meta = args
-    assert q_in is q and k_cache.shape == (6, 64, 1, 656) and k_cache.dtype == torch.float8_e4m3fn
-    assert k_cache.data_ptr() == cache.data_ptr(), "the cache must be passed as a view, never copied"
-    assert bt.dtype == seqlens.dtype == torch.int32 and torch.equal(bt.long(), table) and head_dim_v == 512
-    assert kw["softmax_scale"] == SCALE and kw["causal"] is (s_q > 1) and kw["use_legacy"] is True
-    assert kw["indices"] is None and kw["is_fp8_kvcache"] is True
+    assert not fake_flash_mla.named("get_mla_decoding_metadata")
+    for idx in _sparse_calls(fake_flash_mla, q, cache, 3 * 64):
+        for b, n in enumerate(LAYOUT.seq_lens):
+            for i in range(s_q):
+                visible = max(n - (s_q - 1 - i), 0)
+                want = [LAYOUT.tables[b][p // 64] * 64 + p % 64 for p in range(visible)]
+                assert idx[b, i, :visible].tolist() == want and (idx[b, i, visible:] == -1).all()
 
     ref_out, ref_lse = decode_ref64(q, dequantize64(cache, 512), LAYOUT, SCALE, 512)
-    _check(out, lse, ref_out, ref_lse, (4, s_q, 2, 512))
+    _check(out, lse, ref_out, ref_lse, (4, s_q, heads, 512))
+
+
+def test_the_fake_enforces_flashmla_requirements(fake_flash_mla):
+    """What the H200 run hit: the fake refuses h_q outside {64, 128} for sparse decode and a dense fp8 call
+    without ``get_mla_decoding_metadata`` (or with the 656-byte rows, which that kernel does not read)."""
+    import flash_mla
+
+    q, cache, table, lens, _ = _inputs(1)
+    k_cache = cache.view(torch.float8_e4m3fn).unsqueeze(2)
+    idx = torch.full((4, 1, 64), -1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="Unsupported h_q: 2"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                         softmax_scale=SCALE, indices=idx, is_fp8_kvcache=True, use_legacy=True)
+    with pytest.raises(AssertionError, match="get_mla_decoding_metadata"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, table.int(), lens.int(), 512, flash_mla.get_mla_metadata()[0],
+                                         softmax_scale=SCALE, is_fp8_kvcache=True, use_legacy=True)
+    meta = flash_mla.FlashMLASchedMeta()
+    meta.tile_scheduler_metadata, meta.num_splits = flash_mla.get_mla_decoding_metadata(
+        lens.int(), 1, 1, is_fp8_kvcache=True, use_legacy=True)
+    with pytest.raises(AssertionError, match="head_size_k == 576"):
+        flash_mla.flash_mla_with_kvcache(q, k_cache, table.int(), lens.int(), 512, meta,
+                                         softmax_scale=SCALE, is_fp8_kvcache=True, use_legacy=True)
 
 
 def _sparse_indices(gen, B, s_q, topk, n_slots, live_slots, dtype=torch.int32):
@@ -76,19 +117,35 @@ def test_sparse_decode_call_contract_and_result(fake_flash_mla, s_q, topk, idx_d
     indices = _sparse_indices(gen, 4, s_q, topk, rows.shape[0], live, idx_dtype)
     out, lse = flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)
 
-    [(args, kw)] = fake_flash_mla.named("flash_mla_with_kvcache")
-    q_in, k_cache, bt, seqlens, head_dim_v, _meta = args
-    assert q_in is q and k_cache.dtype == torch.float8_e4m3fn and k_cache.data_ptr() == cache.data_ptr()
-    assert bt is None and seqlens is None and head_dim_v == 512
-    assert kw["causal"] is False and kw["is_fp8_kvcache"] is True and kw["use_legacy"] is True
-    sent = kw["indices"]
     padded = -(-topk // 64) * 64
-    assert sent.dtype == torch.int32 and sent.shape == (4, s_q, padded)
+    [sent] = _sparse_calls(fake_flash_mla, q, cache, padded)
+    assert sent.dtype == torch.int32
     assert torch.equal(sent[..., :topk].long(), indices.long()) and (sent[..., topk:] == -1).all()
 
     slots = [[[int(x) for x in indices[b, i].tolist()] for i in range(s_q)] for b in range(4)]
     ref_out, ref_lse = sparse_decode_ref64(q, rows, slots, SCALE, 512)
     _check(out, lse, ref_out, ref_lse, (4, s_q, 2, 512))
+
+
+def test_sparse_slots_out_of_range_are_skipped(fake_flash_mla, monkeypatch):
+    """FlashMLA treats only -1 as invalid: the adapter turns slots >= num_blocks * 64 (and < -1) into -1,
+    as the Triton kernel masks them (data checks off, as on CUDA outside checked mode)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["mla_compile.ops.sparse_decode"], "data_checks_enabled", lambda t: False)
+    q, cache, _, _, gen = _inputs(1, heads=3, seed=9)
+    rows = dequantize64(cache, 512).reshape(-1, 576)
+    live = torch.nonzero(~rows.isnan().any(dim=1)).flatten()
+    indices = _sparse_indices(gen, 4, 1, 64, rows.shape[0], live)
+    bad = indices.clone()
+    bad[1:, 0, :3] = torch.tensor([rows.shape[0], 10 ** 6, -7], dtype=torch.int32)
+    out, lse = flashmla_sparse_decode_core(q, cache, bad, SCALE, 512)
+    [sent] = _sparse_calls(fake_flash_mla, q, cache, 64)
+    assert (sent[1:, 0, :3] == -1).all()
+    masked = torch.where((bad >= 0) & (bad < rows.shape[0]), bad, -1)
+    slots = [[[int(x) for x in masked[b, 0].tolist()]] for b in range(4)]
+    ref_out, ref_lse = sparse_decode_ref64(q, rows, slots, SCALE, 512)
+    _check(out, lse, ref_out, ref_lse, (4, 1, 3, 512))
 
 
 def test_public_functions_dispatch_to_flashmla(fake_flash_mla, allow_cpu):

@@ -1,6 +1,7 @@
 """GPU: FlashMLA's fp8 dense and fp8 sparse decode through our adapters, against the reference ops
 (float64 math over the dequantized rows), eager, under torch.compile(fullgraph=True) and in CUDA-graph
-replay with changed lengths/indices. NOT YET RUN on a GPU: the first H200 run is their first run.
+replay with changed lengths/indices. Dense fp8 runs FlashMLA's sparse (V3.2) kernel over causal slot
+lists, and head counts other than 64/128 are padded (H200 run 4: "Unsupported h_q: 16" before).
 Skips without ``flash_mla`` or off sm90."""
 
 from __future__ import annotations
@@ -115,4 +116,31 @@ def test_sparse_decode_compiled_and_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         ref, ref_lse = torch.ops.mla.sparse_decode_ref(st["q"].double(), cache, st["idx"], SCALE, 512)
+        _check(out, lse, ref, ref_lse)
+
+
+def test_fp8_decode_graph_replay_with_new_lengths():
+    """Dense fp8 through FlashMLA (slot lists built from the table on the GPU) captured once, replayed
+    with new lengths: the lists follow the lengths, nothing is read on the host."""
+    B, H, s_q = 6, 16, 2
+    q, cache, table, seq_lens, gen = _fp8_paged([700] * B, 11, H, s_q)
+    st = {"q": q.clone(), "lens": seq_lens.clone()}
+    fn = torch.compile(lambda q, n: decode_fp8(q, cache, table, n, SCALE, backend="flashmla"), fullgraph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(st["q"], st["lens"])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fn(st["q"], st["lens"])
+    for step in range(3):
+        new_lens = torch.randint(0, 701, (B,), generator=gen).to(torch.int32)
+        new_lens[step], new_lens[step + 1] = 0, 1  # nothing visible; only the second query sees a row
+        st["lens"].copy_(new_lens.cuda())
+        st["q"].copy_(torch.randn(q.shape, generator=gen).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = torch.ops.mla.decode_fp8_ref(st["q"].double(), cache, table, st["lens"], SCALE, 512)
         _check(out, lse, ref, ref_lse)

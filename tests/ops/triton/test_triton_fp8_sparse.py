@@ -21,6 +21,10 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), 
 SCALE = 1 / math.sqrt(192)
 DC, DR = 512, 64
 BF16_FP8_TOL = 1.5e-2  # bf16 output of keys dequantized to bf16 (one more rounding than the bf16 path)
+# LSE of bf16 q against keys dequantized then rounded to bf16 (relative 2**-9 per element; the reference
+# uses the exact dequantized values): score errors ~ scale * sqrt(576) * 2**-9 / sqrt(3) ~ 2e-3 each, and
+# the max over ~10^4 short-sequence rows reached 7.2e-3 on the H200 (B=33 H=128 s_q=2).
+FP8_LSE_ATOL = 1.5e-2
 
 
 def _load():
@@ -103,7 +107,8 @@ def _fp8_decode(B, H, s_q, lens, bs, dtype, seed=0):
     torch.cuda.synchronize()
     ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, SCALE, DC)
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous() and lse.is_contiguous()
-    assert_attention_close(out, lse, ref, ref_lse, dtype, tol=BF16_FP8_TOL if dtype == torch.bfloat16 else None)
+    assert_attention_close(out, lse, ref, ref_lse, dtype, tol=BF16_FP8_TOL if dtype == torch.bfloat16 else None,
+                           lse_atol=FP8_LSE_ATOL if dtype == torch.bfloat16 else 2e-3)
     return q, rows, table, seq_lens, out, lse
 
 
@@ -154,7 +159,8 @@ def _sparse_check(q, cache, idx, dtype, fp8):
     ref, ref_lse = torch.ops.mla.sparse_decode_ref(q.double(), cache if fp8 else cache.double().nan_to_num(), idx,
                                                    SCALE, DC)
     assert out.shape == ref.shape and out.dtype == dtype
-    assert_attention_close(out, lse, ref, ref_lse, dtype, tol=BF16_FP8_TOL if fp8 and dtype == torch.bfloat16 else None)
+    assert_attention_close(out, lse, ref, ref_lse, dtype, tol=BF16_FP8_TOL if fp8 and dtype == torch.bfloat16 else None,
+                           lse_atol=FP8_LSE_ATOL if fp8 and dtype == torch.bfloat16 else 2e-3)
 
 
 def _cache(fp8, lens, bs, gen, dtype=torch.bfloat16):
@@ -272,7 +278,8 @@ def test_cuda_graph_replay_with_new_indices(fp8, compiled):
         torch.cuda.synchronize()
         ref, ref_lse = torch.ops.mla.sparse_decode_ref(st["q"].double(), cache if fp8 else cache.double().nan_to_num(),
                                                        st["idx"], SCALE, DC)
-        assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=BF16_FP8_TOL if fp8 else None)
+        assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=BF16_FP8_TOL if fp8 else None,
+                               lse_atol=FP8_LSE_ATOL if fp8 else 2e-3)
         assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
 
 

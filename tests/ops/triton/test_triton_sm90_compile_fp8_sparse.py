@@ -1,0 +1,95 @@
+"""Compile the fp8 / sparse Triton kernels for sm_90 on the CPU (no GPU): Triton's real front end and
+bundled ptxas, which reject what the interpreter accepts (H200 run 4: a plain-float module global,
+``FP8_MAX``, read inside ``@triton.jit``). Each op's ``_launch`` runs on small CPU tensors with
+``wrap_triton`` replaced by a recorder; every recorded launch is compiled with its constexprs, warps and
+stages. Skipped without Triton or under ``TRITON_INTERPRET=1`` (kernels are interpreter objects there)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs triton, not the interpreter")
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+          torch.int32: "i32", torch.int64: "i64"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _record(module, fn, *args):
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, a, k))
+
+    saved, module.wrap_triton = module.wrap_triton, Recorder
+    try:
+        fn(*args)
+    finally:
+        module.wrap_triton = saved
+    return launches
+
+
+def _compile_sm90(kernel, args, kwargs):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bound = dict(zip(kernel.arg_names, args))
+    bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32"
+            if v % 16 == 0 and v != 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[p.name] = "fp32"
+    opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=opts)
+    assert compiled.asm["cubin"], kernel.__name__
+
+
+def _launches(which):
+    import mla_compile  # noqa: F401
+
+    decode = importlib.import_module("mla_compile.ops.triton.decode")
+    sparse = importlib.import_module("mla_compile.ops.triton.sparse_decode")
+    write = importlib.import_module("mla_compile.ops.triton.fp8_cache_write")
+    fp8_decode = importlib.import_module("mla_compile.ops.triton.fp8_decode")
+    bf, cache8 = torch.bfloat16, torch.zeros(8, 64, 656, dtype=torch.uint8)
+    q = torch.zeros(128, 1, 16, 576, dtype=bf)  # the benchmark shape: BLOCK_H 16, split launches
+    if which == "write":
+        return _record(write, write._launch, torch.zeros(64, 512, dtype=bf), torch.zeros(64, 64, dtype=bf),
+                       torch.zeros(64, dtype=torch.int32), cache8)
+    if which == "decode_fp8":
+        bt, sl = torch.zeros(128, 8, dtype=torch.int32), torch.zeros(128, dtype=torch.int32)
+        return _record(decode, fp8_decode.launch_fp8, q, cache8, bt, sl, 1 / math.sqrt(192), 512)
+    idx = torch.zeros(128, 1, 256, dtype=torch.int32)
+    return _record(sparse, sparse._launch, q, cache8, idx, 1 / math.sqrt(192), 512)
+
+
+@pytest.mark.parametrize("which", ["write", "decode_fp8", "sparse_fp8"])
+def test_kernels_compile_for_sm90(which):
+    launches = _launches(which)
+    assert launches
+    for kernel, args, kwargs in launches:
+        _compile_sm90(kernel, args, kwargs)
