@@ -84,7 +84,9 @@ class MLAIndexer(nn.Module):
             n_pre = T - n_dec
             pos = positions[n_dec:]
             cu = pm.cu_seqlens_q.long()
-            seq = torch.searchsorted(cu[1:], torch.arange(n_pre, device=x.device), right=True)
+            # a contiguous int64 copy: Inductor (2.11) cannot lower searchsorted over a slice view
+            seq = torch.searchsorted(pm.cu_seqlens_q[1:].long().contiguous(), torch.arange(n_pre, device=x.device),
+                                     right=True)
             seq = torch.where(live[n_dec:] & (seq < cu.shape[0] - 1), seq, -1)
             # each prefill sequence holds (last new position + 1) tokens after the step; empty rows 0
             last = pos[(cu[1:] - 1).clamp(min=0, max=n_pre - 1)]

@@ -60,7 +60,10 @@ def quantize_fp8_rows(latent: Tensor, k_pe: Tensor) -> Tensor:
     if Dc % FP8_GROUP:
         raise ValueError(f"quantize_fp8_rows: latent's last dim must be a multiple of {FP8_GROUP}, got {Dc}")
     groups = latent.float().unflatten(-1, (Dc // FP8_GROUP, FP8_GROUP))
-    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_FLOOR)
+    amax = groups.abs().amax(dim=-1)
+    # a tensor divisor: CUDA torch turns division by a Python scalar into a multiply by its (inexact)
+    # reciprocal, which moves some scales by an ulp against the correctly rounded amax / 448
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
     values = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
     return torch.cat([values.view(torch.uint8), scale.contiguous().view(torch.uint8),
                       k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)], dim=-1)

@@ -51,7 +51,7 @@ def _check(out, lse, ref, ref_lse):
     assert torch.equal(torch.isinf(lse), empty) and (out[empty] == 0).all()
     rel = float((out.double() - ref).norm() / ref.norm())
     assert rel < 1.5e-2, rel
-    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].double(), atol=5e-3, rtol=1e-3)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].double(), atol=1.5e-2, rtol=1e-3)  # fp8 keys rounded to bf16
 
 
 @pytest.mark.parametrize("B,H,s_q,L", [(32, 16, 1, 3000), (16, 128, 1, 2048), (8, 128, 2, 700)])
