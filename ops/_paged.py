@@ -24,10 +24,11 @@ def scatter_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
     block_size = cache.shape[1]
     slots = slot_mapping.long()
     valid = slots >= 0
-    first = torch.argmax(valid.to(torch.int32))
-    any_valid = valid.any()
-    pad_slot = torch.where(any_valid, slots[first], torch.zeros_like(slots[first]))
-    pad_row = torch.where(any_valid, rows[first], cache[0, 0])
+    first = torch.argmax(valid.to(torch.int32)).view(1)  # index_select, not slots[first]: a 0-d tensor
+    any_valid = valid.any()                                # index is read on the host (a sync)
+    picked = slots.index_select(0, first)
+    pad_slot = torch.where(any_valid, picked, torch.zeros_like(picked))
+    pad_row = torch.where(any_valid, rows.index_select(0, first), cache[0, 0])
     target = torch.where(valid, slots, pad_slot)
     values = torch.where(valid[:, None], rows, pad_row)
     cache.index_put_((target // block_size, target % block_size), values)
