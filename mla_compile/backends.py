@@ -96,7 +96,7 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
               head_dims=_DEEPSEEK_DECODE, multi_query=False, lse=False, min_capability=_SM100,
               max_capability=_SM103, package="flashinfer-python",
               note="Blackwell CUTLASS kernel; no LSE; FlashInfer's wrapper copies the cache per call"),
-        _spec("autotune", "decode", devices=("any",), dtypes=_FLOATS,
+        _spec("autotune", "decode", devices=("any",), dtypes=_FLOATS, gpu_tested=True,
               note="Inductor times every decode backend that serves the compiled shapes and emits the fastest "
                    "(needs `import mla_compile.lowerings`; eager and CPU run the static default); never picked by 'auto'"),
         _spec("reference", "decode", **_REF),

@@ -79,6 +79,6 @@ def doctor_report() -> str:
             why = f": {row['why']}" if row["why"] else ""
             lines.append(f"  {row['backend']:19s} {state}{why} (graphs {row['cuda_graph']}{lse}){tested}")
     lines += ["", f"selection for {str(DTYPE).replace('torch.', '')}, block size {BLOCK_SIZE} on {device.type}, as "
-              "MLAAttention asks (decode LSE unused; no FlashInfer plan from the metadata builder yet):"]
+              "MLAAttention asks (decode LSE unused; no FlashInfer decode_planner given to the metadata builder):"]
     lines += _choices(device)
     return "\n".join(lines)
