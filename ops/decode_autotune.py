@@ -61,11 +61,17 @@ def decode_triton_config(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
                          splits: int) -> tuple[Tensor, Tensor]:
     """Our Triton decode with explicit ``BLOCK_N``/``num_warps``/``num_stages``/split count (0: heuristic)."""
     validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    from torch._library.triton import set_wrap_triton_enabled
+
     from mla_compile.ops.triton.decode import _launch
 
     cfg = {k: v for k, v in (("BLOCK_N", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                              ("SPLITS", splits)) if v > 0}
-    return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=cfg)
+    # a plain custom op body: launch the kernels directly, as a triton_op's eager call does (with
+    # wrap_triton on, each launch goes through the higher-order-op dispatch: hundreds of us of host time,
+    # which also made Inductor's autotune timings of this choice meaningless; H200 run 8)
+    with set_wrap_triton_enabled(False):
+        return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=cfg)
 
 
 decode_triton_config.register_fake(fake)
