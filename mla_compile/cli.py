@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from mla_compile.toy import KINDS
+from mla_compile.toy import ALL_KINDS
 
 
 def _positive(text: str) -> int:
@@ -37,7 +37,9 @@ def _device(text: str) -> str:
 
 
 def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
-    p.add_argument("--model", choices=KINDS, default="v2-lite", help="toy model shape (default: %(default)s)")
+    p.add_argument("--model", choices=ALL_KINDS, default="v2-lite",
+                   help="toy model shape; v3.2 is sparse (top-k indexer) and needs a transformers with DeepSeek-V3.2 "
+                   "(default: %(default)s)")
     p.add_argument("--layers", type=_positive, default=layers,
                    help="layers of the toy model; layer 0 is dense, later ones MoE (default: %(default)s)")
     p.add_argument("--device", type=_device, default="cpu", metavar="{cpu,cuda}", help="cpu or cuda (default: %(default)s)")

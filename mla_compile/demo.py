@@ -24,7 +24,7 @@ from mla_compile.generate import GenerationResult, greedy_generate, hf_greedy_re
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.graphs.inspect import CompileWatch, short_reason
 from mla_compile.model import MLAForCausalLM, patch
-from mla_compile.toy import KINDS, toy_hf_model
+from mla_compile.toy import ALL_KINDS, toy_hf_model
 
 # Prompt lengths cycle through these: short and long, some crossing 16-token block boundaries.
 PROMPT_LENGTHS = (7, 19, 3, 12, 26, 5, 16, 9)
@@ -60,8 +60,8 @@ def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, 
     Layer 0 is dense, later layers are MoE (``first_k_dense_replace=1``), so ``layers >= 2`` covers both.
     ``backend`` picks the attention ops' backend (None: ``MLA_COMPILE_BACKEND`` or "auto").
     """
-    if kind not in KINDS:
-        raise ValueError(f"model must be one of {KINDS}, got {kind!r}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"model must be one of {ALL_KINDS}, got {kind!r}")
     for name, value in (("layers", layers), ("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
                         ("block_size", block_size)):
         if not isinstance(value, int) or value < 1:
