@@ -263,7 +263,12 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         run_row(args.out, "ours eager", b, c, lambda: measure(step_fn(model, b, c, False), dev, args.warmup, args.iters),
                 budget_s=args.budget_s)
     compile_skip = None if args.compile else "no --compile"
-    compiled = torch.compile(model, fullgraph=True)
+    options = {}
+    if args.lowerings:  # backend "decode=autotune" is asked for through --backend
+        import mla_compile.lowerings as lowerings
+        options = lowerings.compile_options(passes=True)
+        INFO["lowerings"] = f"installed={lowerings.LOWERING_INSTALLED}, passes {sorted(options) or 'off'}"
+    compiled = torch.compile(model, fullgraph=True, options=options or None)
     for i, (b, c) in enumerate(cells):
         def ours_compiled(b=b, c=c):
             graphs = counters["stats"]["unique_graphs"]
@@ -481,7 +486,8 @@ def table_text(args) -> str:
              f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.experts} experts top-"
              f"{args.topk}, vocab {args.vocab}, {args.dtype}; block {args.block_size}; ours backend "
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
-             f"compile mode {INFO.get('hf_compile_mode')}",
+             f"compile mode {INFO.get('hf_compile_mode')}"
+             + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else ""),
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
              "(tokens/s); 'A vs B' rows: speedup = B's time / A's time", f"{'':28s}{head}"]
     for impl, label in IMPLS.items():
@@ -542,6 +548,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-cache", action="store_true", help="keep the Inductor cache dir (default: a fresh one)")
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
+    ap.add_argument("--lowerings", action="store_true",
+                    help="import mla_compile.lowerings and compile ours with its fusion passes (add "
+                         "--backend decode=autotune for the autotuned decode)")
     args = ap.parse_args(argv)
     preset = TINY if args.tiny else FULL
     for name, value in preset.items():
