@@ -272,3 +272,31 @@ def test_malformed_fp8_cache_is_named_and_nothing_written(raw, cache, exc, match
         args = (k_idx[:, None], torch.ones(2, 1), cache, torch.zeros(1, 1, dtype=I32), torch.tensor([1], dtype=I32),
                 torch.zeros(2, dtype=I32), torch.zeros(2, dtype=I32))
         torch.ops.mla.lightning_index_ref(*args, 2) if raw else lightning_index(*args, topk=2)
+
+
+# ------------------------------------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+def test_cuda_fp8_index_matches_cpu_bitwise():
+    """On the GPU (reference ops, the only backend): the same bytes (scales correctly rounded: a tensor
+    divisor) and the same selection as on the CPU."""
+    gen = generator(21)
+    layout = Paged(64, 40, (700, 1500), (tuple(range(0, 11)), tuple(range(12, 36))), 24, -1)
+    keys = [randn(gen, n, 128, dtype=torch.bfloat16) * 2.0 ** float(e) for n, e in zip(layout.seq_lens, (-9, 5))]
+    cpu = _fill_fp8_index_cache(layout, keys)
+    assert_bitwise_equal(quantize_fp8_index(keys[1].cuda()).cpu(), quantize_fp8_index(keys[1]), "CUDA quantize")
+    gpu = torch.full_like(cpu, POISON).cuda()
+    for b, k in enumerate(keys):
+        slots = [layout.where(b, p)[0] * 64 + layout.where(b, p)[1] for p in range(k.shape[0])]
+        write_index_cache(k.cuda(), torch.tensor(slots, dtype=torch.int64, device="cuda"), gpu)
+    assert_bitwise_equal(gpu.cpu(), cpu, "fp8 index cache written on CUDA")
+    T = 8
+    q, w = randn(gen, T, 64, 128, dtype=torch.bfloat16), randn(gen, T, 64, dtype=torch.float32)
+    qseq = torch.tensor([0, 1] * 4, dtype=I32)
+    qpos = torch.tensor([699, 1499, 300, 1000, 5, 64, 650, 1200], dtype=I32)
+    args = (layout.block_table(), layout.seq_lens_tensor(), qseq, qpos)
+    want = lightning_index(q, w, cpu, *args, topk=256)
+    got = lightning_index(q.cuda(), w.cuda(), gpu, *(a.cuda() for a in args), topk=256)
+    # float32 scores summed in another order on the GPU: compare as sets, allowing a swap at a near-tie
+    overlap = [len(set(a.tolist()) & set(b.tolist())) / len(set(b.tolist())) for a, b in zip(got.cpu(), want)]
+    assert min(overlap) >= 0.99, overlap
