@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from mla_compile.config import MLAConfig
-from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes  # noqa: F401  (re-exported)
+from mla_compile.ops._fp8_format import FP8_GROUP, fp8_index_row_bytes, fp8_row_bytes  # noqa: F401  (re-exported)
+
+FP8_POISON = 0xFF  # the fill byte of a NaN-filled fp8 cache: e4m3 0xFF and an all-ones float32 are NaN
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -77,14 +79,31 @@ def allocate_latent_cache(num_blocks: int, block_size: int, config: MLAConfig, *
 
 
 def allocate_index_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
-                         dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                         dtype: torch.dtype | str = torch.bfloat16, device: torch.device | str = "cpu",
                          fill: float = 0.0) -> torch.Tensor:
-    """One V3.2 layer's paged index-key cache ``[num_blocks, block_size, index_head_dim]`` (the lightning
-    indexer's keys; same blocks and slots as the latent cache)."""
+    """One V3.2 layer's paged index-key cache (the lightning indexer's keys; same blocks and slots as the
+    latent cache): ``[num_blocks, block_size, index_head_dim]`` of a float ``dtype``, or with
+    ``dtype="fp8"`` the fp8 index format ``uint8 [num_blocks, block_size, index_head_dim + 4]``
+    (132 bytes per token for 128 dims; see ``mla_compile.ops.fp8_index``).
+
+    ``fill`` is a value for a float cache; an fp8 cache takes 0 (all bytes 0: keys read back as 0) or
+    NaN (all bytes 0xFF: keys read back as NaN, so a read of an unwritten row shows up).
+    """
     if not config.is_sparse:
         raise ValueError("allocate_index_cache needs a sparse (V3.2) config with index_head_dim set")
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+    if isinstance(dtype, str):
+        if dtype != "fp8":
+            raise ValueError(f"dtype must be 'fp8' or a floating torch dtype, got {dtype!r}")
+        if fill == 0:
+            byte = 0
+        elif fill != fill:
+            byte = FP8_POISON
+        else:
+            raise ValueError(f"fill of an fp8 index cache must be 0 or NaN (a byte pattern, not a value), got {fill}")
+        width = fp8_index_row_bytes(config.index_head_dim)
+        return torch.full((num_blocks, block_size, width), byte, dtype=torch.uint8, device=device)
     if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32), got {dtype}")
+        raise TypeError(f"dtype must be 'fp8' or a floating dtype (bf16/fp16/fp32), got {dtype}")
     return torch.full((num_blocks, block_size, config.index_head_dim), fill, dtype=dtype, device=device)

@@ -18,13 +18,15 @@ from torch import Tensor, nn
 from mla_compile import ops
 from mla_compile.config import MLAConfig
 from mla_compile.metadata import MLAMetadata
+from mla_compile.ops._fp8_format import fp8_index_row_bytes
 from mla_compile.rope import apply_rope
 
 
 class MLAIndexer(nn.Module):
     """The top-k indexer of one V3.2 layer; shares ``wq_b``, ``wk``, ``k_norm`` and ``weights_proj`` with
     the HF ``DeepseekV32Indexer`` (same parameter names). The key cache ``k_cache [num_blocks,
-    block_size, index_head_dim]`` is set by :meth:`set_cache` next to the layer's latent cache."""
+    block_size, index_head_dim]`` (or fp8 index rows ``uint8 [..., index_head_dim + 4]``) is set by
+    :meth:`set_cache` next to the layer's latent cache."""
 
     def __init__(self, config: MLAConfig, hf_indexer: nn.Module) -> None:
         super().__init__()
@@ -46,10 +48,14 @@ class MLAIndexer(nn.Module):
         self.register_buffer("k_cache", None, persistent=False)
 
     def set_cache(self, k_cache: Tensor) -> None:
-        """Attach this layer's paged index-key cache ``[num_blocks, block_size, index_head_dim]``."""
+        """Attach this layer's paged index-key cache: float ``[num_blocks, block_size, index_head_dim]`` or
+        fp8 index rows ``uint8 [num_blocks, block_size, index_head_dim + 4]`` (quantized on write)."""
         d = self.config.index_head_dim
-        if k_cache.dim() != 3 or k_cache.shape[-1] != d:
-            raise ValueError(f"index k_cache must be [num_blocks, block_size, {d}], got {list(k_cache.shape)}")
+        fp8 = k_cache.dtype == torch.uint8
+        width = fp8_index_row_bytes(d) if fp8 else d
+        if k_cache.dim() != 3 or k_cache.shape[-1] != width or not (fp8 or k_cache.dtype.is_floating_point):
+            raise ValueError(f"index k_cache must be float [num_blocks, block_size, {d}] or uint8 fp8 rows "
+                             f"[num_blocks, block_size, {d + 4}], got {k_cache.dtype} {list(k_cache.shape)}")
         self.k_cache = k_cache
 
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,

@@ -50,19 +50,22 @@ class MLAForCausalLM(nn.Module):
             attn.cuda_graph = bool(enabled)
 
     def allocate_cache(self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
-                       device: torch.device | str | None = None, fill: float = 0.0) -> list[Tensor]:
+                       device: torch.device | str | None = None, fill: float = 0.0,
+                       index_dtype: torch.dtype | str | None = None) -> list[Tensor]:
         """Allocate one paged latent cache per layer (defaults: the weights' dtype and device); returns them.
 
         Sparse (V3.2) models also get one index-key cache per layer with the same blocks, set on each
-        layer's ``self_attn.indexer.k_cache``.
+        layer's ``self_attn.indexer.k_cache``: of ``index_dtype`` (default: the latent cache's dtype), or
+        with ``index_dtype="fp8"`` in the 132-byte fp8 index format (``mla_compile.ops.fp8_index``).
         """
         ref = self.lm_head.weight
         kw = dict(dtype=dtype or ref.dtype, device=device or ref.device, fill=fill)
         caches = [allocate_latent_cache(num_blocks, block_size, self.config, **kw) for _ in self.attentions]
+        index_kw = dict(kw, dtype=kw["dtype"] if index_dtype is None else index_dtype)
         for attn, cache in zip(self.attentions, caches):
             attn.set_cache(cache)
             if attn.indexer is not None:
-                attn.indexer.set_cache(allocate_index_cache(num_blocks, block_size, self.config, **kw))
+                attn.indexer.set_cache(allocate_index_cache(num_blocks, block_size, self.config, **index_kw))
         return caches
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:

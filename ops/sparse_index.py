@@ -10,6 +10,14 @@
   t's sequence, top ``topk`` slots per query token.
 - ``mla::write_index_cache``: the indexer's key cache write (``mla::write_latent_cache``'s slot rules).
 
+The index-key cache is either a float cache ``[num_blocks, block_size, d]`` or the fp8 index format
+``uint8 [num_blocks, block_size, d + 4]`` of :mod:`mla_compile.ops.fp8_index` (132 bytes per token for
+d = 128): the write quantizes, ``lightning_index`` gathers the rows and dequantizes them to float32,
+then scores exactly as it scores a float32 cache holding the dequantized keys (so the selection over an
+fp8 cache equals the selection over ``dequantize_fp8_index(cache)``). Against keys kept in bf16, the
+fp8 keys move the scores by a few percent (the format's 2**-4 relative rounding), so near-ties can swap:
+``tests/ops/test_fp8_index.py`` measures the top-k overlap (V3.2 dims: 64 heads x 128, N(0, 1) keys).
+
 All are sync-free tensor programs (sizes come from shapes and static ints), so they run under
 ``torch.compile(fullgraph=True)`` and inside CUDA-graph capture. The slots feed
 ``mla_compile.ops.sparse_decode``: a decode step (s_q = 1) passes ``indices[:, None]``. With s_q > 1
@@ -25,6 +33,8 @@ from torch import Tensor
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._fp8_format import FP8_INDEX_SCALE_BYTES
+from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
 from mla_compile.ops._paged import check_paged_data, scatter_rows, sequence_slots
 
 OP_WINDOW = "mla.sink_window_indices"
@@ -112,6 +122,15 @@ def to_csr(indices: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
 
 # ------------------------------------------------------------------------------------------- lightning indexer
 
+def check_index_cache(op: str, k_idx_cache: Tensor, d: int) -> None:
+    """``k_idx_cache`` is a float ``[NB, BS, d]`` cache or an fp8 ``uint8 [NB, BS, d + 4]`` one (shape/dtype only)."""
+    fp8 = k_idx_cache.dtype == torch.uint8 if isinstance(k_idx_cache, Tensor) else False
+    width = d + FP8_INDEX_SCALE_BYTES if fp8 else d
+    check_tensor(op, "k_idx_cache", k_idx_cache, ndim=3, dtypes=FLOAT_DTYPES + (torch.uint8,), shape=(None, None, width),
+                 expected=f"[num_blocks, block_size, {d}] float, or [num_blocks, block_size, {d} + 4] uint8 fp8 "
+                          f"index rows (d = {d} from the keys/queries)")
+
+
 def validate_lightning(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                        query_seq: Tensor, query_pos: Tensor, topk: int) -> None:
     """Shape/dtype checks (no sync); data checks on CPU or in checked mode."""
@@ -119,8 +138,7 @@ def validate_lightning(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, bloc
     T, Hi, d = q_idx.shape
     check_tensor(OP_LIGHTNING, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, Hi),
                  expected=f"[T, n_idx_heads] = [{T}, {Hi}]")
-    check_tensor(OP_LIGHTNING, "k_idx_cache", k_idx_cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, d),
-                 expected=f"[num_blocks, block_size, {d}] (the last dim must equal q_idx's)")
+    check_index_cache(OP_LIGHTNING, k_idx_cache, d)
     check_tensor(OP_LIGHTNING, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES,
                  expected="[B, max_blocks] int32")
     B = block_table.shape[0]
@@ -157,8 +175,10 @@ def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, blo
         return torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
     acc = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
     slots, valid, pos = sequence_slots(block_table, seq_lens, k_idx_cache.shape[1])  # [B, L]
-    keys = k_idx_cache.reshape(-1, k_idx_cache.shape[2])[slots].to(acc)
-    keys = torch.where(valid[..., None], keys, 0)  # unwritten rows may hold NaN
+    rows = k_idx_cache.reshape(-1, k_idx_cache.shape[2])[slots]
+    if k_idx_cache.dtype == torch.uint8:  # fp8 index rows: dequantize only the gathered ones
+        rows = dequantize_fp8_index(rows)
+    keys = torch.where(valid[..., None], rows.to(acc), 0)  # unwritten rows may hold NaN
     live = query_seq >= 0
     seq = torch.where(live, query_seq.long(), 0)
     logits = torch.einsum("thd,tld->thl", q_idx.to(acc), keys[seq])  # [T, Hi, L]
@@ -187,6 +207,7 @@ def lightning_index(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_t
                     backend: str | None = None) -> Tensor:
     """DeepSeek-V3.2 top-k selection: ``indices int32 [T, topk]`` physical slots (-1 padded) for
     ``q_idx [T, n_idx_heads, d_idx]``, ``weights [T, n_idx_heads]`` over ``k_idx_cache [NB, BS, d_idx]``
+    (float) or ``uint8 [NB, BS, d_idx + 4]`` (fp8 index rows, dequantized to float32 on read)
     through ``block_table [B, max_blocks]`` / ``seq_lens [B]``; ``query_seq [T]`` (-1 = padding) and
     ``query_pos [T]`` place each query token. Causal: token t sees positions ``<= query_pos[t]``."""
     return resolve(OP_LIGHTNING, q_idx.device, backend).fn(q_idx, weights, k_idx_cache, block_table, seq_lens,
@@ -201,8 +222,7 @@ def validate_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> 
     T, d = k_idx.shape
     check_tensor(OP_WRITE, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
                  expected="[T] int32/int64")
-    check_tensor(OP_WRITE, "k_idx_cache", k_idx_cache, ndim=3, dtypes=FLOAT_DTYPES, shape=(None, None, d),
-                 expected=f"[num_blocks, block_size, {d}]")
+    check_index_cache(OP_WRITE, k_idx_cache, d)
     check_same_device(OP_WRITE, k_idx=k_idx, slot_mapping=slot_mapping, k_idx_cache=k_idx_cache)
     if data_checks_enabled(slot_mapping):
         check_range(OP_WRITE, "slot_mapping", slot_mapping, 0, k_idx_cache.shape[0] * k_idx_cache.shape[1],
@@ -211,9 +231,11 @@ def validate_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> 
 
 @torch.library.custom_op("mla::write_index_cache_ref", mutates_args=("k_idx_cache",))
 def write_index_cache_ref(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> None:
-    """Reference (plain torch, any device, no host sync): ``index_put_`` of the rows at valid slots."""
+    """Reference (plain torch, any device, no host sync): ``index_put_`` of the rows at valid slots
+    (quantized first when the cache is fp8 ``uint8``)."""
     validate_write(k_idx, slot_mapping, k_idx_cache)
-    scatter_rows(k_idx_cache, slot_mapping, k_idx.to(k_idx_cache.dtype))
+    rows = quantize_fp8_index(k_idx) if k_idx_cache.dtype == torch.uint8 else k_idx.to(k_idx_cache.dtype)
+    scatter_rows(k_idx_cache, slot_mapping, rows)
 
 
 @write_index_cache_ref.register_fake
@@ -226,6 +248,7 @@ register_impl(OP_WRITE, "reference", torch.ops.mla.write_index_cache_ref, device
 
 
 def write_index_cache(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor, *, backend: str | None = None) -> None:
-    """Write index keys ``k_idx [T, d_idx]`` into ``k_idx_cache [NB, BS, d_idx]`` at ``slot_mapping [T]``
-    (-1 = padding, skipped; the latent cache's slots). Mutates ``k_idx_cache``; returns None."""
+    """Write index keys ``k_idx [T, d_idx]`` into ``k_idx_cache [NB, BS, d_idx]`` (float) or ``uint8 [NB, BS,
+    d_idx + 4]`` (fp8 index rows, quantized on write) at ``slot_mapping [T]`` (-1 = padding, skipped; the
+    latent cache's slots). Mutates ``k_idx_cache``; returns None."""
     resolve(OP_WRITE, k_idx_cache.device, backend).fn(k_idx, slot_mapping, k_idx_cache)

@@ -52,3 +52,18 @@ def test_sparse_model_fullgraph_no_breaks_no_recompiles():
             model.allocate_cache(64, 4)
             greedy_generate(compiled, _prompts(len(lens), lens), 3, block_size=4, num_blocks=64)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_sparse_model_with_fp8_index_cache_fullgraph():
+    """The fp8 index-key cache (quantizing write, dequantizing top-k) compiles whole and matches eager."""
+    model = patch(toy.toy_hf_model("v3.2", seed=6, num_hidden_layers=1))
+    prompts = _prompts(1, [5, 14])
+    model.allocate_cache(64, 4, fill=float("nan"), index_dtype="fp8")
+    eager = greedy_generate(model, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    model.allocate_cache(64, 4, fill=float("nan"), index_dtype="fp8")
+    got = greedy_generate(compiled, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
+    assert got.tokens == eager.tokens
+    for a, b in zip(got.step_logits, eager.step_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert dict(counters["graph_break"]) == {}

@@ -78,3 +78,17 @@ def test_v32_indexer_references_read_nothing_on_the_host(no_data_checks):
             torch.tensor([0, 2, -1, 2]), torch.tensor([4, 7, 0, 3]), 3)
         body("sparse_decode", "sparse_decode_ref")(torch.randn(T, 1, 2, 576, generator=gen),
                                                    torch.randn(nb, bs, 576, generator=gen), idx.view(T, 1, 3), 0.1, 512)
+
+
+def test_fp8_index_cache_write_and_read_read_nothing_on_the_host(no_data_checks):
+    """The fp8 index-key path (quantize in the write, dequantize in lightning_index) stays sync-free."""
+    gen, nb, bs, B, table, lens = _case(2)
+    k_cache = torch.full((nb, bs, 16 + 4), 0xFF, dtype=torch.uint8)
+    T = 4
+    with NoHostReads():
+        write = body("sparse_index", "write_index_cache_ref")
+        write(torch.randn(T, 16, generator=gen), torch.tensor([2, -1, 7, 0]), k_cache)
+        write(torch.randn(2, 16, generator=gen), torch.tensor([-1, -1]), k_cache)  # all padding
+        body("sparse_index", "lightning_index_ref")(
+            torch.randn(T, 2, 16, generator=gen), torch.randn(T, 2, generator=gen), k_cache, table, lens,
+            torch.tensor([0, 2, -1, 2]), torch.tensor([4, 7, 0, 3]), 3)
