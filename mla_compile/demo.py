@@ -24,7 +24,7 @@ from mla_compile.generate import GenerationResult, greedy_generate, hf_greedy_re
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.graphs.inspect import CompileWatch, short_reason
 from mla_compile.model import MLAForCausalLM, patch
-from mla_compile.toy import ALL_KINDS, toy_hf_model
+from mla_compile.toy import ALL_KINDS, random_prompts, toy_hf_model
 
 # Prompt lengths cycle through these: short and long, some crossing 16-token block boundaries.
 PROMPT_LENGTHS = (7, 19, 3, 12, 26, 5, 16, 9)
@@ -47,9 +47,8 @@ class DemoSetup:
 
 def demo_prompts(num_prompts: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """``num_prompts`` seeded random token lists with lengths cycling through ``PROMPT_LENGTHS``."""
-    gen = torch.Generator().manual_seed(seed)
     lengths = [PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)] for i in range(num_prompts)]
-    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    return random_prompts(seed, lengths, vocab_size)
 
 
 def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, max_new_tokens: int = 8,

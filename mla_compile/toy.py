@@ -11,7 +11,7 @@ Hidden size, layers, experts and vocab are shrunk; kv_lora_rank 512, rope 64, no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Sequence, Any
 
 import torch
 
@@ -87,3 +87,10 @@ def toy_hf_model(kind: str = "v2-lite", *, seed: int = 0, dtype: torch.dtype = t
             if getattr(module, "e_score_correction_bias", None) is not None:
                 module.e_score_correction_bias.uniform_(-0.05, 0.05)
     return model
+
+
+def random_prompts(seed: int | torch.Generator, lengths: Sequence[int], vocab_size: int = 1024) -> list[list[int]]:
+    """Seeded random token lists of the given ``lengths`` (ids below ``vocab_size``); ``seed`` may be a
+    ``torch.Generator`` to continue its stream."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]

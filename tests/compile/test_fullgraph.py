@@ -7,21 +7,11 @@ from torch._dynamo.utils import counters
 from mla_compile import ops, toy
 from mla_compile.generate import greedy_generate
 from mla_compile.model import patch
+from mla_compile.toy import random_prompts
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def _prompts(seed, lens):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
 
 
 @pytest.mark.slow
@@ -30,7 +20,7 @@ def test_whole_model_fullgraph_no_breaks_no_recompiles(kind):
     # one MoE layer keeps the cold compile short while covering attention, routing and experts
     model = patch(toy.toy_hf_model(kind, seed=5, num_hidden_layers=1, first_k_dense_replace=0))
     model.allocate_cache(64, 4)
-    prompts = _prompts(0, [5, 11, 3])
+    prompts = random_prompts(0, [5, 11, 3])
     eager = greedy_generate(model, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
     compiled = torch.compile(model, fullgraph=True)
     model.allocate_cache(64, 4)
@@ -45,7 +35,7 @@ def test_whole_model_fullgraph_no_breaks_no_recompiles(kind):
     with torch.compiler.set_stance("fail_on_recompile"):
         for lens in ([9], [2, 17], [4, 1, 6, 30]):
             model.allocate_cache(64, 4)
-            greedy_generate(compiled, _prompts(len(lens), lens), 3, block_size=4, num_blocks=64)
+            greedy_generate(compiled, random_prompts(len(lens), lens), 3, block_size=4, num_blocks=64)
     assert counters["stats"]["unique_graphs"] == graphs
 
 

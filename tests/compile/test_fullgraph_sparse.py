@@ -15,26 +15,14 @@ from mla_compile.generate import greedy_generate
 from mla_compile.model import patch
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not toy.has_sparse_kinds(), reason="transformers has no DeepseekV32ForCausalLM")
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def _prompts(seed, lens):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.skipif(not toy.has_sparse_kinds(), reason="transformers has no DeepseekV32ForCausalLM")]
 
 
 def test_sparse_model_fullgraph_no_breaks_no_recompiles():
     # one layer with a dense MLP: the indexer, its cache write, top-k and sparse attention are what is new
     model = patch(toy.toy_hf_model("v3.2", seed=5, num_hidden_layers=1))
-    prompts = _prompts(0, [5, 11, 3])  # 11 > index_topk: tokens are dropped
+    prompts = toy.random_prompts(0, [5, 11, 3])  # 11 > index_topk: tokens are dropped
     model.allocate_cache(64, 4)
     eager = greedy_generate(model, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -50,14 +38,14 @@ def test_sparse_model_fullgraph_no_breaks_no_recompiles():
     with torch.compiler.set_stance("fail_on_recompile"):
         for lens in ([2, 17], [4, 1, 6, 30]):
             model.allocate_cache(64, 4)
-            greedy_generate(compiled, _prompts(len(lens), lens), 3, block_size=4, num_blocks=64)
+            greedy_generate(compiled, toy.random_prompts(len(lens), lens), 3, block_size=4, num_blocks=64)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_sparse_model_with_fp8_index_cache_fullgraph():
     """The fp8 index-key cache (quantizing write, dequantizing top-k) compiles whole and matches eager."""
     model = patch(toy.toy_hf_model("v3.2", seed=6, num_hidden_layers=1))
-    prompts = _prompts(1, [5, 14])
+    prompts = toy.random_prompts(1, [5, 14])
     model.allocate_cache(64, 4, fill=float("nan"), index_dtype="fp8")
     eager = greedy_generate(model, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")

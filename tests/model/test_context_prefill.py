@@ -8,6 +8,7 @@ import torch
 from mla_compile import attention, toy
 from mla_compile.metadata import SeqChunk, plan_step
 from mla_compile.model import patch
+from mla_compile.toy import random_prompts
 
 pytest.importorskip("transformers")
 BS = 4
@@ -17,11 +18,6 @@ BS = 4
 def models(request):
     hf = toy.toy_hf_model(request.param, seed=21)
     return copy.deepcopy(hf), patch(hf)
-
-
-def _prompts(seed, lens):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
 
 
 def _blocks(lens, seed):
@@ -47,7 +43,7 @@ def _run(model, chunks_by_step, **plan_kw):
 @pytest.mark.parametrize("cached", ["none", "partial", "all_but_one_block"])
 def test_prefix_hit_gives_uncached_logits(models, cached):
     ref, model = models
-    prompts = _prompts(1, [14, 9, 17])
+    prompts = random_prompts(1, [14, 9, 17])
     blocks = _blocks([len(p) for p in prompts], 2)
     hits = {"none": [0, 0, 0], "partial": [4, 8, 0],
             "all_but_one_block": [(len(p) - 1) // BS * BS for p in prompts]}[cached]
@@ -63,8 +59,8 @@ def test_prefix_hit_gives_uncached_logits(models, cached):
 def test_chunked_prefill_mixed_with_running_decodes(models):
     ref, model = models
     model.allocate_cache(96, BS, fill=float("nan"))
-    running = _prompts(3, [6, 10])
-    long_prompt = _prompts(4, [23])[0]
+    running = random_prompts(3, [6, 10])
+    long_prompt = random_prompts(4, [23])[0]
     blocks = _blocks([12, 16, 24], 5)
     first = plan_step([], [SeqChunk(b, p) for b, p in zip(blocks, running)], BS)
     with torch.no_grad():
@@ -91,7 +87,7 @@ def test_context_workspace_stays_bounded(models, monkeypatch):
     """However long the cached prefix, the gather workspace never exceeds the chunk budget."""
     ref, model = models
     model.allocate_cache(96, BS, fill=float("nan"))
-    prompt = _prompts(6, [61])[0]
+    prompt = random_prompts(6, [61])[0]
     blocks = _blocks([64], 7)
     sizes = []
     real = attention.ops.gather_latent_cache

@@ -13,16 +13,11 @@ from mla_compile.model import patch
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _prompts(seed, lens):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
-
-
 @pytest.mark.parametrize("kind", toy.KINDS)
 def test_triton_backend_matches_hf_fp32_logits_bf16_close(kind):
     hf = toy.toy_hf_model(kind, seed=2, device="cuda")
     ref = copy.deepcopy(hf)
-    prompts = _prompts(1, [33, 5, 70, 1])
+    prompts = toy.random_prompts(1, [33, 5, 70, 1])
     want_tokens, want_logits = hf_greedy_reference(ref, prompts, 4, device="cuda")
     model = patch(hf, backend="triton")
     model.allocate_cache(128, 16, fill=float("nan"))
@@ -50,7 +45,7 @@ def test_compiled_model_on_cuda_has_triton_kernels_inline_and_no_breaks():
                           first_k_dense_replace=0)
     model = patch(hf, backend="triton")
     model.allocate_cache(64, 16)
-    prompts = _prompts(2, [9, 40, 3])
+    prompts = toy.random_prompts(2, [9, 40, 3])
     eager = greedy_generate(model, prompts, 3, block_size=16, num_blocks=64, device="cuda", keep_logits=True)
     compiled = torch.compile(model, fullgraph=True)
     model.allocate_cache(64, 16)
@@ -61,4 +56,4 @@ def test_compiled_model_on_cuda_has_triton_kernels_inline_and_no_breaks():
         assert rel < 2e-2
     with torch.compiler.set_stance("fail_on_recompile"):
         model.allocate_cache(64, 16)
-        greedy_generate(compiled, _prompts(3, [5, 6, 7, 8, 90]), 3, block_size=16, num_blocks=64, device="cuda")
+        greedy_generate(compiled, toy.random_prompts(3, [5, 6, 7, 8, 90]), 3, block_size=16, num_blocks=64, device="cuda")

@@ -20,15 +20,11 @@ def models(request):
     return ref, patch(hf)
 
 
-def _prompts(gen, lens):
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
-
-
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_prefill_logits_match_hf(models, block_size):
     ref, model = models
     gen = torch.Generator().manual_seed(7)
-    prompts = _prompts(gen, [5, 19, 1, 12])
+    prompts = toy.random_prompts(gen, [5, 19, 1, 12])
     num_blocks = 64 if block_size == 16 else 128
     model.allocate_cache(num_blocks, block_size, fill=float("nan"))
     # shuffled physical blocks per sequence
@@ -47,7 +43,7 @@ def test_prefill_logits_match_hf(models, block_size):
 
 def test_greedy_decode_matches_hf(models):
     ref, model = models
-    prompts = _prompts(torch.Generator().manual_seed(3), [7, 2, 13])
+    prompts = toy.random_prompts(torch.Generator().manual_seed(3), [7, 2, 13])
     steps = 5
     want_tokens, want_logits = hf_greedy_reference(ref, prompts, steps)
     model.allocate_cache(64, 4, fill=float("nan"))
@@ -62,8 +58,8 @@ def test_mixed_decode_and_prefill_step(models):
     """One step holding decode tokens of running sequences and a new prompt gives HF's logits."""
     ref, model = models
     gen = torch.Generator().manual_seed(11)
-    running = _prompts(gen, [6, 9])
-    new = _prompts(gen, [4])[0]
+    running = toy.random_prompts(gen, [6, 9])
+    new = toy.random_prompts(gen, [4])[0]
     model.allocate_cache(32, 4, fill=float("nan"))
     blocks = [[0, 1, 2], [3, 4, 5], [6, 7]]
     first = plan_step([], [SeqChunk(b, p) for b, p in zip(blocks, running)], 4)

@@ -14,27 +14,15 @@ from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.model import patch
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"), pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not toy.has_sparse_kinds(), reason="transformers has no DeepseekV32ForCausalLM")]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-def _prompts(seed, lens):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
 
 
 def test_compiled_sparse_model_on_cuda_matches_hf():
     hf = toy.toy_hf_model("v3.2", seed=2, device="cuda", num_hidden_layers=1)  # fp32
     ref = copy.deepcopy(hf)
-    prompts = _prompts(1, [33, 5, 70, 2])  # index_topk is 8: most of the context is dropped
+    prompts = toy.random_prompts(1, [33, 5, 70, 2])  # index_topk is 8: most of the context is dropped
     want_tokens, want_logits = hf_greedy_reference(ref, prompts, 4, device="cuda")
     model = patch(hf)
     compiled = torch.compile(model, fullgraph=True)

@@ -26,10 +26,6 @@ def pair():
     return copy.deepcopy(hf), patch(hf)
 
 
-def _prompts(gen, lens):
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lens]
-
-
 def _chunks(prompts, block_size, perm, starts=None):
     chunks, at = [], 0
     for i, p in enumerate(prompts):
@@ -44,7 +40,7 @@ def _chunks(prompts, block_size, perm, starts=None):
 def test_prefill_logits_match_hf(pair, block_size):
     ref, model = pair
     gen = torch.Generator().manual_seed(7)
-    prompts = _prompts(gen, [5, 19, 1, 12])
+    prompts = toy.random_prompts(gen, [5, 19, 1, 12])
     num_blocks = 64
     model.allocate_cache(num_blocks, block_size, fill=float("nan"))
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # shuffled physical blocks
@@ -57,7 +53,7 @@ def test_prefill_logits_match_hf(pair, block_size):
 
 def test_greedy_decode_matches_hf(pair):
     ref, model = pair
-    prompts = _prompts(torch.Generator().manual_seed(3), [7, 2, 13])
+    prompts = toy.random_prompts(torch.Generator().manual_seed(3), [7, 2, 13])
     steps = 5
     want_tokens, want_logits = hf_greedy_reference(ref, prompts, steps)
     model.allocate_cache(64, 4, fill=float("nan"))
@@ -73,8 +69,8 @@ def test_mixed_step_with_cached_prefix_matches_hf(pair):
     already cached (a prefix hit / chunked prefill): the indices cover the cached context too."""
     ref, model = pair
     gen = torch.Generator().manual_seed(11)
-    running = _prompts(gen, [6, 10])
-    new = _prompts(gen, [21])[0]
+    running = toy.random_prompts(gen, [6, 10])
+    new = toy.random_prompts(gen, [21])[0]
     bs = 4
     model.allocate_cache(32, bs, fill=float("nan"))
     blocks = [[5, 1, 9], [3, 12, 0], [7, 2, 30, 11, 4, 6]]
@@ -95,7 +91,7 @@ def test_engine_with_builder_buffers_matches_hf(pair):
     ref, model = pair
     model.allocate_cache(64, 4, fill=float("nan"))
     gen = torch.Generator().manual_seed(1)
-    prompts = _prompts(gen, [6, 11, 2, 15])
+    prompts = toy.random_prompts(gen, [6, 11, 2, 15])
     new_tokens = [4, 2, 5, 3]
     builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=4, device="cpu")
     engine = Engine(DecodeGraphRunner(model, builder, capture_sizes=[2, 4]), num_blocks=64)
@@ -236,7 +232,7 @@ def test_fp8_index_short_generation_matches_hf(pair):
     """Contexts of at most index_topk (8) tokens: every visible token is selected whatever the scores, so
     the fp8 keys cannot change anything and the tokens and logits match HF's."""
     ref, model = pair
-    prompts = _prompts(torch.Generator().manual_seed(4), [3, 5, 2])
+    prompts = toy.random_prompts(torch.Generator().manual_seed(4), [3, 5, 2])
     steps = 3  # the longest context read is 5 + 2 = 7 tokens
     want_tokens, want_logits = hf_greedy_reference(ref, prompts, steps)
     model.allocate_cache(64, 4, fill=float("nan"), index_dtype="fp8")
@@ -252,7 +248,7 @@ def test_fp8_index_model_equals_float_index_cache_of_quantized_keys(pair, monkey
     from mla_compile import ops
     from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
     _, model = pair
-    prompts = _prompts(torch.Generator().manual_seed(8), [19, 26, 11])
+    prompts = toy.random_prompts(torch.Generator().manual_seed(8), [19, 26, 11])
     model.allocate_cache(64, 4, fill=float("nan"))
     plain = greedy_generate(model, prompts, 4, block_size=4, num_blocks=64, keep_logits=True, dynamic=False)
     model.allocate_cache(64, 4, fill=float("nan"), index_dtype="fp8")
@@ -280,7 +276,7 @@ def test_fp8_index_against_hf_teacher_forced(pair):
     ref, model = pair
     gen = torch.Generator().manual_seed(100)
     lens = [40, 48, 33, 56]
-    prompts = _prompts(gen, lens)
+    prompts = toy.random_prompts(gen, lens)
     with torch.no_grad():
         want = torch.cat([ref(torch.tensor([p])).logits[0] for p in prompts])
     pos = torch.cat([torch.arange(n) for n in lens])
