@@ -1,4 +1,6 @@
-"""The patched model against HF transformers itself: prefill logits and greedy decode steps."""
+"""The patched model against HF transformers itself: prefill logits and greedy decode steps, for the
+dense kinds and (when transformers has it) the sparse DeepSeek-V3.2 toy, whose prompts here are longer
+than its index_topk (8), so the indexer really drops context."""
 
 import copy
 
@@ -13,7 +15,7 @@ from mla_compile.model import MLAForCausalLM, patch
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(params=toy.KINDS)
+@pytest.fixture(params=toy.KINDS + (toy.SPARSE_KINDS if toy.has_sparse_kinds() else ()))
 def models(request):
     hf = toy.toy_hf_model(request.param, seed=1234)
     ref = copy.deepcopy(hf)
