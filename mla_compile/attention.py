@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from mla_compile import envs, ops
 from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
+from mla_compile.cache import fp8_row_bytes
 from mla_compile.config import MLAConfig
 from mla_compile.indexer import MLAIndexer
 from mla_compile.metadata import MLAMetadata
@@ -73,10 +74,20 @@ class MLAAttention(nn.Module):
             self.indexer = MLAIndexer(config, hf_attn.indexer)
 
     def set_cache(self, kv_cache: Tensor) -> None:
-        """Attach this layer's paged latent cache (``[num_blocks, block_size, kv_lora_rank + rope_dim]``)."""
-        if kv_cache.dim() != 3 or kv_cache.shape[-1] != self.config.latent_dim:
-            raise ValueError(f"kv_cache must be [num_blocks, block_size, {self.config.latent_dim}], got {list(kv_cache.shape)}")
+        """Attach this layer's paged latent cache: float ``[num_blocks, block_size, kv_lora_rank + rope_dim]``
+        or the fp8 rows ``uint8 [num_blocks, block_size, fp8_row_bytes(kv_lora_rank, rope_dim)]``."""
+        c = self.config
+        width = fp8_row_bytes(c.kv_lora_rank, c.qk_rope_head_dim) if kv_cache.dtype == torch.uint8 else c.latent_dim
+        if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+            raise ValueError(f"kv_cache must be float [num_blocks, block_size, {c.latent_dim}] or uint8 fp8 rows "
+                             f"[num_blocks, block_size, {fp8_row_bytes(c.kv_lora_rank, c.qk_rope_head_dim)}], "
+                             f"got {kv_cache.dtype} {list(kv_cache.shape)}")
         self.kv_cache = kv_cache
+
+    @property
+    def fp8_cache(self) -> bool:
+        """Whether the latent cache holds the 656-byte fp8 rows (static for a compiled graph)."""
+        return self.kv_cache is not None and self.kv_cache.dtype == torch.uint8
 
     def _w_uk_uv(self) -> tuple[Tensor, Tensor]:
         """Views of kv_b_proj: ``W_UK [H, nope, Dc]`` and ``W_UV [H, v, Dc]``."""
@@ -104,8 +115,11 @@ class MLAAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
         write_backend = self._requested["cache_write"]
-        ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache,
-                               backend=None if write_backend == "auto" else write_backend)
+        if self.fp8_cache:  # the fp8 ops pick their own default (Triton on CUDA, the reference elsewhere)
+            ops.write_latent_cache_fp8(latent, k_pe, meta.slot_mapping, self.kv_cache)
+        else:
+            ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache,
+                                   backend=None if write_backend == "auto" else write_backend)
         if self.indexer is not None:
             if positions is None:
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")
@@ -131,12 +145,16 @@ class MLAAttention(nn.Module):
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
         B = d.block_table.shape[0]
         q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
-        plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
-        name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
-                             query_len=d.query_len, need_lse=False, planned=plan is not None)
-        out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
-                                kv_lora_rank=c.kv_lora_rank, backend=name,
-                                plan=plan if takes_plan("decode", name) else None)
+        if self.fp8_cache:
+            out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+                                        kv_lora_rank=c.kv_lora_rank)
+        else:
+            plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
+            name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
+                                 query_len=d.query_len, need_lse=False, planned=plan is not None)
+            out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+                                    kv_lora_rank=c.kv_lora_rank, backend=name,
+                                    plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
@@ -173,9 +191,13 @@ class MLAAttention(nn.Module):
             merge_name = self._backend("merge", out.dtype, head_dims=(c.v_head_dim,))
             gather = self._requested["gather"]
         for chunk in p.context_chunks:
-            rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=self.kv_cache.dtype, device=q.device)
-            ops.gather_latent_cache(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows,
-                                    backend=None if gather == "auto" else gather)
+            if self.fp8_cache:  # dequantizing gather into the compute dtype
+                rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=latent.dtype, device=q.device)
+                ops.gather_latent_cache_fp8(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows)
+            else:
+                rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=self.kv_cache.dtype, device=q.device)
+                ops.gather_latent_cache(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows,
+                                        backend=None if gather == "auto" else gather)
             ctx_latent, ctx_pe = rows.to(latent.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
             k_ctx, v_ctx = self._up_project(ctx_latent, ctx_pe)
             out_c, lse_c = ops.prefill(q, k_ctx, v_ctx, p.cu_seqlens_q, chunk.cu_seqlens, c.softmax_scale,
@@ -188,7 +210,8 @@ class MLAAttention(nn.Module):
         """The backend of ``op`` for this layer's static configuration (selected once, then cached)."""
         cache = self.kv_cache
         return cached_backend(self._choice_token, op, self._requested[op], device=cache.device, dtype=dtype,
-                              cache_dtype=cache.dtype, block_size=cache.shape[1] if op == "decode" else None,
+                              cache_dtype=cache.dtype if op == "decode" else dtype,
+                              block_size=cache.shape[1] if op == "decode" else None,
                               num_heads=self.config.num_heads, head_dims=head_dims, query_len=query_len,
                               need_lse=need_lse, planned=planned,
                               cuda_graph=self.cuda_graph and op == "decode")

@@ -65,16 +65,30 @@ class CacheLayout:
 
 
 def allocate_latent_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
-                          dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                          dtype: torch.dtype | str = torch.bfloat16, device: torch.device | str = "cpu",
                           fill: float = 0.0) -> torch.Tensor:
-    """One layer's paged latent cache ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``.
+    """One layer's paged latent cache ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` of a
+    float ``dtype``, or with ``dtype="fp8"`` the 656-byte DeepSeek fp8 rows ``uint8 [num_blocks,
+    block_size, fp8_row_bytes(kv_lora_rank, rope)]`` (``mla_compile.ops.fp8_cache``).
 
-    Tests pass ``fill=float("nan")`` so that any read of a row that was never written shows up.
+    Tests pass ``fill=float("nan")`` so that any read of a row that was never written shows up (an fp8
+    cache takes 0 or NaN: all bytes 0, or all bytes 0xFF, which reads back as NaN).
     """
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
+    if isinstance(dtype, str):
+        if dtype != "fp8":
+            raise ValueError(f"dtype must be 'fp8' or a floating torch dtype, got {dtype!r}")
+        if fill == 0:
+            byte = 0
+        elif fill != fill:  # NaN
+            byte = FP8_POISON
+        else:
+            raise ValueError(f"fill of an fp8 latent cache must be 0 or NaN (a byte pattern, not a value), got {fill}")
+        width = fp8_row_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
+        return torch.full((num_blocks, block_size, width), byte, dtype=torch.uint8, device=device)
     if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32), got {dtype}")
+        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32) or 'fp8', got {dtype}")
     return torch.full((num_blocks, block_size, config.latent_dim), fill, dtype=dtype, device=device)
 
 
