@@ -126,3 +126,26 @@ def test_flashinfer_decode_planned_by_the_builder_replays_like_uncaptured_steps(
             assert engine.runner.replays > 20 and max(p.times_planned for p in planner.plans.values()) > 10
     assert results[0][0] == results[1][0] and results[0][1] > 60
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_latent_cache_replays_like_uncaptured_steps():
+    """The model over the fp8 latent cache (quantizing Triton write + fp8 Triton decode), compiled and
+    captured: the same tokens as the same steps run uncaptured, no syncs, no CUDA-graph skips."""
+    torch._dynamo.reset()
+    counters.clear()
+    hf = toy.toy_hf_model("v2-lite", seed=8, device="cuda", dtype=torch.bfloat16, num_hidden_layers=1)
+    model = patch(hf)
+    compiled = torch.compile(model, fullgraph=True)
+    load = dict(seed=6, n_requests=16, gap=12, max_new=60)
+    results = []
+    for enabled in (False, True):
+        model.allocate_cache(256, 16, dtype="fp8", fill=float("nan"))
+        engine = _engine(compiled, [2, 4, 8], device="cuda", num_blocks=256, max_batch=8, block_size=16,
+                         max_blocks=16, enabled=enabled, strict_sync=enabled)
+        results.append(_workload(engine, **load))
+        if enabled:
+            assert engine.runner.replays > 20
+    assert results[0][0] == results[1][0] and results[0][1] > 60
+    assert counters["inductor"]["cudagraph_skips"] == 0
