@@ -230,7 +230,9 @@ def _why_not(spec: BackendSpec, *, device: torch.device, dtype: torch.dtype, cac
     if need_lse and not spec.lse:
         why.append("returns no LSE and the caller needs it")
     if spec.needs_plan and not planned:
-        why.append(f"needs a host-side plan (plan_flashinfer_{spec.op}) and the caller supplies none")
+        hint = ("; give MetadataBuilder(decode_planner=FlashInferDecodePlanner(...)) to plan every step"
+                if spec.op == "decode" else "")
+        why.append(f"needs a host-side plan (plan_flashinfer_{spec.op}) and the caller supplies none{hint}")
     if cuda_graph and (spec.cuda_graph == "none" or (spec.cuda_graph == "planned" and not planned)):
         why.append("cannot be captured in a CUDA graph" + (" without a plan" if spec.cuda_graph == "planned" else ""))
     return "; ".join(why) or None
