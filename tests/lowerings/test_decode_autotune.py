@@ -78,7 +78,7 @@ def test_cpu_without_candidates_is_a_plain_fallback_call():
 def test_autotune_emits_the_faster_candidate_only(slow_first):
     tag = int(slow_first)  # fresh choice names per case: no autotune-cache hit from the other case
     fast = Candidate(f"mla_t_fast{tag}", "fast", torch.ops.mla_lower_test.delayed_decode.default, (0,))
-    slow = Candidate(f"mla_t_slow{tag}", "slow", torch.ops.mla_lower_test.delayed_decode.default, (3000,))
+    slow = Candidate(f"mla_t_slow{tag}", "slow", torch.ops.mla_lower_test.delayed_decode.default, (20000,))
     # the two share an op: tell them apart by the delay argument in the output code
     cands = [slow, fast] if slow_first else [fast, slow]
     args = _inputs(2)
@@ -88,7 +88,9 @@ def test_autotune_emits_the_faster_candidate_only(slow_first):
     _check(out, lse, args)
     (rec,) = _compile_log.records_since(before)
     assert rec.op == "mla::decode_autotune" and rec.winner == fast.name and rec.winner_backend == "fast", rec
-    assert rec.timings_ms[slow.name] > rec.timings_ms[fast.name] + 1.0, rec  # 3 ms of busy wait
+    # 20 ms of busy wait: Inductor's CPU timings carry ~8 ms of their own noise on a loaded 2-core machine
+    # (a 3 ms wait once measured only 0.5 ms apart), so only the order is asserted, not a margin
+    assert rec.timings_ms[slow.name] > rec.timings_ms[fast.name], rec
     calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.delayed_decode.default(" in ln]
     assert len(calls) == 1 and calls[0].rstrip().endswith(", 0)"), calls  # the fast one, once
     assert "mla_decode_autotune" not in code and "extern_kernels.mla_t_" not in code  # the timing node is gone
