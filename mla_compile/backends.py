@@ -113,6 +113,10 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
         _spec("triton", "prefill", **_TRITON),
         _spec("sdpa-cudnn", "prefill", max_head_dim=256, cuda_graph="none", min_capability=_SM80, package="torch",
               gpu_tested=True, note="one cuDNN call per sequence; reads cu_seqlens on the host (a sync)"),
+        _spec("autotune", "prefill", devices=("any",), dtypes=_FLOATS, gpu_tested=False,
+              note="Inductor times our Triton configs and the plan-free peers (flash-attn, trtllm-gen) that serve the "
+                   "compiled shapes and emits the fastest (needs `import mla_compile.lowerings`; eager and CPU run "
+                   "the static default); never picked by 'auto'"),
         _spec("reference", "prefill", **_REF),
     )},
     "merge": {s.name: s for s in (
@@ -180,7 +184,7 @@ def requested_for(op: str, spec: str | dict[str, str] | None) -> str:
     if op in KERNEL_OPS and name not in backends_for(OP_KEYS[op]):
         return "auto"  # a single peer name is about attention; the cache write/gather have no peer backends
     if name == "autotune" and name not in backends_for(OP_KEYS[op]):
-        return "auto"  # ops without an autotuned variant (prefill, merge) keep the static choice
+        return "auto"  # ops without an autotuned variant (merge) keep the static choice
     return name
 
 

@@ -14,6 +14,7 @@ from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.prefill import prefill
+from mla_compile.ops import prefill_autotune as _prefill_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops.sparse_decode import sparse_decode
 from mla_compile.ops.sparse_index import lightning_index, sink_window_indices, to_csr, write_index_cache
 from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-library backends; imports no peer)

@@ -87,7 +87,7 @@ def test_priority_order_is_the_documented_one():
     assert backends.PRIORITY["decode"][:4] == ("flashmla", "flashinfer", "flashinfer-trtllm", "triton")
     assert backends.PRIORITY["decode"][-1] == "reference"
     assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "flash-attn", "triton", "sdpa-cudnn",
-                                             "reference")
+                                             "autotune", "reference")
     assert backends.PRIORITY["merge"] == ("triton", "flashinfer", "reference")
 
 

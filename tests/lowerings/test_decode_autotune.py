@@ -110,12 +110,12 @@ def test_failure_inside_autotuning_warns_and_falls_back(monkeypatch):
     assert "torch.ops.mla.decode_autotune.default(" in code
 
 
-def test_autotune_is_a_backend_name_for_decode_only():
+def test_autotune_is_a_backend_name_for_decode():
     from mla_compile.backends import requested_for, select_backend
 
     assert mla_compile.ops.decode_autotune.lowering_installed()
     assert select_backend("decode", device="cpu", dtype=torch.bfloat16, requested="autotune").name == "autotune"
-    assert requested_for("prefill", "autotune") == "auto" and requested_for("decode", "autotune") == "autotune"
+    assert requested_for("merge", "autotune") == "auto" and requested_for("decode", "autotune") == "autotune"
     args = _inputs(4)
     out, lse = mla_compile.ops.decode(*args, SCALE, kv_lora_rank=RANK, backend="autotune")  # eager: the default
     _check(out * 2, lse, args)

@@ -1,0 +1,85 @@
+"""``mla::prefill_autotune``: the backend-neutral prefill whose implementation Inductor picks by timing.
+
+Same contract as ``mla::prefill`` (see :mod:`mla_compile.ops.prefill`): ragged ``q [T, H, Dqk]``,
+``k [S, H, Dqk]``, ``v [S, H, Dv]`` with ``cu_seqlens_q/k``; returns ``out [T, H, Dv]`` and ``lse [T, H]``.
+
+The op itself is plain: its eager kernel runs the static default (our Triton kernel on CUDA, the
+reference elsewhere) and its fake is the prefill fake. The Inductor lowering in
+:mod:`mla_compile.lowerings.prefill` makes it "autotune": on CUDA, Inductor benchmarks every
+implementation that can serve the compiled shapes (Triton configurations, plan-free peer backends) and
+emits the fastest. Without the lowering the compiled graph calls this op's eager kernel: correct, not
+tuned; ``backend="autotune"`` then warns once at trace time on an accelerator.
+
+``mla::prefill_triton_config`` is the Triton kernel with explicit launch parameters (one autotune
+choice per configuration); 0 means "the heuristic's value" (``ops/triton/prefill.py:_pick``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._dispatch import default_backend, register_impl, resolve
+from mla_compile.ops.decode_autotune import lowering_installed
+from mla_compile.ops.prefill import OP, fake, validate
+
+BACKEND = "autotune"
+OP_NAME = "mla::prefill_autotune"
+_WARNED: set[str] = set()
+
+
+@torch.library.custom_op("mla::prefill_autotune", mutates_args=())
+def prefill_autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                     causal: bool) -> tuple[Tensor, Tensor]:
+    """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
+    name = default_backend(OP, q.device)
+    if name == BACKEND:  # never: the default is never the autotuned op itself
+        name = "reference"
+    out, lse = resolve(OP, q.device, name).fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+    return out.contiguous(), lse.contiguous()
+
+
+prefill_autotune.register_fake(fake)
+
+
+@torch.library.custom_op("mla::prefill_triton_config", mutates_args=(), device_types="cuda")
+def prefill_triton_config(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                          causal: bool, block_m: int, block_n: int, num_warps: int,
+                          num_stages: int) -> tuple[Tensor, Tensor]:
+    """Our Triton prefill with explicit ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages`` (0: heuristic)."""
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    from torch._library.triton import set_wrap_triton_enabled
+
+    from mla_compile.ops.triton.prefill import _launch
+
+    cfg = {k_: v_ for k_, v_ in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
+                                 ("num_stages", num_stages)) if v_ > 0}
+    # a plain custom op body launches the kernel directly (wrap_triton on would route every launch
+    # through the higher-order-op dispatch: host time that would swamp Inductor's timings; see decode)
+    with set_wrap_triton_enabled(False):
+        return _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, config=cfg)
+
+
+prefill_triton_config.register_fake(fake)
+
+
+@torch.compiler.assume_constant_result
+def _warn_if_unlowered(device_type: str) -> bool:
+    """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""
+    if device_type != "cpu" and not lowering_installed(OP_NAME) and "prefill" not in _WARNED:
+        _WARNED.add("prefill")
+        warnings.warn("backend='autotune': no Inductor lowering is installed for mla::prefill_autotune, so "
+                      "compiled graphs run the static default backend untuned; `import mla_compile.lowerings` "
+                      "before compiling to let Inductor time every backend", stacklevel=2)
+    return True
+
+
+def _autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+              causal: bool) -> tuple[Tensor, Tensor]:
+    _warn_if_unlowered(q.device.type)
+    return torch.ops.mla.prefill_autotune(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+register_impl(OP, BACKEND, _autotune, devices=("any",))
