@@ -146,22 +146,31 @@ def test_no_candidates_without_cuda_and_no_planned_or_host_reading_peers():
     assert "flashinfer" not in lowering.PEERS and "sdpa-cudnn" not in lowering.PEERS
 
 
-def test_mla_attention_autotune_backend_runs_prefill_and_decode():
+def test_compiled_mla_attention_prefill_goes_through_the_lowering():
+    """A compiled prefill step of a model patched with backend="autotune" lowers its prefill through
+    the autotune lowering (one test candidate here) and gives the eager logits."""
     pytest.importorskip("transformers")
     from mla_compile import toy
-    from mla_compile.generate import greedy_generate
+    from mla_compile.metadata import SeqChunk, plan_step
     from mla_compile.model import patch
 
-    prompts = [[1, 2, 3, 7], [4, 5]]
-    tokens = {}
-    for backend in ("autotune", None):
-        model = patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1, seed=3), backend=backend)
-        model.allocate_cache(8, 16, fill=float("nan"))
-        tokens[backend] = greedy_generate(model, prompts, 3, block_size=16, num_blocks=8).tokens
-        if backend == "autotune":
-            choices = model.attentions[0]._backend_choices
-            assert {k[0]: v for k, v in choices.items()} == {"decode": "autotune", "prefill": "autotune"}, choices
-    assert tokens["autotune"] == tokens[None]
+    model = patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1, seed=4), backend="autotune")
+    model.allocate_cache(8, 4, fill=float("nan"))
+    step = plan_step([], [SeqChunk([3, 1], [5, 9, 2, 7, 1]), SeqChunk([6], [4, 4, 8])], 4, logits="all")
+    with torch.no_grad():
+        want = model(step.input_ids, step.positions, step.meta)[:step.num_rows].clone()
+    cand = Candidate("mla_tp_model", "test", torch.ops.mla_lower_test.delayed_prefill.default, (0,))
+    before = _compile_log.mark()
+    torch._dynamo.reset()
+    with autotune_on_cpu(lambda **facts: [cand]), torch._inductor.config.patch(force_disable_caches=True), \
+            torch.no_grad():
+        got = torch.compile(model, fullgraph=True)(step.input_ids, step.positions, step.meta)[:step.num_rows]
+    torch._dynamo.reset()
+    choices = {k[0]: v for k, v in model.attentions[0]._backend_choices.items()}
+    assert choices == {"prefill": "autotune"}, choices
+    recs = [r for r in _compile_log.records_since(before) if r.op == "mla::prefill_autotune"]
+    assert recs and all(r.winner == cand.name for r in recs), recs
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ CUDA
