@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,6 +45,16 @@ def warn_once(warned: set[str], key: str, msg: str) -> None:
     if key not in warned:
         warned.add(key)
         warnings.warn(msg, stacklevel=3)
+
+
+@contextlib.contextmanager
+def cpu_hook(hook: list, candidates: Callable[..., list[Candidate]]) -> Iterator[None]:
+    """Within the block, ``hook[0]`` holds ``candidates`` (a lowering's test hook: autotune CPU graphs too)."""
+    hook[0] = candidates
+    try:
+        yield
+    finally:
+        hook[0] = None
 
 
 _CHOICES: dict[str, object] = {}

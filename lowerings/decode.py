@@ -24,8 +24,7 @@ The lowering is Python and not part of Inductor's FX-graph-cache key: compile wi
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -66,14 +65,10 @@ def decode_candidates(device: torch.device, dtype: torch.dtype, cache_dtype: tor
     return out
 
 
-@contextlib.contextmanager
-def autotune_on_cpu(candidates: Callable[..., list[Candidate]]) -> Iterator[None]:
-    """Tests: autotune CPU graphs too, over ``candidates(...)`` (same arguments as :func:`decode_candidates`)."""
-    _CPU_HOOK[0] = candidates
-    try:
-        yield
-    finally:
-        _CPU_HOOK[0] = None
+def autotune_on_cpu(candidates: Callable[..., list[Candidate]]):
+    """Tests: a context in which CPU graphs are autotuned too, over ``candidates(...)`` (same arguments as
+    :func:`decode_candidates`)."""
+    return _autotune.cpu_hook(_CPU_HOOK, candidates)
 
 
 def _input_gens(q, kv_cache, block_table) -> dict[int, Callable]:

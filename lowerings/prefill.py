@@ -20,8 +20,7 @@ lowering is recorded in :mod:`mla_compile.ops._compile_log`.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -65,14 +64,10 @@ def prefill_candidates(device: torch.device, dtype: torch.dtype, num_heads: int,
     return out
 
 
-@contextlib.contextmanager
-def autotune_on_cpu(candidates: Callable[..., list[Candidate]]) -> Iterator[None]:
-    """Tests: autotune CPU graphs too, over ``candidates(...)`` (same arguments as :func:`prefill_candidates`)."""
-    _CPU_HOOK[0] = candidates
-    try:
-        yield
-    finally:
-        _CPU_HOOK[0] = None
+def autotune_on_cpu(candidates: Callable[..., list[Candidate]]):
+    """Tests: a context in which CPU graphs are autotuned too, over ``candidates(...)`` (same arguments as
+    :func:`prefill_candidates`)."""
+    return _autotune.cpu_hook(_CPU_HOOK, candidates)
 
 
 def _input_gens(q, k, cu_seqlens_q, causal: bool) -> dict[int, Callable]:

@@ -1,7 +1,5 @@
 """DecodeGraphRunner: capture-size choice and padded steps (CPU), capture and replay (CUDA)."""
 
-import copy
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -10,8 +8,9 @@ from mla_compile import toy
 from mla_compile.builder import MetadataBuilder
 from mla_compile.engine import Engine
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner, default_capture_sizes
-from mla_compile.metadata import SeqChunk
 from mla_compile.model import patch
+
+from tests.engine_load import run_workload
 
 pytest.importorskip("transformers")
 
@@ -39,34 +38,12 @@ def _engine(model, sizes, device="cpu", num_blocks=96, max_batch=8, block_size=4
     return Engine(DecodeGraphRunner(model, builder, capture_sizes=sizes, **runner_kw), num_blocks=num_blocks)
 
 
-def _workload(engine, seed, n_requests=12, gap=8, max_new=60):
-    """Requests arriving while others run and finish: batch sizes, lengths and block tables change."""
-    gen = torch.Generator().manual_seed(seed)
-    at = 0
-    pending = []
-    for _ in range(n_requests):
-        at += int(torch.randint(0, gap, (1,), generator=gen))
-        prompt = torch.randint(0, 1024, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen).tolist()
-        pending.append((at, prompt, int(torch.randint(1, max_new, (1,), generator=gen))))
-    steps = 0
-    while pending or engine.waiting or engine.running:
-        while pending and pending[0][0] <= steps:
-            _, prompt, n = pending.pop(0)
-            engine.add_request(prompt, n)
-        if pending and not (engine.waiting or engine.running):
-            pending[0] = (steps, *pending[0][1:])
-            continue
-        engine.step(keep_logits=True)
-        steps += 1
-    return [r.output for r in sorted(engine.finished, key=lambda r: r.id)], steps
-
-
 def test_padded_capture_sizes_give_the_same_tokens_as_unpadded_steps():
     model = patch(toy.toy_hf_model("v2-lite", seed=9, num_hidden_layers=1))
     model.allocate_cache(96, 4)
-    padded, steps = _workload(_engine(model, [2, 4, 8]), seed=1)
+    padded, steps = run_workload(_engine(model, [2, 4, 8]), seed=1)
     model.allocate_cache(96, 4)
-    plain, _ = _workload(_engine(model, [8]), seed=1)
+    plain, _ = run_workload(_engine(model, [8]), seed=1)
     assert padded == plain and steps > 30
 
 
@@ -82,14 +59,14 @@ def test_graph_replay_equals_eager_over_1000_steps_without_syncs_or_recompiles()
     compiled = torch.compile(model, fullgraph=True)
     # without graphs: the same compiled step and the same padded sizes, run directly
     model.allocate_cache(1024, 16)
-    want, steps = _workload(_engine(compiled, None, enabled=False, **kw), **load)
+    want, steps = run_workload(_engine(compiled, None, enabled=False, **kw), **load)
     model.allocate_cache(1024, 16)
     engine = _engine(compiled, None, strict_sync=True, **kw)  # fill + replay under sync_debug_mode "error"
     engine.runner.capture()
     assert all(a.cuda_graph for a in model.attentions), "the runner flags captured decode for backend selection"
     graphs = counters["stats"]["unique_graphs"]
     with torch.compiler.set_stance("fail_on_recompile"):
-        got, got_steps = _workload(engine, **load)
+        got, got_steps = run_workload(engine, **load)
     assert steps >= 1000 and got_steps == steps
     assert got == want
     assert engine.runner.replays > 900
@@ -121,7 +98,7 @@ def test_flashinfer_decode_planned_by_the_builder_replays_like_uncaptured_steps(
                                   decode_planner=planner)
         model.allocate_cache(256, 16)
         engine = Engine(DecodeGraphRunner(compiled, builder, capture_sizes=[2, 4, 8], enabled=enabled), num_blocks=256)
-        results.append(_workload(engine, **load))
+        results.append(run_workload(engine, **load))
         if enabled:
             assert engine.runner.replays > 20 and max(p.times_planned for p in planner.plans.values()) > 10
     assert results[0][0] == results[1][0] and results[0][1] > 60
@@ -144,7 +121,7 @@ def test_fp8_latent_cache_replays_like_uncaptured_steps():
         model.allocate_cache(256, 16, dtype="fp8", fill=float("nan"))
         engine = _engine(compiled, [2, 4, 8], device="cuda", num_blocks=256, max_batch=8, block_size=16,
                          max_blocks=16, enabled=enabled, strict_sync=enabled)
-        results.append(_workload(engine, **load))
+        results.append(run_workload(engine, **load))
         if enabled:
             assert engine.runner.replays > 20
     assert results[0][0] == results[1][0] and results[0][1] > 60

@@ -13,6 +13,8 @@ from mla_compile.generate import greedy_generate, hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.model import patch
 
+from tests.engine_load import run_workload
+
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.usefixtures("fresh_dynamo"), pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -35,27 +37,6 @@ def test_compiled_sparse_model_on_cuda_matches_hf():
         torch.testing.assert_close(got.step_logits[s], want, atol=1e-3, rtol=1e-3)
 
 
-def _workload(engine, seed, n_requests, gap, max_new):
-    """Requests arriving while others run and finish: batch sizes, lengths and block tables change."""
-    gen = torch.Generator().manual_seed(seed)
-    at, pending = 0, []
-    for _ in range(n_requests):
-        at += int(torch.randint(0, gap, (1,), generator=gen))
-        prompt = torch.randint(0, 1024, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
-        pending.append((at, prompt, int(torch.randint(1, max_new, (1,), generator=gen))))
-    steps = 0
-    while pending or engine.waiting or engine.running:
-        while pending and pending[0][0] <= steps:
-            _, prompt, n = pending.pop(0)
-            engine.add_request(prompt, n)
-        if pending and not (engine.waiting or engine.running):
-            pending[0] = (steps, *pending[0][1:])
-            continue
-        engine.step()
-        steps += 1
-    return [r.output for r in sorted(engine.finished, key=lambda r: r.id)], steps
-
-
 def _engine(model, **runner_kw):
     builder = MetadataBuilder(max_batch=16, max_blocks_per_seq=16, max_tokens=512, block_size=16, device="cuda")
     return Engine(DecodeGraphRunner(model, builder, **runner_kw), num_blocks=512)
@@ -65,15 +46,15 @@ def test_sparse_decode_graph_replay_equals_direct_steps_without_syncs_or_recompi
     hf = toy.toy_hf_model("v3.2", seed=6, device="cuda", dtype=torch.bfloat16, num_hidden_layers=2)
     model = patch(hf)
     compiled = torch.compile(model, fullgraph=True)
-    load = dict(seed=2, n_requests=40, gap=10, max_new=120)
+    load = dict(seed=2, n_requests=40, gap=10, max_new=120, max_prompt=40)
     model.allocate_cache(512, 16)
-    want, steps = _workload(_engine(compiled, enabled=False), **load)
+    want, steps = run_workload(_engine(compiled, enabled=False), **load)
     model.allocate_cache(512, 16)
     engine = _engine(compiled, strict_sync=True)  # fill + replay under sync_debug_mode "error"
     engine.runner.capture()
     graphs = counters["stats"]["unique_graphs"]
     with torch.compiler.set_stance("fail_on_recompile"):
-        got, got_steps = _workload(engine, **load)
+        got, got_steps = run_workload(engine, **load)
     assert got_steps == steps and got == want
     assert engine.runner.replays > steps // 2
     assert counters["stats"]["unique_graphs"] == graphs
