@@ -3,7 +3,8 @@
 Runs each op's ``_launch`` on small CPU tensors with ``wrap_triton`` replaced by a recorder, then
 compiles every recorded launch (same constexprs, warps and stages as the shapes given) with
 Triton's bundled ptxas for ``cuda:90`` and reads registers, spills (stack, LDL/STL), shared memory
-and the matrix instructions (HGMMA = wgmma, HMMA = mma.sync) off the cubin. No device time needed.
+the matrix instructions (HGMMA = wgmma, HMMA = mma.sync) and the global loads (LDGSTS = cp.async,
+UTMALDG = TMA, LDG = synchronous loads into registers) off the cubin. No device time needed.
 
     python benchmarks/kernel_resources.py            # DeepSeek shapes, default configs
 """
@@ -79,6 +80,8 @@ def report(launch) -> str:
     regs = re.search(r"REG:(\d+)", res).group(1)
     stack = re.search(r"STACK:(\d+)", res).group(1)
     ops = " ".join(f"{op}={len(re.findall(op, sass))}" for op in ("HGMMA", "HMMA", "LDL", "STL"))
+    loads = {op: len(re.findall(r"\b%s\b" % op, sass)) for op in ("LDGSTS", "UTMALDG", "LDG")}
+    ops += " " + " ".join(f"{op}={n}" for op, n in loads.items())
     shown = {k: v for k, v in consts.items() if k.isupper()}
     return (f"{kernel.__name__:24s} grid={tuple(grid)} {opts} regs={regs} stack={stack} "
             f"smem={compiled.metadata.shared} {ops} {shown}")
