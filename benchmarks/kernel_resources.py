@@ -3,13 +3,16 @@
 Runs each op's ``_launch`` on small CPU tensors with ``wrap_triton`` replaced by a recorder, then
 compiles every recorded launch (same constexprs, warps and stages as the shapes given) with
 Triton's bundled ptxas for ``cuda:90`` and reads registers, spills (stack, LDL/STL), shared memory
-and the matrix instructions (HGMMA = wgmma, HMMA = mma.sync) off the cubin. No device time needed.
+the matrix instructions (HGMMA = wgmma, HMMA = mma.sync) and the global loads (LDGSTS = cp.async,
+UTMALDG = TMA, LDG = synchronous loads into registers) off the cubin. No device time needed.
 
     python benchmarks/kernel_resources.py            # DeepSeek shapes, default configs
+    python benchmarks/kernel_resources.py --time     # CUDA: time the decode candidates (A/B, same run)
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -79,6 +82,8 @@ def report(launch) -> str:
     regs = re.search(r"REG:(\d+)", res).group(1)
     stack = re.search(r"STACK:(\d+)", res).group(1)
     ops = " ".join(f"{op}={len(re.findall(op, sass))}" for op in ("HGMMA", "HMMA", "LDL", "STL"))
+    loads = {op: len(re.findall(r"\b%s\b" % op, sass)) for op in ("LDGSTS", "UTMALDG", "LDG")}
+    ops += " " + " ".join(f"{op}={n}" for op, n in loads.items())
     shown = {k: v for k, v in consts.items() if k.isupper()}
     return (f"{kernel.__name__:24s} grid={tuple(grid)} {opts} regs={regs} stack={stack} "
             f"smem={compiled.metadata.shared} {ops} {shown}")
@@ -95,7 +100,67 @@ def _record(module, fn, *args, **kwargs):
     return list(_Recorder.launches)
 
 
+# (B, H, L, config) for ``--time``: the previous defaults next to the current heuristic ({}) and the
+# alternatives the sm_90 report left open (BLOCK_N 32 / 5 stages: 128 registers, two CTAs per SM,
+# so the split count must fill 2 x 132 slots: 4 splits = 512 programs = 1.94 waves).
+DECODE_CANDIDATES = (
+    (128, 128, 4096, dict(BLOCK_N=64, num_stages=2)),  # default before decode-h128 (639 us, run 6)
+    (128, 128, 4096, {}),
+    (128, 16, 8192, dict(BLOCK_N=64, num_stages=3)),  # default before decode-h128 (521 us, run 6)
+    (128, 16, 8192, {}),
+    (128, 16, 8192, dict(BLOCK_N=32, num_stages=5, SPLITS=4)),
+    (128, 16, 8192, dict(BLOCK_N=32, num_stages=5, SPLITS=6)),
+    (128, 16, 8192, dict(BLOCK_N=64, num_stages=5, SPLITS=6)),
+)
+
+
+def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.bfloat16, reps: int = 50) -> None:
+    """Per-call time of ``decode._launch`` for each (B, H, L, config), one line each, plus max |error| against
+    the first config of the same shape. CUDA: CUDA-graph replay of ``reps`` calls; otherwise a host timer."""
+    import time
+
+    from torch._library.triton import set_wrap_triton_enabled
+
+    cuda = device == "cuda"
+    first: dict = {}
+    for B, H, L, cfg in candidates:
+        torch.manual_seed(0)
+        blocks = B * triton.cdiv(L, 64)
+        cache = torch.randn(blocks, 64, 576, device=device, dtype=dtype) * 0.5
+        table = torch.randperm(blocks, device=device).view(B, -1).int().contiguous()
+        lens = torch.full((B,), L, dtype=torch.int32, device=device)
+        q = torch.randn(B, 1, H, 576, device=device, dtype=dtype)
+        call = lambda: decode._launch(q, cache, table, lens, 1 / math.sqrt(192), 512, config=dict(cfg))  # noqa: E731
+        with set_wrap_triton_enabled(False):  # direct launches, as the autotune op's body
+            out, _ = call()
+            if cuda:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(reps):
+                        call()
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                us = start.elapsed_time(end) * 1e3 / reps
+            else:
+                t0 = time.perf_counter()
+                call()
+                us = (time.perf_counter() - t0) * 1e6
+        err = (out.float() - first.setdefault((B, H, L), out).float()).abs().max().item()
+        picked = decode._pick(H, B, table.shape[1] * 64, 512, q.device, dict(cfg))
+        print(f"decode B={B} H={H} L={L} {picked}: {us:.1f} us, max |out - first config| {err:.2e}", flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--time", action="store_true", help="CUDA: time DECODE_CANDIDATES instead of compiling")
+    if ap.parse_args().time:
+        time_decode()
+        return
     bf = torch.bfloat16
     cache = torch.zeros(64, 64, 576, dtype=bf)
     launches = []

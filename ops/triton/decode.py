@@ -128,12 +128,12 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits,
 
 
 def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: dict | None,
-          wide: bool = False) -> dict:
+          wide: bool = False, fp8: bool = False) -> dict:
     """Tile sizes, warps, stages and split count, from shapes only.
 
     Defaults from sm_90 compiles (benchmarks/kernel_resources.py; no spills) and H200 timings
-    (benchmarks/results): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~245 registers, 216 KB of
-    shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync at ~165/225 registers with 8 warps.
+    (benchmarks/results): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~255 registers, 216 KB of
+    shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync at ~220/225 registers with 8 warps.
     ``wide`` (4-byte cache elements) halves the tiles to stay within shared memory.
     """
     cfg = dict(config or {})
@@ -143,7 +143,20 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     # for 32 / 3; B=128 L=8192 H=16, BLOCK_N 64 / 3 stages ran 520 us against 690 us for 32 / 3.
     block_n = cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
-    cfg.setdefault("num_stages", 2 if wide or wgmma else 3)
+    # The tile's rows come through a block-table load, so Triton's pipeliner spends one stage on it
+    # (sm_90 compiles, DeepSeek dims): at 2 stages the wgmma kernel reads the block table with a
+    # synchronous load in the loop (LDG 55, the next tile's cp.async waits for it; 3 stages: LDG 19,
+    # the block table is cp.async too, same 255 registers, +512 B shared memory); at 3 stages the
+    # 16-row kernel has one KV buffer (95 KB), so a tile's load never overlaps the previous tile's
+    # math; 5 stages give two (169 KB, 218 registers, still one CTA per SM; likewise the 32-row
+    # kernel). The fp8 path keeps its H200-measured settings.
+    if fp8 or wide:
+        stages = 2 if wide or wgmma else 3
+    elif wgmma:
+        stages = 3
+    else:
+        stages = 5 if pow2(dc) >= 512 else 3  # BLOCK_H 32 / BLOCK_N 32: 76 -> 113 KB, 200 -> 218 registers
+    cfg.setdefault("num_stages", stages)
     if "SPLITS" not in cfg:
         programs = B * triton.cdiv(M, block_h)
         sms = num_sms(device)
@@ -178,7 +191,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     kv_cache = last_dim_contiguous(kv_cache)
     block_size = kv_cache.shape[1]
     compute = q if fp8 else kv_cache  # the dtype of the tiles in the dots
-    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2)
+    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2, fp8)
     splits = cfg["SPLITS"]
     direct = bool(splits == 1)
     block_dc = pow2(dc, 128 if fp8 else 16)
