@@ -20,7 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
-from mla_compile.ops.triton._fp8 import load_fp8_tile
+from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -35,7 +35,6 @@ def _decode_split_kernel(
     M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    FP8: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -59,9 +58,8 @@ def _decode_split_kernel(
     q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
     q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
     q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    if not FP8:  # the fp8 cache is dequantized to q's dtype; otherwise compute in the cache's dtype
-        q_c = q_c.to(kv_ptr.dtype.element_ty)
-        q_r = q_r.to(kv_ptr.dtype.element_ty)
+    q_c = q_c.to(kv_ptr.dtype.element_ty)  # compute in the cache's dtype
+    q_r = q_r.to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -72,12 +70,8 @@ def _decode_split_kernel(
         pos_ok = pos < end
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
-        if FP8:
-            k_c, k_r = load_fp8_tile(kv_row, pos_ok, offs_c, offs_r, DC, DR, BLOCK_N, BLOCK_DC)
-            k_c, k_r = k_c.to(q_c.dtype), k_r.to(q_c.dtype)
-        else:
-            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
-            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
+        k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
+        k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         s = dot_two_part(q_c, k_c, q_r, k_r, IEEE)
         visible = pos_ok[None, :] & (pos[None, :] < limit[:, None])
         s = tl.where(visible, s * scale_log2, float("-inf"))
@@ -201,7 +195,11 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         o_buf = torch.empty(B, M, splits, dc, dtype=torch.float32, device=q.device)
         l_buf = torch.empty(B, M, splits, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
-    wrap_triton(_decode_split_kernel)[grid](
+    if fp8:  # its own kernel (ops/triton/fp8_decode_kernel.py): codes by scale group, scales out of the tile
+        kernel, tile = _decode_fp8_split_kernel, {"G": dc // 128}
+    else:
+        kernel, tile = _decode_split_kernel, {"BLOCK_DC": block_dc}
+    wrap_triton(kernel)[grid](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -209,7 +207,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=dr,
         BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, FP8=fp8,
+        BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not direct:

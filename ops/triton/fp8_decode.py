@@ -1,6 +1,7 @@
-"""Triton ``mla::decode_fp8``: the split-KV decode kernel of ``ops/triton/decode.py`` reading the
-656-byte DeepSeek fp8 cache directly (each KV tile is dequantized in registers: e4m3 codes times their
-group scale, bf16 rope), so the cache is read once at 57% of the bf16 bytes."""
+"""Triton ``mla::decode_fp8``: split-KV decode reading the 656-byte DeepSeek fp8 cache directly (the
+kernel is ``ops/triton/fp8_decode_kernel.py``, launched through ``decode._launch``): e4m3 codes go to the
+dots exactly, the group scales weight scores and P per key row, so the cache is read once at 57% of the
+bf16 bytes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def launch_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
                kv_lora_rank: int, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Kernel path (the interpreter on CPU tensors too); ``config`` as in ``decode._launch``."""
     _check_alignment(kv_cache)
+    if kv_lora_rank > 4 * 128:
+        raise ValueError(f"mla.decode_fp8 (triton): the kernel holds at most 4 scale groups (kv_lora_rank <= 512), "
+                         f"got kv_lora_rank={kv_lora_rank}; use backend='reference'")
     return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=config, fp8=True)
 
 
