@@ -311,11 +311,26 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
             return res
         run_row(args.out, "ours graph", b, c, ours_graph, skip=graph_skip, budget_s=args.budget_s)
         note_vs("ours graph", "ours eager", b, c)
+    if args.profile_replay and runner is not None:
+        profile_replay(args, runner, min(args.batch_list))
     try:
         metadata_timing(args, dev, builder, wl, runner)
     except Exception as exc:
         INFO["metadata"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         traceback.print_exc(limit=4)
+
+
+def profile_replay(args, runner, batch: int) -> None:
+    """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
+    to ``profile_replay.txt``: where the replay time of a small batch goes."""
+    graph = runner.graphs[runner.graph_size(batch)][0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    with open(os.path.join(args.out, "profile_replay.txt"), "w") as f:
+        f.write(f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), 5 replays\n{table}\n")
 
 
 def metadata_timing(args, dev, builder, wl: Workload, runner) -> None:
@@ -548,6 +563,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-cache", action="store_true", help="keep the Inductor cache dir (default: a fresh one)")
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
+    ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel table of the smallest batch's graph replay")
     ap.add_argument("--lowerings", action="store_true",
                     help="import mla_compile.lowerings and compile ours with its fusion passes (add "
                          "--backend decode=autotune for the autotuned decode)")

@@ -103,12 +103,20 @@ def decode_visible(seq_lens: Tensor, s_q: int) -> Tensor:
     return seq_lens.long()[:, None] - back > 0
 
 
-def finish_decode(out: Tensor, lse: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:
-    """Our decode boundary: ``out [B, s_q, H, Dc]``, ``lse [B, s_q, H]`` float32 natural log,
-    empty queries 0 / -inf whatever the peer wrote there; both fresh and contiguous."""
+def finish_decode(out: Tensor, lse: Tensor, seq_lens: Tensor, lse_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Our decode boundary: ``out [B, s_q, H, Dc]``, ``lse [B, s_q, H]`` (any strides) times ``lse_scale``
+    as float32 natural log, empty queries 0 / -inf whatever the peer wrote there; both contiguous.
+
+    On CUDA with Triton this is one kernel (``ops/triton/finish.py``; ``out`` is zeroed in place, so pass
+    only a fresh library output); elsewhere torch ops that leave ``out`` unchanged.
+    """
+    if out.is_cuda and importlib.util.find_spec("triton") is not None:
+        from mla_compile.ops.triton.finish import finish_decode_triton
+        return finish_decode_triton(out, lse, seq_lens, lse_scale)
     vis = decode_visible(seq_lens, out.shape[1])
     out = torch.where(vis[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-    lse = torch.where(vis[:, :, None], lse.to(torch.float32), float("-inf"))
+    lse = lse.to(torch.float32) if lse_scale == 1.0 else lse.to(torch.float32) * lse_scale
+    lse = torch.where(vis[:, :, None], lse, float("-inf"))
     return out.contiguous(), lse.contiguous()
 
 

@@ -222,7 +222,7 @@ def flashinfer_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1).contiguous()
     out, lse = plan.wrapper.run(q_nope, q_pe, kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:],
                                 return_lse=True)
-    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H) * LN2, seq_lens)
+    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens, LN2)
 
 
 @torch.library.custom_op("mla::decode_flashinfer", mutates_args=())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -87,3 +89,27 @@ def test_gather(bs, N):
     _call(gather_latent_cache, _launch, cache, table, cu, st, out)
     assert not out.isnan().any()
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("B,s_q,H,D,scale", [(6, 1, 16, 512, 1.0), (5, 2, 128, 512, math.log(2.0)),
+                                             (4, 3, 3, 40, 1.0)])
+def test_finish_decode(B, s_q, H, D, scale):
+    """The adapters' one-launch decode boundary: rows that see nothing -> 0 / -inf (whatever they held),
+    visible rows untouched, LSE from a strided [B, H, s_q] layout times ``scale`` into [B, s_q, H] float32."""
+    from mla_compile.ops.triton.finish import finish_decode_triton
+
+    gen = torch.Generator().manual_seed(B * H + s_q)
+    out = torch.randn(B, s_q, H, D, generator=gen).to(util.DEVICE, torch.bfloat16)
+    lse = (torch.randn(B, H, s_q, generator=gen) * 4).to(util.DEVICE).transpose(1, 2)
+    lens = torch.randint(2, 50, (B,), generator=gen)
+    lens[0], lens[1] = 0, 1  # nothing visible; with s_q > 1 only the last query sees a row
+    vis = (lens[:, None] - (s_q - 1 - torch.arange(s_q))[None, :] > 0).to(util.DEVICE)
+    out[~vis] = NAN
+    expected_out = torch.where(vis[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    expected_lse = torch.where(vis[:, :, None], lse.double() * scale, float("-inf"))
+    poison_allocator()
+    got_out, got_lse = finish_decode_triton(out.clone(), lse, lens.to(util.DEVICE, torch.int32), scale)
+    assert got_lse.dtype == torch.float32 and got_lse.is_contiguous() and got_lse.shape == (B, s_q, H)
+    assert torch.equal(got_out, expected_out)
+    assert torch.equal(got_lse.isinf(), expected_lse.isinf())
+    torch.testing.assert_close(got_lse.double(), expected_lse, atol=1e-5, rtol=1e-6)
