@@ -312,7 +312,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         run_row(args.out, "ours graph", b, c, ours_graph, skip=graph_skip, budget_s=args.budget_s)
         note_vs("ours graph", "ours eager", b, c)
     if args.profile_replay and runner is not None:
-        profile_replay(args, runner, min(args.batch_list))
+        profile_replay(args, runner, wl, min(args.batch_list), max(args.ctx_list))
     try:
         metadata_timing(args, dev, builder, wl, runner)
     except Exception as exc:
@@ -320,9 +320,10 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         traceback.print_exc(limit=4)
 
 
-def profile_replay(args, runner, batch: int) -> None:
+def profile_replay(args, runner, wl: Workload, batch: int, ctx: int) -> None:
     """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
     to ``profile_replay.txt``: where the replay time of a small batch goes."""
+    runner.decode(wl.chunks(batch, ctx, 0))  # stage this size's metadata (the arena layout is per size)
     graph = runner.graphs[runner.graph_size(batch)][0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):

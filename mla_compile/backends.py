@@ -82,6 +82,9 @@ _REF = dict(devices=("any",), dtypes=_FLOATS, gpu_tested=True, note="plain torch
 _TRITON = dict(dtypes=_FLOATS, package="triton", gpu_tested=True, note="ours; portable path for ROCm/XPU")
 SPECS: dict[str, dict[str, BackendSpec]] = {
     "decode": {s.name: s for s in (
+        _spec("flashmla-tiered", "decode", dtypes=(torch.bfloat16,), block_sizes=(64,), head_dims=_DEEPSEEK_DECODE,
+              min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=False,
+              note="FlashMLA, with steps of <= 16 query rows (B * s_q) on our Triton kernel (faster there)"),
         _spec("flashmla", "decode", dtypes=(torch.bfloat16,), block_sizes=(64,), head_dims=_DEEPSEEK_DECODE,
               min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=True,
               note="dense bf16, Hopper kernels (use_legacy=True); fp8 and sparse not wired"),
@@ -129,7 +132,9 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
 
 # Priority = the order of SPECS above, from the H200 measurements in BENCHMARKS.md (run 3) and
 # shared/notes/mla-anchors.md:
-# - decode: FlashMLA 237 us / FlashInfer 263 us / our Triton 650 us (B=128 L=4096 H=128 bf16) and
+# - decode: "flashmla-tiered" (FlashMLA above 16 query rows, Triton at or below) first: whole captured
+#   steps of run 11 have Triton ahead at B=1/8 and FlashMLA from B=64 (ops/adapters/flashmla.py).
+#   FlashMLA 237 us / FlashInfer 263 us / our Triton 650 us (B=128 L=4096 H=128 bf16) and
 #   FlashMLA 277 / FlashInfer 284 / Triton 516 us (H=16 L=8192): flashmla (block size 64 only), then
 #   flashinfer, then triton, then the reference. The Blackwell paths are unmeasured (no sm100 machine):
 #   trtllm-gen after flashinfer; the CUTLASS path, which copies the cache per call, after triton.

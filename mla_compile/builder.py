@@ -11,6 +11,7 @@ addresses, which is what a captured CUDA graph needs: fill, then replay.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -59,6 +60,30 @@ class MetadataBuilder:
             if self._pin else []
         self._copied: list = [None, None]
         self._turn = 0
+        self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
+
+    def _host(self, end: int) -> tuple[Tensor, int]:
+        """The host bytes to pack the next step into and their id: pinned staging buffer 0/1 in turn, -1 the
+        CPU arena itself, -2 a fresh buffer (devices without pinned staging)."""
+        turn = -1
+        if self._pin:
+            turn, self._turn = self._turn, self._turn ^ 1
+            done = self._copied[turn]
+            if done is not None and not done.query():
+                done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
+            return self._staging[turn][:end], turn
+        if self.arena.device.type == "cpu":
+            return self.arena[:end], turn  # a CPU arena is written in place
+        return torch.empty(end, dtype=torch.uint8), -2  # another device without pinned staging: a fresh buffer
+
+    def _send(self, host: Tensor, turn: int, end: int) -> None:
+        """Copy the packed bytes to the front of the arena (one async H2D copy from pinned staging)."""
+        if self._pin:
+            self.arena[:end].copy_(host, non_blocking=True)
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        elif self.arena.device.type != "cpu":  # another device without pinned memory
+            self.arena[:end].copy_(host)
 
     def _stage(self, arrays: Sequence[np.ndarray]) -> list[Tensor]:
         """Pack host ``arrays`` into one pinned buffer, copy it to the front of the arena in one
@@ -69,25 +94,11 @@ class MetadataBuilder:
             end += _aligned(a.nbytes)
         if end > self.arena.numel():  # unreachable when the size checks in build() hold
             raise ValueError(f"step metadata needs {end} bytes; the builder's arena holds {self.arena.numel()}")
-        if self._pin:
-            turn, self._turn = self._turn, self._turn ^ 1
-            done = self._copied[turn]
-            if done is not None and not done.query():
-                done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
-            host = self._staging[turn][:end]
-        elif self.arena.device.type == "cpu":
-            host = self.arena[:end]  # a CPU arena is written in place
-        else:  # another device without pinned staging
-            host = torch.empty(end, dtype=torch.uint8)
+        host, turn = self._host(end)
         flat = host.numpy()
         for a, off in zip(arrays, offsets):
             flat[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        if self._pin:
-            self.arena[:end].copy_(host, non_blocking=True)
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
-        elif self.arena.device.type != "cpu":  # another device without pinned memory
-            self.arena[:end].copy_(host)
+        self._send(host, turn, end)
         return [self.arena[off:off + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
 
     def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
@@ -101,6 +112,10 @@ class MetadataBuilder:
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
                              f"max_batch={self.max_batch}")
+        if decode and not prefill and logits == "last" and n_dec >= len(decode):
+            fast = self._build_decode(decode, n_dec)
+            if fast is not None:
+                return fast
         plan = plan_step(decode, prefill, self.block_size, max_blocks=self.max_blocks, query_len=self.query_len,
                          logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None)
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
@@ -124,6 +139,39 @@ class MetadataBuilder:
             pre = PrefillMetadata(views[-2], views[-1], moved.block_table, moved.context_chunks, moved.chunk_tokens)
         return StepInputs(ids, pos, MLAMetadata(slots, dec, pre, rows), plan.num_rows)
 
+    def _build_decode(self, decode: Sequence[SeqChunk], n_seq: int) -> StepInputs | None:
+        """The decode-only step (the one served every token): the same arena bytes and views as the
+        general path, written straight into the staging buffer with whole-batch numpy and the views of
+        its padded size reused. ``None`` when a check fails (the general path then raises its error)."""
+        q, bs, n = self.query_len, self.block_size, len(decode)
+        starts = np.fromiter((c.start for c in decode), dtype=np.int64, count=n)
+        nblk = np.fromiter((len(c.blocks) for c in decode), dtype=np.int64, count=n)
+        ntok = np.fromiter((len(c.tokens) for c in decode), dtype=np.int64, count=n)
+        if ((ntok != q) | (starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
+            return None
+        layout = self._layouts.get(n_seq)
+        if layout is None:
+            layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
+        host, turn = self._host(layout.end)
+        ids, pos, slots, rows, table, lens = layout.fields(host, turn)
+        table.fill(0)
+        table[:n][np.arange(self.max_blocks) < nblk[:, None]] = np.fromiter(
+            chain.from_iterable(c.blocks for c in decode), dtype=np.int32, count=int(nblk.sum()))
+        ids[:n * q] = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
+        p = (starts[:, None] + np.arange(q)).reshape(-1)
+        pos[:n * q] = p
+        slots[:n * q] = table[np.repeat(np.arange(n), q), p // bs].astype(np.int64) * bs + p % bs
+        ids[n * q:], pos[n * q:], slots[n * q:] = 0, 0, -1
+        rows[:] = layout.rows
+        lens[:n] = starts + q
+        lens[n:] = 0
+        planned = None if self.decode_planner is None else \
+            self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
+        self._send(host, turn, layout.end)
+        v = layout.views
+        meta = MLAMetadata(v[2], DecodeMetadata(v[4], v[5], q, planned), None, v[3])
+        return StepInputs(v[0], v[1], meta, n)
+
     def padding_decode(self, batch: int) -> StepInputs:
         """A decode step of ``batch`` padding sequences (reads and writes nothing): for graph capture.
         Its views have the addresses of every later real decode step of ``batch`` sequences."""
@@ -141,3 +189,35 @@ class MetadataBuilder:
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+class _DecodeLayout:
+    """Offsets and arena views of a decode-only step of ``n_seq`` (padded) sequences: ids, positions,
+    slots (int64, ``n_seq * query_len``), logits rows (int64, ``n_seq``), block table, seq_lens (int32);
+    the order and 16-byte alignment of ``MetadataBuilder._stage``, so the addresses are the ones a
+    captured graph of that size reads."""
+
+    def __init__(self, builder: MetadataBuilder, n_seq: int) -> None:
+        n, q = n_seq * builder.query_len, builder.query_len
+        self.specs = [(np.dtype(np.int64), (n,))] * 3 + [(np.dtype(np.int64), (n_seq,)),
+                      (np.dtype(np.int32), (n_seq, builder.max_blocks)), (np.dtype(np.int32), (n_seq,))]
+        self.spans, end = [], 0
+        for dtype, shape in self.specs:
+            nbytes = dtype.itemsize * int(np.prod(shape))
+            self.spans.append((end, end + nbytes))
+            end += _aligned(nbytes)
+        self.end = end
+        self.rows = np.arange(q - 1, n, q, dtype=np.int64)
+        self.views = [builder.arena[a:b].view(_TORCH[dt]).view(sh) for (dt, sh), (a, b) in zip(self.specs, self.spans)]
+        self._fields: dict[int, list[np.ndarray]] = {}
+
+    def fields(self, host: Tensor, turn: int) -> list[np.ndarray]:
+        """Numpy views, one per field, of the packed host bytes ``host`` (buffer id ``turn``, see
+        ``MetadataBuilder._host``), made once per persistent buffer."""
+        fields = self._fields.get(turn)
+        if fields is None:
+            flat = host.numpy()
+            fields = [flat[a:b].view(dt).reshape(sh) for (dt, sh), (a, b) in zip(self.specs, self.spans)]
+            if turn != -2:  # a persistent buffer
+                self._fields[turn] = fields
+        return fields

@@ -80,3 +80,43 @@ def test_oversize_steps_raise_before_writing():
 def test_constructor_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         _builder(**kw)
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_decode_steps_equal_the_general_plan_and_capture_addresses(query_len):
+    """The decode-only fast path writes what plan_step plans (unpadded and padded batches, several
+    query lengths) at the addresses padding_decode (the capture step) hands out."""
+    b = _builder(query_len=query_len, max_tokens=8 * query_len)
+    gen = torch.Generator().manual_seed(query_len)
+    for n in (1, 2, 5, 8):
+        chunks = []
+        for _ in range(n):
+            start = int(torch.randint(0, 24 - query_len + 1, (1,), generator=gen))
+            blocks = torch.randperm(50, generator=gen)[:int(torch.randint(-(-(start + query_len) // 4), 7, (1,), generator=gen))]
+            chunks.append(SeqChunk(blocks.tolist(), torch.randint(0, 99, (query_len,), generator=gen).tolist(), start))
+        for batch in (None, 8):
+            step = b.build(chunks, decode_batch=batch)
+            want = plan_step(chunks, [], 4, max_blocks=6, query_len=query_len, decode_batch=batch)
+            got_t = (step.input_ids, step.positions, step.meta.slot_mapping, step.meta.logits_indices,
+                     step.meta.decode.block_table, step.meta.decode.seq_lens)
+            want_t = (want.input_ids, want.positions, want.meta.slot_mapping, want.meta.logits_indices,
+                      want.meta.decode.block_table, want.meta.decode.seq_lens)
+            for g, w in zip(got_t, want_t):
+                assert g.dtype == w.dtype and torch.equal(g, w)
+            assert step.num_rows == want.num_rows == n and step.meta.decode.query_len == query_len
+            pad = b.padding_decode(len(step.meta.decode.seq_lens))
+            pad_t = (pad.input_ids, pad.positions, pad.meta.slot_mapping, pad.meta.logits_indices,
+                     pad.meta.decode.block_table, pad.meta.decode.seq_lens)
+            assert [t.data_ptr() for t in got_t] == [t.data_ptr() for t in pad_t]
+
+
+@pytest.mark.parametrize("chunk, match", [(SeqChunk([1, 2], [5], 8), "need 3 blocks"),
+                                          (SeqChunk([1, 2], [5, 6], 1), "query_len"),
+                                          (SeqChunk(list(range(7)), [5], 1), "max_blocks")])
+def test_bad_decode_steps_raise_the_plan_error_before_writing(chunk, match):
+    b = _builder()
+    b.build(_decode_chunks(3, 7))
+    before = b.arena.clone()
+    with pytest.raises(ValueError, match=match):
+        b.build(_decode_chunks(2, 8) + [chunk])
+    assert torch.equal(b.arena, before)

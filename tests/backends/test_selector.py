@@ -63,11 +63,12 @@ def _pick(op, cap=SM90, **kw):
 
 
 @pytest.mark.parametrize("op, kw, want", [
-    ("decode", dict(block_size=64), "flashmla"),  # FlashMLA fastest on the H200, block size 64 only
+    ("decode", dict(block_size=64), "flashmla-tiered"),  # FlashMLA (Triton for small steps), block size 64 only
     ("decode", dict(block_size=16), "triton"),  # FlashInfer next, but the caller has no plan
     ("decode", dict(block_size=16, planned=True), "flashinfer"),
     ("decode", dict(block_size=64, dtype=torch.float32), "triton"),
-    ("decode", dict(block_size=64, query_len=2), "flashmla"),
+    ("decode", dict(block_size=64, query_len=2), "flashmla-tiered"),
+    ("decode", dict(block_size=64, dtype=torch.float16), "triton"),  # FlashMLA (and so the tiers) bf16 only
     ("prefill", dict(), "flash-attn"),  # FlashInfer first, but needs a plan
     ("prefill", dict(planned=True), "flashinfer"),
     ("prefill", dict(cuda_graph=True), "flash-attn"),  # cuDNN reads lengths on the host
@@ -84,7 +85,7 @@ def test_auto_follows_the_measured_priority_on_hopper(everything_installed, op, 
 
 
 def test_priority_order_is_the_documented_one():
-    assert backends.PRIORITY["decode"][:4] == ("flashmla", "flashinfer", "flashinfer-trtllm", "triton")
+    assert backends.PRIORITY["decode"][:5] == ("flashmla-tiered", "flashmla", "flashinfer", "flashinfer-trtllm", "triton")
     assert backends.PRIORITY["decode"][-1] == "reference"
     assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "flash-attn", "triton", "sdpa-cudnn",
                                              "autotune", "reference")
@@ -128,7 +129,7 @@ def test_env_var_and_argument_overrides(everything_installed, monkeypatch):
     assert choice.name == "flashinfer" and choice.reason == "requested by the MLA_COMPILE_BACKEND"
     assert _pick("prefill").name == "flash-attn"
     assert _pick("merge").name == "triton", "ops the spec does not name stay on auto"
-    assert _pick("decode", block_size=64, requested="auto").name == "flashmla", "an explicit 'auto' beats the env var"
+    assert _pick("decode", block_size=64, requested="auto").name == "flashmla-tiered", "an explicit 'auto' beats the env var"
 
 
 def test_an_explicit_backend_that_cannot_serve_says_why_and_what_would(everything_installed):

@@ -137,6 +137,27 @@ def test_flashmla_compiled_and_replayed_with_new_lengths():
     _check(*[o.clone() for o in outs], *_decode_ref(q, cache, table, seq))
 
 
+@pytest.mark.parametrize("B, s_q", [(1, 1), (8, 2), (17, 1), (40, 2)])
+def test_flashmla_tiered_matches_reference_on_both_sides_of_the_split(B, s_q):
+    """"flashmla-tiered": Triton at <= SMALL_ROWS query rows, FlashMLA above (the same outputs as the
+    backend of that side), and replayed in a CUDA graph with new lengths."""
+    pytest.importorskip("flash_mla")
+    _need_sm((9, 0), (9, 0))
+    from mla_compile.ops.adapters.flashmla import SMALL_ROWS
+
+    lens = [int(x) for x in torch.randint(1, 3000, (B,), generator=torch.Generator().manual_seed(B))]
+    lens[0] = 0
+    q, cache, table, seq = _paged(lens, 64, 16, s_q, seed=B)
+    want = ops.decode(q, cache, table, seq, SCALE, backend="flashmla" if B * s_q > SMALL_ROWS else "triton")
+    got = ops.decode(q, cache, table, seq, SCALE, backend="flashmla-tiered")
+    _check(*got, *_decode_ref(q, cache, table, seq))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    graph, outs = _capture(lambda *a: ops.decode(*a, SCALE, backend="flashmla-tiered"), q, cache, table, seq)
+    seq.copy_(seq.flip(0))
+    graph.replay()
+    _check(*[o.clone() for o in outs], *_decode_ref(q, cache, table, seq))
+
+
 def test_flashmla_zero_length_slots_give_zero_and_minus_inf():
     pytest.importorskip("flash_mla")
     _need_sm((9, 0), (9, 0))
