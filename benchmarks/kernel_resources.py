@@ -112,9 +112,23 @@ DECODE_CANDIDATES = (
     (128, 16, 8192, dict(BLOCK_N=32, num_stages=5, SPLITS=6)),
     (128, 16, 8192, dict(BLOCK_N=64, num_stages=5, SPLITS=6)),
 )
+# (B, H, L, config) of the fp8 cache (``--time-fp8``): the default, deeper pipelines, narrower tiles, fewer warps.
+FP8_CANDIDATES = tuple((128, 16, 8192, cfg) for cfg in (
+    {}, dict(num_stages=4), dict(num_stages=5), dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=32, num_stages=5),
+    dict(num_warps=4), dict(BLOCK_N=32, num_warps=4, num_stages=4), dict(SPLITS=6), dict(BLOCK_H=32)))
 
 
-def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.bfloat16, reps: int = 50) -> None:
+def _fp8_cache(blocks: int, device: str) -> torch.Tensor:
+    """A random 656-byte-row cache: e4m3 codes of either sign (no NaN codes), 4 group scales, bf16 rope."""
+    codes = torch.randint(0, 0x7E, (blocks, 64, 512), dtype=torch.uint8, device=device)
+    codes |= (torch.rand(blocks, 64, 512, device=device) < 0.5).to(torch.uint8) << 7
+    scales = (torch.rand(blocks, 64, 4, device=device) * 0.01 + 0.001).view(torch.uint8)
+    rope = torch.randn(blocks, 64, 64, device=device).to(torch.bfloat16).view(torch.uint8)
+    return torch.cat([codes, scales, rope], -1).contiguous()
+
+
+def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.bfloat16, reps: int = 50,
+                fp8: bool = False) -> None:
     """Per-call time of ``decode._launch`` for each (B, H, L, config), one line each, plus max |error| against
     the first config of the same shape. CUDA: CUDA-graph replay of ``reps`` calls; otherwise a host timer."""
     import time
@@ -126,11 +140,11 @@ def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.
     for B, H, L, cfg in candidates:
         torch.manual_seed(0)
         blocks = B * triton.cdiv(L, 64)
-        cache = torch.randn(blocks, 64, 576, device=device, dtype=dtype) * 0.5
+        cache = _fp8_cache(blocks, device) if fp8 else torch.randn(blocks, 64, 576, device=device, dtype=dtype) * 0.5
         table = torch.randperm(blocks, device=device).view(B, -1).int().contiguous()
         lens = torch.full((B,), L, dtype=torch.int32, device=device)
         q = torch.randn(B, 1, H, 576, device=device, dtype=dtype)
-        call = lambda: decode._launch(q, cache, table, lens, 1 / math.sqrt(192), 512, config=dict(cfg))  # noqa: E731
+        call = lambda: decode._launch(q, cache, table, lens, 1 / math.sqrt(192), 512, config=dict(cfg), fp8=fp8)  # noqa: E731
         with set_wrap_triton_enabled(False):  # direct launches, as the autotune op's body
             out, _ = call()
             if cuda:
@@ -151,15 +165,20 @@ def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.
                 call()
                 us = (time.perf_counter() - t0) * 1e6
         err = (out.float() - first.setdefault((B, H, L), out).float()).abs().max().item()
-        picked = decode._pick(H, B, table.shape[1] * 64, 512, q.device, dict(cfg))
-        print(f"decode B={B} H={H} L={L} {picked}: {us:.1f} us, max |out - first config| {err:.2e}", flush=True)
+        picked = decode._pick(H, B, table.shape[1] * 64, 512, q.device, dict(cfg), fp8=fp8)
+        print(f"decode{' fp8' if fp8 else ''} B={B} H={H} L={L} {picked}: {us:.1f} us, max |out - first config| {err:.2e}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time", action="store_true", help="CUDA: time DECODE_CANDIDATES instead of compiling")
-    if ap.parse_args().time:
-        time_decode()
+    ap.add_argument("--time-fp8", action="store_true", help="CUDA: time FP8_CANDIDATES (the fp8 cache)")
+    args = ap.parse_args()
+    if args.time or args.time_fp8:
+        if args.time:
+            time_decode()
+        if args.time_fp8:
+            time_decode(FP8_CANDIDATES, fp8=True)
         return
     bf = torch.bfloat16
     cache = torch.zeros(64, 64, 576, dtype=bf)

@@ -83,7 +83,7 @@ _TRITON = dict(dtypes=_FLOATS, package="triton", gpu_tested=True, note="ours; po
 SPECS: dict[str, dict[str, BackendSpec]] = {
     "decode": {s.name: s for s in (
         _spec("flashmla-tiered", "decode", dtypes=(torch.bfloat16,), block_sizes=(64,), head_dims=_DEEPSEEK_DECODE,
-              min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=False,
+              min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=True,
               note="FlashMLA, with steps of <= 16 query rows (B * s_q) on our Triton kernel (faster there)"),
         _spec("flashmla", "decode", dtypes=(torch.bfloat16,), block_sizes=(64,), head_dims=_DEEPSEEK_DECODE,
               min_capability=_SM90, max_capability=_SM90, package="sgl-flash-mla", gpu_tested=True,

@@ -222,7 +222,7 @@ def test_mla_attention_selects_once_per_configuration_and_rejects_bad_specs():
         patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), backend="nope")
 
 
-def test_h200_tested_flags_pick_flashmla_decode_and_triton_prefill(monkeypatch):
+def test_h200_tested_flags_pick_tiered_flashmla_decode_and_triton_prefill(monkeypatch):
     """With the real gpu_tested flags (after H200 run 5) and the H200's packages (no flash-attn)."""
     for name in ("flash_mla", "flashinfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -231,7 +231,7 @@ def test_h200_tested_flags_pick_flashmla_decode_and_triton_prefill(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.delenv("MLA_COMPILE_BACKEND", raising=False)
-    assert _pick("decode", block_size=64).name == "flashmla"
+    assert _pick("decode", block_size=64).name == "flashmla-tiered"
     assert _pick("decode", block_size=16).name == "triton"
     assert _pick("decode", block_size=16, planned=True).name == "flashinfer"
     prefill = _pick("prefill")
