@@ -14,6 +14,14 @@ from typing import Callable
 import torch
 
 
+# Every ``mla::`` custom op declares its layout constraint instead of relying on the global default
+# (``torch._functorch.config.custom_op_default_layout_constraint``, which a user may change): Inductor
+# passes each input with the strides eager would have, so no kernel or peer library ever sees strides
+# it was not written for (the kernels make the last dim contiguous themselves, the peers copy when they
+# must). ``triton_op`` kernels take no tags: Inductor traces into them and hands them strides directly.
+LAYOUT_TAGS = (torch.Tag.needs_exact_strides,)
+
+
 @dataclass(frozen=True)
 class Impl:
     """One implementation of an op: ``fn`` runs it; ``devices`` are the device types it accepts.

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor, data_checks_enabled
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops._paged import scatter_rows
 
 OP = "mla.write_latent_cache"
@@ -31,7 +31,7 @@ def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tenso
                     what="num_blocks * block_size, or -1 for padding")
 
 
-@torch.library.custom_op("mla::write_latent_cache_ref", mutates_args=("kv_cache",))
+@torch.library.custom_op("mla::write_latent_cache_ref", mutates_args=("kv_cache",), tags=LAYOUT_TAGS)
 def write_latent_cache_ref(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
     """Reference (plain torch, any device): ``index_put_`` of ``[latent | k_pe]`` rows at valid slots."""
     validate(latent, k_pe, slot_mapping, kv_cache)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import call_impl, register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, call_impl, register_impl, resolve
 from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
 
 OP = "mla.decode"
@@ -39,7 +39,7 @@ def validate(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
         check_paged_data(OP, block_table, seq_lens, kv_cache.shape[1], kv_cache.shape[0])
 
 
-@torch.library.custom_op("mla::decode_ref", mutates_args=())
+@torch.library.custom_op("mla::decode_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, float32 or float64 math): gather every row, mask, softmax."""

@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import default_backend, register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, default_backend, register_impl, resolve
 from mla_compile.ops.decode import OP, fake, validate
 
 BACKEND = "autotune"
@@ -41,7 +41,7 @@ def lowering_installed(op_name: str = "mla::decode_autotune") -> bool:
     return op_name in _LOWERED
 
 
-@torch.library.custom_op("mla::decode_autotune", mutates_args=())
+@torch.library.custom_op("mla::decode_autotune", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                     kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
@@ -55,7 +55,7 @@ def decode_autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: 
 decode_autotune.register_fake(fake)
 
 
-@torch.library.custom_op("mla::decode_triton_config", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("mla::decode_triton_config", mutates_args=(), device_types="cuda", tags=LAYOUT_TAGS)
 def decode_triton_config(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                          kv_lora_rank: int, block_n: int, num_warps: int, num_stages: int,
                          splits: int) -> tuple[Tensor, Tensor]:

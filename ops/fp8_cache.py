@@ -39,7 +39,7 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
 
@@ -121,7 +121,7 @@ def validate_write(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache:
                     what="num_blocks * block_size, or -1 for padding")
 
 
-@torch.library.custom_op("mla::write_latent_cache_fp8_ref", mutates_args=("kv_cache",))
+@torch.library.custom_op("mla::write_latent_cache_fp8_ref", mutates_args=("kv_cache",), tags=LAYOUT_TAGS)
 def write_latent_cache_fp8_ref(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
     """Reference (plain torch, any device, no host sync): quantize every row, scatter the valid ones."""
     validate_write(latent, k_pe, slot_mapping, kv_cache)
@@ -177,7 +177,7 @@ def validate_gather(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, s
     return rank
 
 
-@torch.library.custom_op("mla::gather_latent_cache_fp8_ref", mutates_args=("out",))
+@torch.library.custom_op("mla::gather_latent_cache_fp8_ref", mutates_args=("out",), tags=LAYOUT_TAGS)
 def gather_latent_cache_fp8_ref(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
                                 out: Tensor) -> None:
     """Reference (plain torch, any device, no host sync): gather fp8 rows, dequantize, zero padding rows."""
@@ -227,7 +227,7 @@ def validate_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: 
         check_paged_data(OP_DECODE, block_table, seq_lens, kv_cache.shape[1], kv_cache.shape[0])
 
 
-@torch.library.custom_op("mla::decode_fp8_ref", mutates_args=())
+@torch.library.custom_op("mla::decode_fp8_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_fp8_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                    kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device): gather the fp8 rows of every position, dequantize, mask, softmax."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_tensor
+from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops._paged import scatter_rows
 from mla_compile.ops.cache_write import validate as validate_write
 from mla_compile.ops.triton import available as _triton_available
@@ -52,7 +53,7 @@ def validate(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin
         check_tensor(OP, name, t, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, Dr // 2), expected=f"[{T}, {Dr // 2}] float32")
 
 
-@torch.library.custom_op("mla::write_latent_cache_fused", mutates_args=("kv_cache",))
+@torch.library.custom_op("mla::write_latent_cache_fused", mutates_args=("kv_cache",), tags=LAYOUT_TAGS)
 def write_latent_cache_fused(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: Tensor,
                              slot_mapping: Tensor, kv_cache: Tensor, eps: float, interleave: bool) -> None:
     """Norm + RoPE + cache write: the Triton kernel on CUDA (when Triton imports), else the reference."""

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops._paged import ragged_rows
 from mla_compile.ops._ragged import segments
 
@@ -48,7 +48,7 @@ def validate(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_star
                     what=f"block ids of gathered rows, num_blocks = {kv_cache.shape[0]}")
 
 
-@torch.library.custom_op("mla::gather_latent_cache_ref", mutates_args=("out",))
+@torch.library.custom_op("mla::gather_latent_cache_ref", mutates_args=("out",), tags=LAYOUT_TAGS)
 def gather_latent_cache_ref(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
                             out: Tensor) -> None:
     """Reference (plain torch, any device, no host sync): one indexed gather, padding rows zeroed."""

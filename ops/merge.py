@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 
 OP = "mla.merge_attn_states"
 
@@ -27,7 +27,7 @@ def validate(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None
     check_same_device(OP, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
 
 
-@torch.library.custom_op("mla::merge_attn_states_ref", mutates_args=())
+@torch.library.custom_op("mla::merge_attn_states_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device): max-shifted weights, -inf parts weigh exactly 0."""
     validate(out_a, lse_a, out_b, lse_b)
@@ -48,9 +48,11 @@ def merge_attn_states_ref(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Te
 
 
 def fake(out_a, lse_a, out_b, lse_b):
-    """Fake outputs shared by every merge implementation: validate, then ``out``, ``lse`` like the inputs."""
+    """Fake outputs shared by every merge implementation: validate, then contiguous ``out``, ``lse`` of the
+    inputs' shapes and dtypes (``empty_like`` would copy a strided input's layout; the kernels write
+    contiguous outputs)."""
     validate(out_a, lse_a, out_b, lse_b)
-    return torch.empty_like(out_a), torch.empty_like(lse_a)
+    return out_a.new_empty(out_a.shape), lse_a.new_empty(lse_a.shape, dtype=torch.float32)
 
 
 merge_attn_states_ref.register_fake(fake)

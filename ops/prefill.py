@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import call_impl, register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, call_impl, register_impl, resolve
 from mla_compile.ops._ragged import segments
 
 OP = "mla.prefill"
@@ -44,7 +44,7 @@ def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
                         what="each sequence needs at least as many keys as queries when causal")
 
 
-@torch.library.custom_op("mla::prefill_ref", mutates_args=())
+@torch.library.custom_op("mla::prefill_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                 causal: bool) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, float32/float64 math): one masked [T, S] score matrix per head."""

@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import default_backend, register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, default_backend, register_impl, resolve
 from mla_compile.ops.decode_autotune import lowering_installed
 from mla_compile.ops.prefill import OP, fake, validate
 
@@ -30,7 +30,7 @@ OP_NAME = "mla::prefill_autotune"
 _WARNED: set[str] = set()
 
 
-@torch.library.custom_op("mla::prefill_autotune", mutates_args=())
+@torch.library.custom_op("mla::prefill_autotune", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                      causal: bool) -> tuple[Tensor, Tensor]:
     """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
@@ -44,7 +44,7 @@ def prefill_autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 prefill_autotune.register_fake(fake)
 
 
-@torch.library.custom_op("mla::prefill_triton_config", mutates_args=(), device_types="cuda")
+@torch.library.custom_op("mla::prefill_triton_config", mutates_args=(), device_types="cuda", tags=LAYOUT_TAGS)
 def prefill_triton_config(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                           causal: bool, block_m: int, block_n: int, num_warps: int,
                           num_stages: int) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops._paged import attend
 from mla_compile.ops.fp8_cache import dequantize_fp8_rows
 
@@ -53,7 +53,7 @@ def validate(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) ->
                     what="physical slots block * block_size + offset < num_blocks * block_size, or -1")
 
 
-@torch.library.custom_op("mla::sparse_decode_ref", mutates_args=())
+@torch.library.custom_op("mla::sparse_decode_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def sparse_decode_ref(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
                       kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, float32 or float64 math): gather the listed rows, mask -1, softmax."""

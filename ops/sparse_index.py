@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops._fp8_format import FP8_INDEX_SCALE_BYTES
 from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
 from mla_compile.ops._paged import check_paged_data, scatter_rows, sequence_slots
@@ -62,7 +62,7 @@ def validate_window(block_table: Tensor, seq_lens: Tensor, block_size: int, sink
         check_paged_data(OP_WINDOW, block_table, seq_lens, block_size, None)
 
 
-@torch.library.custom_op("mla::sink_window_indices_ref", mutates_args=())
+@torch.library.custom_op("mla::sink_window_indices_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def sink_window_indices_ref(block_table: Tensor, seq_lens: Tensor, block_size: int, sink: int, window: int,
                             max_kv: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, no host sync): column j holds the j-th selected position."""
@@ -160,7 +160,7 @@ def validate_lightning(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, bloc
                     what=f"positions < max_blocks * block_size = {block_table.shape[1] * bs} (padding tokens excepted)")
 
 
-@torch.library.custom_op("mla::lightning_index_ref", mutates_args=())
+@torch.library.custom_op("mla::lightning_index_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                         query_seq: Tensor, query_pos: Tensor, topk: int) -> Tensor:
     """Reference (plain torch, any device, float32 or float64 math): score every position of the query's
@@ -229,7 +229,7 @@ def validate_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> 
                     ignore=-1, what="num_blocks * block_size, or -1 for padding")
 
 
-@torch.library.custom_op("mla::write_index_cache_ref", mutates_args=("k_idx_cache",))
+@torch.library.custom_op("mla::write_index_cache_ref", mutates_args=("k_idx_cache",), tags=LAYOUT_TAGS)
 def write_index_cache_ref(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> None:
     """Reference (plain torch, any device, no host sync): ``index_put_`` of the rows at valid slots
     (quantized first when the cache is fp8 ``uint8``)."""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mla_compile.ops._dispatch import register_impl
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
 from mla_compile.ops.adapters._common import check_dtype, finish_prefill, importable, require_capability
 from mla_compile.ops.prefill import OP, validate
 from mla_compile.ops.prefill import fake as prefill_fake
@@ -55,7 +55,7 @@ def flash_attn_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     return finish_prefill(out[..., :Dv], lse.transpose(0, 1), cu_seqlens_q, cu_seqlens_k, causal)
 
 
-@torch.library.custom_op("mla::prefill_flash_attn", mutates_args=())
+@torch.library.custom_op("mla::prefill_flash_attn", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_flash_attn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                        causal: bool) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through flash-attn 2 (same contract as ``mla::prefill_ref``)."""

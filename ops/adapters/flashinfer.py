@@ -41,7 +41,7 @@ from mla_compile.ops.merge import validate as validate_merge
 from mla_compile.ops.prefill import OP as PREFILL_OP
 from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
-from mla_compile.ops._dispatch import register_impl
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
 from mla_compile.ops.adapters._common import (LN2, LOG2E, check_dtype, finish_decode, finish_prefill, importable,
                                               require_capability, workspace)
 
@@ -225,7 +225,7 @@ def flashinfer_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens, LN2)
 
 
-@torch.library.custom_op("mla::decode_flashinfer", mutates_args=())
+@torch.library.custom_op("mla::decode_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_flashinfer(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                       kv_lora_rank: int, plan_id: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashInfer's MLA paged decode, planned by ``plan_flashinfer_decode``."""
@@ -332,7 +332,7 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
 
 
-@torch.library.custom_op("mla::prefill_flashinfer", mutates_args=())
+@torch.library.custom_op("mla::prefill_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_flashinfer(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                        causal: bool, plan_id: int) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through FlashInfer's ragged prefill, planned by ``plan_flashinfer_prefill``."""
@@ -381,7 +381,7 @@ def flashinfer_merge_core(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Te
     return out.contiguous(), lse.contiguous()
 
 
-@torch.library.custom_op("mla::merge_attn_states_flashinfer", mutates_args=())
+@torch.library.custom_op("mla::merge_attn_states_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)
 def merge_attn_states_flashinfer(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
                                  lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """``mla::merge_attn_states`` through ``flashinfer.cascade.merge_state`` (same contract as the reference)."""

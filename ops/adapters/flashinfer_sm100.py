@@ -30,7 +30,7 @@ from mla_compile.ops.decode import validate as validate_decode
 from mla_compile.ops.prefill import OP as PREFILL_OP
 from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
-from mla_compile.ops._dispatch import register_impl
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
 from mla_compile.ops.adapters._common import (LN2, check_dtype, check_value, finish_decode, finish_prefill,
                                               importable, require_capability, workspace)
 
@@ -131,7 +131,7 @@ def trtllm_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
     return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
 
 
-@torch.library.custom_op("mla::decode_flashinfer_trtllm", mutates_args=())
+@torch.library.custom_op("mla::decode_flashinfer_trtllm", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_flashinfer_trtllm(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                              kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashInfer's trtllm-gen MLA decode (sm100/sm103; lse is NaN)."""
@@ -139,7 +139,7 @@ def decode_flashinfer_trtllm(q: Tensor, kv_cache: Tensor, block_table: Tensor, s
     return trtllm_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-@torch.library.custom_op("mla::decode_flashinfer_cutlass", mutates_args=())
+@torch.library.custom_op("mla::decode_flashinfer_cutlass", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_flashinfer_cutlass(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                               kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashInfer's CUTLASS MLA decode (sm100/sm103, 128 heads; lse is NaN)."""
@@ -147,7 +147,7 @@ def decode_flashinfer_cutlass(q: Tensor, kv_cache: Tensor, block_table: Tensor, 
     return cutlass_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-@torch.library.custom_op("mla::prefill_flashinfer_trtllm", mutates_args=())
+@torch.library.custom_op("mla::prefill_flashinfer_trtllm", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_flashinfer_trtllm(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                               scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through FlashInfer's trtllm-gen ragged prefill for DeepSeek (sm100/sm103)."""

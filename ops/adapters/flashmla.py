@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import register_impl, resolve
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
 from mla_compile.ops import fp8_cache
 from mla_compile.ops.adapters._common import (check_dtype, check_value, finish_decode, importable,
                                               require_capability)
@@ -73,7 +73,7 @@ def flashmla_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
     return finish_decode(out, lse.transpose(1, 2), seq_lens)
 
 
-@torch.library.custom_op("mla::decode_flashmla", mutates_args=())
+@torch.library.custom_op("mla::decode_flashmla", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_flashmla(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                     kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashMLA's Hopper kernels (same contract as ``mla::decode_ref``)."""
@@ -98,7 +98,7 @@ register_impl(OP, BACKEND, torch.ops.mla.decode_flashmla, devices=("cuda",), ava
 SMALL_ROWS = 16
 
 
-@torch.library.custom_op("mla::decode_flashmla_tiered", mutates_args=())
+@torch.library.custom_op("mla::decode_flashmla_tiered", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_flashmla_tiered(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                            kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through FlashMLA, except steps of at most ``SMALL_ROWS`` query rows, which our Triton
@@ -234,7 +234,7 @@ def flashmla_sparse_decode_core(q: Tensor, kv_cache: Tensor, indices: Tensor, sc
     return _sparse_finish(out, lse, idx)
 
 
-@torch.library.custom_op("mla::decode_fp8_flashmla", mutates_args=())
+@torch.library.custom_op("mla::decode_fp8_flashmla", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_fp8_flashmla(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                         kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode_fp8`` through FlashMLA's fp8 kernels (same contract as ``mla::decode_fp8_ref``)."""
@@ -249,7 +249,7 @@ def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-@torch.library.custom_op("mla::sparse_decode_flashmla", mutates_args=())
+@torch.library.custom_op("mla::sparse_decode_flashmla", mutates_args=(), tags=LAYOUT_TAGS)
 def sparse_decode_flashmla(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
                            kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::sparse_decode`` through FlashMLA's fp8 sparse kernel (same contract as ``mla::sparse_decode_ref``)."""

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import register_impl
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
 from mla_compile.ops.adapters._common import check_dtype, merge_natural, require_capability
 from mla_compile.ops.prefill import OP, validate
 from mla_compile.ops.prefill import fake as prefill_fake
@@ -72,7 +72,7 @@ def sdpa_cudnn_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     return out, lse
 
 
-@torch.library.custom_op("mla::prefill_sdpa_cudnn", mutates_args=())
+@torch.library.custom_op("mla::prefill_sdpa_cudnn", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_sdpa_cudnn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                        causal: bool) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through cuDNN SDPA, one call per sequence (same contract as ``mla::prefill_ref``)."""
