@@ -119,12 +119,12 @@ def winner_name(result, candidates: list[Candidate], timings: dict[str, float]) 
     return candidates[0].name
 
 
-def select_and_emit(op_name: str, select_name: str, candidates: list[Candidate], tensors: tuple, scalars: dict,
-                    out_size: list, input_gens: dict[int, Callable], shapes: str) -> tuple:
-    """Time ``candidates`` on ``tensors`` (IR nodes) with Inductor, record the decision, and emit the
-    winner's ``(out, lse)`` op as a fallback kernel; the out-only timing node is left unused (dead code)."""
+def select(op_name: str, select_name: str, candidates: list[Candidate], tensors: tuple, scalars: dict,
+           out_size: list, input_gens: dict[int, Callable], shapes: str, note: str = "") -> Candidate:
+    """Time ``candidates`` on ``tensors`` (IR nodes; the benchmark inputs come from ``input_gens``, so they
+    may be of another batch than the nodes' hints when ``out_size`` says so) with Inductor and record the
+    decision; returns the winner. The out-only timing node is left unused (dead code)."""
     from torch._inductor import ir
-    from torch._inductor.lowering import fallback_handler
     from torch._inductor.select_algorithm import autotune_select_algorithm
 
     nodes = [ir.ExternKernel.realize_input(x) for x in tensors]
@@ -140,9 +140,23 @@ def select_and_emit(op_name: str, select_name: str, candidates: list[Candidate],
     _compile_log.record(_compile_log.AutotuneRecord(
         op=op_name, shapes=shapes, dtype=str(q.get_dtype()).replace("torch.", ""), device=str(q.get_device()),
         timings_ms={c.name: measured.get(c.name) for c in candidates}, winner=win.name, winner_backend=win.backend,
-        note="" if len(candidates) > 1 else "one candidate: nothing to time"))
+        note=note or ("" if len(candidates) > 1 else "one candidate: nothing to time")))
+    return win
+
+
+def emit(op, tensors: tuple, scalars: tuple) -> tuple:
+    """``op(*tensors, *scalars)`` as a fallback kernel of the graph (its ``(out, lse)``)."""
+    from torch._inductor.lowering import fallback_handler
+
+    return tuple(fallback_handler(op, add_to_fallback_set=False)(*tensors, *scalars))
+
+
+def select_and_emit(op_name: str, select_name: str, candidates: list[Candidate], tensors: tuple, scalars: dict,
+                    out_size: list, input_gens: dict[int, Callable], shapes: str) -> tuple:
+    """:func:`select` at the nodes' own sizes, then :func:`emit` the winner's ``(out, lse)`` op."""
+    win = select(op_name, select_name, candidates, tensors, scalars, out_size, input_gens, shapes)
     torch._dynamo.utils.counters["mla_autotune"][f"{op_name} -> {win.backend}"] += 1
-    return tuple(fallback_handler(win.op, add_to_fallback_set=False)(*tensors, *scalars.values(), *win.extra))
+    return emit(win.op, tensors, (*scalars.values(), *win.extra))
 
 
 def lower(op_name: str, op, args: tuple, device, find: Callable[[], list[Candidate]],

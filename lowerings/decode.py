@@ -36,6 +36,9 @@ OP_NAME = "mla::decode_autotune"
 SELECT_NAME = "mla_decode_autotune"
 # (BLOCK_N, num_warps, num_stages, splits); 0 keeps the heuristic's value (ops/triton/decode.py:_pick)
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (32, 0, 3, 0), (64, 0, 3, 0), (0, 0, 0, 1))
+# Batch sizes a dynamic batch is timed at (smallest: the builder's padded minimum; largest: a serving
+# batch); the graph splits where the winner changes (mla::decode_by_rows), else emits the one winner.
+BATCH_CLASSES: tuple[int, ...] = (2, 16, 128)
 # Candidate lengths for benchmarking: None = every sequence as long as the block table allows.
 BENCH_SEQ_LEN: list[int | None] = [None]
 _CPU_HOOK: list[Callable | None] = [None]  # tests: candidates on CPU (see autotune_on_cpu)
@@ -71,10 +74,12 @@ def autotune_on_cpu(candidates: Callable[..., list[Candidate]]):
     return _autotune.cpu_hook(_CPU_HOOK, candidates)
 
 
-def _input_gens(q, kv_cache, block_table) -> dict[int, Callable]:
+def _input_gens(q, kv_cache, block_table, batch: int | None = None) -> dict[int, Callable]:
     """Benchmark inputs: random q, a cache of just the blocks the table can reach, a scattered block
-    table and every sequence at the benchmark length (the block table's capacity by default)."""
-    B, _, _, D = hints(q)
+    table and every sequence at the benchmark length (the block table's capacity by default); ``batch``
+    sequences instead of q's hint when given."""
+    B, s_q, H, D = hints(q)
+    B = B if batch is None else batch
     num_blocks, block_size, _ = hints(kv_cache)
     max_blocks = hints(block_table)[1]
     blocks = max(1, min(num_blocks, B * max_blocks))
@@ -83,7 +88,7 @@ def _input_gens(q, kv_cache, block_table) -> dict[int, Callable]:
     dev = q.get_device()
 
     def gen_q(node):
-        return torch.randn(hints(node), device=dev).to(node.get_dtype())
+        return torch.randn(B, s_q, H, D, device=dev).to(node.get_dtype())
 
     def gen_kv(node):
         return torch.randn(blocks, block_size, D, device=dev).to(node.get_dtype())
@@ -101,11 +106,30 @@ def _input_gens(q, kv_cache, block_table) -> dict[int, Callable]:
 def _autotuned(args: tuple, candidates: list[Candidate]):
     q, kv_cache, block_table, seq_lens, scale, kv_lora_rank = args
     B, s_q, H, _ = q.get_size()
-    return _autotune.select_and_emit(
-        OP_NAME, SELECT_NAME, candidates, (q, kv_cache, block_table, seq_lens),
-        dict(scale=float(scale), kv_lora_rank=int(kv_lora_rank)), [B, s_q, H, kv_lora_rank],
-        _input_gens(q, kv_cache, block_table),
-        f"q={hints(q)} kv_cache={hints(kv_cache)} block_table={hints(block_table)}")
+    tensors, scalars = (q, kv_cache, block_table, seq_lens), dict(scale=float(scale), kv_lora_rank=int(kv_lora_rank))
+    if isinstance(B, int) or not getattr(B, "free_symbols", None) or len(candidates) < 2:
+        return _autotune.select_and_emit(
+            OP_NAME, SELECT_NAME, candidates, tensors, scalars, [B, s_q, H, kv_lora_rank],
+            _input_gens(q, kv_cache, block_table),
+            f"q={hints(q)} kv_cache={hints(kv_cache)} block_table={hints(block_table)}")
+    # a dynamic batch: one graph serves every batch size, so time a few and split where the winner changes
+    wins = {}
+    for b in BATCH_CLASSES:
+        shape = [b, *hints(q)[1:]]
+        wins[b] = _autotune.select(
+            OP_NAME, f"{SELECT_NAME}_b{b}", candidates, tensors, scalars, [b, s_q, H, int(kv_lora_rank)],
+            _input_gens(q, kv_cache, block_table, batch=b),
+            f"q={shape} (dynamic batch, timed at {b}) kv_cache={hints(kv_cache)} block_table=[{b}, {hints(block_table)[1]}]")
+    small, large = wins[BATCH_CLASSES[0]], wins[BATCH_CLASSES[-1]]
+    counters = torch._dynamo.utils.counters["mla_autotune"]
+    if small.name == large.name:
+        counters[f"{OP_NAME} -> {small.backend}"] += 1
+        return _autotune.emit(small.op, tensors, (*scalars.values(), *small.extra))
+    upto = max(b for b in BATCH_CLASSES[:-1] if all(wins[c].name == small.name for c in BATCH_CLASSES if c <= b))
+    counters[f"{OP_NAME} -> {small.backend} (<= {upto * s_q} rows) / {large.backend}"] += 1
+    return _autotune.emit(torch.ops.mla.decode_by_rows.default, tensors,
+                          (*scalars.values(), upto * int(s_q), small.op.name(), list(small.extra),
+                           large.op.name(), list(large.extra)))
 
 
 def lower_decode_autotune(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):

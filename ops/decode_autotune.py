@@ -77,6 +77,29 @@ def decode_triton_config(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
 decode_triton_config.register_fake(fake)
 
 
+def _op(qualname: str):
+    ns, name = qualname.split("::")
+    return getattr(getattr(torch.ops, ns), name).default
+
+
+@torch.library.custom_op("mla::decode_by_rows", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_by_rows(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                   kv_lora_rank: int, rows: int, small: str, small_extra: list[int], large: str,
+                   large_extra: list[int]) -> tuple[Tensor, Tensor]:
+    """Two decode implementations split by step size, as the autotune lowering emits them for a dynamic
+    batch whose small and large sizes time differently: ``small`` (an op name such as
+    "mla::decode_triton_config", called with the decode arguments and then ``small_extra``) serves steps
+    of at most ``rows`` query rows (B * s_q), ``large`` the others. The split reads shapes only (no host
+    sync): each CUDA-graph capture size records the kernel of its side."""
+    name, extra = (small, small_extra) if q.shape[0] * q.shape[1] <= rows else (large, large_extra)
+    out, lse = _op(name)(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *extra)
+    return out.contiguous(), lse.contiguous()
+
+
+decode_by_rows.register_fake(lambda q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *split:
+                             fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank))
+
+
 @torch.compiler.assume_constant_result
 def _warn_if_unlowered(device_type: str) -> bool:
     """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""

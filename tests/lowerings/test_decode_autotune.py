@@ -38,6 +38,22 @@ def delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 delayed_decode.register_fake(decode_fake)
 
 
+SIZE_CALLS: list[tuple[int, int, int]] = []
+
+
+@torch.library.custom_op("mla_lower_test::size_delayed_decode", mutates_args=())
+def size_delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float, kv_lora_rank: int, small_us: int, large_us: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delayed_decode`` whose delay depends on the batch: ``small_us`` up to 16 sequences, else ``large_us``
+    (a candidate that wins small batches and loses large ones, or the reverse); logs each call."""
+    SIZE_CALLS.append((small_us, large_us, q.shape[0]))
+    delay = small_us if q.shape[0] <= 16 else large_us
+    return delayed_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, delay)
+
+
+size_delayed_decode.register_fake(lambda *a: decode_fake(*a[:6]))
+
+
 def _inputs(seed: int, dtype=torch.float32):
     gen = generator(seed)
     q = randn(gen, 3, 1, 2, RANK + 16, dtype=dtype)
@@ -94,6 +110,46 @@ def test_autotune_emits_the_faster_candidate_only(slow_first):
     calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.delayed_decode.default(" in ln]
     assert len(calls) == 1 and calls[0].rstrip().endswith(", 0)"), calls  # the fast one, once
     assert "mla_decode_autotune" not in code and "extern_kernels.mla_t_" not in code  # the timing node is gone
+
+
+def _batch(args, B: int, seed: int):
+    """``args`` with ``B`` sequences: fresh q, the layout's block-table rows and lengths repeated."""
+    q, kv, bt, sl = args
+    reps = -(-B // bt.shape[0])
+    return randn(generator(seed), B, 1, 2, RANK + 16, dtype=q.dtype), kv, bt.repeat(reps, 1)[:B], sl.repeat(reps)[:B]
+
+
+def test_dynamic_batch_splits_between_the_small_and_large_winners():
+    """A dynamic batch is timed at BATCH_CLASSES; when the winner changes, the graph holds both winners
+    behind mla::decode_by_rows and each call runs the one of its size, without recompiling."""
+    a = Candidate("mla_t_small_fast", "a", torch.ops.mla_lower_test.size_delayed_decode.default, (0, 20000))
+    b = Candidate("mla_t_large_fast", "b", torch.ops.mla_lower_test.size_delayed_decode.default, (20000, 0))
+    small, large = _batch(_inputs(4), 3, 5), _batch(_inputs(4), 20, 6)
+    for q, _, bt, sl in (small, large):
+        for t in (q, bt, sl):
+            torch._dynamo.mark_dynamic(t, 0)
+    before = _compile_log.mark()
+    torch._dynamo.reset()
+    with autotune_on_cpu(lambda **facts: [a, b]), torch._inductor.config.patch(force_disable_caches=True):
+        fn = torch.compile(_step, fullgraph=True)
+        (out_s, lse_s), code = run_and_get_code(fn, *small)
+        SIZE_CALLS.clear()
+        out_s, lse_s = fn(*small)
+        out_l, lse_l = fn(*large)
+    calls, SIZE_CALLS[:] = list(SIZE_CALLS), []
+    torch._dynamo.reset()
+    code = "\n".join(code)
+    assert "torch.ops.mla.decode_by_rows.default(" in code, code
+    assert "'mla_lower_test::size_delayed_decode', [0, 20000], 'mla_lower_test::size_delayed_decode', [20000, 0]" in code
+    assert ", 16, 'mla_lower_test::size_delayed_decode'" in code  # split after 16 sequences of one query row
+    assert calls == [(0, 20000, 3), (20000, 0, 20)], calls  # each size ran its own winner, no re-autotuning
+    recs = _compile_log.records_since(before)
+    assert [r.winner for r in recs] == [a.name, a.name, b.name], recs
+    assert all("dynamic batch, timed at" in r.shapes for r in recs)
+    for (q, kv, bt, sl), out, lse in ((small, out_s, lse_s), (large, out_l, lse_l)):
+        ref_out, ref_lse = torch.ops.mla.decode_ref(q.double(), kv.double(), bt, sl, SCALE, RANK)
+        torch.testing.assert_close(out.double(), 2 * ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)
 
 
 def test_failure_inside_autotuning_warns_and_falls_back(monkeypatch):

@@ -32,6 +32,12 @@ def _decode(bs: int, s_q: int):
              seq_lens, D ** -0.5, RANK))
 
 
+def _decode_by_rows(bs: int, rows: int):
+    """The autotune lowering's size split (``mla::decode_by_rows``) over the reference on both sides."""
+    _, args = _decode(bs, 1)
+    return torch.ops.mla.decode_by_rows.default, (*args, rows, "mla::decode_ref", [], "mla::decode_ref", [])
+
+
 def _prefill(causal: bool, pad: int):
     gen = generator(53)
     cu_q, cu_k = torch.tensor([0, 3, 3, 7], dtype=I32), torch.tensor([0, 5, 6, 10], dtype=I32)
@@ -49,6 +55,14 @@ def _merge(T: int, dtype: torch.dtype):
              lse_b))
 
 
+def _merge_strided(T: int):
+    """Transposed, non-dense inputs: the fake's outputs must be contiguous like every implementation's."""
+    gen = generator(57)
+    out_a, out_b = (randn(gen, 2, T, 12, dtype=torch.float32).transpose(0, 1)[..., 2:10] for _ in range(2))
+    lse_a, lse_b = (randn(gen, 2, T, dtype=torch.float32).t() for _ in range(2))
+    return torch.ops.mla.merge_attn_states_ref.default, (out_a, lse_a, out_b, lse_b)
+
+
 def _gather(bs: int, pad: int):
     gen = generator(55)
     table = torch.randperm(6, generator=gen).to(I32).reshape(2, 3)
@@ -63,10 +77,13 @@ CASES = [
     pytest.param(_write, (1, 3), id="write-bs1"),
     pytest.param(_decode, (16, 1), id="decode-bs16-sq1"),
     pytest.param(_decode, (4, 3), id="decode-bs4-sq3"),
+    pytest.param(_decode_by_rows, (16, 1), id="decode-by-rows-small-side"),
+    pytest.param(_decode_by_rows, (16, 8), id="decode-by-rows-large-side"),
     pytest.param(_prefill, (True, 0), id="prefill-causal"),
     pytest.param(_prefill, (False, 2), id="prefill-noncausal-padded"),
     pytest.param(_merge, (4, torch.float32), id="merge-fp32"),
     pytest.param(_merge, (1, torch.bfloat16), id="merge-bf16"),
+    pytest.param(_merge_strided, (5,), id="merge-strided"),
     pytest.param(_gather, (16, 0), id="gather-bs16"),
     pytest.param(_gather, (4, 3), id="gather-bs4-padded"),
 ]
