@@ -14,90 +14,25 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
-import subprocess
-import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 import mla_compile  # noqa: F401  (registers the ops)
-from mla_compile.ops.triton import cache_write, decode, gather, merge, prefill
-
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-          torch.int32: "i32", torch.int64: "i64"}
-_OPTIONS = ("num_warps", "num_stages")
-
-
-class _Recorder:
-    launches: list = []
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        def record(*args, **kwargs):
-            _Recorder.launches.append((self.kernel, grid, args, kwargs))
-        return record
-
-
-def _signature(kernel, args, kwargs):
-    bound = dict(zip(kernel.arg_names, args))
-    bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + _TYPES[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # CUDA allocations are 256-byte aligned
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int):
-            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-            if v % 16 == 0 and v != 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[p.name] = "fp32"
-    return sig, consts, attrs
+from mla_compile.ops.triton import _sm90, cache_write, decode, gather, merge, prefill
 
 
 def report(launch) -> str:
     """Compile one recorded launch for sm_90; one line of resource figures."""
     kernel, grid, args, kwargs = launch
-    sig, consts, attrs = _signature(kernel, args, kwargs)
-    opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=opts)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", res).group(1)
-    stack = re.search(r"STACK:(\d+)", res).group(1)
-    ops = " ".join(f"{op}={len(re.findall(op, sass))}" for op in ("HGMMA", "HMMA", "LDL", "STL"))
-    loads = {op: len(re.findall(r"\b%s\b" % op, sass)) for op in ("LDGSTS", "UTMALDG", "LDG")}
-    ops += " " + " ".join(f"{op}={n}" for op, n in loads.items())
+    compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    r = _sm90.resources(compiled)
+    _, consts, _ = _sm90.signature(kernel, args, kwargs)
+    opts = {k: kwargs[k] for k in _sm90.OPTIONS if k in kwargs}
+    ops = " ".join(f"{op}={r[op]}" for op in _sm90.COUNTED)
     shown = {k: v for k, v in consts.items() if k.isupper()}
-    return (f"{kernel.__name__:24s} grid={tuple(grid)} {opts} regs={regs} stack={stack} "
-            f"smem={compiled.metadata.shared} {ops} {shown}")
-
-
-def _record(module, fn, *args, **kwargs):
-    saved = module.wrap_triton
-    module.wrap_triton = _Recorder
-    _Recorder.launches = []
-    try:
-        fn(*args, **kwargs)
-    finally:
-        module.wrap_triton = saved
-    return list(_Recorder.launches)
+    return (f"{kernel.__name__:24s} grid={tuple(grid)} {opts} regs={r['regs']} stack={r['stack']} "
+            f"smem={r['smem']} {ops} {shown}")
 
 
 # (B, H, L, config) for ``--time``: the previous defaults next to the current heuristic ({}) and the
@@ -188,16 +123,16 @@ def main() -> None:
         q = torch.zeros(B, 1, H, 576, dtype=bf)
         bt = torch.zeros(B, L // 64, dtype=torch.int32)
         sl = torch.zeros(B, dtype=torch.int32)
-        launches += _record(decode, decode._launch, q, cache, bt, sl, 1 / math.sqrt(192), 512)
+        launches += _sm90.record(decode, decode._launch, q, cache, bt, sl, 1 / math.sqrt(192), 512)
     T = 8 * 128
     q, k, v = torch.zeros(T, 128, 192, dtype=bf), torch.zeros(T, 128, 192, dtype=bf), torch.zeros(T, 128, 128, dtype=bf)
     cu = torch.arange(0, T + 1, 128, dtype=torch.int32)
-    launches += _record(prefill, prefill._launch, q, k, v, cu, cu, 1 / math.sqrt(192), True)
+    launches += _sm90.record(prefill, prefill._launch, q, k, v, cu, cu, 1 / math.sqrt(192), True)
     o, lse = torch.zeros(T, 128, 512, dtype=bf), torch.zeros(T, 128)
-    launches += _record(merge, merge._launch, o, lse, o, lse)
-    launches += _record(cache_write, cache_write._launch, torch.zeros(T, 512, dtype=bf), torch.zeros(T, 64, dtype=bf),
+    launches += _sm90.record(merge, merge._launch, o, lse, o, lse)
+    launches += _sm90.record(cache_write, cache_write._launch, torch.zeros(T, 512, dtype=bf), torch.zeros(T, 64, dtype=bf),
                         torch.zeros(T, dtype=torch.int32), cache)
-    launches += _record(gather, gather._launch, cache, torch.zeros(8, 16, dtype=torch.int32), cu[:9],
+    launches += _sm90.record(gather, gather._launch, cache, torch.zeros(8, 16, dtype=torch.int32), cu[:9],
                         torch.zeros(8, dtype=torch.int32), torch.zeros(T, 576, dtype=bf))
     for launch in launches:
         print(report(launch), flush=True)

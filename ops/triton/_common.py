@@ -83,3 +83,32 @@ def online_softmax_step(s, m_i, l_i, acc, v, MASKED: tl.constexpr, IEEE: tl.cons
     else:
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
+
+
+@triton.jit
+def decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split-KV decode program (grid: head blocks, splits, sequences): its sequence ``b`` and split
+    ``pid_s``, the key range ``[start, end)`` of that split (whole ``BLOCK_N`` tiles), its query rows
+    ``rows`` (``row_ok``: < M), each row's query index ``qi`` and causal bound ``limit`` (it sees
+    positions < limit)."""
+    pid_h = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    qi = rows // H
+    return b, pid_s, start, end, rows, rows < M, qi, seq_len - (S_Q - 1 - qi)
+
+
+@triton.jit
+def paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of positions ``n0 + [0, BLOCK_N)`` (``pos_ok``: < end) and each one's cache row pointer,
+    found through the sequence's block-table row ``bt_row``."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pos_ok = pos < end
+    blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    return pos, pos_ok, kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
+

@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
-from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
+from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
+                                             online_softmax_step, paged_rows, pow2)
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
 _LOG2E = 1.4426950408889634
@@ -36,20 +37,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < M
-    qi = rows // H
-    limit = seq_len - (S_Q - 1 - qi)  # row sees positions < limit (its causal bound)
+    b, pid_s, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H, BLOCK_N)
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
     c_ok = offs_c < DC
@@ -66,10 +55,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
+        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
         k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
         k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         s = dot_two_part(q_c, k_c, q_r, k_r, IEEE)

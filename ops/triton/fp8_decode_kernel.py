@@ -25,6 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mla_compile.ops.triton._common import decode_program, paged_rows
 from mla_compile.ops.triton._fp8 import GROUP
 
 
@@ -77,20 +78,8 @@ def _decode_fp8_split_kernel(
 ):
     """The split kernel of ``decode._decode_split_kernel`` over fp8 rows; ``G = DC / 128`` in 1..4 groups,
     each with its own ``[BLOCK_N, 128]`` codes tile and ``[BLOCK_H, 128]`` accumulator."""
-    pid_h = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * per_split
-    end = tl.minimum(start + per_split, seq_len)
-
-    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < M
-    qi = rows // H
-    limit = seq_len - (S_Q - 1 - qi)  # row sees positions < limit (its causal bound)
+    b, pid_s, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H, BLOCK_N)
     offs_k = tl.arange(0, GROUP)
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR
@@ -114,10 +103,7 @@ def _decode_fp8_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        kv_row = kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
+        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
         rope_ptr = (kv_row + DC + 4 * G).to(tl.pointer_type(tl.bfloat16))
         k_r = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         if IEEE:

@@ -16,55 +16,18 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs triton, not the interpreter")
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-          torch.int32: "i32", torch.int64: "i64"}
-_OPTIONS = ("num_warps", "num_stages")
 
 
 def _record(module, fn, *args):
-    launches = []
+    from mla_compile.ops.triton._sm90 import record
 
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: launches.append((self.kernel, a, k))
-
-    saved, module.wrap_triton = module.wrap_triton, Recorder
-    try:
-        fn(*args)
-    finally:
-        module.wrap_triton = saved
-    return launches
+    return record(module, fn, *args)
 
 
-def _compile_sm90(kernel, args, kwargs):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def _compile_sm90(kernel, grid, args, kwargs):
+    from mla_compile.ops.triton._sm90 import compile_sm90
 
-    bound = dict(zip(kernel.arg_names, args))
-    bound.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(kernel.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + _TYPES[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, bool):
-            sig[p.name] = "i1"
-        elif isinstance(v, int):
-            sig[p.name] = "i32"
-            if v % 16 == 0 and v != 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[p.name] = "fp32"
-    opts = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=opts)
+    compiled = compile_sm90(kernel, args, kwargs)
     assert compiled.asm["cubin"], kernel.__name__
     return compiled
 
@@ -92,27 +55,16 @@ def _launches(which):
 def test_kernels_compile_for_sm90(which):
     launches = _launches(which)
     assert launches
-    for kernel, args, kwargs in launches:
-        _compile_sm90(kernel, args, kwargs)
+    for launch in launches:
+        _compile_sm90(*launch)
 
 
-def _sass_report(kernel, args, kwargs):
+def _sass_report(kernel, grid, args, kwargs):
     """Registers, stack bytes and async (LDGSTS) / plain (LDG) global loads of one sm_90 compile."""
-    import re
-    import subprocess
-    import tempfile
+    from mla_compile.ops.triton._sm90 import resources
 
-    import triton
-
-    compiled = _compile_sm90(kernel, args, kwargs)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return {"regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
-            "async": len(re.findall(r"\bLDGSTS\b", sass)), "plain": len(re.findall(r"\bLDG\b", sass))}
+    r = resources(_compile_sm90(kernel, grid, args, kwargs))
+    return {"regs": r["regs"], "stack": r["stack"], "async": r["LDGSTS"], "plain": r["LDG"]}
 
 
 def test_fp8_decode_resources_match_bf16_kernel():
