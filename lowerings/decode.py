@@ -10,6 +10,11 @@ How (private Inductor API, checked on torch 2.13; see ``shared/notes/torch-compi
   (every backend computes the LSE anyway, so the time is the same).
 - ``autotune_select_algorithm`` benchmarks them (its in-process cache and logging included) and
   returns the winner (``(node, choice)`` on 2.12+, the node on 2.11: the winner is then read from it).
+  On CUDA each choice's benchmark call replays one captured call (``_autotune.GRAPH_TIMING``), so the
+  time is the GPU time a captured decode step pays, not the peer's per-call host work.
+- A dynamic batch (one graph for every batch size) is timed at ``BATCH_CLASSES`` sequences; when the
+  smallest and largest disagree, the graph gets ``mla::decode_by_rows`` (the small winner up to the
+  last class it won, the large winner above), else the one winner.
 - The lowering then emits the winner's multi-output op as a fallback kernel, ``(out, lse)``; the
   out-only node made by the selector has no users and is removed by Inductor's dead-code elimination.
 - FlashInfer's decode needs a host-side plan per step, which a compiled graph cannot make: left out.

@@ -212,3 +212,33 @@ def test_cuda_autotune_picks_a_backend_per_shape_and_matches_the_reference(B, H,
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
     assert "mla_decode_autotune" not in "\n".join(code)  # only the winner's op is emitted
+
+
+def test_cuda_timing_replays_one_captured_call_per_choice_and_inputs(monkeypatch):
+    """The benchmark callable on CUDA: one warm-up call and one captured call per (choice, inputs), then
+    only replays (the host work of a peer's call is not timed); graphs are keyed by the inputs. CUDA's
+    graph API is faked here: the logic is what runs on CPU."""
+    from mla_compile.lowerings import _autotune
+
+    calls, replays = [], []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def op(x, scale, n):
+        calls.append(n)
+        return x * scale, x
+
+    x, y = torch.randn(3), torch.randn(4)
+    outs = [_autotune._replayed("c", op, (x, 2.0, 7)) for _ in range(3)]
+    assert calls == [7, 7] and len(replays) == 3  # warm-up + capture, then replays only
+    assert all(o is outs[0] for o in outs)  # the static outputs of the capture
+    _autotune._replayed("c", op, (y, 2.0, 7))
+    _autotune._replayed("d", op, (x, 2.0, 7))
+    assert calls == [7] * 6 and len(_autotune._GRAPHS) == 3
+    _autotune._GRAPHS.clear()
