@@ -22,21 +22,25 @@ def _mla_ops():
     return out
 
 
-def test_every_mla_op_declares_exact_strides(monkeypatch):
-    monkeypatch.setattr(torch._functorch.config, "custom_op_default_layout_constraint", "flexible_layout")
-    found = _mla_ops()
-    assert len(found) >= 25, [str(op) for op in found]
-    missing = [str(op) for op in found if get_layout_constraint_tag(op, with_default=False) is not torch.Tag.needs_exact_strides]
-    assert not missing, f"ops without the layout tag: {missing}"
+# torch's config modules are patched with their own ``patch`` (pytest 9's monkeypatch deletes a config
+# entry on undo: config values are not in the module's __dict__)
+FLEXIBLE = dict(custom_op_default_layout_constraint="flexible_layout")
 
 
-def test_compiled_op_on_strided_inputs_matches_eager_under_a_flexible_default(monkeypatch, fresh_dynamo):
+def test_every_mla_op_declares_exact_strides():
+    with torch._functorch.config.patch(**FLEXIBLE):
+        found = _mla_ops()
+        assert len(found) >= 25, [str(op) for op in found]
+        missing = [str(op) for op in found
+                   if get_layout_constraint_tag(op, with_default=False) is not torch.Tag.needs_exact_strides]
+        assert not missing, f"ops without the layout tag: {missing}"
+
+
+def test_compiled_op_on_strided_inputs_matches_eager_under_a_flexible_default(fresh_dynamo):
     """Inputs that are transposed / sliced views inside the compiled graph reach the op as they would in
     eager, and the results agree with eager, with the global default set to flexible_layout. (It also
     caught the merge fake copying a strided input's layout while every implementation returns
     contiguous outputs: Inductor's output stride assert failed.)"""
-    monkeypatch.setattr(torch._functorch.config, "custom_op_default_layout_constraint", "flexible_layout")
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)  # a cached graph hides fake changes
     gen = torch.Generator().manual_seed(3)
     T, H, D = 7, 4, 40
     base_a, base_b = (torch.randn(H, T, D + 8, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -48,7 +52,9 @@ def test_compiled_op_on_strided_inputs_matches_eager_under_a_flexible_default(mo
         return ops.merge_attn_states(a, la.t(), b, lb.t(), backend="reference")
 
     want = fn(base_a, base_b, la, lb)
-    got = torch.compile(fn, fullgraph=True)(base_a, base_b, la, lb)
+    # a cached graph would hide changes of a fake function: compile fresh
+    with torch._functorch.config.patch(**FLEXIBLE), torch._inductor.config.patch(force_disable_caches=True):
+        got = torch.compile(fn, fullgraph=True)(base_a, base_b, la, lb)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1])
     assert math.isfinite(float(got[0].abs().sum()))
