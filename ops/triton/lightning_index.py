@@ -75,13 +75,14 @@ def _lightning_score_kernel(
 
 
 def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                     query_seq: Tensor, query_pos: Tensor, block_n: int = 64) -> Tensor:
-    """The kernel's ``scores float32 [T, max_blocks * block_size]`` (-inf where not visible); any device
-    under the interpreter. Needs ``block_table.shape[0] > 0``."""
+                     query_seq: Tensor, query_pos: Tensor, block_n: int = 64, out: Tensor | None = None) -> Tensor:
+    """The kernel's ``scores float32 [T, max_blocks * block_size]`` (-inf where not visible), written into
+    ``out`` when given (contiguous); any device under the interpreter. Needs ``block_table.shape[0] > 0``."""
     T, H, d = q_idx.shape
     bs = k_idx_cache.shape[1]
     L = block_table.shape[1] * bs
-    scores = torch.empty((T, L), dtype=torch.float32, device=q_idx.device)
+    scores = torch.empty((T, L), dtype=torch.float32, device=q_idx.device) if out is None else out
+    assert scores.shape == (T, L) and scores.dtype == torch.float32 and scores.stride(-1) == 1
     if T == 0 or L == 0:
         return scores
     if k_idx_cache.stride(-1) != 1:
