@@ -81,8 +81,11 @@ def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_
     T, H, d = q_idx.shape
     bs = k_idx_cache.shape[1]
     L = block_table.shape[1] * bs
-    scores = torch.empty((T, L), dtype=torch.float32, device=q_idx.device) if out is None else out
-    assert scores.shape == (T, L) and scores.dtype == torch.float32 and scores.stride(-1) == 1
+    if out is None:
+        scores = torch.empty((T, L), dtype=torch.float32, device=q_idx.device)
+    else:
+        assert out.shape == (T, L) and out.dtype == torch.float32 and out.is_contiguous()
+        scores = out
     if T == 0 or L == 0:
         return scores
     if k_idx_cache.stride(-1) != 1:

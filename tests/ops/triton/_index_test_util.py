@@ -57,11 +57,11 @@ def index_paged(lens, bs, d, kind, device, gen, ints=False, spare=2):
 
 def index_queries(lens, per_seq, heads, d, dtype, device, gen, ints=False, pad_tokens=2):
     """``(q_idx [T, heads, d], weights float32 [T, heads], query_seq int32 [T], query_pos int32 [T])``: the
-    last ``per_seq[b]`` positions of sequence b (a causal chunk), one token placed past its sequence's end
-    (seq_len bounds what it sees), and ``pad_tokens`` padding tokens (query_seq -1)."""
+    last ``per_seq[b]`` positions of sequence b (a causal chunk; an empty sequence gets one token at position 0,
+    which sees nothing), one token placed past sequence 0's end (seq_len bounds what it sees), and ``pad_tokens`` padding tokens (query_seq -1)."""
     seqs, poss = [], []
     for b, (n, m) in enumerate(zip(lens, per_seq)):
-        for p in range(max(n - m, 0), n):
+        for p in range(max(n - m, 0), n) if n else range(min(m, 1)):  # an empty sequence: one token, sees nothing
             seqs.append(b)
             poss.append(p)
     if lens:
