@@ -18,6 +18,10 @@ fp8 cache equals the selection over ``dequantize_fp8_index(cache)``). Against ke
 fp8 keys move the scores by a few percent (the format's 2**-4 relative rounding), so near-ties can swap:
 ``tests/ops/test_fp8_index.py`` measures the top-k overlap (V3.2 dims: 64 heads x 128, N(0, 1) keys).
 
+Backend "triton" (CUDA; ``mla_compile.ops.triton.index_cache_write`` and ``.lightning_index``) writes the
+same bytes as the reference and computes the scores in one kernel; both implementations select through
+:func:`select_topk` and :func:`positions_to_slots`, so equal scores resolve alike.
+
 All are sync-free tensor programs (sizes come from shapes and static ints), so they run under
 ``torch.compile(fullgraph=True)`` and inside CUDA-graph capture. The slots feed
 ``mla_compile.ops.sparse_decode``: a decode step (s_q = 1) passes ``indices[:, None]``. With s_q > 1
