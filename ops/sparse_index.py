@@ -18,6 +18,10 @@ fp8 cache equals the selection over ``dequantize_fp8_index(cache)``). Against ke
 fp8 keys move the scores by a few percent (the format's 2**-4 relative rounding), so near-ties can swap:
 ``tests/ops/test_fp8_index.py`` measures the top-k overlap (V3.2 dims: 64 heads x 128, N(0, 1) keys).
 
+Backend "triton" (CUDA; ``mla_compile.ops.triton.index_cache_write`` and ``.lightning_index``) writes the
+same bytes as the reference and computes the scores in one kernel; both implementations select through
+:func:`select_topk` and :func:`positions_to_slots`, so equal scores resolve alike.
+
 All are sync-free tensor programs (sizes come from shapes and static ints), so they run under
 ``torch.compile(fullgraph=True)`` and inside CUDA-graph capture. The slots feed
 ``mla_compile.ops.sparse_decode``: a decode step (s_q = 1) passes ``indices[:, None]``. With s_q > 1
@@ -185,9 +189,41 @@ def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, blo
     scores = (torch.relu(logits) * weights.to(acc)[..., None]).sum(dim=1)  # [T, L]
     visible = valid[seq] & (pos[None, :] <= query_pos.long()[:, None]) & live[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
-    # stable: equal scores keep position order; invisible ones (-inf) sort after every visible one
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
-    chosen = torch.where(visible.gather(1, order), slots[seq].gather(1, order), -1).to(torch.int32)
+    return positions_to_slots(select_topk(scores, topk), block_table, seq_lens, query_seq, query_pos,
+                              k_idx_cache.shape[1], topk)
+
+
+def select_topk(scores: Tensor, topk: int) -> Tensor:
+    """Positions ``int64 [T, min(topk, L)]`` of the highest ``scores [T, L]`` (float32 or float64, -inf where
+    invisible) by descending score, equal scores lower position first (a stable descending sort; -0.0
+    equals 0.0). Shared by every ``lightning_index`` implementation, so ties resolve alike everywhere.
+
+    float32 scores go through ``torch.topk`` on unique int64 keys (order-preserving score bits above the
+    reversed position), which selects exactly what the stable sort would at a fraction of its cost.
+    """
+    T, L = scores.shape
+    k = min(topk, L)
+    if scores.dtype != torch.float32:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 -> +0.0: they tie in the sort
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # monotone in the float value
+    pos = torch.arange(L, device=scores.device)
+    keys = ordered * (1 << 32) + ((1 << 32) - 1 - pos)  # equal scores: the lower position is larger
+    return torch.topk(keys, k, dim=-1).indices
+
+
+def positions_to_slots(order: Tensor, block_table: Tensor, seq_lens: Tensor, query_seq: Tensor, query_pos: Tensor,
+                       block_size: int, topk: int) -> Tensor:
+    """``int32 [T, topk]`` physical slots of the positions ``order [T, k]`` (k <= topk) of each query's
+    sequence: -1 where a position is not visible (``>= seq_len``, ``> query_pos``, padding token) and in
+    the columns past k. Needs ``block_table.shape[0] > 0``."""
+    T = order.shape[0]
+    live = query_seq >= 0
+    seq = torch.where(live, query_seq.long(), 0)
+    visible = ((order < seq_lens.long()[seq][:, None]) & (order <= query_pos.long()[:, None]) & live[:, None])
+    col = (order // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    blocks = block_table.long()[seq[:, None], col] if order.shape[1] else order
+    chosen = torch.where(visible, blocks * block_size + order % block_size, -1).to(torch.int32)
     if chosen.shape[1] < topk:  # fewer positions than topk in the whole table
         chosen = torch.cat([chosen, chosen.new_full((T, topk - chosen.shape[1]), -1)], dim=1)
     return chosen
@@ -252,3 +288,23 @@ def write_index_cache(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor, 
     d_idx + 4]`` (fp8 index rows, quantized on write) at ``slot_mapping [T]`` (-1 = padding, skipped; the
     latent cache's slots). Mutates ``k_idx_cache``; returns None."""
     resolve(OP_WRITE, k_idx_cache.device, backend).fn(k_idx, slot_mapping, k_idx_cache)
+
+
+# Triton backends: their modules (and Triton) are imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton_lightning(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                      query_seq: Tensor, query_pos: Tensor, topk: int) -> Tensor:
+    import mla_compile.ops.triton.lightning_index  # noqa: F401  (registers mla::lightning_index_triton)
+    return torch.ops.mla.lightning_index_triton(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq,
+                                                query_pos, topk)
+
+
+def _triton_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> None:
+    import mla_compile.ops.triton.index_cache_write  # noqa: F401  (registers mla::write_index_cache_triton)
+    torch.ops.mla.write_index_cache_triton(k_idx, slot_mapping, k_idx_cache)
+
+
+register_impl(OP_LIGHTNING, "triton", _triton_lightning, devices=("cuda",), available=_triton_available)
+register_impl(OP_WRITE, "triton", _triton_write, devices=("cuda",), available=_triton_available)

@@ -318,3 +318,27 @@ def test_rejects_malformed(kind, change, exc, match, raw):
         (RAW if raw else PUBLIC)[kind](**args)
     if before is not None:
         assert_bitwise_equal(args["k_idx_cache"], before, "k_idx_cache after a rejected call")
+
+
+# ------------------------------------------------------------------------------------------- shared selection
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_select_topk_equals_stable_sort(seed, compiled, fresh_dynamo):
+    """``select_topk`` (topk on int64 keys for float32 scores; what every lightning_index implementation
+    uses) picks exactly what a stable descending sort of the float64 scores picks: ties by position,
+    -0.0 tied with 0.0, -inf last; also under torch.compile(fullgraph=True, dynamic=True)."""
+    from mla_compile.ops.sparse_index import select_topk
+
+    gen = generator(seed)
+    T, L = 7, 50 + seed
+    scores = torch.randint(-3, 4, (T, L), generator=gen).float() / 2  # many ties
+    scores[scores == 0] = torch.where(torch.rand(int((scores == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    scores[torch.rand(T, L, generator=gen) < 0.3] = float("-inf")
+    scores[0, :5] = torch.tensor([1e30, -1e-40, 1e-40, float("-inf"), -1e30])  # extremes and subnormals
+    scores[1] = float("-inf")
+    fn = torch.compile(select_topk, fullgraph=True, dynamic=True) if compiled else select_topk
+    for topk in (1, 20, L, L + 5):
+        want = torch.sort(scores.double(), dim=-1, descending=True, stable=True).indices[:, :topk]
+        assert torch.equal(fn(scores, topk), want), topk
+        assert torch.equal(select_topk(scores.double(), topk), want)

@@ -82,3 +82,30 @@ def test_fp8_decode_resources_match_bf16_kernel():
     assert new["stack"] == 0 and ref["stack"] == 0, (new, ref)
     assert new["async"] >= ref["async"] and new["plain"] <= ref["plain"], (new, ref)
     assert new["regs"] <= ref["regs"] + 64, (new, ref)
+
+
+def _index_launches(which):
+    import mla_compile  # noqa: F401
+
+    write = importlib.import_module("mla_compile.ops.triton.index_cache_write")
+    light = importlib.import_module("mla_compile.ops.triton.lightning_index")
+    bf, i32 = torch.bfloat16, torch.int32
+    if which.startswith("write"):
+        cache = torch.zeros(8, 64, 132, dtype=torch.uint8) if which == "write_fp8" else torch.zeros(8, 64, 128, dtype=bf)
+        return _record(write, write._launch, torch.zeros(64, 128, dtype=bf), torch.zeros(64, dtype=i32), cache)
+    cache = torch.zeros(8, 64, 132, dtype=torch.uint8) if which == "lightning_fp8" else torch.zeros(8, 64, 128, dtype=bf)
+    T = 16  # V3.2 dims: 64 index heads x 128
+    return _record(light, light.lightning_scores, torch.zeros(T, 64, 128, dtype=bf), torch.zeros(T, 64),
+                   cache, torch.zeros(2, 8, dtype=i32), torch.zeros(2, dtype=i32), torch.zeros(T, dtype=i32),
+                   torch.zeros(T, dtype=i32))
+
+
+@pytest.mark.parametrize("which", ["write_fp8", "write_bf16", "lightning_fp8", "lightning_bf16"])
+def test_index_kernels_compile_for_sm90_without_spills(which):
+    """The index-cache write and the lightning-index score kernel at V3.2 dims: sm_90 compiles, no
+    stack (spills), registers well below the 255 a thread may hold."""
+    launches = _index_launches(which)
+    assert launches
+    for kernel, args, kwargs in launches:
+        report = _sass_report(kernel, args, kwargs)
+        assert report["stack"] == 0 and report["regs"] <= 168, (which, report)  # sm_90 compile here: 74-128
