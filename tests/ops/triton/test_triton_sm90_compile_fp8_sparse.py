@@ -106,6 +106,6 @@ def test_index_kernels_compile_for_sm90_without_spills(which):
     stack (spills), registers well below the 255 a thread may hold."""
     launches = _index_launches(which)
     assert launches
-    for kernel, args, kwargs in launches:
-        report = _sass_report(kernel, args, kwargs)
+    for launch in launches:
+        report = _sass_report(*launch)
         assert report["stack"] == 0 and report["regs"] <= 168, (which, report)  # sm_90 compile here: 74-128
