@@ -14,9 +14,9 @@ import math
 
 import torch
 
+from _triton_test_util import BAD_BLOCK, shuffled_table
 from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
 
-BAD_BLOCK = 1 << 30
 
 
 def index_paged(lens, bs, d, kind, device, gen, ints=False, spare=2):
@@ -25,17 +25,9 @@ def index_paged(lens, bs, d, kind, device, gen, ints=False, spare=2):
     ``kind``: a float dtype, or "fp8" (``uint8 [nb, bs, d + 4]`` index rows). ``keys`` holds what a kernel
     should read (the dequantized rows for fp8), NaN where nothing was written.
     """
-    B = len(lens)
     need = max(1, max((math.ceil(n / bs) for n in lens), default=1))
-    cols = need + 1  # one unused column: never read
-    nb = B * need + spare
-    table = torch.full((B, cols), BAD_BLOCK, dtype=torch.int32)
-    table[:, :need] = torch.randperm(nb, generator=gen)[: B * need].view(B, need).to(torch.int32)
-    pos = torch.arange(need * bs)
-    used = pos[None, :] < torch.tensor(lens, dtype=torch.int64)[:, None]
-    blocks = table[:, :need].long()[:, pos // bs][used]
-    offs = (pos % bs)[None, :].expand(B, -1)[used]
-    n = int(used.sum())
+    table, nb, blocks, offs = shuffled_table(lens, bs, gen, spare, cols=need + 1)  # one unused column: never read
+    n = blocks.numel()
     if ints:
         new = torch.randint(-7, 8, (n, d), generator=gen).float()
         pick = torch.randint(0, d, (n,), generator=gen)

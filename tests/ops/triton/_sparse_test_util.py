@@ -6,15 +6,13 @@ tables are shuffled and their unused entries hold a huge invalid id that must ne
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from _triton_test_util import BAD_BLOCK, shuffled_table
 from mla_compile.ops import lightning_index, sink_window_indices
 from mla_compile.ops.fp8_cache import quantize_fp8_rows
 
 POISON = 0xFF
-BAD_BLOCK = 1 << 30
 
 
 def fp8_width(dc: int, dr: int) -> int:
@@ -27,19 +25,10 @@ def fp8_paged(lens, bs, dc, dr, device, gen, spare=3, table_cols=None):
     Used positions hold quantized N(0, 1) bf16 tokens; ``rows`` holds the unquantized values (NaN elsewhere)
     for comparisons against the bf16 path.
     """
-    B = len(lens)
-    need = max(1, max((math.ceil(n / bs) for n in lens), default=1))
-    cols = max(need, table_cols or 0)
-    nb = B * need + spare
+    table, nb, blocks, offs = shuffled_table(lens, bs, gen, spare, cols=table_cols)
     cache = torch.full((nb, bs, fp8_width(dc, dr)), POISON, dtype=torch.uint8)
     rows = torch.full((nb, bs, dc + dr), float("nan"))
-    table = torch.full((B, cols), BAD_BLOCK, dtype=torch.int32)
-    table[:, :need] = torch.randperm(nb, generator=gen)[: B * need].view(B, need).to(torch.int32)
-    pos = torch.arange(need * bs)
-    used = pos[None, :] < torch.tensor(lens, dtype=torch.int64)[:, None]
-    blocks = table[:, :need].long()[:, pos // bs][used]
-    offs = (pos % bs)[None, :].expand(B, -1)[used]
-    n = int(used.sum())
+    n = blocks.numel()
     lat = torch.randn(n, dc, generator=gen).bfloat16()
     kpe = torch.randn(n, dr, generator=gen).bfloat16()
     cache[blocks, offs] = quantize_fp8_rows(lat, kpe)
@@ -50,16 +39,9 @@ def fp8_paged(lens, bs, dc, dr, device, gen, spare=3, table_cols=None):
 
 def float_paged(lens, bs, D, dtype, device, gen, spare=3):
     """A NaN-poisoned float cache ``[nb, bs, D]`` with N(0, 1) rows at used positions, table, seq_lens."""
-    B = len(lens)
-    need = max(1, max((math.ceil(n / bs) for n in lens), default=1))
-    nb = B * need + spare
+    table, nb, blocks, offs = shuffled_table(lens, bs, gen, spare)
     cache = torch.full((nb, bs, D), float("nan"), dtype=dtype)
-    table = torch.randperm(nb, generator=gen)[: B * need].view(B, need).to(torch.int32)
-    pos = torch.arange(need * bs)
-    used = pos[None, :] < torch.tensor(lens, dtype=torch.int64)[:, None]
-    blocks = table.long()[:, pos // bs][used]
-    offs = (pos % bs)[None, :].expand(B, -1)[used]
-    cache[blocks, offs] = torch.randn(int(used.sum()), D, generator=gen).to(dtype)
+    cache[blocks, offs] = torch.randn(blocks.numel(), D, generator=gen).to(dtype)
     return cache.to(device), table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
 
 

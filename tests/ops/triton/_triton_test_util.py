@@ -92,3 +92,41 @@ def cu_from_lens(lens, device=None):
     device = device or DEVICE
     cum = torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()
     return torch.tensor([0] + cum, dtype=torch.int32, device=device)
+
+
+BAD_BLOCK = 1 << 30  # the block id of unused block-table entries: never read
+
+
+def shuffled_table(lens, bs, gen, spare, cols=None):
+    """A shuffled block table for sequences of ``lens`` tokens in blocks of ``bs``: ``(table int32 [B, cols]``
+    (unused entries ``BAD_BLOCK``), ``num_blocks``, ``blocks``, ``offsets``)``, the last two the block and
+    in-block offset of every used position, sequence by sequence."""
+    B = len(lens)
+    need = max(1, max((math.ceil(n / bs) for n in lens), default=1))
+    nb = B * need + spare
+    table = torch.full((B, max(need, cols or 0)), BAD_BLOCK, dtype=torch.int32)
+    table[:, :need] = torch.randperm(nb, generator=gen)[: B * need].view(B, need).to(torch.int32)
+    pos = torch.arange(need * bs)
+    used = pos[None, :] < torch.tensor(lens, dtype=torch.int64)[:, None]
+    blocks = table[:, :need].long()[:, pos // bs][used]
+    offs = (pos % bs)[None, :].expand(B, -1)[used]
+    return table, nb, blocks, offs
+
+
+def opcheck_and_compile(op, ref, args, mutated: int | None = None):
+    """``opcheck`` of ``op`` on ``args``, then ``op`` compiled (aot_eager, fullgraph) against ``ref`` on fresh
+    clones: the mutated argument ``mutated`` equal, else outputs equal (closely, for float outputs)."""
+    from torch.library import opcheck
+
+    clone = lambda: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
+    opcheck(op, clone())
+    torch._dynamo.reset()
+    a1, a2 = clone(), clone()
+    got = torch.compile(lambda *x: op(*x), fullgraph=True, backend="aot_eager")(*a1)
+    want = ref(*a2)
+    if mutated is not None:
+        assert torch.equal(a1[mutated], a2[mutated])
+        return
+    for g, w in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+

@@ -13,7 +13,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from _sparse_test_util import fp8_paged, float_paged, fp8_width, topk_indices, window_indices
-from _triton_test_util import assert_attention_close, poison_allocator
+from _triton_test_util import assert_attention_close, opcheck_and_compile, poison_allocator
 from mla_compile.ops import decode, decode_fp8, sparse_decode, write_latent_cache_fp8
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -63,17 +63,7 @@ def _cpu_cases():
 def test_cpu_branch_opcheck_and_compile(name):
     _load()
     op, ref, args = _cpu_cases()[name]
-    clone = lambda: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
-    opcheck(op, clone())
-    torch._dynamo.reset()
-    a1, a2 = clone(), clone()
-    got = torch.compile(lambda *x: op(*x), fullgraph=True, backend="aot_eager")(*a1)
-    want = ref(*a2)
-    if name == "write":
-        assert torch.equal(a1[3], a2[3])
-    else:
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    opcheck_and_compile(op, ref, args, mutated=3 if name == "write" else None)
 
 
 # ------------------------------------------------------------------------------------------ fp8 cache write

@@ -13,11 +13,10 @@ import importlib.util
 
 import pytest
 import torch
-from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from _index_test_util import assert_valid_topk, index_paged, index_queries, lightning_scores64
-from _triton_test_util import poison_allocator
+from _triton_test_util import opcheck_and_compile, poison_allocator
 from mla_compile.ops import lightning_index, write_index_cache
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -72,16 +71,7 @@ def _cpu_cases():
 def test_cpu_branch_opcheck_and_compile(name):
     _load()
     op, ref, args = _cpu_cases()[name]
-    clone = lambda: tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
-    opcheck(op, clone())
-    torch._dynamo.reset()
-    a1, a2 = clone(), clone()
-    got = torch.compile(lambda *x: op(*x), fullgraph=True, backend="aot_eager")(*a1)
-    want = ref(*a2)
-    if name == "write":
-        assert torch.equal(a1[2], a2[2])
-    else:
-        assert torch.equal(got, want)
+    opcheck_and_compile(op, ref, args, mutated=2 if name == "write" else None)
 
 
 # ------------------------------------------------------------------------------------------ cache write
