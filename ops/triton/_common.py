@@ -112,3 +112,15 @@ def paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE: tl.con
     blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     return pos, pos_ok, kv_ptr + blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt
 
+
+@triton.jit
+def slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R: tl.constexpr):
+    """A cache-write program's rows ``[BLOCK_R]`` (int64), which of them write (``ok``: a real row whose
+    slot is in ``[0, n_slots)``; -1 is padding, out-of-range slots are never written) and each row's
+    destination pointer in ``cache_ptr`` (blocks of ``block_size`` rows, strides ``s_cb`` / ``s_ct``)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = rows < T
+    slot = tl.load(slot_ptr + rows, mask=r_ok, other=-1).to(tl.int64)
+    ok = r_ok & (slot >= 0) & (slot < n_slots)
+    return rows, ok, cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct
+

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.fp8_cache import validate_write
-from mla_compile.ops.triton._common import last_dim_contiguous, pow2
+from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_rows
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
 
 
@@ -27,11 +27,7 @@ def _fp8_write_kernel(
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
     G: tl.constexpr = BLOCK_DC // 128
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < T
-    slot = tl.load(slot_ptr + rows, mask=r_ok, other=-1).to(tl.int64)
-    ok = r_ok & (slot >= 0) & (slot < n_slots)
-    dst = cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct
+    rows, ok, dst = slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R)
 
     offs_c = tl.arange(0, BLOCK_DC)
     c_ok = offs_c < DC
