@@ -175,11 +175,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     splits = cfg["SPLITS"]
     direct = bool(splits == 1)
     block_dc = pow2(dc, 128 if fp8 else 16)
-    if direct:
-        o_buf, l_buf = out, lse
-    else:
-        o_buf = torch.empty(B, M, splits, dc, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(B, M, splits, dtype=torch.float32, device=q.device)
+    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc)
     grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
     if fp8:  # its own kernel (ops/triton/fp8_decode_kernel.py): codes by scale group, scales out of the tile
         kernel, tile = _decode_fp8_split_kernel, {"G": dc // 128}
@@ -196,12 +192,28 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if not direct:
-        wrap_triton(_decode_reduce_kernel)[(B * M,)](
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc)
+    return out, lse
+
+
+def split_buffers(out: Tensor, lse: Tensor, rows: int, splits: int, dc: int) -> tuple[Tensor, Tensor]:
+    """Where a split kernel writes: ``out``/``lse`` themselves with one split, else float32 workspaces
+    ``[rows, splits, dc]`` / ``[rows, splits]`` that :func:`reduce_splits` folds into them."""
+    if splits == 1:
+        return out, lse
+    return (torch.empty(rows, splits, dc, dtype=torch.float32, device=out.device),
+            torch.empty(rows, splits, dtype=torch.float32, device=out.device))
+
+
+def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits: int, dc: int,
+                  block_dc: int) -> None:
+    """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do with one split);
+    ``wrap`` is the caller module's ``wrap_triton`` (tests record launches through it)."""
+    if splits > 1:
+        wrap(_decode_reduce_kernel)[(rows,)](
             o_buf, l_buf, out, lse, splits, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
             num_warps=4,
         )
-    return out, lse
 
 
 @triton_op("mla::decode_triton", mutates_args=())

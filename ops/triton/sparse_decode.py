@@ -21,7 +21,7 @@ from torch.library import triton_op, wrap_triton
 from mla_compile.ops.sparse_decode import validate
 from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
 from mla_compile.ops.triton._fp8 import load_fp8_tile
-from mla_compile.ops.triton.decode import _decode_reduce_kernel
+from mla_compile.ops.triton.decode import reduce_splits, split_buffers
 
 _LOG2E = 1.4426950408889634
 
@@ -142,11 +142,7 @@ def _launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
     splits = cfg["SPLITS"]
     direct = bool(splits == 1)
     block_dc = pow2(dc, 128 if fp8 else 16)
-    if direct:
-        o_buf, l_buf = out, lse
-    else:
-        o_buf = torch.empty(n_queries, H, splits, dc, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(n_queries, H, splits, dtype=torch.float32, device=q.device)
+    o_buf, l_buf = split_buffers(out, lse, n_queries * H, splits, dc)
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), splits, n_queries)
     wrap_triton(_sparse_split_kernel)[grid](
         q, kv_cache, indices, o_buf, l_buf,
@@ -159,11 +155,7 @@ def _launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
         BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if not direct:
-        wrap_triton(_decode_reduce_kernel)[(n_queries * H,)](
-            o_buf, l_buf, out, lse, splits, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
-            num_warps=4,
-        )
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, n_queries * H, splits, dc, block_dc)
     return out, lse
 
 
