@@ -8,6 +8,7 @@ rope values in bf16: 656 bytes per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -74,22 +75,8 @@ def allocate_latent_cache(num_blocks: int, block_size: int, config: MLAConfig, *
     Tests pass ``fill=float("nan")`` so that any read of a row that was never written shows up (an fp8
     cache takes 0 or NaN: all bytes 0, or all bytes 0xFF, which reads back as NaN).
     """
-    if num_blocks <= 0 or block_size <= 0:
-        raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
-    if isinstance(dtype, str):
-        if dtype != "fp8":
-            raise ValueError(f"dtype must be 'fp8' or a floating torch dtype, got {dtype!r}")
-        if fill == 0:
-            byte = 0
-        elif fill != fill:  # NaN
-            byte = FP8_POISON
-        else:
-            raise ValueError(f"fill of an fp8 latent cache must be 0 or NaN (a byte pattern, not a value), got {fill}")
-        width = fp8_row_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
-        return torch.full((num_blocks, block_size, width), byte, dtype=torch.uint8, device=device)
-    if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32) or 'fp8', got {dtype}")
-    return torch.full((num_blocks, block_size, config.latent_dim), fill, dtype=dtype, device=device)
+    return _paged_cache("latent", num_blocks, block_size, dtype, device, fill, config.latent_dim,
+                        lambda: fp8_row_bytes(config.kv_lora_rank, config.qk_rope_head_dim))
 
 
 def allocate_index_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
@@ -105,6 +92,15 @@ def allocate_index_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
     """
     if not config.is_sparse:
         raise ValueError("allocate_index_cache needs a sparse (V3.2) config with index_head_dim set")
+    return _paged_cache("index", num_blocks, block_size, dtype, device, fill, config.index_head_dim,
+                        lambda: fp8_index_row_bytes(config.index_head_dim))
+
+
+def _paged_cache(kind: str, num_blocks: int, block_size: int, dtype: torch.dtype | str, device, fill: float,
+                 width: int, fp8_width: Callable[[], int]) -> torch.Tensor:
+    """``[num_blocks, block_size, width]`` of a float ``dtype`` filled with ``fill``, or with ``dtype="fp8"``
+    ``uint8 [num_blocks, block_size, fp8_width()]`` of bytes 0 (``fill`` 0) or 0xFF (``fill`` NaN); the fp8
+    width is asked for only then (it checks the dims the fp8 format needs)."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
     if isinstance(dtype, str):
@@ -112,12 +108,11 @@ def allocate_index_cache(num_blocks: int, block_size: int, config: MLAConfig, *,
             raise ValueError(f"dtype must be 'fp8' or a floating torch dtype, got {dtype!r}")
         if fill == 0:
             byte = 0
-        elif fill != fill:
+        elif fill != fill:  # NaN
             byte = FP8_POISON
         else:
-            raise ValueError(f"fill of an fp8 index cache must be 0 or NaN (a byte pattern, not a value), got {fill}")
-        width = fp8_index_row_bytes(config.index_head_dim)
-        return torch.full((num_blocks, block_size, width), byte, dtype=torch.uint8, device=device)
+            raise ValueError(f"fill of an fp8 {kind} cache must be 0 or NaN (a byte pattern, not a value), got {fill}")
+        return torch.full((num_blocks, block_size, fp8_width()), byte, dtype=torch.uint8, device=device)
     if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be 'fp8' or a floating dtype (bf16/fp16/fp32), got {dtype}")
-    return torch.full((num_blocks, block_size, config.index_head_dim), fill, dtype=dtype, device=device)
+        raise TypeError(f"dtype must be a floating dtype (bf16/fp16/fp32) or 'fp8', got {dtype}")
+    return torch.full((num_blocks, block_size, width), fill, dtype=dtype, device=device)
