@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from mla_compile import ops
 from mla_compile.backends import select_backend
 from mla_compile.ops.adapters.flashinfer import plan_flashinfer_decode, plan_flashinfer_prefill
+from tests.cuda_capture import capture
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -92,20 +93,6 @@ def _close_to(a, b):
     torch.testing.assert_close(a[1], b[1], atol=2e-3, rtol=1e-3, equal_nan=True)
 
 
-def _capture(fn, *args):
-    """Warm up on a side stream, capture ``fn(*args)`` into a CUDA graph; returns (graph, static outputs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn(*args)
-    return graph, outs
-
-
 DECODE_LENS = [[700, 1, 64, 130, 2048], [4096] * 3 + [17]]
 
 
@@ -129,7 +116,7 @@ def test_flashmla_compiled_and_replayed_with_new_lengths():
     fn = torch.compile(lambda q, t, s: ops.decode(q, cache, t, s, SCALE, backend="flashmla"), fullgraph=True)
     _check(*fn(q, table, seq), *_decode_ref(q, cache, table, seq))
     assert dict(counters["graph_break"]) == {}
-    graph, outs = _capture(fn, q, table, seq)
+    graph, outs = capture(fn, q, table, seq)
     q2, _, _, _ = _paged([1, 1, 1, 1], 64, 16, 1, seed=5)
     q.copy_(q2)
     seq.copy_(torch.tensor([900, 1, 64, 65], dtype=I32))
@@ -152,7 +139,7 @@ def test_flashmla_tiered_matches_reference_on_both_sides_of_the_split(B, s_q):
     got = ops.decode(q, cache, table, seq, SCALE, backend="flashmla-tiered")
     _check(*got, *_decode_ref(q, cache, table, seq))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    graph, outs = _capture(lambda *a: ops.decode(*a, SCALE, backend="flashmla-tiered"), q, cache, table, seq)
+    graph, outs = capture(lambda *a: ops.decode(*a, SCALE, backend="flashmla-tiered"), q, cache, table, seq)
     seq.copy_(seq.flip(0))
     graph.replay()
     _check(*[o.clone() for o in outs], *_decode_ref(q, cache, table, seq))
@@ -188,7 +175,7 @@ def test_flashinfer_decode_compiled_and_replayed_after_replanning():
                        fullgraph=True)
     _check(*fn(q, table, seq), *_decode_ref(q, cache, table, seq))
     assert dict(counters["graph_break"]) == {}
-    graph, outs = _capture(fn, q, table, seq)
+    graph, outs = capture(fn, q, table, seq)
     seq.copy_(torch.tensor([900, 1, 64, 65], dtype=I32))
     plan_flashinfer_decode(table.cpu(), seq.cpu(), num_heads=16, block_size=64, scale=SCALE, dtype=BF16, plan=plan)
     graph.replay()
@@ -223,7 +210,7 @@ def test_flashinfer_merge_matches_reference_and_triton():
     _close_to(got, ops.merge_attn_states(out_a, lse_a, out_b, lse_b, backend="triton"))
     fn = torch.compile(lambda *a: ops.merge_attn_states(*a, backend="flashinfer"), fullgraph=True)
     _close_to(fn(out_a, lse_a, out_b, lse_b), got)
-    graph, outs = _capture(fn, out_a, lse_a, out_b, lse_b)
+    graph, outs = capture(fn, out_a, lse_a, out_b, lse_b)
     graph.replay()
     _close_to([o.clone() for o in outs], got)
 
@@ -256,7 +243,7 @@ def test_flash_attn_replays_in_a_cuda_graph_and_sdpa_refuses_capture():
             with torch.cuda.graph(graph):
                 torch.ops.mla.prefill_sdpa_cudnn(q, k, v, cu_q, cu_k, SCALE, True)
     pytest.importorskip("flash_attn")
-    graph, outs = _capture(lambda *a: ops.prefill(*a, SCALE, backend="flash-attn"), q, k, v, cu_q, cu_k)
+    graph, outs = capture(lambda *a: ops.prefill(*a, SCALE, backend="flash-attn"), q, k, v, cu_q, cu_k)
     cu_q.copy_(torch.tensor([0, 30, 49], dtype=I32))
     cu_k.copy_(cu_q)
     graph.replay()

@@ -14,6 +14,7 @@ import torch
 
 from mla_compile.ops import decode_fp8, sparse_decode
 from mla_compile.ops.fp8_cache import quantize_fp8_rows
+from tests.cuda_capture import capture
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 SCALE = 1 / math.sqrt(192)
@@ -99,15 +100,7 @@ def test_sparse_decode_compiled_and_graph_replay():
     q, cache, table, seq_lens, gen = _fp8_paged([3000] * B, 5, H)
     st = {"q": q.clone(), "idx": _indices(seq_lens, table, 1, topk, gen)}
     fn = torch.compile(lambda q, i: sparse_decode(q, cache, i, SCALE, backend="flashmla"), fullgraph=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(st["q"], st["idx"])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fn(st["q"], st["idx"])
+    graph, (out, lse) = capture(lambda: fn(st["q"], st["idx"]))
     for step in range(3):
         new_lens = torch.randint(0, 3001, (B,), generator=gen).to(torch.int32).cuda()
         new_lens[step] = 0
@@ -126,15 +119,7 @@ def test_fp8_decode_graph_replay_with_new_lengths():
     q, cache, table, seq_lens, gen = _fp8_paged([700] * B, 11, H, s_q)
     st = {"q": q.clone(), "lens": seq_lens.clone()}
     fn = torch.compile(lambda q, n: decode_fp8(q, cache, table, n, SCALE, backend="flashmla"), fullgraph=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(st["q"], st["lens"])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fn(st["q"], st["lens"])
+    graph, (out, lse) = capture(lambda: fn(st["q"], st["lens"]))
     for step in range(3):
         new_lens = torch.randint(0, 701, (B,), generator=gen).to(torch.int32)
         new_lens[step], new_lens[step + 1] = 0, 1  # nothing visible; only the second query sees a row

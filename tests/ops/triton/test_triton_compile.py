@@ -16,6 +16,7 @@ import torch
 from torch.library import opcheck
 
 import mla_compile  # noqa: F401
+from tests.cuda_capture import capture
 from _triton_test_util import assert_attention_close, cu_from_lens, paged_cache
 from mla_compile.ops import decode, gather_latent_cache, merge_attn_states, prefill, write_latent_cache
 
@@ -205,15 +206,7 @@ def test_cuda_graph_replay_with_new_metadata(compiled):
         s = static
         return fn(s["q"], s["latent"], s["k_pe"], s["slots"], cache, s["table"], s["seq_lens"])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
+    graph, (out, lse) = capture(call)
 
     for _ in range(3):
         lens = torch.randint(0, cols * bs + 1, (B,), generator=gen)
@@ -260,15 +253,7 @@ def test_cuda_graph_prefill_merge_gather():
         o2, l2 = prefill(st["q"], st["k"], st["v"], st["cu"], st["cu"], SCALE, causal=True, backend="triton")
         return merge_attn_states(o1, l1, o2, l2, backend="triton")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture(step)
 
     for _ in range(3):
         new_lens = torch.randint(0, T // N + 1, (N,), generator=gen)

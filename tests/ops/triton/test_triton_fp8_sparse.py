@@ -12,6 +12,7 @@ import torch
 from torch.library import opcheck
 
 import mla_compile  # noqa: F401
+from tests.cuda_capture import capture
 from _sparse_test_util import fp8_paged, float_paged, fp8_width, topk_indices, window_indices
 from _triton_test_util import assert_attention_close, opcheck_and_compile, poison_allocator
 from mla_compile.ops import decode, decode_fp8, sparse_decode, write_latent_cache_fp8
@@ -249,15 +250,7 @@ def test_cuda_graph_replay_with_new_indices(fp8, compiled):
     torch._dynamo.reset()
     fn = (lambda q, i: sparse_decode(q, cache, i, SCALE, backend="triton"))
     fn = torch.compile(fn, fullgraph=True) if compiled else fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(st["q"], st["idx"])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fn(st["q"], st["idx"])
+    graph, (out, lse) = capture(lambda: fn(st["q"], st["idx"]))
     for _ in range(3):
         new_lens = torch.tensor(_lens(B, 3000, gen), dtype=torch.int32, device="cuda")
         idx = topk_indices(table, new_lens, 64, s_q, topk, gen)

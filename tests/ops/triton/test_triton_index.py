@@ -18,6 +18,7 @@ import mla_compile  # noqa: F401
 from _index_test_util import assert_valid_topk, index_paged, index_queries, lightning_scores64
 from _triton_test_util import opcheck_and_compile, poison_allocator
 from mla_compile.ops import lightning_index, write_index_cache
+from tests.cuda_capture import capture
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA GPU and triton")
@@ -161,15 +162,7 @@ def test_lightning_compiles_fullgraph_and_replays_in_cuda_graph(fresh_dynamo):
     assert torch.equal(fn(*args), want)
 
     static = [a.clone() for a in args]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static)
+    graph, out = capture(lambda: fn(*static), warmup=2)
 
     gen = torch.Generator().manual_seed(4)
     q, w, cache, table, seq_lens, qseq, qpos = static
