@@ -175,14 +175,6 @@ def test_write_index_cache_matches_loop(impl, bs, data, seed):
 
 # ------------------------------------------------------------------------------------------- torch.compile
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _sparse_step(q, kv8, table, seq_lens, latent, k_pe, slots, k_idx, k_idx_cache, q_idx, weights, qseq, qpos):
     """One V3.2-style decode step: both cache writes, both indexers, CSR, sparse and dense fp8 decode."""
     ops.write_latent_cache_fp8(latent, k_pe, slots, kv8)
