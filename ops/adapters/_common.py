@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._ragged import segments
+from mla_compile.ops.triton import available as triton_available
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -110,7 +111,7 @@ def finish_decode(out: Tensor, lse: Tensor, seq_lens: Tensor, lse_scale: float =
     On CUDA with Triton this is one kernel (``ops/triton/finish.py``; ``out`` is zeroed in place, so pass
     only a fresh library output); elsewhere torch ops that leave ``out`` unchanged.
     """
-    if out.is_cuda and importlib.util.find_spec("triton") is not None:
+    if out.is_cuda and triton_available():  # cached: this runs once per adapter call
         from mla_compile.ops.triton.finish import finish_decode_triton
         return finish_decode_triton(out, lse, seq_lens, lse_scale)
     vis = decode_visible(seq_lens, out.shape[1])
