@@ -11,14 +11,14 @@ addresses, which is what a captured CUDA graph needs: fill, then replay.
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from mla_compile.metadata import DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs, plan_step
+from mla_compile.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
+                                  chunk_block_counts, chunk_starts, fill_decode, plan_step)
 
 _ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)
 
@@ -112,7 +112,7 @@ class MetadataBuilder:
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
                              f"max_batch={self.max_batch}")
-        if decode and not prefill and logits == "last" and n_dec >= len(decode):
+        if decode and not prefill and logits == "last" and n_dec >= max(len(decode), self.min_batch):
             fast = self._build_decode(decode, n_dec)
             if fast is not None:
                 return fast
@@ -144,8 +144,7 @@ class MetadataBuilder:
         general path, written straight into the staging buffer with whole-batch numpy and the views of
         its padded size reused. ``None`` when a check fails (the general path then raises its error)."""
         q, bs, n = self.query_len, self.block_size, len(decode)
-        starts = np.fromiter((c.start for c in decode), dtype=np.int64, count=n)
-        nblk = np.fromiter((len(c.blocks) for c in decode), dtype=np.int64, count=n)
+        starts, nblk = chunk_starts(decode), chunk_block_counts(decode)
         ntok = np.fromiter((len(c.tokens) for c in decode), dtype=np.int64, count=n)
         if ((ntok != q) | (starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
             return None
@@ -154,17 +153,8 @@ class MetadataBuilder:
             layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
         host, turn = self._host(layout.end)
         ids, pos, slots, rows, table, lens = layout.fields(host, turn)
-        table.fill(0)
-        table[:n][np.arange(self.max_blocks) < nblk[:, None]] = np.fromiter(
-            chain.from_iterable(c.blocks for c in decode), dtype=np.int32, count=int(nblk.sum()))
-        ids[:n * q] = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
-        p = (starts[:, None] + np.arange(q)).reshape(-1)
-        pos[:n * q] = p
-        slots[:n * q] = table[np.repeat(np.arange(n), q), p // bs].astype(np.int64) * bs + p % bs
-        ids[n * q:], pos[n * q:], slots[n * q:] = 0, 0, -1
+        fill_decode(decode, starts, nblk, bs, ids, pos, slots, table, lens)
         rows[:] = layout.rows
-        lens[:n] = starts + q
-        lens[n:] = 0
         planned = None if self.decode_planner is None else \
             self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
         self._send(host, turn, layout.end)

@@ -199,20 +199,16 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
     dec = None
     if decode:
         n_seq = decode_batch if decode_batch is not None else max(len(decode), min_batch)
-        table, starts = _block_table_np([c.blocks for c in decode], n_seq, max_blocks), _starts(decode)
         n, q = len(decode), query_len
-        tok = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
-        pos = (starts[:, None] + np.arange(q)).reshape(-1)
-        slots = table[np.repeat(np.arange(n), q), pos // block_size].astype(np.int64) * block_size + pos % block_size
-        n_pad = (n_seq - n) * q
-        ids_parts += [tok, np.zeros(n_pad, dtype=np.int64)]
-        pos_parts += [pos, np.zeros(n_pad, dtype=np.int64)]
-        slot_parts += [slots, np.full(n_pad, -1, dtype=np.int64)]
+        tok, pos, slots = (np.empty(n_seq * q, dtype=np.int64) for _ in range(3))
+        table, seq_lens = np.empty((n_seq, max_blocks), dtype=np.int32), np.empty(n_seq, dtype=np.int32)
+        fill_decode(decode, chunk_starts(decode), chunk_block_counts(decode), block_size, tok, pos, slots, table, seq_lens)
+        ids_parts.append(tok)
+        pos_parts.append(pos)
+        slot_parts.append(slots)
         every = logits == "all"
         rows.append(np.arange(n * q) if every else np.arange(q - 1, n * q, q))
         pad_rows = np.arange(n * q, n_seq * q) if every else np.arange(n * q + q - 1, n_seq * q, q)
-        seq_lens = np.zeros(n_seq, dtype=np.int32)
-        seq_lens[:n] = starts + q
         dec = DecodeMetadata(torch.from_numpy(table), torch.from_numpy(seq_lens), query_len)
     pre = None
     if prefill:
@@ -261,17 +257,47 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
     return StepInputs(cat(ids_parts), cat(pos_parts), meta, num_rows)
 
 
-def _starts(chunks: Sequence[SeqChunk]) -> np.ndarray:
+def chunk_starts(chunks: Sequence[SeqChunk]) -> np.ndarray:
+    """Each chunk's ``start`` (int64)."""
     return np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
 
 
+def chunk_block_counts(chunks: Sequence[SeqChunk]) -> np.ndarray:
+    """Each chunk's ``len(blocks)`` (int64)."""
+    return np.fromiter((len(c.blocks) for c in chunks), dtype=np.int64, count=len(chunks))
+
+
+def fill_decode(decode: Sequence[SeqChunk], starts: np.ndarray, block_counts: np.ndarray, block_size: int,
+                ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, table: np.ndarray, seq_lens: np.ndarray) -> None:
+    """Write the decode part of a step into ``ids``/``pos``/``slots [n_seq * q]`` (int64), ``table [n_seq,
+    max_blocks]`` and ``seq_lens [n_seq]`` (int32), q new tokens per sequence (``q = len(ids) // n_seq``):
+    whole-batch numpy, no per-token Python. The rows past ``len(decode)`` are padding (token 0, position 0,
+    slot -1, seq_len 0, an empty table row). ``starts`` / ``block_counts``: each chunk's ``start`` and
+    ``len(blocks)``, checked by the caller."""
+    n, n_seq = len(decode), seq_lens.shape[0]
+    q = ids.shape[0] // n_seq
+    _fill_block_table(table, [c.blocks for c in decode], block_counts)
+    ids[:n * q] = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
+    p = (starts[:, None] + np.arange(q)).reshape(-1)
+    pos[:n * q] = p
+    slots[:n * q] = table[np.repeat(np.arange(n), q), p // block_size].astype(np.int64) * block_size + p % block_size
+    ids[n * q:], pos[n * q:], slots[n * q:] = 0, 0, -1
+    seq_lens[:n] = starts + q
+    seq_lens[n:] = 0
+
+
+def _fill_block_table(table: np.ndarray, blocks: Sequence[Sequence[int]], counts: np.ndarray) -> None:
+    """Zero ``table [rows, width]`` (int32) and write each block list into its row: one flat C-level pass
+    over all ids and one masked store (B=256 x 64 blocks: ~0.2 ms against ~1 ms row by row)."""
+    table.fill(0)
+    flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int32, count=int(counts.sum()))
+    table[:len(counts)][np.arange(table.shape[1]) < counts[:, None]] = flat
+
+
 def _block_table_np(blocks: list[Sequence[int]], rows: int, width: int) -> np.ndarray:
-    """``[rows, width]`` int32 table of the given block lists, zero-padded: one flat C-level pass over
-    all ids and one masked store (B=256 x 64 blocks: ~0.2 ms against ~1 ms row by row)."""
-    lens = np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks))
-    table = np.zeros((rows, width), dtype=np.int32)
-    flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int32, count=int(lens.sum()))
-    table[:len(blocks)][np.arange(width) < lens[:, None]] = flat
+    """``[rows, width]`` int32 table of the given block lists, zero-padded."""
+    table = np.empty((rows, width), dtype=np.int32)
+    _fill_block_table(table, blocks, np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks)))
     return table
 
 

@@ -120,3 +120,12 @@ def test_bad_decode_steps_raise_the_plan_error_before_writing(chunk, match):
     with pytest.raises(ValueError, match=match):
         b.build(_decode_chunks(2, 8) + [chunk])
     assert torch.equal(b.arena, before)
+
+
+def test_decode_batch_below_min_batch_raises_before_writing():
+    b = _builder()
+    b.build(_decode_chunks(3, 7))
+    before = b.arena.clone()
+    with pytest.raises(ValueError, match="decode_batch=1 must be >= .*min_batch"):
+        b.build(_decode_chunks(1, 9), decode_batch=1)
+    assert torch.equal(b.arena, before)
