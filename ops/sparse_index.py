@@ -208,7 +208,9 @@ def select_topk(scores: Tensor, topk: int) -> Tensor:
     bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 -> +0.0: they tie in the sort
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # monotone in the float value
     pos = torch.arange(L, device=scores.device)
-    keys = ordered * (1 << 32) + ((1 << 32) - 1 - pos)  # equal scores: the lower position is larger
+    # equal scores: the lower position gets the larger key. (L - 1 - pos), not (2**32 - 1 - pos): Inductor's
+    # CUDA codegen folds the latter into an int32 index expression that Triton rejects (constant out of range)
+    keys = ordered * (1 << 32) + (L - 1 - pos)
     return torch.topk(keys, k, dim=-1).indices
 
 
