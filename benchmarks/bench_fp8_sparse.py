@@ -8,7 +8,10 @@ Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 
   causal slot lists, heads padded to 64: its dense fp8 kernel reads another format); also H=128 at L=4096;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches,
-  FlashMLA fp8 sparse.
+  FlashMLA fp8 sparse;
+- the V3.2 lightning indexer (64 index heads x 128, top 2048) for a decode step (B=128 queries over
+  L=8192 contexts) and a prefill chunk (2048 queries of one 8192-token sequence), bf16 and fp8 index-key
+  caches, Triton vs the torch reference; and the index-key cache write of 4096 tokens.
 Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s counts the cache bytes
 the op must read. Writes ``bench_fp8_sparse.json`` and ``.txt`` under ``--out``.
 """
@@ -28,8 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402  (graph_ms, bench, attempt, ceilings, table helpers)
 
 import mla_compile  # noqa: E402,F401
-from mla_compile.ops import decode, decode_fp8, sparse_decode, write_latent_cache_fp8  # noqa: E402
+from mla_compile.ops import (decode, decode_fp8, lightning_index, sparse_decode, write_index_cache,  # noqa: E402
+                             write_latent_cache_fp8)
 from mla_compile.ops.fp8_cache import quantize_fp8_rows  # noqa: E402
+from mla_compile.ops.fp8_index import quantize_fp8_index  # noqa: E402
 
 DEV, PAGE, DC, DR = "cuda", 64, 512, 64
 D, W = DC + DR, 656
@@ -114,15 +119,66 @@ def sparse_case(B, H, L, topk):
         print(f"  FlashMLA unavailable: {exc!r}", flush=True)
 
 
+IDX_H, IDX_D, TOPK = 64, 128, 2048  # DeepSeek-V3.2's indexer
+
+
+def index_case(B, L, T_per_seq=1):
+    """Lightning indexer over B sequences of L tokens, T_per_seq query tokens each (the last ones)."""
+    T = B * T_per_seq
+    group = f"lightning index T={T} (B={B} x {T_per_seq}) L={L}"
+    print(group, flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    nblk = -(-L // PAGE)
+    pages = B * nblk
+    keys = torch.randn(pages, PAGE, IDX_D, device=DEV, generator=gen).bfloat16()
+    caches = {"bf16": keys, "fp8": quantize_fp8_index(keys)}
+    table = torch.randperm(pages, device=DEV, generator=gen).view(B, nblk).int().contiguous()
+    lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    q = torch.randn(T, IDX_H, IDX_D, device=DEV, generator=gen).bfloat16()
+    w = torch.randn(T, IDX_H, device=DEV, generator=gen) / IDX_H ** 0.5
+    qseq = torch.arange(B, device=DEV, dtype=torch.int32).repeat_interleave(T_per_seq)
+    qpos = (L - T_per_seq + torch.arange(T_per_seq, device=DEV, dtype=torch.int32)).repeat(B)
+    flops = 2 * T * L * IDX_H * IDX_D
+    got = {}
+    for kind, cache in caches.items():
+        row = cache.shape[-1] * cache.element_size()
+        nbytes = B * L * row + T * L * 4 * 2 + T * TOPK * 4  # keys once, scores written + read, slots
+        for name in ("triton", "reference"):
+            fn = (lambda c=cache, n=name: lightning_index(q, w, c, table, lens, qseq, qpos, topk=TOPK, backend=n))
+            bk.attempt(group, f"{name} {kind} keys", fn, flops, nbytes)
+            got[kind, name] = fn()
+    for kind in caches:  # the same selection up to score rounding: report the overlap of the two sets
+        a, b = got[kind, "triton"].long(), got[kind, "reference"].long().sort(-1).values
+        same = (b.gather(1, torch.searchsorted(b, a).clamp(max=b.shape[1] - 1)) == a).float().mean().item()
+        print(f"  {kind} keys: triton vs reference top-k overlap {same:.4f}", flush=True)
+
+
+def index_write_case(T=4096):
+    group = f"index cache write T={T}"
+    print(group, flush=True)
+    pages = 2 * T // PAGE
+    k = torch.randn(T, IDX_D, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(pages * PAGE, device=DEV)[:T].int()
+    for kind, cache in (("bf16", torch.zeros(pages, PAGE, IDX_D, dtype=torch.bfloat16, device=DEV)),
+                        ("fp8", torch.zeros(pages, PAGE, IDX_D + 4, dtype=torch.uint8, device=DEV))):
+        nbytes = T * IDX_D * 2 + T * cache.shape[-1] * cache.element_size()
+        for name in ("triton", "reference"):
+            bk.attempt(group, f"{name} {kind}", lambda n=name, c=cache: write_index_cache(k, slots, c, backend=n),
+                       0, nbytes)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="only the H=16 dense and sparse cases")
+    ap.add_argument("--index-only", action="store_true", help="only the lightning indexer and its cache write")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
     sections = [lambda: dense_case(128, 16, 8192), lambda: sparse_case(128, 16, 8192, 2048), write_case]
-    if not args.quick:
+    index = [lambda: index_case(128, 8192), lambda: index_case(1, 8192, 2048), index_write_case]
+    sections = index if args.index_only else sections + index
+    if not args.quick and not args.index_only:
         sections += [lambda: dense_case(128, 128, 4096), lambda: sparse_case(128, 128, 8192, 2048)]
     for section in sections:
         try:
