@@ -280,6 +280,10 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         note_vs("ours compiled", "ours eager", b, c)
         if "ms" in row and "ours_compile_s" not in INFO:
             INFO["ours_compile_s"] = row["first_call_s"]
+    if args.lowerings:  # did the passes fire in the step's graphs (or why not)
+        skipped = dict(counters["mla_passes_skipped"])
+        INFO["lowerings"] += (f", fired {dict(counters['mla_passes']) or 'none'}"
+                              + (f", left alone {skipped}" if skipped else ""))
     graph_skip = "cpu" if dev.type != "cuda" else compile_skip
     compiled_ok = "ours_compile_s" in INFO  # else capture would compile first
     if graph_skip is None and elapsed() > args.budget_s - (0.0 if compiled_ok else COMPILE_S):

@@ -147,10 +147,25 @@ def index_case(B, L, T_per_seq=1):
             fn = (lambda c=cache, n=name: lightning_index(q, w, c, table, lens, qseq, qpos, topk=TOPK, backend=n))
             bk.attempt(group, f"{name} {kind} keys", fn, flops, nbytes)
             got[kind, name] = fn()
+    _kernel_split(lambda: lightning_index(q, w, caches["bf16"], table, lens, qseq, qpos, topk=TOPK, backend="triton"))
     for kind in caches:  # the same selection up to score rounding: report the overlap of the two sets
         a, b = got[kind, "triton"].long(), got[kind, "reference"].long().sort(-1).values
         same = (b.gather(1, torch.searchsorted(b, a).clamp(max=b.shape[1] - 1)) == a).float().mean().item()
         print(f"  {kind} keys: triton vs reference top-k overlap {same:.4f}", flush=True)
+
+
+def _kernel_split(fn, calls=3, top=8):
+    """Print where one call's GPU time goes (torch.profiler, per kernel, us per call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)))
+    for e in rows[:top]:
+        us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / calls
+        print(f"    {us:9.1f} us/call  {e.key[:90]}", flush=True)
 
 
 def index_write_case(T=4096):

@@ -96,6 +96,7 @@ class CompileWatch:
         self.cudagraph_skips: list[str] = []
         self.cudagraph_skip_count = 0
         self.passes_fired: dict[str, int] = {}
+        self.passes_skipped: dict[str, int] = {}
         self.autotune: list[dict] = []
 
     def __enter__(self) -> "CompileWatch":
@@ -106,6 +107,7 @@ class CompileWatch:
         self._aot0 = Counter(counters["aot_autograd"])
         self._reasons0 = len(_graph_break_reasons())
         self._passes0 = Counter(counters["mla_passes"])
+        self._skipped0 = Counter(counters["mla_passes_skipped"])
         self._log0 = _autotune_mark()
         self._skip_msgs: list[str] = []
         self._unhook = _hook_cudagraph_skips(self._skip_msgs)
@@ -157,6 +159,7 @@ class CompileWatch:
         self.cudagraph_skip_count = (Counter(counters["inductor"]) - self._inductor0)["cudagraph_skips"]
         self.cudagraph_skips = list(dict.fromkeys(self._skip_msgs))
         self.passes_fired = dict(Counter(counters["mla_passes"]) - self._passes0)
+        self.passes_skipped = dict(Counter(counters["mla_passes_skipped"]) - self._skipped0)
         self.autotune = _autotune_since(self._log0)
 
     @property
@@ -192,6 +195,7 @@ class InspectReport:
     mla_ops: list[dict] = field(default_factory=list)
     autotune: list[dict] = field(default_factory=list)
     passes_fired: dict[str, int] = field(default_factory=dict)
+    passes_skipped: dict[str, int] = field(default_factory=dict)
     cudagraph_skip_count: int = 0
     cudagraph_skips: list[str] = field(default_factory=list)
 
@@ -241,6 +245,8 @@ class InspectReport:
             lines.append(f"  autotune {a['op']} {a['shapes']} {a['dtype']}: {a['winner']} ({a['winner_backend']})"
                          + (f" [{times}]" if times else ""))
         lines.append(f"  fusion passes fired: {', '.join(f'{k} x{v}' for k, v in self.passes_fired.items()) or 'none'}")
+        if self.passes_skipped:
+            lines.append(f"  fusion sites left alone: {'; '.join(f'{k} x{v}' for k, v in self.passes_skipped.items())}")
         if self.cudagraph_skip_count or self.cudagraph_skips:
             lines.append(f"  CUDA-graph skips: {self.cudagraph_skip_count}")
             lines.extend(f"    {r}" for r in self.cudagraph_skips)
@@ -390,8 +396,8 @@ def inspect_compile(fn: Callable, run_steps: Callable[[Callable], Any], out_dir:
         error=error, guard_count=watch.guard_count, compile_phases_s=watch.compile_phases_s,
         mla_ops=[{"op": op, "backend": op_backend(op)} for op in sorted(ops_in_code)] + [
             {"op": k, "backend": op_backend(k)} for k in sorted(user_kernels) if op_backend(k) != "?"],
-        autotune=watch.autotune, passes_fired=watch.passes_fired, cudagraph_skip_count=watch.cudagraph_skip_count,
-        cudagraph_skips=watch.cudagraph_skips)
+        autotune=watch.autotune, passes_fired=watch.passes_fired, passes_skipped=watch.passes_skipped,
+        cudagraph_skip_count=watch.cudagraph_skip_count, cudagraph_skips=watch.cudagraph_skips)
     if out_dir is not None:
         report.write(out_dir)
     return report

@@ -90,7 +90,13 @@ def _match_rope(node: torch.fx.Node):
 
 
 def _write_ops() -> tuple:
-    return (torch.ops.mla.write_latent_cache_ref.default,)
+    """The cache-write custom ops a functionalized write site may call: the reference, and our Triton
+    ``triton_op`` when it stays opaque (not traced into its kernel) in the post-grad graph."""
+    ops = [torch.ops.mla.write_latent_cache_ref.default]
+    triton_write = getattr(torch.ops.mla, "write_latent_cache_triton", None)  # registered once Triton's module loads
+    if triton_write is not None:
+        ops.append(triton_write.default)
+    return tuple(ops)
 
 
 def _triton_write_kernel():
@@ -125,6 +131,11 @@ def _only_feeds(node: torch.fx.Node, user: torch.fx.Node) -> bool:
     return set(node.users) == {user}
 
 
+def _skipped(reason: str) -> None:
+    """Count a cache-write site left unfused, by reason (``counters["mla_passes_skipped"]``; inspect lists them)."""
+    counters["mla_passes_skipped"][f"fuse_kv_write: {reason}"] += 1
+
+
 def fuse_kv_write(graph: torch.fx.Graph) -> int:
     """Rewrite every norm + rope + cache write site of ``graph``; returns the number of rewrites."""
     hop = torch.ops.higher_order
@@ -135,12 +146,15 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
             continue
         latent_n, kpe_n, slots, kind, cache = site
         if not (isinstance(latent_n, torch.fx.Node) and isinstance(kpe_n, torch.fx.Node)):
+            _skipped("latent or k_pe is not computed in the graph")
             continue
         if not (_only_feeds(latent_n, node) and _only_feeds(kpe_n, node)):
-            continue  # the normed latent / roped k_pe are used elsewhere too (prefill): keep the graph
+            _skipped("the normed latent or roped k_pe has other users (prefill)")
+            continue  # keep the graph
         norm = _match_norm(latent_n)
         rot = _match_rope(kpe_n)
         if norm is None or rot is None:
+            _skipped("no RMSNorm feeds the latent" if norm is None else "no RoPE feeds k_pe")
             continue
         latent, weight, eps, _ = norm
         k_pe, cos, sin, interleave, _ = rot
@@ -155,12 +169,15 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
             node.replace_all_uses_with(new)
         else:
             if not (isinstance(cache, torch.fx.Node) and cache.op == "placeholder"):
+                _skipped("the Triton write's cache is a view, not a graph input")
                 continue  # a view of the cache would need the view's size/stride kwargs: leave it
             getters = [u for u in node.users if u.target is operator.getitem]
             if len(getters) != len(node.users) or any(g.args[1] != "cache_ptr" for g in getters):
+                _skipped("the Triton write's outputs are used other than as the cache")
                 continue
             v2 = getattr(hop, "auto_functionalized_v2", None)
             if v2 is None:
+                _skipped("this torch has no auto_functionalized_v2")
                 continue
             with graph.inserting_before(node):
                 new = graph.call_function(v2, (op,), {**args, "_kv_cache_base_index": 0, "_all_bases": [cache]})

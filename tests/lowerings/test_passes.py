@@ -62,8 +62,28 @@ def test_norm_rope_write_become_one_op_with_the_same_cache(dtype, interleave):
 
 def test_pass_leaves_the_graph_when_the_norm_is_used_elsewhere():
     args = _inputs(12, torch.float32)
+    counters["mla_passes_skipped"].clear()
     _, code, fired = _compiled(args, True, True)
     assert fired == 0 and "write_latent_cache_fused" not in code
+    assert dict(counters["mla_passes_skipped"]) == {
+        "fuse_kv_write: the normed latent or roped k_pe has other users (prefill)": 1}  # the reason is kept
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,interleave", [(torch.bfloat16, True), (torch.float32, False)])
+def test_cuda_pass_fuses_the_triton_write(dtype, interleave):
+    """On CUDA the write is our Triton op (traced into its kernel or left opaque): the pass must still fire."""
+    args = tuple(a.cuda() for a in _inputs(14, dtype))
+    eager_cache = args[-1].clone()
+    _step(*args[:-1], eager_cache, interleave, False)
+    counters["mla_passes_skipped"].clear()
+    _, code, fired = _compiled(args, interleave, False)
+    assert fired == 1, dict(counters["mla_passes_skipped"])
+    assert "_cache_write_kernel" not in code and "write_latent_cache_triton" not in code.split("def call(")[-1]
+    written = [s for s in SLOTS if s >= 0]
+    got, want = args[-1].view(-1, DC + DR), eager_cache.view(-1, DC + DR)
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[written], want[written], **tol)
 
 
 def test_pass_switched_off_by_flag_and_env(monkeypatch):
