@@ -13,8 +13,8 @@ How (private Inductor API, checked on torch 2.13; see ``shared/notes/torch-compi
   On CUDA each choice's benchmark call replays one captured call (``_autotune.GRAPH_TIMING``), so the
   time is the GPU time a captured decode step pays, not the peer's per-call host work.
 - A dynamic batch (one graph for every batch size) is timed at ``BATCH_CLASSES`` sequences; when the
-  smallest and largest disagree, the graph gets ``mla::decode_by_rows`` (the small winner up to the
-  last class it won, the large winner above), else the one winner.
+  winners differ, the graph gets ``mla::decode_by_rows``: each class's winner serves the batches above
+  the previous class up to its own (the last class's winner everything above), else the one winner.
 - The lowering then emits the winner's multi-output op as a fallback kernel, ``(out, lse)``; the
   out-only node made by the selector has no users and is removed by Inductor's dead-code elimination.
 - FlashInfer's decode needs a host-side plan per step, which a compiled graph cannot make: left out.
@@ -125,16 +125,24 @@ def _autotuned(args: tuple, candidates: list[Candidate]):
             OP_NAME, f"{SELECT_NAME}_b{b}", candidates, tensors, scalars, [b, s_q, H, int(kv_lora_rank)],
             _input_gens(q, kv_cache, block_table, batch=b),
             f"q={shape} (dynamic batch, timed at {b}) kv_cache={hints(kv_cache)} block_table=[{b}, {hints(block_table)[1]}]")
-    small, large = wins[BATCH_CLASSES[0]], wins[BATCH_CLASSES[-1]]
+    # class i's winner serves (class i-1, class i] sequences; the last one everything above
+    regions = []  # [upper class, winner]; neighbours with one winner merged
+    for b in BATCH_CLASSES:
+        if regions and regions[-1][1].name == wins[b].name:
+            regions[-1][0] = b
+        else:
+            regions.append([b, wins[b]])
     counters = torch._dynamo.utils.counters["mla_autotune"]
-    if small.name == large.name:
-        counters[f"{OP_NAME} -> {small.backend}"] += 1
-        return _autotune.emit(small.op, tensors, (*scalars.values(), *small.extra))
-    upto = max(b for b in BATCH_CLASSES[:-1] if all(wins[c].name == small.name for c in BATCH_CLASSES if c <= b))
-    counters[f"{OP_NAME} -> {small.backend} (<= {upto * s_q} rows) / {large.backend}"] += 1
+    if len(regions) == 1:
+        counters[f"{OP_NAME} -> {regions[0][1].backend}"] += 1
+        return _autotune.emit(regions[0][1].op, tensors, (*scalars.values(), *regions[0][1].extra))
+    bounds = [b * int(s_q) for b, _ in regions[:-1]]
+    counters[f"{OP_NAME} -> " + " / ".join(
+        f"{w.backend} (<= {b} rows)" for b, (_, w) in zip(bounds, regions)) + f" / {regions[-1][1].backend}"] += 1
+    chosen = [w for _, w in regions]
     return _autotune.emit(torch.ops.mla.decode_by_rows.default, tensors,
-                          (*scalars.values(), upto * int(s_q), small.op.name(), list(small.extra),
-                           large.op.name(), list(large.extra)))
+                          (*scalars.values(), bounds, ",".join(w.op.name() for w in chosen),
+                           [int(x) for w in chosen for x in w.extra], [len(w.extra) for w in chosen]))
 
 
 def lower_decode_autotune(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):

@@ -99,13 +99,18 @@ def _write_ops() -> tuple:
     return tuple(ops)
 
 
-def _triton_write_kernel():
-    """Our Triton cache-write kernel object, when Triton imports (its functional wrapper is matched)."""
+def _is_triton_write_kernel(kernel) -> bool:
+    """Whether ``kernel`` (from Inductor's kernel side table) is our Triton cache-write kernel: by identity,
+    or by its function's module and name (a kernel object re-created by a wrapper or a reload still counts)."""
     try:
         from mla_compile.ops.triton.cache_write import _cache_write_kernel
     except Exception:
-        return None
-    return _cache_write_kernel
+        return False
+    if kernel is _cache_write_kernel:
+        return True
+    fn = getattr(kernel, "fn", kernel)
+    return (getattr(fn, "__name__", None) == "_cache_write_kernel"
+            and getattr(fn, "__module__", "").endswith("ops.triton.cache_write"))
 
 
 def _write_site(node: torch.fx.Node):
@@ -119,8 +124,7 @@ def _write_site(node: torch.fx.Node):
     if node.target is getattr(hop, "triton_kernel_wrapper_functional", None):
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-        kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-        if kernel is None or kernel is not _triton_write_kernel():
+        if not _is_triton_write_kernel(kernel_side_table.get_kernel(node.kwargs["kernel_idx"])):
             return None
         kw = node.kwargs["kwargs"]
         return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"]

@@ -84,15 +84,25 @@ def _op(qualname: str):
 
 @torch.library.custom_op("mla::decode_by_rows", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_by_rows(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
-                   kv_lora_rank: int, rows: int, small: str, small_extra: list[int], large: str,
-                   large_extra: list[int]) -> tuple[Tensor, Tensor]:
-    """Two decode implementations split by step size, as the autotune lowering emits them for a dynamic
-    batch whose small and large sizes time differently: ``small`` (an op name such as
-    "mla::decode_triton_config", called with the decode arguments and then ``small_extra``) serves steps
-    of at most ``rows`` query rows (B * s_q), ``large`` the others. The split reads shapes only (no host
-    sync): each CUDA-graph capture size records the kernel of its side."""
-    name, extra = (small, small_extra) if q.shape[0] * q.shape[1] <= rows else (large, large_extra)
-    out, lse = _op(name)(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *extra)
+                   kv_lora_rank: int, bounds: list[int], names: str, extras: list[int],
+                   extra_lens: list[int]) -> tuple[Tensor, Tensor]:
+    """Decode implementations split by step size, as the autotune lowering emits them for a dynamic batch
+    whose sizes time differently. ``names`` is a comma-separated list of ops (a schema has no list of
+    strings); ``names[i]`` (an op such as "mla::decode_triton_config", called with the
+    decode arguments and then its ``extra_lens[i]`` ints taken in order from ``extras``) serves the steps
+    of ``rows = B * s_q`` with ``bounds[i-1] < rows <= bounds[i]`` (``bounds`` ascending, one fewer than
+    ``names``; the last name takes everything above). The split reads shapes only (no host sync): each
+    CUDA-graph capture size records the kernel of its range."""
+    names = names.split(",")
+    if not (len(names) == len(extra_lens) == len(bounds) + 1 and sum(extra_lens) == len(extras)):
+        raise ValueError(f"mla.decode_by_rows: needs len(names) == len(extra_lens) == len(bounds) + 1 and "
+                         f"sum(extra_lens) == len(extras), got {len(names)} names, {len(extra_lens)} extra_lens, "
+                         f"{len(bounds)} bounds, {len(extras)} extras")
+    rows = q.shape[0] * q.shape[1]
+    i = sum(1 for b in bounds if rows > b)
+    start = sum(extra_lens[:i])
+    out, lse = _op(names[i])(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank,
+                             *extras[start:start + extra_lens[i]])
     return out.contiguous(), lse.contiguous()
 
 

@@ -38,16 +38,17 @@ def delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
 delayed_decode.register_fake(decode_fake)
 
 
-SIZE_CALLS: list[tuple[int, int, int]] = []
+SIZE_CALLS: list[tuple[int, ...]] = []
 
 
 @torch.library.custom_op("mla_lower_test::size_delayed_decode", mutates_args=())
 def size_delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float, kv_lora_rank: int, small_us: int, large_us: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``delayed_decode`` whose delay depends on the batch: ``small_us`` up to 16 sequences, else ``large_us``
-    (a candidate that wins small batches and loses large ones, or the reverse); logs each call."""
-    SIZE_CALLS.append((small_us, large_us, q.shape[0]))
-    delay = small_us if q.shape[0] <= 16 else large_us
+                        scale: float, kv_lora_rank: int, tiny_us: int, small_us: int,
+                        large_us: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delayed_decode`` whose delay depends on the batch: ``tiny_us`` up to 2 sequences, ``small_us`` up to
+    16, else ``large_us`` (a candidate that wins some batch classes and loses others); logs each call."""
+    SIZE_CALLS.append((tiny_us, small_us, large_us, q.shape[0]))
+    delay = tiny_us if q.shape[0] <= 2 else small_us if q.shape[0] <= 16 else large_us
     return delayed_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, delay)
 
 
@@ -119,34 +120,45 @@ def _batch(args, B: int, seed: int):
     return randn(generator(seed), B, 1, 2, RANK + 16, dtype=q.dtype), kv, bt.repeat(reps, 1)[:B], sl.repeat(reps)[:B]
 
 
-def test_dynamic_batch_splits_between_the_small_and_large_winners():
-    """A dynamic batch is timed at BATCH_CLASSES; when the winner changes, the graph holds both winners
-    behind mla::decode_by_rows and each call runs the one of its size, without recompiling."""
-    a = Candidate("mla_t_small_fast", "a", torch.ops.mla_lower_test.size_delayed_decode.default, (0, 20000))
-    b = Candidate("mla_t_large_fast", "b", torch.ops.mla_lower_test.size_delayed_decode.default, (20000, 0))
-    small, large = _batch(_inputs(4), 3, 5), _batch(_inputs(4), 20, 6)
-    for q, _, bt, sl in (small, large):
+_W = "mla_lower_test::size_delayed_decode"
+
+
+@pytest.mark.parametrize("a_us,b_us,bounds,winners,names", [
+    # a wins 2 and 16 sequences, b wins 128: one split after 16 rows
+    ((0, 0, 20000), (20000, 20000, 0), [16], "aab", f"'{_W},{_W}', [0, 0, 20000, 20000, 20000, 0], [3, 3]"),
+    # a wins 2, b wins 16, a wins 128 again: three ranges, each batch runs its own class's winner
+    ((0, 20000, 0), (20000, 0, 20000), [2, 16], "aba",
+     f"'{_W},{_W},{_W}', [0, 20000, 0, 20000, 0, 20000, 0, 20000, 0], [3, 3, 3]"),
+], ids=["two-ranges", "three-ranges"])
+def test_dynamic_batch_splits_where_the_winner_changes(a_us, b_us, bounds, winners, names):
+    """A dynamic batch is timed at BATCH_CLASSES; where the winner changes, the graph holds the winners
+    behind mla::decode_by_rows and each call runs the one of its size range, without recompiling."""
+    a = Candidate(f"mla_t_a{len(bounds)}", "a", torch.ops.mla_lower_test.size_delayed_decode.default, a_us)
+    b = Candidate(f"mla_t_b{len(bounds)}", "b", torch.ops.mla_lower_test.size_delayed_decode.default, b_us)
+    sizes = (2, 3, 20)
+    batches = [_batch(_inputs(4), n, 5 + i) for i, n in enumerate(sizes)]
+    for q, _, bt, sl in batches:
         for t in (q, bt, sl):
             torch._dynamo.mark_dynamic(t, 0)
     before = _compile_log.mark()
     torch._dynamo.reset()
     with autotune_on_cpu(lambda **facts: [a, b]), torch._inductor.config.patch(force_disable_caches=True):
         fn = torch.compile(_step, fullgraph=True)
-        (out_s, lse_s), code = run_and_get_code(fn, *small)
+        _, code = run_and_get_code(fn, *batches[1])
         SIZE_CALLS.clear()
-        out_s, lse_s = fn(*small)
-        out_l, lse_l = fn(*large)
+        results = [fn(*args) for args in batches]
     calls, SIZE_CALLS[:] = list(SIZE_CALLS), []
     torch._dynamo.reset()
     code = "\n".join(code)
     assert "torch.ops.mla.decode_by_rows.default(" in code, code
-    assert "'mla_lower_test::size_delayed_decode', [0, 20000], 'mla_lower_test::size_delayed_decode', [20000, 0]" in code
-    assert ", 16, 'mla_lower_test::size_delayed_decode'" in code  # split after 16 sequences of one query row
-    assert calls == [(0, 20000, 3), (20000, 0, 20)], calls  # each size ran its own winner, no re-autotuning
+    assert f"{bounds}, {names})" in code, code  # one query row per sequence: bounds in sequences
+    wins = {"a": a, "b": b}
+    want_calls = [(*wins[winners[0] if n <= 2 else winners[1] if n <= 16 else winners[2]].extra, n) for n in sizes]
+    assert calls == want_calls, calls  # each size ran its range's winner, no re-autotuning
     recs = _compile_log.records_since(before)
-    assert [r.winner for r in recs] == [a.name, a.name, b.name], recs
+    assert [r.winner for r in recs] == [wins[w].name for w in winners], recs
     assert all("dynamic batch, timed at" in r.shapes for r in recs)
-    for (q, kv, bt, sl), out, lse in ((small, out_s, lse_s), (large, out_l, lse_l)):
+    for (q, kv, bt, sl), (out, lse) in zip(batches, results):
         ref_out, ref_lse = torch.ops.mla.decode_ref(q.double(), kv.double(), bt, sl, SCALE, RANK)
         torch.testing.assert_close(out.double(), 2 * ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)

@@ -69,6 +69,26 @@ def test_pass_leaves_the_graph_when_the_norm_is_used_elsewhere():
         "fuse_kv_write: the normed latent or roped k_pe has other users (prefill)": 1}  # the reason is kept
 
 
+def _describe(graph: torch.fx.Graph) -> str:
+    """Each call's target, and for Triton kernel wrappers the kernel's name and argument names."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    lines = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        extra = ""
+        if "kernel_idx" in n.kwargs:
+            k = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            fn = getattr(k, "fn", k)
+            extra = f" kernel={type(k).__name__}:{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}" \
+                    f" args={sorted(n.kwargs.get('kwargs', {}))}"
+        elif n.args and isinstance(n.args[0], torch._ops.OpOverload):
+            extra = f" op={n.args[0]}"
+        lines.append(f"{n.name}: {n.target}{extra}")
+    return "\n".join(lines)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,interleave", [(torch.bfloat16, True), (torch.float32, False)])
 def test_cuda_pass_fuses_the_triton_write(dtype, interleave):
@@ -77,8 +97,10 @@ def test_cuda_pass_fuses_the_triton_write(dtype, interleave):
     eager_cache = args[-1].clone()
     _step(*args[:-1], eager_cache, interleave, False)
     counters["mla_passes_skipped"].clear()
-    _, code, fired = _compiled(args, interleave, False)
-    assert fired == 1, dict(counters["mla_passes_skipped"])
+    seen = []  # the post-grad graph as the pass sees it: on failure, what the write looks like there
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=lambda g: seen.append(_describe(g))):
+        _, code, fired = _compiled(args, interleave, False)
+    assert fired == 1, (dict(counters["mla_passes_skipped"]), seen)
     assert "_cache_write_kernel" not in code and "write_latent_cache_triton" not in code.split("def call(")[-1]
     written = [s for s in SLOTS if s >= 0]
     got, want = args[-1].view(-1, DC + DR), eager_cache.view(-1, DC + DR)

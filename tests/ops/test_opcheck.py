@@ -35,7 +35,7 @@ def _decode(bs: int, s_q: int):
 def _decode_by_rows(bs: int, rows: int):
     """The autotune lowering's size split (``mla::decode_by_rows``) over the reference on both sides."""
     _, args = _decode(bs, 1)
-    return torch.ops.mla.decode_by_rows.default, (*args, rows, "mla::decode_ref", [], "mla::decode_ref", [])
+    return torch.ops.mla.decode_by_rows.default, (*args, [rows], "mla::decode_ref,mla::decode_ref", [], [0, 0])
 
 
 def _prefill(causal: bool, pad: int):
