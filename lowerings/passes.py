@@ -135,6 +135,14 @@ def _only_feeds(node: torch.fx.Node, user: torch.fx.Node) -> bool:
     return set(node.users) == {user}
 
 
+def _drop_self_copies(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Remove ``aten.copy_(node, node)`` (a write-back of an input onto itself), its uses becoming ``node``."""
+    for user in list(node.users):
+        if user.target is torch.ops.aten.copy_.default and user.args[:2] == (node, node):
+            user.replace_all_uses_with(node)
+            graph.erase_node(user)
+
+
 def _skipped(reason: str) -> None:
     """Count a cache-write site left unfused, by reason (``counters["mla_passes_skipped"]``; inspect lists them)."""
     counters["mla_passes_skipped"][f"fuse_kv_write: {reason}"] += 1
@@ -176,7 +184,13 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
                 _skipped("the Triton write's cache is a view, not a graph input")
                 continue  # a view of the cache would need the view's size/stride kwargs: leave it
             getters = [u for u in node.users if u.target is operator.getitem]
-            if len(getters) != len(node.users) or any(g.args[1] != "cache_ptr" for g in getters):
+            cache_getters = [g for g in getters if g.args[1] == "cache_ptr"]
+            # torch's kernel analysis also counts the slot mapping as written (the store address is derived
+            # from its values), so the functional wrapper hands back a "new" slot tensor, written back into
+            # the graph input: that one is the unchanged original
+            spurious = [g for g in getters if g.args[1] == "slot_ptr" and isinstance(slots, torch.fx.Node)]
+            if len(getters) != len(node.users) or len(cache_getters) + len(spurious) != len(getters) \
+                    or not cache_getters:
                 _skipped("the Triton write's outputs are used other than as the cache")
                 continue
             v2 = getattr(hop, "auto_functionalized_v2", None)
@@ -186,12 +200,16 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
             with graph.inserting_before(node):
                 new = graph.call_function(v2, (op,), {**args, "_kv_cache_base_index": 0, "_all_bases": [cache]})
                 out = graph.call_function(operator.getitem, (new, 1))
-            cache_val = getters[0].meta.get("val")
+            cache_val = cache_getters[0].meta.get("val")
             new.meta["val"] = (None, cache_val)
             out.meta["val"] = cache_val
-            for g in getters:
+            for g in cache_getters:
                 g.replace_all_uses_with(out)
                 graph.erase_node(g)
+            for g in spurious:
+                g.replace_all_uses_with(slots)
+                graph.erase_node(g)
+            _drop_self_copies(graph, slots)
         graph.erase_node(node)
         fused += 1
     if fused:
