@@ -104,7 +104,8 @@ def test_cuda_pass_fuses_the_triton_write(dtype, interleave):
     assert "_cache_write_kernel" not in code and "write_latent_cache_triton" not in code.split("def call(")[-1]
     written = [s for s in SLOTS if s >= 0]
     got, want = args[-1].view(-1, DC + DR), eager_cache.view(-1, DC + DR)
-    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    # the fused kernel sums the norm in its own order: float32 agrees to rounding, not bit for bit
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(got[written], want[written], **tol)
 
 
