@@ -6,13 +6,17 @@ become one ``mla::write_latent_cache_fused`` call (one launch instead of a norm 
 and the write). The norm and the rope are found with Inductor's pattern matcher (patterns traced from
 the model's own math for float32/bfloat16/float16 and both RoPE layouts, ``eps`` free); the write is
 the functionalized ``mla::write_latent_cache_ref`` (``auto_functionalized``/``_v2``) or our Triton cache
-write kernel (``triton_kernel_wrapper_functional``). It fires only when the normed latent and the
-roped k_pe feed nothing but the write (a decode-only step); otherwise the graph is left alone.
+write kernel (``triton_kernel_wrapper_functional``). The quantizing write into the 656-byte fp8 latent
+cache (``mla::write_latent_cache_fp8_ref``, or the Triton fp8 write kernel that
+``mla::write_latent_cache_fp8_triton`` decomposes into) is fused the same way: the fused op quantizes
+when its cache is uint8. It fires only when the normed latent and the roped k_pe feed nothing but the
+write (a decode-only step); otherwise the graph is left alone.
 
 Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_options())``, or
 ``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
 in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
-``torch._dynamo.utils.counters["mla_passes"]["fuse_kv_write"]`` (the inspect report lists it).
+``torch._dynamo.utils.counters["mla_passes"]``: ``"fuse_kv_write"`` for a float cache,
+``"fuse_kv_write_fp8"`` for an fp8 one (the inspect report lists both; ``PASS_NAMES`` names them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import operator
+from collections import Counter
 from typing import Iterator
 
 import torch
@@ -30,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from mla_compile import envs
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 
-PASS_NAMES = ("fuse_kv_write",)
+PASS_NAMES = ("fuse_kv_write", "fuse_kv_write_fp8")  # the counter keys
 _EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
 
 
@@ -89,35 +94,41 @@ def _match_rope(node: torch.fx.Node):
     return None
 
 
-def _write_ops() -> tuple:
-    return (torch.ops.mla.write_latent_cache_ref.default,)
+def _write_ops() -> dict:
+    """The reference write ops (functionalized in post-grad graphs) -> their counter key."""
+    return {torch.ops.mla.write_latent_cache_ref.default: "fuse_kv_write",
+            torch.ops.mla.write_latent_cache_fp8_ref.default: "fuse_kv_write_fp8"}
 
 
-def _triton_write_kernel():
-    """Our Triton cache-write kernel object, when Triton imports (its functional wrapper is matched)."""
+def _triton_write_kernels() -> dict:
+    """Our Triton cache-write kernel objects -> counter key, when Triton imports (their functional
+    wrappers are matched; both take ``lat_ptr``, ``kpe_ptr``, ``slot_ptr``, ``cache_ptr``)."""
     try:
         from mla_compile.ops.triton.cache_write import _cache_write_kernel
+        from mla_compile.ops.triton.fp8_cache_write import _fp8_write_kernel
     except Exception:
-        return None
-    return _cache_write_kernel
+        return {}
+    return {_cache_write_kernel: "fuse_kv_write", _fp8_write_kernel: "fuse_kv_write_fp8"}
 
 
 def _write_site(node: torch.fx.Node):
-    """``(latent, k_pe, slot_mapping, cache_base, outputs_to_replace)`` for a functionalized cache write."""
+    """``(latent, k_pe, slot_mapping, kind, cache, counter key)`` for a functionalized cache write, else None."""
     hop = torch.ops.higher_order
     if node.target in (getattr(hop, "auto_functionalized_v2", None), getattr(hop, "auto_functionalized", None)):
-        if not node.args or node.args[0] not in _write_ops():
+        key = _write_ops().get(node.args[0]) if node.args else None
+        if key is None:
             return None
         kw = node.kwargs
-        return kw["latent"], kw["k_pe"], kw["slot_mapping"], "auto", None
+        return kw["latent"], kw["k_pe"], kw["slot_mapping"], "auto", None, key
     if node.target is getattr(hop, "triton_kernel_wrapper_functional", None):
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
         kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
-        if kernel is None or kernel is not _triton_write_kernel():
+        key = _triton_write_kernels().get(kernel) if kernel is not None else None
+        if key is None:
             return None
         kw = node.kwargs["kwargs"]
-        return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"]
+        return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"], key
     return None
 
 
@@ -126,14 +137,15 @@ def _only_feeds(node: torch.fx.Node, user: torch.fx.Node) -> bool:
 
 
 def fuse_kv_write(graph: torch.fx.Graph) -> int:
-    """Rewrite every norm + rope + cache write site of ``graph``; returns the number of rewrites."""
+    """Rewrite every norm + rope + cache write site (float or fp8 cache) of ``graph``; returns the number
+    of rewrites (counted per cache format in ``counters["mla_passes"]``)."""
     hop = torch.ops.higher_order
-    fused = 0
+    fused: Counter = Counter()
     for node in list(graph.nodes):
         site = _write_site(node)
         if site is None:
             continue
-        latent_n, kpe_n, slots, kind, cache = site
+        latent_n, kpe_n, slots, kind, cache, key = site
         if not (isinstance(latent_n, torch.fx.Node) and isinstance(kpe_n, torch.fx.Node)):
             continue
         if not (_only_feeds(latent_n, node) and _only_feeds(kpe_n, node)):
@@ -172,11 +184,11 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
                 g.replace_all_uses_with(out)
                 graph.erase_node(g)
         graph.erase_node(node)
-        fused += 1
+        fused[key] += 1
     if fused:
         graph.eliminate_dead_code()
-        counters["mla_passes"]["fuse_kv_write"] += fused
-    return fused
+        counters["mla_passes"].update(fused)
+    return sum(fused.values())
 
 
 def _source_hash() -> str:
