@@ -49,7 +49,8 @@ def validate(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin
              kv_cache: Tensor) -> None:
     """The cache write's checks (the fp8 write's for a uint8 cache) plus the norm weight and the rotary
     tables (no sync)."""
-    (validate_write_fp8 if kv_cache.dtype == torch.uint8 else validate_write)(latent, k_pe, slot_mapping, kv_cache)
+    write_checks = validate_write_fp8 if kv_cache.dtype == torch.uint8 else validate_write
+    write_checks(latent, k_pe, slot_mapping, kv_cache, op=OP)
     T, Dc = latent.shape
     Dr = k_pe.shape[1]
     if Dr % 2:

@@ -48,9 +48,9 @@ def _fused_kv_write_kernel(
     else:
         y = y.to(w_ptr.dtype.element_ty)
     if FP8:  # one row of the fp8 write's [rows, BLOCK_DC] tile; 0 past DC leaves the group maxima alone
-        one = tl.zeros([1], tl.int64)
-        store_fp8_latent(dst + one, tl.reshape(y.to(tl.float32), (1, BLOCK_DC)), (one + slot >= 0) & (one + slot < n_slots),
-                         DC, 1, BLOCK_DC)
+        slot1 = tl.zeros([1], tl.int64) + slot
+        store_fp8_latent(dst + (slot1 - slot), tl.reshape(y.to(tl.float32), (1, BLOCK_DC)),
+                         (slot1 >= 0) & (slot1 < n_slots), DC, 1, BLOCK_DC)
     else:
         tl.store(dst + d, y.to(cache_ptr.dtype.element_ty), mask=dm & ok)
 
