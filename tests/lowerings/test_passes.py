@@ -115,3 +115,36 @@ def test_uuid_is_stable_and_names_the_pass():
     a, b = MLAFusionPass().uuid(), MLAFusionPass().uuid()
     assert a == b and a.startswith("mla_compile.lowerings.passes:")
     assert isinstance(compile_options(True)["post_grad_custom_post_pass"], MLAFusionPass)
+
+
+def _triton_step(kv_a, w, cos, sin, slots, cache):
+    """``_step`` with the Triton cache writes asked for by name: in the post-grad graph they are
+    ``triton_kernel_wrapper_functional`` nodes of ``_cache_write_kernel`` / ``_fp8_write_kernel``."""
+    latent, k_pe = kv_a.split([kv_a.shape[1] - DR, DR], -1)
+    latent, k_pe = rms_norm(latent, w, EPS), apply_rope(k_pe, cos, sin, True)
+    if cache.dtype == torch.uint8:
+        mla_compile.ops.write_latent_cache_fp8(latent, k_pe, slots, cache, backend="triton")
+    else:
+        mla_compile.ops.write_latent_cache(latent, k_pe, slots, cache, backend="triton")
+    return kv_a.sum(-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_pass_fuses_the_triton_cache_writes(fp8):
+    args = [t.cuda() for t in (_fp8_inputs(15, torch.bfloat16) if fp8 else _inputs(15, torch.bfloat16))]
+    eager_cache = args[-1].clone()
+    _triton_step(*args[:-1], eager_cache)
+    counters["mla_passes"].clear()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(force_disable_caches=True), mla_passes(True):
+        _, code = run_and_get_code(torch.compile(_triton_step, fullgraph=True), *args)
+    torch._dynamo.reset()
+    code = "\n".join(code)
+    assert {k: v for k, v in counters["mla_passes"].items() if v} == {"fuse_kv_write_fp8" if fp8 else "fuse_kv_write": 1}
+    assert "torch.ops.mla.write_latent_cache_fused.default(" in code
+    assert ("_fp8_write_kernel" if fp8 else "_cache_write_kernel") not in code
+    if fp8:  # the fused kernel's norm sums in its own order: rows within one e4m3 step of eager's
+        assert_fp8_rows_close(args[-1].cpu(), eager_cache.cpu(), DC8)
+    else:
+        torch.testing.assert_close(args[-1], eager_cache, atol=1e-2, rtol=2e-2, equal_nan=True)  # bf16: 2 ulp
