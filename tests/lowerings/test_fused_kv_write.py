@@ -179,3 +179,10 @@ def test_cuda_fused_fp8_write_matches_the_unfused_ops(dtype, interleave):
     want = _fp8_expected(*args, 1e-6, interleave)
     torch.ops.mla.write_latent_cache_fused(*args, 1e-6, interleave)
     assert_fp8_rows_close(args[-1].cpu(), want.cpu(), 512)  # the kernel's norm sums in its own order
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_opcheck_float_and_fp8_cache(fp8):
+    args = _fp8_inputs(9, torch.float32, torch.float32) if fp8 else _inputs(9, torch.float32, torch.float32)
+    args[-1] = args[-1].zero_()  # opcheck compares the mutated cache between runs: no NaN
+    torch.library.opcheck(torch.ops.mla.write_latent_cache_fused.default, (*args, 1e-6, True))
