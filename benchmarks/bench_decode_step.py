@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode_step.py --out OUT_DIR [--budget-s 300] [--batches 1,8,64,256] [--ctx 4096]
     python benchmarks/bench_decode_step.py --device cpu --tiny --out /tmp/bds        # CPU smoke test
+    python benchmarks/bench_decode_step.py --out OUT_DIR --kv-cache fp8 [--lowerings]  # the 656-byte fp8 latent cache
 
 A random-weight V2-Lite-shaped model (default 4 layers, hidden 2048, 16 heads, 64 experts top-6, bf16)
 decodes one new token per sequence over ``--ctx`` tokens of random context already in the cache, at
@@ -17,6 +18,12 @@ largest batch that fits ``--fit-ctx`` tokens per sequence in ``--fit-frac`` of t
 times (cold: a fresh Inductor cache dir) and the metadata build time (host, and GPU time of its
 copies) at the largest batch. Rows that fail keep their error in the table; rows past ``--budget-s``
 are skipped. Writes ``bench_decode_step.json`` and ``bench_decode_step.txt`` under ``--out``.
+
+``--kv-cache fp8`` gives ours the DeepSeek fp8 latent cache (``allocate_cache(dtype="fp8")``: 656 bytes
+per token and layer, written by the quantizing write and read by the fp8 decode, whose backends are the
+fp8 ops' defaults); its context holds the quantized latents, so ours-vs-HF logits differ by the
+quantization error (HF keeps the unquantized context). With ``--lowerings`` the fusion pass turns each
+layer's norm + rope + quantizing write into one ``mla::write_latent_cache_fused`` (``fuse_kv_write_fp8``).
 """
 
 from __future__ import annotations
@@ -221,6 +228,19 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def fill_cache(cache: torch.Tensor, latents: torch.Tensor, dc: int, fp8: bool, chunk: int = 1024) -> None:
+    """Copy the context ``latents [num_blocks, bs, dc + dr]`` into ``cache``, quantized to the fp8 rows
+    when ``fp8`` (a chunk of blocks at a time: the quantizer's float32 temporaries stay small)."""
+    if not fp8:
+        cache.copy_(latents)
+        return
+    from mla_compile.ops.fp8_cache import quantize_fp8_rows
+
+    for b in range(0, latents.shape[0], chunk):
+        part = latents[b:b + chunk]
+        cache[b:b + chunk].copy_(quantize_fp8_rows(part[..., :dc], part[..., dc:]))
+
+
 def phase_ours(args, dev, dtype, wl: Workload) -> None:
     from mla_compile.builder import MetadataBuilder
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
@@ -242,10 +262,14 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
                                 cuda_graph=op == "decode" and dev.type == "cuda").name
              for op, dims in (("decode", (c.kv_lora_rank, c.qk_rope_head_dim)), ("prefill", (c.qk_head_dim, c.v_head_dim)))}
     INFO["ours_backend"] = f"{args.backend} -> decode {picks['decode']}, prefill {picks['prefill']}"
-    caches = model.allocate_cache(wl.num_blocks, wl.bs)
+    fp8 = args.kv_cache == "fp8"
+    if fp8:
+        INFO["ours_backend"] += "; fp8 latent cache: write and decode by the fp8 ops' defaults (triton on CUDA)"
+    caches = model.allocate_cache(wl.num_blocks, wl.bs, dtype="fp8" if fp8 else None)
     for i, cache in enumerate(caches):
-        cache.copy_(wl.latents(i))
+        fill_cache(cache, wl.latents(i), wl.dc, fp8)
     INFO["ours_cache_bytes_per_token"] = sum(c[0, 0].numel() * c.element_size() for c in caches)
+    INFO["ours_cache_row"] = f"{caches[0].shape[-1]} bytes (fp8)" if fp8 else f"{caches[0].shape[-1]} values"
     builder = MetadataBuilder(max_batch=wl.max_batch, max_blocks_per_seq=wl.nb, max_tokens=wl.max_batch,
                               block_size=wl.bs, device=dev)
 
@@ -271,9 +295,10 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
     compiled = torch.compile(model, fullgraph=True, options=options or None)
     for i, (b, c) in enumerate(cells):
         def ours_compiled(b=b, c=c):
-            graphs = counters["stats"]["unique_graphs"]
+            graphs, fired = counters["stats"]["unique_graphs"], dict(counters["mla_passes"])
             res = measure(step_fn(compiled, b, c, True), dev, args.warmup, args.iters)
             res["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
+            res["passes_fired"] = {k: v - fired.get(k, 0) for k, v in counters["mla_passes"].items() if v > fired.get(k, 0)}
             return res
         row = run_row(args.out, "ours compiled", b, c, ours_compiled, skip=compile_skip, budget_s=args.budget_s,
                       reserve_s=COMPILE_S if i == 0 else 0.0)
@@ -441,8 +466,8 @@ def memory_fit(args) -> list[str]:
     dense = layers * heads * (192 + 128) * elt
     lines = [f"KV-cache bytes per token ({layers} layers): HF {INFO.get('hf_cache_bytes_per_token', '?')} "
              f"(measured: transformers 5.x caches the latent {args.layers} x (512 + 64) values), ours "
-             f"{INFO.get('ours_cache_bytes_per_token', '?')} (576 per layer); a dense per-head K 192 + V 128 "
-             f"cache would take {dense} ({dense / (layers * 576 * elt):.1f}x ours)"]
+             f"{INFO.get('ours_cache_bytes_per_token', '?')} ({INFO.get('ours_cache_row', '576 values')} per layer); a dense per-head K 192 + V 128 "
+             f"cache would take {dense} ({dense / INFO.get('ours_cache_bytes_per_token', layers * 576 * elt):.1f}x ours)"]
     free = INFO.get("free_bytes_after_weights")
     if free is None:
         return lines + ["largest batch that fits: n/a (needs CUDA memory figures)"]
@@ -504,7 +529,8 @@ def table_text(args) -> str:
     head = "".join(f"{f'B={b} ctx={c}':>26s}" for b, c in cols)
     lines = [f"{INFO.get('device')}, torch {INFO.get('torch')}, transformers {INFO.get('transformers')}; model: "
              f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.experts} experts top-"
-             f"{args.topk}, vocab {args.vocab}, {args.dtype}; block {args.block_size}; ours backend "
+             f"{args.topk}, vocab {args.vocab}, {args.dtype}; block {args.block_size}; ours latent cache "
+             f"{args.kv_cache}; ours backend "
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
              f"compile mode {INFO.get('hf_compile_mode')}"
              + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else ""),
@@ -572,6 +598,8 @@ def parse_args(argv=None):
     ap.add_argument("--lowerings", action="store_true",
                     help="import mla_compile.lowerings and compile ours with its fusion passes (add "
                          "--backend decode=autotune for the autotuned decode)")
+    ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
+                    help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
     preset = TINY if args.tiny else FULL
     for name, value in preset.items():

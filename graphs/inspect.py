@@ -418,7 +418,7 @@ _BACKEND_SUFFIXES = (("_ref", "reference"), ("_triton_config", "triton (autotune
                      ("_fa2", "flash-attn"), ("_flash_attn", "flash-attn"), ("_sdpa", "sdpa-cudnn"),
                      ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"))
 _KERNEL_BACKENDS = {"_decode_split_kernel": "triton", "_decode_reduce_kernel": "triton",
-                    "_cache_write_kernel": "triton", "_fused_kv_write_kernel": "triton"}
+                    "_cache_write_kernel": "triton", "_fused_kv_write_kernel": "triton", "_fp8_write_kernel": "triton"}
 
 
 def op_backend(name: str) -> str:

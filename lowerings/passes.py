@@ -6,13 +6,17 @@ become one ``mla::write_latent_cache_fused`` call (one launch instead of a norm 
 and the write). The norm and the rope are found with Inductor's pattern matcher (patterns traced from
 the model's own math for float32/bfloat16/float16 and both RoPE layouts, ``eps`` free); the write is
 the functionalized ``mla::write_latent_cache_ref`` (``auto_functionalized``/``_v2``) or our Triton cache
-write kernel (``triton_kernel_wrapper_functional``). It fires only when the normed latent and the
-roped k_pe feed nothing but the write (a decode-only step); otherwise the graph is left alone.
+write kernel (``triton_kernel_wrapper_functional``). The quantizing write into the 656-byte fp8 latent
+cache (``mla::write_latent_cache_fp8_ref``, or the Triton fp8 write kernel that
+``mla::write_latent_cache_fp8_triton`` decomposes into) is fused the same way: the fused op quantizes
+when its cache is uint8. It fires only when the normed latent and the roped k_pe feed nothing but the
+write (a decode-only step); otherwise the graph is left alone.
 
 Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_options())``, or
 ``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
 in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
-``torch._dynamo.utils.counters["mla_passes"]["fuse_kv_write"]`` (the inspect report lists it).
+``torch._dynamo.utils.counters["mla_passes"]``: ``"fuse_kv_write"`` for a float cache,
+``"fuse_kv_write_fp8"`` for an fp8 one (the inspect report lists both; ``PASS_NAMES`` names them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import contextlib
 import functools
 import hashlib
 import operator
+from collections import Counter
 from typing import Iterator
 
 import torch
@@ -30,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from mla_compile import envs
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 
-PASS_NAMES = ("fuse_kv_write",)
+PASS_NAMES = ("fuse_kv_write", "fuse_kv_write_fp8")  # the counter keys
 _EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
 
 
@@ -89,45 +94,49 @@ def _match_rope(node: torch.fx.Node):
     return None
 
 
-def _write_ops() -> tuple:
-    """The cache-write custom ops a functionalized write site may call: the reference, and our Triton
-    ``triton_op`` when it stays opaque (not traced into its kernel) in the post-grad graph."""
-    ops = [torch.ops.mla.write_latent_cache_ref.default]
-    triton_write = getattr(torch.ops.mla, "write_latent_cache_triton", None)  # registered once Triton's module loads
-    if triton_write is not None:
-        ops.append(triton_write.default)
-    return tuple(ops)
+def _write_ops() -> dict:
+    """The cache-write custom ops a functionalized write site may call -> their counter key: the
+    references, and our Triton ``triton_op``s when they stay opaque (not traced into their kernels)."""
+    ops = {torch.ops.mla.write_latent_cache_ref.default: "fuse_kv_write",
+           torch.ops.mla.write_latent_cache_fp8_ref.default: "fuse_kv_write_fp8"}
+    for name, key in (("write_latent_cache_triton", "fuse_kv_write"), ("write_latent_cache_fp8_triton", "fuse_kv_write_fp8")):
+        op = getattr(torch.ops.mla, name, None)  # registered once its Triton module loads
+        if op is not None:
+            ops[op.default] = key
+    return ops
 
 
-def _is_triton_write_kernel(kernel) -> bool:
-    """Whether ``kernel`` (from Inductor's kernel side table) is our Triton cache-write kernel: by identity,
-    or by its function's module and name (a kernel object re-created by a wrapper or a reload still counts)."""
-    try:
-        from mla_compile.ops.triton.cache_write import _cache_write_kernel
-    except Exception:
-        return False
-    if kernel is _cache_write_kernel:
-        return True
+# our Triton cache-write kernels (module suffix, function name) -> counter key; their functional wrappers
+# are matched (both take ``lat_ptr``, ``kpe_ptr``, ``slot_ptr``, ``cache_ptr``)
+_TRITON_WRITES = {("ops.triton.cache_write", "_cache_write_kernel"): "fuse_kv_write",
+                  ("ops.triton.fp8_cache_write", "_fp8_write_kernel"): "fuse_kv_write_fp8"}
+
+
+def _triton_write_key(kernel) -> str | None:
+    """The counter key when ``kernel`` (from Inductor's kernel side table) is one of our Triton cache writes,
+    recognised by its function's module and name (not identity: torch 2.11 hands back another object)."""
     fn = getattr(kernel, "fn", kernel)
-    return (getattr(fn, "__name__", None) == "_cache_write_kernel"
-            and getattr(fn, "__module__", "").endswith("ops.triton.cache_write"))
+    name, module = getattr(fn, "__name__", None), getattr(fn, "__module__", "") or ""
+    return next((key for (mod, fname), key in _TRITON_WRITES.items() if name == fname and module.endswith(mod)), None)
 
 
 def _write_site(node: torch.fx.Node):
-    """``(latent, k_pe, slot_mapping, cache_base, outputs_to_replace)`` for a functionalized cache write."""
+    """``(latent, k_pe, slot_mapping, kind, cache, counter key)`` for a functionalized cache write, else None."""
     hop = torch.ops.higher_order
     if node.target in (getattr(hop, "auto_functionalized_v2", None), getattr(hop, "auto_functionalized", None)):
-        if not node.args or node.args[0] not in _write_ops():
+        key = _write_ops().get(node.args[0]) if node.args else None
+        if key is None:
             return None
         kw = node.kwargs
-        return kw["latent"], kw["k_pe"], kw["slot_mapping"], "auto", None
+        return kw["latent"], kw["k_pe"], kw["slot_mapping"], "auto", None, key
     if node.target is getattr(hop, "triton_kernel_wrapper_functional", None):
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-        if not _is_triton_write_kernel(kernel_side_table.get_kernel(node.kwargs["kernel_idx"])):
+        key = _triton_write_key(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]))
+        if key is None:
             return None
         kw = node.kwargs["kwargs"]
-        return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"]
+        return kw["lat_ptr"], kw["kpe_ptr"], kw["slot_ptr"], "triton", kw["cache_ptr"], key
     return None
 
 
@@ -149,14 +158,15 @@ def _skipped(reason: str) -> None:
 
 
 def fuse_kv_write(graph: torch.fx.Graph) -> int:
-    """Rewrite every norm + rope + cache write site of ``graph``; returns the number of rewrites."""
+    """Rewrite every norm + rope + cache write site (float or fp8 cache) of ``graph``; returns the number
+    of rewrites (counted per cache format in ``counters["mla_passes"]``)."""
     hop = torch.ops.higher_order
-    fused = 0
+    fused: Counter = Counter()
     for node in list(graph.nodes):
         site = _write_site(node)
         if site is None:
             continue
-        latent_n, kpe_n, slots, kind, cache = site
+        latent_n, kpe_n, slots, kind, cache, key = site
         if not (isinstance(latent_n, torch.fx.Node) and isinstance(kpe_n, torch.fx.Node)):
             _skipped("latent or k_pe is not computed in the graph")
             continue
@@ -211,11 +221,11 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
                 graph.erase_node(g)
             _drop_self_copies(graph, slots)
         graph.erase_node(node)
-        fused += 1
+        fused[key] += 1
     if fused:
         graph.eliminate_dead_code()
-        counters["mla_passes"]["fuse_kv_write"] += fused
-    return fused
+        counters["mla_passes"].update(fused)
+    return sum(fused.values())
 
 
 def _source_hash() -> str:

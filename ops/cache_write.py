@@ -17,17 +17,18 @@ from mla_compile.ops._paged import scatter_rows
 OP = "mla.write_latent_cache"
 
 
-def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
-    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write."""
-    check_tensor(OP, "latent", latent, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, kv_lora_rank]")
+def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, op: str = OP) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write.
+    ``op`` names the op in the errors (the fused write reuses these checks)."""
+    check_tensor(op, "latent", latent, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, kv_lora_rank]")
     T, Dc = latent.shape
-    check_tensor(OP, "k_pe", k_pe, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, None), expected="[T, rope_dim]")
-    check_tensor(OP, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,), expected="[T] int32/int64")
-    check_tensor(OP, "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES,
+    check_tensor(op, "k_pe", k_pe, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, None), expected="[T, rope_dim]")
+    check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,), expected="[T] int32/int64")
+    check_tensor(op, "kv_cache", kv_cache, ndim=3, dtypes=FLOAT_DTYPES,
                  shape=(None, None, Dc + k_pe.shape[1]), expected=f"[num_blocks, block_size, {Dc}+{k_pe.shape[1]}]")
-    check_same_device(OP, latent=latent, k_pe=k_pe, slot_mapping=slot_mapping, kv_cache=kv_cache)
+    check_same_device(op, latent=latent, k_pe=k_pe, slot_mapping=slot_mapping, kv_cache=kv_cache)
     if data_checks_enabled(slot_mapping):
-        check_range(OP, "slot_mapping", slot_mapping, 0, kv_cache.shape[0] * kv_cache.shape[1], ignore=-1,
+        check_range(op, "slot_mapping", slot_mapping, 0, kv_cache.shape[0] * kv_cache.shape[1], ignore=-1,
                     what="num_blocks * block_size, or -1 for padding")
 
 

@@ -102,22 +102,23 @@ def _rank_for(op: str, width: int, dim: int) -> int:
 
 # ------------------------------------------------------------------------------------------- write
 
-def validate_write(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
-    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write."""
-    check_tensor(OP_WRITE, "latent", latent, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, kv_lora_rank]")
+def validate_write(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, op: str = OP_WRITE) -> None:
+    """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Raises before any write.
+    ``op`` names the op in the errors (the fused write reuses these checks)."""
+    check_tensor(op, "latent", latent, ndim=2, dtypes=FLOAT_DTYPES, expected="[T, kv_lora_rank]")
     T, Dc = latent.shape
     if Dc == 0 or Dc % FP8_GROUP:
-        raise ValueError(f"{OP_WRITE}: latent's last dim (kv_lora_rank) must be a positive multiple of {FP8_GROUP} "
+        raise ValueError(f"{op}: latent's last dim (kv_lora_rank) must be a positive multiple of {FP8_GROUP} "
                          f"for the fp8 format, got {Dc}")
-    check_tensor(OP_WRITE, "k_pe", k_pe, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, None), expected="[T, rope_dim]")
-    check_tensor(OP_WRITE, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
+    check_tensor(op, "k_pe", k_pe, ndim=2, dtypes=FLOAT_DTYPES, shape=(T, None), expected="[T, rope_dim]")
+    check_tensor(op, "slot_mapping", slot_mapping, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
                  expected="[T] int32/int64")
     W = fp8_row_bytes(Dc, k_pe.shape[1])
-    check_tensor(OP_WRITE, "kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), shape=(None, None, W),
+    check_tensor(op, "kv_cache", kv_cache, ndim=3, dtypes=(torch.uint8,), shape=(None, None, W),
                  expected=f"[num_blocks, block_size, {W}] uint8 fp8 rows for {Dc} + {k_pe.shape[1]}")
-    check_same_device(OP_WRITE, latent=latent, k_pe=k_pe, slot_mapping=slot_mapping, kv_cache=kv_cache)
+    check_same_device(op, latent=latent, k_pe=k_pe, slot_mapping=slot_mapping, kv_cache=kv_cache)
     if data_checks_enabled(slot_mapping):
-        check_range(OP_WRITE, "slot_mapping", slot_mapping, 0, kv_cache.shape[0] * kv_cache.shape[1], ignore=-1,
+        check_range(op, "slot_mapping", slot_mapping, 0, kv_cache.shape[0] * kv_cache.shape[1], ignore=-1,
                     what="num_blocks * block_size, or -1 for padding")
 
 

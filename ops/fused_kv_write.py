@@ -5,11 +5,14 @@ Contract: for every token t whose ``slot_mapping[t] != -1``, the cache row at th
 (float32 mean of squares, ``x * rsqrt(var + eps)`` cast back to the input dtype, times ``norm_weight``)
 and ``rope`` is :func:`mla_compile.rope.apply_rope`'s math (``interleave`` pairs or rotate-half) in
 float32, cast back to k_pe's dtype. It is what ``kv_a_layernorm`` + ``apply_rope`` +
-``mla::write_latent_cache`` compute, in one launch. The fusion pass in
-:mod:`mla_compile.lowerings.passes` puts it in compiled graphs; nothing calls it directly.
+``mla::write_latent_cache`` compute, in one launch. A ``uint8`` cache holds the 656-byte DeepSeek fp8
+rows instead (``mla_compile.ops.fp8_cache``): the row is quantized exactly as
+``mla::write_latent_cache_fp8`` quantizes ``[rms_norm(latent) | rope(k_pe)]`` (same bytes). The fusion
+pass in :mod:`mla_compile.lowerings.passes` puts it in compiled graphs; nothing calls it directly.
 
 ``latent [T, Dc]``, ``k_pe [T, Dr]`` (Dr even), ``norm_weight [Dc]``, ``cos``/``sin [T, Dr/2]`` float32,
-``slot_mapping [T]``, ``kv_cache [num_blocks, block_size, Dc + Dr]`` (mutated; nothing is returned).
+``slot_mapping [T]``, ``kv_cache`` (mutated; nothing is returned): float ``[num_blocks, block_size, Dc + Dr]``
+or fp8 rows ``uint8 [num_blocks, block_size, Dc + Dc / 32 + 2 * Dr]`` (Dc a multiple of 128).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from mla_compile.ops._checks import FLOAT_DTYPES, check_tensor
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops._paged import scatter_rows
 from mla_compile.ops.cache_write import validate as validate_write
+from mla_compile.ops.fp8_cache import quantize_fp8_rows
+from mla_compile.ops.fp8_cache import validate_write as validate_write_fp8
 from mla_compile.ops.triton import available as _triton_available
 
 OP = "mla.write_latent_cache_fused"
@@ -42,8 +47,10 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
 
 def validate(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,
              kv_cache: Tensor) -> None:
-    """The cache write's checks plus the norm weight and the rotary tables (no sync)."""
-    validate_write(latent, k_pe, slot_mapping, kv_cache)
+    """The cache write's checks (the fp8 write's for a uint8 cache) plus the norm weight and the rotary
+    tables (no sync)."""
+    write_checks = validate_write_fp8 if kv_cache.dtype == torch.uint8 else validate_write
+    write_checks(latent, k_pe, slot_mapping, kv_cache, op=OP)
     T, Dc = latent.shape
     Dr = k_pe.shape[1]
     if Dr % 2:
@@ -68,9 +75,14 @@ def write_latent_cache_fused(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, 
 
 def write_latent_cache_fused_reference(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: Tensor,
                                        slot_mapping: Tensor, kv_cache: Tensor, eps: float, interleave: bool) -> None:
-    """Plain torch on any device: the unfused computation, then the shared scatter."""
-    rows = torch.cat([rms_norm(latent, norm_weight, eps), rope(k_pe, cos, sin, interleave)], dim=-1)
-    scatter_rows(kv_cache, slot_mapping, rows.to(kv_cache.dtype))
+    """Plain torch on any device: the unfused computation, then the shared scatter (a uint8 cache gets
+    the rows of :func:`mla_compile.ops.fp8_cache.quantize_fp8_rows`)."""
+    normed, roped = rms_norm(latent, norm_weight, eps), rope(k_pe, cos, sin, interleave)
+    if kv_cache.dtype == torch.uint8:
+        rows = quantize_fp8_rows(normed, roped)
+    else:
+        rows = torch.cat([normed, roped], dim=-1).to(kv_cache.dtype)
+    scatter_rows(kv_cache, slot_mapping, rows)
 
 
 @write_latent_cache_fused.register_fake

@@ -1,5 +1,6 @@
 """Triton helpers for the DeepSeek fp8 latent format (``mla_compile.ops.fp8_cache``): the e4m3 encoder
-of the cache write and the dequantizing tile load shared by the dense and sparse fp8 decode kernels.
+and the row quantizer shared by the fp8 cache write and the fused norm + rope + fp8 write kernels, and
+the dequantizing tile load shared by the dense and sparse fp8 decode kernels.
 
 The encoder rounds in integer arithmetic instead of a float8 cast: the result is the same
 round-to-nearest-even code as ``torch.Tensor.to(torch.float8_e4m3fn)`` on every device, and Triton's
@@ -34,6 +35,32 @@ def e4m3_codes(q):
     sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
     code = tl.where(mag < 0x3C800000, sub, normal)  # 0x3C800000 = 2**-6
     return code.to(tl.uint8) | sign
+
+
+@triton.jit
+def store_fp8_latent(dst, x, ok, DC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DC: tl.constexpr):
+    """Quantize float32 latent rows ``x [BLOCK_R, BLOCK_DC]`` (0 past ``DC``) into the fp8 rows at the
+    uint8 pointers ``dst [BLOCK_R]`` where ``ok``: e4m3 codes at bytes ``[0, DC)``, then one float32
+    scale ``max(amax / 448, 2**-64)`` per 128 values. IEEE division (``div_rn``) matches torch's bytes."""
+    G: tl.constexpr = BLOCK_DC // 128
+    x3 = tl.reshape(x, (BLOCK_R, G, 128))
+    amax = tl.max(tl.abs(x3), axis=2)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full([BLOCK_R, G], FP8_MAX, tl.float32)), SCALE_FLOOR)
+    quot = tl.math.div_rn(x3, tl.broadcast_to(scale[:, :, None], (BLOCK_R, G, 128)))
+    quot = tl.minimum(tl.maximum(quot, -FP8_MAX), FP8_MAX)
+    codes = tl.reshape(e4m3_codes(quot), (BLOCK_R, BLOCK_DC))
+    offs_c = tl.arange(0, BLOCK_DC)
+    tl.store(dst[:, None] + offs_c[None, :], codes, mask=ok[:, None] & (offs_c < DC)[None, :])
+    offs_g = tl.arange(0, G)
+    scale_dst = (dst + DC).to(tl.pointer_type(tl.float32))
+    tl.store(scale_dst[:, None] + offs_g[None, :], scale, mask=ok[:, None] & (offs_g < DC // 128)[None, :])
+
+
+@triton.jit
+def bf16_bits(x):
+    """float32 ``x`` (finite) to bfloat16 bit patterns (int16), round to nearest even, as ``.to(torch.bfloat16)``."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
 
 
 @triton.jit

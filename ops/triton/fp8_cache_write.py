@@ -16,7 +16,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.fp8_cache import validate_write
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_rows
-from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
+from mla_compile.ops.triton._fp8 import bf16_bits, store_fp8_latent
 
 
 @triton.jit
@@ -26,32 +26,18 @@ def _fp8_write_kernel(
     s_lat, s_kpe, s_cb, s_ct,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
-    G: tl.constexpr = BLOCK_DC // 128
     rows, ok, dst = slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R)
 
     offs_c = tl.arange(0, BLOCK_DC)
-    c_ok = offs_c < DC
-    m = ok[:, None] & c_ok[None, :]
+    m = ok[:, None] & (offs_c < DC)[None, :]
     x = tl.load(lat_ptr + rows[:, None] * s_lat + offs_c[None, :], mask=m, other=0.0).to(tl.float32)
-    x3 = tl.reshape(x, (BLOCK_R, G, 128))
-    amax = tl.max(tl.abs(x3), axis=2)
-    scale = tl.maximum(tl.math.div_rn(amax, tl.full([BLOCK_R, G], FP8_MAX, tl.float32)), SCALE_FLOOR)
-    quot = tl.math.div_rn(x3, tl.broadcast_to(scale[:, :, None], (BLOCK_R, G, 128)))
-    quot = tl.minimum(tl.maximum(quot, -FP8_MAX), FP8_MAX)
-    codes = tl.reshape(e4m3_codes(quot), (BLOCK_R, BLOCK_DC))
-    tl.store(dst[:, None] + offs_c[None, :], codes, mask=m)
-
-    offs_g = tl.arange(0, G)
-    scale_dst = (dst + DC).to(tl.pointer_type(tl.float32))
-    tl.store(scale_dst[:, None] + offs_g[None, :], scale, mask=ok[:, None] & (offs_g < DC // 128)[None, :])
+    store_fp8_latent(dst, x, ok, DC, BLOCK_R, BLOCK_DC)
 
     offs_r = tl.arange(0, BLOCK_DR)
     mr = ok[:, None] & (offs_r < DR)[None, :]
     kpe = tl.load(kpe_ptr + rows[:, None] * s_kpe + offs_r[None, :], mask=mr, other=0.0).to(tl.float32)
-    bits = kpe.to(tl.int32, bitcast=True)
-    bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)  # round to nearest even bf16 bits
     rope_dst = (dst + DC + 4 * (DC // 128)).to(tl.pointer_type(tl.int16))
-    tl.store(rope_dst[:, None] + offs_r[None, :], bf16, mask=mr)
+    tl.store(rope_dst[:, None] + offs_r[None, :], bf16_bits(kpe), mask=mr)
 
 
 def _launch(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
