@@ -13,6 +13,11 @@ Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_
 ``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
 in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
 ``torch._dynamo.utils.counters["mla_passes"]["fuse_kv_write"]`` (the inspect report lists it).
+
+``fuse_absorb_q`` / ``fuse_absorb_out`` (:mod:`mla_compile.lowerings.absorb`): the absorbed decode's
+``q_nope @ W_UK`` + ``cat`` with q_pe, and ``out_lat @ W_UV`` + the reshape for ``o_proj``, become
+``mla::absorb_q`` / ``mla::absorb_out``, which write the matmul straight into the final layout (the
+copy Inductor makes after each bmm is gone). Counted under their names in the same counters.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mla_compile import envs
+from mla_compile.lowerings import absorb
+from mla_compile.lowerings.absorb import fuse_absorb_out, fuse_absorb_q
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 
-PASS_NAMES = ("fuse_kv_write",)
+PASS_NAMES = ("fuse_kv_write", "fuse_absorb_q", "fuse_absorb_out")
 _EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
 
 
@@ -180,16 +187,22 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
 
 
 def _source_hash() -> str:
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    """Hash of the passes' sources (this file and :mod:`mla_compile.lowerings.absorb`)."""
+    h = hashlib.sha256()
+    for path in (__file__, absorb.__file__):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
 
 
 class MLAFusionPass(CustomGraphPass):
-    """Every MLA post-grad fusion (``PASS_NAMES``); a no-op when ``MLA_COMPILE_PASSES=0``."""
+    """Every MLA post-grad fusion (``PASS_NAMES``, in that order); a no-op when ``MLA_COMPILE_PASSES=0``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if envs.passes_enabled():
             fuse_kv_write(graph)
+            fuse_absorb_q(graph)
+            fuse_absorb_out(graph)
 
     def uuid(self) -> str:
         return f"mla_compile.lowerings.passes:{_source_hash()}:{int(envs.passes_enabled())}"
