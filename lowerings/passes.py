@@ -11,7 +11,8 @@ roped k_pe feed nothing but the write (a decode-only step); otherwise the graph 
 
 Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_options())``, or
 ``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
-in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
+in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison; a comma-separated list of
+names (``MLA_COMPILE_PASSES=fuse_kv_write``) runs only those, to measure one pass at a time. Each rewrite counts in
 ``torch._dynamo.utils.counters["mla_passes"]["fuse_kv_write"]`` (the inspect report lists it).
 
 ``fuse_absorb_q`` / ``fuse_absorb_out`` (:mod:`mla_compile.lowerings.absorb`): the absorbed decode's
@@ -195,17 +196,33 @@ def _source_hash() -> str:
     return h.hexdigest()
 
 
+def selected_passes() -> tuple[str, ...]:
+    """The passes ``MLA_COMPILE_PASSES`` leaves on, in ``PASS_NAMES`` order: all ("1", the default), none
+    ("0"), or the comma-separated names it lists (an unknown name is a ValueError)."""
+    spec = envs.passes()
+    if not envs.passes_enabled():
+        return ()
+    if spec in ("1", "true", "yes", "on", ""):
+        return PASS_NAMES
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = sorted(names - set(PASS_NAMES))
+    if unknown:
+        raise ValueError(f"MLA_COMPILE_PASSES={spec!r}: unknown pass name(s) {unknown}; expected 0, 1 or a "
+                         f"comma-separated subset of {list(PASS_NAMES)}")
+    return tuple(n for n in PASS_NAMES if n in names)
+
+
 class MLAFusionPass(CustomGraphPass):
-    """Every MLA post-grad fusion (``PASS_NAMES``, in that order); a no-op when ``MLA_COMPILE_PASSES=0``."""
+    """The MLA post-grad fusions that ``MLA_COMPILE_PASSES`` selects (default every one of ``PASS_NAMES``,
+    in that order); a no-op when ``MLA_COMPILE_PASSES=0``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if envs.passes_enabled():
-            fuse_kv_write(graph)
-            fuse_absorb_q(graph)
-            fuse_absorb_out(graph)
+        passes = {"fuse_kv_write": fuse_kv_write, "fuse_absorb_q": fuse_absorb_q, "fuse_absorb_out": fuse_absorb_out}
+        for name in selected_passes():
+            passes[name](graph)
 
     def uuid(self) -> str:
-        return f"mla_compile.lowerings.passes:{_source_hash()}:{int(envs.passes_enabled())}"
+        return f"mla_compile.lowerings.passes:{_source_hash()}:{','.join(selected_passes()) or 'off'}"
 
 
 def compile_options(passes: bool | None = None) -> dict:
