@@ -416,7 +416,9 @@ _BACKEND_SUFFIXES = (("_ref", "reference"), ("_triton_config", "triton (autotune
                      ("_flashmla", "flashmla"), ("_flashinfer_trtllm", "flashinfer-trtllm"),
                      ("_flashinfer_cutlass", "flashinfer-cutlass"), ("_flashinfer", "flashinfer"),
                      ("_fa2", "flash-attn"), ("_flash_attn", "flash-attn"), ("_sdpa", "sdpa-cudnn"),
-                     ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"))
+                     ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"),
+                     ("absorb_q", "torch bmm into place (fusion pass)"),
+                     ("absorb_out", "torch bmm into place (fusion pass)"))
 _KERNEL_BACKENDS = {"_decode_split_kernel": "triton", "_decode_reduce_kernel": "triton",
                     "_cache_write_kernel": "triton", "_fused_kv_write_kernel": "triton", "_fp8_write_kernel": "triton"}
 

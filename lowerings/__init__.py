@@ -10,10 +10,12 @@ Core (``mla_compile``) never imports this package.
 
 from mla_compile.lowerings import decode as _decode
 from mla_compile.lowerings import prefill as _prefill
-from mla_compile.lowerings.passes import PASS_NAMES, MLAFusionPass, compile_options, fuse_kv_write, mla_passes
+from mla_compile.lowerings.absorb import fuse_absorb_out, fuse_absorb_q
+from mla_compile.lowerings.passes import (PASS_NAMES, MLAFusionPass, compile_options, fuse_kv_write, mla_passes,
+                                         selected_passes)
 
 LOWERING_INSTALLED = _decode.install()  # decode's
 PREFILL_LOWERING_INSTALLED = _prefill.install()
 
 __all__ = ["LOWERING_INSTALLED", "PREFILL_LOWERING_INSTALLED", "MLAFusionPass", "PASS_NAMES", "compile_options",
-           "fuse_kv_write", "mla_passes"]
+           "fuse_absorb_out", "fuse_absorb_q", "fuse_kv_write", "mla_passes", "selected_passes"]

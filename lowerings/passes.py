@@ -14,9 +14,15 @@ write (a decode-only step); otherwise the graph is left alone.
 
 Switch on per compile: ``torch.compile(m, options=mla_compile.lowerings.compile_options())``, or
 ``with mla_compile.lowerings.mla_passes(): ...`` around the first call. ``MLA_COMPILE_PASSES=0`` (read
-in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison. Each rewrite counts in
-``torch._dynamo.utils.counters["mla_passes"]``: ``"fuse_kv_write"`` for a float cache,
-``"fuse_kv_write_fp8"`` for an fp8 one (the inspect report lists both; ``PASS_NAMES`` names them).
+in :mod:`mla_compile.envs`) makes both a no-op, for a before/after comparison; a comma-separated list of
+pass names (``MLA_COMPILE_PASSES=fuse_kv_write``) runs only those, to measure one pass at a time. Each
+rewrite counts in ``torch._dynamo.utils.counters["mla_passes"]`` under ``COUNTER_KEYS``: ``fuse_kv_write``
+for a float cache, ``fuse_kv_write_fp8`` for an fp8 one, and the two below (the inspect report lists them).
+
+``fuse_absorb_q`` / ``fuse_absorb_out`` (:mod:`mla_compile.lowerings.absorb`): the absorbed decode's
+``q_nope @ W_UK`` + ``cat`` with q_pe, and ``out_lat @ W_UV`` + the reshape for ``o_proj``, become
+``mla::absorb_q`` / ``mla::absorb_out``, which write the matmul straight into the final layout (the
+copy Inductor makes after each bmm is gone). Counted under their names in the same counters.
 """
 
 from __future__ import annotations
@@ -33,9 +39,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from mla_compile import envs
+from mla_compile.lowerings import absorb
+from mla_compile.lowerings.absorb import fuse_absorb_out, fuse_absorb_q
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 
-PASS_NAMES = ("fuse_kv_write", "fuse_kv_write_fp8")  # the counter keys
+PASS_NAMES = ("fuse_kv_write", "fuse_absorb_q", "fuse_absorb_out")  # selectable by MLA_COMPILE_PASSES
+COUNTER_KEYS = ("fuse_kv_write", "fuse_kv_write_fp8", "fuse_absorb_q", "fuse_absorb_out")  # counters["mla_passes"]
 _EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
 
 
@@ -229,19 +238,41 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
 
 
 def _source_hash() -> str:
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    """Hash of the passes' sources (this file and :mod:`mla_compile.lowerings.absorb`)."""
+    h = hashlib.sha256()
+    for path in (__file__, absorb.__file__):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def selected_passes() -> tuple[str, ...]:
+    """The passes ``MLA_COMPILE_PASSES`` leaves on, in ``PASS_NAMES`` order: all ("1", the default), none
+    ("0"), or the comma-separated names it lists (an unknown name is a ValueError)."""
+    spec = envs.passes()
+    if not envs.passes_enabled():
+        return ()
+    if spec in ("1", "true", "yes", "on", ""):
+        return PASS_NAMES
+    names = {n.strip() for n in spec.split(",") if n.strip()}
+    unknown = sorted(names - set(PASS_NAMES))
+    if unknown:
+        raise ValueError(f"MLA_COMPILE_PASSES={spec!r}: unknown pass name(s) {unknown}; expected 0, 1 or a "
+                         f"comma-separated subset of {list(PASS_NAMES)}")
+    return tuple(n for n in PASS_NAMES if n in names)
 
 
 class MLAFusionPass(CustomGraphPass):
-    """Every MLA post-grad fusion (``PASS_NAMES``); a no-op when ``MLA_COMPILE_PASSES=0``."""
+    """The MLA post-grad fusions that ``MLA_COMPILE_PASSES`` selects (default every one of ``PASS_NAMES``,
+    in that order); a no-op when ``MLA_COMPILE_PASSES=0``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if envs.passes_enabled():
-            fuse_kv_write(graph)
+        passes = {"fuse_kv_write": fuse_kv_write, "fuse_absorb_q": fuse_absorb_q, "fuse_absorb_out": fuse_absorb_out}
+        for name in selected_passes():
+            passes[name](graph)
 
     def uuid(self) -> str:
-        return f"mla_compile.lowerings.passes:{_source_hash()}:{int(envs.passes_enabled())}"
+        return f"mla_compile.lowerings.passes:{_source_hash()}:{','.join(selected_passes()) or 'off'}"
 
 
 def compile_options(passes: bool | None = None) -> dict:

@@ -28,6 +28,12 @@ def kv_step(kv_a, w, cos, sin, slots, cache):
     return kv_a.sum()
 
 
+def absorb_step(q_nope, q_pe, w_uk, w_uv, w_o):
+    q_abs = torch.cat([torch.einsum("thn,hnc->thc", q_nope, w_uk), q_pe], dim=-1)
+    out = torch.einsum("thc,hvc->thv", q_abs[..., :8].tanh(), w_uv)
+    return out.reshape(out.shape[0], -1) @ w_o
+
+
 def test_break_source_line_guards_and_phases():
     report = inspect_compile(with_break, lambda f: f(torch.randn(4)), backend="aot_eager")
     (brk,) = report.graph_breaks
@@ -52,6 +58,18 @@ def test_passes_fired_and_ops_with_backends_are_reported(tmp_path):
     assert "fusion passes fired: fuse_kv_write x1" in (tmp_path / "report.txt").read_text()
 
 
+def test_absorb_passes_are_reported(tmp_path):
+    T, H = 3, 2
+    args = (torch.randn(T, H, 4), torch.randn(T, H, 2), torch.randn(H, 4, 8), torch.randn(H, 5, 8), torch.randn(H * 5, 3))
+    report = inspect_compile(absorb_step, lambda f: f(*args), str(tmp_path), fresh=True, dump=False,
+                             options=lowerings.compile_options(True))
+    assert report.error is None, report.error
+    assert report.passes_fired == {"fuse_absorb_q": 1, "fuse_absorb_out": 1}
+    for op in ("mla::absorb_q", "mla::absorb_out"):
+        assert {"op": op, "backend": "torch bmm into place (fusion pass)"} in report.mla_ops
+    assert "fusion passes fired: fuse_absorb_q x1, fuse_absorb_out x1" in (tmp_path / "report.txt").read_text()
+
+
 def test_autotune_decision_is_reported_with_timings():
     q, kv = torch.randn(2, 1, 2, 24), torch.randn(3, 4, 24)
     bt, sl = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
@@ -74,3 +92,4 @@ def test_op_backend_names():
     assert op_backend("mla::prefill_flashinfer") == "flashinfer"
     assert op_backend("_decode_split_kernel") == "triton" and op_backend("mla::unknown") == "?"
     assert op_backend("_fp8_write_kernel") == "triton" and op_backend("_fused_kv_write_kernel") == "triton"
+    assert op_backend("mla::absorb_q") == op_backend("mla::absorb_out.default") == "torch bmm into place (fusion pass)"
