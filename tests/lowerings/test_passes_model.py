@@ -36,7 +36,7 @@ def test_fp8_cache_decode_step_compiled_with_passes_matches_eager(fresh_dynamo):
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), mla_passes(True):
         got = compiled(step.input_ids, step.positions, step.meta)[:step.num_rows]
-    assert dict(counters["mla_passes"]) == {"fuse_kv_write_fp8": 1}
+    assert dict(counters["mla_passes"]) == {"fuse_kv_write_fp8": 1, "fuse_absorb_q": 1, "fuse_absorb_out": 1}
     slots = step.meta.slot_mapping.long()
     assert slots.tolist() == [9, 4 * BS + 5]
     rows = lambda c: c.view(-1, c.shape[-1])  # noqa: E731
