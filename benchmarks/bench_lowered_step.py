@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lowered_step.py --out OUT_DIR [--batches 1,8,64,256] [--ctx 4096] [--iters 30]
     python benchmarks/bench_lowered_step.py --out OUT_DIR --b-passes-only     # B = static backends + passes
+    python benchmarks/bench_lowered_step.py --out OUT_DIR --kv-cache fp8   # the 656-byte fp8 latent cache
     python benchmarks/bench_lowered_step.py --out /tmp/bls --device cpu --tiny --iters 2   # CPU smoke run
 
 Issue #7's check ("the decode step with lowerings and passes is at least as fast as without, measured in
@@ -38,8 +39,9 @@ def _compiled(args, dev, dtype, wl, backend: str, passes: bool):
     import mla_compile.lowerings as lowerings
 
     model = patch(bds.build_hf(args, dev, dtype), backend=backend)
-    for i, cache in enumerate(model.allocate_cache(wl.num_blocks, wl.bs)):
-        cache.copy_(wl.latents(i))
+    fp8 = args.kv_cache == "fp8"
+    for i, cache in enumerate(model.allocate_cache(wl.num_blocks, wl.bs, dtype="fp8" if fp8 else None)):
+        bds.fill_cache(cache, wl.latents(i), wl.dc, fp8)
     return torch.compile(model, fullgraph=True, options=lowerings.compile_options(passes=True) if passes else None)
 
 
@@ -121,7 +123,7 @@ def main(argv=None) -> None:
                      for r in _compile_log.records_since(mark)],
         "total_s": round(time.perf_counter() - t0, 1),
     }
-    lines = [f"{info['device']}, torch {info['torch']}; A = {info['A']}; B = {info['B']}",
+    lines = [f"{info['device']}, torch {info['torch']}, {args.kv_cache} latent cache; A = {info['A']}; B = {info['B']}",
              f"passes fired in B: {info['passes_fired'] or 'none'}"
              + (f"; left alone: {info['passes_skipped']}" if info["passes_skipped"] else ""),
              *[f"autotune {r['op']} {r['shapes']}: {r['winner']}  "
