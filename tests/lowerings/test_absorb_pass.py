@@ -78,7 +78,10 @@ def test_both_sites_become_ops_with_the_same_numbers(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_both_sites_become_ops_with_the_same_numbers(dtype):
     args = [a.cuda() for a in _inputs(25, dtype)]
-    (got,), code, fired = _compiled(args, None, True)
+    # Inductor's shape padding (CUDA, float32) pads the T=6 rows of the out-side bmm to 8 and slices the
+    # result (run 21): that site is then no plain bmm.permute and is left alone; off here, as at aligned T
+    with torch._inductor.config.patch(shape_padding=False):
+        (got,), code, fired = _compiled(args, None, True)
     assert fired == {"fuse_absorb_q": 1, "fuse_absorb_out": 1}
     assert "torch.ops.mla.absorb_q.default(" in code and "torch.ops.mla.absorb_out.default(" in code
     assert "extern_kernels.bmm" not in code
