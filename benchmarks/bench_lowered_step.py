@@ -2,6 +2,8 @@
 
     python benchmarks/bench_lowered_step.py --out OUT_DIR [--batches 1,8,64,256] [--ctx 4096] [--iters 30]
     python benchmarks/bench_lowered_step.py --out OUT_DIR --b-passes-only     # B = static backends + passes
+    MLA_COMPILE_PASSES=fuse_absorb_q,fuse_absorb_out python benchmarks/bench_lowered_step.py --out OUT_DIR \
+        --b-passes-only                                                     # one pass (or a few) at a time
     python benchmarks/bench_lowered_step.py --out OUT_DIR --kv-cache fp8   # the 656-byte fp8 latent cache
     python benchmarks/bench_lowered_step.py --out /tmp/bls --device cpu --tiny --iters 2   # CPU smoke run
 
