@@ -71,10 +71,21 @@ def _call(graph: torch.fx.Graph, target, args: tuple) -> torch.fx.Node:
     return node
 
 
-def _copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node, op_node: torch.fx.Node) -> None:
+    """``node``'s uses become ``new`` and ``node`` goes; the new op node keeps ``node``'s source info."""
     for key in ("stack_trace", "nn_module_stack"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
+        if key in node.meta:
+            op_node.meta[key] = node.meta[key]
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _finish(graph: torch.fx.Graph, name: str, fused: int) -> int:
+    """Drop what the rewrites left unused and count them under ``name``."""
+    if fused:
+        graph.eliminate_dead_code()
+        counters["mla_passes"][name] += fused
+    return fused
 
 
 def fuse_absorb_q(graph: torch.fx.Graph) -> int:
@@ -98,14 +109,9 @@ def fuse_absorb_q(graph: torch.fx.Graph) -> int:
         with graph.inserting_before(node):
             q_nope = _call(graph, aten.permute.default, (a, [1, 0, 2]))
             new = _call(graph, torch.ops.mla.absorb_q.default, (q_nope, b, q_pe))
-        _copy_meta(node, new)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        _replace(graph, node, new, new)
         fused += 1
-    if fused:
-        graph.eliminate_dead_code()
-        counters["mla_passes"]["fuse_absorb_q"] += fused
-    return fused
+    return _finish(graph, "fuse_absorb_q", fused)
 
 
 def _is_contiguous_clone(node: torch.fx.Node) -> bool:
@@ -134,11 +140,6 @@ def fuse_absorb_out(graph: torch.fx.Graph) -> int:
             w_uv = _call(graph, aten.permute.default, (b, [0, 2, 1]))
             rows = _call(graph, torch.ops.mla.absorb_out.default, (out_lat, w_uv))
             new = _call(graph, aten.view.default, (rows, [T if isinstance(T, int) else -1, H, V]))
-        _copy_meta(node, rows)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        _replace(graph, node, new, rows)
         fused += 1
-    if fused:
-        graph.eliminate_dead_code()
-        counters["mla_passes"]["fuse_absorb_out"] += fused
-    return fused
+    return _finish(graph, "fuse_absorb_out", fused)
