@@ -103,6 +103,16 @@ def measure(step, dev: torch.device, warmup: int, iters: int) -> dict:
     return res
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """GPU time of one replay of ``graph`` (CUDA events, synchronized), ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def run_row(out_dir: str, impl: str, batch: int, ctx: int, fn, skip: str | None = None, budget_s: float = 1e9,
             reserve_s: float = 0.0) -> dict:
     """One table cell: ``fn()`` -> measure()'s dict; failures and skips become the cell's text."""
@@ -328,14 +338,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         def ours_graph(b=b, c=c):
             res = measure(lambda k: runner.decode(wl.chunks(b, c, k)), dev, args.warmup, args.iters)
             graph = runner.graphs[runner.graph_size(b)][0]
-            replay = []
-            for _ in range(args.iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                replay.append(start.elapsed_time(end))
+            replay = [replay_ms(graph) for _ in range(args.iters)]
             res.update(replay_ms=statistics.median(replay), replays=runner.replays, fallbacks=runner.fallbacks)
             return res
         run_row(args.out, "ours graph", b, c, ours_graph, skip=graph_skip, budget_s=args.budget_s)

@@ -48,16 +48,12 @@ def _compiled(args, dev, dtype, wl, backend: str, passes: bool):
 
 
 def _replay_ms(graph) -> float:
-    if callable(graph):  # CPU smoke run (no capture): one uncaptured step, host clock
+    """One replay's GPU time; on CPU (no capture) ``graph`` is an uncaptured step, timed by the host clock."""
+    if callable(graph):
         t = time.perf_counter()
         graph()
         return (time.perf_counter() - t) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
+    return bds.replay_ms(graph)
 
 
 def main(argv=None) -> None:

@@ -43,7 +43,6 @@ from mla_compile.lowerings import absorb
 from mla_compile.lowerings.absorb import fuse_absorb_out, fuse_absorb_q
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 
-PASS_NAMES = ("fuse_kv_write", "fuse_absorb_q", "fuse_absorb_out")  # selectable by MLA_COMPILE_PASSES
 COUNTER_KEYS = ("fuse_kv_write", "fuse_kv_write_fp8", "fuse_absorb_q", "fuse_absorb_out")  # counters["mla_passes"]
 _EPS_PLACEHOLDER = 1.2345e-6  # a value no model uses: traced patterns leave eps as a free scalar
 
@@ -237,6 +236,10 @@ def fuse_kv_write(graph: torch.fx.Graph) -> int:
     return sum(fused.values())
 
 
+_PASSES = {"fuse_kv_write": fuse_kv_write, "fuse_absorb_q": fuse_absorb_q, "fuse_absorb_out": fuse_absorb_out}
+PASS_NAMES = tuple(_PASSES)  # selectable by MLA_COMPILE_PASSES, run in this order
+
+
 def _source_hash() -> str:
     """Hash of the passes' sources (this file and :mod:`mla_compile.lowerings.absorb`)."""
     h = hashlib.sha256()
@@ -267,9 +270,8 @@ class MLAFusionPass(CustomGraphPass):
     in that order); a no-op when ``MLA_COMPILE_PASSES=0``."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        passes = {"fuse_kv_write": fuse_kv_write, "fuse_absorb_q": fuse_absorb_q, "fuse_absorb_out": fuse_absorb_out}
         for name in selected_passes():
-            passes[name](graph)
+            _PASSES[name](graph)
 
     def uuid(self) -> str:
         return f"mla_compile.lowerings.passes:{_source_hash()}:{','.join(selected_passes()) or 'off'}"
