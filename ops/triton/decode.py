@@ -20,7 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
-                                             online_softmax_step, paged_rows, pow2)
+                                             online_softmax_step, paged_rows, pow2, split_plan)
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
 _LOG2E = 1.4426950408889634
@@ -138,16 +138,11 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
         stages = 5 if pow2(dc) >= 512 else 3  # BLOCK_H 32 / BLOCK_N 32: 76 -> 113 KB, 200 -> 218 registers
     cfg.setdefault("num_stages", stages)
     if "SPLITS" not in cfg:
-        programs = B * triton.cdiv(M, block_h)
-        sms = num_sms(device)
-        # Splitting adds a workspace round trip: only worth it while a wave of the SMs is not full.
-        # sym_min/sym_max keep a dynamic batch size symbolic (one guard, on programs >= sms).
-        if programs >= sms:
-            cfg["SPLITS"] = 1
-        else:
-            # Every split should get a few tiles of the longest possible sequence.
-            cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
-            cfg["SPLITS"] = torch.sym_min(triton.cdiv(2 * sms, programs), cap)
+        # Every split should get a few tiles of the longest possible sequence.
+        cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
+        cfg["SPLITS"], cfg["DIRECT"] = split_plan(B * triton.cdiv(M, block_h), num_sms(device), cap)
+    else:
+        cfg.setdefault("DIRECT", cfg["SPLITS"] == 1)
     return cfg
 
 
@@ -172,10 +167,9 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     block_size = kv_cache.shape[1]
     compute = q if fp8 else kv_cache  # the dtype of the tiles in the dots
     cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2, fp8)
-    splits = cfg["SPLITS"]
-    direct = bool(splits == 1)
+    splits, direct = cfg["SPLITS"], cfg["DIRECT"]
     block_dc = pow2(dc, 128 if fp8 else 16)
-    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc)
+    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
     if fp8:  # its own kernel (ops/triton/fp8_decode_kernel.py): codes by scale group, scales out of the tile
         kernel, tile = _decode_fp8_split_kernel, {"G": dc // 128}
@@ -192,24 +186,24 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc, direct)
     return out, lse
 
 
-def split_buffers(out: Tensor, lse: Tensor, rows: int, splits: int, dc: int) -> tuple[Tensor, Tensor]:
-    """Where a split kernel writes: ``out``/``lse`` themselves with one split, else float32 workspaces
-    ``[rows, splits, dc]`` / ``[rows, splits]`` that :func:`reduce_splits` folds into them."""
-    if splits == 1:
+def split_buffers(out: Tensor, lse: Tensor, rows: int, splits, dc: int, direct: bool) -> tuple[Tensor, Tensor]:
+    """Where a split kernel writes: ``out``/``lse`` themselves when ``direct`` (one split), else float32
+    workspaces ``[rows, splits, dc]`` / ``[rows, splits]`` that :func:`reduce_splits` folds into them."""
+    if direct:
         return out, lse
     return (torch.empty(rows, splits, dc, dtype=torch.float32, device=out.device),
             torch.empty(rows, splits, dtype=torch.float32, device=out.device))
 
 
-def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits: int, dc: int,
-                  block_dc: int) -> None:
-    """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do with one split);
+def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits, dc: int,
+                  block_dc: int, direct: bool) -> None:
+    """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do when ``direct``);
     ``wrap`` is the caller module's ``wrap_triton`` (tests record launches through it)."""
-    if splits > 1:
+    if not direct:
         wrap(_decode_reduce_kernel)[(rows,)](
             o_buf, l_buf, out, lse, splits, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
             num_warps=4,

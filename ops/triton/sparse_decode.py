@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.sparse_decode import validate
-from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
+from mla_compile.ops.triton._common import (dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2,
+                                             split_plan)
 from mla_compile.ops.triton._fp8 import load_fp8_tile
 from mla_compile.ops.triton.decode import reduce_splits, split_buffers
 
@@ -105,13 +106,10 @@ def _pick(H: int, n_queries: int, topk: int, dc: int, device: torch.device, conf
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
     cfg.setdefault("num_stages", 2 if wide or block_h == 64 else 3)
     if "SPLITS" not in cfg:
-        programs = n_queries * triton.cdiv(H, block_h)
-        sms = num_sms(device)
-        if programs >= sms:
-            cfg["SPLITS"] = 1
-        else:
-            cap = torch.sym_max(1, torch.sym_min(topk // (4 * cfg["BLOCK_N"]), 64))
-            cfg["SPLITS"] = torch.sym_min(triton.cdiv(2 * sms, programs), cap)
+        cap = torch.sym_max(1, torch.sym_min(topk // (4 * cfg["BLOCK_N"]), 64))
+        cfg["SPLITS"], cfg["DIRECT"] = split_plan(n_queries * triton.cdiv(H, block_h), num_sms(device), cap)
+    else:
+        cfg.setdefault("DIRECT", cfg["SPLITS"] == 1)
     return cfg
 
 
@@ -139,10 +137,9 @@ def _launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
     compute = q if fp8 else kv_cache
     n_queries = B * s_q
     cfg = _pick(H, n_queries, topk, dc, q.device, config, compute.element_size() > 2)
-    splits = cfg["SPLITS"]
-    direct = bool(splits == 1)
+    splits, direct = cfg["SPLITS"], cfg["DIRECT"]
     block_dc = pow2(dc, 128 if fp8 else 16)
-    o_buf, l_buf = split_buffers(out, lse, n_queries * H, splits, dc)
+    o_buf, l_buf = split_buffers(out, lse, n_queries * H, splits, dc, direct)
     grid = (triton.cdiv(H, cfg["BLOCK_H"]), splits, n_queries)
     wrap_triton(_sparse_split_kernel)[grid](
         q, kv_cache, indices, o_buf, l_buf,
@@ -155,7 +152,7 @@ def _launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
         BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, n_queries * H, splits, dc, block_dc)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, n_queries * H, splits, dc, block_dc, direct)
     return out, lse
 
 

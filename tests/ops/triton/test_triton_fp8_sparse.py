@@ -141,6 +141,31 @@ def test_fp8_decode_error_against_bf16_path():
     assert float((lse[live] - ref_lse[live]).abs().max()) <= 0.1
 
 
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("fp8", [False, True])
+def test_dense_decode_dynamic_batch_no_recompile(fp8):
+    """A dynamic batch crossing the SM count (one wave of programs) compiles once: the split plan of a
+    symbolic batch adds no guard; every size still matches the float64 reference."""
+    gen = torch.Generator().manual_seed(21 + fp8)
+    batches = (2, 64, torch.cuda.get_device_properties(0).multi_processor_count + 8)
+    lens = _lens(max(batches), 1500, gen)
+    if fp8:
+        cache, table, seq_lens, _ = fp8_paged(lens, 64, DC, DR, "cuda", gen)
+        fn, ref_op = decode_fp8, torch.ops.mla.decode_fp8_ref
+    else:
+        cache, table, seq_lens = float_paged(lens, 64, DC + DR, torch.bfloat16, "cuda", gen)
+        fn, ref_op = decode, torch.ops.mla.decode_ref
+    q = torch.randn(max(batches), 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    step = torch.compile(lambda q, t, s: fn(q, cache, t, s, SCALE, backend="triton"), fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for i, b in enumerate(batches):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out, lse = step(q[:b], table[:b], seq_lens[:b])
+        ref, ref_lse = ref_op(q[:b].double(), cache if fp8 else cache.double(), table[:b], seq_lens[:b], SCALE, DC)
+        assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------ sparse decode
 
 def _sparse_check(q, cache, idx, dtype, fp8):

@@ -1,0 +1,49 @@
+"""The split-KV plan of the decode kernels: concrete launches split only below one wave of programs; a
+symbolic batch (torch.compile, dynamic) gets one formula and installs no guard. Skipped without Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from torch._dynamo.source import ConstantSource  # noqa: E402
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: E402
+
+from mla_compile.ops.triton import decode, sparse_decode  # noqa: E402
+from mla_compile.ops.triton._common import split_plan  # noqa: E402
+
+
+def _sym(env: ShapeEnv, hint: int):
+    return env.create_symintnode(env.create_symbol(hint, ConstantSource(f"b{hint}")), hint=hint)
+
+
+@pytest.mark.parametrize("programs, splits, direct", [(1, 64, False), (3, 88, False), (132, 1, True), (500, 1, True)])
+def test_concrete_plan(programs, splits, direct):
+    assert split_plan(programs, 132, 64) == (min(splits, 64), direct)
+
+
+@pytest.mark.parametrize("hint", [2, 3, 131, 132, 200, 300])
+def test_symbolic_plan_adds_no_guard(hint):
+    env = ShapeEnv()
+    b = _sym(env, hint)
+    splits, direct = split_plan(b, 132, 64)
+    assert direct is False and not env.guards, env.guards
+    assert int(splits.node.expr.xreplace({b.node.expr: hint})) == max(1, min(-(-264 // hint), 64))
+
+
+@pytest.mark.parametrize("hint", [2, 200])
+def test_picks_add_no_guard_on_a_symbolic_batch(hint):
+    env = ShapeEnv()
+    b = _sym(env, hint)
+    cfg = decode._pick(16, b, 8192, 512, torch.device("cpu"), None)
+    cfg_sparse = sparse_decode._pick(16, b, 2048, 512, torch.device("cpu"), None, False)
+    assert cfg["DIRECT"] is False and cfg_sparse["DIRECT"] is False
+    assert not env.guards, env.guards
+    concrete = decode._pick(16, hint, 8192, 512, torch.device("cpu"), None)
+    assert concrete["DIRECT"] == (hint >= 4)  # 4 SMs off CUDA (ops/triton/_common.py)
+
+
+def test_user_splits_decide_direct():
+    assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 1})["DIRECT"] is True
+    assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 3})["DIRECT"] is False
