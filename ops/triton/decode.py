@@ -36,6 +36,7 @@ def _decode_split_kernel(
     M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
     b, pid_s, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H, BLOCK_N)
@@ -43,6 +44,9 @@ def _decode_split_kernel(
     offs_r = tl.arange(0, BLOCK_DR)
     c_ok = offs_c < DC
     r_ok = offs_r < DR
+    if PAGE_TILES:  # no padded columns (the launch checks): the loads' masks are per row only
+        c_ok = tl.full([BLOCK_DC], 1, tl.int1)
+        r_ok = tl.full([BLOCK_DR], 1, tl.int1)
 
     q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
     q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
@@ -55,7 +59,8 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N,
+                                         PAGE_TILES)
         k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=pos_ok[:, None] & c_ok[None, :], other=0.0)
         k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         s = dot_two_part(q_c, k_c, q_r, k_r, IEEE)
@@ -108,13 +113,15 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits,
 
 
 def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: dict | None,
-          wide: bool = False, fp8: bool = False) -> dict:
-    """Tile sizes, warps, stages and split count, from shapes only.
+          wide: bool = False, fp8: bool = False, block_size: int | None = None, dr: int = 64) -> dict:
+    """Tile sizes, warps, stages, page tiles and split count, from shapes only.
 
     Defaults from sm_90 compiles (benchmarks/kernel_resources.py; no spills) and H200 timings
     (benchmarks/results): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~255 registers, 216 KB of
-    shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync at ~220/225 registers with 8 warps.
-    ``wide`` (4-byte cache elements) halves the tiles to stay within shared memory.
+    shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync with 8 warps. ``wide`` (4-byte cache
+    elements) halves the tiles to stay within shared memory. ``PAGE_TILES`` (tiles inside one page of
+    ``block_size`` rows, no padded columns: one block-table entry and affine row addresses per tile) is
+    on wherever it applies, except for the wgmma kernels over fp8 or at more than 2 stages (spills).
     """
     cfg = dict(config or {})
     block_h = cfg.setdefault("BLOCK_H", min(32 if wide else 64, pow2(M)))
@@ -123,17 +130,22 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     # for 32 / 3; B=128 L=8192 H=16, BLOCK_N 64 / 3 stages ran 520 us against 690 us for 32 / 3.
     block_n = cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
-    # The tile's rows come through a block-table load, so Triton's pipeliner spends one stage on it
-    # (sm_90 compiles, DeepSeek dims): at 2 stages the wgmma kernel reads the block table with a
-    # synchronous load in the loop (LDG 55, the next tile's cp.async waits for it; 3 stages: LDG 19,
-    # the block table is cp.async too, same 255 registers, +512 B shared memory); at 3 stages the
-    # 16-row kernel has one KV buffer (95 KB), so a tile's load never overlaps the previous tile's
-    # math; 5 stages give two (169 KB, 218 registers, still one CTA per SM; likewise the 32-row
-    # kernel). The fp8 path keeps its H200-measured settings.
+    page = (block_size is not None and block_size % block_n == 0 and pow2(dr) == dr
+            and (fp8 or pow2(dc) == dc))
+    # not for the wgmma kernels at more than 2 stages or over fp8 (they spill)
+    cfg.setdefault("PAGE_TILES", page and not (wgmma and (fp8 or cfg.get("num_stages", 2) > 2)))
+    # Page tiles (run 23, H200): the 16-row kernel 452 -> 308 us at B=128 L=8192 H=16 (1872 instead of
+    # 2824 SASS instructions, 127 instead of 218 registers), the wgmma kernel 630 -> 524 us at B=128
+    # L=4096 H=128 with 2 stages (at 3 it spills 200 B). Without them the tile's rows come through a
+    # per-row block-table load, so Triton's pipeliner spends one stage on it (sm_90 compiles, DeepSeek
+    # dims): at 2 stages the wgmma kernel reads the block table with a synchronous load in the loop (LDG
+    # 55; 3 stages: LDG 19, the block table is cp.async too); at 3 stages the 16-row kernel has one KV
+    # buffer (95 KB), so a tile's load never overlaps the previous tile's math; 5 stages give two (169 KB,
+    # still one CTA per SM; likewise the 32-row kernel). The fp8 path keeps its H200-measured settings.
     if fp8 or wide:
         stages = 2 if wide or wgmma else 3
     elif wgmma:
-        stages = 3
+        stages = 2 if cfg["PAGE_TILES"] else 3
     else:
         stages = 5 if pow2(dc) >= 512 else 3  # BLOCK_H 32 / BLOCK_N 32: 76 -> 113 KB, 200 -> 218 registers
     cfg.setdefault("num_stages", stages)
@@ -166,11 +178,15 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     kv_cache = last_dim_contiguous(kv_cache)
     block_size = kv_cache.shape[1]
     compute = q if fp8 else kv_cache  # the dtype of the tiles in the dots
-    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2, fp8)
+    cfg = _pick(M, B, block_table.shape[1] * block_size, dc, q.device, config, compute.element_size() > 2, fp8,
+                block_size=block_size, dr=dr)
     splits, direct = cfg["SPLITS"], cfg["DIRECT"]
     block_dc = pow2(dc, 128 if fp8 else 16)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
+    # a requested PAGE_TILES holds only where tiles do lie in one page and no column is padded
+    page_tiles = bool(cfg["PAGE_TILES"]) and block_size % cfg["BLOCK_N"] == 0 and pow2(dr) == dr \
+        and (fp8 or block_dc == dc)
     if fp8:  # its own kernel (ops/triton/fp8_decode_kernel.py): codes by scale group, scales out of the tile
         kernel, tile = _decode_fp8_split_kernel, {"G": dc // 128}
     else:
@@ -183,7 +199,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=dr,
         BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, **tile,
+        BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, PAGE_TILES=page_tiles, **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc, direct)

