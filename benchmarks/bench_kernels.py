@@ -165,7 +165,7 @@ def decode_case(B, H, L, sweep, budget_s):
     flops = 2 * B * H * L * (D + DC)
     nbytes = B * L * D * 2 + q.numel() * 2 + B * H * DC * 2 + B * H * 4
     ours = lambda: decode(q, cache, table, lens, SCALE, backend="triton")
-    cfg = tdecode._pick(H, B, nblk * PAGE, DC, q.device, None)
+    cfg = tdecode._pick(H, B, nblk * PAGE, DC, q.device, None, block_size=PAGE, dr=D - DC)
     attempt(group, "triton (ours)", ours, flops, nbytes,
             note=cfg_name(cfg)[5:])
     for c in sweep:

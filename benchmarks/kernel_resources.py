@@ -100,7 +100,7 @@ def time_decode(candidates=DECODE_CANDIDATES, device: str = "cuda", dtype=torch.
                 call()
                 us = (time.perf_counter() - t0) * 1e6
         err = (out.float() - first.setdefault((B, H, L), out).float()).abs().max().item()
-        picked = decode._pick(H, B, table.shape[1] * 64, 512, q.device, dict(cfg), fp8=fp8)
+        picked = decode._pick(H, B, table.shape[1] * 64, 512, q.device, dict(cfg), fp8=fp8, block_size=64)
         print(f"decode{' fp8' if fp8 else ''} B={B} H={H} L={L} {picked}: {us:.1f} us, max |out - first config| {err:.2e}", flush=True)
 
 
