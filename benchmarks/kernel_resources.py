@@ -36,16 +36,18 @@ def report(launch) -> str:
 
 
 # (B, H, L, config) for ``--time``: the previous defaults next to the current heuristic ({}) and the
-# alternatives the sm_90 report left open (BLOCK_N 32 / 5 stages: 128 registers, two CTAs per SM,
-# so the split count must fill 2 x 132 slots: 4 splits = 512 programs = 1.94 waves).
+# alternatives the sm_90 report left open (page tiles: fewer registers, so narrower tiles with deeper
+# pipelines fit).
 DECODE_CANDIDATES = (
-    (128, 128, 4096, dict(BLOCK_N=64, num_stages=2)),  # default before decode-h128 (639 us, run 6)
-    (128, 128, 4096, {}),
-    (128, 16, 8192, dict(BLOCK_N=64, num_stages=3)),  # default before decode-h128 (521 us, run 6)
-    (128, 16, 8192, {}),
-    (128, 16, 8192, dict(BLOCK_N=32, num_stages=5, SPLITS=4)),
-    (128, 16, 8192, dict(BLOCK_N=32, num_stages=5, SPLITS=6)),
-    (128, 16, 8192, dict(BLOCK_N=64, num_stages=5, SPLITS=6)),
+    (128, 128, 4096, dict(PAGE_TILES=False, num_stages=3)),  # default before page tiles (630 us, run 23)
+    (128, 128, 4096, {}),  # page tiles, 2 stages (526 us, run 24)
+    (128, 128, 4096, dict(PAGE_TILES=True, BLOCK_N=32, num_stages=2)),  # 230 registers, fewer instructions
+    (128, 128, 4096, dict(PAGE_TILES=True, BLOCK_N=32, num_stages=3)),
+    (128, 16, 8192, dict(PAGE_TILES=False)),  # default before page tiles (449 us, run 23)
+    (128, 16, 8192, {}),  # page tiles, 5 stages (308 us, run 24)
+    (128, 16, 8192, dict(num_stages=6)),
+    (128, 16, 8192, dict(BLOCK_N=32, num_stages=8)),  # 96 registers, 130 KB
+    (128, 16, 8192, dict(BLOCK_N=32, num_stages=10)),
 )
 # (B, H, L, config) of the fp8 cache (``--time-fp8``): the default, deeper pipelines, narrower tiles, fewer warps.
 FP8_CANDIDATES = tuple((128, 16, 8192, cfg) for cfg in (

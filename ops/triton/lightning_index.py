@@ -3,8 +3,8 @@
 The kernel writes ``scores float32 [T, L]`` (L = max_blocks * block_size): ``score(t, j) = sum_h
 weights[t, h] * relu(q_idx[t, h] . k_idx[j])`` for the positions ``j <= query_pos[t]``, ``j < seq_len``
 of query t's sequence, -inf elsewhere (padding tokens: every position). One program scores BLOCK_N
-positions of one query token as one ``[heads, d] x [d, BLOCK_N]`` dot; tiles past the visible range
-load nothing. fp8 index rows are read in-kernel: the e4m3 codes go into the dot (exact in bf16/fp16) and
+positions of one query token as one ``[heads, d] x [d, BLOCK_N]`` dot, for ``TILES`` consecutive tiles
+(q and the weights loaded once); tiles past the visible range load nothing. fp8 index rows are read in-kernel: the e4m3 codes go into the dot (exact in bf16/fp16) and
 each key's float32 scale multiplies its column afterwards (scales are positive, so relu commutes).
 Half-precision queries over a half cache of the same dtype (or fp8) use the tensor cores with float32
 accumulation; everything else runs an IEEE float32 dot.
@@ -33,45 +33,56 @@ def _lightning_score_kernel(
     H, L,
     s_qt, s_qh, s_wt, s_wh, s_cb, s_ct, s_bt, s_ot,
     D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, FP8: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILES: tl.constexpr, FP8: tl.constexpr, HALF: tl.constexpr,
+    PAGE_TILES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * (BLOCK_N * TILES)
     seq = tl.load(qseq_ptr + t).to(tl.int64)
     live = seq >= 0
     seq = tl.where(live, seq, 0)
     limit = tl.minimum(tl.load(lens_ptr + seq).to(tl.int64), tl.load(qpos_ptr + t).to(tl.int64) + 1)
     limit = tl.where(live, limit, 0)  # visible positions: [0, limit)
-    vis = offs_n < limit
-    scores = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if n0 < limit:
-        blk = tl.load(table_ptr + seq * s_bt + offs_n // BLOCK_SIZE, mask=vis, other=0).to(tl.int64)
-        row = cache_ptr + blk * s_cb + (offs_n % BLOCK_SIZE) * s_ct
-        offs_d = tl.arange(0, BLOCK_D)
-        kmask = vis[:, None] & (offs_d < D)[None, :]
-        offs_h = tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :],
-                    mask=h_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-        w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok, other=0.0).to(tl.float32)
-        if FP8:
-            codes = tl.load(row[:, None] + offs_d[None, :], mask=kmask, other=0)
-            k = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            b = tl.arange(0, 4)
-            sb = tl.load(row[:, None] + D + b[None, :], mask=vis[:, None], other=0).to(tl.int32)
-            scale = tl.sum(sb << (8 * b)[None, :], axis=1).to(tl.float32, bitcast=True)  # little-endian float32
-        else:
-            k = tl.load(row[:, None] + offs_d[None, :], mask=kmask, other=0.0)
-        if HALF:
-            logits = tl.dot(q, tl.trans(k.to(q.dtype)))
-        else:
-            logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        if FP8:
-            logits = logits * scale[None, :]
-        s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
-        scores = tl.where(vis, s, float("-inf"))
-    tl.store(out_ptr + t * s_ot + offs_n, scores, mask=offs_n < L)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if PAGE_TILES:  # D == BLOCK_D (the launch checks): row masks only
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    any_vis = first < limit  # nothing to load past the visible range
+    q = tl.load(q_ptr + t * s_qt + offs_h[:, None] * s_qh + offs_d[None, :],
+                mask=(h_ok & any_vis)[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + t * s_wt + offs_h * s_wh, mask=h_ok & any_vis, other=0.0).to(tl.float32)
+    for i in range(TILES):  # q and w are loaded once for TILES tiles
+        n0 = first + i * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        vis = offs_n < limit
+        scores = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        if n0 < limit:
+            if PAGE_TILES:  # the tile lies in one page: one block-table entry, affine rows
+                blk = tl.load(table_ptr + seq * s_bt + n0 // BLOCK_SIZE).to(tl.int64)
+                row = cache_ptr + blk * s_cb + ((n0 % BLOCK_SIZE) + tl.arange(0, BLOCK_N)).to(tl.int64) * s_ct
+            else:
+                blk = tl.load(table_ptr + seq * s_bt + offs_n // BLOCK_SIZE, mask=vis, other=0).to(tl.int64)
+                row = cache_ptr + blk * s_cb + (offs_n % BLOCK_SIZE) * s_ct
+            kmask = vis[:, None] & d_ok[None, :]
+            if FP8:
+                codes = tl.load(row[:, None] + offs_d[None, :], mask=kmask, other=0)
+                k = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                b = tl.arange(0, 4)
+                sb = tl.load(row[:, None] + D + b[None, :], mask=vis[:, None], other=0).to(tl.int32)
+                scale = tl.sum(sb << (8 * b)[None, :], axis=1).to(tl.float32, bitcast=True)  # little-endian float32
+            else:
+                k = tl.load(row[:, None] + offs_d[None, :], mask=kmask, other=0.0)
+            if HALF:
+                logits = tl.dot(q, tl.trans(k.to(q.dtype)))
+            else:
+                logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            if FP8:
+                logits = logits * scale[None, :]
+            s = tl.sum(tl.maximum(logits, 0.0) * w[:, None], axis=0)
+            scores = tl.where(vis, s, float("-inf"))
+        tl.store(out_ptr + t * s_ot + offs_n, scores, mask=offs_n < L)
 
 
 def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
@@ -94,14 +105,18 @@ def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_
     q_idx, block_table = last_dim_contiguous(q_idx), last_dim_contiguous(block_table)
     fp8 = k_idx_cache.dtype == torch.uint8
     half = q_idx.dtype in _HALF and (fp8 or k_idx_cache.dtype == q_idx.dtype)
-    grid = (T, triton.cdiv(L, block_n))
+    # a few tiles per program (q and w loaded once), keeping >= 16 programs per query; tiles inside one
+    # page when block_n divides the block size (affine rows, one block-table entry per tile)
+    tiles = max(1, min(8, L // (16 * block_n)))
+    page_tiles = bs % block_n == 0 and pow2(d) == d
+    grid = (T, triton.cdiv(L, block_n * tiles))
     wrap_triton(_lightning_score_kernel)[grid](
         q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, scores,
         H, L,
         q_idx.stride(0), q_idx.stride(1), weights.stride(0), weights.stride(1),
         k_idx_cache.stride(0), k_idx_cache.stride(1), block_table.stride(0), scores.stride(0),
-        D=d, BLOCK_SIZE=bs, BLOCK_H=pow2(H), BLOCK_D=pow2(d), BLOCK_N=block_n, FP8=fp8, HALF=half,
-        num_warps=4,
+        D=d, BLOCK_SIZE=bs, BLOCK_H=pow2(H), BLOCK_D=pow2(d), BLOCK_N=block_n, TILES=tiles, FP8=fp8, HALF=half,
+        PAGE_TILES=page_tiles, num_warps=4,
     )
     return scores
 

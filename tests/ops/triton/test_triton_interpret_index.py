@@ -85,6 +85,8 @@ CASES = [  # (cache kind, query dtype, lens, queries per sequence, topk, block_n
     pytest.param(torch.bfloat16, torch.bfloat16, [40, 17], [4, 2], 48, 32, id="bf16-topk-past-L"),
     pytest.param(torch.float32, torch.float32, [50, 9], [3, 9], 12, 16, id="f32-ieee"),
     pytest.param("fp8", torch.float32, [28], [4], 8, 16, id="fp8-f32q"),
+    # long enough for several tiles per program, with the per-row gather (block_n 32 > BS)
+    pytest.param(torch.bfloat16, torch.bfloat16, [1100, 300], [2, 2], 64, 32, id="bf16-tiles-gather"),
 ]
 
 
@@ -104,6 +106,21 @@ def test_lightning_index_exact_inputs_match_reference(kind, qdtype, lens, per_se
     ref = torch.ops.mla.lightning_index_ref(q.double(), w.double(), cache, table, seq_lens, qseq, qpos, topk)
     assert torch.equal(got, ref)
     assert (ref[-2:] == -1).all() and (ref >= 0).any()
+
+
+@pytest.mark.parametrize("kind", ["fp8", torch.bfloat16])
+def test_lightning_page_tiles_exact(kind):
+    """Block size 64, tiles of 16: four tiles per page (tile offsets inside the page), two tiles per program;
+    exact integer scores equal the float64 ones."""
+    from mla_compile.ops.triton import lightning_index as tli
+
+    gen = torch.Generator().manual_seed(5)
+    lens = [700, 0, 130]
+    cache, table, seq_lens, keys = index_paged(lens, 64, 32, kind, "cpu", gen, ints=True)
+    q, w, qseq, qpos = index_queries(lens, [3, 1, 2], H, 32, torch.bfloat16, "cpu", gen, ints=True)
+    scores = torch.full((q.shape[0], table.shape[1] * 64), float("nan"))
+    tli.lightning_scores(q, w, cache, table, seq_lens, qseq, qpos, block_n=16, out=scores)
+    assert torch.equal(scores.double(), lightning_scores64(q, w, keys, table, seq_lens, qseq, qpos))
 
 
 def test_lightning_index_random_inputs_select_float64_top_set():
