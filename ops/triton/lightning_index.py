@@ -4,8 +4,9 @@ The kernel writes ``scores float32 [T, L]`` (L = max_blocks * block_size): ``sco
 weights[t, h] * relu(q_idx[t, h] . k_idx[j])`` for the positions ``j <= query_pos[t]``, ``j < seq_len``
 of query t's sequence, -inf elsewhere (padding tokens: every position). One program scores BLOCK_N
 positions of one query token as one ``[heads, d] x [d, BLOCK_N]`` dot, for ``TILES`` consecutive tiles
-(q and the weights loaded once); tiles past the visible range load nothing. fp8 index rows are read in-kernel: the e4m3 codes go into the dot (exact in bf16/fp16) and
-each key's float32 scale multiplies its column afterwards (scales are positive, so relu commutes).
+(q and the weights loaded once); tiles past the visible range load nothing. fp8 index rows are read
+in-kernel: the e4m3 codes go into the dot (exact in bf16/fp16) and each key's float32 scale multiplies
+its column afterwards (scales are positive, so relu commutes).
 Half-precision queries over a half cache of the same dtype (or fp8) use the tensor cores with float32
 accumulation; everything else runs an IEEE float32 dot.
 
@@ -105,9 +106,10 @@ def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_
     q_idx, block_table = last_dim_contiguous(q_idx), last_dim_contiguous(block_table)
     fp8 = k_idx_cache.dtype == torch.uint8
     half = q_idx.dtype in _HALF and (fp8 or k_idx_cache.dtype == q_idx.dtype)
-    # a few tiles per program (q and w loaded once), keeping >= 16 programs per query; tiles inside one
-    # page when block_n divides the block size (affine rows, one block-table entry per tile)
-    tiles = max(1, min(8, L // (16 * block_n)))
+    # a few tiles per program (q and w loaded once), keeping >= 16 programs per query (a symbolic L, from
+    # a dynamic block table under torch.compile, keeps one tile: no guard); tiles inside one page when
+    # block_n divides the block size (affine rows, one block-table entry per tile)
+    tiles = max(1, min(8, L // (16 * block_n))) if isinstance(L, int) else 1
     page_tiles = bs % block_n == 0 and pow2(d) == d
     grid = (T, triton.cdiv(L, block_n * tiles))
     wrap_triton(_lightning_score_kernel)[grid](
