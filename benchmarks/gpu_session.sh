@@ -1,24 +1,36 @@
 #!/usr/bin/env bash
-# One device call for the whole decode step: the CUDA tests (builder, graphs, adapters, lowerings, index
-# kernels, V3.2 model), then bench_decode_step two ways (default backends with the HF rows and the goals; Triton decode)
-# and bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays). Raw files in $OUT/all.tgz; the short
-# tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
+# One device call: the CUDA tests, then the benchmarks named in PHASES (comma-separated, in this order):
+#   step     bench_decode_step two ways (default backends with the HF rows and the goals; Triton decode)
+#   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
+#   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
+#   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
+# Default PHASES=lowered,kernels (the whole CUDA suite first needs ~250 s of the 600). Raw files in
+# $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8"
 export PYTHONUNBUFFERED=1
-# TEST_PATHS: the CUDA tests to run first (default: graphs, adapters, builder, lowerings, index kernels)
-read -r -a tests <<< "${TEST_PATHS:-tests/graphs tests/ops/adapters/test_adapters_cuda.py tests/test_builder.py \
-tests/lowerings tests/ops/test_absorb.py tests/ops/triton/test_triton_index.py tests/model/test_sparse_cuda.py}"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -m cuda "${tests[@]}" -q -n 8 -p no:cacheprovider --timeout 180 \
+PHASES=",${PHASES:-lowered,kernels},"
+# TEST_PATHS: the CUDA tests to run first (default: all of them)
+read -r -a tests <<< "${TEST_PATHS:-tests}"
+timeout "${TEST_TIMEOUT:-280}" python3 -m pytest -m cuda "${tests[@]}" -q -n 8 -p no:cacheprovider --timeout 180 \
     -rfE > "$O/pytest.log" 2>&1
 tail -n 6 "$O/pytest.log"
-timeout 200 python3 benchmarks/bench_decode_step.py --out "$O/auto" --budget-s 150 --profile-replay > "$O/auto.log" 2>&1
-timeout 110 python3 benchmarks/bench_decode_step.py --out "$O/tri" --only ours --backend triton --budget-s 80 \
-    > "$O/tri.log" 2>&1
-timeout 130 python3 benchmarks/bench_lowered_step.py --out "$O/low" --iters 30 > "$O/low.log" 2>&1
-grep -E "^ours|replay only" "$O/tri/bench_decode_step.txt"
-cat "$O/low/bench_lowered_step.txt"
-head -n 22 "$O/auto/profile_replay.txt"
-tail -n 32 "$O/auto/bench_decode_step.txt"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low)
+if [[ $PHASES == *,step,* ]]; then
+    timeout 200 python3 benchmarks/bench_decode_step.py --out "$O/auto" --budget-s 150 --profile-replay > "$O/auto.log" 2>&1
+    timeout 110 python3 benchmarks/bench_decode_step.py --out "$O/tri" --only ours --backend triton --budget-s 80 \
+        > "$O/tri.log" 2>&1
+fi
+[[ $PHASES == *,lowered,* ]] && timeout 130 python3 benchmarks/bench_lowered_step.py --out "$O/low" --iters 30 > "$O/low.log" 2>&1
+[[ $PHASES == *,kernels,* ]] && timeout 180 python3 benchmarks/bench_kernels.py --out "$O/ker" --quick --budget-s 150 \
+    > "$O/ker.log" 2>&1
+[[ $PHASES == *,fp8,* ]] && timeout 90 python3 benchmarks/bench_fp8_sparse.py --out "$O/fp8" --quick > "$O/fp8.log" 2>&1
+if [[ $PHASES == *,step,* ]]; then
+    grep -E "^ours|replay only" "$O/tri/bench_decode_step.txt"
+    head -n 22 "$O/auto/profile_replay.txt"
+    tail -n 32 "$O/auto/bench_decode_step.txt"
+fi
+[[ $PHASES == *,lowered,* ]] && tail -n 6 "$O/low/bench_lowered_step.txt"
+[[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
+[[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8)
