@@ -29,23 +29,6 @@ def pow2(n: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(max(int(n), 1)))
 
 
-def split_plan(programs, sms: int, cap) -> tuple:
-    """``(splits, direct)`` for a split-KV launch of ``programs`` programs on ``sms`` multiprocessors.
-
-    Splitting adds a workspace round trip, so a concrete launch splits only while a wave of the SMs is
-    not full (``direct``: one split, the kernel writes the result). A symbolic ``programs`` (a dynamic
-    batch traced by torch.compile) gets one formula for every size and always the workspace path, so
-    the trace installs no guard on the batch (no recompile when it crosses ``sms``); at full waves the
-    formula gives 1 split and the merge kernel only rescales (a few MB against the cache read).
-    ``cap`` (int or symbolic) bounds the split count.
-    """
-    if isinstance(programs, int):
-        if programs >= sms:
-            return 1, True
-        return torch.sym_min(triton.cdiv(2 * sms, programs), cap), False
-    return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False
-
-
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a unit stride in its last dim (a copy only when it lacks one; for read-only inputs)."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()

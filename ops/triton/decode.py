@@ -20,7 +20,8 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
-                                             online_softmax_step, paged_rows, pow2, split_plan)
+                                             online_softmax_step, paged_rows, pow2)
+from mla_compile.ops.triton._plan import split_plan
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
 _LOG2E = 1.4426950408889634

@@ -19,9 +19,9 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.sparse_decode import validate
-from mla_compile.ops.triton._common import (dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2,
-                                             split_plan)
+from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
 from mla_compile.ops.triton._fp8 import load_fp8_tile
+from mla_compile.ops.triton._plan import split_plan
 from mla_compile.ops.triton.decode import reduce_splits, split_buffers
 
 _LOG2E = 1.4426950408889634

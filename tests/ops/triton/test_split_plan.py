@@ -1,17 +1,23 @@
 """The split-KV plan of the decode kernels: concrete launches split only below one wave of programs; a
-symbolic batch (torch.compile, dynamic) gets one formula and installs no guard. Skipped without Triton."""
+symbolic batch (torch.compile, dynamic) gets one formula and installs no guard. The plan needs no Triton
+(CI runs it); the kernels' ``_pick`` tests skip without Triton."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
-from torch._dynamo.source import ConstantSource  # noqa: E402
-from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: E402
+from torch._dynamo.source import ConstantSource
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from mla_compile.ops.triton import decode, sparse_decode  # noqa: E402
-from mla_compile.ops.triton._common import split_plan  # noqa: E402
+from mla_compile.ops.triton._plan import split_plan
+
+
+def _kernels():
+    pytest.importorskip("triton")
+    from mla_compile.ops.triton import decode, sparse_decode
+
+    return decode, sparse_decode
 
 
 def _sym(env: ShapeEnv, hint: int):
@@ -34,6 +40,7 @@ def test_symbolic_plan_adds_no_guard(hint):
 
 @pytest.mark.parametrize("hint", [2, 200])
 def test_picks_add_no_guard_on_a_symbolic_batch(hint):
+    decode, sparse_decode = _kernels()
     env = ShapeEnv()
     b = _sym(env, hint)
     cfg = decode._pick(16, b, 8192, 512, torch.device("cpu"), None)
@@ -45,5 +52,6 @@ def test_picks_add_no_guard_on_a_symbolic_batch(hint):
 
 
 def test_user_splits_decide_direct():
+    decode, _ = _kernels()
     assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 1})["DIRECT"] is True
     assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 3})["DIRECT"] is False
