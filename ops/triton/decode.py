@@ -45,7 +45,7 @@ def _decode_split_kernel(
     offs_r = tl.arange(0, BLOCK_DR)
     c_ok = offs_c < DC
     r_ok = offs_r < DR
-    if PAGE_TILES:  # no padded columns (the launch checks): the loads' masks are per row only
+    if PAGE_TILES:  # no padded columns (``_pick`` checks): the loads' masks are per row only
         c_ok = tl.full([BLOCK_DC], 1, tl.int1)
         r_ok = tl.full([BLOCK_DR], 1, tl.int1)
 
@@ -131,10 +131,12 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     # for 32 / 3; B=128 L=8192 H=16, BLOCK_N 64 / 3 stages ran 520 us against 690 us for 32 / 3.
     block_n = cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
+    # page tiles where they apply (tiles inside one page, no padded columns; a request holds only there),
+    # by default not for the wgmma kernels at more than 2 stages or over fp8 (they spill)
     page = (block_size is not None and block_size % block_n == 0 and pow2(dr) == dr
             and (fp8 or pow2(dc) == dc))
-    # not for the wgmma kernels at more than 2 stages or over fp8 (they spill)
-    cfg.setdefault("PAGE_TILES", page and not (wgmma and (fp8 or cfg.get("num_stages", 2) > 2)))
+    wanted = cfg.get("PAGE_TILES", not (wgmma and (fp8 or cfg.get("num_stages", 2) > 2)))
+    cfg["PAGE_TILES"] = bool(wanted) and page
     # Page tiles (run 23, H200): the 16-row kernel 452 -> 308 us at B=128 L=8192 H=16 (1872 instead of
     # 2824 SASS instructions, 127 instead of 218 registers), the wgmma kernel 630 -> 524 us at B=128
     # L=4096 H=128 with 2 stages (at 3 it spills 200 B). Without them the tile's rows come through a
@@ -185,9 +187,6 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     block_dc = pow2(dc, 128 if fp8 else 16)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     grid = (triton.cdiv(M, cfg["BLOCK_H"]), splits, B)
-    # a requested PAGE_TILES holds only where tiles do lie in one page and no column is padded
-    page_tiles = bool(cfg["PAGE_TILES"]) and block_size % cfg["BLOCK_N"] == 0 and pow2(dr) == dr \
-        and (fp8 or block_dc == dc)
     if fp8:  # its own kernel (ops/triton/fp8_decode_kernel.py): codes by scale group, scales out of the tile
         kernel, tile = _decode_fp8_split_kernel, {"G": dc // 128}
     else:
@@ -200,7 +199,8 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=dr,
         BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, PAGE_TILES=page_tiles, **tile,
+        BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, PAGE_TILES=cfg["PAGE_TILES"],
+        **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc, direct)

@@ -84,7 +84,7 @@ def _decode_fp8_split_kernel(
     offs_k = tl.arange(0, GROUP)
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR
-    if PAGE_TILES:  # no padded rope columns (the launch checks)
+    if PAGE_TILES:  # no padded rope columns (``_pick`` checks)
         r_ok = tl.full([BLOCK_DR], 1, tl.int1)
 
     q_row = q_ptr + b * stride_qb + qi.to(tl.int64) * stride_qs + (rows % H).to(tl.int64) * stride_qh
