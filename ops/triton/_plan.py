@@ -6,18 +6,19 @@ from __future__ import annotations
 import torch
 
 
-def split_plan(programs, sms: int, cap) -> tuple:
-    """``(splits, direct)`` for a split-KV launch of ``programs`` programs on ``sms`` multiprocessors.
+def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
+    """``(splits, direct)`` for a split-KV launch of ``programs`` programs on ``sms`` multiprocessors
+    (``requested``: a caller's split count, taken as is, direct when 1).
 
     Splitting adds a workspace round trip, so a concrete launch splits only while a wave of the SMs is
     not full (``direct``: one split, the kernel writes the result). A symbolic ``programs`` (a dynamic
-    batch traced by torch.compile) gets one formula for every size and always the workspace path, so
-    the trace installs no guard on the batch (no recompile when it crosses ``sms``); at full waves the
-    formula gives 1 split and the merge kernel only rescales (a few MB against the cache read).
-    ``cap`` (int or symbolic) bounds the split count.
+    batch traced by torch.compile) gets the same formula for every size and always the workspace path,
+    so the trace installs no guard on the batch (no recompile when it crosses ``sms``); from two waves
+    on the formula gives 1 split (between one and two, 2) and the merge kernel only rescales (a few MB
+    against the cache read). ``cap`` (int or symbolic, >= 1) bounds the split count.
     """
-    if isinstance(programs, int):
-        if programs >= sms:
-            return 1, True
-        return torch.sym_min(-(-2 * sms // programs), cap), False
+    if requested is not None:
+        return requested, requested == 1
+    if isinstance(programs, int) and programs >= sms:
+        return 1, True
     return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False

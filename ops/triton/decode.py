@@ -152,12 +152,9 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     else:
         stages = 5 if pow2(dc) >= 512 else 3  # BLOCK_H 32 / BLOCK_N 32: 76 -> 113 KB, 200 -> 218 registers
     cfg.setdefault("num_stages", stages)
-    if "SPLITS" not in cfg:
-        # Every split should get a few tiles of the longest possible sequence.
-        cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
-        cfg["SPLITS"], cfg["DIRECT"] = split_plan(B * triton.cdiv(M, block_h), num_sms(device), cap)
-    else:
-        cfg.setdefault("DIRECT", cfg["SPLITS"] == 1)
+    # Every split should get a few tiles of the longest possible sequence.
+    cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
+    cfg["SPLITS"], cfg["DIRECT"] = split_plan(B * triton.cdiv(M, block_h), num_sms(device), cap, cfg.get("SPLITS"))
     return cfg
 
 

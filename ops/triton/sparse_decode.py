@@ -105,11 +105,9 @@ def _pick(H: int, n_queries: int, topk: int, dc: int, device: torch.device, conf
     cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
     cfg.setdefault("num_stages", 2 if wide or block_h == 64 else 3)
-    if "SPLITS" not in cfg:
-        cap = torch.sym_max(1, torch.sym_min(topk // (4 * cfg["BLOCK_N"]), 64))
-        cfg["SPLITS"], cfg["DIRECT"] = split_plan(n_queries * triton.cdiv(H, block_h), num_sms(device), cap)
-    else:
-        cfg.setdefault("DIRECT", cfg["SPLITS"] == 1)
+    cap = torch.sym_max(1, torch.sym_min(topk // (4 * cfg["BLOCK_N"]), 64))
+    cfg["SPLITS"], cfg["DIRECT"] = split_plan(n_queries * triton.cdiv(H, block_h), num_sms(device), cap,
+                                              cfg.get("SPLITS"))
     return cfg
 
 
