@@ -32,5 +32,5 @@ if [[ $PHASES == *,step,* ]]; then
 fi
 [[ $PHASES == *,lowered,* ]] && tail -n 6 "$O/low/bench_lowered_step.txt"
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
-[[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
+[[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
 (cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8)

@@ -254,12 +254,29 @@ def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
 register_impl(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, devices=("any",))
 
 
+def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
+    """Whether the Gluon fp8 decode (``ops/triton/fp8_decode_gluon.py``) serves this call, from static
+    properties only (no guard on the batch): CUDA sm_89+ with Triton, bf16 q ``[B, s_q, H, 576]`` with
+    ``s_q * H <= 32`` (16-row programs; more heads re-read the cache per 16), DeepSeek's 512 + 64 split,
+    pages of a multiple of 32 rows, 16-byte aligned row and page strides."""
+    if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():
+        return False
+    if kv_lora_rank != 512 or q.shape[-1] != 576 or q.shape[1] * q.shape[2] > 32:
+        return False
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return False
+    return (kv_cache.shape[1] % 32 == 0 and kv_cache.stride(-1) == 1 and kv_cache.stride(1) % 16 == 0
+            and kv_cache.stride(0) % 16 == 0)
+
+
 def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
                kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode over the fp8 cache ``uint8 [NB, BS, W]``: the contract of
     ``mla_compile.ops.decode`` (q ``[B, s_q, H, D]`` or ``[B, H, D]``; out in q's dtype, lse float32)."""
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
+    if backend in (None, "auto") and gluon_eligible(q4, kv_cache, kv_lora_rank):
+        backend = "gluon"  # our fastest fp8 kernel where it applies (BENCHMARKS.md, run 27)
     out, lse = resolve(OP_DECODE, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
@@ -281,3 +298,17 @@ def _triton_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
 
 register_impl(OP_WRITE, "triton", _triton_write, devices=("cuda",), available=_triton_available)
 register_impl(OP_DECODE, "triton", _triton_decode, devices=("cuda",), available=_triton_available)
+
+
+def _gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                  kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    if not gluon_eligible(q, kv_cache, kv_lora_rank):
+        raise ValueError(f"mla.decode_fp8: backend 'gluon' takes bf16 q [B, s_q, H, 576] with s_q * H <= 32, "
+                         f"kv_lora_rank 512, pages of a multiple of 32 rows with 16-byte aligned strides, on "
+                         f"sm_89+; got q {q.dtype} {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} strides "
+                         f"{tuple(kv_cache.stride())} on {q.device}; use backend='triton'")
+    import mla_compile.ops.triton.fp8_decode_gluon  # noqa: F401  (registers mla::decode_fp8_gluon)
+    return torch.ops.mla.decode_fp8_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+register_impl(OP_DECODE, "gluon", _gluon_decode, devices=("cuda",), available=_triton_available)

@@ -22,3 +22,18 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
     if isinstance(programs, int) and programs >= sms:
         return 1, True
     return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False
+
+
+
+def wave_cost(programs: int, slots: int, cap: int, splits: int) -> float:
+    """Time of a launch of ``programs * splits`` programs, ``slots`` at once, in units of one sequence's
+    work: whole waves of ``1 / splits`` of a sequence each, plus a fixed cost per program (its setup and
+    the workspace round trip) taken as the ``1 / cap`` of a sequence that ``cap`` splits may cut it into."""
+    return -(-programs * splits // slots) * (1 / splits + 1 / max(1, cap))
+
+
+def wave_splits(programs: int, slots: int, cap: int) -> tuple[int, bool]:
+    """``(splits, direct)`` for a launch whose size is known when it runs (an opaque op, never traced):
+    the split count in ``[1, cap]`` with the least :func:`wave_cost`, the smallest on ties."""
+    best = min(range(1, max(1, cap) + 1), key=lambda s: (wave_cost(programs, slots, cap, s), s))
+    return best, best == 1

@@ -55,3 +55,27 @@ def test_user_splits_decide_direct():
     decode, _ = _kernels()
     assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 1})["DIRECT"] is True
     assert decode._pick(16, 8, 8192, 512, torch.device("cpu"), {"SPLITS": 3})["DIRECT"] is False
+
+
+@pytest.mark.parametrize("programs, slots, cap, want", [
+    (128, 264, 64, (2, False)),   # 2 programs per SM on 132 SMs: two splits fill one wave (three would need two)
+    (128, 132, 64, (1, True)),    # one program per SM: 128 of 132 busy beats two waves of halves
+    (140, 132, 64, (8, False)),   # just over a wave: 9 waves of eighths (1.27) beat 2 of wholes (2.03)
+    (264, 264, 64, (1, True)),    # a full wave: no split
+    (1, 264, 8, (8, False)),      # one sequence: as many splits as the cap allows
+    (300, 264, 1, (1, True)),     # cap 1: never split
+])
+def test_wave_splits(programs, slots, cap, want):
+    from mla_compile.ops.triton._plan import wave_splits
+
+    assert wave_splits(programs, slots, cap) == want
+
+
+def test_wave_splits_minimises_the_waves_per_split():
+    from mla_compile.ops.triton._plan import wave_cost, wave_splits
+
+    for programs in (1, 7, 100, 131, 133, 200, 400, 1000):
+        splits, direct = wave_splits(programs, 132, 16)
+        assert direct == (splits == 1) and 1 <= splits <= 16
+        assert all(wave_cost(programs, 132, 16, splits) <= wave_cost(programs, 132, 16, s) for s in range(1, 17))
+    assert wave_cost(128, 264, 64, 2) < wave_cost(128, 264, 64, 3)  # two waves of thirds lose to one of halves

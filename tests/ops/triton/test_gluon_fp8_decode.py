@@ -1,0 +1,158 @@
+"""The Gluon fp8 decode (``ops/triton/fp8_decode_gluon.py``): CUDA shapes against the float64 reference
+with poisoned allocations, the auto choice, opcheck, torch.compile with a dynamic batch (no recompile)
+and CUDA-graph replay with new lengths; on any machine with Triton, its shared-memory formula against
+the sm_90 compile (the split plan counts programs per SM from it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import mla_compile  # noqa: F401
+from tests.cuda_capture import capture
+from _sparse_test_util import fp8_paged
+from _triton_test_util import assert_attention_close, poison_allocator
+from mla_compile.ops import decode_fp8
+from mla_compile.ops.fp8_cache import gluon_eligible
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs a CUDA GPU and triton")
+SCALE = 1 / math.sqrt(192)
+DC, DR = 512, 64
+# keys and values are dequantized then rounded to bf16 (relative 2**-9 each; the reference keeps them exact):
+# the tolerances of the sparse fp8 path, which does the same
+TOL, LSE_ATOL = 1.5e-2, 1.5e-2
+
+
+def _lens(B, max_len, gen):
+    lens = torch.randint(0, max_len + 1, (B,), generator=gen)
+    lens[0] = max_len
+    if B > 2:
+        lens[1] = 0
+    return lens.tolist()
+
+
+def _check(B, H, s_q, lens, bs, seed, config=None):
+    from mla_compile.ops.triton import fp8_decode_gluon
+
+    gen = torch.Generator().manual_seed(seed)
+    cache, table, seq_lens, _ = fp8_paged(lens, bs, DC, DR, "cuda", gen)
+    q = torch.randn(B, s_q, H, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    assert gluon_eligible(q, cache, DC)
+    poison_allocator()
+    out, lse = fp8_decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    torch.cuda.synchronize()
+    ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, SCALE, DC)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
+    return q, cache, table, seq_lens, out, lse
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("B,H,s_q,max_len,bs", [
+    (1, 16, 1, 16384, 64),     # one long sequence: many splits
+    (128, 16, 1, 2048, 64),    # the memory-bound shape
+    (300, 16, 1, 700, 64),     # more programs than slots: one split, written directly
+    (9, 8, 2, 1500, 32),       # MTP rows folded (s_q * H = 16), pages of 32
+    (5, 16, 2, 300, 64),       # two 16-row programs per sequence, queries that see nothing
+    (4, 32, 1, 100, 64),       # two head blocks, sequences shorter than one tile
+])
+def test_gluon_fp8_decode_shapes(B, H, s_q, max_len, bs):
+    gen = torch.Generator().manual_seed(B * 10 + H)
+    _check(B, H, s_q, _lens(B, max_len, gen), bs, seed=B + H)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("config", [{"BLOCK_N": 64, "STAGES": 2, "num_warps": 8}, {"SPLITS": 3},
+                                    {"BLOCK_N": 32, "STAGES": 2, "num_warps": 4, "SPLITS": 1}])
+def test_gluon_fp8_decode_configs(config):
+    gen = torch.Generator().manual_seed(3)
+    _check(6, 16, 1, _lens(6, 3000, gen), 64, seed=3, config=config)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_auto_picks_gluon_and_explicit_gluon_refuses_what_it_cannot_serve():
+    gen = torch.Generator().manual_seed(4)
+    cache, table, seq_lens, _ = fp8_paged(_lens(3, 900, gen), 64, DC, DR, "cuda", gen)
+    q = torch.randn(3, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    auto = decode_fp8(q, cache, table, seq_lens, SCALE)
+    gluon = decode_fp8(q, cache, table, seq_lens, SCALE, backend="gluon")
+    assert all(torch.equal(a, g) for a, g in zip(auto, gluon))
+    wide = torch.randn(3, 1, 64, DC + DR, generator=gen).to("cuda", torch.bfloat16)  # 64 rows: the Triton kernel
+    assert not gluon_eligible(wide, cache, DC)
+    with pytest.raises(ValueError, match="backend 'gluon' takes bf16 q"):
+        decode_fp8(wide, cache, table, seq_lens, SCALE, backend="gluon")
+    with pytest.raises(ValueError, match="backend 'gluon'"):
+        decode_fp8(q.half(), cache, table, seq_lens, SCALE, backend="gluon")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_gluon_fp8_decode_opcheck():
+    import mla_compile.ops.triton.fp8_decode_gluon  # noqa: F401
+
+    gen = torch.Generator().manual_seed(1)
+    cache, table, lens, _ = fp8_paged([70, 0, 130], 64, DC, DR, "cuda", gen)
+    q = torch.randn(3, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    opcheck(torch.ops.mla.decode_fp8_gluon.default, (q, cache, table, lens, SCALE, DC))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_compiled_dynamic_batch_and_graph_replay():
+    """The auto backend under torch.compile(fullgraph, dynamic): batches across the SM count compile once;
+    the compiled step captured in a CUDA graph replays new lengths and queries."""
+    gen = torch.Generator().manual_seed(8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batches = (2, 64, 2 * sms + 8)
+    lens = _lens(max(batches), 1500, gen)
+    cache, table, seq_lens, _ = fp8_paged(lens, 64, DC, DR, "cuda", gen)
+    q = torch.randn(max(batches), 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    step = torch.compile(lambda q, t, s: decode_fp8(q, cache, t, s, SCALE), fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for i, b in enumerate(batches):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out, lse = step(q[:b], table[:b], seq_lens[:b])
+        ref, ref_lse = torch.ops.mla.decode_fp8_ref(q[:b].double(), cache, table[:b], seq_lens[:b], SCALE, DC)
+        assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
+
+    B = 12
+    st = {"q": q[:B].clone(), "lens": seq_lens[:B].clone()}
+    graph, (out, lse) = capture(lambda: step(st["q"], table[:B], st["lens"]))
+    for _ in range(3):
+        new = torch.tensor(_lens(B, 1500, gen), dtype=torch.int32, device="cuda")
+        st["lens"].copy_(torch.minimum(new, seq_lens[:B]))  # within each sequence's written positions
+        st["q"].copy_(torch.randn(B, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = torch.ops.mla.decode_fp8_ref(st["q"].double(), cache, table[:B], st["lens"], SCALE, DC)
+        assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
+
+
+@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@pytest.mark.parametrize("block_n,stages,warps", [(32, 3, 4), (64, 2, 8), (32, 4, 4)])
+def test_smem_formula_matches_the_sm90_compile(block_n, stages, warps):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import fp8_decode_gluon as g
+
+    kernel = g.decode_fp8_gluon_kernel
+    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages, DIRECT=False)
+    ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
+    sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
+           for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if p.name in ptrs or p.name in ("stride_kb", "stride_kt")}
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    assert compiled.metadata.shared == g.smem_bytes(block_n, stages)
+    assert g.programs_per_sm(32, 3, 4) == 2 and g.programs_per_sm(64, 2, 8) == 1
