@@ -15,19 +15,13 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
     batch traced by torch.compile) gets the same formula for every size and always the workspace path,
     so the trace installs no guard on the batch (no recompile when it crosses ``sms``); from two waves
     on the formula gives 1 split (between one and two, 2) and the merge kernel only rescales (a few MB
-    against the cache read). ``cap`` (>= 1) bounds a concrete launch's split count; a symbolic one is not
-    capped (splits past a sequence's end are empty programs: -inf partials the merge ignores).
+    against the cache read). ``cap`` (int or symbolic, >= 1) bounds the split count.
     """
     if requested is not None:
         return requested, requested == 1
     if isinstance(programs, int) and programs >= sms:
         return 1, True
-    if isinstance(programs, int):
-        return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False
-    # symbolic: a floor division only. A Min/Max of two symbolic sizes (the cap comes from the block
-    # table's width, dynamic too) made Inductor decide between them while lowering, a guard on the batch
-    # that a warm compile cache enforced (H200 run 28: a recompile as the batch crossed the cap).
-    return (2 * sms + programs - 1) // programs, False
+    return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False
 
 
 
