@@ -170,8 +170,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     B, s_q, H, D = q.shape
     dc, dr = kv_lora_rank, D - kv_lora_rank
     M = s_q * H
-    out = torch.empty(B, s_q, H, dc, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    out, lse = decode_outputs(q, dc)
     if B == 0 or M == 0:
         return out, lse
     q = last_dim_contiguous(q)
@@ -202,6 +201,13 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc, direct)
     return out, lse
+
+
+def decode_outputs(q: Tensor, dc: int) -> tuple[Tensor, Tensor]:
+    """Uninitialized ``out [B, s_q, H, dc]`` (q's dtype) and ``lse [B, s_q, H]`` (float32) for q ``[B, s_q, H, D]``."""
+    B, s_q, H, _ = q.shape
+    return (torch.empty(B, s_q, H, dc, dtype=q.dtype, device=q.device),
+            torch.empty(B, s_q, H, dtype=torch.float32, device=q.device))
 
 
 def split_buffers(out: Tensor, lse: Tensor, rows: int, splits, dc: int, direct: bool) -> tuple[Tensor, Tensor]:

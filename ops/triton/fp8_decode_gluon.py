@@ -31,7 +31,7 @@ from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._plan import wave_splits
-from mla_compile.ops.triton.decode import _LOG2E, reduce_splits, split_buffers
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits, split_buffers
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
 GROUP = gl.constexpr(128)  # values per fp32 scale
@@ -216,8 +216,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     B, s_q, H, D = q.shape
     dc, dr = kv_lora_rank, D - kv_lora_rank
     M = s_q * H
-    out = torch.empty(B, s_q, H, dc, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, s_q, H, dtype=torch.float32, device=q.device)
+    out, lse = decode_outputs(q, dc)
     if B == 0 or M == 0:
         return out, lse
     q = last_dim_contiguous(q)
@@ -255,5 +254,4 @@ def decode_fp8_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
 
 @decode_fp8_gluon.register_fake
 def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-    B, s_q, H, _ = q.shape
-    return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+    return decode_outputs(q, kv_lora_rank)

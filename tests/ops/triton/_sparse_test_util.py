@@ -15,6 +15,15 @@ from mla_compile.ops.fp8_cache import quantize_fp8_rows
 POISON = 0xFF
 
 
+def lens_with_empty(B: int, max_len: int, gen) -> list[int]:
+    """Random sequence lengths in ``[0, max_len]``: the first is ``max_len``, the second (for B > 2) empty."""
+    lens = torch.randint(0, max_len + 1, (B,), generator=gen)
+    lens[0] = max_len
+    if B > 2:
+        lens[1] = 0
+    return lens.tolist()
+
+
 def fp8_width(dc: int, dr: int) -> int:
     return dc + dc // 32 + 2 * dr
 

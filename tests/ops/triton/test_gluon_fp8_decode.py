@@ -15,7 +15,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
-from _sparse_test_util import fp8_paged
+from _sparse_test_util import fp8_paged, lens_with_empty
 from _triton_test_util import assert_attention_close, poison_allocator
 from mla_compile.ops import decode_fp8
 from mla_compile.ops.fp8_cache import gluon_eligible
@@ -29,12 +29,7 @@ DC, DR = 512, 64
 TOL, LSE_ATOL = 1.5e-2, 1.5e-2
 
 
-def _lens(B, max_len, gen):
-    lens = torch.randint(0, max_len + 1, (B,), generator=gen)
-    lens[0] = max_len
-    if B > 2:
-        lens[1] = 0
-    return lens.tolist()
+_lens = lens_with_empty
 
 
 def _check(B, H, s_q, lens, bs, seed, config=None):

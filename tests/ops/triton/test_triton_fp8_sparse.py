@@ -13,7 +13,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
-from _sparse_test_util import fp8_paged, float_paged, fp8_width, topk_indices, window_indices
+from _sparse_test_util import fp8_paged, float_paged, fp8_width, lens_with_empty, topk_indices, window_indices
 from _triton_test_util import assert_attention_close, opcheck_and_compile, poison_allocator
 from mla_compile.ops import decode, decode_fp8, sparse_decode, write_latent_cache_fp8
 
@@ -33,12 +33,7 @@ def _load():
         importlib.import_module(f"mla_compile.ops.triton.{name}")
 
 
-def _lens(B, max_len, gen):
-    lens = torch.randint(0, max_len + 1, (B,), generator=gen)
-    lens[0] = max_len
-    if B > 2:
-        lens[1] = 0
-    return lens.tolist()
+_lens = lens_with_empty
 
 
 # ------------------------------------------------------------------------------------------ CPU branch
