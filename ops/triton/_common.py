@@ -86,21 +86,29 @@ def online_softmax_step(s, m_i, l_i, acc, v, MASKED: tl.constexpr, IEEE: tl.cons
 
 
 @triton.jit
-def decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_count(n_splits, split_cap):
+    """The splits a launch of ``n_splits`` split programs uses: at most ``split_cap`` (at least 1); the
+    programs past it exit and the merge reads only the first ones."""
+    return tl.minimum(n_splits, tl.maximum(split_cap, 1))
+
+
+@triton.jit
+def decode_program(seq_lens_ptr, n_splits, split_cap, M, H, S_Q, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     """A split-KV decode program (grid: head blocks, splits, sequences): its sequence ``b`` and split
-    ``pid_s``, the key range ``[start, end)`` of that split (whole ``BLOCK_N`` tiles), its query rows
-    ``rows`` (``row_ok``: < M), each row's query index ``qi`` and causal bound ``limit`` (it sees
-    positions < limit)."""
+    ``pid_s`` (``pid_s >= n_used``: an unused split, the program exits), the key range ``[start, end)`` of
+    that split (whole ``BLOCK_N`` tiles), its query rows ``rows`` (``row_ok``: < M), each row's query
+    index ``qi`` and causal bound ``limit`` (it sees positions < limit)."""
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    n_used = split_count(n_splits, split_cap)
+    per_split = tl.cdiv(tl.cdiv(seq_len, n_used), BLOCK_N) * BLOCK_N
     start = pid_s * per_split
     end = tl.minimum(start + per_split, seq_len)
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     qi = rows // H
-    return b, pid_s, start, end, rows, rows < M, qi, seq_len - (S_Q - 1 - qi)
+    return b, pid_s, n_used, start, end, rows, rows < M, qi, seq_len - (S_Q - 1 - qi)
 
 
 @triton.jit

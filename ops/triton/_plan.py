@@ -12,18 +12,22 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
 
     Splitting adds a workspace round trip, so a concrete launch splits only while a wave of the SMs is
     not full (``direct``: one split, the kernel writes the result). A symbolic ``programs`` (a dynamic
-    batch traced by torch.compile) gets the same formula for every size and always the workspace path,
-    so the trace installs no guard on the batch (no recompile when it crosses ``sms``); from two waves
-    on the formula gives 1 split (between one and two, 2) and the merge kernel only rescales (a few MB
-    against the cache read). ``cap`` (int or symbolic, >= 1) bounds the split count.
+    batch traced by torch.compile) gets the same formula for every size and always the workspace path.
+    The formula is a floor division only: a ``Min``/``Max`` of symbolic sizes, or a workspace dim that
+    may be 1, makes Inductor decide between them (``check_contiguous_sizes_strides``), a guard on the
+    batch that a warm AOTAutograd cache enforces (H200 run 28; reproduced on CPU). ``cap`` (the most
+    splits worth taking, int or symbolic) is applied where both are concrete; the kernels also clamp
+    their effective split count to it on the device (the ``split_cap`` argument), so the traced and the
+    eager launch split the keys the same way and agree bit for bit.
     """
     if requested is not None:
         return requested, requested == 1
     if isinstance(programs, int) and programs >= sms:
         return 1, True
-    return torch.sym_max(1, torch.sym_min((2 * sms + programs - 1) // programs, cap)), False
-
-
+    splits = (2 * sms + programs - 1) // programs
+    if isinstance(programs, int) and isinstance(cap, int):
+        splits = max(1, min(splits, cap))
+    return splits, False
 
 def wave_cost(programs: int, slots: int, cap: int, splits: int) -> float:
     """Time of a launch of ``programs * splits`` programs, ``slots`` at once, in units of one sequence's
@@ -37,3 +41,15 @@ def wave_splits(programs: int, slots: int, cap: int) -> tuple[int, bool]:
     the split count in ``[1, cap]`` with the least :func:`wave_cost`, the smallest on ties."""
     best = min(range(1, max(1, cap) + 1), key=lambda s: (wave_cost(programs, slots, cap, s), s))
     return best, best == 1
+
+
+def split_buffers(out: torch.Tensor, lse: torch.Tensor, rows: int, splits, dc: int,
+                  direct: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a split kernel writes: ``out``/``lse`` themselves when ``direct`` (one split), else flat float32
+    workspaces of ``rows * splits * dc`` / ``rows * splits`` (row-major ``[rows, splits, dc]``) that
+    ``decode.reduce_splits`` folds into them. Flat: a symbolic ``splits`` dim would make the contiguity check
+    ask whether it is 1, a guard on the batch."""
+    if direct:
+        return out, lse
+    return (torch.empty(rows * splits * dc, dtype=torch.float32, device=out.device),
+            torch.empty(rows * splits, dtype=torch.float32, device=out.device))

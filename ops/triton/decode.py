@@ -20,8 +20,8 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
-                                             online_softmax_step, paged_rows, pow2)
-from mla_compile.ops.triton._plan import split_plan
+                                             online_softmax_step, paged_rows, pow2, split_count)
+from mla_compile.ops.triton._plan import split_buffers, split_plan
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
 _LOG2E = 1.4426950408889634
@@ -34,13 +34,16 @@ def _decode_split_kernel(
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kt,
     stride_bt,
-    M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
+    M, H, S_Q, n_splits, split_cap, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
     PAGE_TILES: tl.constexpr,
 ):
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    b, pid_s, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H, BLOCK_N)
+    b, pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, split_cap, M, H,
+                                                                           S_Q, BLOCK_H, BLOCK_N)
+    if pid_s >= n_used:
+        return
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
     c_ok = offs_c < DC
@@ -84,22 +87,23 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits,
+def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
                           DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, CHUNK_S)
     offs_c = tl.arange(0, BLOCK_DC)
     c_ok = offs_c < DC
+    n_used = split_count(n_splits, split_cap)  # the first n_used partials of the row's n_splits slots
     mx = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_splits, CHUNK_S):
-        s_ok = s0 + offs_s < n_splits
+    for s0 in range(0, n_used, CHUNK_S):
+        s_ok = s0 + offs_s < n_used
         mx = tl.maximum(mx, tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")))
     m = tl.max(mx, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([CHUNK_S], dtype=tl.float32)
     acc = tl.zeros([BLOCK_DC], dtype=tl.float32)
-    for s0 in range(0, n_splits, CHUNK_S):
-        s_ok = s0 + offs_s < n_splits
+    for s0 in range(0, n_used, CHUNK_S):
+        s_ok = s0 + offs_s < n_used
         w = tl.math.exp2(tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
         part = tl.load(ws_ptr + (row * n_splits + s0 + offs_s)[:, None] * DC + offs_c[None, :],
                        mask=s_ok[:, None] & c_ok[None, :], other=0.0)
@@ -152,9 +156,10 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     else:
         stages = 5 if pow2(dc) >= 512 else 3  # BLOCK_H 32 / BLOCK_N 32: 76 -> 113 KB, 200 -> 218 registers
     cfg.setdefault("num_stages", stages)
-    # Every split should get a few tiles of the longest possible sequence.
-    cap = torch.sym_max(1, torch.sym_min(capacity // (4 * block_n), 64))
+    # Every split should get a few tiles of the longest possible sequence (a floor division: see split_plan).
+    cap = capacity // (4 * block_n)
     cfg["SPLITS"], cfg["DIRECT"] = split_plan(B * triton.cdiv(M, block_h), num_sms(device), cap, cfg.get("SPLITS"))
+    cfg.setdefault("SPLIT_CAP", cfg["SPLITS"] if "SPLITS" in (config or {}) else cap)  # splits used on the device
     return cfg
 
 
@@ -193,13 +198,13 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
-        M, H, s_q, splits, DC=dc, DR=dr,
+        M, H, s_q, splits, cfg["SPLIT_CAP"], DC=dc, DR=dr,
         BLOCK_SIZE=block_size, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, PAGE_TILES=cfg["PAGE_TILES"],
         **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, block_dc, direct)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, cfg["SPLIT_CAP"], dc, block_dc, direct)
     return out, lse
 
 
@@ -210,22 +215,14 @@ def decode_outputs(q: Tensor, dc: int) -> tuple[Tensor, Tensor]:
             torch.empty(B, s_q, H, dtype=torch.float32, device=q.device))
 
 
-def split_buffers(out: Tensor, lse: Tensor, rows: int, splits, dc: int, direct: bool) -> tuple[Tensor, Tensor]:
-    """Where a split kernel writes: ``out``/``lse`` themselves when ``direct`` (one split), else float32
-    workspaces ``[rows, splits, dc]`` / ``[rows, splits]`` that :func:`reduce_splits` folds into them."""
-    if direct:
-        return out, lse
-    return (torch.empty(rows, splits, dc, dtype=torch.float32, device=out.device),
-            torch.empty(rows, splits, dtype=torch.float32, device=out.device))
-
-
-def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits, dc: int,
-                  block_dc: int, direct: bool) -> None:
-    """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do when ``direct``);
-    ``wrap`` is the caller module's ``wrap_triton`` (tests record launches through it)."""
+def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits, split_cap,
+                  dc: int, block_dc: int, direct: bool) -> None:
+    """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do when ``direct``):
+    the first ``min(splits, max(split_cap, 1))`` of each row's ``splits`` slots, the ones the split kernel
+    used. ``wrap`` is the caller module's ``wrap_triton`` (tests record launches through it)."""
     if not direct:
         wrap(_decode_reduce_kernel)[(rows,)](
-            o_buf, l_buf, out, lse, splits, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
+            o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
             num_warps=4,
         )
 

@@ -30,8 +30,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton._plan import wave_splits
-from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits, split_buffers
+from mla_compile.ops.triton._plan import split_buffers, wave_splits
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
 GROUP = gl.constexpr(128)  # values per fp32 scale
@@ -237,7 +237,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         M, H, s_q, splits, DC=dc, DR=dr, BLOCK_SIZE=block_size, BLOCK_H=16, BLOCK_N=block_n,
         STAGES=stages, DIRECT=direct, num_warps=warps,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, dc, dc, direct)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
     return out, lse
 
 

@@ -72,7 +72,7 @@ def _decode_fp8_split_kernel(
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kt,
     stride_bt,
-    M, H, S_Q, n_splits, DC: tl.constexpr, DR: tl.constexpr,
+    M, H, S_Q, n_splits, split_cap, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
     PAGE_TILES: tl.constexpr,
@@ -80,7 +80,10 @@ def _decode_fp8_split_kernel(
     """The split kernel of ``decode._decode_split_kernel`` over fp8 rows; ``G = DC / 128`` in 1..4 groups,
     each with its own ``[BLOCK_N, 128]`` codes tile and ``[BLOCK_H, 128]`` accumulator."""
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    b, pid_s, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, M, H, S_Q, BLOCK_H, BLOCK_N)
+    b, pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, split_cap, M, H,
+                                                                           S_Q, BLOCK_H, BLOCK_N)
+    if pid_s >= n_used:
+        return
     offs_k = tl.arange(0, GROUP)
     offs_r = tl.arange(0, BLOCK_DR)
     r_ok = offs_r < DR

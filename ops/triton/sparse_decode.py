@@ -19,10 +19,11 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.sparse_decode import validate
-from mla_compile.ops.triton._common import dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2
+from mla_compile.ops.triton._common import (dot_two_part, last_dim_contiguous, num_sms, online_softmax_step, pow2,
+                                             split_count)
 from mla_compile.ops.triton._fp8 import load_fp8_tile
-from mla_compile.ops.triton._plan import split_plan
-from mla_compile.ops.triton.decode import reduce_splits, split_buffers
+from mla_compile.ops.triton._plan import split_buffers, split_plan
+from mla_compile.ops.triton.decode import reduce_splits
 
 _LOG2E = 1.4426950408889634
 
@@ -34,7 +35,7 @@ def _sparse_split_kernel(
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kt,
     stride_ib, stride_is,
-    H, S_Q, topk, n_slots, n_splits, DC: tl.constexpr, DR: tl.constexpr,
+    H, S_Q, topk, n_slots, n_splits, split_cap, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -45,7 +46,10 @@ def _sparse_split_kernel(
     i = bq % S_Q
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
 
-    per_split = tl.cdiv(tl.cdiv(topk, n_splits), BLOCK_N) * BLOCK_N
+    n_used = split_count(n_splits, split_cap)
+    if pid_s >= n_used:
+        return
+    per_split = tl.cdiv(tl.cdiv(topk, n_used), BLOCK_N) * BLOCK_N
     start = pid_s * per_split
     end = tl.minimum(start + per_split, topk)
 
@@ -105,9 +109,10 @@ def _pick(H: int, n_queries: int, topk: int, dc: int, device: torch.device, conf
     cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
     cfg.setdefault("num_stages", 2 if wide or block_h == 64 else 3)
-    cap = torch.sym_max(1, torch.sym_min(topk // (4 * cfg["BLOCK_N"]), 64))
+    cap = topk // (4 * cfg["BLOCK_N"])  # a floor division only: see split_plan
     cfg["SPLITS"], cfg["DIRECT"] = split_plan(n_queries * triton.cdiv(H, block_h), num_sms(device), cap,
                                               cfg.get("SPLITS"))
+    cfg.setdefault("SPLIT_CAP", cfg["SPLITS"] if "SPLITS" in (config or {}) else cap)  # splits used on the device
     return cfg
 
 
@@ -145,12 +150,12 @@ def _launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         indices.stride(0), indices.stride(1),
-        H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits, DC=dc, DR=dr,
+        H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits, cfg["SPLIT_CAP"], DC=dc, DR=dr,
         BLOCK_SIZE=kv_cache.shape[1], BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_DC=block_dc, BLOCK_DR=pow2(dr), DIRECT=direct, IEEE=compute.dtype == torch.float32, FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, n_queries * H, splits, dc, block_dc, direct)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, n_queries * H, splits, cfg["SPLIT_CAP"], dc, block_dc, direct)
     return out, lse
 
 

@@ -134,3 +134,17 @@ def test_sparse_decode_topk(fp8, dtype):
     out, lse = ts._launch(q, cache, idx.long(), SCALE, DC, config={"SPLITS": 2, "BLOCK_N": 16})
     ref, ref_lse = torch.ops.mla.sparse_decode_ref(q.double(), cache if fp8 else cache.double(), idx, SCALE, DC)
     _check(out, lse, ref, ref_lse, dtype, "rounded" if fp8 else False)
+
+
+def test_sparse_splits_past_the_cap_change_nothing():
+    """As the dense kernel: programs past ``SPLIT_CAP`` exit and the result is the capped launch's."""
+    from mla_compile.ops.triton import sparse_decode as ts
+
+    gen = torch.Generator().manual_seed(5)
+    lens = [0, 3, 70, 150]
+    cache, table, seq_lens = float_paged(lens, 16, DC + DR, torch.bfloat16, "cpu", gen)
+    idx = window_indices(table, seq_lens, 16, sink=4, window=40, max_kv=48)
+    q = torch.randn(len(lens), 1, H, DC + DR, generator=gen).bfloat16()
+    wide = ts._launch(q, cache, idx, SCALE, DC, config={"SPLITS": 6, "SPLIT_CAP": 2, "BLOCK_N": 16})
+    tight = ts._launch(q, cache, idx, SCALE, DC, config={"SPLITS": 2, "BLOCK_N": 16})
+    assert all(torch.equal(a, b) for a, b in zip(wide, tight))
