@@ -413,7 +413,7 @@ _PHASES = (("dynamo", "dynamo_cumulative_compile_time_us", 1e-6),
 
 # Our op names and Triton kernel names -> the backend they belong to (suffix conventions of mla_compile.ops)
 _BACKEND_SUFFIXES = (("_ref", "reference"), ("_triton_config", "triton (autotuned config)"), ("_triton", "triton"),
-                     ("_flashmla", "flashmla"), ("_flashinfer_trtllm", "flashinfer-trtllm"),
+                     ("_gluon", "gluon (opaque kernel)"), ("_flashmla", "flashmla"), ("_flashinfer_trtllm", "flashinfer-trtllm"),
                      ("_flashinfer_cutlass", "flashinfer-cutlass"), ("_flashinfer", "flashinfer"),
                      ("_fa2", "flash-attn"), ("_flash_attn", "flash-attn"), ("_sdpa", "sdpa-cudnn"),
                      ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"),

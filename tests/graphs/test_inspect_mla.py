@@ -90,6 +90,7 @@ def test_op_backend_names():
     assert op_backend("mla::decode_flashmla") == "flashmla"
     assert op_backend("mla::decode_triton_config") == "triton (autotuned config)"
     assert op_backend("mla::prefill_flashinfer") == "flashinfer"
+    assert op_backend("mla::decode_fp8_gluon") == "gluon (opaque kernel)"
     assert op_backend("_decode_split_kernel") == "triton" and op_backend("mla::unknown") == "?"
     assert op_backend("_fp8_write_kernel") == "triton" and op_backend("_fused_kv_write_kernel") == "triton"
     assert op_backend("mla::absorb_q") == op_backend("mla::absorb_out.default") == "torch bmm into place (fusion pass)"
