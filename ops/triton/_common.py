@@ -87,9 +87,9 @@ def online_softmax_step(s, m_i, l_i, acc, v, MASKED: tl.constexpr, IEEE: tl.cons
 
 @triton.jit
 def split_count(n_splits, split_cap):
-    """The splits a launch of ``n_splits`` split programs uses: at most ``split_cap`` (at least 1); the
-    programs past it exit and the merge reads only the first ones."""
-    return tl.minimum(n_splits, tl.maximum(split_cap, 1))
+    """The splits a launch of ``n_splits`` split programs uses: at most ``split_cap`` and 64
+    (``_plan.MAX_SPLITS``), at least 1; the programs past it exit and the merge reads only the first ones."""
+    return tl.minimum(n_splits, tl.maximum(tl.minimum(split_cap, 64), 1))
 
 
 @triton.jit

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 
 
+MAX_SPLITS = 64  # the most splits a decode launch uses (the kernels' ``split_count`` clamps to it too)
+
+
 def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
     """``(splits, direct)`` for a split-KV launch of ``programs`` programs on ``sms`` multiprocessors
     (``requested``: a caller's split count, taken as is, direct when 1).
@@ -16,9 +19,10 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
     The formula is a floor division only: a ``Min``/``Max`` of symbolic sizes, or a workspace dim that
     may be 1, makes Inductor decide between them (``check_contiguous_sizes_strides``), a guard on the
     batch that a warm AOTAutograd cache enforces (H200 run 28; reproduced on CPU). ``cap`` (the most
-    splits worth taking, int or symbolic) is applied where both are concrete; the kernels also clamp
-    their effective split count to it on the device (the ``split_cap`` argument), so the traced and the
-    eager launch split the keys the same way and agree bit for bit.
+    splits worth taking, int or symbolic) and ``MAX_SPLITS`` are applied where both are concrete; the
+    kernels also clamp their effective split count to them on the device (the ``split_cap`` argument;
+    the programs past it exit at once), so the traced and the eager launch split the keys the same way
+    and agree bit for bit.
     """
     if requested is not None:
         return requested, requested == 1
@@ -26,7 +30,7 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
         return 1, True
     splits = (2 * sms + programs - 1) // programs
     if isinstance(programs, int) and isinstance(cap, int):
-        splits = max(1, min(splits, cap))
+        splits = max(1, min(splits, cap, MAX_SPLITS))
     return splits, False
 
 def wave_cost(programs: int, slots: int, cap: int, splits: int) -> float:

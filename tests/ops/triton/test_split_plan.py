@@ -27,7 +27,7 @@ def _sym(env: ShapeEnv, hint: int):
 @pytest.mark.parametrize("programs, splits, direct", [(1, 64, False), (3, 88, False), (132, 1, True), (500, 1, True)])
 def test_concrete_plan(programs, splits, direct):
     assert split_plan(programs, 132, 64) == (min(splits, 64), direct)
-    assert split_plan(programs, 132, 300)[0] == (-(-264 // programs) if programs < 132 else 1)  # no cap of its own
+    assert split_plan(programs, 132, 300)[0] == (min(-(-264 // programs), 64) if programs < 132 else 1)  # MAX_SPLITS
 
 
 @pytest.mark.parametrize("hint", [2, 3, 131, 132, 200, 300])
