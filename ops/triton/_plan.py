@@ -33,6 +33,7 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
         splits = max(1, min(splits, cap, MAX_SPLITS))
     return splits, False
 
+
 def wave_cost(programs: int, slots: int, cap: int, splits: int) -> float:
     """Time of a launch of ``programs * splits`` programs, ``slots`` at once, in units of one sequence's
     work: whole waves of ``1 / splits`` of a sequence each, plus a fixed cost per program (its setup and

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton._plan import split_buffers, wave_splits
+from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
@@ -224,8 +224,11 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     block_n, stages, warps = cfg["BLOCK_N"], cfg["STAGES"], cfg["num_warps"]
     block_size = kv_cache.shape[1]
     programs = B * triton.cdiv(M, 16)
-    cap = max(1, min(block_table.shape[1] * block_size // (4 * block_n), 64))
+    cap = max(1, min(block_table.shape[1] * block_size // (4 * block_n), MAX_SPLITS))
     slots = num_sms(q.device) * programs_per_sm(block_n, stages, warps)
+    if "SPLITS" in cfg and not 1 <= cfg["SPLITS"] <= MAX_SPLITS:
+        raise ValueError(f"mla.decode_fp8 (gluon): config SPLITS must be in [1, {MAX_SPLITS}] (the merge reads at "
+                         f"most that many), got {cfg['SPLITS']}")
     splits, direct = (cfg["SPLITS"], cfg["SPLITS"] == 1) if "SPLITS" in cfg else wave_splits(programs, slots, cap)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     decode_fp8_gluon_kernel[(triton.cdiv(M, 16), splits, B)](

@@ -73,6 +73,18 @@ def test_gluon_fp8_decode_configs(config):
 
 @pytest.mark.cuda
 @needs_cuda
+def test_gluon_split_count_beyond_the_merge_is_refused():
+    from mla_compile.ops.triton import fp8_decode_gluon
+
+    gen = torch.Generator().manual_seed(2)
+    cache, table, seq_lens, _ = fp8_paged([100, 50], 64, DC, DR, "cuda", gen)
+    q = torch.randn(2, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match=r"config SPLITS must be in \[1, 64\]"):
+        fp8_decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"SPLITS": 65})
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_auto_picks_gluon_and_explicit_gluon_refuses_what_it_cannot_serve():
     gen = torch.Generator().manual_seed(4)
     cache, table, seq_lens, _ = fp8_paged(_lens(3, 900, gen), 64, DC, DR, "cuda", gen)
