@@ -1,4 +1,5 @@
-"""A Gluon (Triton's tile-level dialect) split-KV decode over the 656-byte fp8 latent cache, sm_80+.
+"""A Gluon (Triton's tile-level dialect) split-KV decode over the 656-byte fp8 latent cache, sm_89+
+(``mma.sync`` and ``cp.async`` from sm_80, hardware e4m3 conversions from sm_89: ``fp8_cache.gluon_eligible``).
 
 Why not plain Triton: the value dot needs the e4m3 codes with the keys along its reduction dim, and
 Triton 3.6 reads an 8-bit tile in that order from shared memory a byte at a time (``fp8_decode_kernel``
@@ -193,7 +194,6 @@ def decode_fp8_gluon_kernel(
     gl.store(o_row + GROUP, (acc1 * inv[:, None]).to(ty), mask=row_ok[:, None])
     gl.store(o_row + 2 * GROUP, (acc2 * inv[:, None]).to(ty), mask=row_ok[:, None])
     gl.store(o_row + 3 * GROUP, (acc3 * inv[:, None]).to(ty), mask=row_ok[:, None])
-
 
 
 def smem_bytes(block_n: int, stages: int) -> int:
