@@ -28,9 +28,10 @@ value quantization (about 2.6% RMS relative per latent) plus the score shifts fr
 does not grow with length (8 sequences of 1024-4096 tokens, 2 seeds: 3.5-3.7% normwise, at most 6.6%
 of max |out|, LSE 0.011). ``tests/ops/test_fp8_cache.py``
 asserts normwise <= 0.08, elementwise <= 0.15 * max |out_bf16| and LSE <= 0.1. The reference and Triton
-fp8 decodes match a float64 decode over the dequantized rows to float32 rounding; the Gluon decode (the
-CUDA default where ``gluon_eligible``) rounds each dequantized value to bfloat16 first (relative 2**-9,
-as a bf16 cache holds its values), within the sparse fp8 path's tolerances.
+fp8 decodes match a float64 decode over the dequantized rows to float32 rounding; the Gluon decodes (the
+CUDA default where ``gluon_eligible``: ``wgmma`` on sm_90, ``mma.sync`` elsewhere) round each dequantized
+value to bfloat16 first (relative 2**-9, as a bf16 cache holds its values), within the sparse fp8 path's
+tolerances.
 """
 
 from __future__ import annotations
@@ -257,8 +258,8 @@ register_impl(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, devices=("an
 
 
 def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
-    """Whether the Gluon fp8 decode (``ops/triton/fp8_decode_gluon.py``) serves this call, from static
-    properties only (no guard on the batch): CUDA sm_89+ with Triton, bf16 q ``[B, s_q, H, 576]`` with
+    """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_wgmma.py``) serve this
+    call, from static properties only (no guard on the batch): CUDA sm_89+ with Triton, bf16 q ``[B, s_q, H, 576]`` with
     ``s_q * H <= 32`` (16-row programs; more heads re-read the cache per 16), DeepSeek's 512 + 64 split,
     pages of a multiple of 32 rows, 16-byte aligned row and page strides."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():
@@ -278,7 +279,7 @@ def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     if backend in (None, "auto") and gluon_eligible(q4, kv_cache, kv_lora_rank):
-        backend = "gluon"  # our fastest fp8 kernel where it applies (BENCHMARKS.md, run 27)
+        backend = "gluon"  # our fastest fp8 kernels where they apply (BENCHMARKS.md, runs 27 and 44)
     out, lse = resolve(OP_DECODE, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton import fp8_decode_wgmma
 from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
@@ -247,12 +248,21 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
 @torch.library.custom_op("mla::decode_fp8_gluon", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_fp8_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                      kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """Gluon ``mla::decode_fp8`` (same contract as ``mla::decode_fp8_ref``; an opaque call to Inductor).
-    A cache whose base is not 16-byte aligned (a view at an odd offset) runs the Triton kernel instead."""
+    """Gluon ``mla::decode_fp8`` (same contract as ``mla::decode_fp8_ref``; an opaque call to Inductor): the
+    ``wgmma`` kernel where ``wgmma_serves``, else this module's. A cache whose base is not 16-byte aligned (a
+    view at an odd offset) runs the Triton kernel instead."""
     validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     if kv_cache.data_ptr() % 16:
         return launch_fp8(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    if wgmma_serves(q, kv_cache):
+        return fp8_decode_wgmma.launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+def wgmma_serves(q: Tensor, kv_cache: Tensor) -> bool:
+    """Whether ``mla::decode_fp8_gluon`` runs the sm_90 ``wgmma`` kernel (``fp8_decode_wgmma``: an sm_90 GPU,
+    pages of a multiple of 64 rows) rather than this module's ``mma.sync`` one."""
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and kv_cache.shape[1] % fp8_decode_wgmma.BLOCK_N == 0
 
 
 @decode_fp8_gluon.register_fake

@@ -1,7 +1,8 @@
-"""The Gluon fp8 decode (``ops/triton/fp8_decode_gluon.py``): CUDA shapes against the float64 reference
-with poisoned allocations, the auto choice, opcheck, torch.compile with a dynamic batch (no recompile)
-and CUDA-graph replay with new lengths; on any machine with Triton, its shared-memory formula against
-the sm_90 compile (the split plan counts programs per SM from it)."""
+"""The Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``mma.sync``; ``fp8_decode_wgmma.py``, sm_90):
+CUDA shapes of each against the float64 reference with poisoned allocations, which one the op runs, the auto
+choice, opcheck, torch.compile with a dynamic batch (no recompile) and CUDA-graph replay with new lengths;
+on any machine with Triton, their shared-memory formulas against the sm_90 compile (the split plans count
+programs per SM from them)."""
 
 from __future__ import annotations
 
@@ -32,15 +33,23 @@ TOL, LSE_ATOL = 1.5e-2, 1.5e-2
 _lens = lens_with_empty
 
 
-def _check(B, H, s_q, lens, bs, seed, config=None):
-    from mla_compile.ops.triton import fp8_decode_gluon
+def _launch(kernel):
+    """The launch function of ``kernel`` ("mma" or "wgmma"), skipping where it cannot run."""
+    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_wgmma
 
+    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel is sm_90 only")
+    return fp8_decode_wgmma.launch if kernel == "wgmma" else fp8_decode_gluon.launch
+
+
+def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
+    launch = _launch(kernel)
     gen = torch.Generator().manual_seed(seed)
     cache, table, seq_lens, _ = fp8_paged(lens, bs, DC, DR, "cuda", gen)
     q = torch.randn(B, s_q, H, DC + DR, generator=gen).to("cuda", torch.bfloat16)
     assert gluon_eligible(q, cache, DC)
     poison_allocator()
-    out, lse = fp8_decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    out, lse = launch(q, cache, table, seq_lens, SCALE, DC, config=config)
     torch.cuda.synchronize()
     ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, SCALE, DC)
     assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
@@ -49,17 +58,21 @@ def _check(B, H, s_q, lens, bs, seed, config=None):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 @pytest.mark.parametrize("B,H,s_q,max_len,bs", [
     (1, 16, 1, 16384, 64),     # one long sequence: many splits
     (128, 16, 1, 2048, 64),    # the memory-bound shape
     (300, 16, 1, 700, 64),     # more programs than slots: one split, written directly
-    (9, 8, 2, 1500, 32),       # MTP rows folded (s_q * H = 16), pages of 32
+    (9, 8, 2, 1500, 32),       # MTP rows folded (s_q * H = 16), pages of 32 (mma only)
     (5, 16, 2, 300, 64),       # two 16-row programs per sequence, queries that see nothing
     (4, 32, 1, 100, 64),       # two head blocks, sequences shorter than one tile
+    (7, 12, 1, 3000, 128),     # pages of 128, 12 of 16 rows live
 ])
-def test_gluon_fp8_decode_shapes(B, H, s_q, max_len, bs):
+def test_gluon_fp8_decode_shapes(kernel, B, H, s_q, max_len, bs):
+    if kernel == "wgmma" and bs % 64:
+        pytest.skip("the wgmma kernel takes pages of a multiple of 64 rows")
     gen = torch.Generator().manual_seed(B * 10 + H)
-    _check(B, H, s_q, _lens(B, max_len, gen), bs, seed=B + H)
+    _check(B, H, s_q, _lens(B, max_len, gen), bs, seed=B + H, kernel=kernel)
 
 
 @pytest.mark.cuda
@@ -73,14 +86,40 @@ def test_gluon_fp8_decode_configs(config):
 
 @pytest.mark.cuda
 @needs_cuda
-def test_gluon_split_count_beyond_the_merge_is_refused():
-    from mla_compile.ops.triton import fp8_decode_gluon
+@pytest.mark.parametrize("splits", [1, 3])
+def test_wgmma_fp8_decode_split_counts(splits):
+    gen = torch.Generator().manual_seed(5)
+    _check(6, 16, 1, _lens(6, 3000, gen), 64, seed=5, config={"SPLITS": splits}, kernel="wgmma")
 
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+def test_gluon_split_count_beyond_the_merge_is_refused(kernel):
+    launch = _launch(kernel)
     gen = torch.Generator().manual_seed(2)
     cache, table, seq_lens, _ = fp8_paged([100, 50], 64, DC, DR, "cuda", gen)
     q = torch.randn(2, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
     with pytest.raises(ValueError, match=r"config SPLITS must be in \[1, 64\]"):
-        fp8_decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"SPLITS": 65})
+        launch(q, cache, table, seq_lens, SCALE, DC, config={"SPLITS": 65})
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("bs", [32, 64])
+def test_the_op_runs_wgmma_on_sm90_pages_of_64(bs):
+    """``mla::decode_fp8_gluon`` is bit-for-bit the launch ``wgmma_serves`` names."""
+    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_wgmma
+
+    gen = torch.Generator().manual_seed(6)
+    cache, table, seq_lens, _ = fp8_paged(_lens(5, 2000, gen), bs, DC, DR, "cuda", gen)
+    q = torch.randn(5, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    wgmma = torch.cuda.get_device_capability() == (9, 0) and bs % 64 == 0
+    assert fp8_decode_gluon.wgmma_serves(q, cache) == wgmma
+    launch = fp8_decode_wgmma.launch if wgmma else fp8_decode_gluon.launch
+    got = torch.ops.mla.decode_fp8_gluon(q, cache, table, seq_lens, SCALE, DC)
+    want = launch(q, cache, table, seq_lens, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.cuda
@@ -163,3 +202,26 @@ def test_smem_formula_matches_the_sm90_compile(block_n, stages, warps):
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     assert compiled.metadata.shared == g.smem_bytes(block_n, stages)
     assert g.programs_per_sm(32, 3, 4) == 2 and g.programs_per_sm(64, 2, 8) == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+def test_wgmma_smem_formula_matches_the_sm90_compile():
+    """The wgmma kernel's shared memory (sm_90 compile) is its formula, and two programs fit an SM (228 KB,
+    1 KB reserved each) where three do not: the split plan's ``PROGRAMS_PER_SM``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import fp8_decode_wgmma as w
+
+    kernel = w.decode_fp8_wgmma_kernel
+    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=w.BLOCK_H, BLOCK_N=w.BLOCK_N, DIRECT=False)
+    ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
+    sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
+           for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if p.name in ptrs or p.name in ("stride_kb", "stride_kt")}
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.metadata.shared == w.smem_bytes()
+    assert w.PROGRAMS_PER_SM * (w.smem_bytes() + 1024) <= 233472 < (w.PROGRAMS_PER_SM + 1) * (w.smem_bytes() + 1024)

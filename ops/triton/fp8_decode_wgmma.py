@@ -1,0 +1,261 @@
+"""The sm_90 (Hopper) Gluon decode over the 656-byte fp8 latent cache: ``wgmma`` with the keys as the M dim.
+
+``fp8_decode_gluon`` runs ``mma.sync`` with the 16 query rows as M and the warps splitting the keys; at
+H = 16 it is bound by issue and latency, not bytes (run 32: 348 us with no loads at all against 404 us
+with them). Here one warpgroup (4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
+
+- ``S^T [64 keys, 16 rows] = K Q^T``: A is the dequantized bf16 key tile in shared memory, B the query rows;
+- the softmax runs down the key dim (the max over the 4 warps' key rows through shared memory);
+- ``O^T [512, 16] += V^T P^T``: A is the same tile read transposed (``wgmma`` transposes 16-bit A),
+  B the probabilities, written to shared memory.
+
+A 64-key tile needs a 64 KB bf16 tile; to keep two programs on an SM (the other program's warps run while
+one waits on its ``wgmma``s and barriers) the codes bypass shared memory: each thread loads its 4-code
+words for the next tile into registers (``ld.global``) while the current tile is computed, and dequantizes
+them into the tile itself (``bf16(code * scale)``, the value a bf16 cache would hold, in inline PTX on
+packed words; the layout stores without bank conflicts). The scales come with the codes; rope rows stream
+through a 2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one. Same program layout, splits and outputs as
+``fp8_decode_gluon`` (workspace rows or the final result); pages must hold a multiple of 64 rows.
+"""
+
+from __future__ import annotations
+
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+
+GROUP = gl.constexpr(128)  # values per fp32 scale
+BLOCK_N = 64  # keys per tile: wgmma's M
+BLOCK_H = 16  # query rows per program: wgmma's N
+PROGRAMS_PER_SM = 2  # by shared memory (``smem_bytes``) and registers (255 a thread, 4 warps)
+
+
+@gluon.jit
+def _page(bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The page holding tile ``tile`` (0 for tiles past ``n_tiles``: never read)."""
+    return gl.load(bt_row + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=tile < n_tiles, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _tile_rows(kv_ptr, page, tile, start, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Byte address of a tile's first cache row, and its first position."""
+    n0 = start + tile * BLOCK_N
+    return kv_ptr + page * stride_kb + (n0 % BLOCK_SIZE).to(gl.int64) * stride_kt, n0
+
+
+@gluon.jit
+def _issue_rope(rope_s, base, n0, tile, n_tiles, end, stride_kt, DC: gl.constexpr, DR: gl.constexpr,
+                BLOCK_N: gl.constexpr, rope_l: gl.constexpr):
+    """Start the copy of a tile's rope rows into ring slot ``tile % 2`` (rows at or past ``end`` zero-filled)."""
+    r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, rope_l))
+    ok = (n0 + r < end) & (tile < n_tiles)
+    rope = (base + r.to(gl.int64) * stride_kt + DC + 4 * (DC // GROUP)).to(gl.pointer_type(gl.bfloat16))
+    cols = gl.arange(0, DR, gl.SliceLayout(0, rope_l))
+    cp.async_copy_global_to_shared(rope_s.index(tile % 2), rope[:, None] + cols[None, :], mask=ok[:, None])
+    cp.commit_group()
+
+
+@gluon.jit
+def _load_group(base, n0, tile, n_tiles, end, stride_kt, g: gl.constexpr, DC: gl.constexpr, BLOCK_N: gl.constexpr,
+                code_l: gl.constexpr):
+    """Scale group ``g`` of a tile: its codes, 4 per int32 word, ``[BLOCK_N, 32]``, and its scales
+    ``[BLOCK_N, 1]`` (0 past ``end``)."""
+    r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, code_l))
+    ok = ((n0 + r < end) & (tile < n_tiles))[:, None]
+    row = base + r.to(gl.int64)[:, None] * stride_kt
+    words = (row + g * GROUP).to(gl.pointer_type(gl.int32))
+    codes = gl.load(words + gl.arange(0, GROUP // 4, gl.SliceLayout(0, code_l))[None, :], mask=ok, other=0)
+    return codes, gl.load((row + DC).to(gl.pointer_type(gl.float32)) + g, mask=ok, other=0.0)
+
+
+@gluon.jit
+def _dequant(tile_w, codes, sc, g: gl.constexpr, tile_l: gl.constexpr):
+    """Store ``bf16(code * scale)`` of group ``g`` into the tile (``tile_w``: its int32 view, bf16 pairs)."""
+    lo, hi = gl.inline_asm_elementwise(
+        """{
+        .reg .b16 c0, c1;
+        .reg .b32 h0, h1;
+        .reg .f16 a0, a1, a2, a3;
+        .reg .f32 f0, f1, f2, f3;
+        mov.b32 {c0, c1}, $2;
+        cvt.rn.f16x2.e4m3x2 h0, c0;
+        cvt.rn.f16x2.e4m3x2 h1, c1;
+        mov.b32 {a0, a1}, h0;
+        mov.b32 {a2, a3}, h1;
+        cvt.f32.f16 f0, a0;
+        cvt.f32.f16 f1, a1;
+        cvt.f32.f16 f2, a2;
+        cvt.f32.f16 f3, a3;
+        mul.f32 f0, f0, $3;
+        mul.f32 f1, f1, $3;
+        mul.f32 f2, f2, $3;
+        mul.f32 f3, f3, $3;
+        cvt.rn.bf16x2.f32 $0, f1, f0;
+        cvt.rn.bf16x2.f32 $1, f3, f2;
+        }""",
+        "=r,=r,r,r", [codes, gl.broadcast(codes, sc)[1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    pairs = gl.convert_layout(gl.reshape(gl.join(lo, hi), [lo.shape[0], 2 * lo.shape[1]]), tile_l)
+    tile_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(pairs)
+
+
+@gluon.jit
+def decode_fp8_wgmma_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt,
+    stride_bt,
+    M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
+):
+    """Grid ``(cdiv(M, BLOCK_H), n_splits, B)``, 4 warps; bf16 q ``[B, S_Q, H, DC + DR]``; ``DC = 512``,
+    ``DR = 64``; ``BLOCK_N`` divides ``BLOCK_SIZE``."""
+    gl.static_assert(DC == 4 * GROUP)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    code_l: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])  # 8 codes a thread per row
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # their 8 bf16: no bank conflict
+    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    nvmma_w: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
+
+    scale_log2 = gl.full([], scale_log2, gl.float32)
+    pid_h = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = gl.program_id(2).to(gl.int64)
+    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+    per_split = gl.cdiv(gl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * per_split
+    end = gl.minimum(start + per_split, seq_len)
+    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    bt_row = bt_ptr + b * stride_bt
+
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], nvmma)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DC], nvmma)
+    kv_w = kv_s._reinterpret(gl.int32, [BLOCK_N, DC // 2], nvmma_w)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], nvmma)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], nvmma)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+
+    base, n0 = _tile_rows(kv_ptr, _page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, start, stride_kb,
+                          stride_kt, BLOCK_SIZE, BLOCK_N)
+    page_next = _page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+    _issue_rope(rope_s, base, n0, 0, n_tiles, end, stride_kt, DC, DR, BLOCK_N, rope_l)
+    c0, s0 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 0, DC, BLOCK_N, code_l)
+    c1, s1 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 1, DC, BLOCK_N, code_l)
+    c2, s2 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 2, DC, BLOCK_N, code_l)
+    c3, s3 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 3, DC, BLOCK_N, code_l)
+
+    rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rope_l))  # s_q * H folded
+    q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
+    ok_q = (rows_q < M)[:, None]
+    q_s.store(gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0))
+    qr_s.store(gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q,
+                       other=0.0))
+
+    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
+    row_ok = rows < M
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(1, mma))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(0, mma))
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma)  # per-key sums, reduced once at the end
+    acc = gl.zeros([DC, BLOCK_H], gl.float32, mma)
+
+    for i in range(n_tiles):
+        base, n0 = _tile_rows(kv_ptr, page_next, i + 1, start, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+        page_next = _page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+        _issue_rope(rope_s, base, n0, i + 1, n_tiles, end, stride_kt, DC, DR, BLOCK_N, rope_l)
+        gl.thread_barrier()  # every warp's part of the last tile's wgmmas has read kv_s and p_s
+        _dequant(kv_w, c0, s0, 0, tile_l)
+        _dequant(kv_w, c1, s1, 1, tile_l)
+        _dequant(kv_w, c2, s2, 2, tile_l)
+        _dequant(kv_w, c3, s3, 3, tile_l)
+        c0, s0 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 0, DC, BLOCK_N, code_l)
+        c1, s1 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 1, DC, BLOCK_N, code_l)
+        c2, s2 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 2, DC, BLOCK_N, code_l)
+        c3, s3 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 3, DC, BLOCK_N, code_l)
+        cp.wait_group(1)  # tile i's rope rows (this thread's copies; the barrier below shows everyone's)
+        slot = i % 2
+        fence_async_shared()
+        gl.thread_barrier()
+
+        s = warpgroup_mma(kv_s, q_s.permute([1, 0]), gl.zeros([BLOCK_N, BLOCK_H], gl.float32, mma))
+        s = warpgroup_mma(rope_s.index(slot), qr_s.permute([1, 0]), s)
+        pos = start + i * BLOCK_N + offs_n
+        visible = (pos < end)[:, None] & (pos[:, None] < limit[None, :])
+        s = gl.where(visible, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s - m_shift[None, :])
+        l_part = l_part * alpha[None, :] + p
+        m_i = m_new
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(kv_s.permute([1, 0]), p_s, acc * alpha[None, :])
+    cp.wait_group(0)
+
+    l_i = gl.sum(l_part, axis=0)
+    empty = l_i == 0.0
+    inv = 1.0 / gl.where(empty, 1.0, l_i)  # acc is 0 where empty
+    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
+    row_idx = b * M + rows
+    if DIRECT:  # one split: the final result
+        gl.store(lse_ptr + row_idx, lse2 * 0.6931471805599453, mask=row_ok)
+        o_row = o_ptr + row_idx * DC
+    else:
+        ws_row = row_idx * n_splits + pid_s
+        gl.store(lse_ptr + ws_row, lse2, mask=row_ok)
+        o_row = o_ptr + ws_row * DC
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_row[None, :] + gl.arange(0, DC, gl.SliceLayout(1, mma))[:, None], (acc * inv[None, :]).to(ty),
+             mask=row_ok[None, :])
+
+
+def smem_bytes() -> int:
+    """Shared memory of one program (the sm_90 compile's figure, checked by a test): the rope ring, the
+    bf16 key tile, q, P, and the 4-warp max exchange."""
+    return 2 * BLOCK_N * 64 * 2 + BLOCK_N * 1024 + BLOCK_H * 1152 + BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
+
+
+def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+           config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows).
+    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.wave_splits``)."""
+    B, s_q, H, D = q.shape
+    dc = kv_lora_rank
+    M = s_q * H
+    out, lse = decode_outputs(q, dc)
+    if B == 0 or M == 0:
+        return out, lse
+    q = last_dim_contiguous(q)
+    block_size = kv_cache.shape[1]
+    cap = max(1, min(block_table.shape[1] * block_size // (4 * BLOCK_N), MAX_SPLITS))
+    if config and "SPLITS" in config:
+        if not 1 <= config["SPLITS"] <= MAX_SPLITS:
+            raise ValueError(f"mla.decode_fp8 (gluon): config SPLITS must be in [1, {MAX_SPLITS}] (the merge "
+                             f"reads at most that many), got {config['SPLITS']}")
+        splits, direct = config["SPLITS"], config["SPLITS"] == 1
+    else:
+        splits, direct = wave_splits(B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM, cap)
+    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
+    decode_fp8_wgmma_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
+        q, kv_cache, block_table, seq_lens, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        DIRECT=direct, num_warps=4,
+    )
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
+    return out, lse
