@@ -32,6 +32,7 @@ from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton import fp8_decode_wgmma
+from mla_compile.ops.triton._gluon import finish_rows, split_range
 from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
@@ -101,14 +102,7 @@ def decode_fp8_gluon_kernel(
 
     scale_log2 = gl.full([], scale_log2, gl.float32)
     pid_h = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    b = gl.program_id(2).to(gl.int64)
-    seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-    per_split = gl.cdiv(gl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * per_split
-    end = gl.minimum(start + per_split, seq_len)
-    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
-    bt_row = bt_ptr + b * stride_bt
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
 
     codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, DC], flat)
     scales_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, G], flat)
@@ -177,19 +171,8 @@ def decode_fp8_gluon_kernel(
         acc3 = mma_v2(p_a, kv_s.slice(3 * GROUP, GROUP, dim=1).load(dot_b), acc3 * alpha[:, None])
     cp.wait_group(0)
 
-    l_i = gl.sum(l_part, axis=1)
-    empty = l_i == 0.0
-    inv = 1.0 / gl.where(empty, 1.0, l_i)  # acc is 0 where empty
-    lse2 = gl.where(empty, float("-inf"), m_i + gl.log2(gl.where(empty, 1.0, l_i)))
-    row_idx = b * M + rows
-    offs_g = gl.arange(0, GROUP, gl.SliceLayout(0, mma))
-    if DIRECT:  # one split: the final result
-        o_row = o_ptr + row_idx[:, None] * DC + offs_g[None, :]
-        gl.store(lse_ptr + row_idx, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        ws_row = row_idx * n_splits + pid_s
-        o_row = o_ptr + ws_row[:, None] * DC + offs_g[None, :]
-        gl.store(lse_ptr + ws_row, lse2, mask=row_ok)
+    inv, o_first = finish_rows(gl.sum(l_part, axis=1), m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    o_row = o_ptr + o_first[:, None] + gl.arange(0, GROUP, gl.SliceLayout(0, mma))[None, :]
     ty: gl.constexpr = o_ptr.dtype.element_ty
     gl.store(o_row, (acc0 * inv[:, None]).to(ty), mask=row_ok[:, None])
     gl.store(o_row + GROUP, (acc1 * inv[:, None]).to(ty), mask=row_ok[:, None])

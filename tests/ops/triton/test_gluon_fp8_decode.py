@@ -182,24 +182,28 @@ def test_compiled_dynamic_batch_and_graph_replay():
         assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
-@pytest.mark.parametrize("block_n,stages,warps", [(32, 3, 4), (64, 2, 8), (32, 4, 4)])
-def test_smem_formula_matches_the_sm90_compile(block_n, stages, warps):
+def _compile_sm90(kernel, consts, warps):
+    """The sm_90 compile of a decode kernel (its pointer arguments 16-byte aligned, as CUDA allocations are)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_compile.ops.triton import fp8_decode_gluon as g
-
-    kernel = g.decode_fp8_gluon_kernel
-    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages, DIRECT=False)
     ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
            for p in kernel.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
              if p.name in ptrs or p.name in ("stride_kb", "stride_kt")}
-    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@pytest.mark.parametrize("block_n,stages,warps", [(32, 3, 4), (64, 2, 8), (32, 4, 4)])
+def test_smem_formula_matches_the_sm90_compile(block_n, stages, warps):
+    from mla_compile.ops.triton import fp8_decode_gluon as g
+
+    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages, DIRECT=False)
+    compiled = _compile_sm90(g.decode_fp8_gluon_kernel, consts, warps)
     assert compiled.metadata.shared == g.smem_bytes(block_n, stages)
     assert g.programs_per_sm(32, 3, 4) == 2 and g.programs_per_sm(64, 2, 8) == 1
 
@@ -208,20 +212,9 @@ def test_smem_formula_matches_the_sm90_compile(block_n, stages, warps):
 def test_wgmma_smem_formula_matches_the_sm90_compile():
     """The wgmma kernel's shared memory (sm_90 compile) is its formula, and two programs fit an SM (228 KB,
     1 KB reserved each) where three do not: the split plan's ``PROGRAMS_PER_SM``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_compile.ops.triton import fp8_decode_wgmma as w
 
-    kernel = w.decode_fp8_wgmma_kernel
     consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=w.BLOCK_H, BLOCK_N=w.BLOCK_N, DIRECT=False)
-    ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32", lse_ptr="*fp32")
-    sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
-           for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if p.name in ptrs or p.name in ("stride_kb", "stride_kt")}
-    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    compiled = _compile_sm90(w.decode_fp8_wgmma_kernel, consts, 4)
     assert compiled.metadata.shared == w.smem_bytes()
     assert w.PROGRAMS_PER_SM * (w.smem_bytes() + 1024) <= 233472 < (w.PROGRAMS_PER_SM + 1) * (w.smem_bytes() + 1024)
