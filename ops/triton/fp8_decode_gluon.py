@@ -33,7 +33,7 @@ from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton import fp8_decode_wgmma
 from mla_compile.ops.triton._gluon import finish_rows, split_range
-from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
@@ -196,7 +196,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel (a call ``mla_compile.ops.fp8_cache.gluon_eligible`` accepts). ``config``: BLOCK_N
     (32 or 64), STAGES, num_warps, SPLITS. The split count fills the SMs' program slots in whole waves
-    (``_plan.wave_splits``); the Triton reduce kernel merges the splits."""
+    (``_plan.opaque_splits``); the Triton reduce kernel merges the splits."""
     B, s_q, H, D = q.shape
     dc, dr = kv_lora_rank, D - kv_lora_rank
     M = s_q * H
@@ -207,13 +207,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     cfg = {"BLOCK_N": 32, "STAGES": 3, "num_warps": 4, **(config or {})}
     block_n, stages, warps = cfg["BLOCK_N"], cfg["STAGES"], cfg["num_warps"]
     block_size = kv_cache.shape[1]
-    programs = B * triton.cdiv(M, 16)
-    cap = max(1, min(block_table.shape[1] * block_size // (4 * block_n), MAX_SPLITS))
     slots = num_sms(q.device) * programs_per_sm(block_n, stages, warps)
-    if "SPLITS" in cfg and not 1 <= cfg["SPLITS"] <= MAX_SPLITS:
-        raise ValueError(f"mla.decode_fp8 (gluon): config SPLITS must be in [1, {MAX_SPLITS}] (the merge reads at "
-                         f"most that many), got {cfg['SPLITS']}")
-    splits, direct = (cfg["SPLITS"], cfg["SPLITS"] == 1) if "SPLITS" in cfg else wave_splits(programs, slots, cap)
+    splits, direct = opaque_splits(cfg, B * triton.cdiv(M, 16), slots, block_table.shape[1] * block_size, block_n)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     decode_fp8_gluon_kernel[(triton.cdiv(M, 16), splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,

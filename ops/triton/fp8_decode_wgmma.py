@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._gluon import finish_rows, split_range
-from mla_compile.ops.triton._plan import MAX_SPLITS, split_buffers, wave_splits
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 
 GROUP = gl.constexpr(128)  # values per fp32 scale
@@ -215,7 +215,7 @@ def smem_bytes() -> int:
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows).
-    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.wave_splits``)."""
+    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.opaque_splits``)."""
     B, s_q, H, D = q.shape
     dc = kv_lora_rank
     M = s_q * H
@@ -224,14 +224,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         return out, lse
     q = last_dim_contiguous(q)
     block_size = kv_cache.shape[1]
-    cap = max(1, min(block_table.shape[1] * block_size // (4 * BLOCK_N), MAX_SPLITS))
-    if config and "SPLITS" in config:
-        if not 1 <= config["SPLITS"] <= MAX_SPLITS:
-            raise ValueError(f"mla.decode_fp8 (gluon): config SPLITS must be in [1, {MAX_SPLITS}] (the merge "
-                             f"reads at most that many), got {config['SPLITS']}")
-        splits, direct = config["SPLITS"], config["SPLITS"] == 1
-    else:
-        splits, direct = wave_splits(B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM, cap)
+    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
+                                   block_table.shape[1] * block_size, BLOCK_N)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     decode_fp8_wgmma_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,

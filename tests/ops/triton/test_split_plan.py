@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from mla_compile.ops.triton._plan import split_plan
+from mla_compile.ops.triton._plan import MAX_SPLITS, opaque_splits, split_plan, wave_splits
 
 
 def _kernels():
@@ -124,3 +124,16 @@ def test_dynamic_batch_workspace_compiles_once_cold_and_warm(tmp_path):
         res = subprocess.run([sys.executable, "-c", _WORKSPACE_SCRIPT], env=env, capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 0 and "ONE GRAPH" in res.stdout, (run, res.stderr[-3000:])
+
+
+def test_opaque_splits_takes_a_callers_count_or_fills_waves():
+    """A caller's SPLITS is taken as is (direct when 1) and refused outside [1, MAX_SPLITS] with the bound named;
+    otherwise the wave plan, capped at one split per 4 tiles of the table and at MAX_SPLITS."""
+    assert opaque_splits({"SPLITS": 1}, 128, 264, 8192, 64) == (1, True)
+    assert opaque_splits({"SPLITS": 5}, 128, 264, 8192, 64) == (5, False)
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match=rf"config SPLITS must be in \[1, {MAX_SPLITS}\].*got {bad}"):
+            opaque_splits({"SPLITS": bad}, 128, 264, 8192, 64)
+    assert opaque_splits(None, 128, 264, 8192, 64) == wave_splits(128, 264, 32)
+    assert opaque_splits({}, 3, 264, 64 * 4 * 1000, 64) == wave_splits(3, 264, MAX_SPLITS)
+    assert opaque_splits(None, 1, 264, 100, 64) == (1, True)  # a table shorter than 4 tiles: one split
