@@ -4,20 +4,27 @@
 H = 16 it is bound by issue and latency, not bytes (run 32: 348 us with no loads at all against 404 us
 with them). Here one warpgroup (4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
 
-- ``S^T [64 keys, 16 rows] = K Q^T``: A is the dequantized bf16 key tile in shared memory, B the query rows;
+- ``S^T [64 keys, 16 rows] = K Q^T``: A is the dequantized float16 key tile in shared memory, B the query rows;
 - the softmax runs down the key dim (the max over the 4 warps' key rows through shared memory);
 - ``O^T [512, 16] += V^T P^T``: A is the same tile read transposed (``wgmma`` transposes 16-bit A),
   B the probabilities, written to shared memory.
 
-A 64-key tile needs a 64 KB bf16 tile; to keep two programs on an SM (the other program's warps run while
-one waits on its ``wgmma``s and barriers) the codes bypass shared memory: each thread loads its 4-code
-words for the next tile into registers (``ld.global``) while the current tile is computed, and dequantizes
-them into the tile itself (``bf16(code * scale)``, the value a bf16 cache would hold, in inline PTX on
-packed words; the layout stores without bank conflicts). The scales come with the codes; rope rows stream
-through a 2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one.
+A 64-key tile needs a 64 KB tile; to keep two programs on an SM (the other program's warps run while one
+waits on its ``wgmma``s and barriers) the codes bypass shared memory: each thread loads its 4-code words for
+the next tile into registers (``ld.global``) while the current tile is computed, and dequantizes them into
+the tile itself in inline PTX on packed words (the layout stores without bank conflicts). The dots run in
+float16, which halves the dequantization's instructions against bf16 (no float32 round trip): a code
+becomes float16 exactly and is multiplied by its scale rounded to float16 (``mul.f16x2``), one rounding of
+relative 2^-11 where a bf16 cache holds 2^-9. Float16's range bounds this: the scale is clamped so that
+values saturate at 65504 rather than overflow, and a group whose largest magnitude is below 0.027 has a
+subnormal scale, rounded to 2^-25 absolute (relative 2^-25 / scale); DeepSeek's normalized latents sit far
+inside both bounds.
+The query rows are scaled by a power of two that puts their largest magnitude in [2^13, 2^15) (exact;
+undone in the softmax scale) and P is float16. The scales come with the codes; rope rows stream through a
+2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one.
 Same program layout, splits and outputs as ``fp8_decode_gluon`` (workspace rows or the final result); pages
-must hold a multiple of 64 rows. H200, B=128 x 8192 keys, H=16: 289 us, 1.08x our bf16 decode (BENCHMARKS.md
-run 44; 406 us for ``fp8_decode_gluon``).
+must hold a multiple of 64 rows. H200, B=128 x 8192 keys, H=16: 270 us, 1.16x our bf16 decode
+(BENCHMARKS.md, sixth session; 289 us with bf16 dots, 406 us for ``fp8_decode_gluon``).
 """
 
 from __future__ import annotations
@@ -81,30 +88,28 @@ def _load_group(base, n0, tile, n_tiles, end, stride_kt, g: gl.constexpr, DC: gl
 
 @gluon.jit
 def _dequant(tile_w, codes, sc, g: gl.constexpr, tile_l: gl.constexpr):
-    """Store ``bf16(code * scale)`` of group ``g`` into the tile (``tile_w``: its int32 view, bf16 pairs)."""
+    """Store ``f16(code * f16(scale))`` of group ``g`` into the tile (``tile_w``: its int32 view, f16 pairs)."""
+    # the scale as a float16 pair, clamped so that code * scale stays finite (448 * 146 <= 65504)
+    sc2 = gl.inline_asm_elementwise(
+        """{
+        .reg .f32 m;
+        .reg .b16 h;
+        min.f32 m, $1, 0f43120000;  // 146: 448 * 146 < 65504
+        cvt.rn.f16.f32 h, m;
+        mov.b32 $0, {h, h};
+        }""",
+        "=r,r", [sc], dtype=gl.int32, is_pure=True, pack=1)
     lo, hi = gl.inline_asm_elementwise(
         """{
         .reg .b16 c0, c1;
         .reg .b32 h0, h1;
-        .reg .f16 a0, a1, a2, a3;
-        .reg .f32 f0, f1, f2, f3;
         mov.b32 {c0, c1}, $2;
         cvt.rn.f16x2.e4m3x2 h0, c0;
         cvt.rn.f16x2.e4m3x2 h1, c1;
-        mov.b32 {a0, a1}, h0;
-        mov.b32 {a2, a3}, h1;
-        cvt.f32.f16 f0, a0;
-        cvt.f32.f16 f1, a1;
-        cvt.f32.f16 f2, a2;
-        cvt.f32.f16 f3, a3;
-        mul.f32 f0, f0, $3;
-        mul.f32 f1, f1, $3;
-        mul.f32 f2, f2, $3;
-        mul.f32 f3, f3, $3;
-        cvt.rn.bf16x2.f32 $0, f1, f0;
-        cvt.rn.bf16x2.f32 $1, f3, f2;
+        mul.rn.f16x2 $0, h0, $3;
+        mul.rn.f16x2 $1, h1, $3;
         }""",
-        "=r,=r,r,r", [codes, gl.broadcast(codes, sc)[1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        "=r,=r,r,r", [codes, gl.broadcast(codes, sc2)[1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     pairs = gl.convert_layout(gl.reshape(gl.join(lo, hi), [lo.shape[0], 2 * lo.shape[1]]), tile_l)
     tile_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(pairs)
 
@@ -124,22 +129,22 @@ def decode_fp8_wgmma_kernel(
     gl.static_assert(DC == 4 * GROUP)
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
     code_l: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [4, 1], [1, 0])  # 8 codes a thread per row
-    tile_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # their 8 bf16: no bank conflict
+    tile_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # their 8 halves: no bank conflict
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     nvmma: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     nvmma_w: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
 
     scale_log2 = gl.full([], scale_log2, gl.float32)
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
 
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], nvmma)
-    kv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DC], nvmma)
+    kv_s = gl.allocate_shared_memory(gl.float16, [BLOCK_N, DC], nvmma)
     kv_w = kv_s._reinterpret(gl.int32, [BLOCK_N, DC // 2], nvmma_w)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], nvmma)
+    q_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, DC], nvmma)
     qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], nvmma)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_H], p_sl)
+    p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_sl)
 
     base, n0 = _tile_rows(kv_ptr, _page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, start, stride_kb,
                           stride_kt, BLOCK_SIZE, BLOCK_N)
@@ -153,9 +158,14 @@ def decode_fp8_wgmma_kernel(
     rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rope_l))  # s_q * H folded
     q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
     ok_q = (rows_q < M)[:, None]
-    q_s.store(gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0))
-    qr_s.store(gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q,
-                       other=0.0))
+    q = gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0)
+    q = q.to(gl.float32)
+    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
+    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))  # float16 range for the latent part
+    q_s.store((q * up).to(gl.float16))
+    qr = gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0)
+    qr_s.store((qr.to(gl.float32) * up).to(gl.bfloat16))  # a power of two: exact
+    scale_log2 = scale_log2 / up
 
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
     row_ok = rows < M
@@ -194,7 +204,7 @@ def decode_fp8_wgmma_kernel(
         p = gl.exp2(s - m_shift[None, :])
         l_part = l_part * alpha[None, :] + p
         m_i = m_new
-        p_s.store(p.to(gl.bfloat16))
+        p_s.store(p.to(gl.float16))
         fence_async_shared()
         gl.thread_barrier()
         acc = warpgroup_mma(kv_s.permute([1, 0]), p_s, acc * alpha[None, :])
@@ -208,7 +218,7 @@ def decode_fp8_wgmma_kernel(
 
 def smem_bytes() -> int:
     """Shared memory of one program (the sm_90 compile's figure, checked by a test): the rope ring, the
-    bf16 key tile, q, P, and the 4-warp max exchange."""
+    float16 key tile, q, P, and the 4-warp max exchange."""
     return 2 * BLOCK_N * 64 * 2 + BLOCK_N * 1024 + BLOCK_H * 1152 + BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
 
 

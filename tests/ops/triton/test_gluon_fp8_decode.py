@@ -94,6 +94,29 @@ def test_wgmma_fp8_decode_split_counts(splits):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("q_mag,lat_mag", [(1.0, 1.0), (1e-4, 1.0), (40.0, 1.0), (1.0, 3e3), (1.0, 1e-2)])
+def test_wgmma_fp8_decode_float16_range(q_mag, lat_mag):
+    """The wgmma kernel runs its dots in float16 (codes times float16 scales, queries times a power of two):
+    queries and latents far from 1 keep the float64 reference's accuracy, tighter than the bf16 budget, on
+    outputs relative to the latents' size and LSEs relative to the scores' size."""
+    launch = _launch("wgmma")
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 700, 3001, 64]
+    cache, table, seq_lens, _ = fp8_paged(lens, 64, DC, DR, "cuda", gen)
+    scales = cache[..., DC:DC + 4 * (DC // 128)].contiguous().view(torch.float32)
+    cache[..., DC:DC + 4 * (DC // 128)] = (scales * lat_mag).view(torch.uint8)  # latents times lat_mag, exactly
+    q = (torch.randn(len(lens), 1, 16, DC + DR, generator=gen) * q_mag).to("cuda", torch.bfloat16)
+    poison_allocator()
+    out, lse = launch(q, cache, table, seq_lens, SCALE, DC)
+    torch.cuda.synchronize()
+    ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, SCALE, DC)
+    size = max(1.0, q_mag * lat_mag)
+    assert_attention_close(out / lat_mag, lse / size, ref / lat_mag, ref_lse / size, torch.bfloat16, tol=5e-3,
+                           lse_atol=2e-3)
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 def test_gluon_split_count_beyond_the_merge_is_refused(kernel):
     launch = _launch(kernel)
