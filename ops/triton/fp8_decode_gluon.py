@@ -7,14 +7,16 @@ pays ~2x the bf16 kernel's instructions for it). Here the kernel owns shared mem
 
 1. ``cp.async`` streams each tile's codes, scales and rope rows into a ``STAGES``-deep ring (the copies
    of the next tiles are in flight while one is computed);
-2. all warps dequantize the tile once, ``bf16(code * scale)``, into one bf16 ``[BLOCK_N, DC]`` tile;
+2. all warps dequantize the tile once, ``f16(code) * f16(scale)``, into one float16 ``[BLOCK_N, DC]`` tile;
 3. the score dot reads that tile transposed and the value dot reads it as is, both through ``ldmatrix``
    (16-bit, so the transposed read is one instruction per 8x8 block).
 
 The warps split the keys of the score tile and the columns of the accumulator (``mma.sync`` m16n8k16,
-``BLOCK_H = 16`` query rows per program). Step 2 rounds each dequantized value to bfloat16 (relative
-error 2**-9, far below e4m3's own 2**-4), like a bf16 cache holds its values. Same program layout,
-splits and outputs as ``decode._decode_split_kernel`` (workspace rows or the final result).
+``BLOCK_H = 16`` query rows per program). The dots run in float16 as in ``fp8_decode_wgmma`` (its
+``dequant_pairs`` and ``stage_q``, and the float16 range limits its docstring states): step 2 rounds each
+value once, relative 2**-11 (far below e4m3's own 2**-4). H200, B=128 x 8192 keys, H=16, page 64: 390 us
+(406 with the bf16 tile; BENCHMARKS.md, sixth session). Same program layout, splits and outputs as
+``decode._decode_split_kernel`` (workspace rows or the final result).
 """
 
 from __future__ import annotations
@@ -93,12 +95,13 @@ def decode_fp8_gluon_kernel(
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     code_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])  # 16 bytes per thread
-    group_l: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [NW, 1], [1, 0])  # [BLOCK_N, 128] dequant pieces
+    word_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [BLOCK_N, 32] code words
     scale_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     swz: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    swz_w: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])  # swz's int32 view
 
     scale_log2 = gl.full([], scale_log2, gl.float32)
     pid_h = gl.program_id(0)
@@ -107,8 +110,10 @@ def decode_fp8_gluon_kernel(
     codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, DC], flat)
     scales_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, G], flat)
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], swz)
-    kv_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, DC], swz)
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DC], swz)
+    codes_w = codes_s._reinterpret(gl.int32, [STAGES, BLOCK_N, DC // 4], flat)
+    kv_s = gl.allocate_shared_memory(gl.float16, [BLOCK_N, DC], swz)
+    kv_w = kv_s._reinterpret(gl.int32, [BLOCK_N, DC // 2], swz_w)
+    q_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, DC], swz)
     qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], swz)
 
     for t in gl.static_range(STAGES - 1):
@@ -119,10 +124,7 @@ def decode_fp8_gluon_kernel(
     rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, q_l))
     ok_q = rows_q < M
     q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
-    q_s.store(gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, q_l))[None, :], mask=ok_q[:, None],
-                      other=0.0))
-    qr_s.store(gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, q_l))[None, :], mask=ok_q[:, None],
-                       other=0.0))
+    scale_log2 = fp8_decode_wgmma.stage_q(q_s, qr_s, q_row, ok_q[:, None], scale_log2, DC, DR, q_l)
 
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
     row_ok = rows < M
@@ -142,10 +144,9 @@ def decode_fp8_gluon_kernel(
         gl.thread_barrier()  # tile i's copies (made by every thread) are visible; kv_s is free
         slot = i % STAGES
         for g in gl.static_range(G):
-            codes = codes_s.index(slot).slice(g * GROUP, GROUP, dim=1).load(group_l)
-            sc = scales_s.index(slot).slice(g, 1, dim=1).load(group_l)
-            vals = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc
-            kv_s.slice(g * GROUP, GROUP, dim=1).store(vals.to(gl.bfloat16))
+            words = codes_w.index(slot).slice(g * (GROUP // 4), GROUP // 4, dim=1).load(word_l)
+            sc = scales_s.index(slot).slice(g, 1, dim=1).load(word_l)
+            kv_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(fp8_decode_wgmma.dequant_pairs(words, sc))
         gl.thread_barrier()
 
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma)
@@ -164,7 +165,7 @@ def decode_fp8_gluon_kernel(
         p = gl.exp2(s - m_shift[:, None])
         l_part = l_part * alpha[:, None] + p
         m_i = m_new
-        p_a = gl.convert_layout(p.to(gl.bfloat16), dot_a)
+        p_a = gl.convert_layout(p.to(gl.float16), dot_a)
         acc0 = mma_v2(p_a, kv_s.slice(0, GROUP, dim=1).load(dot_b), acc0 * alpha[:, None])
         acc1 = mma_v2(p_a, kv_s.slice(GROUP, GROUP, dim=1).load(dot_b), acc1 * alpha[:, None])
         acc2 = mma_v2(p_a, kv_s.slice(2 * GROUP, GROUP, dim=1).load(dot_b), acc2 * alpha[:, None])
@@ -182,7 +183,7 @@ def decode_fp8_gluon_kernel(
 
 def smem_bytes(block_n: int, stages: int) -> int:
     """Shared memory of one program (the sm_90 compile's figure, checked by a test): the copy ring
-    (656 bytes a row), the bf16 tile, q, and the 2-byte-per-score scratch of P's layout change."""
+    (656 bytes a row), the float16 tile, q, and the 2-byte-per-score scratch of P's layout change."""
     return stages * block_n * 656 + block_n * 1024 + 16 * 1152 + 32 * block_n
 
 

@@ -87,14 +87,15 @@ def _load_group(base, n0, tile, n_tiles, end, stride_kt, g: gl.constexpr, DC: gl
 
 
 @gluon.jit
-def _dequant(tile_w, codes, sc, g: gl.constexpr, tile_l: gl.constexpr):
-    """Store ``f16(code * f16(scale))`` of group ``g`` into the tile (``tile_w``: its int32 view, f16 pairs)."""
-    # the scale as a float16 pair, clamped so that code * scale stays finite (448 * 146 <= 65504)
+def dequant_pairs(codes, sc):
+    """``f16(code) * f16(scale)`` of int32 code words ``[R, W]`` (4 codes each; ``sc`` fp32 ``[R, 1]``) as
+    float16 pairs, int32 ``[R, 2 W]`` in code order: one ``cvt.e4m3x2`` and one ``mul.f16x2`` a pair. The scale
+    is clamped so that values stay finite (448 * 146 <= 65504)."""
     sc2 = gl.inline_asm_elementwise(
         """{
         .reg .f32 m;
         .reg .b16 h;
-        min.f32 m, $1, 0f43120000;  // 146: 448 * 146 < 65504
+        min.f32 m, $1, 0f43120000;
         cvt.rn.f16.f32 h, m;
         mov.b32 $0, {h, h};
         }""",
@@ -110,8 +111,22 @@ def _dequant(tile_w, codes, sc, g: gl.constexpr, tile_l: gl.constexpr):
         mul.rn.f16x2 $1, h1, $3;
         }""",
         "=r,=r,r,r", [codes, gl.broadcast(codes, sc2)[1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    pairs = gl.convert_layout(gl.reshape(gl.join(lo, hi), [lo.shape[0], 2 * lo.shape[1]]), tile_l)
-    tile_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(pairs)
+    return gl.reshape(gl.join(lo, hi), [lo.shape[0], 2 * lo.shape[1]])
+
+
+@gluon.jit
+def stage_q(q_s, qr_s, q_row, ok_q, scale_log2, DC: gl.constexpr, DR: gl.constexpr, q_l: gl.constexpr):
+    """Store the program's query rows (``q_row``: their first elements, ``ok_q`` ``[rows, 1]``): the latent
+    part as float16 times the power of two that puts its largest magnitude in [2^13, 2^15) (float16's range),
+    the rope part as bf16 times the same power (exact); returns ``scale_log2`` with the power undone."""
+    q = gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
+    q = q.to(gl.float32)
+    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
+    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
+    q_s.store((q * up).to(gl.float16))
+    qr = gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
+    qr_s.store((qr.to(gl.float32) * up).to(gl.bfloat16))
+    return scale_log2 / up
 
 
 @gluon.jit
@@ -157,15 +172,7 @@ def decode_fp8_wgmma_kernel(
 
     rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, rope_l))  # s_q * H folded
     q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
-    ok_q = (rows_q < M)[:, None]
-    q = gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0)
-    q = q.to(gl.float32)
-    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
-    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))  # float16 range for the latent part
-    q_s.store((q * up).to(gl.float16))
-    qr = gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, rope_l))[None, :], mask=ok_q, other=0.0)
-    qr_s.store((qr.to(gl.float32) * up).to(gl.bfloat16))  # a power of two: exact
-    scale_log2 = scale_log2 / up
+    scale_log2 = stage_q(q_s, qr_s, q_row, (rows_q < M)[:, None], scale_log2, DC, DR, rope_l)
 
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, mma))
     row_ok = rows < M
@@ -180,10 +187,10 @@ def decode_fp8_wgmma_kernel(
         page_next = _page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
         _issue_rope(rope_s, base, n0, i + 1, n_tiles, end, stride_kt, DC, DR, BLOCK_N, rope_l)
         gl.thread_barrier()  # every warp's part of the last tile's wgmmas has read kv_s and p_s
-        _dequant(kv_w, c0, s0, 0, tile_l)
-        _dequant(kv_w, c1, s1, 1, tile_l)
-        _dequant(kv_w, c2, s2, 2, tile_l)
-        _dequant(kv_w, c3, s3, 3, tile_l)
+        kv_w.slice(0, GROUP // 2, dim=1).store(gl.convert_layout(dequant_pairs(c0, s0), tile_l))
+        kv_w.slice(GROUP // 2, GROUP // 2, dim=1).store(gl.convert_layout(dequant_pairs(c1, s1), tile_l))
+        kv_w.slice(GROUP, GROUP // 2, dim=1).store(gl.convert_layout(dequant_pairs(c2, s2), tile_l))
+        kv_w.slice(3 * (GROUP // 2), GROUP // 2, dim=1).store(gl.convert_layout(dequant_pairs(c3, s3), tile_l))
         c0, s0 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 0, DC, BLOCK_N, code_l)
         c1, s1 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 1, DC, BLOCK_N, code_l)
         c2, s2 = _load_group(base, n0, i + 1, n_tiles, end, stride_kt, 2, DC, BLOCK_N, code_l)
