@@ -12,9 +12,9 @@ pays ~2x the bf16 kernel's instructions for it). Here the kernel owns shared mem
    (16-bit, so the transposed read is one instruction per 8x8 block).
 
 The warps split the keys of the score tile and the columns of the accumulator (``mma.sync`` m16n8k16,
-``BLOCK_H = 16`` query rows per program). The dots run in float16 as in ``fp8_decode_wgmma`` (its
-``dequant_pairs`` and ``stage_q``, and the float16 range limits its docstring states): step 2 rounds each
-value once, relative 2**-11 (far below e4m3's own 2**-4). H200, B=128 x 8192 keys, H=16, page 64: 390 us
+``BLOCK_H = 16`` query rows per program). The dots run in float16 as in ``fp8_decode_wgmma`` (the same
+``_gluon.dequant_pairs`` and ``stage_q``; the float16 range limits are in its docstring): step 2 rounds
+each value once, relative 2**-11 (far below e4m3's own 2**-4). H200, B=128 x 8192 keys, H=16, page 64: 390 us
 (406 with the bf16 tile; BENCHMARKS.md, sixth session). Same program layout, splits and outputs as
 ``decode._decode_split_kernel`` (workspace rows or the final result).
 """
@@ -34,7 +34,7 @@ from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton import fp8_decode_wgmma
-from mla_compile.ops.triton._gluon import finish_rows, split_range
+from mla_compile.ops.triton._gluon import dequant_pairs, finish_rows, split_range, stage_q
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
@@ -124,7 +124,7 @@ def decode_fp8_gluon_kernel(
     rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, q_l))
     ok_q = rows_q < M
     q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
-    scale_log2 = fp8_decode_wgmma.stage_q(q_s, qr_s, q_row, ok_q[:, None], scale_log2, DC, DR, q_l)
+    scale_log2 = stage_q(q_s, qr_s, q_row, ok_q[:, None], scale_log2, DC, DR, q_l)
 
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
     row_ok = rows < M
@@ -146,7 +146,7 @@ def decode_fp8_gluon_kernel(
         for g in gl.static_range(G):
             words = codes_w.index(slot).slice(g * (GROUP // 4), GROUP // 4, dim=1).load(word_l)
             sc = scales_s.index(slot).slice(g, 1, dim=1).load(word_l)
-            kv_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(fp8_decode_wgmma.dequant_pairs(words, sc))
+            kv_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(dequant_pairs(words, sc))
         gl.thread_barrier()
 
         s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma)

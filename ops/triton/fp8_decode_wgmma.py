@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton._gluon import finish_rows, split_range
+from mla_compile.ops.triton._gluon import dequant_pairs, finish_rows, split_range, stage_q
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 
@@ -84,49 +84,6 @@ def _load_group(base, n0, tile, n_tiles, end, stride_kt, g: gl.constexpr, DC: gl
     words = (row + g * GROUP).to(gl.pointer_type(gl.int32))
     codes = gl.load(words + gl.arange(0, GROUP // 4, gl.SliceLayout(0, code_l))[None, :], mask=ok, other=0)
     return codes, gl.load((row + DC).to(gl.pointer_type(gl.float32)) + g, mask=ok, other=0.0)
-
-
-@gluon.jit
-def dequant_pairs(codes, sc):
-    """``f16(code) * f16(scale)`` of int32 code words ``[R, W]`` (4 codes each; ``sc`` fp32 ``[R, 1]``) as
-    float16 pairs, int32 ``[R, 2 W]`` in code order: one ``cvt.e4m3x2`` and one ``mul.f16x2`` a pair. The scale
-    is clamped so that values stay finite (448 * 146 <= 65504)."""
-    sc2 = gl.inline_asm_elementwise(
-        """{
-        .reg .f32 m;
-        .reg .b16 h;
-        min.f32 m, $1, 0f43120000;
-        cvt.rn.f16.f32 h, m;
-        mov.b32 $0, {h, h};
-        }""",
-        "=r,r", [sc], dtype=gl.int32, is_pure=True, pack=1)
-    lo, hi = gl.inline_asm_elementwise(
-        """{
-        .reg .b16 c0, c1;
-        .reg .b32 h0, h1;
-        mov.b32 {c0, c1}, $2;
-        cvt.rn.f16x2.e4m3x2 h0, c0;
-        cvt.rn.f16x2.e4m3x2 h1, c1;
-        mul.rn.f16x2 $0, h0, $3;
-        mul.rn.f16x2 $1, h1, $3;
-        }""",
-        "=r,=r,r,r", [codes, gl.broadcast(codes, sc2)[1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    return gl.reshape(gl.join(lo, hi), [lo.shape[0], 2 * lo.shape[1]])
-
-
-@gluon.jit
-def stage_q(q_s, qr_s, q_row, ok_q, scale_log2, DC: gl.constexpr, DR: gl.constexpr, q_l: gl.constexpr):
-    """Store the program's query rows (``q_row``: their first elements, ``ok_q`` ``[rows, 1]``): the latent
-    part as float16 times the power of two that puts its largest magnitude in [2^13, 2^15) (float16's range),
-    the rope part as bf16 times the same power (exact); returns ``scale_log2`` with the power undone."""
-    q = gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
-    q = q.to(gl.float32)
-    amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
-    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
-    q_s.store((q * up).to(gl.float16))
-    qr = gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
-    qr_s.store((qr.to(gl.float32) * up).to(gl.bfloat16))
-    return scale_log2 / up
 
 
 @gluon.jit
