@@ -29,10 +29,12 @@ does not grow with length (8 sequences of 1024-4096 tokens, 2 seeds: 3.5-3.7% no
 of max |out|, LSE 0.011). ``tests/ops/test_fp8_cache.py``
 asserts normwise <= 0.08, elementwise <= 0.15 * max |out_bf16| and LSE <= 0.1. The reference and Triton
 fp8 decodes match a float64 decode over the dequantized rows to float32 rounding; the Gluon decodes (the
-CUDA default where ``gluon_eligible``: ``wgmma`` on sm_90, ``mma.sync`` elsewhere) run their dots in float16:
-each dequantized value rounded once (relative 2**-11), saturating at float16's 65504 (a group's scale is
-clamped; scales of groups whose largest magnitude is below 0.027 are float16-subnormal), within the sparse
-fp8 path's tolerances and tighter on data far from 1 (``tests/ops/triton/test_gluon_fp8_decode.py``).
+CUDA default where ``gluon_eligible``) run their dots in float16 with the queries scaled by a power of two:
+on sm_90 (pages of 64) the ``wgmma`` kernel rounds each dequantized value once (relative 2**-11),
+saturating at float16's 65504 (a group's scale is clamped; scales of groups whose largest magnitude is below
+0.027 are float16-subnormal); elsewhere the group-split kernel multiplies exact codes and applies the fp32
+scales to the scores and probabilities (scales clamped at 255). Both stay within the sparse fp8 path's
+tolerances and tighter on data far from 1 (``tests/ops/triton/test_gluon_fp8_decode.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Gluon pieces the two fp8 decode kernels share (``fp8_decode_gluon``, ``fp8_decode_wgmma``): a program's
-key range, the float16 dequantization of code words and staging of the query rows (the float16 range limits
-are in ``fp8_decode_wgmma``'s docstring), and its final LSE / output rows. Imports Triton's Gluon, so only
-the kernels import it."""
+"""Gluon pieces of the fp8 decode kernels: a program's key range and its final LSE / output rows (both
+kernels, ``fp8_decode_gluon`` and ``fp8_decode_wgmma``), and the ``wgmma`` kernel's float16 dequantization
+of code words and staging of the query rows (the float16 range limits are in its docstring). Imports
+Triton's Gluon, so only the kernels import it."""
 
 from __future__ import annotations
 

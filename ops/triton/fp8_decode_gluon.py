@@ -1,22 +1,27 @@
 """A Gluon (Triton's tile-level dialect) split-KV decode over the 656-byte fp8 latent cache, sm_89+
-(``mma.sync`` and ``cp.async`` from sm_80, hardware e4m3 conversions from sm_89: ``fp8_cache.gluon_eligible``).
+(``mma.sync``, ``movmatrix``, hardware e4m3 conversions: ``fp8_cache.gluon_eligible``), with the warps
+splitting the scale groups instead of the keys.
 
-Why not plain Triton: the value dot needs the e4m3 codes with the keys along its reduction dim, and
-Triton 3.6 reads an 8-bit tile in that order from shared memory a byte at a time (``fp8_decode_kernel``
-pays ~2x the bf16 kernel's instructions for it). Here the kernel owns shared memory:
+Warp g of a 4-warp program owns scale group g (latent columns ``128 g + [0, 128)``, rope columns
+``16 g + [0, 16)``) for every key of a 32-key tile, so a tile never goes through shared memory:
 
-1. ``cp.async`` streams each tile's codes, scales and rope rows into a ``STAGES``-deep ring (the copies
-   of the next tiles are in flight while one is computed);
-2. all warps dequantize the tile once, ``f16(code) * f16(scale)``, into one float16 ``[BLOCK_N, DC]`` tile;
-3. the score dot reads that tile transposed and the value dot reads it as is, both through ``ldmatrix``
-   (16-bit, so the transposed read is one instruction per 8x8 block).
+1. each thread loads its code words straight into registers (16-byte loads, a tile ahead) and converts
+   them to float16 exactly (``cvt.e4m3x2``, no scale: a code is at most 448), already in the score dot's
+   operand order (``_fp8_groups``: the load order is chosen so that only register names change);
+2. the group's partial scores ``q_g . codes_g`` (``mma.sync``, query rows as M) are multiplied by the
+   group's fp32 scales, the rope part added, and the four groups' partials summed through 8 KB of shared
+   memory (the one exchange a tile);
+3. the value dot of group g needs each key's codes transposed: ``movmatrix`` on the same registers, then
+   ``P'[row, key] = P * scale[key, g] * 256`` (float16; 256 undone at the end) times the exact codes.
 
-The warps split the keys of the score tile and the columns of the accumulator (``mma.sync`` m16n8k16,
-``BLOCK_H = 16`` query rows per program). The dots run in float16 as in ``fp8_decode_wgmma`` (the same
-``_gluon.dequant_pairs`` and ``stage_q``; the float16 range limits are in its docstring): step 2 rounds
-each value once, relative 2**-11 (far below e4m3's own 2**-4). H200, B=128 x 8192 keys, H=16, page 64: 390 us
-(406 with the bf16 tile; BENCHMARKS.md, sixth session). Same program layout, splits and outputs as
-``decode._decode_split_kernel`` (workspace rows or the final result).
+So the scales are applied in fp32 and the codes are never rounded: LSEs agree with the float64 reference to
+~1e-6 (the ``wgmma`` kernel, which rounds ``code * scale`` to float16, to ~1e-3). The query rows run as in
+``fp8_decode_wgmma`` (float16 times a power of two); P' limits the scales to at most 255 (values at most
+448 * 255, far outside DeepSeek's latents), rows whose P' falls below float16's normal range (P * scale
+< 2^-22) are rounded there. H200, B=128 x 8192 keys, H=16, page 64: 283 us against 390 us for the
+key-split kernel this replaces (BENCHMARKS.md, seventh session); sm_90 runs ``fp8_decode_wgmma`` (271 us)
+where pages allow. Same program layout, splits and outputs as ``decode._decode_split_kernel``
+(workspace rows or the final result).
 """
 
 from __future__ import annotations
@@ -27,52 +32,91 @@ from torch import Tensor
 from torch.library import wrap_triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton import fp8_decode_wgmma
-from mla_compile.ops.triton._gluon import dequant_pairs, finish_rows, split_range, stage_q
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,
+                                                d_from_n, k_from_d, k_from_d16, v_from_moved)
+from mla_compile.ops.triton._gluon import finish_rows, split_range
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
-GROUP = gl.constexpr(128)  # values per fp32 scale
+PROGRAMS_PER_SM = 2  # by registers (up to 255 a thread, 4 warps); shared memory is ``smem_bytes``
+P_UP = gl.constexpr(256.0)  # P' = P * scale * P_UP in float16
+Q_S = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
 
 
 @gluon.jit
-def _issue(codes_s, scales_s, rope_s, kv_ptr, bt_row, tile, n_tiles, start, end, stride_kb, stride_kt,
-           DC: gl.constexpr, DR: gl.constexpr, G: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, code_l: gl.constexpr, scale_l: gl.constexpr,
-           rope_l: gl.constexpr):
-    """Start the copies of tile ``tile`` (positions ``start + tile * BLOCK_N + [0, BLOCK_N)``) into ring slot
-    ``tile % STAGES``; rows at or past ``end`` and tiles past ``n_tiles`` are zero-filled, never read."""
-    slot = tile % STAGES
+def _page(bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The page holding tile ``tile`` (0 for tiles past ``n_tiles``: never read)."""
+    return gl.load(bt_row + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=tile < n_tiles, other=0).to(gl.int64)
+
+
+@gluon.jit
+def _load_tile(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, DC: gl.constexpr,
+               BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, mma: gl.constexpr):
+    """Tile ``tile`` (on ``page``): its code words ``[4, 32, N]`` int32, scales ``[4, N]`` (the score
+    accumulator's key slice) and rope ``[4, 16, N]`` bf16, each warp its group's; 0 at or past ``end``."""
     n0 = start + tile * BLOCK_N
     live = tile < n_tiles
-    page = gl.load(bt_row + n0 // BLOCK_SIZE, mask=live, other=0).to(gl.int64)
     base = kv_ptr + page * stride_kb + (n0 % BLOCK_SIZE).to(gl.int64) * stride_kt
 
-    r_c = gl.arange(0, BLOCK_N, gl.SliceLayout(1, code_l))
-    c_c = gl.arange(0, DC, gl.SliceLayout(0, code_l))
-    ok_c = (n0 + r_c < end) & live
-    cp.async_copy_global_to_shared(codes_s.index(slot), base + r_c.to(gl.int64)[:, None] * stride_kt + c_c[None, :],
-                                   mask=ok_c[:, None])
+    g = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, CODE_L)))
+    w = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(2, CODE_L)))
+    n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, gl.SliceLayout(1, CODE_L)))
+    ok = ((n0 + n < end) & live)[None, None, :]
+    words = base.to(gl.pointer_type(gl.int32)) + (g * 32)[:, None, None] + w[None, :, None]
+    codes = gl.load(words + (n.to(gl.int64) * (stride_kt // 4))[None, None, :], mask=ok, other=0)
 
-    r_s = gl.arange(0, BLOCK_N, gl.SliceLayout(1, scale_l))
-    c_s = gl.arange(0, G, gl.SliceLayout(0, scale_l))
-    ok_s = (n0 + r_s < end) & live
-    s_ptr = (base + r_s.to(gl.int64) * stride_kt + DC).to(gl.pointer_type(gl.float32))
-    cp.async_copy_global_to_shared(scales_s.index(slot), s_ptr[:, None] + c_s[None, :], mask=ok_s[:, None])
+    g = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, ROPE_L)))
+    d = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(2, ROPE_L)))
+    n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, gl.SliceLayout(1, ROPE_L)))
+    ok = ((n0 + n < end) & live)[None, None, :]
+    rope = (base + DC + 16).to(gl.pointer_type(gl.bfloat16)) + (g * 16)[:, None, None] + d[None, :, None]
+    rope = gl.load(rope + (n.to(gl.int64) * (stride_kt // 2))[None, None, :], mask=ok, other=0.0)
 
-    r_r = gl.arange(0, BLOCK_N, gl.SliceLayout(1, rope_l))
-    c_r = gl.arange(0, DR, gl.SliceLayout(0, rope_l))
-    ok_r = (n0 + r_r < end) & live
-    r_ptr = (base + r_r.to(gl.int64) * stride_kt + DC + 4 * G).to(gl.pointer_type(gl.bfloat16))
-    cp.async_copy_global_to_shared(rope_s.index(slot), r_ptr[:, None] + c_r[None, :], mask=ok_r[:, None])
-    cp.commit_group()
+    sl: gl.constexpr = gl.SliceLayout(1, mma)
+    g = gl.arange(0, 4, gl.SliceLayout(1, sl))
+    n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, sl))
+    ok = ((n0 + n < end) & live)[None, :]
+    sc = (base + DC).to(gl.pointer_type(gl.float32)) + g[:, None]
+    sc = gl.load(sc + (n.to(gl.int64) * (stride_kt // 4))[None, :], mask=ok, other=0.0)
+    return codes, sc, rope
+
+
+@gluon.jit
+def _step(codes, sc, rope, q_s, qra, xch, acc, m_i, l_i, n0, end, limit, scale_log2,
+          BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, mma: gl.constexpr):
+    """One tile (first position ``n0``): the group-split score dots, the four partials summed through
+    ``xch``, the online softmax (base 2; ``scale_log2 > 0``), the value dots. Returns ``(acc, m_i, l_i)``."""
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.SliceLayout(0, mma)
+    kb = gl.convert_layout(k_from_d(cvt(codes), 1), dot_b, assert_trivial=True)
+    s = mma_v2(q_s.load(dot_a), kb, gl.zeros([4, BLOCK_H, BLOCK_N], gl.float32, mma)) * sc[:, None, :]
+    s = mma_v2(qra, gl.convert_layout(k_from_d16(rope, 1), dot_b, assert_trivial=True), s)
+    gl.thread_barrier()  # every warp has read the last tile's partials
+    xch.store(s)
+    gl.thread_barrier()
+    s = gl.convert_layout(gl.sum(xch.load(XCH_R), axis=0), rows_l, assert_trivial=True)
+
+    pos = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(0, rows_l))
+    s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(gl.fma(s, gl.full([BLOCK_H, BLOCK_N], 0.0, gl.float32, rows_l) + scale_log2, -m_shift[:, None]))
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+
+    p_up = p[None, :, :] * (gl.minimum(sc, 255.0) * P_UP)[:, None, :]
+    pa = gl.convert_layout(p_up.to(gl.float16), dot_a, assert_trivial=True)
+    vb = gl.convert_layout(v_from_moved(cvt_t(codes)), dot_b, assert_trivial=True)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(2, mma)))[None, :, None]
+    return mma_v2(pa, vb, acc), m_new, l_i
 
 
 @gluon.jit
@@ -83,142 +127,102 @@ def decode_fp8_gluon_kernel(
     stride_kb, stride_kt,
     stride_bt,
     M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, DIRECT: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
 ):
-    """Grid ``(cdiv(M, BLOCK_H), n_splits, B)``; bf16 q ``[B, S_Q, H, DC + DR]``; ``DC = 512``, ``DR = 64``,
-    ``BLOCK_N`` divides ``BLOCK_SIZE`` (every tile lies in one page)."""
-    NW: gl.constexpr = gl.num_warps()
-    G: gl.constexpr = DC // GROUP
-    KC: gl.constexpr = 64  # score dot: reduction chunk
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
-    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    dot_b: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    code_l: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [NW, 1], [1, 0])  # 16 bytes per thread
-    word_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])  # [BLOCK_N, 32] code words
-    scale_l: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
-    rope_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    swz: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    swz_w: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])  # swz's int32 view
+    """Grid ``(cdiv(M, BLOCK_H), n_splits, B)``, 4 warps; bf16 q ``[B, S_Q, H, DC + DR]``; ``DC = 512``,
+    ``DR = 64``, ``BLOCK_N`` divides ``BLOCK_SIZE`` (every tile lies in one page)."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    q_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(0, mma))  # [16] rows, in every warp
+    acc_row: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, mma))
 
     scale_log2 = gl.full([], scale_log2, gl.float32)
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
+    codes, sc, rope = _load_tile(kv_ptr, _page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, n_tiles, start,
+                                 end, stride_kb, stride_kt, DC, BLOCK_SIZE, BLOCK_N, mma)
+    page_next = _page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)  # block-table entries a tile ahead
 
-    codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, DC], flat)
-    scales_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, G], flat)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], swz)
-    codes_w = codes_s._reinterpret(gl.int32, [STAGES, BLOCK_N, DC // 4], flat)
-    kv_s = gl.allocate_shared_memory(gl.float16, [BLOCK_N, DC], swz)
-    kv_w = kv_s._reinterpret(gl.int32, [BLOCK_N, DC // 2], swz_w)
-    q_s = gl.allocate_shared_memory(gl.float16, [BLOCK_H, DC], swz)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], swz)
+    # the query rows (s_q * H folded): latent [4 groups, 16, 128] float16 times the power of two that puts
+    # their largest magnitude in [2^13, 2^15) (undone in scale_log2), in shared memory; rope [4, 16, 16] bf16
+    g_q = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, q_l)))
+    m_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(0, gl.SliceLayout(2, q_l)))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    ok_q = (m_q < M)[None, :, None]
+    d_q = gl.arange(0, 128, gl.SliceLayout(0, gl.SliceLayout(1, q_l)))
+    q = gl.load(q_row[None, :, None] + (g_q * 128)[:, None, None] + d_q[None, None, :], mask=ok_q, other=0.0)
+    q = q.to(gl.float32)
+    amax = gl.max(gl.max(gl.max(gl.abs(q), axis=2), axis=1), axis=0)
+    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
+    q_s = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], Q_S)
+    q_s.store(k_from_d((q * up).to(gl.float16), 2))
+    d_r = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, q_l)))
+    qr = gl.load(q_row[None, :, None] + DC + (g_q * 16)[:, None, None] + d_r[None, None, :], mask=ok_q, other=0.0)
+    qra = gl.convert_layout(k_from_d16((qr.to(gl.float32) * up).to(gl.bfloat16), 2),
+                            gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+    scale_log2 = scale_log2 / up
+    gl.thread_barrier()
 
-    for t in gl.static_range(STAGES - 1):
-        _issue(codes_s, scales_s, rope_s, kv_ptr, bt_row, t, n_tiles, start, end, stride_kb, stride_kt,
-               DC, DR, G, BLOCK_SIZE, BLOCK_N, STAGES, code_l, scale_l, rope_l)
-
-    # the program's query rows (s_q * H folded), staged once in shared memory
-    rows_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, q_l))
-    ok_q = rows_q < M
-    q_row = q_ptr + b * stride_qb + (rows_q // H).to(gl.int64) * stride_qs + (rows_q % H).to(gl.int64) * stride_qh
-    scale_log2 = stage_q(q_s, qr_s, q_row, ok_q[:, None], scale_log2, DC, DR, q_l)
-
-    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, mma))
+    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, row_l)
     row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: row sees positions < limit
-    offs_n = gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
-    l_part = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma)  # per-column sums, reduced once at the end
-    acc0 = gl.zeros([BLOCK_H, GROUP], gl.float32, mma)
-    acc1 = gl.zeros([BLOCK_H, GROUP], gl.float32, mma)
-    acc2 = gl.zeros([BLOCK_H, GROUP], gl.float32, mma)
-    acc3 = gl.zeros([BLOCK_H, GROUP], gl.float32, mma)
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_l)
+    acc = gl.zeros([4, BLOCK_H, 128], gl.float32, mma)
+    xch = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H, BLOCK_N], XCH_S)
 
     for i in range(n_tiles):
-        _issue(codes_s, scales_s, rope_s, kv_ptr, bt_row, i + STAGES - 1, n_tiles, start, end, stride_kb,
-               stride_kt, DC, DR, G, BLOCK_SIZE, BLOCK_N, STAGES, code_l, scale_l, rope_l)
-        cp.wait_group(STAGES - 1)
-        gl.thread_barrier()  # tile i's copies (made by every thread) are visible; kv_s is free
-        slot = i % STAGES
-        for g in gl.static_range(G):
-            words = codes_w.index(slot).slice(g * (GROUP // 4), GROUP // 4, dim=1).load(word_l)
-            sc = scales_s.index(slot).slice(g, 1, dim=1).load(word_l)
-            kv_w.slice(g * (GROUP // 2), GROUP // 2, dim=1).store(dequant_pairs(words, sc))
-        gl.thread_barrier()
+        n_codes, n_sc, n_rope = _load_tile(kv_ptr, page_next, i + 1, n_tiles, start, end, stride_kb, stride_kt, DC,
+                                           BLOCK_SIZE, BLOCK_N, mma)
+        page_next = _page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+        acc, m_i, l_i = _step(codes, sc, rope, q_s, qra, xch, acc, m_i, l_i, start + i * BLOCK_N, end, limit,
+                              scale_log2, BLOCK_H, BLOCK_N, mma)
+        codes, sc, rope = n_codes, n_sc, n_rope
 
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, mma)
-        for c in gl.static_range(DC // KC):
-            a = q_s.slice(c * KC, KC, dim=1).load(dot_a)
-            k_t = kv_s.slice(c * KC, KC, dim=1).permute([1, 0]).load(dot_b)
-            s = mma_v2(a, k_t, s)
-        s = mma_v2(qr_s.load(dot_a), rope_s.index(slot).permute([1, 0]).load(dot_b), s)
-
-        pos = start + i * BLOCK_N + offs_n
-        visible = (pos < end)[None, :] & (pos[None, :] < limit[:, None])
-        s = gl.where(visible, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - m_shift[:, None])
-        l_part = l_part * alpha[:, None] + p
-        m_i = m_new
-        p_a = gl.convert_layout(p.to(gl.float16), dot_a)
-        acc0 = mma_v2(p_a, kv_s.slice(0, GROUP, dim=1).load(dot_b), acc0 * alpha[:, None])
-        acc1 = mma_v2(p_a, kv_s.slice(GROUP, GROUP, dim=1).load(dot_b), acc1 * alpha[:, None])
-        acc2 = mma_v2(p_a, kv_s.slice(2 * GROUP, GROUP, dim=1).load(dot_b), acc2 * alpha[:, None])
-        acc3 = mma_v2(p_a, kv_s.slice(3 * GROUP, GROUP, dim=1).load(dot_b), acc3 * alpha[:, None])
-    cp.wait_group(0)
-
-    inv, o_first = finish_rows(gl.sum(l_part, axis=1), m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
-    o_row = o_ptr + o_first[:, None] + gl.arange(0, GROUP, gl.SliceLayout(0, mma))[None, :]
+    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    o = d_from_n(acc * gl.convert_layout(inv / P_UP, acc_row)[None, :, None])
+    o_l: gl.constexpr = o.type.layout
+    g_o = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, o_l)))
+    d_o = gl.arange(0, 128, gl.SliceLayout(0, gl.SliceLayout(1, o_l)))
+    first = gl.convert_layout(o_first, gl.SliceLayout(0, gl.SliceLayout(2, o_l)))
+    ok = gl.convert_layout(row_ok, gl.SliceLayout(0, gl.SliceLayout(2, o_l)))
     ty: gl.constexpr = o_ptr.dtype.element_ty
-    gl.store(o_row, (acc0 * inv[:, None]).to(ty), mask=row_ok[:, None])
-    gl.store(o_row + GROUP, (acc1 * inv[:, None]).to(ty), mask=row_ok[:, None])
-    gl.store(o_row + 2 * GROUP, (acc2 * inv[:, None]).to(ty), mask=row_ok[:, None])
-    gl.store(o_row + 3 * GROUP, (acc3 * inv[:, None]).to(ty), mask=row_ok[:, None])
+    gl.store(o_ptr + first[None, :, None] + (g_o * 128)[:, None, None] + d_o[None, None, :], o.to(ty),
+             mask=ok[None, :, None])
 
 
-def smem_bytes(block_n: int, stages: int) -> int:
-    """Shared memory of one program (the sm_90 compile's figure, checked by a test): the copy ring
-    (656 bytes a row), the float16 tile, q, and the 2-byte-per-score scratch of P's layout change."""
-    return stages * block_n * 656 + block_n * 1024 + 16 * 1152 + 32 * block_n
-
-
-def programs_per_sm(block_n: int, stages: int, num_warps: int, smem_per_sm: int = 233472) -> int:
-    """Programs one SM holds at once: shared memory (1 KB reserved per program) and registers (at most
-    255 per thread in a 64K file)."""
-    return max(1, min(smem_per_sm // (smem_bytes(block_n, stages) + 1024), 65536 // (255 * 32 * num_warps)))
+def smem_bytes() -> int:
+    """Shared memory of one program (the sm_90 compile's figure, checked by a test): the float16 query
+    rows and the partial-score exchange."""
+    return BLOCK_H * 512 * 2 + 4 * BLOCK_H * BLOCK_N * 4
 
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Run the kernel (a call ``mla_compile.ops.fp8_cache.gluon_eligible`` accepts). ``config``: BLOCK_N
-    (32 or 64), STAGES, num_warps, SPLITS. The split count fills the SMs' program slots in whole waves
-    (``_plan.opaque_splits``); the Triton reduce kernel merges the splits."""
+    """Run the kernel (a call ``mla_compile.ops.fp8_cache.gluon_eligible`` accepts, ``scale > 0``).
+    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.opaque_splits``); the
+    Triton reduce kernel merges the splits."""
     B, s_q, H, D = q.shape
-    dc, dr = kv_lora_rank, D - kv_lora_rank
+    dc = kv_lora_rank
     M = s_q * H
     out, lse = decode_outputs(q, dc)
     if B == 0 or M == 0:
         return out, lse
     q = last_dim_contiguous(q)
-    cfg = {"BLOCK_N": 32, "STAGES": 3, "num_warps": 4, **(config or {})}
-    block_n, stages, warps = cfg["BLOCK_N"], cfg["STAGES"], cfg["num_warps"]
     block_size = kv_cache.shape[1]
-    slots = num_sms(q.device) * programs_per_sm(block_n, stages, warps)
-    splits, direct = opaque_splits(cfg, B * triton.cdiv(M, 16), slots, block_table.shape[1] * block_size, block_n)
+    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
+                                   block_table.shape[1] * block_size, BLOCK_N)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
-    decode_fp8_gluon_kernel[(triton.cdiv(M, 16), splits, B)](
+    decode_fp8_gluon_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
-        M, H, s_q, splits, DC=dc, DR=dr, BLOCK_SIZE=block_size, BLOCK_H=16, BLOCK_N=block_n,
-        STAGES=stages, DIRECT=direct, num_warps=warps,
+        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        DIRECT=direct, num_warps=4,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
     return out, lse
@@ -229,9 +233,9 @@ def decode_fp8_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
                      kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Gluon ``mla::decode_fp8`` (same contract as ``mla::decode_fp8_ref``; an opaque call to Inductor): the
     ``wgmma`` kernel where ``wgmma_serves``, else this module's. A cache whose base is not 16-byte aligned (a
-    view at an odd offset) runs the Triton kernel instead."""
+    view at an odd offset) or a softmax scale <= 0 runs the Triton kernel instead."""
     validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    if kv_cache.data_ptr() % 16:
+    if kv_cache.data_ptr() % 16 or scale <= 0:
         return launch_fp8(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     if wgmma_serves(q, kv_cache):
         return fp8_decode_wgmma.launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
@@ -240,7 +244,7 @@ def decode_fp8_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens:
 
 def wgmma_serves(q: Tensor, kv_cache: Tensor) -> bool:
     """Whether ``mla::decode_fp8_gluon`` runs the sm_90 ``wgmma`` kernel (``fp8_decode_wgmma``: an sm_90 GPU,
-    pages of a multiple of 64 rows) rather than this module's ``mma.sync`` one."""
+    pages of a multiple of 64 rows) rather than this module's group-split one."""
     return torch.cuda.get_device_capability(q.device) == (9, 0) and kv_cache.shape[1] % fp8_decode_wgmma.BLOCK_N == 0
 
 

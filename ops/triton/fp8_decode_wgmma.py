@@ -1,8 +1,7 @@
 """The sm_90 (Hopper) Gluon decode over the 656-byte fp8 latent cache: ``wgmma`` with the keys as the M dim.
 
-``fp8_decode_gluon`` runs ``mma.sync`` with the 16 query rows as M and the warps splitting the keys; at
-H = 16 it is bound by issue and latency, not bytes (run 32: 348 us with no loads at all against 404 us
-with them). Here one warpgroup (4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
+A key-split ``mma.sync`` kernel (the one ``fp8_decode_gluon`` replaced) was bound by issue and latency at
+H = 16, not bytes (run 32: 348 us with no loads at all against 404 us with them). Here one warpgroup (4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
 
 - ``S^T [64 keys, 16 rows] = K Q^T``: A is the dequantized float16 key tile in shared memory, B the query rows;
 - the softmax runs down the key dim (the max over the 4 warps' key rows through shared memory);
@@ -24,7 +23,7 @@ undone in the softmax scale) and P is float16. The scales come with the codes; r
 2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one.
 Same program layout, splits and outputs as ``fp8_decode_gluon`` (workspace rows or the final result); pages
 must hold a multiple of 64 rows. H200, B=128 x 8192 keys, H=16: 270 us, 1.16x our bf16 decode
-(BENCHMARKS.md, sixth session; 289 us with bf16 dots, 406 us for ``fp8_decode_gluon``).
+(BENCHMARKS.md, sixth session; 289 us with bf16 dots; 283 us for ``fp8_decode_gluon``'s group split, seventh).
 """
 
 from __future__ import annotations
