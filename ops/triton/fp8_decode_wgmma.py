@@ -23,7 +23,7 @@ undone in the softmax scale) and P is float16. The scales come with the codes; r
 2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one.
 Same program layout, splits and outputs as ``fp8_decode_gluon`` (workspace rows or the final result); pages
 must hold a multiple of 64 rows. H200, B=128 x 8192 keys, H=16: 270 us, 1.16x our bf16 decode
-(BENCHMARKS.md, sixth session; 289 us with bf16 dots; 283 us for ``fp8_decode_gluon``'s group split, seventh).
+(BENCHMARKS.md, sixth session; 289 us with bf16 dots; 281 us for ``fp8_decode_gluon``'s group split, run 61).
 """
 
 from __future__ import annotations
