@@ -144,6 +144,22 @@ def test_the_op_runs_wgmma_on_sm90_pages_of_64(bs):
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("scale", [-SCALE, 0.0])
+def test_the_op_takes_any_softmax_scale(scale):
+    """The group-split kernel's running max assumes a positive scale; the op runs other scales through the
+    Triton kernel, still equal to the float64 reference."""
+    import mla_compile.ops.triton.fp8_decode_gluon  # noqa: F401
+
+    gen = torch.Generator().manual_seed(9)
+    cache, table, seq_lens, _ = fp8_paged([40, 300, 1], 32, DC, DR, "cuda", gen)
+    q = torch.randn(3, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
+    out, lse = torch.ops.mla.decode_fp8_gluon(q, cache, table, seq_lens, scale, DC)
+    ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, scale, DC)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16, tol=TOL, lse_atol=LSE_ATOL)
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_auto_picks_gluon_and_explicit_gluon_refuses_what_it_cannot_serve():
     gen = torch.Generator().manual_seed(4)
     cache, table, seq_lens, _ = fp8_paged(_lens(3, 900, gen), 64, DC, DR, "cuda", gen)
