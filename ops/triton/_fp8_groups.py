@@ -101,21 +101,36 @@ def _words_to_d(h0, h1, h2, h3):
     return gl.reshape(gl.permute(x, [0, 1, 4, 3, 2]), [4, 128, N])
 
 
-@gluon.jit
-def cvt(words):
-    """e4m3 code words ``[4, 32, N]`` int32 to float16 ``[4, 128, N]``, exact (scales are applied later)."""
-    h0, h1, h2, h3 = gl.inline_asm_elementwise(
-        """{
-        .reg .b16 c0, c1;
-        .reg .b32 r0, r1;
-        mov.b32 {c0, c1}, $4;
+# each word's two code pairs (c0, c1) to float16 pairs, split into the four halves of the outputs
+_TO_F16 = """
         cvt.rn.f16x2.e4m3x2 r0, c0;
         cvt.rn.f16x2.e4m3x2 r1, c1;
         mov.b32 {$0, $1}, r0;
         mov.b32 {$2, $3}, r1;
-        }""",
-        "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
+        }"""
+_CVT = gl.constexpr("""{
+        .reg .b16 c0, c1;
+        .reg .b32 r0, r1;
+        mov.b32 {c0, c1}, $4;""" + _TO_F16)
+_CVT_T = gl.constexpr("""{
+        .reg .b32 t, u, r0, r1;
+        .reg .b16 c0, c1;
+        movmatrix.sync.aligned.m8n8.trans.b16 t, $4;
+        prmt.b32 u, t, 0, 0x3120;
+        mov.b32 {c0, c1}, u;""" + _TO_F16)
+
+
+@gluon.jit
+def _convert(words, ASM: gl.constexpr):
+    h0, h1, h2, h3 = gl.inline_asm_elementwise(
+        ASM, "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
     return _words_to_d(h0, h1, h2, h3)
+
+
+@gluon.jit
+def cvt(words):
+    """e4m3 code words ``[4, 32, N]`` int32 to float16 ``[4, 128, N]``, exact (scales are applied later)."""
+    return _convert(words, _CVT)
 
 
 @gluon.jit
@@ -123,17 +138,4 @@ def cvt_t(words):
     """``cvt`` after transposing each warp's 8x8 blocks of code pairs (``movmatrix``) and regrouping each
     word's bytes by key pair: a register then holds two keys of one column. The result is named as
     ``cvt``'s; ``v_from_moved`` gives its true names."""
-    h0, h1, h2, h3 = gl.inline_asm_elementwise(
-        """{
-        .reg .b32 t, u, r0, r1;
-        .reg .b16 c0, c1;
-        movmatrix.sync.aligned.m8n8.trans.b16 t, $4;
-        prmt.b32 u, t, 0, 0x3120;
-        mov.b32 {c0, c1}, u;
-        cvt.rn.f16x2.e4m3x2 r0, c0;
-        cvt.rn.f16x2.e4m3x2 r1, c1;
-        mov.b32 {$0, $1}, r0;
-        mov.b32 {$2, $3}, r1;
-        }""",
-        "=h,=h,=h,=h,r", [words], dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
-    return _words_to_d(h0, h1, h2, h3)
+    return _convert(words, _CVT_T)
