@@ -27,9 +27,7 @@ where pages allow. Same program layout, splits and outputs as ``decode._decode_s
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
-from torch.library import wrap_triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -37,12 +35,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton import fp8_decode_wgmma
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,
                                                 d_from_n, k_from_d, k_from_d16, v_from_moved)
 from mla_compile.ops.triton._gluon import finish_rows, split_range
-from mla_compile.ops.triton._plan import opaque_splits, split_buffers
-from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode import decode_outputs
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
 PROGRAMS_PER_SM = 2  # by registers (up to 255 a thread, 4 warps); shared memory is ``smem_bytes``
@@ -203,29 +199,9 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel (a call ``mla_compile.ops.fp8_cache.gluon_eligible`` accepts, ``scale > 0``).
     ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.opaque_splits``); the
-    Triton reduce kernel merges the splits."""
-    B, s_q, H, D = q.shape
-    dc = kv_lora_rank
-    M = s_q * H
-    out, lse = decode_outputs(q, dc)
-    if B == 0 or M == 0:
-        return out, lse
-    q = last_dim_contiguous(q)
-    block_size = kv_cache.shape[1]
-    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
-                                   block_table.shape[1] * block_size, BLOCK_N)
-    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
-    decode_fp8_gluon_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
-        q, kv_cache, block_table, seq_lens, o_buf, l_buf,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        DIRECT=direct, num_warps=4,
-    )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
-    return out, lse
+    Triton reduce kernel merges the splits (``fp8_decode_wgmma.launch_split``, the launch both kernels share)."""
+    return fp8_decode_wgmma.launch_split(decode_fp8_gluon_kernel, BLOCK_N, PROGRAMS_PER_SM, q, kv_cache, block_table,
+                                         seq_lens, scale, kv_lora_rank, config)
 
 
 @torch.library.custom_op("mla::decode_fp8_gluon", mutates_args=(), tags=LAYOUT_TAGS)

@@ -185,10 +185,11 @@ def smem_bytes() -> int:
     return 2 * BLOCK_N * 64 * 2 + BLOCK_N * 1024 + BLOCK_H * 1152 + BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
 
 
-def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
-           config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows).
-    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.opaque_splits``)."""
+def launch_split(kernel, block_n: int, programs_per_sm: int, q: Tensor, kv_cache: Tensor, block_table: Tensor,
+                 seq_lens: Tensor, scale: float, kv_lora_rank: int, config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Launch a Gluon fp8 decode kernel of this module's signature (16-row programs, ``block_n``-key tiles,
+    4 warps) over grid ``(cdiv(s_q * H, 16), splits, B)`` and merge its splits. ``config``: SPLITS (else the
+    SMs' ``programs_per_sm`` slots filled in whole waves, ``_plan.opaque_splits``)."""
     B, s_q, H, D = q.shape
     dc = kv_lora_rank
     M = s_q * H
@@ -197,17 +198,25 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         return out, lse
     q = last_dim_contiguous(q)
     block_size = kv_cache.shape[1]
-    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
-                                   block_table.shape[1] * block_size, BLOCK_N)
+    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * programs_per_sm,
+                                   block_table.shape[1] * block_size, block_n)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
-    decode_fp8_wgmma_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
+    kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
-        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
         DIRECT=direct, num_warps=4,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
     return out, lse
+
+
+def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+           config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows).
+    ``config``: SPLITS (else the SMs' program slots filled in whole waves, ``_plan.opaque_splits``)."""
+    return launch_split(decode_fp8_wgmma_kernel, BLOCK_N, PROGRAMS_PER_SM, q, kv_cache, block_table, seq_lens, scale,
+                        kv_lora_rank, config)
