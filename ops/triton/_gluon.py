@@ -1,7 +1,7 @@
-"""Gluon pieces of the fp8 decode kernels: a program's key range and its final LSE / output rows (both
-kernels, ``fp8_decode_gluon`` and ``fp8_decode_wgmma``), and the ``wgmma`` kernel's float16 dequantization
-of code words and staging of the query rows (the float16 range limits are in its docstring). Imports
-Triton's Gluon, so only the kernels import it."""
+"""Gluon pieces of the fp8 decode kernels: a program's key range, its tiles' pages and its final LSE /
+output rows (both kernels, ``fp8_decode_gluon`` and ``fp8_decode_wgmma``), and the ``wgmma`` kernel's
+float16 dequantization of code words and staging of the query rows (the float16 range limits are in its
+docstring). Imports Triton's Gluon, so only the kernels import it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N: gl.constexpr
     end = gl.minimum(start + per_split, seq_len)
     n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
     return pid_s, b, seq_len, start, end, n_tiles, bt_ptr + b * stride_bt
+
+
+@gluon.jit
+def tile_page(bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The page (block-table entry of row ``bt_row``) holding tile ``tile`` of a program whose key range
+    starts at ``start`` (0 for tiles past ``n_tiles``: never read)."""
+    return gl.load(bt_row + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=tile < n_tiles, other=0).to(gl.int64)
 
 
 @gluon.jit

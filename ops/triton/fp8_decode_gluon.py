@@ -37,19 +37,13 @@ from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton import fp8_decode_wgmma
 from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,
                                                 d_from_n, k_from_d, k_from_d16, v_from_moved)
-from mla_compile.ops.triton._gluon import finish_rows, split_range
+from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton.decode import decode_outputs
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
 PROGRAMS_PER_SM = 2  # by registers (up to 255 a thread, 4 warps); shared memory is ``smem_bytes``
 P_UP = gl.constexpr(256.0)  # P' = P * scale * P_UP in float16
 Q_S = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
-
-
-@gluon.jit
-def _page(bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The page holding tile ``tile`` (0 for tiles past ``n_tiles``: never read)."""
-    return gl.load(bt_row + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=tile < n_tiles, other=0).to(gl.int64)
 
 
 @gluon.jit
@@ -137,9 +131,9 @@ def decode_fp8_gluon_kernel(
     scale_log2 = gl.full([], scale_log2, gl.float32)
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
-    codes, sc, rope = _load_tile(kv_ptr, _page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, n_tiles, start,
+    codes, sc, rope = _load_tile(kv_ptr, tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, n_tiles, start,
                                  end, stride_kb, stride_kt, DC, BLOCK_SIZE, BLOCK_N, mma)
-    page_next = _page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)  # block-table entries a tile ahead
+    page_next = tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)  # block-table entries a tile ahead
 
     # the query rows (s_q * H folded): latent [4 groups, 16, 128] float16 times the power of two that puts
     # their largest magnitude in [2^13, 2^15) (undone in scale_log2), in shared memory; rope [4, 16, 16] bf16
@@ -172,7 +166,7 @@ def decode_fp8_gluon_kernel(
     for i in range(n_tiles):
         n_codes, n_sc, n_rope = _load_tile(kv_ptr, page_next, i + 1, n_tiles, start, end, stride_kb, stride_kt, DC,
                                            BLOCK_SIZE, BLOCK_N, mma)
-        page_next = _page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+        page_next = tile_page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
         acc, m_i, l_i = _step(codes, sc, rope, q_s, qra, xch, acc, m_i, l_i, start + i * BLOCK_N, end, limit,
                               scale_log2, BLOCK_H, BLOCK_N, mma)
         codes, sc, rope = n_codes, n_sc, n_rope

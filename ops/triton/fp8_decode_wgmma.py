@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton._gluon import dequant_pairs, finish_rows, split_range, stage_q
+from mla_compile.ops.triton._gluon import dequant_pairs, finish_rows, split_range, stage_q, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 
@@ -45,12 +45,6 @@ GROUP = gl.constexpr(128)  # values per fp32 scale
 BLOCK_N = 64  # keys per tile: wgmma's M
 BLOCK_H = 16  # query rows per program: wgmma's N
 PROGRAMS_PER_SM = 2  # by shared memory (``smem_bytes``) and registers (255 a thread, 4 warps)
-
-
-@gluon.jit
-def _page(bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The page holding tile ``tile`` (0 for tiles past ``n_tiles``: never read)."""
-    return gl.load(bt_row + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=tile < n_tiles, other=0).to(gl.int64)
 
 
 @gluon.jit
@@ -117,9 +111,9 @@ def decode_fp8_wgmma_kernel(
     qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, DR], nvmma)
     p_s = gl.allocate_shared_memory(gl.float16, [BLOCK_N, BLOCK_H], p_sl)
 
-    base, n0 = _tile_rows(kv_ptr, _page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, start, stride_kb,
+    base, n0 = _tile_rows(kv_ptr, tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, BLOCK_N), 0, start, stride_kb,
                           stride_kt, BLOCK_SIZE, BLOCK_N)
-    page_next = _page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+    page_next = tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, BLOCK_N)
     _issue_rope(rope_s, base, n0, 0, n_tiles, end, stride_kt, DC, DR, BLOCK_N, rope_l)
     c0, s0 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 0, DC, BLOCK_N, code_l)
     c1, s1 = _load_group(base, n0, 0, n_tiles, end, stride_kt, 1, DC, BLOCK_N, code_l)
@@ -140,7 +134,7 @@ def decode_fp8_wgmma_kernel(
 
     for i in range(n_tiles):
         base, n0 = _tile_rows(kv_ptr, page_next, i + 1, start, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
-        page_next = _page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
+        page_next = tile_page(bt_row, i + 2, n_tiles, start, BLOCK_SIZE, BLOCK_N)
         _issue_rope(rope_s, base, n0, i + 1, n_tiles, end, stride_kt, DC, DR, BLOCK_N, rope_l)
         gl.thread_barrier()  # every warp's part of the last tile's wgmmas has read kv_s and p_s
         kv_w.slice(0, GROUP // 2, dim=1).store(gl.convert_layout(dequant_pairs(c0, s0), tile_l))
