@@ -77,6 +77,14 @@ def dequant_pairs(codes, sc):
 
 
 @gluon.jit
+def q_power(amax):
+    """The power of two that puts a query block's largest magnitude ``amax`` in [2^13, 2^15), float16's range
+    with headroom (1 for an all-zero block): the kernels multiply the queries by it, exactly, and divide
+    ``scale_log2`` by it."""
+    return gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
+
+
+@gluon.jit
 def stage_q(q_s, qr_s, q_row, ok_q, scale_log2, DC: gl.constexpr, DR: gl.constexpr, q_l: gl.constexpr):
     """Store the program's query rows (``q_row``: their first elements, ``ok_q`` ``[rows, 1]``): the latent
     part as float16 times the power of two that puts its largest magnitude in [2^13, 2^15) (float16's range),
@@ -84,7 +92,7 @@ def stage_q(q_s, qr_s, q_row, ok_q, scale_log2, DC: gl.constexpr, DR: gl.constex
     q = gl.load(q_row[:, None] + gl.arange(0, DC, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
     q = q.to(gl.float32)
     amax = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
-    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
+    up = q_power(amax)
     q_s.store((q * up).to(gl.float16))
     qr = gl.load(q_row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, q_l))[None, :], mask=ok_q, other=0.0)
     qr_s.store((qr.to(gl.float32) * up).to(gl.bfloat16))

@@ -37,7 +37,7 @@ from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton import fp8_decode_wgmma
 from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,
                                                 d_from_n, k_from_d, k_from_d16, v_from_moved)
-from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range, tile_page
 from mla_compile.ops.triton.decode import decode_outputs
 from mla_compile.ops.triton.fp8_decode import launch_fp8
 
@@ -145,7 +145,7 @@ def decode_fp8_gluon_kernel(
     q = gl.load(q_row[None, :, None] + (g_q * 128)[:, None, None] + d_q[None, None, :], mask=ok_q, other=0.0)
     q = q.to(gl.float32)
     amax = gl.max(gl.max(gl.max(gl.abs(q), axis=2), axis=1), axis=0)
-    up = gl.exp2(13.0 - gl.floor(gl.log2(gl.where(amax > 0.0, amax, 1.0))))
+    up = q_power(amax)
     q_s = gl.allocate_shared_memory(gl.float16, [4, BLOCK_H, 128], Q_S)
     q_s.store(k_from_d((q * up).to(gl.float16), 2))
     d_r = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, q_l)))
