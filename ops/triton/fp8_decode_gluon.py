@@ -19,8 +19,8 @@ So the scales are applied in fp32 and the codes are never rounded: LSEs agree wi
 ``fp8_decode_wgmma`` (float16 times a power of two); P' limits the scales to at most 255 (values at most
 448 * 255, far outside DeepSeek's latents), and terms with P * scale < 2^-22 (float16-subnormal P') round to
 an absolute 2^-32. H200, B=128 x 8192 keys, H=16, page 64: 281 us against 390 us for the
-key-split kernel this replaces (BENCHMARKS.md, run 61); sm_90 runs ``fp8_decode_wgmma`` (271 us)
-where pages allow. Same program layout, splits and outputs as ``decode._decode_split_kernel``
+key-split kernel this replaces (BENCHMARKS.md, run 61); sm_90 runs ``fp8_decode_tma`` (187 us) or
+``fp8_decode_wgmma`` (271 us) where pages allow (``sm90_launch``). Same program layout, splits and outputs as ``decode._decode_split_kernel``
 (workspace rows or the final result).
 """
 
@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mla_compile.ops._dispatch import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
-from mla_compile.ops.triton import fp8_decode_wgmma
+from mla_compile.ops.triton import fp8_decode_tma, fp8_decode_wgmma
 from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,
                                                 d_from_n, k_from_d, k_from_d16, v_from_moved)
 from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range, tile_page
@@ -202,20 +202,27 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
 def decode_fp8_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                      kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Gluon ``mla::decode_fp8`` (same contract as ``mla::decode_fp8_ref``; an opaque call to Inductor): the
-    ``wgmma`` kernel where ``wgmma_serves``, else this module's. A cache whose base is not 16-byte aligned (a
+    launch ``sm90_launch`` names on sm_90, else this module's. A cache whose base is not 16-byte aligned (a
     view at an odd offset) or a softmax scale <= 0 runs the Triton kernel instead."""
     validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     if kv_cache.data_ptr() % 16 or scale <= 0:
         return launch_fp8(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-    if wgmma_serves(q, kv_cache):
-        return fp8_decode_wgmma.launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-    return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    sm90 = sm90_launch(q, kv_cache)
+    return (sm90 or launch)(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
 def wgmma_serves(q: Tensor, kv_cache: Tensor) -> bool:
-    """Whether ``mla::decode_fp8_gluon`` runs the sm_90 ``wgmma`` kernel (``fp8_decode_wgmma``: an sm_90 GPU,
-    pages of a multiple of 64 rows) rather than this module's group-split one."""
+    """Whether ``mla::decode_fp8_gluon`` runs an sm_90 ``wgmma`` kernel (an sm_90 GPU, pages of a multiple of
+    64 rows) rather than this module's group-split one."""
     return torch.cuda.get_device_capability(q.device) == (9, 0) and kv_cache.shape[1] % fp8_decode_wgmma.BLOCK_N == 0
+
+
+def sm90_launch(q: Tensor, kv_cache: Tensor):
+    """The sm_90 launch ``mla::decode_fp8_gluon`` runs, or None (``wgmma_serves`` false): ``fp8_decode_tma``
+    (TMA tiles; a contiguous cache), else ``fp8_decode_wgmma``."""
+    if not wgmma_serves(q, kv_cache):
+        return None
+    return fp8_decode_tma.launch if fp8_decode_tma.serves(kv_cache) else fp8_decode_wgmma.launch
 
 
 @decode_fp8_gluon.register_fake

@@ -1,4 +1,5 @@
-"""The Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``mma.sync``; ``fp8_decode_wgmma.py``, sm_90):
+"""The Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``mma.sync``; ``fp8_decode_wgmma.py`` and
+``fp8_decode_tma.py``, sm_90):
 CUDA shapes of each against the float64 reference with poisoned allocations, which one the op runs, the auto
 choice, opcheck, torch.compile with a dynamic batch (no recompile) and CUDA-graph replay with new lengths;
 on any machine with Triton, their shared-memory formulas against the sm_90 compile (the split plans count
@@ -9,6 +10,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -34,12 +38,12 @@ _lens = lens_with_empty
 
 
 def _launch(kernel):
-    """The launch function of ``kernel`` ("mma" or "wgmma"), skipping where it cannot run."""
-    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_wgmma
+    """The launch function of ``kernel`` ("mma", "wgmma" or "tma"), skipping where it cannot run."""
+    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_tma, fp8_decode_wgmma
 
-    if kernel == "wgmma" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel is sm_90 only")
-    return fp8_decode_wgmma.launch if kernel == "wgmma" else fp8_decode_gluon.launch
+    if kernel != "mma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"the {kernel} kernel is sm_90 only")
+    return {"mma": fp8_decode_gluon.launch, "wgmma": fp8_decode_wgmma.launch, "tma": fp8_decode_tma.launch}[kernel]
 
 
 def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
@@ -58,7 +62,7 @@ def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "tma"])
 @pytest.mark.parametrize("B,H,s_q,max_len,bs", [
     (1, 16, 1, 16384, 64),     # one long sequence: many splits
     (128, 16, 1, 2048, 64),    # the memory-bound shape
@@ -69,15 +73,15 @@ def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
     (7, 12, 1, 3000, 128),     # pages of 128, 12 of 16 rows live
 ])
 def test_gluon_fp8_decode_shapes(kernel, B, H, s_q, max_len, bs):
-    if kernel == "wgmma" and bs % 64:
-        pytest.skip("the wgmma kernel takes pages of a multiple of 64 rows")
+    if kernel != "mma" and bs % 64:
+        pytest.skip(f"the {kernel} kernel takes pages of a multiple of 64 rows")
     gen = torch.Generator().manual_seed(B * 10 + H)
     _check(B, H, s_q, _lens(B, max_len, gen), bs, seed=B + H, kernel=kernel)
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "tma"])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_gluon_fp8_decode_split_counts(kernel, splits):
     gen = torch.Generator().manual_seed(5)
@@ -86,13 +90,13 @@ def test_gluon_fp8_decode_split_counts(kernel, splits):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "tma"])
 @pytest.mark.parametrize("q_mag,lat_mag", [(1.0, 1.0), (1e-4, 1.0), (40.0, 1.0), (1.0, 3e3), (1.0, 1e-2)])
 def test_gluon_fp8_decode_float16_range(kernel, q_mag, lat_mag):
     """Both kernels run their dots in float16 (queries times a power of two; the wgmma kernel's values are
     codes times float16 scales, the group-split kernel's exact codes with fp32 scales): queries and latents far
     from 1 keep the float64 reference's accuracy, tighter than the bf16 budget, on outputs relative to the
-    latents' size and LSEs relative to the scores' size (the group-split kernel's LSEs to 1e-4)."""
+    latents' size and LSEs relative to the scores' size (the exact-code kernels' LSEs to 1e-4)."""
     launch = _launch(kernel)
     gen = torch.Generator().manual_seed(11)
     lens = [1, 700, 3001, 64]
@@ -107,14 +111,14 @@ def test_gluon_fp8_decode_float16_range(kernel, q_mag, lat_mag):
     size = max(1.0, q_mag * lat_mag)
     assert_attention_close(out / lat_mag, lse / size, ref / lat_mag, ref_lse / size, torch.bfloat16, tol=5e-3,
                            lse_atol=2e-3)
-    if kernel == "mma":  # exact codes, fp32 scales: only the float16 queries round (relative 2**-11)
+    if kernel != "wgmma":  # exact codes, fp32 scales: only the float16 queries round (relative 2**-11)
         seen = ref_lse.isfinite()
         assert ((lse.double() - ref_lse)[seen].abs().max() / size).item() < 1e-4
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("kernel", ["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "tma"])
 def test_gluon_split_count_beyond_the_merge_is_refused(kernel):
     launch = _launch(kernel)
     gen = torch.Generator().manual_seed(2)
@@ -127,16 +131,25 @@ def test_gluon_split_count_beyond_the_merge_is_refused(kernel):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("bs", [32, 64])
-def test_the_op_runs_wgmma_on_sm90_pages_of_64(bs):
-    """``mla::decode_fp8_gluon`` is bit-for-bit the launch ``wgmma_serves`` names."""
-    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_wgmma
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_the_op_runs_the_sm90_kernels_on_pages_of_64(bs, contiguous):
+    """``mla::decode_fp8_gluon`` is bit-for-bit the launch ``sm90_launch`` names: on sm_90 with pages of 64
+    rows the TMA kernel for a contiguous cache, the wgmma kernel for a strided view (pages of a larger buffer)."""
+    from mla_compile.ops.triton import fp8_decode_gluon, fp8_decode_tma, fp8_decode_wgmma
 
     gen = torch.Generator().manual_seed(6)
     cache, table, seq_lens, _ = fp8_paged(_lens(5, 2000, gen), bs, DC, DR, "cuda", gen)
+    if not contiguous:  # the same rows inside pages twice as long
+        wide = torch.randint(0, 255, (cache.shape[0], 2 * bs, cache.shape[2]), dtype=torch.uint8, device="cuda")
+        wide[:, :bs] = cache
+        cache = wide[:, :bs]
     q = torch.randn(5, 1, 16, DC + DR, generator=gen).to("cuda", torch.bfloat16)
     wgmma = torch.cuda.get_device_capability() == (9, 0) and bs % 64 == 0
     assert fp8_decode_gluon.wgmma_serves(q, cache) == wgmma
-    launch = fp8_decode_wgmma.launch if wgmma else fp8_decode_gluon.launch
+    assert fp8_decode_tma.serves(cache) == contiguous
+    launch = fp8_decode_gluon.sm90_launch(q, cache) or fp8_decode_gluon.launch
+    assert launch is {(True, True): fp8_decode_tma.launch, (True, False): fp8_decode_wgmma.launch}.get(
+        (wgmma, contiguous), fp8_decode_gluon.launch)
     got = torch.ops.mla.decode_fp8_gluon(q, cache, table, seq_lens, SCALE, DC)
     want = launch(q, cache, table, seq_lens, SCALE, DC)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -256,3 +269,34 @@ def test_wgmma_smem_formula_matches_the_sm90_compile():
     compiled = _compile_sm90(w.decode_fp8_wgmma_kernel, consts, 4)
     assert compiled.metadata.shared == w.smem_bytes()
     assert w.PROGRAMS_PER_SM * (w.smem_bytes() + 1024) <= 233472 < (w.PROGRAMS_PER_SM + 1) * (w.smem_bytes() + 1024)
+
+
+@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@pytest.mark.parametrize("direct", [False, True])
+def test_tma_smem_formula_matches_the_sm90_compile(direct):
+    """The TMA kernel's shared memory (sm_90 compile) is its formula, two programs fit an SM where three do
+    not (the split plan's ``PROGRAMS_PER_SM``), and it keeps its registers (no spills: the loop-invariant
+    ``wgmma`` descriptors stay in the loop, ``_fp8_tma.opaque_zero``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from mla_compile.ops.triton import _fp8_tma as t, fp8_decode_tma as m
+    from mla_compile.ops.triton._sm90 import cuobjdump
+
+    k = m.decode_fp8_tma_kernel
+    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=t.BLOCK_H, BLOCK_N=t.BLOCK_N, DIRECT=direct, STAGES=m.STAGES)
+    descs = dict(desc_c=f"tensordesc<u8[4, 64, 128],{t.CODE_BOX!r}>", desc_r=f"tensordesc<bf16[64, 64],{t.ROPE_SL!r}>",
+                 desc_s=f"tensordesc<u8[64, 16],{t.SCALE_SL!r}>")
+    ptrs = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32", o_ptr="*bf16" if direct else "*fp32")
+    sig = {p.name: "constexpr" if p.name in consts else descs.get(p.name) or ptrs.get(p.name)
+           or ("fp32" if p.name == "scale_log2" else "i32") for p in k.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(k.params) if p.name in ptrs}
+    compiled = triton.compile(GluonASTSource(k, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.metadata.shared == m.smem_bytes()
+    assert m.PROGRAMS_PER_SM * (m.smem_bytes() + 1024) <= 233472 < (m.PROGRAMS_PER_SM + 1) * (m.smem_bytes() + 1024)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"STACK:0\b", usage), usage

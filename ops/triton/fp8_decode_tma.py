@@ -1,0 +1,276 @@
+"""The sm_90 fp8 decode that streams tiles by TMA and feeds ``wgmma`` from registers (Gluon).
+
+Each 64-key tile of the 656-byte cache rows is copied into a 2-slot shared-memory ring by three TMA copies
+(``_fp8_tma.issue_tile``; loads alone move 4.1 TB/s this way, against 3.4 for per-thread loads that keep a
+tile in registers), so the compute never waits on global memory. The codes are then read into registers
+twice and converted exactly to float16 (no dequantized tile in shared memory, no scale in the products):
+
+- scores: per scale group g, ``S_g^T [64 keys, 16 rows] = K_g Q_g^T`` (``wgmma``, A from registers), then
+  ``S^T = R Qr^T + sum_g scale[key, g] S_g^T`` in fp32 (the rope part ``R`` from shared memory);
+- the online softmax runs down the key dim; ``P'_g = P * scale[key, g] * 256`` (float16, scales clamped
+  at 255 as in ``fp8_decode_gluon``) goes to shared memory as the B operand;
+- values: ``O_g^T [128, 16] += V_g^T P'_g^T`` with V's key pairs joined in registers (``prmt``).
+
+The four groups' dots are pipelined (``is_async``: group g + 1 converts while group g multiplies); the
+output is rescaled only when a row's maximum grows. So the codes are never rounded and the scales apply in
+fp32: LSEs match float64 to ~1e-6 like ``fp8_decode_gluon``'s (``fp8_decode_wgmma``, which rounds
+``code * scale`` to float16: ~1e-3). Queries are float16 times a power of two (``_gluon.q_power``).
+H200, B=128 x 8192 keys, H=16, page 64: 187 us, 1.67x our bf16 decode (BENCHMARKS.md, run 72).
+
+Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descriptor spans it);
+``fp8_decode_gluon.decode_fp8_gluon`` routes other caches to the other kernels.
+"""
+
+from __future__ import annotations
+
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._fp8_tma import (BLOCK_H, BLOCK_N, CODE_BOX, CODE_SL, KL, ROPE_C, ROPE_SL, ROW_BYTES,
+                                             SCALE_C, SCALE_SL, VL, column_of_m, cvt_k, cvt_v, issue_tile, load_scales,
+                                             load_words, opaque_zero, score_k)
+from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+
+STAGES = 2  # ring slots of 41 KB: two programs an SM (``smem_bytes``)
+PROGRAMS_PER_SM = 2
+P_UP = gl.constexpr(256.0)  # P' = P * scale * P_UP in float16
+
+
+@gluon.jit
+def _stage_q(q_ptr, b, pid_h, stride_qb, stride_qs, stride_qh, M, H, q_s, qr_s, scale_log2,
+             DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr):
+    """Store the program's query rows: latent ``[16, 512]`` float16 times ``q_power`` in the score dot's column
+    order (``score_k`` per group), rope ``[16, 64]`` bf16 times the same power; returns ``scale_log2`` with the
+    power undone."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+    r_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    m_q = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, gl.SliceLayout(2, q_l)))
+    row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    g = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, q_l)))
+    d = gl.arange(0, 128, gl.SliceLayout(0, gl.SliceLayout(1, q_l)))
+    q = gl.load(row[:, None, None] + (g * 128)[None, :, None] + d[None, None, :], mask=(m_q < M)[:, None, None],
+                other=0.0).to(gl.float32)
+    up = q_power(gl.max(gl.max(gl.max(gl.abs(q), axis=2), axis=1), axis=0))
+    q_s.index(0).store(gl.reshape(score_k(gl.reshape((q * up).to(gl.float16), [BLOCK_H * 4, 128])), [BLOCK_H, DC]))
+    m_r = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, r_l))
+    row = q_ptr + b * stride_qb + (m_r // H).to(gl.int64) * stride_qs + (m_r % H).to(gl.int64) * stride_qh
+    qr = gl.load(row[:, None] + DC + gl.arange(0, DR, gl.SliceLayout(0, r_l))[None, :], mask=(m_r < M)[:, None],
+                 other=0.0)
+    qr_s.index(0).store((qr.to(gl.float32) * up).to(gl.bfloat16))
+    return scale_log2 / up
+
+
+@gluon.jit
+def _scores(cs, rope, q_v, qr_v, sc0, sc1, sc2, sc3, zero_s, dot_a: gl.constexpr):
+    """``S^T [64 keys, 16 rows]`` of a ring slot: the rope dot plus the four groups' exact-code dots times their
+    scales, two ``wgmma`` groups in flight (the next group converts while one multiplies)."""
+    tr = warpgroup_mma(rope, qr_v.permute([1, 0]), zero_s, is_async=True)
+    a0 = gl.convert_layout(score_k(cvt_k(load_words(cs, 0, KL))), dot_a)
+    t0 = warpgroup_mma(a0, q_v.slice(0, 128, dim=1).permute([1, 0]), zero_s, is_async=True)
+    a1 = gl.convert_layout(score_k(cvt_k(load_words(cs, 1, KL))), dot_a)
+    t1 = warpgroup_mma(a1, q_v.slice(128, 128, dim=1).permute([1, 0]), zero_s, is_async=True)
+    s, t0, a0 = warpgroup_mma_wait(1, deps=[tr, t0, a0])
+    s = s + t0 * sc0[:, None]
+    a2 = gl.convert_layout(score_k(cvt_k(load_words(cs, 2, KL))), dot_a)
+    t2 = warpgroup_mma(a2, q_v.slice(256, 128, dim=1).permute([1, 0]), zero_s, is_async=True)
+    t1, a1 = warpgroup_mma_wait(1, deps=[t1, a1])
+    s = s + t1 * sc1[:, None]
+    a3 = gl.convert_layout(score_k(cvt_k(load_words(cs, 3, KL))), dot_a)
+    t3 = warpgroup_mma(a3, q_v.slice(384, 128, dim=1).permute([1, 0]), zero_s, is_async=True)
+    t2, a2 = warpgroup_mma_wait(1, deps=[t2, a2])
+    s = s + t2 * sc2[:, None]
+    t3, a3 = warpgroup_mma_wait(0, deps=[t3, a3])
+    return s + t3 * sc3[:, None]
+
+
+@gluon.jit
+def _value_operand(cs, g: gl.constexpr, okv, partial, dot_a: gl.constexpr):
+    """Group ``g``'s value operand ``[128 m, 64 keys]`` float16 (keys at or past the end zeroed when ``partial``:
+    a page's rows past a sequence hold anything, NaN codes included)."""
+    w = load_words(cs, g, VL)
+    if partial:
+        w = gl.where(okv, w, 0)
+    return gl.convert_layout(cvt_v(w), dot_a)
+
+
+@gluon.jit
+def decode_fp8_tma_kernel(
+    q_ptr, desc_c, desc_r, desc_s, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_bt,
+    M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Grid ``(cdiv(M, 16), n_splits, B)``, 4 warps; bf16 q ``[B, S_Q, H, 576]``; the descriptors span the cache
+    (``launch``); ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. Outputs as ``decode._decode_split_kernel``'s."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_N == 64)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+    dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
+    key_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+    row_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+
+    pid_h = gl.program_id(0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
+    codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * BLOCK_N, 128], CODE_SL)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], ROPE_C)
+    sc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 16], SCALE_C)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(bars.index(t), count=1)
+    for t in gl.static_range(STAGES):
+        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, bt_row, t, n_tiles, start, BLOCK_SIZE,
+                   BLOCK_N, STAGES)
+
+    # a leading dim of 1, indexed by opaque_zero in the loop (see there); P' one buffer per group (stores to
+    # one buffer's slices would each wait on a barrier)
+    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_H, DC], ROPE_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, DR], ROPE_C)
+    scale_log2 = _stage_q(q_ptr, b, pid_h, stride_qb, stride_qs, stride_qh, M, H, q_s, qr_s,
+                          gl.full([], scale_log2, gl.float32), DC, DR, BLOCK_H)
+    p0_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
+    p1_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
+    p2_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
+    p3_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, row_l)
+    row_ok = rows < M
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    offs_n = gl.arange(0, BLOCK_N, key_l)
+    offs_v = gl.arange(0, BLOCK_N, gl.SliceLayout(1, VL))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
+    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)  # per-key sums, reduced once at the end
+    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)
+    o0 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)  # O_g^T, rows in cvt_v's order m
+    o1 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
+    o2 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
+    o3 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
+
+    for i in range(n_tiles):
+        slot = i % STAGES
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        z = opaque_zero(i)
+        partial = n0 + BLOCK_N > end
+        cs = codes_s.index(slot)
+        sc0, sc1, sc2, sc3 = load_scales(sc_s, slot, n0, end, partial)
+        sc0 = gl.convert_layout(sc0, key_l)
+        sc1 = gl.convert_layout(sc1, key_l)
+        sc2 = gl.convert_layout(sc2, key_l)
+        sc3 = gl.convert_layout(sc3, key_l)
+        s = _scores(cs, rope_s.index(slot), q_s.index(z), qr_s.index(z), sc0, sc1, sc2, sc3, zero_s, dot_a)
+        s = s * scale_log2
+        if n0 + BLOCK_N > gl.minimum(end, lim_min):
+            pos = n0 + offs_n
+            s = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:  # a row's maximum grew: rescale
+            alpha = gl.exp2(m_i - m_shift)
+            l_part = l_part * alpha[None, :]
+            o0 = o0 * alpha[None, :]
+            o1 = o1 * alpha[None, :]
+            o2 = o2 * alpha[None, :]
+            o3 = o3 * alpha[None, :]
+        p = gl.exp2(s - m_shift[None, :])
+        l_part = l_part + p
+        m_i = m_new
+        p0_s.index(z).store((p * (gl.minimum(sc0, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p1_s.index(z).store((p * (gl.minimum(sc1, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p2_s.index(z).store((p * (gl.minimum(sc2, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p3_s.index(z).store((p * (gl.minimum(sc3, 255.0) * P_UP)[:, None]).to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()  # P' visible to the wgmmas
+
+        okv = (n0 + offs_v < end)[:, None]
+        b0 = _value_operand(cs, 0, okv, partial, dot_a)
+        u0 = warpgroup_mma(b0, p0_s.index(z), o0, is_async=True)
+        b1 = _value_operand(cs, 1, okv, partial, dot_a)
+        u1 = warpgroup_mma(b1, p1_s.index(z), o1, is_async=True)
+        o0, b0 = warpgroup_mma_wait(1, deps=[u0, b0])
+        b2 = _value_operand(cs, 2, okv, partial, dot_a)
+        u2 = warpgroup_mma(b2, p2_s.index(z), o2, is_async=True)
+        o1, b1 = warpgroup_mma_wait(1, deps=[u1, b1])
+        b3 = _value_operand(cs, 3, okv, partial, dot_a)
+        u3 = warpgroup_mma(b3, p3_s.index(z), o3, is_async=True)
+        # every warp has read the slot (P' is rewritten only after the next tile's cross-warp max)
+        gl.thread_barrier()
+        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, bt_row, i + STAGES, n_tiles, start,
+                   BLOCK_SIZE, BLOCK_N, STAGES)
+        o2, b2 = warpgroup_mma_wait(1, deps=[u2, b2])
+        o3, b3 = warpgroup_mma_wait(0, deps=[u3, b3])
+    for t in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(t))
+
+    inv, o_first = finish_rows(gl.sum(l_part, axis=0), m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    inv = (inv / P_UP)[None, :]
+    ptr = o_ptr + o_first[None, :] + column_of_m(gl.arange(0, 128, key_l))[:, None]
+    ok = row_ok[None, :]
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(ptr, (o0 * inv).to(ty), mask=ok)
+    gl.store(ptr + 128, (o1 * inv).to(ty), mask=ok)
+    gl.store(ptr + 256, (o2 * inv).to(ty), mask=ok)
+    gl.store(ptr + 384, (o3 * inv).to(ty), mask=ok)
+
+
+def smem_bytes() -> int:
+    """Shared memory of one program (the sm_90 compile's figure, checked by a test): the tile ring and its
+    barriers, the query rows, the four P' tiles and the cross-warp max exchange."""
+    return STAGES * (BLOCK_N * ROW_BYTES.value + 8) + BLOCK_H * (512 * 2 + 64 * 2) + 4 * BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
+
+
+def serves(kv_cache: Tensor) -> bool:
+    """Whether a cache suits this kernel's TMA descriptors (given ``wgmma_serves``): contiguous rows and pages,
+    under 2^31 rows."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    return (kv_cache.stride(1) == kv_cache.shape[2] and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.shape[2]
+            and 0 < rows < 2 ** 31)
+
+
+def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+           config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows,
+    ``serves(kv_cache)``, ``scale > 0``). ``config``: SPLITS (else the SMs' program slots filled in whole waves,
+    ``_plan.opaque_splits``); the Triton reduce kernel merges the splits."""
+    B, s_q, H, D = q.shape
+    dc = kv_lora_rank
+    M = s_q * H
+    out, lse = decode_outputs(q, dc)
+    if B == 0 or M == 0:
+        return out, lse
+    q = last_dim_contiguous(q)
+    block_size = kv_cache.shape[1]
+    rows = kv_cache.view(-1, kv_cache.shape[-1])
+    groups = rows.as_strided([4, rows.shape[0], 128], [128, rows.stride(0), 1])
+    desc_c = TensorDescriptor.from_tensor(groups, [4, BLOCK_N, 128], CODE_BOX)
+    desc_r = TensorDescriptor.from_tensor(rows.view(q.dtype), [BLOCK_N, D - dc], ROPE_SL)
+    desc_s = TensorDescriptor.from_tensor(rows, [BLOCK_N, 16], SCALE_SL)
+    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
+                                   block_table.shape[1] * block_size, BLOCK_N)
+    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
+    decode_fp8_tma_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
+        q, desc_c, desc_r, desc_s, block_table, seq_lens, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_table.stride(0),
+        M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        DIRECT=direct, STAGES=STAGES, num_warps=4,
+    )
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
+    return out, lse
