@@ -261,8 +261,9 @@ register_impl(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, devices=("an
 
 
 def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
-    """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_wgmma.py``) serve this
-    call, from static properties only (no guard on the batch): CUDA sm_89+ with Triton, bf16 q ``[B, s_q, H, 576]`` with
+    """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_tma.py``,
+    ``fp8_decode_wgmma.py``) serve this call, from static properties only (no guard on the batch): CUDA sm_89+
+    with Triton, bf16 q ``[B, s_q, H, 576]`` with
     ``s_q * H <= 32`` (16-row programs; more heads re-read the cache per 16), DeepSeek's 512 + 64 split,
     pages of a multiple of 32 rows, 16-byte aligned row and page strides."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():

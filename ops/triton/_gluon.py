@@ -1,5 +1,5 @@
 """Gluon pieces of the fp8 decode kernels: a program's key range, its tiles' pages and its final LSE /
-output rows (both kernels, ``fp8_decode_gluon`` and ``fp8_decode_wgmma``), and the ``wgmma`` kernel's
+output rows (``fp8_decode_gluon``, ``fp8_decode_wgmma``, ``fp8_decode_tma``), and the ``wgmma`` kernel's
 float16 dequantization of code words and staging of the query rows (the float16 range limits are in its
 docstring). Imports Triton's Gluon, so only the kernels import it."""
 

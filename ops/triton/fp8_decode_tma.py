@@ -15,7 +15,8 @@ The four groups' dots are pipelined (``is_async``: group g + 1 converts while gr
 output is rescaled only when a row's maximum grows. So the codes are never rounded and the scales apply in
 fp32: LSEs match float64 to ~1e-6 like ``fp8_decode_gluon``'s (``fp8_decode_wgmma``, which rounds
 ``code * scale`` to float16: ~1e-3). Queries are float16 times a power of two (``_gluon.q_power``).
-H200, B=128 x 8192 keys, H=16, page 64: 187 us, 1.67x our bf16 decode (BENCHMARKS.md, run 72).
+H200, B=128 x 8192 keys, H=16, page 64: 187-198 us, 1.59-1.67x our bf16 decode (BENCHMARKS.md, runs 74-77;
+the machines differ by ~5%); the last split of each row block merges the splits (no reduce kernel).
 
 Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descriptor spans it);
 ``fp8_decode_gluon.decode_fp8_gluon`` routes other caches to the other kernels.
@@ -24,8 +25,8 @@ Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descri
 from __future__ import annotations
 
 import triton
+import torch
 from torch import Tensor
-from torch.library import wrap_triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
@@ -38,11 +39,16 @@ from mla_compile.ops.triton._fp8_tma import (BLOCK_H, BLOCK_N, CODE_BOX, CODE_SL
                                              load_words, opaque_zero, score_k)
 from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
-from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs
 
 STAGES = 2  # ring slots of 41 KB: two programs an SM (``smem_bytes``)
 PROGRAMS_PER_SM = 2
 P_UP = gl.constexpr(256.0)  # P' = P * scale * P_UP in float16
+# [4 warps, 16 rows] partial maxima, every warp's in each thread that holds the row (the score accumulator's
+# column distribution)
+XCH_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, 16]))
 
 
 @gluon.jit
@@ -93,18 +99,62 @@ def _scores(cs, rope, q_v, qr_v, sc0, sc1, sc2, sc3, zero_s, dot_a: gl.constexpr
 
 
 @gluon.jit
-def _value_operand(cs, g: gl.constexpr, okv, partial, dot_a: gl.constexpr):
-    """Group ``g``'s value operand ``[128 m, 64 keys]`` float16 (keys at or past the end zeroed when ``partial``:
+def _value_operand(cs, g: gl.constexpr, n0, end, partial, dot_a: gl.constexpr):
+    """Group ``g``'s value operand ``[128 m, 64 keys]`` float16 (keys at or past ``end`` zeroed when ``partial``:
     a page's rows past a sequence hold anything, NaN codes included)."""
     w = load_words(cs, g, VL)
     if partial:
-        w = gl.where(okv, w, 0)
+        w = gl.where((n0 + gl.arange(0, 64, gl.SliceLayout(1, VL)) < end)[:, None], w, 0)
     return gl.convert_layout(cvt_v(w), dot_a)
 
 
 @gluon.jit
+def _fence_gpu(x):
+    """``fence.acq_rel.gpu`` in every thread (returns 0; ``x`` only places it)."""
+    return gl.inline_asm_elementwise("fence.acq_rel.gpu;\n mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _merge_if_last(o_buf, l_buf, out_ptr, lse_out_ptr, cnt_ptr, b, pid_h, M, n_splits,
+                   DC: gl.constexpr, BLOCK_H: gl.constexpr):
+    """After a program stored its split's rows: count it (``cnt_ptr``, zeroed by the launch); the last of the
+    ``n_splits`` programs of these rows merges every split's output and base-2 LSE into ``out`` (bf16) and
+    ``lse`` (natural log), as ``decode.reduce_splits`` would (empty splits have LSE -inf and output 0)."""
+    f = _fence_gpu(pid_h)  # this thread's partial stores, visible at GPU scope before the count (release)
+    gl.thread_barrier()
+    old = gl.atomic_add(cnt_ptr + b * gl.num_programs(0) + pid_h, 1 + f, sem="acq_rel", scope="gpu")
+    if old == n_splits - 1:
+        _fence_gpu(old)  # the other programs' stores, visible to every thread here (acquire)
+        ml: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+        rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, gl.SliceLayout(1, ml))
+        ok = rows < M
+        slot = (b * M + rows) * n_splits
+        m = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, ml))
+        for sp in range(n_splits):
+            m = gl.maximum(m, gl.load(l_buf + slot + sp, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        cols = gl.arange(0, DC, gl.SliceLayout(0, ml))
+        total = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, ml))
+        acc = gl.zeros([BLOCK_H, DC], gl.float32, ml)
+        for sp in range(n_splits):
+            w = gl.exp2(gl.load(l_buf + slot + sp, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+            o = gl.load(o_buf + ((slot + sp) * DC)[:, None] + cols[None, :], mask=ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+            total = total + w
+            acc = acc + o * w[:, None]
+        empty = total == 0.0
+        inv = 1.0 / gl.where(empty, 1.0, total)
+        lse = gl.where(empty, float("-inf"), (m_safe + gl.log2(gl.where(empty, 1.0, total))) * 0.6931471805599453)
+        gl.store(lse_out_ptr + b * M + rows, lse, mask=ok)
+        ty: gl.constexpr = out_ptr.dtype.element_ty
+        gl.store(out_ptr + ((b * M + rows) * DC)[:, None] + cols[None, :], (acc * inv[:, None]).to(ty),
+                 mask=ok[:, None])
+
+
+@gluon.jit
 def decode_fp8_tma_kernel(
-    q_ptr, desc_c, desc_r, desc_s, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, desc_c, desc_r, desc_s, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr,
     scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_bt,
@@ -113,7 +163,10 @@ def decode_fp8_tma_kernel(
     STAGES: gl.constexpr,
 ):
     """Grid ``(cdiv(M, 16), n_splits, B)``, 4 warps; bf16 q ``[B, S_Q, H, 576]``; the descriptors span the cache
-    (``launch``); ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. Outputs as ``decode._decode_split_kernel``'s."""
+    (``launch``); ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. ``DIRECT`` (one split): the result into ``o_ptr`` /
+    ``lse_ptr``; else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (as
+    ``decode._decode_split_kernel``'s) and the last split of each row block merges them into ``out_ptr`` /
+    ``lse_out_ptr`` (``cnt_ptr``: one zeroed int32 a row block)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_N == 64)
@@ -153,10 +206,10 @@ def decode_fp8_tma_kernel(
     limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
     lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
     offs_n = gl.arange(0, BLOCK_N, key_l)
-    offs_v = gl.arange(0, BLOCK_N, gl.SliceLayout(1, VL))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
     l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)  # per-key sums, reduced once at the end
     zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)
+    xch = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     o0 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)  # O_g^T, rows in cvt_v's order m
     o1 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
     o2 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
@@ -179,7 +232,9 @@ def decode_fp8_tma_kernel(
         if n0 + BLOCK_N > gl.minimum(end, lim_min):
             pos = n0 + offs_n
             s = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        xch.store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_H]), axis=1))  # each warp's 16 keys
+        gl.thread_barrier()  # (the next tile's store comes after this tile's P' barrier)
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(xch.load(XCH_L), axis=0), row_l))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
         if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:  # a row's maximum grew: rescale
             alpha = gl.exp2(m_i - m_shift)
@@ -198,16 +253,15 @@ def decode_fp8_tma_kernel(
         fence_async_shared()
         gl.thread_barrier()  # P' visible to the wgmmas
 
-        okv = (n0 + offs_v < end)[:, None]
-        b0 = _value_operand(cs, 0, okv, partial, dot_a)
+        b0 = _value_operand(cs, 0, n0, end, partial, dot_a)
         u0 = warpgroup_mma(b0, p0_s.index(z), o0, is_async=True)
-        b1 = _value_operand(cs, 1, okv, partial, dot_a)
+        b1 = _value_operand(cs, 1, n0, end, partial, dot_a)
         u1 = warpgroup_mma(b1, p1_s.index(z), o1, is_async=True)
         o0, b0 = warpgroup_mma_wait(1, deps=[u0, b0])
-        b2 = _value_operand(cs, 2, okv, partial, dot_a)
+        b2 = _value_operand(cs, 2, n0, end, partial, dot_a)
         u2 = warpgroup_mma(b2, p2_s.index(z), o2, is_async=True)
         o1, b1 = warpgroup_mma_wait(1, deps=[u1, b1])
-        b3 = _value_operand(cs, 3, okv, partial, dot_a)
+        b3 = _value_operand(cs, 3, n0, end, partial, dot_a)
         u3 = warpgroup_mma(b3, p3_s.index(z), o3, is_async=True)
         # every warp has read the slot (P' is rewritten only after the next tile's cross-warp max)
         gl.thread_barrier()
@@ -227,12 +281,15 @@ def decode_fp8_tma_kernel(
     gl.store(ptr + 128, (o1 * inv).to(ty), mask=ok)
     gl.store(ptr + 256, (o2 * inv).to(ty), mask=ok)
     gl.store(ptr + 384, (o3 * inv).to(ty), mask=ok)
+    if not DIRECT:
+        _merge_if_last(o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr, b, pid_h, M, n_splits, DC, BLOCK_H)
 
 
 def smem_bytes() -> int:
     """Shared memory of one program (the sm_90 compile's figure, checked by a test): the tile ring and its
     barriers, the query rows, the four P' tiles and the cross-warp max exchange."""
-    return STAGES * (BLOCK_N * ROW_BYTES.value + 8) + BLOCK_H * (512 * 2 + 64 * 2) + 4 * BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
+    return (STAGES * (BLOCK_N * ROW_BYTES.value + 8) + BLOCK_H * (512 * 2 + 64 * 2) + 4 * BLOCK_N * BLOCK_H * 2
+            + 4 * BLOCK_H * 4)
 
 
 def serves(kv_cache: Tensor) -> bool:
@@ -247,7 +304,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel (sm_90; a call ``fp8_cache.gluon_eligible`` accepts, pages of a multiple of 64 rows,
     ``serves(kv_cache)``, ``scale > 0``). ``config``: SPLITS (else the SMs' program slots filled in whole waves,
-    ``_plan.opaque_splits``); the Triton reduce kernel merges the splits."""
+    ``_plan.opaque_splits``); the last program of each row block merges the splits (no reduce kernel)."""
     B, s_q, H, D = q.shape
     dc = kv_lora_rank
     M = s_q * H
@@ -264,13 +321,14 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
                                    block_table.shape[1] * block_size, BLOCK_N)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
-    decode_fp8_tma_kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
-        q, desc_c, desc_r, desc_s, block_table, seq_lens, o_buf, l_buf,
+    hb = triton.cdiv(M, BLOCK_H)
+    counts = torch.zeros(1 if direct else B * hb, dtype=torch.int32, device=q.device)
+    decode_fp8_tma_kernel[(hb, splits, B)](
+        q, desc_c, desc_r, desc_s, block_table, seq_lens, o_buf, l_buf, out, lse, counts,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         DIRECT=direct, STAGES=STAGES, num_warps=4,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, dc, dc, direct)
     return out, lse
