@@ -33,13 +33,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import (BLOCK_H, BLOCK_N, CODE_BOX, CODE_SL, KL, ROPE_C, ROPE_SL, ROW_BYTES,
                                              SCALE_C, SCALE_SL, VL, column_of_m, cvt_k, cvt_v, issue_tile, load_scales,
                                              load_words, opaque_zero, score_k)
 from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range
-from mla_compile.ops.triton._plan import opaque_splits, split_buffers
-from mla_compile.ops.triton.decode import _LOG2E, decode_outputs
+from mla_compile.ops.triton.decode import _LOG2E
+from mla_compile.ops.triton.fp8_decode_wgmma import split_setup
 
 STAGES = 2  # ring slots of 41 KB: two programs an SM (``smem_bytes``)
 PROGRAMS_PER_SM = 2
@@ -308,19 +307,16 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     B, s_q, H, D = q.shape
     dc = kv_lora_rank
     M = s_q * H
-    out, lse = decode_outputs(q, dc)
-    if B == 0 or M == 0:
+    q, out, lse, splits, direct, o_buf, l_buf = split_setup(q, kv_cache, block_table, dc, BLOCK_N, PROGRAMS_PER_SM,
+                                                            config)
+    if not splits:
         return out, lse
-    q = last_dim_contiguous(q)
     block_size = kv_cache.shape[1]
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     groups = rows.as_strided([4, rows.shape[0], 128], [128, rows.stride(0), 1])
     desc_c = TensorDescriptor.from_tensor(groups, [4, BLOCK_N, 128], CODE_BOX)
     desc_r = TensorDescriptor.from_tensor(rows.view(q.dtype), [BLOCK_N, D - dc], ROPE_SL)
     desc_s = TensorDescriptor.from_tensor(rows, [BLOCK_N, 16], SCALE_SL)
-    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * PROGRAMS_PER_SM,
-                                   block_table.shape[1] * block_size, BLOCK_N)
-    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     hb = triton.cdiv(M, BLOCK_H)
     counts = torch.zeros(1 if direct else B * hb, dtype=torch.int32, device=q.device)
     decode_fp8_tma_kernel[(hb, splits, B)](

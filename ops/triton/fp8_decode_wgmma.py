@@ -179,6 +179,21 @@ def smem_bytes() -> int:
     return 2 * BLOCK_N * 64 * 2 + BLOCK_N * 1024 + BLOCK_H * 1152 + BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4
 
 
+def split_setup(q: Tensor, kv_cache: Tensor, block_table: Tensor, kv_lora_rank: int, block_n: int,
+                programs_per_sm: int, config: dict | None):
+    """``(q, out, lse, splits, direct, o_buf, l_buf)`` of a split launch of 16-row programs: q with a contiguous
+    last dim, the outputs, the split plan (``_plan.opaque_splits``; ``splits`` 0 for an empty call, whose
+    result ``out``/``lse`` already are) and the workspaces (``_plan.split_buffers``)."""
+    B, s_q, H, _ = q.shape
+    out, lse = decode_outputs(q, kv_lora_rank)
+    if B == 0 or s_q * H == 0:
+        return q, out, lse, 0, True, out, lse
+    splits, direct = opaque_splits(config, B * triton.cdiv(s_q * H, BLOCK_H), num_sms(q.device) * programs_per_sm,
+                                   block_table.shape[1] * kv_cache.shape[1], block_n)
+    o_buf, l_buf = split_buffers(out, lse, B * s_q * H, splits, kv_lora_rank, direct)
+    return last_dim_contiguous(q), out, lse, splits, direct, o_buf, l_buf
+
+
 def launch_split(kernel, block_n: int, programs_per_sm: int, q: Tensor, kv_cache: Tensor, block_table: Tensor,
                  seq_lens: Tensor, scale: float, kv_lora_rank: int, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Launch a Gluon fp8 decode kernel of this module's signature (16-row programs, ``block_n``-key tiles,
@@ -187,14 +202,11 @@ def launch_split(kernel, block_n: int, programs_per_sm: int, q: Tensor, kv_cache
     B, s_q, H, D = q.shape
     dc = kv_lora_rank
     M = s_q * H
-    out, lse = decode_outputs(q, dc)
-    if B == 0 or M == 0:
+    q, out, lse, splits, direct, o_buf, l_buf = split_setup(q, kv_cache, block_table, dc, block_n, programs_per_sm,
+                                                            config)
+    if not splits:
         return out, lse
-    q = last_dim_contiguous(q)
     block_size = kv_cache.shape[1]
-    splits, direct = opaque_splits(config, B * triton.cdiv(M, BLOCK_H), num_sms(q.device) * programs_per_sm,
-                                   block_table.shape[1] * block_size, block_n)
-    o_buf, l_buf = split_buffers(out, lse, B * M, splits, dc, direct)
     kernel[(triton.cdiv(M, BLOCK_H), splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
