@@ -287,7 +287,8 @@ def test_tma_smem_formula_matches_the_sm90_compile(direct):
     consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=t.BLOCK_H, BLOCK_N=t.BLOCK_N, DIRECT=direct, STAGES=m.STAGES)
     descs = dict(desc_c=f"tensordesc<u8[4, 64, 128],{t.CODE_BOX!r}>", desc_r=f"tensordesc<bf16[64, 64],{t.ROPE_SL!r}>",
                  desc_s=f"tensordesc<u8[64, 16],{t.SCALE_SL!r}>")
-    ptrs = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32", o_ptr="*bf16" if direct else "*fp32")
+    ptrs = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32", o_ptr="*bf16" if direct else "*fp32",
+                out_ptr="*bf16", lse_out_ptr="*fp32", cnt_ptr="*i32")
     sig = {p.name: "constexpr" if p.name in consts else descs.get(p.name) or ptrs.get(p.name)
            or ("fp32" if p.name == "scale_log2" else "i32") for p in k.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(k.params) if p.name in ptrs}
