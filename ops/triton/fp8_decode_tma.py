@@ -318,7 +318,9 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     desc_r = TensorDescriptor.from_tensor(rows.view(q.dtype), [BLOCK_N, D - dc], ROPE_SL)
     desc_s = TensorDescriptor.from_tensor(rows, [BLOCK_N, 16], SCALE_SL)
     hb = triton.cdiv(M, BLOCK_H)
-    counts = torch.zeros(1 if direct else B * hb, dtype=torch.int32, device=q.device)
+    # one zeroed counter a row block for the in-kernel merge; one split writes the result itself and never
+    # touches the counters (no zeroing launch: any int32 tensor stands in)
+    counts = seq_lens if direct else torch.zeros(B * hb, dtype=torch.int32, device=q.device)
     decode_fp8_tma_kernel[(hb, splits, B)](
         q, desc_c, desc_r, desc_s, block_table, seq_lens, o_buf, l_buf, out, lse, counts,
         scale * _LOG2E,

@@ -230,13 +230,14 @@ def test_compiled_dynamic_batch_and_graph_replay():
 
 def _compile_sm90(kernel, consts, warps, extra=None):
     """The sm_90 compile of a decode kernel (its pointer arguments 16-byte aligned, as CUDA allocations are);
-    ``extra``: signature types of further arguments (tensor descriptors, more pointers)."""
+    ``extra``: signature types of further or other arguments (tensor descriptors, more pointers)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
-                o_ptr="*bf16" if consts.get("DIRECT") else "*fp32", **(extra or {}))
+                o_ptr="*bf16" if consts.get("DIRECT") else "*fp32")
+    ptrs.update(extra or {})
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
            for p in kernel.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
