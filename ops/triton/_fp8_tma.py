@@ -22,7 +22,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from mla_compile.ops.triton._gluon import tile_page
 
 BLOCK_N = 64  # keys per tile: wgmma's M
 BLOCK_H = 16  # query rows per program: wgmma's N
@@ -112,12 +111,12 @@ def opaque_zero(i):
 
 
 @gluon.jit
-def issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, bt_row, tile, n_tiles, start,
+def issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, page, tile, n_tiles, start,
                BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Start the three TMA copies of tile ``tile`` into ring slot ``tile % STAGES`` (none past ``n_tiles``)."""
+    """Start the three TMA copies of tile ``tile`` (in block ``page``, ``_gluon.tile_page``) into ring slot
+    ``tile % STAGES`` (none past ``n_tiles``)."""
     slot = tile % STAGES
     live = tile < n_tiles
-    page = tile_page(bt_row, tile, n_tiles, start, BLOCK_SIZE, BLOCK_N)
     row = (page * BLOCK_SIZE + (start + tile * BLOCK_N) % BLOCK_SIZE).to(gl.int32)
     bar = bars.index(slot)
     mbarrier.expect(bar, BLOCK_N * ROW_BYTES, pred=live)

@@ -36,7 +36,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla_compile.ops.triton._fp8_tma import (BLOCK_H, BLOCK_N, CODE_BOX, CODE_SL, KL, ROPE_C, ROPE_SL, ROW_BYTES,
                                              SCALE_C, SCALE_SL, VL, column_of_m, cvt_k, cvt_v, issue_tile, load_scales,
                                              load_words, opaque_zero, score_k)
-from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range
+from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range, tile_page
 from mla_compile.ops.triton.decode import _LOG2E
 from mla_compile.ops.triton.fp8_decode_wgmma import split_setup
 
@@ -184,7 +184,8 @@ def decode_fp8_tma_kernel(
     for t in gl.static_range(STAGES):
         mbarrier.init(bars.index(t), count=1)
     for t in gl.static_range(STAGES):
-        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, bt_row, t, n_tiles, start, BLOCK_SIZE,
+        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars,
+                   tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, BLOCK_N), t, n_tiles, start, BLOCK_SIZE,
                    BLOCK_N, STAGES)
 
     # a leading dim of 1, indexed by opaque_zero in the loop (see there); P' one buffer per group (stores to
@@ -217,6 +218,9 @@ def decode_fp8_tma_kernel(
     for i in range(n_tiles):
         slot = i % STAGES
         n0 = start + i * BLOCK_N
+        # the block-table entry of the tile this slot takes next, loaded a tile early: a load at the refill
+        # itself stalls every warp for its latency there (ncu, run 83; 1-2% of the time, runs 83 and 87)
+        page_next = tile_page(bt_row, i + STAGES, n_tiles, start, BLOCK_SIZE, BLOCK_N)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         z = opaque_zero(i)
         partial = n0 + BLOCK_N > end
@@ -264,7 +268,7 @@ def decode_fp8_tma_kernel(
         u3 = warpgroup_mma(b3, p3_s.index(z), o3, is_async=True)
         # every warp has read the slot (P' is rewritten only after the next tile's cross-warp max)
         gl.thread_barrier()
-        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, bt_row, i + STAGES, n_tiles, start,
+        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, page_next, i + STAGES, n_tiles, start,
                    BLOCK_SIZE, BLOCK_N, STAGES)
         o2, b2 = warpgroup_mma_wait(1, deps=[u2, b2])
         o3, b3 = warpgroup_mma_wait(0, deps=[u3, b3])
