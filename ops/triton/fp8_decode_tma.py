@@ -15,7 +15,7 @@ The four groups' dots are pipelined (``is_async``: group g + 1 converts while gr
 output is rescaled only when a row's maximum grows. So the codes are never rounded and the scales apply in
 fp32: LSEs match float64 to ~1e-6 like ``fp8_decode_gluon``'s (``fp8_decode_wgmma``, which rounds
 ``code * scale`` to float16: ~1e-3). Queries are float16 times a power of two (``_gluon.q_power``).
-H200, B=128 x 8192 keys, H=16, page 64: 185-198 us, 1.59-1.68x our bf16 decode (BENCHMARKS.md, runs 74-78;
+H200, B=128 x 8192 keys, H=16, page 64: 182-184 us, 1.69-1.70x our bf16 decode (BENCHMARKS.md, runs 88 and 90;
 the machines differ by ~5%); the last split of each row block merges the splits (no reduce kernel).
 
 Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descriptor spans it);
@@ -219,7 +219,7 @@ def decode_fp8_tma_kernel(
         slot = i % STAGES
         n0 = start + i * BLOCK_N
         # the block-table entry of the tile this slot takes next, loaded a tile early: a load at the refill
-        # itself stalls every warp for its latency there (ncu, run 83; 1-2% of the time, runs 83 and 87)
+        # itself stalls every warp for its latency there (ncu, run 83; 1-2% faster, runs 83 and 87)
         page_next = tile_page(bt_row, i + STAGES, n_tiles, start, BLOCK_SIZE, BLOCK_N)
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         z = opaque_zero(i)
