@@ -1,9 +1,10 @@
 """The sm_90 fp8 decode that streams tiles by TMA and feeds ``wgmma`` from registers (Gluon).
 
-Each 64-key tile of the 656-byte cache rows is copied into a 2-slot shared-memory ring by three TMA copies
-(``_fp8_tma.issue_tile``; loads alone move 4.1 TB/s this way, against 3.4 for per-thread loads that keep a
-tile in registers), so the compute never waits on global memory. The codes are then read into registers
-twice and converted exactly to float16 (no dequantized tile in shared memory, no scale in the products):
+Warp-specialized, one program an SM: a producer warp copies each 64-key tile of the 656-byte cache rows into
+a 4-slot shared-memory ring by three TMA copies (``_fp8_tma.issue_tile``), streaming the split's tiles in
+order; two consumer warpgroups take alternate tiles, each with its own softmax state, and merge at the end
+through shared memory. The codes are read into registers twice and converted exactly to float16 (no
+dequantized tile in shared memory, no scale in the products):
 
 - scores: per scale group g, ``S_g^T [64 keys, 16 rows] = K_g Q_g^T`` (``wgmma``, A from registers), then
   ``S^T = R Qr^T + sum_g scale[key, g] S_g^T`` in fp32 (the rope part ``R`` from shared memory);
@@ -15,8 +16,9 @@ The four groups' dots are pipelined (``is_async``: group g + 1 converts while gr
 output is rescaled only when a row's maximum grows. So the codes are never rounded and the scales apply in
 fp32: LSEs match float64 to ~1e-6 like ``fp8_decode_gluon``'s (``fp8_decode_wgmma``, which rounds
 ``code * scale`` to float16: ~1e-3). Queries are float16 times a power of two (``_gluon.q_power``).
-H200, B=128 x 8192 keys, H=16, page 64: 182-184 us, 1.69-1.70x our bf16 decode (BENCHMARKS.md, runs 88 and 90;
-the machines differ by ~5%); the last split of each row block merges the splits (no reduce kernel).
+One stream an SM into a deeper ring beats two programs an SM with two slots each (BENCHMARKS.md, run 91:
+175.5 against 186.2 us, B=128 x 8192 keys, H=16, page 64). With several splits the last split of each row
+block merges them (no reduce kernel).
 
 Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descriptor spans it);
 ``fp8_decode_gluon.decode_fp8_gluon`` routes other caches to the other kernels.
@@ -40,9 +42,11 @@ from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range, til
 from mla_compile.ops.triton.decode import _LOG2E
 from mla_compile.ops.triton.fp8_decode_wgmma import split_setup
 
-STAGES = 2  # ring slots of 41 KB: two programs an SM (``smem_bytes``)
-PROGRAMS_PER_SM = 2
+STAGES = 4  # ring slots of 41 KB, one program an SM (``smem_bytes``)
+PROGRAMS_PER_SM = 1
 P_UP = gl.constexpr(256.0)  # P' = P * scale * P_UP in float16
+PLAIN = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # the consumers' hand-over views
+PLAIN1 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))
 # [4 warps, 16 rows] partial maxima, every warp's in each thread that holds the row (the score accumulator's
 # column distribution)
 XCH_L = gl.constexpr(gl.DistributedLinearLayout(
@@ -152,78 +156,55 @@ def _merge_if_last(o_buf, l_buf, out_ptr, lse_out_ptr, cnt_ptr, b, pid_h, M, n_s
 
 
 @gluon.jit
-def decode_fp8_tma_kernel(
-    q_ptr, desc_c, desc_r, desc_s, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr,
-    scale_log2,
-    stride_qb, stride_qs, stride_qh,
-    stride_bt,
-    M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
-    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
-    STAGES: gl.constexpr,
-):
-    """Grid ``(cdiv(M, 16), n_splits, B)``, 4 warps; bf16 q ``[B, S_Q, H, 576]``; the descriptors span the cache
-    (``launch``); ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. ``DIRECT`` (one split): the result into ``o_ptr`` /
-    ``lse_ptr``; else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (as
-    ``decode._decode_split_kernel``'s) and the last split of each row block merges them into ``out_ptr`` /
-    ``lse_out_ptr`` (``cnt_ptr``: one zeroed int32 a row block)."""
-    gl.static_assert(DC == 512)
-    gl.static_assert(DR == 64)
-    gl.static_assert(BLOCK_N == 64)
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_H, 16])
+def _produce(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, full, empty, bt_row, n_tiles, start,
+             BLOCK_SIZE: gl.constexpr):
+    """The producer warp: tile t into ring slot t % 4 (``full``) once its previous tile's consumer released it
+    (``empty``); block-table entries one tile ahead."""
+    page = tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64)
+    for t in range(n_tiles):
+        slot = t % 4
+        page_next = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)
+        if t >= 4:
+            mbarrier.wait(empty.index(slot), ((t // 4) - 1) & 1)
+        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, full, page, t, n_tiles, start, BLOCK_SIZE, 64, 4)
+        page = page_next
+
+
+@gluon.jit
+def _consume(C: gl.constexpr, codes_s, rope_s, sc_s, full, empty, done, q_s, qr_s, p_s, xch, scale_log2,
+             start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
+             o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr, DIRECT: gl.constexpr):
+    """Consumer warpgroup ``C``: the split's tiles t = C, C + 2, ... (scores, online softmax, values as in the
+    module docstring), each slot released to the producer once read. Consumer 1 then hands its softmax
+    state and outputs to consumer 0 through its own ring slots (``done``), and consumer 0 merges them and
+    stores the result (one split) or the split's rows and, last of the splits, merges the splits."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16])
     dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
     key_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     row_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-
-    pid_h = gl.program_id(0)
-    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
-    codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * BLOCK_N, 128], CODE_SL)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], ROPE_C)
-    sc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 16], SCALE_C)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for t in gl.static_range(STAGES):
-        mbarrier.init(bars.index(t), count=1)
-    for t in gl.static_range(STAGES):
-        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars,
-                   tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, BLOCK_N), t, n_tiles, start, BLOCK_SIZE,
-                   BLOCK_N, STAGES)
-
-    # a leading dim of 1, indexed by opaque_zero in the loop (see there); P' one buffer per group (stores to
-    # one buffer's slices would each wait on a barrier)
-    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_H, DC], ROPE_C)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, DR], ROPE_C)
-    scale_log2 = _stage_q(q_ptr, b, pid_h, stride_qb, stride_qs, stride_qh, M, H, q_s, qr_s,
-                          gl.full([], scale_log2, gl.float32), DC, DR, BLOCK_H)
-    p0_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
-    p1_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
-    p2_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
-    p3_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_N, BLOCK_H], p_sl)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, row_l)
+    rows = pid_h * 16 + gl.arange(0, 16, row_l)
     row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    limit = seq_len - (S_Q - 1 - rows // H)
     lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
-    offs_n = gl.arange(0, BLOCK_N, key_l)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_l)
-    l_part = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)  # per-key sums, reduced once at the end
-    zero_s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, acc_l)
-    xch = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    o0 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)  # O_g^T, rows in cvt_v's order m
-    o1 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
-    o2 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
-    o3 = gl.zeros([128, BLOCK_H], gl.float32, acc_l)
-
-    for i in range(n_tiles):
-        slot = i % STAGES
-        n0 = start + i * BLOCK_N
-        # the block-table entry of the tile this slot takes next, loaded a tile early: a load at the refill
-        # itself stalls every warp for its latency there (ncu, run 83; 1-2% faster, runs 83 and 87)
-        page_next = tile_page(bt_row, i + STAGES, n_tiles, start, BLOCK_SIZE, BLOCK_N)
-        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
-        z = opaque_zero(i)
-        partial = n0 + BLOCK_N > end
+    offs_n = gl.arange(0, 64, key_l)
+    m_i = gl.full([16], float("-inf"), gl.float32, row_l)
+    l_part = gl.zeros([64, 16], gl.float32, acc_l)
+    zero_s = gl.zeros([64, 16], gl.float32, acc_l)
+    o0 = gl.zeros([128, 16], gl.float32, acc_l)
+    o1 = gl.zeros([128, 16], gl.float32, acc_l)
+    o2 = gl.zeros([128, 16], gl.float32, acc_l)
+    o3 = gl.zeros([128, 16], gl.float32, acc_l)
+    p0_s = p_s.index(4 * C + 0)
+    p1_s = p_s.index(4 * C + 1)
+    p2_s = p_s.index(4 * C + 2)
+    p3_s = p_s.index(4 * C + 3)
+    xc = xch.index(C)
+    for t in range(C, n_tiles, 2):
+        slot = t % 4
+        n0 = start + t * 64
+        mbarrier.wait(full.index(slot), (t // 4) & 1)
+        z = opaque_zero(t)
+        partial = n0 + 64 > end
         cs = codes_s.index(slot)
         sc0, sc1, sc2, sc3 = load_scales(sc_s, slot, n0, end, partial)
         sc0 = gl.convert_layout(sc0, key_l)
@@ -232,14 +213,14 @@ def decode_fp8_tma_kernel(
         sc3 = gl.convert_layout(sc3, key_l)
         s = _scores(cs, rope_s.index(slot), q_s.index(z), qr_s.index(z), sc0, sc1, sc2, sc3, zero_s, dot_a)
         s = s * scale_log2
-        if n0 + BLOCK_N > gl.minimum(end, lim_min):
+        if n0 + 64 > gl.minimum(end, lim_min):
             pos = n0 + offs_n
             s = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s, float("-inf"))
-        xch.store(gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_H]), axis=1))  # each warp's 16 keys
-        gl.thread_barrier()  # (the next tile's store comes after this tile's P' barrier)
-        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(xch.load(XCH_L), axis=0), row_l))
+        xc.store(gl.max(gl.reshape(s, [4, 16, 16]), axis=1))
+        gl.thread_barrier()  # (this consumer's warps only; the next tile's store comes after its P' barrier)
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(xc.load(XCH_L), axis=0), row_l))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:  # a row's maximum grew: rescale
+        if gl.max((m_new > m_i).to(gl.int32), axis=0) > 0:
             alpha = gl.exp2(m_i - m_shift)
             l_part = l_part * alpha[None, :]
             o0 = o0 * alpha[None, :]
@@ -249,50 +230,124 @@ def decode_fp8_tma_kernel(
         p = gl.exp2(s - m_shift[None, :])
         l_part = l_part + p
         m_i = m_new
-        p0_s.index(z).store((p * (gl.minimum(sc0, 255.0) * P_UP)[:, None]).to(gl.float16))
-        p1_s.index(z).store((p * (gl.minimum(sc1, 255.0) * P_UP)[:, None]).to(gl.float16))
-        p2_s.index(z).store((p * (gl.minimum(sc2, 255.0) * P_UP)[:, None]).to(gl.float16))
-        p3_s.index(z).store((p * (gl.minimum(sc3, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p0_s.store((p * (gl.minimum(sc0, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p1_s.store((p * (gl.minimum(sc1, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p2_s.store((p * (gl.minimum(sc2, 255.0) * P_UP)[:, None]).to(gl.float16))
+        p3_s.store((p * (gl.minimum(sc3, 255.0) * P_UP)[:, None]).to(gl.float16))
         fence_async_shared()
-        gl.thread_barrier()  # P' visible to the wgmmas
-
+        gl.thread_barrier()
         b0 = _value_operand(cs, 0, n0, end, partial, dot_a)
-        u0 = warpgroup_mma(b0, p0_s.index(z), o0, is_async=True)
+        u0 = warpgroup_mma(b0, p0_s, o0, is_async=True)
         b1 = _value_operand(cs, 1, n0, end, partial, dot_a)
-        u1 = warpgroup_mma(b1, p1_s.index(z), o1, is_async=True)
+        u1 = warpgroup_mma(b1, p1_s, o1, is_async=True)
         o0, b0 = warpgroup_mma_wait(1, deps=[u0, b0])
         b2 = _value_operand(cs, 2, n0, end, partial, dot_a)
-        u2 = warpgroup_mma(b2, p2_s.index(z), o2, is_async=True)
+        u2 = warpgroup_mma(b2, p2_s, o2, is_async=True)
         o1, b1 = warpgroup_mma_wait(1, deps=[u1, b1])
         b3 = _value_operand(cs, 3, n0, end, partial, dot_a)
-        u3 = warpgroup_mma(b3, p3_s.index(z), o3, is_async=True)
-        # every warp has read the slot (P' is rewritten only after the next tile's cross-warp max)
-        gl.thread_barrier()
-        issue_tile(desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, bars, page_next, i + STAGES, n_tiles, start,
-                   BLOCK_SIZE, BLOCK_N, STAGES)
+        u3 = warpgroup_mma(b3, p3_s, o3, is_async=True)
+        gl.thread_barrier()  # every warp of this consumer has read the slot
+        mbarrier.arrive(empty.index(slot), count=1)
         o2, b2 = warpgroup_mma_wait(1, deps=[u2, b2])
         o3, b3 = warpgroup_mma_wait(0, deps=[u3, b3])
-    for t in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(t))
 
-    inv, o_first = finish_rows(gl.sum(l_part, axis=0), m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
-    inv = (inv / P_UP)[None, :]
-    ptr = o_ptr + o_first[None, :] + column_of_m(gl.arange(0, 128, key_l))[:, None]
-    ok = row_ok[None, :]
-    ty: gl.constexpr = o_ptr.dtype.element_ty
-    gl.store(ptr, (o0 * inv).to(ty), mask=ok)
-    gl.store(ptr + 128, (o1 * inv).to(ty), mask=ok)
-    gl.store(ptr + 256, (o2 * inv).to(ty), mask=ok)
-    gl.store(ptr + 384, (o3 * inv).to(ty), mask=ok)
-    if not DIRECT:
-        _merge_if_last(o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr, b, pid_h, M, n_splits, DC, BLOCK_H)
+    l_i = gl.sum(l_part, axis=0)
+    # consumer 1's state through its own ring slots (no copy lands there once its tiles are done)
+    xo = codes_s.index(1)._reinterpret(gl.float32, [512, 16], PLAIN)
+    xml = sc_s.index(1)._reinterpret(gl.float32, [256], PLAIN1)
+    if C == 1:
+        xo.slice(0, 128).store(o0)
+        xo.slice(128, 128).store(o1)
+        xo.slice(256, 128).store(o2)
+        xo.slice(384, 128).store(o3)
+        xml.slice(0, 16).store(m_i)
+        xml.slice(16, 16).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done, count=1)
+    else:
+        mbarrier.wait(done, 0)
+        m1 = xml.slice(0, 16).load(row_l)
+        l1 = xml.slice(16, 16).load(row_l)
+        m = gl.maximum(m_i, m1)
+        m_s = gl.where(m == float("-inf"), 0.0, m)
+        a0 = gl.exp2(m_i - m_s)
+        a1 = gl.exp2(m1 - m_s)
+        l_i = l_i * a0 + l1 * a1
+        o0 = o0 * a0[None, :] + xo.slice(0, 128).load(acc_l) * a1[None, :]
+        o1 = o1 * a0[None, :] + xo.slice(128, 128).load(acc_l) * a1[None, :]
+        o2 = o2 * a0[None, :] + xo.slice(256, 128).load(acc_l) * a1[None, :]
+        o3 = o3 * a0[None, :] + xo.slice(384, 128).load(acc_l) * a1[None, :]
+        inv, o_first = finish_rows(l_i, m, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, 512, DIRECT)
+        inv = (inv / P_UP)[None, :]
+        ptr = o_ptr + o_first[None, :] + column_of_m(gl.arange(0, 128, key_l))[:, None]
+        ok = row_ok[None, :]
+        ty: gl.constexpr = o_ptr.dtype.element_ty
+        gl.store(ptr, (o0 * inv).to(ty), mask=ok)
+        gl.store(ptr + 128, (o1 * inv).to(ty), mask=ok)
+        gl.store(ptr + 256, (o2 * inv).to(ty), mask=ok)
+        gl.store(ptr + 384, (o3 * inv).to(ty), mask=ok)
+        if not DIRECT:
+            _merge_if_last(o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr, b, pid_h, M, n_splits, 512, 16)
+
+
+@gluon.jit
+def decode_fp8_tma_kernel(
+    q_ptr, desc_c, desc_r, desc_s, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_bt,
+    M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Grid ``(cdiv(M, 16), n_splits, B)``, 4 warps plus a consumer warpgroup and a producer warp
+    (``gl.warp_specialize``); bf16 q ``[B, S_Q, H, 576]``; the descriptors span the cache (``launch``);
+    ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. ``DIRECT`` (one split): the result into ``o_ptr`` / ``lse_ptr``;
+    else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (as ``decode._decode_split_kernel``'s)
+    and the last split of each row block merges them into ``out_ptr`` / ``lse_out_ptr`` (``cnt_ptr``: one
+    zeroed int32 a row block)."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_N == 64)
+    gl.static_assert(STAGES == 4)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
+    pid_h = gl.program_id(0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
+    codes_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 4 * BLOCK_N, 128], CODE_SL)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, DR], ROPE_C)
+    sc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, 16], SCALE_C)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(STAGES):
+        mbarrier.init(full.index(t), count=1)
+        mbarrier.init(empty.index(t), count=1)
+    mbarrier.init(done, count=1)
+    q_s = gl.allocate_shared_memory(gl.float16, [1, BLOCK_H, DC], ROPE_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, DR], ROPE_C)
+    scale_log2 = _stage_q(q_ptr, b, pid_h, stride_qb, stride_qs, stride_qh, M, H, q_s, qr_s,
+                          gl.full([], scale_log2, gl.float32), DC, DR, BLOCK_H)
+    p_s = gl.allocate_shared_memory(gl.float16, [8, BLOCK_N, BLOCK_H], p_sl)
+    xch = gl.allocate_shared_memory(gl.float32, [2, 4, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_consume, (0, codes_s, rope_s, sc_s, full, empty, done, q_s, qr_s, p_s, xch, scale_log2, start, end, n_tiles,
+                    seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr,
+                    DIRECT)),
+        (_consume, (1, codes_s, rope_s, sc_s, full, empty, done, q_s, qr_s, p_s, xch, scale_log2, start, end, n_tiles,
+                    seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, o_ptr, lse_ptr, out_ptr, lse_out_ptr, cnt_ptr,
+                    DIRECT)),
+        (_produce, (desc_c, desc_r, desc_s, codes_s, rope_s, sc_s, full, empty, bt_row, n_tiles, start, BLOCK_SIZE)),
+    ], [4, 1], [240, 24])  # warps and registers (setmaxnreg): consumer 1, producer
 
 
 def smem_bytes() -> int:
-    """Shared memory of one program (the sm_90 compile's figure, checked by a test): the tile ring and its
-    barriers, the query rows, the four P' tiles and the cross-warp max exchange."""
-    return (STAGES * (BLOCK_N * ROW_BYTES.value + 8) + BLOCK_H * (512 * 2 + 64 * 2) + 4 * BLOCK_N * BLOCK_H * 2
-            + 4 * BLOCK_H * 4)
+    """Shared memory of one program's buffers: the 4-slot tile ring and its full / empty barriers, the
+    hand-over barrier, the query rows, each consumer's four P' tiles and cross-warp max exchange. The sm_90
+    compile adds under 1 KB for the arguments the partitions receive (checked by a test)."""
+    return (STAGES * (BLOCK_N * ROW_BYTES.value + 16) + 8 + BLOCK_H * (512 * 2 + 64 * 2)
+            + 2 * (4 * BLOCK_N * BLOCK_H * 2 + 4 * BLOCK_H * 4))
 
 
 def serves(kv_cache: Tensor) -> bool:

@@ -273,9 +273,11 @@ def test_wgmma_smem_formula_matches_the_sm90_compile():
 @pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
 @pytest.mark.parametrize("direct", [False, True])
 def test_tma_smem_formula_matches_the_sm90_compile(direct):
-    """The TMA kernel's shared memory (sm_90 compile) is its formula, two programs fit an SM where three do
-    not (the split plan's ``PROGRAMS_PER_SM``), and it keeps its registers (no spills: the loop-invariant
-    ``wgmma`` descriptors stay in the loop, ``_fp8_tma.opaque_zero``)."""
+    """The TMA kernel's shared memory (sm_90 compile) is its buffers' formula plus under 1 KB of the
+    partitions' captured arguments, one program fits an SM where two do not (the split plan's
+    ``PROGRAMS_PER_SM``), the consumers keep their registers (setmaxnreg 240: at most one 4-byte slot,
+    outside the loop, where ptxas keeps the final row sums' predicate; the loop-invariant ``wgmma``
+    descriptors stay in the loop, ``_fp8_tma.opaque_zero``) and both consumers' dots are there."""
     from mla_compile.ops.triton import _fp8_tma as t, fp8_decode_tma as m
     from mla_compile.ops.triton._sm90 import resources
 
@@ -283,6 +285,8 @@ def test_tma_smem_formula_matches_the_sm90_compile(direct):
     extra = dict(desc_c=f"tensordesc<u8[4, 64, 128],{t.CODE_BOX!r}>", desc_r=f"tensordesc<bf16[64, 64],{t.ROPE_SL!r}>",
                  desc_s=f"tensordesc<u8[64, 16],{t.SCALE_SL!r}>", out_ptr="*bf16", lse_out_ptr="*fp32", cnt_ptr="*i32")
     compiled = _compile_sm90(m.decode_fp8_tma_kernel, consts, 4, extra)
-    assert compiled.metadata.shared == m.smem_bytes()
-    assert m.PROGRAMS_PER_SM * (m.smem_bytes() + 1024) <= 233472 < (m.PROGRAMS_PER_SM + 1) * (m.smem_bytes() + 1024)
-    assert resources(compiled)["stack"] == 0
+    shared = compiled.metadata.shared
+    assert m.smem_bytes() <= shared < m.smem_bytes() + 1024
+    assert m.PROGRAMS_PER_SM * (shared + 1024) <= 233472 < (m.PROGRAMS_PER_SM + 1) * (shared + 1024)
+    res = resources(compiled)
+    assert res["stack"] <= 8 and res["HGMMA"] == 2 * 68
