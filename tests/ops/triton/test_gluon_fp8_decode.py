@@ -68,6 +68,8 @@ def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
     (5, 16, 2, 300, 64),       # two 16-row programs per sequence, queries that see nothing
     (4, 32, 1, 100, 64),       # two head blocks, sequences shorter than one tile
     (7, 12, 1, 3000, 128),     # pages of 128, 12 of 16 rows live
+    (3, 128, 1, 2500, 64),     # 128 heads: eight head blocks, each reading the cache
+    (2, 40, 2, 900, 64),       # MTP with 80 rows: five blocks, rows of both query positions in one block
 ])
 def test_gluon_fp8_decode_shapes(kernel, B, H, s_q, max_len, bs):
     if kernel != "mma" and bs % 64:
@@ -177,10 +179,15 @@ def test_auto_picks_gluon_and_explicit_gluon_refuses_what_it_cannot_serve():
     auto = decode_fp8(q, cache, table, seq_lens, SCALE)
     gluon = decode_fp8(q, cache, table, seq_lens, SCALE, backend="gluon")
     assert all(torch.equal(a, g) for a, g in zip(auto, gluon))
-    wide = torch.randn(3, 1, 64, DC + DR, generator=gen).to("cuda", torch.bfloat16)  # 64 rows: the Triton kernel
-    assert not gluon_eligible(wide, cache, DC)
+    wide = torch.randn(3, 1, 128, DC + DR, generator=gen).to("cuda", torch.bfloat16)  # 128 heads: gluon too
+    assert gluon_eligible(wide, cache, DC)
+    auto = decode_fp8(wide, cache, table, seq_lens, SCALE)
+    gluon = decode_fp8(wide, cache, table, seq_lens, SCALE, backend="gluon")
+    assert all(torch.equal(a, g) for a, g in zip(auto, gluon))
+    rope16 = torch.randn(3, 1, 16, 512 + 32, generator=gen).to("cuda", torch.bfloat16)  # not DeepSeek's split
+    assert not gluon_eligible(rope16, cache, DC)
     with pytest.raises(ValueError, match="backend 'gluon' takes bf16 q"):
-        decode_fp8(wide, cache, table, seq_lens, SCALE, backend="gluon")
+        decode_fp8(rope16, cache, table, seq_lens, SCALE, backend="gluon")
     with pytest.raises(ValueError, match="backend 'gluon'"):
         decode_fp8(q.half(), cache, table, seq_lens, SCALE, backend="gluon")
 
