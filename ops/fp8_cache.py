@@ -263,10 +263,10 @@ register_impl(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, devices=("an
 def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
     """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_tma.py``,
     ``fp8_decode_wgmma.py``) serve this call, from static properties only (no guard on the batch): CUDA sm_89+
-    with Triton, bf16 q ``[B, s_q, H, 576]`` with
-    any number of query rows (16-row programs: each block of 16 ``s_q * H`` rows reads the cache again, still
-    1.7-4x the Triton fp8 kernel at 64-128 heads: BENCHMARKS.md, tenth session), DeepSeek's 512 + 64 split,
-    pages of a multiple of 32 rows, 16-byte aligned row and page strides."""
+    with Triton, bf16 q ``[B, s_q, H, 576]`` with any number of query rows (16-row programs: each block of 16
+    ``s_q * H`` rows reads the cache again, still 1.7-4x the Triton fp8 kernel at 64-128 heads: BENCHMARKS.md,
+    tenth session), DeepSeek's 512 + 64 split, pages of a multiple of 32 rows, 16-byte aligned row and page
+    strides."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():
         return False
     if kv_lora_rank != 512 or q.shape[-1] != 576:
