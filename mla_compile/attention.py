@@ -65,6 +65,8 @@ class MLAAttention(nn.Module):
         expected = (config.num_heads * (config.qk_nope_head_dim + config.v_head_dim), config.kv_lora_rank)
         if tuple(self.kv_b_proj.weight.shape) != expected:
             raise ValueError(f"kv_b_proj.weight must be {list(expected)} for this config, got {list(self.kv_b_proj.weight.shape)}")
+        if self.kv_b_proj.bias is not None:
+            raise ValueError("kv_b_proj must have no bias (DeepSeek's has none): the absorbed path folds its weight alone")
         self.register_buffer("kv_cache", None, persistent=False)
         self.indexer = None
         if config.is_sparse:
@@ -82,6 +84,9 @@ class MLAAttention(nn.Module):
             raise ValueError(f"kv_cache must be float [num_blocks, block_size, {c.latent_dim}] or uint8 fp8 rows "
                              f"[num_blocks, block_size, {fp8_row_bytes(c.kv_lora_rank, c.qk_rope_head_dim)}], "
                              f"got {kv_cache.dtype} {list(kv_cache.shape)}")
+        # a cache lives at one address for its lifetime: Inductor's CUDA graphs (mode="reduce-overhead")
+        # then take its in-place writes instead of skipping the graph for "mutated inputs"
+        torch._dynamo.mark_static_address(kv_cache, guard=False)
         self.kv_cache = kv_cache
 
     @property
@@ -178,7 +183,8 @@ class MLAAttention(nn.Module):
 
     def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Non-absorbed path: ``[n_pre, H, v_head_dim]``. New tokens attend causally to each other, then
-        to their cached context chunk by chunk (bounded workspace), merged by LSE."""
+        to their cached context slice by slice (one op whatever the slice count; bounded workspace),
+        merged by LSE."""
         c, p = self.config, meta.prefill
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = self._up_project(latent, k_pe)
@@ -186,23 +192,14 @@ class MLAAttention(nn.Module):
         name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim), planned=plan is not None)
         out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,
                                backend=name, plan=plan if takes_plan("prefill", name) else None)
-        if p.context_chunks:
-            chunk_name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim))
-            merge_name = self._backend("merge", out.dtype, head_dims=(c.v_head_dim,))
-            gather = self._requested["gather"]
-        for chunk in p.context_chunks:
-            if self.fp8_cache:  # dequantizing gather into the compute dtype
-                rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=latent.dtype, device=q.device)
-                ops.gather_latent_cache_fp8(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows)
-            else:
-                rows = torch.empty(p.chunk_tokens, c.latent_dim, dtype=self.kv_cache.dtype, device=q.device)
-                ops.gather_latent_cache(self.kv_cache, p.block_table, chunk.cu_seqlens, chunk.seq_starts, rows,
-                                        backend=None if gather == "auto" else gather)
-            ctx_latent, ctx_pe = rows.to(latent.dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-            k_ctx, v_ctx = self._up_project(ctx_latent, ctx_pe)
-            out_c, lse_c = ops.prefill(q, k_ctx, v_ctx, p.cu_seqlens_q, chunk.cu_seqlens, c.softmax_scale,
-                                       causal=False, backend=chunk_name)
-            out, lse = ops.merge_attn_states(out, lse, out_c, lse_c, backend=merge_name)
+        if p.context is not None:
+            ctx = p.context
+            out, lse = ops.context_attention(
+                q, out, lse, self.kv_cache, p.block_table, p.cu_seqlens_q, ctx.cu_seqlens, ctx.starts, ctx.rows,
+                self.kv_b_proj.weight, c.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
+                prefill_backend=self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim)),
+                merge_backend=self._backend("merge", out.dtype, head_dims=(c.v_head_dim,)),
+                gather_backend=None if self.fp8_cache else self._requested["gather"])
         return out
 
     def _backend(self, op: str, dtype: torch.dtype, *, head_dims: tuple[int, ...], query_len: int = 1,

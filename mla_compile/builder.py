@@ -32,13 +32,16 @@ class MetadataBuilder:
 
     def __init__(self, *, max_batch: int, max_blocks_per_seq: int, max_tokens: int, block_size: int,
                  device: torch.device | str, query_len: int = 1, min_batch: int = 2,
-                 decode_planner: Callable[[Tensor, Tensor], Any] | None = None) -> None:
-        """``decode_planner``: called with each decode step's host ``block_table`` and ``seq_lens`` before
+                 decode_planner: Callable[[Tensor, Tensor], Any] | None = None,
+                 context_chunk_tokens: int = 65536) -> None:
+        """``context_chunk_tokens``: the most cached-context rows a prefill gathers at once (per slice;
+        see :func:`plan_step`). ``decode_planner``: called with each decode step's host ``block_table`` and ``seq_lens`` before
         the step (and for each padding step at capture); what it returns rides along as
         ``DecodeMetadata.plan`` (e.g. ``ops.adapters.flashinfer.FlashInferDecodePlanner``, which returns
         itself, so compiled graphs see one constant object)."""
         for name, value in (("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq),
-                            ("max_tokens", max_tokens), ("block_size", block_size), ("query_len", query_len)):
+                            ("max_tokens", max_tokens), ("block_size", block_size), ("query_len", query_len),
+                            ("context_chunk_tokens", context_chunk_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if max_batch < min_batch:
@@ -54,6 +57,7 @@ class MetadataBuilder:
         self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
         self.decode_planner = decode_planner
+        self.context_chunk_tokens = context_chunk_tokens
         # two persistent pinned staging buffers, used in turn; each is reused only after its last copy
         # finished (an event query; a wait only when the host runs two steps ahead of the GPU)
         self._staging = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
@@ -117,7 +121,8 @@ class MetadataBuilder:
             if fast is not None:
                 return fast
         plan = plan_step(decode, prefill, self.block_size, max_blocks=self.max_blocks, query_len=self.query_len,
-                         logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None)
+                         logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None,
+                         context_chunk_tokens=self.context_chunk_tokens)
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
             raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; the builder holds max_tokens={self.max_tokens}")
         meta = plan.meta
@@ -136,7 +141,7 @@ class MetadataBuilder:
         if meta.prefill is not None:
             # prefill runs uncaptured: its context metadata (sized by the context) is moved, not staged
             moved = meta.prefill.to(self.device)
-            pre = PrefillMetadata(views[-2], views[-1], moved.block_table, moved.context_chunks, moved.chunk_tokens)
+            pre = PrefillMetadata(views[-2], views[-1], moved.block_table, moved.context)
         return StepInputs(ids, pos, MLAMetadata(slots, dec, pre, rows), plan.num_rows)
 
     def _build_decode(self, decode: Sequence[SeqChunk], n_seq: int) -> StepInputs | None:

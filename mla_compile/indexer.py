@@ -56,6 +56,7 @@ class MLAIndexer(nn.Module):
         if k_cache.dim() != 3 or k_cache.shape[-1] != width or not (fp8 or k_cache.dtype.is_floating_point):
             raise ValueError(f"index k_cache must be float [num_blocks, block_size, {d}] or uint8 fp8 rows "
                              f"[num_blocks, block_size, {d + 4}], got {k_cache.dtype} {list(k_cache.shape)}")
+        torch._dynamo.mark_static_address(k_cache, guard=False)  # as MLAAttention.set_cache: one address
         self.k_cache = k_cache
 
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,

@@ -9,7 +9,7 @@ globals); every field that changes per step is a tensor, and the only Python val
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from itertools import chain
 from typing import Any, Sequence
 
@@ -41,12 +41,25 @@ class DecodeMetadata:
 
 
 @dataclass
-class ContextChunk:
-    """One bounded slice of the cached context: workspace rows ``cu_seqlens[i]:cu_seqlens[i+1]`` hold
-    positions ``seq_starts[i], ...`` of prefill sequence i (``[N+1]`` and ``[N]`` int32)."""
+class ContextSlices:
+    """The cached context of the prefill sequences in ``C`` bounded slices (stacked, so the slice count
+    is a tensor dimension and never a Python value a compiled graph guards on): in slice c, workspace rows
+    ``cu_seqlens[c, i]:cu_seqlens[c, i+1]`` hold positions ``starts[c, i], ...`` of prefill sequence i
+    (``cu_seqlens [C, N+1]``, ``starts [C, N]`` int32, on the step's device); ``rows [C]`` (int64,
+    always on the host) is each slice's workspace size, at most the planner's ``context_chunk_tokens``."""
 
     cu_seqlens: Tensor
-    seq_starts: Tensor
+    starts: Tensor
+    rows: Tensor
+
+    @property
+    def num_slices(self) -> int:
+        """How many slices (a shape, symbolic under dynamic shapes)."""
+        return self.cu_seqlens.shape[0]
+
+    def to(self, device: torch.device | str) -> "ContextSlices":
+        """A copy with the index tensors on ``device`` (``rows`` stays on the host)."""
+        return ContextSlices(_to(self.cu_seqlens, device), _to(self.starts, device), self.rows)
 
 
 @dataclass
@@ -54,23 +67,22 @@ class PrefillMetadata:
     """Prefill part: ``cu_seqlens_q [N+1]`` int32 over the new prefill tokens, which attend causally to
     each other (``cu_seqlens_k`` = ``cu_seqlens_q``). Sequences with cached context (a prefix-cache hit
     or an earlier chunk of a chunked prefill) also attend to it: ``block_table [N, max_blocks]`` finds
-    it, and ``context_chunks`` cover it in slices of at most ``chunk_tokens`` rows (a static workspace
-    size), each gathered, up-projected, attended and merged by LSE. :func:`plan_step` always sets
-    ``block_table`` (sparse V3.2 layers read the whole sequence's index keys and latents through it).
+    it, and ``context`` (None when no sequence has any) covers it in bounded slices, each gathered,
+    up-projected, attended and merged by LSE (``mla_compile.ops.context_attention``). :func:`plan_step`
+    always sets ``block_table`` (sparse V3.2 layers read the whole sequence's index keys and latents
+    through it).
     """
 
     cu_seqlens_q: Tensor
     cu_seqlens_k: Tensor
     block_table: Tensor | None = None
-    context_chunks: list[ContextChunk] = field(default_factory=list)
-    chunk_tokens: int = 0
+    context: ContextSlices | None = None
 
     def to(self, device: torch.device | str) -> "PrefillMetadata":
-        """A copy on ``device``."""
+        """A copy on ``device`` (``context.rows`` stays on the host)."""
         mv = lambda t: _to(t, device)  # noqa: E731
-        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table),
-                               [ContextChunk(mv(c.cu_seqlens), mv(c.seq_starts)) for c in self.context_chunks],
-                               self.chunk_tokens)
+        ctx = None if self.context is None else self.context.to(device)
+        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table), ctx)
 
 
 @dataclass
@@ -87,7 +99,7 @@ class MLAMetadata:
     def tensors(self) -> list[Tensor]:
         """Every tensor in the metadata (for moving, marking dynamic, or copying into static buffers)."""
         out = []
-        parts = [self, self.decode, self.prefill] + (self.prefill.context_chunks if self.prefill else [])
+        parts = [self, self.decode, self.prefill, self.prefill and self.prefill.context]
         for part in parts:
             if part is None:
                 continue
@@ -118,9 +130,12 @@ def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Non
         if meta.prefill.block_table is not None:
             mark(meta.prefill.block_table, 0)
             mark(meta.prefill.block_table, 1)
-        for c in meta.prefill.context_chunks:
-            mark(c.cu_seqlens, 0)
-            mark(c.seq_starts, 0)
+        ctx = meta.prefill.context
+        if ctx is not None:
+            for t in (ctx.cu_seqlens, ctx.starts):
+                mark(t, 0)
+                mark(t, 1)
+            mark(ctx.rows, 0)
     if meta.logits_indices is not None:
         mark(meta.logits_indices, 0)
 
@@ -240,8 +255,7 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         # always set: sparse (V3.2) layers read every prefill sequence's index keys through it
         pre.block_table = _block_table([c.blocks for c in prefill], len(starts_l), max_blocks)
         if any(starts_l):
-            pre.chunk_tokens = min(context_chunk_tokens, sum(starts_l))
-            pre.context_chunks = _context_chunks(starts_l, pre.chunk_tokens)
+            pre.context = context_slices(starts_l, context_chunk_tokens, min_batch)
     real_rows = np.concatenate(rows)
     num_rows = len(real_rows)
     all_rows = np.concatenate([real_rows, pad_rows])
@@ -306,16 +320,20 @@ def _block_table(blocks: list[Sequence[int]], rows: int, width: int) -> Tensor:
     return torch.from_numpy(_block_table_np(blocks, rows, width))
 
 
-def _context_chunks(context_lens: list[int], budget: int) -> list[ContextChunk]:
-    """Cover every sequence's context ``[0, context_lens[i])`` in slices of at most ``budget`` rows."""
-    chunks, done = [], [0] * len(context_lens)
-    while any(d < n for d, n in zip(done, context_lens)):
-        room, cu, starts = budget, [0], []
-        for i, n in enumerate(context_lens):
-            take = min(n - done[i], room)
-            starts.append(done[i])
-            cu.append(cu[-1] + take)
-            done[i] += take
-            room -= take
-        chunks.append(ContextChunk(torch.tensor(cu, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32)))
-    return chunks
+def context_slices(context_lens: Sequence[int], budget: int, min_slices: int = 2) -> ContextSlices:
+    """Cover every sequence's context ``[0, context_lens[i])`` in slices of at most ``budget`` rows, filled
+    greedily in sequence order (every slice but the last non-empty one holds exactly ``budget`` rows).
+    Empty slices pad the count up to ``min_slices``, so a count of 1 never specialises a compiled graph."""
+    lens = np.asarray(context_lens, dtype=np.int64)
+    total = int(lens.sum())
+    n_slices = max(-(-total // budget), min_slices)
+    # slice c covers the flat context positions [c * budget, (c + 1) * budget) of the sequences laid end to end
+    seq_begin = np.concatenate([[0], np.cumsum(lens)])
+    edges = np.minimum(np.arange(n_slices + 1) * budget, total)
+    lo, hi = edges[:-1, None], edges[1:, None]
+    begin = np.clip(seq_begin[None, :-1], lo, hi)
+    end = np.clip(seq_begin[None, 1:], lo, hi)
+    cu = np.zeros((n_slices, len(lens) + 1), dtype=np.int32)
+    cu[:, 1:] = np.cumsum(end - begin, axis=1)
+    starts = np.clip(begin - seq_begin[None, :-1], 0, lens[None, :]).astype(np.int32)  # 0..len: in range when empty
+    return ContextSlices(torch.from_numpy(cu), torch.from_numpy(starts), torch.from_numpy(hi[:, 0] - lo[:, 0]))

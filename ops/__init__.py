@@ -7,6 +7,7 @@ Importing this package registers every op. Public functions pick a backend and c
 from mla_compile.ops._checks import checked_mode, set_checked_mode
 from mla_compile.ops._dispatch import backends_for, resolve
 from mla_compile.ops.cache_write import write_latent_cache
+from mla_compile.ops.context_attention import context_attention
 from mla_compile.ops.decode import decode
 from mla_compile.ops import decode_autotune as _decode_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401  (registers mla::write_latent_cache_fused)
@@ -21,7 +22,7 @@ from mla_compile.ops.sparse_index import lightning_index, sink_window_indices, t
 from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-library backends; imports no peer)
 
 __all__ = [
-    "adapters", "backends_for", "checked_mode", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
+    "adapters", "backends_for", "checked_mode", "context_attention", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "gather_latent_cache_fp8", "write_latent_cache_fp8",
     "lightning_index", "sink_window_indices", "sparse_decode", "to_csr", "write_index_cache",

@@ -34,21 +34,25 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+# Torch's Triton mutation analysis (what Inductor believes a ``triton_op`` kernel writes) follows every
+# store address back through the arguments of any jit-function call it depends on, but stops at loads.
+# A helper that takes a *pointer* of read-only metadata and returns something a store address depends
+# on would therefore mark that metadata as written, and a graph whose inputs are "mutated" is copied
+# around and refused by Inductor's CUDA graphs (mode="reduce-overhead"). So the kernels load metadata
+# themselves and hand the helpers loaded values.
+
+
 @triton.jit
-def find_segment(cu_ptr, n_seq, slot, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Segment ``i`` in ``[0, n_seq]`` owning tile ``slot`` of a ragged layout (``n_seq`` = padding rows).
+def tiles_started(cu, idx, n_seq, slot, BLOCK: tl.constexpr):
+    """How many of the segments ``idx`` (a chunk of ``[0, n_seq]``, ``cu`` their loaded ``cu_seqlens``
+    entries) start at or before tile ``slot`` of a ragged layout: summed over all chunks, minus one, it is
+    the segment ``i`` in ``[0, n_seq]`` owning the tile (``n_seq`` = padding rows).
 
     Segment i owns the tile slots ``[cu[i] // BLOCK + i, cu[i] // BLOCK + i + cdiv(len_i, BLOCK))``; these
     ranges never overlap, are increasing in i and all lie below ``cdiv(total_rows, BLOCK) + n_seq``, so a
     grid of that size (a shape, never data) covers every tile. Counting the starts <= slot finds i.
     """
-    count = 0
-    for c in range(0, n_seq + 1, CHUNK):
-        idx = c + tl.arange(0, CHUNK)
-        ok = idx <= n_seq
-        start = tl.load(cu_ptr + idx, mask=ok, other=0) // BLOCK + idx
-        count += tl.sum(((start <= slot) & ok).to(tl.int32), axis=0)
-    return count - 1
+    return tl.sum((((cu // BLOCK + idx) <= slot) & (idx <= n_seq)).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -93,22 +97,21 @@ def split_count(n_splits, split_cap):
 
 
 @triton.jit
-def decode_program(seq_lens_ptr, n_splits, split_cap, M, H, S_Q, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A split-KV decode program (grid: head blocks, splits, sequences): its sequence ``b`` and split
-    ``pid_s`` (``pid_s >= n_used``: an unused split, the program exits), the key range ``[start, end)`` of
-    that split (whole ``BLOCK_N`` tiles), its query rows ``rows`` (``row_ok``: < M), each row's query
-    index ``qi`` and causal bound ``limit`` (it sees positions < limit)."""
+def decode_program(b, seq_len, n_splits, split_cap, M, H, S_Q, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A split-KV decode program (grid: head blocks, splits, sequences) of sequence ``b`` (``program_id(2)``)
+    holding ``seq_len`` rows (loaded by the kernel): its split ``pid_s`` (``pid_s >= n_used``: an unused
+    split, the program exits), the key range ``[start, end)`` of that split (whole ``BLOCK_N`` tiles), its
+    query rows ``rows`` (``row_ok``: < M), each row's query index ``qi`` and causal bound ``limit`` (it sees
+    positions < limit)."""
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     n_used = split_count(n_splits, split_cap)
     per_split = tl.cdiv(tl.cdiv(seq_len, n_used), BLOCK_N) * BLOCK_N
     start = pid_s * per_split
     end = tl.minimum(start + per_split, seq_len)
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     qi = rows // H
-    return b, pid_s, n_used, start, end, rows, rows < M, qi, seq_len - (S_Q - 1 - qi)
+    return pid_s, n_used, start, end, rows, rows < M, qi, seq_len - (S_Q - 1 - qi)
 
 
 @triton.jit
@@ -129,13 +132,9 @@ def paged_rows(bt_row, kv_ptr, n0, end, stride_kb, stride_kt, BLOCK_SIZE: tl.con
 
 
 @triton.jit
-def slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R: tl.constexpr):
-    """A cache-write program's rows ``[BLOCK_R]`` (int64), which of them write (``ok``: a real row whose
-    slot is in ``[0, n_slots)``; -1 is padding, out-of-range slots are never written) and each row's
-    destination pointer in ``cache_ptr`` (blocks of ``block_size`` rows, strides ``s_cb`` / ``s_ct``)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = rows < T
-    slot = tl.load(slot_ptr + rows, mask=r_ok, other=-1).to(tl.int64)
-    ok = r_ok & (slot >= 0) & (slot < n_slots)
-    return rows, ok, cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct
-
+def slot_dest(slot, cache_ptr, n_slots, block_size, s_cb, s_ct):
+    """Which cache-write rows write (``ok``: slot in ``[0, n_slots)``; -1 is padding, out-of-range slots are
+    never written) and each row's destination pointer in ``cache_ptr`` (blocks of ``block_size`` rows,
+    strides ``s_cb`` / ``s_ct``), from the rows' loaded ``slot`` values (int64; -1 past the real rows)."""
+    ok = (slot >= 0) & (slot < n_slots)
+    return ok, cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct

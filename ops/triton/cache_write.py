@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.cache_write import validate
-from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_rows
+from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_dest
 
 
 @triton.jit
@@ -22,7 +22,9 @@ def _cache_write_kernel(
     s_lat, s_kpe, s_cb, s_ct,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows, ok, dst = slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1).to(tl.int64)
+    ok, dst = slot_dest(slot, cache_ptr, n_slots, block_size, s_cb, s_ct)
     for d0 in range(0, DC, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         m = ok[:, None] & (d < DC)[None, :]

@@ -40,8 +40,10 @@ def _decode_split_kernel(
     PAGE_TILES: tl.constexpr,
 ):
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    b, pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, split_cap, M, H,
-                                                                           S_Q, BLOCK_H, BLOCK_N)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(b, seq_len, n_splits, split_cap, M, H, S_Q,
+                                                                        BLOCK_H, BLOCK_N)
     if pid_s >= n_used:
         return
     offs_c = tl.arange(0, BLOCK_DC)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.fp8_cache import validate_write
-from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_rows
+from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_dest
 from mla_compile.ops.triton._fp8 import bf16_bits, store_fp8_latent
 
 
@@ -26,7 +26,9 @@ def _fp8_write_kernel(
     s_lat, s_kpe, s_cb, s_ct,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
 ):
-    rows, ok, dst = slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1).to(tl.int64)
+    ok, dst = slot_dest(slot, cache_ptr, n_slots, block_size, s_cb, s_ct)
 
     offs_c = tl.arange(0, BLOCK_DC)
     m = ok[:, None] & (offs_c < DC)[None, :]

@@ -80,8 +80,10 @@ def _decode_fp8_split_kernel(
     """The split kernel of ``decode._decode_split_kernel`` over fp8 rows; ``G = DC / 128`` in 1..4 groups,
     each with its own ``[BLOCK_N, 128]`` codes tile and ``[BLOCK_H, 128]`` accumulator."""
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    b, pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(seq_lens_ptr, n_splits, split_cap, M, H,
-                                                                           S_Q, BLOCK_H, BLOCK_N)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pid_s, n_used, start, end, rows, row_ok, qi, limit = decode_program(b, seq_len, n_splits, split_cap, M, H, S_Q,
+                                                                        BLOCK_H, BLOCK_N)
     if pid_s >= n_used:
         return
     offs_k = tl.arange(0, GROUP)

@@ -1,6 +1,6 @@
 """Triton ``mla::gather_latent_cache``: copy paged token ranges into the workspace in one pass.
 
-Grid ``cdiv(S, BLOCK_R) + N`` (shapes only); each program finds its sequence with ``find_segment`` on
+Grid ``cdiv(S, BLOCK_R) + N`` (shapes only); each program finds its sequence with ``tiles_started`` on
 ``cu_seqlens``. Workspace rows past ``cu_seqlens[-1]`` are written with zeros.
 """
 
@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.gather import validate
-from mla_compile.ops.triton._common import find_segment, last_dim_contiguous, pow2
+from mla_compile.ops.triton._common import tiles_started, last_dim_contiguous, pow2
 
 
 @triton.jit
@@ -24,7 +24,10 @@ def _gather_kernel(
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
 ):
     slot = tl.program_id(0)
-    seq = find_segment(cu_ptr, n_seq, slot, BLOCK_R, CHUNK)
+    seq = -1  # the segment owning tile ``slot`` (see ``tiles_started``)
+    for c in range(0, n_seq + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        seq += tiles_started(tl.load(cu_ptr + idx, mask=idx <= n_seq, other=0), idx, n_seq, slot, BLOCK_R)
     r0 = tl.load(cu_ptr + seq).to(tl.int64)
     live = seq < n_seq
     seq_c = tl.minimum(seq, tl.maximum(n_seq - 1, 0))  # a safe index for the padding segment's loads

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.sparse_index import validate_write
-from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_rows
+from mla_compile.ops.triton._common import last_dim_contiguous, pow2, slot_dest
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
 
 
@@ -27,7 +27,9 @@ def _index_write_kernel(
     s_k, s_cb, s_ct,
     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
-    rows, ok, dst = slot_rows(slot_ptr, cache_ptr, T, n_slots, block_size, s_cb, s_ct, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1).to(tl.int64)
+    ok, dst = slot_dest(slot, cache_ptr, n_slots, block_size, s_cb, s_ct)
     offs = tl.arange(0, BLOCK_D)
     m = ok[:, None] & (offs < D)[None, :]
     x = tl.load(k_ptr + rows[:, None] * s_k + offs[None, :], mask=m, other=0.0)

@@ -1,7 +1,7 @@
 """Triton varlen flash-attention forward for ``mla::prefill`` (qk 192 = 128 + 64, v 128 for DeepSeek).
 
 The grid is ``(cdiv(T, BLOCK_M) + N, H)``, from shapes only: each program finds its sequence and
-query block by searching ``cu_seqlens_q`` on the device (``find_segment``), so no maximum length is
+query block by searching ``cu_seqlens_q`` on the device (``tiles_started``), so no maximum length is
 read on the host. The qk dim is split into a power-of-two tile (128) and a remainder tile (64), each
 with its own ``tl.dot``. Causal programs first run the key tiles every row of the block sees without
 a mask, then the diagonal tiles with the bottom-right causal mask. Padding rows past
@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.prefill import validate
-from mla_compile.ops.triton._common import (dot_two_part, find_segment, last_dim_contiguous, online_softmax_step,
+from mla_compile.ops.triton._common import (dot_two_part, tiles_started, last_dim_contiguous, online_softmax_step,
                                              pow2)
 
 _LOG2E = 1.4426950408889634
@@ -36,7 +36,10 @@ def _prefill_kernel(
     slot = n_slots - 1 - tl.program_id(0)  # the longest causal blocks sit last in each sequence: start them first
     h = tl.program_id(1)
     scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    seq = find_segment(cu_q_ptr, n_seq, slot, BLOCK_M, CHUNK)
+    seq = -1  # the segment owning tile ``slot`` (see ``tiles_started``)
+    for c in range(0, n_seq + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        seq += tiles_started(tl.load(cu_q_ptr + idx, mask=idx <= n_seq, other=0), idx, n_seq, slot, BLOCK_M)
     q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
     m0 = (slot - (q_start // BLOCK_M + seq)) * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)

@@ -1,11 +1,12 @@
 """Prefill over cached context (prefix-cache hits, chunked prefill) against one uncached HF prefill."""
 
 import copy
+import sys
 
 import pytest
 import torch
 
-from mla_compile import attention, toy
+from mla_compile import toy
 from mla_compile.metadata import SeqChunk, plan_step
 from mla_compile.model import patch
 from mla_compile.toy import random_prompts
@@ -90,13 +91,14 @@ def test_context_workspace_stays_bounded(models, monkeypatch):
     prompt = random_prompts(6, [61])[0]
     blocks = _blocks([64], 7)
     sizes = []
-    real = attention.ops.gather_latent_cache
+    op_module = sys.modules["mla_compile.ops.context_attention"]
+    real = op_module.gather_latent_cache
 
     def spy(kv_cache, block_table, cu_seqlens, seq_starts, out, **kw):
         sizes.append(out.shape[0])
         return real(kv_cache, block_table, cu_seqlens, seq_starts, out, **kw)
 
-    monkeypatch.setattr(attention.ops, "gather_latent_cache", spy)
+    monkeypatch.setattr(op_module, "gather_latent_cache", spy)
     got = _run(model, [[SeqChunk(blocks[0], prompt[:56])], [SeqChunk(blocks[0], prompt[56:], 56)]],
                context_chunk_tokens=8)
     assert sizes and max(sizes) == 8 and len(sizes) == 7 * len(model.attentions)  # 56 context rows / 8
@@ -108,11 +110,19 @@ def test_context_workspace_stays_bounded(models, monkeypatch):
 def test_context_chunks_cover_each_sequence_once():
     step = plan_step([], [SeqChunk([0, 1, 2], [5], 9), SeqChunk([3], [6], 0), SeqChunk([4, 5], [7], 5)], BS,
                      context_chunk_tokens=6)
-    p = step.meta.prefill
+    ctx = step.meta.prefill.context
     covered = [[] for _ in range(3)]
-    for ch in p.context_chunks:
+    assert ctx.rows.device.type == "cpu" and ctx.rows.tolist() == [6, 6, 2]
+    for cu, starts, rows in zip(ctx.cu_seqlens, ctx.starts, ctx.rows):
         for i in range(3):
-            n = int(ch.cu_seqlens[i + 1] - ch.cu_seqlens[i])
-            covered[i] += list(range(int(ch.seq_starts[i]), int(ch.seq_starts[i]) + n))
-        assert int(ch.cu_seqlens[-1]) <= p.chunk_tokens == 6
+            n = int(cu[i + 1] - cu[i])
+            assert 0 <= int(starts[i]) <= [9, 0, 5][i]
+            covered[i] += list(range(int(starts[i]), int(starts[i]) + n))
+        assert int(cu[-1]) == int(rows) <= 6
     assert covered == [list(range(9)), [], list(range(5))]
+
+
+def test_one_short_context_is_padded_to_two_slices():
+    """A count of 1 would specialise a compiled graph (0/1 specialisation): an empty slice pads it."""
+    ctx = plan_step([], [SeqChunk([0, 1], [5], 3)], BS, context_chunk_tokens=8).meta.prefill.context
+    assert ctx.rows.tolist() == [3, 0] and ctx.cu_seqlens.shape == (2, 3) and ctx.cu_seqlens[1].tolist() == [0, 0, 0]
