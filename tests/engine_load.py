@@ -36,15 +36,16 @@ def run_workload(engine, seed: int, n_requests: int = 12, gap: int = 8, max_new:
     return [r.output for r in sorted(engine.finished, key=lambda r: r.id)], steps
 
 
-# ---------------------------------------------------------------- a faulty trace: aborts, bad requests, a failing step
+# ------------------------------------------------- a faulty trace: aborts, bad requests, a failing step
 
 # a toy V3 small enough for thousands of CPU steps a second (float64: tokens never flip on rounding)
 TINY_V3 = dict(vocab_size=97, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
                qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
                n_group=2, topk_group=1, first_k_dense_replace=0, max_position_embeddings=64,
-               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0, mscale_all_dim=1.0,
-                                    original_max_position_embeddings=16, beta_fast=32, beta_slow=1))
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                                    mscale_all_dim=1.0, original_max_position_embeddings=16, beta_fast=32,
+                                    beta_slow=1))
 
 
 @dataclass
@@ -81,10 +82,10 @@ def _invalid(kind: int, prompt: list[int], n: int, vocab_size: int, max_total: i
 
 
 def make_trace(seed: int, n_requests: int, *, vocab_size: int, max_total: int, gap: int = 3, max_prompt: int = 16,
-               max_new: int = 12, n_prefixes: int = 6, abort_rate: float = 0.1,
+               max_new: int = 12, n_prefixes: int = 6, block_size: int = 4, abort_rate: float = 0.1,
                invalid_rate: float = 0.05) -> list[TraceRequest]:
     """Seeded clients arriving over time (arrival gaps < ``gap`` steps). Most prompts start with one of
-    ``n_prefixes`` shared prefixes (1-3 blocks of 4 tokens), then 1..``max_prompt - 1`` own tokens;
+    ``n_prefixes`` shared prefixes (1-3 blocks), then 1..``max_prompt - 1`` own tokens;
     1..``max_new - 1`` new tokens. ``abort_rate`` of the clients abort 0-11 steps after arriving;
     ``invalid_rate`` send a bad request (bad token id, type, length or max_new_tokens, see ``_invalid``).
     Some valid prompts are numpy ints or arrays. ``max_total``: the most tokens a request may hold."""
@@ -93,7 +94,8 @@ def make_trace(seed: int, n_requests: int, *, vocab_size: int, max_total: int, g
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high, (1,), generator=gen))
 
-    prefixes = [torch.randint(0, vocab_size, (4 * randint(1, 4),), generator=gen).tolist() for _ in range(n_prefixes)]
+    prefixes = [torch.randint(0, vocab_size, (block_size * randint(1, 4),), generator=gen).tolist()
+                for _ in range(n_prefixes)]
     trace, at = [], 0
     for _ in range(n_requests):
         at += randint(0, gap)
@@ -171,12 +173,13 @@ def run_trace(engine, trace: list[TraceRequest]) -> TraceRun:
 
 class FailingRunner:
     """A runner that raises ``RuntimeError("injected ...")`` once: on the first call from call number
-    ``fail_from`` on (0-based) whose step has every part in ``needs`` ("decode", "prefill"). It raises
-    after the wrapped runner ran the step, so the cache slots are written, as in a failure late in a
-    step. Everything else is the wrapped runner's."""
+    ``fail_from`` on (0-based) whose step has exactly the parts in ``parts`` ("decode", "prefill"; a
+    pure decode step is the one a graph runner replays). It raises after the wrapped runner ran the
+    step, so the cache slots are written, as in a failure late in a step. Everything else is the
+    wrapped runner's."""
 
-    def __init__(self, runner, fail_from: int, needs: tuple[str, ...] = ("decode", "prefill")) -> None:
-        self.runner, self.fail_from, self.needs = runner, fail_from, needs
+    def __init__(self, runner, fail_from: int, parts: tuple[str, ...] = ("decode", "prefill")) -> None:
+        self.runner, self.fail_from, self.parts = runner, fail_from, set(parts)
         self.calls, self.failed_at = 0, None
 
     def __getattr__(self, name: str):
@@ -184,8 +187,8 @@ class FailingRunner:
 
     def _after(self, decode, prefill) -> None:
         self.calls += 1
-        parts = {"decode": bool(decode), "prefill": bool(prefill)}
-        if self.failed_at is None and self.calls > self.fail_from and all(parts[n] for n in self.needs):
+        parts = {name for name, chunks in (("decode", decode), ("prefill", prefill)) if chunks}
+        if self.failed_at is None and self.calls > self.fail_from and parts == self.parts:
             self.failed_at = self.calls - 1
             raise RuntimeError(f"injected failure in runner call {self.failed_at}")
 
@@ -216,7 +219,8 @@ def alone_outputs(engine, trace: list[TraceRequest]) -> dict[int, list[int]]:
     return {i: tokens[tuple(int(t) for t in r.prompt)][:r.max_new_tokens] for i, r in enumerate(trace) if r.valid}
 
 
-def check_trace(engine, trace: list[TraceRequest], seen: TraceRun, alone: dict[int, list[int]] | None = None) -> dict:
+def check_trace(engine, trace: list[TraceRequest], seen: TraceRun,
+                alone: dict[int, list[int]] | None = None) -> dict:
     """Assert the trace's rules on a drained ``engine``; returns counts for a report. Valid requests are
     admitted and invalid ones rejected; a request of a failed step is finished with "error"; an aborted
     one stopped at once; every other valid one finished with "length". Outputs are prefixes of (for
@@ -239,7 +243,8 @@ def check_trace(engine, trace: list[TraceRequest], seen: TraceRun, alone: dict[i
         counts["tokens"] += len(req.output)
         if alone is not None:
             want = alone[i]
-            assert req.output == want[:len(req.output)], f"request {rid} ({req.finish_reason}): {req.output} vs alone {want}"
+            why = f"request {rid} ({req.finish_reason}): {req.output}, alone {want}"
+            assert req.output == want[:len(req.output)], why
     assert len(engine.finished) == len(seen.ids) == len(engine.requests)
     assert engine.blocks.num_free == len(engine.blocks.blocks)
     assert all(b.ref == 0 for b in engine.blocks.blocks)

@@ -124,7 +124,8 @@ def test_trace_with_aborts_bad_requests_and_a_failing_step_gives_each_request_it
     """Seeded clients with shared prefixes arrive over time into a cache far smaller than their total;
     some abort, some send bad requests, one step fails. Every other request gets the tokens it gets
     alone, the aborted and failed ones a prefix of them; every block comes back."""
-    trace = make_trace(7, n_requests, vocab_size=97, max_total=64, abort_rate=abort_rate, invalid_rate=invalid_rate)
+    trace = make_trace(7, n_requests, vocab_size=97, max_total=64, abort_rate=abort_rate,
+                       invalid_rate=invalid_rate)
     engine = _tiny_engine(tiny, fail_from=fail_from)
     seen = run_trace(engine, trace)
     alone = alone_outputs(_tiny_engine(tiny, enable_prefix_caching=False), trace)
