@@ -100,8 +100,9 @@ class Engine:
       ids, chained to the runner's exception. Nothing of the failed step is kept: no token is sampled
       and no block it was filling becomes findable in the prefix cache (blocks are registered only
       after their step succeeded), so the half-written slots are in unregistered blocks, which return
-      to the free list. Requests outside that step are untouched, and the next :meth:`step` serves them. (An error
-      that breaks the device itself, such as a CUDA device-side assert, fails every later step too.)
+      to the free list. Requests outside that step are untouched, and the next :meth:`step` serves
+      them. (An error that breaks the device itself, such as a CUDA device-side assert, fails every
+      later step too: admission keeps bad token ids from reaching the embedding kernel.)
 
     :meth:`add_request` validates before queueing (:func:`mla_compile.admission.validate_request`):
     token ids in ``[0, vocab_size)``, a non-empty prompt, ``max_new_tokens >= 1``, and prompt plus new
@@ -181,6 +182,7 @@ class Engine:
         return req
 
     def _finish(self, req: Request, reason: str) -> None:
+        assert reason in FINISH_REASONS and req.finish_reason is None, (reason, req.finish_reason)
         req.finish_reason = reason
         self.blocks.free(req.alloc)
         self.finished.append(req)
