@@ -105,7 +105,11 @@ class BlockManager:
             alloc.blocks.append(bid)
 
     def register(self, alloc: Allocation, tokens: Sequence[int]) -> None:
-        """After ``tokens`` are in the cache, make the sequence's full blocks findable by later prompts."""
+        """After ``tokens`` are in the cache, make the sequence's full blocks findable by later prompts.
+
+        Call it only once the step that wrote them succeeded: a registered block is trusted to hold
+        its tokens' keys, so a block of a failed step must stay unregistered (it is then freed).
+        """
         if not self.prefix_caching:
             return
         for i, key in enumerate(self._chain(tokens, len(tokens) // self.block_size)):

@@ -8,6 +8,10 @@ a request's blocks up front; full blocks of earlier prompts are shared through t
 a prefill starts after its cached prefix. A request stops at ``max_new_tokens``. Steps go through a
 runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`): pure decode steps replay CUDA
 graphs when the runner has captured them.
+
+One client never takes down the others: requests are validated before they are queued
+(:mod:`mla_compile.admission`), any request can be aborted between steps, and a step whose runner
+raises fails only the requests in that step (see :class:`Engine`).
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ from typing import Protocol, Sequence
 
 from torch import Tensor
 
+from mla_compile.admission import RequestLimits, model_limits, validate_request
 from mla_compile.builder import MetadataBuilder
 from mla_compile.block_manager import Allocation, BlockManager
 from mla_compile.metadata import SeqChunk
 
+FINISH_REASONS = ("length", "abort", "error")
+
 
 class StepRunner(Protocol):
     """What the engine drives: ``mla_compile.graphs.cuda_graph.DecodeGraphRunner`` (the core does not
-    import graphs; any object with these members works)."""
+    import graphs; any object with these members works). A ``step_fn`` with a ``config`` (the patched
+    model, or ``torch.compile`` of it) gives the engine its vocabulary size and positions."""
 
     builder: MetadataBuilder
 
@@ -35,9 +43,19 @@ class StepRunner(Protocol):
     def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = ()) -> Tensor: ...
 
 
+class StepFailed(RuntimeError):
+    """A step's runner raised. ``request_ids``: the requests of that step, now finished with
+    ``finish_reason == "error"``; ``__cause__``: the runner's exception."""
+
+    def __init__(self, message: str, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 @dataclass
 class Request:
-    """One generation request and its state (``computed``: prompt tokens already in the cache)."""
+    """One generation request and its state (``computed``: prompt tokens already in the cache;
+    ``finish_reason``: None while waiting or running, then one of ``FINISH_REASONS``)."""
 
     id: int
     prompt: list[int]
@@ -45,6 +63,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     alloc: Allocation = field(default_factory=Allocation)
     computed: int = 0
+    finish_reason: str | None = None
 
     @property
     def blocks(self) -> list[int]:
@@ -68,10 +87,33 @@ class Request:
 
 
 class Engine:
-    """Greedy serving over a patched model's paged cache, driven one step at a time."""
+    """Greedy serving over a patched model's paged cache, driven one step at a time.
+
+    Requests move ``waiting`` -> ``running`` -> ``finished``; every finished request carries its
+    ``finish_reason`` and the tokens it produced:
+
+    - ``"length"``: it produced ``max_new_tokens`` tokens.
+    - ``"abort"``: :meth:`abort` took it out of ``waiting`` or ``running`` between steps.
+    - ``"error"``: it was in a step whose runner raised (a backend error, an out-of-memory). All the
+      requests of that step (its decodes and its prompt chunks) are failed, not retried: their blocks
+      are freed and their tokens so far kept, and :meth:`step` raises :class:`StepFailed` with their
+      ids, chained to the runner's exception. Nothing of the failed step is kept: no token is sampled
+      and no block it was filling becomes findable in the prefix cache (blocks are registered only
+      after their step succeeded), so the half-written slots are in unregistered blocks, which return
+      to the free list. Requests outside that step are untouched, and the next :meth:`step` serves
+      them. (An error that breaks the device itself, such as a CUDA device-side assert, fails every
+      later step too: admission keeps bad token ids from reaching the embedding kernel.)
+
+    :meth:`add_request` validates before queueing (:func:`mla_compile.admission.validate_request`):
+    token ids in ``[0, vocab_size)``, a non-empty prompt, ``max_new_tokens >= 1``, and prompt plus new
+    tokens within ``max_positions``, one sequence's block table and the whole cache. ``vocab_size`` and
+    ``max_positions`` default to the runner's model config (``runner.step_fn.config``) and may only
+    lower it; a runner without one needs ``vocab_size`` passed.
+    """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, vocab_size: int | None = None,
+                 max_positions: int | None = None) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
@@ -80,25 +122,70 @@ class Engine:
         if self.max_tokens <= self.max_batch:
             raise ValueError(f"max_tokens_per_step ({self.max_tokens}) must exceed max_batch ({self.max_batch}) "
                              "so prompts progress while a full batch decodes")
+        model_vocab, model_positions = model_limits(runner)
+        if vocab_size is None and model_vocab is None:
+            found = type(getattr(runner, "step_fn", runner)).__name__
+            raise ValueError(f"Engine needs vocab_size: the runner's step_fn ({found}) has no "
+                             "config.vocab_size; pass vocab_size=...")
+        for name, given, model in (("vocab_size", vocab_size, model_vocab),
+                                   ("max_positions", max_positions, model_positions)):
+            if given is not None and model is not None and given > model:
+                raise ValueError(f"{name}={given} exceeds the model's {model}; pass at most {model} or leave "
+                                 "it None to use the model's")
+        vocab_size = model_vocab if vocab_size is None else vocab_size
+        max_positions = model_positions if max_positions is None else max_positions
         self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
+        self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
+                                    cache_tokens=num_blocks * self.block_size, max_positions=max_positions)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
+        self.requests: dict[int, Request] = {}  # every admitted request by id
         self._ids = itertools.count()
         self.step_logits: list[Tensor] = []
         self.cached_prompt_tokens = 0
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-        """Queue a request; returns its id. Errors if it could never fit."""
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("prompt must be non-empty and max_new_tokens >= 1")
-        total = len(prompt) + max_new_tokens
-        if -(-total // self.block_size) > self.max_blocks:
-            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceed max_blocks_per_seq * block_size = "
-                             f"{self.max_blocks * self.block_size}")
-        req = Request(next(self._ids), list(prompt), max_new_tokens)
+        """Validate and queue a request; returns its id.
+
+        ``prompt``: token ids (Python or numpy ints, or a 1-D integer tensor/array); ``max_new_tokens``:
+        an int >= 1. Raises :class:`~mla_compile.admission.RequestRejected` (a ``ValueError``) naming
+        the request id, the argument and the first bad position; nothing is queued then. Every call
+        takes the next id, rejected or not, so ids follow the order of calls.
+        """
+        request_id = next(self._ids)
+        tokens, max_new_tokens = validate_request(request_id, prompt, max_new_tokens, self.limits)
+        req = Request(request_id, tokens, max_new_tokens)
+        self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
+
+    def abort(self, request_id: int) -> Request:
+        """Stop a request between steps; returns it with the tokens produced so far.
+
+        A waiting or running request leaves its queue, its blocks go back (shared prefix blocks only
+        lose its reference) and it is finished with ``finish_reason "abort"``. Aborting a request
+        that already finished (for any reason, an earlier abort included) changes nothing and returns
+        it. An id that was never admitted (unknown, or rejected by :meth:`add_request`) raises
+        ``ValueError``.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is unknown: never added, or rejected at admission")
+        if req.finish_reason is not None:
+            return req
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        return req
+
+    def _finish(self, req: Request, reason: str) -> None:
+        assert reason in FINISH_REASONS and req.finish_reason is None, (reason, req.finish_reason)
+        req.finish_reason = reason
+        self.blocks.free(req.alloc)
+        self.finished.append(req)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -113,7 +200,11 @@ class Engine:
             self.running.append(req)
 
     def step(self, keep_logits: bool = False) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it.
+
+        Raises :class:`StepFailed` when the runner raised: the step's requests are failed (see the
+        class docstring) and the engine is ready for the next step.
+        """
         self._admit()
         decoding = [r for r in self.running if not r.prefilling]
         # the decode part is padded to the builder's min_batch, so count its padded size
@@ -128,28 +219,46 @@ class Engine:
             return []
         dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
-        logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
-        if keep_logits:
-            self.step_logits.append(logits.float().cpu())
-        sampled = logits.argmax(-1).tolist()
+        try:
+            logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
+            sampled = logits.argmax(-1).tolist()  # a host sync: an asynchronous device error shows here
+            if keep_logits:
+                self.step_logits.append(logits.float().cpu())
+        except Exception as exc:
+            raise self._fail([*decoding, *(r for r, _ in chunks)], exc) from exc
         for r, t in zip(decoding, sampled):
             r.output.append(t)
         for (r, n), t in zip(chunks, sampled[len(decoding):]):
             r.computed += n
-            self.blocks.register(r.alloc, r.prompt[:r.computed])
+            self.blocks.register(r.alloc, r.prompt[:r.computed])  # only now are these blocks complete
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
                 r.output.append(t)
         done = [r for r in self.running if r.done]
         for r in done:
             self.running.remove(r)
-            self.blocks.free(r.alloc)
-        self.finished.extend(done)
+            self._finish(r, "length")
         return done
 
+    def _fail(self, requests: list[Request], exc: Exception) -> StepFailed:
+        """Finish the requests of a failed step; returns the error to raise."""
+        for r in requests:
+            self.running.remove(r)
+            self._finish(r, "error")
+        ids = [r.id for r in requests]
+        return StepFailed(f"the step of requests {ids} failed ({type(exc).__name__}: {exc}); they are "
+                          "finished with finish_reason 'error' and their blocks freed, the engine serves "
+                          "the others", ids)
+
     def run(self) -> list[Request]:
-        """Step until no request is waiting or running; returns all finished requests by id."""
+        """Step until no request is waiting or running; returns all finished requests by id.
+
+        A :class:`StepFailed` propagates; calling :meth:`run` again serves the remaining requests.
+        """
         while self.waiting or self.running:
             self.step()
             if self.waiting and not self.running:
-                raise RuntimeError("engine is stuck: waiting requests cannot be admitted (cache too small?)")
+                self._admit()
+                if not self.running:  # cannot happen for admitted requests: each fits the empty cache
+                    raise RuntimeError("engine is stuck: a waiting request cannot be admitted into the "
+                                       "empty cache (leaked blocks?)")
         return sorted(self.finished, key=lambda r: r.id)

@@ -7,10 +7,13 @@ import torch
 
 from mla_compile import toy
 from mla_compile.builder import MetadataBuilder
-from mla_compile.engine import Engine
+from mla_compile.admission import RequestRejected
+from mla_compile.engine import Engine, StepFailed
 from mla_compile.generate import hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.model import patch
+
+from tests.engine_load import TINY_V3, FailingRunner, alone_outputs, check_trace, make_trace, run_trace
 
 pytest.importorskip("transformers")
 
@@ -53,13 +56,13 @@ def test_engine_rejects_requests_that_cannot_fit():
         engine.add_request([], 3)
 
 
-def test_engine_reports_a_cache_too_small_to_admit():
+def test_engine_rejects_a_request_larger_than_the_whole_cache():
     model = patch(toy.toy_hf_model("v2-lite", seed=0, num_hidden_layers=1))
     model.allocate_cache(2, 4)
     engine = _engine(model, num_blocks=2)
-    engine.add_request([1] * 12, 2)  # needs 3 blocks, only 2 exist
-    with pytest.raises(RuntimeError, match="stuck"):
-        engine.run()
+    with pytest.raises(RequestRejected, match=r"request 0: .* 14 tokens exceed the paged cache"):
+        engine.add_request([1] * 12, 2)  # needs 3 blocks, only 2 exist: it could never be admitted
+    assert not engine.waiting and not engine.requests
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -84,3 +87,168 @@ def test_shared_prefixes_and_long_prompts_in_chunks_match_hf(prefix_caching):
     want = [hf_greedy_reference(ref, [p], n)[0][0] for p, n in zip(prompts, [4, 5, 5, 5])]
     assert [r.output for r in done] == want
     assert (engine.cached_prompt_tokens == 24) if prefix_caching else (engine.cached_prompt_tokens == 0)
+
+
+# ---------------------------------------------------------------- bad requests, aborts, failing steps
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny steps: one intra-op thread is several times faster than two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A float64 tiny V3 toy (97-token vocabulary, 64 positions) with a 40-block cache of 4 tokens."""
+    model = patch(toy.toy_hf_model("v3", seed=3, dtype=torch.float64, **TINY_V3))
+    model.allocate_cache(40, 4, fill=float("nan"))
+    return model
+
+
+def _tiny_engine(model, num_blocks=40, fail_from=None, **kw):
+    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=16, max_tokens=16, block_size=4, device="cpu")
+    runner = DecodeGraphRunner(model, builder)
+    if fail_from is not None:
+        runner = FailingRunner(runner, fail_from)
+    return Engine(runner, num_blocks=num_blocks, **kw)
+
+
+@pytest.mark.parametrize("n_requests, abort_rate, invalid_rate, fail_from", [(600, 0.0, 0.0, None),
+                                                                          (1000, 0.1, 0.05, 300)])
+def test_trace_with_aborts_bad_requests_and_a_failing_step_gives_each_request_its_tokens_alone(
+        tiny, one_thread, n_requests, abort_rate, invalid_rate, fail_from):
+    """Seeded clients with shared prefixes arrive over time into a cache far smaller than their total;
+    some abort, some send bad requests, one step fails. Every other request gets the tokens it gets
+    alone, the aborted and failed ones a prefix of them; every block comes back."""
+    trace = make_trace(7, n_requests, vocab_size=97, max_total=64, abort_rate=abort_rate,
+                       invalid_rate=invalid_rate)
+    engine = _tiny_engine(tiny, fail_from=fail_from)
+    seen = run_trace(engine, trace)
+    alone = alone_outputs(_tiny_engine(tiny, enable_prefix_caching=False), trace)
+    counts = check_trace(engine, trace, seen, alone)
+    demand = sum(-(-(len(r.prompt) + r.max_new_tokens) // 4) for r in trace if r.valid)
+    assert demand > 50 * 40 and engine.cached_prompt_tokens > 1000  # cache pressure, prefix hits
+    if fail_from is None:
+        assert counts["finished"] == n_requests and not seen.failures
+        return
+    (failure,) = seen.failures
+    assert isinstance(failure.__cause__, RuntimeError) and "injected" in str(failure.__cause__)
+    assert counts["failed"] == len(failure.request_ids) >= 2
+    assert counts["rejected"] > 30 and counts["aborted"] > 50
+    assert min(seen.abort_states[s] for s in ("waiting", "prefill", "decode")) >= 5
+    kinds = {e.field for e in seen.rejected.values()}
+    assert kinds == {"prompt", "max_new_tokens", "prompt + max_new_tokens"}
+
+
+def test_bad_requests_are_rejected_at_admission_and_the_valid_one_beside_them_finishes(tiny):
+    """The issue's report: ids past the vocabulary, negative or float ids were queued and the next
+    step raised inside the embedding, leaving the valid request stuck in ``running``."""
+    engine = _tiny_engine(tiny)
+    good = engine.add_request([0], 3)
+    for prompt, message in (([5000], r"request 1: prompt\[0\] = 5000 is not a token id in \[0, 97\)"),
+                            ([-1], r"request 2: prompt\[0\] = -1 is not a token id"),
+                            ([1, 2, 1.5], r"request 3: prompt\[2\] = 1.5 \(float\) is not an int token id")):
+        with pytest.raises(RequestRejected, match=message) as info:
+            engine.add_request(prompt, 3)
+        assert isinstance(info.value, ValueError) and info.value.position == len(prompt) - 1
+    with pytest.raises(RequestRejected, match="request 4: .* exceed the model's max_position_embeddings = 64"):
+        engine.add_request([1] * 60, 5)
+    assert [r.id for r in engine.waiting] == [good]
+    (done,) = engine.run()
+    assert done.id == good and done.finish_reason == "length" and len(done.output) == 3
+    assert engine.blocks.num_free == 40
+
+
+def test_engine_limits_come_from_the_model_or_are_passed():
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=4, max_tokens=16, block_size=4, device="cpu")
+    with pytest.raises(ValueError, match="vocab_size"):
+        Engine(DecodeGraphRunner(lambda *a: None, builder), num_blocks=8)
+    engine = Engine(DecodeGraphRunner(lambda *a: None, builder), num_blocks=8, vocab_size=10, max_positions=12)
+    assert (engine.limits.vocab_size, engine.limits.max_positions, engine.limits.max_seq_tokens) == (10, 12, 16)
+    with pytest.raises(RequestRejected, match=r"prompt\[1\] = 10 is not a token id in \[0, 10\)"):
+        engine.add_request([9, 10], 1)
+    model = patch(toy.toy_hf_model("v3", seed=3, **TINY_V3))
+    assert Engine(DecodeGraphRunner(torch.compile(model), builder), num_blocks=8).limits.vocab_size == 97
+    with pytest.raises(ValueError, match="vocab_size=98 exceeds the model's 97"):
+        Engine(DecodeGraphRunner(model, builder), num_blocks=8, vocab_size=98)
+
+
+def test_abort_while_waiting_prefilling_and_decoding_frees_blocks_and_keeps_shared_prefixes(tiny):
+    """An abort takes effect at once in every state; a prefix block shared with an aborted request
+    keeps serving the other one, whose tokens stay those it gets alone."""
+    prefix = list(range(40, 52))  # 3 blocks
+    a_prompt, b_prompt, long_prompt = prefix + [1, 2], prefix + [3], list(range(30))  # 30 > 16-token budget
+    alone = _tiny_engine(tiny, enable_prefix_caching=False)
+    want_b = alone.requests[alone.add_request(b_prompt, 6)]
+    alone.run()
+    engine = _tiny_engine(tiny)
+    a = engine.add_request(a_prompt, 8)
+    engine.step()  # a's prompt computed and its 3 full prefix blocks registered
+    b = engine.add_request(b_prompt, 6)
+    long = engine.add_request(long_prompt, 4)
+    engine.step()  # b hits the prefix; long computes its first chunk
+    shared = engine.requests[a].blocks[:3]
+    assert engine.requests[b].blocks[:3] == shared and engine.requests[b].alloc.cached_tokens == 12
+    assert engine.requests[long].prefilling and engine.requests[long].computed > 0
+    for _ in range(7):
+        engine.add_request([5, 6, 7], 2)  # more than max_batch: the last ones wait
+    waiting = engine.waiting[-1].id
+    decoded = len(engine.requests[a].output)
+    assert engine.abort(a).output == engine.requests[a].output and len(engine.requests[a].output) == decoded
+    assert [engine.blocks.blocks[i].ref for i in shared] == [1, 1, 1]  # b still holds them
+    assert engine.abort(long).finish_reason == "abort" and engine.requests[long].output == []
+    assert engine.abort(waiting).blocks == [] and engine.requests[waiting] not in engine.waiting
+    assert engine.abort(a).finish_reason == "abort"  # a second abort changes nothing
+    with pytest.raises(ValueError, match="request 999 is unknown"):
+        engine.abort(999)
+    done = engine.run()
+    assert engine.requests[b].output == want_b.output and engine.requests[b].finish_reason == "length"
+    assert engine.abort(b).finish_reason == "length"  # finished: a no-op
+    assert {r.finish_reason for r in done} == {"length", "abort"} and len(done) == len(engine.requests)
+    assert engine.blocks.num_free == 40 and all(blk.ref == 0 for blk in engine.blocks.blocks)
+
+
+def test_a_failing_step_fails_its_requests_registers_nothing_half_done_and_serving_goes_on(tiny):
+    """The failing step is the second chunk of a long prompt's prefill beside a decode: both requests
+    fail; the block the failed chunk completed (its slots were written before the error) never becomes
+    findable in the prefix cache; a running request that was not in the step finishes; the long prompt
+    served again reuses only the first chunk's blocks and gets the tokens it gets alone."""
+    long_prompt, short, queued = list(range(60, 90)), [1, 2, 3], [7, 8, 9]  # 30 tokens: chunks of 14, 14, 2
+    alone = _tiny_engine(tiny, enable_prefix_caching=False)
+    want = {tuple(p): alone.requests[alone.add_request(p, 5)].output for p in (long_prompt, short, queued)}
+    alone.run()
+    engine = _tiny_engine(tiny, fail_from=2)  # runner calls: prefill d | decode d + chunk 1 | d + chunk 2
+    d = engine.add_request(short, 5)
+    engine.step()
+    long = engine.add_request(long_prompt, 5)
+    engine.step()
+    e = engine.add_request(queued, 5)  # admitted, but the step's token budget is spent before it
+    with pytest.raises(StepFailed) as info:
+        engine.step()
+    assert engine.runner.failed_at == 2 and "injected" in str(info.value.__cause__)
+    assert sorted(info.value.request_ids) == [d, long] and str(d) in str(info.value)
+    assert [engine.requests[i].finish_reason for i in (d, long)] == ["error", "error"]
+    assert engine.requests[d].output == want[tuple(short)][:2] and engine.requests[long].output == []
+    assert [r.id for r in engine.running] == [e] and engine.requests[e].computed == 0
+    registered = {b.key[1] for b in engine.blocks.blocks if b.key is not None}
+    assert tuple(long_prompt[8:12]) in registered  # complete after chunk 1
+    assert tuple(long_prompt[12:16]) not in registered  # completed only by the failed chunk 2
+    again = engine.add_request(long_prompt, 5)
+    engine.run()
+    assert engine.requests[again].alloc.cached_tokens == 12
+    assert engine.requests[again].output == want[tuple(long_prompt)]
+    assert engine.requests[e].output == want[tuple(queued)]
+    assert engine.blocks.num_free == 40 and all(blk.ref == 0 for blk in engine.blocks.blocks)
+
+
+def test_run_admits_waiting_requests_after_every_running_one_finished_in_the_same_step(tiny):
+    """``run`` used to call the engine stuck when the whole batch finished at once while others waited."""
+    builder = MetadataBuilder(max_batch=2, max_blocks_per_seq=16, max_tokens=16, block_size=4, device="cpu")
+    engine = Engine(DecodeGraphRunner(tiny, builder), num_blocks=40)
+    for prompt in ([1, 2], [3, 4], [5, 6]):
+        engine.add_request(prompt, 2)
+    assert [len(r.output) for r in engine.run()] == [2, 2, 2]

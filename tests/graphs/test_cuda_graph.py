@@ -1,4 +1,5 @@
-"""DecodeGraphRunner: capture-size choice and padded steps (CPU), capture and replay (CUDA)."""
+"""DecodeGraphRunner: capture-size choice and padded steps (CPU), capture and replay (CUDA), and the
+engine's fault rules (bad requests, aborts, a failing step) around replayed steps (CUDA)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from mla_compile.engine import Engine
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner, default_capture_sizes
 from mla_compile.model import patch
 
-from tests.engine_load import run_workload
+from tests.engine_load import FailingRunner, check_trace, make_trace, run_trace, run_workload
 
 pytest.importorskip("transformers")
 
@@ -126,3 +127,50 @@ def test_fp8_latent_cache_replays_like_uncaptured_steps():
             assert engine.runner.replays > 20
     assert results[0][0] == results[1][0] and results[0][1] > 60
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+def faulty_trace_with_graphs(step_fn, device: str, enabled: bool, n_requests: int = 400,
+                             num_blocks: int = 24) -> tuple:
+    """The faulty trace of ``tests/test_engine.py`` (5% bad requests, 10% aborts) through a graph runner
+    over ``step_fn`` (a patched toy, vocabulary 1024; its cache allocated for ``num_blocks`` blocks of
+    16), whose first pure decode step (a replayed graph when ``enabled``) after call 150 raises. Returns
+    ``(engine, trace, seen, counts)`` after :func:`check_trace` passed."""
+    builder = MetadataBuilder(max_batch=16, max_blocks_per_seq=8, max_tokens=64, block_size=16, device=device)
+    runner = DecodeGraphRunner(step_fn, builder, enabled=enabled, strict_sync=enabled)
+    engine = Engine(FailingRunner(runner, fail_from=150, parts=("decode",)), num_blocks=num_blocks)
+    limits = engine.limits
+    trace = make_trace(11, n_requests, vocab_size=limits.vocab_size, max_total=limits.max_seq_tokens,
+                       block_size=16)
+    if enabled:
+        runner.capture()
+    seen = run_trace(engine, trace)
+    counts = check_trace(engine, trace, seen)
+    return engine, trace, seen, counts
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bad_requests_aborts_and_a_failing_replayed_step_with_cuda_graphs_match_uncaptured_steps():
+    """With decode steps replayed as CUDA graphs: ids past the vocabulary are rejected before any kernel
+    (a device-side assert in the embedding would end the process), aborts mid-decode free their blocks
+    between replays, a failing replayed step fails its requests and serving goes on. The same requests
+    finish with the same reasons and tokens as the same steps run uncaptured (bf16 tokens depend on the
+    batch, so the reference is the same schedule, not each request alone), and every block comes back."""
+    torch._dynamo.reset()
+    counters.clear()
+    hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.bfloat16, num_hidden_layers=2)
+    model = patch(hf, backend="triton")
+    compiled = torch.compile(model, fullgraph=True)
+    results = []
+    for enabled in (False, True):
+        model.allocate_cache(24, 16, fill=float("nan"))
+        engine, trace, seen, counts = faulty_trace_with_graphs(compiled, "cuda", enabled)
+        outputs = {r.id: (r.finish_reason, r.output) for r in engine.requests.values()}
+        results.append((outputs, seen.aborted, [f.request_ids for f in seen.failures], counts))
+    assert results[0] == results[1]
+    assert engine.runner.replays > 100 and engine.runner.failed_at is not None  # the failing step: a replay
+    assert seen.abort_states["decode"] >= 5 and len(seen.failures) == 1 and counts["failed"] >= 2
+    assert any("= 1024 is not a token id in [0, 1024)" in str(e) for e in seen.rejected.values())
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    print(f"\nfaulty trace with CUDA graphs on {torch.cuda.get_device_name()}: {counts}, "
+          f"aborts by state {dict(seen.abort_states)}, {engine.runner.replays} replays, tokens identical")

@@ -1,0 +1,141 @@
+"""Admission checks of the serving engine: a request is validated on the host before it is queued, so
+no bad token id, length or parameter ever reaches a kernel (on a GPU an out-of-range id in the embedding
+is a device-side assert that ends the process, and every other request with it).
+
+Accepted token ids are Python ``int`` and numpy integer scalars, or a 1-D integer ``torch.Tensor`` /
+``numpy.ndarray`` as the whole prompt; ``bool`` (an ``int`` subclass), floats (even ``1.0``), strings
+and anything else are rejected. Each parameter has one ``check_*`` helper, so new sampling parameters
+slot in as one more call in :func:`validate_request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class RequestRejected(ValueError):
+    """A request failed admission. ``request_id``: the id it was given; ``field``: the argument at fault
+    (``"prompt"``, ``"max_new_tokens"``, ...); ``position``: the first bad prompt index, or None."""
+
+    def __init__(self, request_id: int, field: str, message: str, position: int | None = None) -> None:
+        super().__init__(f"request {request_id}: {message}")
+        self.request_id = request_id
+        self.field = field
+        self.position = position
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an admitted request must fit: ``vocab_size`` token ids; at most ``max_positions`` (the
+    model's position embeddings, None: no limit), ``max_seq_tokens`` (the block table of one sequence)
+    and ``cache_tokens`` (the whole paged cache) prompt + new tokens."""
+
+    vocab_size: int
+    max_seq_tokens: int
+    cache_tokens: int
+    max_positions: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_tokens", "cache_tokens", "max_positions"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"RequestLimits.{name} must be a positive int, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _integer_dtype(array: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(array, torch.Tensor):
+        return array.dtype != torch.bool and not (array.dtype.is_floating_point or array.dtype.is_complex)
+    return bool(np.issubdtype(array.dtype, np.integer))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:40] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def check_int(request_id: int, name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int in ``[low, high]`` (``high`` None: no bound); else
+    :class:`RequestRejected`."""
+    if not _is_int(value):
+        raise RequestRejected(request_id, name, f"{name} = {_describe(value)} must be an int")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestRejected(request_id, name, f"{name} = {value} must be {bound}")
+    return value
+
+
+def check_prompt(request_id: int, prompt: Any, vocab_size: int) -> list[int]:
+    """The prompt as a list of Python ints, each a token id in ``[0, vocab_size)``; else
+    :class:`RequestRejected` naming the first bad position."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        if prompt.ndim != 1 or not _integer_dtype(prompt):
+            got = f"{prompt.ndim}-D of dtype {prompt.dtype}"
+            message = f"prompt must be a 1-D integer tensor or array, got {got}"
+            raise RequestRejected(request_id, "prompt", message)
+        prompt = prompt.tolist()
+    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        got = type(prompt).__name__
+        raise RequestRejected(request_id, "prompt", f"prompt must be a sequence of int token ids, got {got} "
+                              "(tokenize text first)")
+    if len(prompt) == 0:
+        message = "prompt is empty; it must be non-empty (one token id or more)"
+        raise RequestRejected(request_id, "prompt", message)
+    tokens = []
+    for i, t in enumerate(prompt):
+        if not _is_int(t):
+            message = f"prompt[{i}] = {_describe(t)} is not an int token id"
+            raise RequestRejected(request_id, "prompt", message, position=i)
+        if not 0 <= t < vocab_size:
+            message = f"prompt[{i}] = {int(t)} is not a token id in [0, {vocab_size})"
+            raise RequestRejected(request_id, "prompt", message, position=i)
+        tokens.append(int(t))
+    return tokens
+
+
+def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: RequestLimits) -> None:
+    """Prompt plus new tokens must fit the model's positions, one sequence's block table and the cache."""
+    total = prompt_len + max_new_tokens
+    bounds = [(limits.max_positions, "the model's max_position_embeddings"),
+              (limits.max_seq_tokens, "max_blocks_per_seq * block_size of the runner's builder"),
+              (limits.cache_tokens, "the paged cache (num_blocks * block_size)")]
+    for bound, what in bounds:
+        if bound is not None and total > bound:
+            message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens "
+                       f"exceed {what} = {bound}; shorten the prompt or lower max_new_tokens")
+            raise RequestRejected(request_id, "prompt + max_new_tokens", message)
+
+
+def validate_request(request_id: int, prompt: Any, max_new_tokens: Any,
+                     limits: RequestLimits) -> tuple[list[int], int]:
+    """Every admission check of one request; returns ``(prompt as Python ints, max_new_tokens)``, or
+    raises :class:`RequestRejected` (a ``ValueError``) naming the request, the argument and the first
+    bad position."""
+    tokens = check_prompt(request_id, prompt, limits.vocab_size)
+    max_new_tokens = check_int(request_id, "max_new_tokens", max_new_tokens, 1)
+    check_length(request_id, len(tokens), max_new_tokens, limits)
+    return tokens, max_new_tokens
+
+
+def model_limits(runner: Any) -> tuple[int | None, int | None]:
+    """``(vocab_size, max_position_embeddings)`` of the model a runner steps, read duck-typed from
+    ``runner.step_fn`` (a ``torch.compile`` wrapper is looked through); None where it has none."""
+    fn = getattr(runner, "step_fn", None)
+    model = getattr(fn, "_orig_mod", fn)
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "max_position_embeddings", None)
+    vocab = vocab if _is_int(vocab) and vocab > 0 else None
+    positions = positions if _is_int(positions) and positions > 0 else None
+    return vocab, positions
