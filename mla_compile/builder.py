@@ -79,6 +79,18 @@ def _layout(shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[_Span], int]:
     return spans, end
 
 
+def step_fields(step: StepInputs) -> dict[str, Tensor]:
+    """The tensors of ``step`` that the arena holds, by ``_FIELDS`` name (the fields the step has)."""
+    m = step.meta
+    fields = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": m.slot_mapping,
+              "logits_indices": m.logits_indices}
+    if m.decode is not None:
+        fields.update(block_table=m.decode.block_table, seq_lens=m.decode.seq_lens)
+    if m.prefill is not None:
+        fields.update(cu_seqlens_q=m.prefill.cu_seqlens_q, cu_seqlens_k=m.prefill.cu_seqlens_k)
+    return fields
+
+
 class MetadataBuilder:
     """Persistent metadata buffers for steps of at most ``max_batch`` sequences and ``max_tokens`` tokens."""
 
@@ -188,13 +200,7 @@ class MetadataBuilder:
         meta = plan.meta
         planned = None if meta.decode is None or self.decode_planner is None else \
             self.decode_planner(meta.decode.block_table, meta.decode.seq_lens)
-        arrays = {"input_ids": plan.input_ids, "positions": plan.positions, "slot_mapping": meta.slot_mapping,
-                  "logits_indices": meta.logits_indices}
-        if meta.decode is not None:
-            arrays.update(block_table=meta.decode.block_table, seq_lens=meta.decode.seq_lens)
-        if meta.prefill is not None:
-            arrays.update(cu_seqlens_q=meta.prefill.cu_seqlens_q, cu_seqlens_k=meta.prefill.cu_seqlens_k)
-        v = self._stage({name: t.numpy() for name, t in arrays.items()})
+        v = self._stage({name: t.numpy() for name, t in step_fields(plan).items()})
         dec = pre = None
         if meta.decode is not None:
             dec = DecodeMetadata(v["block_table"], v["seq_lens"], self.query_len, planned)

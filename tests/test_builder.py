@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mla_compile.builder import MetadataBuilder
+from mla_compile.builder import MetadataBuilder, step_fields
 from mla_compile.metadata import SeqChunk, plan_step
 
 
@@ -133,14 +133,7 @@ def test_decode_batch_below_min_batch_raises_before_writing():
 
 def _arena_offsets(b, step):
     """Byte offset into the arena of each view a step hands out, by field name."""
-    m = step.meta
-    views = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": m.slot_mapping,
-             "logits_indices": m.logits_indices}
-    if m.decode is not None:
-        views.update(block_table=m.decode.block_table, seq_lens=m.decode.seq_lens)
-    if m.prefill is not None:
-        views.update(cu_seqlens_q=m.prefill.cu_seqlens_q, cu_seqlens_k=m.prefill.cu_seqlens_k)
-    return {name: v.data_ptr() - b.arena.data_ptr() for name, v in views.items()}
+    return {name: v.data_ptr() - b.arena.data_ptr() for name, v in step_fields(step).items()}
 
 
 def _dec(n, q):
@@ -202,9 +195,8 @@ def test_decode_fast_path_and_general_path_give_the_same_views(query_len, monkey
         chunks = [SeqChunk([i, i + 3], list(range(10, 10 + query_len)), 1 + i) for i in range(n)]
         a, g = fast.build(chunks, decode_batch=batch), general.build(chunks, decode_batch=batch)
         assert _arena_offsets(fast, a) == _arena_offsets(general, g)
-        for x, y in ((a.input_ids, g.input_ids), (a.positions, g.positions),
-                     (a.meta.slot_mapping, g.meta.slot_mapping), (a.meta.logits_indices, g.meta.logits_indices),
-                     (a.meta.decode.block_table, g.meta.decode.block_table),
-                     (a.meta.decode.seq_lens, g.meta.decode.seq_lens)):
-            assert x.dtype == y.dtype and torch.equal(x, y)
+        fa, fg = step_fields(a), step_fields(g)
+        assert list(fa) == list(fg) == list(_DEC)
+        for name in _DEC:
+            assert fa[name].dtype == fg[name].dtype and torch.equal(fa[name], fg[name]), name
         assert a.num_rows == g.num_rows == n
