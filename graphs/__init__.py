@@ -1,6 +1,20 @@
-"""Compile diagnostics: what ``torch.compile`` made of a function (graphs, breaks, recompiles, ops).
+"""Running and inspecting compiled steps: CUDA-graph replay of decode steps, compile diagnostics.
 
-Depends only on torch (depyf optional); see :mod:`mla_compile.graphs.inspect`.
+What it holds:
+
+- :mod:`~mla_compile.graphs.cuda_graph`: :class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`
+  captures one CUDA graph per capture size from a :class:`~mla_compile.builder.MetadataBuilder`'s
+  padding steps (one shared memory pool), replays the smallest graph that fits a decode batch after
+  the builder fills its persistent buffers, and calls the step function directly for prefill, mixed
+  and larger steps (and everywhere without CUDA).
+- :mod:`~mla_compile.graphs.inspect`: what ``torch.compile`` made of a function (graphs, graph breaks,
+  recompiles, ``mla::`` ops and their backends, autotune decisions, fusion passes), as an
+  :class:`InspectReport` or the counting :class:`CompileWatch`; depends only on torch (depyf optional).
+
+How it plugs in: the package sits above core and depends on it (the builder, the step metadata).
+``import mla_compile`` does not import it: :class:`~mla_compile.engine.Engine` takes a runner as an
+argument, and ``mla_compile.DecodeGraphRunner`` is a lazy re-export (the demo and the CLI import the
+package). Importing it registers nothing.
 """
 
 from mla_compile.graphs.inspect import (CompileWatch, GraphBreak, GraphInfo, InspectReport, Recompile,

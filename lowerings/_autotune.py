@@ -60,8 +60,8 @@ def cpu_hook(hook: list, candidates: Callable[..., list[Candidate]]) -> Iterator
 _CHOICES: dict[str, object] = {}
 # CUDA: each candidate is timed as a CUDA-graph replay of one call, the way a captured decode step runs
 # it. Inductor times extern choices as eager calls, where a peer's per-call host work (FlashMLA's Python
-# wrapper and scheduler launch, our boundary) outweighs its GPU time at serving sizes: H200 run 15 had
-# FlashMLA at 0.41 ms against Triton's 0.24 ms in that timing while FlashMLA is ahead in replay.
+# wrapper and scheduler launch, our boundary) outweighs its GPU time at serving sizes: eager timing can
+# rank FlashMLA behind Triton where FlashMLA is ahead in replay (BENCHMARKS.md).
 GRAPH_TIMING = [True]
 _GRAPHS: dict[tuple, tuple] = {}  # (choice, inputs) -> (graph, static outputs); emptied after each select()
 

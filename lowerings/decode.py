@@ -41,8 +41,8 @@ OP_NAME = "mla::decode_autotune"
 SELECT_NAME = "mla_decode_autotune"
 # (BLOCK_N, num_warps, num_stages, splits); 0 keeps the heuristic's value (ops/triton/decode.py:_pick).
 # No fixed split count: a class winner serves a range of batches, and a count timed at one batch does not
-# carry over (H200 run 25: "one split" won at 128 sequences by 4% and made the 64-sequence step 8% slower
-# with 64 programs on 132 SMs); the heuristic's count adapts to the batch.
+# carry over (a count that wins at 128 sequences can leave most SMs idle at 64, see BENCHMARKS.md); the
+# heuristic's count adapts to the batch.
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (32, 0, 3, 0), (64, 0, 3, 0))
 # Batch sizes a dynamic batch is timed at (smallest: the builder's padded minimum; largest: a serving
 # batch); the graph splits where the winner changes (mla::decode_by_rows), else emits the one winner.

@@ -1,15 +1,38 @@
-"""mla_compile: DeepSeek Multi-head Latent Attention as a first-class citizen of ``torch.compile``."""
+"""mla_compile: DeepSeek Multi-head Latent Attention as a first-class citizen of ``torch.compile``.
+
+The front door: :func:`patch` turns a Hugging Face DeepSeek model into an MLA model whose attention
+runs through the ``mla::`` custom ops; :class:`MetadataBuilder` plans each step into persistent
+buffers; :func:`greedy_generate` and :class:`Engine` drive steps; :class:`DecodeGraphRunner` (from
+:mod:`mla_compile.graphs`, imported on first access so that core does not import graphs) replays
+decode steps as CUDA graphs.
+"""
+
+from typing import Any
 
 from mla_compile import envs as _envs
 from mla_compile import ops
+from mla_compile.builder import MetadataBuilder
 from mla_compile.cache import CacheLayout, allocate_latent_cache, fp8_row_bytes
 from mla_compile.config import PRESETS, MLAConfig, is_mla_model, is_sparse_mla_model, preset
+from mla_compile.engine import Engine
+from mla_compile.generate import greedy_generate
+from mla_compile.model import patch
 
 ops.set_checked_mode(_envs.checked())
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheLayout", "MLAConfig", "PRESETS", "allocate_latent_cache", "fp8_row_bytes", "is_mla_model",
-    "is_sparse_mla_model", "ops", "preset",
+    "CacheLayout", "DecodeGraphRunner", "Engine", "MLAConfig", "MetadataBuilder", "PRESETS",
+    "allocate_latent_cache", "fp8_row_bytes", "greedy_generate", "is_mla_model", "is_sparse_mla_model",
+    "ops", "patch", "preset",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``DecodeGraphRunner`` on first access (graphs sits above core: no eager import)."""
+    if name == "DecodeGraphRunner":
+        from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+        globals()[name] = DecodeGraphRunner  # later accesses skip this function
+        return DecodeGraphRunner
+    raise AttributeError(f"module 'mla_compile' has no attribute {name!r}")

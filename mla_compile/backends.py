@@ -130,22 +130,21 @@ SPECS: dict[str, dict[str, BackendSpec]] = {
     )},
 }
 
-# Priority = the order of SPECS above, from the H200 measurements in BENCHMARKS.md (run 3) and
+# Priority = the order of SPECS above, from the GPU timings in BENCHMARKS.md and
 # shared/notes/mla-anchors.md:
-# - decode: "flashmla-tiered" (FlashMLA above 16 query rows, Triton at or below) first: whole captured
-#   steps of run 11 have Triton ahead at B=1/8 and FlashMLA from B=64 (ops/adapters/flashmla.py).
-#   FlashMLA 237 us / FlashInfer 263 us / our Triton 650 us (B=128 L=4096 H=128 bf16) and
-#   FlashMLA 277 / FlashInfer 284 / Triton 516 us (H=16 L=8192): flashmla (block size 64 only), then
-#   flashinfer, then triton, then the reference. The Blackwell paths are unmeasured (no sm100 machine):
-#   trtllm-gen after flashinfer; the CUTLASS path, which copies the cache per call, after triton.
-# - prefill (8 x 4096 causal, H=128, qk 192 / v 128): FlashInfer 9.07 ms, SDPA cuDNN 10.16 ms, Triton
-#   12.94 ms; flash-attn is unmeasured (not installable there) and comes before Triton. SDPA cuDNN is
-#   faster than Triton on long sequences but loops over sequences on the host and reads cu_seqlens
-#   there (a host sync per call), so "auto" puts it after Triton; ask for it by name for long prompts.
-# gpu_tested: FlashMLA, FlashInfer (decode, prefill, merge) and SDPA cuDNN passed their CUDA tests on
-# the H200 (BENCHMARKS.md run 5, torch 2.11); flash-attn and the sm100 paths have never run on a GPU.
-# - merge: Triton 104 us (92% of copy bandwidth); FlashInfer's merge_state is unmeasured and pays two
-#   extra passes at our boundary (empty parts), so it comes second.
+# - decode: "flashmla-tiered" (FlashMLA above ``SMALL_ROWS`` query rows, Triton at or below; see
+#   ops/adapters/flashmla.py: Triton is ahead on whole captured steps at small batches, FlashMLA at
+#   large ones), then flashmla (block size 64 only), then flashinfer, then triton, then the reference.
+#   The Blackwell paths have no timings (no sm100 machine): trtllm-gen after flashinfer; the CUTLASS
+#   path, which copies the cache per call, after triton.
+# - prefill: flashinfer, then trtllm-gen (Blackwell), flash-attn (untimed: not installable on the
+#   test machine), triton, then SDPA cuDNN: it beats Triton on long sequences but loops over sequences
+#   on the host and reads cu_seqlens there (a host sync per call), so "auto" puts it after Triton;
+#   ask for it by name for long prompts.
+# - merge: Triton first; FlashInfer's merge_state (untimed) pays two extra passes at our boundary
+#   (empty parts), so it comes second.
+# gpu_tested (per spec above) says which backends passed their CUDA tests on a GPU; "auto" skips the
+# others.
 PRIORITY: dict[str, tuple[str, ...]] = {op: tuple(specs) for op, specs in SPECS.items()}
 
 
@@ -280,7 +279,7 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
               f"head dims {facts['head_dims']}, s_q {query_len}]")
     if name == "auto":
         # "auto" only picks paths that have passed their CUDA tests on a GPU; the others serve when
-        # asked for by name (and join "auto" once their gpu_tested flag is set after an H200 run).
+        # asked for by name (and join "auto" once their gpu_tested flag is set after a GPU run).
         for n in usable:
             if n == "autotune":  # a compile-time choice among the others, asked for by name only
                 rejected[n] = "chosen by Inductor's timing at compile time: 'auto' skips it, ask for it by name"

@@ -11,7 +11,8 @@ addresses, which is what a captured CUDA graph needs: fill, then replay.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +28,69 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+class _Field(NamedTuple):
+    """One field of the arena: its name, its dtype and its largest shape for a builder."""
+
+    name: str
+    dtype: np.dtype
+    largest: Callable[["MetadataBuilder"], tuple[int, ...]]
+
+
+_I64, _I32 = np.dtype(np.int64), np.dtype(np.int32)
+
+# The arena layout, declared once. A step lays out the fields it has in this order, each at the next
+# 16-byte aligned offset (a decode-only step has no cu_seqlens, a prefill-only step no block table or
+# seq_lens), so a step's addresses depend only on its sizes. The builder's capacity is the layout of
+# every field at its largest shape.
+_FIELDS = (
+    _Field("input_ids", _I64, lambda b: (b.max_tokens,)),
+    _Field("positions", _I64, lambda b: (b.max_tokens,)),
+    _Field("slot_mapping", _I64, lambda b: (b.max_tokens,)),
+    _Field("logits_indices", _I64, lambda b: (b.max_tokens,)),
+    _Field("block_table", _I32, lambda b: (b.max_batch, b.max_blocks)),
+    _Field("seq_lens", _I32, lambda b: (b.max_batch,)),
+    _Field("cu_seqlens_q", _I32, lambda b: (b.max_batch + 1,)),
+    _Field("cu_seqlens_k", _I32, lambda b: (b.max_batch + 1,)),
+)
+
+
+class _Span(NamedTuple):
+    """Where one field of a step lies in the arena: bytes ``[start, stop)``."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+
+def _layout(shapes: Mapping[str, tuple[int, ...]]) -> tuple[list[_Span], int]:
+    """The spans of a step with the fields named in ``shapes`` (in ``_FIELDS`` order) and the end of the
+    last one, aligned."""
+    assert shapes.keys() <= {f.name for f in _FIELDS}, f"unknown arena fields: {sorted(shapes)}"
+    spans, end = [], 0
+    for f in _FIELDS:
+        shape = shapes.get(f.name)
+        if shape is None:
+            continue
+        nbytes = f.dtype.itemsize * math.prod(shape)
+        spans.append(_Span(f.name, f.dtype, tuple(shape), end, end + nbytes))
+        end += _aligned(nbytes)
+    return spans, end
+
+
+def step_fields(step: StepInputs) -> dict[str, Tensor]:
+    """The tensors of ``step`` that the arena holds, by ``_FIELDS`` name (the fields the step has)."""
+    m = step.meta
+    fields = {"input_ids": step.input_ids, "positions": step.positions, "slot_mapping": m.slot_mapping,
+              "logits_indices": m.logits_indices}
+    if m.decode is not None:
+        fields.update(block_table=m.decode.block_table, seq_lens=m.decode.seq_lens)
+    if m.prefill is not None:
+        fields.update(cu_seqlens_q=m.prefill.cu_seqlens_q, cu_seqlens_k=m.prefill.cu_seqlens_k)
+    return fields
+
+
 class MetadataBuilder:
     """Persistent metadata buffers for steps of at most ``max_batch`` sequences and ``max_tokens`` tokens."""
 
@@ -35,10 +99,10 @@ class MetadataBuilder:
                  decode_planner: Callable[[Tensor, Tensor], Any] | None = None,
                  context_chunk_tokens: int = 65536) -> None:
         """``context_chunk_tokens``: the most cached-context rows a prefill gathers at once (per slice;
-        see :func:`plan_step`). ``decode_planner``: called with each decode step's host ``block_table`` and ``seq_lens`` before
-        the step (and for each padding step at capture); what it returns rides along as
-        ``DecodeMetadata.plan`` (e.g. ``ops.adapters.flashinfer.FlashInferDecodePlanner``, which returns
-        itself, so compiled graphs see one constant object)."""
+        see :func:`plan_step`). ``decode_planner``: called with each decode step's host ``block_table``
+        and ``seq_lens`` before the step (and for each padding step at capture); what it returns rides
+        along as ``DecodeMetadata.plan`` (e.g. ``ops.adapters.flashinfer.FlashInferDecodePlanner``, which
+        returns itself, so compiled graphs see one constant object)."""
         for name, value in (("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq),
                             ("max_tokens", max_tokens), ("block_size", block_size), ("query_len", query_len),
                             ("context_chunk_tokens", context_chunk_tokens)):
@@ -51,9 +115,7 @@ class MetadataBuilder:
         self.device = torch.device(device)
         self.max_batch, self.max_blocks, self.max_tokens = max_batch, max_blocks_per_seq, max_tokens
         self.block_size, self.query_len, self.min_batch = block_size, query_len, min_batch
-        # ids, positions, slots, logits rows (int64) | block table, seq_lens, cu_seqlens_q, cu_seqlens_k (int32)
-        capacity = (3 * _aligned(8 * max_tokens) + _aligned(8 * max_tokens) + _aligned(4 * max_batch * max_blocks_per_seq)
-                    + _aligned(4 * max_batch) + 2 * _aligned(4 * (max_batch + 1)))
+        _, capacity = _layout({f.name: f.largest(self) for f in _FIELDS})
         self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
         self.decode_planner = decode_planner
@@ -89,21 +151,30 @@ class MetadataBuilder:
         elif self.arena.device.type != "cpu":  # another device without pinned memory
             self.arena[:end].copy_(host)
 
-    def _stage(self, arrays: Sequence[np.ndarray]) -> list[Tensor]:
-        """Pack host ``arrays`` into one pinned buffer, copy it to the front of the arena in one
-        (async) copy, and return arena views with the arrays' dtypes and shapes."""
-        offsets, end = [], 0
-        for a in arrays:
-            offsets.append(end)
-            end += _aligned(a.nbytes)
+    def _view(self, span: _Span) -> Tensor:
+        """The arena view of one field of a step."""
+        return self.arena[span.start:span.stop].view(_TORCH[span.dtype]).view(span.shape)
+
+    def _stage(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Tensor]:
+        """Pack host ``arrays`` (by field name) into one pinned buffer at their ``_layout`` offsets, copy
+        it to the front of the arena in one (async) copy, and return the arena views by field name."""
+        spans, end = _layout({name: a.shape for name, a in arrays.items()})
         if end > self.arena.numel():  # unreachable when the size checks in build() hold
             raise ValueError(f"step metadata needs {end} bytes; the builder's arena holds {self.arena.numel()}")
         host, turn = self._host(end)
         flat = host.numpy()
-        for a, off in zip(arrays, offsets):
-            flat[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for sp in spans:
+            a = arrays[sp.name]
+            assert a.dtype == sp.dtype, f"{sp.name}: planned as {a.dtype}, the arena holds {sp.dtype}"
+            flat[sp.start:sp.stop] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         self._send(host, turn, end)
-        return [self.arena[off:off + a.nbytes].view(_TORCH[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+        return {sp.name: self._view(sp) for sp in spans}
+
+    def _decode_shapes(self, n_seq: int) -> dict[str, tuple[int, ...]]:
+        """The field shapes of a decode-only step of ``n_seq`` (padded) sequences, one logits row each."""
+        n = n_seq * self.query_len
+        return {"input_ids": (n,), "positions": (n,), "slot_mapping": (n,), "logits_indices": (n_seq,),
+                "block_table": (n_seq, self.max_blocks), "seq_lens": (n_seq,)}
 
     def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
               decode_batch: int | None = None, logits: str = "last") -> StepInputs:
@@ -124,25 +195,21 @@ class MetadataBuilder:
                          logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None,
                          context_chunk_tokens=self.context_chunk_tokens)
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
-            raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; the builder holds max_tokens={self.max_tokens}")
+            raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; "
+                             f"the builder holds max_tokens={self.max_tokens}")
         meta = plan.meta
         planned = None if meta.decode is None or self.decode_planner is None else \
             self.decode_planner(meta.decode.block_table, meta.decode.seq_lens)
-        arrays = [plan.input_ids, plan.positions, meta.slot_mapping, meta.logits_indices]
-        if meta.decode is not None:
-            arrays += [meta.decode.block_table, meta.decode.seq_lens]
-        if meta.prefill is not None:
-            arrays += [meta.prefill.cu_seqlens_q, meta.prefill.cu_seqlens_k]
-        views = self._stage([t.numpy() for t in arrays])
-        ids, pos, slots, rows = views[:4]
+        v = self._stage({name: t.numpy() for name, t in step_fields(plan).items()})
         dec = pre = None
         if meta.decode is not None:
-            dec = DecodeMetadata(views[4], views[5], self.query_len, planned)
+            dec = DecodeMetadata(v["block_table"], v["seq_lens"], self.query_len, planned)
         if meta.prefill is not None:
             # prefill runs uncaptured: its context metadata (sized by the context) is moved, not staged
             moved = meta.prefill.to(self.device)
-            pre = PrefillMetadata(views[-2], views[-1], moved.block_table, moved.context)
-        return StepInputs(ids, pos, MLAMetadata(slots, dec, pre, rows), plan.num_rows)
+            pre = PrefillMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], moved.block_table, moved.context)
+        meta_v = MLAMetadata(v["slot_mapping"], dec, pre, v["logits_indices"])
+        return StepInputs(v["input_ids"], v["positions"], meta_v, plan.num_rows)
 
     def _build_decode(self, decode: Sequence[SeqChunk], n_seq: int) -> StepInputs | None:
         """The decode-only step (the one served every token): the same arena bytes and views as the
@@ -169,41 +236,29 @@ class MetadataBuilder:
 
     def padding_decode(self, batch: int) -> StepInputs:
         """A decode step of ``batch`` padding sequences (reads and writes nothing): for graph capture.
-        Its views have the addresses of every later real decode step of ``batch`` sequences."""
+        Its views are those of every later real decode step of ``batch`` sequences (the decode path with
+        no real sequence: token 0, position 0, slot -1, seq_len 0, an empty table row)."""
         if not self.min_batch <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [{self.min_batch}, {self.max_batch}], got {batch}")
-        n = batch * self.query_len
-        zeros = np.zeros(n, dtype=np.int64)
-        arrays = [zeros, zeros, np.full(n, -1, dtype=np.int64), np.arange(self.query_len - 1, n, self.query_len),
-                  np.zeros((batch, self.max_blocks), dtype=np.int32), np.zeros(batch, dtype=np.int32)]
-        planned = None if self.decode_planner is None else \
-            self.decode_planner(torch.from_numpy(arrays[4]), torch.from_numpy(arrays[5]))
-        ids, pos, slots, rows, table, lens = self._stage(arrays)
-        meta = MLAMetadata(slots, DecodeMetadata(table, lens, self.query_len, planned), None, rows)
-        return StepInputs(ids, pos, meta, 0)
+        step = self._build_decode((), batch)
+        assert step is not None  # no sequence, so no check can fail
+        return step
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 class _DecodeLayout:
-    """Offsets and arena views of a decode-only step of ``n_seq`` (padded) sequences: ids, positions,
-    slots (int64, ``n_seq * query_len``), logits rows (int64, ``n_seq``), block table, seq_lens (int32);
-    the order and 16-byte alignment of ``MetadataBuilder._stage``, so the addresses are the ones a
-    captured graph of that size reads."""
+    """Spans and arena views of a decode-only step of ``n_seq`` (padded) sequences (``_layout`` of
+    ``MetadataBuilder._decode_shapes``, the offsets ``_stage`` gives the same arrays), so the addresses
+    are the ones a captured graph of that size reads. Fields in ``_FIELDS`` order: ids, positions,
+    slots, logits rows, block table, seq_lens."""
 
     def __init__(self, builder: MetadataBuilder, n_seq: int) -> None:
         n, q = n_seq * builder.query_len, builder.query_len
-        self.specs = [(np.dtype(np.int64), (n,))] * 3 + [(np.dtype(np.int64), (n_seq,)),
-                      (np.dtype(np.int32), (n_seq, builder.max_blocks)), (np.dtype(np.int32), (n_seq,))]
-        self.spans, end = [], 0
-        for dtype, shape in self.specs:
-            nbytes = dtype.itemsize * int(np.prod(shape))
-            self.spans.append((end, end + nbytes))
-            end += _aligned(nbytes)
-        self.end = end
+        self.spans, self.end = _layout(builder._decode_shapes(n_seq))
         self.rows = np.arange(q - 1, n, q, dtype=np.int64)
-        self.views = [builder.arena[a:b].view(_TORCH[dt]).view(sh) for (dt, sh), (a, b) in zip(self.specs, self.spans)]
+        self.views = [builder._view(sp) for sp in self.spans]
         self._fields: dict[int, list[np.ndarray]] = {}
 
     def fields(self, host: Tensor, turn: int) -> list[np.ndarray]:
@@ -212,7 +267,7 @@ class _DecodeLayout:
         fields = self._fields.get(turn)
         if fields is None:
             flat = host.numpy()
-            fields = [flat[a:b].view(dt).reshape(sh) for (dt, sh), (a, b) in zip(self.specs, self.spans)]
+            fields = [flat[sp.start:sp.stop].view(sp.dtype).reshape(sp.shape) for sp in self.spans]
             if turn != -2:  # a persistent buffer
                 self._fields[turn] = fields
         return fields

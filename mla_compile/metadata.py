@@ -302,7 +302,7 @@ def fill_decode(decode: Sequence[SeqChunk], starts: np.ndarray, block_counts: np
 
 def _fill_block_table(table: np.ndarray, blocks: Sequence[Sequence[int]], counts: np.ndarray) -> None:
     """Zero ``table [rows, width]`` (int32) and write each block list into its row: one flat C-level pass
-    over all ids and one masked store (B=256 x 64 blocks: ~0.2 ms against ~1 ms row by row)."""
+    over all ids and one masked store, not a Python loop over rows."""
     table.fill(0)
     flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int32, count=int(counts.sum()))
     table[:len(counts)][np.arange(table.shape[1]) < counts[:, None]] = flat

@@ -68,8 +68,8 @@ def decode_triton_config(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
     cfg = {k: v for k, v in (("BLOCK_N", block_n), ("num_warps", num_warps), ("num_stages", num_stages),
                              ("SPLITS", splits)) if v > 0}
     # a plain custom op body: launch the kernels directly, as a triton_op's eager call does (with
-    # wrap_triton on, each launch goes through the higher-order-op dispatch: hundreds of us of host time,
-    # which also made Inductor's autotune timings of this choice meaningless; H200 run 8)
+    # wrap_triton on, each launch goes through the higher-order-op dispatch, whose host time dwarfs the
+    # kernel's and would make Inductor's autotune timings of this choice meaningless)
     with set_wrap_triton_enabled(False):
         return _launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=cfg)
 

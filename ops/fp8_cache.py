@@ -264,8 +264,8 @@ def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
     """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_tma.py``,
     ``fp8_decode_wgmma.py``) serve this call, from static properties only (no guard on the batch): CUDA sm_89+
     with Triton, bf16 q ``[B, s_q, H, 576]`` with any number of query rows (16-row programs: each block of 16
-    ``s_q * H`` rows reads the cache again, still 1.7-4x the Triton fp8 kernel at 64-128 heads: BENCHMARKS.md,
-    tenth session), DeepSeek's 512 + 64 split, pages of a multiple of 32 rows, 16-byte aligned row and page
+    ``s_q * H`` rows reads the cache again, still ahead of the Triton fp8 kernel at 64-128 heads: see
+    BENCHMARKS.md), DeepSeek's 512 + 64 split, pages of a multiple of 32 rows, 16-byte aligned row and page
     strides."""
     if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():
         return False
@@ -284,7 +284,7 @@ def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     if backend in (None, "auto") and gluon_eligible(q4, kv_cache, kv_lora_rank):
-        backend = "gluon"  # our fastest fp8 kernels where they apply (BENCHMARKS.md, runs 27 and 44)
+        backend = "gluon"  # our fastest fp8 kernels where they apply (see BENCHMARKS.md)
     out, lse = resolve(OP_DECODE, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mla_compile.builder import MetadataBuilder
+from mla_compile.builder import MetadataBuilder, step_fields
 from mla_compile.metadata import SeqChunk, plan_step
 
 
@@ -129,3 +129,74 @@ def test_decode_batch_below_min_batch_raises_before_writing():
     with pytest.raises(ValueError, match="decode_batch=1 must be >= .*min_batch"):
         b.build(_decode_chunks(1, 9), decode_batch=1)
     assert torch.equal(b.arena, before)
+
+
+def _arena_offsets(b, step):
+    """Byte offset into the arena of each view a step hands out, by field name."""
+    return {name: v.data_ptr() - b.arena.data_ptr() for name, v in step_fields(step).items()}
+
+
+def _dec(n, q):
+    return [SeqChunk([i, i + 1], list(range(q)), 5) for i in range(n)]
+
+
+_DEC = ("input_ids", "positions", "slot_mapping", "logits_indices", "block_table", "seq_lens")
+_PRE = ("input_ids", "positions", "slot_mapping", "logits_indices", "cu_seqlens_q", "cu_seqlens_k")
+_MIX = _DEC + ("cu_seqlens_q", "cu_seqlens_k")
+
+
+# Offsets recorded on the builder before its layout was declared as data (commit 112e4b9): captured
+# CUDA graphs read these addresses, so a change to the layout must be deliberate.
+@pytest.mark.parametrize("kw, capacity, steps", [
+    (dict(max_batch=8, max_blocks_per_seq=6, max_tokens=40, query_len=1), 1600, [
+        ("decode", 3, (0, 32, 64, 96, 128, 208)),
+        ("decode", 5, (0, 48, 96, 144, 192, 320)),
+        ("all", 5, (0, 48, 96, 144, 192, 320)),
+        ("mixed", None, (0, 64, 128, 192, 224, 272, 288, 304)),
+        ("prefill", None, (0, 48, 96, 144, 176, 192))]),
+    (dict(max_batch=5, max_blocks_per_seq=3, max_tokens=37, query_len=2), 1376, [
+        ("decode", 2, (0, 32, 64, 96, 112, 144)),
+        ("decode", 5, (0, 80, 160, 240, 288, 352)),
+        ("all", 3, (0, 48, 96, 144, 192, 240)),
+        ("mixed", None, (0, 80, 160, 240, 272, 304, 320, 336)),
+        ("prefill", None, (0, 48, 96, 144, 176, 192))]),
+])
+def test_arena_offsets_are_pinned(kw, capacity, steps):
+    b = _builder(**kw)
+    q = kw["query_len"]
+    assert b.arena.numel() == capacity
+    for kind, batch, want in steps:
+        if kind == "decode":
+            got = [_arena_offsets(b, b.build(_dec(2, q), decode_batch=batch)),
+                   _arena_offsets(b, b.padding_decode(batch))]
+            names = _DEC
+        elif kind == "all":
+            got = [_arena_offsets(b, b.build(_dec(2, q), decode_batch=batch, logits="all"))]
+            names = _DEC
+        elif kind == "mixed":
+            got = [_arena_offsets(b, b.build(_dec(2, q), [SeqChunk([9, 10], [1, 2, 3, 4, 5])]))]
+            names = _MIX
+        else:
+            prefill = [SeqChunk([9, 10], [1, 2, 3]), SeqChunk([11], [4], 1), SeqChunk([7], [3])]
+            got = [_arena_offsets(b, b.build([], prefill))]
+            names = _PRE
+        for offsets in got:
+            assert offsets == dict(zip(names, want)), (kind, batch)
+
+
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_decode_fast_path_and_general_path_give_the_same_views(query_len, monkeypatch):
+    """The decode-only fast path and the general staging path (forced by disabling the fast path) hand
+    out views at the same addresses with the same shapes, dtypes and contents."""
+    fast = _builder(query_len=query_len, max_tokens=8 * query_len)
+    general = _builder(query_len=query_len, max_tokens=8 * query_len)
+    monkeypatch.setattr(general, "_build_decode", lambda decode, n_seq: None)
+    for n, batch in ((2, None), (3, 4), (5, 8)):
+        chunks = [SeqChunk([i, i + 3], list(range(10, 10 + query_len)), 1 + i) for i in range(n)]
+        a, g = fast.build(chunks, decode_batch=batch), general.build(chunks, decode_batch=batch)
+        assert _arena_offsets(fast, a) == _arena_offsets(general, g)
+        fa, fg = step_fields(a), step_fields(g)
+        assert list(fa) == list(fg) == list(_DEC)
+        for name in _DEC:
+            assert fa[name].dtype == fg[name].dtype and torch.equal(fa[name], fg[name]), name
+        assert a.num_rows == g.num_rows == n

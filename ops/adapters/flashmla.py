@@ -91,10 +91,9 @@ def available() -> bool:
 
 register_impl(OP, BACKEND, torch.ops.mla.decode_flashmla, devices=("cuda",), available=available)
 
-# Query rows (B * s_q) at or below which "flashmla-tiered" runs our Triton kernel: at batch 1-8 the decode
-# is a few microseconds and FlashMLA's per-call scheduler and combine launches cost more than they save
-# (H200 run 11, whole captured step, 4 layers, H=16, 4096 context: Triton 0.924 / 1.326 ms at B=1 / 8
-# against FlashMLA 1.012 / 1.413 ms; FlashMLA ahead from B=64: 2.314 / 3.348 ms against 2.466 / 3.865 ms).
+# Query rows (B * s_q) at or below which "flashmla-tiered" runs our Triton kernel: at small batches the
+# decode is short and FlashMLA's per-call scheduler and combine launches cost more than they save
+# (whole captured steps: Triton ahead at B=1 and 8, FlashMLA from B=64; timings in BENCHMARKS.md).
 SMALL_ROWS = 16
 
 

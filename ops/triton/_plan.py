@@ -18,7 +18,7 @@ def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
     batch traced by torch.compile) gets the same formula for every size and always the workspace path.
     The formula is a floor division only: a ``Min``/``Max`` of symbolic sizes, or a workspace dim that
     may be 1, makes Inductor decide between them (``check_contiguous_sizes_strides``), a guard on the
-    batch that a warm AOTAutograd cache enforces (H200 run 28; reproduced on CPU). ``cap`` (the most
+    batch that a warm AOTAutograd cache enforces (a recompile for another batch size). ``cap`` (the most
     splits worth taking, int or symbolic) and ``MAX_SPLITS`` are applied where both are concrete; the
     kernels also clamp their effective split count to them on the device (the ``split_cap`` argument;
     the programs past it exit at once), so the traced and the eager launch split the keys the same way

@@ -123,8 +123,8 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
           wide: bool = False, fp8: bool = False, block_size: int | None = None, dr: int = 64) -> dict:
     """Tile sizes, warps, stages, page tiles and split count, from shapes only.
 
-    Defaults from sm_90 compiles (benchmarks/kernel_resources.py; no spills) and H200 timings
-    (benchmarks/results): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~255 registers, 216 KB of
+    Defaults from sm_90 compiles (benchmarks/kernel_resources.py; no spills) and GPU timings
+    (BENCHMARKS.md): BLOCK_H=64 gets wgmma (a warpgroup per 64 rows, ~255 registers, 216 KB of
     shared memory at BLOCK_N=64); BLOCK_H=16/32 use mma.sync with 8 warps. ``wide`` (4-byte cache
     elements) halves the tiles to stay within shared memory. ``PAGE_TILES`` (tiles inside one page of
     ``block_size`` rows, no padded columns: one block-table entry and affine row addresses per tile) is
@@ -133,8 +133,7 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     cfg = dict(config or {})
     block_h = cfg.setdefault("BLOCK_H", min(32 if wide else 64, pow2(M)))
     wgmma = block_h == 64 and not wide
-    # H200 (benchmarks/results): B=128 L=4096 H=128, BLOCK_N 64 / 2 stages ran 654 us against 880 us
-    # for 32 / 3; B=128 L=8192 H=16, BLOCK_N 64 / 3 stages ran 520 us against 690 us for 32 / 3.
+    # BLOCK_N 64 beats 32 at H=128 and at H=16 (timings in BENCHMARKS.md)
     block_n = cfg.setdefault("BLOCK_N", 16 if wide else 32 if block_h == 32 and pow2(dc) >= 256 else 64)
     cfg.setdefault("num_warps", 8 if block_h * pow2(dc) >= 16 * 512 else 4)
     # page tiles where they apply (tiles inside one page, no padded columns; a request holds only there),
@@ -143,14 +142,13 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
             and (fp8 or pow2(dc) == dc))
     wanted = cfg.get("PAGE_TILES", not (wgmma and (fp8 or cfg.get("num_stages", 2) > 2)))
     cfg["PAGE_TILES"] = bool(wanted) and page
-    # Page tiles (run 23, H200): the 16-row kernel 452 -> 308 us at B=128 L=8192 H=16 (1872 instead of
-    # 2824 SASS instructions, 127 instead of 218 registers), the wgmma kernel 630 -> 524 us at B=128
-    # L=4096 H=128 with 2 stages (at 3 it spills 200 B). Without them the tile's rows come through a
+    # Page tiles cut the 16-row and the wgmma kernels' time, instructions and registers (BENCHMARKS.md);
+    # the wgmma kernel takes them with 2 stages (at 3 it spills). Without them the tile's rows come through a
     # per-row block-table load, so Triton's pipeliner spends one stage on it (sm_90 compiles, DeepSeek
     # dims): at 2 stages the wgmma kernel reads the block table with a synchronous load in the loop (LDG
     # 55; 3 stages: LDG 19, the block table is cp.async too); at 3 stages the 16-row kernel has one KV
     # buffer (95 KB), so a tile's load never overlaps the previous tile's math; 5 stages give two (169 KB,
-    # still one CTA per SM; likewise the 32-row kernel). The fp8 path keeps its H200-measured settings.
+    # still one CTA per SM; likewise the 32-row kernel). The fp8 path keeps its own measured settings.
     if fp8 or wide:
         stages = 2 if wide or wgmma else 3
     elif wgmma:

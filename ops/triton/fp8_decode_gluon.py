@@ -18,10 +18,9 @@ So the scales are applied in fp32 and the codes are never rounded: LSEs agree wi
 ~1e-6 (the ``wgmma`` kernel, which rounds ``code * scale`` to float16, to ~1e-3). The query rows run as in
 ``fp8_decode_wgmma`` (float16 times a power of two); P' limits the scales to at most 255 (values at most
 448 * 255, far outside DeepSeek's latents), and terms with P * scale < 2^-22 (float16-subnormal P') round to
-an absolute 2^-32. H200, B=128 x 8192 keys, H=16, page 64: 281 us against 390 us for the
-key-split kernel this replaces (BENCHMARKS.md, run 61); sm_90 runs ``fp8_decode_tma`` (173-179 us, runs 92-99) or
-``fp8_decode_wgmma`` (271 us) where pages allow (``sm90_launch``). Same program layout, splits and outputs as
-``decode._decode_split_kernel`` (workspace rows or the final result).
+an absolute 2^-32. It replaced a slower key-split kernel (timings in BENCHMARKS.md); sm_90 runs
+``fp8_decode_tma`` or ``fp8_decode_wgmma`` where pages allow (``sm90_launch``). Same program layout,
+splits and outputs as ``decode._decode_split_kernel`` (workspace rows or the final result).
 """
 
 from __future__ import annotations

@@ -16,9 +16,8 @@ The four groups' dots are pipelined (``is_async``: group g + 1 converts while gr
 output is rescaled only when a row's maximum grows. So the codes are never rounded and the scales apply in
 fp32: LSEs match float64 to ~1e-6 like ``fp8_decode_gluon``'s (``fp8_decode_wgmma``, which rounds
 ``code * scale`` to float16: ~1e-3). Queries are float16 times a power of two (``_gluon.q_power``).
-One stream an SM into a deeper ring beats two programs an SM with two slots each (BENCHMARKS.md, run 91:
-175.5 against 186.2 us; in the benchmark 172.7-179.1 us, 1.75-1.82x our bf16 decode, runs 92-98; B=128 x
-8192 keys, H=16, page 64). With several splits the last split of each row
+One stream an SM into a deeper ring beats two programs an SM with two slots each (timings in
+BENCHMARKS.md). With several splits the last split of each row
 block merges them (no reduce kernel).
 
 Needs sm_90, pages of a multiple of 64 rows and a contiguous cache (a TMA descriptor spans it);

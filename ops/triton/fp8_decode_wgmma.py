@@ -1,7 +1,8 @@
 """The sm_90 (Hopper) Gluon decode over the 656-byte fp8 latent cache: ``wgmma`` with the keys as the M dim.
 
 A key-split ``mma.sync`` kernel (the one ``fp8_decode_gluon`` replaced) was bound by issue and latency at
-H = 16, not bytes (run 32: 348 us with no loads at all against 404 us with them). Here one warpgroup (4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
+H = 16, not bytes (it ran nearly as long with its loads removed; BENCHMARKS.md). Here one warpgroup
+(4 warps) computes the transposed products, which suit ``wgmma``'s M = 64:
 
 - ``S^T [64 keys, 16 rows] = K Q^T``: A is the dequantized float16 key tile in shared memory, B the query rows;
 - the softmax runs down the key dim (the max over the 4 warps' key rows through shared memory);
@@ -22,8 +23,7 @@ The query rows are scaled by a power of two that puts their largest magnitude in
 undone in the softmax scale) and P is float16. The scales come with the codes; rope rows stream through a
 2-deep ``cp.async`` ring; block-table entries are read a tile ahead so no address waits on one.
 Same program layout, splits and outputs as ``fp8_decode_gluon`` (workspace rows or the final result); pages
-must hold a multiple of 64 rows. H200, B=128 x 8192 keys, H=16: 270 us, 1.16x our bf16 decode
-(BENCHMARKS.md, sixth session; 289 us with bf16 dots; 281 us for ``fp8_decode_gluon``'s group split, run 61).
+must hold a multiple of 64 rows. Timings against the bf16 decode and the other fp8 kernels: BENCHMARKS.md.
 """
 
 from __future__ import annotations
