@@ -1,15 +1,24 @@
-"""Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile.
+"""Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile;
+without a GPU, Triton kernels run in Triton's interpreter.
 
-``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt).
+``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt). ``TRITON_INTERPRET`` set
+by the caller is kept (``0`` runs the ``sm90_compile`` tests, which need Triton's compiler).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
 import pytest
 import torch
+
+# Set before any test module imports a kernel: @triton.jit reads it when a kernel is defined. On CPU the
+# interpreter runs the Triton tests on CPU tensors (tests/ops/triton/test_triton_interpret*.py, ...).
+if ("TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("triton") is not None
+        and not torch.cuda.is_available()):
+    os.environ["TRITON_INTERPRET"] = "1"
 from hypothesis import HealthCheck, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 

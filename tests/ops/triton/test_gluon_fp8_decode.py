@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
+from _triton_test_util import sm90_compile
 from _sparse_test_util import fp8_paged, lens_with_empty
 from _triton_test_util import assert_attention_close, poison_allocator
 from mla_compile.ops import decode_fp8
@@ -253,7 +253,7 @@ def _compile_sm90(kernel, consts, warps, extra=None):
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 @pytest.mark.parametrize("direct", [False, True])
 def test_smem_formula_matches_the_sm90_compile(direct):
     """The group-split kernel's shared memory (sm_90 compile) is its formula, and its dot operands are the
@@ -265,7 +265,7 @@ def test_smem_formula_matches_the_sm90_compile(direct):
     assert compiled.metadata.shared == g.smem_bytes()
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 def test_wgmma_smem_formula_matches_the_sm90_compile():
     """The wgmma kernel's shared memory (sm_90 compile) is its formula, and two programs fit an SM (228 KB,
     1 KB reserved each) where three do not: the split plan's ``PROGRAMS_PER_SM``."""
@@ -277,7 +277,7 @@ def test_wgmma_smem_formula_matches_the_sm90_compile():
     assert w.PROGRAMS_PER_SM * (w.smem_bytes() + 1024) <= 233472 < (w.PROGRAMS_PER_SM + 1) * (w.smem_bytes() + 1024)
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 @pytest.mark.parametrize("direct", [False, True])
 def test_tma_smem_formula_matches_the_sm90_compile(direct):
     """The TMA kernel's shared memory (sm_90 compile) is its buffers' formula plus under 1 KB of the
