@@ -29,6 +29,14 @@ class GenerationResult:
     decode_steps: int = 0
 
 
+def _check_max_new_tokens(max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__} {max_new_tokens!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0 (the number of tokens to generate per prompt), got "
+                         f"{max_new_tokens}; pass 0 for no new tokens")
+
+
 def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], prompts: Sequence[Sequence[int]],
                     max_new_tokens: int, *, block_size: int, num_blocks: int, device: torch.device | str = "cpu",
                     dynamic: bool = True, keep_logits: bool = False) -> GenerationResult:
@@ -36,15 +44,20 @@ def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], pr
 
     ``step_fn`` is a patched model or its compiled form, with caches of ``num_blocks`` blocks of
     ``block_size`` already allocated. ``dynamic`` marks per-step sizes dynamic (one graph for all).
+    ``max_new_tokens=0`` returns an empty token list per prompt without calling ``step_fn``.
+    Raises ``ValueError`` for empty prompts or a negative ``max_new_tokens``.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    _check_max_new_tokens(max_new_tokens)
+    result = GenerationResult(tokens=[[] for _ in prompts])
+    if max_new_tokens == 0:
+        return result
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     lens = [len(p) for p in prompts]
     blocks = [manager.allocate(p, len(p) + max_new_tokens).blocks for p in prompts]
     max_blocks = max([len(b) for b in blocks] + [2])
-    result = GenerationResult(tokens=[[] for _ in prompts])
 
     def run(step: StepInputs) -> list[int]:
         step = step.to(device)
@@ -78,7 +91,9 @@ def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], pr
 def hf_greedy_reference(hf_model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                         device: torch.device | str = "cpu") -> tuple[list[list[int]], list[Tensor]]:
     """Greedy tokens and per-step last-token logits from an unpatched HF model, one prompt at a time
-    (no padding, full recompute each step: the simplest correct reference)."""
+    (no padding, full recompute each step: the simplest correct reference). ``max_new_tokens=0`` gives
+    empty token lists and ``[0, vocab]`` logits without calling the model; a negative one raises ``ValueError``."""
+    _check_max_new_tokens(max_new_tokens)
     tokens, logits = [], []
     for prompt in prompts:
         seq = list(prompt)
@@ -90,5 +105,5 @@ def hf_greedy_reference(hf_model, prompts: Sequence[Sequence[int]], max_new_toke
             seq.append(int(last.argmax()))
             out.append(seq[-1])
         tokens.append(out)
-        logits.append(torch.stack(steps))
+        logits.append(torch.stack(steps) if steps else torch.empty(0, hf_model.config.vocab_size))
     return tokens, logits

@@ -1,11 +1,10 @@
 """``mla::decode_autotune`` and its Inductor lowering on CPU: without candidates it compiles to a plain
 fallback call; with test candidates (``autotune_on_cpu``) Inductor times them, the faster one is emitted
-(and only it), the choice is recorded, and outputs equal a float64 reference. The CUDA tests at the end
-run on a GPU only."""
+(and only it), the choice is recorded, and outputs equal a float64 reference. The test candidates charge
+their cost to an injected benchmarker (``tests/lowerings/conftest.py``): nothing here measures time. The
+CUDA tests at the end run on a GPU only, with real timings."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from mla_compile.lowerings import decode as lowering
 from mla_compile.lowerings.decode import Candidate, autotune_on_cpu
 from mla_compile.ops import _compile_log
 from mla_compile.ops.decode import fake as decode_fake
+from tests.lowerings._timings import charge
 from tests.ops.ref64 import Paged, decode_ref64, fill_paged_cache, generator, randn
 
 SCALE = 0.125
@@ -24,35 +24,34 @@ RANK = 32
 LAYOUT = Paged(block_size=4, num_blocks=7, seq_lens=(9, 3, 0), tables=((5, 0, 3), (6,), ()), max_blocks=3, unused=-1)
 
 
-@torch.library.custom_op("mla_lower_test::delayed_decode", mutates_args=())
-def delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   scale: float, kv_lora_rank: int, delay_us: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference after a busy wait of ``delay_us``: a slower candidate with the same numbers."""
-    end = time.perf_counter() + delay_us * 1e-6
-    while time.perf_counter() < end:
-        pass
+@torch.library.custom_op("mla_lower_test::costed_decode", mutates_args=())
+def costed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  scale: float, kv_lora_rank: int, cost_us: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference, charging ``cost_us`` to the injected benchmarker: a candidate with the same numbers
+    that the timing calls slower or faster."""
+    charge(cost_us)
     out, lse = torch.ops.mla.decode_ref(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return out.clone(), lse.clone()
 
 
-delayed_decode.register_fake(decode_fake)
+costed_decode.register_fake(decode_fake)
 
 
 SIZE_CALLS: list[tuple[int, ...]] = []
 
 
-@torch.library.custom_op("mla_lower_test::size_delayed_decode", mutates_args=())
-def size_delayed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float, kv_lora_rank: int, tiny_us: int, small_us: int,
-                        large_us: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``delayed_decode`` whose delay depends on the batch: ``tiny_us`` up to 2 sequences, ``small_us`` up to
+@torch.library.custom_op("mla_lower_test::size_costed_decode", mutates_args=())
+def size_costed_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       scale: float, kv_lora_rank: int, tiny_us: int, small_us: int,
+                       large_us: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``costed_decode`` whose cost depends on the batch: ``tiny_us`` up to 2 sequences, ``small_us`` up to
     16, else ``large_us`` (a candidate that wins some batch classes and loses others); logs each call."""
     SIZE_CALLS.append((tiny_us, small_us, large_us, q.shape[0]))
-    delay = tiny_us if q.shape[0] <= 2 else small_us if q.shape[0] <= 16 else large_us
-    return delayed_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, delay)
+    cost = tiny_us if q.shape[0] <= 2 else small_us if q.shape[0] <= 16 else large_us
+    return costed_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, cost)
 
 
-size_delayed_decode.register_fake(lambda *a: decode_fake(*a[:6]))
+size_costed_decode.register_fake(lambda *a: decode_fake(*a[:6]))
 
 
 def _inputs(seed: int, dtype=torch.float32):
@@ -94,9 +93,9 @@ def test_cpu_without_candidates_is_a_plain_fallback_call():
 @pytest.mark.parametrize("slow_first", [True, False])
 def test_autotune_emits_the_faster_candidate_only(slow_first):
     tag = int(slow_first)  # fresh choice names per case: no autotune-cache hit from the other case
-    fast = Candidate(f"mla_t_fast{tag}", "fast", torch.ops.mla_lower_test.delayed_decode.default, (0,))
-    slow = Candidate(f"mla_t_slow{tag}", "slow", torch.ops.mla_lower_test.delayed_decode.default, (20000,))
-    # the two share an op: tell them apart by the delay argument in the output code
+    fast = Candidate(f"mla_t_fast{tag}", "fast", torch.ops.mla_lower_test.costed_decode.default, (0,))
+    slow = Candidate(f"mla_t_slow{tag}", "slow", torch.ops.mla_lower_test.costed_decode.default, (20000,))
+    # the two share an op: tell them apart by the cost argument in the output code
     cands = [slow, fast] if slow_first else [fast, slow]
     args = _inputs(2)
     before = _compile_log.mark()
@@ -105,10 +104,8 @@ def test_autotune_emits_the_faster_candidate_only(slow_first):
     _check(out, lse, args)
     (rec,) = _compile_log.records_since(before)
     assert rec.op == "mla::decode_autotune" and rec.winner == fast.name and rec.winner_backend == "fast", rec
-    # 20 ms of busy wait: Inductor's CPU timings carry ~8 ms of their own noise on a loaded 2-core machine
-    # (a 3 ms wait once measured only 0.5 ms apart), so only the order is asserted, not a margin
-    assert rec.timings_ms[slow.name] > rec.timings_ms[fast.name], rec
-    calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.delayed_decode.default(" in ln]
+    assert rec.timings_ms == {slow.name: 20.0, fast.name: 0.0}, rec  # the charged costs, in ms
+    calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.costed_decode.default(" in ln]
     assert len(calls) == 1 and calls[0].rstrip().endswith(", 0)"), calls  # the fast one, once
     assert "mla_decode_autotune" not in code and "extern_kernels.mla_t_" not in code  # the timing node is gone
 
@@ -120,7 +117,7 @@ def _batch(args, B: int, seed: int):
     return randn(generator(seed), B, 1, 2, RANK + 16, dtype=q.dtype), kv, bt.repeat(reps, 1)[:B], sl.repeat(reps)[:B]
 
 
-_W = "mla_lower_test::size_delayed_decode"
+_W = "mla_lower_test::size_costed_decode"
 
 
 @pytest.mark.parametrize("a_us,b_us,bounds,winners,names", [
@@ -133,8 +130,8 @@ _W = "mla_lower_test::size_delayed_decode"
 def test_dynamic_batch_splits_where_the_winner_changes(a_us, b_us, bounds, winners, names):
     """A dynamic batch is timed at BATCH_CLASSES; where the winner changes, the graph holds the winners
     behind mla::decode_by_rows and each call runs the one of its size range, without recompiling."""
-    a = Candidate(f"mla_t_a{len(bounds)}", "a", torch.ops.mla_lower_test.size_delayed_decode.default, a_us)
-    b = Candidate(f"mla_t_b{len(bounds)}", "b", torch.ops.mla_lower_test.size_delayed_decode.default, b_us)
+    a = Candidate(f"mla_t_a{len(bounds)}", "a", torch.ops.mla_lower_test.size_costed_decode.default, a_us)
+    b = Candidate(f"mla_t_b{len(bounds)}", "b", torch.ops.mla_lower_test.size_costed_decode.default, b_us)
     sizes = (2, 3, 20)
     batches = [_batch(_inputs(4), n, 5 + i) for i, n in enumerate(sizes)]
     for q, _, bt, sl in batches:
@@ -157,6 +154,8 @@ def test_dynamic_batch_splits_where_the_winner_changes(a_us, b_us, bounds, winne
     assert calls == want_calls, calls  # each size ran its range's winner, no re-autotuning
     recs = _compile_log.records_since(before)
     assert [r.winner for r in recs] == [wins[w].name for w in winners], recs
+    want_ms = [{a.name: a_us[i] / 1000, b.name: b_us[i] / 1000} for i in range(len(lowering.BATCH_CLASSES))]
+    assert [r.timings_ms for r in recs] == want_ms, recs  # each class timed at its charged costs
     assert all("dynamic batch, timed at" in r.shapes for r in recs)
     for (q, kv, bt, sl), (out, lse) in zip(batches, results):
         ref_out, ref_lse = torch.ops.mla.decode_ref(q.double(), kv.double(), bt, sl, SCALE, RANK)

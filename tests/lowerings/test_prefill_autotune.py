@@ -1,12 +1,13 @@
 """``mla::prefill_autotune`` and its Inductor lowering on CPU: without candidates it compiles to a plain
 fallback call; with test candidates (``autotune_on_cpu``) Inductor times them, the faster one is emitted
-(and only it), the choice is recorded, and outputs equal a float64 reference. ``backend="autotune"``
+(and only it), the choice is recorded, and outputs equal a float64 reference. The test candidates charge
+their cost to an injected benchmarker (``tests/lowerings/conftest.py``): nothing here measures time.
+``backend="autotune"``
 reaches prefill from ``ops.prefill`` and from :class:`MLAAttention`. The CUDA test runs on a GPU only."""
 
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from mla_compile.lowerings.decode import Candidate
 from mla_compile.lowerings.prefill import autotune_on_cpu
 from mla_compile.ops import _compile_log
 from mla_compile.ops.prefill import fake as prefill_fake
+from tests.lowerings._timings import charge
 from tests.ops.ref64 import generator, prefill_ref64, randn
 
 LENS_Q, LENS_K, PAD = (5, 0, 3), (7, 2, 3), 2
@@ -26,19 +28,18 @@ H, QK, V = 2, 24, 16
 SCALE = QK ** -0.5
 
 
-@torch.library.custom_op("mla_lower_test::delayed_prefill", mutates_args=())
-def delayed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
-                    delay_us: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference after a busy wait of ``delay_us``: a slower candidate with the same numbers."""
-    end = time.perf_counter() + delay_us * 1e-6
-    while time.perf_counter() < end:
-        pass
+@torch.library.custom_op("mla_lower_test::costed_prefill", mutates_args=())
+def costed_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, scale: float, causal: bool,
+                   cost_us: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference, charging ``cost_us`` to the injected benchmarker: a candidate with the same numbers
+    that the timing calls slower or faster."""
+    charge(cost_us)
     out, lse = torch.ops.mla.prefill_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return out.clone(), lse.clone()
 
 
-delayed_prefill.register_fake(prefill_fake)
+costed_prefill.register_fake(prefill_fake)
 
 
 def _cu(lens):
@@ -88,8 +89,8 @@ def test_cpu_without_candidates_is_a_plain_fallback_call():
 @pytest.mark.parametrize("slow_first,causal", [(True, True), (False, False)])
 def test_autotune_emits_the_faster_candidate_only(slow_first, causal):
     tag = int(slow_first)  # fresh choice names per case: no autotune-cache hit from the other case
-    fast = Candidate(f"mla_tp_fast{tag}", "fast", torch.ops.mla_lower_test.delayed_prefill.default, (0,))
-    slow = Candidate(f"mla_tp_slow{tag}", "slow", torch.ops.mla_lower_test.delayed_prefill.default, (20000,))
+    fast = Candidate(f"mla_tp_fast{tag}", "fast", torch.ops.mla_lower_test.costed_prefill.default, (0,))
+    slow = Candidate(f"mla_tp_slow{tag}", "slow", torch.ops.mla_lower_test.costed_prefill.default, (20000,))
     cands = [slow, fast] if slow_first else [fast, slow]
     seen = []
     args = _inputs(2 + tag)
@@ -100,9 +101,8 @@ def test_autotune_emits_the_faster_candidate_only(slow_first, causal):
     assert seen and seen[0]["num_heads"] == H and seen[0]["head_dims"] == (QK, V) and seen[0]["causal"] is causal
     (rec,) = _compile_log.records_since(before)
     assert rec.op == "mla::prefill_autotune" and rec.winner == fast.name and rec.winner_backend == "fast", rec
-    # 20 ms busy wait vs none: only the order of the timings is asserted (CPU timing noise), never a margin
-    assert rec.timings_ms[slow.name] > rec.timings_ms[fast.name], rec
-    calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.delayed_prefill.default(" in ln]
+    assert rec.timings_ms == {slow.name: 20.0, fast.name: 0.0}, rec  # the charged costs, in ms
+    calls = [ln for ln in code.splitlines() if "torch.ops.mla_lower_test.costed_prefill.default(" in ln]
     assert len(calls) == 1 and calls[0].rstrip().endswith(", 0)"), calls  # the fast one, once
     assert "mla_prefill_autotune" not in code and "extern_kernels.mla_tp_" not in code  # the timing node is gone
 
@@ -159,7 +159,7 @@ def test_compiled_mla_attention_prefill_goes_through_the_lowering():
     step = plan_step([], [SeqChunk([3, 1], [5, 9, 2, 7, 1]), SeqChunk([6], [4, 4, 8])], 4, logits="all")
     with torch.no_grad():
         want = model(step.input_ids, step.positions, step.meta)[:step.num_rows].clone()
-    cand = Candidate("mla_tp_model", "test", torch.ops.mla_lower_test.delayed_prefill.default, (0,))
+    cand = Candidate("mla_tp_model", "test", torch.ops.mla_lower_test.costed_prefill.default, (0,))
     before = _compile_log.mark()
     torch._dynamo.reset()
     with autotune_on_cpu(lambda **facts: [cand]), torch._inductor.config.patch(force_disable_caches=True), \

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
+import pytest
 import torch
+
+# The sm_90 compile checks: Triton's compiler and bundled ptxas, no GPU; under the interpreter the kernels
+# are interpreter objects. CI runs them in a child process without it (test_sm90_compile_subprocess.py).
+SM90_COMPILE = [pytest.mark.sm90_compile, pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs Triton's compiler, not the interpreter: run by test_sm90_compile_subprocess.py (CI) and "
+           "by gpu_session.sh's sm90_compile step")]
+
+
+def sm90_compile(test):
+    """Mark one test function with :data:`SM90_COMPILE` (a module takes ``pytestmark = SM90_COMPILE``)."""
+    for mark in SM90_COMPILE:
+        test = mark(test)
+    return test
 
 NAN = float("nan")
 DEVICE = "cuda"  # a CPU dry run of the test code (interpreter) sets this to "cpu"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
+from _triton_test_util import sm90_compile
 from _sparse_test_util import fp8_paged, lens_with_empty
 from _triton_test_util import assert_attention_close, poison_allocator
 from mla_compile.ops import decode_fp8
@@ -57,10 +57,7 @@ def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
     return q, cache, table, seq_lens, out, lse
 
 
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("kernel", ["mma", "wgmma", "tma"])
-@pytest.mark.parametrize("B,H,s_q,max_len,bs", [
+_SHAPES = [  # B, H, s_q, max_len, bs
     (1, 16, 1, 16384, 64),     # one long sequence: many splits
     (128, 16, 1, 2048, 64),    # the memory-bound shape
     (300, 16, 1, 700, 64),     # more programs than slots: one split, written directly
@@ -70,10 +67,16 @@ def _check(B, H, s_q, lens, bs, seed, config=None, kernel="mma"):
     (7, 12, 1, 3000, 128),     # pages of 128, 12 of 16 rows live
     (3, 128, 1, 2500, 64),     # 128 heads: eight head blocks, each reading the cache
     (2, 40, 2, 900, 64),       # MTP with 80 rows: five blocks, rows of both query positions in one block
+]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("kernel,B,H,s_q,max_len,bs", [
+    (kernel, *shape) for shape in _SHAPES for kernel in ("mma", "wgmma", "tma")
+    if kernel == "mma" or shape[-1] % 64 == 0  # wgmma / tma take pages of a multiple of 64 rows
 ])
 def test_gluon_fp8_decode_shapes(kernel, B, H, s_q, max_len, bs):
-    if kernel != "mma" and bs % 64:
-        pytest.skip(f"the {kernel} kernel takes pages of a multiple of 64 rows")
     gen = torch.Generator().manual_seed(B * 10 + H)
     _check(B, H, s_q, _lens(B, max_len, gen), bs, seed=B + H, kernel=kernel)
 
@@ -253,7 +256,7 @@ def _compile_sm90(kernel, consts, warps, extra=None):
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 @pytest.mark.parametrize("direct", [False, True])
 def test_smem_formula_matches_the_sm90_compile(direct):
     """The group-split kernel's shared memory (sm_90 compile) is its formula, and its dot operands are the
@@ -265,7 +268,7 @@ def test_smem_formula_matches_the_sm90_compile(direct):
     assert compiled.metadata.shared == g.smem_bytes()
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 def test_wgmma_smem_formula_matches_the_sm90_compile():
     """The wgmma kernel's shared memory (sm_90 compile) is its formula, and two programs fit an SM (228 KB,
     1 KB reserved each) where three do not: the split plan's ``PROGRAMS_PER_SM``."""
@@ -277,7 +280,7 @@ def test_wgmma_smem_formula_matches_the_sm90_compile():
     assert w.PROGRAMS_PER_SM * (w.smem_bytes() + 1024) <= 233472 < (w.PROGRAMS_PER_SM + 1) * (w.smem_bytes() + 1024)
 
 
-@pytest.mark.skipif(not HAS_TRITON or os.environ.get("TRITON_INTERPRET") == "1", reason="needs triton, not the interpreter")
+@sm90_compile
 @pytest.mark.parametrize("direct", [False, True])
 def test_tma_smem_formula_matches_the_sm90_compile(direct):
     """The TMA kernel's shared memory (sm_90 compile) is its buffers' formula plus under 1 KB of the

@@ -2,20 +2,18 @@
 bundled ptxas, which reject what the interpreter accepts (H200 run 4: a plain-float module global,
 ``FP8_MAX``, read inside ``@triton.jit``). Each op's ``_launch`` runs on small CPU tensors with
 ``wrap_triton`` replaced by a recorder; every recorded launch is compiled with its constexprs, warps and
-stages. Skipped without Triton or under ``TRITON_INTERPRET=1`` (kernels are interpreter objects there)."""
+stages. Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (kernels are interpreter objects there)."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
+from _triton_test_util import SM90_COMPILE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="needs triton, not the interpreter")
+pytestmark = SM90_COMPILE
 
 
 def _record(module, fn, *args):

@@ -4,19 +4,17 @@ ptxas, no GPU): no register spills, shared memory within an H200's 227 KB, and t
 tile's load never overlapped the previous tile's math), page tiles (one block-table entry per tile,
 affine row addresses: about half the registers of the per-row gather) and, for the 64-row wgmma kernel,
 no per-row block-table loads in the loop (the gather at 2 stages had 55 plain loads, a synchronous one
-per tile). Skipped without Triton or under ``TRITON_INTERPRET=1``."""
+per tile). Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
+from _triton_test_util import SM90_COMPILE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
-                                reason="needs triton, not the interpreter")
+pytestmark = SM90_COMPILE
 
 _SMEM_LIMIT = 232448  # sm_90 opt-in shared memory per block
 _ROW = 576 * 2  # one bf16 cache row [latent 512 | k_pe 64]
