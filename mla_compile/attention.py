@@ -36,7 +36,8 @@ class MLAAttention(nn.Module):
     ``backend``: a name, per-op names (``"decode=flashmla,prefill=sdpa-cudnn"``), "auto", or None
     (``MLA_COMPILE_BACKEND``, read here once). Decode and prefill ask :func:`mla_compile.backends.select_backend`
     once per static configuration (kept in ``_backend_choices``, a constant of compiled graphs), and so
-    do the fp8 decode and the sparse decode; an explicit backend that cannot serve it raises. ``cuda_graph``: set True by a decode CUDA-graph runner
+    do the fp8 decode and the sparse decode; an explicit backend that cannot serve it raises.
+    ``cuda_graph``: set True by a decode CUDA-graph runner
     so "auto" picks only decode backends that replay with changing lengths.
 
     A sparse config (V3.2) also wraps the HF layer's ``indexer`` as ``self.indexer`` (an
@@ -123,7 +124,8 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
         write = ops.write_latent_cache_fp8 if self.fp8_cache else ops.write_latent_cache
         write_backend = self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
-        write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=None if write_backend == "auto" else write_backend)
+        write_backend = None if write_backend == "auto" else write_backend
+        write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=write_backend)
         if self.indexer is not None:
             if positions is None:
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")

@@ -77,14 +77,15 @@ def doctor_report() -> str:
         "packages: " + ", ".join(f"{p} {_version(p)}" for p in PACKAGES),
         f"GPU: {_gpu()}",
         f"MLA_COMPILE_BACKEND: {envs.backend()}",
+        *(f"timings \"auto\" ranks by: {t.gpu} (sm{t.capability[0]}{t.capability[1]}), {len(t.rows)} shape classes"
+          f"{' (seeded from BENCHMARKS.md)' if t.seeded else ''}, torch {t.versions.get('torch', '?')}"
+          for t in timings.tables()),
         "",
         "backends (in static order; 'graphs' = CUDA-graph support: full / planned (host plan before each "
         "replay) / none):",
     ]
-    for table in timings.tables():
-        lines.append(f"timings: {table.gpu} (sm{table.capability[0]}{table.capability[1]}), {len(table.rows)} shape "
-                     f"classes{', seeded from BENCHMARKS.md' if table.seeded else ''}; {table.source}")
-    for op in backends.SPECS:
+    first = ("decode", "decode_fp8", "sparse_decode", "prefill", "merge")
+    for op in sorted(backends.SPECS, key=lambda op: first.index(op) if op in first else len(first)):
         lines.append(f"{op}:")
         for row in (r for r in backends.describe() if r["op"] == op):
             state = "available" if row["available"] else "unavailable"

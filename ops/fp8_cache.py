@@ -309,8 +309,9 @@ def _triton_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
 
 declare(OP_WRITE, "triton", _triton_write, rank=10, available=_triton_available, dtypes=FLOATS, package="triton",
         gpu_tested=True, kernels=("write_latent_cache_fp8_triton", "_fp8_write_kernel"), note="ours")
-declare(OP_DECODE, "triton", _triton_decode, rank=20, available=_triton_available, dtypes=FLOATS, cache_dtypes=FP8_CACHE,
-        package="triton", gpu_tested=True, kernels=("decode_fp8_triton", "_decode_fp8_split_kernel"), note="ours; any shape the format allows")
+declare(OP_DECODE, "triton", _triton_decode, rank=20, available=_triton_available, dtypes=FLOATS,
+        cache_dtypes=FP8_CACHE, package="triton", gpu_tested=True,
+        kernels=("decode_fp8_triton", "_decode_fp8_split_kernel"), note="ours; any shape the format allows")
 
 
 def _gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,

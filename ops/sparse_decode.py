@@ -103,5 +103,6 @@ def _triton(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
     return torch.ops.mla.sparse_decode_triton(q, kv_cache, indices, scale, kv_lora_rank)
 
 
-declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS + (torch.uint8,),
-        package="triton", gpu_tested=True, kernels=("sparse_decode_triton", "_sparse_split_kernel"), note="ours; bf16/fp16/fp32 or fp8 cache")
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS,
+        cache_dtypes=FLOATS + (torch.uint8,), package="triton", gpu_tested=True,
+        kernels=("sparse_decode_triton", "_sparse_split_kernel"), note="ours; bf16/fp16/fp32 or fp8 cache")

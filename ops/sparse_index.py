@@ -95,8 +95,8 @@ def _(block_table, seq_lens, block_size, sink, window, max_kv):
     return block_table.new_empty(B, max_kv, dtype=torch.int32), block_table.new_empty(B, dtype=torch.int32)
 
 
-declare(OP_WINDOW, "reference", torch.ops.mla.sink_window_indices_ref, rank=100, devices=("any",), dtypes=(torch.int32,),
-        gpu_tested=True, note="plain torch (index arithmetic only)")
+declare(OP_WINDOW, "reference", torch.ops.mla.sink_window_indices_ref, rank=100, devices=("any",),
+        dtypes=(torch.int32,), gpu_tested=True, note="plain torch (index arithmetic only)")
 
 
 def sink_window_indices(block_table: Tensor, seq_lens: Tensor, *, block_size: int, sink: int, window: int,
@@ -252,8 +252,8 @@ def lightning_index(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_t
     (float) or ``uint8 [NB, BS, d_idx + 4]`` (fp8 index rows, dequantized to float32 on read)
     through ``block_table [B, max_blocks]`` / ``seq_lens [B]``; ``query_seq [T]`` (-1 = padding) and
     ``query_pos [T]`` place each query token. Causal: token t sees positions ``<= query_pos[t]``."""
-    return resolve(OP_LIGHTNING, q_idx.device, backend, dtype=q_idx.dtype).fn(q_idx, weights, k_idx_cache, block_table, seq_lens,
-                                                           query_seq, query_pos, topk)
+    impl = resolve(OP_LIGHTNING, q_idx.device, backend, dtype=q_idx.dtype)
+    return impl.fn(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, topk)
 
 
 # ------------------------------------------------------------------------------------------- index-key cache write
@@ -313,7 +313,7 @@ def _triton_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> N
     torch.ops.mla.write_index_cache_triton(k_idx, slot_mapping, k_idx_cache)
 
 
-declare(OP_LIGHTNING, "triton", _triton_lightning, rank=10, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=True, kernels=("lightning_index_triton", "_lightning_score_kernel"), note="ours")
+declare(OP_LIGHTNING, "triton", _triton_lightning, rank=10, available=_triton_available, dtypes=FLOATS,
+        package="triton", gpu_tested=True, kernels=("lightning_index_triton", "_lightning_score_kernel"), note="ours")
 declare(OP_WRITE, "triton", _triton_write, rank=10, available=_triton_available, dtypes=FLOATS, package="triton",
         gpu_tested=True, kernels=("write_index_cache_triton", "_index_write_kernel"), note="ours")

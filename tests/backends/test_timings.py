@@ -50,10 +50,12 @@ def test_the_winner_of_a_class_is_the_fastest_sum_and_a_composite_times_as_its_p
 
 def test_a_known_batch_narrows_the_class(table):
     small = _pick(batch=2)
-    assert small.name == "flashmla-tiered" and "flashmla-tiered 20.0 us, triton 20.0 us, flashmla 40.0 us" in small.reason
+    assert small.name == "flashmla-tiered"
+    assert "flashmla-tiered 20.0 us, triton 20.0 us, flashmla 40.0 us" in small.reason
     assert "[dtype bfloat16, cache bfloat16, heads 16, batch 2]" in small.reason
     large = _pick(batch=100, context=8000)
-    assert large.name == "flashmla-tiered" and "flashmla-tiered 250.0 us, flashmla 250.0 us, triton 300.0" in large.reason
+    assert large.name == "flashmla-tiered"
+    assert "flashmla-tiered 250.0 us, flashmla 250.0 us, triton 300.0" in large.reason
     assert _pick(batch=100, context=100).reason.count("static order") == 1, "no row at context 1024"
 
 
@@ -86,7 +88,8 @@ def test_a_backend_timed_in_only_some_rows_is_not_ranked(everything_installed):
     with timings.using(Table("Test GPU", SM90, rows)):
         choice = _pick()
     # FlashMLA has no figure at batch 2: unranked; the tiers run Triton there and FlashMLA at 128
-    assert choice.name == "flashmla-tiered" and "over 2 shape(s): flashmla-tiered 30.0 us, triton 320.0 us;" in choice.reason
+    assert choice.name == "flashmla-tiered"
+    assert "over 2 shape(s): flashmla-tiered 30.0 us, triton 320.0 us;" in choice.reason
 
 
 def test_explicit_choices_beat_the_timings(table, monkeypatch):
