@@ -27,8 +27,8 @@ import torch
 from mla_compile import envs
 from mla_compile.ops import registry
 from mla_compile.ops.registry import GRAPH_LEVELS, OPS, BackendSpec, backends_for, priority  # noqa: F401
-from mla_compile.ops.select import (AUTO_CAP, Choice, Facts, facts_for, parse_backend_spec,  # noqa: F401
-                                    requested_in, select)
+from mla_compile.ops.select import (AUTO_CAP, Choice, Facts, cache_layout, facts_for,  # noqa: F401
+                                    parse_backend_spec, requested_in, select)
 from mla_compile.ops.select import describe as _describe
 
 
@@ -68,6 +68,7 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
                    requested: str | None = None, cache_dtype: torch.dtype | None = None, sparse: bool = False,
                    need_lse: bool = True, planned: bool = False, cuda_graph: bool = False,
                    cache_strides: tuple[int, ...] | None = None, row_width: int | None = None,
+                   cache_align: int | None = None, packed_rows: bool | None = None,
                    batch: int | None = None, context: int | None = None, capability=AUTO_CAP) -> Choice:
     """Pick the backend of ``op`` (a registry op: "decode", "prefill", "merge", "decode_fp8", ...) for one
     static configuration.
@@ -76,7 +77,8 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
     ``head_dims``: decode ``(kv_lora_rank, rope_dim)``, prefill ``(qk, v)``, merge ``(D,)``.
     ``need_lse``: the caller uses the LSE; ``planned``: it supplies FlashInfer host plans;
     ``cuda_graph``: the call will be captured. ``cache_strides``/``row_width``: the paged cache's strides
-    and row width (backends that need aligned or packed rows). ``batch``/``context``: known sizes narrow
+    and row width (backends that need aligned or packed rows), or their summary ``cache_align`` /
+    ``packed_rows`` (:func:`~mla_compile.ops.select.cache_layout`). ``batch``/``context``: known sizes narrow
     the timing class (a compiled graph leaves them None). ``capability``: ``(major, minor)`` to assume for
     a CUDA device (tests), default: the device's own (None without a GPU).
     """
@@ -84,10 +86,12 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
         raise ValueError(f"select_backend: op must be one of {list(OPS)}, got {op!r}")
     source = "argument" if requested is not None else "MLA_COMPILE_BACKEND"
     cap = {} if capability is AUTO_CAP else dict(cap=capability)
+    if cache_strides is not None:
+        cache_align, packed_rows = cache_layout(cache_strides, row_width)
     facts = facts_for(device, dtype, cache_dtype=cache_dtype or dtype, block_size=block_size, num_heads=num_heads,
                       head_dims=None if head_dims is None else tuple(head_dims), query_len=query_len, sparse=sparse,
-                      need_lse=need_lse, planned=planned, cuda_graph=cuda_graph, cache_strides=cache_strides,
-                      row_width=row_width, batch=batch, context=context, **cap)
+                      need_lse=need_lse, planned=planned, cuda_graph=cuda_graph, cache_align=cache_align,
+                      packed_rows=packed_rows, batch=batch, context=context, **cap)
     return select(op, facts, requested_for(op, requested), source)
 
 
@@ -115,21 +119,21 @@ def new_choice_cache() -> tuple[int, ChoiceCache]:
 @torch.compiler.assume_constant_result
 def _choose(token: int, op: str, requested: str, device: str, dtype: str, cache_dtype: str, block_size: int,
             num_heads: int, dim_a: int, dim_b: int, query_len: int, need_lse: bool, planned: bool,
-            cuda_graph: bool, strides: str, row_width: int) -> str:
+            cuda_graph: bool, align: int, packed: bool) -> str:
     """:func:`select_backend` once per (owner, configuration). Under Dynamo it runs at trace time with
     constant arguments and its result is a constant of the graph; the cache is invisible to Dynamo, so
     filling it adds no guards and no recompiles."""
     key = (op, requested, device, dtype, cache_dtype, block_size, num_heads, dim_a, dim_b, query_len, need_lse,
-           planned, cuda_graph, strides, row_width)
+           planned, cuda_graph, align, packed)
     cache = _CACHES.get(token)
     if cache is not None and key in cache:
         return cache[key]
     dims = (dim_a,) if dim_b < 0 else (dim_a, dim_b)
-    layout = tuple(int(s) for s in strides.split(",")) if strides else None
     name = select_backend(op, device=device, dtype=_dtype(dtype), cache_dtype=_dtype(cache_dtype),
                           block_size=block_size if block_size > 0 else None, num_heads=num_heads, head_dims=dims,
                           query_len=query_len, requested=requested, need_lse=need_lse, planned=planned,
-                          cuda_graph=cuda_graph, cache_strides=layout, row_width=row_width or None).name
+                          cuda_graph=cuda_graph, cache_align=None if align < 0 else align,
+                          packed_rows=None if align < 0 else packed).name
     if cache is not None:
         cache[key] = name
     return name
@@ -145,10 +149,10 @@ def cached_backend(token: int, op: str, requested: str, *, device: torch.device,
     constant of the graph; eager calls after the first are a dict lookup."""
     multi = 2 if query_len > 1 else 1  # only "s_q > 1" matters; keeps a symbolic query_len out of the key
     dims = tuple(int(d) for d in head_dims)
-    strides = ",".join(str(int(s)) for s in cache_strides) if cache_strides is not None else ""
+    align, packed = cache_layout(cache_strides, row_width) if cache_strides is not None else (-1, False)
     return _choose(int(token), op, requested, str(device), str(dtype), str(cache_dtype or dtype),
                    int(block_size or 0), int(num_heads), dims[0], dims[1] if len(dims) > 1 else -1, multi,
-                   bool(need_lse), bool(planned), bool(cuda_graph), strides, int(row_width or 0))
+                   bool(need_lse), bool(planned), bool(cuda_graph), align, packed)
 
 
 def takes_plan(op: str, name: str) -> bool:

@@ -81,9 +81,8 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
-    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, num_heads=q4.shape[2],
-                   head_dims=(kv_lora_rank, q4.shape[3] - kv_lora_rank), query_len=q4.shape[1],
-                   planned=plan is not None)
+    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, planned=plan is not None,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
     out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

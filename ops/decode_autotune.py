@@ -46,8 +46,8 @@ def lowering_installed(op_name: str = "mla::decode_autotune") -> bool:
 def decode_autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                     kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Eager kernel: the backend "auto" picks for these shapes (never "autotune" itself)."""
-    impl = resolve(OP, q.device, None, dtype=q.dtype, cache=kv_cache, num_heads=q.shape[2],
-                   head_dims=(kv_lora_rank, q.shape[3] - kv_lora_rank), query_len=q.shape[1])
+    impl = resolve(OP, q.device, None, dtype=q.dtype, cache=kv_cache,
+                   shape=lambda: (q.shape[2], (kv_lora_rank, q.shape[3] - kv_lora_rank), q.shape[1]))
     out, lse = impl.fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return out.contiguous(), lse.contiguous()
 

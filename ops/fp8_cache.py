@@ -46,7 +46,7 @@ from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM89, backends_for, declare, declare_op
-from mla_compile.ops.select import Facts, facts_for, resolve, why_not
+from mla_compile.ops.select import Facts, cache_layout, facts_for, resolve, why_not
 from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
 
@@ -274,9 +274,10 @@ def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 
 
 def _decode_facts(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> Facts:
+    align, packed = cache_layout(kv_cache.stride(), kv_cache.shape[-1])
     return facts_for(q.device, q.dtype, cache_dtype=kv_cache.dtype, block_size=kv_cache.shape[1], num_heads=q.shape[2],
                      head_dims=(kv_lora_rank, q.shape[-1] - kv_lora_rank), query_len=q.shape[1],
-                     cache_strides=tuple(kv_cache.stride()), row_width=kv_cache.shape[-1])
+                     cache_align=align, packed_rows=packed)
 
 
 def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
@@ -286,8 +287,8 @@ def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     ``backend``: None/"auto" (the selector's choice), or a declared backend name."""
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
-    impl = resolve(OP_DECODE, q.device, backend, dtype=q4.dtype, cache=kv_cache, num_heads=q4.shape[2],
-                   head_dims=(kv_lora_rank, q4.shape[3] - kv_lora_rank), query_len=q4.shape[1])
+    impl = resolve(OP_DECODE, q.device, backend, dtype=q4.dtype, cache=kv_cache,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
     out, lse = impl.fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

@@ -66,7 +66,8 @@ declare(OP, "reference", torch.ops.mla.merge_attn_states_ref, rank=100, devices=
 def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
                       backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results by LSE; see the module docstring. Returns ``(out, lse)``."""
-    impl = resolve(OP, out_a.device, backend, dtype=out_a.dtype, num_heads=out_a.shape[1], head_dims=(out_a.shape[2],))
+    impl = resolve(OP, out_a.device, backend, dtype=out_a.dtype,
+                   shape=lambda: (out_a.shape[1], (out_a.shape[2],), 1))
     return impl.fn(out_a, lse_a, out_b, lse_b)
 
 

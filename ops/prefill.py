@@ -90,8 +90,8 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
     ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill`` before the step).
     """
-    impl = resolve(OP, q.device, backend, dtype=q.dtype, num_heads=q.shape[1], head_dims=(q.shape[2], v.shape[2]),
-                   query_len=2, planned=plan is not None)
+    impl = resolve(OP, q.device, backend, dtype=q.dtype, planned=plan is not None,
+                   shape=lambda: (q.shape[1], (q.shape[2], v.shape[2]), 2))
     return call_impl(OP, impl, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal), plan)
 
 

@@ -35,8 +35,7 @@ _WARNED: set[str] = set()
 def prefill_autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                      causal: bool) -> tuple[Tensor, Tensor]:
     """Eager kernel: the backend "auto" picks for these shapes (never "autotune" itself)."""
-    impl = resolve(OP, q.device, None, dtype=q.dtype, num_heads=q.shape[1], head_dims=(q.shape[2], v.shape[2]),
-                   query_len=2)
+    impl = resolve(OP, q.device, None, dtype=q.dtype, shape=lambda: (q.shape[1], (q.shape[2], v.shape[2]), 2))
     out, lse = impl.fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return out.contiguous(), lse.contiguous()
 

@@ -13,6 +13,7 @@ constant of the graph. The public op functions call :func:`resolve`; ``mla_compi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -38,8 +39,8 @@ class Facts:
     planned: bool = False
     cuda_graph: bool = False
     cap: tuple[int, int] | None = None
-    cache_strides: tuple[int, ...] | None = None
-    row_width: int | None = None
+    cache_align: int | None = None
+    packed_rows: bool | None = None
     batch: int | None = None
     context: int | None = None
 
@@ -85,13 +86,21 @@ def _why_not_cache(spec: Backend, f: Facts) -> list[str]:
         why.append(f"block size {f.block_size} not in {list(spec.block_sizes)}")
     if spec.block_multiple and f.block_size is not None and f.block_size % spec.block_multiple:
         why.append(f"block size {f.block_size} not a multiple of {spec.block_multiple}")
-    strides = f.cache_strides
-    if strides is not None and spec.stride_align and (strides[-1] != 1 or strides[0] % spec.stride_align
-                                                      or strides[1] % spec.stride_align):
-        why.append(f"cache strides {tuple(strides)} not {spec.stride_align}-aligned with contiguous rows")
-    if strides is not None and spec.packed_rows and f.row_width and (strides[-1] != 1 or strides[1] != f.row_width):
-        why.append(f"cache rows not densely packed (strides {tuple(strides)})")
+    if spec.stride_align and f.cache_align is not None and f.cache_align < spec.stride_align:
+        why.append(f"cache page and row strides not {spec.stride_align}-aligned with contiguous rows")
+    if spec.packed_rows and f.packed_rows is False:
+        why.append("cache rows not densely packed")
     return why
+
+
+def cache_layout(strides, row_width) -> tuple[int, bool]:
+    """``(align, packed)`` of a paged cache ``[NB, BS, W]`` from its strides: the largest power of two up to
+    256 dividing the page and row strides (0 when rows are not contiguous), and whether rows are dense.
+    Comparisons only, so symbolic strides under Dynamo become guards, never values."""
+    if strides[-1] != 1:
+        return 0, False
+    align = next(a for a in (256, 128, 64, 32, 16, 8, 4, 2, 1) if strides[0] % a == 0 and strides[1] % a == 0)
+    return align, True if strides[1] == row_width else False  # `if`, not bool(): Dynamo then guards
 
 
 def why_not(spec: Backend, f: Facts) -> str | None:
@@ -185,33 +194,51 @@ def facts_for(device: torch.device | str, dtype: torch.dtype, **kw) -> Facts:
 
 @torch.compiler.assume_constant_result
 def _auto(op: str, device: str, dtype: str, cache_dtype: str, block_size: int, num_heads: int, dim_a: int,
-          dim_b: int, multi: bool, planned: bool, strides: str, row_width: int) -> str:
+          dim_b: int, multi: bool, planned: bool, align: int, packed: bool) -> str:
     """"auto" for a public op function's call, from constants (a constant of the graph under Dynamo)."""
     f = facts_for(device, getattr(torch, dtype) if dtype else None,
                   cache_dtype=getattr(torch, cache_dtype) if cache_dtype else None,
                   block_size=block_size or None, num_heads=num_heads or None,
                   head_dims=None if dim_a < 0 else (dim_a,) if dim_b < 0 else (dim_a, dim_b),
-                  query_len=2 if multi else 1, planned=planned,
-                  cache_strides=tuple(int(s) for s in strides.split(",")) if strides else None,
-                  row_width=row_width or None)
+                  query_len=2 if multi else 1, planned=planned, cache_align=None if align < 0 else align,
+                  packed_rows=packed if align >= 0 else None)
     return select(op, f).name
 
 
+def static_int(value) -> int:
+    """``value`` as a Python int. A symbolic size (a dynamic-shape trace) is specialized, with a guard, by
+    ``len([0] * value)`` (Dynamo turns neither ``int()`` nor ``str()`` of it into a constant). For the model's
+    static dimensions (heads, head dims, page size) that a backend choice depends on; never the batch."""
+    return len([0] * value)  # no type test: under Dynamo a symbolic size passes isinstance(_, int), fails SymInt
+
+
 def resolve(op: str, device: torch.device, backend: str | None, *, dtype: torch.dtype | None = None,
-            cache: torch.Tensor | None = None, num_heads: int = 0, head_dims: tuple[int, ...] = (),
-            query_len: int = 1, planned: bool = False) -> Backend:
+            cache: torch.Tensor | None = None, shape: Callable[[], tuple] | None = None,
+            planned: bool = False) -> Backend:
     """The backend of ``op`` for a public function's call: ``backend`` by name, or (None/"auto") the one
-    :func:`select` picks from the call's facts (``cache``: the paged cache the op reads, if any)."""
+    :func:`select` picks from the call's facts: ``cache`` (the paged cache the op reads, if any) and
+    ``shape() -> (num_heads, head_dims, query_len)`` (called only for "auto", so a malformed call reaches
+    the op's own validation)."""
     name = op_name(op)
     if backend in (None, "auto"):
-        cache_dtype = _dtype_name(cache.dtype if cache is not None else dtype)
-        strides = ",".join(str(int(s)) for s in cache.stride()) if cache is not None else ""
-        dims = tuple(int(d) for d in head_dims) + (-1, -1)
-        backend = _auto(name, str(device), _dtype_name(dtype), cache_dtype,
-                        int(cache.shape[1]) if cache is not None and cache.dim() == 3 else 0, int(num_heads),
-                        dims[0], dims[1], bool(query_len > 1), bool(planned), strides,
-                        int(cache.shape[-1]) if cache is not None else 0)
+        try:
+            num_heads, head_dims, query_len = shape() if shape is not None else (0, (), 1)
+            backend = _auto_for(name, device, dtype, cache, num_heads, head_dims, query_len, planned)
+        except (IndexError, ValueError):
+            # a malformed call (wrong rank or dtype: no backend serves it, the facts may not even exist); the
+            # reference, which serves every well-formed call, validates it and names the problem
+            backend = "reference"
     return _explicit(name, device, backend)
+
+
+def _auto_for(name: str, device: torch.device, dtype: torch.dtype | None, cache: torch.Tensor | None,
+              num_heads, head_dims: tuple, query_len, planned: bool) -> str:
+    cache_dtype = _dtype_name(cache.dtype if cache is not None else dtype)
+    align, packed = cache_layout(cache.stride(), cache.shape[-1]) if cache is not None else (-1, False)
+    dims = tuple(static_int(d) for d in head_dims) + (-1, -1)
+    block_size = static_int(cache.shape[1]) if cache is not None and cache.dim() == 3 else 0
+    return _auto(name, str(device), _dtype_name(dtype), cache_dtype, block_size, static_int(num_heads), dims[0],
+                 dims[1], True if query_len > 1 else False, bool(planned), align, packed)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -291,5 +318,5 @@ def requested_in(op: str, parsed: dict[str, str]) -> str:
     return name
 
 
-__all__ = ["Choice", "Facts", "auto_skip", "describe", "facts_for", "parse_backend_spec", "requested_in", "resolve",
-           "select", "why_not"]
+__all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "describe", "facts_for", "parse_backend_spec",
+           "requested_in", "resolve", "select", "static_int", "why_not"]

@@ -88,8 +88,8 @@ def sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, *,
     """
     squeeze = q.dim() == 3
     q4, idx = (q.unsqueeze(1), indices.unsqueeze(1)) if squeeze else (q, indices)
-    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, num_heads=q4.shape[2],
-                   head_dims=(kv_lora_rank, q4.shape[3] - kv_lora_rank), query_len=q4.shape[1])
+    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
     out, lse = impl.fn(q4, kv_cache, idx, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
