@@ -53,8 +53,8 @@ class _OpView(Mapping):
 SPECS = _OpView(lambda op: registry._TABLE[op])  # op -> {name: BackendSpec}, the live table
 PRIORITY = _OpView(priority)  # op -> backend names in the declared static order
 OP_KEYS = _OpView(lambda op: OPS[op].key)  # op -> the op's name in errors ("mla.decode")
-ATTENTION_OPS = ("decode", "prefill", "merge")
-KERNEL_OPS = ("cache_write", "gather")
+ATTENTION_OPS = tuple(op for op, info in OPS.items() if info.env == "all")  # a single name must serve these
+KERNEL_OPS = tuple(op for op, info in OPS.items() if info.env == "if_present")  # ... and these when they have it
 
 
 def requested_for(op: str, spec: str | dict[str, str] | None) -> str:
