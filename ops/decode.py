@@ -75,8 +75,8 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Absorbed MLA decode; see the module docstring for the contract.
 
     ``q`` is ``[B, s_q, H, D]`` or ``[B, H, D]`` (s_q = 1; then ``out`` is ``[B, H, kv_lora_rank]`` and
-    ``lse`` is ``[B, H]``). ``backend``: None/"auto" (the selector's choice for these shapes, ``mla_compile.ops.select``), or a
-    declared backend name ("reference", "triton", "flashmla", ...).
+    ``lse`` is ``[B, H]``). ``backend``: None/"auto" (the selector's choice for these shapes,
+    ``mla_compile.ops.select``), or a declared backend name ("reference", "triton", "flashmla", ...).
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
     ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step).
     """
