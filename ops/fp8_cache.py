@@ -319,9 +319,10 @@ def _gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
                   kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     why = why_not(backends_for(OP_DECODE)["gluon"], _decode_facts(q, kv_cache, kv_lora_rank))
     if why:
-        raise ValueError(f"mla.decode_fp8: backend 'gluon' cannot serve q {q.dtype} {tuple(q.shape)}, kv_cache "
-                         f"{tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())} on {q.device}: {why}; "
-                         f"use backend='triton'")
+        raise ValueError(f"mla.decode_fp8: backend 'gluon' takes bf16 q [B, s_q, H, 576], kv_lora_rank 512, pages "
+                         f"of a multiple of 32 rows with 16-byte aligned strides, on sm_89+; got q {q.dtype} "
+                         f"{tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())} on "
+                         f"{q.device} ({why}); use backend='triton'")
     import mla_compile.ops.triton.fp8_decode_gluon  # noqa: F401  (registers mla::decode_fp8_gluon)
     return torch.ops.mla.decode_fp8_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
