@@ -411,27 +411,12 @@ _PHASES = (("dynamo", "dynamo_cumulative_compile_time_us", 1e-6),
            ("inductor_codegen", "inductor_code_gen_cumulative_compile_time_us", 1e-6),
            ("kernel_compile", "triton_compile_time_us", 1e-6))
 
-# Our op names and Triton kernel names -> the backend they belong to (suffix conventions of mla_compile.ops)
-_BACKEND_SUFFIXES = (("_ref", "reference"), ("_triton_config", "triton (autotuned config)"), ("_triton", "triton"),
-                     ("_gluon", "gluon (opaque kernel)"), ("_flashmla", "flashmla"), ("_flashinfer_trtllm", "flashinfer-trtllm"),
-                     ("_flashinfer_cutlass", "flashinfer-cutlass"), ("_flashinfer", "flashinfer"),
-                     ("_fa2", "flash-attn"), ("_flash_attn", "flash-attn"), ("_sdpa", "sdpa-cudnn"),
-                     ("_autotune", "autotune (not lowered: static default)"), ("_fused", "fused (triton/reference)"),
-                     ("absorb_q", "torch bmm into place (fusion pass)"),
-                     ("absorb_out", "torch bmm into place (fusion pass)"))
-_KERNEL_BACKENDS = {"_decode_split_kernel": "triton", "_decode_reduce_kernel": "triton",
-                    "_cache_write_kernel": "triton", "_fused_kv_write_kernel": "triton", "_fp8_write_kernel": "triton"}
-
-
 def op_backend(name: str) -> str:
-    """The backend an ``mla::`` op name (``mla::decode_flashmla`` -> ``flashmla``) or a user Triton kernel serves; "?" if unknown."""
-    if name in _KERNEL_BACKENDS:
-        return _KERNEL_BACKENDS[name]
-    base = name.split("::")[-1].split(".")[0]
-    for suffix, backend in _BACKEND_SUFFIXES:
-        if base.endswith(suffix):
-            return backend
-    return "?"
+    """The backend an ``mla::`` op name (``mla::decode_flashmla`` -> ``flashmla``) or a user Triton kernel serves,
+    as declared in the backend registry (:func:`mla_compile.ops.registry.kernel_backend`); "?" if unknown."""
+    from mla_compile.ops.registry import kernel_backend
+
+    return kernel_backend(name)
 
 
 def _autotune_mark() -> int:

@@ -31,6 +31,23 @@ class Candidate:
     extra: tuple = ()
 
 
+def peer_candidates(op: str, facts: dict) -> list[Candidate]:
+    """A candidate for every backend of ``op`` the registry declares autotune-eligible, other than our Triton
+    kernel (its launch configurations are the lowering's own), that serves ``facts`` with the LSE, in the
+    registry's static order."""
+    from mla_compile.ops.registry import backends_for, priority
+    from mla_compile.ops.select import facts_for, why_not
+
+    f = facts_for(facts.pop("device"), facts.pop("dtype"), need_lse=True, **facts)
+    out = []
+    for name in priority(op):
+        spec = backends_for(op)[name]
+        if name == "triton" or not spec.autotune or why_not(spec, f) is not None:
+            continue  # not a peer candidate, or it cannot serve the shapes here (`doctor` says why)
+        out.append(Candidate(f"mla_{op}_{name.replace('-', '_')}", name, spec.fn.default))
+    return out
+
+
 def hints(node) -> list[int]:
     """Concrete sizes of an Inductor IR node (the compile-time hints of symbolic sizes)."""
     from torch._inductor.virtualized import V

@@ -55,19 +55,12 @@ _WARNED: set[str] = set()
 
 def decode_candidates(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, block_size: int,
                       num_heads: int, head_dims: tuple[int, int], query_len: int) -> list[Candidate]:
-    """Every implementation that can serve these static facts on ``device`` (CUDA), fastest-known first."""
-    from mla_compile.backends import select_backend
-
-    out: list[Candidate] = []
-    for name in ("flashmla", "flashinfer-trtllm", "flashinfer-cutlass"):
-        try:
-            select_backend("decode", device=device, dtype=dtype, cache_dtype=cache_dtype, block_size=block_size,
-                           num_heads=num_heads, head_dims=head_dims, query_len=query_len, requested=name,
-                           need_lse=True)
-        except ValueError:
-            continue  # this backend cannot serve the shapes here (the selector says why in `doctor`)
-        op = getattr(torch.ops.mla, "decode_" + name.replace("-", "_")).default
-        out.append(Candidate(f"mla_decode_{name.replace('-', '_')}", name, op))
+    """Every implementation that can serve these static facts on ``device`` (CUDA): the registry's
+    autotune-eligible peers (:func:`mla_compile.lowerings._autotune.peer_candidates`), then our Triton
+    kernel in each of :data:`TRITON_CONFIGS`."""
+    facts = dict(device=device, dtype=dtype, cache_dtype=cache_dtype, block_size=block_size, num_heads=num_heads,
+                 head_dims=head_dims, query_len=query_len)
+    out = _autotune.peer_candidates("decode", facts)
     if triton_available() and device.type == "cuda":
         configs = TRITON_CONFIGS if torch.finfo(cache_dtype).bits <= 16 else TRITON_CONFIGS[:1]
         for bn, nw, ns, sp in configs:

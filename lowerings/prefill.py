@@ -4,8 +4,8 @@ serve the compiled shapes and emits the fastest. Same mechanism as :mod:`mla_com
 alone, then the winner's ``(out, lse)`` op emitted as a fallback kernel; the timing node is dead code.
 
 Candidates: our Triton kernel in a few launch configurations (``mla::prefill_triton_config``) and the
-peer backends :func:`mla_compile.backends.select_backend` says serve the shapes without a plan
-(flash-attn, FlashInfer trtllm-gen on sm100). Left out:
+peer backends the registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer
+trtllm-gen on sm100) where the selector says they serve the shapes. Left out (not autotune-eligible):
 
 - FlashInfer (``"flashinfer"``): needs a host-side plan per step made from the real lengths; a compiled
   graph cannot make one, and a plan made for the benchmark inputs would not fit the real step.
@@ -30,8 +30,6 @@ from mla_compile.ops.triton import available as triton_available
 
 OP_NAME = "mla::prefill_autotune"
 SELECT_NAME = "mla_prefill_autotune"
-# Peer backends that run from shapes alone (no host plan, no host read of the lengths).
-PEERS = ("flashinfer-trtllm", "flash-attn")
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 keeps the heuristic's value (ops/triton/prefill.py:_pick).
 # Every tile is at most the bf16 default's (128 x 64), so none needs more shared memory than it.
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3))
@@ -45,17 +43,8 @@ def prefill_candidates(device: torch.device, dtype: torch.dtype, num_heads: int,
 
     A :class:`~mla_compile.lowerings._autotune.Candidate`'s ``op`` here takes
     ``(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, *extra)``."""
-    from mla_compile.backends import select_backend
-
-    out: list[Candidate] = []
-    for name in PEERS:
-        try:
-            select_backend("prefill", device=device, dtype=dtype, num_heads=num_heads, head_dims=head_dims,
-                           query_len=2, requested=name, need_lse=True)
-        except ValueError:
-            continue  # this backend cannot serve the shapes here (the selector says why in `doctor`)
-        op = getattr(torch.ops.mla, "prefill_" + name.replace("-", "_")).default
-        out.append(Candidate(f"mla_prefill_{name.replace('-', '_')}", name, op))
+    facts = dict(device=device, dtype=dtype, num_heads=num_heads, head_dims=head_dims, query_len=2)
+    out = _autotune.peer_candidates("prefill", facts)
     if triton_available() and device.type == "cuda" and dtype != torch.float64:
         configs = TRITON_CONFIGS if torch.finfo(dtype).bits <= 16 else TRITON_CONFIGS[:1]
         for bm, bn, nw, ns in configs:

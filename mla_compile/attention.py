@@ -35,12 +35,14 @@ class MLAAttention(nn.Module):
 
     ``backend``: a name, per-op names (``"decode=flashmla,prefill=sdpa-cudnn"``), "auto", or None
     (``MLA_COMPILE_BACKEND``, read here once). Decode and prefill ask :func:`mla_compile.backends.select_backend`
-    once per static configuration (kept in ``_backend_choices``, a constant of compiled graphs); an
-    explicit backend that cannot serve it raises. ``cuda_graph``: set True by a decode CUDA-graph runner
+    once per static configuration (kept in ``_backend_choices``, a constant of compiled graphs), and so
+    do the fp8 decode and the sparse decode; an explicit backend that cannot serve it raises.
+    ``cuda_graph``: set True by a decode CUDA-graph runner
     so "auto" picks only decode backends that replay with changing lengths.
 
     A sparse config (V3.2) also wraps the HF layer's ``indexer`` as ``self.indexer`` (an
-    :class:`MLAIndexer`); its attention ignores the decode/prefill backends and uses ``ops.sparse_decode``.
+    :class:`MLAIndexer`); its attention ignores the decode/prefill backends and uses ``ops.sparse_decode``
+    (``sparse_decode=<name>`` in ``backend`` picks its backend, else "auto").
     """
 
     def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
@@ -48,7 +50,8 @@ class MLAAttention(nn.Module):
         self.config = config
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
-        op_names = ("decode", "prefill", "merge", "cache_write", "gather")
+        op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
+                    "cache_write_fp8", "gather_fp8")
         self._requested = {op: requested_for(op, spec) for op in op_names}
         self._choice_token, self._backend_choices = new_choice_cache()
         self.cuda_graph = False
@@ -119,12 +122,10 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
-        write_backend = self._requested["cache_write"]
-        if self.fp8_cache:  # the fp8 ops pick their own default (Triton on CUDA, the reference elsewhere)
-            ops.write_latent_cache_fp8(latent, k_pe, meta.slot_mapping, self.kv_cache)
-        else:
-            ops.write_latent_cache(latent, k_pe, meta.slot_mapping, self.kv_cache,
-                                   backend=None if write_backend == "auto" else write_backend)
+        write = ops.write_latent_cache_fp8 if self.fp8_cache else ops.write_latent_cache
+        write_backend = self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
+        write_backend = None if write_backend == "auto" else write_backend
+        write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=write_backend)
         if self.indexer is not None:
             if positions is None:
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")
@@ -151,8 +152,10 @@ class MLAAttention(nn.Module):
         B = d.block_table.shape[0]
         q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
         if self.fp8_cache:
+            name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
+                                 query_len=d.query_len, need_lse=False)
             out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
-                                        kv_lora_rank=c.kv_lora_rank)
+                                        kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
             plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
             name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
@@ -169,7 +172,10 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
-        out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank)
+        name = self._backend("sparse_decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
+                             need_lse=False)
+        out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
+                                       backend=name)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
     def _up_project(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
@@ -199,16 +205,19 @@ class MLAAttention(nn.Module):
                 self.kv_b_proj.weight, c.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
                 prefill_backend=self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim)),
                 merge_backend=self._backend("merge", out.dtype, head_dims=(c.v_head_dim,)),
-                gather_backend=None if self.fp8_cache else self._requested["gather"])
+                gather_backend=self._requested["gather_fp8" if self.fp8_cache else "gather"])
         return out
 
     def _backend(self, op: str, dtype: torch.dtype, *, head_dims: tuple[int, ...], query_len: int = 1,
                  need_lse: bool = True, planned: bool = False) -> str:
         """The backend of ``op`` for this layer's static configuration (selected once, then cached)."""
         cache = self.kv_cache
+        paged = op in ("decode", "decode_fp8", "sparse_decode")  # the ops that read the paged cache
         return cached_backend(self._choice_token, op, self._requested[op], device=cache.device, dtype=dtype,
-                              cache_dtype=cache.dtype if op == "decode" else dtype,
-                              block_size=cache.shape[1] if op == "decode" else None,
+                              cache_dtype=cache.dtype if paged else dtype,
+                              block_size=cache.shape[1] if paged else None,
                               num_heads=self.config.num_heads, head_dims=head_dims, query_len=query_len,
                               need_lse=need_lse, planned=planned,
-                              cuda_graph=self.cuda_graph and op == "decode")
+                              cuda_graph=self.cuda_graph and op in ("decode", "decode_fp8"),
+                              cache_strides=tuple(cache.stride()) if paged else None,
+                              row_width=cache.shape[-1] if paged else None)

@@ -28,7 +28,7 @@ from mla_compile.toy import ALL_KINDS, random_prompts, toy_hf_model
 
 # Prompt lengths cycle through these: short and long, some crossing 16-token block boundaries.
 PROMPT_LENGTHS = (7, 19, 3, 12, 26, 5, 16, 9)
-_MODEL_OPS = ("mla.write_latent_cache", "mla.decode", "mla.prefill")  # what MLAAttention calls
+_MODEL_OPS = ("cache_write", "decode", "prefill")  # what MLAAttention calls (registry op names)
 # The guard that splits prefill-only and decode steps into two graphs (expected, not a shape recompile).
 _STEP_KIND_GUARD = re.compile(r"meta\.(decode|prefill) is (not )?None")
 
@@ -69,11 +69,10 @@ def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, 
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False; use device 'cpu'")
     chosen = backend or envs.backend()
-    from mla_compile.backends import OP_KEYS, requested_for
+    from mla_compile.backends import requested_for
 
     for op in _MODEL_OPS:  # an unusable backend fails here, not as a confusing error inside tracing
-        key = next(k for k, v in OP_KEYS.items() if v == op)
-        ops.resolve(op, device, requested_for(key, chosen))  # per-op specs ("decode=autotune") included
+        ops.resolve(op, device, requested_for(op, chosen), dtype=dtype)  # per-op specs ("decode=autotune") too
     hf = toy_hf_model(kind, seed=seed, dtype=dtype, device=device, num_hidden_layers=layers)
     reference = copy.deepcopy(hf)  # patch() rewrites hf in place
     model = patch(hf, backend=backend)

@@ -1,5 +1,6 @@
-"""``mla-compile doctor``: versions, the GPU, every attention backend with whether it can run here (and
-why not), and what the selector picks for DeepSeek-V2-Lite and V3 shapes. Imports no peer library."""
+"""``mla-compile doctor``: versions, the GPU, every backend of every op in the registry with whether it can
+run here (and why not), the timing tables "auto" ranks by, and what the selector picks for DeepSeek-V2-Lite
+and V3 shapes (decode, prefill, merge, fp8 decode, sparse decode). Imports no peer library."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import platform
 import torch
 
 from mla_compile import backends, envs
+from mla_compile.ops import timings
+from mla_compile.cache import fp8_row_bytes
 from mla_compile.config import preset
 
 # (label, preset name) of the shapes the report resolves, with the cache block size and dtype it assumes.
@@ -35,20 +38,28 @@ def _gpu() -> str:
     return "; ".join(names)
 
 
+def _asks(cfg) -> tuple:
+    """(op, selector arguments) of every attention op MLAAttention selects for a model of ``cfg``."""
+    latent = dict(block_size=BLOCK_SIZE, head_dims=(cfg.kv_lora_rank, cfg.qk_rope_head_dim), need_lse=False)
+    width = fp8_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    fp8 = dict(latent, cache_dtype=torch.uint8, cache_strides=(BLOCK_SIZE * width, width, 1), row_width=width)
+    return (("decode", latent), ("prefill", dict(head_dims=(cfg.qk_head_dim, cfg.v_head_dim), need_lse=True)),
+            ("merge", dict(head_dims=(cfg.v_head_dim,))), ("decode_fp8", fp8), ("sparse_decode", fp8))
+
+
 def _choices(device: torch.device) -> list[str]:
     lines = []
     for label, name in SHAPES:
         cfg = preset(name)
-        asks = (("decode", dict(block_size=BLOCK_SIZE, head_dims=(cfg.kv_lora_rank, cfg.qk_rope_head_dim),
-                                need_lse=False)),
-                ("prefill", dict(head_dims=(cfg.qk_head_dim, cfg.v_head_dim), need_lse=True)))
-        for op, kw in asks:
+        for op, kw in _asks(cfg):
+            cache = " (fp8 cache)" if kw.get("cache_dtype") == torch.uint8 else ""
+            head = f"  {label} ({cfg.num_heads} heads) {op + cache:7s}"
             try:
                 choice = backends.select_backend(op, device=device, dtype=DTYPE, num_heads=cfg.num_heads, **kw)
             except ValueError as e:
-                lines.append(f"  {label} ({cfg.num_heads} heads) {op:7s} -> error: {e}")
+                lines.append(f"{head} -> error: {e}")
                 continue
-            lines.append(f"  {label} ({cfg.num_heads} heads) {op:7s} -> {choice.name}")
+            lines.append(f"{head} -> {choice.name}: {choice.reason.split('; serves')[0]}")
             for other in backends.PRIORITY[op]:
                 if other in choice.rejected:
                     lines.append(f"      not {other}: {choice.rejected[other]}")
@@ -66,11 +77,15 @@ def doctor_report() -> str:
         "packages: " + ", ".join(f"{p} {_version(p)}" for p in PACKAGES),
         f"GPU: {_gpu()}",
         f"MLA_COMPILE_BACKEND: {envs.backend()}",
+        *(f"timings \"auto\" ranks by: {t.gpu} (sm{t.capability[0]}{t.capability[1]}), {len(t.rows)} shape classes"
+          f"{' (seeded from BENCHMARKS.md)' if t.seeded else ''}, torch {t.versions.get('torch', '?')}"
+          for t in timings.tables()),
         "",
-        "backends (in priority order; 'graphs' = CUDA-graph support: full / planned (host plan before each "
+        "backends (in static order; 'graphs' = CUDA-graph support: full / planned (host plan before each "
         "replay) / none):",
     ]
-    for op in backends.SPECS:
+    first = ("decode", "decode_fp8", "sparse_decode", "prefill", "merge")
+    for op in sorted(backends.SPECS, key=lambda op: first.index(op) if op in first else len(first)):
         lines.append(f"{op}:")
         for row in (r for r in backends.describe() if r["op"] == op):
             state = "available" if row["available"] else "unavailable"
@@ -79,6 +94,7 @@ def doctor_report() -> str:
             why = f": {row['why']}" if row["why"] else ""
             lines.append(f"  {row['backend']:19s} {state}{why} (graphs {row['cuda_graph']}{lse}){tested}")
     lines += ["", f"selection for {str(DTYPE).replace('torch.', '')}, block size {BLOCK_SIZE} on {device.type}, as "
-              "MLAAttention asks (decode LSE unused; no FlashInfer decode_planner given to the metadata builder):"]
+              "MLAAttention asks (decode LSE unused; no FlashInfer decode_planner given to the metadata builder; "
+              "sparse_decode as a V3.2 layer of these dims would):"]
     lines += _choices(device)
     return "\n".join(lines)

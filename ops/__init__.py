@@ -5,7 +5,8 @@ Importing this package registers every op. Public functions pick a backend and c
 """
 
 from mla_compile.ops._checks import checked_mode, set_checked_mode
-from mla_compile.ops._dispatch import backends_for, resolve
+from mla_compile.ops.registry import backends_for
+from mla_compile.ops.select import resolve
 from mla_compile.ops.cache_write import write_latent_cache
 from mla_compile.ops.context_attention import context_attention
 from mla_compile.ops.decode import decode

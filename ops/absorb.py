@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._dispatch import LAYOUT_TAGS
+from mla_compile.ops.registry import LAYOUT_TAGS, declare_kernels
 
 OP_Q = "mla.absorb_q"
 OP_OUT = "mla.absorb_out"
@@ -99,3 +99,6 @@ def absorb_out_reference(out_lat: Tensor, w_uv: Tensor) -> Tensor:
     """What :func:`absorb_out` computes, as the model writes it (einsum + reshape)."""
     out = torch.einsum("thc,hvc->thv", out_lat, w_uv)
     return out.reshape(out.shape[0], -1)
+
+
+declare_kernels("torch bmm into place (fusion pass)", "absorb_q", "absorb_out")

@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor, data_checks_enabled
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import scatter_rows
 
-OP = "mla.write_latent_cache"
+OP = declare_op("cache_write", "mla.write_latent_cache", env="if_present")
 
 
 def validate(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, op: str = OP) -> None:
@@ -45,7 +46,8 @@ def _(latent, k_pe, slot_mapping, kv_cache):
     return None
 
 
-register_impl(OP, "reference", torch.ops.mla.write_latent_cache_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.write_latent_cache_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def write_latent_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, *,
@@ -54,7 +56,7 @@ def write_latent_cache(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_ca
 
     Slot -1 marks padding and is skipped. Mutates ``kv_cache``; returns None.
     """
-    resolve(OP, kv_cache.device, backend).fn(latent, k_pe, slot_mapping, kv_cache)
+    resolve(OP, kv_cache.device, backend, dtype=kv_cache.dtype).fn(latent, k_pe, slot_mapping, kv_cache)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.
@@ -66,4 +68,5 @@ def _triton(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor
     torch.ops.mla.write_latent_cache_triton(latent, k_pe, slot_mapping, kv_cache)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
+        kernels=("write_latent_cache_triton", "_cache_write_kernel"), note="ours")

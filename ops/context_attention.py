@@ -25,13 +25,14 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops.fp8_cache import fp8_row_bytes, gather_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.prefill import prefill
 
-OP = "mla.context_attention"
+OP = declare_op("context_attention", "mla.context_attention")
 
 
 def validate(q: Tensor, out: Tensor, lse: Tensor, kv_cache: Tensor, block_table: Tensor, cu_seqlens_q: Tensor,
@@ -104,7 +105,8 @@ def _(q, out, lse, kv_cache, block_table, cu_seqlens_q, slice_cu_seqlens, slice_
     return torch.empty_like(out), torch.empty_like(lse)
 
 
-register_impl(OP, "composite", torch.ops.mla.context_attention, devices=("any",))
+declare(OP, "composite", torch.ops.mla.context_attention, rank=10, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        note="gather, prefill and merge per context slice, each with its own backend")
 
 
 def context_attention(q: Tensor, out: Tensor, lse: Tensor, kv_cache: Tensor, block_table: Tensor,

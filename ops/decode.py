@@ -16,10 +16,11 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, call_impl, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
 
-OP = "mla.decode"
+OP = declare_op("decode", "mla.decode", cache=True, env="all")
 
 
 def validate(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_lora_rank: int) -> None:
@@ -64,7 +65,8 @@ def fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *backend_args)
 decode_ref.register_fake(fake)
 
 
-register_impl(OP, "reference", torch.ops.mla.decode_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.decode_ref, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        note="plain torch, the numerical ground truth")
 
 
 def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
@@ -73,13 +75,15 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Absorbed MLA decode; see the module docstring for the contract.
 
     ``q`` is ``[B, s_q, H, D]`` or ``[B, H, D]`` (s_q = 1; then ``out`` is ``[B, H, kv_lora_rank]`` and
-    ``lse`` is ``[B, H]``). ``backend``: None/"auto", "reference", or a registered kernel backend.
+    ``lse`` is ``[B, H]``). ``backend``: None/"auto" (the selector's choice for these shapes,
+    ``mla_compile.ops.select``), or a declared backend name ("reference", "triton", "flashmla", ...).
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
     ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step).
     """
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
-    impl = resolve(OP, q.device, backend)
+    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, planned=plan is not None,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
     out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
@@ -94,4 +98,7 @@ def _triton(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
     return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
+        autotune=True, kernels=("decode_triton", "decode_triton_config=triton (autotuned config)",
+                                "_decode_split_kernel", "_decode_reduce_kernel"),
+        note="ours; portable path for ROCm/XPU")

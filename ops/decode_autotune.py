@@ -23,7 +23,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS, default_backend, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_kernels
+from mla_compile.ops.select import resolve
 from mla_compile.ops.decode import OP, fake, validate
 
 BACKEND = "autotune"
@@ -44,11 +45,10 @@ def lowering_installed(op_name: str = "mla::decode_autotune") -> bool:
 @torch.library.custom_op("mla::decode_autotune", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                     kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
-    name = default_backend(OP, q.device)
-    if name == BACKEND:  # never: the default is never the autotuned op itself
-        name = "reference"
-    out, lse = resolve(OP, q.device, name).fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    """Eager kernel: the backend "auto" picks for these shapes (never "autotune" itself)."""
+    impl = resolve(OP, q.device, None, dtype=q.dtype, cache=kv_cache,
+                   shape=lambda: (q.shape[2], (kv_lora_rank, q.shape[3] - kv_lora_rank), q.shape[1]))
+    out, lse = impl.fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return out.contiguous(), lse.contiguous()
 
 
@@ -127,4 +127,7 @@ def _autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor
     return torch.ops.mla.decode_autotune(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-register_impl(OP, BACKEND, _autotune, devices=("any",))
+declare(OP, BACKEND, _autotune, rank=70, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        kernels=("decode_autotune=autotune (not lowered: static default)", "decode_by_rows=autotune (split by rows)"),
+        note="Inductor times every decode backend that serves the compiled shapes and emits the fastest "
+             "(needs `import mla_compile.lowerings`; eager and CPU run 'auto''s choice); never picked by 'auto'")

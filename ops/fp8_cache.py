@@ -45,16 +45,18 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM89, backends_for, declare, declare_op
+from mla_compile.ops.select import Facts, cache_layout, facts_for, resolve, why_not
 from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_FLOOR = 2.0 ** -64  # smallest group scale: all-zero groups get this, never 0
 
-OP_WRITE = "mla.write_latent_cache_fp8"
-OP_GATHER = "mla.gather_latent_cache_fp8"
-OP_DECODE = "mla.decode_fp8"
+OP_WRITE = declare_op("cache_write_fp8", "mla.write_latent_cache_fp8")
+OP_GATHER = declare_op("gather_fp8", "mla.gather_latent_cache_fp8")
+OP_DECODE = declare_op("decode_fp8", "mla.decode_fp8", cache=True)
+FP8_CACHE = (torch.uint8,)
 
 
 # ------------------------------------------------------------------------------------------- format
@@ -141,14 +143,15 @@ def _(latent, k_pe, slot_mapping, kv_cache):
     return None
 
 
-register_impl(OP_WRITE, "reference", torch.ops.mla.write_latent_cache_fp8_ref, devices=("any",))
+declare(OP_WRITE, "reference", torch.ops.mla.write_latent_cache_fp8_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def write_latent_cache_fp8(latent: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, *,
                            backend: str | None = None) -> None:
     """Quantize ``latent [T, Dc]`` and ``k_pe [T, Dr]`` into the fp8 cache ``uint8 [NB, BS, W]`` at
     ``slot_mapping [T]`` (-1 = padding, skipped). Mutates ``kv_cache``; returns None."""
-    resolve(OP_WRITE, kv_cache.device, backend).fn(latent, k_pe, slot_mapping, kv_cache)
+    resolve(OP_WRITE, kv_cache.device, backend, dtype=latent.dtype).fn(latent, k_pe, slot_mapping, kv_cache)
 
 
 # ------------------------------------------------------------------------------------------- gather
@@ -204,14 +207,15 @@ def _(kv_cache, block_table, cu_seqlens, seq_starts, out):
     return None
 
 
-register_impl(OP_GATHER, "reference", torch.ops.mla.gather_latent_cache_fp8_ref, devices=("any",))
+declare(OP_GATHER, "reference", torch.ops.mla.gather_latent_cache_fp8_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def gather_latent_cache_fp8(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
                             out: Tensor, *, backend: str | None = None) -> None:
     """Dequantizing gather: the contract of ``mla_compile.ops.gather_latent_cache`` with an fp8 cache
     ``uint8 [NB, BS, W]``; ``out [S, Dc + Dr]`` (float dtype, mutated) receives ``[latent | k_pe]`` rows."""
-    resolve(OP_GATHER, kv_cache.device, backend).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)
+    resolve(OP_GATHER, kv_cache.device, backend, dtype=out.dtype).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)
 
 
 # ------------------------------------------------------------------------------------------- decode
@@ -257,35 +261,35 @@ def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-register_impl(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, devices=("any",))
+declare(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        cache_dtypes=FP8_CACHE, gpu_tested=True, note="plain torch, the numerical ground truth")
 
 
 def gluon_eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
-    """Whether the Gluon fp8 decodes (``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_tma.py``,
-    ``fp8_decode_wgmma.py``) serve this call, from static properties only (no guard on the batch): CUDA sm_89+
-    with Triton, bf16 q ``[B, s_q, H, 576]`` with any number of query rows (16-row programs: each block of 16
-    ``s_q * H`` rows reads the cache again, still ahead of the Triton fp8 kernel at 64-128 heads: see
-    BENCHMARKS.md), DeepSeek's 512 + 64 split, pages of a multiple of 32 rows, 16-byte aligned row and page
-    strides."""
-    if q.device.type != "cuda" or q.dtype != torch.bfloat16 or not _triton_available():
-        return False
-    if kv_lora_rank != 512 or q.shape[-1] != 576:
-        return False
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
-        return False
-    return (kv_cache.shape[1] % 32 == 0 and kv_cache.stride(-1) == 1 and kv_cache.stride(1) % 16 == 0
-            and kv_cache.stride(0) % 16 == 0)
+    """Whether the Gluon fp8 decodes (backend "gluon", ``ops/triton/fp8_decode_gluon.py``, ``fp8_decode_tma.py``,
+    ``fp8_decode_wgmma.py``) serve this call, from its declaration (static properties only, no guard on the
+    batch): CUDA sm_89+ with Triton, bf16 q ``[B, s_q, H, 576]`` with any number of query rows, DeepSeek's
+    512 + 64 split, pages of a multiple of 32 rows, 16-byte aligned row and page strides."""
+    return why_not(backends_for(OP_DECODE)["gluon"], _decode_facts(q, kv_cache, kv_lora_rank)) is None
+
+
+def _decode_facts(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> Facts:
+    align, packed = cache_layout(kv_cache.stride(), kv_cache.shape[-1])
+    return facts_for(q.device, q.dtype, cache_dtype=kv_cache.dtype, block_size=kv_cache.shape[1], num_heads=q.shape[2],
+                     head_dims=(kv_lora_rank, q.shape[-1] - kv_lora_rank), query_len=q.shape[1],
+                     cache_align=align, packed_rows=packed)
 
 
 def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
                kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode over the fp8 cache ``uint8 [NB, BS, W]``: the contract of
-    ``mla_compile.ops.decode`` (q ``[B, s_q, H, D]`` or ``[B, H, D]``; out in q's dtype, lse float32)."""
+    ``mla_compile.ops.decode`` (q ``[B, s_q, H, D]`` or ``[B, H, D]``; out in q's dtype, lse float32).
+    ``backend``: None/"auto" (the selector's choice), or a declared backend name."""
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
-    if backend in (None, "auto") and gluon_eligible(q4, kv_cache, kv_lora_rank):
-        backend = "gluon"  # our fastest fp8 kernels where they apply (see BENCHMARKS.md)
-    out, lse = resolve(OP_DECODE, q.device, backend).fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    impl = resolve(OP_DECODE, q.device, backend, dtype=q4.dtype, cache=kv_cache,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
+    out, lse = impl.fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 
@@ -304,19 +308,26 @@ def _triton_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
     return torch.ops.mla.decode_fp8_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-register_impl(OP_WRITE, "triton", _triton_write, devices=("cuda",), available=_triton_available)
-register_impl(OP_DECODE, "triton", _triton_decode, devices=("cuda",), available=_triton_available)
+declare(OP_WRITE, "triton", _triton_write, rank=10, available=_triton_available, dtypes=FLOATS, package="triton",
+        gpu_tested=True, kernels=("write_latent_cache_fp8_triton", "_fp8_write_kernel"), note="ours")
+declare(OP_DECODE, "triton", _triton_decode, rank=20, available=_triton_available, dtypes=FLOATS,
+        cache_dtypes=FP8_CACHE, package="triton", gpu_tested=True,
+        kernels=("decode_fp8_triton", "_decode_fp8_split_kernel"), note="ours; any shape the format allows")
 
 
 def _gluon_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                   kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    if not gluon_eligible(q, kv_cache, kv_lora_rank):
-        raise ValueError(f"mla.decode_fp8: backend 'gluon' takes bf16 q [B, s_q, H, 576], "
-                         f"kv_lora_rank 512, pages of a multiple of 32 rows with 16-byte aligned strides, on "
-                         f"sm_89+; got q {q.dtype} {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} strides "
-                         f"{tuple(kv_cache.stride())} on {q.device}; use backend='triton'")
+    why = why_not(backends_for(OP_DECODE)["gluon"], _decode_facts(q, kv_cache, kv_lora_rank))
+    if why:
+        raise ValueError(f"mla.decode_fp8: backend 'gluon' takes bf16 q [B, s_q, H, 576], kv_lora_rank 512, pages "
+                         f"of a multiple of 32 rows with 16-byte aligned strides, on sm_89+; got q {q.dtype} "
+                         f"{tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} strides {tuple(kv_cache.stride())} on "
+                         f"{q.device} ({why}); use backend='triton'")
     import mla_compile.ops.triton.fp8_decode_gluon  # noqa: F401  (registers mla::decode_fp8_gluon)
     return torch.ops.mla.decode_fp8_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-register_impl(OP_DECODE, "gluon", _gluon_decode, devices=("cuda",), available=_triton_available)
+declare(OP_DECODE, "gluon", _gluon_decode, rank=10, available=_triton_available, dtypes=(torch.bfloat16,),
+        cache_dtypes=FP8_CACHE, block_multiple=32, stride_align=16, head_dims=((512, 64),), min_capability=SM89,
+        package="triton", gpu_tested=True, kernels=("decode_fp8_gluon=gluon (opaque kernel)",),
+        note="ours (Gluon: sm_90 TMA / wgmma, else mma.sync); bf16 q, 512 + 64, pages of a multiple of 32")

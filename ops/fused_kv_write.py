@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_tensor
-from mla_compile.ops._dispatch import LAYOUT_TAGS
+from mla_compile.ops.registry import LAYOUT_TAGS, declare_kernels
 from mla_compile.ops._paged import scatter_rows
 from mla_compile.ops.cache_write import validate as validate_write
 from mla_compile.ops.fp8_cache import quantize_fp8_rows
@@ -89,3 +89,7 @@ def write_latent_cache_fused_reference(latent: Tensor, k_pe: Tensor, norm_weight
 def _(latent, k_pe, norm_weight, cos, sin, slot_mapping, kv_cache, eps, interleave):
     validate(latent, k_pe, norm_weight, cos, sin, slot_mapping, kv_cache)
     return None
+
+
+declare_kernels("fused (triton/reference)", "write_latent_cache_fused")
+declare_kernels("triton", "_fused_kv_write_kernel")

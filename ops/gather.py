@@ -14,11 +14,12 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import ragged_rows
 from mla_compile.ops._ragged import segments
 
-OP = "mla.gather_latent_cache"
+OP = declare_op("gather", "mla.gather_latent_cache", env="if_present")
 
 
 def validate(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor, out: Tensor) -> None:
@@ -66,13 +67,14 @@ def _(kv_cache, block_table, cu_seqlens, seq_starts, out):
     return None
 
 
-register_impl(OP, "reference", torch.ops.mla.gather_latent_cache_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.gather_latent_cache_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def gather_latent_cache(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor, seq_starts: Tensor,
                         out: Tensor, *, backend: str | None = None) -> None:
     """Gather paged rows into the workspace ``out [S, D]`` (mutated); see the module docstring."""
-    resolve(OP, kv_cache.device, backend).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)
+    resolve(OP, kv_cache.device, backend, dtype=kv_cache.dtype).fn(kv_cache, block_table, cu_seqlens, seq_starts, out)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.
@@ -85,4 +87,5 @@ def _triton(kv_cache: Tensor, block_table: Tensor, cu_seqlens: Tensor,
     torch.ops.mla.gather_latent_cache_triton(kv_cache, block_table, cu_seqlens, seq_starts, out)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
+        kernels=("gather_latent_cache_triton", "_gather_kernel"), note="ours")

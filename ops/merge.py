@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 
-OP = "mla.merge_attn_states"
+OP = declare_op("merge", "mla.merge_attn_states", env="all")
 
 
 def validate(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -58,13 +59,16 @@ def fake(out_a, lse_a, out_b, lse_b):
 merge_attn_states_ref.register_fake(fake)
 
 
-register_impl(OP, "reference", torch.ops.mla.merge_attn_states_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.merge_attn_states_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch, the numerical ground truth")
 
 
 def merge_attn_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, *,
                       backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Merge two partial attention results by LSE; see the module docstring. Returns ``(out, lse)``."""
-    return resolve(OP, out_a.device, backend).fn(out_a, lse_a, out_b, lse_b)
+    impl = resolve(OP, out_a.device, backend, dtype=out_a.dtype,
+                   shape=lambda: (out_a.shape[1], (out_a.shape[2],), 1))
+    return impl.fn(out_a, lse_a, out_b, lse_b)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.
@@ -76,4 +80,5 @@ def _triton(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple
     return torch.ops.mla.merge_attn_states_triton(out_a, lse_a, out_b, lse_b)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
+        kernels=("merge_attn_states_triton", "_merge_kernel"), note="ours; portable path for ROCm/XPU")

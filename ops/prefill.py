@@ -15,10 +15,11 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, call_impl, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._ragged import segments
 
-OP = "mla.prefill"
+OP = declare_op("prefill", "mla.prefill", env="all")
 
 
 def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool = True) -> None:
@@ -78,7 +79,8 @@ def fake(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, *backend_args):
 prefill_ref.register_fake(fake)
 
 
-register_impl(OP, "reference", torch.ops.mla.prefill_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.prefill_ref, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        note="plain torch, the numerical ground truth")
 
 
 def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float, *,
@@ -88,7 +90,8 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
     ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill`` before the step).
     """
-    impl = resolve(OP, q.device, backend)
+    impl = resolve(OP, q.device, backend, dtype=q.dtype, planned=plan is not None,
+                   shape=lambda: (q.shape[1], (q.shape[2], v.shape[2]), 2))
     return call_impl(OP, impl, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal), plan)
 
 
@@ -102,4 +105,6 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return torch.ops.mla.prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=40, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
+        autotune=True, kernels=("prefill_triton", "_prefill_kernel", "prefill_triton_config=triton (autotuned config)"),
+        note="ours; portable path for ROCm/XPU")

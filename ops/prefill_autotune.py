@@ -21,7 +21,8 @@ import warnings
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS, default_backend, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare
+from mla_compile.ops.select import resolve
 from mla_compile.ops.decode_autotune import lowering_installed
 from mla_compile.ops.prefill import OP, fake, validate
 
@@ -33,11 +34,9 @@ _WARNED: set[str] = set()
 @torch.library.custom_op("mla::prefill_autotune", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                      causal: bool) -> tuple[Tensor, Tensor]:
-    """Eager kernel: the static default backend (Triton on CUDA when importable, else the reference)."""
-    name = default_backend(OP, q.device)
-    if name == BACKEND:  # never: the default is never the autotuned op itself
-        name = "reference"
-    out, lse = resolve(OP, q.device, name).fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+    """Eager kernel: the backend "auto" picks for these shapes (never "autotune" itself)."""
+    impl = resolve(OP, q.device, None, dtype=q.dtype, shape=lambda: (q.shape[1], (q.shape[2], v.shape[2]), 2))
+    out, lse = impl.fn(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
     return out.contiguous(), lse.contiguous()
 
 
@@ -82,4 +81,8 @@ def _autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_
     return torch.ops.mla.prefill_autotune(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-register_impl(OP, BACKEND, _autotune, devices=("any",))
+declare(OP, BACKEND, _autotune, rank=70, devices=("any",), dtypes=FLOATS, gpu_tested=False,
+        kernels=("prefill_autotune=autotune (not lowered: static default)",),
+        note="Inductor times our Triton configs and the plan-free peers (flash-attn, trtllm-gen) that serve the "
+             "compiled shapes and emits the fastest (needs `import mla_compile.lowerings`; eager and CPU run "
+             "'auto''s choice); never picked by 'auto'")

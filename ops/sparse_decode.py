@@ -19,11 +19,12 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend
 from mla_compile.ops.fp8_cache import dequantize_fp8_rows
 
-OP = "mla.sparse_decode"
+OP = declare_op("sparse_decode", "mla.sparse_decode", cache=True)
 
 
 def validate(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> None:
@@ -74,7 +75,8 @@ def _(q, kv_cache, indices, scale, kv_lora_rank):
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-register_impl(OP, "reference", torch.ops.mla.sparse_decode_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.sparse_decode_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        cache_dtypes=FLOATS + (torch.uint8,), gpu_tested=True, note="plain torch, the numerical ground truth")
 
 
 def sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, *, kv_lora_rank: int = 512,
@@ -86,7 +88,9 @@ def sparse_decode(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, *,
     """
     squeeze = q.dim() == 3
     q4, idx = (q.unsqueeze(1), indices.unsqueeze(1)) if squeeze else (q, indices)
-    out, lse = resolve(OP, q.device, backend).fn(q4, kv_cache, idx, scale, kv_lora_rank)
+    impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache,
+                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
+    out, lse = impl.fn(q4, kv_cache, idx, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 
@@ -99,4 +103,6 @@ def _triton(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
     return torch.ops.mla.sparse_decode_triton(q, kv_cache, indices, scale, kv_lora_rank)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS,
+        cache_dtypes=FLOATS + (torch.uint8,), package="triton", gpu_tested=True,
+        kernels=("sparse_decode_triton", "_sparse_split_kernel"), note="ours; bf16/fp16/fp32 or fp8 cache")

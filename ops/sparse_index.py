@@ -36,14 +36,15 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 from mla_compile.ops._fp8_format import FP8_INDEX_SCALE_BYTES
 from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
 from mla_compile.ops._paged import check_paged_data, scatter_rows, sequence_slots
 
-OP_WINDOW = "mla.sink_window_indices"
-OP_LIGHTNING = "mla.lightning_index"
-OP_WRITE = "mla.write_index_cache"
+OP_WINDOW = declare_op("sink_window_indices", "mla.sink_window_indices")
+OP_LIGHTNING = declare_op("lightning_index", "mla.lightning_index")
+OP_WRITE = declare_op("index_cache_write", "mla.write_index_cache")
 
 
 # ------------------------------------------------------------------------------------------- sink + window
@@ -94,14 +95,16 @@ def _(block_table, seq_lens, block_size, sink, window, max_kv):
     return block_table.new_empty(B, max_kv, dtype=torch.int32), block_table.new_empty(B, dtype=torch.int32)
 
 
-register_impl(OP_WINDOW, "reference", torch.ops.mla.sink_window_indices_ref, devices=("any",))
+declare(OP_WINDOW, "reference", torch.ops.mla.sink_window_indices_ref, rank=100, devices=("any",),
+        dtypes=(torch.int32,), gpu_tested=True, note="plain torch (index arithmetic only)")
 
 
 def sink_window_indices(block_table: Tensor, seq_lens: Tensor, *, block_size: int, sink: int, window: int,
                         max_kv: int, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Slots of each sequence's sink and window tokens: ``(indices int32 [B, max_kv] (-1 padded), counts
     int32 [B])`` from ``block_table [B, max_blocks]`` and ``seq_lens [B]``; see the module docstring."""
-    return resolve(OP_WINDOW, block_table.device, backend).fn(block_table, seq_lens, block_size, sink, window, max_kv)
+    impl = resolve(OP_WINDOW, block_table.device, backend, dtype=torch.int32)
+    return impl.fn(block_table, seq_lens, block_size, sink, window, max_kv)
 
 
 def to_csr(indices: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
@@ -237,7 +240,8 @@ def _(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, 
     return q_idx.new_empty(q_idx.shape[0], topk, dtype=torch.int32)
 
 
-register_impl(OP_LIGHTNING, "reference", torch.ops.mla.lightning_index_ref, devices=("any",))
+declare(OP_LIGHTNING, "reference", torch.ops.mla.lightning_index_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def lightning_index(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
@@ -248,8 +252,8 @@ def lightning_index(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_t
     (float) or ``uint8 [NB, BS, d_idx + 4]`` (fp8 index rows, dequantized to float32 on read)
     through ``block_table [B, max_blocks]`` / ``seq_lens [B]``; ``query_seq [T]`` (-1 = padding) and
     ``query_pos [T]`` place each query token. Causal: token t sees positions ``<= query_pos[t]``."""
-    return resolve(OP_LIGHTNING, q_idx.device, backend).fn(q_idx, weights, k_idx_cache, block_table, seq_lens,
-                                                           query_seq, query_pos, topk)
+    impl = resolve(OP_LIGHTNING, q_idx.device, backend, dtype=q_idx.dtype)
+    return impl.fn(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, topk)
 
 
 # ------------------------------------------------------------------------------------------- index-key cache write
@@ -282,14 +286,15 @@ def _(k_idx, slot_mapping, k_idx_cache):
     return None
 
 
-register_impl(OP_WRITE, "reference", torch.ops.mla.write_index_cache_ref, devices=("any",))
+declare(OP_WRITE, "reference", torch.ops.mla.write_index_cache_ref, rank=100, devices=("any",), dtypes=FLOATS,
+        gpu_tested=True, note="plain torch")
 
 
 def write_index_cache(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor, *, backend: str | None = None) -> None:
     """Write index keys ``k_idx [T, d_idx]`` into ``k_idx_cache [NB, BS, d_idx]`` (float) or ``uint8 [NB, BS,
     d_idx + 4]`` (fp8 index rows, quantized on write) at ``slot_mapping [T]`` (-1 = padding, skipped; the
     latent cache's slots). Mutates ``k_idx_cache``; returns None."""
-    resolve(OP_WRITE, k_idx_cache.device, backend).fn(k_idx, slot_mapping, k_idx_cache)
+    resolve(OP_WRITE, k_idx_cache.device, backend, dtype=k_idx.dtype).fn(k_idx, slot_mapping, k_idx_cache)
 
 
 # Triton backends: their modules (and Triton) are imported on the first call, never at import time.
@@ -308,5 +313,7 @@ def _triton_write(k_idx: Tensor, slot_mapping: Tensor, k_idx_cache: Tensor) -> N
     torch.ops.mla.write_index_cache_triton(k_idx, slot_mapping, k_idx_cache)
 
 
-register_impl(OP_LIGHTNING, "triton", _triton_lightning, devices=("cuda",), available=_triton_available)
-register_impl(OP_WRITE, "triton", _triton_write, devices=("cuda",), available=_triton_available)
+declare(OP_LIGHTNING, "triton", _triton_lightning, rank=10, available=_triton_available, dtypes=FLOATS,
+        package="triton", gpu_tested=True, kernels=("lightning_index_triton", "_lightning_score_kernel"), note="ours")
+declare(OP_WRITE, "triton", _triton_write, rank=10, available=_triton_available, dtypes=FLOATS, package="triton",
+        gpu_tested=True, kernels=("write_index_cache_triton", "_index_write_kernel"), note="ours")

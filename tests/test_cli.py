@@ -51,6 +51,22 @@ def test_doctor_lists_every_backend_and_the_choice(capsys):
         assert "GPU: none" in out and "decode  -> reference" in out and "no CUDA GPU visible" in out
 
 
+def test_doctor_lists_every_op_of_the_registry_including_fp8_and_sparse(capsys):
+    from mla_compile.ops.registry import OPS, priority
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    sections = {line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")}
+    assert set(OPS) <= sections and {"decode_fp8", "sparse_decode", "cache_write_fp8", "gather_fp8"} <= set(OPS)
+    for op in OPS:
+        body = out.split(f"\n{op}:\n")[1].split("\n\n")[0]
+        assert [line.split()[0] for line in body.splitlines() if line.startswith("  ")][:len(priority(op))] == \
+            list(priority(op)), op
+    for label in ("DeepSeek-V2-Lite (16 heads)", "DeepSeek-V3 (128 heads)"):
+        for op in ("decode", "prefill", "merge", "decode_fp8 (fp8 cache)", "sparse_decode (fp8 cache)"):
+            assert f"{label} {op}" in out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
 def test_cuda_without_a_gpu_is_a_usage_error(capsys):
     assert main(["demo", "--device", "cuda"]) == 2

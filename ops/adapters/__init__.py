@@ -7,9 +7,10 @@ a pybind call; converts the LSE to natural log, token-major; and gives queries t
 ``out = 0``, ``lse = -inf``. The conversion lives in a plain ``*_core`` function that runs on any
 tensors, so CPU tests check each call contract against a fake library module.
 
-Importing this package registers the ops and backends; it never imports a peer library (they are
-imported inside the op bodies, on first use). Which backend serves a call is decided by
-``mla_compile.backends``. None of these adapters has run on a GPU yet.
+Importing this package registers the ops and declares each backend (``registry.declare``, beside its
+adapter: what it serves, as data); it never imports a peer library (they are imported inside the op
+bodies, on first use). Which backend serves a call is decided by ``mla_compile.ops.select``. A new
+adapter is one module here plus its import below.
 """
 
 from mla_compile.ops.adapters import flash_attn, flashinfer, flashinfer_sm100, flashmla, sdpa  # noqa: F401

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._ragged import segments
+from mla_compile.ops.registry import declare_kernels
+from mla_compile.ops.registry import device_capability as capability  # noqa: F401  (adapters' name for it)
 from mla_compile.ops.triton import available as triton_available
 
 LN2 = math.log(2.0)
@@ -36,16 +38,6 @@ def importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-
-
-def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
-    """``(major, minor)`` compute capability of a CUDA device, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    if dev.type != "cuda":
-        return None
-    return tuple(torch.cuda.get_device_capability(dev))  # type: ignore[return-value]
 
 
 def require_capability(op: str, backend: str, device: torch.device, minimum: tuple[int, int],
@@ -151,3 +143,6 @@ def merge_natural(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) ->
     total = wa + wb
     out = (out_a.float() * (wa / total)[..., None] + out_b.float() * (wb / total)[..., None]).to(out_a.dtype)
     return out, m + torch.log(total)
+
+
+declare_kernels("triton (adapter boundary)", "_finish_decode_kernel")

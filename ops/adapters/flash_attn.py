@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
+from mla_compile.ops.registry import LAYOUT_TAGS, SM80, declare
 from mla_compile.ops.adapters._common import check_dtype, finish_prefill, importable, require_capability
 from mla_compile.ops.prefill import OP, validate
 from mla_compile.ops.prefill import fake as prefill_fake
@@ -71,4 +71,6 @@ def available() -> bool:
     return importable(MODULE)
 
 
-register_impl(OP, BACKEND, torch.ops.mla.prefill_flash_attn, devices=("cuda",), available=available)
+declare(OP, BACKEND, torch.ops.mla.prefill_flash_attn, rank=30, available=available, max_head_dim=MAX_HEAD_DIM,
+        min_capability=SM80, package="flash-attn", autotune=True,
+        note="FA2, v padded to the qk dim; no wheel for the H200 test machine")

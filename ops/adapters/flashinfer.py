@@ -41,7 +41,7 @@ from mla_compile.ops.merge import validate as validate_merge
 from mla_compile.ops.prefill import OP as PREFILL_OP
 from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
+from mla_compile.ops.registry import DEEPSEEK_DECODE, DEEPSEEK_PREFILL, LAYOUT_TAGS, SM80, declare
 from mla_compile.ops.adapters._common import (LN2, LOG2E, check_dtype, finish_decode, finish_prefill, importable,
                                               require_capability, workspace)
 
@@ -248,7 +248,9 @@ def _decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     return torch.ops.mla.decode_flashinfer(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, plan.plan_id)
 
 
-register_impl(DECODE_OP, BACKEND, _decode, devices=("cuda",), available=available, takes_plan=True)
+declare(DECODE_OP, BACKEND, _decode, rank=30, available=available, head_dims=DEEPSEEK_DECODE, needs_plan=True,
+        cuda_graph="planned", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        kernels=("decode_flashinfer",), note="plan_flashinfer_decode() on the host before each step")
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -353,7 +355,9 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
     return torch.ops.mla.prefill_flashinfer(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan.plan_id)
 
 
-register_impl(PREFILL_OP, BACKEND, _prefill, devices=("cuda",), available=available, takes_plan=True)
+declare(PREFILL_OP, BACKEND, _prefill, rank=10, available=available, head_dims=DEEPSEEK_PREFILL, needs_plan=True,
+        cuda_graph="none", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        kernels=("prefill_flashinfer",), note="plan_flashinfer_prefill() on the host before each step")
 
 
 # ------------------------------------------------------------------------------------------ merge
@@ -391,5 +395,6 @@ def merge_attn_states_flashinfer(out_a: Tensor, lse_a: Tensor, out_b: Tensor,
 merge_attn_states_flashinfer.register_fake(merge_fake)
 
 
-register_impl(MERGE_OP, BACKEND, torch.ops.mla.merge_attn_states_flashinfer, devices=("cuda",),
-              available=available)
+declare(MERGE_OP, BACKEND, torch.ops.mla.merge_attn_states_flashinfer, rank=20, available=available,
+        max_head_dim=MERGE_MAX_DIM, min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        note="merge_state (base-2 LSE converted at the boundary)")

@@ -30,7 +30,7 @@ from mla_compile.ops.decode import validate as validate_decode
 from mla_compile.ops.prefill import OP as PREFILL_OP
 from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
+from mla_compile.ops.registry import DEEPSEEK_DECODE, DEEPSEEK_PREFILL, LAYOUT_TAGS, declare
 from mla_compile.ops.adapters._common import (LN2, check_dtype, check_value, finish_decode, finish_prefill,
                                               importable, require_capability, workspace)
 
@@ -162,9 +162,12 @@ decode_flashinfer_cutlass.register_fake(decode_fake)
 prefill_flashinfer_trtllm.register_fake(prefill_fake)
 
 
-register_impl(DECODE_OP, "flashinfer-trtllm", torch.ops.mla.decode_flashinfer_trtllm, devices=("cuda",),
-              available=available)
-register_impl(DECODE_OP, "flashinfer-cutlass", torch.ops.mla.decode_flashinfer_cutlass, devices=("cuda",),
-              available=available)
-register_impl(PREFILL_OP, "flashinfer-trtllm", torch.ops.mla.prefill_flashinfer_trtllm, devices=("cuda",),
-              available=available)
+BLACKWELL = dict(available=available, dtypes=DTYPES, min_capability=SM100, max_capability=SM103,
+                 package="flashinfer-python", autotune=True)
+declare(DECODE_OP, "flashinfer-trtllm", torch.ops.mla.decode_flashinfer_trtllm, rank=40, block_sizes=(32, 64),
+        head_dims=DEEPSEEK_DECODE, lse=False, **BLACKWELL, note="Blackwell trtllm-gen kernels; returns no LSE")
+declare(DECODE_OP, "flashinfer-cutlass", torch.ops.mla.decode_flashinfer_cutlass, rank=60, block_sizes=(32, 64, 128),
+        num_heads=(128,), head_dims=DEEPSEEK_DECODE, multi_query=False, lse=False, **BLACKWELL,
+        note="Blackwell CUTLASS kernel; no LSE; FlashInfer's wrapper copies the cache per call")
+declare(PREFILL_OP, "flashinfer-trtllm", torch.ops.mla.prefill_flashinfer_trtllm, rank=20, head_dims=DEEPSEEK_PREFILL,
+        **BLACKWELL, note="Blackwell trtllm-gen ragged prefill")

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import DEEPSEEK_DECODE, LAYOUT_TAGS, SM90, backends_for, declare
 from mla_compile.ops import fp8_cache
 from mla_compile.ops.adapters._common import (check_dtype, check_value, finish_decode, importable,
                                               require_capability)
@@ -89,7 +89,10 @@ def available() -> bool:
     return importable(MODULE)
 
 
-register_impl(OP, BACKEND, torch.ops.mla.decode_flashmla, devices=("cuda",), available=available)
+HOPPER = dict(dtypes=DTYPES, block_sizes=(BLOCK_SIZE,), head_dims=DEEPSEEK_DECODE, min_capability=SM90,
+              max_capability=SM90, package="sgl-flash-mla", gpu_tested=True)
+declare(OP, BACKEND, torch.ops.mla.decode_flashmla, rank=20, available=available, autotune=True, **HOPPER,
+        note="dense bf16, Hopper kernels (use_legacy=True)")
 
 # Query rows (B * s_q) at or below which "flashmla-tiered" runs our Triton kernel: at small batches the
 # decode is short and FlashMLA's per-call scheduler and combine launches cost more than they save
@@ -104,7 +107,7 @@ def decode_flashmla_tiered(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     kernel serves. The split is on shapes only (no host read), so one compiled graph holds both and each
     CUDA-graph capture size records the kernel of its size."""
     if q.shape[0] * q.shape[1] <= SMALL_ROWS:
-        return resolve(OP, q.device, "triton").fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+        return backends_for(OP)["triton"].fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return decode_flashmla(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
@@ -116,7 +119,9 @@ def _tiered_available() -> bool:
     return available() and triton_available()
 
 
-register_impl(OP, "flashmla-tiered", torch.ops.mla.decode_flashmla_tiered, devices=("cuda",), available=_tiered_available)
+declare(OP, "flashmla-tiered", torch.ops.mla.decode_flashmla_tiered, rank=10, available=_tiered_available,
+        tiers=((SMALL_ROWS, "triton"), (None, BACKEND)), **HOPPER,
+        note=f"FlashMLA, with steps of <= {SMALL_ROWS} query rows (B * s_q) on our Triton kernel")
 
 
 # ------------------------------------------------------------------------------------------ fp8 / sparse
@@ -263,5 +268,10 @@ def _(q, kv_cache, indices, scale, kv_lora_rank):
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
 
 
-register_impl(fp8_cache.OP_DECODE, BACKEND, torch.ops.mla.decode_fp8_flashmla, devices=("cuda",), available=available)
-register_impl(SPARSE_OP, BACKEND, torch.ops.mla.sparse_decode_flashmla, devices=("cuda",), available=available)
+FP8 = dict(HOPPER, cache_dtypes=(torch.uint8,), packed_rows=True)
+declare(fp8_cache.OP_DECODE, BACKEND, torch.ops.mla.decode_fp8_flashmla, rank=30, available=available, **FP8,
+        auto_skip="runs the sparse kernel over the block table's whole width, so its cost follows the table's "
+                  "capacity, not the lengths (BENCHMARKS.md, run 27): 'auto' skips it, ask for it by name",
+        note="FlashMLA's sparse fp8 kernel over each query's causal slot list")
+declare(SPARSE_OP, BACKEND, torch.ops.mla.sparse_decode_flashmla, rank=20, available=available, **FP8,
+        note="FlashMLA's sparse fp8 kernel (fp8 cache only; heads padded to 64 / 128)")

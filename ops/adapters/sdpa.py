@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl
+from mla_compile.ops.registry import LAYOUT_TAGS, SM80, declare
 from mla_compile.ops.adapters._common import check_dtype, merge_natural, require_capability
 from mla_compile.ops.prefill import OP, validate
 from mla_compile.ops.prefill import fake as prefill_fake
@@ -89,4 +89,6 @@ def available() -> bool:
     return torch.backends.cuda.is_built() and torch.backends.cudnn.is_available()
 
 
-register_impl(OP, BACKEND, torch.ops.mla.prefill_sdpa_cudnn, devices=("cuda",), available=available)
+declare(OP, BACKEND, torch.ops.mla.prefill_sdpa_cudnn, rank=50, available=available, max_head_dim=256,
+        host_sync=True, cuda_graph="none", min_capability=SM80, package="torch", gpu_tested=True,
+        note="one cuDNN call per sequence; reads cu_seqlens on the host (a sync)")

@@ -2,7 +2,7 @@
 
 Each module here defines the kernels of one op, an internal ``_launch`` (the kernel path on any tensors,
 used directly by the interpreter tests) and a ``torch.library.triton_op`` named ``mla::<op>_triton``
-with the reference op's signature. ``ops/<op>.py`` registers it as backend "triton" through a lazy
+with the reference op's signature. ``ops/<op>.py`` declares it as backend "triton" through a lazy
 function, so importing ``mla_compile`` never imports Triton. One exception to the ``triton_op`` rule:
 ``fp8_decode_gluon``, ``fp8_decode_tma`` and ``fp8_decode_wgmma`` (sm_90) are Gluon kernels (Triton's
 lower-level dialect, which Inductor cannot re-emit) behind a plain ``torch.library.custom_op``,

@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mla_compile.ops._dispatch import LAYOUT_TAGS
+from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.fp8_cache import validate_decode
 from mla_compile.ops.triton import fp8_decode_tma, fp8_decode_wgmma
 from mla_compile.ops.triton._fp8_groups import (BLOCK_H, BLOCK_N, CODE_L, ROPE_L, XCH_R, XCH_S, cvt, cvt_t,

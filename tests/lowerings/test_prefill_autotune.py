@@ -143,7 +143,10 @@ def test_opcheck_prefill_autotune():
 
 def test_no_candidates_without_cuda_and_no_planned_or_host_reading_peers():
     assert lowering.prefill_candidates(torch.device("cpu"), torch.bfloat16, 16, (192, 128), True) == []
-    assert "flashinfer" not in lowering.PEERS and "sdpa-cudnn" not in lowering.PEERS
+    from mla_compile.ops.registry import backends_for
+
+    peers = {n for n, s in backends_for("prefill").items() if s.autotune}  # the lowering's candidates
+    assert "flashinfer" not in peers and "sdpa-cudnn" not in peers
 
 
 def test_compiled_mla_attention_prefill_goes_through_the_lowering():

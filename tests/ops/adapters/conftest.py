@@ -352,11 +352,11 @@ def allow_cpu(monkeypatch):
     so the public op function (dispatch, plan passing) can be traced and compiled on CPU."""
     import dataclasses
 
-    from mla_compile.ops import _dispatch
+    from mla_compile.ops.registry import backends_for
 
     def allow(op: str, backend: str) -> None:
-        impl = _dispatch._TABLE[op][backend]
-        monkeypatch.setitem(_dispatch._TABLE[op], backend, dataclasses.replace(impl, devices=("cpu", "cuda")))
+        table = backends_for(op)  # the live table
+        monkeypatch.setitem(table, backend, dataclasses.replace(table[backend], devices=("cpu", "cuda")))
 
     return allow
 

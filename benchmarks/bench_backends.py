@@ -1,0 +1,189 @@
+"""Time every registered backend of every ranked op on this GPU and write the timing file "auto" reads.
+
+    python benchmarks/bench_backends.py --out ops/backend_timings/h200.json   # on the GPU
+    python benchmarks/bench_backends.py --dry-run                             # CPU: list the grid
+    python benchmarks/bench_backends.py --check ops/backend_timings/h200.json # CPU: validate a file
+
+For each op the selector ranks by time (decode, decode_fp8, sparse_decode, prefill, merge: the ones whose
+public functions pass their heads), each shape of :data:`GRID` and each backend the registry declares
+for the op, the backend is timed through our op (``ops.<op>(..., backend=name)``) when the selector says
+it serves the shape: the median GPU time of one call in a replayed CUDA graph (``bench_kernels.graph_ms``),
+or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans
+are made before timing. "autotune" is left out (it is a compile-time choice among the others). The file
+(format: :mod:`mla_compile.ops.timings`) records the GPU, its compute capability and the package versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import mla_compile  # noqa: F401  (registers every op and backend)
+from mla_compile.ops import timings
+from mla_compile.ops.registry import backends_for, priority
+from mla_compile.ops.select import facts_for, select
+
+PAGE, DC, DR = 64, 512, 64
+D, W = DC + DR, 656
+SCALE = 1 / math.sqrt(192)
+PACKAGES = ("torch", "triton", "sgl-flash-mla", "flashinfer-python", "flash-attn")
+SKIP = ("autotune",)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark shape: ``batch`` sequences (decode, prefill) or tokens (merge), ``context`` tokens per
+    sequence (sparse decode: the top-k), ``cache`` "bfloat16" or "fp8"."""
+
+    op: str
+    heads: int
+    batch: int
+    context: int
+    cache: str = "bfloat16"
+
+    def key(self) -> dict:
+        return dict(op=self.op, dtype="bfloat16", cache=self.cache, heads=timings.bucket("heads", self.heads),
+                    batch=timings.bucket("batch", self.batch), context=timings.bucket("context", self.context))
+
+
+GRID: tuple[Shape, ...] = (
+    *(Shape(op, h, b, L, cache) for op, cache in (("decode", "bfloat16"), ("decode_fp8", "fp8"))
+      for h in (16, 128) for b in (2, 16, 128) for L in (4096, 8192)),
+    *(Shape("sparse_decode", h, 128, 2048, cache) for h in (16, 128) for cache in ("bfloat16", "fp8")),
+    *(Shape("prefill", h, n, L) for h in (16, 128) for n, L in ((8, 4096), (2, 1024))),
+    *(Shape("merge", h, 1024, 1024) for h in (16, 128)),
+)
+
+
+def facts(s: Shape, planned: bool):
+    """The selector's facts for ``s`` on the CUDA device."""
+    paged = s.op in ("decode", "decode_fp8", "sparse_decode")
+    width = W if s.cache == "fp8" else D
+    dims = {"prefill": (192, 128), "merge": (DC,)}.get(s.op, (DC, DR))
+    return facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8 if s.cache == "fp8" else torch.bfloat16,
+                     block_size=PAGE if paged else None, num_heads=s.heads, head_dims=dims, query_len=1,
+                     planned=planned, cache_strides=(PAGE * width, width, 1) if paged else None,
+                     row_width=width if paged else None)
+
+
+def grid() -> list[tuple[Shape, str]]:
+    """Every (shape, backend) pair to try: each shape with every declared backend of its op."""
+    return [(s, name) for s in GRID for name in priority(s.op) if name not in SKIP]
+
+
+def _inputs(s: Shape):
+    """(call(backend, plan) -> outputs, make_plan() or None) for shape ``s`` on the GPU."""
+    from mla_compile import ops
+
+    dev = "cuda"
+    if s.op == "merge":
+        oa, ob = (torch.randn(s.batch, s.heads, DC, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        la, lb = (torch.randn(s.batch, s.heads, device=dev) for _ in range(2))
+        return (lambda name, plan: ops.merge_attn_states(oa, la, ob, lb, backend=name)), None
+    if s.op == "prefill":
+        lens = torch.full((s.batch,), s.context, dtype=torch.int32, device=dev)
+        cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()
+        T = s.batch * s.context
+        q, k = (torch.randn(T, s.heads, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(T, s.heads, 128, device=dev, dtype=torch.bfloat16)
+
+        def plan():
+            from mla_compile.ops.adapters.flashinfer import plan_flashinfer_prefill
+            return plan_flashinfer_prefill(cu.cpu(), cu.cpu(), num_heads=s.heads, head_dim_qk=192, head_dim_v=128,
+                                           scale=SCALE, causal=True, dtype=torch.bfloat16)
+        return (lambda name, p: ops.prefill(q, k, v, cu, cu, SCALE, causal=True, backend=name, plan=p)), plan
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fp8_sparse import _caches
+
+    bf16, fp8, table, lens = _caches(s.batch, s.context)
+    cache = fp8 if s.cache == "fp8" else bf16
+    q = torch.randn(s.batch, 1, s.heads, D, device=dev, dtype=torch.bfloat16)
+    if s.op == "sparse_decode":
+        idx = torch.randint(0, cache.shape[0] * PAGE, (s.batch, 1, s.context), device=dev, dtype=torch.int32)
+        return (lambda name, p: ops.sparse_decode(q, cache, idx, SCALE, backend=name)), None
+    if s.op == "decode_fp8":
+        return (lambda name, p: ops.decode_fp8(q, cache, table, lens, SCALE, backend=name)), None
+
+    def plan():
+        from mla_compile.ops.adapters.flashinfer import plan_flashinfer_decode
+        return plan_flashinfer_decode(table.cpu(), lens.cpu(), num_heads=s.heads, block_size=PAGE, scale=SCALE,
+                                      dtype=torch.bfloat16, use_cuda_graph=True)
+    return (lambda name, p: ops.decode(q, cache, table, lens, SCALE, backend=name, plan=p)), plan
+
+
+def measure() -> dict:
+    """Time the grid on this GPU; returns the timing file's contents."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_kernels as bk  # CUDA-graph replay timing (graph_ms) and do_bench (bench)
+
+    rows: dict[tuple, dict] = {}
+    for s in GRID:
+        call, make_plan = _inputs(s)
+        for name in (n for n in priority(s.op) if n not in SKIP):
+            try:
+                select(s.op, facts(s, planned=True), requested=name)  # a ValueError says why it cannot serve
+                spec = backends_for(s.op)[name]
+                plan = make_plan() if spec.needs_plan else None
+                fn = lambda: call(name, plan)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                capturable = spec.cuda_graph != "none"
+                ms = bk.graph_ms(fn) if capturable else bk.bench(fn)
+            except Exception as exc:  # cannot serve / not installed / failed: reported, not timed
+                print(f"  {s} {name}: skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+                continue
+            row = rows.setdefault(tuple(s.key().items()), dict(s.key(), us={}, shape=str(s), source="bench_backends"))
+            row["us"][name] = round(ms * 1e3, 1)
+            print(f"  {s} {name}: {ms * 1e3:.1f} us", flush=True)
+        torch.cuda.empty_cache()
+    cap = torch.cuda.get_device_capability()
+    return dict(format=timings.FORMAT, gpu=torch.cuda.get_device_name(), capability=list(cap),
+                versions={p: _version(p) for p in PACKAGES}, seeded=False,
+                source="benchmarks/bench_backends.py: CUDA-graph replay of one call per backend (eager where it "
+                       "cannot be captured)", rows=list(rows.values()))
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="timing file to write (JSON)")
+    ap.add_argument("--dry-run", action="store_true", help="list the (op, backend, shape) grid; no GPU needed")
+    ap.add_argument("--check", metavar="FILE", help="validate a timing file; no GPU needed")
+    args = ap.parse_args(argv)
+    if args.check:
+        errors = timings.check(json.loads(open(args.check).read()))
+        print("\n".join(errors) if errors else f"{args.check}: valid")
+        return 1 if errors else 0
+    if args.dry_run:
+        pairs = grid()
+        for s, name in pairs:
+            print(f"{s.op:14s} {name:19s} heads {s.heads:3d} batch {s.batch:4d} context {s.context:5d} {s.cache}")
+        print(f"{len(pairs)} (shape, backend) pairs over {len(GRID)} shapes")
+        return 0
+    if not args.out or not torch.cuda.is_available():
+        ap.error("--out and a CUDA GPU are needed to measure (or use --dry-run / --check)")
+    doc = measure()
+    errors = timings.check(doc)
+    if errors:
+        raise SystemExit("measured file is invalid: " + "; ".join(errors))
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}: {len(doc['rows'])} shape classes")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""The backend registry: every implementation of every ``mla`` op, declared once, as data, beside its code.
+
+Each op file declares its op (:func:`declare_op`) and each kernel file or adapter declares its backends
+(:func:`declare`): the callable that runs it together with what it can serve (dtypes, cache formats, page
+sizes, heads, head dims, ``s_q > 1``, LSE, host plan, host syncs, CUDA-graph level, GPU architectures,
+autotune eligibility). Everything that asks "which backends exist and what can they do" reads this table:
+the selector (:mod:`mla_compile.ops.select`, the one "auto"), the autotune lowerings, ``mla-compile
+inspect`` (:func:`kernel_backend`) and ``mla-compile doctor``. Nothing here imports ``mla_compile``'s core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# Every ``mla::`` custom op declares its layout constraint instead of relying on the global default
+# (``torch._functorch.config.custom_op_default_layout_constraint``, which a user may change): Inductor
+# passes each input with the strides eager would have, so no kernel or peer library ever sees strides
+# it was not written for (the kernels make the last dim contiguous themselves, the peers copy when they
+# must). ``triton_op`` kernels take no tags: Inductor traces into them and hands them strides directly.
+LAYOUT_TAGS = (torch.Tag.needs_exact_strides,)
+
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SM80, SM89, SM90, SM100, SM103 = (8, 0), (8, 9), (9, 0), (10, 0), (10, 3)
+DEEPSEEK_DECODE = ((512, 64),)  # (kv_lora_rank, rope_dim)
+DEEPSEEK_PREFILL = ((192, 128),)  # (qk_head_dim, v_head_dim)
+
+# CUDA-graph support: "full" = captured once, replays with any lengths (nothing read on the host);
+# "planned" = capturable when its host-side plan (use_cuda_graph=True) is redone before each replay;
+# "none" = reads lengths on the host, never captured.
+GRAPH_LEVELS = ("full", "planned", "none")
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op: ``name`` (the selector's key, e.g. "decode"), ``key`` (the op's name in errors, "mla.decode"),
+    ``cache`` (whether the op reads a paged cache whose dtype the backends constrain), ``env``: how a single
+    ``MLA_COMPILE_BACKEND`` name applies ("all": every backend must exist, the attention ops; "if_present":
+    used when the op has that backend; "named": only a per-op entry ``op=name`` applies)."""
+
+    name: str
+    key: str
+    cache: bool = False
+    env: str = "named"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend of one op. ``None`` for a constraint means "any".
+
+    ``fn`` runs it with the op's arguments (and ``plan=`` when ``needs_plan``); ``rank`` orders the backends
+    of an op when no timings apply (lower first). ``head_dims``: decode ``(kv_lora_rank, rope_dim)``,
+    prefill ``(qk_head_dim, v_head_dim)``, merge ``(D,)``. ``block_multiple``: page sizes must be a
+    multiple of it; ``stride_align``: the cache's page and row strides are multiples of it (bytes of a
+    uint8 cache); ``packed_rows``: rows are dense (row stride = row width). ``host_sync``: reads lengths on
+    the host every call ("auto" skips it). ``gpu_tested``: passed its CUDA tests on a GPU ("auto" skips the
+    others). ``autotune``: a candidate of the Inductor autotune lowering. ``auto_skip``: why "auto" never
+    picks it although it serves (empty: "auto" may). ``tiers``: a composite that runs ``backend`` for steps
+    of at most ``rows`` query rows, ``((rows, backend), ..., (None, backend))``; its timing is its parts'.
+    ``kernels``: names of ops and Triton kernels that belong to this backend (``mla-compile inspect``),
+    ``"name"`` or ``"name=label"``.
+    """
+
+    name: str
+    op: str
+    fn: Callable
+    rank: int
+    devices: tuple[str, ...] = ("cuda",)
+    available: Callable[[], bool] = _always
+    dtypes: tuple[torch.dtype, ...] = HALF
+    cache_dtypes: tuple[torch.dtype, ...] | None = None
+    block_sizes: tuple[int, ...] | None = None
+    block_multiple: int | None = None
+    stride_align: int | None = None
+    packed_rows: bool = False
+    num_heads: tuple[int, ...] | None = None
+    head_dims: tuple[tuple[int, ...], ...] | None = None
+    max_head_dim: int | None = None
+    multi_query: bool = True
+    sparse: bool = False
+    lse: bool = True
+    needs_plan: bool = False
+    host_sync: bool = False
+    cuda_graph: str = "full"
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+    package: str | None = None
+    gpu_tested: bool = False
+    autotune: bool = False
+    auto_skip: str = ""
+    tiers: tuple[tuple[int | None, str], ...] = ()
+    kernels: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def backend(self) -> str:
+        return self.name
+
+    @property
+    def takes_plan(self) -> bool:
+        return self.needs_plan
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph not in GRAPH_LEVELS:
+            raise ValueError(f"backend {self.name!r} of {self.op!r}: cuda_graph must be one of {GRAPH_LEVELS}, "
+                             f"got {self.cuda_graph!r}")
+
+
+BackendSpec = Backend  # the name mla_compile.backends has always exported
+
+OPS: dict[str, OpInfo] = {}
+_BY_KEY: dict[str, str] = {}
+_TABLE: dict[str, dict[str, Backend]] = {}  # op name -> backend name -> Backend (the live table)
+_KERNELS: dict[str, str] = {}  # op / Triton kernel name -> the label ``inspect`` prints
+
+
+def declare_op(name: str, key: str, *, cache: bool = False, env: str = "named") -> str:
+    """Declare op ``name`` (``key`` is its name in errors, e.g. "mla.decode"); returns ``key``."""
+    OPS[name] = OpInfo(name, key, cache, env)
+    _BY_KEY[key] = name
+    _TABLE.setdefault(name, {})
+    return key
+
+
+def op_name(op: str) -> str:
+    """The registry's name of ``op``, given as either its name ("decode") or its key ("mla.decode")."""
+    if op in OPS:
+        return op
+    if op in _BY_KEY:
+        return _BY_KEY[op]
+    raise ValueError(f"unknown mla op {op!r}; declared: {sorted(OPS)}")
+
+
+def _kernel_base(name: str) -> str:
+    return name.split("::")[-1].split(".")[0]
+
+
+def declare_kernels(label: str, *names: str) -> None:
+    """Name ``label`` as the backend of ops/kernels that serve no op's selection (fusion passes, autotune)."""
+    for n in names:
+        _KERNELS[_kernel_base(n)] = label
+
+
+def declare(op: str, name: str, fn: Callable, **caps) -> Backend:
+    """Declare backend ``name`` of ``op`` (its name or key), run by ``fn``, with capabilities ``caps``
+    (the fields of :class:`Backend`). A custom op's own name counts among its kernels."""
+    opn = op_name(op)
+    spec = Backend(name, opn, fn, **caps)
+    _TABLE[opn][name] = spec
+    own = getattr(fn, "_qualified_op_name", None) or getattr(getattr(fn, "_opoverload", None), "name", None)
+    for entry in ((own,) if isinstance(own, str) else ()) + spec.kernels:
+        kernel, _, label = entry.partition("=")
+        _KERNELS[_kernel_base(kernel)] = label or name
+    return spec
+
+
+def backends_for(op: str) -> dict[str, Backend]:
+    """The live table of ``op``'s backends by name (its name or key); an empty dict for an unknown op."""
+    try:
+        return _TABLE[op_name(op)]
+    except ValueError:
+        return {}
+
+
+def priority(op: str) -> tuple[str, ...]:
+    """``op``'s backends in their declared static order (the order "auto" follows without timings)."""
+    table = backends_for(op)
+    return tuple(sorted(table, key=lambda n: (table[n].rank, n)))
+
+
+def kernel_backend(name: str) -> str:
+    """The backend an op name (``mla::decode_flashmla`` -> ``flashmla``) or a Triton kernel belongs to; "?" if none."""
+    return _KERNELS.get(_kernel_base(name), "?")
+
+
+def device_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """``(major, minor)`` compute capability of a CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return None
+    return tuple(torch.cuda.get_device_capability(dev))  # type: ignore[return-value]
+
+
+def call_impl(op: str, impl: Backend, args: tuple, plan: object | None):
+    """Run ``impl.fn(*args)``, passing ``plan=`` when given; a plan for a backend that takes none is an error."""
+    if plan is None:
+        return impl.fn(*args)
+    if not impl.needs_plan:
+        takers = sorted(b for b, i in backends_for(op).items() if i.needs_plan)
+        raise ValueError(f"{OPS[op_name(op)].key}: plan= is only used by backends that plan on the host ({takers}); "
+                         f"backend {impl.name!r} takes none: drop plan= or pick one of those")
+    return impl.fn(*args, plan=plan)

@@ -1,0 +1,182 @@
+"""Measured backend timings per shape class: the data "auto" ranks backends by.
+
+A timing file (``ops/backend_timings/*.json``, written by ``benchmarks/bench_backends.py``) holds, for the
+GPU it was measured on (name, compute capability, package versions), rows of one shape class each::
+
+    {"op": "decode", "dtype": "bfloat16", "cache": "bfloat16", "heads": 16, "batch": 128, "context": 8192,
+     "us": {"triton": 312.0, "flashmla": 332.9}, "shape": "B=128 L=8192 H=16", "source": "run 26"}
+
+``heads``, ``batch`` (sequences of a decode or prefill, tokens of the other ops) and ``context`` (tokens
+per sequence) are bucket bounds from :data:`BUCKETS` (a value goes to the smallest bound at or above it,
+or the largest); ``cache`` is the cache format ("fp8" for the uint8 rows, else the cache dtype; the
+input dtype for ops without a cache); ``us`` is GPU time per call in microseconds (CUDA-graph replay).
+
+:func:`rank` orders the backends that can serve a call: the fastest in the table for the call's class
+first. A compiled graph serves every batch and context, so without them the class is (op, dtype, cache,
+heads) and a backend's time is its sum over the rows of that class, among backends timed in every row
+(a composite's time is its parts', per :attr:`~mla_compile.ops.registry.Backend.tiers`). A table applies
+only to GPUs of its compute capability; a class without data keeps the declared static order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+FORMAT = 1
+BUCKETS: dict[str, tuple[int, ...]] = {"heads": (16, 32, 64, 128), "batch": (2, 16, 64, 128, 256),
+                                       "context": (1024, 4096, 8192, 32768)}
+FOLDER = Path(__file__).with_name("backend_timings")
+_ROW_KEYS = ("op", "dtype", "cache", "heads", "batch", "context", "us")
+
+
+def bucket(kind: str, value: int) -> int:
+    """The bound of ``value``'s ``kind`` bucket ("heads", "batch" or "context")."""
+    edges = BUCKETS[kind]
+    return next((e for e in edges if value <= e), edges[-1])
+
+
+def cache_format(cache_dtype: torch.dtype) -> str:
+    """A cache dtype as a timing key: "fp8" for the uint8 rows, else the dtype's name."""
+    return "fp8" if cache_dtype == torch.uint8 else str(cache_dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One shape class's timings: ``us`` maps backend name to microseconds per call."""
+
+    op: str
+    dtype: str
+    cache: str
+    heads: int
+    batch: int
+    context: int
+    us: dict[str, float] = field(hash=False)
+    shape: str = ""
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """A timing file: ``gpu`` and ``capability`` it was measured on, ``versions``, ``source`` (runs and
+    commands), ``seeded`` (copied from BENCHMARKS.md rather than written by bench_backends.py), ``rows``."""
+
+    gpu: str
+    capability: tuple[int, int]
+    rows: tuple[Row, ...]
+    versions: dict[str, str] = field(default_factory=dict, hash=False)
+    source: str = ""
+    seeded: bool = False
+
+
+def check(doc: dict) -> list[str]:
+    """Every problem of a timing file's contents (a dict from JSON); empty when it is valid."""
+    errors = []
+    if doc.get("format") != FORMAT:
+        errors.append(f"format must be {FORMAT}, got {doc.get('format')!r}")
+    if not isinstance(doc.get("gpu"), str) or not doc.get("gpu"):
+        errors.append("gpu must name the GPU the timings came from")
+    cap = doc.get("capability")
+    if not (isinstance(cap, list) and len(cap) == 2 and all(isinstance(c, int) for c in cap)):
+        errors.append(f"capability must be [major, minor], got {cap!r}")
+    if not isinstance(doc.get("versions"), dict):
+        errors.append("versions must map package names to versions")
+    for i, row in enumerate(doc.get("rows", [])):
+        missing = [k for k in _ROW_KEYS if k not in row]
+        if missing:
+            errors.append(f"row {i}: missing {missing}")
+            continue
+        for kind in ("heads", "batch", "context"):
+            if row[kind] not in BUCKETS[kind]:
+                errors.append(f"row {i}: {kind} {row[kind]!r} is not a bucket bound {list(BUCKETS[kind])}")
+        us = row["us"]
+        if not isinstance(us, dict) or not us or not all(isinstance(v, (int, float)) and v > 0 for v in us.values()):
+            errors.append(f"row {i}: us must map backend names to positive microseconds, got {us!r}")
+    if not isinstance(doc.get("rows"), list):
+        errors.append("rows must be a list")
+    return errors
+
+
+def parse(doc: dict) -> Table:
+    """A :class:`Table` from a timing file's contents; a ValueError listing every problem."""
+    errors = check(doc)
+    if errors:
+        raise ValueError("invalid backend timing file: " + "; ".join(errors))
+    rows = tuple(Row(**{k: r[k] for k in _ROW_KEYS}, shape=r.get("shape", ""), source=r.get("source", ""))
+                 for r in doc["rows"])
+    return Table(doc["gpu"], tuple(doc["capability"]), rows, dict(doc["versions"]), doc.get("source", ""),
+                 bool(doc.get("seeded", False)))
+
+
+def load(path: str | Path) -> Table:
+    """Read and check one timing file."""
+    return parse(json.loads(Path(path).read_text()))
+
+
+_INSTALLED: list[tuple[Table, ...] | None] = [None]  # None: the shipped files, read on first use
+
+
+def tables() -> tuple[Table, ...]:
+    """The timing tables in use (the shipped files unless :func:`using` replaced them)."""
+    if _INSTALLED[0] is None:
+        _INSTALLED[0] = tuple(load(p) for p in sorted(FOLDER.glob("*.json")))
+    return _INSTALLED[0]
+
+
+@contextlib.contextmanager
+def using(*replacement: Table) -> Iterator[None]:
+    """Within the block, "auto" ranks by ``replacement`` only (none: static order everywhere)."""
+    saved = _INSTALLED[0]
+    _INSTALLED[0] = tuple(replacement)
+    try:
+        yield
+    finally:
+        _INSTALLED[0] = saved
+
+
+def _time(row: Row, name: str, tiers: dict[str, tuple]) -> float | None:
+    if name in row.us:
+        return row.us[name]
+    for rows, part in tiers.get(name, ()):
+        if rows is None or row.batch <= rows:
+            return row.us.get(part)
+    return None
+
+
+def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
+         cache_dtype: torch.dtype, num_heads: int | None, batch: int | None = None, context: int | None = None,
+         tiers: dict[str, tuple] | None = None, table: Table | None = None) -> tuple[list[str], str]:
+    """``names`` (in static order) reordered fastest first for this call's class, and why.
+
+    ``table``: the one to use (default: the installed table of ``capability``).
+    """
+    if table is None:
+        table = next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
+    if table is None or num_heads is None:
+        return list(names), "static order (no timings for this GPU)" if table is None else "static order"
+    key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
+               heads=bucket("heads", num_heads))
+    if batch is not None:
+        key["batch"] = bucket("batch", batch)
+    if context is not None:
+        key["context"] = bucket("context", context)
+    rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+    tiers = tiers or {}
+    totals = {}
+    for n in names:
+        times = [_time(r, n, tiers) for r in rows]
+        if rows and None not in times:
+            totals[n] = sum(times)
+    where = ", ".join(f"{k} {v}" for k, v in key.items() if k != "op")
+    if not totals:
+        return list(names), f"static order (no {table.gpu} timings for {op} [{where}] cover these backends)"
+    timed = sorted(totals, key=lambda n: (totals[n], names.index(n)))
+    figures = ", ".join(f"{n} {totals[n]:.1f} us" for n in timed)
+    seeded = " (seeded from BENCHMARKS.md)" if table.seeded else ""
+    return timed + [n for n in names if n not in totals], \
+        f"fastest in the {table.gpu} timings{seeded} for {op} [{where}] over {len(rows)} shape(s): {figures}"

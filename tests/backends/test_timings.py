@@ -1,0 +1,132 @@
+""""auto" from measured timings: the selector's decisions from an injected table (the winner per shape
+class, ties, classes without data, backends that cannot serve, overrides, other GPUs), and the shipped
+H200 file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mla_compile.backends import select_backend
+from mla_compile.ops import timings
+from mla_compile.ops.registry import backends_for, priority
+from mla_compile.ops.timings import Row, Table
+
+BF16 = torch.bfloat16
+SM90 = (9, 0)
+DECODE = dict(dtype=BF16, block_size=64, num_heads=16, head_dims=(512, 64))
+
+
+def _row(op="decode", heads=16, batch=128, context=8192, cache="bfloat16", **us) -> Row:
+    return Row(op, "bfloat16", cache, heads, batch, context, {k.replace("_", "-"): v for k, v in us.items()})
+
+
+def _pick(op="decode", cap=SM90, **kw):
+    kw = {**(DECODE if op == "decode" else dict(dtype=BF16, num_heads=16, head_dims=(192, 128))), **kw}
+    return select_backend(op, device="cuda", capability=cap, **kw)
+
+
+@pytest.fixture
+def table(everything_installed):
+    """Decode at 16 heads: Triton wins small batches, FlashMLA large ones (so the tiers win overall);
+    at 128 heads FlashMLA and its tiers tie; FlashInfer (which needs a plan) is fastest everywhere."""
+    rows = (_row(batch=2, triton=20.0, flashmla=40.0, flashinfer=15.0),
+            _row(batch=128, triton=300.0, flashmla=250.0, flashinfer=200.0),
+            _row(heads=128, batch=128, triton=500.0, flashmla=250.0, flashinfer=240.0),
+            _row(op="prefill", heads=16, batch=16, context=4096, triton=900.0, sdpa_cudnn=100.0,
+                 flash_attn=950.0, flashinfer_trtllm=10.0))
+    with timings.using(Table("Test GPU", SM90, rows)):
+        yield
+
+
+def test_the_winner_of_a_class_is_the_fastest_sum_and_a_composite_times_as_its_parts(table):
+    choice = _pick()
+    assert choice.name == "flashmla-tiered", "triton 20 + flashmla 250 beats triton 320 and flashmla 290"
+    assert "fastest in the Test GPU timings for decode [dtype bfloat16, cache bfloat16, heads 16]" in choice.reason
+    assert "flashmla-tiered 270.0 us, flashmla 290.0 us, triton 320.0 us" in choice.reason
+
+
+def test_a_known_batch_narrows_the_class(table):
+    small = _pick(batch=2)
+    assert small.name == "flashmla-tiered"
+    assert "flashmla-tiered 20.0 us, triton 20.0 us, flashmla 40.0 us" in small.reason
+    assert "[dtype bfloat16, cache bfloat16, heads 16, batch 2]" in small.reason
+    large = _pick(batch=100, context=8000)
+    assert large.name == "flashmla-tiered"
+    assert "flashmla-tiered 250.0 us, flashmla 250.0 us, triton 300.0" in large.reason
+    assert _pick(batch=100, context=100).reason.count("static order") == 1, "no row at context 1024"
+
+
+def test_a_tie_keeps_the_static_order(table):
+    assert priority("decode").index("flashmla-tiered") < priority("decode").index("flashmla")
+    choice = _pick(num_heads=128)
+    assert choice.name == "flashmla-tiered" and "flashmla-tiered 250.0 us, flashmla 250.0 us" in choice.reason
+
+
+@pytest.mark.parametrize("kw", [dict(num_heads=64), dict(dtype=torch.float16), dict(cache_dtype=torch.float32)])
+def test_a_class_without_data_falls_back_to_the_static_order(table, kw):
+    choice = _pick(**kw)
+    want = "flashmla-tiered" if kw.get("num_heads") == 64 else "triton"  # FlashMLA is bf16 only
+    assert choice.name == want and "static order (no Test GPU timings for decode" in choice.reason
+
+
+def test_a_backend_that_cannot_serve_is_never_chosen_even_if_fastest(table):
+    choice = _pick()
+    assert "needs a host-side plan" in choice.rejected["flashinfer"]
+    assert _pick(planned=True).name == "flashinfer", "with a plan it serves, and it is the fastest"
+    assert _pick(block_size=16).name == "triton", "FlashMLA takes pages of 64 only"
+    prefill = _pick("prefill")
+    assert "needs sm100-sm103" in prefill.rejected["flashinfer-trtllm"]
+    assert "reads lengths on the host" in prefill.rejected["sdpa-cudnn"], "host-syncing: 'auto' skips it"
+    assert prefill.name == "triton", "the fastest of those that serve (flash-attn 950, triton 900)"
+
+
+def test_a_backend_timed_in_only_some_rows_is_not_ranked(everything_installed):
+    rows = (_row(batch=2, triton=20.0), _row(batch=128, triton=300.0, flashmla=10.0))
+    with timings.using(Table("Test GPU", SM90, rows)):
+        choice = _pick()
+    # FlashMLA has no figure at batch 2: unranked; the tiers run Triton there and FlashMLA at 128
+    assert choice.name == "flashmla-tiered"
+    assert "over 2 shape(s): flashmla-tiered 30.0 us, triton 320.0 us;" in choice.reason
+
+
+def test_explicit_choices_beat_the_timings(table, monkeypatch):
+    choice = _pick(requested="flashmla")
+    assert choice.name == "flashmla" and choice.reason == "requested by the argument"
+    monkeypatch.setenv("MLA_COMPILE_BACKEND", "decode=triton")
+    assert _pick().name == "triton"
+    assert _pick(requested="auto").name == "flashmla-tiered", "an explicit 'auto' beats the env var"
+    with pytest.raises(ValueError, match=r"backend 'flashinfer' \(from the argument\) cannot serve"):
+        _pick(requested="flashinfer")
+
+
+def test_a_table_applies_only_to_gpus_of_its_capability(table):
+    choice = _pick(cap=(10, 0), need_lse=False, num_heads=128)
+    assert choice.name == "flashinfer-trtllm" and "no timings for this GPU" in choice.reason
+
+
+def test_the_shipped_h200_file_is_valid_seeded_and_names_declared_backends():
+    [path] = sorted(timings.FOLDER.glob("*.json"))
+    doc = json.loads(path.read_text())
+    assert timings.check(doc) == []
+    table = timings.load(path)
+    assert table.gpu == "NVIDIA H200" and table.capability == SM90 and table.seeded
+    assert "BENCHMARKS.md" in table.source and table.versions["torch"].startswith("2.11")
+    for row in table.rows:
+        assert set(row.us) <= set(backends_for(row.op)), row
+        assert row.source.startswith("run "), row
+
+
+def test_check_names_every_problem():
+    bad = {"format": 1, "gpu": "", "capability": [9], "versions": {},
+           "rows": [{"op": "decode"}, {"op": "decode", "dtype": "bfloat16", "cache": "fp8", "heads": 20,
+                                      "batch": 128, "context": 4096, "us": {"triton": -1}}]}
+    errors = timings.check(bad)
+    assert any("gpu must name" in e for e in errors) and any("capability" in e for e in errors)
+    assert any("row 0: missing" in e for e in errors) and any("heads 20 is not a bucket bound" in e for e in errors)
+    assert any("positive microseconds" in e for e in errors)
+    with pytest.raises(ValueError, match="invalid backend timing file"):
+        timings.parse(bad)
+    assert timings.bucket("heads", 20) == 32 and timings.bucket("batch", 1000) == 256
