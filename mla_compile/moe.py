@@ -88,7 +88,9 @@ class MLAMoE(nn.Module):
         self.gate = hf_moe.gate
         self.experts = hf_moe.experts
         self.shared_experts = hf_moe.shared_experts
-        for name in ("gate_up_proj", "down_proj", "act_fn"):
+        # fp8 experts (mla_compile.fp8_linear.FP8Experts, from a DeepSeek fp8 checkpoint) run themselves
+        self.fp8_experts = bool(getattr(self.experts, "is_fp8_block", False))
+        for name in () if self.fp8_experts else ("gate_up_proj", "down_proj", "act_fn"):
             if not hasattr(self.experts, name):
                 raise ValueError(f"MoE experts module {type(self.experts).__name__} has no {name}: expected the "
                                  "transformers>=5 fused-experts layout (gate_up_proj [E, 2I, H], down_proj [E, H, I])")
@@ -102,6 +104,8 @@ class MLAMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``: routed experts plus shared experts."""
         weights, ids = route(self.gate, x)
+        if self.fp8_experts:
+            return self.experts(x, weights, ids).to(x.dtype) + self.shared_experts(x)
         run = experts_grouped if self._use_grouped(x) else experts_dense
         routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
         return routed.to(x.dtype) + self.shared_experts(x)
