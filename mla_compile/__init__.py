@@ -26,7 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheLayout", "DecodeGraphRunner", "Engine", "MLAConfig", "MetadataBuilder", "PRESETS",
-    "allocate_latent_cache", "fp8_row_bytes", "from_pretrained", "greedy_generate", "is_mla_model", "is_sparse_mla_model",
+    "allocate_latent_cache", "fp8_row_bytes", "from_pretrained", "greedy_generate", "is_mla_model",
+    "is_sparse_mla_model",
     "ops", "patch", "preset",
 ]
 

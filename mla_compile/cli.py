@@ -54,9 +54,10 @@ def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``demo`` and ``inspect``)."""
+    """The argument parser (subcommands ``generate``, ``demo``, ``inspect`` and ``doctor``)."""
     parser = argparse.ArgumentParser(
-        prog="mla-compile", description="DeepSeek MLA under torch.compile: run the demo, inspect the compiled graphs, "
+        prog="mla-compile", description="DeepSeek MLA under torch.compile: generate text from a checkpoint, "
+        "run the demo, inspect the compiled graphs, "
         "or check which attention backends run here.")
     sub = parser.add_subparsers(dest="command", metavar="{generate,demo,inspect,doctor}")
     _add_generate(sub)
@@ -121,7 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         compile=args.compile, chat=args.chat, block_size=args.block_size, stream=sys.stdout,
                         log=_log)
     _log(f"{len(res.tokens)} tokens in {res.prefill_s + res.decode_s:.2f} s: {res.tokens_per_s:.1f} tokens/s "
-         f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s)")
+         f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s"
+         f"{'; the first prefill and decode steps include compiling them' if args.compile else ''})")
     return 0
 
 
