@@ -33,7 +33,8 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
 
     ``dtype``: of the non-fp8 weights (default: the config's dtype, else bfloat16); fp8 weights stay
     float8_e4m3fn with float32 block scales. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
-    ``parallel``: not built yet (NotImplementedError). MTP layers (``num_nextn_predict_layers``) are skipped.
+    ``parallel``: not built yet (NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
+    MTP layers (``num_nextn_predict_layers``) are skipped.
     Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     if parallel is not None:
@@ -170,8 +171,7 @@ class _Loader:
             return
         _check_shape(file, key, t, target.shape)
         module_dtype = self._dtype(key, target)
-        if t.dtype == FP8 and target.dtype != FP8:
-            raise CheckpointError(f"{file}: tensor {key} is float8_e4m3fn but the model expects {target.dtype}")
+        _check_fp8(file, key, t, target)
         value = t.to(device=self.device, dtype=module_dtype)
         if name in module._parameters:
             module._parameters[name] = nn.Parameter(value, requires_grad=False)
@@ -192,6 +192,9 @@ class _Loader:
             return
         linear = self.hf.get_submodule(prefix)
         _check_shape(file, f"{prefix}.weight", part["weight"], linear.weight.shape)
+        if part["weight"].dtype != FP8:
+            raise CheckpointError(f"{file}: tensor {prefix}.weight has a weight_scale_inv but is "
+                                  f"{part['weight'].dtype}, not float8_e4m3fn")
         w = dequantize(part["weight"], part["weight" + SCALE_SUFFIX], torch.float32)
         linear.weight = nn.Parameter(w.to(device=self.device, dtype=self.dtype), requires_grad=False)
         del self.pending[prefix]
@@ -213,6 +216,7 @@ class _Loader:
             stacked = nn.Parameter(real, requires_grad=False)
             setattr(experts, param, stacked)
         _check_shape(file, key, t, stacked[j, rows].shape)
+        _check_fp8(file, key, t, stacked)
         with torch.no_grad():
             stacked[j, rows].copy_(t.to(stacked.dtype))
         self.filled.add((m["module"], f"{proj}.{name}", j))
@@ -243,3 +247,11 @@ def _check_shape(file: str, key: str, t: Tensor, expected: torch.Size) -> None:
     if tuple(t.shape) != tuple(expected):
         raise CheckpointError(f"{file}: tensor {key} has shape {list(t.shape)}, the model built from config.json "
                               f"expects {list(expected)}")
+
+
+def _check_fp8(file: str, key: str, t: Tensor, target: Tensor) -> None:
+    """fp8 tensors go only where the model holds fp8 (and fp8 slots take only fp8: no silent cast)."""
+    if (t.dtype == FP8) != (target.dtype == FP8):
+        why = "has a weight_scale_inv" if target.dtype == FP8 else "has no fp8 slot there"
+        raise CheckpointError(f"{file}: tensor {key} is {t.dtype}, but the model expects {target.dtype} "
+                              f"(the linear {why})")

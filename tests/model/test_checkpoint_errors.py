@@ -78,6 +78,14 @@ def test_missing_weight_scale_inv(ckpt):
         from_pretrained(ckpt)
 
 
+def test_scaled_weight_that_is_not_fp8(ckpt):
+    key = "model.layers.1.self_attn.o_proj.weight"
+    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].to(torch.bfloat16)}))
+    with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is torch.bfloat16, but the model expects "
+                       "torch.float8_e4m3fn"):
+        from_pretrained(ckpt)
+
+
 def test_missing_tensor_names_its_shard(ckpt):
     key = "model.layers.1.mlp.experts.3.up_proj.weight"
     file = _rewrite_shard(ckpt, key, lambda t: t.pop(key))

@@ -92,3 +92,22 @@ def test_options(tmp_path):
     assert model.allocate_cache(4, 16)[0].dtype == torch.uint8  # the 656-byte fp8 rows
     with pytest.raises(NotImplementedError, match="parallel issue"):
         from_pretrained(root, parallel=object())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fp8_on_cuda_matches_cpu(tmp_path, dtype, tol):
+    """The fp8 checkpoint on the GPU (fp8_block_linear's Triton kernel, compiled whole) against the CPU reference."""
+    root = tmp_path / "v3-fp8"
+    write_checkpoint(root, "v3", "fp8", seed=5)
+    cpu = from_pretrained(root, dtype=torch.float32)
+    cpu.allocate_cache(32, 4)
+    want = greedy_generate(cpu, PROMPTS, 3, block_size=4, num_blocks=32, keep_logits=True)
+    gpu = from_pretrained(root, device="cuda", dtype=dtype)
+    assert gpu.model.layers[1].self_attn.o_proj.weight.device.type == "cuda"
+    gpu.allocate_cache(32, 4)
+    got = greedy_generate(torch.compile(gpu, fullgraph=True), PROMPTS, 3, block_size=4, num_blocks=32,
+                          device="cuda", keep_logits=True)
+    assert _rel(got.step_logits[0], want.step_logits[0]) < tol
+    if dtype == torch.float32:
+        assert got.tokens == want.tokens
