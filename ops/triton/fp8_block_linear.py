@@ -79,13 +79,18 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     if M * N == 0:
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    block_m = 16 if M <= 16 else 64
-    block_n = 64
+    ieee = x.dtype == torch.float32
+    # fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps and one stage keep them
+    # from spilling (sm_90 compile at 2 stages: 144 B of stack; test_triton_sm90_compile_fp8_linear.py)
+    block_m = 16 if M <= 16 else (32 if ieee else 64)
+    block_n = 32 if ieee else 64  # divides 128: a tile's rows share one weight-scale row
+    num_warps, num_stages = (8, 1) if ieee else (4, 3)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), E)
     wrap_triton(_fp8_linear_kernel)[grid](
         x3, w3, s3, y, M, N, K, triton.cdiv(K, 128),
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, ACT_QUANT=act_quant, IEEE=x.dtype == torch.float32, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, ACT_QUANT=act_quant, IEEE=ieee, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y if grouped else y[0]
 
