@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
+from mla_compile.moe import combine_sorted, sort_by_expert
 from mla_compile.ops.fp8_block_linear import BLOCK
 
 
@@ -52,8 +53,9 @@ class FP8Experts(nn.Module):
     ``gate_proj``/``up_proj [E, I, H]`` and ``down_proj [E, H, I]`` float8_e4m3fn, each with
     ``*_scale_inv [E, ceil(rows/128), ceil(cols/128)]`` float32. Gate and up stay separate (their block
     rows would not line up in one ``[E, 2I, H]`` tensor unless I is a multiple of 128).
-    ``forward(x, weights, ids)`` runs every expert on every token through the grouped fp8 op and combines
-    them with the routing weights (exact; static shapes).
+    ``forward(x, weights, ids, grouped=)`` runs the fp8 op either densely (every expert on every token,
+    combined by the routing weights; exact, static shapes) or grouped (the token copies sorted by expert,
+    each expert's weights read once: ``offs``, like ``moe.experts_grouped``).
     """
 
     is_fp8_block = True
@@ -76,14 +78,22 @@ class FP8Experts(nn.Module):
         return {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
                 "down_proj": (hidden, intermediate)}
 
-    def _linear(self, x: Tensor, name: str) -> Tensor:
+    def _linear(self, x: Tensor, name: str, offs: Tensor | None = None) -> Tensor:
         return ops.fp8_block_linear(x, getattr(self, name), getattr(self, f"{name}_scale_inv"),
-                                    act_quant=self.act_quant, backend=self.backend)
+                                    act_quant=self.act_quant, offs=offs, backend=self.backend)
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool = False) -> Tensor:
         """``x [T, H]``, routing ``weights [T, k]`` and expert ``ids [T, k]`` -> ``[T, H]`` float32."""
+        if grouped:
+            return self._grouped(x, weights, ids)
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
         combine = combine.scatter_add_(1, ids, weights.float())
         h = self.act_fn(self._linear(x, "gate_proj")) * self._linear(x, "up_proj")  # [E, T, I]
         y = self._linear(h, "down_proj")  # [E, T, H]
         return torch.einsum("eth,te->th", y.float(), combine)
+
+    def _grouped(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        order, offs = sort_by_expert(ids, self.num_experts)
+        xs = x[order // ids.shape[1]]
+        h = self.act_fn(self._linear(xs, "gate_proj", offs)) * self._linear(xs, "up_proj", offs)
+        return combine_sorted(self._linear(h, "down_proj", offs), order, weights)

@@ -11,10 +11,14 @@ for the real weight ``W[n, k] = float(weight[n, k]) * weight_scale_inv[n // 128,
   the last group may be shorter), then ``y = x_q @ W.T``.
 
 Shapes: ``x [M, K]`` with a 2-D weight -> ``y [M, N]``; ``x [E, M, K]`` (or ``[M, K]``, shared by every
-group) with a 3-D weight -> ``y [E, M, N]``. ``y`` has x's dtype; the math runs in float32 (float64 for a
-float64 ``x``). Backends: "reference" (any device, both modes), "triton" (CUDA, both modes), "scaled-mm"
-(CUDA, ``act_quant=True`` only: torch's blockwise-scaled fp8 matmul, 1x128 activation and 128x128 weight
-scales; 2-D weights with K a multiple of 128).
+group) with a 3-D weight -> ``y [E, M, N]``. Sorted grouped form (the MoE experts over tokens sorted by
+expert): a 3-D weight, ``x [R, K]`` and ``offs [E]`` int32, the cumulative row ends (rows
+``[offs[e-1], offs[e])`` use group e, as ``torch._grouped_mm``) -> ``y [R, N]``; rows past ``offs[-1]``
+get 0. ``y`` has x's dtype; the math runs in float32 (float64 for a float64 ``x``).
+
+Backends: "reference" (any device, every form), "triton" (CUDA, every form), "scaled-mm" (CUDA,
+``act_quant=True`` and 2-D weights with K a multiple of 128 only: torch's blockwise-scaled fp8 matmul,
+1x128 activation and 128x128 weight scales).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def validate(x: Tensor, weight: Tensor, weight_scale_inv: Tensor) -> None:
+def validate(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, offs: Tensor | None = None) -> None:
     """Shape/dtype checks (metadata only, no sync)."""
     check_tensor(OP, "weight", weight, ndim=(2, 3), dtypes=(torch.float8_e4m3fn,),
                  expected="[N, K] or [E, N, K] float8_e4m3fn")
@@ -48,6 +52,13 @@ def validate(x: Tensor, weight: Tensor, weight_scale_inv: Tensor) -> None:
     check_tensor(OP, "x", x, ndim=x_ndim, dtypes=FLOAT_DTYPES, shape=x_shape,
                  expected=f"[M, {K}]" + (f" or [{groups[0]}, M, {K}]" if groups else ""))
     check_same_device(OP, x=x, weight=weight, weight_scale_inv=weight_scale_inv)
+    if offs is not None:
+        if weight.dim() != 3 or x.dim() != 2:
+            raise ValueError(f"{OP}: offs (sorted groups) needs a 3-D weight [E, N, K] and x [R, K]; got weight "
+                             f"{list(weight.shape)}, x {list(x.shape)}")
+        check_tensor(OP, "offs", offs, ndim=1, dtypes=(torch.int32,), shape=(groups[0],),
+                     expected=f"[{groups[0]}] int32 cumulative row ends")
+        check_same_device(OP, x=x, offs=offs)
 
 
 def dequantize(weight: Tensor, weight_scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -75,19 +86,28 @@ def _act_round(x: Tensor, acc: torch.dtype) -> Tensor:
 
 
 @torch.library.custom_op("mla::fp8_block_linear_ref", mutates_args=(), tags=LAYOUT_TAGS)
-def fp8_block_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool) -> Tensor:
-    """Reference (plain torch, any device): dequantize the weight, then one matmul in float32 (float64)."""
-    validate(x, weight, weight_scale_inv)
+def fp8_block_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                         offs: Tensor | None = None) -> Tensor:
+    """Reference (plain torch, any device): dequantize the weight, then one matmul in float32 (float64).
+    With ``offs`` every group runs on every row and each row keeps its own group's result (no host sync)."""
+    validate(x, weight, weight_scale_inv, offs)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = _act_round(x, acc) if act_quant else x.to(acc)
-    return torch.matmul(xa, dequantize(weight, weight_scale_inv, acc).transpose(-1, -2)).to(x.dtype)
+    y = torch.matmul(xa, dequantize(weight, weight_scale_inv, acc).transpose(-1, -2))
+    if offs is None:
+        return y.to(x.dtype)
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True)  # E for rows past offs[-1]
+    picked = y.gather(0, group.clamp_max(weight.shape[0] - 1)[None, :, None].expand(1, -1, y.shape[-1]))[0]
+    return torch.where((group < weight.shape[0])[:, None], picked, 0).to(x.dtype)
 
 
-def fake(x, weight, weight_scale_inv, act_quant):
-    """Fake output shared by every implementation: validate, then ``[M, N]`` or ``[E, M, N]`` of x's dtype."""
-    validate(x, weight, weight_scale_inv)
+def fake(x, weight, weight_scale_inv, act_quant, offs=None):
+    """Fake output shared by every implementation: validate, then ``[M, N]``, ``[E, M, N]`` or (with ``offs``)
+    ``[R, N]`` of x's dtype."""
+    validate(x, weight, weight_scale_inv, offs)
     N = weight.shape[-2]
-    if weight.dim() == 3:
+    if weight.dim() == 3 and offs is None:
         return x.new_empty(weight.shape[0], x.shape[-2], N)
     return x.new_empty(x.shape[0], N)
 
@@ -98,20 +118,23 @@ register_impl(OP, "reference", torch.ops.mla.fp8_block_linear_ref, devices=("any
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act_quant: bool = False,
-                     backend: str | None = None) -> Tensor:
+                     offs: Tensor | None = None, backend: str | None = None) -> Tensor:
     """``x [..., K] @ W.T`` for an fp8 block-quantized ``W``; see the module docstring for the contract.
 
     ``x`` may have any leading dims with a 2-D ``weight [N, K]`` (returns ``[..., N]``); with a 3-D
-    ``weight [E, N, K]`` it is ``[M, K]`` or ``[E, M, K]`` (returns ``[E, M, N]``). ``backend``: None/"auto",
-    "reference", "triton" or "scaled-mm". Raises ValueError for a backend that cannot run ``act_quant``.
+    ``weight [E, N, K]`` it is ``[M, K]`` or ``[E, M, K]`` (returns ``[E, M, N]``), or ``[R, K]`` sorted by
+    group with ``offs [E]`` int32 cumulative row ends (returns ``[R, N]``). ``backend``: None/"auto",
+    "reference", "triton" or "scaled-mm". Raises ValueError for a backend that cannot run ``act_quant``/``offs``.
     """
-    if backend == "scaled-mm" and not act_quant:
-        raise ValueError(f"{OP}: backend 'scaled-mm' quantizes the activation (act_quant=True); got "
-                         "act_quant=False: pass act_quant=True or backend 'triton'/'reference'")
+    if backend == "scaled-mm" and (not act_quant or offs is not None):
+        raise ValueError(f"{OP}: backend 'scaled-mm' runs 2-D weights with the activation quantized "
+                         f"(act_quant=True, no offs); got act_quant={act_quant}, offs given: {offs is not None}; "
+                         "use backend 'triton' or 'reference'")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if weight.dim() == 2 else x
     impl = resolve(OP, x.device, backend)
-    y = impl.fn(x2, weight, weight_scale_inv, act_quant)
+    y = impl.fn(x2, weight, weight_scale_inv, act_quant) if offs is None else impl.fn(
+        x2, weight, weight_scale_inv, act_quant, offs)
     return y.reshape(*lead, weight.shape[0]) if weight.dim() == 2 else y
 
 
@@ -119,18 +142,20 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act
 from mla_compile.ops.triton import available as _triton_available  # noqa: E402
 
 
-def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool) -> Tensor:
+def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+            offs: Tensor | None = None) -> Tensor:
     import mla_compile.ops.triton.fp8_block_linear  # noqa: F401  (registers mla::fp8_block_linear_triton)
-    return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant)
+    return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant, offs)
 
 
 register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
 
 
 @torch.library.custom_op("mla::fp8_block_linear_scaled_mm", mutates_args=(), tags=LAYOUT_TAGS)
-def fp8_block_linear_scaled_mm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool) -> Tensor:
+def fp8_block_linear_scaled_mm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                               offs: Tensor | None = None) -> Tensor:
     """torch's blockwise-scaled fp8 matmul (``torch._scaled_mm``, 1x128 x 128x128 scales); CUDA, 2-D weights."""
-    validate(x, weight, weight_scale_inv)
+    validate(x, weight, weight_scale_inv, offs)
     if weight.dim() != 2 or not act_quant or weight.shape[1] % BLOCK or x.device.type != "cuda":
         raise ValueError(f"{OP}: backend 'scaled-mm' needs CUDA tensors, a 2-D weight with K a multiple of 128 "
                          f"and act_quant=True; got weight {list(weight.shape)} on {x.device}, act_quant={act_quant}")

@@ -84,6 +84,32 @@ def test_grouped_weights(shared_x, act_quant):
 OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
 
 
+def _sorted64(x, codes, scale, offs, act_quant):
+    """The sorted-groups contract in float64: rows [offs[e-1], offs[e]) through group e, later rows 0."""
+    want = torch.zeros(x.shape[0], codes.shape[1], dtype=torch.float64)
+    begin = 0
+    for e, end in enumerate(offs.tolist()):
+        want[begin:end] = _ref64(x[begin:end], codes[e], scale[e], act_quant)
+        begin = end
+    return want
+
+
+OFFS = [[5, 5, 17, 20], [0, 0, 0, 23], [23, 23, 23, 23], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("offs", OFFS)
+def test_sorted_groups(offs, act_quant):
+    codes, scale = _weights(4, 70, 150)
+    x = torch.randn(23, 150)
+    offs = torch.tensor(offs, dtype=torch.int32)
+    y = ops.fp8_block_linear(x, codes, scale, act_quant=act_quant, offs=offs)
+    assert y.shape == (23, 70)
+    assert (y[int(offs[-1]):] == 0).all()
+    want = _sorted64(x, codes, scale, offs, act_quant)
+    assert float((y.double() - want).norm()) <= 2e-6 * float(want.norm()) + 1e-12
+
+
 def test_opcheck():
     op = torch.ops.mla.fp8_block_linear_ref.default
     codes, scale = _weights(200, 300)
@@ -91,6 +117,8 @@ def test_opcheck():
         torch.library.opcheck(op, (torch.randn(7, 300), codes, scale, act_quant), test_utils=OPCHECK_UTILS)
     codes3, scale3 = _weights(2, 70, 150)
     torch.library.opcheck(op, (torch.randn(2, 5, 150), codes3, scale3, False), test_utils=OPCHECK_UTILS)
+    offs = torch.tensor([3, 7], dtype=torch.int32)
+    torch.library.opcheck(op, (torch.randn(9, 150), codes3, scale3, True, offs), test_utils=OPCHECK_UTILS)
 
 
 def test_fake_gives_shapes_without_data():
@@ -102,7 +130,9 @@ def test_fake_gives_shapes_without_data():
         s = torch.empty(2, 3)
         y = torch.ops.mla.fp8_block_linear_ref(x, w, s, False)
         y3 = torch.ops.mla.fp8_block_linear_ref(x, w.expand(4, 200, 300), s.expand(4, 2, 3), True)
-    assert (y.shape, y.dtype, y3.shape) == ((9, 200), torch.bfloat16, (4, 9, 200))
+        offs = torch.empty(4, dtype=torch.int32)
+        ys = torch.ops.mla.fp8_block_linear_ref(x, w.expand(4, 200, 300), s.expand(4, 2, 3), True, offs)
+    assert (y.shape, y.dtype, y3.shape, ys.shape) == ((9, 200), torch.bfloat16, (4, 9, 200), (9, 200))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -116,6 +146,12 @@ def test_errors_name_the_argument(change, match):
     args = dict(x=torch.randn(4, 300), weight=codes, scale=scale) | change
     with pytest.raises((ValueError, TypeError), match=match):
         ops.fp8_block_linear(args["x"], args["weight"], args["scale"])
+
+
+def test_offs_needs_grouped_weights():
+    codes, scale = _weights(128, 128)
+    with pytest.raises(ValueError, match="offs .* needs a 3-D weight"):
+        ops.fp8_block_linear(torch.randn(2, 128), codes, scale, offs=torch.tensor([2], dtype=torch.int32))
 
 
 def test_scaled_mm_backend_refuses_weight_only():

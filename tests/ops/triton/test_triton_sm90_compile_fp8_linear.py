@@ -29,3 +29,20 @@ def test_fp8_linear_compiles_for_sm90(M, N, K, E, act_quant, dtype):
     assert compiled.metadata.shared <= 232448
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_fp8_sorted_groups_compile_for_sm90(act_quant):
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, fp8_block_linear
+
+    E, N, K = 8, 4096, 7168
+    offs = torch.arange(1, E + 1, dtype=torch.int32) * 16
+    x = torch.zeros(128, K, dtype=torch.bfloat16)
+    launches = _sm90.record(fp8_block_linear, fp8_block_linear._launch_sorted, x,
+                            torch.zeros(E, N, K, dtype=torch.float8_e4m3fn), torch.zeros(E, N // 128, K // 128),
+                            act_quant, offs)
+    kernel, _, args, kwargs = launches[0]
+    compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    if _sm90.cuobjdump() is not None:
+        assert _sm90.resources(compiled)["stack"] == 0, "register spills"
