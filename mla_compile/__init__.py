@@ -1,6 +1,7 @@
 """mla_compile: DeepSeek Multi-head Latent Attention as a first-class citizen of ``torch.compile``.
 
-The front door: :func:`patch` turns a Hugging Face DeepSeek model into an MLA model whose attention
+The front door: :func:`from_pretrained` loads a local DeepSeek checkpoint (bf16 or fp8 blocks) as an MLA
+model; :func:`patch` turns a Hugging Face DeepSeek model into an MLA model whose attention
 runs through the ``mla::`` custom ops; :class:`MetadataBuilder` plans each step into persistent
 buffers; :func:`greedy_generate` and :class:`Engine` drive steps; :class:`DecodeGraphRunner` (from
 :mod:`mla_compile.graphs`, imported on first access so that core does not import graphs) replays
@@ -16,6 +17,7 @@ from mla_compile.cache import CacheLayout, allocate_latent_cache, fp8_row_bytes
 from mla_compile.config import PRESETS, MLAConfig, is_mla_model, is_sparse_mla_model, preset
 from mla_compile.engine import Engine
 from mla_compile.generate import greedy_generate
+from mla_compile.loader import from_pretrained
 from mla_compile.model import patch
 
 ops.set_checked_mode(_envs.checked())
@@ -24,7 +26,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CacheLayout", "DecodeGraphRunner", "Engine", "MLAConfig", "MetadataBuilder", "PRESETS",
-    "allocate_latent_cache", "fp8_row_bytes", "greedy_generate", "is_mla_model", "is_sparse_mla_model",
+    "allocate_latent_cache", "fp8_row_bytes", "from_pretrained", "greedy_generate", "is_mla_model",
+    "is_sparse_mla_model",
     "ops", "patch", "preset",
 ]
 

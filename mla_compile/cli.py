@@ -1,4 +1,5 @@
-"""The ``mla-compile`` command line: ``demo`` (serve a toy model, check against HF), ``inspect``
+"""The ``mla-compile`` command line: ``generate`` (text from a local DeepSeek checkpoint), ``demo`` (serve a
+toy model, check against HF), ``inspect``
 (what torch.compile made of it: graphs, breaks, recompiles, mla:: ops, a depyf dump) and ``doctor``
 (versions, the GPU, which attention backends can run here and which one is picked).
 
@@ -53,11 +54,13 @@ def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``demo`` and ``inspect``)."""
+    """The argument parser (subcommands ``generate``, ``demo``, ``inspect`` and ``doctor``)."""
     parser = argparse.ArgumentParser(
-        prog="mla-compile", description="DeepSeek MLA under torch.compile: run the demo, inspect the compiled graphs, "
+        prog="mla-compile", description="DeepSeek MLA under torch.compile: generate text from a checkpoint, "
+        "run the demo, inspect the compiled graphs, "
         "or check which attention backends run here.")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,inspect,doctor}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,demo,inspect,doctor}")
+    _add_generate(sub)
     demo = sub.add_parser("demo", help="serve a toy DeepSeek model compiled whole; check tokens against HF eager",
                           description="Build a seeded toy DeepSeek model, patch it to paged MLA, compile it with "
                           "torch.compile(fullgraph=True), generate greedily for prompts of different lengths "
@@ -89,6 +92,39 @@ def build_parser() -> argparse.ArgumentParser:
                    "whether it can run here and why not, and the backend 'auto' picks for DeepSeek-V2-Lite (16 "
                    "heads) and V3 (128 heads) in bf16 with block size 64. Imports no peer library.")
     return parser
+
+
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text from a local DeepSeek checkpoint directory (bf16 or fp8)",
+                         description="Load a local HF-format DeepSeek checkpoint (config.json, safetensors shards, "
+                         "tokenizer.json) with mla_compile.from_pretrained, tokenize the prompt with the checkpoint's "
+                         "tokenizer, and stream greedy tokens as text; prints tokens/s to stderr.")
+    gen.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate (default: %(default)s)")
+    gen.add_argument("--device", type=_device, default="cpu", metavar="{cpu,cuda}", help="(default: %(default)s)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                     help="dtype of the unquantized weights (default: the checkpoint's)")
+    gen.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
+                     help="latent cache: the weights' dtype, or DeepSeek's fp8 rows (default: %(default)s)")
+    gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                     help="torch.compile(model, fullgraph=True) (default: on)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    gen.add_argument("--block-size", type=_positive, default=16, help="tokens per cache block (default: %(default)s)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``mla-compile generate``: stream the text, then report tokens/s on stderr."""
+    from mla_compile.textgen import generate_text
+
+    res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
+                        dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
+                        compile=args.compile, chat=args.chat, block_size=args.block_size, stream=sys.stdout,
+                        log=_log)
+    _log(f"{len(res.tokens)} tokens in {res.prefill_s + res.decode_s:.2f} s: {res.tokens_per_s:.1f} tokens/s "
+         f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s"
+         f"{'; the first prefill and decode steps include compiling them' if args.compile else ''})")
+    return 0
 
 
 def _log(text: str) -> None:
@@ -173,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "pip install 'transformers>=5.17' (or pip install -e '.[test]')", file=sys.stderr)
         return 2
     try:
-        return cmd_demo(args) if args.command == "demo" else cmd_inspect(args)
+        commands = {"generate": cmd_generate, "demo": cmd_demo, "inspect": cmd_inspect}
+        return commands[args.command](args)
     except ValueError as e:  # the package's errors for bad inputs name the argument and the fix
         print(f"mla-compile {args.command}: error: {e}", file=sys.stderr)
         return 2

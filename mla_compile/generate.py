@@ -39,12 +39,15 @@ def _check_max_new_tokens(max_new_tokens: int) -> None:
 
 def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], prompts: Sequence[Sequence[int]],
                     max_new_tokens: int, *, block_size: int, num_blocks: int, device: torch.device | str = "cpu",
-                    dynamic: bool = True, keep_logits: bool = False) -> GenerationResult:
+                    dynamic: bool = True, keep_logits: bool = False,
+                    on_step: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
     """Greedy-decode ``max_new_tokens`` tokens for each prompt with ``step_fn(input_ids, positions, meta)``.
 
     ``step_fn`` is a patched model or its compiled form, with caches of ``num_blocks`` blocks of
     ``block_size`` already allocated. ``dynamic`` marks per-step sizes dynamic (one graph for all).
     ``max_new_tokens=0`` returns an empty token list per prompt without calling ``step_fn``.
+    ``on_step(new_tokens)`` is called after every step with one new token per prompt (for streaming);
+    when it returns True, generation stops there.
     Raises ``ValueError`` for empty prompts or a negative ``max_new_tokens``.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -76,13 +79,16 @@ def greedy_generate(step_fn: Callable[[Tensor, Tensor, MLAMetadata], Tensor], pr
     result.prefill_s = time.perf_counter() - t0
     for i, t in enumerate(nxt):
         result.tokens[i].append(t)
+    stop = bool(on_step and on_step(nxt))
     t0 = time.perf_counter()
-    for step in range(1, max_new_tokens):
+    for step in range(1, 1 if stop else max_new_tokens):
         chunks = [SeqChunk(b, [toks[-1]], n + step - 1) for b, toks, n in zip(blocks, result.tokens, lens)]
         nxt = run(plan_step(chunks, [], block_size, max_blocks=max_blocks, num_blocks=num_blocks))
         for i, t in enumerate(nxt):
             result.tokens[i].append(t)
         result.decode_steps += 1
+        if on_step and on_step(nxt):
+            break
     sync()
     result.decode_s = time.perf_counter() - t0
     return result

@@ -37,6 +37,7 @@ class MLAForCausalLM(nn.Module):
             inv_freq, scaling = default_inv_freq(config.qk_rope_head_dim, config.rope_theta), 1.0
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = scaling
+        self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
 
     @property
     def attentions(self) -> list[MLAAttention]:
@@ -52,14 +53,15 @@ class MLAForCausalLM(nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, *, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None, fill: float = 0.0,
                        index_dtype: torch.dtype | str | None = None) -> list[Tensor]:
-        """Allocate one paged latent cache per layer (defaults: the weights' dtype and device); returns them.
+        """Allocate one paged latent cache per layer (defaults: ``self.kv_cache_dtype`` or the weights' dtype,
+        the weights' device); returns them.
 
         Sparse (V3.2) models also get one index-key cache per layer with the same blocks, set on each
         layer's ``self_attn.indexer.k_cache``: of ``index_dtype`` (default: the latent cache's dtype), or
         with ``index_dtype="fp8"`` in the 132-byte fp8 index format (``mla_compile.ops.fp8_index``).
         """
         ref = self.lm_head.weight
-        kw = dict(dtype=dtype or ref.dtype, device=device or ref.device, fill=fill)
+        kw = dict(dtype=dtype or self.kv_cache_dtype or ref.dtype, device=device or ref.device, fill=fill)
         caches = [allocate_latent_cache(num_blocks, block_size, self.config, **kw) for _ in self.attentions]
         index_kw = dict(kw, dtype=kw["dtype"] if index_dtype is None else index_dtype)
         for attn, cache in zip(self.attentions, caches):

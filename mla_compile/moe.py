@@ -59,23 +59,31 @@ def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down
     return torch.einsum("eth,te->th", y, combine.to(y.dtype))
 
 
-def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, act) -> Tensor:
-    """Tokens sorted by expert through ``torch._grouped_mm`` (CUDA, bf16): reads each hit expert once."""
-    T, k = ids.shape
-    num_experts = gate_up.shape[0]
+def sort_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """``ids [T, k]`` -> ``(order [T*k], offs [E] int32)``: the (token, slot) copies sorted by expert (stable)
+    and each expert's cumulative row end, as ``torch._grouped_mm`` takes them. Token of row r: ``order[r] // k``."""
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    h = torch._grouped_mm(x[token], gate_up.transpose(1, 2), offs=offs)
-    g, u = h.chunk(2, dim=-1)
-    y = torch._grouped_mm((act(g) * u).contiguous(), down.transpose(1, 2), offs=offs)
+    return torch.argsort(flat, stable=True), torch.cumsum(counts, 0, dtype=torch.int32)
+
+
+def combine_sorted(y: Tensor, order: Tensor, weights: Tensor) -> Tensor:
+    """Sorted expert outputs ``y [T*k, H]`` back to tokens, weighted: ``[T, H]`` float32."""
+    T, k = weights.shape
     # back to (token, slot) order by a permutation, then a float32 sum over the k slots: deterministic
     # (an index_add_ would add in atomic order, so bf16 rounding and greedy tokens could vary run to run)
     y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
     return torch.einsum("tkh,tk->th", y.float(), weights.float())
+
+
+def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, act) -> Tensor:
+    """Tokens sorted by expert through ``torch._grouped_mm`` (CUDA, bf16): reads each hit expert once."""
+    order, offs = sort_by_expert(ids, gate_up.shape[0])
+    h = torch._grouped_mm(x[order // ids.shape[1]], gate_up.transpose(1, 2), offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm((act(g) * u).contiguous(), down.transpose(1, 2), offs=offs)
+    return combine_sorted(y, order, weights)
 
 
 class MLAMoE(nn.Module):
@@ -88,7 +96,9 @@ class MLAMoE(nn.Module):
         self.gate = hf_moe.gate
         self.experts = hf_moe.experts
         self.shared_experts = hf_moe.shared_experts
-        for name in ("gate_up_proj", "down_proj", "act_fn"):
+        # fp8 experts (mla_compile.fp8_linear.FP8Experts, from a DeepSeek fp8 checkpoint) run themselves
+        self.fp8_experts = bool(getattr(self.experts, "is_fp8_block", False))
+        for name in () if self.fp8_experts else ("gate_up_proj", "down_proj", "act_fn"):
             if not hasattr(self.experts, name):
                 raise ValueError(f"MoE experts module {type(self.experts).__name__} has no {name}: expected the "
                                  "transformers>=5 fused-experts layout (gate_up_proj [E, 2I, H], down_proj [E, H, I])")
@@ -102,6 +112,9 @@ class MLAMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``: routed experts plus shared experts."""
         weights, ids = route(self.gate, x)
+        if self.fp8_experts:  # grouped by default on CUDA, as for bf16 experts
+            grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda)
+            return self.experts(x, weights, ids, grouped=grouped).to(x.dtype) + self.shared_experts(x)
         run = experts_grouped if self._use_grouped(x) else experts_dense
         routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj, self.experts.act_fn)
         return routed.to(x.dtype) + self.shared_experts(x)

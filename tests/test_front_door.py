@@ -9,7 +9,7 @@ import mla_compile
 
 FRONT_DOOR = ("patch", "Engine", "MetadataBuilder", "DecodeGraphRunner", "greedy_generate", "MLAConfig",
               "PRESETS", "preset", "CacheLayout", "allocate_latent_cache", "fp8_row_bytes", "is_mla_model",
-              "is_sparse_mla_model", "ops")
+              "is_sparse_mla_model", "ops", "from_pretrained")
 
 
 def test_front_door_names_import_from_the_package():

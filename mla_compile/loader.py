@@ -1,0 +1,257 @@
+"""``from_pretrained``: a local HF-format DeepSeek checkpoint (bf16 or fp8 blocks) streamed into the patched model.
+
+The HF model is built on the meta device; the shards are read tensor by tensor with ``safe_open`` and each
+tensor is assigned on the target device, so host memory peaks at about one shard plus the loaded weights.
+Linears with a ``weight_scale_inv`` in the checkpoint become :class:`~mla_compile.fp8_linear.FP8BlockLinear`
+(fp8 kept in memory); fp8 experts become :class:`~mla_compile.fp8_linear.FP8Experts`; ``kv_b_proj`` is
+dequantized once (the absorbed decode reads its weight as ``W_UK`` / ``W_UV``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mla_compile.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index, read_config,
+                                    read_fp8_format, read_index)
+from mla_compile.fp8_linear import FP8BlockLinear, FP8Experts
+from mla_compile.model import MLAForCausalLM, patch
+from mla_compile.ops.fp8_block_linear import dequantize
+
+log = logging.getLogger(__name__)
+FP8 = torch.float8_e4m3fn
+
+
+def from_pretrained(path: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                    parallel: object | None = None, kv_cache_dtype: torch.dtype | str | None = None,
+                    backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
+    """Load the DeepSeek checkpoint directory ``path`` (config.json, model.safetensors.index.json + shards) as an
+    :class:`MLAForCausalLM` on ``device`` (default cpu).
+
+    ``dtype``: of the non-fp8 weights (default: the config's dtype, else bfloat16); fp8 weights stay
+    float8_e4m3fn with float32 block scales. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
+    ``parallel``: not built yet (NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
+    MTP layers (``num_nextn_predict_layers``) are skipped.
+    Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
+    """
+    if parallel is not None:
+        raise NotImplementedError("from_pretrained(parallel=...) needs the tensor/expert-parallel model of the "
+                                  "parallel issue, which is not built yet; pass parallel=None")
+    root = Path(path)
+    config = read_config(root)
+    fp8 = read_fp8_format(config, root)
+    index = read_index(root)
+    device = torch.device(device or "cpu")
+    dtype = dtype or _config_dtype(config)
+    hf = _meta_model(config)
+    kv_b = _swap_fp8_modules(hf, config, index)
+    if kv_b and fp8 is None:
+        log.info("%s: weight_scale_inv tensors without a quantization_config; loading them as fp8 blocks", root)
+    loader = _Loader(hf, index, device, dtype, kv_b)
+    loader.run(config.num_hidden_layers)
+    with torch.device(device):  # rotary buffers are computed at init, not stored: make them for real
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config)
+    loader.check_complete()
+    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl)
+    model.kv_cache_dtype = kv_cache_dtype
+    return model
+
+
+def _config_dtype(config) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
+
+
+def _meta_model(config) -> nn.Module:
+    """The HF causal LM of ``config``, every parameter on the meta device (no memory, no init time)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    config._attn_implementation = "eager"  # MLAAttention replaces attention; no kernel lookup
+    with torch.device("meta"):
+        return cls(config)
+
+
+def _swap_fp8_modules(hf: nn.Module, config, index: ShardIndex) -> set[str]:
+    """Replace modules whose checkpoint weights are fp8 (a ``weight_scale_inv`` exists); returns the
+    ``kv_b_proj`` prefixes, which stay ``nn.Linear`` and are dequantized at load."""
+    kv_b, experts = set(), set()
+    for key in index.weight_map:
+        if not key.endswith(SCALE_SUFFIX) or (layer_index(key) or 0) >= config.num_hidden_layers:
+            continue
+        prefix = key[: -len(".weight" + SCALE_SUFFIX)]
+        m = EXPERT.match(key)
+        if m:
+            experts.add(m["module"])
+        elif prefix.endswith("kv_b_proj"):
+            kv_b.add(prefix)
+        else:
+            linear = _submodule(hf, prefix, key, index)
+            if not isinstance(linear, nn.Linear) or linear.bias is not None:
+                raise CheckpointError(f"{index.file_of(key)}: {key} scales {prefix}, a {type(linear).__name__}; "
+                                      "only bias-free nn.Linear layers can be fp8")
+            _set_submodule(hf, prefix, FP8BlockLinear(linear.in_features, linear.out_features, device="meta"))
+    for prefix in experts:
+        old = _submodule(hf, prefix, prefix, index)
+        _set_submodule(hf, prefix, FP8Experts(config.n_routed_experts, config.hidden_size,
+                                              config.moe_intermediate_size, old.act_fn, device="meta"))
+    return kv_b
+
+
+def _submodule(hf: nn.Module, prefix: str, key: str, index: ShardIndex) -> nn.Module:
+    try:
+        return hf.get_submodule(prefix)
+    except AttributeError:
+        raise CheckpointError(f"{index.file_of(key)}: tensor {key} names no module of "
+                              f"{type(hf).__name__}; is config.json the checkpoint's own?") from None
+
+
+def _set_submodule(root: nn.Module, prefix: str, module: nn.Module) -> None:
+    parent, _, name = prefix.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, name, module)
+
+
+class _Loader:
+    """Streams shard tensors into the meta model: one tensor in host memory at a time (plus kv_b pairs)."""
+
+    def __init__(self, hf: nn.Module, index: ShardIndex, device: torch.device, dtype: torch.dtype,
+                 kv_b: set[str]) -> None:
+        self.hf, self.index, self.device, self.dtype, self.kv_b = hf, index, device, dtype, kv_b
+        self.fp32 = tuple(getattr(hf, "_keep_in_fp32_modules", None) or ()) + tuple(
+            getattr(hf, "_keep_in_fp32_modules_strict", None) or ())
+        self.pending: dict[str, dict[str, Tensor]] = {}
+        self.filled: set[tuple[str, str, int]] = set()
+        self.unexpected: list[str] = []
+
+    def run(self, num_layers: int) -> None:
+        from safetensors import safe_open
+
+        skipped = 0
+        for file in sorted(self.index.files):
+            with safe_open(str(self.index.root / file), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for key in self.index.files[file]:
+                    if (layer_index(key) or 0) >= num_layers:
+                        skipped += 1  # MTP (num_nextn_predict_layers): not used by generation
+                        continue
+                    if key not in present:
+                        raise CheckpointError(f"{self.index.root / file}: tensor {key} is listed in the index "
+                                              "but not in this shard")
+                    self._place(key, f.get_tensor(key), file)
+        if skipped:
+            log.info("skipped %d tensors of MTP layers (index >= num_hidden_layers=%d): generation does not "
+                     "use them", skipped, num_layers)
+        if self.unexpected:
+            log.warning("ignored %d checkpoint tensors the model has no place for, e.g. %s", len(self.unexpected),
+                        self.unexpected[:3])
+
+    def _place(self, key: str, t: Tensor, file: str) -> None:
+        if t.dtype == FP8 and SCALE_SUFFIX not in key and key + SCALE_SUFFIX not in self.index.weight_map:
+            raise CheckpointError(f"{file}: tensor {key} is float8_e4m3fn but {key}{SCALE_SUFFIX} is missing from "
+                                  "the index: fp8 weights need their block scales")
+        m = EXPERT.match(key)
+        if m:
+            return self._place_expert(m, key, t, file)
+        prefix, _, name = key.rpartition(".")
+        if prefix in self.kv_b or prefix[: -len(".weight")] in self.kv_b:
+            return self._place_kv_b(key, t, file)
+        try:
+            module = self.hf.get_submodule(prefix)
+        except AttributeError:
+            self.unexpected.append(key)
+            return
+        target = module._parameters.get(name, module._buffers.get(name))
+        if target is None:
+            self.unexpected.append(key)
+            return
+        _check_shape(file, key, t, target.shape)
+        module_dtype = self._dtype(key, target)
+        _check_fp8(file, key, t, target)
+        value = t.to(device=self.device, dtype=module_dtype)
+        if name in module._parameters:
+            module._parameters[name] = nn.Parameter(value, requires_grad=False)
+        else:
+            module._buffers[name] = value
+
+    def _dtype(self, key: str, target: Tensor) -> torch.dtype:
+        if target.dtype == FP8 or key.endswith(SCALE_SUFFIX):
+            return target.dtype
+        return torch.float32 if any(p in key for p in self.fp32) else self.dtype
+
+    def _place_kv_b(self, key: str, t: Tensor, file: str) -> None:
+        """Dequantize ``kv_b_proj`` (fp8 weight and scale) once both halves arrived."""
+        prefix = key[: key.rindex(".weight")]
+        part = self.pending.setdefault(prefix, {})
+        part[key.rpartition(".")[2]] = t
+        if len(part) < 2:
+            return
+        linear = self.hf.get_submodule(prefix)
+        _check_shape(file, f"{prefix}.weight", part["weight"], linear.weight.shape)
+        if part["weight"].dtype != FP8:
+            raise CheckpointError(f"{file}: tensor {prefix}.weight has a weight_scale_inv but is "
+                                  f"{part['weight'].dtype}, not float8_e4m3fn")
+        w = dequantize(part["weight"], part["weight" + SCALE_SUFFIX], torch.float32)
+        linear.weight = nn.Parameter(w.to(device=self.device, dtype=self.dtype), requires_grad=False)
+        del self.pending[prefix]
+
+    def _place_expert(self, m, key: str, t: Tensor, file: str) -> None:
+        """One expert's projection into the stacked tensor of its experts module."""
+        experts = self.hf.get_submodule(m["module"])
+        j, proj, name = int(m["index"]), m["proj"], m["name"]
+        if isinstance(experts, FP8Experts):
+            param = proj + (SCALE_SUFFIX if name != "weight" else "")
+            rows = slice(None)
+        else:
+            param = "down_proj" if proj == "down_proj" else "gate_up_proj"
+            half = experts.gate_up_proj.shape[1] // 2
+            rows = {"gate_proj": slice(0, half), "up_proj": slice(half, 2 * half)}.get(proj, slice(None))
+        stacked = getattr(experts, param)
+        if stacked.is_meta:
+            real = torch.empty(stacked.shape, dtype=self._dtype(key, stacked), device=self.device)
+            stacked = nn.Parameter(real, requires_grad=False)
+            setattr(experts, param, stacked)
+        _check_shape(file, key, t, stacked[j, rows].shape)
+        _check_fp8(file, key, t, stacked)
+        with torch.no_grad():
+            stacked[j, rows].copy_(t.to(stacked.dtype))
+        self.filled.add((m["module"], f"{proj}.{name}", j))
+
+    def check_complete(self) -> None:
+        """Every parameter and buffer has real values; else a CheckpointError listing what is missing."""
+        tensors = list(self.hf.named_parameters()) + list(self.hf.named_buffers())
+        # stacked experts are listed per expert below, by their checkpoint names
+        missing = [name for name, t in tensors if t.is_meta and not name.rpartition(".")[0].endswith(".experts")]
+        missing += [f"{prefix}.{k}" for prefix in self.pending for k in ("weight", "weight" + SCALE_SUFFIX)
+                    if k not in self.pending[prefix]]
+        for module_name, experts in self.hf.named_modules():
+            if not module_name.endswith(".experts") or not hasattr(experts, "down_proj"):
+                continue
+            names = [f"{p}.{n}" for p in ("gate_proj", "up_proj", "down_proj") for n in ("weight", "weight_scale_inv")
+                     if n == "weight" or isinstance(experts, FP8Experts)]
+            num = experts.down_proj.shape[0]
+            missing += [f"{module_name}.{j}.{n}" for j in range(num) for n in names
+                        if (module_name, n, j) not in self.filled]
+        if missing:
+            listed = "; ".join(f"{k} (expected in {self.index.file_of(k)})" for k in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise CheckpointError(f"{self.index.root}: {len(missing)} tensors missing from the checkpoint: "
+                                  f"{listed}{more}")
+
+
+def _check_shape(file: str, key: str, t: Tensor, expected: torch.Size) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise CheckpointError(f"{file}: tensor {key} has shape {list(t.shape)}, the model built from config.json "
+                              f"expects {list(expected)}")
+
+
+def _check_fp8(file: str, key: str, t: Tensor, target: Tensor) -> None:
+    """fp8 tensors go only where the model holds fp8 (and fp8 slots take only fp8: no silent cast)."""
+    if (t.dtype == FP8) != (target.dtype == FP8):
+        why = "has a weight_scale_inv" if target.dtype == FP8 else "has no fp8 slot there"
+        raise CheckpointError(f"{file}: tensor {key} is {t.dtype}, but the model expects {target.dtype} "
+                              f"(the linear {why})")

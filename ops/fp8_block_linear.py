@@ -1,0 +1,177 @@
+"""``mla::fp8_block_linear``: a linear layer over DeepSeek's fp8 block-quantized weights.
+
+Contract. ``weight [N, K]`` float8_e4m3fn with ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` float32 stands
+for the real weight ``W[n, k] = float(weight[n, k]) * weight_scale_inv[n // 128, k // 128]`` (the checkpoint's
+``weight_scale_inv`` is a multiplier despite its name). Grouped form: ``weight [E, N, K]`` with scales
+``[E, ceil(N/128), ceil(K/128)]`` is E independent linears (the MoE experts).
+
+- ``act_quant=False`` (weight-only): ``y = x @ W.T``.
+- ``act_quant=True`` (DeepSeek's inference recipe): ``x`` is first rounded per token per 128-wide group
+  of K: ``s = max(amax(|x_g|) / 448, 2**-64)``, ``x_g -> float(e4m3(x_g / s)) * s`` (round to nearest even,
+  the last group may be shorter), then ``y = x_q @ W.T``.
+
+Shapes: ``x [M, K]`` with a 2-D weight -> ``y [M, N]``; ``x [E, M, K]`` (or ``[M, K]``, shared by every
+group) with a 3-D weight -> ``y [E, M, N]``. Sorted grouped form (the MoE experts over tokens sorted by
+expert): a 3-D weight, ``x [R, K]`` and ``offs [E]`` int32, the cumulative row ends (rows
+``[offs[e-1], offs[e])`` use group e, as ``torch._grouped_mm``) -> ``y [R, N]``; rows past ``offs[-1]``
+get 0. ``y`` has x's dtype; the math runs in float32 (float64 for a float64 ``x``).
+
+Backends: "reference" (any device, every form), "triton" (CUDA, every form), "scaled-mm" (CUDA,
+``act_quant=True`` and 2-D weights with K a multiple of 128 only: torch's blockwise-scaled fp8 matmul,
+1x128 activation and 128x128 weight scales).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+
+OP = "mla.fp8_block_linear"
+BLOCK = 128
+FP8_MAX = 448.0
+SCALE_FLOOR = 2.0 ** -64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def validate(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, offs: Tensor | None = None) -> None:
+    """Shape/dtype checks (metadata only, no sync)."""
+    check_tensor(OP, "weight", weight, ndim=(2, 3), dtypes=(torch.float8_e4m3fn,),
+                 expected="[N, K] or [E, N, K] float8_e4m3fn")
+    *groups, N, K = weight.shape
+    scale_shape = (*groups, _cdiv(N, BLOCK), _cdiv(K, BLOCK))
+    check_tensor(OP, "weight_scale_inv", weight_scale_inv, ndim=weight.dim(), dtypes=(torch.float32,),
+                 shape=scale_shape, expected=f"{list(scale_shape)} float32 (one scale per 128 x 128 block)")
+    x_ndim = (2,) if weight.dim() == 2 else (2, 3)
+    x_shape = (None, K) if x.dim() == 2 else (groups[0] if groups else None, None, K)
+    check_tensor(OP, "x", x, ndim=x_ndim, dtypes=FLOAT_DTYPES, shape=x_shape,
+                 expected=f"[M, {K}]" + (f" or [{groups[0]}, M, {K}]" if groups else ""))
+    check_same_device(OP, x=x, weight=weight, weight_scale_inv=weight_scale_inv)
+    if offs is not None:
+        if weight.dim() != 3 or x.dim() != 2:
+            raise ValueError(f"{OP}: offs (sorted groups) needs a 3-D weight [E, N, K] and x [R, K]; got weight "
+                             f"{list(weight.shape)}, x {list(x.shape)}")
+        check_tensor(OP, "offs", offs, ndim=1, dtypes=(torch.int32,), shape=(groups[0],),
+                     expected=f"[{groups[0]}] int32 cumulative row ends")
+        check_same_device(OP, x=x, offs=offs)
+
+
+def dequantize(weight: Tensor, weight_scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The real weight ``weight * weight_scale_inv`` (block-wise) in ``dtype``: ``[..., N, K]``."""
+    N, K = weight.shape[-2:]
+    scale = weight_scale_inv.to(dtype).repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    return weight.to(dtype) * scale[..., :N, :K]
+
+
+def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token 1 x 128 group quantization of ``x [..., K]``: ``(codes [..., K] e4m3, scales [..., ceil(K/128)]
+    float32)`` with ``x ~ codes * scales`` (the group's scale repeated over its 128 columns)."""
+    K = x.shape[-1]
+    pad = _cdiv(K, BLOCK) * BLOCK - K
+    xg = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, BLOCK))
+    scale = (xg.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_FLOOR)
+    codes = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.flatten(-2)[..., :K], scale
+
+
+def _act_round(x: Tensor, acc: torch.dtype) -> Tensor:
+    """``x`` rounded as ``act_quant=True`` specifies, in ``acc``."""
+    codes, scale = quantize_activation(x)
+    return codes.to(acc) * scale.to(acc).repeat_interleave(BLOCK, dim=-1)[..., :x.shape[-1]]
+
+
+@torch.library.custom_op("mla::fp8_block_linear_ref", mutates_args=(), tags=LAYOUT_TAGS)
+def fp8_block_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                         offs: Tensor | None = None) -> Tensor:
+    """Reference (plain torch, any device): dequantize the weight, then one matmul in float32 (float64).
+    With ``offs`` every group runs on every row and each row keeps its own group's result (no host sync)."""
+    validate(x, weight, weight_scale_inv, offs)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xa = _act_round(x, acc) if act_quant else x.to(acc)
+    y = torch.matmul(xa, dequantize(weight, weight_scale_inv, acc).transpose(-1, -2))
+    if offs is None:
+        return y.to(x.dtype)
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True)  # E for rows past offs[-1]
+    picked = y.gather(0, group.clamp_max(weight.shape[0] - 1)[None, :, None].expand(1, -1, y.shape[-1]))[0]
+    return torch.where((group < weight.shape[0])[:, None], picked, 0).to(x.dtype)
+
+
+def fake(x, weight, weight_scale_inv, act_quant, offs=None):
+    """Fake output shared by every implementation: validate, then ``[M, N]``, ``[E, M, N]`` or (with ``offs``)
+    ``[R, N]`` of x's dtype."""
+    validate(x, weight, weight_scale_inv, offs)
+    N = weight.shape[-2]
+    if weight.dim() == 3 and offs is None:
+        return x.new_empty(weight.shape[0], x.shape[-2], N)
+    return x.new_empty(x.shape[0], N)
+
+
+fp8_block_linear_ref.register_fake(fake)
+
+register_impl(OP, "reference", torch.ops.mla.fp8_block_linear_ref, devices=("any",))
+
+
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act_quant: bool = False,
+                     offs: Tensor | None = None, backend: str | None = None) -> Tensor:
+    """``x [..., K] @ W.T`` for an fp8 block-quantized ``W``; see the module docstring for the contract.
+
+    ``x`` may have any leading dims with a 2-D ``weight [N, K]`` (returns ``[..., N]``); with a 3-D
+    ``weight [E, N, K]`` it is ``[M, K]`` or ``[E, M, K]`` (returns ``[E, M, N]``), or ``[R, K]`` sorted by
+    group with ``offs [E]`` int32 cumulative row ends (returns ``[R, N]``). ``backend``: None/"auto",
+    "reference", "triton" or "scaled-mm". Raises ValueError for a backend that cannot run ``act_quant``/``offs``.
+    """
+    if backend == "scaled-mm" and (not act_quant or offs is not None):
+        raise ValueError(f"{OP}: backend 'scaled-mm' runs 2-D weights with the activation quantized "
+                         f"(act_quant=True, no offs); got act_quant={act_quant}, offs given: {offs is not None}; "
+                         "use backend 'triton' or 'reference'")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]) if weight.dim() == 2 else x
+    impl = resolve(OP, x.device, backend)
+    y = impl.fn(x2, weight, weight_scale_inv, act_quant) if offs is None else impl.fn(
+        x2, weight, weight_scale_inv, act_quant, offs)
+    return y.reshape(*lead, weight.shape[0]) if weight.dim() == 2 else y
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+            offs: Tensor | None = None) -> Tensor:
+    import mla_compile.ops.triton.fp8_block_linear  # noqa: F401  (registers mla::fp8_block_linear_triton)
+    return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant, offs)
+
+
+register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+
+
+@torch.library.custom_op("mla::fp8_block_linear_scaled_mm", mutates_args=(), tags=LAYOUT_TAGS)
+def fp8_block_linear_scaled_mm(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                               offs: Tensor | None = None) -> Tensor:
+    """torch's blockwise-scaled fp8 matmul (``torch._scaled_mm``, 1x128 x 128x128 scales); CUDA, 2-D weights."""
+    validate(x, weight, weight_scale_inv, offs)
+    if weight.dim() != 2 or not act_quant or weight.shape[1] % BLOCK or x.device.type != "cuda":
+        raise ValueError(f"{OP}: backend 'scaled-mm' needs CUDA tensors, a 2-D weight with K a multiple of 128 "
+                         f"and act_quant=True; got weight {list(weight.shape)} on {x.device}, act_quant={act_quant}")
+    codes, a_scale = quantize_activation(x)
+    a_scale = a_scale.t().contiguous().t()  # outer-dim-major, as the blockwise kernel requires
+    out = torch._scaled_mm(codes, weight.t(), scale_a=a_scale, scale_b=weight_scale_inv.t(),
+                           out_dtype=torch.bfloat16)
+    return out.to(x.dtype)
+
+
+fp8_block_linear_scaled_mm.register_fake(fake)
+
+
+def _scaled_mm_available() -> bool:
+    return hasattr(torch, "_scaled_mm") and torch.cuda.is_available()
+
+
+register_impl(OP, "scaled-mm", torch.ops.mla.fp8_block_linear_scaled_mm, devices=("cuda",),
+              available=_scaled_mm_available)

@@ -1,0 +1,174 @@
+"""Triton ``mla::fp8_block_linear``: a tiled GEMM over fp8 block-quantized weights (DeepSeek's format).
+
+Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert). ``BLOCK_N``
+divides 128, so a tile's rows share one weight-scale row; the K loop walks 128-wide steps, one scale
+column each. The e4m3 codes are exact in bf16/fp32: the dot runs on the codes and the partial sum is
+scaled afterwards (``acc += dot(x, codes.T) * s_w``), as DeepSeek's own kernel does. With ``act_quant`` the
+activation step is rounded per row to e4m3 codes first (scale ``amax / 448``, round to nearest even, in
+integer arithmetic so the interpreter matches torch) and its per-row scale joins ``s_w``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from mla_compile.ops.fp8_block_linear import validate
+from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
+from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K, KB,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K, KB,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp8_sorted_kernel(
+    x_ptr, w_ptr, s_ptr, cu_ptr, y_ptr,
+    R, N, K, KB, E,
+    s_xm, s_we, s_wn, s_se, s_sn, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
+    ``tiles_started``, as the varlen prefill finds its sequence; slots past ``cu[E]`` write zeros."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = -1
+    for c in range(0, E + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        e += tiles_started(tl.load(cu_ptr + idx, mask=idx <= E, other=0), idx, E, slot, BLOCK_M)
+    start = tl.load(cu_ptr + e).to(tl.int32)
+    m0 = (slot - (start // BLOCK_M + e)) * BLOCK_M
+    offs_m = start + m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    n_ok = (offs_n < N)[None, :]
+    if e == E:  # rows past cu[E]
+        tl.store(y, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_ok)
+        return
+    end = tl.load(cu_ptr + e + 1).to(tl.int32)
+    if start + m0 >= end:  # an unused slot between two groups' tiles
+        return
+    m_ok = offs_m < end
+    e64 = e.to(tl.int64)
+    acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K, KB,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, KB, s_xm, s_wn, s_sn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr):
+    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    n_ok = offs_n < N
+    x_rows = x_base + offs_m.to(tl.int64) * s_xm
+    w_rows = w_base + offs_n.to(tl.int64) * s_wn
+    s_row = s_base + (pid_n * BLOCK_N // 128) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, KB):
+        k = kb * 128 + offs_k
+        k_ok = k < K
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load(s_row + kb)
+        if ACT_QUANT:
+            amax = tl.max(tl.abs(x), axis=1)
+            sx = tl.maximum(tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32)), SCALE_FLOOR)
+            quot = tl.math.div_rn(x, tl.broadcast_to(sx[:, None], (BLOCK_M, 128)))
+            quot = tl.minimum(tl.maximum(quot, -FP8_MAX), FP8_MAX)
+            x = e4m3_codes(quot).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if IEEE:
+            part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # codes are exact in bf16; x was bf16 (or its fp8 codes)
+            part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        if ACT_QUANT:
+            acc += part * (sx[:, None] * scale)
+        else:
+            acc += part * scale
+    return acc
+
+
+def _config(M: int, ieee: bool) -> dict:
+    """Tiles and launch options. fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps
+    and one stage keep them from spilling (sm_90 compile at 2 stages: 144 B of stack)."""
+    block_m = 16 if M <= 16 else (32 if ieee else 64)
+    block_n = 32 if ieee else 64  # divides 128: a tile's rows share one weight-scale row
+    num_warps, num_stages = (8, 1) if ieee else (4, 3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool, offs: Tensor) -> Tensor:
+    """Sorted-groups kernel path: ``x [R, K]`` with ``offs [E]`` cumulative row ends -> ``[R, N]``."""
+    E, N, K = weight.shape
+    R = x.shape[0]
+    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R * N == 0:
+        return y
+    x = last_dim_contiguous(x)
+    w = last_dim_contiguous(weight).view(torch.uint8)
+    s = last_dim_contiguous(weight_scale_inv)
+    cu = torch.cat([offs.new_zeros(1), offs])
+    cfg = _config(R, x.dtype == torch.float32)
+    grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
+    wrap_triton(_fp8_sorted_kernel)[grid](
+        x, w, s, cu, y, R, N, K, triton.cdiv(K, 128), E,
+        x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
+        ACT_QUANT=act_quant, CHUNK=128, **cfg,
+    )
+    return y
+
+
+def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
+    grouped = weight.dim() == 3
+    w3 = weight if grouped else weight[None]
+    s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
+    E, N, K = w3.shape
+    M = x.shape[-2]
+    x3 = x if x.dim() == 3 else x[None]
+    x3 = last_dim_contiguous(x3)
+    w3 = last_dim_contiguous(w3).view(torch.uint8)  # raw codes: the interpreter has no float8 numpy dtype
+    y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+    if M * N == 0:
+        return y if grouped else y[0]
+    s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
+    cfg = _config(M, x.dtype == torch.float32)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
+    wrap_triton(_fp8_linear_kernel)[grid](
+        x3, w3, s3, y, M, N, K, triton.cdiv(K, 128),
+        s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),
+        ACT_QUANT=act_quant, **cfg,
+    )
+    return y if grouped else y[0]
+
+
+@triton_op("mla::fp8_block_linear_triton", mutates_args=())
+def fp8_block_linear_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                            offs: Tensor | None = None) -> Tensor:
+    """Triton ``mla::fp8_block_linear`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return torch.ops.mla.fp8_block_linear_ref(x, weight, weight_scale_inv, act_quant, offs)
+    validate(x, weight, weight_scale_inv, offs)
+    if offs is not None:
+        return _launch_sorted(x, weight, weight_scale_inv, act_quant, offs)
+    return _launch(x, weight, weight_scale_inv, act_quant)

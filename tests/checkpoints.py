@@ -1,0 +1,139 @@
+"""Tiny DeepSeek checkpoints on disk, as the HF hub ships them: config.json, several safetensors shards with
+model.safetensors.index.json, tokenizer.json (a BPE trained here) and tokenizer_config.json (chat template).
+
+Formats: "bf16" is the unquantized layout (stored float32 here, so the loaded model can be compared with
+HF at 1e-4 in float32: only the dtype of the stored tensors differs from a real bf16 checkpoint); "fp8" is
+DeepSeek's: every projection weight e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block, norms,
+embeddings, lm_head, router and indexer head weights unquantized. The V3 checkpoints carry one MTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mla_compile import toy
+
+FP8_LINEAR = re.compile(r"(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"
+                        r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)|"
+                        r"indexer\.(wq_b|wk))\.weight$")
+INDEX = "model.safetensors.index.json"
+TEXT = ["the quick brown fox jumps over the lazy dog", "latent attention caches one row per token",
+        "deepseek models mix experts and attention", "hello world, this is a tiny tokenizer"]
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> e4m3 codes ``[N, K]`` and ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` (amax / 448)."""
+    N, K = w.shape
+    nb, kb = -(-N // 128), -(-K // 128)
+    blocks = torch.nn.functional.pad(w.float(), (0, kb * 128 - K, 0, nb * 128 - N)).view(nb, 128, kb, 128)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)
+    codes = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * 128, kb * 128)[:N, :K]
+    return codes.contiguous(), scale
+
+
+def dequantize64(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 weight the fp8 blocks stand for (an independent model of the format)."""
+    N, K = codes.shape
+    full = scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+    return codes.double() * full
+
+
+def write_tokenizer(root: Path) -> None:
+    """A BPE tokenizer trained on a few sentences, plus a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<bos>", "<eos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT, trainer)
+    tok.save(str(root / "tokenizer.json"))
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (root / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+         "unk_token": "<unk>", "chat_template": template}))
+
+
+def write_checkpoint(root: Path, kind: str, fmt: str, *, seed: int = 0, shards: int = 3, **overrides):
+    """Write a tiny ``kind`` ("v2-lite", "v3", "v3.2") checkpoint in ``fmt`` ("bf16" or "fp8") to ``root``.
+
+    Returns the HF model whose weights were written (float32). The state is split into at least ``shards``
+    files by ``save_pretrained``'s own sharding; fp8 rewrites each shard with the quantized tensors.
+    """
+    hf = toy.toy_hf_model(kind, seed=seed, **overrides)
+    total = sum(t.numel() * t.element_size() for t in hf.state_dict().values())
+    hf.save_pretrained(str(root), max_shard_size=total // (shards + 1))
+    write_tokenizer(root)
+    if kind != "v2-lite":
+        _add_mtp_layer(root, hf.config)
+    if fmt == "fp8":
+        _quantize_checkpoint(root)
+    return hf
+
+
+def _edit_config(root: Path, **changes) -> None:
+    path = root / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _index(root: Path) -> dict:
+    return json.loads((root / INDEX).read_text())
+
+
+def _add_mtp_layer(root: Path, config) -> None:
+    """One MTP layer (index num_hidden_layers) in its own shard, as V3/R1/V3.2 ship it."""
+    i, h = config.num_hidden_layers, config.hidden_size
+    tensors = {f"model.layers.{i}.eh_proj.weight": torch.randn(h, 2 * h),
+               f"model.layers.{i}.enorm.weight": torch.ones(h), f"model.layers.{i}.hnorm.weight": torch.ones(h)}
+    save_file(tensors, str(root / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = _index(root)
+    index["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+    (root / INDEX).write_text(json.dumps(index, indent=2))
+    _edit_config(root, num_nextn_predict_layers=1)
+
+
+def _quantize_checkpoint(root: Path) -> None:
+    index = _index(root)
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(str(root / file), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        out = {}
+        for key, t in tensors.items():
+            if FP8_LINEAR.search(key):
+                out[key], out[key + "_scale_inv"] = quantize_blocks(t)
+                index["weight_map"][key + "_scale_inv"] = file
+            else:
+                out[key] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        save_file(out, str(root / file), metadata={"format": "pt"})
+    (root / INDEX).write_text(json.dumps(index, indent=2))
+    _edit_config(root, dtype="bfloat16", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+
+
+def write_dequantized(src: Path, dst: Path) -> None:
+    """``src`` (fp8) rewritten in float64 with every fp8 block dequantized, and no quantization_config: what
+    ``transformers`` loads as the float64 reference of the fp8 checkpoint."""
+    dst.mkdir(parents=True, exist_ok=True)
+    index = _index(src)
+    weight_map = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scale_inv")}
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(src / file), framework="pt") as f:
+            keys = [k for k in f.keys() if not k.endswith("_scale_inv")]
+            out = {k: (dequantize64(f.get_tensor(k), f.get_tensor(k + "_scale_inv")) if k + "_scale_inv" in f.keys()
+                       else f.get_tensor(k).double()) for k in keys}
+        save_file(out, str(dst / file), metadata={"format": "pt"})
+    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config")
+    config["dtype"] = "float64"
+    (dst / "config.json").write_text(json.dumps(config))

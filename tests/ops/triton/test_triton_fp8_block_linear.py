@@ -1,0 +1,90 @@
+"""The Triton ``mla::fp8_block_linear`` kernel: under Triton's CPU interpreter against the reference op, and
+on a GPU (backends "triton" and "scaled-mm", eager and compiled) against the float64 block math."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from mla_compile import ops
+from tests.ops.test_fp8_block_linear import OFFS, _ref64, _rel, _sorted64, _weights
+from tests.ops.triton.conftest import INTERPRET
+
+CASES = [((7, 300), (200, 300)), ((1, 128), (128, 128)), ((17, 64), (130, 64)), ((5, 150), (3, 70, 150)),
+         ((3, 5, 150), (3, 70, 150))]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("x_shape,w_shape", CASES)
+def test_interpreter_matches_reference(x_shape, w_shape, act_quant, dtype):
+    from mla_compile.ops.triton.fp8_block_linear import _launch
+
+    codes, scale = _weights(*w_shape)
+    x = torch.randn(*x_shape).to(dtype)
+    y = _launch(x, codes, scale, act_quant)
+    ref = torch.ops.mla.fp8_block_linear_ref(x, codes, scale, act_quant)
+    assert y.shape == ref.shape and y.dtype == dtype
+    # bf16: output rounding only (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert _rel(y, ref.double()) < tol
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("offs", OFFS)
+def test_interpreter_sorted_groups_match_reference(offs, act_quant, dtype):
+    from mla_compile.ops.triton.fp8_block_linear import _launch_sorted
+
+    codes, scale = _weights(4, 70, 150)
+    x = torch.randn(23, 150).to(dtype)
+    offs = torch.tensor(offs, dtype=torch.int32)
+    y = _launch_sorted(x, codes, scale, act_quant, offs)
+    ref = torch.ops.mla.fp8_block_linear_ref(x, codes, scale, act_quant, offs)
+    assert (y[int(offs[-1]):] == 0).all()
+    assert float((y.double() - ref.double()).norm()) <= (1e-6 if dtype == torch.float32 else 8e-3) * float(
+        ref.double().norm()) + 1e-12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_triton_sorted_groups_on_gpu(act_quant):
+    codes, scale = _weights(8, 2048, 7168)
+    x = torch.randn(300, 7168).bfloat16()
+    offs = torch.tensor([10, 10, 90, 150, 151, 200, 290, 290], dtype=torch.int32)
+    want = _sorted64(x.float(), codes, scale, offs, act_quant)
+    y = ops.fp8_block_linear(x.cuda(), codes.cuda(), scale.cuda(), act_quant=act_quant, offs=offs.cuda(),
+                             backend="triton")
+    assert _rel(y.cpu(), want) < 4e-3 and (y[290:] == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("x_shape,w_shape", CASES + [((64, 7168), (2048, 7168))])
+def test_triton_on_gpu_matches_float64(x_shape, w_shape, act_quant):
+    codes, scale = _weights(*w_shape)
+    x = torch.randn(*x_shape).bfloat16()
+    want = _ref64(x.float(), codes, scale, act_quant)
+    y = ops.fp8_block_linear(x.cuda(), codes.cuda(), scale.cuda(), act_quant=act_quant, backend="triton")
+    assert _rel(y.cpu(), want) < 4e-3
+    y32 = ops.fp8_block_linear(x.float().cuda(), codes.cuda(), scale.cuda(), act_quant=act_quant, backend="triton")
+    assert _rel(y32.cpu(), want) < 1e-5
+    fn = torch.compile(lambda a: ops.fp8_block_linear(a, codes.cuda(), scale.cuda(), act_quant=act_quant,
+                                                      backend="triton"), fullgraph=True)
+    assert _rel(fn(x.cuda()).cpu(), want) < 4e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M,N,K", [(1, 256, 512), (64, 2048, 7168), (33, 576, 7168)])
+def test_scaled_mm_on_gpu_matches_float64(M, N, K):
+    codes, scale = _weights(N, K)
+    x = torch.randn(M, K).bfloat16()
+    want = _ref64(x.float(), codes, scale, True)
+    y = ops.fp8_block_linear(x.cuda(), codes.cuda(), scale.cuda(), act_quant=True, backend="scaled-mm")
+    assert _rel(y.cpu(), want) < 4e-3

@@ -1,0 +1,69 @@
+"""``mla-compile generate`` on a tiny checkpoint directory: the checkpoint's own tokenizer, streamed text, the
+same tokens as greedy generation with the loaded model, --chat, --kv-cache fp8, --compile, and errors."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from mla_compile import from_pretrained
+from mla_compile.cli import main
+from mla_compile.generate import greedy_generate
+from mla_compile.textgen import generate_text, load_tokenizer
+from tests.checkpoints import write_checkpoint
+
+pytest.importorskip("transformers")
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v3-fp8")
+    write_checkpoint(root, "v3", "fp8", seed=3)
+    return root
+
+
+def _greedy(root, ids, n):
+    model = from_pretrained(root, dtype=torch.float32)
+    model.allocate_cache(8, 16)
+    return greedy_generate(model, [ids], n, block_size=16, num_blocks=8).tokens[0]
+
+
+def test_generate_streams_the_greedy_tokens_as_text(ckpt):
+    stream = io.StringIO()
+    res = generate_text(ckpt, PROMPT, max_new_tokens=6, dtype=torch.float32, compile=False, stream=stream)
+    tok = load_tokenizer(ckpt)
+    assert res.prompt_ids == tok.encode(PROMPT)
+    want = _greedy(ckpt, res.prompt_ids, 6)
+    eos = tok.eos_token_id
+    assert res.tokens == (want[:want.index(eos)] if eos in want else want)
+    assert res.text == tok.decode(res.tokens, skip_special_tokens=True)
+    assert stream.getvalue() == res.text + "\n"
+    assert res.tokens_per_s > 0
+
+
+def test_cli_generate_no_compile_chat_and_fp8_cache(ckpt, capsys):
+    argv = ["generate", "--model", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "4", "--no-compile"]
+    assert main(argv + ["--chat", "--kv-cache", "fp8"]) == 0
+    out, err = capsys.readouterr()
+    assert "tokens/s" in err and out.endswith("\n")
+    tok = load_tokenizer(ckpt)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                       tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    assert f"prompt {len(chat_ids)} tokens" in err
+
+
+def test_cli_generate_compiled_matches_eager(ckpt, capsys):
+    argv = ["generate", "--model", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "4", "--dtype", "float32"]
+    assert main(argv + ["--no-compile"]) == 0
+    eager = capsys.readouterr().out
+    assert main(argv + ["--compile"]) == 0
+    assert capsys.readouterr().out == eager
+
+
+def test_cli_generate_broken_checkpoint_is_a_usage_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--no-compile"]) == 2
+    assert "config.json" in capsys.readouterr().err
