@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._dispatch import LAYOUT_TAGS, register_impl, resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.select import resolve
 
-OP = "mla.fp8_block_linear"
+OP = declare_op("fp8_block_linear", "mla.fp8_block_linear")
 BLOCK = 128
 FP8_MAX = 448.0
 SCALE_FLOOR = 2.0 ** -64
@@ -114,7 +115,8 @@ def fake(x, weight, weight_scale_inv, act_quant, offs=None):
 
 fp8_block_linear_ref.register_fake(fake)
 
-register_impl(OP, "reference", torch.ops.mla.fp8_block_linear_ref, devices=("any",))
+declare(OP, "reference", torch.ops.mla.fp8_block_linear_ref, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        note="dequantize the 128 x 128 blocks, matmul in float32 (float64 for float64 x)")
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act_quant: bool = False,
@@ -132,7 +134,7 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act
                          "use backend 'triton' or 'reference'")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if weight.dim() == 2 else x
-    impl = resolve(OP, x.device, backend)
+    impl = resolve(OP, x.device, backend, dtype=x.dtype)
     y = impl.fn(x2, weight, weight_scale_inv, act_quant) if offs is None else impl.fn(
         x2, weight, weight_scale_inv, act_quant, offs)
     return y.reshape(*lead, weight.shape[0]) if weight.dim() == 2 else y
@@ -148,7 +150,9 @@ def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant, offs)
 
 
-register_impl(OP, "triton", _triton, devices=("cuda",), available=_triton_available)
+declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
+        gpu_tested=False, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel"),
+        note="ours: fp8 codes and block scales read directly")
 
 
 @torch.library.custom_op("mla::fp8_block_linear_scaled_mm", mutates_args=(), tags=LAYOUT_TAGS)
@@ -173,5 +177,6 @@ def _scaled_mm_available() -> bool:
     return hasattr(torch, "_scaled_mm") and torch.cuda.is_available()
 
 
-register_impl(OP, "scaled-mm", torch.ops.mla.fp8_block_linear_scaled_mm, devices=("cuda",),
-              available=_scaled_mm_available)
+declare(OP, "scaled-mm", torch.ops.mla.fp8_block_linear_scaled_mm, rank=60, available=_scaled_mm_available,
+        dtypes=FLOATS, auto_skip="runs only act_quant=True 2-D weights with K a multiple of 128",
+        note="torch._scaled_mm with 1x128 / 128x128 scales")
