@@ -1,7 +1,8 @@
 """The ``mla-compile`` command line: ``generate`` (text from a local DeepSeek checkpoint), ``demo`` (serve a
 toy model, check against HF), ``inspect``
 (what torch.compile made of it: graphs, breaks, recompiles, mla:: ops, a depyf dump) and ``doctor``
-(versions, the GPU, which attention backends can run here and which one is picked).
+(versions, the GPU, which attention backends can run here and which one is picked) and ``plan`` (weights and
+latent-cache memory per rank of a DeepSeek preset laid out over GPUs, on paper).
 
 ``main(argv)`` returns the exit status, so tests call it in-process.
 """
@@ -54,12 +55,12 @@ def _add_model_args(p: argparse.ArgumentParser, layers: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (subcommands ``generate``, ``demo``, ``inspect`` and ``doctor``)."""
+    """The argument parser (subcommands ``generate``, ``demo``, ``inspect``, ``doctor`` and ``plan``)."""
     parser = argparse.ArgumentParser(
         prog="mla-compile", description="DeepSeek MLA under torch.compile: generate text from a checkpoint, "
         "run the demo, inspect the compiled graphs, "
-        "or check which attention backends run here.")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,demo,inspect,doctor}")
+        "check which attention backends run here, or plan memory over GPUs.")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,demo,inspect,doctor,plan}")
     _add_generate(sub)
     demo = sub.add_parser("demo", help="serve a toy DeepSeek model compiled whole; check tokens against HF eager",
                           description="Build a seeded toy DeepSeek model, patch it to paged MLA, compile it with "
@@ -91,7 +92,40 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Print torch/triton/CUDA versions, the GPU, every decode/prefill/merge backend with "
                    "whether it can run here and why not, and the backend 'auto' picks for DeepSeek-V2-Lite (16 "
                    "heads) and V3 (128 heads) in bf16 with block size 64. Imports no peer library.")
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub) -> None:
+    plan = sub.add_parser("plan", help="weights and latent-cache memory per rank of a DeepSeek model over GPUs",
+                          description="On paper, from the preset's dims: weight bytes per rank (fp8 with block "
+                          "scales, or bf16), latent-cache bytes per token per rank, the tokens that fit and the "
+                          "batch at 32k context. Ranks = --tp; --dp-attention, --ep and --dcp partition them "
+                          "(SGLang's convention; see mla_compile.parallel).")
+    plan.add_argument("--model", choices=("v3", "v2", "v2-lite", "v3.2"), default="v3",
+                      help="DeepSeek preset (default: %(default)s)")
+    for flag in ("--tp", "--dp-attention", "--ep", "--dcp"):
+        plan.add_argument(flag, type=_positive, default=1, help="parallel degree (default: %(default)s)")
+    plan.add_argument("--gpu-mem", type=float, default=141.0, metavar="GIB", help="GiB per GPU (default: %(default)s)")
+    plan.add_argument("--reserve", type=float, default=None, metavar="GIB",
+                      help="GiB kept for activations, CUDA graphs, buffers (default: 10%% of --gpu-mem)")
+    plan.add_argument("--weights", choices=("fp8", "bf16"), default="fp8", help="weight dtype (default: %(default)s)")
+    plan.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
+                      help="latent cache: bf16 rows or DeepSeek's 656-byte fp8 rows (default: %(default)s)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``mla-compile plan``: print the per-rank memory table; exit 0 (2 for a layout that does not divide)."""
+    from mla_compile.config import preset
+    from mla_compile.memory_plan import format_plan, plan_memory
+    from mla_compile.parallel import ParallelConfig
+
+    parallel = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, dcp=args.dcp, ep=args.ep)
+    plan = plan_memory(preset(f"deepseek-{args.model}"), parallel, gpu_mem_gib=args.gpu_mem,
+                       weight_dtype=args.weights, kv_dtype=args.kv_cache, reserve_gib=args.reserve)
+    print(f"deepseek-{args.model} on {parallel.world_size} x {args.gpu_mem:g} GiB")
+    print(format_plan(plan))
+    return 0
 
 
 def _add_generate(sub) -> None:
@@ -197,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command == "plan":  # arithmetic only
+        try:
+            return cmd_plan(args)
+        except ValueError as e:
+            print(f"mla-compile plan: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "doctor":  # needs neither transformers nor a GPU
         from mla_compile.doctor import doctor_report
 

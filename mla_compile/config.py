@@ -21,6 +21,11 @@ class MLAConfig:
 
     ``softmax_scale`` is derived: ``1/sqrt(qk_nope + qk_rope)``, times ``mscale**2`` under yarn.
     ``index_*`` are set only for DeepSeek-V3.2 (sparse) models.
+    The feed-forward fields (``intermediate_size`` .. ``num_nextn_predict_layers``) describe the rest of the
+    decoder for parameter counts and memory plans (``mla_compile.memory_plan``); 0 means not given. Layers
+    ``< first_k_dense_replace`` have a dense MLP of ``intermediate_size``, later ones ``n_routed_experts`` routed
+    experts plus ``n_shared_experts`` shared ones of ``moe_intermediate_size``; ``router_bias`` is V3's
+    ``e_score_correction_bias``; ``num_nextn_predict_layers`` counts the MTP layers a checkpoint adds.
     """
 
     hidden_size: int
@@ -42,6 +47,14 @@ class MLAConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    intermediate_size: int = 0
+    moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    first_k_dense_replace: int = 0
+    router_bias: bool = False
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
@@ -53,6 +66,13 @@ class MLAConfig:
             raise ValueError(f"MLAConfig.qk_rope_head_dim must be even for rotary pairs, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ValueError(f"MLAConfig.q_lora_rank must be None or positive, got {self.q_lora_rank}")
+        for name in _FFN_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"MLAConfig.{name} must be an int >= 0 (0: not given), got {value!r}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"MLAConfig.num_experts_per_tok must be <= n_routed_experts={self.n_routed_experts}, "
+                             f"got {self.num_experts_per_tok}")
         sparse = (self.index_n_heads, self.index_head_dim, self.index_topk)
         if any(v is not None for v in sparse) and not all(v is not None and v > 0 for v in sparse):
             raise ValueError(f"MLAConfig index_n_heads/index_head_dim/index_topk must be all set (V3.2) or all None, got {sparse}")
@@ -111,7 +131,13 @@ class MLAConfig:
             max_position_embeddings=g("max_position_embeddings", 4096),
             index_n_heads=g("index_n_heads"), index_head_dim=g("index_head_dim"),
             index_topk=g("index_topk"),
+            **{name: g(name) or 0 for name in _FFN_FIELDS},
+            router_bias=g("model_type") in ("deepseek_v3", "deepseek_v32") or g("topk_method") == "noaux_tc",
         )
+
+
+_FFN_FIELDS = ("intermediate_size", "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
+               "num_experts_per_tok", "first_k_dense_replace", "num_nextn_predict_layers")
 
 
 def _rope_parameters(hf_config: Any) -> Mapping[str, Any]:
@@ -138,19 +164,26 @@ def is_sparse_mla_model(config: Any) -> bool:
 
 
 _YARN = dict(rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=1.0, rope_interleave=True)
+# feed-forward dims of the public HF config.json files
+_V2_LITE_FFN = dict(intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                    num_experts_per_tok=6, first_k_dense_replace=1)
+_V2_FFN = dict(intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160, n_shared_experts=2,
+               num_experts_per_tok=6, first_k_dense_replace=1)
+_V3_FFN = dict(intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+               num_experts_per_tok=8, first_k_dense_replace=3, router_bias=True, num_nextn_predict_layers=1)
 
 PRESETS: dict[str, MLAConfig] = {
     "deepseek-v2-lite": MLAConfig(hidden_size=2048, num_heads=16, q_lora_rank=None, num_layers=27,
                                   vocab_size=102400, max_position_embeddings=163840,
-                                  rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707),
+                                  rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707, **_V2_LITE_FFN),
     "deepseek-v2": MLAConfig(hidden_size=5120, num_heads=128, q_lora_rank=1536, num_layers=60,
                              vocab_size=102400, max_position_embeddings=163840,
-                             rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707),
+                             rope_type="yarn", rope_factor=40.0, rope_mscale_all_dim=0.707, **_V2_FFN),
     "deepseek-v3": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, num_layers=61,
-                             vocab_size=129280, max_position_embeddings=163840, **_YARN),
+                             vocab_size=129280, max_position_embeddings=163840, **_YARN, **_V3_FFN),
     "deepseek-v3.2": MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536, num_layers=61,
                                vocab_size=129280, max_position_embeddings=163840,
-                               index_n_heads=64, index_head_dim=128, index_topk=2048, **_YARN),
+                               index_n_heads=64, index_head_dim=128, index_topk=2048, **_YARN, **_V3_FFN),
 }
 
 

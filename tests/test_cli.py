@@ -37,7 +37,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
 
 def test_no_subcommand_prints_usage(capsys):
     assert main([]) == 2
-    assert "{generate,demo,inspect,doctor}" in capsys.readouterr().err
+    assert "{generate,demo,inspect,doctor,plan}" in capsys.readouterr().err
 
 
 def test_doctor_lists_every_backend_and_the_choice(capsys):
