@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -139,3 +140,18 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     scores = (ordered + gumbel.gather(-1, order)).masked_fill(~keep, float("-inf"))
     drawn = order.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
+    """:func:`sample` of ``logits`` ``[B, V]`` with row ``i`` drawn under ``params[i]`` at step ``steps[i]``
+    (host-side: builds the ``[B]`` parameter tensors on the logits' device). Every ``params[i].seed`` must be
+    set (the engine fills it at admission). Returns int64 ``[B]``."""
+    assert len(params) == len(steps) == logits.shape[0] and all(p.seed is not None for p in params)
+    columns = {"temperature": (torch.float32, [p.temperature for p in params]),
+               "top_k": (torch.int64, [p.top_k for p in params]),
+               "top_p": (torch.float32, [p.top_p for p in params]),
+               "seeds": (torch.int64, [p.seed for p in params]),
+               "steps": (torch.int64, list(steps))}
+    tensors = {name: torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+               for name, (dtype, values) in columns.items()}
+    return sample(logits, **tensors)
