@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mla_compile.sampling import SamplingParams
+
 
 class RequestRejected(ValueError):
     """A request failed admission. ``request_id``: the id it was given; ``field``: the argument at fault
@@ -117,15 +119,28 @@ def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: 
             raise RequestRejected(request_id, "prompt + max_new_tokens", message)
 
 
-def validate_request(request_id: int, prompt: Any, max_new_tokens: Any,
-                     limits: RequestLimits) -> tuple[list[int], int]:
-    """Every admission check of one request; returns ``(prompt as Python ints, max_new_tokens)``, or
-    raises :class:`RequestRejected` (a ``ValueError``) naming the request, the argument and the first
-    bad position."""
+def check_params(request_id: int, params: Any, vocab_size: int) -> SamplingParams:
+    """The request's :class:`~mla_compile.sampling.SamplingParams` (an int is ``max_new_tokens`` of greedy
+    decoding) with every stop token id in ``[0, vocab_size)``; else :class:`RequestRejected`. The fields
+    themselves were validated when the ``SamplingParams`` was made."""
+    if not isinstance(params, SamplingParams):  # anything else must be an int max_new_tokens
+        return SamplingParams(max_new_tokens=check_int(request_id, "max_new_tokens", params, 1))
+    for i, t in enumerate(params.stop_token_ids):
+        if t >= vocab_size:
+            message = f"stop_token_ids[{i}] = {t} is not a token id in [0, {vocab_size})"
+            raise RequestRejected(request_id, "stop_token_ids", message, position=i)
+    return params
+
+
+def validate_request(request_id: int, prompt: Any, params: Any,
+                     limits: RequestLimits) -> tuple[list[int], SamplingParams]:
+    """Every admission check of one request; returns ``(prompt as Python ints, SamplingParams)``
+    (``params``: a ``SamplingParams``, or an int ``max_new_tokens`` for greedy decoding), or raises
+    :class:`RequestRejected` (a ``ValueError``) naming the request, the argument and the first bad position."""
     tokens = check_prompt(request_id, prompt, limits.vocab_size)
-    max_new_tokens = check_int(request_id, "max_new_tokens", max_new_tokens, 1)
-    check_length(request_id, len(tokens), max_new_tokens, limits)
-    return tokens, max_new_tokens
+    params = check_params(request_id, params, limits.vocab_size)
+    check_length(request_id, len(tokens), params.max_new_tokens, limits)
+    return tokens, params
 
 
 def model_limits(runner: Any) -> tuple[int | None, int | None]:

@@ -1,11 +1,11 @@
 """A small reference serving engine: prefix-cached block allocation, chunked prefill mixed with
-decodes, greedy sampling.
+decodes, per-request sampling (:mod:`mla_compile.sampling`).
 
 Each :meth:`Engine.step` is one model step under a token budget: every running request decodes one
 token, and the rest of the budget goes to prompt chunks of requests being prefilled (a long prompt
 spreads over several steps; each chunk attends to the cached context before it). Admission reserves
 a request's blocks up front; full blocks of earlier prompts are shared through the prefix cache, so
-a prefill starts after its cached prefix. A request stops at ``max_new_tokens``. Steps go through a
+a prefill starts after its cached prefix. A request stops at a stop token or ``max_new_tokens``. Steps go through a
 runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`): pure decode steps replay CUDA
 graphs when the runner has captured them.
 
@@ -16,7 +16,9 @@ raises fails only the requests in that step (see :class:`Engine`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -27,8 +29,9 @@ from mla_compile.admission import RequestLimits, model_limits, validate_request
 from mla_compile.builder import MetadataBuilder
 from mla_compile.block_manager import Allocation, BlockManager
 from mla_compile.metadata import SeqChunk
+from mla_compile.sampling import SamplingParams, sample_rows
 
-FINISH_REASONS = ("length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class StepRunner(Protocol):
@@ -60,6 +63,7 @@ class Request:
     id: int
     prompt: list[int]
     max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
     output: list[int] = field(default_factory=list)
     alloc: Allocation = field(default_factory=Allocation)
     computed: int = 0
@@ -85,13 +89,25 @@ class Request:
         """Whether it has produced ``max_new_tokens`` tokens."""
         return len(self.output) >= self.max_new_tokens
 
+    @property
+    def stopped(self) -> bool:
+        """Whether its last token is one of its ``stop_token_ids``."""
+        return bool(self.output) and self.output[-1] in self.params.stop_token_ids
+
 
 class Engine:
-    """Greedy serving over a patched model's paged cache, driven one step at a time.
+    """Serving over a patched model's paged cache, driven one step at a time.
+
+    Each request samples under its :class:`~mla_compile.sampling.SamplingParams` (greedy by default): its
+    ``n``-th new token is drawn from the ``(seed, n)`` stream of :func:`mla_compile.sampling.sample`, so its
+    tokens do not depend on the requests batched with it. A request without a seed gets one at
+    :meth:`add_request` from the engine's generator (``random.Random(seed)``), so a run is reproducible
+    given ``seed`` and the order of the calls.
 
     Requests move ``waiting`` -> ``running`` -> ``finished``; every finished request carries its
     ``finish_reason`` and the tokens it produced:
 
+    - ``"stop"``: its last token is one of its ``stop_token_ids`` (kept in the output).
     - ``"length"``: it produced ``max_new_tokens`` tokens.
     - ``"abort"``: :meth:`abort` took it out of ``waiting`` or ``running`` between steps.
     - ``"error"``: it was in a step whose runner raised (a backend error, an out-of-memory). All the
@@ -105,7 +121,7 @@ class Engine:
       later step too: admission keeps bad token ids from reaching the embedding kernel.)
 
     :meth:`add_request` validates before queueing (:func:`mla_compile.admission.validate_request`):
-    token ids in ``[0, vocab_size)``, a non-empty prompt, ``max_new_tokens >= 1``, and prompt plus new
+    token ids in ``[0, vocab_size)`` (stop tokens too), a non-empty prompt, ``max_new_tokens >= 1``, prompt plus new
     tokens within ``max_positions``, one sequence's block table and the whole cache. ``vocab_size`` and
     ``max_positions`` default to the runner's model config (``runner.step_fn.config``) and may only
     lower it; a runner without one needs ``vocab_size`` passed.
@@ -113,7 +129,7 @@ class Engine:
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
                  enable_prefix_caching: bool = True, vocab_size: int | None = None,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, seed: int = 0) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
@@ -142,20 +158,24 @@ class Engine:
         self.finished: list[Request] = []
         self.requests: dict[int, Request] = {}  # every admitted request by id
         self._ids = itertools.count()
+        self._seeds = random.Random(seed)
         self.step_logits: list[Tensor] = []
         self.cached_prompt_tokens = 0
 
-    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
 
-        ``prompt``: token ids (Python or numpy ints, or a 1-D integer tensor/array); ``max_new_tokens``:
-        an int >= 1. Raises :class:`~mla_compile.admission.RequestRejected` (a ``ValueError``) naming
+        ``prompt``: token ids (Python or numpy ints, or a 1-D integer tensor/array); ``params``: its
+        :class:`~mla_compile.sampling.SamplingParams`, or an int >= 1, the ``max_new_tokens`` of greedy
+        decoding. Raises :class:`~mla_compile.admission.RequestRejected` (a ``ValueError``) naming
         the request id, the argument and the first bad position; nothing is queued then. Every call
         takes the next id, rejected or not, so ids follow the order of calls.
         """
         request_id = next(self._ids)
-        tokens, max_new_tokens = validate_request(request_id, prompt, max_new_tokens, self.limits)
-        req = Request(request_id, tokens, max_new_tokens)
+        tokens, params = validate_request(request_id, prompt, params, self.limits)
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        req = Request(request_id, tokens, params.max_new_tokens, params)
         self.requests[req.id] = req
         self.waiting.append(req)
         return req.id
@@ -221,7 +241,8 @@ class Engine:
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
             logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
-            sampled = logits.argmax(-1).tolist()  # a host sync: an asynchronous device error shows here
+            rows = [*decoding, *(r for r, _ in chunks)]
+            sampled = self._sample(logits, rows).tolist()  # a host sync: an asynchronous device error shows here
             if keep_logits:
                 self.step_logits.append(logits.float().cpu())
         except Exception as exc:
@@ -233,11 +254,19 @@ class Engine:
             self.blocks.register(r.alloc, r.prompt[:r.computed])  # only now are these blocks complete
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
                 r.output.append(t)
-        done = [r for r in self.running if r.done]
+        done = [r for r in self.running if r.stopped or r.done]
         for r in done:
             self.running.remove(r)
-            self._finish(r, "length")
+            self._finish(r, "stop" if r.stopped else "length")
         return done
+
+    @staticmethod
+    def _sample(logits: Tensor, rows: list[Request]) -> Tensor:
+        """One token per row of ``logits`` ``[len(rows), V]``, each under its request's params at the index
+        of the token it would generate; an all-greedy step takes the argmax (what ``sample`` gives it)."""
+        if all(r.params.greedy for r in rows):
+            return logits.argmax(-1)
+        return sample_rows(logits, [r.params for r in rows], [len(r.output) for r in rows])
 
     def _fail(self, requests: list[Request], exc: Exception) -> StepFailed:
         """Finish the requests of a failed step; returns the error to raise."""

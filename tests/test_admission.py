@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mla_compile.admission import RequestLimits, RequestRejected, check_int, validate_request
+from mla_compile.sampling import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_seq_tokens=64, cache_tokens=128, max_positions=50)
 
@@ -13,9 +14,9 @@ LIMITS = RequestLimits(vocab_size=100, max_seq_tokens=64, cache_tokens=128, max_
                                     np.array([1, 2], dtype=np.int16), torch.tensor([3, 4]),
                                     torch.tensor([5], dtype=torch.uint8)])
 def test_int_token_ids_are_accepted_as_python_ints(prompt):
-    tokens, n = validate_request(0, prompt, np.int64(2), LIMITS)
+    tokens, params = validate_request(0, prompt, np.int64(2), LIMITS)
     assert tokens == [int(t) for t in prompt] and all(type(t) is int for t in tokens)
-    assert n == 2 and type(n) is int
+    assert params == SamplingParams(max_new_tokens=2) and type(params.max_new_tokens) is int
 
 
 @pytest.mark.parametrize("prompt, position, message", [
@@ -78,3 +79,15 @@ def test_the_prompt_is_checked_before_its_length_and_check_int_bounds():
 def test_limits_are_positive_ints(kw):
     with pytest.raises(ValueError, match=f"RequestLimits.{next(iter(kw))} must be a positive int"):
         RequestLimits(**{**dict(vocab_size=10, max_seq_tokens=8, cache_tokens=8), **kw})
+
+
+def test_sampling_params_are_admitted_and_bad_ones_named():
+    params = SamplingParams(temperature=0.5, stop_token_ids=(3, 99), max_new_tokens=4)
+    assert validate_request(0, [1], params, LIMITS) == ([1], params)
+    with pytest.raises(RequestRejected, match=r"request 5: stop_token_ids\[1\] = 100 is not a token id") as info:
+        validate_request(5, [1], SamplingParams(stop_token_ids=(3, 100)), LIMITS)
+    assert info.value.field == "stop_token_ids" and info.value.position == 1
+    with pytest.raises(RequestRejected, match=r"request 6: max_new_tokens = .*\(dict\) must be an int"):
+        validate_request(6, [1], {"max_new_tokens": 2}, LIMITS)
+    with pytest.raises(RequestRejected, match="exceed"):
+        validate_request(7, [1] * 60, SamplingParams(max_new_tokens=8), LIMITS)

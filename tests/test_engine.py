@@ -12,6 +12,7 @@ from mla_compile.engine import Engine, StepFailed
 from mla_compile.generate import hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.model import patch
+from mla_compile.sampling import SamplingParams
 
 from tests.engine_load import TINY_V3, FailingRunner, alone_outputs, check_trace, make_trace, run_trace
 
@@ -252,3 +253,57 @@ def test_run_admits_waiting_requests_after_every_running_one_finished_in_the_sam
     for prompt in ([1, 2], [3, 4], [5, 6]):
         engine.add_request(prompt, 2)
     assert [len(r.output) for r in engine.run()] == [2, 2, 2]
+
+
+def _mixed_requests():
+    """Greedy (int) and seeded sampled requests, some sharing a prefix."""
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randint(0, 97, (9,), generator=gen).tolist()
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8),
+                dict(temperature=1.0, top_k=8, top_p=0.9)]
+    requests = []
+    for i in range(10):
+        prompt = (base[:5] if i % 3 == 0 else []) + torch.randint(0, 97, (1 + i % 4,), generator=gen).tolist()
+        n = 4 + i % 5
+        params = n if i % 4 == 1 else SamplingParams(**settings[i % 4], seed=1000 + i, max_new_tokens=n)
+        requests.append((prompt, params))
+    return requests
+
+
+def test_mixed_greedy_and_sampled_requests_each_get_their_tokens_alone(tiny):
+    engine = _tiny_engine(tiny)
+    requests = _mixed_requests()
+    ids = [engine.add_request(p, params) for p, params in requests[:6]]
+    for _ in range(3):
+        engine.step()
+    ids += [engine.add_request(p, params) for p, params in requests[6:]]
+    engine.run()
+    together = {rid: engine.requests[rid].output for rid in ids}
+    for rid, (prompt, params) in zip(ids, requests):
+        alone = _tiny_engine(tiny, enable_prefix_caching=False)
+        alone.add_request(prompt, params)
+        (req,) = alone.run()
+        assert together[rid] == req.output and req.finish_reason == "length", (rid, params)
+    sampled = [together[rid] for rid, (_, params) in zip(ids, requests) if isinstance(params, SamplingParams)]
+    assert any(len(set(out)) > 1 for out in sampled)
+
+
+def test_stop_tokens_finish_with_stop_and_unseeded_requests_follow_the_engine_seed(tiny):
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=8)
+    engine = _tiny_engine(tiny)
+    engine.add_request([1, 2, 3], params)
+    (full,) = engine.run()
+    stop = full.output[2]
+    first = full.output.index(stop)
+    engine.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_new_tokens=8, stop_token_ids=(stop,)))
+    stopped = engine.run()[-1]
+    assert stopped.output == full.output[:first + 1] and stopped.finish_reason == "stop"
+    assert engine.blocks.num_free == 40
+
+    def unseeded(seed):
+        engine = _tiny_engine(tiny, seed=seed)
+        for prompt in ([4, 5], [6, 7, 8]):
+            engine.add_request(prompt, SamplingParams(temperature=1.0, max_new_tokens=6))
+        return [r.output for r in engine.run()]
+
+    assert unseeded(3) == unseeded(3) != unseeded(4)
