@@ -4,16 +4,18 @@
 #   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
-# Default PHASES=lowered,kernels (the whole CUDA suite first needs ~250 s of the 600). Raw files in
+# Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
+# TEST_TIMEOUT=450 pass PHASES=none, or a smaller TEST_PATHS, to leave time for a benchmark). Raw files in
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
 mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8"
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
-# TEST_PATHS: the CUDA tests to run first (default: all of them)
+# TEST_PATHS: the CUDA tests to run first (default: all of them). -v: one line per finished test, so a run cut by
+# its timeout still names its failures (grep FAILED pytest.log)
 read -r -a tests <<< "${TEST_PATHS:-tests}"
-timeout "${TEST_TIMEOUT:-280}" python3 -m pytest -m cuda "${tests[@]}" -q -n 8 -p no:cacheprovider --timeout 180 \
+timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -m cuda "${tests[@]}" -v -n 8 -p no:cacheprovider --timeout 180 \
     -rfE > "$O/pytest.log" 2>&1
 tail -n 6 "$O/pytest.log"
 # the sm_90 compile checks (shared memory formulas, no spills): Triton's compiler, no GPU, no interpreter. CI
