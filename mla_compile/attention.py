@@ -22,6 +22,7 @@ from mla_compile.cache import fp8_row_bytes
 from mla_compile.config import MLAConfig
 from mla_compile.indexer import MLAIndexer
 from mla_compile.metadata import MLAMetadata
+from mla_compile.ops.context_attention import up_project
 from mla_compile.rope import apply_rope
 
 
@@ -178,22 +179,13 @@ class MLAAttention(nn.Module):
                                        backend=name)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
-    def _up_project(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor]:
-        """Latent rows -> per-head ``k [n, H, nope+rope]`` and ``v [n, H, v_head_dim]`` (non-absorbed)."""
-        c = self.config
-        n = latent.shape[0]
-        kv = self.kv_b_proj(latent).view(n, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(n, c.num_heads, c.qk_rope_head_dim).to(k_nope.dtype)], dim=-1)
-        return k, v.contiguous()
-
     def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Non-absorbed path: ``[n_pre, H, v_head_dim]``. New tokens attend causally to each other, then
         to their cached context slice by slice (one op whatever the slice count; bounded workspace),
         merged by LSE."""
         c, p = self.config, meta.prefill
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k, v = self._up_project(latent, k_pe)
+        k, v = up_project(latent, k_pe, self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
         plan = getattr(p, "plan", None)  # a host-side plan (FlashInfer) for the causal call, if the builder made one
         name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim), planned=plan is not None)
         out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,

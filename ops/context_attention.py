@@ -70,6 +70,18 @@ def validate(q: Tensor, out: Tensor, lse: Tensor, kv_cache: Tensor, block_table:
                       slice_cu_seqlens=slice_cu_seqlens, slice_starts=slice_starts, kv_b_weight=kv_b_weight)
 
 
+def up_project(latent: Tensor, k_pe: Tensor, kv_b_weight: Tensor, num_heads: int, nope: int,
+               v_dim: int) -> tuple[Tensor, Tensor]:
+    """Latent rows ``latent [n, kv_lora_rank]`` and ``k_pe [n, rope]`` -> per-head keys ``[n, H, nope + rope]``
+    (``[latent @ W_UK | k_pe]``, k_pe cast to the keys' dtype) and contiguous values ``[n, H, v_dim]``, with
+    ``kv_b_weight [H * (nope + v_dim), kv_lora_rank]`` (``kv_b_proj.weight``): the non-absorbed prefill path."""
+    n = latent.shape[0]
+    kv = torch.nn.functional.linear(latent, kv_b_weight).view(n, num_heads, nope + v_dim)
+    k_nope, v = kv.split([nope, v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(n, num_heads, k_pe.shape[-1]).to(k_nope.dtype)], dim=-1)
+    return k, v.contiguous()
+
+
 @torch.library.custom_op("mla::context_attention", mutates_args=(), tags=LAYOUT_TAGS)
 def context_attention_op(q: Tensor, out: Tensor, lse: Tensor, kv_cache: Tensor, block_table: Tensor,
                          cu_seqlens_q: Tensor, slice_cu_seqlens: Tensor, slice_starts: Tensor, slice_rows: Tensor,
@@ -88,10 +100,8 @@ def context_attention_op(q: Tensor, out: Tensor, lse: Tensor, kv_cache: Tensor, 
         gather = gather_latent_cache_fp8 if fp8 else gather_latent_cache
         gather(kv_cache, block_table, slice_cu_seqlens[c], slice_starts[c], rows, backend=auto(gather_backend))
         latent, k_pe = rows.to(q.dtype).split([kv_lora_rank, rope_dim], dim=-1)
-        kv = torch.nn.functional.linear(latent, kv_b_weight).view(n_rows, H, nope + v)
-        k_nope, v_c = kv.split([nope, v], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(n_rows, H, rope_dim)], dim=-1)
-        out_c, lse_c = prefill(q, k, v_c.contiguous(), cu_seqlens_q, slice_cu_seqlens[c], scale, causal=False,
+        k, v_c = up_project(latent, k_pe, kv_b_weight, H, nope, v)
+        out_c, lse_c = prefill(q, k, v_c, cu_seqlens_q, slice_cu_seqlens[c], scale, causal=False,
                                backend=auto(prefill_backend))
         out, lse = merge_attn_states(out, lse, out_c, lse_c, backend=auto(merge_backend))
     return out, lse
