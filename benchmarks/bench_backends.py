@@ -28,7 +28,7 @@ import torch
 import mla_compile  # noqa: F401  (registers every op and backend)
 from mla_compile.ops import timings
 from mla_compile.ops.registry import backends_for, priority
-from mla_compile.ops.select import facts_for, select
+from mla_compile.ops.select import cache_layout, facts_for, select
 
 PAGE, DC, DR = 64, 512, 64
 D, W = DC + DR, 656
@@ -62,15 +62,15 @@ GRID: tuple[Shape, ...] = (
 )
 
 
-def facts(s: Shape, planned: bool):
-    """The selector's facts for ``s`` on the CUDA device."""
+def facts(s: Shape, planned: bool, **cap):
+    """The selector's facts for ``s`` on the CUDA device (``cap=(major, minor)`` to assume one, as tests do)."""
     paged = s.op in ("decode", "decode_fp8", "sparse_decode")
     width = W if s.cache == "fp8" else D
     dims = {"prefill": (192, 128), "merge": (DC,)}.get(s.op, (DC, DR))
+    align, packed = cache_layout((PAGE * width, width, 1), width) if paged else (None, None)
     return facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8 if s.cache == "fp8" else torch.bfloat16,
                      block_size=PAGE if paged else None, num_heads=s.heads, head_dims=dims, query_len=1,
-                     planned=planned, cache_strides=(PAGE * width, width, 1) if paged else None,
-                     row_width=width if paged else None)
+                     planned=planned, cache_align=align, packed_rows=packed, **cap)
 
 
 def grid() -> list[tuple[Shape, str]]:
@@ -126,9 +126,10 @@ def measure() -> dict:
     rows: dict[tuple, dict] = {}
     for s in GRID:
         call, make_plan = _inputs(s)
+        f = facts(s, planned=True)  # outside the try: a bug here stops the run instead of skipping every backend
         for name in (n for n in priority(s.op) if n not in SKIP):
             try:
-                select(s.op, facts(s, planned=True), requested=name)  # a ValueError says why it cannot serve
+                select(s.op, f, requested=name)  # a ValueError says why it cannot serve
                 spec = backends_for(s.op)[name]
                 plan = make_plan() if spec.needs_plan else None
                 fn = lambda: call(name, plan)  # noqa: E731
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out or not torch.cuda.is_available():
         ap.error("--out and a CUDA GPU are needed to measure (or use --dry-run / --check)")
     doc = measure()
+    if not doc["rows"]:
+        raise SystemExit("no backend could be timed on any shape: nothing written")
     errors = timings.check(doc)
     if errors:
         raise SystemExit("measured file is invalid: " + "; ".join(errors))
