@@ -124,6 +124,7 @@ def measure() -> dict:
     import bench_kernels as bk  # CUDA-graph replay timing (graph_ms) and do_bench (bench)
 
     rows: dict[tuple, dict] = {}
+    autos: list[tuple] = []
     for s in GRID:
         call, make_plan = _inputs(s)
         f = facts(s, planned=True)  # outside the try: a bug here stops the run instead of skipping every backend
@@ -143,12 +144,46 @@ def measure() -> dict:
             row = rows.setdefault(tuple(s.key().items()), dict(s.key(), us={}, shape=str(s), source="bench_backends"))
             row["us"][name] = round(ms * 1e3, 1)
             print(f"  {s} {name}: {ms * 1e3:.1f} us", flush=True)
+        autos.append(_time_auto(s, f, call, make_plan, rows.get(tuple(s.key().items()), {}).get("us", {}), bk))
         torch.cuda.empty_cache()
+    _report_auto(autos)
     cap = torch.cuda.get_device_capability()
     return dict(format=timings.FORMAT, gpu=torch.cuda.get_device_name(), capability=list(cap),
                 versions={p: _version(p) for p in PACKAGES}, seeded=False,
                 source="benchmarks/bench_backends.py: CUDA-graph replay of one call per backend (eager where it "
                        "cannot be captured)", rows=list(rows.values()))
+
+
+def _time_auto(s: Shape, f, call, make_plan, us: dict, bk) -> tuple:
+    """(shape, auto's choice for a graph that serves every batch (the model's case), its time in us or None,
+    the fastest backend timed on this shape, its time): "auto" judged against this run's own timings."""
+    name = select(s.op, f).name
+    best = min(us, key=us.get) if us else None
+    if name in us:
+        return s, name, us[name], best, us.get(best)
+    try:
+        spec = backends_for(s.op)[name]
+        plan = make_plan() if spec.needs_plan else None
+        fn = lambda: call(name, plan)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        ms = bk.graph_ms(fn) if spec.cuda_graph != "none" else bk.bench(fn)
+    except Exception as exc:
+        print(f"  {s} auto ({name}): failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+        return s, name, None, best, us.get(best)
+    return s, name, round(ms * 1e3, 1), best, us.get(best)
+
+
+def _report_auto(autos: list[tuple]) -> None:
+    """Print, per shape, "auto"'s choice and its time against the fastest backend of the same run."""
+    print("\nauto against the fastest backend of this run (batch unknown to auto, as in a compiled graph):")
+    within = 0
+    for s, name, t, best, tb in autos:
+        ratio = t / tb if t and tb else float("nan")
+        within += ratio <= 1.03
+        print(f"  auto {s.op:13s} {s.cache:8s} H={s.heads:<3d} B={s.batch:<4d} L={s.context:<5d} {name:40s} "
+              f"{t if t is not None else '-':>8} us  fastest {best} {tb} us  {ratio:.3f}x", flush=True)
+    print(f"auto within 1.03x of the fastest on {within} of {len(autos)} shapes", flush=True)
 
 
 def _version(dist: str) -> str:

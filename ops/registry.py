@@ -65,7 +65,9 @@ class Backend:
     picks it although it serves (empty: "auto" may). ``tiers``: a composite that runs ``backend`` for steps
     of at most ``rows`` query rows, ``((rows, backend), ..., (None, backend))``; its timing is its parts'.
     ``kernels``: names of ops and Triton kernels that belong to this backend (``mla-compile inspect``),
-    ``"name"`` or ``"name=label"``.
+    ``"name"`` or ``"name=label"``. ``plan_id_fn``: for a backend that needs a plan, the op that runs it
+    given the plan's static id as a last argument (what a split calls). ``derived``: a split made by the
+    selector (:func:`declare_split`), not declared by a kernel file: left out of :func:`priority`.
     """
 
     name: str
@@ -98,6 +100,8 @@ class Backend:
     tiers: tuple[tuple[int | None, str], ...] = ()
     kernels: tuple[str, ...] = ()
     note: str = ""
+    plan_id_fn: Callable | None = None
+    derived: bool = False
 
     @property
     def backend(self) -> str:
@@ -170,9 +174,86 @@ def backends_for(op: str) -> dict[str, Backend]:
 
 
 def priority(op: str) -> tuple[str, ...]:
-    """``op``'s backends in their declared static order (the order "auto" follows without timings)."""
+    """``op``'s declared backends in their static order (the order "auto" follows without timings); the
+    selector's derived splits are left out."""
     table = backends_for(op)
-    return tuple(sorted(table, key=lambda n: (table[n].rank, n)))
+    return tuple(sorted((n for n in table if not table[n].derived), key=lambda n: (table[n].rank, n)))
+
+
+# Splits: "auto" may find that different backends win at different batch sizes of one shape class. A split
+# runs, inside one op of the graph, the part whose bound covers the call's query rows (B * s_q, a static
+# shape at run time, so nothing is read on the host and each CUDA-graph size records its own part).
+SPLIT_PREFIX = "split:"
+_SPLIT_OPS: dict[str, tuple[Callable[[str, bool], Callable], str]] = {}
+
+
+def declare_split_op(op: str, make: Callable[[str, bool], Callable], kernel: str) -> None:
+    """Let ``op`` be split by batch: ``make(tiers_text, needs_plan)`` returns the backend function (the op's
+    arguments, and ``plan=`` when ``needs_plan``) that runs the split given by ``tiers_text``
+    (:func:`split_name`'s text after the prefix) through the custom op ``kernel``."""
+    _SPLIT_OPS[op_name(op)] = (make, kernel)
+    declare_kernels("split", kernel)
+
+
+def can_split(op: str) -> bool:
+    """Whether ``op`` declared a split op (:func:`declare_split_op`)."""
+    return op_name(op) in _SPLIT_OPS
+
+
+def split_name(tiers: tuple[tuple[int | None, str], ...]) -> str:
+    """``((2, "triton"), (None, "flashinfer"))`` -> ``"split:triton:2/flashinfer"``."""
+    return SPLIT_PREFIX + "/".join(n if b is None else f"{n}:{b}" for b, n in tiers)
+
+
+def parse_split(text: str) -> tuple[tuple[int | None, str], ...]:
+    """The inverse of :func:`split_name` (with or without its prefix); ValueError naming a malformed text."""
+    body = text[len(SPLIT_PREFIX):] if text.startswith(SPLIT_PREFIX) else text
+    tiers = []
+    for part in body.split("/"):
+        name, _, bound = part.partition(":")
+        if not name or (bound and not bound.isdigit()):
+            raise ValueError(f"split {text!r}: expected 'name:rows/.../name' (rows a positive int), got {part!r}")
+        tiers.append((int(bound) if bound else None, name))
+    if any(b is None for b, _ in tiers[:-1]) or tiers[-1][0] is not None:
+        raise ValueError(f"split {text!r}: every part but the last needs a row bound, and the last none")
+    bounds = [b for b, _ in tiers[:-1]]
+    if bounds != sorted(set(bounds)):
+        raise ValueError(f"split {text!r}: row bounds must increase, got {bounds}")
+    return tuple(tiers)
+
+
+def split_part(tiers: tuple[tuple[int | None, str], ...], rows: int) -> str:
+    """The part of ``tiers`` that serves a call of ``rows`` query rows."""
+    return next(name for bound, name in tiers if bound is None or rows <= bound)
+
+
+def declare_split(op: str, tiers: tuple[tuple[int | None, str], ...]) -> Backend:
+    """The split backend of ``op`` over ``tiers`` (declared on first use, derived: it keeps the weakest
+    capability of its parts); the parts must be declared backends of ``op``."""
+    opn = op_name(op)
+    name = split_name(tuple(tiers))
+    tiers = parse_split(name)
+    table = _TABLE[opn]
+    if name in table:
+        return table[name]
+    if opn not in _SPLIT_OPS:
+        raise ValueError(f"{OPS[opn].key}: has no split op (declare_split_op)")
+    unknown = [n for _, n in tiers if n not in table]
+    if unknown:
+        raise ValueError(f"{OPS[opn].key}: split {name!r} names unknown backends {unknown}")
+    parts = [table[n] for _, n in tiers]
+    needs_plan = any(p.needs_plan for p in parts)
+    level = GRAPH_LEVELS[max(GRAPH_LEVELS.index(p.cuda_graph) for p in parts)]
+    devices = tuple(d for d in parts[0].devices if all(d in p.devices or "any" in p.devices for p in parts))
+    make, kernel = _SPLIT_OPS[opn]
+    spec = Backend(name, opn, make(name[len(SPLIT_PREFIX):], needs_plan), rank=0, kernels=(f"{kernel}=split",),
+                   devices=devices or parts[0].devices, available=lambda: all(p.available() for p in parts),
+                   lse=all(p.lse for p in parts), needs_plan=needs_plan, host_sync=any(p.host_sync for p in parts),
+                   cuda_graph=level, gpu_tested=all(p.gpu_tested for p in parts), tiers=tiers, derived=True,
+                   note="split by query rows: " + ", ".join(
+                       f"{n} up to {b}" if b is not None else f"{n} above" for b, n in tiers))
+    table[name] = spec
+    return spec
 
 
 def kernel_backend(name: str) -> str:

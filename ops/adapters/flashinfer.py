@@ -249,7 +249,7 @@ def _decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
 
 
 declare(DECODE_OP, BACKEND, _decode, rank=30, available=available, head_dims=DEEPSEEK_DECODE, needs_plan=True,
-        cuda_graph="planned", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        plan_id_fn=torch.ops.mla.decode_flashinfer, cuda_graph="planned", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
         kernels=("decode_flashinfer",), note="plan_flashinfer_decode() on the host before each step")
 
 
