@@ -125,6 +125,7 @@ def measure() -> dict:
 
     rows: dict[tuple, dict] = {}
     autos: list[tuple] = []
+    overheads: list[tuple] = []
     for s in GRID:
         call, make_plan = _inputs(s)
         f = facts(s, planned=True)  # outside the try: a bug here stops the run instead of skipping every backend
@@ -144,9 +145,13 @@ def measure() -> dict:
             row = rows.setdefault(tuple(s.key().items()), dict(s.key(), us={}, shape=str(s), source="bench_backends"))
             row["us"][name] = round(ms * 1e3, 1)
             print(f"  {s} {name}: {ms * 1e3:.1f} us", flush=True)
-        autos.append(_time_auto(s, f, call, make_plan, rows.get(tuple(s.key().items()), {}).get("us", {}), bk))
+        us = rows.get(tuple(s.key().items()), {}).get("us", {})
+        autos.append(_time_auto(s, f, call, make_plan, us, bk))
+        if s.op == "decode":
+            overheads.extend(_adapter_overhead(s, us, bk))
         torch.cuda.empty_cache()
     _report_auto(autos)
+    _report_overhead(overheads)
     cap = torch.cuda.get_device_capability()
     return dict(format=timings.FORMAT, gpu=torch.cuda.get_device_name(), capability=list(cap),
                 versions={p: _version(p) for p in PACKAGES}, seeded=False,
@@ -184,6 +189,60 @@ def _report_auto(autos: list[tuple]) -> None:
         print(f"  auto {s.op:13s} {s.cache:8s} H={s.heads:<3d} B={s.batch:<4d} L={s.context:<5d} {name:40s} "
               f"{t if t is not None else '-':>8} us  fastest {best} {tb} us  {ratio:.3f}x", flush=True)
     print(f"auto within 1.03x of the fastest on {within} of {len(autos)} shapes", flush=True)
+
+
+def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
+    """(shape, peer, ours us, direct us) for FlashMLA and FlashInfer bf16 decode: the peer called directly
+    (its documented call, inputs already in its layout, FlashInfer planned once) against our adapter's time
+    in this run, both as CUDA-graph replays."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fp8_sparse import _caches
+
+    bf16, _, table, lens = _caches(s.batch, s.context)
+    q = torch.randn(s.batch, 1, s.heads, D, device="cuda", dtype=torch.bfloat16)
+    out = []
+    if "flashmla" in us:
+        try:
+            import flash_mla
+            k_cache = bf16.unsqueeze(2)
+
+            def direct():
+                meta, _ = flash_mla.get_mla_metadata()
+                return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE,
+                                                        causal=False, use_legacy=True)
+            out.append((s, "flashmla", us["flashmla"], round(bk.graph_ms(direct) * 1e3, 1)))
+        except Exception as exc:
+            print(f"  {s} FlashMLA direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+    if "flashinfer" in us:
+        try:
+            import flashinfer
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, use_cuda_graph=True, qo_indptr=torch.arange(
+                s.batch + 1, device="cuda", dtype=torch.int32), kv_indptr=torch.empty(
+                s.batch + 1, device="cuda", dtype=torch.int32), kv_indices=torch.empty(
+                table.numel(), device="cuda", dtype=torch.int32), kv_len_arr=torch.empty(
+                s.batch, device="cuda", dtype=torch.int32))
+            indptr = torch.arange(s.batch + 1, dtype=torch.int32) * table.shape[1]
+            w.plan(torch.arange(s.batch + 1, dtype=torch.int32), indptr, table.reshape(-1).cpu(), lens.cpu(),
+                   s.heads, DC, DR, PAGE, False, SCALE, torch.bfloat16, torch.bfloat16)
+            q_nope, q_pe = q[:, 0, :, :DC].contiguous(), q[:, 0, :, DC:].contiguous()
+            direct = lambda: w.run(q_nope, q_pe, bf16[..., :DC], bf16[..., DC:], return_lse=True)  # noqa: E731
+            out.append((s, "flashinfer", us["flashinfer"], round(bk.graph_ms(direct) * 1e3, 1)))
+        except Exception as exc:
+            print(f"  {s} FlashInfer direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+    return out
+
+
+def _report_overhead(rows: list[tuple]) -> None:
+    """Print what each adapter adds over its peer's direct call; the bound is 3% or 2 us, the larger."""
+    print("\nadapter overhead (ours through mla::decode vs the peer called directly, same run):")
+    ok = 0
+    for s, peer, ours, direct in rows:
+        bound = max(0.03 * direct, 2.0)
+        ok += ours - direct <= bound
+        print(f"  {peer:10s} H={s.heads:<3d} B={s.batch:<4d} L={s.context:<5d} ours {ours:8.1f} us  direct "
+              f"{direct:8.1f} us  +{ours - direct:6.1f} us (bound {bound:.1f})", flush=True)
+    print(f"adapters within max(3%, 2 us) of the direct call on {ok} of {len(rows)} shapes", flush=True)
 
 
 def _version(dist: str) -> str:
