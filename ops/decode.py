@@ -16,8 +16,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, backends_for, call_impl, declare, declare_op,
-                                      declare_split_op, parse_split, split_part)
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+                                      run_split_part)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
 
@@ -95,34 +95,12 @@ def decode_split(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     """``mla::decode`` through the part of ``tiers`` (``"triton:2/flashinfer"``: see
     :func:`~mla_compile.ops.registry.split_name`) whose row bound covers this call's ``B * s_q`` query rows.
     ``plan_id``: the host plan's static id for a part that needs one (-1: none given)."""
-    name = split_part(parse_split(tiers), q.shape[0] * q.shape[1])
-    spec = backends_for(OP)[name]
-    args = (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-    if not spec.needs_plan:
-        return spec.fn(*args)
-    if plan_id < 0 or spec.plan_id_fn is None:
-        raise ValueError(f"{OP}: split {tiers!r} runs {name!r} for {q.shape[0] * q.shape[1]} query rows, which "
-                         f"needs a host plan, and none was given")
-    return spec.plan_id_fn(*args, plan_id)
+    return run_split_part(OP, tiers, q.shape[0] * q.shape[1],
+                          (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan_id)
 
 
 decode_split.register_fake(fake)
-
-
-def _split(tiers: str, needs_plan: bool):
-    """The backend function of a split of ``mla::decode`` (see ``registry.declare_split_op``)."""
-    def run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
-            plan: object | None = None) -> tuple[Tensor, Tensor]:
-        plan_id = getattr(plan, "plan_id", None)
-        if needs_plan and not isinstance(plan_id, int):
-            raise ValueError(f"{OP}: split {tiers!r} needs plan= (a host plan with a plan_id, made before the "
-                             f"step), got {type(plan).__name__}")
-        return torch.ops.mla.decode_split(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, tiers,
-                                          plan_id if needs_plan else -1)
-    return run
-
-
-declare_split_op(OP, _split, "decode_split")
+declare_split_op(OP, torch.ops.mla.decode_split, "batch")
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

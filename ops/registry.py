@@ -184,20 +184,52 @@ def priority(op: str) -> tuple[str, ...]:
 # runs, inside one op of the graph, the part whose bound covers the call's query rows (B * s_q, a static
 # shape at run time, so nothing is read on the host and each CUDA-graph size records its own part).
 SPLIT_PREFIX = "split:"
-_SPLIT_OPS: dict[str, tuple[Callable[[str, bool], Callable], str]] = {}
+_SPLIT_OPS: dict[str, tuple[Callable, str, str]] = {}
+SPLIT_ROWS = ("batch", "tokens")  # what a split's row bound counts: query rows B * s_q, or tokens T
 
 
-def declare_split_op(op: str, make: Callable[[str, bool], Callable], kernel: str) -> None:
-    """Let ``op`` be split by batch: ``make(tiers_text, needs_plan)`` returns the backend function (the op's
-    arguments, and ``plan=`` when ``needs_plan``) that runs the split given by ``tiers_text``
-    (:func:`split_name`'s text after the prefix) through the custom op ``kernel``."""
-    _SPLIT_OPS[op_name(op)] = (make, kernel)
+def declare_split_op(op: str, split_op: Callable, rows: str) -> None:
+    """Let ``op`` be split: ``split_op`` is the custom op taking the op's arguments, then the split's text
+    (:func:`split_name` without the prefix) and a plan id (-1: none), that runs :func:`run_split_part`.
+    ``rows``: "batch" (a timing row's batch bound is the split bound; the op counts ``B * s_q`` query rows) or
+    "tokens" (batch bound times context bound; the op counts its tokens)."""
+    if rows not in SPLIT_ROWS:
+        raise ValueError(f"declare_split_op: rows must be one of {SPLIT_ROWS}, got {rows!r}")
+    kernel = split_op._qualified_op_name if hasattr(split_op, "_qualified_op_name") else split_op._opoverload.name()
+    _SPLIT_OPS[op_name(op)] = (split_op, _kernel_base(kernel), rows)
     declare_kernels("split", kernel)
 
 
-def can_split(op: str) -> bool:
-    """Whether ``op`` declared a split op (:func:`declare_split_op`)."""
-    return op_name(op) in _SPLIT_OPS
+def split_rows(op: str) -> str | None:
+    """What ``op``'s split bounds count ("batch" / "tokens"); None when ``op`` cannot be split."""
+    entry = _SPLIT_OPS.get(op_name(op))
+    return entry[2] if entry else None
+
+
+def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int):
+    """Run the part of split ``tiers`` that serves ``rows`` on the op's ``args`` (the body of a split op);
+    a part that needs a plan gets ``plan_id`` (ValueError when it is -1)."""
+    name = split_part(parse_split(tiers), rows)
+    spec = backends_for(op)[name]
+    if not spec.needs_plan:
+        return spec.fn(*args)
+    if plan_id < 0 or spec.plan_id_fn is None:
+        raise ValueError(f"{OPS[op_name(op)].key}: split {tiers!r} runs {name!r} for {rows} rows, which needs a "
+                         f"host plan, and none was given")
+    return spec.plan_id_fn(*args, plan_id)
+
+
+def _split_fn(op: str, split_op: Callable, tiers: str, needs_plan: bool) -> Callable:
+    """The backend function of a split: the op's arguments (and ``plan=`` when a part needs one)."""
+    key = OPS[op_name(op)].key
+
+    def run(*args, plan: object | None = None):
+        plan_id = getattr(plan, "plan_id", None)
+        if needs_plan and not isinstance(plan_id, int):
+            raise ValueError(f"{key}: split {tiers!r} needs plan= (a host plan with a plan_id, made before the "
+                             f"step), got {type(plan).__name__}")
+        return split_op(*args, tiers, plan_id if needs_plan else -1)
+    return run
 
 
 def split_name(tiers: tuple[tuple[int | None, str], ...]) -> str:
@@ -237,7 +269,7 @@ def declare_split(op: str, tiers: tuple[tuple[int | None, str], ...]) -> Backend
     if name in table:
         return table[name]
     if opn not in _SPLIT_OPS:
-        raise ValueError(f"{OPS[opn].key}: has no split op (declare_split_op)")
+        raise ValueError(f"{OPS[opn].key} has no split op (declare_split_op)")
     unknown = [n for _, n in tiers if n not in table]
     if unknown:
         raise ValueError(f"{OPS[opn].key}: split {name!r} names unknown backends {unknown}")
@@ -245,8 +277,9 @@ def declare_split(op: str, tiers: tuple[tuple[int | None, str], ...]) -> Backend
     needs_plan = any(p.needs_plan for p in parts)
     level = GRAPH_LEVELS[max(GRAPH_LEVELS.index(p.cuda_graph) for p in parts)]
     devices = tuple(d for d in parts[0].devices if all(d in p.devices or "any" in p.devices for p in parts))
-    make, kernel = _SPLIT_OPS[opn]
-    spec = Backend(name, opn, make(name[len(SPLIT_PREFIX):], needs_plan), rank=0, kernels=(f"{kernel}=split",),
+    split_op, kernel, _ = _SPLIT_OPS[opn]
+    spec = Backend(name, opn, _split_fn(opn, split_op, name[len(SPLIT_PREFIX):], needs_plan), rank=0,
+                   kernels=(f"{kernel}=split",),
                    devices=devices or parts[0].devices, available=lambda: all(p.available() for p in parts),
                    lse=all(p.lse for p in parts), needs_plan=needs_plan, host_sync=any(p.host_sync for p in parts),
                    cuda_graph=level, gpu_tested=all(p.gpu_tested for p in parts), tiers=tiers, derived=True,

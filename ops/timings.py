@@ -189,12 +189,15 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
 def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
                    cache_dtype: torch.dtype, num_heads: int | None, context: int | None = None,
                    tiers: dict[str, tuple] | None = None, table: Table | None = None, prefer: str | None = None,
-                   within: float = SPLIT_WITHIN) -> tuple[tuple[tuple[int | None, str], ...], str]:
+                   within: float = SPLIT_WITHIN, counts: str = "batch"
+                   ) -> tuple[tuple[tuple[int | None, str], ...], str]:
     """The fastest of ``names`` (static order breaks ties) in each batch bucket of the call's class, as a
     split ``((bound, name), ..., (None, name))``, and why; ``()`` when one backend serves every bucket or the
     table cannot tell (a bucket where none of ``names`` is timed). ``prefer`` (the class's overall winner)
     keeps a bucket where it is within ``within`` times the bucket's fastest: a split only where it pays. A
-    composite (``tiers``) that runs one part over a whole bucket counts as that part; equal neighbours merge."""
+    composite (``tiers``) that runs one part over a whole bucket counts as that part; equal neighbours merge.
+    ``counts``: "batch" buckets by the rows' batch bound (decode: query rows), "tokens" by batch bound times
+    context bound (prefill: the call's tokens)."""
     if table is None:
         table = next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
     if table is None or num_heads is None:
@@ -205,9 +208,10 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
         key["context"] = bucket("context", context)
     rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
     tiers = tiers or {}
+    size = (lambda r: r.batch) if counts == "batch" else (lambda r: r.batch * r.context)
     winners: list[tuple[int, str, float]] = []
-    for bound in sorted({r.batch for r in rows}):
-        part = [r for r in rows if r.batch == bound]
+    for bound in sorted({size(r) for r in rows}):
+        part = [r for r in rows if size(r) == bound]
         totals = {}
         for n in names:
             times = [_time(r, n, tiers) for r in part]
@@ -239,5 +243,5 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
     merged[-1] = (None, merged[-1][1])
     if prefer is not None and tuple(merged) == tuple(tiers.get(prefer, ())):
         return (), f"{prefer} already splits this way"
-    figures = ", ".join(f"batch <= {b}: {n} {us:.1f} us" for b, n, us in winners)
+    figures = ", ".join(f"{counts} <= {b}: {n} {us:.1f} us" for b, n, us in winners)
     return tuple(merged), f"fastest per batch in the {table.gpu} timings for {op}: {figures}"

@@ -205,7 +205,7 @@ def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, ti
     order) and with the shipped H200 table (bench_backends.py, BENCHMARKS run 108): at 16 heads tiered FlashMLA
     edges our Triton decode, and with a plan FlashInfer wins above batch 2 (a split: Triton below); at 128 heads
     Triton to batch 2 then FlashMLA (the tiers' Triton step is slow at batch 16); a known batch is one class
-    (no split); prefill is Triton's at 16 heads and FlashInfer's (planned) at 128."""
+    (no split); prefill (planned) is Triton's up to 2048 tokens and FlashInfer's above, at both head counts."""
     for name in ("flash_mla", "flashinfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn", None)
@@ -225,8 +225,9 @@ def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, ti
             "split:triton:2/flashinfer" if timed else "flashinfer")
         prefill = _pick("prefill")
         assert prefill.name == "triton" and "not installed" in prefill.rejected["flash-attn"]
-        assert _pick("prefill", planned=True).name == ("triton" if timed else "flashinfer")
-        assert _pick("prefill", planned=True, num_heads=128).name == "flashinfer"
+        assert _pick("prefill", planned=True).name == ("split:triton:2048/flashinfer" if timed else "flashinfer")
+        assert _pick("prefill", planned=True, num_heads=128).name == (
+            "split:triton:2048/flashinfer" if timed else "flashinfer")
     assert not SPECS["prefill"]["flash-attn"].gpu_tested and not SPECS["decode"]["flashinfer-trtllm"].gpu_tested
 
 

@@ -172,3 +172,37 @@ def test_the_shipped_h200_table_splits_where_one_backend_loses_a_batch_class(eve
     assert picks[16, True] == "split:triton:2/flashinfer"
     assert picks[128, False] == "split:triton:2/flashmla"
     assert picks[128, True] == "split:flashinfer:2/flashmla"
+
+
+def test_prefill_splits_by_tokens_and_runs_the_part_of_each_call_s_token_count(monkeypatch):
+    """Prefill's classes mix sequences and lengths, so its split bounds count tokens (batch bound x context
+    bound); the split op picks the part by the call's token count."""
+    t = timings.Table("Test GPU", SM90, (
+        timings.Row("prefill", "bfloat16", "bfloat16", 16, 2, 1024, {"a": 50.0, "b": 400.0}),
+        timings.Row("prefill", "bfloat16", "bfloat16", 16, 16, 4096, {"a": 1600.0, "b": 1300.0})))
+    split, why = timings.tiers_by_batch("prefill", ["a", "b"], capability=SM90, dtype=torch.bfloat16,
+                                        cache_dtype=torch.bfloat16, num_heads=16, table=t, prefer="a",
+                                        counts="tokens")
+    assert split == ((2048, "a"), (None, "b")) and "tokens <= 2048: a 50.0 us" in why
+    monkeypatch.setitem(registry._TABLE, "prefill", dict(registry._TABLE["prefill"]))
+    calls: list = []
+
+    def spy(name):
+        def run(q, k, v, cu_q, cu_k, scale, causal):
+            calls.append((name, q.shape[0]))
+            return torch.ops.mla.prefill_ref(q, k, v, cu_q, cu_k, scale, causal)
+        return Backend(name, "prefill", run, rank=99, devices=("any",), dtypes=FLOATS, gpu_tested=True)
+    registry._TABLE["prefill"]["spy-few"] = spy("spy-few")
+    registry._TABLE["prefill"]["spy-many"] = spy("spy-many")
+    name = declare_split("prefill", ((6, "spy-few"), (None, "spy-many"))).name
+    gen = generator(3)
+    for lens in ([2, 4], [3, 5]):
+        T = sum(lens)
+        q, k = randn(gen, T, 2, 24, dtype=torch.float32), randn(gen, T, 2, 24, dtype=torch.float32)
+        v = randn(gen, T, 2, 16, dtype=torch.float32)
+        cu = torch.tensor([0, lens[0], T], dtype=torch.int32)
+        out, lse = ops.prefill(q, k, v, cu, cu, 0.2, causal=True, backend=name)
+        want = ops.prefill(q, k, v, cu, cu, 0.2, causal=True, backend="reference")
+        assert calls[-1] == ("spy-few" if T <= 6 else "spy-many", T)
+        torch.testing.assert_close(out, want[0])
+        torch.testing.assert_close(lse, want[1])
