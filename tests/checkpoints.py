@@ -44,6 +44,38 @@ def dequantize64(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.double() * full
 
 
+# The e2m1 values of codes 0..7 (OCP Microscaling spec: 1 sign, 2 exponent, 1 mantissa bit); codes 8..15 are
+# their negatives. Written out here as the format's definition, independent of the op's decoder.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_BLOCK = 32
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., N, K]`` (K a multiple of 32) -> DeepSeek-V4's fp4: packed ``int8 [..., N, K/2]`` (element 2j in
+    byte j's low nibble) and ue8m0 ``uint8 [..., N, K/32]`` scales ``2^ceil(log2(amax / 6))``, codes rounded to
+    the nearest e2m1 value."""
+    *lead, N, K = w.shape
+    blocks = w.double().reshape(*lead, N, K // FP4_BLOCK, FP4_BLOCK)
+    amax = blocks.abs().amax(-1).clamp_min(2.0 ** -120)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    q = blocks / torch.exp2(exp)[..., None]
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    mag = (q.abs()[..., None] - table).abs().argmin(-1)
+    codes = (mag + 8 * (q < 0)).reshape(*lead, N, K).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.view(torch.int8).contiguous(), (exp + 127).to(torch.uint8)
+
+
+def dequantize_fp4_64(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 weight ``[..., N, K]`` DeepSeek-V4's fp4 stands for (an independent model of the format)."""
+    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float64)
+    b = packed.view(torch.uint8).long()
+    values = torch.stack((table[b % 16], table[b // 16]), dim=-1).flatten(-2)
+    s = scale.view(torch.uint8).double()
+    mult = torch.where(s == 255, torch.nan, 2.0 ** (s - 127))
+    return values * mult.repeat_interleave(FP4_BLOCK, dim=-1)
+
+
 def write_tokenizer(root: Path) -> None:
     """A BPE tokenizer trained on a few sentences, plus a chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders

@@ -1,0 +1,190 @@
+"""Triton ``mla::fp4_block_linear``: a tiled GEMM over DeepSeek-V4's packed-fp4 weights (e2m1 + ue8m0 per 32).
+
+Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert). The K loop walks
+``BLOCK_K`` values a step: it loads ``BLOCK_K / 2`` packed bytes per weight row and the row's ue8m0 bytes (one
+per 32 values), decodes both nibbles and the scale into float32 bit patterns in registers (exact: every
+``e2m1 * 2^(s-127)`` is a float32), and runs two dots, the low nibbles against x's even columns and the high
+nibbles against its odd columns, so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
+operands (the dequantized weights are exact in bf16: 2 significant bits, float32's exponent range), float32
+and float16 ``x`` in IEEE float32; the accumulator is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from mla_compile.ops.fp4_block_linear import as_bytes, validate
+from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
+
+BLOCK_K = 128  # K values per loop step: 64 packed bytes, 4 scales per weight row
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (uint32 in [0, 16)) -> float32 values, built as bit patterns: ``e == 0`` is 0 or 0.5,
+    otherwise exponent ``e - 1`` with the mantissa bit as float32's top fraction bit; bit 3 the sign."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0(s):
+    """ue8m0 bytes (uint32) -> ``2^(s - 127)`` float32 (byte 0: the subnormal 2^-127; byte 255: NaN)."""
+    bits = tl.where(s == 0, 1 << 22, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp4_sorted_kernel(
+    x_ptr, w_ptr, s_ptr, cu_ptr, y_ptr,
+    R, N, K, E,
+    s_xm, s_we, s_wn, s_se, s_sn, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
+    ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = -1
+    for c in range(0, E + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        e += tiles_started(tl.load(cu_ptr + idx, mask=idx <= E, other=0), idx, E, slot, BLOCK_M)
+    start = tl.load(cu_ptr + e).to(tl.int32)
+    m0 = (slot - (start // BLOCK_M + e)) * BLOCK_M
+    offs_m = start + m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    n_ok = (offs_n < N)[None, :]
+    if e == E:  # rows past cu[E]
+        tl.store(y, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_ok)
+        return
+    end = tl.load(cu_ptr + e + 1).to(tl.int32)
+    if start + m0 >= end:  # an unused slot between two groups' tiles
+        return
+    m_ok = offs_m < end
+    e64 = e.to(tl.int64)
+    acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_K // 2)  # packed byte (= pair of K values) within a step
+    n_ok = offs_n < N
+    half = K // 2
+    x_rows = x_base + offs_m.to(tl.int64) * s_xm
+    w_rows = w_base + offs_n.to(tl.int64) * s_wn
+    s_rows = s_base + offs_n.to(tl.int64) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 // 2 + offs_j
+        j_ok = j < half
+        xm = m_ok[:, None] & j_ok[None, :]
+        x_even = tl.load(x_rows[:, None] + 2 * j[None, :], mask=xm, other=0.0)
+        x_odd = tl.load(x_rows[:, None] + 2 * j[None, :] + 1, mask=xm, other=0.0)
+        wm = n_ok[:, None] & j_ok[None, :]
+        packed = tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0).to(tl.uint32)
+        sbyte = tl.load(s_rows[:, None] + (j // 16)[None, :], mask=wm, other=127).to(tl.uint32)
+        scale = _ue8m0(sbyte)
+        w_lo = _e2m1(packed & 15) * scale
+        w_hi = _e2m1(packed >> 4) * scale
+        if IEEE:
+            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_even.to(tl.bfloat16), tl.trans(w_lo.to(tl.bfloat16)))
+            acc += tl.dot(x_odd.to(tl.bfloat16), tl.trans(w_hi.to(tl.bfloat16)))
+    return acc
+
+
+def _config(M: int, ieee: bool) -> dict:
+    """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles."""
+    block_m = 16 if M <= 16 else (32 if ieee else 64)
+    block_n = 32 if ieee else 64
+    num_warps, num_stages = (8, 1) if ieee else (4, 3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee, num_warps=num_warps,
+                num_stages=num_stages)
+
+
+def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor) -> Tensor:
+    """Sorted-groups kernel path: ``x [R, K]`` with ``offs [E]`` cumulative row ends -> ``[R, N]``."""
+    E, N, half = weight.shape
+    R = x.shape[0]
+    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R * N == 0:
+        return y
+    x = last_dim_contiguous(x)
+    w = last_dim_contiguous(as_bytes(weight))
+    s = last_dim_contiguous(as_bytes(weight_scale))
+    cu = torch.cat([offs.new_zeros(1), offs])
+    cfg = _config(R, x.dtype != torch.bfloat16)
+    grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
+    wrap_triton(_fp4_sorted_kernel)[grid](
+        x, w, s, cu, y, R, N, 2 * half, E,
+        x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
+        CHUNK=128, **cfg,
+    )
+    return y
+
+
+def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
+    grouped = weight.dim() == 3
+    w3 = last_dim_contiguous(as_bytes(weight if grouped else weight[None]))
+    s3 = last_dim_contiguous(as_bytes(weight_scale if grouped else weight_scale[None]))
+    E, N, half = w3.shape
+    M = x.shape[-2]
+    x3 = last_dim_contiguous(x if x.dim() == 3 else x[None])
+    y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+    if M * N == 0:
+        return y if grouped else y[0]
+    s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
+    cfg = _config(M, x.dtype != torch.bfloat16)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
+    wrap_triton(_fp4_linear_kernel)[grid](
+        x3, w3, s3, y, M, N, 2 * half,
+        s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),
+        **cfg,
+    )
+    return y if grouped else y[0]
+
+
+@triton_op("mla::fp4_block_linear_triton", mutates_args=())
+def fp4_block_linear_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor | None = None) -> Tensor:
+    """Triton ``mla::fp4_block_linear`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return torch.ops.mla.fp4_block_linear_ref(x, weight, weight_scale, offs)
+    validate(x, weight, weight_scale, offs)
+    if offs is not None:
+        return _launch_sorted(x, weight, weight_scale, offs)
+    return _launch(x, weight, weight_scale)
