@@ -4,7 +4,9 @@ model.safetensors.index.json, tokenizer.json (a BPE trained here) and tokenizer_
 Formats: "bf16" is the unquantized layout (stored float32 here, so the loaded model can be compared with
 HF at 1e-4 in float32: only the dtype of the stored tensors differs from a real bf16 checkpoint); "fp8" is
 DeepSeek's: every projection weight e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block, norms,
-embeddings, lm_head, router and indexer head weights unquantized. The V3 checkpoints carry one MTP layer.
+embeddings, lm_head, router and indexer head weights unquantized; "fp4" is "fp8" with the routed experts in
+DeepSeek-V4's format (``expert_dtype: "fp4"``): int8 packed e2m1 ``weight`` and float8_e8m0fnu
+``weight_scale_inv`` per 32 weights of a row. The V3 checkpoints carry one MTP layer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 
 from mla_compile import toy
 
+FP4_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 FP8_LINEAR = re.compile(r"(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"
                         r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)|"
                         r"indexer\.(wq_b|wk))\.weight$")
@@ -95,7 +98,7 @@ def write_tokenizer(root: Path) -> None:
 
 
 def write_checkpoint(root: Path, kind: str, fmt: str, *, seed: int = 0, shards: int = 3, **overrides):
-    """Write a tiny ``kind`` ("v2-lite", "v3", "v3.2") checkpoint in ``fmt`` ("bf16" or "fp8") to ``root``.
+    """Write a tiny ``kind`` ("v2-lite", "v3", "v3.2") checkpoint in ``fmt`` ("bf16", "fp8" or "fp4") to ``root``.
 
     Returns the HF model whose weights were written (float32). The state is split into at least ``shards``
     files by ``save_pretrained``'s own sharding; fp8 rewrites each shard with the quantized tensors.
@@ -106,8 +109,8 @@ def write_checkpoint(root: Path, kind: str, fmt: str, *, seed: int = 0, shards: 
     write_tokenizer(root)
     if kind != "v2-lite":
         _add_mtp_layer(root, hf.config)
-    if fmt == "fp8":
-        _quantize_checkpoint(root)
+    if fmt in ("fp8", "fp4"):
+        _quantize_checkpoint(root, fp4_experts=fmt == "fp4")
     return hf
 
 
@@ -134,34 +137,42 @@ def _add_mtp_layer(root: Path, config) -> None:
     _edit_config(root, num_nextn_predict_layers=1)
 
 
-def _quantize_checkpoint(root: Path) -> None:
+def _quantize_checkpoint(root: Path, fp4_experts: bool = False) -> None:
     index = _index(root)
     for file in sorted(set(index["weight_map"].values())):
         with safe_open(str(root / file), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         out = {}
         for key, t in tensors.items():
-            if FP8_LINEAR.search(key):
+            if fp4_experts and FP4_EXPERT.search(key):
+                packed, scale = quantize_fp4(t)
+                out[key], out[key + "_scale_inv"] = packed, scale.view(torch.float8_e8m0fnu)
+                index["weight_map"][key + "_scale_inv"] = file
+            elif FP8_LINEAR.search(key):
                 out[key], out[key + "_scale_inv"] = quantize_blocks(t)
                 index["weight_map"][key + "_scale_inv"] = file
             else:
                 out[key] = t.to(torch.bfloat16) if t.is_floating_point() else t
         save_file(out, str(root / file), metadata={"format": "pt"})
     (root / INDEX).write_text(json.dumps(index, indent=2))
-    _edit_config(root, dtype="bfloat16", quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    _edit_config(root, dtype="bfloat16", quantization_config=qc | ({"expert_dtype": "fp4"} if fp4_experts else {}))
+
+
+def _dequantize64(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequantize_fp4_64(t, scale) if t.dtype == torch.int8 else dequantize64(t, scale)
 
 
 def write_dequantized(src: Path, dst: Path) -> None:
-    """``src`` (fp8) rewritten in float64 with every fp8 block dequantized, and no quantization_config: what
-    ``transformers`` loads as the float64 reference of the fp8 checkpoint."""
+    """``src`` (fp8 / fp4 experts) rewritten in float64 with every quantized weight dequantized, and no
+    quantization_config: what ``transformers`` loads as the float64 reference of the checkpoint."""
     dst.mkdir(parents=True, exist_ok=True)
     index = _index(src)
     weight_map = {k: v for k, v in index["weight_map"].items() if not k.endswith("_scale_inv")}
     for file in sorted(set(weight_map.values())):
         with safe_open(str(src / file), framework="pt") as f:
             keys = [k for k in f.keys() if not k.endswith("_scale_inv")]
-            out = {k: (dequantize64(f.get_tensor(k), f.get_tensor(k + "_scale_inv")) if k + "_scale_inv" in f.keys()
+            out = {k: (_dequantize64(f.get_tensor(k), f.get_tensor(k + "_scale_inv")) if k + "_scale_inv" in f.keys()
                        else f.get_tensor(k).double()) for k in keys}
         save_file(out, str(dst / file), metadata={"format": "pt"})
     (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
