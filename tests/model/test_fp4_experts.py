@@ -220,3 +220,18 @@ def test_fp4_checkpoint_without_expert_dtype_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"experts\.\d+\.\w+_proj\.weight is torch.int8: packed fp4 expert "
                                               r"weights need quantization_config.expert_dtype 'fp4'"):
         from_pretrained(root, dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", None])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp4_experts_on_gpu(grouped, backend):
+    module, real = _random_experts(swiglu_limit=0.3)
+    module = module.cuda()
+    module.backend = backend
+    x = torch.randn(9, H)
+    ids = torch.stack([torch.randperm(E)[:3] for _ in range(9)])
+    weights = torch.rand(9, 3)
+    y = module(x.cuda().bfloat16(), weights.cuda(), ids.cuda(), grouped=grouped)
+    want = _moe64(x.bfloat16().float(), weights, ids, real, 0.3)
+    assert float((y.cpu().double() - want).norm() / want.norm()) < 2e-2  # bf16 operands and intermediate
