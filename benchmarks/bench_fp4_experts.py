@@ -30,8 +30,10 @@ import mla_compile  # noqa: E402,F401
 from mla_compile.fp4_linear import FP4Experts  # noqa: E402
 from mla_compile.moe import experts_grouped  # noqa: E402
 from mla_compile.ops import fp4_block_linear, fp8_block_linear  # noqa: E402
+from mla_compile.ops.triton import fp4_block_linear as tfp4  # noqa: E402
 
 DEV, HIDDEN, INTER, TOPK = "cuda", 4096, 2048, 6
+SWEEP = False
 
 
 def _fp4(*shape):
@@ -58,6 +60,19 @@ def linear_case(M, name, N, K):
     bk.attempt(group, "fp4 triton", lambda: fp4_block_linear(x, packed, scale, backend="triton"), flops,
                fp4_bytes(N, K))
     bk.attempt(group, "bf16 F.linear", lambda: F.linear(x, w_bf16), flops, 2 * N * K)
+    if SWEEP:
+        default = tfp4._config
+        for bn in (16, 32, 64):
+            for bkk in (128, 256):
+                for warps, stages in ((4, 3), (4, 4), (2, 3)):
+                    c = dict(BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, num_warps=warps,
+                             num_stages=stages)
+                    tfp4._config = lambda m, ieee, c=c: c
+                    try:
+                        bk.attempt(group, f"fp4 BN{bn} BK{bkk} w{warps} s{stages}",
+                                   bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K))
+                    finally:
+                        tfp4._config = default
     bk.attempt(group, "fp8 block triton", lambda: fp8_block_linear(x, w_fp8, s_fp8, backend="triton"), flops,
                N * K + 4 * s_fp8.numel())
 
@@ -93,7 +108,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--sweep", action="store_true", help="also time fp4 kernel tile configs (single expert)")
     args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
     sections = [lambda m=m, c=c: linear_case(m, *c) for m in (1, 64)
