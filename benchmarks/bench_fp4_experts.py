@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fp4_experts.py --out OUT_DIR [--experts 256]
 
-V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1 and 64, bf16 activations:
+V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1, 4 and 64, bf16 activations:
 - one expert's GEMV / GEMM, gate (N 2048, K 4096) and down (N 4096, K 2048): fp4 Triton vs bf16 ``F.linear``
   and the fp8 block Triton kernel on the same weight;
 - the routed experts of one MoE layer, 256 experts top-6 (tokens sorted by expert: each hit expert's weights
@@ -60,19 +60,20 @@ def linear_case(M, name, N, K):
     bk.attempt(group, "fp4 triton", lambda: fp4_block_linear(x, packed, scale, backend="triton"), flops,
                fp4_bytes(N, K))
     bk.attempt(group, "bf16 F.linear", lambda: F.linear(x, w_bf16), flops, 2 * N * K)
-    if SWEEP:
-        default = tfp4._config
-        for bn in (16, 32, 64):
-            for bkk in (128, 256):
-                for warps, stages in ((4, 3), (4, 4), (2, 3)):
-                    c = dict(BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, num_warps=warps,
-                             num_stages=stages)
-                    tfp4._config = lambda m, ieee, c=c: c
-                    try:
-                        bk.attempt(group, f"fp4 BN{bn} BK{bkk} w{warps} s{stages}",
-                                   bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K))
-                    finally:
-                        tfp4._config = default
+    if SWEEP and M <= tfp4.GEMV_ROWS:  # GEMV tile configs, each checked against the reference op
+        default = dict(tfp4.GEMV_CONFIG)
+        want = fp4_block_linear(x.float(), packed, scale, backend="reference").double()
+        for bn, bkk, warps in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 512, 8),
+                               (32, 256, 4), (32, 512, 8)):
+            tfp4.GEMV_CONFIG = dict(BLOCK_N=bn, BLOCK_K=bkk, num_warps=warps, num_stages=3)
+            try:
+                y = tfp4._launch(x, packed, scale).double()
+                err = float((y - want).norm() / want.norm())
+                bk.attempt(group, f"fp4 gemv BN{bn} BK{bkk} w{warps}",
+                           bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K),
+                           note=f"rel err {err:.1e}")
+            finally:
+                tfp4.GEMV_CONFIG = default
     bk.attempt(group, "fp8 block triton", lambda: fp8_block_linear(x, w_fp8, s_fp8, backend="triton"), flops,
                N * K + 4 * s_fp8.numel())
 
@@ -108,13 +109,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--sweep", action="store_true", help="also time fp4 kernel tile configs (single expert)")
+    ap.add_argument("--sweep", action="store_true", help="also time the fp4 GEMV kernel's tile configs")
     args = ap.parse_args()
     global SWEEP
     SWEEP = args.sweep
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
-    sections = [lambda m=m, c=c: linear_case(m, *c) for m in (1, 64)
+    sections = [lambda m=m, c=c: linear_case(m, *c) for m in (1, 4, 64)
                 for c in (("gate", INTER, HIDDEN), ("down", HIDDEN, INTER))]
     sections += [lambda t=t: moe_case(t, args.experts) for t in (1, 64)]
     for section in sections:

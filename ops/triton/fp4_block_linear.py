@@ -7,6 +7,12 @@ per 32 values), decodes both nibbles and the scale into float32 bit patterns in 
 nibbles against its odd columns, so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
 operands (the dequantized weights are exact in bf16: 2 significant bits, float32's exponent range), float32
 and float16 ``x`` in IEEE float32; the accumulator is float32.
+
+Few rows per weight (decode: one token per expert, or a handful) take the GEMV kernel instead: one program per
+row and ``BLOCK_N`` output columns, no ``tl.dot`` (whose 16-row minimum and operand shuffles cost more than the
+math), ``BLOCK_K`` values a step as ``[BLOCK_N, BLOCK_K / 32, 16]`` packed bytes: each 32-block's products are
+summed in float32, then scaled by its ue8m0 power of two and accumulated. Sorted groups map rows to groups with
+``torch.searchsorted`` on the device (no host sync).
 """
 
 from __future__ import annotations
@@ -127,6 +133,76 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
     return acc
 
 
+@triton.jit
+def _fp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, grp_ptr, y_ptr,
+    N, K, E,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``y[row, n-tile]`` for one row: dense (group = program_id 2; ``s_xe`` 0 shares x) or sorted (the row's
+    group read from ``grp``; group E = past ``offs[-1]``, written as zeros)."""
+    r = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if SORTED:
+        e = tl.load(grp_ptr + r).to(tl.int64)
+        x_row = x_ptr + r * s_xm
+        y_row = y_ptr + r * s_ym
+        if e == E:
+            tl.store(y_row + offs_n, tl.zeros([BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=n_ok)
+            return
+    else:
+        e = tl.program_id(2).to(tl.int64)
+        x_row = x_ptr + e * s_xe + r * s_xm
+        y_row = y_ptr + e * s_ye + r * s_ym
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, G)
+    offs_i = tl.arange(0, 16)
+    w_rows = w_ptr + e * s_we + offs_n.to(tl.int64) * s_wn
+    s_rows = s_ptr + e * s_se + offs_n.to(tl.int64) * s_sn
+    n_blocks = K // 32
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + offs_g  # the 32-blocks of this step
+        g_ok = g < n_blocks
+        byte = g[:, None] * 16 + offs_i[None, :]  # [G, 16] packed bytes = value pairs
+        x_even = tl.load(x_row + 2 * byte, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * byte + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        wm = n_ok[:, None, None] & g_ok[None, :, None]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=wm, other=0).to(tl.uint32)
+        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
+        part = tl.sum(_e2m1(packed & 15) * x_even[None, :, :] + _e2m1(packed >> 4) * x_odd[None, :, :], axis=2)
+        acc += tl.sum(part * _ue8m0(sbyte.to(tl.uint32)), axis=1)
+    tl.store(y_row + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_ROWS = 4  # at most this many rows per weight (on average, for sorted groups) take the GEMV kernel
+GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+
+
+def _gemv_config() -> dict:
+    return dict(GEMV_CONFIG)
+
+
+def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | None) -> None:
+    """GEMV path into ``y``: ``x3 [E or 1, M, K]`` / ``y [E, M, N]`` dense, or ``x3 [R, K]`` / ``y [R, N]`` with
+    ``grp [R]`` the group of each row (sorted)."""
+    E, N, half = w3.shape
+    cfg = _gemv_config()
+    sorted_rows = grp is not None
+    if grp is None:
+        s_xe = x3.stride(0) if x3.shape[0] == E else 0
+        grid = (x3.shape[1], triton.cdiv(N, cfg["BLOCK_N"]), E)
+        args = (s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1))
+        grp = y  # unused
+    else:
+        grid = (x3.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
+        args = (0, x3.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), 0, y.stride(0))
+    wrap_triton(_fp4_gemv_kernel)[grid](x3, w3, s3, grp, y, N, 2 * half, E, *args, SORTED=sorted_rows, **cfg)
+
+
 def _config(M: int, ieee: bool) -> dict:
     """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles."""
     block_m = 16 if M <= 16 else (32 if ieee else 64)
@@ -146,6 +222,10 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
     x = last_dim_contiguous(x)
     w = last_dim_contiguous(as_bytes(weight))
     s = last_dim_contiguous(as_bytes(weight_scale))
+    if R <= GEMV_ROWS * E:  # few rows per group: one program per row
+        rows = torch.arange(R, device=x.device, dtype=offs.dtype)
+        _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
+        return y
     cu = torch.cat([offs.new_zeros(1), offs])
     cfg = _config(R, x.dtype != torch.bfloat16)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
@@ -167,6 +247,9 @@ def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     x3 = last_dim_contiguous(x if x.dim() == 3 else x[None])
     y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
     if M * N == 0:
+        return y if grouped else y[0]
+    if M <= GEMV_ROWS:
+        _launch_gemv(x3, w3, s3, y, None)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
     cfg = _config(M, x.dtype != torch.bfloat16)

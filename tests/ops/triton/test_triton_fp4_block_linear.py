@@ -1,6 +1,7 @@
-"""The Triton ``mla::fp4_block_linear`` kernel: under Triton's CPU interpreter against the float64 model of the
-fp4 format (every code, both nibbles, ue8m0 extremes and NaN, odd shapes, grouped and sorted groups), and on a
-GPU (eager and compiled, DeepSeek-V4 expert shapes) against the same model."""
+"""The Triton ``mla::fp4_block_linear`` kernels (tiled GEMM and per-row GEMV, each on every case): under Triton's
+CPU interpreter against the float64 model of the fp4 format (every code, both nibbles, ue8m0 extremes and NaN,
+odd shapes, grouped and sorted groups), and on a GPU (eager and compiled, DeepSeek-V4 expert shapes) against
+the same model."""
 
 from __future__ import annotations
 
@@ -19,12 +20,30 @@ CASES = [((7, 160), (70, 160)), ((1, 32), (1, 32)), ((17, 96), (130, 96)), ((5, 
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 
 
+GEMV_CASES = [((1, 32), (1, 32)), ((3, 160), (70, 160)), ((2, 96), (3, 70, 96)), ((3, 2, 96), (3, 70, 96))]
+
+
+def _force(monkeypatch, path):
+    """Run the tiled ``tl.dot`` GEMM (GEMV_ROWS = 0) or the per-row GEMV (always) whatever the row count."""
+    from mla_compile.ops.triton import fp4_block_linear
+
+    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS", 0 if path == "dot" else 1 << 30)
+
+
+@pytest.fixture(params=["dot", "gemv"])
+def path(request, monkeypatch):
+    """Both kernels on the case."""
+    _force(monkeypatch, request.param)
+    return request.param
+
+
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("x_shape,w_shape", CASES)
-def test_interpreter_matches_float64(x_shape, w_shape, dtype):
+@pytest.mark.parametrize("path,x_shape,w_shape", [("dot", *c) for c in CASES] + [("gemv", *c) for c in GEMV_CASES])
+def test_interpreter_matches_float64(x_shape, w_shape, dtype, path, monkeypatch):
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
+    _force(monkeypatch, path)
     packed, scale = _weights(*w_shape)
     x = torch.randn(*x_shape).to(dtype)
     y = _launch(x, packed, scale)
@@ -35,7 +54,7 @@ def test_interpreter_matches_float64(x_shape, w_shape, dtype):
 
 
 @interpret
-def test_interpreter_every_code_and_nibble():
+def test_interpreter_every_code_and_nibble(path):
     """All 256 bytes across the rows (so every code sits in both nibbles), with scales 2^-3 .. 2^4."""
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
@@ -47,7 +66,7 @@ def test_interpreter_every_code_and_nibble():
 
 @interpret
 @pytest.mark.parametrize("byte", [0, 1, 127, 254])
-def test_interpreter_ue8m0_extremes(byte):
+def test_interpreter_ue8m0_extremes(byte, path):
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
     torch.manual_seed(byte)
@@ -62,7 +81,7 @@ def test_interpreter_ue8m0_extremes(byte):
 
 
 @interpret
-def test_interpreter_nan_scale():
+def test_interpreter_nan_scale(path):
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
     packed = torch.full((3, 32), 0x22, dtype=torch.uint8)
@@ -72,11 +91,12 @@ def test_interpreter_nan_scale():
 
 
 @interpret
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path,dtype", [("dot", torch.float32), ("dot", torch.bfloat16), ("gemv", torch.float32)])
 @pytest.mark.parametrize("offs", OFFS)
-def test_interpreter_sorted_groups(offs, dtype):
+def test_interpreter_sorted_groups(offs, dtype, path, monkeypatch):
     from mla_compile.ops.triton.fp4_block_linear import _launch_sorted
 
+    _force(monkeypatch, path)
     packed, scale = _weights(4, 70, 96)
     x = torch.randn(23, 96).to(dtype)
     offs = torch.tensor(offs, dtype=torch.int32)
@@ -94,7 +114,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 @needs_triton
 @pytest.mark.parametrize("x_shape,w_shape", CASES + [((1, 4096), (2048, 4096)), ((64, 2048), (4096, 2048)),
                                                      ((64, 4096), (6, 2048, 4096))])
-def test_triton_on_gpu_matches_float64(x_shape, w_shape):
+def test_triton_on_gpu_matches_float64(x_shape, w_shape, path):
     packed, scale = _weights(*w_shape)
     x = torch.randn(*x_shape).bfloat16()
     want = _ref64(x.float(), packed, scale)
@@ -109,7 +129,7 @@ def test_triton_on_gpu_matches_float64(x_shape, w_shape):
 
 @pytest.mark.cuda
 @needs_triton
-def test_triton_sorted_groups_on_gpu():
+def test_triton_sorted_groups_on_gpu(path):
     packed, scale = _weights(8, 2048, 4096)
     x = torch.randn(300, 4096).bfloat16()
     offs = torch.tensor([10, 10, 90, 150, 151, 200, 290, 290], dtype=torch.int32)
@@ -121,7 +141,7 @@ def test_triton_sorted_groups_on_gpu():
 @pytest.mark.cuda
 @needs_triton
 @pytest.mark.parametrize("byte", [0, 254])
-def test_triton_extremes_on_gpu(byte):
+def test_triton_extremes_on_gpu(byte, path):
     """Subnormal 2^-127 and 2^127 scales decode exactly on the GPU (no flush to zero)."""
     torch.manual_seed(byte)
     packed = torch.randint(0, 256, (64, 64), dtype=torch.uint8)
