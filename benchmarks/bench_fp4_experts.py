@@ -74,6 +74,21 @@ def linear_case(M, name, N, K):
                            note=f"rel err {err:.1e}")
             finally:
                 tfp4.GEMV_CONFIG = default
+    if SWEEP and M > tfp4.GEMV_ROWS:  # tiled-kernel configs (4 or 8 warps), each checked against the reference
+        default = tfp4._config
+        want = fp4_block_linear(x.float(), packed, scale, backend="reference").double()
+        for bm, bn, bkk, warps, stages in ((64, 32, 128, 4, 3), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3),
+                                           (32, 64, 128, 4, 3), (64, 64, 128, 4, 4)):
+            c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, num_warps=warps, num_stages=stages)
+            tfp4._config = lambda m, ieee, c=c: c
+            try:
+                y = tfp4._launch(x, packed, scale).double()
+                err = float((y - want).norm() / want.norm())
+                bk.attempt(group, f"fp4 tiled BM{bm} BN{bn} BK{bkk} w{warps} s{stages}",
+                           bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K),
+                           note=f"rel err {err:.1e}")
+            finally:
+                tfp4._config = default
     bk.attempt(group, "fp8 block triton", lambda: fp8_block_linear(x, w_fp8, s_fp8, backend="triton"), flops,
                N * K + 4 * s_fp8.numel())
 
@@ -109,7 +124,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--sweep", action="store_true", help="also time the fp4 GEMV kernel's tile configs")
+    ap.add_argument("--sweep", action="store_true", help="also time the fp4 kernels' tile configs")
     args = ap.parse_args()
     global SWEEP
     SWEEP = args.sweep

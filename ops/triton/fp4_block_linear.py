@@ -1,10 +1,11 @@
 """Triton ``mla::fp4_block_linear``: a tiled GEMM over DeepSeek-V4's packed-fp4 weights (e2m1 + ue8m0 per 32).
 
 Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert). The K loop walks
-``BLOCK_K`` values a step: it loads ``BLOCK_K / 2`` packed bytes per weight row and the row's ue8m0 bytes (one
-per 32 values), decodes both nibbles and the scale into float32 bit patterns in registers (exact: every
-``e2m1 * 2^(s-127)`` is a float32), and runs two dots, the low nibbles against x's even columns and the high
-nibbles against its odd columns, so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
+``BLOCK_K`` values a step: it loads the packed bytes as ``[BLOCK_N, BLOCK_K / 32, 16]`` and the rows' ue8m0 bytes
+as ``[BLOCK_N, BLOCK_K / 32]`` (one per 32 values, broadcast over the block), decodes both nibbles and the
+scale into float32 bit patterns in registers (exact: every ``e2m1 * 2^(s-127)`` is a float32), and runs two
+dots, the low nibbles against x's even columns and the high nibbles against its odd columns (x split in
+registers), so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
 operands (the dequantized weights are exact in bf16: 2 significant bits, float32's exponent range), float32
 and float16 ``x`` in IEEE float32; the accumulator is float32.
 
@@ -103,27 +104,33 @@ def _fp4_sorted_kernel(
 @triton.jit
 def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``."""
+    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``. A step
+    loads x ``[BLOCK_M, BLOCK_K]`` (split into even / odd columns in registers), the packed bytes as
+    ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes."""
+    G: tl.constexpr = BLOCK_K // 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, BLOCK_K // 2)  # packed byte (= pair of K values) within a step
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, G)
+    offs_i = tl.arange(0, 16)
     n_ok = offs_n < N
-    half = K // 2
+    n_blocks = K // 32
     x_rows = x_base + offs_m.to(tl.int64) * s_xm
     w_rows = w_base + offs_n.to(tl.int64) * s_wn
     s_rows = s_base + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        j = k0 // 2 + offs_j
-        j_ok = j < half
-        xm = m_ok[:, None] & j_ok[None, :]
-        x_even = tl.load(x_rows[:, None] + 2 * j[None, :], mask=xm, other=0.0)
-        x_odd = tl.load(x_rows[:, None] + 2 * j[None, :] + 1, mask=xm, other=0.0)
-        wm = n_ok[:, None] & j_ok[None, :]
-        packed = tl.load(w_rows[:, None] + j[None, :], mask=wm, other=0).to(tl.uint32)
-        sbyte = tl.load(s_rows[:, None] + (j // 16)[None, :], mask=wm, other=127).to(tl.uint32)
-        scale = _ue8m0(sbyte)
-        w_lo = _e2m1(packed & 15) * scale
-        w_hi = _e2m1(packed >> 4) * scale
+        k = k0 + offs_k
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        g = k0 // 32 + offs_g
+        g_ok = g < n_blocks
+        byte = g[:, None] * 16 + offs_i[None, :]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None],
+                         other=0).to(tl.uint32)
+        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
+        scale = _ue8m0(sbyte.to(tl.uint32))[:, :, None]
+        w_lo = tl.reshape(_e2m1(packed & 15) * scale, (BLOCK_N, BLOCK_K // 2))
+        w_hi = tl.reshape(_e2m1(packed >> 4) * scale, (BLOCK_N, BLOCK_K // 2))
         if IEEE:
             acc += tl.dot(x_even.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -178,8 +185,12 @@ def _fp4_gemv_kernel(
     tl.store(y_row + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-GEMV_ROWS = 4  # at most this many rows per weight (on average, for sorted groups) take the GEMV kernel
-GEMV_CONFIG = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+# At most GEMV_ROWS rows per weight take the GEMV kernel (sorted groups: at most GEMV_ROWS_SORTED per group on
+# average; each row re-reads its group's weights, so several rows per group go to the tiled kernel). Tiles
+# from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
+GEMV_ROWS = 4
+GEMV_ROWS_SORTED = 1
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
 def _gemv_config() -> dict:
@@ -208,8 +219,8 @@ def _config(M: int, ieee: bool) -> dict:
     block_m = 16 if M <= 16 else (32 if ieee else 64)
     block_n = 32 if ieee else 64
     num_warps, num_stages = (8, 1) if ieee else (4, 3)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, IEEE=ieee, num_warps=num_warps,
-                num_stages=num_stages)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee,
+                num_warps=num_warps, num_stages=num_stages)
 
 
 def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor) -> Tensor:
@@ -222,7 +233,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
     x = last_dim_contiguous(x)
     w = last_dim_contiguous(as_bytes(weight))
     s = last_dim_contiguous(as_bytes(weight_scale))
-    if R <= GEMV_ROWS * E:  # few rows per group: one program per row
+    if R <= GEMV_ROWS_SORTED * E:  # few rows per group: one program per row
         rows = torch.arange(R, device=x.device, dtype=offs.dtype)
         _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
         return y

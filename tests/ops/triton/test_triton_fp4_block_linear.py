@@ -28,6 +28,7 @@ def _force(monkeypatch, path):
     from mla_compile.ops.triton import fp4_block_linear
 
     monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS", 0 if path == "dot" else 1 << 30)
+    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS_SORTED", 0 if path == "dot" else 1 << 30)
 
 
 @pytest.fixture(params=["dot", "gemv"])
