@@ -21,8 +21,8 @@ weight, ``x [R, K]`` and ``offs [E]`` int32 cumulative row ends (rows ``[offs[e-
 -> ``y [R, N]``, rows past ``offs[-1]`` get 0. ``y`` has x's dtype; the math runs in float32 (float64 for a
 float64 ``x``). Dequantized weights must be finite in float32 (``|W| <= 3.4e38``), as every real one is.
 
-Backends: "reference" (any device, every form), "triton" (CUDA, every form; the nibbles decoded and scaled
-in registers).
+Backends: "reference" (any device, every form; dequantizes every weight it is given, so on a GPU only for
+tests), "triton" (CUDA, every form, the default there; the nibbles decoded and scaled in registers).
 """
 
 from __future__ import annotations
@@ -158,5 +158,6 @@ def _triton(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor | None
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=False, kernels=("fp4_block_linear_triton", "_fp4_linear_kernel", "_fp4_sorted_kernel"),
-        note="ours: e2m1 nibbles and ue8m0 scales decoded in registers")
+        gpu_tested=True, kernels=("fp4_block_linear_triton", "_fp4_linear_kernel", "_fp4_sorted_kernel",
+                                  "_fp4_gemv_kernel"),
+        note="ours: e2m1 nibbles and ue8m0 scales decoded in registers; a per-row GEMV for few rows per weight")
