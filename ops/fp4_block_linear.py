@@ -46,7 +46,7 @@ def e2m1_values(dtype: torch.dtype = torch.float32, device: torch.device | str |
     """The 16 e2m1 code values ``[16]`` (index = the 4-bit code), from the sign / exponent / mantissa fields."""
     code = torch.arange(16, device=device)
     sign, e, m = code >> 3, (code >> 1) & 3, (code & 1).to(torch.float64)
-    mag = torch.where(e == 0, m / 2, (1 + m / 2) * torch.exp2((e - 1).to(torch.float64)))
+    mag = torch.where(e == 0, m / 2, torch.ldexp(1 + m / 2, e - 1))
     return torch.where(sign == 1, -mag, mag).to(dtype)
 
 
@@ -85,7 +85,7 @@ def validate(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor | Non
 def scale_values(weight_scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """ue8m0 bytes -> ``2^(byte - 127)`` in ``dtype`` (NaN for byte 255), same shape."""
     s = as_bytes(weight_scale).to(torch.int32)
-    val = torch.exp2((s - 127).to(torch.float64))  # exact: every power 2^-127 .. 2^128 is a float64
+    val = torch.ldexp(torch.ones(s.shape, dtype=torch.float64, device=s.device), s - 127)  # exact in float64
     return torch.where(s == 255, torch.nan, val).to(dtype)
 
 
