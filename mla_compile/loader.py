@@ -3,8 +3,9 @@
 The HF model is built on the meta device; the shards are read tensor by tensor with ``safe_open`` and each
 tensor is assigned on the target device, so host memory peaks at about one shard plus the loaded weights.
 Linears with a ``weight_scale_inv`` in the checkpoint become :class:`~mla_compile.fp8_linear.FP8BlockLinear`
-(fp8 kept in memory); fp8 experts become :class:`~mla_compile.fp8_linear.FP8Experts`; ``kv_b_proj`` is
-dequantized once (the absorbed decode reads its weight as ``W_UK`` / ``W_UV``).
+(fp8 kept in memory); fp8 experts become :class:`~mla_compile.fp8_linear.FP8Experts`, and with
+``expert_dtype: "fp4"`` (DeepSeek-V4's packed e2m1 + ue8m0) :class:`~mla_compile.fp4_linear.FP4Experts`, kept
+packed; ``kv_b_proj`` is dequantized once (the absorbed decode reads its weight as ``W_UK`` / ``W_UV``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from torch import Tensor, nn
 
 from mla_compile.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index, read_config,
                                     read_fp8_format, read_index)
+from mla_compile.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
+from mla_compile.fp4_linear import FP4Experts
 from mla_compile.fp8_linear import FP8BlockLinear, FP8Experts
 from mla_compile.model import MLAForCausalLM, patch
 from mla_compile.ops.fp8_block_linear import dequantize
@@ -32,7 +35,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     :class:`MLAForCausalLM` on ``device`` (default cpu).
 
     ``dtype``: of the non-fp8 weights (default: the config's dtype, else bfloat16); fp8 weights stay
-    float8_e4m3fn with float32 block scales. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
+    float8_e4m3fn with float32 block scales, fp4 experts (``expert_dtype: "fp4"``) packed uint8 with ue8m0 bytes. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
     ``parallel``: not built yet (NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
     MTP layers (``num_nextn_predict_layers``) are skipped.
     Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
@@ -43,11 +46,12 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     root = Path(path)
     config = read_config(root)
     fp8 = read_fp8_format(config, root)
+    fp4_experts = expert_dtype(config, root) == "fp4"
     index = read_index(root)
     device = torch.device(device or "cpu")
     dtype = dtype or _config_dtype(config)
     hf = _meta_model(config)
-    kv_b = _swap_fp8_modules(hf, config, index)
+    kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)
     if kv_b and fp8 is None:
         log.info("%s: weight_scale_inv tensors without a quantization_config; loading them as fp8 blocks", root)
     loader = _Loader(hf, index, device, dtype, kv_b)
@@ -77,9 +81,9 @@ def _meta_model(config) -> nn.Module:
         return cls(config)
 
 
-def _swap_fp8_modules(hf: nn.Module, config, index: ShardIndex) -> set[str]:
-    """Replace modules whose checkpoint weights are fp8 (a ``weight_scale_inv`` exists); returns the
-    ``kv_b_proj`` prefixes, which stay ``nn.Linear`` and are dequantized at load."""
+def _swap_fp8_modules(hf: nn.Module, config, index: ShardIndex, fp4_experts: bool = False) -> set[str]:
+    """Replace modules whose checkpoint weights are fp8 (a ``weight_scale_inv`` exists; experts: fp4 when
+    ``fp4_experts``); returns the ``kv_b_proj`` prefixes, which stay ``nn.Linear`` and are dequantized at load."""
     kv_b, experts = set(), set()
     for key in index.weight_map:
         if not key.endswith(SCALE_SUFFIX) or (layer_index(key) or 0) >= config.num_hidden_layers:
@@ -98,8 +102,10 @@ def _swap_fp8_modules(hf: nn.Module, config, index: ShardIndex) -> set[str]:
             _set_submodule(hf, prefix, FP8BlockLinear(linear.in_features, linear.out_features, device="meta"))
     for prefix in experts:
         old = _submodule(hf, prefix, prefix, index)
-        _set_submodule(hf, prefix, FP8Experts(config.n_routed_experts, config.hidden_size,
-                                              config.moe_intermediate_size, old.act_fn, device="meta"))
+        cls = FP4Experts if fp4_experts else FP8Experts
+        extra = dict(swiglu_limit=getattr(config, "swiglu_limit", None)) if fp4_experts else {}
+        _set_submodule(hf, prefix, cls(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
+                                       old.act_fn, device="meta", **extra))
     return kv_b
 
 
@@ -203,6 +209,13 @@ class _Loader:
         """One expert's projection into the stacked tensor of its experts module."""
         experts = self.hf.get_submodule(m["module"])
         j, proj, name = int(m["index"]), m["proj"], m["name"]
+        if isinstance(experts, FP4Experts):  # packed bytes copied as they are, never dequantized
+            place_fp4_expert(experts, parse_expert_key(key), key, t, file, device=self.device)
+            self.filled.add((m["module"], f"{proj}.{name}", j))
+            return
+        if t.dtype in (torch.int8, torch.uint8):
+            raise CheckpointError(f"{file}: tensor {key} is {t.dtype}: packed fp4 expert weights need "
+                                  "quantization_config.expert_dtype 'fp4' in config.json")
         if isinstance(experts, FP8Experts):
             param = proj + (SCALE_SUFFIX if name != "weight" else "")
             rows = slice(None)
@@ -232,7 +245,7 @@ class _Loader:
             if not module_name.endswith(".experts") or not hasattr(experts, "down_proj"):
                 continue
             names = [f"{p}.{n}" for p in ("gate_proj", "up_proj", "down_proj") for n in ("weight", "weight_scale_inv")
-                     if n == "weight" or isinstance(experts, FP8Experts)]
+                     if n == "weight" or isinstance(experts, (FP8Experts, FP4Experts))]
             num = experts.down_proj.shape[0]
             missing += [f"{module_name}.{j}.{n}" for j in range(num) for n in names
                         if (module_name, n, j) not in self.filled]

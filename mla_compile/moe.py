@@ -96,8 +96,10 @@ class MLAMoE(nn.Module):
         self.gate = hf_moe.gate
         self.experts = hf_moe.experts
         self.shared_experts = hf_moe.shared_experts
-        # fp8 experts (mla_compile.fp8_linear.FP8Experts, from a DeepSeek fp8 checkpoint) run themselves
-        self.fp8_experts = bool(getattr(self.experts, "is_fp8_block", False))
+        # quantized experts (mla_compile.fp8_linear.FP8Experts, fp4_linear.FP4Experts, from a DeepSeek fp8 /
+        # V4 fp4 checkpoint) run themselves
+        self.fp8_experts = bool(getattr(self.experts, "is_fp8_block", False)
+                                or getattr(self.experts, "is_fp4_block", False))
         for name in () if self.fp8_experts else ("gate_up_proj", "down_proj", "act_fn"):
             if not hasattr(self.experts, name):
                 raise ValueError(f"MoE experts module {type(self.experts).__name__} has no {name}: expected the "

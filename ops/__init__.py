@@ -13,6 +13,7 @@ from mla_compile.ops.decode import decode
 from mla_compile.ops import decode_autotune as _decode_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401  (registers mla::write_latent_cache_fused)
 from mla_compile.ops import absorb as _absorb  # noqa: E402,F401  (registers mla::absorb_q, mla::absorb_out)
+from mla_compile.ops.fp4_block_linear import fp4_block_linear
 from mla_compile.ops.fp8_block_linear import fp8_block_linear
 from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
@@ -26,6 +27,6 @@ from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-lib
 __all__ = [
     "adapters", "backends_for", "checked_mode", "context_attention", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
-    "decode_fp8", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
+    "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
     "lightning_index", "sink_window_indices", "sparse_decode", "to_csr", "write_index_cache",
 ]

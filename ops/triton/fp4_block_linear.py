@@ -1,0 +1,286 @@
+"""Triton ``mla::fp4_block_linear``: a tiled GEMM over DeepSeek-V4's packed-fp4 weights (e2m1 + ue8m0 per 32).
+
+Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert). The K loop walks
+``BLOCK_K`` values a step: it loads the packed bytes as ``[BLOCK_N, BLOCK_K / 32, 16]`` and the rows' ue8m0 bytes
+as ``[BLOCK_N, BLOCK_K / 32]`` (one per 32 values, broadcast over the block), decodes both nibbles and the
+scale into float32 bit patterns in registers (exact: every ``e2m1 * 2^(s-127)`` is a float32), and runs two
+dots, the low nibbles against x's even columns and the high nibbles against its odd columns (x split in
+registers), so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
+operands (the dequantized weights are exact in bf16: 2 significant bits, float32's exponent range), float32
+and float16 ``x`` in IEEE float32; the accumulator is float32.
+
+Few rows per weight (decode: one token per expert, or a handful) take the GEMV kernel instead: one program per
+row and ``BLOCK_N`` output columns, no ``tl.dot`` (whose 16-row minimum and operand shuffles cost more than the
+math), ``BLOCK_K`` values a step as ``[BLOCK_N, BLOCK_K / 32, 16]`` packed bytes: each 32-block's products are
+summed in float32, then scaled by its ue8m0 power of two and accumulated. Sorted groups map rows to groups with
+``torch.searchsorted`` on the device (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from mla_compile.ops.fp4_block_linear import as_bytes, validate
+from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
+
+BLOCK_K = 128  # K values per loop step: 64 packed bytes, 4 scales per weight row
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (uint32 in [0, 16)) -> float32 values, built as bit patterns: ``e == 0`` is 0 or 0.5,
+    otherwise exponent ``e - 1`` with the mantissa bit as float32's top fraction bit; bit 3 the sign."""
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((code >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0(s):
+    """ue8m0 bytes (uint32) -> ``2^(s - 127)`` float32 (byte 0: the subnormal 2^-127; byte 255: NaN)."""
+    bits = tl.where(s == 0, 1 << 22, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr,
+    M, N, K,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_n = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _fp4_sorted_kernel(
+    x_ptr, w_ptr, s_ptr, cu_ptr, y_ptr,
+    R, N, K, E,
+    s_xm, s_we, s_wn, s_se, s_sn, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
+    ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = -1
+    for c in range(0, E + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        e += tiles_started(tl.load(cu_ptr + idx, mask=idx <= E, other=0), idx, E, slot, BLOCK_M)
+    start = tl.load(cu_ptr + e).to(tl.int32)
+    m0 = (slot - (start // BLOCK_M + e)) * BLOCK_M
+    offs_m = start + m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    n_ok = (offs_n < N)[None, :]
+    if e == E:  # rows past cu[E]
+        tl.store(y, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_ok)
+        return
+    end = tl.load(cu_ptr + e + 1).to(tl.int32)
+    if start + m0 >= end:  # an unused slot between two groups' tiles
+        return
+    m_ok = offs_m < end
+    e64 = e.to(tl.int64)
+    acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K,
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``. A step
+    loads x ``[BLOCK_M, BLOCK_K]`` (split into even / odd columns in registers), the packed bytes as
+    ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, G)
+    offs_i = tl.arange(0, 16)
+    n_ok = offs_n < N
+    n_blocks = K // 32
+    x_rows = x_base + offs_m.to(tl.int64) * s_xm
+    w_rows = w_base + offs_n.to(tl.int64) * s_wn
+    s_rows = s_base + offs_n.to(tl.int64) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        g = k0 // 32 + offs_g
+        g_ok = g < n_blocks
+        byte = g[:, None] * 16 + offs_i[None, :]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None],
+                         other=0).to(tl.uint32)
+        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
+        scale = _ue8m0(sbyte.to(tl.uint32))[:, :, None]
+        w_lo = tl.reshape(_e2m1(packed & 15) * scale, (BLOCK_N, BLOCK_K // 2))
+        w_hi = tl.reshape(_e2m1(packed >> 4) * scale, (BLOCK_N, BLOCK_K // 2))
+        if IEEE:
+            acc += tl.dot(x_even.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_even.to(tl.bfloat16), tl.trans(w_lo.to(tl.bfloat16)))
+            acc += tl.dot(x_odd.to(tl.bfloat16), tl.trans(w_hi.to(tl.bfloat16)))
+    return acc
+
+
+@triton.jit
+def _fp4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, grp_ptr, y_ptr,
+    N, K, E,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``y[row, n-tile]`` for one row: dense (group = program_id 2; ``s_xe`` 0 shares x) or sorted (the row's
+    group read from ``grp``; group E = past ``offs[-1]``, written as zeros)."""
+    r = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    if SORTED:
+        e = tl.load(grp_ptr + r).to(tl.int64)
+        x_row = x_ptr + r * s_xm
+        y_row = y_ptr + r * s_ym
+        if e == E:
+            tl.store(y_row + offs_n, tl.zeros([BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=n_ok)
+            return
+    else:
+        e = tl.program_id(2).to(tl.int64)
+        x_row = x_ptr + e * s_xe + r * s_xm
+        y_row = y_ptr + e * s_ye + r * s_ym
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, G)
+    offs_i = tl.arange(0, 16)
+    w_rows = w_ptr + e * s_we + offs_n.to(tl.int64) * s_wn
+    s_rows = s_ptr + e * s_se + offs_n.to(tl.int64) * s_sn
+    n_blocks = K // 32
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + offs_g  # the 32-blocks of this step
+        g_ok = g < n_blocks
+        byte = g[:, None] * 16 + offs_i[None, :]  # [G, 16] packed bytes = value pairs
+        x_even = tl.load(x_row + 2 * byte, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * byte + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        wm = n_ok[:, None, None] & g_ok[None, :, None]
+        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=wm, other=0).to(tl.uint32)
+        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
+        part = tl.sum(_e2m1(packed & 15) * x_even[None, :, :] + _e2m1(packed >> 4) * x_odd[None, :, :], axis=2)
+        acc += tl.sum(part * _ue8m0(sbyte.to(tl.uint32)), axis=1)
+    tl.store(y_row + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# At most GEMV_ROWS rows per weight take the GEMV kernel (sorted groups: at most GEMV_ROWS_SORTED per group on
+# average; each row re-reads its group's weights, so several rows per group go to the tiled kernel). Tiles
+# from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
+GEMV_ROWS = 4
+GEMV_ROWS_SORTED = 1
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+
+
+def _gemv_config() -> dict:
+    return dict(GEMV_CONFIG)
+
+
+def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | None) -> None:
+    """GEMV path into ``y``: ``x3 [E or 1, M, K]`` / ``y [E, M, N]`` dense, or ``x3 [R, K]`` / ``y [R, N]`` with
+    ``grp [R]`` the group of each row (sorted)."""
+    E, N, half = w3.shape
+    cfg = _gemv_config()
+    sorted_rows = grp is not None
+    if grp is None:
+        s_xe = x3.stride(0) if x3.shape[0] == E else 0
+        grid = (x3.shape[1], triton.cdiv(N, cfg["BLOCK_N"]), E)
+        args = (s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1))
+        grp = y  # unused
+    else:
+        grid = (x3.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
+        args = (0, x3.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), 0, y.stride(0))
+    wrap_triton(_fp4_gemv_kernel)[grid](x3, w3, s3, grp, y, N, 2 * half, E, *args, SORTED=sorted_rows, **cfg)
+
+
+def _config(M: int, ieee: bool) -> dict:
+    """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles. BLOCK_N 32:
+    twice the programs of 64 and the fastest bf16 tile at V4-Flash expert shapes on the H200 (M 64: 38 / 18 us
+    for gate / down against 63 / 33 us at 64)."""
+    block_m = 16 if M <= 16 else (32 if ieee else 64)
+    block_n = 32
+    num_warps, num_stages = (8, 1) if ieee else (4, 3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor) -> Tensor:
+    """Sorted-groups kernel path: ``x [R, K]`` with ``offs [E]`` cumulative row ends -> ``[R, N]``."""
+    E, N, half = weight.shape
+    R = x.shape[0]
+    y = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R * N == 0:
+        return y
+    x = last_dim_contiguous(x)
+    w = last_dim_contiguous(as_bytes(weight))
+    s = last_dim_contiguous(as_bytes(weight_scale))
+    if R <= GEMV_ROWS_SORTED * E:  # few rows per group: one program per row
+        rows = torch.arange(R, device=x.device, dtype=offs.dtype)
+        _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
+        return y
+    cu = torch.cat([offs.new_zeros(1), offs])
+    cfg = _config(R, x.dtype != torch.bfloat16)
+    grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
+    wrap_triton(_fp4_sorted_kernel)[grid](
+        x, w, s, cu, y, R, N, 2 * half, E,
+        x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
+        CHUNK=128, **cfg,
+    )
+    return y
+
+
+def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
+    grouped = weight.dim() == 3
+    w3 = last_dim_contiguous(as_bytes(weight if grouped else weight[None]))
+    s3 = last_dim_contiguous(as_bytes(weight_scale if grouped else weight_scale[None]))
+    E, N, half = w3.shape
+    M = x.shape[-2]
+    x3 = last_dim_contiguous(x if x.dim() == 3 else x[None])
+    y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+    if M * N == 0:
+        return y if grouped else y[0]
+    if M <= GEMV_ROWS:
+        _launch_gemv(x3, w3, s3, y, None)
+        return y if grouped else y[0]
+    s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
+    cfg = _config(M, x.dtype != torch.bfloat16)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
+    wrap_triton(_fp4_linear_kernel)[grid](
+        x3, w3, s3, y, M, N, 2 * half,
+        s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),
+        **cfg,
+    )
+    return y if grouped else y[0]
+
+
+@triton_op("mla::fp4_block_linear_triton", mutates_args=())
+def fp4_block_linear_triton(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor | None = None) -> Tensor:
+    """Triton ``mla::fp4_block_linear`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return torch.ops.mla.fp4_block_linear_ref(x, weight, weight_scale, offs)
+    validate(x, weight, weight_scale, offs)
+    if offs is not None:
+        return _launch_sorted(x, weight, weight_scale, offs)
+    return _launch(x, weight, weight_scale)
