@@ -51,12 +51,28 @@ def _steps(vocab: int, seed: int):
     return steps
 
 
-def _run(model, steps):
+def _other_batch_steps(vocab: int, seed: int):
+    """Four prompts of other lengths, prefilled then decoded once: other batch sizes than :func:`_steps`."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 7, 2, 10)]
+    nxt = torch.randint(0, vocab, (4,), generator=gen).tolist()
+    blocks = _blocks([len(p) + 1 for p in prompts], seed)
+    return [plan_step([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], BS),
+            plan_step([SeqChunk(b, [t], len(p)) for b, t, p in zip(blocks, nxt, prompts)], [], BS)]
+
+
+def _run(model, steps, dynamic=False):
+    """Logits of every step (real rows), from a freshly allocated NaN-filled cache. ``model`` may be a pair
+    ``(step function, model owning the cache)``; ``dynamic`` marks per-step sizes dynamic."""
+    from mla_compile.metadata import mark_dynamic
+
     model_fn, model_obj = model if isinstance(model, tuple) else (model, model)
     model_obj.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
     outs = []
     with torch.no_grad():
         for s in steps:
+            if dynamic:
+                mark_dynamic(s.input_ids, s.positions, s.meta)
             outs.append(model_fn(s.input_ids, s.positions, s.meta)[:s.num_rows].clone())
     return outs
 
@@ -98,8 +114,14 @@ def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too):
             return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
 
         compiled = torch.compile(model, fullgraph=True, backend=record)
-        got_c = _run((compiled, model), steps)
+        got_c = _run((compiled, model), steps, dynamic=True)
         res["compiled_err"] = _max_err(got_c, want)
+        graphs = counters["stats"]["unique_graphs"]
+        other = _other_batch_steps(hf.config.vocab_size, seed=2)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got_o = _run((compiled, model), other, dynamic=True)
+        res["other_batch_err"] = _max_err(got_o, _run(ref, other))
+        res["recompiled"] = counters["stats"]["unique_graphs"] - graphs
         res["graph_breaks"] = dict(counters["graph_break"])
         res["collectives"] = sorted(t for t in seen if "c10d" in t)
     return res
@@ -133,14 +155,17 @@ def mismatch(rank, world):
     return None
 
 
-def dead_peer(rank, world, timeout_s):
-    """Rank 1 exits after init; rank 0's next collective must raise (seconds it took, error text)."""
+def dead_peer(rank, world, timeout_s, how):
+    """Rank 1 exits (``how="exit"``) or stops taking part (``"hang"``: sleeps past the timeout, then exits)
+    after init; rank 0's next collective must raise (seconds it took, error text)."""
     import torch.distributed as dist
 
     state = init(ParallelConfig(tp=world), timeout=timeout_s)
     x = torch.ones(4)
     dist.all_reduce(x)
     if rank == 1:
+        if how == "hang":
+            time.sleep(timeout_s + 5)
         os._exit(0)
     t0 = time.monotonic()
     try:
@@ -149,3 +174,87 @@ def dead_peer(rank, world, timeout_s):
     except Exception as e:  # noqa: BLE001
         return {"seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"[:300]}
     return None
+
+
+def lonely(rank, world, timeout_s):
+    """Rank 0 of a world of 2 whose peer never comes: init must raise within the timeout."""
+    t0 = time.monotonic()
+    try:
+        init(ParallelConfig(tp=2), rank=0, world_size=2, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001
+        return {"seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"[:300]}
+    return None
+
+
+def groups_layout(rank, world, pconf):
+    """This rank's groups (ranks, index, whether a process group backs them) and a sum over its attention group."""
+    import torch.distributed._functional_collectives as funcol
+
+    state = init(ParallelConfig(**pconf), timeout=30)
+    out = {name: (list(getattr(state, name).ranks), getattr(state, name).rank)
+           for name in ("tp", "attn", "dcp", "ep", "moe_tp")}
+    out["real"] = {name: getattr(state, name).group is not None for name in ("tp", "attn", "dcp", "ep", "moe_tp")}
+    out["sum"] = float(funcol.all_reduce(torch.tensor([rank + 1.0]), "sum", state.attn.group)[0])
+    return out
+
+
+def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
+    """Each rank holds its tokens of every sequence (block-interleaved) in its own NaN-filled paged cache and
+    runs ``dcp_decode``; returns the max errors against a float64 softmax over the whole rows and against
+    ``ops.decode`` over one unsplit cache, and (compiled) the ops in the graph."""
+    from mla_compile import ops
+    from mla_compile.parallel import dcp
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=30)
+    gen = torch.Generator().manual_seed(123)  # the same data on every rank
+    B, H, Dc, R, bs = len(seq_lens), 4, 32, 16, 4
+    D, scale = Dc + R, 0.3
+    rows = [torch.randn(n, D, generator=gen) for n in seq_lens]
+    q = torch.randn(B, H, D, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    local = dcp.local_seq_lens(lens, world, rank, interleave)
+    max_blocks = max(1, max(-(-int(n) // bs) for n in local))
+    cache = torch.full((B * max_blocks + 2, bs, D), float("nan"))
+    perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(rank))
+    table = perm[:B * max_blocks].view(B, max_blocks).int()
+    for b, r in enumerate(rows):
+        pos = torch.arange(r.shape[0])
+        slots = dcp.local_slot_mapping(pos, table, torch.full_like(pos, b), bs, world, rank, interleave)
+        keep = slots >= 0
+        cache.view(-1, D)[slots[keep]] = r[keep]
+    fn = dcp.dcp_decode
+    seen: set[str] = set()
+    if compile_it:
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(gm, example_inputs):
+            def fw(g, _):
+                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+                return g.forward
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+        fn = torch.compile(dcp.dcp_decode, fullgraph=True, backend=record)
+    out, lse = fn(q, cache, table, local, scale, state.dcp, kv_lora_rank=Dc)
+    # float64 reference from the math: softmax(q k^T * scale) v over each whole sequence
+    err_out = err_lse = 0.0
+    for b, r in enumerate(rows):
+        if r.shape[0] == 0:
+            want_out, want_lse = torch.zeros(H, Dc, dtype=torch.float64), torch.full((H,), float("-inf"), dtype=torch.float64)
+        else:
+            s = q[b].double() @ r.double().T * scale
+            want_lse = torch.logsumexp(s, -1)
+            want_out = torch.softmax(s, -1) @ r.double()[:, :Dc]
+        assert bool(torch.equal(torch.isinf(lse[b]), torch.isinf(want_lse))), (b, lse[b], want_lse)
+        fin = torch.isfinite(want_lse)
+        err_lse = max(err_lse, float((lse[b].double() - want_lse)[fin].abs().max()) if bool(fin.any()) else 0.0)
+        err_out = max(err_out, float((out[b].double() - want_out).abs().max()))
+    # and the single-rank op over one unsplit cache
+    nb = max(1, max(-(-n // bs) for n in seq_lens))
+    whole = torch.full((B * nb, bs, D), float("nan"))
+    wtable = torch.arange(B * nb).view(B, nb).int()
+    for b, r in enumerate(rows):
+        whole.view(-1, D)[b * nb * bs: b * nb * bs + r.shape[0]] = r
+    u_out, u_lse = ops.decode(q, whole, wtable, lens, scale, kv_lora_rank=Dc)
+    return {"err_out": err_out, "err_lse": err_lse, "local_lens": local.tolist(),
+            "vs_unsplit": float((out - u_out).abs().max()),
+            "finite": bool(torch.isfinite(out).all()), "ops": sorted(t for t in seen if "c10d" in t or "mla" in t)}

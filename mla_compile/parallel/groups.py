@@ -71,14 +71,17 @@ def _env_int(name: str) -> int | None:
 
 def init(config: ParallelConfig, rank: int | None = None, world_size: int | None = None,
          backend: str | None = None, *, init_method: str | None = None,
-         timeout: timedelta | float = DEFAULT_TIMEOUT, device: torch.device | str | None = None) -> ParallelState:
+         timeout: timedelta | float = DEFAULT_TIMEOUT, device: torch.device | str | None = None,
+         single_rank_collectives: bool = False) -> ParallelState:
     """Set up ``torch.distributed`` and the groups of ``config``; returns this rank's :class:`ParallelState`.
 
     ``rank`` / ``world_size`` default to the ``torchrun`` environment (``RANK``, ``WORLD_SIZE``; rendezvous at
     ``MASTER_ADDR:MASTER_PORT`` unless ``init_method`` is given). ``backend``: "nccl" when ``device`` is CUDA
     (default: CUDA when available, device ``cuda:LOCAL_RANK``), else "gloo". ``timeout`` (a timedelta or
     seconds) bounds the rendezvous and every collective, so a missing or dead peer raises instead of hanging.
-    Reuses an already initialised default group. Raises ``ValueError`` when the world size is not
+    Reuses an already initialised default group. A group of one rank runs no collectives unless
+    ``single_rank_collectives`` (then every group is a real process group: one GPU exercises the collective
+    path, e.g. NCCL inside a CUDA graph). Raises ``ValueError`` when the world size is not
     ``config.world_size`` (before any rendezvous when the numbers are known) or rank/world size are missing.
     """
     if not isinstance(config, ParallelConfig):
@@ -110,13 +113,13 @@ def init(config: ParallelConfig, rank: int | None = None, world_size: int | None
         kw = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                                 timeout=timeout, **kw)
-    state = _make_groups(config, rank, world_size, device, timeout)
+    state = _make_groups(config, rank, world_size, device, timeout, single_rank_collectives)
     _STATES.append(state)
     return state
 
 
 def _make_groups(config: ParallelConfig, rank: int, world: int, device: torch.device,
-                 timeout: timedelta) -> ParallelState:
+                 timeout: timedelta, single: bool) -> ParallelState:
     """Create every subgroup on every rank (same order everywhere) and keep this rank's."""
     a, d, m = config.attn_tp, config.dcp, config.moe_tp
     layouts = {
@@ -129,10 +132,12 @@ def _make_groups(config: ParallelConfig, rank: int, world: int, device: torch.de
     mine: dict[str, Group] = {}
     for name, groups in layouts.items():
         for ranks in groups:
-            if len(ranks) == world:
-                pg = dist.group.WORLD if world > 1 else None
+            if len(ranks) == 1 and not single:
+                pg = None
+            elif len(ranks) == world:
+                pg = dist.group.WORLD
             else:
-                pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+                pg = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[name] = Group(pg, tuple(ranks), ranks.index(rank))
     return ParallelState(config, rank, world, device, **mine)

@@ -1,0 +1,62 @@
+"""Sharded models on 2 gloo processes equal the single-process patched model (float32, <= 1e-5).
+
+Each test spawns 2 CPU processes (tests/dist_helpers.py) that run a bodies in tests/parallel_workers.py:
+prefill, chunked prefill over a prefix-cached context mixed with a decode, and decode steps, over a
+NaN-filled cache; V2-Lite- and V3-shaped toys.
+"""
+
+import pytest
+
+from tests import parallel_workers as w
+from tests.dist_helpers import run_ranks
+
+pytest.importorskip("transformers")
+TOL = 1e-5
+
+
+def _check_equal(results, full_heads=4):
+    for r in results:
+        assert r["finite"]
+        assert r["err"] <= TOL, r
+        # each rank keeps only its shard: half the heads of kv_b_proj / o_proj, well under the full model
+        assert r["kv_b"] == [full_heads // 2 * 256, 512] and r["o_proj"] == [256, full_heads // 2 * 128]
+        assert r["params"] < 0.6 * r["full_params"]
+
+
+@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
+def test_tp2_equals_single_process(kind):
+    results = run_ranks(w.sharded_equals_single, 2, kind, dict(tp=2), "all_to_all", False)
+    _check_equal(results)
+    experts = 8 if kind == "v2-lite" else 16
+    for r in results:  # ep == 1: every expert on every rank, half its intermediate width (64 -> 32, gate and up)
+        assert r["experts"] == [experts, 64, 256]
+
+
+@pytest.mark.parametrize("kind,dispatch", [("v2-lite", "all_to_all"), ("v3", "all_to_all"), ("v3", "all_reduce")])
+def test_ep2_equals_single_process(kind, dispatch):
+    results = run_ranks(w.sharded_equals_single, 2, kind, dict(tp=2, ep=2), dispatch, False)
+    _check_equal(results)
+    experts = 8 if kind == "v2-lite" else 16
+    for r in results:  # ep == tp: half the experts, whole
+        assert r["experts"] == [experts // 2, 128, 256]
+
+
+@pytest.mark.parametrize("kind,pconf", [("v2-lite", dict(tp=2)), ("v3", dict(tp=2, ep=2))])
+def test_compiled_fullgraph_with_collectives_in_the_graph(kind, pconf):
+    results = run_ranks(w.sharded_equals_single, 2, kind, pconf, "all_to_all", True, timeout=240)
+    for r in results:
+        assert r["compiled_err"] <= TOL and r["other_batch_err"] <= TOL, r
+        assert r["graph_breaks"] == {}
+        assert r["recompiled"] == 0  # other batch sizes and lengths reuse the graphs
+        want = {"_c10d_functional.all_reduce.default", "_c10d_functional.all_gather_into_tensor.default",
+                "_c10d_functional.wait_tensor.default"}
+        if pconf.get("ep", 1) > 1:
+            want.add("_c10d_functional.all_to_all_single.default")
+        assert want <= set(r["collectives"]), r["collectives"]
+
+
+def test_meta_model_sharded_from_a_state_dict():
+    results = run_ranks(w.sharded_from_meta, 2, "v3", dict(tp=2, ep=2))
+    for r in results:
+        assert r["meta_left"] == []
+        assert r["err"] <= TOL
