@@ -258,3 +258,45 @@ def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
     return {"err_out": err_out, "err_lse": err_lse, "local_lens": local.tolist(),
             "vs_unsplit": float((out - u_out).abs().max()),
             "finite": bool(torch.isfinite(out).all()), "ops": sorted(t for t in seen if "c10d" in t or "mla" in t)}
+
+
+def _dp_steps(vocab: int, group: int):
+    """Attention group ``group``'s own requests: other prompts per group, the same token and row counts on
+    every group (as data-parallel attention needs): prefill with a cached prefix, chunked prefill over it
+    mixed with a decode, two decode steps."""
+    gen = torch.Generator().manual_seed(100 + group)
+    lens = [(13, 5), (11, 7)][group % 2]  # prefix 8 + 5 and 6 + 7 tokens: 13 either way
+    cut = [8, 6][group % 2]
+    a, b = (torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens)
+    dec = torch.randint(0, vocab, (2, 3), generator=gen).tolist()
+    ba, bb = _blocks([len(a) + 3, len(b) + 3], seed=group)
+    steps = [plan_step([], [SeqChunk(ba, a[:cut]), SeqChunk(bb, b)], BS, logits="all"),
+             plan_step([SeqChunk(bb, [dec[1][0]], len(b))], [SeqChunk(ba, a[cut:cut + 5], cut)], BS, logits="all")]
+    for j in range(2):
+        steps.append(plan_step([SeqChunk(ba, [dec[0][j]], cut + 5 + j), SeqChunk(bb, [dec[1][j + 1]], len(b) + 1 + j)],
+                               [], BS))
+    return steps
+
+
+def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
+    """Data-parallel attention: each attention group runs its own requests; its logits equal the single-process
+    model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives."""
+    from mla_compile.cache import CacheLayout
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=9)
+    ref = patch(copy.deepcopy(hf))
+    steps = _dp_steps(hf.config.vocab_size, rank // state.config.attn_tp)
+    want = _run(ref, steps)
+    model = patch(hf, parallel=state)
+    res = {"err": _max_err(_run(model, steps), want), "heads": model.attentions[0].config.num_heads,
+           "copies": CacheLayout(model.config, "bf16", model.parallel_state.config).copies}
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res

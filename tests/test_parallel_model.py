@@ -60,3 +60,14 @@ def test_meta_model_sharded_from_a_state_dict():
     for r in results:
         assert r["meta_left"] == []
         assert r["err"] <= TOL
+
+
+@pytest.mark.parametrize("kind,pconf,compile_too", [("v3", dict(tp=2, dp_attention=2), False),
+                                                    ("v2-lite", dict(tp=2, dp_attention=2, ep=2), True)])
+def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pconf, compile_too):
+    results = run_ranks(w.dp_attention_equals_single, 2, kind, pconf, compile_too, timeout=240)
+    for r in results:
+        assert r["err"] <= TOL, r
+        assert r["heads"] == 4 and r["copies"] == 1  # all heads per rank, own cache: no duplicated latent
+        if compile_too:
+            assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r

@@ -4,6 +4,8 @@ Rank layout (``world_size == tp``; see :mod:`mla_compile.parallel.config`):
 
 - attention groups: ``dp_attention`` blocks of ``attn_tp`` consecutive ranks (rank ``r`` is attention rank
   ``r % attn_tp`` of group ``r // attn_tp``); the heads are split over one group.
+- DP groups: the ``dp_attention`` ranks with the same attention rank, one per attention group; tokens are
+  gathered over it before the MLPs / MoE and ``lm_head`` (which see every group's tokens) and split back after.
 - DCP groups: blocks of ``dcp`` consecutive ranks inside an attention group; each holds ``1 / dcp`` of the
   tokens of a sequence's latent cache.
 - MoE: rank ``r`` is expert-parallel rank ``r // moe_tp`` and expert-TP rank ``r % moe_tp``; an EP group is the
@@ -54,6 +56,7 @@ class ParallelState:
     device: torch.device
     tp: Group  # all ranks: dense MLPs, shared experts, lm_head
     attn: Group  # this rank's attention group (heads split over it)
+    dp: Group  # the ranks of the other attention groups with this rank's attention rank
     dcp: Group  # this rank's decode-context-parallel group (tokens of the latent cache split over it)
     ep: Group  # ranks holding the other experts (same expert-TP rank)
     moe_tp: Group  # ranks splitting the same experts (same EP rank)
@@ -125,6 +128,7 @@ def _make_groups(config: ParallelConfig, rank: int, world: int, device: torch.de
     layouts = {
         "tp": [list(range(world))],
         "attn": [list(range(g * a, (g + 1) * a)) for g in range(world // a)],
+        "dp": [list(range(t, world, a)) for t in range(a)],
         "dcp": [list(range(g * d, (g + 1) * d)) for g in range(world // d)],
         "ep": [list(range(t, world, m)) for t in range(m)],
         "moe_tp": [list(range(e * m, (e + 1) * m)) for e in range(config.ep)],

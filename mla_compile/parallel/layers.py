@@ -52,21 +52,35 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def gathered(fn, x: Tensor, dp: Group | None) -> Tensor:
+    """``fn`` over every data-parallel attention group's tokens: ``x [T, ...]`` (``T`` equal on every group) is
+    all-gathered over ``dp``, ``fn`` applied, and this group's ``T`` rows returned (``fn(x)`` without ``dp``)."""
+    if dp is None or dp.group is None:
+        return fn(x)
+    T = x.shape[0]
+    return fn(all_gather(x, 0, dp)).narrow(0, dp.rank * T, T)
+
+
 class ParallelMLP(nn.Module):
     """DeepSeek's gated MLP (``down(act(gate(x)) * up(x))``) with the intermediate width split over ``group``.
 
     ``gate_proj``/``up_proj`` hold this rank's rows, ``down_proj`` its columns (HF names kept). With
     ``reduce=False`` the partial sum is returned (the caller adds it to other partials before one all-reduce).
+    ``dp``: under data-parallel attention, the group whose tokens are gathered first (:func:`gathered`).
     """
 
     def __init__(self, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear, act_fn: nn.Module,
-                 group: Group, reduce: bool = True) -> None:
+                 group: Group, reduce: bool = True, dp: Group | None = None) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate_proj, up_proj, down_proj, act_fn
         self.group = group
         self.reduce = reduce
+        self.dp = dp
 
     def forward(self, x: Tensor) -> Tensor:
+        return gathered(self._mlp, x, self.dp)
+
+    def _mlp(self, x: Tensor) -> Tensor:
         y = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         return all_reduce(y, self.group) if self.reduce else y
 
@@ -93,15 +107,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """``lm_head`` split by vocabulary rows over ``group``; the logits are all-gathered (``[R, vocab]`` on
-    every rank, for sampling) and the padding of the last shard dropped."""
+    every rank, for sampling) and the padding of the last shard dropped. ``dp``: as for :class:`ParallelMLP`
+    (every attention group must then ask for the same number of rows)."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group) -> None:
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group, dp: Group | None = None) -> None:
         super().__init__()
         self.weight = weight
         self.vocab_size = vocab_size
         self.group = group
+        self.dp = dp
 
     def forward(self, h: Tensor) -> Tensor:
+        return gathered(self._logits, h, self.dp)
+
+    def _logits(self, h: Tensor) -> Tensor:
         logits = all_gather(F.linear(h, self.weight), -1, self.group)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size]
 

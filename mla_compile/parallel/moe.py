@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from mla_compile.moe import experts_dense, experts_grouped, route
 from mla_compile.parallel.groups import ParallelState
-from mla_compile.parallel.layers import ParallelMLP, all_gather, all_reduce, all_to_all
+from mla_compile.parallel.layers import ParallelMLP, all_gather, all_reduce, all_to_all, gathered
 
 DISPATCHES = ("all_to_all", "all_reduce")
 
@@ -71,7 +71,7 @@ class ParallelMoE(nn.Module):
         self.gate = gate
         self.experts = experts
         self.shared_experts = shared_experts
-        self.tp, self.ep, self.moe_tp = state.tp, state.ep, state.moe_tp
+        self.tp, self.ep, self.moe_tp, self.dp = state.tp, state.ep, state.moe_tp, state.dp
         self.dispatch = dispatch if state.ep.size > 1 else "all_reduce"
         self.impl = impl
 
@@ -81,7 +81,12 @@ class ParallelMoE(nn.Module):
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x [T, hidden]`` (the same on every rank) -> ``[T, hidden]``: routed plus shared experts."""
+        """``x [T, hidden]`` -> ``[T, hidden]``: routed plus shared experts. Under data-parallel attention each
+        attention group's tokens are gathered first (``T`` equal on every group) and its rows kept after."""
+        return gathered(self._moe, x, self.dp)
+
+    def _moe(self, x: Tensor) -> Tensor:
+        """Over tokens that are the same on every rank."""
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.dispatch == "all_reduce":
             weights, ids = route(self.gate, x)

@@ -7,6 +7,7 @@ Per rank (``H_l = num_heads / attn_tp`` heads from head ``attn_rank * H_l``):
   (:class:`~mla_compile.parallel.layers.RowParallelLinear`); ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are
   whole, so every rank writes the whole latent row of every token (the cache is duplicated ``attn_tp`` times;
   ``CacheLayout(..., parallel=...)`` reports it).
+- data-parallel attention: tokens of all attention groups gathered around each MLP / MoE and ``lm_head``.
 - dense MLPs and shared experts: intermediate width split over all ranks; routed experts over ``ep`` x ``moe_tp``
   (:class:`~mla_compile.parallel.moe.ParallelMoE`).
 - ``embed_tokens`` and ``lm_head`` split by vocabulary rows (zero-padded to a multiple of the ranks); logits
@@ -88,18 +89,21 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
 
     ``weights`` (see the module docstring) is required when the model is on the meta device. ``ep_dispatch``:
     "all_to_all" or "all_reduce" (see :mod:`mla_compile.parallel.moe`). Raises ``ValueError`` when the model
-    does not split evenly (``ParallelConfig.validate_for``) and ``NotImplementedError`` for data-parallel
-    attention, model-level DCP, sparse (V3.2) and fp8-expert models, which are not sharded yet.
+    does not split evenly (``ParallelConfig.validate_for``) and ``NotImplementedError`` for model-level DCP,
+    sparse (V3.2) and fp8-expert models, which are not sharded yet.
+
+    Data-parallel attention (``dp_attention > 1``): each attention group runs its own requests (own cache, heads
+    split over its ``attn_tp`` ranks); MLPs, MoE and ``lm_head`` gather every group's tokens and keep their own
+    rows after, so every group's step must have the same token count and logits rows (the scheduler pads).
     """
     from mla_compile.model import MLAForCausalLM  # model imports this module lazily: no cycle
 
     config = MLAConfig.from_hf(hf_model.config)
     p = state.config
     p.validate_for(config)
-    if p.dp_attention > 1 or p.dcp > 1:
-        raise NotImplementedError(f"patch(parallel=...) shards tensor- and expert-parallel models; dp_attention="
-                                  f"{p.dp_attention} and dcp={p.dcp} run at the op level only so far "
-                                  "(mla_compile.parallel.dcp)")
+    if p.dcp > 1:
+        raise NotImplementedError(f"patch(parallel=...) does not split the cache by token yet (dcp={p.dcp}); "
+                                  "DCP runs at the op level so far (mla_compile.parallel.dcp)")
     if config.is_sparse:
         raise NotImplementedError("sparse (V3.2) models are not sharded yet: the indexer would need its own split")
     src = _Source(hf_model, weights, state.device)
@@ -126,26 +130,29 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
         if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
             layer.mlp = _shard_moe(mlp, pre + "mlp.", config, state, src, moe_impl, ep_dispatch)
         else:
-            layer.mlp = _shard_mlp(mlp, pre + "mlp.", tp_g, src, reduce=True)
+            layer.mlp = _shard_mlp(mlp, pre + "mlp.", tp_g, src, reduce=True, dp=state.dp)
     m = hf_model.model
     vocab = config.vocab_size or m.embed_tokens.weight.shape[0]
     start, stop = shard_range(vocab, attn_g, pad=True)
     m.embed_tokens = VocabParallelEmbedding(src.take("model.embed_tokens.weight", lambda f: take_rows(f, start, stop)),
                                             vocab, attn_g)
     start, stop = shard_range(vocab, tp_g, pad=True)
-    hf_model.lm_head = ParallelLMHead(src.take("lm_head.weight", lambda f: take_rows(f, start, stop)), vocab, tp_g)
+    hf_model.lm_head = ParallelLMHead(src.take("lm_head.weight", lambda f: take_rows(f, start, stop)), vocab, tp_g,
+                                      dp=state.dp)
     _materialise_rest(hf_model, src, state.device)
-    return MLAForCausalLM(hf_model, config)
+    model = MLAForCausalLM(hf_model, config)
+    model.parallel_state = state  # CacheLayout(config, parallel=model.parallel_state.config) gives the copies
+    return model
 
 
-def _shard_mlp(mlp: nn.Module, pre: str, group, src: _Source, *, reduce: bool) -> ParallelMLP:
-    """A gated MLP with its intermediate width split over ``group``."""
+def _shard_mlp(mlp: nn.Module, pre: str, group, src: _Source, *, reduce: bool, dp=None) -> ParallelMLP:
+    """A gated MLP with its intermediate width split over ``group`` (tokens gathered over ``dp`` first)."""
     inter = mlp.gate_proj.weight.shape[0]
     s, e = shard_range(inter, group)
     gate = _linear(src.take(pre + "gate_proj.weight", _rows(s, e)))
     up = _linear(src.take(pre + "up_proj.weight", _rows(s, e)))
     down = _linear(src.take(pre + "down_proj.weight", _cols(s, e)))
-    return ParallelMLP(gate, up, down, mlp.act_fn, group, reduce=reduce)
+    return ParallelMLP(gate, up, down, mlp.act_fn, group, reduce=reduce, dp=dp)
 
 
 def _shard_moe(moe: nn.Module, pre: str, config: MLAConfig, state: ParallelState, src: _Source, impl: str,
