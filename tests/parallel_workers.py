@@ -300,3 +300,46 @@ def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
         res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
         res["graph_breaks"] = dict(counters["graph_break"])
     return res
+
+
+def cuda_world1_graphs(rank, world):
+    """World size 1 over NCCL with real (single-rank) process groups: the sharded model, compiled and replayed in
+    CUDA graphs by DecodeGraphRunner under an Engine, gives the tokens of the unsharded patched model run
+    uncaptured. Returns the comparison and counters."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.engine import Engine
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(tp=1), single_rank_collectives=True, timeout=120)
+    hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.float32, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf), backend="triton")
+    model = patch(hf, parallel=state, backend="triton")
+    load = dict(seed=3, n_requests=12, gap=8, max_new=40)
+
+    def engine(step_fn, owner, enabled):
+        builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=8, max_tokens=256, block_size=16, device="cuda")
+        owner.allocate_cache(128, 16)
+        return Engine(DecodeGraphRunner(step_fn, builder, capture_sizes=[2, 4, 8], enabled=enabled,
+                                        strict_sync=enabled), num_blocks=128)
+
+    # eager: the sharded model (collectives over NCCL) against the unsharded one, logits of the step script
+    steps_in = [s.to("cuda") for s in _steps(hf.config.vocab_size, seed=11)]
+    with torch.no_grad():
+        ref.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
+        want_logits = [ref(s.input_ids, s.positions, s.meta)[:s.num_rows].clone() for s in steps_in]
+    err = _max_err(_run(model, steps_in), want_logits)
+    # compiled and captured: the same tokens as the same compiled steps run uncaptured
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    want, steps = run_workload(engine(compiled, model, False), **load)
+    eng = engine(compiled, model, True)
+    eng.runner.capture()
+    got, got_steps = run_workload(eng, **load)
+    return {"backend": dist.get_backend(), "eager_err": err, "same_tokens": got == want, "steps": steps,
+            "got_steps": got_steps, "replays": eng.runner.replays, "graph_breaks": dict(counters["graph_break"]),
+            "real_group": state.tp.group is not None}

@@ -117,6 +117,11 @@ def init(config: ParallelConfig, rank: int | None = None, world_size: int | None
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                                 timeout=timeout, **kw)
     state = _make_groups(config, rank, world_size, device, timeout, single_rank_collectives)
+    if dist.get_backend() == "nccl":  # create the communicators now: lazy NCCL init must not run inside a capture
+        for group in {id(g.group): g.group for g in (state.tp, state.attn, state.dp, state.dcp, state.ep,
+                                                     state.moe_tp) if g.group is not None}.values():
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        torch.cuda.synchronize(device)
     _STATES.append(state)
     return state
 
