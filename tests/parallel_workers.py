@@ -343,3 +343,48 @@ def cuda_world1_graphs(rank, world):
     return {"backend": dist.get_backend(), "eager_err": err, "same_tokens": got == want, "steps": steps,
             "got_steps": got_steps, "replays": eng.runner.replays, "graph_breaks": dict(counters["graph_break"]),
             "real_group": state.tp.group is not None}
+
+
+def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
+    """DCP over both ranks (tp=2, dcp=2): each rank caches its tokens of every sequence (block-interleaved); the
+    logits of prefill and decode steps equal the single-process model's. Also the per-rank cache rows written."""
+    from mla_compile.parallel.dcp import local_seq_lens, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=13)
+    ref = patch(copy.deepcopy(hf))
+    gen = torch.Generator().manual_seed(4)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 13, 6)]  # 3 < one block: rank 1 empty
+    dec = torch.randint(0, vocab, (3, 3), generator=gen).tolist()
+    ends = [len(p) + 3 for p in prompts]
+    glob = _blocks(ends, seed=21)
+    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(50 + rank)).tolist()
+    local, at = [], 0
+    for n in ends:
+        need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+        local.append(own[at:at + need])
+        at += need
+
+    def script(blocks, planner):
+        steps = [planner([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], logits="all")]
+        for j in range(3):
+            steps.append(planner([SeqChunk(b, [t[j]], len(p) + j) for b, t, p in zip(blocks, dec, prompts)], []))
+        return steps
+
+    want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    steps = script(local, lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw))
+    model = patch(hf, parallel=state)
+    got = _run(model, steps)
+    written = int((~torch.isnan(model.attentions[0].kv_cache[:, :, 0])).sum())
+    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+           "rows_written": written, "type": type(model.attentions[0]).__name__}
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res

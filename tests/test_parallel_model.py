@@ -71,3 +71,28 @@ def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pc
         assert r["heads"] == 4 and r["copies"] == 1  # all heads per rank, own cache: no duplicated latent
         if compile_too:
             assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+
+
+@pytest.mark.parametrize("kind,interleave,compile_too", [("v3", 4, False), ("v2-lite", 1, True)])
+def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, interleave, compile_too):
+    results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, timeout=240)
+    for r in results:
+        assert r["type"] == "DCPAttention" and r["finite"]
+        assert r["err"] <= TOL, r
+        if compile_too:
+            assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+    # prompts of 3, 13 and 6 tokens, then 3 decode steps: 31 rows, each written on exactly one rank
+    assert results[0]["rows_written"] + results[1]["rows_written"] == 31
+    assert min(r["rows_written"] for r in results) >= 12
+
+
+def test_plan_dcp_step_refuses_cached_context_and_short_block_lists():
+    from mla_compile.metadata import SeqChunk
+    from mla_compile.parallel.dcp import plan_dcp_step
+
+    with pytest.raises(NotImplementedError, match="cached context"):
+        plan_dcp_step([], [SeqChunk([0], [1, 2], 4)], 4, 2, 0)
+    with pytest.raises(ValueError, match="holds 2 blocks"):  # 12 tokens, rank 0 holds 0-3 and 8-11
+        plan_dcp_step([], [SeqChunk([0], list(range(12)))], 4, 2, 0)
+    step = plan_dcp_step([], [SeqChunk([5, 6], list(range(12)))], 4, 2, 0)
+    assert step.meta.slot_mapping.tolist() == [20, 21, 22, 23, -1, -1, -1, -1, 24, 25, 26, 27]

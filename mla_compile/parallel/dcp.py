@@ -84,3 +84,72 @@ def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     outs = all_gather(out.unsqueeze(0), 0, group)
     lses = all_gather(lse.unsqueeze(0), 0, group)
     return merge_parts(outs, lses)
+
+
+def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, interleave: int | None = None,
+                  **plan_kw):
+    """:func:`~mla_compile.metadata.plan_step` for DCP ``rank``: the chunks' ``blocks`` are this rank's own cache
+    blocks of each sequence (enough for its part, :func:`local_seq_lens`); ``start`` and the tokens are the
+    sequence's, as without DCP. Returns the step with this rank's metadata: slots of the tokens it holds (-1 for
+    the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
+    the same on every rank. ``interleave`` defaults to ``block_size``.
+
+    Prefill over cached context (a chunk with ``start > 0``) is refused: it is not split by token yet.
+    """
+    import numpy as np
+    import torch
+
+    from mla_compile.metadata import SeqChunk, plan_step
+
+    interleave = block_size if interleave is None else interleave
+    _check(dcp, interleave)
+    if not 0 <= rank < dcp:
+        raise ValueError(f"rank must lie in [0, {dcp}), got {rank}")
+    for i, c in enumerate(prefill):
+        if c.start:
+            raise NotImplementedError(f"prefill sequence {i} starts at {c.start}: prefill over cached context is not "
+                                      "split by token (DCP) yet; prefill whole prompts")
+    chunks = list(decode) + list(prefill)
+    for i, c in enumerate(chunks):
+        end = torch.tensor([c.start + len(c.tokens)])
+        need = -(-int(local_seq_lens(end, dcp, rank, interleave)[0]) // block_size)
+        if len(c.blocks) < need:
+            raise ValueError(f"sequence {i}: this rank holds {need} blocks of its first {int(end[0])} tokens, but "
+                             f"{len(c.blocks)} local blocks were given")
+    # the global plan (ids, positions, cu_seqlens, logits rows), with stand-in blocks of the right count
+    stand_in = lambda c: SeqChunk(range(-(-(c.start + len(c.tokens)) // block_size)), c.tokens, c.start)  # noqa: E731
+    step = plan_step([stand_in(c) for c in decode], [stand_in(c) for c in prefill], block_size, **plan_kw)
+    meta = step.meta
+    width = max([len(c.blocks) for c in chunks] + [1])
+    slots = np.full(step.input_ids.shape[0], -1, dtype=np.int64)
+    at = 0
+    q = meta.decode.query_len if meta.decode is not None else 1
+    for c in decode:  # decode tokens first (query_len each), padding sequences after the real ones
+        for j in range(len(c.tokens)):
+            slots[at + j] = _local_slot(c.start + j, c.blocks, block_size, dcp, rank, interleave)
+        at += q
+    if meta.decode is not None:
+        at = meta.decode.block_table.shape[0] * q
+        table = np.zeros((meta.decode.block_table.shape[0], width), dtype=np.int32)
+        for i, c in enumerate(decode):
+            table[i, :len(c.blocks)] = list(c.blocks)
+        meta.decode.block_table = torch.from_numpy(table)
+        meta.decode.seq_lens = local_seq_lens(meta.decode.seq_lens, dcp, rank, interleave)
+    for c in prefill:
+        for j in range(len(c.tokens)):
+            slots[at + j] = _local_slot(c.start + j, c.blocks, block_size, dcp, rank, interleave)
+        at += len(c.tokens)
+    if meta.prefill is not None:
+        table = np.zeros((meta.prefill.block_table.shape[0], width), dtype=np.int32)
+        for i, c in enumerate(prefill):
+            table[i, :len(c.blocks)] = list(c.blocks)
+        meta.prefill.block_table = torch.from_numpy(table)
+    meta.slot_mapping = torch.from_numpy(slots)
+    return step
+
+
+def _local_slot(pos: int, blocks, block_size: int, dcp: int, rank: int, interleave: int) -> int:
+    if (pos // interleave) % dcp != rank:
+        return -1
+    lp = (pos // (interleave * dcp)) * interleave + pos % interleave
+    return int(blocks[lp // block_size]) * block_size + lp % block_size

@@ -7,6 +7,7 @@ Per rank (``H_l = num_heads / attn_tp`` heads from head ``attn_rank * H_l``):
   (:class:`~mla_compile.parallel.layers.RowParallelLinear`); ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms are
   whole, so every rank writes the whole latent row of every token (the cache is duplicated ``attn_tp`` times;
   ``CacheLayout(..., parallel=...)`` reports it).
+- decode context parallelism: each rank of a DCP group caches its tokens of every sequence (no copies).
 - data-parallel attention: tokens of all attention groups gathered around each MLP / MoE and ``lm_head``.
 - dense MLPs and shared experts: intermediate width split over all ranks; routed experts over ``ep`` x ``moe_tp``
   (:class:`~mla_compile.parallel.moe.ParallelMoE`).
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from mla_compile.attention import MLAAttention
 from mla_compile.config import MLAConfig
+from mla_compile.parallel.attention import DCPAttention
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import (ParallelLMHead, ParallelMLP, RowParallelLinear, VocabParallelEmbedding,
                                          shard_range, take_rows)
@@ -89,8 +91,11 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
 
     ``weights`` (see the module docstring) is required when the model is on the meta device. ``ep_dispatch``:
     "all_to_all" or "all_reduce" (see :mod:`mla_compile.parallel.moe`). Raises ``ValueError`` when the model
-    does not split evenly (``ParallelConfig.validate_for``) and ``NotImplementedError`` for model-level DCP,
-    sparse (V3.2) and fp8-expert models, which are not sharded yet.
+    does not split evenly (``ParallelConfig.validate_for``) and ``NotImplementedError`` for sparse (V3.2) and
+    fp8-expert models, which are not sharded yet.
+
+    ``dcp > 1``: every layer is a :class:`~mla_compile.parallel.attention.DCPAttention` over this rank's part of
+    the cache; plan each rank's steps with :func:`mla_compile.parallel.dcp.plan_dcp_step`.
 
     Data-parallel attention (``dp_attention > 1``): each attention group runs its own requests (own cache, heads
     split over its ``attn_tp`` ranks); MLPs, MoE and ``lm_head`` gather every group's tokens and keep their own
@@ -101,9 +106,6 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
     config = MLAConfig.from_hf(hf_model.config)
     p = state.config
     p.validate_for(config)
-    if p.dcp > 1:
-        raise NotImplementedError(f"patch(parallel=...) does not split the cache by token yet (dcp={p.dcp}); "
-                                  "DCP runs at the op level so far (mla_compile.parallel.dcp)")
     if config.is_sparse:
         raise NotImplementedError("sparse (V3.2) models are not sharded yet: the indexer would need its own split")
     src = _Source(hf_model, weights, state.device)
@@ -125,7 +127,10 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
         attn.kv_b_proj = _linear(src.take(a + "kv_b_proj.weight", _rows(h0 * kvw, (h0 + H_l) * kvw)))
         bias = src.take(a + "o_proj.bias") if attn.o_proj.bias is not None else None
         attn.o_proj = RowParallelLinear(src.take(a + "o_proj.weight", _cols(h0 * v, (h0 + H_l) * v)), bias, attn_g)
-        layer.self_attn = MLAAttention(local_config, attn, backend=backend)
+        if p.dcp > 1:
+            layer.self_attn = DCPAttention(local_config, attn, state.dcp, backend=backend)
+        else:
+            layer.self_attn = MLAAttention(local_config, attn, backend=backend)
         mlp = layer.mlp
         if hasattr(mlp, "gate") and hasattr(mlp, "experts"):
             layer.mlp = _shard_moe(mlp, pre + "mlp.", config, state, src, moe_impl, ep_dispatch)
