@@ -388,3 +388,27 @@ def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
         res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
         res["graph_breaks"] = dict(counters["graph_break"])
     return res
+
+
+def engine_per_rank(rank, world, pconf):
+    """Every rank runs the same Engine (the same deterministic scheduler) over the sharded model, through a
+    DecodeGraphRunner (uncaptured on CPU: the same padded steps); tokens equal the unsharded engine's."""
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.engine import Engine
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model("v3", seed=2, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf, parallel=state)
+    load = dict(seed=4, n_requests=6, gap=4, max_new=12, max_prompt=12)
+
+    def engine(m):
+        m.allocate_cache(64, BS)
+        builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=96, block_size=BS, device="cpu")
+        return Engine(DecodeGraphRunner(m, builder, capture_sizes=[2, 4], enabled=False), num_blocks=64)
+
+    want, steps = run_workload(engine(ref), **load)
+    got, got_steps = run_workload(engine(model), **load)
+    return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got)}

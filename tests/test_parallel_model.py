@@ -96,3 +96,18 @@ def test_plan_dcp_step_refuses_cached_context_and_short_block_lists():
         plan_dcp_step([], [SeqChunk([0], list(range(12)))], 4, 2, 0)
     step = plan_dcp_step([], [SeqChunk([5, 6], list(range(12)))], 4, 2, 0)
     assert step.meta.slot_mapping.tolist() == [20, 21, 22, 23, -1, -1, -1, -1, 24, 25, 26, 27]
+
+
+def test_tp4_ep2_four_processes_equals_single_process():
+    # tp=4 x ep=2: one head per rank, 8 of 16 experts per EP rank, each expert split 2 ways (moe_tp=2)
+    results = run_ranks(w.sharded_equals_single, 4, "v3", dict(tp=4, ep=2), "all_to_all", False, timeout=240)
+    for r in results:
+        assert r["err"] <= TOL, r
+        assert r["kv_b"] == [256, 512] and r["experts"] == [8, 64, 256]
+        assert r["params"] < 0.4 * r["full_params"]
+
+
+def test_engine_on_every_rank_gives_the_unsharded_tokens():
+    results = run_ranks(w.engine_per_rank, 2, dict(tp=2, ep=2), timeout=180)
+    for r in results:
+        assert r["same"] and r["steps"] == r["got_steps"] and r["tokens"] > 20, r
