@@ -30,24 +30,28 @@ def _blocks(lens, seed):
     return out
 
 
-def _steps(vocab: int, seed: int):
+STEP_LENS = (13, 6, 9)  # prompt lengths of _steps; each sequence ends 3 tokens later
+
+
+def _steps(vocab: int, seed: int, blocks=None, planner=None):
     """A fixed step script: prefill of a cached prefix, chunked prefill over it mixed with a fresh prompt,
-    then decode steps with fixed tokens. Returns ``plan_step`` inputs (CPU)."""
+    then decode steps with fixed tokens. Returns ``planner(decode, prefill, **kw)`` inputs (CPU; default
+    ``plan_step`` with block size ``BS`` over seeded random blocks)."""
     gen = torch.Generator().manual_seed(seed)
-    full = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (13, 6, 9)]
+    full = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in STEP_LENS]
     dec_tokens = torch.randint(0, vocab, (3, 3), generator=gen).tolist()
-    lens = [len(p) + 3 for p in full]
-    blocks = _blocks(lens, seed)
+    blocks = _blocks([n + 3 for n in STEP_LENS], seed) if blocks is None else blocks
+    plan = planner or (lambda d, p, **kw: plan_step(d, p, BS, **kw))
     steps = [
         # prefill: prompt 0's first 8 tokens (a cached prefix next step) and prompt 2 whole
-        plan_step([], [SeqChunk(blocks[0], full[0][:8]), SeqChunk(blocks[2], full[2])], BS, logits="all"),
+        plan([], [SeqChunk(blocks[0], full[0][:8]), SeqChunk(blocks[2], full[2])], logits="all"),
         # chunked prefill over the cached prefix, with a new prompt and one decode (prompt 2)
-        plan_step([SeqChunk(blocks[2], [dec_tokens[2][0]], len(full[2]))],
-                  [SeqChunk(blocks[0], full[0][8:], 8), SeqChunk(blocks[1], full[1])], BS, logits="all"),
+        plan([SeqChunk(blocks[2], [dec_tokens[2][0]], len(full[2]))],
+             [SeqChunk(blocks[0], full[0][8:], 8), SeqChunk(blocks[1], full[1])], logits="all"),
     ]
     for j in range(2):  # decode all three
         pos = [len(full[0]) + j, len(full[1]) + j, len(full[2]) + 1 + j]
-        steps.append(plan_step([SeqChunk(b, [t[j]], s) for b, t, s in zip(blocks, dec_tokens, pos)], [], BS))
+        steps.append(plan([SeqChunk(b, [t[j]], s) for b, t, s in zip(blocks, dec_tokens, pos)], []))
     return steps
 
 
@@ -372,13 +376,29 @@ def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
             steps.append(planner([SeqChunk(b, [t[j]], len(p) + j) for b, t, p in zip(blocks, dec, prompts)], []))
         return steps
 
+    def local_blocks(ends, seed):
+        own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed + rank)).tolist()
+        out, at = [], 0
+        for n in ends:
+            need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+            out.append(own[at:at + need])
+            at += need
+        return out
+
+    dcp_plan = lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw)  # noqa: E731
     want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
-    steps = script(local, lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw))
+    steps = script(local, dcp_plan)
     model = patch(hf, parallel=state)
     got = _run(model, steps)
     written = int((~torch.isnan(model.attentions[0].kv_cache[:, :, 0])).sum())
+    # prefix-cached prefill and chunked prefill over context split across the ranks (the _steps script)
+    want_ctx = _run(ref, _steps(vocab, seed=11))
+    ctx_steps = _steps(vocab, seed=11, blocks=local_blocks([n + 3 for n in STEP_LENS], 70), planner=dcp_plan)
     res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
-           "rows_written": written, "type": type(model.attentions[0]).__name__}
+           "rows_written": written, "type": type(model.attentions[0]).__name__,
+           "ctx_err": _max_err(_run(model, ctx_steps), want_ctx),
+           "ctx_rows": [int(s.meta.prefill.context.rows.sum()) for s in ctx_steps
+                        if s.meta.prefill is not None and s.meta.prefill.context is not None]}
     if compile_too:
         from torch._dynamo.utils import counters
 
@@ -386,6 +406,7 @@ def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
         counters.clear()
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
+        res["compiled_ctx_err"] = _max_err(_run((compiled, model), ctx_steps, dynamic=True), want_ctx)
         res["graph_breaks"] = dict(counters["graph_break"])
     return res
 

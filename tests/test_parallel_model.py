@@ -86,20 +86,24 @@ def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, inte
     results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, timeout=240)
     for r in results:
         assert r["type"] == "DCPAttention" and r["finite"]
-        assert r["err"] <= TOL, r
+        assert r["err"] <= TOL and r["ctx_err"] <= TOL, r
+        assert r["ctx_rows"] == [4]  # the 8-token cached prefix: 4 context rows on each rank
         if compile_too:
-            assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+            assert r["compiled_err"] <= TOL and r["compiled_ctx_err"] <= TOL and r["graph_breaks"] == {}, r
     # prompts of 3, 13 and 6 tokens, then 3 decode steps: 31 rows, each written on exactly one rank
     assert results[0]["rows_written"] + results[1]["rows_written"] == 31
     assert min(r["rows_written"] for r in results) >= 12
 
 
-def test_plan_dcp_step_refuses_cached_context_and_short_block_lists():
+def test_plan_dcp_step_plans_this_ranks_part_and_refuses_short_block_lists():
     from mla_compile.metadata import SeqChunk
     from mla_compile.parallel.dcp import plan_dcp_step
 
-    with pytest.raises(NotImplementedError, match="cached context"):
-        plan_dcp_step([], [SeqChunk([0], [1, 2], 4)], 4, 2, 0)
+    # context 0..8 and new tokens 8, 9 of a sequence: rank 1 holds 4..7 as context and no new token
+    for rank, ctx_rows, slots in ((0, 4, [24, 25]), (1, 4, [-1, -1])):  # local positions 4, 5: block 6
+        step = plan_dcp_step([], [SeqChunk([5, 6], [1, 2], 8)], 4, 2, rank)
+        assert int(step.meta.prefill.context.rows.sum()) == ctx_rows
+        assert step.meta.slot_mapping.tolist()[:2] == slots
     with pytest.raises(ValueError, match="holds 2 blocks"):  # 12 tokens, rank 0 holds 0-3 and 8-11
         plan_dcp_step([], [SeqChunk([0], list(range(12)))], 4, 2, 0)
     step = plan_dcp_step([], [SeqChunk([5, 6], list(range(12)))], 4, 2, 0)

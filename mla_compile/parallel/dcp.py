@@ -94,7 +94,9 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
     the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
     the same on every rank. ``interleave`` defaults to ``block_size``.
 
-    Prefill over cached context (a chunk with ``start > 0``) is refused: it is not split by token yet.
+    Prefill chunks over cached context (``start > 0``: prefix hits, chunked prefill) get this rank's context
+    slices (:func:`~mla_compile.metadata.context_slices` of its part of each context), present on every rank
+    whenever any chunk has context, so every rank's graph runs the same collectives.
     """
     import numpy as np
     import torch
@@ -105,10 +107,6 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
     _check(dcp, interleave)
     if not 0 <= rank < dcp:
         raise ValueError(f"rank must lie in [0, {dcp}), got {rank}")
-    for i, c in enumerate(prefill):
-        if c.start:
-            raise NotImplementedError(f"prefill sequence {i} starts at {c.start}: prefill over cached context is not "
-                                      "split by token (DCP) yet; prefill whole prompts")
     chunks = list(decode) + list(prefill)
     for i, c in enumerate(chunks):
         end = torch.tensor([c.start + len(c.tokens)])
@@ -144,6 +142,13 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
         for i, c in enumerate(prefill):
             table[i, :len(c.blocks)] = list(c.blocks)
         meta.prefill.block_table = torch.from_numpy(table)
+        if meta.prefill.context is not None:
+            from mla_compile.metadata import context_slices
+
+            starts = torch.tensor([c.start for c in prefill] + [0] * (table.shape[0] - len(prefill)))
+            meta.prefill.context = context_slices(local_seq_lens(starts, dcp, rank, interleave).tolist(),
+                                                  plan_kw.get("context_chunk_tokens", 65536),
+                                                  plan_kw.get("min_batch", 2))
     meta.slot_mapping = torch.from_numpy(slots)
     return step
 
