@@ -23,6 +23,13 @@ def test_missing_rank_asks_for_torchrun(monkeypatch):
         init({"tp": 2})
 
 
+def test_missing_rendezvous_address_is_named(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
+        init(ParallelConfig(tp=2), rank=0, world_size=2)
+
+
 def test_launched_world_of_other_size_errors_on_every_rank():
     msgs = run_ranks(w.mismatch, 2)
     assert all(m and "world size 2 does not match" in m and "tp=4" in m for m in msgs)

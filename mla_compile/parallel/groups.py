@@ -11,8 +11,8 @@ Rank layout (``world_size == tp``; see :mod:`mla_compile.parallel.config`):
 - MoE: rank ``r`` is expert-parallel rank ``r // moe_tp`` and expert-TP rank ``r % moe_tp``; an EP group is the
   ``ep`` ranks with the same expert-TP rank, a MoE-TP group the ``moe_tp`` ranks with the same EP rank.
 
-Every rank creates every group in the same order (``new_group`` is collective). A group of one rank is
-``None``: layers skip its collectives at trace time.
+Every rank creates every group in the same order (``new_group`` is collective). A group of one rank has no
+process group (``Group.group is None``): layers skip its collectives at trace time.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ _STATES: list["ParallelState"] = []  # what init() set up in this process (patch
 
 @dataclass(frozen=True)
 class Group:
-    """One process group as seen from this rank: the torch ``group`` (``None`` for a single rank), the global
-    ``ranks`` it holds in order, and this rank's index in it."""
+    """One process group as seen from this rank: the torch ``group`` (``None`` for a single rank, unless
+    ``init(single_rank_collectives=True)``: no collectives then), the global ``ranks`` it holds in order, and
+    this rank's index in it."""
 
     group: dist.ProcessGroup | None
     ranks: tuple[int, ...]
@@ -112,6 +113,10 @@ def init(config: ParallelConfig, rank: int | None = None, world_size: int | None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if init_method is None and missing:
+            raise ValueError(f"init() rendezvous needs {' and '.join(missing)} in the environment (torchrun sets "
+                             "them) or an init_method such as 'tcp://127.0.0.1:29500'")
         backend = backend or ("nccl" if device.type == "cuda" else "gloo")
         kw = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,

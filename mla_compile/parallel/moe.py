@@ -10,10 +10,13 @@ Two ways to bring tokens to experts (``dispatch``):
   (capacity = the slice: a token may pick experts on every peer, so this is the static worst case, which
   compiles and captures without host syncs); each peer applies its experts with the weights of the experts
   it owns (0 for others) and an ``all_to_all_single`` returns the partial outputs, summed by the sender;
-  then the slices are all-gathered. This is the dispatch of data-parallel attention, where every rank
-  holds different tokens.
-- ``"all_reduce"``: every rank already holds every token (tensor-parallel attention), so each applies its own
-  experts to all of them and one all-reduce (with the shared experts' partial sums) combines them.
+  then the slices are all-gathered.
+- ``"all_reduce"``: every rank holds every token of the step, so each applies its own experts to all of them
+  and one all-reduce (with the shared experts' partial sums) combines them: fewer bytes moved than
+  ``"all_to_all"`` while the dispatch must be the static worst case.
+
+Under data-parallel attention the attention groups' tokens are all-gathered first (so every rank holds the
+step's tokens of every group) and each group keeps its own rows of the result.
 """
 
 from __future__ import annotations
