@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                       help="serve through the engine, decode steps replayed as CUDA graphs (on CPU: same steps, "
                       "uncaptured); default: on for --device cuda when compiling, off otherwise")
-    for flag in ("--tp", "--dp-attention", "--ep"):
+    for flag in ("--tp", "--dp-attention", "--ep", "--dcp"):
         demo.add_argument(flag, type=_positive, default=1,
                           help="parallel degree; run under torchrun --nproc-per-node TP -m mla_compile.cli demo "
                           "(default: %(default)s)")
@@ -206,12 +206,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _init_parallel(args: argparse.Namespace):
-    """The process groups of ``--tp/--dp-attention/--ep`` (None for one process without torchrun)."""
+    """The process groups of ``--tp/--dp-attention/--ep/--dcp`` (None for one process without torchrun)."""
     import os
 
     from mla_compile.parallel import ParallelConfig, init
 
-    config = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, ep=args.ep)
+    config = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, ep=args.ep, dcp=args.dcp)
     if config.world_size == 1 and "WORLD_SIZE" not in os.environ:
         return None
     device = None

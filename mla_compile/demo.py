@@ -152,6 +152,20 @@ class DemoResult:
         return "\n".join(lines)
 
 
+def _dcp_step(step_fn, block_size: int, state):
+    """``step_fn`` on this DCP rank's metadata (:func:`mla_compile.parallel.dcp.localize` of each planned step)."""
+    from mla_compile.metadata import mark_dynamic
+    from mla_compile.parallel.dcp import localize
+
+    def run(input_ids, positions, meta):
+        meta = localize(meta, positions, block_size, state.config.dcp, state.dcp.rank)
+        mark_dynamic(input_ids, positions, meta)
+        return step_fn(input_ids, positions, meta)
+
+    run._orig_mod = getattr(step_fn, "_orig_mod", step_fn)  # DecodeGraphRunner finds the model there
+    return run
+
+
 def _layout(p) -> str:
     return " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "dp_attention", "ep", "dcp") if getattr(p, k) > 1 or k == "tp")
 
@@ -205,6 +219,8 @@ def run_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, ma
     log("HF eager reference ...")
     ref_tokens, _ = hf_greedy_reference(setup.reference, setup.prompts, max_new_tokens, device=setup.device)
     step = torch.compile(setup.model, fullgraph=True) if compile else setup.model
+    if parallel is not None and parallel.config.dcp > 1:
+        step = _dcp_step(step, block_size, parallel)
     if cuda_graphs:
         n = len(setup.prompts)
         builder = MetadataBuilder(max_batch=max(n, 2), max_blocks_per_seq=setup.num_blocks,

@@ -85,11 +85,12 @@ def _max_err(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too):
+def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overrides=None):
     """Logits of the sharded model vs the single-process patched model over the step script; shard sizes;
-    with ``compile_too`` also the fullgraph-compiled sharded model, its graph breaks and its collectives."""
+    with ``compile_too`` also the fullgraph-compiled sharded model, its graph breaks and its collectives.
+    ``overrides``: toy config changes."""
     state = init(ParallelConfig(**pconf), timeout=60)
-    hf = toy.toy_hf_model(kind, seed=7)
+    hf = toy.toy_hf_model(kind, seed=7, **(overrides or {}))
     ref = patch(copy.deepcopy(hf))
     steps = _steps(hf.config.vocab_size, seed=11)
     want = _run(ref, steps)
@@ -102,6 +103,8 @@ def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too):
            "o_proj": list(model.attentions[0].o_proj.weight.shape)}
     moe = model.model.layers[-1].mlp
     res["experts"] = list(moe.experts.gate_up_proj.shape)
+    res["vocab_shard"] = model.lm_head.weight.shape[0]
+    res["logits_width"] = got[0].shape[-1]
     if compile_too:
         from torch._dynamo.utils import counters
 

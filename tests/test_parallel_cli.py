@@ -11,7 +11,8 @@ from tests.dist_helpers import free_port
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2", "--ep", "2"], ["--tp", "2", "--dp-attention", "2", "--model", "v3"]])
+@pytest.mark.parametrize("flags", [["--tp", "2", "--ep", "2"], ["--tp", "2", "--dp-attention", "2", "--model", "v3"],
+                                   ["--tp", "2", "--dcp", "2", "--block-size", "4"]])
 def test_torchrun_demo_two_processes(flags, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "mla_compile.cli", "demo", *flags, "--max-new-tokens", "3", "--prompts", "3", "--no-compile"]

@@ -59,3 +59,24 @@ def test_dcp2_decode_compiles_with_gather_and_merge_in_the_graph():
         assert r["err_out"] < 1e-5 and r["vs_unsplit"] < 1e-5, r
         assert "_c10d_functional.all_gather_into_tensor.default" in r["ops"], r["ops"]
         assert any("merge_attn_states" in o for o in r["ops"]), r["ops"]
+
+
+@pytest.mark.parametrize("rank,interleave", [(0, 4), (1, 4), (1, 1)])
+def test_localize_equals_plan_dcp_step_with_the_same_blocks(rank, interleave):
+    from mla_compile.metadata import SeqChunk, plan_step
+
+    bs, blocks = 4, [[7, 3, 9, 1], [2, 8], [5, 0, 6]]  # global blocks; a rank's part uses the first ones
+    prefill = [SeqChunk(blocks[0], list(range(13))), SeqChunk(blocks[2], list(range(9)))]
+    decode = [SeqChunk(blocks[1], [5], 6)]
+    glob = plan_step(decode, prefill, bs)
+    got = dcp.localize(glob.meta, glob.positions, bs, 2, rank, interleave)
+    local_blocks = lambda c: c.blocks  # noqa: E731  (the same ids: the part fits the first blocks)
+    want = dcp.plan_dcp_step([SeqChunk(local_blocks(c), c.tokens, c.start) for c in decode],
+                             [SeqChunk(local_blocks(c), c.tokens, c.start) for c in prefill], bs, 2, rank,
+                             interleave=interleave).meta
+    assert got.slot_mapping.tolist() == want.slot_mapping.tolist()
+    assert got.decode.seq_lens.tolist() == want.decode.seq_lens.tolist()
+    assert (got.slot_mapping >= 0).sum() < (glob.meta.slot_mapping >= 0).sum()  # only this rank's tokens
+    with pytest.raises(NotImplementedError, match="plan_dcp_step"):
+        ctx = plan_step([], [SeqChunk(blocks[0], [1, 2], 8)], bs)
+        dcp.localize(ctx.meta, ctx.positions, bs, 2, rank)

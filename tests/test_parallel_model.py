@@ -26,8 +26,12 @@ def _check_equal(results, full_heads=4, max_fraction=0.6):
 
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
 def test_tp2_equals_single_process(kind):
-    results = run_ranks(w.sharded_equals_single, 2, kind, dict(tp=2), "all_to_all", False)
+    # v2-lite with a vocabulary of 1021 (prime): the last vocab shard is zero-padded, the padding dropped
+    vocab = 1021 if kind == "v2-lite" else 1024
+    results = run_ranks(w.sharded_equals_single, 2, kind, dict(tp=2), "all_to_all", False, dict(vocab_size=vocab))
     _check_equal(results)
+    for r in results:
+        assert r["vocab_shard"] == -(-vocab // 2) and r["logits_width"] == vocab
     experts = 8 if kind == "v2-lite" else 16
     for r in results:  # ep == 1: every expert on every rank, half its intermediate width (64 -> 32, gate and up)
         assert r["experts"] == [experts, 64, 256]

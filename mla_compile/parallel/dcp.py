@@ -158,3 +158,37 @@ def _local_slot(pos: int, blocks, block_size: int, dcp: int, rank: int, interlea
         return -1
     lp = (pos // (interleave * dcp)) * interleave + pos % interleave
     return int(blocks[lp // block_size]) * block_size + lp % block_size
+
+
+def localize(meta, positions: Tensor, block_size: int, dcp: int, rank: int, interleave: int | None = None):
+    """This DCP rank's metadata for a step planned as without DCP (``plan_step``, ``MetadataBuilder``), reusing the
+    step's block ids as this rank's own: every rank's cache has the same blocks and a sequence's part fits the
+    first of its blocks (simple, but each rank keeps as many blocks as one unsplit cache; plan with
+    :func:`plan_dcp_step` to size each rank's cache to its part). Tensor ops on the step's device, no host sync.
+    Steps with cached context (prefix hits, chunked prefill) need :func:`plan_dcp_step`.
+    """
+    import torch
+
+    from mla_compile.metadata import DecodeMetadata, MLAMetadata
+
+    interleave = block_size if interleave is None else interleave
+    if meta.prefill is not None and meta.prefill.context is not None:
+        raise NotImplementedError("localize: a step with cached context needs plan_dcp_step (context slices of "
+                                  "this rank's part)")
+    parts, decode, n_dec = [], None, 0
+    if meta.decode is not None:
+        d = meta.decode
+        n_dec = d.num_tokens
+        seq = torch.arange(n_dec, device=positions.device) // d.query_len
+        parts.append(local_slot_mapping(positions[:n_dec], d.block_table, seq, block_size, dcp, rank, interleave))
+        decode = DecodeMetadata(d.block_table, local_seq_lens(d.seq_lens, dcp, rank, interleave), d.query_len, d.plan)
+    if meta.prefill is not None:
+        p = meta.prefill
+        rest = positions[n_dec:]
+        tok = torch.arange(rest.shape[0], device=positions.device, dtype=p.cu_seqlens_q.dtype)
+        seq = torch.searchsorted(p.cu_seqlens_q, tok, right=True) - 1
+        seq = seq.clamp(0, p.block_table.shape[0] - 1)  # padding tokens past the last sequence: slot -1 below
+        parts.append(local_slot_mapping(rest, p.block_table, seq, block_size, dcp, rank, interleave))
+    slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+    slots = slots.masked_fill(meta.slot_mapping < 0, -1)
+    return MLAMetadata(slots, decode, meta.prefill, meta.logits_indices)
