@@ -25,13 +25,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple) -> None:
+def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple, start) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
     import torch
 
     torch.set_num_threads(1)
     try:
+        # every rank has imported everything: start together, so short rendezvous timeouts hold under load
+        start.wait(timeout=300)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001  (reported to the parent, which raises)
@@ -51,8 +53,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
     docstring. Ranks in ``expect_dead`` may exit without a result (their entry is None)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    start = ctx.Barrier(world)
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, env or {}, args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, results, env or {}, args, start), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
