@@ -246,7 +246,8 @@ def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
     err_out = err_lse = 0.0
     for b, r in enumerate(rows):
         if r.shape[0] == 0:
-            want_out, want_lse = torch.zeros(H, Dc, dtype=torch.float64), torch.full((H,), float("-inf"), dtype=torch.float64)
+            want_out = torch.zeros(H, Dc, dtype=torch.float64)
+            want_lse = torch.full((H,), float("-inf"), dtype=torch.float64)
         else:
             s = q[b].double() @ r.double().T * scale
             want_lse = torch.logsumexp(s, -1)

@@ -173,8 +173,12 @@ def _shard_moe(moe: nn.Module, pre: str, config: MLAConfig, state: ParallelState
     inter = two_i // 2
     e0, e1 = shard_range(E, state.ep)
     s, t = shard_range(inter, state.moe_tp)
-    gate_up = src.take(pre + "experts.gate_up_proj",
-                       lambda f: torch.cat([torch.as_tensor(f[e0:e1, s:t]), torch.as_tensor(f[e0:e1, inter + s:inter + t])], 1))
+
+    def gate_up_rows(full) -> Tensor:  # this rank's rows of the gate half and of the up half
+        gate, up = full[e0:e1, s:t], full[e0:e1, inter + s:inter + t]
+        return torch.cat([torch.as_tensor(gate), torch.as_tensor(up)], 1)
+
+    gate_up = src.take(pre + "experts.gate_up_proj", gate_up_rows)
     down = src.take(pre + "experts.down_proj", lambda f: f[e0:e1, :, s:t])
     shared = getattr(moe, "shared_experts", None)
     if shared is not None:
