@@ -310,10 +310,10 @@ def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
     return res
 
 
-def cuda_world1_graphs(rank, world):
-    """World size 1 over NCCL with real (single-rank) process groups: the sharded model, compiled and replayed in
-    CUDA graphs by DecodeGraphRunner under an Engine, gives the tokens of the unsharded patched model run
-    uncaptured. Returns the comparison and counters."""
+def cuda_graphs(rank, world, pconf):
+    """NCCL, one GPU per rank (world size 1: real single-rank process groups): the sharded model's logits equal
+    the unsharded model's (eager, fp32), and compiled and replayed in CUDA graphs by DecodeGraphRunner under an
+    Engine (the same on every rank) it gives the tokens of the same compiled steps run uncaptured."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -322,20 +322,21 @@ def cuda_world1_graphs(rank, world):
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from tests.engine_load import run_workload
 
-    state = init(ParallelConfig(tp=1), single_rank_collectives=True, timeout=120)
-    hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.float32, num_hidden_layers=2)
+    state = init(ParallelConfig(**pconf), single_rank_collectives=world == 1, timeout=120)
+    dev = state.device
+    hf = toy.toy_hf_model("v3", seed=6, device=dev, dtype=torch.float32, num_hidden_layers=2)
     ref = patch(copy.deepcopy(hf), backend="triton")
     model = patch(hf, parallel=state, backend="triton")
     load = dict(seed=3, n_requests=12, gap=8, max_new=40)
 
     def engine(step_fn, owner, enabled):
-        builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=8, max_tokens=256, block_size=16, device="cuda")
+        builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=8, max_tokens=256, block_size=16, device=dev)
         owner.allocate_cache(128, 16)
         return Engine(DecodeGraphRunner(step_fn, builder, capture_sizes=[2, 4, 8], enabled=enabled,
                                         strict_sync=enabled), num_blocks=128)
 
     # eager: the sharded model (collectives over NCCL) against the unsharded one, logits of the step script
-    steps_in = [s.to("cuda") for s in _steps(hf.config.vocab_size, seed=11)]
+    steps_in = [s.to(dev) for s in _steps(hf.config.vocab_size, seed=11)]
     with torch.no_grad():
         ref.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
         want_logits = [ref(s.input_ids, s.positions, s.meta)[:s.num_rows].clone() for s in steps_in]
