@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from mla_compile.config import MLAConfig
+from mla_compile.parallel.config import ParallelConfig
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_index_row_bytes, fp8_row_bytes  # noqa: F401  (re-exported)
 
 FP8_POISON = 0xFF  # the fill byte of a NaN-filled fp8 cache: e4m3 0xFF and an all-ones float32 are NaN
@@ -23,10 +24,25 @@ class CacheLayout:
 
     config: MLAConfig
     cache_dtype: str = "bf16"  # "bf16", "fp32" or "fp8" (the 656-byte DeepSeek format)
+    parallel: ParallelConfig | None = None  # a sharded model's layout: see copies / bytes_per_token_per_rank
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in ("bf16", "fp32", "fp8"):
             raise ValueError(f"cache_dtype must be 'bf16', 'fp32' or 'fp8', got {self.cache_dtype!r}")
+
+    @property
+    def copies(self) -> int:
+        """Ranks that store each latent row: the latent has no head dim, so every rank of an attention group
+        holds the whole row (``attn_tp`` copies) unless DCP splits the tokens ``dcp`` ways: ``attn_tp // dcp``
+        (1 without ``parallel``)."""
+        p = self.parallel
+        return 1 if p is None else p.attn_tp // p.dcp
+
+    @property
+    def bytes_per_token_per_rank(self) -> float:
+        """Cache bytes one token of a sequence costs each rank of its attention group, all layers
+        (``bytes_per_token / dcp``; the whole row without DCP)."""
+        return self.bytes_per_token / (1 if self.parallel is None else self.parallel.dcp)
 
     @property
     def bytes_per_token_per_layer(self) -> int:

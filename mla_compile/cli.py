@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                       help="serve through the engine, decode steps replayed as CUDA graphs (on CPU: same steps, "
                       "uncaptured); default: on for --device cuda when compiling, off otherwise")
+    for flag in ("--tp", "--dp-attention", "--ep", "--dcp"):
+        demo.add_argument(flag, type=_positive, default=1,
+                          help="parallel degree; run under torchrun --nproc-per-node TP -m mla_compile.cli demo "
+                          "(default: %(default)s)")
     insp = sub.add_parser("inspect", help="report graphs, graph breaks, recompiles and mla:: ops; write a depyf dump",
                           description="Compile the demo model, run prefill and decode at two batch sizes "
                           "(--batch and --batch + 1), and report what torch.compile produced. Writes "
@@ -182,11 +186,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """``mla-compile demo``: exit 0 when tokens match HF eager and the graph does not break."""
     from mla_compile.demo import run_demo
 
-    result = run_demo(args.model, layers=args.layers, num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      block_size=args.block_size, device=args.device, dtype=_dtype(args.dtype), seed=args.seed,
-                      backend=args.backend, compile=not args.no_compile, cuda_graphs=_cuda_graphs(args), log=_log)
-    print(result.to_text())
+    state = _init_parallel(args)
+    quiet = state is not None and state.rank != 0  # rank 0 reports; every rank checks its own tokens
+    try:
+        result = run_demo(args.model, layers=args.layers, num_prompts=args.prompts,
+                          max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
+                          dtype=_dtype(args.dtype), seed=args.seed, backend=args.backend, compile=not args.no_compile,
+                          cuda_graphs=_cuda_graphs(args), log=(lambda s: None) if quiet else _log, parallel=state)
+    finally:
+        if state is not None:
+            from mla_compile.parallel import destroy
+
+            destroy()
+    if not quiet:
+        print(result.to_text())
+    elif not result.ok:
+        _log(f"rank {state.rank}: FAILED ({result.first_mismatch() or 'graph breaks'})")
     return 0 if result.ok else 1
+
+
+def _init_parallel(args: argparse.Namespace):
+    """The process groups of ``--tp/--dp-attention/--ep/--dcp`` (None for one process without torchrun)."""
+    import os
+
+    from mla_compile.parallel import ParallelConfig, init
+
+    config = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, ep=args.ep, dcp=args.dcp)
+    if config.world_size == 1 and "WORLD_SIZE" not in os.environ:
+        return None
+    device = None
+    if args.device == "cpu":
+        device = "cpu"
+    return init(config, device=device)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

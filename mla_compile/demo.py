@@ -53,11 +53,13 @@ def demo_prompts(num_prompts: int, vocab_size: int, seed: int = 0) -> list[list[
 
 def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, max_new_tokens: int = 8,
                block_size: int = 16, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               seed: int = 0, backend: str | None = None) -> DemoSetup:
+               seed: int = 0, backend: str | None = None, parallel=None) -> DemoSetup:
     """Build the toy model of ``kind`` with ``layers`` layers, its HF reference copy and the prompts.
 
     Layer 0 is dense, later layers are MoE (``first_k_dense_replace=1``), so ``layers >= 2`` covers both.
-    ``backend`` picks the attention ops' backend (None: ``MLA_COMPILE_BACKEND`` or "auto").
+    ``backend`` picks the attention ops' backend (None: ``MLA_COMPILE_BACKEND`` or "auto"). ``parallel``: a
+    :class:`~mla_compile.parallel.ParallelState` from ``mla_compile.parallel.init``; the model is sharded for
+    this rank (on ``parallel.device``) and every rank serves the same prompts.
     """
     if kind not in ALL_KINDS:
         raise ValueError(f"model must be one of {ALL_KINDS}, got {kind!r}")
@@ -65,7 +67,7 @@ def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, 
                         ("block_size", block_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    device = torch.device(device)
+    device = torch.device(device if parallel is None else parallel.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False; use device 'cpu'")
     chosen = backend or envs.backend()
@@ -75,7 +77,7 @@ def build_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, 
         ops.resolve(op, device, requested_for(op, chosen), dtype=dtype)  # per-op specs ("decode=autotune") too
     hf = toy_hf_model(kind, seed=seed, dtype=dtype, device=device, num_hidden_layers=layers)
     reference = copy.deepcopy(hf)  # patch() rewrites hf in place
-    model = patch(hf, backend=backend)
+    model = patch(hf, backend=backend, parallel=parallel)
     prompts = demo_prompts(num_prompts, hf.config.vocab_size, seed)
     num_blocks = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts) + 1
     model.allocate_cache(num_blocks, block_size)
@@ -150,6 +152,24 @@ class DemoResult:
         return "\n".join(lines)
 
 
+def _dcp_step(step_fn, block_size: int, state):
+    """``step_fn`` on this DCP rank's metadata (:func:`mla_compile.parallel.dcp.localize` of each planned step)."""
+    from mla_compile.metadata import mark_dynamic
+    from mla_compile.parallel.dcp import localize
+
+    def run(input_ids, positions, meta):
+        meta = localize(meta, positions, block_size, state.config.dcp, state.dcp.rank)
+        mark_dynamic(input_ids, positions, meta)
+        return step_fn(input_ids, positions, meta)
+
+    run._orig_mod = getattr(step_fn, "_orig_mod", step_fn)  # DecodeGraphRunner finds the model there
+    return run
+
+
+def _layout(p) -> str:
+    return " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "dp_attention", "ep", "dcp") if getattr(p, k) > 1 or k == "tp")
+
+
 def engine_generate(runner: DecodeGraphRunner, prompts: list[list[int]], max_new_tokens: int, *,
                     num_blocks: int) -> GenerationResult:
     """Greedy generation through the serving engine: one prefill step for all prompts, then decode
@@ -175,27 +195,32 @@ def engine_generate(runner: DecodeGraphRunner, prompts: list[list[int]], max_new
 def run_demo(kind: str = "v2-lite", *, layers: int = 2, num_prompts: int = 4, max_new_tokens: int = 8,
              block_size: int = 16, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
              seed: int = 0, backend: str | None = None, compile: bool = True, cuda_graphs: bool = False,
-             log: Callable[[str], None] = lambda s: None) -> DemoResult:
+             log: Callable[[str], None] = lambda s: None, parallel=None) -> DemoResult:
     """Run the demo end to end and return its :class:`DemoResult` (see the module docstring).
 
     The generation runs twice: the first run compiles (prefill graph, then decode graph), the second
     is timed for steady-state throughput. ``cuda_graphs`` serves through the engine with decode steps
     captured as CUDA graphs (on CPU the engine runs the same padded steps uncaptured). ``log``
-    receives progress lines.
+    receives progress lines. ``parallel``: run this rank of a sharded model (see :func:`build_demo`).
     """
     setup = build_demo(kind, layers=layers, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-                       block_size=block_size, device=device, dtype=dtype, seed=seed, backend=backend)
+                       block_size=block_size, device=device, dtype=dtype, seed=seed, backend=backend,
+                       parallel=parallel)
     c = setup.model.config
     dtype_name = str(dtype).removeprefix("torch.")
     description = (f"mla-compile demo: toy {kind} model ({c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads, "
                    f"kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}) on {setup.device.type} {dtype_name}, "
                    f"paged latent cache of {setup.num_blocks} x {block_size}-token blocks, "
                    + ("torch.compile(fullgraph=True)" if compile else "eager")
-                   + (", engine with CUDA-graph decode" if cuda_graphs else ""))
+                   + (", engine with CUDA-graph decode" if cuda_graphs else "")
+                   + ("" if parallel is None else f", rank {parallel.rank} of {parallel.world_size} "
+                      f"({_layout(parallel.config)}, {parallel.config.world_size} processes)"))
     log(description)
     log("HF eager reference ...")
     ref_tokens, _ = hf_greedy_reference(setup.reference, setup.prompts, max_new_tokens, device=setup.device)
     step = torch.compile(setup.model, fullgraph=True) if compile else setup.model
+    if parallel is not None and parallel.config.dcp > 1:
+        step = _dcp_step(step, block_size, parallel)
     if cuda_graphs:
         n = len(setup.prompts)
         builder = MetadataBuilder(max_batch=max(n, 2), max_blocks_per_seq=setup.num_blocks,

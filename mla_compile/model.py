@@ -83,7 +83,8 @@ class MLAForCausalLM(nn.Module):
         return self.lm_head(h)
 
 
-def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
+def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto",
+          parallel=None, **parallel_options) -> MLAForCausalLM:
     """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
     to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
@@ -91,7 +92,17 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     :class:`MLAMoE`, both sharing the HF weights. Returns the :class:`MLAForCausalLM` to run; the HF
     model's own ``forward`` is not usable afterwards. ``backend`` picks the attention ops' backend
     (default: ``MLA_COMPILE_BACKEND`` or "auto").
+
+    ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
+    the ``ParallelState`` it returned) shards the model for this rank instead:
+    :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
     """
+    if parallel is not None:
+        from mla_compile.parallel import ParallelConfig, current, shard_model
+        state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
+        return shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
+    if parallel_options:
+        raise TypeError(f"patch() got {sorted(parallel_options)}: these options need parallel=")
     hf_config = getattr(hf_model, "config", None)
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")

@@ -99,3 +99,16 @@ def test_allocate_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         allocate_latent_cache(config=V3, **kwargs)
 
+
+
+def test_parallel_layout_reports_the_duplicated_latent():
+    from mla_compile.parallel import ParallelConfig
+
+    row = CacheLayout(V3, "bf16").bytes_per_token
+    tp8 = CacheLayout(V3, "bf16", ParallelConfig(tp=8))
+    assert tp8.copies == 8 and tp8.bytes_per_token_per_rank == row  # every TP rank holds the whole row
+    dcp8 = CacheLayout(V3, "bf16", ParallelConfig(tp=8, dcp=8))
+    assert dcp8.copies == 1 and dcp8.bytes_per_token_per_rank == row / 8
+    dp8 = CacheLayout(V3, "fp8", ParallelConfig(tp=8, dp_attention=8))
+    assert dp8.copies == 1 and dp8.bytes_per_token_per_rank == 656 * 61  # own requests, whole rows, no copy
+    assert CacheLayout(V3).copies == 1

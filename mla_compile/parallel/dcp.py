@@ -1,0 +1,194 @@
+"""Decode context parallelism (as vLLM's DCP) at the op level: a sequence's latent cache split by token.
+
+Token ``t`` of a sequence lives on DCP rank ``(t // interleave) % dcp`` at local position
+``(t // (interleave * dcp)) * interleave + t % interleave`` of that rank's own paged cache (block-interleaved:
+``interleave`` consecutive tokens per rank, round robin; ``interleave = block_size`` fills whole blocks).
+Each rank decodes over its part and returns ``(out, lse)``; the parts are all-gathered and merged by LSE with
+``mla::merge_attn_states`` (natural-log LSE), which gives exactly the attention over the whole sequence.
+A rank whose part is empty contributes ``lse = -inf`` and weighs nothing. KV capacity per rank grows ``dcp``
+times (no rank holds a whole row set of a sequence).
+
+All helpers are tensor ops (no host syncs), usable in host planning or inside a compiled step.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from mla_compile import ops
+from mla_compile.parallel.groups import Group
+from mla_compile.parallel.layers import all_gather
+
+
+def _check(dcp: int, interleave: int) -> None:
+    if dcp < 1 or interleave < 1:
+        raise ValueError(f"dcp and interleave must be positive, got dcp={dcp}, interleave={interleave}")
+
+
+def owner(positions: Tensor, dcp: int, interleave: int) -> Tensor:
+    """The DCP rank holding token ``positions`` of a sequence."""
+    _check(dcp, interleave)
+    return (positions // interleave) % dcp
+
+
+def local_position(positions: Tensor, dcp: int, interleave: int) -> Tensor:
+    """Where token ``positions`` sits in its owner's part of the sequence."""
+    _check(dcp, interleave)
+    return (positions // (interleave * dcp)) * interleave + positions % interleave
+
+
+def local_seq_lens(seq_lens: Tensor, dcp: int, rank: int, interleave: int) -> Tensor:
+    """Tokens of sequences of ``seq_lens`` held by DCP ``rank`` (same dtype); sums to ``seq_lens`` over ranks."""
+    _check(dcp, interleave)
+    if not 0 <= rank < dcp:
+        raise ValueError(f"rank must lie in [0, {dcp}), got {rank}")
+    span = interleave * dcp
+    full = seq_lens // span
+    rest = seq_lens - full * span
+    return full * interleave + (rest - rank * interleave).clamp(0, interleave)
+
+
+def local_slot_mapping(positions: Tensor, block_table: Tensor, seq_index: Tensor, block_size: int, dcp: int,
+                       rank: int, interleave: int) -> Tensor:
+    """Cache slots of new tokens in DCP ``rank``'s cache, -1 for tokens another rank holds (the cache write skips
+    them). ``positions [T]`` of tokens of sequences ``seq_index [T]``, whose local blocks are ``block_table``."""
+    mine = owner(positions, dcp, interleave) == rank
+    lp = local_position(positions, dcp, interleave).masked_fill(~mine, 0)  # others' tokens may pass my blocks
+    block = block_table[seq_index, lp // block_size].long()
+    return (block * block_size + lp % block_size).masked_fill(~mine, -1)
+
+
+def merge_parts(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge ``P`` partial results over disjoint key sets, ``outs [P, T, H, D]`` and ``lses [P, T, H]``, by LSE
+    with ``mla::merge_attn_states``: ``(out [T, H, D], lse [T, H])``."""
+    out, lse = outs[0], lses[0]
+    for p in range(1, outs.shape[0]):
+        out, lse = ops.merge_attn_states(out, lse, outs[p], lses[p])
+    return out, lse
+
+
+def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, group: Group, *,
+               kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
+    """Absorbed MLA decode of one query per sequence over a cache split across ``group`` (the DCP ranks).
+
+    ``q [B, H, D]``: the same queries on every rank of the group; ``kv_cache``, ``block_table``, ``seq_lens``:
+    this rank's part (``seq_lens`` from :func:`local_seq_lens`, may be 0). Returns ``(out [B, H, kv_lora_rank],
+    lse [B, H])`` of attention over the whole sequences, on every rank; a sequence with no tokens anywhere
+    gets ``out = 0``, ``lse = -inf``.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"dcp_decode: q must be [B, H, D] (one query per sequence), got {list(q.shape)}")
+    out, lse = ops.decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank=kv_lora_rank, backend=backend)
+    if group.size == 1 and group.group is None:
+        return out, lse
+    outs = all_gather(out.unsqueeze(0), 0, group)
+    lses = all_gather(lse.unsqueeze(0), 0, group)
+    return merge_parts(outs, lses)
+
+
+def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, interleave: int | None = None,
+                  **plan_kw):
+    """:func:`~mla_compile.metadata.plan_step` for DCP ``rank``: the chunks' ``blocks`` are this rank's own cache
+    blocks of each sequence (enough for its part, :func:`local_seq_lens`); ``start`` and the tokens are the
+    sequence's, as without DCP. Returns the step with this rank's metadata: slots of the tokens it holds (-1 for
+    the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
+    the same on every rank. ``interleave`` defaults to ``block_size``.
+
+    Prefill chunks over cached context (``start > 0``: prefix hits, chunked prefill) get this rank's context
+    slices (:func:`~mla_compile.metadata.context_slices` of its part of each context), present on every rank
+    whenever any chunk has context, so every rank's graph runs the same collectives.
+    """
+    import numpy as np
+    import torch
+
+    from mla_compile.metadata import SeqChunk, plan_step
+
+    interleave = block_size if interleave is None else interleave
+    _check(dcp, interleave)
+    if not 0 <= rank < dcp:
+        raise ValueError(f"rank must lie in [0, {dcp}), got {rank}")
+    chunks = list(decode) + list(prefill)
+    for i, c in enumerate(chunks):
+        end = torch.tensor([c.start + len(c.tokens)])
+        need = -(-int(local_seq_lens(end, dcp, rank, interleave)[0]) // block_size)
+        if len(c.blocks) < need:
+            raise ValueError(f"sequence {i}: this rank holds {need} blocks of its first {int(end[0])} tokens, but "
+                             f"{len(c.blocks)} local blocks were given")
+    # the global plan (ids, positions, cu_seqlens, logits rows), with stand-in blocks of the right count
+    stand_in = lambda c: SeqChunk(range(-(-(c.start + len(c.tokens)) // block_size)), c.tokens, c.start)  # noqa: E731
+    step = plan_step([stand_in(c) for c in decode], [stand_in(c) for c in prefill], block_size, **plan_kw)
+    meta = step.meta
+    width = max([len(c.blocks) for c in chunks] + [1])
+    slots = np.full(step.input_ids.shape[0], -1, dtype=np.int64)
+    at = 0
+    q = meta.decode.query_len if meta.decode is not None else 1
+    for c in decode:  # decode tokens first (query_len each), padding sequences after the real ones
+        for j in range(len(c.tokens)):
+            slots[at + j] = _local_slot(c.start + j, c.blocks, block_size, dcp, rank, interleave)
+        at += q
+    if meta.decode is not None:
+        at = meta.decode.block_table.shape[0] * q
+        table = np.zeros((meta.decode.block_table.shape[0], width), dtype=np.int32)
+        for i, c in enumerate(decode):
+            table[i, :len(c.blocks)] = list(c.blocks)
+        meta.decode.block_table = torch.from_numpy(table)
+        meta.decode.seq_lens = local_seq_lens(meta.decode.seq_lens, dcp, rank, interleave)
+    for c in prefill:
+        for j in range(len(c.tokens)):
+            slots[at + j] = _local_slot(c.start + j, c.blocks, block_size, dcp, rank, interleave)
+        at += len(c.tokens)
+    if meta.prefill is not None:
+        table = np.zeros((meta.prefill.block_table.shape[0], width), dtype=np.int32)
+        for i, c in enumerate(prefill):
+            table[i, :len(c.blocks)] = list(c.blocks)
+        meta.prefill.block_table = torch.from_numpy(table)
+        if meta.prefill.context is not None:
+            from mla_compile.metadata import context_slices
+
+            starts = torch.tensor([c.start for c in prefill] + [0] * (table.shape[0] - len(prefill)))
+            meta.prefill.context = context_slices(local_seq_lens(starts, dcp, rank, interleave).tolist(),
+                                                  plan_kw.get("context_chunk_tokens", 65536),
+                                                  plan_kw.get("min_batch", 2))
+    meta.slot_mapping = torch.from_numpy(slots)
+    return step
+
+
+def _local_slot(pos: int, blocks, block_size: int, dcp: int, rank: int, interleave: int) -> int:
+    if (pos // interleave) % dcp != rank:
+        return -1
+    lp = (pos // (interleave * dcp)) * interleave + pos % interleave
+    return int(blocks[lp // block_size]) * block_size + lp % block_size
+
+
+def localize(meta, positions: Tensor, block_size: int, dcp: int, rank: int, interleave: int | None = None):
+    """This DCP rank's metadata for a step planned as without DCP (``plan_step``, ``MetadataBuilder``), reusing the
+    step's block ids as this rank's own: every rank's cache has the same blocks and a sequence's part fits the
+    first of its blocks (simple, but each rank keeps as many blocks as one unsplit cache; plan with
+    :func:`plan_dcp_step` to size each rank's cache to its part). Tensor ops on the step's device, no host sync.
+    Steps with cached context (prefix hits, chunked prefill) need :func:`plan_dcp_step`.
+    """
+    import torch
+
+    from mla_compile.metadata import DecodeMetadata, MLAMetadata
+
+    interleave = block_size if interleave is None else interleave
+    if meta.prefill is not None and meta.prefill.context is not None:
+        raise NotImplementedError("localize: a step with cached context needs plan_dcp_step (context slices of "
+                                  "this rank's part)")
+    parts, decode, n_dec = [], None, 0
+    if meta.decode is not None:
+        d = meta.decode
+        n_dec = d.num_tokens
+        seq = torch.arange(n_dec, device=positions.device) // d.query_len
+        parts.append(local_slot_mapping(positions[:n_dec], d.block_table, seq, block_size, dcp, rank, interleave))
+        decode = DecodeMetadata(d.block_table, local_seq_lens(d.seq_lens, dcp, rank, interleave), d.query_len, d.plan)
+    if meta.prefill is not None:
+        p = meta.prefill
+        rest = positions[n_dec:]
+        tok = torch.arange(rest.shape[0], device=positions.device, dtype=p.cu_seqlens_q.dtype)
+        seq = torch.searchsorted(p.cu_seqlens_q, tok, right=True) - 1
+        seq = seq.clamp(0, p.block_table.shape[0] - 1)  # padding tokens past the last sequence: slot -1 below
+        parts.append(local_slot_mapping(rest, p.block_table, seq, block_size, dcp, rank, interleave))
+    slots = parts[0] if len(parts) == 1 else torch.cat(parts)
+    slots = slots.masked_fill(meta.slot_mapping < 0, -1)
+    return MLAMetadata(slots, decode, meta.prefill, meta.logits_indices)

@@ -1,0 +1,440 @@
+"""Per-rank bodies of the parallel tests (run by ``tests.dist_helpers.run_ranks`` in spawned processes).
+
+Each returns plain Python data (max errors, shapes, op names) for the parent test to assert on.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+
+from mla_compile import toy
+from mla_compile.metadata import SeqChunk, plan_step
+from mla_compile.model import patch
+from mla_compile.parallel import ParallelConfig, init
+
+BS = 4
+NUM_BLOCKS = 48
+
+
+def _blocks(lens, seed):
+    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
+    out, at = [], 0
+    for n in lens:
+        need = -(-n // BS)
+        out.append(perm[at:at + need])
+        at += need
+    return out
+
+
+STEP_LENS = (13, 6, 9)  # prompt lengths of _steps; each sequence ends 3 tokens later
+
+
+def _steps(vocab: int, seed: int, blocks=None, planner=None):
+    """A fixed step script: prefill of a cached prefix, chunked prefill over it mixed with a fresh prompt,
+    then decode steps with fixed tokens. Returns ``planner(decode, prefill, **kw)`` inputs (CPU; default
+    ``plan_step`` with block size ``BS`` over seeded random blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in STEP_LENS]
+    dec_tokens = torch.randint(0, vocab, (3, 3), generator=gen).tolist()
+    blocks = _blocks([n + 3 for n in STEP_LENS], seed) if blocks is None else blocks
+    plan = planner or (lambda d, p, **kw: plan_step(d, p, BS, **kw))
+    steps = [
+        # prefill: prompt 0's first 8 tokens (a cached prefix next step) and prompt 2 whole
+        plan([], [SeqChunk(blocks[0], full[0][:8]), SeqChunk(blocks[2], full[2])], logits="all"),
+        # chunked prefill over the cached prefix, with a new prompt and one decode (prompt 2)
+        plan([SeqChunk(blocks[2], [dec_tokens[2][0]], len(full[2]))],
+             [SeqChunk(blocks[0], full[0][8:], 8), SeqChunk(blocks[1], full[1])], logits="all"),
+    ]
+    for j in range(2):  # decode all three
+        pos = [len(full[0]) + j, len(full[1]) + j, len(full[2]) + 1 + j]
+        steps.append(plan([SeqChunk(b, [t[j]], s) for b, t, s in zip(blocks, dec_tokens, pos)], []))
+    return steps
+
+
+def _other_batch_steps(vocab: int, seed: int):
+    """Four prompts of other lengths, prefilled then decoded once: other batch sizes than :func:`_steps`."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 7, 2, 10)]
+    nxt = torch.randint(0, vocab, (4,), generator=gen).tolist()
+    blocks = _blocks([len(p) + 1 for p in prompts], seed)
+    return [plan_step([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], BS),
+            plan_step([SeqChunk(b, [t], len(p)) for b, t, p in zip(blocks, nxt, prompts)], [], BS)]
+
+
+def _run(model, steps, dynamic=False):
+    """Logits of every step (real rows), from a freshly allocated NaN-filled cache. ``model`` may be a pair
+    ``(step function, model owning the cache)``; ``dynamic`` marks per-step sizes dynamic."""
+    from mla_compile.metadata import mark_dynamic
+
+    model_fn, model_obj = model if isinstance(model, tuple) else (model, model)
+    model_obj.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
+    outs = []
+    with torch.no_grad():
+        for s in steps:
+            if dynamic:
+                mark_dynamic(s.input_ids, s.positions, s.meta)
+            outs.append(model_fn(s.input_ids, s.positions, s.meta)[:s.num_rows].clone())
+    return outs
+
+
+def _max_err(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overrides=None):
+    """Logits of the sharded model vs the single-process patched model over the step script; shard sizes;
+    with ``compile_too`` also the fullgraph-compiled sharded model, its graph breaks and its collectives.
+    ``overrides``: toy config changes."""
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=7, **(overrides or {}))
+    ref = patch(copy.deepcopy(hf))
+    steps = _steps(hf.config.vocab_size, seed=11)
+    want = _run(ref, steps)
+    full_params = sum(p.numel() for p in ref.parameters())
+    model = patch(hf, parallel=state, ep_dispatch=dispatch)
+    got = _run(model, steps)
+    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+           "params": sum(p.numel() for p in model.parameters()), "full_params": full_params,
+           "kv_b": list(model.attentions[0].kv_b_proj.weight.shape),
+           "o_proj": list(model.attentions[0].o_proj.weight.shape)}
+    moe = model.model.layers[-1].mlp
+    res["experts"] = list(moe.experts.gate_up_proj.shape)
+    res["vocab_shard"] = model.lm_head.weight.shape[0]
+    res["logits_width"] = got[0].shape[-1]
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        seen: set[str] = set()
+
+        def record(gm, example_inputs):
+            from torch._functorch.aot_autograd import aot_module_simplified
+
+            def fw(g, _):
+                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+                return g.forward
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+        compiled = torch.compile(model, fullgraph=True, backend=record)
+        got_c = _run((compiled, model), steps, dynamic=True)
+        res["compiled_err"] = _max_err(got_c, want)
+        graphs = counters["stats"]["unique_graphs"]
+        other = _other_batch_steps(hf.config.vocab_size, seed=2)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got_o = _run((compiled, model), other, dynamic=True)
+        res["other_batch_err"] = _max_err(got_o, _run(ref, other))
+        res["recompiled"] = counters["stats"]["unique_graphs"] - graphs
+        res["graph_breaks"] = dict(counters["graph_break"])
+        res["collectives"] = sorted(t for t in seen if "c10d" in t)
+    return res
+
+
+def sharded_from_meta(rank, world, kind, pconf):
+    """A model built on the meta device, sharded from a state dict, equals the single-process one."""
+    import transformers
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=3)
+    ref = patch(copy.deepcopy(hf))
+    weights = hf.state_dict()
+    cfg = toy.toy_hf_config(kind)
+    cfg._attn_implementation = "eager"
+    cls = {"v2-lite": transformers.DeepseekV2ForCausalLM, "v3": transformers.DeepseekV3ForCausalLM}[kind]
+    with torch.device("meta"):
+        empty = cls(cfg).eval()
+    model = patch(empty, parallel=state, weights=weights)
+    steps = _steps(cfg.vocab_size, seed=5)
+    meta_left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    return {"err": _max_err(_run(model, steps), _run(ref, steps)), "meta_left": meta_left}
+
+
+def mismatch(rank, world):
+    """init with a config of another world size: the error message."""
+    try:
+        init(ParallelConfig(tp=world * 2), timeout=10)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def dead_peer(rank, world, timeout_s, how):
+    """Rank 1 exits (``how="exit"``) or stops taking part (``"hang"``: sleeps past the timeout, then exits)
+    after init; rank 0's next collective must raise (seconds it took, error text)."""
+    import torch.distributed as dist
+
+    state = init(ParallelConfig(tp=world), timeout=timeout_s)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    if rank == 1:
+        if how == "hang":
+            time.sleep(timeout_s + 5)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            float(torch.distributed._functional_collectives.all_reduce(x, "sum", state.tp.group).sum())
+    except Exception as e:  # noqa: BLE001
+        return {"seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"[:300]}
+    return None
+
+
+def lonely(rank, world, timeout_s):
+    """Rank 0 of a world of 2 whose peer never comes: init must raise within the timeout."""
+    t0 = time.monotonic()
+    try:
+        init(ParallelConfig(tp=2), rank=0, world_size=2, timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001
+        return {"seconds": time.monotonic() - t0, "error": f"{type(e).__name__}: {e}"[:300]}
+    return None
+
+
+def groups_layout(rank, world, pconf):
+    """This rank's groups (ranks, index, whether a process group backs them) and a sum over its attention group."""
+    import torch.distributed._functional_collectives as funcol
+
+    state = init(ParallelConfig(**pconf), timeout=30)
+    out = {name: (list(getattr(state, name).ranks), getattr(state, name).rank)
+           for name in ("tp", "attn", "dcp", "ep", "moe_tp")}
+    out["real"] = {name: getattr(state, name).group is not None for name in ("tp", "attn", "dcp", "ep", "moe_tp")}
+    out["sum"] = float(funcol.all_reduce(torch.tensor([rank + 1.0]), "sum", state.attn.group)[0])
+    return out
+
+
+def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
+    """Each rank holds its tokens of every sequence (block-interleaved) in its own NaN-filled paged cache and
+    runs ``dcp_decode``; returns the max errors against a float64 softmax over the whole rows and against
+    ``ops.decode`` over one unsplit cache, and (compiled) the ops in the graph."""
+    from mla_compile import ops
+    from mla_compile.parallel import dcp
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=30)
+    gen = torch.Generator().manual_seed(123)  # the same data on every rank
+    B, H, Dc, R, bs = len(seq_lens), 4, 32, 16, 4
+    D, scale = Dc + R, 0.3
+    rows = [torch.randn(n, D, generator=gen) for n in seq_lens]
+    q = torch.randn(B, H, D, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    local = dcp.local_seq_lens(lens, world, rank, interleave)
+    max_blocks = max(1, max(-(-int(n) // bs) for n in local))
+    cache = torch.full((B * max_blocks + 2, bs, D), float("nan"))
+    perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(rank))
+    table = perm[:B * max_blocks].view(B, max_blocks).int()
+    for b, r in enumerate(rows):
+        pos = torch.arange(r.shape[0])
+        slots = dcp.local_slot_mapping(pos, table, torch.full_like(pos, b), bs, world, rank, interleave)
+        keep = slots >= 0
+        cache.view(-1, D)[slots[keep]] = r[keep]
+    fn = dcp.dcp_decode
+    seen: set[str] = set()
+    if compile_it:
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(gm, example_inputs):
+            def fw(g, _):
+                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+                return g.forward
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+        fn = torch.compile(dcp.dcp_decode, fullgraph=True, backend=record)
+    out, lse = fn(q, cache, table, local, scale, state.dcp, kv_lora_rank=Dc)
+    # float64 reference from the math: softmax(q k^T * scale) v over each whole sequence
+    err_out = err_lse = 0.0
+    for b, r in enumerate(rows):
+        if r.shape[0] == 0:
+            want_out = torch.zeros(H, Dc, dtype=torch.float64)
+            want_lse = torch.full((H,), float("-inf"), dtype=torch.float64)
+        else:
+            s = q[b].double() @ r.double().T * scale
+            want_lse = torch.logsumexp(s, -1)
+            want_out = torch.softmax(s, -1) @ r.double()[:, :Dc]
+        assert bool(torch.equal(torch.isinf(lse[b]), torch.isinf(want_lse))), (b, lse[b], want_lse)
+        fin = torch.isfinite(want_lse)
+        err_lse = max(err_lse, float((lse[b].double() - want_lse)[fin].abs().max()) if bool(fin.any()) else 0.0)
+        err_out = max(err_out, float((out[b].double() - want_out).abs().max()))
+    # and the single-rank op over one unsplit cache
+    nb = max(1, max(-(-n // bs) for n in seq_lens))
+    whole = torch.full((B * nb, bs, D), float("nan"))
+    wtable = torch.arange(B * nb).view(B, nb).int()
+    for b, r in enumerate(rows):
+        whole.view(-1, D)[b * nb * bs: b * nb * bs + r.shape[0]] = r
+    u_out, u_lse = ops.decode(q, whole, wtable, lens, scale, kv_lora_rank=Dc)
+    return {"err_out": err_out, "err_lse": err_lse, "local_lens": local.tolist(),
+            "vs_unsplit": float((out - u_out).abs().max()),
+            "finite": bool(torch.isfinite(out).all()), "ops": sorted(t for t in seen if "c10d" in t or "mla" in t)}
+
+
+def _dp_steps(vocab: int, group: int):
+    """Attention group ``group``'s own requests: other prompts per group, the same token and row counts on
+    every group (as data-parallel attention needs): prefill with a cached prefix, chunked prefill over it
+    mixed with a decode, two decode steps."""
+    gen = torch.Generator().manual_seed(100 + group)
+    lens = [(13, 5), (11, 7)][group % 2]  # prefix 8 + 5 and 6 + 7 tokens: 13 either way
+    cut = [8, 6][group % 2]
+    a, b = (torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens)
+    dec = torch.randint(0, vocab, (2, 3), generator=gen).tolist()
+    ba, bb = _blocks([len(a) + 3, len(b) + 3], seed=group)
+    steps = [plan_step([], [SeqChunk(ba, a[:cut]), SeqChunk(bb, b)], BS, logits="all"),
+             plan_step([SeqChunk(bb, [dec[1][0]], len(b))], [SeqChunk(ba, a[cut:cut + 5], cut)], BS, logits="all")]
+    for j in range(2):
+        steps.append(plan_step([SeqChunk(ba, [dec[0][j]], cut + 5 + j), SeqChunk(bb, [dec[1][j + 1]], len(b) + 1 + j)],
+                               [], BS))
+    return steps
+
+
+def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
+    """Data-parallel attention: each attention group runs its own requests; its logits equal the single-process
+    model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives."""
+    from mla_compile.cache import CacheLayout
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=9)
+    ref = patch(copy.deepcopy(hf))
+    steps = _dp_steps(hf.config.vocab_size, rank // state.config.attn_tp)
+    want = _run(ref, steps)
+    model = patch(hf, parallel=state)
+    res = {"err": _max_err(_run(model, steps), want), "heads": model.attentions[0].config.num_heads,
+           "copies": CacheLayout(model.config, "bf16", model.parallel_state.config).copies}
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")  # Dynamo only: fullgraph, no breaks
+        res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res
+
+
+def cuda_graphs(rank, world, pconf):
+    """NCCL, one GPU per rank (world size 1: real single-rank process groups): the sharded model's logits equal
+    the unsharded model's (eager, fp32), and compiled and replayed in CUDA graphs by DecodeGraphRunner under an
+    Engine (the same on every rank) it gives the tokens of the same compiled steps run uncaptured."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.engine import Engine
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(**pconf), single_rank_collectives=world == 1, timeout=120)
+    dev = state.device
+    hf = toy.toy_hf_model("v3", seed=6, device=dev, dtype=torch.float32, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf), backend="triton")
+    model = patch(hf, parallel=state, backend="triton")
+    load = dict(seed=3, n_requests=12, gap=8, max_new=40)
+
+    def engine(step_fn, owner, enabled):
+        builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=8, max_tokens=256, block_size=16, device=dev)
+        owner.allocate_cache(128, 16)
+        return Engine(DecodeGraphRunner(step_fn, builder, capture_sizes=[2, 4, 8], enabled=enabled,
+                                        strict_sync=enabled), num_blocks=128)
+
+    # eager: the sharded model (collectives over NCCL) against the unsharded one, logits of the step script
+    steps_in = [s.to(dev) for s in _steps(hf.config.vocab_size, seed=11)]
+    with torch.no_grad():
+        ref.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
+        want_logits = [ref(s.input_ids, s.positions, s.meta)[:s.num_rows].clone() for s in steps_in]
+    err = _max_err(_run(model, steps_in), want_logits)
+    # compiled and captured: the same tokens as the same compiled steps run uncaptured
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    want, steps = run_workload(engine(compiled, model, False), **load)
+    eng = engine(compiled, model, True)
+    eng.runner.capture()
+    got, got_steps = run_workload(eng, **load)
+    return {"backend": dist.get_backend(), "eager_err": err, "same_tokens": got == want, "steps": steps,
+            "got_steps": got_steps, "replays": eng.runner.replays, "graph_breaks": dict(counters["graph_break"]),
+            "real_group": state.tp.group is not None}
+
+
+def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
+    """DCP over both ranks (tp=2, dcp=2): each rank caches its tokens of every sequence (block-interleaved); the
+    logits of prefill and decode steps equal the single-process model's. Also the per-rank cache rows written."""
+    from mla_compile.parallel.dcp import local_seq_lens, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=13)
+    ref = patch(copy.deepcopy(hf))
+    gen = torch.Generator().manual_seed(4)
+    vocab = hf.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 13, 6)]  # 3 < one block: rank 1 empty
+    dec = torch.randint(0, vocab, (3, 3), generator=gen).tolist()
+    ends = [len(p) + 3 for p in prompts]
+    glob = _blocks(ends, seed=21)
+    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(50 + rank)).tolist()
+    local, at = [], 0
+    for n in ends:
+        need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+        local.append(own[at:at + need])
+        at += need
+
+    def script(blocks, planner):
+        steps = [planner([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], logits="all")]
+        for j in range(3):
+            steps.append(planner([SeqChunk(b, [t[j]], len(p) + j) for b, t, p in zip(blocks, dec, prompts)], []))
+        return steps
+
+    def local_blocks(ends, seed):
+        own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed + rank)).tolist()
+        out, at = [], 0
+        for n in ends:
+            need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+            out.append(own[at:at + need])
+            at += need
+        return out
+
+    dcp_plan = lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw)  # noqa: E731
+    want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    steps = script(local, dcp_plan)
+    model = patch(hf, parallel=state)
+    got = _run(model, steps)
+    written = int((~torch.isnan(model.attentions[0].kv_cache[:, :, 0])).sum())
+    # prefix-cached prefill and chunked prefill over context split across the ranks (the _steps script)
+    want_ctx = _run(ref, _steps(vocab, seed=11))
+    ctx_steps = _steps(vocab, seed=11, blocks=local_blocks([n + 3 for n in STEP_LENS], 70), planner=dcp_plan)
+    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+           "rows_written": written, "type": type(model.attentions[0]).__name__,
+           "ctx_err": _max_err(_run(model, ctx_steps), want_ctx),
+           "ctx_rows": [int(s.meta.prefill.context.rows.sum()) for s in ctx_steps
+                        if s.meta.prefill is not None and s.meta.prefill.context is not None]}
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")  # Dynamo only: fullgraph, no breaks
+        res["compiled_err"] = _max_err(_run((compiled, model), steps, dynamic=True), want)
+        res["compiled_ctx_err"] = _max_err(_run((compiled, model), ctx_steps, dynamic=True), want_ctx)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res
+
+
+def engine_per_rank(rank, world, pconf):
+    """Every rank runs the same Engine (the same deterministic scheduler) over the sharded model, through a
+    DecodeGraphRunner (uncaptured on CPU: the same padded steps); tokens equal the unsharded engine's."""
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.engine import Engine
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    hf = toy.toy_hf_model("v3", seed=2, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf, parallel=state)
+    load = dict(seed=4, n_requests=6, gap=4, max_new=12, max_prompt=12)
+
+    def engine(m):
+        m.allocate_cache(64, BS)
+        builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=96, block_size=BS, device="cpu")
+        return Engine(DecodeGraphRunner(m, builder, capture_sizes=[2, 4], enabled=False), num_blocks=64)
+
+    want, steps = run_workload(engine(ref), **load)
+    got, got_steps = run_workload(engine(model), **load)
+    return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got)}

@@ -1,0 +1,61 @@
+"""mla_compile.parallel.init: process groups, world-size checks, and errors (not hangs) on missing or dead peers."""
+
+import pytest
+
+from mla_compile.parallel import ParallelConfig, init
+from tests import parallel_workers as w
+from tests.dist_helpers import run_ranks
+
+
+def test_world_size_mismatch_is_named_before_any_rendezvous():
+    with pytest.raises(ValueError, match=r"world size 2 does not match the ParallelConfig: tp=4"):
+        init(ParallelConfig(tp=4), rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"rank must lie in \[0, 2\)"):
+        init(ParallelConfig(tp=2), rank=2, world_size=2)
+
+
+def test_missing_rank_asks_for_torchrun(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        init(ParallelConfig(tp=2))
+    with pytest.raises(TypeError, match="ParallelConfig"):
+        init({"tp": 2})
+
+
+def test_missing_rendezvous_address_is_named(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
+        init(ParallelConfig(tp=2), rank=0, world_size=2)
+
+
+def test_launched_world_of_other_size_errors_on_every_rank():
+    msgs = run_ranks(w.mismatch, 2)
+    assert all(m and "world size 2 does not match" in m and "tp=4" in m for m in msgs)
+
+
+def test_missing_peer_times_out_at_init():
+    (r,) = run_ranks(w.lonely, 1, 2.0, timeout=60)
+    assert r is not None, "init returned without its peer"
+    assert "1/2" in r["error"] or "Timed out" in r["error"] or "timeout" in r["error"].lower()
+    assert r["seconds"] < 30
+
+
+@pytest.mark.parametrize("how", ["exit", "hang"])
+def test_dead_or_hung_peer_errors_instead_of_hanging(how):
+    results = run_ranks(w.dead_peer, 2, 3.0, how, expect_dead=(1,), timeout=60)
+    r = results[0]
+    assert r is not None, "the collective returned without its peer"
+    assert r["seconds"] < 30, r
+    assert "Connection" in r["error"] or "Timed out" in r["error"] or "closed" in r["error"], r
+
+
+def test_groups_follow_the_rank_layout():
+    # tp=2 with ep=2: one attention group of both ranks, EP over both, each expert whole (moe_tp groups of one)
+    results = run_ranks(w.groups_layout, 2, dict(tp=2, ep=2, dcp=2))
+    for rank, g in enumerate(results):
+        assert g["tp"] == ([0, 1], rank) and g["attn"] == ([0, 1], rank) and g["dcp"] == ([0, 1], rank)
+        assert g["ep"] == ([0, 1], rank) and g["moe_tp"] == ([rank], 0)
+        assert g["real"] == {"tp": True, "attn": True, "dcp": True, "ep": True, "moe_tp": False}
+        assert g["sum"] == 3.0  # a collective over the attention group: 1 + 2
