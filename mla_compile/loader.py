@@ -36,20 +36,23 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
 
     ``dtype``: of the non-fp8 weights (default: the config's dtype, else bfloat16); fp8 weights stay
     float8_e4m3fn with float32 block scales, fp4 experts (``expert_dtype: "fp4"``) packed uint8 with ue8m0 bytes. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
-    ``parallel``: not built yet (NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
+    ``parallel``: a :class:`~mla_compile.parallel.ParallelConfig` (or the state :func:`mla_compile.parallel.init`
+    returned; a config is initialised here): this rank's shard only, each tensor read as the slice the rank keeps
+    (``device`` is then the parallel state's); bf16/float checkpoints only so far (fp8 / fp4 ones raise
+    NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
     MTP layers (``num_nextn_predict_layers``) are skipped.
     Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
-    if parallel is not None:
-        raise NotImplementedError("from_pretrained(parallel=...) needs the tensor/expert-parallel model of the "
-                                  "parallel issue, which is not built yet; pass parallel=None")
     root = Path(path)
     config = read_config(root)
     fp8 = read_fp8_format(config, root)
     fp4_experts = expert_dtype(config, root) == "fp4"
     index = read_index(root)
-    device = torch.device(device or "cpu")
     dtype = dtype or _config_dtype(config)
+    if parallel is not None:
+        return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl,
+                        quantized=fp8 is not None or fp4_experts or any(k.endswith(SCALE_SUFFIX) for k in index.weight_map))
+    device = torch.device(device or "cpu")
     hf = _meta_model(config)
     kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)
     if kv_b and fp8 is None:
@@ -62,6 +65,104 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     model = patch(hf.eval(), backend=backend, moe_impl=moe_impl)
     model.kv_cache_dtype = kv_cache_dtype
     return model
+
+
+def _sharded(root: Path, config, index: ShardIndex, parallel, dtype: torch.dtype, kv_cache_dtype, backend,
+             moe_impl: str, quantized: bool) -> MLAForCausalLM:
+    """``from_pretrained(parallel=...)``: a meta model sharded by :func:`patch` from lazily sliced shard tensors."""
+    from mla_compile.parallel import ParallelState, init
+
+    if quantized:
+        raise NotImplementedError(f"{root}: from_pretrained(parallel=...) reads float checkpoints so far; this one has "
+                                  "fp8 (weight_scale_inv) or fp4 expert weights, whose shards are not built yet: "
+                                  "load it with parallel=None")
+    state = parallel if isinstance(parallel, ParallelState) else init(parallel)
+    hf = _meta_model(config)  # MTP layers (index >= num_hidden_layers) are not built, so never read
+    fp32 = tuple(getattr(hf, "_keep_in_fp32_modules", None) or ()) + tuple(
+        getattr(hf, "_keep_in_fp32_modules_strict", None) or ())
+    source = _SliceSource(index, dtype, fp32)
+    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl, parallel=state, weights=source)
+    model.kv_cache_dtype = kv_cache_dtype
+    return model
+
+
+class _SliceSource:
+    """HF parameter name -> a lazily sliced checkpoint tensor (:class:`_Lazy`): only the rows / columns a rank
+    keeps are read from the shard (safetensors ``get_slice``). The stacked experts of an HF MoE
+    (``...experts.gate_up_proj [E, 2I, H]``, ``...experts.down_proj [E, H, I]``) are assembled from the
+    per-expert checkpoint tensors of the experts and rows asked for."""
+
+    def __init__(self, index: ShardIndex, dtype: torch.dtype, fp32: tuple[str, ...]) -> None:
+        self.index, self.dtype, self.fp32 = index, dtype, fp32
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of checkpoint tensor ``key`` (read from its shard's header once)."""
+        if key not in self._shapes:
+            with self.open(key) as f:
+                self._shapes[key] = tuple(f.get_slice(key).get_shape())
+        return self._shapes[key]
+
+    def open(self, key: str):
+        """The safetensors reader of the shard holding ``key`` (KeyError when the index lists no such tensor)."""
+        from safetensors import safe_open
+
+        if key not in self.index.weight_map:
+            raise KeyError(key)
+        return safe_open(str(self.index.root / self.index.file_of(key)), framework="pt", device="cpu")
+
+    def __call__(self, name: str) -> "_Lazy":
+        dtype = torch.float32 if any(p in name for p in self.fp32) else self.dtype
+        prefix, _, param = name.rpartition(".")
+        if prefix.endswith(".experts") and param in ("gate_up_proj", "down_proj"):
+            parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+            keys = []
+            while f"{prefix}.{len(keys)}.{parts[0]}.weight" in self.index.weight_map:
+                keys.append([f"{prefix}.{len(keys)}.{p}.weight" for p in parts])
+            if not keys:
+                raise KeyError(name)
+            return _Lazy(self, keys, dtype, stacked=True)
+        return _Lazy(self, [[name]], dtype, stacked=False)
+
+
+class _Lazy:
+    """A checkpoint tensor, or experts stacked from per-expert tensors (row ``j`` = expert ``j``'s parts
+    concatenated, e.g. ``[gate; up]``), read only where it is indexed: ``shape`` and ``t[slices]``, as
+    :func:`~mla_compile.parallel.shard.shard_model` takes its weights."""
+
+    def __init__(self, source: _SliceSource, keys: list[list[str]], dtype: torch.dtype, stacked: bool) -> None:
+        self.source, self.keys, self.dtype, self.stacked = source, keys, dtype, stacked
+        first = [source.shape(k) for k in keys[0]]
+        if stacked:
+            self.shape = torch.Size((len(keys), sum(sh[0] for sh in first)) + first[0][1:])
+        else:
+            self.shape = torch.Size(first[0])
+
+    def _read(self, key: str, index: tuple) -> Tensor:
+        with self.source.open(key) as f:
+            return f.get_slice(key)[index].to(self.dtype)
+
+    def __getitem__(self, index) -> Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        if not self.stacked:
+            return self._read(self.keys[0][0], index)
+        if not all(isinstance(i, slice) for i in index):
+            raise TypeError(f"stacked experts of {self.keys[0][0]} take slices only, got {index}")
+        experts, rows, rest = index[0], (index[1:2] or (slice(None),))[0], index[2:]
+        r0, r1, step = rows.indices(self.shape[1])
+        if step != 1:
+            raise TypeError(f"stacked experts of {self.keys[0][0]} take unit-step row slices, got {rows}")
+        out = []
+        for parts in self.keys[experts]:
+            pieces, start = [], 0
+            for key in parts:  # the rows asked for, read from each part that holds some of them
+                n = self.source.shape(key)[0]
+                lo, hi = max(r0, start), min(r1, start + n)
+                if lo < hi:
+                    pieces.append(self._read(key, (slice(lo - start, hi - start),) + rest))
+                start += n
+            out.append(torch.cat(pieces))
+        return torch.stack(out)
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -438,3 +438,18 @@ def engine_per_rank(rank, world, pconf):
     want, steps = run_workload(engine(ref), **load)
     got, got_steps = run_workload(engine(model), **load)
     return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got)}
+
+
+def from_pretrained_sharded(rank, world, root, pconf):
+    """``from_pretrained(dir, parallel=...)`` of a float checkpoint equals the single-process load; each rank
+    keeps only its shard (parameter count) and nothing is left on the meta device."""
+    from mla_compile.loader import from_pretrained
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    model = from_pretrained(root, parallel=state, dtype=torch.float32)
+    ref = from_pretrained(root, dtype=torch.float32)
+    steps = _steps(ref.config.vocab_size, seed=7)
+    meta_left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    return {"err": _max_err(_run(model, steps), _run(ref, steps)), "meta_left": meta_left,
+            "params": sum(p.numel() for p in model.parameters()),
+            "full_params": sum(p.numel() for p in ref.parameters())}
