@@ -16,6 +16,7 @@ from mla_compile.config import MLAConfig, is_mla_model
 from mla_compile.metadata import MLAMetadata
 from mla_compile.moe import MLAMoE
 from mla_compile.rope import default_inv_freq, rope_cos_sin
+from mla_compile.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
 
 class MLAForCausalLM(nn.Module):
@@ -83,7 +84,7 @@ class MLAForCausalLM(nn.Module):
         return self.lm_head(h)
 
 
-def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
+def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM | V4ForCausalLM:
     """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
     to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
@@ -93,6 +94,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     (default: ``MLA_COMPILE_BACKEND`` or "auto").
     """
     hf_config = getattr(hf_model, "config", None)
+    if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.v4_model)
+        return patch_v4(hf_model, backend=backend or envs.backend())
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")
     if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):

@@ -94,6 +94,16 @@ def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.cat([nope, rot.to(x.dtype)], dim=-1)
 
 
+def _own_backend(op: str, backend: str | None) -> str:
+    """The backend a V4 op runs with: ``backend`` when the op has one of that name, else "reference".
+
+    "auto" picks only GPU-tested backends, and the V4 ops' only backend, the plain-torch reference, has
+    not yet passed its CUDA tests (``tests/ops/test_v4_ops.py -m cuda``): so it is named explicitly."""
+    from mla_compile.ops.registry import backends_for
+
+    return backend if backend not in (None, "auto") and backend in backends_for(op) else "reference"
+
+
 class V4Attention(nn.Module):
     """Paged V4 attention sharing the HF ``DeepseekV4Attention``'s weights (and its compressor's)."""
 
@@ -108,7 +118,8 @@ class V4Attention(nn.Module):
         self.scale = hf_attn.scaling
         self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
         self.index_topk = config.index_topk
-        self.backend = backend
+        self.backend = _own_backend("v4_attention", backend)
+        self.compress_backend = _own_backend("v4_compress_write", backend)
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.kv_cache: Tensor | None = None
         self.comp_cache: Tensor | None = None
@@ -135,7 +146,8 @@ class V4Attention(nn.Module):
             skv, sg = self.state["compressor"]
             v4_compress_write(c.kv_proj(x), c.gate_proj(x), meta.query_seq, positions, meta.state_slot, skv, sg,
                               c.position_bias, c.kv_norm.weight, inv_freq, comp, table, rate=self.rate,
-                              eps=c.kv_norm.variance_epsilon, overlap=self.layer_type == CSA)
+                              eps=c.kv_norm.variance_epsilon, overlap=self.layer_type == CSA,
+                              backend=self.compress_backend)
             if self.layer_type == HCA:
                 cs = compressed_slots(table, meta.query_seq, positions, block_size=comp.shape[1], rate=self.rate)
             else:
@@ -143,7 +155,8 @@ class V4Attention(nn.Module):
                 ikv, ig = self.state["indexer"]
                 v4_compress_write(ix.kv_proj(x), ix.gate_proj(x), meta.query_seq, positions, meta.state_slot, ikv,
                                   ig, ix.position_bias, ix.kv_norm.weight, inv_freq, self.index_cache, table,
-                                  rate=self.rate, eps=ix.kv_norm.variance_epsilon, overlap=True)
+                                  rate=self.rate, eps=ix.kv_norm.variance_epsilon, overlap=True,
+                                  backend=self.compress_backend)
                 q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
                 cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
                                    meta.query_seq, positions, rate=self.rate, topk=self.index_topk)

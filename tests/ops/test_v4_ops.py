@@ -20,6 +20,7 @@ from mla_compile.ops.v4_attention import compressed_slots, window_slots
 F64 = torch.float64
 I32 = torch.int32
 NAN = float("nan")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def gen(seed):
@@ -112,13 +113,15 @@ def _rows(kv, ws, comp, cs):
             for t in range(ws.shape[0])]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("impl", ["public", "raw"])
-def test_v4_attention_matches_reference(dtype, impl):
+def test_v4_attention_matches_reference(dtype, impl, device):
     q, kv, ws, comp, cs, sinks, pos, inv_freq = _attention_case(3, dtype)
     scale = 16 ** -0.5
     fn = v4_attention if impl == "public" else torch.ops.mla.v4_attention_ref
-    out, lse = fn(q, kv, ws, comp, cs, sinks, pos, inv_freq, scale)
+    out, lse = fn(*(t.to(device) for t in (q, kv, ws, comp, cs, sinks, pos, inv_freq)), scale)
+    out, lse = out.cpu(), lse.cpu()
     ref_out, ref_lse = attention64(q.double(), _rows(kv, ws, comp, cs), sinks.double(), pos, inv_freq, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -126,11 +129,13 @@ def test_v4_attention_matches_reference(dtype, impl):
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_v4_attention_empty_set_is_zero_and_lse_minus_inf():
+@pytest.mark.parametrize("device", DEVICES)
+def test_v4_attention_empty_set_is_zero_and_lse_minus_inf(device):
     q, kv, ws, comp, cs, sinks, pos, inv_freq = _attention_case(4, torch.float32)
     ws[2] = -1
     cs[2] = -1
-    out, lse = v4_attention(q, kv, ws, comp, cs, sinks, pos, inv_freq, 0.25)
+    out, lse = v4_attention(*(t.to(device) for t in (q, kv, ws, comp, cs, sinks, pos, inv_freq)), 0.25)
+    out, lse = out.cpu(), lse.cpu()
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert torch.isneginf(lse[2]).all()
     assert torch.isfinite(out).all() and torch.isfinite(lse[[0, 1, 3, 4]]).all()
@@ -194,9 +199,10 @@ def compress64(kv, gate, bias, norm_w, eps, inv_freq, rate, overlap):
     return torch.stack(entries) if entries else torch.zeros(0, C, dtype=F64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overlap,rate", [(True, 4), (False, 4), (False, 3), (True, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_v4_compress_write_chunked_matches_whole_sequence(overlap, rate, dtype):
+def test_v4_compress_write_chunked_matches_whole_sequence(overlap, rate, dtype, device):
     """Three sequences fed in uneven chunks (steps mix decode tokens and chunks crossing window
     boundaries, plus padding rows); the entry cache then equals HF's whole-sequence compression, and
     nothing else in the cache was written."""
@@ -209,11 +215,12 @@ def test_v4_compress_write_chunked_matches_whole_sequence(overlap, rate, dtype):
     norm_w = rnd(g, C, dtype=torch.float32)
     inv_freq = 1.0 / (50.0 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
     table = torch.randperm(12, generator=g).reshape(3, 4).to(I32)
-    cache = torch.full((12, bs, C), NAN, dtype=dtype)
+    cache = torch.full((12, bs, C), NAN, dtype=dtype, device=device)
     R = 2 * rate if overlap else rate
-    state_slot = torch.tensor([2, 0, 3], dtype=I32)  # state rows need not equal batch rows
-    state_kv = torch.full((4, R, Cin), NAN, dtype=dtype)
-    state_gate = torch.full((4, R, Cin), NAN, dtype=dtype)
+    state_slot = torch.tensor([2, 0, 3], dtype=I32, device=device)  # state rows need not equal batch rows
+    state_kv = torch.full((4, R, Cin), NAN, dtype=dtype, device=device)
+    state_gate = torch.full((4, R, Cin), NAN, dtype=dtype, device=device)
+    bias_d, norm_d, inv_d, table_d = (t.to(device) for t in (bias, norm_w, inv_freq, table))
     chunks = [[5, 1, 2], [1, 4, 0], [7, 1, 0], [1, 3, 0], [9, 0, 0]]  # per step, tokens of each sequence
     done = [0, 0, 0]
     for step in chunks:
@@ -223,10 +230,12 @@ def test_v4_compress_write_chunked_matches_whole_sequence(overlap, rate, dtype):
                 seq.append(b), pos.append(p), kvs.append(data[b][0][p]), gates.append(data[b][1][p])
             done[b] += n
         seq.append(-1), pos.append(0), kvs.append(torch.full((Cin,), NAN, dtype=dtype)), gates.append(kvs[-1])
-        v4_compress_write(torch.stack(kvs), torch.stack(gates), torch.tensor(seq, dtype=I32),
-                          torch.tensor(pos, dtype=I32), state_slot, state_kv, state_gate, bias, norm_w,
-                          inv_freq, cache, table, rate=rate, eps=eps, overlap=overlap)
+        v4_compress_write(torch.stack(kvs).to(device), torch.stack(gates).to(device),
+                          torch.tensor(seq, dtype=I32, device=device), torch.tensor(pos, dtype=I32, device=device),
+                          state_slot, state_kv, state_gate, bias_d, norm_d, inv_d, cache, table_d, rate=rate,
+                          eps=eps, overlap=overlap)
     assert done == lens
+    cache = cache.cpu()
     written = torch.zeros(12 * bs, dtype=torch.bool)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
     for b, L in enumerate(lens):
@@ -265,8 +274,9 @@ def index64(q, w, keys, pos, rate, topk):
     return set(order[:topk])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("topk", [3, 50])  # 50: more than any query's entries
-def test_v4_index_topk_matches_reference(topk):
+def test_v4_index_topk_matches_reference(topk, device):
     g = gen(30 + topk)
     H, d, bs, rate = 4, 8, 4, 4
     lens = [30, 7, 3]
@@ -282,7 +292,8 @@ def test_v4_index_topk_matches_reference(topk):
     pos = torch.tensor([29, 10, 2, 6, 2, 0, 3], dtype=I32)
     q = rnd(g, 7, H, d, dtype=torch.float32)
     w = rnd(g, 7, H, dtype=torch.float32)
-    got = v4_index_topk(q, w, cache, table, torch.tensor(lens, dtype=I32), seq, pos, rate=rate, topk=topk)
+    got = v4_index_topk(*(t.to(device) for t in (q, w, cache, table, torch.tensor(lens, dtype=I32), seq, pos)),
+                        rate=rate, topk=topk).cpu()
     assert got.shape == (7, topk) and got.dtype == I32
     for t in range(7):
         b, p = int(seq[t]), int(pos[t])
