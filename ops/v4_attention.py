@@ -100,7 +100,8 @@ def v4_attention_ref(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cac
     lse = torch.logsumexp(scores, dim=-1)  # [T, H], -inf when nothing is visible
     probs = torch.where(vis, torch.exp(scores - lse[..., None]), 0.0)
     out = torch.einsum("thl,tld->thd", probs, rows)
-    out = out * torch.sigmoid(lse - sinks.to(acc)[None, :])[..., None]  # the sink's share of the mass
+    share = torch.where(torch.isneginf(lse), 0.0, torch.sigmoid(lse - sinks.to(acc)[None, :]))  # -inf - -inf: NaN
+    out = out * share[..., None]  # the slots' share of the mass, the rest goes to the sink
     freqs = query_pos.to(acc)[:, None] * inv_freq.to(acc)[None, :]
     out = rotate_interleaved(out, freqs.cos(), -freqs.sin())
     return out.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
@@ -160,3 +161,19 @@ def compressed_slots(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, 
     ok = (j < (query_pos.long()[:, None] + 1) // rate) & live[:, None]
     blocks = block_table.long()[seq[:, None], j // block_size]
     return torch.where(ok, blocks * block_size + j % block_size, -1).to(torch.int32)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
+            sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.v4_attention  # noqa: F401  (registers mla::v4_attention_triton)
+    return torch.ops.mla.v4_attention_triton(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos,
+                                             inv_freq, scale)
+
+
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS,
+        package="triton", kernels=("v4_attention_triton", "_v4_attention_kernel"),
+        note="ours; one program per (row, head block), no split of the slot list")

@@ -139,6 +139,10 @@ def test_v4_attention_empty_set_is_zero_and_lse_minus_inf(device):
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert torch.isneginf(lse[2]).all()
     assert torch.isfinite(out).all() and torch.isfinite(lse[[0, 1, 3, 4]]).all()
+    no_sink = torch.full_like(sinks, float("-inf")).to(device)  # plain attention: still 0, not NaN
+    out, lse = v4_attention(*(t.to(device) for t in (q, kv, ws, comp, cs)), no_sink,
+                            *(t.to(device) for t in (pos, inv_freq)), 0.25)
+    assert torch.equal(out[2].cpu(), torch.zeros_like(out[2].cpu())) and torch.isfinite(out).all()
 
 
 def test_v4_attention_dominant_sink_and_no_sink():
