@@ -59,6 +59,10 @@ class V4Metadata:
         out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
         return out + list(self.entry_tables.values())
 
+    def mark_dynamic(self, input_ids: Tensor, positions: Tensor) -> None:
+        """:func:`mark_dynamic` of a step with this metadata (what the CUDA-graph runner calls)."""
+        mark_dynamic(input_ids, positions, self)
+
     def to(self, device) -> "V4Metadata":
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return V4Metadata(mv(self.query_seq), mv(self.seq_lens), mv(self.block_table), mv(self.slot_mapping),
