@@ -95,7 +95,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     """
     hf_config = getattr(hf_model, "config", None)
     if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.v4_model)
-        return patch_v4(hf_model, backend=backend or envs.backend())
+        return patch_v4(hf_model, backend=backend or envs.backend(), moe_impl=moe_impl)
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")
     if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):

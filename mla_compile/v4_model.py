@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.moe import combine_sorted, sort_by_expert
 from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -99,13 +100,17 @@ def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
 
 
 def _own_backend(op: str, backend: str | None) -> str:
-    """The backend a V4 op runs with: ``backend`` when the op has one of that name, else "reference".
+    """The backend a V4 op runs with: ``backend`` when the op has one of that name; for None/"auto", "auto"
+    once the op's reference is declared GPU-tested, else "reference".
 
-    "auto" picks only GPU-tested backends, and the V4 ops' only backend, the plain-torch reference, has
-    not yet passed its CUDA tests (``tests/ops/test_v4_ops.py -m cuda``): so it is named explicitly."""
+    "auto" picks only GPU-tested backends; until the V4 ops pass their CUDA tests (``pytest -m cuda
+    tests/ops/test_v4_ops.py tests/ops/triton/test_triton_interpret_v4.py``) the reference is named."""
     from mla_compile.ops.registry import backends_for
 
-    return backend if backend not in (None, "auto") and backend in backends_for(op) else "reference"
+    table = backends_for(op)
+    if backend not in (None, "auto"):
+        return backend if backend in table else "reference"
+    return "auto" if table["reference"].gpu_tested else "reference"
 
 
 class V4Attention(nn.Module):
@@ -203,15 +208,44 @@ def hyper_head(head: nn.Module, x: Tensor) -> Tensor:
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
 
+def _swiglu(h: Tensor, act, limit: float) -> Tensor:
+    """V4's clamped SwiGLU of the fused ``[gate | up]`` projection: ``act(min(gate, l)) * clamp(up, -l, l)``."""
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
+    """Every expert on every token, combined by a ``[T, E]`` routing matrix (exact, static shapes, any device)."""
+    combine = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
+    combine = combine.scatter_add_(1, ids, weights)
+    h = torch.einsum("th,eih->eti", x, experts.gate_up_proj)
+    y = torch.einsum("eti,ehi->eth", _swiglu(h, experts.act_fn, experts.limit), experts.down_proj)
+    return torch.einsum("eth,te->th", y, combine.to(y.dtype))
+
+
+def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
+    """Tokens sorted by expert through ``torch._grouped_mm``: each hit expert's weights read once (float32
+    sum over the k picks, as :func:`mla_compile.moe.combine_sorted`)."""
+    order, offs = sort_by_expert(ids, experts.num_experts)
+    h = torch._grouped_mm(x[order // ids.shape[1]], experts.gate_up_proj.transpose(1, 2), offs=offs)
+    act = _swiglu(h, experts.act_fn, experts.limit).contiguous()
+    y = torch._grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offs)
+    return combine_sorted(y, order, weights)
+
+
 class V4MoE(nn.Module):
     """V4's MoE on static shapes: hash routing (``tid2eid[input_ids]``) or ``scoring_func`` top-k with the
-    correction bias, normalised and scaled weights, every expert on every token (dense, exact) with the
-    ``swiglu_limit`` clamp, plus the shared expert. Shares the HF block's modules."""
+    correction bias, normalised and scaled weights, experts with the ``swiglu_limit`` clamp (``impl``
+    "dense": every expert on every token; "grouped": ``torch._grouped_mm`` over tokens sorted by expert;
+    "auto": grouped for CUDA bf16), plus the shared expert. Shares the HF block's modules."""
 
-    def __init__(self, hf_moe: nn.Module) -> None:
+    def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
         super().__init__()
+        if impl not in ("auto", "dense", "grouped"):
+            raise ValueError(f"impl must be 'auto', 'dense' or 'grouped', got {impl!r}")
         self.hf = hf_moe
         self.is_hash = hf_moe.is_hash
+        self.impl = impl
 
     def route(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
         g = self.hf.gate
@@ -226,14 +260,9 @@ class V4MoE(nn.Module):
 
     def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
         weights, ids = self.route(x, input_ids)
-        e = self.hf.experts
-        combine = torch.zeros(x.shape[0], e.num_experts, dtype=weights.dtype, device=x.device)
-        combine = combine.scatter_add_(1, ids, weights)
-        h = torch.einsum("th,eih->eti", x, e.gate_up_proj)
-        gate, up = h.chunk(2, dim=-1)
-        act = e.act_fn(gate.clamp(max=e.limit)) * up.clamp(min=-e.limit, max=e.limit)
-        y = torch.einsum("eti,ehi->eth", act, e.down_proj)
-        routed = torch.einsum("eth,te->th", y, combine.to(y.dtype))
+        grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
+                                             and hasattr(torch, "_grouped_mm"))
+        routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, self.hf.experts)
         return routed.to(x.dtype) + self.hf.shared_experts(x)
 
 
@@ -243,7 +272,7 @@ class V4ForCausalLM(nn.Module):
     ``forward(input_ids [T], positions [T], meta) -> logits [R, vocab]``.
     """
 
-    def __init__(self, hf_model: nn.Module, backend: str | None = None) -> None:
+    def __init__(self, hf_model: nn.Module, backend: str | None = None, moe_impl: str = "auto") -> None:
         super().__init__()
         self.config = hf_model.config
         self.model = hf_model.model
@@ -255,7 +284,7 @@ class V4ForCausalLM(nn.Module):
             if float(getattr(rot, f"{kind}_attention_scaling")) != 1.0:
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
-        self.moe = nn.ModuleList(V4MoE(l.mlp) for l in self.model.layers)
+        self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
 
     @property
     def rates(self) -> list[int]:
@@ -303,11 +332,12 @@ class V4ForCausalLM(nn.Module):
         return self.lm_head(h)
 
 
-def patch_v4(hf_model: nn.Module, *, backend: str | None = None) -> V4ForCausalLM:
-    """Wrap an HF ``DeepseekV4ForCausalLM`` (weights shared, not copied) as a :class:`V4ForCausalLM`."""
+def patch_v4(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> V4ForCausalLM:
+    """Wrap an HF ``DeepseekV4ForCausalLM`` (weights shared, not copied) as a :class:`V4ForCausalLM`
+    (``backend``: the attention ops' backend; ``moe_impl``: "auto", "dense" or "grouped" experts)."""
     if not is_v4_model(getattr(hf_model, "config", None)):
         raise ValueError(f"patch_v4() needs an HF DeepseekV4ForCausalLM, got {type(hf_model).__name__}")
-    return V4ForCausalLM(hf_model, backend=backend)
+    return V4ForCausalLM(hf_model, backend=backend, moe_impl=moe_impl)
 
 
 class V4Sequences:

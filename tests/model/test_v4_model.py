@@ -206,3 +206,21 @@ def test_token_rows_that_left_the_window_are_never_read():
         _, ref_logits, ref_tokens = hf_greedy(hf, p, 8)
         assert [int(x.argmax()) for x in mine] == ref_tokens
         torch.testing.assert_close(torch.stack(mine), torch.stack(ref_logits), **TOL)
+
+
+@torch.no_grad()
+def test_grouped_experts_match_hf():
+    """``moe_impl="grouped"`` (torch._grouped_mm over tokens sorted by expert, the CUDA bf16 default)."""
+    hf = toy_v4_model(10)
+    ps = prompts(10, [12, 20])
+    try:
+        torch._grouped_mm(torch.ones(2, 16), torch.ones(1, 16, 16), offs=torch.tensor([2], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:  # torch builds without CPU _grouped_mm
+        pytest.skip(f"torch._grouped_mm on CPU: {e}")
+    model = patch(hf, moe_impl="grouped")
+    assert all(m.impl == "grouped" for m in model.moe)
+    seqs = V4Sequences(model, 2, 24, 4, fill=NAN)
+    ids, pos, meta = seqs.metadata([0, 1], ps)
+    meta.logits_indices = None
+    ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in ps])
+    torch.testing.assert_close(model(ids, pos, meta), ref, **TOL)
