@@ -197,3 +197,21 @@ def v4_compress_write(kv: Tensor, gate: Tensor, query_seq: Tensor, query_pos: Te
     impl = resolve(OP, kv.device, backend, dtype=kv.dtype, cache=cache)
     impl.fn(kv, gate, query_seq, query_pos, state_slot, state_kv, state_gate, position_bias, norm_weight,
             inv_freq, cache, block_table, rate, eps, overlap)
+
+
+# Triton backend: its module (and Triton) is imported on the first call, never at import time.
+from mla_compile.ops.triton import available as _triton_available  # noqa: E402
+
+
+def _triton(kv: Tensor, gate: Tensor, query_seq: Tensor, query_pos: Tensor, state_slot: Tensor, state_kv: Tensor,
+            state_gate: Tensor, position_bias: Tensor, norm_weight: Tensor, inv_freq: Tensor, cache: Tensor,
+            block_table: Tensor, rate: int, eps: float, overlap: bool) -> None:
+    import mla_compile.ops.triton.v4_compress  # noqa: F401  (registers mla::v4_compress_write_triton)
+    torch.ops.mla.v4_compress_write_triton(kv, gate, query_seq, query_pos, state_slot, state_kv, state_gate,
+                                           position_bias, norm_weight, inv_freq, cache, block_table, rate, eps,
+                                           overlap)
+
+
+declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS,
+        package="triton", kernels=("v4_compress_write_triton", "_compress_entry_kernel", "_state_write_kernel"),
+        note="ours; entries then ring state, two launches")
