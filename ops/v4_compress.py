@@ -74,11 +74,13 @@ def validate(kv: Tensor, gate: Tensor, query_seq: Tensor, query_pos: Tensor, sta
         check_range(OP, "query_seq", query_seq, -1, max(B, 0), what=f"batch rows < B = {B}, or -1")
         check_range(OP, "state_slot", state_slot, 0, state_kv.shape[0], what=f"state rows < S = {state_kv.shape[0]}")
         live = query_seq >= 0
+        check_range(OP, "query_pos", query_pos[live], 0, 2**62, what="positions >= 0")
+        closes = live & (query_pos.long() % rate == rate - 1)  # only these write, so only their blocks matter
         cap = block_table.shape[1] * cache.shape[1] * rate
-        check_range(OP, "query_pos", query_pos[live], 0, cap,
-                    what=f"positions < max_blocks * block_size * rate = {cap}")
+        check_range(OP, "query_pos", query_pos[closes], 0, cap,
+                    what=f"positions that close a window < max_blocks * block_size * rate = {cap}")
         if B:
-            used = block_table[query_seq[live].long(), (query_pos[live].long() // rate) // cache.shape[1]]
+            used = block_table[query_seq[closes].long(), (query_pos[closes].long() // rate) // cache.shape[1]]
             check_range(OP, "block_table", used, 0, cache.shape[0], what=f"block ids < num_blocks = {cache.shape[0]}")
 
 

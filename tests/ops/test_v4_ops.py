@@ -252,6 +252,22 @@ def test_v4_compress_write_chunked_matches_whole_sequence(overlap, rate, dtype, 
     assert torch.isnan(cache.view(-1, C)[~written]).all()
 
 
+def test_v4_compress_write_needs_blocks_only_for_closed_windows():
+    """Entry blocks of windows still open may be unallocated (-1); a closing token needs a real one."""
+    g = gen(21)
+    C, rate = 4, 2
+    cache = torch.full((2, 2, C), NAN)
+    args = lambda n: (rnd(g, n, C, dtype=torch.float32), rnd(g, n, C, dtype=torch.float32),  # noqa: E731
+                      torch.zeros(n, dtype=I32), torch.arange(n, dtype=I32), torch.zeros(1, dtype=I32),
+                      torch.zeros(1, rate, C), torch.zeros(1, rate, C), rnd(g, rate, C, dtype=torch.float32),
+                      torch.ones(C), torch.ones(1), cache)
+    table = torch.tensor([[1, -1]], dtype=I32)  # entries 0-1 in block 1; block for entries 2-3 not allocated
+    v4_compress_write(*args(5), table, rate=rate, eps=1e-6, overlap=False)  # closes entries 0 and 1 only
+    assert not torch.isnan(cache[1]).any() and torch.isnan(cache[0]).all()
+    with pytest.raises(ValueError, match="block_table"):
+        v4_compress_write(*args(6), table, rate=rate, eps=1e-6, overlap=False)  # position 5 closes entry 2
+
+
 def test_v4_compress_write_rejects_bad_bias_before_writing():
     g = gen(20)
     cache = rnd(g, 2, 2, 4, dtype=torch.float32)
