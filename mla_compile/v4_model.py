@@ -291,9 +291,11 @@ class V4ForCausalLM(nn.Module):
         """The compression rates in use (the keys of ``V4Metadata.entry_tables``)."""
         return sorted({a.rate for a in self.attn if a.rate})
 
-    def allocate_cache(self, num_blocks: int, block_size: int, num_entry_blocks: int, max_seqs: int, *,
-                       dtype: torch.dtype | None = None, fill: float = 0.0) -> None:
-        """Allocate every layer's paged caches and compressor state (``fill``: NaN in tests)."""
+    def allocate_cache(self, num_blocks: int, block_size: int, num_entry_blocks: int | dict[int, int],
+                       max_seqs: int, *, dtype: torch.dtype | None = None, fill: float = 0.0) -> None:
+        """Allocate every layer's paged caches and compressor state (``fill``: NaN in tests):
+        ``num_blocks`` token-row blocks per layer, ``num_entry_blocks`` compressed-entry blocks per layer (one
+        number, or one per compression rate), ``max_seqs`` compressor-state rows."""
         ref = self.lm_head.weight
         dt, dev = dtype or ref.dtype, ref.device
         full = lambda *s: torch.full(s, fill, dtype=dt, device=dev)  # noqa: E731
@@ -303,13 +305,14 @@ class V4ForCausalLM(nn.Module):
             a.state = {}
             if a.layer_type == SLIDING:
                 continue
-            a.comp_cache = full(num_entry_blocks, block_size, D)
+            n_entry = num_entry_blocks[a.rate] if isinstance(num_entry_blocks, dict) else num_entry_blocks
+            a.comp_cache = full(n_entry, block_size, D)
             R = 2 * a.rate if a.layer_type == CSA else a.rate
             cin = 2 * D if a.layer_type == CSA else D
             a.state["compressor"] = (full(max_seqs, R, cin), full(max_seqs, R, cin))
             if a.layer_type == CSA:
                 d = a.hf.compressor.indexer.head_dim
-                a.index_cache = full(num_entry_blocks, block_size, d)
+                a.index_cache = full(n_entry, block_size, d)
                 a.state["indexer"] = (full(max_seqs, R, 2 * d), full(max_seqs, R, 2 * d))
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> Tensor:
