@@ -339,3 +339,43 @@ def test_opcheck_v4_ops():
             rnd(g, C, dtype=torch.float32), torch.ones(1), rnd(g, 4, 2, C, dtype=torch.float32),
             torch.tensor([[0, 1], [2, 3]], dtype=I32), rate, 1e-6, True)
     torch.library.opcheck(torch.ops.mla.v4_compress_write_ref.default, args)
+
+
+# ------------------------------------------------------------------------------------------- no host reads
+
+from .test_no_host_reads import NoHostReads, body, no_data_checks  # noqa: E402,F401  (a fixture)
+
+
+def test_v4_references_and_slot_lists_read_nothing_on_the_host(no_data_checks):
+    """What a captured V4 decode step runs: the slot builders, the compressor write and the attention
+    reference bodies (inside the custom ops) never read device values on the host."""
+    q, kv, ws, comp, cs, sinks, pos, inv_freq = _attention_case(9, torch.float32)
+    table = torch.randperm(6, generator=gen(9)).reshape(2, 3).to(I32)
+    seq = torch.tensor([0, 1, -1, 1, 0], dtype=I32)
+    with NoHostReads():
+        window_slots(table, seq, pos, block_size=4, window=5)
+        compressed_slots(table, seq, pos, block_size=4, rate=4)
+        body("v4_attention", "v4_attention_ref")(q, kv, ws, comp, cs, sinks, pos, inv_freq, 0.3)
+        g = gen(10)
+        body("v4_compress", "v4_compress_write_ref")(
+            rnd(g, 5, 8, dtype=torch.float32), rnd(g, 5, 8, dtype=torch.float32), seq,
+            torch.tensor([3, 7, 0, 8, 4], dtype=I32), torch.tensor([1, 0], dtype=I32),
+            rnd(g, 2, 4, 8, dtype=torch.float32), rnd(g, 2, 4, 8, dtype=torch.float32),
+            rnd(g, 2, 8, dtype=torch.float32), torch.ones(4), torch.ones(1), rnd(g, 6, 4, 4, dtype=torch.float32),
+            table, 2, 1e-6, True)
+
+
+def test_v4_model_step_reads_nothing_on_the_host(no_data_checks):
+    """A whole V4 step (mHC, routing, experts, norms, the ops' calls) under the host-read trap."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("no DeepseekV4ForCausalLM")
+    from mla_compile.model import patch
+    from mla_compile.v4_model import V4Sequences
+    from mla_compile.v4_toy import toy_v4_model
+
+    model = patch(toy_v4_model(11))
+    seqs = V4Sequences(model, 2, 32, 4)
+    ids, pos, meta = seqs.metadata([0, 1], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6]])
+    with torch.no_grad(), NoHostReads():
+        model(ids, pos, meta)
