@@ -78,6 +78,8 @@ def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> None
         mark(t, 0)
     for t in (meta.seq_lens, meta.block_table, meta.state_slot, *meta.entry_tables.values()):
         mark(t, 0)
+    for t in (meta.block_table, *meta.entry_tables.values()):  # table widths follow the longest context
+        mark(t, 1)
     if meta.logits_indices is not None:
         mark(meta.logits_indices, 0)
 
@@ -349,15 +351,20 @@ class V4Sequences:
     before the step, never inside it."""
 
     def __init__(self, model: V4ForCausalLM, max_seqs: int, max_len: int, block_size: int, *, seed: int = 0,
-                 fill: float = 0.0) -> None:
+                 fill: float = 0.0, pool_len: int | None = None) -> None:
+        """Block tables for ``max_len`` tokens per sequence; caches sized for ``pool_len`` (default
+        ``max_len``) tokens per sequence, so runs with different table widths can share cache sizes."""
         self.model, self.block_size = model, block_size
-        nb = -(-max_len // block_size)
+        pool_len = max(pool_len or max_len, max_len)
+        nb, pool_nb = -(-max_len // block_size), -(-pool_len // block_size)
         rates = model.rates
-        ne = max([-(-(max_len // r) // block_size) for r in rates] + [1])
+        entries = lambda n: max([-(-(n // r) // block_size) for r in rates] + [1])  # noqa: E731
+        ne, pool_ne = entries(max_len), entries(pool_len)
         g = torch.Generator().manual_seed(seed)
-        self.tables = torch.randperm(max_seqs * nb, generator=g).view(max_seqs, nb).to(torch.int32)
-        self.entry = {r: torch.randperm(max_seqs * ne, generator=g).view(max_seqs, ne).to(torch.int32) for r in rates}
-        model.allocate_cache(max_seqs * nb, block_size, max_seqs * ne, max_seqs, fill=fill)
+        self.tables = torch.randperm(max_seqs * pool_nb, generator=g)[: max_seqs * nb].view(max_seqs, nb).to(torch.int32)
+        self.entry = {r: torch.randperm(max_seqs * pool_ne, generator=g)[: max_seqs * ne].view(max_seqs, ne)
+                      .to(torch.int32) for r in rates}
+        model.allocate_cache(max_seqs * pool_nb, block_size, max_seqs * pool_ne, max_seqs, fill=fill)
         self.lens = [0] * max_seqs
 
     def metadata(self, seqs: list[int], chunks: list[list[int]]) -> tuple[Tensor, Tensor, V4Metadata]:

@@ -43,11 +43,11 @@ def hf_greedy(hf, prompt, steps):
 
 
 @torch.no_grad()
-def ours_greedy(model, run, ps, steps, chunk=None, max_len=64, block_size=4, max_seqs=None):
+def ours_greedy(model, run, ps, steps, chunk=None, max_len=64, block_size=4, max_seqs=None, pool_len=None):
     """Ours: prefill every prompt (in one batched step, or sequence by sequence in ``chunk``-token chunks),
     then ``steps`` batched greedy decode steps. Returns per sequence the step logits."""
     run = model if run is None else run
-    seqs = V4Sequences(model, max_seqs or len(ps), max_len, block_size, fill=NAN)
+    seqs = V4Sequences(model, max_seqs or len(ps), max_len, block_size, fill=NAN, pool_len=pool_len)
     if chunk is None:
         out = seqs.step(run, list(range(len(ps))), ps)
         logits = [[out[i]] for i in range(len(ps))]
@@ -160,17 +160,18 @@ def test_v4_fullgraph_no_breaks_no_recompiles():
     hf = toy_v4_model(6)
     model = patch(hf)
     ps = prompts(6, [11, 5, 17])
-    eager = ours_greedy(model, model, ps, 3, max_seqs=4)  # the caches keep their sizes from run to run
+    run = dict(max_seqs=4, pool_len=96)  # the caches keep their sizes from run to run
+    eager = ours_greedy(model, model, ps, 3, **run)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    got = ours_greedy(model, compiled, ps, 3, max_seqs=4)
+    got = ours_greedy(model, compiled, ps, 3, **run)
     for a, b in zip(got, eager):
         torch.testing.assert_close(torch.stack(a), torch.stack(b), atol=1e-5, rtol=1e-5)
     assert dict(counters["graph_break"]) == {}
     graphs = counters["stats"]["unique_graphs"]
     assert graphs == 1  # prefill and decode steps share one graph (T and B are both dynamic)
     with torch.compiler.set_stance("fail_on_recompile"):
-        for lens in ([2, 23], [4, 9, 6, 30]):
-            ours_greedy(model, compiled, prompts(7, lens), 3, max_seqs=4)
+        for lens, max_len in (([2, 23], 64), ([4, 9, 6, 30], 64), ([5, 41], 96)):  # 96: wider block tables
+            ours_greedy(model, compiled, prompts(7, lens), 3, max_len=max_len, **run)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
