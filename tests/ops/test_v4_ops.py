@@ -379,3 +379,47 @@ def test_v4_model_step_reads_nothing_on_the_host(no_data_checks):
     ids, pos, meta = seqs.metadata([0, 1], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 5, 6]])
     with torch.no_grad(), NoHostReads():
         model(ids, pos, meta)
+
+
+# ------------------------------------------------------------------------------------------- random schedules
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(overlap=st.booleans(), rate=st.integers(1, 5), seed=st.integers(0, 2**16),
+       steps=st.lists(st.lists(st.integers(0, 11), min_size=2, max_size=2), min_size=1, max_size=6))
+def test_v4_compress_write_random_schedules(overlap, rate, seed, steps):
+    """Any split of two sequences into calls (empty, single-token and long chunks, in any mix) writes the
+    whole-sequence entries of HF's compressor."""
+    g = gen(seed)
+    C, rope, bs = 4, 2, 2
+    cin = 2 * C if overlap else C
+    R = 2 * rate if overlap else rate
+    lens = [sum(s[b] for s in steps) for b in range(2)]
+    data = [(rnd(g, max(L, 1), cin), rnd(g, max(L, 1), cin)) for L in lens]
+    bias, norm_w = rnd(g, rate, cin), 1 + 0.1 * rnd(g, C)
+    inv_freq = 1.0 / (20.0 ** (torch.arange(0, rope, 2, dtype=F64) / rope))
+    nb = max(1, -(-(max(lens) // rate) // bs))
+    table = torch.randperm(2 * nb, generator=g).reshape(2, nb).to(I32)
+    cache = torch.full((2 * nb, bs, C), NAN, dtype=F64)
+    state = [torch.full((2, R, cin), NAN, dtype=F64) for _ in range(2)]
+    done = [0, 0]
+    for step in steps:
+        seq, pos, kvs, gates = [], [], [], []
+        for b in (1, 0):  # batch row order need not follow the state rows
+            for p in range(done[b], done[b] + step[b]):
+                seq.append(b), pos.append(p), kvs.append(data[b][0][p]), gates.append(data[b][1][p])
+            done[b] += step[b]
+        if not seq:
+            continue
+        v4_compress_write(torch.stack(kvs), torch.stack(gates), torch.tensor(seq, dtype=I32),
+                          torch.tensor(pos, dtype=I32), torch.tensor([1, 0], dtype=I32), state[0], state[1], bias,
+                          norm_w, inv_freq, cache, table, rate=rate, eps=1e-6, overlap=overlap)
+    written = torch.zeros(2 * nb * bs, dtype=torch.bool)
+    for b, L in enumerate(lens):
+        ref = compress64(data[b][0][:L], data[b][1][:L], bias, norm_w, 1e-6, inv_freq, rate, overlap)
+        for w in range(L // rate):
+            slot = int(table[b, w // bs]) * bs + w % bs
+            written[slot] = True
+            torch.testing.assert_close(cache.view(-1, C)[slot], ref[w], rtol=1e-10, atol=1e-10)
+    assert torch.isnan(cache.view(-1, C)[~written]).all()
