@@ -367,6 +367,34 @@ class V4Sequences:
         model.allocate_cache(max_seqs * pool_nb, block_size, max_seqs * pool_ne, max_seqs, fill=fill)
         self.lens = [0] * max_seqs
 
+    @torch.no_grad()
+    def fork(self, src: int, dst: int) -> None:
+        """Start sequence ``dst`` as a prefix-cache hit on all of ``src`` (which may end mid-window): full
+        blocks are shared, the partly filled last block of the token rows and of each entry cache is copied
+        (copy on write), and ``src``'s compressor state row is copied to ``dst``'s. Between steps, on the host."""
+        L, bs = self.lens[src], self.block_size
+        full, part = divmod(L, bs)
+        self.tables[dst, :full] = self.tables[src, :full]
+        copies = []  # (cache getter, src block, dst block)
+        if part:
+            copies.append(("kv_cache", int(self.tables[src, full]), int(self.tables[dst, full])))
+        for r, t in self.entry.items():
+            efull, epart = divmod(L // r, bs)
+            t[dst, :efull] = t[src, :efull]
+            if epart:
+                copies.append((r, int(t[src, efull]), int(t[dst, efull])))
+        for a in self.model.attn:
+            for what, sb, db in copies:
+                if what == "kv_cache":
+                    a.kv_cache[db] = a.kv_cache[sb]
+                elif what == a.rate:
+                    for cache in (a.comp_cache, a.index_cache):
+                        if cache is not None:
+                            cache[db] = cache[sb]
+            for skv, sg in a.state.values():
+                skv[dst], sg[dst] = skv[src], sg[src]
+        self.lens[dst] = L
+
     def metadata(self, seqs: list[int], chunks: list[list[int]]) -> tuple[Tensor, Tensor, V4Metadata]:
         """``(input_ids, positions, meta)`` for a step that appends ``chunks[i]`` to sequence ``seqs[i]``;
         logits are kept for each sequence's last token."""

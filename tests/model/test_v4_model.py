@@ -225,3 +225,35 @@ def test_grouped_experts_match_hf():
     meta.logits_indices = None
     ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in ps])
     torch.testing.assert_close(model(ids, pos, meta), ref, **TOL)
+
+
+@torch.no_grad()
+def test_prefix_cache_hit_on_a_whole_sequence_ending_mid_window():
+    """A new request whose prompt extends a served sequence (26 tokens: mid-window for CSA 4, HCA 8 and the
+    sliding window 6) reuses its cache (shared blocks, copied partial blocks, copied compressor state) and
+    prefills only its new tokens; both sequences then decode on and match HF."""
+    hf = toy_v4_model(12)
+    a_prompt, extra = prompts(12, [23, 7])
+    model = patch(hf)
+    seqs = V4Sequences(model, 2, 64, 4, fill=NAN)
+    out = seqs.step(model, [0], [a_prompt])
+    a_tokens = list(a_prompt)
+    for _ in range(3):
+        a_tokens.append(int(out[0].argmax()))
+        out = seqs.step(model, [0], [a_tokens[-1:]])
+    assert seqs.lens[0] == 26
+    seqs.fork(0, 1)
+    b_prompt = a_tokens + extra
+    out = seqs.step(model, [1, 0], [extra, [int(out[0].argmax())]])
+    got_b, got_a = [out[0]], [out[1]]
+    for _ in range(5):
+        out = seqs.step(model, [0, 1], [[int(got_a[-1].argmax())], [int(got_b[-1].argmax())]])
+        got_a.append(out[0])
+        got_b.append(out[1])
+    _, ref_b, tok_b = hf_greedy(hf, b_prompt, 5)
+    assert [int(x.argmax()) for x in got_b] == tok_b
+    torch.testing.assert_close(torch.stack(got_b), torch.stack(ref_b), **TOL)
+    # sequence 0 went on from its own 26 tokens: its step logits are HF's greedy continuation of it
+    _, ref_a, tok_a = hf_greedy(hf, a_tokens[:26], 6)
+    assert [int(x.argmax()) for x in got_a] == tok_a[1:]
+    torch.testing.assert_close(torch.stack(got_a), torch.stack(ref_a[1:]), **TOL)
