@@ -28,7 +28,7 @@ import torch
 import mla_compile  # noqa: F401  (registers every op and backend)
 from mla_compile.ops import timings
 from mla_compile.ops.registry import backends_for, priority
-from mla_compile.ops.select import facts_for, select
+from mla_compile.ops.select import cache_layout, facts_for, select
 
 PAGE, DC, DR = 64, 512, 64
 D, W = DC + DR, 656
@@ -62,15 +62,15 @@ GRID: tuple[Shape, ...] = (
 )
 
 
-def facts(s: Shape, planned: bool):
-    """The selector's facts for ``s`` on the CUDA device."""
+def facts(s: Shape, planned: bool, **cap):
+    """The selector's facts for ``s`` on the CUDA device (``cap=(major, minor)`` to assume one, as tests do)."""
     paged = s.op in ("decode", "decode_fp8", "sparse_decode")
     width = W if s.cache == "fp8" else D
     dims = {"prefill": (192, 128), "merge": (DC,)}.get(s.op, (DC, DR))
+    align, packed = cache_layout((PAGE * width, width, 1), width) if paged else (None, None)
     return facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8 if s.cache == "fp8" else torch.bfloat16,
                      block_size=PAGE if paged else None, num_heads=s.heads, head_dims=dims, query_len=1,
-                     planned=planned, cache_strides=(PAGE * width, width, 1) if paged else None,
-                     row_width=width if paged else None)
+                     planned=planned, cache_align=align, packed_rows=packed, **cap)
 
 
 def grid() -> list[tuple[Shape, str]]:
@@ -124,11 +124,14 @@ def measure() -> dict:
     import bench_kernels as bk  # CUDA-graph replay timing (graph_ms) and do_bench (bench)
 
     rows: dict[tuple, dict] = {}
+    autos: list[tuple] = []
+    overheads: list[tuple] = []
     for s in GRID:
         call, make_plan = _inputs(s)
+        f = facts(s, planned=True)  # outside the try: a bug here stops the run instead of skipping every backend
         for name in (n for n in priority(s.op) if n not in SKIP):
             try:
-                select(s.op, facts(s, planned=True), requested=name)  # a ValueError says why it cannot serve
+                select(s.op, f, requested=name)  # a ValueError says why it cannot serve
                 spec = backends_for(s.op)[name]
                 plan = make_plan() if spec.needs_plan else None
                 fn = lambda: call(name, plan)  # noqa: E731
@@ -142,12 +145,104 @@ def measure() -> dict:
             row = rows.setdefault(tuple(s.key().items()), dict(s.key(), us={}, shape=str(s), source="bench_backends"))
             row["us"][name] = round(ms * 1e3, 1)
             print(f"  {s} {name}: {ms * 1e3:.1f} us", flush=True)
+        us = rows.get(tuple(s.key().items()), {}).get("us", {})
+        autos.append(_time_auto(s, f, call, make_plan, us, bk))
+        if s.op == "decode":
+            overheads.extend(_adapter_overhead(s, us, bk))
         torch.cuda.empty_cache()
+    _report_auto(autos)
+    _report_overhead(overheads)
     cap = torch.cuda.get_device_capability()
     return dict(format=timings.FORMAT, gpu=torch.cuda.get_device_name(), capability=list(cap),
                 versions={p: _version(p) for p in PACKAGES}, seeded=False,
                 source="benchmarks/bench_backends.py: CUDA-graph replay of one call per backend (eager where it "
                        "cannot be captured)", rows=list(rows.values()))
+
+
+def _time_auto(s: Shape, f, call, make_plan, us: dict, bk) -> tuple:
+    """(shape, auto's choice for a graph that serves every batch (the model's case), its time in us or None,
+    the fastest backend timed on this shape, its time): "auto" judged against this run's own timings."""
+    name = select(s.op, f).name
+    best = min(us, key=us.get) if us else None
+    if name in us:
+        return s, name, us[name], best, us.get(best)
+    try:
+        spec = backends_for(s.op)[name]
+        plan = make_plan() if spec.needs_plan else None
+        fn = lambda: call(name, plan)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        ms = bk.graph_ms(fn) if spec.cuda_graph != "none" else bk.bench(fn)
+    except Exception as exc:
+        print(f"  {s} auto ({name}): failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+        return s, name, None, best, us.get(best)
+    return s, name, round(ms * 1e3, 1), best, us.get(best)
+
+
+def _report_auto(autos: list[tuple]) -> None:
+    """Print, per shape, "auto"'s choice and its time against the fastest backend of the same run."""
+    print("\nauto against the fastest backend of this run (batch unknown to auto, as in a compiled graph):")
+    within = 0
+    for s, name, t, best, tb in autos:
+        ratio = t / tb if t and tb else float("nan")
+        within += ratio <= 1.03
+        print(f"  auto {s.op:13s} {s.cache:8s} H={s.heads:<3d} B={s.batch:<4d} L={s.context:<5d} {name:40s} "
+              f"{t if t is not None else '-':>8} us  fastest {best} {tb} us  {ratio:.3f}x", flush=True)
+    print(f"auto within 1.03x of the fastest on {within} of {len(autos)} shapes", flush=True)
+
+
+def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
+    """(shape, peer, ours us, direct us) for FlashMLA and FlashInfer bf16 decode: the peer called directly
+    (its documented call, inputs already in its layout, FlashInfer planned once) against our adapter's time
+    in this run, both as CUDA-graph replays."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fp8_sparse import _caches
+
+    bf16, _, table, lens = _caches(s.batch, s.context)
+    q = torch.randn(s.batch, 1, s.heads, D, device="cuda", dtype=torch.bfloat16)
+    out = []
+    if "flashmla" in us:
+        try:
+            import flash_mla
+            k_cache = bf16.unsqueeze(2)
+
+            def direct():
+                meta, _ = flash_mla.get_mla_metadata()
+                return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE,
+                                                        causal=False, use_legacy=True)
+            out.append((s, "flashmla", us["flashmla"], round(bk.graph_ms(direct) * 1e3, 1)))
+        except Exception as exc:
+            print(f"  {s} FlashMLA direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+    if "flashinfer" in us:
+        try:
+            import flashinfer
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, use_cuda_graph=True, qo_indptr=torch.arange(
+                s.batch + 1, device="cuda", dtype=torch.int32), kv_indptr=torch.empty(
+                s.batch + 1, device="cuda", dtype=torch.int32), kv_indices=torch.empty(
+                table.numel(), device="cuda", dtype=torch.int32), kv_len_arr=torch.empty(
+                s.batch, device="cuda", dtype=torch.int32))
+            indptr = torch.arange(s.batch + 1, dtype=torch.int32) * table.shape[1]
+            w.plan(torch.arange(s.batch + 1, dtype=torch.int32), indptr, table.reshape(-1).cpu(), lens.cpu(),
+                   s.heads, DC, DR, PAGE, False, SCALE, torch.bfloat16, torch.bfloat16)
+            q_nope, q_pe = q[:, 0, :, :DC].contiguous(), q[:, 0, :, DC:].contiguous()
+            direct = lambda: w.run(q_nope, q_pe, bf16[..., :DC], bf16[..., DC:], return_lse=True)  # noqa: E731
+            out.append((s, "flashinfer", us["flashinfer"], round(bk.graph_ms(direct) * 1e3, 1)))
+        except Exception as exc:
+            print(f"  {s} FlashInfer direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+    return out
+
+
+def _report_overhead(rows: list[tuple]) -> None:
+    """Print what each adapter adds over its peer's direct call; the bound is 3% or 2 us, the larger."""
+    print("\nadapter overhead (ours through mla::decode vs the peer called directly, same run):")
+    ok = 0
+    for s, peer, ours, direct in rows:
+        bound = max(0.03 * direct, 2.0)
+        ok += ours - direct <= bound
+        print(f"  {peer:10s} H={s.heads:<3d} B={s.batch:<4d} L={s.context:<5d} ours {ours:8.1f} us  direct "
+              f"{direct:8.1f} us  +{ours - direct:6.1f} us (bound {bound:.1f})", flush=True)
+    print(f"adapters within max(3%, 2 us) of the direct call on {ok} of {len(rows)} shapes", flush=True)
 
 
 def _version(dist: str) -> str:
@@ -176,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out or not torch.cuda.is_available():
         ap.error("--out and a CUDA GPU are needed to measure (or use --dry-run / --check)")
     doc = measure()
+    if not doc["rows"]:
+        raise SystemExit("no backend could be timed on any shape: nothing written")
     errors = timings.check(doc)
     if errors:
         raise SystemExit("measured file is invalid: " + "; ".join(errors))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from mla_compile.builder import MetadataBuilder
 from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
+from mla_compile.sampling import SamplingParams, SamplingRows, sample, sample_rows
 
 StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
 
@@ -37,7 +38,11 @@ class DecodeGraphRunner:
     """Replays captured decode steps of ``step_fn``; falls back to calling it for anything else."""
 
     def __init__(self, step_fn: StepFn, builder: MetadataBuilder, capture_sizes: Sequence[int] | None = None, *,
-                 enabled: bool | None = None, warmup: int = 2, strict_sync: bool = False) -> None:
+                 enabled: bool | None = None, warmup: int = 2, strict_sync: bool = False,
+                 sampling: bool = False) -> None:
+        """``sampling``: each captured graph also samples one token per row (:func:`mla_compile.sampling.sample`
+        over persistent :class:`~mla_compile.sampling.SamplingRows`), so :meth:`decode_sampled` replays the
+        step and the draw as one graph: the logits never leave the device before the tokens exist."""
         self.step_fn = step_fn
         self.builder = builder
         sizes = sorted(set(capture_sizes or default_capture_sizes(builder.max_batch, builder.min_batch)))
@@ -56,7 +61,8 @@ class DecodeGraphRunner:
         model = getattr(step_fn, "_orig_mod", step_fn)  # torch.compile's wrapper keeps the module there
         if callable(getattr(model, "set_cuda_graph", None)):
             model.set_cuda_graph(True)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.sampling_rows = SamplingRows(builder.max_batch, builder.device) if sampling else None
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
         self.pool = None
         self.replays = 0
         self.fallbacks = 0
@@ -69,6 +75,15 @@ class DecodeGraphRunner:
             mark_dynamic(step.input_ids, step.positions, step.meta)
         with torch.no_grad():
             return self.step_fn(step.input_ids, step.positions, step.meta)
+
+    def _call_sampled(self, step: StepInputs, size: int) -> tuple[Tensor, Tensor | None]:
+        """The step's logits and, with sampling on, the tokens drawn from its first ``size`` rows under the
+        parameters in :attr:`sampling_rows` (tensor ops only: capturable)."""
+        logits = self._call(step)
+        if self.sampling_rows is None:
+            return logits, None
+        with torch.no_grad():
+            return logits, sample(logits[:size], **self.sampling_rows.views(size))
 
     def capture(self) -> None:
         """Capture one graph per capture size (largest first) into one shared memory pool.
@@ -85,14 +100,16 @@ class DecodeGraphRunner:
             step = self.builder.padding_decode(size)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
+            if self.sampling_rows is not None:
+                self.sampling_rows.fill((), (), size)
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
-                    self._call(step)
+                    self._call_sampled(step, size)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._call(step)
-            self.graphs[size] = (graph, out)
+                out, tokens = self._call_sampled(step, size)
+            self.graphs[size] = (graph, out, tokens)
         torch.cuda.synchronize()
 
     def graph_size(self, batch: int) -> int | None:
@@ -103,27 +120,52 @@ class DecodeGraphRunner:
     def decode(self, chunks: Sequence[SeqChunk]) -> Tensor:
         """Logits ``[len(chunks), vocab]`` of one decode step. A replayed graph's output is a view that
         the next replay overwrites: consume (or clone) it before the next step."""
+        return self._decode(chunks, None, None)[0]
+
+    def decode_sampled(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
+                       steps: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """One decode step and its tokens: logits ``[n, vocab]`` and int64 ``[n]`` tokens on the device, row
+        ``i`` drawn under ``params[i]`` at generation step ``steps[i]`` (every seed set). Replayed as one graph
+        with the step when the runner was made with ``sampling=True``; otherwise sampled after the step.
+        Both outputs are views the next replay overwrites."""
+        if len(params) != len(chunks) or len(steps) != len(chunks):
+            raise ValueError(f"decode_sampled: {len(chunks)} chunks need as many params and steps, got "
+                             f"{len(params)} and {len(steps)}")
+        logits, tokens = self._decode(chunks, params, steps)
+        if tokens is None:
+            tokens = sample_rows(logits, params, steps)
+        return logits, tokens
+
+    def _decode(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams] | None,
+                steps: Sequence[int] | None) -> tuple[Tensor, Tensor | None]:
         if self.enabled and not self.graphs:  # capture lazily, on the first decode step
             self.capture()
         size = self.graph_size(len(chunks))
+        rows = self.sampling_rows if params is not None else None
         if size is None:
             self.fallbacks += 1
             step = self.builder.build(chunks)
-            return self._call(step)[:step.num_rows]
+            return self._call(step)[:step.num_rows], None
         if not self.enabled:  # no CUDA: the same padded step, run directly
             step = self.builder.build(chunks, decode_batch=size)
-            return self._call(step)[:step.num_rows]
-        graph, out = self.graphs[size]
+            if rows is None:
+                return self._call(step)[:step.num_rows], None
+            rows.fill(params, steps, size)
+            logits, tokens = self._call_sampled(step, size)
+            return logits[:step.num_rows], tokens[:step.num_rows]
+        graph, out, tokens = self.graphs[size]
         previous = torch.cuda.get_sync_debug_mode()
         if self.strict_sync:
             torch.cuda.set_sync_debug_mode("error")
         try:
             step = self.builder.build(chunks, decode_batch=size)
+            if rows is not None:
+                rows.fill(params, steps, size)
             graph.replay()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         self.replays += 1
-        return out[:step.num_rows]
+        return out[:step.num_rows], None if rows is None else tokens[:step.num_rows]
 
     def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = ()) -> Tensor:
         """Any step: pure decode goes through :meth:`decode`; prefill and mixed steps run uncaptured."""

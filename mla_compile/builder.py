@@ -97,12 +97,15 @@ class MetadataBuilder:
     def __init__(self, *, max_batch: int, max_blocks_per_seq: int, max_tokens: int, block_size: int,
                  device: torch.device | str, query_len: int = 1, min_batch: int = 2,
                  decode_planner: Callable[[Tensor, Tensor], Any] | None = None,
-                 context_chunk_tokens: int = 65536) -> None:
+                 context_chunk_tokens: int = 65536,
+                 prefill_planner: Callable[[Tensor, Tensor], Any] | None = None) -> None:
         """``context_chunk_tokens``: the most cached-context rows a prefill gathers at once (per slice;
         see :func:`plan_step`). ``decode_planner``: called with each decode step's host ``block_table``
         and ``seq_lens`` before the step (and for each padding step at capture); what it returns rides
         along as ``DecodeMetadata.plan`` (e.g. ``ops.adapters.flashinfer.FlashInferDecodePlanner``, which
-        returns itself, so compiled graphs see one constant object)."""
+        returns itself, so compiled graphs see one constant object). ``prefill_planner``: the same for the
+        prefill part, called with its host ``cu_seqlens_q`` / ``cu_seqlens_k``; its result rides along as
+        ``PrefillMetadata.plan`` (``ops.adapters.flashinfer.FlashInferPrefillPlanner``)."""
         for name, value in (("max_batch", max_batch), ("max_blocks_per_seq", max_blocks_per_seq),
                             ("max_tokens", max_tokens), ("block_size", block_size), ("query_len", query_len),
                             ("context_chunk_tokens", context_chunk_tokens)):
@@ -119,6 +122,7 @@ class MetadataBuilder:
         self.arena = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
         self._pin = self.device.type == "cuda"
         self.decode_planner = decode_planner
+        self.prefill_planner = prefill_planner
         self.context_chunk_tokens = context_chunk_tokens
         # two persistent pinned staging buffers, used in turn; each is reused only after its last copy
         # finished (an event query; a wait only when the host runs two steps ahead of the GPU)
@@ -200,6 +204,8 @@ class MetadataBuilder:
         meta = plan.meta
         planned = None if meta.decode is None or self.decode_planner is None else \
             self.decode_planner(meta.decode.block_table, meta.decode.seq_lens)
+        planned_prefill = None if meta.prefill is None or self.prefill_planner is None else \
+            self.prefill_planner(meta.prefill.cu_seqlens_q, meta.prefill.cu_seqlens_k)
         v = self._stage({name: t.numpy() for name, t in step_fields(plan).items()})
         dec = pre = None
         if meta.decode is not None:
@@ -207,7 +213,8 @@ class MetadataBuilder:
         if meta.prefill is not None:
             # prefill runs uncaptured: its context metadata (sized by the context) is moved, not staged
             moved = meta.prefill.to(self.device)
-            pre = PrefillMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], moved.block_table, moved.context)
+            pre = PrefillMetadata(v["cu_seqlens_q"], v["cu_seqlens_k"], moved.block_table, moved.context,
+                                  planned_prefill)
         meta_v = MLAMetadata(v["slot_mapping"], dec, pre, v["logits_indices"])
         return StepInputs(v["input_ids"], v["positions"], meta_v, plan.num_rows)
 

@@ -37,7 +37,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 class StepRunner(Protocol):
     """What the engine drives: ``mla_compile.graphs.cuda_graph.DecodeGraphRunner`` (the core does not
     import graphs; any object with these members works). A ``step_fn`` with a ``config`` (the patched
-    model, or ``torch.compile`` of it) gives the engine its vocabulary size and positions."""
+    model, or ``torch.compile`` of it) gives the engine its vocabulary size and positions. A runner that also
+    has ``decode_sampled(chunks, params, steps) -> (logits, tokens)`` samples decode steps itself (on the
+    device, inside the captured step when it was made with ``sampling=True``); the engine then reads only the
+    tokens."""
 
     builder: MetadataBuilder
 
@@ -240,9 +243,14 @@ class Engine:
         dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
-            logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
             rows = [*decoding, *(r for r, _ in chunks)]
-            sampled = self._sample(logits, rows).tolist()  # a host sync: an asynchronous device error shows here
+            decode_sampled = None if pre else getattr(self.runner, "decode_sampled", None)
+            if decode_sampled is not None:  # the runner samples on the device, in the captured step if it can
+                logits, tokens = decode_sampled(dec, [r.params for r in rows], [len(r.output) for r in rows])
+            else:
+                logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
+                tokens = self._sample(logits, rows)
+            sampled = tokens.tolist()  # a host sync: an asynchronous device error shows here
             if keep_logits:
                 self.step_logits.append(logits.float().cpu())
         except Exception as exc:

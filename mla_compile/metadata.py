@@ -77,12 +77,13 @@ class PrefillMetadata:
     cu_seqlens_k: Tensor
     block_table: Tensor | None = None
     context: ContextSlices | None = None
+    plan: Any = None  # a host-side planner of the causal call (FlashInfer), the same object every step
 
     def to(self, device: torch.device | str) -> "PrefillMetadata":
         """A copy on ``device`` (``context.rows`` stays on the host)."""
         mv = lambda t: _to(t, device)  # noqa: E731
         ctx = None if self.context is None else self.context.to(device)
-        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table), ctx)
+        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table), ctx, self.plan)
 
 
 @dataclass

@@ -155,3 +155,58 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequenc
     tensors = {name: torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
                for name, (dtype, values) in columns.items()}
     return sample(logits, **tensors)
+
+
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps")  # the order of SamplingRows' packed rows
+
+
+class SamplingRows:
+    """Persistent device tensors of :func:`sample`'s per-row parameters for up to ``max_batch`` rows, filled
+    per step by one non-blocking copy from pinned host memory (two host buffers used in turn, each reused only
+    after its copy finished), so a captured CUDA graph reads them at fixed addresses and the step makes no
+    device allocation. The five fields are one int64 ``[5, max_batch]`` tensor (floats stored as float64
+    bits); :meth:`fill` returns ``[n]`` views in the order of :func:`sample`'s arguments."""
+
+    def __init__(self, max_batch: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.packed = torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = [torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, pin_memory=pin)
+                      for _ in range(2 if pin else 1)]
+        self._copied: list = [None] * len(self._host)
+        self._turn = 0
+
+    def views(self, n: int) -> dict[str, Tensor]:
+        """The ``[n]`` device views :func:`sample` takes (the same addresses every step)."""
+        p = self.packed
+        return dict(temperature=p[0, :n].view(torch.float64), top_k=p[1, :n], top_p=p[2, :n].view(torch.float64),
+                    seeds=p[3, :n], steps=p[4, :n])
+
+    def fill(self, params: Sequence[SamplingParams], steps: Sequence[int], n: int) -> dict[str, Tensor]:
+        """Write row ``i < len(params)`` from ``params[i]`` at generation step ``steps[i]`` (every seed set),
+        rows up to ``n`` as greedy padding; returns :meth:`views` of ``n``."""
+        if not len(params) == len(steps) <= n <= self.max_batch:
+            raise ValueError(f"SamplingRows.fill: {len(params)} params and {len(steps)} steps for {n} rows "
+                             f"(at most max_batch={self.max_batch})")
+        if any(p.seed is None for p in params):
+            raise ValueError("SamplingRows.fill: every params.seed must be set (the engine sets it at admission)")
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._host)
+        done = self._copied[turn]
+        if done is not None and not done.query():
+            done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
+        host = self._host[turn].numpy()
+        host[:, :n] = 0
+        k = len(params)
+        host[0, :k].view("float64")[:] = [p.temperature for p in params]
+        host[1, :k] = [p.top_k for p in params]
+        host[2, :n].view("float64")[:] = 1.0
+        host[2, :k].view("float64")[:] = [p.top_p for p in params]
+        host[3, :k] = [p.seed for p in params]
+        host[4, :k] = list(steps)
+        self.packed.copy_(self._host[turn], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+        return self.views(n)

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+                                      run_split_part)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
 
@@ -86,6 +87,20 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
                    shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
     out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
+
+
+@torch.library.custom_op("mla::decode_split", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_split(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                 kv_lora_rank: int, tiers: str, plan_id: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode`` through the part of ``tiers`` (``"triton:2/flashinfer"``: see
+    :func:`~mla_compile.ops.registry.split_name`) whose row bound covers this call's ``B * s_q`` query rows.
+    ``plan_id``: the host plan's static id for a part that needs one (-1: none given)."""
+    return run_split_part(OP, tiers, q.shape[0] * q.shape[1],
+                          (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan_id)
+
+
+decode_split.register_fake(fake)
+declare_split_op(OP, torch.ops.mla.decode_split, "batch")
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

@@ -151,8 +151,11 @@ def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=False, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel"),
+        gpu_tested=True, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel"),
         note="ours: fp8 codes and block scales read directly")
+
+
+_SCALED_MM_ROWS = 16  # activation rows are padded to a multiple of this for torch._scaled_mm's blockwise path
 
 
 @torch.library.custom_op("mla::fp8_block_linear_scaled_mm", mutates_args=(), tags=LAYOUT_TAGS)
@@ -164,10 +167,15 @@ def fp8_block_linear_scaled_mm(x: Tensor, weight: Tensor, weight_scale_inv: Tens
         raise ValueError(f"{OP}: backend 'scaled-mm' needs CUDA tensors, a 2-D weight with K a multiple of 128 "
                          f"and act_quant=True; got weight {list(weight.shape)} on {x.device}, act_quant={act_quant}")
     codes, a_scale = quantize_activation(x)
+    m = codes.shape[0]
+    pad = -m % _SCALED_MM_ROWS
+    if pad:  # cuBLASLt's blockwise fp8 heuristic refuses row counts off this multiple (CUBLAS_STATUS_NOT_SUPPORTED)
+        codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_ones(pad, a_scale.shape[1])])
     a_scale = a_scale.t().contiguous().t()  # outer-dim-major, as the blockwise kernel requires
     out = torch._scaled_mm(codes, weight.t(), scale_a=a_scale, scale_b=weight_scale_inv.t(),
                            out_dtype=torch.bfloat16)
-    return out.to(x.dtype)
+    return out[:m].to(x.dtype)
 
 
 fp8_block_linear_scaled_mm.register_fake(fake)

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+                                      run_split_part)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._ragged import segments
 
@@ -93,6 +94,18 @@ def prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
     impl = resolve(OP, q.device, backend, dtype=q.dtype, planned=plan is not None,
                    shape=lambda: (q.shape[1], (q.shape[2], v.shape[2]), 2))
     return call_impl(OP, impl, (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal), plan)
+
+
+@torch.library.custom_op("mla::prefill_split", mutates_args=(), tags=LAYOUT_TAGS)
+def prefill_split(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                  causal: bool, tiers: str, plan_id: int) -> tuple[Tensor, Tensor]:
+    """``mla::prefill`` through the part of ``tiers`` (see :func:`~mla_compile.ops.registry.split_name`) whose
+    bound covers this call's ``T`` query tokens; ``plan_id``: the host plan's id for a part that needs one."""
+    return run_split_part(OP, tiers, q.shape[0], (q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal), plan_id)
+
+
+prefill_split.register_fake(fake)
+declare_split_op(OP, torch.ops.mla.prefill_split, "tokens")
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

@@ -65,7 +65,9 @@ class Backend:
     picks it although it serves (empty: "auto" may). ``tiers``: a composite that runs ``backend`` for steps
     of at most ``rows`` query rows, ``((rows, backend), ..., (None, backend))``; its timing is its parts'.
     ``kernels``: names of ops and Triton kernels that belong to this backend (``mla-compile inspect``),
-    ``"name"`` or ``"name=label"``.
+    ``"name"`` or ``"name=label"``. ``plan_id_fn``: for a backend that needs a plan, the op that runs it
+    given the plan's static id as a last argument (what a split calls). ``derived``: a split made by the
+    selector (:func:`declare_split`), not declared by a kernel file: left out of :func:`priority`.
     """
 
     name: str
@@ -98,6 +100,8 @@ class Backend:
     tiers: tuple[tuple[int | None, str], ...] = ()
     kernels: tuple[str, ...] = ()
     note: str = ""
+    plan_id_fn: Callable | None = None
+    derived: bool = False
 
     @property
     def backend(self) -> str:
@@ -170,9 +174,119 @@ def backends_for(op: str) -> dict[str, Backend]:
 
 
 def priority(op: str) -> tuple[str, ...]:
-    """``op``'s backends in their declared static order (the order "auto" follows without timings)."""
+    """``op``'s declared backends in their static order (the order "auto" follows without timings); the
+    selector's derived splits are left out."""
     table = backends_for(op)
-    return tuple(sorted(table, key=lambda n: (table[n].rank, n)))
+    return tuple(sorted((n for n in table if not table[n].derived), key=lambda n: (table[n].rank, n)))
+
+
+# Splits: "auto" may find that different backends win at different batch sizes of one shape class. A split
+# runs, inside one op of the graph, the part whose bound covers the call's query rows (B * s_q, a static
+# shape at run time, so nothing is read on the host and each CUDA-graph size records its own part).
+SPLIT_PREFIX = "split:"
+_SPLIT_OPS: dict[str, tuple[Callable, str, str]] = {}
+SPLIT_ROWS = ("batch", "tokens")  # what a split's row bound counts: query rows B * s_q, or tokens T
+
+
+def declare_split_op(op: str, split_op: Callable, rows: str) -> None:
+    """Let ``op`` be split: ``split_op`` is the custom op taking the op's arguments, then the split's text
+    (:func:`split_name` without the prefix) and a plan id (-1: none), that runs :func:`run_split_part`.
+    ``rows``: "batch" (a timing row's batch bound is the split bound; the op counts ``B * s_q`` query rows) or
+    "tokens" (batch bound times context bound; the op counts its tokens)."""
+    if rows not in SPLIT_ROWS:
+        raise ValueError(f"declare_split_op: rows must be one of {SPLIT_ROWS}, got {rows!r}")
+    kernel = split_op._qualified_op_name if hasattr(split_op, "_qualified_op_name") else split_op._opoverload.name()
+    _SPLIT_OPS[op_name(op)] = (split_op, _kernel_base(kernel), rows)
+    declare_kernels("split", kernel)
+
+
+def split_rows(op: str) -> str | None:
+    """What ``op``'s split bounds count ("batch" / "tokens"); None when ``op`` cannot be split."""
+    entry = _SPLIT_OPS.get(op_name(op))
+    return entry[2] if entry else None
+
+
+def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int):
+    """Run the part of split ``tiers`` that serves ``rows`` on the op's ``args`` (the body of a split op);
+    a part that needs a plan gets ``plan_id`` (ValueError when it is -1)."""
+    name = split_part(parse_split(tiers), rows)
+    spec = backends_for(op)[name]
+    if not spec.needs_plan:
+        return spec.fn(*args)
+    if plan_id < 0 or spec.plan_id_fn is None:
+        raise ValueError(f"{OPS[op_name(op)].key}: split {tiers!r} runs {name!r} for {rows} rows, which needs a "
+                         f"host plan, and none was given")
+    return spec.plan_id_fn(*args, plan_id)
+
+
+def _split_fn(op: str, split_op: Callable, tiers: str, needs_plan: bool) -> Callable:
+    """The backend function of a split: the op's arguments (and ``plan=`` when a part needs one)."""
+    key = OPS[op_name(op)].key
+
+    def run(*args, plan: object | None = None):
+        plan_id = getattr(plan, "plan_id", None)
+        if needs_plan and not isinstance(plan_id, int):
+            raise ValueError(f"{key}: split {tiers!r} needs plan= (a host plan with a plan_id, made before the "
+                             f"step), got {type(plan).__name__}")
+        return split_op(*args, tiers, plan_id if needs_plan else -1)
+    return run
+
+
+def split_name(tiers: tuple[tuple[int | None, str], ...]) -> str:
+    """``((2, "triton"), (None, "flashinfer"))`` -> ``"split:triton:2/flashinfer"``."""
+    return SPLIT_PREFIX + "/".join(n if b is None else f"{n}:{b}" for b, n in tiers)
+
+
+def parse_split(text: str) -> tuple[tuple[int | None, str], ...]:
+    """The inverse of :func:`split_name` (with or without its prefix); ValueError naming a malformed text."""
+    body = text[len(SPLIT_PREFIX):] if text.startswith(SPLIT_PREFIX) else text
+    tiers = []
+    for part in body.split("/"):
+        name, _, bound = part.partition(":")
+        if not name or (bound and not bound.isdigit()):
+            raise ValueError(f"split {text!r}: expected 'name:rows/.../name' (rows a positive int), got {part!r}")
+        tiers.append((int(bound) if bound else None, name))
+    if any(b is None for b, _ in tiers[:-1]) or tiers[-1][0] is not None:
+        raise ValueError(f"split {text!r}: every part but the last needs a row bound, and the last none")
+    bounds = [b for b, _ in tiers[:-1]]
+    if bounds != sorted(set(bounds)):
+        raise ValueError(f"split {text!r}: row bounds must increase, got {bounds}")
+    return tuple(tiers)
+
+
+def split_part(tiers: tuple[tuple[int | None, str], ...], rows: int) -> str:
+    """The part of ``tiers`` that serves a call of ``rows`` query rows."""
+    return next(name for bound, name in tiers if bound is None or rows <= bound)
+
+
+def declare_split(op: str, tiers: tuple[tuple[int | None, str], ...]) -> Backend:
+    """The split backend of ``op`` over ``tiers`` (declared on first use, derived: it keeps the weakest
+    capability of its parts); the parts must be declared backends of ``op``."""
+    opn = op_name(op)
+    name = split_name(tuple(tiers))
+    tiers = parse_split(name)
+    table = _TABLE[opn]
+    if name in table:
+        return table[name]
+    if opn not in _SPLIT_OPS:
+        raise ValueError(f"{OPS[opn].key} has no split op (declare_split_op)")
+    unknown = [n for _, n in tiers if n not in table]
+    if unknown:
+        raise ValueError(f"{OPS[opn].key}: split {name!r} names unknown backends {unknown}")
+    parts = [table[n] for _, n in tiers]
+    needs_plan = any(p.needs_plan for p in parts)
+    level = GRAPH_LEVELS[max(GRAPH_LEVELS.index(p.cuda_graph) for p in parts)]
+    devices = tuple(d for d in parts[0].devices if all(d in p.devices or "any" in p.devices for p in parts))
+    split_op, kernel, _ = _SPLIT_OPS[opn]
+    spec = Backend(name, opn, _split_fn(opn, split_op, name[len(SPLIT_PREFIX):], needs_plan), rank=0,
+                   kernels=(f"{kernel}=split",),
+                   devices=devices or parts[0].devices, available=lambda: all(p.available() for p in parts),
+                   lse=all(p.lse for p in parts), needs_plan=needs_plan, host_sync=any(p.host_sync for p in parts),
+                   cuda_graph=level, gpu_tested=all(p.gpu_tested for p in parts), tiers=tiers, derived=True,
+                   note="split by query rows: " + ", ".join(
+                       f"{n} up to {b}" if b is not None else f"{n} above" for b, n in tiers))
+    table[name] = spec
+    return spec
 
 
 def kernel_backend(name: str) -> str:

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 
 from mla_compile.ops import timings
-from mla_compile.ops.registry import OPS, Backend, backends_for, device_capability, op_name, priority
+from mla_compile.ops.registry import (OPS, Backend, backends_for, declare_split, device_capability, op_name,
+                                      priority, split_rows)
 
 AUTO_CAP = object()  # describe()/facts_for(): the device's own compute capability
 
@@ -104,7 +105,12 @@ def cache_layout(strides, row_width) -> tuple[int, bool]:
 
 
 def why_not(spec: Backend, f: Facts) -> str | None:
-    """Every reason ``spec`` cannot serve a call with facts ``f``, joined; None when it can."""
+    """Every reason ``spec`` cannot serve a call with facts ``f``, joined; None when it can (a split: its
+    parts' reasons)."""
+    if spec.derived:
+        table = backends_for(spec.op)
+        reasons = (why_not(table[n], f) for _, n in spec.tiers)
+        return "; ".join(dict.fromkeys(r for r in reasons if r)) or None
     why = _why_not_device(spec, f)
     if not spec.available():
         why.append("this torch build has no CUDA/cuDNN" if spec.package == "torch"
@@ -175,9 +181,18 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
                                    batch=facts.batch, context=facts.context, tiers=tiers)
         if why.startswith("static order"):
             why = f"first GPU-tested backend of the {op} priority {list(order)} ({why})"
+        elif facts.batch is None and split_rows(op):  # a graph serves every size: split it where winners differ
+            split, split_why = timings.tiers_by_batch(
+                op, eligible, capability=facts.cap, dtype=facts.dtype, cache_dtype=facts.cache_dtype or facts.dtype,
+                num_heads=facts.num_heads, context=facts.context, tiers=tiers, prefer=ranked[0],
+                counts=split_rows(op))
+            if split:
+                return Choice(declare_split(op, split).name, f"auto: {split_why}; serves {_config(facts)}", rejected)
         return Choice(ranked[0], f"auto: {why}; serves {_config(facts)}", rejected)
     if requested not in table:
         raise ValueError(f"{op}: unknown backend {requested!r} (from the {source}); {op} backends: {list(order)}")
+    if requested not in reasons:  # a split "auto" made earlier: as able as its parts
+        reasons[requested] = why_not(table[requested], facts)
     if reasons[requested] is not None:
         raise ValueError(f"{op}: backend {requested!r} (from the {source}) cannot serve {_config(facts)}: "
                          f"{reasons[requested]}. Backends that can: {usable}; or ask for 'auto'")

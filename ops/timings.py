@@ -32,6 +32,10 @@ FORMAT = 1
 BUCKETS: dict[str, tuple[int, ...]] = {"heads": (16, 32, 64, 128), "batch": (2, 16, 64, 128, 256),
                                        "context": (1024, 4096, 8192, 32768)}
 FOLDER = Path(__file__).with_name("backend_timings")
+# A split by batch is made only where the class's overall winner is slower than a bucket's fastest by more than
+# this factor (differences below it are within one run's spread).
+SPLIT_WITHIN = 1.03
+
 _ROW_KEYS = ("op", "dtype", "cache", "heads", "batch", "context", "us")
 
 
@@ -180,3 +184,64 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
     seeded = " (seeded from BENCHMARKS.md)" if table.seeded else ""
     return timed + [n for n in names if n not in totals], \
         f"fastest in the {table.gpu} timings{seeded} for {op} [{where}] over {len(rows)} shape(s): {figures}"
+
+
+def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
+                   cache_dtype: torch.dtype, num_heads: int | None, context: int | None = None,
+                   tiers: dict[str, tuple] | None = None, table: Table | None = None, prefer: str | None = None,
+                   within: float = SPLIT_WITHIN, counts: str = "batch"
+                   ) -> tuple[tuple[tuple[int | None, str], ...], str]:
+    """The fastest of ``names`` (static order breaks ties) in each batch bucket of the call's class, as a
+    split ``((bound, name), ..., (None, name))``, and why; ``()`` when one backend serves every bucket or the
+    table cannot tell (a bucket where none of ``names`` is timed). ``prefer`` (the class's overall winner)
+    keeps a bucket where it is within ``within`` times the bucket's fastest: a split only where it pays. A
+    composite (``tiers``) that runs one part over a whole bucket counts as that part; equal neighbours merge.
+    ``counts``: "batch" buckets by the rows' batch bound (decode: query rows), "tokens" by batch bound times
+    context bound (prefill: the call's tokens)."""
+    if table is None:
+        table = next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
+    if table is None or num_heads is None:
+        return (), "no timings"
+    key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
+               heads=bucket("heads", num_heads))
+    if context is not None:
+        key["context"] = bucket("context", context)
+    rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+    tiers = tiers or {}
+    size = (lambda r: r.batch) if counts == "batch" else (lambda r: r.batch * r.context)
+    winners: list[tuple[int, str, float]] = []
+    for bound in sorted({size(r) for r in rows}):
+        part = [r for r in rows if size(r) == bound]
+        totals = {}
+        for n in names:
+            times = [_time(r, n, tiers) for r in part]
+            if None not in times:
+                totals[n] = sum(times)
+        if not totals:
+            return (), f"no timings of {names} at batch {bound}"
+        best = min(totals, key=lambda n: (totals[n], names.index(n)))
+        if prefer in totals and totals[prefer] <= within * totals[best]:
+            best = prefer
+        winners.append((bound, best, totals[best]))
+    if len({name for _, name, _ in winners}) < 2:
+        return (), "one backend wins every batch"
+    merged: list[tuple[int | None, str]] = []
+    low = 0
+    for i, (bound, name, us) in enumerate(winners):
+        inner = tiers.get(name, ())
+        first, last = (next((n for b, n in inner if b is None or rows <= b), None) for rows in (low + 1, bound))
+        if inner and first == last and first in names:
+            name = first  # the composite runs one part over this whole bucket
+            winners[i] = (bound, name, us)
+        low = bound
+        if merged and merged[-1][1] == name:
+            merged[-1] = (bound, name)
+            continue
+        merged.append((bound, name))
+    if len(merged) < 2:
+        return (), "one backend wins every batch"
+    merged[-1] = (None, merged[-1][1])
+    if prefer is not None and tuple(merged) == tuple(tiers.get(prefer, ())):
+        return (), f"{prefer} already splits this way"
+    figures = ", ".join(f"{counts} <= {b}: {n} {us:.1f} us" for b, n, us in winners)
+    return tuple(merged), f"fastest per batch in the {table.gpu} timings for {op}: {figures}"

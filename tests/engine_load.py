@@ -202,6 +202,11 @@ class FailingRunner:
         self._after(chunks, ())
         return logits
 
+    def decode_sampled(self, chunks, params, steps):
+        out = self.runner.decode_sampled(chunks, params, steps)
+        self._after(chunks, ())
+        return out
+
 
 def alone_outputs(engine, trace: list[TraceRequest]) -> dict[int, list[int]]:
     """The tokens each valid request of ``trace`` gets alone: run one at a time through ``engine`` (built

@@ -110,9 +110,9 @@ def tiny():
     return model
 
 
-def _tiny_engine(model, num_blocks=40, fail_from=None, **kw):
+def _tiny_engine(model, num_blocks=40, fail_from=None, sampling=False, **kw):
     builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=16, max_tokens=16, block_size=4, device="cpu")
-    runner = DecodeGraphRunner(model, builder)
+    runner = DecodeGraphRunner(model, builder, sampling=sampling)
     if fail_from is not None:
         runner = FailingRunner(runner, fail_from)
     return Engine(runner, num_blocks=num_blocks, **kw)
@@ -270,8 +270,11 @@ def _mixed_requests():
     return requests
 
 
-def test_mixed_greedy_and_sampled_requests_each_get_their_tokens_alone(tiny):
-    engine = _tiny_engine(tiny)
+@pytest.mark.parametrize("sampling", [False, True], ids=["sampled after the step", "sampled in the step"])
+def test_mixed_greedy_and_sampled_requests_each_get_their_tokens_alone(tiny, sampling):
+    """Each request's tokens do not depend on its neighbours, whether the engine samples the logits or the
+    runner samples inside the (padded, on CPU uncaptured) decode step over its persistent SamplingRows."""
+    engine = _tiny_engine(tiny, sampling=sampling)
     requests = _mixed_requests()
     ids = [engine.add_request(p, params) for p, params in requests[:6]]
     for _ in range(3):
@@ -286,6 +289,7 @@ def test_mixed_greedy_and_sampled_requests_each_get_their_tokens_alone(tiny):
         assert together[rid] == req.output and req.finish_reason == "length", (rid, params)
     sampled = [together[rid] for rid, (_, params) in zip(ids, requests) if isinstance(params, SamplingParams)]
     assert any(len(set(out)) > 1 for out in sampled)
+    assert (engine.runner.sampling_rows is not None) == sampling
 
 
 def test_stop_tokens_finish_with_stop_and_unseeded_requests_follow_the_engine_seed(tiny):

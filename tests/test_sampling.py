@@ -134,3 +134,30 @@ def test_compiled_fullgraph_matches_eager_across_batch_sizes_without_recompiling
         for n in (3, 17, 40):
             part = [t[:n] for t in rows]
             assert torch.equal(compiled(*part), sample(*part))
+
+
+def test_sampling_rows_fill_fixed_views_with_greedy_padding_and_refuse_bad_rows():
+    from mla_compile.sampling import SamplingRows
+
+    rows = SamplingRows(6, "cpu")
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11),
+              SamplingParams(temperature=1.3, seed=2**63 - 1)]
+    before = {k: v.data_ptr() for k, v in rows.views(4).items()}
+    views = rows.fill(params, [3, 0], 4)
+    assert {k: v.data_ptr() for k, v in views.items()} == before, "the same addresses every step"
+    assert views["temperature"].tolist() == [0.7, 1.3, 0.0, 0.0] and views["top_k"].tolist() == [5, 0, 0, 0]
+    assert views["top_p"].tolist() == [0.9, 1.0, 1.0, 1.0] and views["seeds"].tolist() == [11, 2**63 - 1, 0, 0]
+    assert views["steps"].tolist() == [3, 0, 0, 0]
+    logits = torch.randn(4, 50, dtype=torch.float64)
+    want = sample(logits, torch.tensor([0.7, 1.3, 0, 0]), torch.tensor([5, 0, 0, 0]), torch.tensor([0.9, 1, 1, 1]),
+                  torch.tensor([11, 2**63 - 1, 0, 0]), torch.tensor([3, 0, 0, 0]))
+    assert torch.equal(sample(logits, **views), want)
+    assert torch.equal(sample(logits, **views)[2:], logits.argmax(-1)[2:]), "padding rows are greedy"
+    views = rows.fill(params[:1], [1], 2)  # row 1 is padding now: cleared to greedy
+    assert rows.views(4)["temperature"].tolist() == [0.7, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="2 params and 1 steps for 2 rows"):
+        rows.fill(params, [1], 2)
+    with pytest.raises(ValueError, match="at most max_batch=6"):
+        rows.fill(params, [1, 2], 7)
+    with pytest.raises(ValueError, match="seed must be set"):
+        rows.fill([SamplingParams()], [0], 2)

@@ -218,11 +218,13 @@ def flashinfer_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     check_dtype(DECODE_OP, BACKEND, "kv_cache", kv_cache, DTYPES)
     plan.check(q, kv_cache, scale, kv_lora_rank)
     B, s_q, H, _ = q.shape
-    q_nope = q[..., :kv_lora_rank].reshape(B * s_q, H, kv_lora_rank).contiguous()
-    q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1).contiguous()
+    # strided views, no copies: the kernel takes q's token and head strides (only the last dim must be dense),
+    # and it returns the natural-log LSE itself
+    q_nope = q[..., :kv_lora_rank].reshape(B * s_q, H, kv_lora_rank)
+    q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1)
     out, lse = plan.wrapper.run(q_nope, q_pe, kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:],
-                                return_lse=True)
-    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens, LN2)
+                                return_lse=True, return_lse_base_on_e=True)
+    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens)
 
 
 @torch.library.custom_op("mla::decode_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)
@@ -249,7 +251,7 @@ def _decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
 
 
 declare(DECODE_OP, BACKEND, _decode, rank=30, available=available, head_dims=DEEPSEEK_DECODE, needs_plan=True,
-        cuda_graph="planned", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        plan_id_fn=torch.ops.mla.decode_flashinfer, cuda_graph="planned", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
         kernels=("decode_flashinfer",), note="plan_flashinfer_decode() on the host before each step")
 
 
@@ -317,6 +319,35 @@ def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_h
     return plan
 
 
+class FlashInferPrefillPlanner:
+    """One re-planned FlashInfer ragged-prefill plan behind one ``plan_id``: hand it to
+    :class:`~mla_compile.builder.MetadataBuilder` (``prefill_planner=``), which calls it with each step's host
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` before the step; it rides along as ``PrefillMetadata.plan``, the same
+    object every step, so a compiled graph holds one constant and the op reads the current plan when it runs.
+    (Prefill is never captured: FlashInfer's ragged prefill plans exact row counts on the host.)"""
+
+    def __init__(self, *, num_heads: int, head_dim_qk: int, head_dim_v: int, scale: float, dtype: torch.dtype,
+                 causal: bool = True, device: torch.device | str = "cuda",
+                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self.plan_id = next(_IDS)
+        self.facts = dict(num_heads=num_heads, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, scale=float(scale),
+                          dtype=dtype, causal=causal, device=device, workspace_bytes=workspace_bytes)
+        self.plan: FlashInferPrefillPlan | None = None
+        _PLANS[self.plan_id] = self
+
+    def __call__(self, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor) -> "FlashInferPrefillPlanner":
+        """(Re-)plan this step's prefill from host ``cu_seqlens_q/k [N + 1]``; returns ``self``."""
+        self.plan = plan_flashinfer_prefill(cu_seqlens_q, cu_seqlens_k, plan=self.plan, **self.facts)
+        return self
+
+    def current(self) -> FlashInferPrefillPlan:
+        """The plan of the step being run (ValueError before the first step was planned)."""
+        if self.plan is None:
+            raise ValueError(f"FlashInfer prefill planner {self.plan_id} has planned no step yet: the metadata "
+                             f"builder plans each step before it runs")
+        return self.plan
+
+
 def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                             scale: float, causal: bool, plan: FlashInferPrefillPlan) -> tuple[Tensor, Tensor]:
     """The prefill adapter on any tensors (CPU with a fake ``flashinfer`` in tests)."""
@@ -339,7 +370,8 @@ def prefill_flashinfer(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu
                        causal: bool, plan_id: int) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through FlashInfer's ragged prefill, planned by ``plan_flashinfer_prefill``."""
     require_capability(PREFILL_OP, BACKEND, q.device, (8, 0))
-    plan = _lookup(plan_id, FlashInferPrefillPlan)
+    plan = _PLANS.get(plan_id)
+    plan = plan.current() if isinstance(plan, FlashInferPrefillPlanner) else _lookup(plan_id, FlashInferPrefillPlan)
     return flashinfer_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan)
 
 
@@ -347,16 +379,18 @@ prefill_flashinfer.register_fake(prefill_fake)
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
-             causal: bool, plan: FlashInferPrefillPlan | None = None) -> tuple[Tensor, Tensor]:
-    if not isinstance(plan, FlashInferPrefillPlan):
+             causal: bool, plan: FlashInferPrefillPlan | FlashInferPrefillPlanner | None = None
+             ) -> tuple[Tensor, Tensor]:
+    if not isinstance(plan, (FlashInferPrefillPlan, FlashInferPrefillPlanner)):
         raise ValueError(f"{PREFILL_OP}: backend 'flashinfer' needs plan=FlashInferPrefillPlan (made on the host by "
-                         f"mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill before the step), got "
+                         f"mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill before the step) or a "
+                         f"FlashInferPrefillPlanner given to the MetadataBuilder, got "
                          f"{type(plan).__name__}; or use backend 'sdpa-cudnn'/'triton'")
     return torch.ops.mla.prefill_flashinfer(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan.plan_id)
 
 
 declare(PREFILL_OP, BACKEND, _prefill, rank=10, available=available, head_dims=DEEPSEEK_PREFILL, needs_plan=True,
-        cuda_graph="none", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
+        plan_id_fn=torch.ops.mla.prefill_flashinfer, cuda_graph="none", min_capability=SM80, package="flashinfer-python", gpu_tested=True,
         kernels=("prefill_flashinfer",), note="plan_flashinfer_prefill() on the host before each step")
 
 

@@ -107,16 +107,17 @@ def test_a_table_applies_only_to_gpus_of_its_capability(table):
     assert choice.name == "flashinfer-trtllm" and "no timings for this GPU" in choice.reason
 
 
-def test_the_shipped_h200_file_is_valid_seeded_and_names_declared_backends():
+def test_the_shipped_h200_file_is_valid_measured_and_names_declared_backends():
     [path] = sorted(timings.FOLDER.glob("*.json"))
     doc = json.loads(path.read_text())
     assert timings.check(doc) == []
     table = timings.load(path)
-    assert table.gpu == "NVIDIA H200" and table.capability == SM90 and table.seeded
-    assert "BENCHMARKS.md" in table.source and table.versions["torch"].startswith("2.11")
+    assert table.gpu == "NVIDIA H200" and table.capability == SM90 and not table.seeded
+    assert "BENCHMARKS.md run" in table.source and table.versions["torch"].startswith("2.11")
+    assert {row.op for row in table.rows} == {"decode", "decode_fp8", "sparse_decode", "prefill", "merge"}
     for row in table.rows:
         assert set(row.us) <= set(backends_for(row.op)), row
-        assert row.source.startswith("run "), row
+        assert row.source == "bench_backends", row
 
 
 def test_check_names_every_problem():

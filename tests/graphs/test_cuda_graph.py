@@ -174,3 +174,33 @@ def test_bad_requests_aborts_and_a_failing_replayed_step_with_cuda_graphs_match_
     assert counters["inductor"]["cudagraph_skips"] == 0
     print(f"\nfaulty trace with CUDA graphs on {torch.cuda.get_device_name()}: {counts}, "
           f"aborts by state {dict(seen.abort_states)}, {engine.runner.replays} replays, tokens identical")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_inside_the_captured_step_gives_the_tokens_of_sampling_after_it():
+    """Greedy and seeded top-k / top-p requests: sampled inside the replayed graph (``sampling=True``, its
+    parameters filled without a host sync) they get exactly the tokens that the uncaptured steps sampled
+    after the step give them."""
+    from mla_compile.sampling import SamplingParams
+
+    torch._dynamo.reset()
+    hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.bfloat16, num_hidden_layers=1)
+    model = patch(hf, backend="triton")
+    compiled = torch.compile(model, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    settings = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8), {}]
+    requests = [(torch.randint(0, 1024, (3 + i % 7,), generator=gen).tolist(),
+                 SamplingParams(**settings[i % 4], seed=50 + i, max_new_tokens=10 + i % 9)) for i in range(24)]
+    results = []
+    for enabled in (False, True):
+        model.allocate_cache(256, 16, fill=float("nan"))
+        engine = _engine(compiled, [2, 4, 8], device="cuda", num_blocks=256, max_batch=8, block_size=16,
+                         max_blocks=16, enabled=enabled, strict_sync=enabled, sampling=enabled)
+        for p, params in requests:
+            engine.add_request(p, params)
+        results.append({r.id: r.output for r in engine.run()})
+        if enabled:
+            assert engine.runner.replays > 20 and engine.runner.sampling_rows is not None
+    assert results[0] == results[1]
+    assert sum(len(set(out)) > 1 for out in results[1].values()) > 10

@@ -57,3 +57,33 @@ def test_compiled_model_on_cuda_has_triton_kernels_inline_and_no_breaks():
     with torch.compiler.set_stance("fail_on_recompile"):
         model.allocate_cache(64, 16)
         greedy_generate(compiled, toy.random_prompts(3, [5, 6, 7, 8, 90]), 3, block_size=16, num_blocks=64, device="cuda")
+
+
+def test_model_prefill_takes_flashinfer_through_the_builder_s_prefill_planner():
+    """The builder's FlashInfer prefill planner reaches MLAAttention's causal prefill (the model's prefill can
+    take FlashInfer); its logits match the reference backend's on the same step (bf16)."""
+    pytest.importorskip("flashinfer")
+    from mla_compile.builder import MetadataBuilder
+    from mla_compile.metadata import SeqChunk
+    from mla_compile.ops.adapters.flashinfer import FlashInferPrefillPlanner
+
+    hf = toy.toy_hf_model("v3", seed=5, device="cuda", dtype=torch.bfloat16)
+    ref = patch(copy.deepcopy(hf), backend="reference")
+    fi = patch(hf, backend="prefill=flashinfer")
+    c = fi.attentions[0].config
+    planner = FlashInferPrefillPlanner(num_heads=c.num_heads, head_dim_qk=c.qk_head_dim, head_dim_v=c.v_head_dim,
+                                       scale=c.softmax_scale, dtype=torch.bfloat16, device="cuda")
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=256, block_size=16, device="cuda",
+                              prefill_planner=planner)
+    for m in (ref, fi):
+        m.allocate_cache(32, 16, fill=float("nan"))
+    for lens in ([37, 5, 90], [1, 64]):
+        prompts = toy.random_prompts(3, lens)
+        step = builder.build([], [SeqChunk(list(range(8 * i, 8 * i + 8)), p, 0) for i, p in enumerate(prompts)])
+        assert step.meta.prefill.plan is planner
+        with torch.no_grad():
+            got = fi(step.input_ids, step.positions, step.meta)[:step.num_rows].float()
+            want = ref(step.input_ids, step.positions, step.meta)[:step.num_rows].float()
+        assert ("flashinfer" in fi.attentions[0]._backend_choices.values())
+        assert torch.isfinite(got).all()
+        assert (got - want).norm() / want.norm() < 2e-2

@@ -15,7 +15,8 @@ from mla_compile import ops
 from mla_compile.ops import backends_for
 from mla_compile.builder import MetadataBuilder
 from mla_compile.metadata import SeqChunk
-from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, FlashInferDecodePlanner, flashinfer_decode_core, flashinfer_merge_core,
+from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, FlashInferDecodePlanner, FlashInferPrefillPlanner,
+                                                 flashinfer_decode_core, flashinfer_merge_core,
                                                  flashinfer_prefill_core, plan_flashinfer_decode,
                                                  plan_flashinfer_prefill)
 from ..ref64 import (LSE_TOL, OUT_TOL, Paged, decode_ref64, fill_paged_cache, generator, merge_ref64, prefill_ref64,
@@ -197,3 +198,34 @@ def test_merge_refuses_head_dims_flashinfer_cannot_launch(fake_flashinfer):
     with pytest.raises(ValueError, match="head dims up to 256.*D=512"):
         flashinfer_merge_core(out, lse, out, lse)
     assert not fake_flashinfer.named("merge_state")
+
+
+def test_metadata_builder_plans_each_prefill_through_one_prefill_planner(fake_flashinfer):
+    """The builder re-plans one FlashInfer ragged-prefill plan from each step's host cu_seqlens before the step;
+    the metadata carries the planner (one constant object for compiled graphs) and the op runs its current
+    plan, which matches the float64 causal prefill of that step."""
+    planner = FlashInferPrefillPlanner(num_heads=2, head_dim_qk=192, head_dim_v=128, scale=0.1, dtype=BF16,
+                                       device="cpu", workspace_bytes=WS)
+    with pytest.raises(ValueError, match="planned no step yet"):
+        planner.current()
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=3, max_tokens=16, block_size=16, device="cpu",
+                              prefill_planner=planner)
+    gen = generator(11)
+    for step_no, lens in enumerate(([3, 5], [6, 1, 2])):
+        chunks = [SeqChunk([i], list(range(1, n + 1)), 0) for i, n in enumerate(lens)]
+        step = builder.build([], chunks)
+        pre = step.meta.prefill
+        assert pre.plan is planner and planner.current().times_planned == step_no + 1
+        qo_indptr, kv_indptr = fake_flashinfer.named("ragged.plan")[-1][0][:2]
+        want_cu = [0] + [sum(lens[:i + 1]) for i in range(len(lens))]
+        assert qo_indptr.tolist() == kv_indptr.tolist() == want_cu == pre.cu_seqlens_q.tolist()
+        T = step.input_ids.shape[0]
+        q, k = randn(gen, T, 2, 192, dtype=BF16), randn(gen, T, 2, 192, dtype=BF16)
+        v = randn(gen, T, 2, 128, dtype=BF16)
+        out, lse = torch.ops.mla.prefill_flashinfer(q, k, v, pre.cu_seqlens_q, pre.cu_seqlens_k, 0.1, True,
+                                                    pre.plan.plan_id)
+        ref_out, ref_lse = prefill_ref64(q, k, v, lens, lens, 0.1, True)
+        n = sum(lens)
+        assert_close(out[:n].double(), ref_out[:n], **OUT_TOL[BF16])
+        assert_close(lse[:n].double(), ref_lse[:n], **LSE_TOL[BF16])
+    assert len(fake_flashinfer.named("BatchPrefillWithRaggedKVCacheWrapper")) == 1, "one wrapper, re-planned"

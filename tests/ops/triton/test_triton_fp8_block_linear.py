@@ -81,10 +81,12 @@ def test_triton_on_gpu_matches_float64(x_shape, w_shape, act_quant):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M,N,K", [(1, 256, 512), (64, 2048, 7168), (33, 576, 7168)])
+@pytest.mark.parametrize("M,N,K", [(1, 256, 512), (64, 2048, 7168), (33, 576, 7168), (16, 576, 512), (2, 384, 1024)])
 def test_scaled_mm_on_gpu_matches_float64(M, N, K):
     codes, scale = _weights(N, K)
     x = torch.randn(M, K).bfloat16()
     want = _ref64(x.float(), codes, scale, True)
     y = ops.fp8_block_linear(x.cuda(), codes.cuda(), scale.cuda(), act_quant=True, backend="scaled-mm")
-    assert _rel(y.cpu(), want) < 4e-3
+    # cuBLAS's blockwise fp8 path is less exact than our kernel's fp32 accumulation (BENCHMARKS run 108), but
+    # a wrong scale layout or a bad row pad is off by far more than this
+    assert _rel(y.cpu(), want) < 1e-2
