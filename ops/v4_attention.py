@@ -176,4 +176,4 @@ def _triton(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
 
 declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS,
         package="triton", kernels=("v4_attention_triton", "_v4_attention_kernel"),
-        note="ours; one program per (row, head block), no split of the slot list")
+        note="ours; slot lists split over up to 16 programs, merged by a second kernel")

@@ -6,8 +6,9 @@ Each row is loaded as three tiles: the ``D - rope_dim`` leading (nope) channels 
 channels of the trailing rope slice, so the final back-rotation of the output's interleaved pairs is a
 per-pair update of two accumulators. Online softmax in base 2 (float32), then the sink factor
 ``sigmoid(lse - sink)`` and the rotation by ``-pos * inv_freq``. A row with no valid slot gets
-``out = 0``, ``lse = -inf``. No split of the slot list (one program per (row, head block)); nothing is
-read on the host, so a captured CUDA graph replays with any slot values.
+``out = 0``, ``lse = -inf``. Long slot lists are split over up to 16 programs (the count comes from the
+lists' widths, shapes only), whose partial (max, sum, accumulator) a second kernel merges before the
+sink and the rotation; nothing is read on the host, so a captured CUDA graph replays with any slot values.
 """
 
 from __future__ import annotations
@@ -60,52 +61,9 @@ def _tile(q_n, q_e, q_o, row, ok, offs_n, offs_r, n_ok, r_ok, DN, m_i, l_i, acc_
 
 
 @triton.jit
-def _v4_attention_kernel(
-    q_ptr, kv_ptr, ws_ptr, comp_ptr, cs_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, lse_ptr,
-    scale_log2,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_cb, stride_ct, stride_wt, stride_st,
-    H, W, K, n_kv, n_comp,
-    D: tl.constexpr, DN: tl.constexpr, R2: tl.constexpr, BS_KV: tl.constexpr, BS_C: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R2: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_h = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
-    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < H
-    offs_n = tl.arange(0, BLOCK_DN)
-    offs_r = tl.arange(0, BLOCK_R2)
-    n_ok = offs_n < DN
-    r_ok = offs_r < R2
-    q_row = q_ptr + t * stride_qt + heads.to(tl.int64) * stride_qh
-    q_n = tl.load(q_row[:, None] + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :], other=0.0)
-    q_e = tl.load(q_row[:, None] + DN + 2 * offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_o = tl.load(q_row[:, None] + DN + 2 * offs_r[None, :] + 1, mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_n, q_e, q_o = q_n.to(kv_ptr.dtype.element_ty), q_e.to(kv_ptr.dtype.element_ty), q_o.to(kv_ptr.dtype.element_ty)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_n = tl.zeros([BLOCK_H, BLOCK_DN], dtype=tl.float32)
-    acc_e = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
-    acc_o = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
-    for n0 in range(0, W, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(ws_ptr + t * stride_wt + j, mask=j < W, other=-1).to(tl.int64)
-        ok = (slot >= 0) & (slot < n_kv)
-        slot = tl.where(ok, slot, 0)
-        row = kv_ptr + (slot // BS_KV) * stride_kb + (slot % BS_KV) * stride_kt
-        m_i, l_i, acc_n, acc_e, acc_o = _tile(q_n, q_e, q_o, row, ok, offs_n, offs_r, n_ok, r_ok, DN, m_i, l_i,
-                                              acc_n, acc_e, acc_o, scale_log2, IEEE)
-    for n0 in range(0, K, BLOCK_N):
-        j = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(cs_ptr + t * stride_st + j, mask=j < K, other=-1).to(tl.int64)
-        ok = (slot >= 0) & (slot < n_comp)
-        slot = tl.where(ok, slot, 0)
-        row = comp_ptr + (slot // BS_C) * stride_cb + (slot % BS_C) * stride_ct
-        m_i, l_i, acc_n, acc_e, acc_o = _tile(q_n, q_e, q_o, row, ok, offs_n, offs_r, n_ok, r_ok, DN, m_i, l_i,
-                                              acc_n, acc_e, acc_o, scale_log2, IEEE)
-
+def _finish(acc_n, acc_e, acc_o, m_i, l_i, t, heads, h_ok, offs_n, offs_r, n_ok, r_ok, sink_ptr, pos_ptr, freq_ptr,
+            o_ptr, lse_ptr, H, D: tl.constexpr, DN: tl.constexpr):
+    """Normalise (base-2 ``m_i``, ``l_i``), apply the sink's share, rotate the rope pairs back, store."""
     empty = l_i == 0.0
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
@@ -127,10 +85,113 @@ def _v4_attention_kernel(
     tl.store(lse_ptr + t * H + heads, lse, mask=h_ok)
 
 
+@triton.jit
+def _v4_attention_kernel(
+    q_ptr, kv_ptr, ws_ptr, comp_ptr, cs_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, lse_ptr, ws_acc_ptr, ws_ml_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_cb, stride_ct, stride_wt, stride_st,
+    H, W, K, n_kv, n_comp, n_splits,
+    D: tl.constexpr, DN: tl.constexpr, R2: tl.constexpr, BS_KV: tl.constexpr, BS_C: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R2: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    scale_log2 = tl.full([], scale_log2, tl.float32)  # Inductor passes Python floats as fp64
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_n = tl.arange(0, BLOCK_DN)
+    offs_r = tl.arange(0, BLOCK_R2)
+    n_ok = offs_n < DN
+    r_ok = offs_r < R2
+    q_row = q_ptr + t * stride_qt + heads.to(tl.int64) * stride_qh
+    q_n = tl.load(q_row[:, None] + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :], other=0.0)
+    q_e = tl.load(q_row[:, None] + DN + 2 * offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_o = tl.load(q_row[:, None] + DN + 2 * offs_r[None, :] + 1, mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_n, q_e, q_o = q_n.to(kv_ptr.dtype.element_ty), q_e.to(kv_ptr.dtype.element_ty), q_o.to(kv_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_H, BLOCK_DN], dtype=tl.float32)
+    acc_e = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
+    # this split's share of each list: contiguous ranges in whole tiles
+    w_per = tl.cdiv(tl.cdiv(W, n_splits), BLOCK_N) * BLOCK_N
+    w_end = tl.minimum((split + 1) * w_per, W)
+    for n0 in range(split * w_per, w_end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(ws_ptr + t * stride_wt + j, mask=j < w_end, other=-1).to(tl.int64)
+        ok = (slot >= 0) & (slot < n_kv)
+        slot = tl.where(ok, slot, 0)
+        row = kv_ptr + (slot // BS_KV) * stride_kb + (slot % BS_KV) * stride_kt
+        m_i, l_i, acc_n, acc_e, acc_o = _tile(q_n, q_e, q_o, row, ok, offs_n, offs_r, n_ok, r_ok, DN, m_i, l_i,
+                                              acc_n, acc_e, acc_o, scale_log2, IEEE)
+    k_per = tl.cdiv(tl.cdiv(K, n_splits), BLOCK_N) * BLOCK_N
+    k_end = tl.minimum((split + 1) * k_per, K)
+    for n0 in range(split * k_per, k_end, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(cs_ptr + t * stride_st + j, mask=j < k_end, other=-1).to(tl.int64)
+        ok = (slot >= 0) & (slot < n_comp)
+        slot = tl.where(ok, slot, 0)
+        row = comp_ptr + (slot // BS_C) * stride_cb + (slot % BS_C) * stride_ct
+        m_i, l_i, acc_n, acc_e, acc_o = _tile(q_n, q_e, q_o, row, ok, offs_n, offs_r, n_ok, r_ok, DN, m_i, l_i,
+                                              acc_n, acc_e, acc_o, scale_log2, IEEE)
+    if DIRECT:
+        _finish(acc_n, acc_e, acc_o, m_i, l_i, t, heads, h_ok, offs_n, offs_r, n_ok, r_ok, sink_ptr, pos_ptr,
+                freq_ptr, o_ptr, lse_ptr, H, D, DN)
+    else:  # partial state of this split: (m, l) and the unnormalised accumulator, in the row's channel order
+        part = (t * H + heads.to(tl.int64)) * n_splits + split
+        tl.store(ws_ml_ptr + 2 * part, m_i, mask=h_ok)
+        tl.store(ws_ml_ptr + 2 * part + 1, l_i, mask=h_ok)
+        a_row = ws_acc_ptr + part * D
+        tl.store(a_row[:, None] + offs_n[None, :], acc_n, mask=h_ok[:, None] & n_ok[None, :])
+        tl.store(a_row[:, None] + DN + 2 * offs_r[None, :], acc_e, mask=h_ok[:, None] & r_ok[None, :])
+        tl.store(a_row[:, None] + DN + 2 * offs_r[None, :] + 1, acc_o, mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _v4_merge_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, lse_ptr, H, n_splits,
+                     D: tl.constexpr, DN: tl.constexpr, R2: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_DN: tl.constexpr, BLOCK_R2: tl.constexpr):
+    """Merge the splits of one (row, head block) by their base-2 (m, l), then :func:`_finish`."""
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_n = tl.arange(0, BLOCK_DN)
+    offs_r = tl.arange(0, BLOCK_R2)
+    n_ok = offs_n < DN
+    r_ok = offs_r < R2
+    base = (t * H + heads.to(tl.int64)) * n_splits
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for sp in range(0, n_splits):
+        m = tl.maximum(m, tl.load(ws_ml_ptr + 2 * (base + sp), mask=h_ok, other=float("-inf")))
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    l_tot = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_n = tl.zeros([BLOCK_H, BLOCK_DN], dtype=tl.float32)
+    acc_e = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
+    acc_o = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
+    for sp in range(0, n_splits):
+        m_s = tl.load(ws_ml_ptr + 2 * (base + sp), mask=h_ok, other=float("-inf"))
+        l_s = tl.load(ws_ml_ptr + 2 * (base + sp) + 1, mask=h_ok, other=0.0)
+        wgt = tl.where(l_s > 0.0, tl.math.exp2(m_s - shift), 0.0)
+        l_tot += wgt * l_s
+        a_row = ws_acc_ptr + (base + sp) * D
+        acc_n += wgt[:, None] * tl.load(a_row[:, None] + offs_n[None, :], mask=h_ok[:, None] & n_ok[None, :],
+                                        other=0.0)
+        acc_e += wgt[:, None] * tl.load(a_row[:, None] + DN + 2 * offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                                        other=0.0)
+        acc_o += wgt[:, None] * tl.load(a_row[:, None] + DN + 2 * offs_r[None, :] + 1,
+                                        mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    _finish(acc_n, acc_e, acc_o, m, l_tot, t, heads, h_ok, offs_n, offs_r, n_ok, r_ok, sink_ptr, pos_ptr, freq_ptr,
+            o_ptr, lse_ptr, H, D, DN)
+
+
 def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
             sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float,
             config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Kernel path (the interpreter on CPU tensors too). ``config`` overrides BLOCK_H, BLOCK_N, num_warps."""
+    """Kernel path (the interpreter on CPU tensors too). ``config`` overrides BLOCK_H, BLOCK_N, SPLITS, num_warps."""
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -147,18 +208,27 @@ def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
     cfg = dict(config or {})
     block_h = cfg.get("BLOCK_H", min(16, pow2(H)))
     block_n = cfg.get("BLOCK_N", 32 if D >= 256 else 16)
-    grid = (triton.cdiv(H, block_h), T)
-    wrap_triton(_v4_attention_kernel)[grid](
-        q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, out, lse,
+    W, K = window_slots.shape[1], comp_slots.shape[1]
+    # splits of the slot lists (from shapes only): enough programs for short batches over long lists
+    splits = cfg.get("SPLITS", max(1, min(16, triton.cdiv(W + K, 8 * block_n))))
+    direct = splits == 1
+    hb = triton.cdiv(H, block_h)
+    ws_acc = out if direct else torch.empty(T * H * splits, D, dtype=torch.float32, device=q.device)
+    ws_ml = lse if direct else torch.empty(T * H * splits, 2, dtype=torch.float32, device=q.device)
+    wrap_triton(_v4_attention_kernel)[(hb, T, splits)](
+        q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, out, lse, ws_acc, ws_ml,
         scale * _LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), comp_cache.stride(0), comp_cache.stride(1),
         window_slots.stride(0), comp_slots.stride(0),
-        H, window_slots.shape[1], comp_slots.shape[1], kv_cache.shape[0] * kv_cache.shape[1],
-        comp_cache.shape[0] * comp_cache.shape[1],
+        H, W, K, kv_cache.shape[0] * kv_cache.shape[1], comp_cache.shape[0] * comp_cache.shape[1], splits,
         D=D, DN=dn, R2=r2, BS_KV=kv_cache.shape[1], BS_C=comp_cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), IEEE=kv_cache.dtype == torch.float32,
+        BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), DIRECT=direct, IEEE=kv_cache.dtype == torch.float32,
         num_warps=cfg.get("num_warps", 8 if D >= 256 else 4),
     )
+    if not direct:
+        wrap_triton(_v4_merge_kernel)[(hb, T)](
+            ws_acc, ws_ml, sinks, query_pos, inv_freq, out, lse, H, splits, D=D, DN=dn, R2=r2, BLOCK_H=block_h,
+            BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), num_warps=cfg.get("num_warps", 8 if D >= 256 else 4))
     return out, lse
 
 

@@ -46,9 +46,10 @@ def _case(seed, dtype, H=5, D=48, rope=16, W=6, bs=4, device="cpu"):
     return [a.to(device) for a in args]
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sink", ["random", "dominant", "none"])
-def test_v4_attention_kernel_matches_reference(dtype, sink):
+def test_v4_attention_kernel_matches_reference(dtype, sink, splits):
     from mla_compile.ops.triton.v4_attention import _launch
 
     q, kv, ws, comp, cs, sinks, pos, inv_freq = _case(1, dtype)
@@ -57,7 +58,8 @@ def test_v4_attention_kernel_matches_reference(dtype, sink):
     elif sink == "none":
         sinks = torch.full_like(sinks, float("-inf"))
     scale = q.shape[-1] ** -0.5
-    out, lse = _launch(q, kv, ws, comp, cs, sinks, pos, inv_freq, scale, config=dict(BLOCK_H=2, BLOCK_N=4))
+    out, lse = _launch(q, kv, ws, comp, cs, sinks, pos, inv_freq, scale,
+                       config=dict(BLOCK_H=2, BLOCK_N=4, SPLITS=splits))
     ref, ref_lse = torch.ops.mla.v4_attention_ref(q.double(), kv.double(), ws, comp.double(), cs, sinks.double(),
                                                   pos, inv_freq.double(), scale)
     assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
