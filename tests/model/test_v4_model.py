@@ -69,9 +69,15 @@ def test_patch_dispatches_v4():
     assert isinstance(patch(hf), V4ForCausalLM)
 
 
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])  # yarn: the compressed layers' rope, as V4-Flash
 @torch.no_grad()
-def test_prefill_logits_every_position_match_hf():
-    hf = toy_v4_model(1)
+def test_prefill_logits_every_position_match_hf(rope):
+    hf = toy_v4_model(1, **({"rope_parameters": YARN} if rope == "yarn" else {}))
+    if rope == "yarn":
+        assert hf.config.rope_parameters["compress"]["rope_type"] == "yarn"
     ps = prompts(1, [21, 3, 34])
     ref = [hf(torch.tensor([p])).logits[0] for p in ps]
     model = patch(hf)
