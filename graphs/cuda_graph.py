@@ -68,7 +68,11 @@ class DecodeGraphRunner:
         self.fallbacks = 0
 
     def _call(self, step: StepInputs) -> Tensor:
-        mark_dynamic(step.input_ids, step.positions, step.meta)
+        own = getattr(step.meta, "mark_dynamic", None)  # metadata that marks itself (DeepSeek-V4's V4Metadata)
+        if own is not None:
+            own(step.input_ids, step.positions)
+        else:
+            mark_dynamic(step.input_ids, step.positions, step.meta)
         with torch.no_grad():
             return self.step_fn(step.input_ids, step.positions, step.meta)
 

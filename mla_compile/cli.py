@@ -106,8 +106,10 @@ def _add_plan(sub) -> None:
                           "scales, or bf16), latent-cache bytes per token per rank, the tokens that fit and the "
                           "batch at 32k context. Ranks = --tp; --dp-attention, --ep and --dcp partition them "
                           "(SGLang's convention; see mla_compile.parallel).")
-    plan.add_argument("--model", choices=("v3", "v2", "v2-lite", "v3.2"), default="v3",
-                      help="DeepSeek preset (default: %(default)s)")
+    plan.add_argument("--model", choices=("v3", "v2", "v2-lite", "v3.2", "v4-flash"), default="v3",
+                      help="DeepSeek preset (default: %(default)s); v4-flash prints V4's cache by layer type")
+    plan.add_argument("--context", type=_positive, default=1 << 20,
+                      help="tokens of context for the v4-flash cache table (default: %(default)s)")
     for flag in ("--tp", "--dp-attention", "--ep", "--dcp"):
         plan.add_argument(flag, type=_positive, default=1, help="parallel degree (default: %(default)s)")
     plan.add_argument("--gpu-mem", type=float, default=141.0, metavar="GIB", help="GiB per GPU (default: %(default)s)")
@@ -124,6 +126,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from mla_compile.memory_plan import format_plan, plan_memory
     from mla_compile.parallel import ParallelConfig
 
+    if args.model == "v4-flash":  # V4's caches: sliding window rows, compressed entries, indexer keys
+        from mla_compile.v4_cache import V4_FLASH, V4CacheLayout
+
+        kv = "bf16" if args.kv_cache == "bf16" else None
+        if kv is None:
+            raise ValueError("--kv-cache fp8 is not modelled for v4-flash yet; use bf16")
+        print(f"deepseek-v4-flash cache per sequence ({kv}), {args.context:,} tokens of context")
+        print(V4CacheLayout(V4_FLASH, kv).table(args.context))
+        return 0
     parallel = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, dcp=args.dcp, ep=args.ep)
     plan = plan_memory(preset(f"deepseek-{args.model}"), parallel, gpu_mem_gib=args.gpu_mem,
                        weight_dtype=args.weights, kv_dtype=args.kv_cache, reserve_gib=args.reserve)

@@ -16,6 +16,7 @@ from mla_compile.config import MLAConfig, is_mla_model
 from mla_compile.metadata import MLAMetadata
 from mla_compile.moe import MLAMoE
 from mla_compile.rope import default_inv_freq, rope_cos_sin
+from mla_compile.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
 
 class MLAForCausalLM(nn.Module):
@@ -84,7 +85,7 @@ class MLAForCausalLM(nn.Module):
 
 
 def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto",
-          parallel=None, **parallel_options) -> MLAForCausalLM:
+          parallel=None, **parallel_options) -> MLAForCausalLM | V4ForCausalLM:
     """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
     to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
@@ -98,12 +99,17 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
     """
     if parallel is not None:
+        if is_v4_model(getattr(hf_model, "config", None)):
+            raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "
+                                      "is not built yet: pass parallel=None")
         from mla_compile.parallel import ParallelConfig, current, shard_model
         state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
         return shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
     if parallel_options:
         raise TypeError(f"patch() got {sorted(parallel_options)}: these options need parallel=")
     hf_config = getattr(hf_model, "config", None)
+    if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.v4_model)
+        return patch_v4(hf_model, backend=backend or envs.backend(), moe_impl=moe_impl)
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")
     if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):

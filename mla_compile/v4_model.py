@@ -1,0 +1,421 @@
+"""DeepSeek-V4 over paged caches: :func:`patch_v4` turns an HF ``DeepseekV4ForCausalLM`` into a
+compile-friendly model that runs flat token batches with explicit :class:`V4Metadata`.
+
+Per layer (``config.layer_types``):
+- ``sliding_attention``: the query attends to the ``sliding_window`` token rows ending at itself;
+- ``compressed_sparse_attention`` (CSA, rate m = ``compress_rates[...]``, 4 in V4): plus the top
+  ``index_topk`` compressed entries picked by the V4 lightning indexer (overlapping windows, 2m wide);
+- ``heavily_compressed_attention`` (HCA, rate 128 in V4): plus every compressed entry the query may see.
+
+Caches (all paged, :meth:`V4ForCausalLM.allocate_cache`): every layer's token rows ``kv [NB, BS, D]``
+(``block_table``; only the last ``sliding_window`` positions are read, so blocks that left the window may
+be freed by the block manager); compressed layers' entry cache ``[NBe, BS, D]`` (one row per m tokens,
+``entry_tables[m]``) and, for CSA, the indexer's key cache ``[NBe, BS, index_head_dim]`` over the same
+entry table; the compressors' partial-window state ``[S, R, Cin]`` (row ``state_slot[b]`` per sequence).
+The ops are ``mla_compile.ops.v4_compress_write``, ``v4_index_topk`` and ``v4_attention``; the residual
+streams use mHC (``hc_mult`` streams, Sinkhorn-normalised mixing), the MoE hash routing
+(``tid2eid[input_ids]``) in ``hash_moe`` layers and ``scoring_func`` top-k routing elsewhere, experts
+with the ``swiglu_limit`` clamp; all on static shapes without host syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mla_compile.moe import combine_sorted, sort_by_expert
+from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
+from mla_compile.ops.v4_attention import compressed_slots, window_slots
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def is_v4_model(config) -> bool:
+    """True for an HF DeepSeek-V4 config (``model_type == "deepseek_v4"``)."""
+    return getattr(config, "model_type", None) == "deepseek_v4"
+
+
+@dataclass
+class V4Metadata:
+    """One step's placement: ``query_seq [T]`` int32 batch row of each token (-1 = padding), ``seq_lens [B]``
+    int32 context length incl. this step, ``block_table [B, max_blocks]`` int32 token-row blocks,
+    ``slot_mapping [T]`` int64 token-row slot of each token (-1 = padding), ``entry_tables`` {rate:
+    ``[B, max_entry_blocks]`` int32} compressed-entry blocks per compression rate, ``state_slot [B]`` int32
+    compressor-state row of each sequence, ``logits_indices [R]`` (None: every token). A sequence's tokens
+    are consecutive rows with consecutive positions."""
+
+    query_seq: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    slot_mapping: Tensor
+    state_slot: Tensor
+    entry_tables: dict[int, Tensor] = field(default_factory=dict)
+    logits_indices: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor (for moving or marking dynamic)."""
+        out = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
+        return out + list(self.entry_tables.values())
+
+    def mark_dynamic(self, input_ids: Tensor, positions: Tensor) -> None:
+        """:func:`mark_dynamic` of a step with this metadata (what the CUDA-graph runner calls)."""
+        mark_dynamic(input_ids, positions, self)
+
+    def to(self, device) -> "V4Metadata":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return V4Metadata(mv(self.query_seq), mv(self.seq_lens), mv(self.block_table), mv(self.slot_mapping),
+                          mv(self.state_slot), {r: mv(t) for r, t in self.entry_tables.items()},
+                          mv(self.logits_indices))
+
+
+def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> None:
+    """Token count and batch size dynamic: one compiled graph for every batch size and length."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (input_ids, positions, meta.query_seq, meta.slot_mapping):
+        mark(t, 0)
+    for t in (meta.seq_lens, meta.block_table, meta.state_slot, *meta.entry_tables.values()):
+        mark(t, 0)
+    for t in (meta.block_table, *meta.entry_tables.values()):  # table widths follow the longest context
+        mark(t, 1)
+    if meta.logits_indices is not None:
+        mark(meta.logits_indices, 0)
+
+
+def _rms(x: Tensor, eps: float) -> Tensor:
+    """Unweighted RMSNorm over the last dim (HF ``DeepseekV4UnweightedRMSNorm``)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
+    """V4 RoPE: rotate the trailing ``2 * freqs.shape[-1]`` channels of ``x [T, ..., D]`` as interleaved
+    pairs by the angles ``freqs [T, rope_dim / 2]`` (float32 math, x's dtype out)."""
+    r = 2 * freqs.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[-1],)
+    c, s = freqs.cos().view(shape), freqs.sin().view(shape)
+    nope, rope = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r:].float()
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    rot = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
+    return torch.cat([nope, rot.to(x.dtype)], dim=-1)
+
+
+def _own_backend(op: str, backend: str | None) -> str:
+    """The backend a V4 op runs with: ``backend`` when the op has one of that name; for None/"auto", "auto"
+    once the op's reference is declared GPU-tested, else "reference".
+
+    "auto" picks only GPU-tested backends; until the V4 ops pass their CUDA tests (``pytest -m cuda
+    tests/ops/test_v4_ops.py tests/ops/triton/test_triton_interpret_v4.py``) the reference is named."""
+    from mla_compile.ops.registry import backends_for
+
+    table = backends_for(op)
+    if backend not in (None, "auto"):
+        return backend if backend in table else "reference"
+    return "auto" if table["reference"].gpu_tested else "reference"
+
+
+class V4Attention(nn.Module):
+    """Paged V4 attention sharing the HF ``DeepseekV4Attention``'s weights (and its compressor's)."""
+
+    def __init__(self, hf_attn: nn.Module, config, backend: str | None = None) -> None:
+        super().__init__()
+        self.hf = hf_attn
+        self.layer_type = hf_attn.layer_type
+        self.num_heads, self.head_dim = hf_attn.num_heads, hf_attn.head_dim
+        self.window = config.sliding_window
+        self.o_groups = config.o_groups
+        self.eps = config.rms_norm_eps
+        self.scale = hf_attn.scaling
+        self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
+        self.index_topk = config.index_topk
+        self.backend = _own_backend("v4_attention", backend)
+        self.compress_backend = _own_backend("v4_compress_write", backend)
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        self.kv_cache: Tensor | None = None
+        self.comp_cache: Tensor | None = None
+        self.index_cache: Tensor | None = None
+        self.state: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def forward(self, x: Tensor, positions: Tensor, freqs: Tensor, inv_freq: Tensor, meta: V4Metadata) -> Tensor:
+        """``x [T, hidden]`` (after the input norm) -> ``[T, hidden]``."""
+        a = self.hf
+        T = x.shape[0]
+        q_res = a.q_a_norm(a.q_a_proj(x))
+        q = _rms(a.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), self.eps)
+        q = rope_interleaved(q, freqs)
+        kv = rope_interleaved(a.kv_norm(a.kv_proj(x)), freqs)
+        write_index_cache(kv, meta.slot_mapping, self.kv_cache)  # a plain row write: [T, D] at token slots
+        bs = self.kv_cache.shape[1]
+        ws = window_slots(meta.block_table, meta.query_seq, positions, block_size=bs, window=self.window)
+        if self.layer_type == SLIDING:
+            comp, cs = self.kv_cache, ws.new_full((T, 0), -1)
+        else:
+            comp = self.comp_cache
+            table = meta.entry_tables[self.rate]
+            c = a.compressor
+            skv, sg = self.state["compressor"]
+            v4_compress_write(c.kv_proj(x), c.gate_proj(x), meta.query_seq, positions, meta.state_slot, skv, sg,
+                              c.position_bias, c.kv_norm.weight, inv_freq, comp, table, rate=self.rate,
+                              eps=c.kv_norm.variance_epsilon, overlap=self.layer_type == CSA,
+                              backend=self.compress_backend)
+            if self.layer_type == HCA:
+                cs = compressed_slots(table, meta.query_seq, positions, block_size=comp.shape[1], rate=self.rate)
+            else:
+                ix = c.indexer
+                ikv, ig = self.state["indexer"]
+                v4_compress_write(ix.kv_proj(x), ix.gate_proj(x), meta.query_seq, positions, meta.state_slot, ikv,
+                                  ig, ix.position_bias, ix.kv_norm.weight, inv_freq, self.index_cache, table,
+                                  rate=self.rate, eps=ix.kv_norm.variance_epsilon, overlap=True,
+                                  backend=self.compress_backend)
+                q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
+                cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
+                                   meta.query_seq, positions, rate=self.rate, topk=self.index_topk)
+        out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, self.scale,
+                              backend=self.backend)
+        grouped = a.o_a_proj(out.reshape(T, self.o_groups, -1)).flatten(1)
+        return a.o_b_proj(grouped)
+
+
+def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """mHC weights of ``x [T, n, hidden]`` (HF ``DeepseekV4HyperConnection``'s parameters ``fn``, ``base``,
+    ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn, collapsed [T, hidden])``."""
+    n = hc.hc_mult
+    flat = _rms(x.reshape(x.shape[0], -1).float(), hc.input_norm.eps)
+    mixes = F.linear(flat, hc.fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
+    s_pre, s_post, s_comb = hc.scale.unbind(0)
+    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc.hc_eps
+    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+    for _ in range(hc.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return post, comb, collapsed
+
+
+def hyper_mix(post: Tensor, comb: Tensor, block_out: Tensor, x: Tensor) -> Tensor:
+    """``post ⊗ block_out + comb^T x``: the n streams after a block."""
+    dt = x.dtype
+    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+
+
+def hyper_head(head: nn.Module, x: Tensor) -> Tensor:
+    """Final collapse of the streams (HF ``DeepseekV4HyperHead``)."""
+    flat = _rms(x.flatten(1).float(), head.input_norm.eps)
+    pre = torch.sigmoid(F.linear(flat, head.hc_fn.float()) * head.hc_scale.float() + head.hc_base.float()) + head.eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+def _swiglu(h: Tensor, act, limit: float) -> Tensor:
+    """V4's clamped SwiGLU of the fused ``[gate | up]`` projection: ``act(min(gate, l)) * clamp(up, -l, l)``."""
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
+    """Every expert on every token, combined by a ``[T, E]`` routing matrix (exact, static shapes, any device)."""
+    combine = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
+    combine = combine.scatter_add_(1, ids, weights)
+    h = torch.einsum("th,eih->eti", x, experts.gate_up_proj)
+    y = torch.einsum("eti,ehi->eth", _swiglu(h, experts.act_fn, experts.limit), experts.down_proj)
+    return torch.einsum("eth,te->th", y, combine.to(y.dtype))
+
+
+def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
+    """Tokens sorted by expert through ``torch._grouped_mm``: each hit expert's weights read once (float32
+    sum over the k picks, as :func:`mla_compile.moe.combine_sorted`)."""
+    order, offs = sort_by_expert(ids, experts.num_experts)
+    h = torch._grouped_mm(x[order // ids.shape[1]], experts.gate_up_proj.transpose(1, 2), offs=offs)
+    act = _swiglu(h, experts.act_fn, experts.limit).contiguous()
+    y = torch._grouped_mm(act, experts.down_proj.transpose(1, 2), offs=offs)
+    return combine_sorted(y, order, weights)
+
+
+class V4MoE(nn.Module):
+    """V4's MoE on static shapes: hash routing (``tid2eid[input_ids]``) or ``scoring_func`` top-k with the
+    correction bias, normalised and scaled weights, experts with the ``swiglu_limit`` clamp (``impl``
+    "dense": every expert on every token; "grouped": ``torch._grouped_mm`` over tokens sorted by expert;
+    "auto": grouped for CUDA bf16), plus the shared expert. Shares the HF block's modules."""
+
+    def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
+        super().__init__()
+        if impl not in ("auto", "dense", "grouped"):
+            raise ValueError(f"impl must be 'auto', 'dense' or 'grouped', got {impl!r}")
+        self.hf = hf_moe
+        self.is_hash = hf_moe.is_hash
+        self.impl = impl
+
+    def route(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        g = self.hf.gate
+        scores = g.score_fn(F.linear(x, g.weight))
+        if self.is_hash:
+            ids = g.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + g.e_score_correction_bias, g.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * g.routed_scaling_factor, ids
+
+    def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
+        weights, ids = self.route(x, input_ids)
+        grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
+                                             and hasattr(torch, "_grouped_mm"))
+        routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, self.hf.experts)
+        return routed.to(x.dtype) + self.hf.shared_experts(x)
+
+
+class V4ForCausalLM(nn.Module):
+    """DeepSeek-V4 causal LM over paged caches; parameter names match the HF model's.
+
+    ``forward(input_ids [T], positions [T], meta) -> logits [R, vocab]``.
+    """
+
+    def __init__(self, hf_model: nn.Module, backend: str | None = None, moe_impl: str = "auto") -> None:
+        super().__init__()
+        self.config = hf_model.config
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        rot = self.model.rotary_emb
+        for kind in ("main", "compress"):
+            self.register_buffer(f"{kind}_inv_freq", getattr(rot, f"{kind}_inv_freq").detach().float().clone(),
+                                 persistent=False)
+            if float(getattr(rot, f"{kind}_attention_scaling")) != 1.0:
+                raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
+        self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
+        self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
+
+    @property
+    def rates(self) -> list[int]:
+        """The compression rates in use (the keys of ``V4Metadata.entry_tables``)."""
+        return sorted({a.rate for a in self.attn if a.rate})
+
+    def allocate_cache(self, num_blocks: int, block_size: int, num_entry_blocks: int | dict[int, int],
+                       max_seqs: int, *, dtype: torch.dtype | None = None, fill: float = 0.0) -> None:
+        """Allocate every layer's paged caches and compressor state (``fill``: NaN in tests):
+        ``num_blocks`` token-row blocks per layer, ``num_entry_blocks`` compressed-entry blocks per layer (one
+        number, or one per compression rate), ``max_seqs`` compressor-state rows."""
+        ref = self.lm_head.weight
+        dt, dev = dtype or ref.dtype, ref.device
+        full = lambda *s: torch.full(s, fill, dtype=dt, device=dev)  # noqa: E731
+        for a in self.attn:
+            D = a.head_dim
+            a.kv_cache = full(num_blocks, block_size, D)
+            a.state = {}
+            if a.layer_type == SLIDING:
+                continue
+            n_entry = num_entry_blocks[a.rate] if isinstance(num_entry_blocks, dict) else num_entry_blocks
+            a.comp_cache = full(n_entry, block_size, D)
+            R = 2 * a.rate if a.layer_type == CSA else a.rate
+            cin = 2 * D if a.layer_type == CSA else D
+            a.state["compressor"] = (full(max_seqs, R, cin), full(max_seqs, R, cin))
+            if a.layer_type == CSA:
+                d = a.hf.compressor.indexer.head_dim
+                a.index_cache = full(n_entry, block_size, d)
+                a.state["indexer"] = (full(max_seqs, R, 2 * d), full(max_seqs, R, 2 * d))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> Tensor:
+        """One step over ``T`` flat tokens; returns logits of ``meta.logits_indices`` (or every token)."""
+        m = self.model
+        h = m.embed_tokens(input_ids)
+        x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        pos = positions.float()[:, None]
+        freqs = {"main": pos * self.main_inv_freq[None, :], "compress": pos * self.compress_inv_freq[None, :]}
+        inv = {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+        for layer, attn, moe in zip(m.layers, self.attn, self.moe):
+            post, comb, collapsed = hyper_connection(layer.attn_hc, x)
+            out = attn(layer.input_layernorm(collapsed), positions, freqs[attn.rope_kind], inv[attn.rope_kind], meta)
+            x = hyper_mix(post, comb, out, x)
+            post, comb, collapsed = hyper_connection(layer.ffn_hc, x)
+            x = hyper_mix(post, comb, moe(layer.post_attention_layernorm(collapsed), input_ids), x)
+        h = m.norm(hyper_head(m.hc_head, x))
+        if meta.logits_indices is not None:
+            h = h[meta.logits_indices]
+        return self.lm_head(h)
+
+
+def patch_v4(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> V4ForCausalLM:
+    """Wrap an HF ``DeepseekV4ForCausalLM`` (weights shared, not copied) as a :class:`V4ForCausalLM`
+    (``backend``: the attention ops' backend; ``moe_impl``: "auto", "dense" or "grouped" experts)."""
+    if not is_v4_model(getattr(hf_model, "config", None)):
+        raise ValueError(f"patch_v4() needs an HF DeepseekV4ForCausalLM, got {type(hf_model).__name__}")
+    return V4ForCausalLM(hf_model, backend=backend, moe_impl=moe_impl)
+
+
+class V4Sequences:
+    """Host-side planner for tests and demos: fixed per-sequence block lists (token rows and compressed
+    entries per rate), positions tracked on the host, one :class:`V4Metadata` per step. Planning happens
+    before the step, never inside it."""
+
+    def __init__(self, model: V4ForCausalLM, max_seqs: int, max_len: int, block_size: int, *, seed: int = 0,
+                 fill: float = 0.0, pool_len: int | None = None) -> None:
+        """Block tables for ``max_len`` tokens per sequence; caches sized for ``pool_len`` (default
+        ``max_len``) tokens per sequence, so runs with different table widths can share cache sizes."""
+        self.model, self.block_size = model, block_size
+        pool_len = max(pool_len or max_len, max_len)
+        nb, pool_nb = -(-max_len // block_size), -(-pool_len // block_size)
+        rates = model.rates
+        entries = lambda n: max([-(-(n // r) // block_size) for r in rates] + [1])  # noqa: E731
+        ne, pool_ne = entries(max_len), entries(pool_len)
+        g = torch.Generator().manual_seed(seed)
+        self.tables = torch.randperm(max_seqs * pool_nb, generator=g)[: max_seqs * nb].view(max_seqs, nb).to(torch.int32)
+        self.entry = {r: torch.randperm(max_seqs * pool_ne, generator=g)[: max_seqs * ne].view(max_seqs, ne)
+                      .to(torch.int32) for r in rates}
+        model.allocate_cache(max_seqs * pool_nb, block_size, max_seqs * pool_ne, max_seqs, fill=fill)
+        self.lens = [0] * max_seqs
+
+    @torch.no_grad()
+    def fork(self, src: int, dst: int) -> None:
+        """Start sequence ``dst`` as a prefix-cache hit on all of ``src`` (which may end mid-window): full
+        blocks are shared, the partly filled last block of the token rows and of each entry cache is copied
+        (copy on write), and ``src``'s compressor state row is copied to ``dst``'s. Between steps, on the host."""
+        L, bs = self.lens[src], self.block_size
+        full, part = divmod(L, bs)
+        self.tables[dst, :full] = self.tables[src, :full]
+        copies = []  # (cache getter, src block, dst block)
+        if part:
+            copies.append(("kv_cache", int(self.tables[src, full]), int(self.tables[dst, full])))
+        for r, t in self.entry.items():
+            efull, epart = divmod(L // r, bs)
+            t[dst, :efull] = t[src, :efull]
+            if epart:
+                copies.append((r, int(t[src, efull]), int(t[dst, efull])))
+        for a in self.model.attn:
+            for what, sb, db in copies:
+                if what == "kv_cache":
+                    a.kv_cache[db] = a.kv_cache[sb]
+                elif what == a.rate:
+                    for cache in (a.comp_cache, a.index_cache):
+                        if cache is not None:
+                            cache[db] = cache[sb]
+            for skv, sg in a.state.values():
+                skv[dst], sg[dst] = skv[src], sg[src]
+        self.lens[dst] = L
+
+    def metadata(self, seqs: list[int], chunks: list[list[int]]) -> tuple[Tensor, Tensor, V4Metadata]:
+        """``(input_ids, positions, meta)`` for a step that appends ``chunks[i]`` to sequence ``seqs[i]``;
+        logits are kept for each sequence's last token."""
+        ids, pos, qseq, slots, last = [], [], [], [], []
+        for b, (s, toks) in enumerate(zip(seqs, chunks)):
+            for t in toks:
+                p = self.lens[s]
+                ids.append(t), pos.append(p), qseq.append(b)
+                slots.append(int(self.tables[s, p // self.block_size]) * self.block_size + p % self.block_size)
+                self.lens[s] += 1
+            last.append(len(ids) - 1)
+        idx = torch.tensor(seqs, dtype=torch.long)
+        meta = V4Metadata(torch.tensor(qseq, dtype=torch.int32),
+                          torch.tensor([self.lens[s] for s in seqs], dtype=torch.int32),
+                          self.tables[idx].contiguous(), torch.tensor(slots, dtype=torch.long),
+                          torch.tensor(seqs, dtype=torch.int32), {r: t[idx].contiguous() for r, t in self.entry.items()},
+                          torch.tensor(last, dtype=torch.long))
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.int32), meta
+
+    def step(self, model, seqs: list[int], chunks: list[list[int]]) -> Tensor:
+        """Run one step through ``model`` (the V4ForCausalLM or a compiled one); logits ``[len(seqs), vocab]``."""
+        ids, pos, meta = self.metadata(seqs, chunks)
+        mark_dynamic(ids, pos, meta)
+        return model(ids, pos, meta)

@@ -1,0 +1,174 @@
+"""The V4 attention Triton kernel under Triton's CPU interpreter, against the float64 reference op, on
+NaN-poisoned caches (window rows before position 0, empty compressed sets, a dominant sink, no sink).
+
+Run with ``TRITON_INTERPRET=1`` (tests/conftest.py sets it without a GPU); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import mla_compile  # noqa: F401  (registers the reference ops)
+from mla_compile.ops.v4_attention import compressed_slots, window_slots
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+    reason="needs TRITON_INTERPRET=1 and an importable triton")
+
+I32 = torch.int32
+
+
+def _case(seed, dtype, H=5, D=48, rope=16, W=6, bs=4, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.tensor([0, 1, 1, -1, 0, 2], dtype=I32)
+    pos = torch.tensor([2, 13, 30, 0, 21, 9], dtype=I32)
+    T = seq.shape[0]
+    table = torch.randperm(24, generator=g)[:24].reshape(3, 8).to(I32)
+    etable = torch.randperm(6, generator=g).reshape(3, 2).to(I32)
+    kv = torch.full((24, bs, D), float("nan"), dtype=dtype)
+    comp = torch.full((6, bs, D), float("nan"), dtype=dtype)
+    lens = [22, 31, 10]
+    for b, L in enumerate(lens):
+        for p in range(L):
+            kv[table[b, p // bs], p % bs] = torch.randn(D, generator=g).to(dtype)
+        for e in range(L // 4):
+            comp[etable[b, e // bs], e % bs] = torch.randn(D, generator=g).to(dtype)
+    ws = window_slots(table, seq, pos, block_size=bs, window=W)
+    cs = compressed_slots(etable, seq, pos, block_size=bs, rate=4)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    sinks = torch.randn(H, generator=g)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    args = [q, kv, ws, comp, cs, sinks, pos, inv_freq]
+    return [a.to(device) for a in args]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sink", ["random", "dominant", "none"])
+def test_v4_attention_kernel_matches_reference(dtype, sink, splits):
+    from mla_compile.ops.triton.v4_attention import _launch
+
+    q, kv, ws, comp, cs, sinks, pos, inv_freq = _case(1, dtype)
+    if sink == "dominant":
+        sinks = torch.full_like(sinks, 30.0)
+    elif sink == "none":
+        sinks = torch.full_like(sinks, float("-inf"))
+    scale = q.shape[-1] ** -0.5
+    out, lse = _launch(q, kv, ws, comp, cs, sinks, pos, inv_freq, scale,
+                       config=dict(BLOCK_H=2, BLOCK_N=4, SPLITS=splits))
+    ref, ref_lse = torch.ops.mla.v4_attention_ref(q.double(), kv.double(), ws, comp.double(), cs, sinks.double(),
+                                                  pos, inv_freq.double(), scale)
+    assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
+    empty = torch.isinf(ref_lse)
+    assert empty[3].all() and torch.equal(torch.isinf(lse), empty)  # the padding row sees nothing
+    assert (out[3] == 0).all()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    scale_out = ref.abs().max().clamp_min(1e-30)
+    torch.testing.assert_close(out.double() / scale_out, ref / scale_out, **tol)
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].double(), atol=1e-3 if dtype != torch.float32
+                               else 1e-5, rtol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_v4_attention_triton_op_cuda_real_dims(dtype):
+    """V4-Flash head dims (512 with 64 rope), 64 heads, window 128, through the registered op on CUDA."""
+    g = torch.Generator().manual_seed(3)
+    T, H, D, bs = 7, 64, 512, 64
+    q = torch.randn(T, H, D, generator=g).to(dtype).cuda()
+    kv = torch.randn(8, bs, D, generator=g).to(dtype).cuda()
+    comp = torch.randn(4, bs, D, generator=g).to(dtype).cuda()
+    ws = torch.randint(-1, 8 * bs, (T, 128), generator=g).to(I32).cuda()
+    cs = torch.randint(-1, 4 * bs, (T, 200), generator=g).to(I32).cuda()
+    cs[2] = -1
+    sinks = torch.randn(H, generator=g).cuda()
+    pos = torch.randint(0, 10000, (T,), generator=g).to(I32).cuda()
+    inv_freq = (1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))).cuda()
+    out, lse = mla_compile.ops.v4_attention(q, kv, ws, comp, cs, sinks, pos, inv_freq, D ** -0.5, backend="triton")
+    ref, ref_lse = torch.ops.mla.v4_attention_ref(q.double(), kv.double(), ws, comp.double(), cs, sinks.double(),
+                                                  pos, inv_freq.double(), D ** -0.5)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-2, rtol=1e-3)
+
+
+def _compress_steps(seed, overlap, rate, C=24, rope=8):
+    """A schedule of calls (3 sequences, uneven chunks crossing window boundaries, padding rows)."""
+    g = torch.Generator().manual_seed(seed)
+    cin = 2 * C if overlap else C
+    lens = [23, 9, 2]
+    data = [(torch.randn(L, cin, generator=g), torch.randn(L, cin, generator=g)) for L in lens]
+    chunks = [[5, 1, 2], [1, 4, 0], [7, 1, 0], [1, 3, 0], [9, 0, 0]]
+    done, steps = [0, 0, 0], []
+    for step in chunks:
+        seq, pos, kvs, gates = [], [], [], []
+        for b, n in enumerate(step):
+            for p in range(done[b], done[b] + n):
+                seq.append(b), pos.append(p), kvs.append(data[b][0][p]), gates.append(data[b][1][p])
+            done[b] += n
+        seq.append(-1), pos.append(0), kvs.append(torch.full((cin,), float("nan"))), gates.append(kvs[-1])
+        steps.append((torch.stack(kvs), torch.stack(gates), torch.tensor(seq, dtype=I32), torch.tensor(pos, dtype=I32)))
+    bias = torch.randn(rate, cin, generator=g)
+    norm_w = 1 + 0.2 * torch.randn(C, generator=g)
+    inv_freq = 1.0 / (50.0 ** (torch.arange(0, rope, 2, dtype=torch.float32) / rope))
+    table = torch.randperm(12, generator=g).reshape(3, 4).to(I32)
+    return steps, bias, norm_w, inv_freq, table, cin
+
+
+@pytest.mark.parametrize("overlap,rate", [(True, 4), (False, 4), (False, 3), (True, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v4_compress_kernel_matches_reference(overlap, rate, dtype):
+    from mla_compile.ops.triton.v4_compress import _launch
+
+    steps, bias, norm_w, inv_freq, table, cin = _compress_steps(rate + 10 * overlap, overlap, rate)
+    C = cin // 2 if overlap else cin
+    R = 2 * rate if overlap else rate
+    state_slot = torch.tensor([2, 0, 3], dtype=I32)
+    mine = [torch.full((12, 3, C), float("nan"), dtype=dtype), torch.full((4, R, cin), float("nan"), dtype=dtype),
+            torch.full((4, R, cin), float("nan"), dtype=dtype)]
+    ref = [t.clone() for t in mine]
+    for kv, gate, seq, pos in steps:
+        kv, gate = kv.to(dtype), gate.to(dtype)
+        _launch(kv, gate, seq, pos, state_slot, mine[1], mine[2], bias, norm_w, inv_freq, mine[0], table, rate,
+                1e-6, overlap)
+        torch.ops.mla.v4_compress_write_ref(kv, gate, seq, pos, state_slot, ref[1], ref[2], bias, norm_w, inv_freq,
+                                            ref[0], table, rate, 1e-6, overlap)
+        for a, b in zip(mine, ref):
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), "written slots differ"
+            tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.float().nan_to_num(), b.float().nan_to_num(), **tol)
+    assert not torch.isnan(mine[0]).all()  # entries were written
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("overlap,rate,C", [(True, 4, 512), (False, 128, 512), (True, 4, 128)])
+def test_v4_compress_triton_op_cuda_real_dims(overlap, rate, C):
+    """V4-Flash compressor dims (CSA 4 with 2 x 512, HCA 128 with 512, the indexer's 2 x 128) on CUDA,
+    through the registered op, against the reference on the same inputs: caches and ring state equal."""
+    g = torch.Generator().manual_seed(rate + C)
+    cin = 2 * C if overlap else C
+    R = 2 * rate if overlap else rate
+    T = 300
+    seq = torch.tensor([0] * 150 + [1] * 149 + [-1], dtype=I32)
+    pos = torch.cat([torch.arange(150), torch.arange(37, 186), torch.zeros(1, dtype=torch.long)]).to(I32)
+    kv, gate = torch.randn(T, cin, generator=g), torch.randn(T, cin, generator=g)
+    bias, norm_w = torch.randn(rate, cin, generator=g), 1 + 0.1 * torch.randn(C, generator=g)
+    inv_freq = 1.0 / (160000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    table = torch.randperm(16, generator=g).reshape(2, 8).to(I32)
+    state_slot = torch.tensor([1, 0], dtype=I32)
+    caches = [torch.randn(16, 64, C, generator=g), torch.randn(2, R, cin, generator=g),
+              torch.randn(2, R, cin, generator=g)]
+    args = [t.cuda() for t in (kv, gate, seq, pos, state_slot)]
+    consts = [t.cuda() for t in (bias, norm_w, inv_freq)]
+    for backend in ("triton", "reference"):
+        got = [t.clone().cuda() for t in caches]
+        mla_compile.ops.v4_compress_write(*args, got[1], got[2], *consts, got[0], table.cuda(), rate=rate, eps=1e-6,
+                                          overlap=overlap, backend=backend)
+        if backend == "triton":
+            mine = got
+    for a, b in zip(mine, got):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
