@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mla_compile.ops._block_linear import empty_output, pick_groups
 from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
 
@@ -95,22 +96,14 @@ def fp8_block_linear_ref(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, ac
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xa = _act_round(x, acc) if act_quant else x.to(acc)
     y = torch.matmul(xa, dequantize(weight, weight_scale_inv, acc).transpose(-1, -2))
-    if offs is None:
-        return y.to(x.dtype)
-    rows = torch.arange(x.shape[0], device=x.device, dtype=offs.dtype)
-    group = torch.searchsorted(offs, rows, right=True)  # E for rows past offs[-1]
-    picked = y.gather(0, group.clamp_max(weight.shape[0] - 1)[None, :, None].expand(1, -1, y.shape[-1]))[0]
-    return torch.where((group < weight.shape[0])[:, None], picked, 0).to(x.dtype)
+    return y.to(x.dtype) if offs is None else pick_groups(y, offs, x.dtype)
 
 
 def fake(x, weight, weight_scale_inv, act_quant, offs=None):
     """Fake output shared by every implementation: validate, then ``[M, N]``, ``[E, M, N]`` or (with ``offs``)
     ``[R, N]`` of x's dtype."""
     validate(x, weight, weight_scale_inv, offs)
-    N = weight.shape[-2]
-    if weight.dim() == 3 and offs is None:
-        return x.new_empty(weight.shape[0], x.shape[-2], N)
-    return x.new_empty(x.shape[0], N)
+    return empty_output(x, weight, offs)
 
 
 fp8_block_linear_ref.register_fake(fake)
