@@ -147,7 +147,8 @@ def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from a local DeepSeek checkpoint directory (bf16 or fp8)",
                          description="Load a local HF-format DeepSeek checkpoint (config.json, safetensors shards, "
                          "tokenizer.json) with mla_compile.from_pretrained, tokenize the prompt with the checkpoint's "
-                         "tokenizer, and stream greedy tokens as text; prints tokens/s to stderr.")
+                         "tokenizer, and stream the tokens (greedy, or sampled with --temperature / --top-k / "
+                         "--top-p / --seed) as text; prints tokens/s to stderr.")
     gen.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-new-tokens", type=_positive, default=64, help="tokens to generate (default: %(default)s)")
@@ -160,6 +161,10 @@ def _add_generate(sub) -> None:
                      help="torch.compile(model, fullgraph=True) (default: on)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.add_argument("--block-size", type=_positive, default=16, help="tokens per cache block (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: off (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1: off (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="the sampling stream (default: drawn once, seed 0)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -169,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
                         dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
                         compile=args.compile, chat=args.chat, block_size=args.block_size, stream=sys.stdout,
-                        log=_log)
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, log=_log)
     _log(f"{len(res.tokens)} tokens in {res.prefill_s + res.decode_s:.2f} s: {res.tokens_per_s:.1f} tokens/s "
          f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s"
          f"{'; the first prefill and decode steps include compiling them' if args.compile else ''})")

@@ -21,7 +21,7 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from torch import Tensor
 
@@ -32,6 +32,15 @@ from mla_compile.metadata import SeqChunk
 from mla_compile.sampling import SamplingParams, sample_rows
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass
+class StepOutput:
+    """What one step of :meth:`Engine.stream` produced: ``tokens`` (request id -> the tokens it generated in the
+    step, in order; requests still prefilling are absent) and the requests it ``finished``."""
+
+    tokens: dict[int, list[int]]
+    finished: list["Request"]
 
 
 class StepRunner(Protocol):
@@ -163,6 +172,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(seed)
         self.step_logits: list[Tensor] = []
+        self.new_tokens: dict[int, list[int]] = {}  # the last step's tokens by request id (see stream)
         self.cached_prompt_tokens = 0
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
@@ -228,6 +238,7 @@ class Engine:
         Raises :class:`StepFailed` when the runner raised: the step's requests are failed (see the
         class docstring) and the engine is ready for the next step.
         """
+        self.new_tokens = {}
         self._admit()
         decoding = [r for r in self.running if not r.prefilling]
         # the decode part is padded to the builder's min_batch, so count its padded size
@@ -257,11 +268,13 @@ class Engine:
             raise self._fail([*decoding, *(r for r, _ in chunks)], exc) from exc
         for r, t in zip(decoding, sampled):
             r.output.append(t)
+            self.new_tokens[r.id] = [t]
         for (r, n), t in zip(chunks, sampled[len(decoding):]):
             r.computed += n
             self.blocks.register(r.alloc, r.prompt[:r.computed])  # only now are these blocks complete
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
                 r.output.append(t)
+                self.new_tokens[r.id] = [t]
         done = [r for r in self.running if r.stopped or r.done]
         for r in done:
             self.running.remove(r)
@@ -285,6 +298,19 @@ class Engine:
         return StepFailed(f"the step of requests {ids} failed ({type(exc).__name__}: {exc}); they are "
                           "finished with finish_reason 'error' and their blocks freed, the engine serves "
                           "the others", ids)
+
+    def stream(self) -> Iterator[StepOutput]:
+        """Step until no request is waiting or running, yielding after every step the tokens it produced per
+        request id and the requests it finished (for streaming output). Between two items the caller may add
+        or abort requests; a :class:`StepFailed` propagates (iterate a fresh :meth:`stream` to go on)."""
+        while self.waiting or self.running:
+            finished = self.step()
+            yield StepOutput(dict(self.new_tokens), finished)
+            if self.waiting and not self.running:
+                self._admit()
+                if not self.running:
+                    raise RuntimeError("engine is stuck: a waiting request cannot be admitted into the "
+                                       "empty cache (leaked blocks?)")
 
     def run(self) -> list[Request]:
         """Step until no request is waiting or running; returns all finished requests by id.

@@ -1,5 +1,6 @@
-"""Text in, text out for a checkpoint directory: the checkpoint's own tokenizer, :func:`from_pretrained`, greedy
-generation with the text streamed as it is produced (``mla-compile generate``)."""
+"""Text in, text out for a checkpoint directory: the checkpoint's own tokenizer, :func:`from_pretrained`, one
+request through the :class:`~mla_compile.engine.Engine` (greedy or sampled) with the text streamed as it is
+produced (``mla-compile generate``)."""
 
 from __future__ import annotations
 
@@ -58,50 +59,62 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
 
 def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, device: str = "cpu",
                   dtype: torch.dtype | None = None, kv_cache: str = "bf16", compile: bool = True, chat: bool = False,
-                  block_size: int = 16, stream: TextIO | None = sys.stdout,
+                  block_size: int = 16, stream: TextIO | None = sys.stdout, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int | None = None,
                   log: Callable[[str], None] = lambda s: None) -> TextResult:
-    """Greedy-generate up to ``max_new_tokens`` after ``prompt`` with the checkpoint at ``path``; stops at the
-    tokenizer's eos token. The new text is written to ``stream`` as each token arrives.
+    """Generate up to ``max_new_tokens`` after ``prompt`` with the checkpoint at ``path``; stops at the tokenizer's
+    eos token. The new text is written to ``stream`` as each token arrives (``Engine.stream``).
 
-    ``kv_cache``: "bf16" (the cache in the weights' dtype) or "fp8" (DeepSeek's 656-byte rows).
-    ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph).
+    ``temperature`` / ``top_k`` / ``top_p`` / ``seed``: :class:`~mla_compile.sampling.SamplingParams` (default:
+    greedy). ``kv_cache``: "bf16" (the cache in the weights' dtype) or "fp8" (DeepSeek's 656-byte rows).
+    ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph); on CUDA the decode
+    steps are then replayed as CUDA graphs.
     """
+    from mla_compile.builder import MetadataBuilder
     from mla_compile.checkpoint import read_config
-    from mla_compile.generate import greedy_generate
+    from mla_compile.engine import Engine
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from mla_compile.loader import from_pretrained
+    from mla_compile.sampling import SamplingParams
 
     if kv_cache not in ("bf16", "fp8"):
         raise ValueError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")
     read_config(Path(path))  # a broken checkpoint is reported by its config, before the tokenizer is read
     tokenizer = load_tokenizer(path)
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
+    eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
     model = from_pretrained(path, device=device, dtype=dtype, kv_cache_dtype="fp8" if kv_cache == "fp8" else None)
     load_s = time.perf_counter() - t0
     log(f"loaded {path} in {load_s:.1f} s ({model.config.num_layers} layers, {device})")
+    stop = (eos,) if isinstance(eos, int) and 0 <= eos < model.config.vocab_size else ()
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop,
+                            max_new_tokens=max_new_tokens)
     num_blocks = -(-(len(prompt_ids) + max_new_tokens) // block_size) + 1
     model.allocate_cache(num_blocks, block_size)
     step_fn = torch.compile(model, fullgraph=True) if compile else model
-    eos = getattr(tokenizer, "eos_token_id", None)
+    # one request: the whole prompt in one step, then decode steps (padded to 2 rows, as every graph runner's)
+    builder = MetadataBuilder(max_batch=2, max_blocks_per_seq=num_blocks, max_tokens=len(prompt_ids) + 2,
+                              block_size=block_size, device=device)
+    runner = DecodeGraphRunner(step_fn, builder, capture_sizes=[2], enabled=compile and builder.device.type == "cuda")
+    engine = Engine(runner, num_blocks=num_blocks, enable_prefix_caching=False)
+    rid = engine.add_request(prompt_ids, params)
     out: list[int] = []
     shown = ""
-
-    def on_step(new: list[int]) -> bool:
-        nonlocal shown
-        if new[0] == eos:
-            return True
-        out.append(new[0])
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        if stream is not None and text.startswith(shown):  # a multi-byte character may complete later
-            stream.write(text[len(shown):])
-            stream.flush()
-            shown = text
-        return False
-
-    res = greedy_generate(step_fn, [prompt_ids], max_new_tokens, block_size=block_size, num_blocks=num_blocks,
-                          device=device, dynamic=True, on_step=on_step)
+    times = [time.perf_counter()]
+    for step in engine.stream():
+        times.append(time.perf_counter())
+        for t in step.tokens.get(rid, []):
+            if t == eos:
+                continue  # the stop token ends the request; it is not text
+            out.append(t)
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            if stream is not None and text.startswith(shown):  # a multi-byte character may complete later
+                stream.write(text[len(shown):])
+                stream.flush()
+                shown = text
     text = tokenizer.decode(out, skip_special_tokens=True)
     if stream is not None:
         stream.write(text[len(shown):] + "\n")
         stream.flush()
-    return TextResult(prompt_ids, out, text, load_s, res.prefill_s, res.decode_s)
+    return TextResult(prompt_ids, out, text, load_s, times[1] - times[0], times[-1] - times[1])

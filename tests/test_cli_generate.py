@@ -67,3 +67,22 @@ def test_cli_generate_compiled_matches_eager(ckpt, capsys):
 def test_cli_generate_broken_checkpoint_is_a_usage_error(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--no-compile"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_generate_samples_with_a_seed_reproducibly_and_top_k_1_is_greedy(ckpt):
+    """Sampling through the engine: the same seed gives the same tokens (the request's own stream), the draw at
+    temperature 1 is the sampler's on the model's logits (float64 check of the first token), and top-k 1 keeps
+    only the argmax, so it equals greedy generation."""
+    from mla_compile.sampling import SamplingParams, sample_rows
+
+    kw = dict(max_new_tokens=8, dtype=torch.float32, compile=False, stream=None)
+    a = generate_text(ckpt, PROMPT, temperature=1.0, seed=11, **kw)
+    b = generate_text(ckpt, PROMPT, temperature=1.0, seed=11, **kw)
+    assert a.tokens == b.tokens and len(a.tokens) >= 1
+    model = from_pretrained(ckpt, dtype=torch.float32)
+    model.allocate_cache(8, 16)
+    first = greedy_generate(model, [a.prompt_ids], 1, block_size=16, num_blocks=8, keep_logits=True).step_logits[0]
+    want = sample_rows(first.double(), [SamplingParams(temperature=1.0, seed=11)], [0])
+    assert a.tokens[0] == int(want[0])
+    greedy = generate_text(ckpt, PROMPT, **kw)
+    assert generate_text(ckpt, PROMPT, temperature=1.0, top_k=1, seed=3, **kw).tokens == greedy.tokens

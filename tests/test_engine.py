@@ -311,3 +311,31 @@ def test_stop_tokens_finish_with_stop_and_unseeded_requests_follow_the_engine_se
         return [r.output for r in engine.run()]
 
     assert unseeded(3) == unseeded(3) != unseeded(4)
+
+
+def test_stream_yields_each_step_s_tokens_which_add_up_to_the_outputs_and_allows_aborts_between(tiny):
+    """``Engine.stream()``: per step, the tokens each request produced (none while it prefills) and the requests
+    it finished; concatenated per request they are its output; aborting between two items stops that request at
+    once, and a request added between items joins the next step."""
+    engine = _tiny_engine(tiny)
+    requests = _mixed_requests()
+    ids = [engine.add_request(p, params) for p, params in requests[:5]]
+    seen: dict[int, list[int]] = {}
+    finished: list[int] = []
+    aborted = None
+    for i, out in enumerate(engine.stream()):
+        for rid, toks in out.tokens.items():
+            assert len(toks) == 1
+            seen.setdefault(rid, []).extend(toks)
+        finished += [r.id for r in out.finished]
+        if i == 2:
+            ids.append(engine.add_request(*requests[5]))
+        if i == 4 and aborted is None:
+            aborted = next(r.id for r in engine.running if r.output)
+            engine.abort(aborted)
+    assert sorted(finished) == sorted(set(ids) - {aborted}) and len(finished) == len(set(finished))
+    for rid in ids:
+        assert seen.get(rid, []) == engine.requests[rid].output, rid
+    assert engine.requests[aborted].finish_reason == "abort"
+    assert not engine.waiting and not engine.running
+    assert engine.blocks.num_free == 40  # every block came back (free or evictable)
