@@ -106,27 +106,49 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata, positions: Tensor | None = None) -> Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``; tokens ordered decode first, then prefill.
-        ``positions [T]`` is needed by sparse (V3.2) layers only."""
-        c = self.config
+        ``positions [T]`` is needed by sparse (V3.2) layers only. :meth:`project`, :meth:`write_cache`, then
+        :meth:`attend` (the model's regional compilation calls them apart, the cache write between regions)."""
         if self.kv_cache is None:
             raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_proj is None else None
+        q_nope, q_pe, latent, k_pe = self.project(x, cos, sin, q_resid)
+        self.write_cache(latent, k_pe, meta)
+        return self.attend(x, q_nope, q_pe, latent, k_pe, cos, sin, meta, positions, q_resid)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, q_resid: Tensor | None = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The projections of ``x [T, hidden]``, no cache access: ``q_nope [T, H, nope]``, ``q_pe [T, H, rope]``
+        (rotated), ``latent [T, kv_lora_rank]`` (normed), ``k_pe [T, rope]`` (rotated). ``q_resid``: the
+        normed ``q_a_proj`` output of a q-LoRA layer (computed here when None)."""
+        c = self.config
         T = x.shape[0]
-        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
-            q = self.q_b_proj(q_resid)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
         q = q.view(T, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
-        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)
+        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), latent, apply_rope(k_pe, cos, sin, c.rope_interleave)
+
+    def write_cache(self, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> None:
+        """Write this step's latent rows into the paged cache at ``meta.slot_mapping`` (the layer's only write
+        besides a sparse layer's index keys)."""
+        if self.kv_cache is None:
+            raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
         write = ops.write_latent_cache_fp8 if self.fp8_cache else ops.write_latent_cache
         write_backend = self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
         write_backend = None if write_backend == "auto" else write_backend
         write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=write_backend)
+
+    def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
+               meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:
+        """Attention of this step's queries over the cache (written by :meth:`write_cache`) and ``o_proj``:
+        ``[T, hidden]``. Dense layers only read the cache here; a sparse (V3.2) layer's indexer also writes its
+        index keys (it needs ``x``, ``q_resid``, ``positions``)."""
+        c = self.config
+        T = x.shape[0]
         if self.indexer is not None:
             if positions is None:
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")

@@ -39,6 +39,7 @@ class MLAForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = scaling
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
+        self.regional_compile = False  # see forward
 
     @property
     def attentions(self) -> list[MLAAttention]:
@@ -72,11 +73,23 @@ class MLAForCausalLM(nn.Module):
         return caches
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:
-        """One step over ``T`` flat tokens (decode tokens first, then prefill); returns logits."""
+        """One step over ``T`` flat tokens (decode tokens first, then prefill); returns logits.
+
+        With ``regional_compile`` (set by :func:`patch`), each dense-attention layer runs as two nested compile
+        regions (``torch.compiler.nested_compile_region``): its projections, then its attention over the cache
+        and its MLP / MoE, with the cache write between them (Inductor takes no mutating op inside a region).
+        ``torch.compile`` then compiles each region once and stamps it out for every layer of the same shape,
+        so compile time hardly grows with depth; eager runs are unchanged."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
         for layer in self.model.layers:
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, meta, positions)
+            attn = layer.self_attn
+            if self.regional_compile and attn.indexer is None:
+                q_nope, q_pe, latent, k_pe = _layer_projections(layer, h, cos, sin)
+                attn.write_cache(latent, k_pe, meta)
+                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
+                continue
+            h = h + attn(layer.input_layernorm(h), cos, sin, meta, positions)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h)
         if meta.logits_indices is not None:
@@ -84,8 +97,28 @@ class MLAForCausalLM(nn.Module):
         return self.lm_head(h)
 
 
+def _region(fn):
+    """``fn`` as a nested compile region (a no-op outside ``torch.compile``, and on a torch without the API)."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region(fn) if region is not None else fn
+
+
+@_region
+def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The first region of a layer: input norm and the attention projections (no cache access)."""
+    return layer.self_attn.project(layer.input_layernorm(h), cos, sin)
+
+
+@_region
+def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor,
+                sin: Tensor, meta: MLAMetadata) -> Tensor:
+    """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP."""
+    h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto",
-          parallel=None, **parallel_options) -> MLAForCausalLM | V4ForCausalLM:
+          parallel=None, regional_compile: bool = False, **parallel_options) -> MLAForCausalLM | V4ForCausalLM:
     """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
     to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
@@ -94,10 +127,16 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     model's own ``forward`` is not usable afterwards. ``backend`` picks the attention ops' backend
     (default: ``MLA_COMPILE_BACKEND`` or "auto").
 
+    ``regional_compile``: run each dense-attention layer as nested compile regions, so ``torch.compile`` compiles
+    a layer once for all layers of its shape (see :meth:`MLAForCausalLM.forward`; V2/V3 models, unsharded).
+
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
     :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
     """
+    if regional_compile and (parallel is not None or is_v4_model(getattr(hf_model, "config", None))):
+        raise NotImplementedError("patch(regional_compile=True) serves unsharded V2/V3/V3.2 models so far: pass "
+                                  "parallel=None, or regional_compile=False")
     if parallel is not None:
         if is_v4_model(getattr(hf_model, "config", None)):
             raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "
@@ -122,4 +161,6 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         mlp = layer.mlp
         if hasattr(mlp, "gate") and hasattr(mlp, "experts") and not isinstance(mlp, MLAMoE):
             layer.mlp = MLAMoE(mlp, impl=moe_impl)
-    return MLAForCausalLM(hf_model, config)
+    model = MLAForCausalLM(hf_model, config)
+    model.regional_compile = bool(regional_compile)
+    return model
