@@ -181,11 +181,10 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
                                    batch=facts.batch, context=facts.context, tiers=tiers)
         if why.startswith("static order"):
             why = f"first GPU-tested backend of the {op} priority {list(order)} ({why})"
-        elif facts.batch is None and split_rows(op):  # a graph serves every size: split it where winners differ
+        elif facts.batch is None and (counts := split_rows(op)):  # a graph serves every size: split where it pays
             split, split_why = timings.tiers_by_batch(
                 op, eligible, capability=facts.cap, dtype=facts.dtype, cache_dtype=facts.cache_dtype or facts.dtype,
-                num_heads=facts.num_heads, context=facts.context, tiers=tiers, prefer=ranked[0],
-                counts=split_rows(op))
+                num_heads=facts.num_heads, context=facts.context, tiers=tiers, prefer=ranked[0], counts=counts)
             if split:
                 return Choice(declare_split(op, split).name, f"auto: {split_why}; serves {_config(facts)}", rejected)
         return Choice(ranked[0], f"auto: {why}; serves {_config(facts)}", rejected)

@@ -152,6 +152,33 @@ def _time(row: Row, name: str, tiers: dict[str, tuple]) -> float | None:
     return None
 
 
+def _installed(capability: tuple[int, int] | None) -> Table | None:
+    """The installed timing table of GPUs of ``capability`` (None: none, or no GPU)."""
+    return next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
+
+
+def _class_rows(table: Table, op: str, *, dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int,
+                batch: int | None, context: int | None) -> tuple[dict, list[Row]]:
+    """The call's class key and ``table``'s rows in that class."""
+    key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
+               heads=bucket("heads", num_heads))
+    if batch is not None:
+        key["batch"] = bucket("batch", batch)
+    if context is not None:
+        key["context"] = bucket("context", context)
+    return key, [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+
+
+def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple]) -> dict[str, float]:
+    """Each of ``names`` timed in every one of ``rows``: its summed microseconds (composites as their parts)."""
+    totals = {}
+    for n in names:
+        times = [_time(r, n, tiers) for r in rows]
+        if rows and None not in times:
+            totals[n] = sum(times)
+    return totals
+
+
 def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
          cache_dtype: torch.dtype, num_heads: int | None, batch: int | None = None, context: int | None = None,
          tiers: dict[str, tuple] | None = None, table: Table | None = None) -> tuple[list[str], str]:
@@ -159,23 +186,12 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
 
     ``table``: the one to use (default: the installed table of ``capability``).
     """
-    if table is None:
-        table = next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
+    table = table or _installed(capability)
     if table is None or num_heads is None:
         return list(names), "static order (no timings for this GPU)" if table is None else "static order"
-    key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
-               heads=bucket("heads", num_heads))
-    if batch is not None:
-        key["batch"] = bucket("batch", batch)
-    if context is not None:
-        key["context"] = bucket("context", context)
-    rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
-    tiers = tiers or {}
-    totals = {}
-    for n in names:
-        times = [_time(r, n, tiers) for r in rows]
-        if rows and None not in times:
-            totals[n] = sum(times)
+    key, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=batch,
+                            context=context)
+    totals = _totals(rows, names, tiers or {})
     where = ", ".join(f"{k} {v}" for k, v in key.items() if k != "op")
     if not totals:
         return list(names), f"static order (no {table.gpu} timings for {op} [{where}] cover these backends)"
@@ -198,27 +214,18 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
     composite (``tiers``) that runs one part over a whole bucket counts as that part; equal neighbours merge.
     ``counts``: "batch" buckets by the rows' batch bound (decode: query rows), "tokens" by batch bound times
     context bound (prefill: the call's tokens)."""
-    if table is None:
-        table = next((t for t in tables() if capability is not None and t.capability == tuple(capability)), None)
+    table = table or _installed(capability)
     if table is None or num_heads is None:
         return (), "no timings"
-    key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
-               heads=bucket("heads", num_heads))
-    if context is not None:
-        key["context"] = bucket("context", context)
-    rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+    _, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=None,
+                          context=context)
     tiers = tiers or {}
     size = (lambda r: r.batch) if counts == "batch" else (lambda r: r.batch * r.context)
     winners: list[tuple[int, str, float]] = []
     for bound in sorted({size(r) for r in rows}):
-        part = [r for r in rows if size(r) == bound]
-        totals = {}
-        for n in names:
-            times = [_time(r, n, tiers) for r in part]
-            if None not in times:
-                totals[n] = sum(times)
+        totals = _totals([r for r in rows if size(r) == bound], names, tiers)
         if not totals:
-            return (), f"no timings of {names} at batch {bound}"
+            return (), f"no timings of {names} at {counts} {bound}"
         best = min(totals, key=lambda n: (totals[n], names.index(n)))
         if prefer in totals and totals[prefer] <= within * totals[best]:
             best = prefer
@@ -229,7 +236,7 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
     low = 0
     for i, (bound, name, us) in enumerate(winners):
         inner = tiers.get(name, ())
-        first, last = (next((n for b, n in inner if b is None or rows <= b), None) for rows in (low + 1, bound))
+        first, last = (next((n for b, n in inner if b is None or at <= b), None) for at in (low + 1, bound))
         if inner and first == last and first in names:
             name = first  # the composite runs one part over this whole bucket
             winners[i] = (bound, name, us)
