@@ -308,7 +308,7 @@ class Engine:
             yield StepOutput(dict(self.new_tokens), finished)
             if self.waiting and not self.running:
                 self._admit()
-                if not self.running:
+                if not self.running:  # cannot happen for admitted requests: each fits the empty cache
                     raise RuntimeError("engine is stuck: a waiting request cannot be admitted into the "
                                        "empty cache (leaked blocks?)")
 
@@ -317,11 +317,6 @@ class Engine:
 
         A :class:`StepFailed` propagates; calling :meth:`run` again serves the remaining requests.
         """
-        while self.waiting or self.running:
-            self.step()
-            if self.waiting and not self.running:
-                self._admit()
-                if not self.running:  # cannot happen for admitted requests: each fits the empty cache
-                    raise RuntimeError("engine is stuck: a waiting request cannot be admitted into the "
-                                       "empty cache (leaked blocks?)")
+        for _ in self.stream():
+            pass
         return sorted(self.finished, key=lambda r: r.id)
