@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.ops._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mla_compile.ops._block_linear import empty_output, pick_groups
+from mla_compile.ops._checks import check_tensor
+from mla_compile.ops._block_linear import check_x_and_offs, empty_output, pick_groups
 from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
 
@@ -49,18 +49,8 @@ def validate(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, offs: Tensor |
     scale_shape = (*groups, _cdiv(N, BLOCK), _cdiv(K, BLOCK))
     check_tensor(OP, "weight_scale_inv", weight_scale_inv, ndim=weight.dim(), dtypes=(torch.float32,),
                  shape=scale_shape, expected=f"{list(scale_shape)} float32 (one scale per 128 x 128 block)")
-    x_ndim = (2,) if weight.dim() == 2 else (2, 3)
-    x_shape = (None, K) if x.dim() == 2 else (groups[0] if groups else None, None, K)
-    check_tensor(OP, "x", x, ndim=x_ndim, dtypes=FLOAT_DTYPES, shape=x_shape,
-                 expected=f"[M, {K}]" + (f" or [{groups[0]}, M, {K}]" if groups else ""))
-    check_same_device(OP, x=x, weight=weight, weight_scale_inv=weight_scale_inv)
-    if offs is not None:
-        if weight.dim() != 3 or x.dim() != 2:
-            raise ValueError(f"{OP}: offs (sorted groups) needs a 3-D weight [E, N, K] and x [R, K]; got weight "
-                             f"{list(weight.shape)}, x {list(x.shape)}")
-        check_tensor(OP, "offs", offs, ndim=1, dtypes=(torch.int32,), shape=(groups[0],),
-                     expected=f"[{groups[0]}] int32 cumulative row ends")
-        check_same_device(OP, x=x, offs=offs)
+    check_x_and_offs(OP, x, weight, K, groups, offs, scale_name="weight_scale_inv", scale=weight_scale_inv,
+                     weight_form="[E, N, K]")
 
 
 def dequantize(weight: Tensor, weight_scale_inv: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
