@@ -15,10 +15,8 @@ Times per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s cou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.nn.functional as F
@@ -133,14 +131,7 @@ def main():
     sections = [lambda m=m, c=c: linear_case(m, *c) for m in (1, 4, 64)
                 for c in (("gate", INTER, HIDDEN), ("down", HIDDEN, INTER))]
     sections += [lambda t=t: moe_case(t, args.experts) for t in (1, 64)]
-    for section in sections:
-        try:
-            section()
-        except Exception:
-            traceback.print_exc()
-        torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "bench_fp4_experts.json"), "w") as f:
-            json.dump({"ceilings": bk.CEIL, "rows": bk.ROWS}, f, indent=1)
+    bk.run_sections(sections, os.path.join(args.out, "bench_fp4_experts.json"))
     text = "\n".join(f"{r.get('group', '')}: {bk._fmt(r)}" for r in bk.ROWS)
     with open(os.path.join(args.out, "bench_fp4_experts.txt"), "w") as f:
         f.write(text + "\n")

@@ -19,11 +19,9 @@ the op must read. Writes ``bench_fp8_sparse.json`` and ``.txt`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 
@@ -204,14 +202,7 @@ def main():
     sections = index if args.index_only else sections + index
     if not args.quick and not args.index_only:
         sections += [lambda: dense_case(128, 128, 4096), lambda: sparse_case(128, 128, 8192, 2048)]
-    for section in sections:
-        try:
-            section()
-        except Exception:
-            traceback.print_exc()
-        torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "bench_fp8_sparse.json"), "w") as f:
-            json.dump({"ceilings": bk.CEIL, "rows": bk.ROWS}, f, indent=1)
+    bk.run_sections(sections, os.path.join(args.out, "bench_fp8_sparse.json"))
     lines = [bk._fmt(r) if "speedup" not in r else f"{r['impl']:30s} {r['speedup']:.2f}x (rel err {r['rel_err']:.2%})"
              for r in bk.ROWS]
     text = "\n".join(f"{r.get('group', '')}: {line}" for r, line in zip(bk.ROWS, lines))

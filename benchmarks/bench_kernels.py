@@ -138,6 +138,19 @@ def over_budget(budget_s):
     return time.time() - START > budget_s
 
 
+def run_sections(sections, json_path: str) -> None:
+    """Run each benchmark section in turn (a failing one prints its traceback and the rest still run), writing
+    the ceilings and the rows measured so far to ``json_path`` after each, so a run cut short keeps them."""
+    for section in sections:
+        try:
+            section()
+        except Exception:
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        with open(json_path, "w") as f:
+            json.dump({"ceilings": CEIL, "rows": ROWS}, f, indent=1)
+
+
 def ceilings():
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
     dst = torch.empty_like(src)
@@ -385,14 +398,7 @@ def main():
                 lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
                 lambda: prefill_case(8, 4096, 128, psweep, args.budget_s),
                 small_ops]
-    for section in sections:
-        try:
-            section()
-        except Exception:
-            traceback.print_exc()
-        torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
-            json.dump({"ceilings": CEIL, "rows": ROWS}, f, indent=1)
+    run_sections(sections, os.path.join(args.out, "bench_kernels.json"))
     text = table_text()
     with open(os.path.join(args.out, "bench_kernels.txt"), "w") as f:
         f.write(text + "\n")
