@@ -25,8 +25,15 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 
 def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` in group order (identity for one rank)."""
-    return x if group.group is None else _all_gather(x.contiguous(), dim % x.dim(), group.group)
+    """Concatenate every rank's ``x`` along ``dim`` in group order (identity for one rank).
+
+    Gathers along dim 0 and concatenates the chunks here: torch 2.11's ``all_gather_tensor`` does a
+    ``gather_dim != 0`` through a helper Dynamo refuses to trace (a graph break under ``fullgraph``)."""
+    if group.group is None:
+        return x
+    out = _all_gather(x.contiguous(), 0, group.group)
+    dim = dim % x.dim()
+    return out if dim == 0 else torch.cat(out.chunk(group.size, 0), dim)
 
 
 def all_to_all(x: Tensor, group: Group) -> Tensor:

@@ -8,11 +8,12 @@ paged caches filled with NaN, so a read of anything unwritten shows up.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-pytest.importorskip("transformers")
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM", allow_module_level=True)
@@ -33,11 +34,13 @@ def prompts(seed, lens, vocab=96):
 @torch.no_grad()
 def hf_greedy(hf, prompt, steps):
     """HF eager: prompt logits [L, V], then ``steps`` greedy decode steps: (prompt_logits, step_logits, tokens)."""
+    # transformers 5.17 names the cache past_key_values; newer ones renamed it cache (the old name warns)
+    kw = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache, logits = out.cache, [out.logits[0, -1]]
+    cache, logits = getattr(out, kw), [out.logits[0, -1]]
     for _ in range(steps):
-        o = hf(logits[-1].argmax().view(1, 1), cache=cache, use_cache=True)
-        cache = o.cache
+        o = hf(logits[-1].argmax().view(1, 1), use_cache=True, **{kw: cache})
+        cache = getattr(o, kw)
         logits.append(o.logits[0, -1])
     return out.logits[0], logits, [int(x.argmax()) for x in logits]
 
