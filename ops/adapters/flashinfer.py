@@ -218,11 +218,13 @@ def flashinfer_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     check_dtype(DECODE_OP, BACKEND, "kv_cache", kv_cache, DTYPES)
     plan.check(q, kv_cache, scale, kv_lora_rank)
     B, s_q, H, _ = q.shape
-    q_nope = q[..., :kv_lora_rank].reshape(B * s_q, H, kv_lora_rank).contiguous()
-    q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1).contiguous()
+    # strided views, no copies: the kernel takes q's token and head strides (only the last dim must be dense),
+    # and it returns the natural-log LSE itself
+    q_nope = q[..., :kv_lora_rank].reshape(B * s_q, H, kv_lora_rank)
+    q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1)
     out, lse = plan.wrapper.run(q_nope, q_pe, kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:],
-                                return_lse=True)
-    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens, LN2)
+                                return_lse=True, return_lse_base_on_e=True)
+    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens)
 
 
 @torch.library.custom_op("mla::decode_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)

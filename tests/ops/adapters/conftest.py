@@ -227,9 +227,10 @@ class FakeMLAWrapper:
                             sm_scale=sm_scale)
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
-            kv_len=None, page_table=None):
+            kv_len=None, page_table=None, return_lse_base_on_e=False):
         self.calls.append(("mla.run", (q_nope, q_pe, ckv_cache, kpe_cache),
-                           dict(return_lse=return_lse, kv_len=kv_len, page_table=page_table)))
+                           dict(return_lse=return_lse, kv_len=kv_len, page_table=page_table,
+                                return_lse_base_on_e=return_lse_base_on_e)))
         if self.backend == "cutlass":
             assert not return_lse and q_nope.shape[1] == 128 and page_table.shape[1] % (128 // ckv_cache.shape[1]) == 0
             B = q_nope.shape[0]
@@ -241,9 +242,12 @@ class FakeMLAWrapper:
         p = self.planned
         assert p is not None, "run() before plan()"
         assert q_nope.shape[1] == p["num_heads"] and ckv_cache.shape[1] == p["page_size"]
-        assert q_nope.is_contiguous() and q_pe.is_contiguous()
+        # the kernel takes q_nope / q_pe strides per token and head (batch_mla_run.cu): only the last dim is dense
+        assert q_nope.stride(-1) == 1 and q_pe.stride(-1) == 1
         o, l = _paged_mla64(q_nope, q_pe, ckv_cache, kpe_cache, p["qo_indptr"], p["kv_indptr"], p["kv_indices"],
                             p["kv_len"], p["causal"], p["sm_scale"])
+        if return_lse_base_on_e:
+            l = l * math.log(2.0)
         return (o, l) if return_lse else o
 
 
