@@ -27,7 +27,7 @@ import torch
 
 import mla_compile  # noqa: F401  (registers every op and backend)
 from mla_compile.ops import timings
-from mla_compile.ops.registry import backends_for, priority
+from mla_compile.ops.registry import backends_for, priority, split_part, split_rows
 from mla_compile.ops.select import cache_layout, facts_for, select
 
 PAGE, DC, DR = 64, 512, 64
@@ -172,11 +172,21 @@ def _time_auto(s: Shape, f, call, make_plan, us: dict, bk) -> tuple:
         fn = lambda: call(name, plan)  # noqa: E731
         fn()
         torch.cuda.synchronize()
-        ms = bk.graph_ms(fn) if spec.cuda_graph != "none" else bk.bench(fn)
+        ms = bk.graph_ms(fn) if _capturable(s, spec) else bk.bench(fn)
     except Exception as exc:
         print(f"  {s} auto ({name}): failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
         return s, name, None, best, us.get(best)
     return s, name, round(ms * 1e3, 1), best, us.get(best)
+
+
+def _capturable(s: Shape, spec) -> bool:
+    """Whether a call of ``spec`` at shape ``s`` can be CUDA-graph captured: a split is judged by the part that
+    serves this shape (a split is declared as able as its weakest part, but only one part runs per call, and
+    timing a captured part eagerly would charge it the launch overhead its rivals do not pay)."""
+    if spec.tiers:
+        rows = s.batch * s.context if split_rows(s.op) == "tokens" else s.batch
+        spec = backends_for(s.op)[split_part(spec.tiers, rows)]
+    return spec.cuda_graph != "none"
 
 
 def _report_auto(autos: list[tuple]) -> None:

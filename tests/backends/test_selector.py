@@ -202,7 +202,7 @@ def test_mla_attention_selects_once_per_configuration_and_rejects_bad_specs():
 @pytest.mark.parametrize("timed", [False, True], ids=["static order", "shipped H200 timings"])
 def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, timed):
     """With the real gpu_tested flags and the H200's packages (no flash-attn); without timings (the static
-    order) and with the shipped H200 table (bench_backends.py, BENCHMARKS run 108): at 16 heads tiered FlashMLA
+    order) and with the shipped H200 table (bench_backends.py, BENCHMARKS run 112): at 16 heads tiered FlashMLA
     edges our Triton decode, and with a plan FlashInfer wins above batch 2 (a split: Triton below); at 128 heads
     Triton to batch 2 then FlashMLA (the tiers' Triton step is slow at batch 16); a known batch is one class
     (no split); prefill (planned) is Triton's up to 2048 tokens and FlashInfer's above, at both head counts."""
