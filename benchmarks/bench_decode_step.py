@@ -207,7 +207,7 @@ class Workload:
 
     def chunks(self, batch: int, ctx: int, k: int):
         """Decode chunks: sequence i holds ``ctx`` tokens and decodes token ids[k, i] at position ctx."""
-        from mla_compile.metadata import SeqChunk
+        from mla_compile.models.metadata import SeqChunk
 
         key = (batch, ctx, k % len(self.ids))
         if key not in self._chunks:
@@ -218,7 +218,7 @@ class Workload:
 
 def build_hf(args, dev: torch.device, dtype: torch.dtype):
     """The seeded random HF model (same weights every call), built directly on ``dev``."""
-    from mla_compile import toy
+    from mla_compile.app import toy
 
     kw = dict(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.heads,
               num_hidden_layers=args.layers, n_routed_experts=args.experts, num_experts_per_tok=args.topk,
@@ -252,10 +252,10 @@ def fill_cache(cache: torch.Tensor, latents: torch.Tensor, dc: int, fp8: bool, c
 
 
 def phase_ours(args, dev, dtype, wl: Workload) -> None:
-    from mla_compile.builder import MetadataBuilder
+    from mla_compile.serving.builder import MetadataBuilder
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-    from mla_compile.metadata import mark_dynamic
-    from mla_compile.model import patch
+    from mla_compile.models.metadata import mark_dynamic
+    from mla_compile.models.model import patch
     from torch._dynamo.utils import counters
 
     hf = build_hf(args, dev, dtype)
@@ -633,7 +633,7 @@ def main(argv=None) -> None:
                 transformers=transformers.__version__,
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     torch.manual_seed(args.seed)
-    from mla_compile.config import preset
+    from mla_compile.models.config import preset
 
     mla = preset("deepseek-v2-lite")  # the latent dims (512 + 64), which the toy model keeps
     wl = Workload(args, dev, args.torch_dtype, mla.kv_lora_rank, mla.qk_rope_head_dim)

@@ -6,7 +6,7 @@ V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1
 - one expert's GEMV / GEMM, gate (N 2048, K 4096) and down (N 4096, K 2048): fp4 Triton vs bf16 ``F.linear``
   and the fp8 block Triton kernel on the same weight;
 - the routed experts of one MoE layer, 256 experts top-6 (tokens sorted by expert: each hit expert's weights
-  read once): :class:`~mla_compile.fp4_linear.FP4Experts` grouped vs bf16 ``torch._grouped_mm``
+  read once): :class:`~mla_compile.models.fp4_linear.FP4Experts` grouped vs bf16 ``torch._grouped_mm``
   (``moe.experts_grouped``).
 Times per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s counts the weight bytes read
 (fp4: half a byte per weight plus a scale byte per 32). Writes ``bench_fp4_experts.json`` and ``.txt``.
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402  (graph_ms, bench, attempt, ceilings, table helpers)
 
 import mla_compile  # noqa: E402,F401
-from mla_compile.fp4_linear import FP4Experts  # noqa: E402
-from mla_compile.moe import experts_grouped  # noqa: E402
+from mla_compile.models.fp4_linear import FP4Experts  # noqa: E402
+from mla_compile.models.moe import experts_grouped  # noqa: E402
 from mla_compile.ops import fp4_block_linear, fp8_block_linear  # noqa: E402
 from mla_compile.ops.triton import fp4_block_linear as tfp4  # noqa: E402
 

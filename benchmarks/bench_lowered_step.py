@@ -37,7 +37,7 @@ import bench_decode_step as bds  # noqa: E402  (build_hf, Workload, parse_args: 
 
 
 def _compiled(args, dev, dtype, wl, backend: str, passes: bool):
-    from mla_compile.model import patch
+    from mla_compile.models.model import patch
     import mla_compile.lowerings as lowerings
 
     model = patch(bds.build_hf(args, dev, dtype), backend=backend)
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh = tempfile.mkdtemp(prefix="bench_lowered_inductor_")
     from torch._dynamo.utils import counters
 
-    from mla_compile.builder import MetadataBuilder
+    from mla_compile.serving.builder import MetadataBuilder
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from mla_compile.ops import _compile_log
 
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     dev, dtype = torch.device(args.device), args.torch_dtype
     t0 = time.perf_counter()
     import mla_compile  # noqa: F401  (registers the ops)
-    from mla_compile.config import preset
+    from mla_compile.models.config import preset
 
     mla = preset("deepseek-v2-lite")  # the latent dims (512 + 64), which the toy model keeps
     torch.manual_seed(args.seed)

@@ -38,7 +38,7 @@ def _fixture(B, H, context, block_size, dtype, dev, variant):
     absorbed decode over ``context`` cached tokens (DeepSeek dims 512 + 64)."""
     import mla_compile
     from mla_compile.ops.fused_kv_write import rms_norm
-    from mla_compile.rope import apply_rope
+    from mla_compile.models.rope import apply_rope
 
     nb = -(-(context + 1) // block_size)
     g = torch.Generator(device=dev).manual_seed(B)

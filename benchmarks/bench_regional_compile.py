@@ -21,9 +21,9 @@ import time
 def _one(kind: str, layers: int, regional: bool, device: str) -> dict:
     import torch
 
-    from mla_compile import toy
-    from mla_compile.generate import greedy_generate
-    from mla_compile.model import patch
+    from mla_compile.app import toy
+    from mla_compile.serving.generate import greedy_generate
+    from mla_compile.models.model import patch
 
     hf = toy.toy_hf_model(kind, seed=1, num_hidden_layers=layers, first_k_dense_replace=1, device=device)
     prompts = toy.random_prompts(2, [9, 13, 5])

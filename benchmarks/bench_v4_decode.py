@@ -13,7 +13,7 @@ Rows: ours eager, ours compiled (``torch.compile(fullgraph=True)``), ours compil
 captured step replayed). A step's time is the median over ``--iters`` of CUDA events around the step.
 HF is not measured: its eager attention materializes [S, S] scores at prefill and its V4 model cannot
 compile whole (``_can_compile_fullgraph = False``). Also written: cache bytes per sequence at each
-context and at 1M tokens (``mla_compile.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``.
+context and at 1M tokens (``mla_compile.models.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Contexts:
                         t.normal_(generator=gen)
 
     def step(self, batch: int, ids: torch.Tensor):
-        from mla_compile.v4_model import V4Metadata
+        from mla_compile.models.v4_model import V4Metadata
 
         pos = torch.full((batch,), self.ctx, dtype=torch.int32)
         table = self.table[:batch]
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     start = time.time()
-    from mla_compile.model import patch
-    from mla_compile.v4_cache import V4CacheLayout, V4Dims
+    from mla_compile.models.model import patch
+    from mla_compile.models.v4_cache import V4CacheLayout, V4Dims
 
     hf = build_model(args, dev, dtype)
     model = patch(hf, backend=args.backend)

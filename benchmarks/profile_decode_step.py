@@ -29,9 +29,9 @@ def main(argv=None) -> None:
     batch, ctx = int(extra["--batch"]), max(args.ctx_list)
     args.batch_list = [batch]
     import mla_compile  # noqa: F401
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.metadata import mark_dynamic
-    from mla_compile.model import patch
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.models.metadata import mark_dynamic
+    from mla_compile.models.model import patch
 
     dev, dtype = torch.device(args.device), args.torch_dtype
     os.makedirs(args.out, exist_ok=True)

@@ -3,7 +3,7 @@
 What it holds:
 
 - :mod:`~mla_compile.graphs.cuda_graph`: :class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`
-  captures one CUDA graph per capture size from a :class:`~mla_compile.builder.MetadataBuilder`'s
+  captures one CUDA graph per capture size from a :class:`~mla_compile.serving.builder.MetadataBuilder`'s
   padding steps (one shared memory pool), replays the smallest graph that fits a decode batch after
   the builder fills its persistent buffers, and calls the step function directly for prefill, mixed
   and larger steps (and everywhere without CUDA).
@@ -12,7 +12,7 @@ What it holds:
   :class:`InspectReport` or the counting :class:`CompileWatch`; depends only on torch (depyf optional).
 
 How it plugs in: the package sits above core and depends on it (the builder, the step metadata).
-``import mla_compile`` does not import it: :class:`~mla_compile.engine.Engine` takes a runner as an
+``import mla_compile`` does not import it: :class:`~mla_compile.serving.engine.Engine` takes a runner as an
 argument, and ``mla_compile.DecodeGraphRunner`` is a lazy re-export (the demo and the CLI import the
 package). Importing it registers nothing.
 """

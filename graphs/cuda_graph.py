@@ -1,7 +1,7 @@
 """CUDA-graph capture of whole decode steps, one graph per capture size, sharing one memory pool.
 
 The step function (usually ``torch.compile(model)`` with dynamic shapes, so one compiled graph serves
-every size) reads its inputs from a :class:`~mla_compile.builder.MetadataBuilder`'s persistent
+every size) reads its inputs from a :class:`~mla_compile.serving.builder.MetadataBuilder`'s persistent
 buffers. Capture runs a padding step of each size (largest first, as peers do, so smaller graphs
 reuse the pool). At run time the builder fills the buffers for the real batch, padded to the smallest
 captured size that fits, and the graph is replayed. Larger batches, prefill and mixed steps run the
@@ -17,9 +17,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mla_compile.builder import MetadataBuilder
-from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
-from mla_compile.sampling import SamplingParams, SamplingRows, sample, sample_rows
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
+from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_rows
 
 StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
 
@@ -40,8 +40,8 @@ class DecodeGraphRunner:
     def __init__(self, step_fn: StepFn, builder: MetadataBuilder, capture_sizes: Sequence[int] | None = None, *,
                  enabled: bool | None = None, warmup: int = 2, strict_sync: bool = False,
                  sampling: bool = False) -> None:
-        """``sampling``: each captured graph also samples one token per row (:func:`mla_compile.sampling.sample`
-        over persistent :class:`~mla_compile.sampling.SamplingRows`), so :meth:`decode_sampled` replays the
+        """``sampling``: each captured graph also samples one token per row (:func:`mla_compile.serving.sampling.sample`
+        over persistent :class:`~mla_compile.serving.sampling.SamplingRows`), so :meth:`decode_sampled` replays the
         step and the draw as one graph: the logits never leave the device before the tokens exist."""
         self.step_fn = step_fn
         self.builder = builder

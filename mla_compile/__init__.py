@@ -1,5 +1,9 @@
 """mla_compile: DeepSeek Multi-head Latent Attention as a first-class citizen of ``torch.compile``.
 
+The package is in floors: :mod:`mla_compile.models` (what a model is, its weights), :mod:`mla_compile.serving`
+(planning and driving steps), :mod:`mla_compile.app` (the command line, demo, doctor, toys), with
+:mod:`mla_compile.parallel`, and the ops, lowerings and graphs beneath and beside them.
+
 The front door: :func:`from_pretrained` loads a local DeepSeek checkpoint (bf16 or fp8 blocks) as an MLA
 model; :func:`patch` turns a Hugging Face DeepSeek model into an MLA model whose attention
 runs through the ``mla::`` custom ops; :class:`MetadataBuilder` plans each step into persistent
@@ -10,15 +14,18 @@ decode steps as CUDA graphs.
 
 from typing import Any
 
+from mla_compile import _moved
 from mla_compile import envs as _envs
 from mla_compile import ops
-from mla_compile.builder import MetadataBuilder
-from mla_compile.cache import CacheLayout, allocate_latent_cache, fp8_row_bytes
-from mla_compile.config import PRESETS, MLAConfig, is_mla_model, is_sparse_mla_model, preset
-from mla_compile.engine import Engine
-from mla_compile.generate import greedy_generate
-from mla_compile.loader import from_pretrained
-from mla_compile.model import patch
+from mla_compile.models.cache import CacheLayout, allocate_latent_cache, fp8_row_bytes
+from mla_compile.models.config import PRESETS, MLAConfig, is_mla_model, is_sparse_mla_model, preset
+from mla_compile.models.loader import from_pretrained
+from mla_compile.models.model import patch
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.engine import Engine
+from mla_compile.serving.generate import greedy_generate
+
+_moved.install()  # the pre-floor names (mla_compile.engine, mla_compile.model, ...) keep importing
 
 ops.set_checked_mode(_envs.checked())
 

@@ -100,7 +100,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class ChoiceCache(dict):
-    """The selections of one owner (an :class:`~mla_compile.attention.MLAAttention`), keyed by the static
+    """The selections of one owner (an :class:`~mla_compile.models.attention.MLAAttention`), keyed by the static
     configuration; made by :func:`new_choice_cache`, read and filled only by :func:`cached_backend`."""
 
 

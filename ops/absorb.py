@@ -1,7 +1,7 @@
 """``mla::absorb_q`` and ``mla::absorb_out``: the absorbed decode's projections written in their final layout.
 
 The absorbed decode computes ``q_abs = [q_nope @ W_UK | q_pe]`` per head before the attention and
-``out = out_lat @ W_UV`` per head after it (:meth:`mla_compile.attention.MLAAttention._decode`). Written
+``out = out_lat @ W_UV`` per head after it (:meth:`mla_compile.models.attention.MLAAttention._decode`). Written
 as ``einsum`` + ``cat``, Inductor runs each product as a batched matmul in head-major ``[H, T, *]``
 layout and then copies it: into the ``cat`` buffer (``[T, H, Dc]`` of the ``[T, H, Dc + Dr]`` query)
 and, after the attention, into the token-major ``[T, H*v]`` rows that ``o_proj`` reads. These ops

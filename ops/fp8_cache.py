@@ -1,7 +1,7 @@
 """The DeepSeek fp8 latent cache: quantizing write, dequantizing gather and decode reading it directly.
 
 Format: the cache is ``uint8 [num_blocks, block_size, W]`` with ``W = Dc + 4 * Dc / 128 + 2 * Dr`` bytes
-per token (656 for Dc = kv_lora_rank = 512, Dr = rope_dim = 64; see ``mla_compile.cache.fp8_row_bytes``):
+per token (656 for Dc = kv_lora_rank = 512, Dr = rope_dim = 64; see ``mla_compile.models.cache.fp8_row_bytes``):
 
 - bytes ``[0, Dc)``: the latent as float8 e4m3fn, ``round(x / s_g)`` for x in group g of 128 values;
 - bytes ``[Dc, Dc + 4 * Dc / 128)``: one float32 scale per group, ``s_g = max(amax_g / 448, 2**-64)``;

@@ -3,7 +3,7 @@
 Contract: for every token t whose ``slot_mapping[t] != -1``, the cache row at that slot becomes
 ``[rms_norm(latent[t]) | rope(k_pe[t])]`` cast to the cache dtype, where ``rms_norm`` is DeepSeek's
 (float32 mean of squares, ``x * rsqrt(var + eps)`` cast back to the input dtype, times ``norm_weight``)
-and ``rope`` is :func:`mla_compile.rope.apply_rope`'s math (``interleave`` pairs or rotate-half) in
+and ``rope`` is :func:`mla_compile.models.rope.apply_rope`'s math (``interleave`` pairs or rotate-half) in
 float32, cast back to k_pe's dtype. It is what ``kv_a_layernorm`` + ``apply_rope`` +
 ``mla::write_latent_cache`` compute, in one launch. A ``uint8`` cache holds the 656-byte DeepSeek fp8
 rows instead (``mla_compile.ops.fp8_cache``): the row is quantized exactly as
@@ -39,7 +39,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
-    """RoPE of ``x [T, Dr]`` by ``cos/sin [T, Dr/2]``, as :func:`mla_compile.rope.apply_rope` (de-interleaved output)."""
+    """RoPE of ``x [T, Dr]`` by ``cos/sin [T, Dr/2]``, as :func:`mla_compile.models.rope.apply_rope` (de-interleaved output)."""
     xf = x.float()
     x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

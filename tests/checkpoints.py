@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mla_compile import toy
+from mla_compile.app import toy
 
 FP4_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 FP8_LINEAR = re.compile(r"(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_compile.admission import RequestRejected
-from mla_compile.engine import StepFailed
+from mla_compile.serving.admission import RequestRejected
+from mla_compile.serving.engine import StepFailed
 
 
 def run_workload(engine, seed: int, n_requests: int = 12, gap: int = 8, max_new: int = 60, max_prompt: int = 20):

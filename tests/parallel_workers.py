@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from mla_compile import toy
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import patch
+from mla_compile.app import toy
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import patch
 from mla_compile.parallel import ParallelConfig, init
 
 BS = 4
@@ -68,7 +68,7 @@ def _other_batch_steps(vocab: int, seed: int):
 def _run(model, steps, dynamic=False):
     """Logits of every step (real rows), from a freshly allocated NaN-filled cache. ``model`` may be a pair
     ``(step function, model owning the cache)``; ``dynamic`` marks per-step sizes dynamic."""
-    from mla_compile.metadata import mark_dynamic
+    from mla_compile.models.metadata import mark_dynamic
 
     model_fn, model_obj = model if isinstance(model, tuple) else (model, model)
     model_obj.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"))
@@ -289,7 +289,7 @@ def _dp_steps(vocab: int, group: int):
 def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
     """Data-parallel attention: each attention group runs its own requests; its logits equal the single-process
     model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives."""
-    from mla_compile.cache import CacheLayout
+    from mla_compile.models.cache import CacheLayout
 
     state = init(ParallelConfig(**pconf), timeout=60)
     hf = toy.toy_hf_model(kind, seed=9)
@@ -317,8 +317,8 @@ def cuda_graphs(rank, world, pconf):
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.engine import Engine
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from tests.engine_load import run_workload
 
@@ -419,8 +419,8 @@ def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
 def engine_per_rank(rank, world, pconf):
     """Every rank runs the same Engine (the same deterministic scheduler) over the sharded model, through a
     DecodeGraphRunner (uncaptured on CPU: the same padded steps); tokens equal the unsharded engine's."""
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.engine import Engine
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from tests.engine_load import run_workload
 
@@ -443,7 +443,7 @@ def engine_per_rank(rank, world, pconf):
 def from_pretrained_sharded(rank, world, root, pconf):
     """``from_pretrained(dir, parallel=...)`` of a float checkpoint equals the single-process load; each rank
     keeps only its shard (parameter count) and nothing is left on the meta device."""
-    from mla_compile.loader import from_pretrained
+    from mla_compile.models.loader import from_pretrained
 
     state = init(ParallelConfig(**pconf), timeout=60)
     model = from_pretrained(root, parallel=state, dtype=torch.float32)

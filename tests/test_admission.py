@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from mla_compile.admission import RequestLimits, RequestRejected, check_int, validate_request
-from mla_compile.sampling import SamplingParams
+from mla_compile.serving.admission import RequestLimits, RequestRejected, check_int, validate_request
+from mla_compile.serving.sampling import SamplingParams
 
 LIMITS = RequestLimits(vocab_size=100, max_seq_tokens=64, cache_tokens=128, max_positions=50)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mla_compile.block_manager import BlockManager
+from mla_compile.serving.block_manager import BlockManager
 
 
 def test_common_prefix_shares_full_blocks_only():

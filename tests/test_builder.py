@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mla_compile.builder import MetadataBuilder, step_fields
-from mla_compile.metadata import SeqChunk, plan_step
+from mla_compile.serving.builder import MetadataBuilder, step_fields
+from mla_compile.models.metadata import SeqChunk, plan_step
 
 
 def _builder(**kw):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from mla_compile.cli import main
+from mla_compile.app.cli import main
 
 TINY = ["--layers", "1", "--prompts", "2", "--max-new-tokens", "3"]
 
@@ -115,7 +115,7 @@ def test_inspect_writes_reports_and_prints_json(tmp_path, capsys):
 
 
 def test_demo_uses_cuda_graphs_by_default_only_for_compiled_cuda_runs():
-    from mla_compile.cli import _cuda_graphs, build_parser
+    from mla_compile.app.cli import _cuda_graphs, build_parser
 
     def parse(*a):
         args = build_parser().parse_args(["demo", *[x for x in a if x != "--gpu"]])
@@ -131,7 +131,7 @@ def test_demo_uses_cuda_graphs_by_default_only_for_compiled_cuda_runs():
 
 
 def test_demo_sparse_v32_through_the_engine_matches_hf(capsys):
-    from mla_compile.toy import has_sparse_kinds
+    from mla_compile.app.toy import has_sparse_kinds
 
     if not has_sparse_kinds():
         pytest.skip("this transformers has no DeepSeek-V3.2")

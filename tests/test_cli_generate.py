@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mla_compile import from_pretrained
-from mla_compile.cli import main
-from mla_compile.generate import greedy_generate
-from mla_compile.textgen import generate_text, load_tokenizer
+from mla_compile.app.cli import main
+from mla_compile.serving.generate import greedy_generate
+from mla_compile.app.textgen import generate_text, load_tokenizer
 from tests.checkpoints import write_checkpoint
 
 pytest.importorskip("transformers")
@@ -73,7 +73,7 @@ def test_generate_samples_with_a_seed_reproducibly_and_top_k_1_is_greedy(ckpt):
     """Sampling through the engine: the same seed gives the same tokens (the request's own stream), the draw at
     temperature 1 is the sampler's on the model's logits (float64 check of the first token), and top-k 1 keeps
     only the argmax, so it equals greedy generation."""
-    from mla_compile.sampling import SamplingParams, sample_rows
+    from mla_compile.serving.sampling import SamplingParams, sample_rows
 
     kw = dict(max_new_tokens=8, dtype=torch.float32, compile=False, stream=None)
     a = generate_text(ckpt, PROMPT, temperature=1.0, seed=11, **kw)

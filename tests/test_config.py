@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mla_compile import PRESETS, MLAConfig, is_mla_model, is_sparse_mla_model, preset
-from mla_compile.config import yarn_mscale
+from mla_compile.models.config import yarn_mscale
 
 transformers = pytest.importorskip("transformers")
 

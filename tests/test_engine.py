@@ -5,14 +5,14 @@ import copy
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.builder import MetadataBuilder
-from mla_compile.admission import RequestRejected
-from mla_compile.engine import Engine, StepFailed
-from mla_compile.generate import hf_greedy_reference
+from mla_compile.app import toy
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.admission import RequestRejected
+from mla_compile.serving.engine import Engine, StepFailed
+from mla_compile.serving.generate import hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-from mla_compile.model import patch
-from mla_compile.sampling import SamplingParams
+from mla_compile.models.model import patch
+from mla_compile.serving.sampling import SamplingParams
 
 from tests.engine_load import TINY_V3, FailingRunner, alone_outputs, check_trace, make_trace, run_trace
 

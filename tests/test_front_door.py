@@ -13,11 +13,11 @@ FRONT_DOOR = ("patch", "Engine", "MetadataBuilder", "DecodeGraphRunner", "greedy
 
 
 def test_front_door_names_import_from_the_package():
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.engine import Engine
-    from mla_compile.generate import greedy_generate
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
+    from mla_compile.serving.generate import greedy_generate
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-    from mla_compile.model import patch
+    from mla_compile.models.model import patch
 
     for name in FRONT_DOOR:
         assert name in mla_compile.__all__ and getattr(mla_compile, name) is not None, name

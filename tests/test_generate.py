@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.generate import greedy_generate, hf_greedy_reference
-from mla_compile.model import patch
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
+from mla_compile.models.model import patch
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3], [7], [30, 4, 9, 12, 5]]

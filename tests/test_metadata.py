@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mla_compile.metadata import MLAMetadata, SeqChunk, plan_step
+from mla_compile.models.metadata import MLAMetadata, SeqChunk, plan_step
 
 
 def test_prefill_plan_slots_and_cu_seqlens():

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.moe import MLAMoE, experts_dense, experts_grouped
+from mla_compile.app import toy
+from mla_compile.models.moe import MLAMoE, experts_dense, experts_grouped
 
 pytest.importorskip("transformers")
 

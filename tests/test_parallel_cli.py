@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node 2 -m mla_compile.cli demo --tp 2 ...``: every rank's tokens equal HF eager."""
+"""``torchrun --nproc-per-node 2 -m mla_compile.app.cli demo --tp 2 ...``: every rank's tokens equal HF eager."""
 
 import os
 import subprocess
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
                                    ["--tp", "2", "--dcp", "2", "--block-size", "4"]])
 def test_torchrun_demo_two_processes(flags, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           "-m", "mla_compile.cli", "demo", *flags, "--max-new-tokens", "3", "--prompts", "3", "--no-compile"]
+           "-m", "mla_compile.app.cli", "demo", *flags, "--max-new-tokens", "3", "--prompts", "3", "--no-compile"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -24,7 +24,7 @@ def test_torchrun_demo_two_processes(flags, tmp_path):
 
 
 def test_demo_rejects_a_layout_that_does_not_divide(capsys):
-    from mla_compile.cli import main
+    from mla_compile.app.cli import main
 
     assert main(["demo", "--tp", "2", "--ep", "3"]) == 2
     assert "ep=3 does not divide tp=2" in capsys.readouterr().err

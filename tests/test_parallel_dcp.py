@@ -63,7 +63,7 @@ def test_dcp2_decode_compiles_with_gather_and_merge_in_the_graph():
 
 @pytest.mark.parametrize("rank,interleave", [(0, 4), (1, 4), (1, 1)])
 def test_localize_equals_plan_dcp_step_with_the_same_blocks(rank, interleave):
-    from mla_compile.metadata import SeqChunk, plan_step
+    from mla_compile.models.metadata import SeqChunk, plan_step
 
     bs, blocks = 4, [[7, 3, 9, 1], [2, 8], [5, 0, 6]]  # global blocks; a rank's part uses the first ones
     prefill = [SeqChunk(blocks[0], list(range(13))), SeqChunk(blocks[2], list(range(9)))]

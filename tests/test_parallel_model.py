@@ -7,7 +7,7 @@ NaN-filled cache; V2-Lite- and V3-shaped toys.
 
 import pytest
 
-from mla_compile import toy
+from mla_compile.app import toy
 from tests import parallel_workers as w
 from tests.dist_helpers import run_ranks
 
@@ -100,7 +100,7 @@ def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, inte
 
 
 def test_plan_dcp_step_plans_this_ranks_part_and_refuses_short_block_lists():
-    from mla_compile.metadata import SeqChunk
+    from mla_compile.models.metadata import SeqChunk
     from mla_compile.parallel.dcp import plan_dcp_step
 
     # context 0..8 and new tokens 8, 9 of a sequence: rank 1 holds 4..7 as context and no new token
@@ -143,7 +143,7 @@ def test_from_pretrained_reads_each_rank_s_shard_of_a_checkpoint(tmp_path, kind,
 
 
 def test_from_pretrained_with_parallel_refuses_quantized_checkpoints_before_any_rendezvous(tmp_path):
-    from mla_compile.loader import from_pretrained
+    from mla_compile.models.loader import from_pretrained
     from mla_compile.parallel import ParallelConfig
     from tests.checkpoints import write_checkpoint
 

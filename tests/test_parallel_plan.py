@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_compile.cli import main
-from mla_compile.config import MLAConfig, preset
-from mla_compile.memory_plan import GIB, kv_bytes_per_token, parameter_count, plan_memory
+from mla_compile.app.cli import main
+from mla_compile.models.config import MLAConfig, preset
+from mla_compile.serving.memory_plan import GIB, kv_bytes_per_token, parameter_count, plan_memory
 from mla_compile.parallel import ParallelConfig
 
 V3 = preset("deepseek-v3")
@@ -46,7 +46,7 @@ def test_world_size_is_tp_and_the_other_degrees_partition_it():
 def test_parameter_count_equals_the_hf_model_built_on_meta(kind):
     import transformers
 
-    from mla_compile.toy import has_sparse_kinds, toy_hf_config
+    from mla_compile.app.toy import has_sparse_kinds, toy_hf_config
 
     if kind == "v3.2" and not has_sparse_kinds():
         pytest.skip("transformers without DeepseekV32ForCausalLM")

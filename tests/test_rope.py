@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mla_compile.rope import apply_rope, default_inv_freq, rope_cos_sin
+from mla_compile.models.rope import apply_rope, default_inv_freq, rope_cos_sin
 
 
 @pytest.mark.parametrize("interleave", [True, False])

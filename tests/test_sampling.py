@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_compile.sampling import SamplingParams, sample
+from mla_compile.serving.sampling import SamplingParams, sample
 
 VOCAB = 32
 N_DRAWS = 100_000
@@ -137,7 +137,7 @@ def test_compiled_fullgraph_matches_eager_across_batch_sizes_without_recompiling
 
 
 def test_sampling_rows_fill_fixed_views_with_greedy_padding_and_refuse_bad_rows():
-    from mla_compile.sampling import SamplingRows
+    from mla_compile.serving.sampling import SamplingRows
 
     rows = SamplingRows(6, "cpu")
     params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=11),

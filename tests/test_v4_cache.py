@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_compile.v4_cache import CSA, HCA, SLIDING, V4_FLASH, V4CacheLayout, V4Dims
+from mla_compile.models.v4_cache import CSA, HCA, SLIDING, V4_FLASH, V4CacheLayout, V4Dims
 
 
 def test_v4_flash_numbers():
@@ -29,8 +29,8 @@ def test_v4_flash_numbers():
 
 def test_layout_matches_allocated_tensors():
     pytest.importorskip("transformers")
-    from mla_compile.model import patch
-    from mla_compile.v4_toy import toy_v4_model
+    from mla_compile.models.model import patch
+    from mla_compile.app.v4_toy import toy_v4_model
 
     model = patch(toy_v4_model(0))
     lay = V4CacheLayout(V4Dims.from_hf(model.config), "fp32")
@@ -48,7 +48,7 @@ def test_layout_matches_allocated_tensors():
 
 
 def test_cli_plan_v4_flash(capsys):
-    from mla_compile.cli import main
+    from mla_compile.app.cli import main
 
     assert main(["plan", "--model", "v4-flash", "--context", "131072"]) == 0
     out = capsys.readouterr().out

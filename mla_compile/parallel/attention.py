@@ -1,6 +1,6 @@
 """MLA attention with decode context parallelism inside the model (as vLLM's DCP).
 
-:class:`DCPAttention` is :class:`~mla_compile.attention.MLAAttention` over this rank's part of every sequence's
+:class:`DCPAttention` is :class:`~mla_compile.models.attention.MLAAttention` over this rank's part of every sequence's
 latent cache (block-interleaved by :mod:`mla_compile.parallel.dcp`; the step's metadata is this rank's, from
 :func:`mla_compile.parallel.dcp.plan_dcp_step`). Every token's latent row is written only by the rank that holds
 it (the others get slot -1). Decode: the absorbed queries of the DCP group's heads are all-gathered, each rank
@@ -16,10 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.attention import MLAAttention
+from mla_compile.models.attention import MLAAttention
 from mla_compile.backends import cached_backend
-from mla_compile.config import MLAConfig
-from mla_compile.metadata import MLAMetadata
+from mla_compile.models.config import MLAConfig
+from mla_compile.models.metadata import MLAMetadata
 from mla_compile.ops.context_attention import up_project
 from mla_compile.parallel.dcp import merge_parts
 from mla_compile.parallel.groups import Group

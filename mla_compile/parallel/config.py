@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_compile.config import MLAConfig
+from mla_compile.models.config import MLAConfig
 
 
 @dataclass(frozen=True)

@@ -88,20 +88,20 @@ def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
 
 def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, interleave: int | None = None,
                   **plan_kw):
-    """:func:`~mla_compile.metadata.plan_step` for DCP ``rank``: the chunks' ``blocks`` are this rank's own cache
+    """:func:`~mla_compile.models.metadata.plan_step` for DCP ``rank``: the chunks' ``blocks`` are this rank's own cache
     blocks of each sequence (enough for its part, :func:`local_seq_lens`); ``start`` and the tokens are the
     sequence's, as without DCP. Returns the step with this rank's metadata: slots of the tokens it holds (-1 for
     the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
     the same on every rank. ``interleave`` defaults to ``block_size``.
 
     Prefill chunks over cached context (``start > 0``: prefix hits, chunked prefill) get this rank's context
-    slices (:func:`~mla_compile.metadata.context_slices` of its part of each context), present on every rank
+    slices (:func:`~mla_compile.models.metadata.context_slices` of its part of each context), present on every rank
     whenever any chunk has context, so every rank's graph runs the same collectives.
     """
     import numpy as np
     import torch
 
-    from mla_compile.metadata import SeqChunk, plan_step
+    from mla_compile.models.metadata import SeqChunk, plan_step
 
     interleave = block_size if interleave is None else interleave
     _check(dcp, interleave)
@@ -143,7 +143,7 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
             table[i, :len(c.blocks)] = list(c.blocks)
         meta.prefill.block_table = torch.from_numpy(table)
         if meta.prefill.context is not None:
-            from mla_compile.metadata import context_slices
+            from mla_compile.models.metadata import context_slices
 
             starts = torch.tensor([c.start for c in prefill] + [0] * (table.shape[0] - len(prefill)))
             meta.prefill.context = context_slices(local_seq_lens(starts, dcp, rank, interleave).tolist(),
@@ -169,7 +169,7 @@ def localize(meta, positions: Tensor, block_size: int, dcp: int, rank: int, inte
     """
     import torch
 
-    from mla_compile.metadata import DecodeMetadata, MLAMetadata
+    from mla_compile.models.metadata import DecodeMetadata, MLAMetadata
 
     interleave = block_size if interleave is None else interleave
     if meta.prefill is not None and meta.prefill.context is not None:

@@ -1,8 +1,8 @@
 """DeepSeek MoE over ranks: routed experts split ``ep`` ways (whole experts) and each expert ``moe_tp`` ways
 (its intermediate width); shared experts tensor-parallel over all ranks.
 
-Routing is DeepSeek's (:func:`mla_compile.moe.route`, the router replicated); the experts run as in
-:class:`mla_compile.moe.MLAMoE` (dense on any device, grouped on CUDA bf16) over this rank's experts only.
+Routing is DeepSeek's (:func:`mla_compile.models.moe.route`, the router replicated); the experts run as in
+:class:`mla_compile.models.moe.MLAMoE` (dense on any device, grouped on CUDA bf16) over this rank's experts only.
 Two ways to bring tokens to experts (``dispatch``):
 
 - ``"all_to_all"``: each EP rank takes a ``1 / ep`` slice of the step's tokens (padded to a multiple of ``ep``),
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mla_compile.moe import experts_dense, experts_grouped, route
+from mla_compile.models.moe import experts_dense, experts_grouped, route
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import ParallelMLP, all_gather, all_reduce, all_to_all, gathered
 
@@ -62,7 +62,7 @@ class ParallelExperts(nn.Module):
 class ParallelMoE(nn.Module):
     """Drop-in for an HF DeepSeek MoE block on one rank (``gate``, ``experts``, ``shared_experts`` keep their HF
     names); see the module docstring for ``dispatch``. ``impl``: "auto" (grouped on CUDA bf16), "dense" or
-    "grouped", as :class:`mla_compile.moe.MLAMoE`."""
+    "grouped", as :class:`mla_compile.models.moe.MLAMoE`."""
 
     def __init__(self, gate: nn.Module, experts: ParallelExperts, shared_experts: ParallelMLP | None,
                  state: ParallelState, *, dispatch: str = "all_to_all", impl: str = "auto") -> None:

@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from mla_compile.attention import MLAAttention
-from mla_compile.config import MLAConfig
+from mla_compile.models.attention import MLAAttention
+from mla_compile.models.config import MLAConfig
 from mla_compile.parallel.attention import DCPAttention
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import (ParallelLMHead, ParallelMLP, RowParallelLinear, VocabParallelEmbedding,
@@ -87,7 +87,7 @@ def _cols(start: int, stop: int) -> Callable[[Any], Tensor]:
 def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | None = None, moe_impl: str = "auto",
                 ep_dispatch: str = "all_to_all", weights: WeightSource | None = None) -> nn.Module:
     """Shard ``hf_model`` (an HF DeepSeek V2/V3 causal LM, in memory or on the meta device) in place for this
-    rank of ``state`` and return the :class:`~mla_compile.model.MLAForCausalLM` to run on ``state.device``.
+    rank of ``state`` and return the :class:`~mla_compile.models.model.MLAForCausalLM` to run on ``state.device``.
 
     ``weights`` (see the module docstring) is required when the model is on the meta device. ``ep_dispatch``:
     "all_to_all" or "all_reduce" (see :mod:`mla_compile.parallel.moe`). Raises ``ValueError`` when the model
@@ -102,7 +102,7 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
     split over its ``attn_tp`` ranks); MLPs, MoE and ``lm_head`` gather every group's tokens and keep their own
     rows after, so every group's step must have the same token count and logits rows (the scheduler pads).
     """
-    from mla_compile.model import MLAForCausalLM  # model imports this module lazily: no cycle
+    from mla_compile.models.model import MLAForCausalLM  # model imports this module lazily: no cycle
 
     config = MLAConfig.from_hf(hf_model.config)
     p = state.config

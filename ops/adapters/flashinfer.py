@@ -171,7 +171,7 @@ def plan_flashinfer_decode(block_table: Tensor, seq_lens: Tensor, *, num_heads: 
 
 class FlashInferDecodePlanner:
     """One CUDA-graph plan per batch size behind one ``plan_id``: hand it to
-    :class:`~mla_compile.builder.MetadataBuilder` (``decode_planner=``), which calls it with each step's
+    :class:`~mla_compile.serving.builder.MetadataBuilder` (``decode_planner=``), which calls it with each step's
     host ``block_table`` / ``seq_lens`` before the step (and before capture). The op picks the plan of
     the batch size it runs with, so one compiled graph serves every capture size without recompiling.
     """
@@ -321,7 +321,7 @@ def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_h
 
 class FlashInferPrefillPlanner:
     """One re-planned FlashInfer ragged-prefill plan behind one ``plan_id``: hand it to
-    :class:`~mla_compile.builder.MetadataBuilder` (``prefill_planner=``), which calls it with each step's host
+    :class:`~mla_compile.serving.builder.MetadataBuilder` (``prefill_planner=``), which calls it with each step's host
     ``cu_seqlens_q`` / ``cu_seqlens_k`` before the step; it rides along as ``PrefillMetadata.plan``, the same
     object every step, so a compiled graph holds one constant and the op reads the current plan when it runs.
     (Prefill is never captured: FlashInfer's ragged prefill plans exact row counts on the host.)"""

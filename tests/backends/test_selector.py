@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import mla_compile.ops.triton as ops_triton
-from mla_compile import backends, ops, toy
+from mla_compile import backends, ops
+from mla_compile.app import toy
 from mla_compile.backends import SPECS, cached_backend, describe, new_choice_cache, parse_backend_spec, select_backend
-from mla_compile.generate import greedy_generate
-from mla_compile.model import patch
+from mla_compile.serving.generate import greedy_generate
+from mla_compile.models.model import patch
 from mla_compile.ops import timings
 
 BF16 = torch.bfloat16

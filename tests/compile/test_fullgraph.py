@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import ops, toy
-from mla_compile.generate import greedy_generate
-from mla_compile.model import patch
-from mla_compile.toy import random_prompts
+from mla_compile import ops
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate
+from mla_compile.models.model import patch
+from mla_compile.app.toy import random_prompts
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
-from mla_compile.generate import greedy_generate
-from mla_compile.model import patch
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate
+from mla_compile.models.model import patch
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),

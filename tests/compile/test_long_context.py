@@ -11,10 +11,10 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
-from mla_compile.metadata import SeqChunk, mark_dynamic, plan_step
-from mla_compile.model import patch
-from mla_compile.toy import random_prompts
+from mla_compile.app import toy
+from mla_compile.models.metadata import SeqChunk, mark_dynamic, plan_step
+from mla_compile.models.model import patch
+from mla_compile.app.toy import random_prompts
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 pytest.importorskip("transformers")

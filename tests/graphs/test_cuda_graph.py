@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
-from mla_compile.builder import MetadataBuilder
-from mla_compile.engine import Engine
+from mla_compile.app import toy
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.engine import Engine
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner, default_capture_sizes
-from mla_compile.model import patch
+from mla_compile.models.model import patch
 
 from tests.engine_load import FailingRunner, check_trace, make_trace, run_trace, run_workload
 
@@ -182,7 +182,7 @@ def test_sampling_inside_the_captured_step_gives_the_tokens_of_sampling_after_it
     """Greedy and seeded top-k / top-p requests: sampled inside the replayed graph (``sampling=True``, its
     parameters filled without a host sync) they get exactly the tokens that the uncaptured steps sampled
     after the step give them."""
-    from mla_compile.sampling import SamplingParams
+    from mla_compile.serving.sampling import SamplingParams
 
     torch._dynamo.reset()
     hf = toy.toy_hf_model("v3", seed=6, device="cuda", dtype=torch.bfloat16, num_hidden_layers=1)

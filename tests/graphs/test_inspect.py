@@ -139,8 +139,8 @@ def test_short_reason_keeps_head_and_explanation():
 
 @pytest.mark.slow
 def test_demo_model_two_graphs_no_breaks_no_shape_recompiles(tmp_path):
-    from mla_compile.demo import build_demo
-    from mla_compile.generate import greedy_generate
+    from mla_compile.app.demo import build_demo
+    from mla_compile.serving.generate import greedy_generate
 
     setup = build_demo("v2-lite", layers=1, num_prompts=3, max_new_tokens=3)
 

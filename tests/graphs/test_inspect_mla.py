@@ -13,7 +13,7 @@ from mla_compile.graphs import inspect_compile
 from mla_compile.graphs.inspect import op_backend
 from mla_compile.lowerings.decode import Candidate, autotune_on_cpu
 from mla_compile.ops.fused_kv_write import rms_norm
-from mla_compile.rope import apply_rope
+from mla_compile.models.rope import apply_rope
 
 
 def with_break(x):

@@ -105,9 +105,9 @@ def test_sites_whose_intermediates_are_used_elsewhere_are_left_alone():
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)])
 def test_toy_model_decode_step_fires_once_per_layer_with_the_same_logits(device, dtype):
-    from mla_compile.metadata import SeqChunk, mark_dynamic, plan_step
-    from mla_compile.model import patch
-    from mla_compile.toy import toy_hf_model
+    from mla_compile.models.metadata import SeqChunk, mark_dynamic, plan_step
+    from mla_compile.models.model import patch
+    from mla_compile.app.toy import toy_hf_model
 
     layers, block = 2, 16
     model = patch(toy_hf_model("v2-lite", seed=3, num_hidden_layers=layers, first_k_dense_replace=layers,  # dense:

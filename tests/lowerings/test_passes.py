@@ -14,7 +14,7 @@ import mla_compile
 from mla_compile.lowerings.passes import COUNTER_KEYS
 from mla_compile.lowerings import MLAFusionPass, compile_options, mla_passes
 from mla_compile.ops.fused_kv_write import rms_norm
-from mla_compile.rope import apply_rope
+from mla_compile.models.rope import apply_rope
 from tests.lowerings.test_fused_kv_write import assert_fp8_rows_close
 from tests.ops.ref64 import generator, randn
 

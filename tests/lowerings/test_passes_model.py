@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
+from mla_compile.app import toy
 from mla_compile.lowerings import mla_passes
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import patch
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import patch
 from tests.lowerings.test_fused_kv_write import assert_fp8_rows_close
 
 pytest.importorskip("transformers")

@@ -153,9 +153,9 @@ def test_compiled_mla_attention_prefill_goes_through_the_lowering():
     """A compiled prefill step of a model patched with backend="autotune" lowers its prefill through
     the autotune lowering (one test candidate here) and gives the eager logits."""
     pytest.importorskip("transformers")
-    from mla_compile import toy
-    from mla_compile.metadata import SeqChunk, plan_step
-    from mla_compile.model import patch
+    from mla_compile.app import toy
+    from mla_compile.models.metadata import SeqChunk, plan_step
+    from mla_compile.models.model import patch
 
     model = patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1, seed=4), backend="autotune")
     model.allocate_cache(8, 4, fill=float("nan"))

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mla_compile import from_pretrained
-from mla_compile.checkpoint import CheckpointError
+from mla_compile.models.checkpoint import CheckpointError
 from tests.checkpoints import INDEX, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -113,7 +113,7 @@ _MEASURE = """
 import gc, json, sys, torch, transformers, safetensors
 from pathlib import Path
 import mla_compile
-from mla_compile import loader
+from mla_compile.models import loader
 root = Path(sys.argv[1])
 def status(field):
     line = next(l for l in open("/proc/self/status") if l.startswith(field + ":"))

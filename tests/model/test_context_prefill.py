@@ -6,10 +6,10 @@ import sys
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import patch
-from mla_compile.toy import random_prompts
+from mla_compile.app import toy
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import patch
+from mla_compile.app.toy import random_prompts
 
 pytest.importorskip("transformers")
 BS = 4

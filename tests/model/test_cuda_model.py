@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
-from mla_compile.generate import greedy_generate, hf_greedy_reference
-from mla_compile.model import patch
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
+from mla_compile.models.model import patch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -63,8 +63,8 @@ def test_model_prefill_takes_flashinfer_through_the_builder_s_prefill_planner():
     """The builder's FlashInfer prefill planner reaches MLAAttention's causal prefill (the model's prefill can
     take FlashInfer); its logits match the reference backend's on the same step (bf16)."""
     pytest.importorskip("flashinfer")
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.metadata import SeqChunk
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.models.metadata import SeqChunk
     from mla_compile.ops.adapters.flashinfer import FlashInferPrefillPlanner
 
     hf = toy.toy_hf_model("v3", seed=5, device="cuda", dtype=torch.bfloat16)

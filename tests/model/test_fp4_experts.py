@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from mla_compile import from_pretrained
-from mla_compile.checkpoint import CheckpointError
-from mla_compile.fp4_checkpoint import expert_dtype, load_fp4_experts, parse_expert_key
-from mla_compile.fp4_linear import FP4Experts
-from mla_compile.fp8_linear import FP8BlockLinear
-from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.models.checkpoint import CheckpointError
+from mla_compile.models.fp4_checkpoint import expert_dtype, load_fp4_experts, parse_expert_key
+from mla_compile.models.fp4_linear import FP4Experts
+from mla_compile.models.fp8_linear import FP8BlockLinear
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
 from tests.checkpoints import dequantize_fp4_64, quantize_fp4, write_checkpoint, write_dequantized
 
 E, H, I = 6, 96, 64

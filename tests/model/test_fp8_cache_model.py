@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.generate import greedy_generate
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import patch
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import patch
 
 pytest.importorskip("transformers")
 KINDS = ("v2-lite",) + (toy.SPARSE_KINDS if toy.has_sparse_kinds() else ())

@@ -10,9 +10,10 @@ import logging
 import pytest
 import torch
 
-from mla_compile import from_pretrained, toy
-from mla_compile.fp8_linear import FP8BlockLinear, FP8Experts
-from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile import from_pretrained
+from mla_compile.app import toy
+from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
 from tests.checkpoints import write_checkpoint, write_dequantized
 
 pytest.importorskip("transformers")
@@ -45,7 +46,7 @@ def _rel(a, b):
 
 def test_matches_hf(checkpoint, tmp_path, caplog):
     kind, fmt, root = checkpoint
-    with caplog.at_level(logging.INFO, logger="mla_compile.loader"):
+    with caplog.at_level(logging.INFO, logger="mla_compile.models.loader"):
         model = from_pretrained(root, dtype=torch.float32)
     if kind != "v2-lite":
         assert "MTP" in caplog.text  # the checkpoint's extra layer was skipped, with a note

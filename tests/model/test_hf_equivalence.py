@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.generate import greedy_generate, hf_greedy_reference
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import MLAForCausalLM, patch
+from mla_compile.app import toy
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import MLAForCausalLM, patch
 
 pytest.importorskip("transformers")
 

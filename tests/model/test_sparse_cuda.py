@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile import toy
-from mla_compile.builder import MetadataBuilder
-from mla_compile.engine import Engine
-from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.app import toy
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.engine import Engine
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-from mla_compile.model import patch
+from mla_compile.models.model import patch
 
 from tests.engine_load import run_workload
 

@@ -5,14 +5,14 @@ import copy
 import pytest
 import torch
 
-from mla_compile import toy
-from mla_compile.builder import MetadataBuilder
-from mla_compile.engine import Engine
-from mla_compile.generate import greedy_generate, hf_greedy_reference
+from mla_compile.app import toy
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.engine import Engine
+from mla_compile.serving.generate import greedy_generate, hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-from mla_compile.metadata import SeqChunk, plan_step
-from mla_compile.model import MLAForCausalLM, patch
-from mla_compile.rope import rope_cos_sin
+from mla_compile.models.metadata import SeqChunk, plan_step
+from mla_compile.models.model import MLAForCausalLM, patch
+from mla_compile.models.rope import rope_cos_sin
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not toy.has_sparse_kinds(), reason="transformers has no DeepseekV32ForCausalLM")
@@ -182,7 +182,7 @@ def test_patch_keeps_hf_parameter_names_and_allocates_index_cache():
 # ------------------------------------------------------------------ the fp8 index-key cache
 
 def test_allocate_cache_index_dtype():
-    from mla_compile.cache import allocate_index_cache
+    from mla_compile.models.cache import allocate_index_cache
     model = patch(toy.toy_hf_model("v3.2", seed=0, num_hidden_layers=1))
     d = model.config.index_head_dim
     model.allocate_cache(6, 4, fill=float("nan"), index_dtype="fp8")

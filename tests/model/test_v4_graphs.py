@@ -15,10 +15,10 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM", allow_module_level=True)
 
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner  # noqa: E402
-from mla_compile.model import patch  # noqa: E402
-from mla_compile.v4_builder import V4Chunk, V4DecodeBuilder  # noqa: E402
-from mla_compile.v4_model import V4Sequences  # noqa: E402
-from mla_compile.v4_toy import toy_v4_model  # noqa: E402
+from mla_compile.models.model import patch  # noqa: E402
+from mla_compile.serving.v4_builder import V4Chunk, V4DecodeBuilder  # noqa: E402
+from mla_compile.models.v4_model import V4Sequences  # noqa: E402
+from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
 
 from test_v4_model import hf_greedy, prompts  # noqa: E402
 

@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM", allow_module_level=True)
 
-from mla_compile.model import patch  # noqa: E402
-from mla_compile.v4_model import V4ForCausalLM, V4Metadata, V4Sequences  # noqa: E402
-from mla_compile.v4_toy import toy_v4_model  # noqa: E402
+from mla_compile.models.model import patch  # noqa: E402
+from mla_compile.models.v4_model import V4ForCausalLM, V4Metadata, V4Sequences  # noqa: E402
+from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
 
 NAN = float("nan")
 TOL = dict(rtol=1e-4, atol=1e-4)

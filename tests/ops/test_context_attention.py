@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from mla_compile.metadata import context_slices
+from mla_compile.models.metadata import context_slices
 from mla_compile.ops import context_attention
 from .ref64 import F64, NAN, NEG_INF, OUT_TOL, LSE_TOL, fill_paged_cache, generator, paged, randn, seeds
 from .ref_sparse import dequantize64, fill_fp8_cache

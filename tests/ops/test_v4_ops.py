@@ -370,9 +370,9 @@ def test_v4_model_step_reads_nothing_on_the_host(no_data_checks):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip("no DeepseekV4ForCausalLM")
-    from mla_compile.model import patch
-    from mla_compile.v4_model import V4Sequences
-    from mla_compile.v4_toy import toy_v4_model
+    from mla_compile.models.model import patch
+    from mla_compile.models.v4_model import V4Sequences
+    from mla_compile.app.v4_toy import toy_v4_model
 
     model = patch(toy_v4_model(11))
     seqs = V4Sequences(model, 2, 32, 4)

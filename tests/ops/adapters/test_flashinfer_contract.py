@@ -13,8 +13,8 @@ from torch.testing import assert_close
 
 from mla_compile import ops
 from mla_compile.ops import backends_for
-from mla_compile.builder import MetadataBuilder
-from mla_compile.metadata import SeqChunk
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.models.metadata import SeqChunk
 from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, FlashInferDecodePlanner, FlashInferPrefillPlanner,
                                                  flashinfer_decode_core, flashinfer_merge_core,
                                                  flashinfer_prefill_core, plan_flashinfer_decode,

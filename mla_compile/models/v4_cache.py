@@ -8,7 +8,7 @@ Per layer and sequence (``b`` bytes per value, ``D = head_dim``, ``W = sliding_w
 - HCA (rate m', 128 in V4) adds one entry per m' tokens, ``D * b / m'`` per token, and a ring of m' rows
   (``2 * m' * D * b``);
 - sliding layers add nothing that grows with the context.
-These are the tensors :meth:`mla_compile.v4_model.V4ForCausalLM.allocate_cache` makes (block rounding aside).
+These are the tensors :meth:`mla_compile.models.v4_model.V4ForCausalLM.allocate_cache` makes (block rounding aside).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mla_compile.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -227,7 +227,7 @@ def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -
 
 def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
     """Tokens sorted by expert through ``torch._grouped_mm``: each hit expert's weights read once (float32
-    sum over the k picks, as :func:`mla_compile.moe.combine_sorted`)."""
+    sum over the k picks, as :func:`mla_compile.models.moe.combine_sorted`)."""
     order, offs = sort_by_expert(ids, experts.num_experts)
     h = torch._grouped_mm(x[order // ids.shape[1]], experts.gate_up_proj.transpose(1, 2), offs=offs)
     act = _swiglu(h, experts.act_fn, experts.limit).contiguous()

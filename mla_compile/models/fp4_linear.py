@@ -4,7 +4,7 @@
 (``expert_dtype: "fp4"``): packed e2m1 codes (two per byte) with one ue8m0 scale per 32 weights of a row, kept
 packed in memory (a quarter of bf16's bytes, plus 1/32 byte per weight of scales). It keeps the checkpoint's
 per-projection names (``gate_proj`` / ``up_proj`` / ``down_proj``, DeepSeek's ``w1`` / ``w3`` / ``w2``) so the
-loader (:mod:`mla_compile.fp4_checkpoint`) assigns tensors expert by expert.
+loader (:mod:`mla_compile.models.fp4_checkpoint`) assigns tensors expert by expert.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, as_bytes
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -27,7 +27,7 @@ class FP4Experts(nn.Module):
     low nibble of byte j), each with ``*_scale_inv [E, rows, cols/32]`` uint8 ue8m0 scales (``2^(byte - 127)``).
     H and I must be multiples of 32. ``forward(x, weights, ids, grouped=)`` runs the fp4 op either densely
     (every expert on every token, combined by the routing weights; exact, static shapes) or grouped (the
-    token copies sorted by expert, each expert's weights read once), as :class:`~mla_compile.fp8_linear.FP8Experts`.
+    token copies sorted by expert, each expert's weights read once), as :class:`~mla_compile.models.fp8_linear.FP8Experts`.
     ``swiglu_limit`` (DeepSeek-V4): the gate is clamped to ``<= limit`` and the up projection to
     ``[-limit, limit]`` before ``act(gate) * up``; None (V2/V3) clamps nothing.
     """

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from mla_compile.cache import CacheLayout, fp8_index_row_bytes
-from mla_compile.config import MLAConfig
+from mla_compile.models.cache import CacheLayout, fp8_index_row_bytes
+from mla_compile.models.config import MLAConfig
 from mla_compile.parallel import ParallelConfig
 
 GIB = 2 ** 30

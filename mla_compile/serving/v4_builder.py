@@ -2,7 +2,7 @@
 
 :class:`V4DecodeBuilder` plans a step on the host from :class:`V4Chunk` s (a sequence's new tokens, its
 start position, its token blocks, its compressed-entry blocks per rate and its compressor-state row) and
-hands the model :class:`~mla_compile.v4_model.V4Metadata`. Decode steps padded to a capture size
+hands the model :class:`~mla_compile.models.v4_model.V4Metadata`. Decode steps padded to a capture size
 (``decode_batch``) are written into persistent device buffers and returned as views of them, the same
 views every time for a size, so a captured graph replays them; padding rows are token 0 at position 0
 with ``query_seq = -1`` and slot -1 (they read and write nothing). Other steps (prefill, mixed, or
@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from mla_compile.metadata import StepInputs
-from mla_compile.v4_model import V4Metadata
+from mla_compile.models.metadata import StepInputs
+from mla_compile.models.v4_model import V4Metadata
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_compile.sampling import SamplingParams
+from mla_compile.serving.sampling import SamplingParams
 
 
 class RequestRejected(ValueError):
@@ -120,7 +120,7 @@ def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: 
 
 
 def check_params(request_id: int, params: Any, vocab_size: int) -> SamplingParams:
-    """The request's :class:`~mla_compile.sampling.SamplingParams` (an int is ``max_new_tokens`` of greedy
+    """The request's :class:`~mla_compile.serving.sampling.SamplingParams` (an int is ``max_new_tokens`` of greedy
     decoding) with every stop token id in ``[0, vocab_size)``; else :class:`RequestRejected`. The fields
     themselves were validated when the ``SamplingParams`` was made."""
     if not isinstance(params, SamplingParams):  # anything else must be an int max_new_tokens

@@ -1,5 +1,5 @@
 """DeepSeek-V4's FP4 expert tensors in a checkpoint: recognising them and streaming them, still packed, into
-:class:`~mla_compile.fp4_linear.FP4Experts` modules.
+:class:`~mla_compile.models.fp4_linear.FP4Experts` modules.
 
 Facts of the format (transformers 5.x: ``utils/quantization_config.py`` ``FineGrainedFP8Config`` with
 ``expert_dtype`` "fp8" | "fp4" and ``scale_fmt`` "float" | "ue8m0"; ``models/deepseek_v4/configuration_deepseek_v4.py``,
@@ -25,8 +25,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from mla_compile.checkpoint import CONFIG_FILE, CheckpointError, ShardIndex, read_index
-from mla_compile.fp4_linear import PROJECTIONS, FP4Experts
+from mla_compile.models.checkpoint import CONFIG_FILE, CheckpointError, ShardIndex, read_index
+from mla_compile.models.fp4_linear import PROJECTIONS, FP4Experts
 
 EXPERT_KEY = re.compile(r"^(?P<module>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\."
                         r"(?P<name>weight|weight_scale_inv|scale)$")
@@ -87,12 +87,12 @@ def missing_fp4_tensors(prefix: str, module: FP4Experts, filled: set[tuple[str, 
 def load_fp4_experts(checkpoint: str | Path | ShardIndex, modules: Mapping[str, FP4Experts], *,
                      device: torch.device | str | None = None) -> int:
     """Stream the FP4 expert tensors of ``checkpoint`` (a directory with its safetensors index, or a
-    :class:`~mla_compile.checkpoint.ShardIndex`) into ``modules``: checkpoint prefix (e.g.
+    :class:`~mla_compile.models.checkpoint.ShardIndex`) into ``modules``: checkpoint prefix (e.g.
     ``"layers.3.ffn.experts"`` or ``"model.layers.3.mlp.experts"``) -> :class:`FP4Experts`.
 
     Only the shards holding those tensors are opened, one tensor in host memory at a time; the bytes land on
     ``device`` (default cpu) unchanged. Every expert's weight and scale must be present. Returns the number of
-    tensors placed. Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a
+    tensors placed. Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a
     wrong dtype or shape, and listing the missing ones.
     """
     from safetensors import safe_open

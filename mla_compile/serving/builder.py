@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mla_compile.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
+from mla_compile.models.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
                                   chunk_block_counts, chunk_starts, fill_decode, plan_step)
 
 _ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)

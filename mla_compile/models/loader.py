@@ -2,9 +2,9 @@
 
 The HF model is built on the meta device; the shards are read tensor by tensor with ``safe_open`` and each
 tensor is assigned on the target device, so host memory peaks at about one shard plus the loaded weights.
-Linears with a ``weight_scale_inv`` in the checkpoint become :class:`~mla_compile.fp8_linear.FP8BlockLinear`
-(fp8 kept in memory); fp8 experts become :class:`~mla_compile.fp8_linear.FP8Experts`, and with
-``expert_dtype: "fp4"`` (DeepSeek-V4's packed e2m1 + ue8m0) :class:`~mla_compile.fp4_linear.FP4Experts`, kept
+Linears with a ``weight_scale_inv`` in the checkpoint become :class:`~mla_compile.models.fp8_linear.FP8BlockLinear`
+(fp8 kept in memory); fp8 experts become :class:`~mla_compile.models.fp8_linear.FP8Experts`, and with
+``expert_dtype: "fp4"`` (DeepSeek-V4's packed e2m1 + ue8m0) :class:`~mla_compile.models.fp4_linear.FP4Experts`, kept
 packed; ``kv_b_proj`` is dequantized once (the absorbed decode reads its weight as ``W_UK`` / ``W_UV``).
 """
 
@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mla_compile.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index, read_config,
+from mla_compile.models.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index, read_config,
                                     read_fp8_format, read_index)
-from mla_compile.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
-from mla_compile.fp4_linear import FP4Experts
-from mla_compile.fp8_linear import FP8BlockLinear, FP8Experts
-from mla_compile.model import MLAForCausalLM, patch
+from mla_compile.models.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
+from mla_compile.models.fp4_linear import FP4Experts
+from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
+from mla_compile.models.model import MLAForCausalLM, patch
 from mla_compile.ops.fp8_block_linear import dequantize
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     (``device`` is then the parallel state's); bf16/float checkpoints only so far (fp8 / fp4 ones raise
     NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
     MTP layers (``num_nextn_predict_layers``) are skipped.
-    Raises :class:`~mla_compile.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
+    Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     root = Path(path)
     config = read_config(root)

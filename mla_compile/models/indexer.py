@@ -16,10 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.config import MLAConfig
-from mla_compile.metadata import MLAMetadata
+from mla_compile.models.config import MLAConfig
+from mla_compile.models.metadata import MLAMetadata
 from mla_compile.ops._fp8_format import fp8_index_row_bytes
-from mla_compile.rope import apply_rope
+from mla_compile.models.rope import apply_rope
 
 
 class MLAIndexer(nn.Module):
@@ -87,7 +87,7 @@ class MLAIndexer(nn.Module):
             pm = meta.prefill
             if pm.block_table is None:
                 raise ValueError("sparse (V3.2) prefill needs meta.prefill.block_table (the indexer reads its keys "
-                                 "through it): plan the step with mla_compile.metadata.plan_step")
+                                 "through it): plan the step with mla_compile.models.metadata.plan_step")
             n_pre = T - n_dec
             pos = positions[n_dec:]
             cu = pm.cu_seqlens_q.long()

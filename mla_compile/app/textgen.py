@@ -1,5 +1,5 @@
 """Text in, text out for a checkpoint directory: the checkpoint's own tokenizer, :func:`from_pretrained`, one
-request through the :class:`~mla_compile.engine.Engine` (greedy or sampled) with the text streamed as it is
+request through the :class:`~mla_compile.serving.engine.Engine` (greedy or sampled) with the text streamed as it is
 produced (``mla-compile generate``)."""
 
 from __future__ import annotations
@@ -65,17 +65,17 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     """Generate up to ``max_new_tokens`` after ``prompt`` with the checkpoint at ``path``; stops at the tokenizer's
     eos token. The new text is written to ``stream`` as each token arrives (``Engine.stream``).
 
-    ``temperature`` / ``top_k`` / ``top_p`` / ``seed``: :class:`~mla_compile.sampling.SamplingParams` (default:
+    ``temperature`` / ``top_k`` / ``top_p`` / ``seed``: :class:`~mla_compile.serving.sampling.SamplingParams` (default:
     greedy). ``kv_cache``: "bf16" (the cache in the weights' dtype) or "fp8" (DeepSeek's 656-byte rows).
     ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph); on CUDA the decode
     steps are then replayed as CUDA graphs.
     """
-    from mla_compile.builder import MetadataBuilder
-    from mla_compile.checkpoint import read_config
-    from mla_compile.engine import Engine
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.models.checkpoint import read_config
+    from mla_compile.serving.engine import Engine
     from mla_compile.graphs.cuda_graph import DecodeGraphRunner
-    from mla_compile.loader import from_pretrained
-    from mla_compile.sampling import SamplingParams
+    from mla_compile.models.loader import from_pretrained
+    from mla_compile.serving.sampling import SamplingParams
 
     if kv_cache not in ("bf16", "fp8"):
         raise ValueError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")

@@ -96,7 +96,7 @@ class MLAMoE(nn.Module):
         self.gate = hf_moe.gate
         self.experts = hf_moe.experts
         self.shared_experts = hf_moe.shared_experts
-        # quantized experts (mla_compile.fp8_linear.FP8Experts, fp4_linear.FP4Experts, from a DeepSeek fp8 /
+        # quantized experts (mla_compile.models.fp8_linear.FP8Experts, fp4_linear.FP4Experts, from a DeepSeek fp8 /
         # V4 fp4 checkpoint) run themselves
         self.fp8_experts = bool(getattr(self.experts, "is_fp8_block", False)
                                 or getattr(self.experts, "is_fp4_block", False))

@@ -1,6 +1,6 @@
 """Reading a local HF-format DeepSeek checkpoint directory: config, fp8 quantization, the shard index.
 
-Everything here is host-side bookkeeping; :mod:`mla_compile.loader` builds the model and streams the
+Everything here is host-side bookkeeping; :mod:`mla_compile.models.loader` builds the model and streams the
 tensors. Errors are :class:`CheckpointError` (a ValueError) naming the file and, where there is one, the tensor.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_compile.config import is_mla_model
+from mla_compile.models.config import is_mla_model
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

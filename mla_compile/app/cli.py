@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from mla_compile.toy import ALL_KINDS
+from mla_compile.app.toy import ALL_KINDS
 
 
 def _positive(text: str) -> int:
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "uncaptured); default: on for --device cuda when compiling, off otherwise")
     for flag in ("--tp", "--dp-attention", "--ep", "--dcp"):
         demo.add_argument(flag, type=_positive, default=1,
-                          help="parallel degree; run under torchrun --nproc-per-node TP -m mla_compile.cli demo "
+                          help="parallel degree; run under torchrun --nproc-per-node TP -m mla_compile.app.cli demo "
                           "(default: %(default)s)")
     insp = sub.add_parser("inspect", help="report graphs, graph breaks, recompiles and mla:: ops; write a depyf dump",
                           description="Compile the demo model, run prefill and decode at two batch sizes "
@@ -122,12 +122,12 @@ def _add_plan(sub) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``mla-compile plan``: print the per-rank memory table; exit 0 (2 for a layout that does not divide)."""
-    from mla_compile.config import preset
-    from mla_compile.memory_plan import format_plan, plan_memory
+    from mla_compile.models.config import preset
+    from mla_compile.serving.memory_plan import format_plan, plan_memory
     from mla_compile.parallel import ParallelConfig
 
     if args.model == "v4-flash":  # V4's caches: sliding window rows, compressed entries, indexer keys
-        from mla_compile.v4_cache import V4_FLASH, V4CacheLayout
+        from mla_compile.models.v4_cache import V4_FLASH, V4CacheLayout
 
         kv = "bf16" if args.kv_cache == "bf16" else None
         if kv is None:
@@ -169,7 +169,7 @@ def _add_generate(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``mla-compile generate``: stream the text, then report tokens/s on stderr."""
-    from mla_compile.textgen import generate_text
+    from mla_compile.app.textgen import generate_text
 
     res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
                         dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
@@ -200,7 +200,7 @@ def _cuda_graphs(args: argparse.Namespace) -> bool:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """``mla-compile demo``: exit 0 when tokens match HF eager and the graph does not break."""
-    from mla_compile.demo import run_demo
+    from mla_compile.app.demo import run_demo
 
     state = _init_parallel(args)
     quiet = state is not None and state.rank != 0  # rank 0 reports; every rank checks its own tokens
@@ -238,8 +238,8 @@ def _init_parallel(args: argparse.Namespace):
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``mla-compile inspect``: exit 0 when the compiled runs completed (breaks are reported, not fatal)."""
-    from mla_compile.demo import build_demo
-    from mla_compile.generate import greedy_generate
+    from mla_compile.app.demo import build_demo
+    from mla_compile.serving.generate import greedy_generate
     from mla_compile.graphs.inspect import inspect_compile
 
     options = None
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mla-compile plan: error: {e}", file=sys.stderr)
             return 2
     if args.command == "doctor":  # needs neither transformers nor a GPU
-        from mla_compile.doctor import doctor_report
+        from mla_compile.app.doctor import doctor_report
 
         print(doctor_report())
         return 0

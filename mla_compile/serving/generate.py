@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mla_compile.block_manager import BlockManager
-from mla_compile.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic, plan_step
+from mla_compile.serving.block_manager import BlockManager
+from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic, plan_step
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mla_compile.config import MLAConfig
+from mla_compile.models.config import MLAConfig
 from mla_compile.parallel.config import ParallelConfig
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_index_row_bytes, fp8_row_bytes  # noqa: F401  (re-exported)
 

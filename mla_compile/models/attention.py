@@ -4,7 +4,7 @@ Prefill tokens take the non-absorbed path (latents up-projected by ``kv_b_proj``
 decode tokens take the absorbed path (``q_nope @ W_UK`` against the 576-wide latent rows, then
 ``@ W_UV``). Both write their latents into this layer's cache first. Metadata arrives as an argument.
 
-Sparse (DeepSeek-V3.2) layers own an :class:`~mla_compile.indexer.MLAIndexer`: it picks ``index_topk``
+Sparse (DeepSeek-V3.2) layers own an :class:`~mla_compile.models.indexer.MLAIndexer`: it picks ``index_topk``
 cache slots per token, and *every* token, decode and prefill alike, takes the absorbed path over just
 those slots (``mla_compile.ops.sparse_decode`` with one query row per token, as FlashMLA's sparse
 prefill does). Cached context (prefix hits, earlier prefill chunks) is covered by the same indices, so
@@ -18,12 +18,12 @@ from torch import Tensor, nn
 
 from mla_compile import envs, ops
 from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
-from mla_compile.cache import fp8_row_bytes
-from mla_compile.config import MLAConfig
-from mla_compile.indexer import MLAIndexer
-from mla_compile.metadata import MLAMetadata
+from mla_compile.models.cache import fp8_row_bytes
+from mla_compile.models.config import MLAConfig
+from mla_compile.models.indexer import MLAIndexer
+from mla_compile.models.metadata import MLAMetadata
 from mla_compile.ops.context_attention import up_project
-from mla_compile.rope import apply_rope
+from mla_compile.models.rope import apply_rope
 
 
 class MLAAttention(nn.Module):

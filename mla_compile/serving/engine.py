@@ -1,5 +1,5 @@
 """A small reference serving engine: prefix-cached block allocation, chunked prefill mixed with
-decodes, per-request sampling (:mod:`mla_compile.sampling`).
+decodes, per-request sampling (:mod:`mla_compile.serving.sampling`).
 
 Each :meth:`Engine.step` is one model step under a token budget: every running request decodes one
 token, and the rest of the budget goes to prompt chunks of requests being prefilled (a long prompt
@@ -10,7 +10,7 @@ runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`): pure decode 
 graphs when the runner has captured them.
 
 One client never takes down the others: requests are validated before they are queued
-(:mod:`mla_compile.admission`), any request can be aborted between steps, and a step whose runner
+(:mod:`mla_compile.serving.admission`), any request can be aborted between steps, and a step whose runner
 raises fails only the requests in that step (see :class:`Engine`).
 """
 
@@ -25,11 +25,11 @@ from typing import Iterator, Protocol, Sequence
 
 from torch import Tensor
 
-from mla_compile.admission import RequestLimits, model_limits, validate_request
-from mla_compile.builder import MetadataBuilder
-from mla_compile.block_manager import Allocation, BlockManager
-from mla_compile.metadata import SeqChunk
-from mla_compile.sampling import SamplingParams, sample_rows
+from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.block_manager import Allocation, BlockManager
+from mla_compile.models.metadata import SeqChunk
+from mla_compile.serving.sampling import SamplingParams, sample_rows
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -110,8 +110,8 @@ class Request:
 class Engine:
     """Serving over a patched model's paged cache, driven one step at a time.
 
-    Each request samples under its :class:`~mla_compile.sampling.SamplingParams` (greedy by default): its
-    ``n``-th new token is drawn from the ``(seed, n)`` stream of :func:`mla_compile.sampling.sample`, so its
+    Each request samples under its :class:`~mla_compile.serving.sampling.SamplingParams` (greedy by default): its
+    ``n``-th new token is drawn from the ``(seed, n)`` stream of :func:`mla_compile.serving.sampling.sample`, so its
     tokens do not depend on the requests batched with it. A request without a seed gets one at
     :meth:`add_request` from the engine's generator (``random.Random(seed)``), so a run is reproducible
     given ``seed`` and the order of the calls.
@@ -132,7 +132,7 @@ class Engine:
       them. (An error that breaks the device itself, such as a CUDA device-side assert, fails every
       later step too: admission keeps bad token ids from reaching the embedding kernel.)
 
-    :meth:`add_request` validates before queueing (:func:`mla_compile.admission.validate_request`):
+    :meth:`add_request` validates before queueing (:func:`mla_compile.serving.admission.validate_request`):
     token ids in ``[0, vocab_size)`` (stop tokens too), a non-empty prompt, ``max_new_tokens >= 1``, prompt plus new
     tokens within ``max_positions``, one sequence's block table and the whole cache. ``vocab_size`` and
     ``max_positions`` default to the runner's model config (``runner.step_fn.config``) and may only
@@ -179,8 +179,8 @@ class Engine:
         """Validate and queue a request; returns its id.
 
         ``prompt``: token ids (Python or numpy ints, or a 1-D integer tensor/array); ``params``: its
-        :class:`~mla_compile.sampling.SamplingParams`, or an int >= 1, the ``max_new_tokens`` of greedy
-        decoding. Raises :class:`~mla_compile.admission.RequestRejected` (a ``ValueError``) naming
+        :class:`~mla_compile.serving.sampling.SamplingParams`, or an int >= 1, the ``max_new_tokens`` of greedy
+        decoding. Raises :class:`~mla_compile.serving.admission.RequestRejected` (a ``ValueError``) naming
         the request id, the argument and the first bad position; nothing is queued then. Every call
         takes the next id, rejected or not, so ids follow the order of calls.
         """

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.ops.fp8_block_linear import BLOCK
 
 

@@ -18,13 +18,13 @@ from typing import Callable
 import torch
 
 from mla_compile import envs, ops
-from mla_compile.builder import MetadataBuilder
-from mla_compile.engine import Engine
-from mla_compile.generate import GenerationResult, greedy_generate, hf_greedy_reference
+from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.engine import Engine
+from mla_compile.serving.generate import GenerationResult, greedy_generate, hf_greedy_reference
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.graphs.inspect import CompileWatch, short_reason
-from mla_compile.model import MLAForCausalLM, patch
-from mla_compile.toy import ALL_KINDS, random_prompts, toy_hf_model
+from mla_compile.models.model import MLAForCausalLM, patch
+from mla_compile.app.toy import ALL_KINDS, random_prompts, toy_hf_model
 
 # Prompt lengths cycle through these: short and long, some crossing 16-token block boundaries.
 PROMPT_LENGTHS = (7, 19, 3, 12, 26, 5, 16, 9)
@@ -154,7 +154,7 @@ class DemoResult:
 
 def _dcp_step(step_fn, block_size: int, state):
     """``step_fn`` on this DCP rank's metadata (:func:`mla_compile.parallel.dcp.localize` of each planned step)."""
-    from mla_compile.metadata import mark_dynamic
+    from mla_compile.models.metadata import mark_dynamic
     from mla_compile.parallel.dcp import localize
 
     def run(input_ids, positions, meta):

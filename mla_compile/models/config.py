@@ -22,7 +22,7 @@ class MLAConfig:
     ``softmax_scale`` is derived: ``1/sqrt(qk_nope + qk_rope)``, times ``mscale**2`` under yarn.
     ``index_*`` are set only for DeepSeek-V3.2 (sparse) models.
     The feed-forward fields (``intermediate_size`` .. ``num_nextn_predict_layers``) describe the rest of the
-    decoder for parameter counts and memory plans (``mla_compile.memory_plan``); 0 means not given. Layers
+    decoder for parameter counts and memory plans (``mla_compile.serving.memory_plan``); 0 means not given. Layers
     ``< first_k_dense_replace`` have a dense MLP of ``intermediate_size``, later ones ``n_routed_experts`` routed
     experts plus ``n_shared_experts`` shared ones of ``moe_intermediate_size``; ``router_bias`` is V3's
     ``e_score_correction_bias``; ``num_nextn_predict_layers`` counts the MTP layers a checkpoint adds.

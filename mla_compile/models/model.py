@@ -1,7 +1,7 @@
 """HF DeepSeek V2/V3/V3.2 integration: :func:`patch` turns a ``DeepseekV{2,3,32}ForCausalLM`` into a paged-MLA model.
 
 The patched model runs flat token batches (``input_ids [T]``, ``positions [T]``) with explicit
-:class:`~mla_compile.metadata.MLAMetadata` and compiles whole with ``torch.compile(fullgraph=True)``.
+:class:`~mla_compile.models.metadata.MLAMetadata` and compiles whole with ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import envs
-from mla_compile.attention import MLAAttention
-from mla_compile.cache import allocate_index_cache, allocate_latent_cache
-from mla_compile.config import MLAConfig, is_mla_model
-from mla_compile.metadata import MLAMetadata
-from mla_compile.moe import MLAMoE
-from mla_compile.rope import default_inv_freq, rope_cos_sin
-from mla_compile.v4_model import V4ForCausalLM, is_v4_model, patch_v4
+from mla_compile.models.attention import MLAAttention
+from mla_compile.models.cache import allocate_index_cache, allocate_latent_cache
+from mla_compile.models.config import MLAConfig, is_mla_model
+from mla_compile.models.metadata import MLAMetadata
+from mla_compile.models.moe import MLAMoE
+from mla_compile.models.rope import default_inv_freq, rope_cos_sin
+from mla_compile.models.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
 
 class MLAForCausalLM(nn.Module):
@@ -147,7 +147,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     if parallel_options:
         raise TypeError(f"patch() got {sorted(parallel_options)}: these options need parallel=")
     hf_config = getattr(hf_model, "config", None)
-    if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.v4_model)
+    if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.models.v4_model)
         return patch_v4(hf_model, backend=backend or envs.backend(), moe_impl=moe_impl)
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")

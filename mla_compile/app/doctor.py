@@ -11,8 +11,8 @@ import torch
 
 from mla_compile import backends, envs
 from mla_compile.ops import timings
-from mla_compile.cache import fp8_row_bytes
-from mla_compile.config import preset
+from mla_compile.models.cache import fp8_row_bytes
+from mla_compile.models.config import preset
 
 # (label, preset name) of the shapes the report resolves, with the cache block size and dtype it assumes.
 SHAPES = (("DeepSeek-V2-Lite", "deepseek-v2-lite"), ("DeepSeek-V3", "deepseek-v3"))
