@@ -27,7 +27,9 @@ random cached context at each batch, eager and compiled + CUDA graph (``torch.co
 ``DecodeGraphRunner``, as ``bench_decode_step.py``; the time is CUDA events around one whole step, host planning
 included; "replay" is the graph alone). The first step's logits of the two models are compared.
 
-``--budget-s``: sections and rows that would start past their share of the budget are skipped and listed. Writes
+``--budget-s`` (wall clock from the start): the decode section runs first (its rows come whole or not at all) within
+the budget less 25 s, skipping what would not fit (a compile + capture needs about 25 s left); the linear section
+then runs its shapes (by M, smallest first) until the budget is spent. Every skip is listed. Writes
 ``bench_fp8_weights.json`` and ``bench_fp8_weights.txt`` under ``--out``; the short table is printed last.
 """
 
@@ -59,9 +61,9 @@ FULL = dict(hidden=7168, heads=128, q_lora=1536, inter=18432, moe_inter=2048, ex
 TINY = dict(hidden=256, heads=4, q_lora=128, inter=384, moe_inter=128, experts=16, topk=4, layers=2,
             vocab=1024, ms="1,16", batches="1,4", ctx=64, block_size=16, warmup=1, iters=3)
 KV_LORA, ROPE, NOPE, V_DIM = 512, 64, 128, 128
-LINEAR_SHARE = 0.35  # of --budget-s: linear groups past it are skipped (the decode section needs the rest)
-DECODE_MIN_S = 45.0  # the decode section does not start with less budget left (checkpoint write + load + eager)
-COMPILE_S = 35.0  # expected compile + capture of one model: its graph rows are skipped with less left
+LINEAR_RESERVE_S = 25.0  # the decode section (run first) leaves this much of --budget-s to the linear one
+DECODE_MIN_S = 45.0  # the decode section does not start with less of its budget left (write + load + eager)
+COMPILE_S = 25.0  # expected compile + capture of one model: its graph rows are skipped with less left
 ROTATE_BYTES = 256e6  # weights smaller than this rotate over several sets (L2 is 60 MB on an H200)
 INFO: dict = {}
 DECODE_ROWS: list[dict] = []
@@ -283,11 +285,14 @@ def random_tensor(name: str, shape, dev, gen):
 
 
 def write_checkpoints(config, keys, fp8_root: Path, bf16_root: Path, dev, seed: int, shard_bytes: float = 2e9) -> None:
-    """The fp8 checkpoint and its exact bf16 twin (same tensors, dequantized), shard by shard; tensors are made on
-    ``dev`` and written by two writer threads while the next shard is made."""
+    """The fp8 checkpoint and its exact bf16 twin (same tensors, dequantized), shard by shard: tensors are made on
+    ``dev`` and copied to the host and written by two writer threads while the next shard is made."""
     from safetensors.torch import save_file
 
     from mla_compile.models.checkpoint import INDEX_FILE, SCALE_SUFFIX
+
+    def write(tensors: dict, path: Path) -> None:  # in a writer thread: the device-to-host copies too
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
     gen = torch.Generator(dev).manual_seed(seed)
     maps: dict[str, dict[str, str]] = {"fp8": {}, "bf16": {}}
@@ -307,15 +312,14 @@ def write_checkpoints(config, keys, fp8_root: Path, bf16_root: Path, dev, seed: 
             for name, shape in shard:
                 parts = random_tensor(name, shape, dev, gen)
                 if "same" in parts:
-                    out8[name] = out16[name] = parts["same"].cpu()
+                    out8[name] = out16[name] = parts["same"]
                 else:
-                    out8[name], out8[name + SCALE_SUFFIX] = parts["fp8"].cpu(), parts["scale"].cpu()
-                    out16[name] = parts["bf16"].cpu()
+                    out8[name], out8[name + SCALE_SUFFIX], out16[name] = parts["fp8"], parts["scale"], parts["bf16"]
             for fmt, out, root in (("fp8", out8, fp8_root), ("bf16", out16, bf16_root)):
                 maps[fmt].update({k: file for k in out})
-                pending.append(pool.submit(save_file, out, str(root / file), metadata={"format": "pt"}))
+                pending.append(pool.submit(write, out, root / file))
             del out8, out16
-            while len(pending) > 4:  # bound the host memory held by shards in flight
+            while len(pending) > 4:  # bound the memory held by shards in flight
                 pending.pop(0).result()
         for p in pending:
             p.result()
@@ -348,12 +352,12 @@ def weight_bytes(model, experts: int) -> dict:
                 projected_256_experts_bytes=total - routed + routed * 256 // experts)
 
 
-def run_row(args, fmt: str, impl: str, batch: int, fn, reserve_s: float = 0.0) -> dict:
+def run_row(args, fmt: str, impl: str, batch: int, fn) -> dict:
     """One decode cell: ``fn()`` -> ``bench_decode_step.measure``'s dict, or the reason it has no time."""
     import bench_decode_step as bds
 
     row = dict(weights=fmt, impl=impl, batch=batch, ctx=args.ctx)
-    if elapsed() > args.budget_s - reserve_s:
+    if elapsed() > args.decode_until_s:
         row["skipped"] = "time budget"
     else:
         try:
@@ -417,7 +421,7 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
     runner, compiled, why = None, None, None
     if dev.type != "cuda":
         why = "needs CUDA"
-    elif elapsed() > args.budget_s - COMPILE_S:
+    elif elapsed() > args.decode_until_s - COMPILE_S:
         why = "time budget"
     else:
         try:
@@ -449,20 +453,29 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
 
 
 def decode_section(args, dev, dtype) -> None:
-    if elapsed() > args.budget_s - DECODE_MIN_S:
+    if elapsed() > args.decode_until_s - DECODE_MIN_S:
         skip("decode section (checkpoint write, load, every row)")
         return
     config = v3_config(args)
     keys = checkpoint_keys(config)
     fp8_b, bf16_b = checkpoint_bytes(keys)
-    parent = Path(args.ckpt_dir or tempfile.gettempdir())
-    parent.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(parent).free
-    INFO["checkpoint"] = dict(dir=str(parent), fp8_bytes_est=fp8_b, bf16_bytes_est=bf16_b, disk_free_bytes=free,
-                              experts=args.experts, layers=args.layers, vocab=args.vocab)
-    if fp8_b + bf16_b > 0.95 * free:
-        skip("decode section", f"the two checkpoints need {(fp8_b + bf16_b) / 1e9:.1f} GB, {parent} has "
-                                f"{free / 1e9:.1f} GB free (lower --experts or set --ckpt-dir)")
+    need = 1.05 * (fp8_b + bf16_b)
+    # /dev/shm (memory) first where it has room: the write then runs at memory speed, not the disk's
+    places = [Path(args.ckpt_dir)] if args.ckpt_dir else [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    free = {}
+    for place in places:
+        if args.ckpt_dir:
+            place.mkdir(parents=True, exist_ok=True)
+        if place.is_dir() and os.access(place, os.W_OK):
+            free[place] = shutil.disk_usage(place).free
+    parent = next((p for p in free if free[p] > need), None)
+    INFO["checkpoint"] = dict(dir=str(parent), fp8_bytes_est=fp8_b, bf16_bytes_est=bf16_b,
+                              free_bytes={str(p): f for p, f in free.items()}, experts=args.experts,
+                              layers=args.layers, vocab=args.vocab)
+    if parent is None:
+        skip("decode section", f"the two checkpoints need {need / 1e9:.1f} GB; free: "
+                                + ", ".join(f"{p} {f / 1e9:.1f} GB" for p, f in free.items())
+                                + " (lower --experts or set --ckpt-dir)")
         return
     root = Path(tempfile.mkdtemp(prefix="bench_fp8_ckpt_", dir=parent))
     try:
@@ -477,7 +490,7 @@ def decode_section(args, dev, dtype) -> None:
               flush=True)
         save(args)
         for fmt in ("fp8", "bf16"):
-            if elapsed() > args.budget_s - 15:
+            if elapsed() > args.decode_until_s - 15:
                 skip(f"decode {fmt} model (load and rows)")
                 continue
             try:
@@ -582,13 +595,15 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--tiny", action="store_true", help="toy dims (CPU smoke test)")
     ap.add_argument("--budget-s", type=float, default=150.0,
-                    help="wall-clock budget: linear shapes past 35%% of it, and decode rows that would not fit, are skipped")
+                    help="wall-clock seconds: the decode section (first) gets all but 25 s of it, the linear section "
+                         "the rest; what would start past its share is skipped and listed")
     ap.add_argument("--only", default="linear,decode", help="sections to run: linear, decode or both")
     for name, value in FULL.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                         help=f"default {value} ({TINY[name]} with --tiny)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt-dir", default=None, help="where the temporary checkpoints go (default: the temp dir)")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="where the temporary checkpoints go (default: /dev/shm if it has room, else the temp dir)")
     ap.add_argument("--keep-ckpt", action="store_true", help="keep the written checkpoints")
     args = ap.parse_args(argv)
     for name, value in (TINY if args.tiny else FULL).items():
@@ -620,23 +635,24 @@ def main(argv=None) -> None:
     INFO.update(args={k: v for k, v in vars(args).items()}, dtype=str(dtype).replace("torch.", ""),
                 device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     sections = [p.strip() for p in args.only.split(",")]
-    args.linear_until_s = args.budget_s * (LINEAR_SHARE if "decode" in sections else 1.0)
+    args.linear_until_s = args.budget_s
+    args.decode_until_s = args.budget_s - (LINEAR_RESERVE_S if "linear" in sections else 0.0)
     if dev.type == "cuda":
         bk.ceilings()
     else:
         cpu_ceilings()
     json_path = os.path.join(args.out, "bench_fp8_weights.json")
-    if "linear" in sections:
-        linear = [lambda m=m, s=s: linear_case(args, dev, m, *s) for m in args.m_list for s in linear_shapes(args)]
-        bk.run_sections(linear + [lambda: save(args)], json_path + ".partial")
-        os.remove(json_path + ".partial")
-    save(args)
-    if "decode" in sections:
+    if "decode" in sections:  # first: its rows come whole or not at all; the linear rows degrade shape by shape
         try:
             decode_section(args, dev, dtype)
         except Exception as exc:
             INFO["decode_error"] = f"{type(exc).__name__}: {exc}"[:400]
             traceback.print_exc()
+        save(args)
+    if "linear" in sections:
+        linear = [lambda m=m, s=s: linear_case(args, dev, m, *s) for m in args.m_list for s in linear_shapes(args)]
+        bk.run_sections(linear + [lambda: save(args)], json_path + ".partial")
+        os.remove(json_path + ".partial")
     save(args)
     detail = linear_lines() + [""] + decode_lines(args) + [""]
     short = short_table(args)
