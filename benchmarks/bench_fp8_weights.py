@@ -399,6 +399,11 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
         info["cuda_allocated_by_load"] = torch.cuda.memory_allocated(dev) - base
     kinds = {type(m).__name__ for m in model.modules()}
     info["fp8_modules"] = sorted(k for k in kinds if k.startswith("FP8"))
+    if info["fp8_modules"]:  # what the fp8 linears run ("auto")
+        from mla_compile.ops.fp8_block_linear import OP
+        from mla_compile.ops.select import resolve
+
+        info["fp8_linear_backend"] = resolve(OP, dev, None, dtype=dtype).name
     print(f"[{elapsed():6.1f}s] {fmt} model loaded in {info['load_s']:.1f} s: weights "
           f"{info['total_bytes'] / 1e9:.2f} GB ({info['fp8_modules'] or 'no fp8 modules'})", flush=True)
     wl = bds.Workload(SimpleNamespace(seed=args.seed, block_size=args.block_size, batch_list=args.batch_list,
@@ -453,6 +458,9 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
 
 
 def decode_section(args, dev, dtype) -> None:
+    """Write the two checkpoints (temporary), then load and time each model in turn."""
+    import bench_decode_step as bds
+
     if elapsed() > args.decode_until_s - DECODE_MIN_S:
         skip("decode section (checkpoint write, load, every row)")
         return
@@ -498,6 +506,8 @@ def decode_section(args, dev, dtype) -> None:
             except Exception as exc:  # a model that fails to load loses only its rows
                 MODELS.setdefault(fmt, {})["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 traceback.print_exc()
+            if "error" in MODELS.get(fmt, {}):  # out of the except block: its frames (the model) are gone
+                bds.free_memory()
             save(args)
     finally:
         if not args.keep_ckpt:
@@ -551,7 +561,9 @@ def decode_lines(args) -> list[str]:
         out.append(f"  {fmt} weights: {m['total_bytes'] / 1e9:.2f} GB (params + buffers; routed experts "
                    f"{m['routed_expert_bytes'] / 1e9:.2f} GB; projected at 256 experts "
                    f"{m['projected_256_experts_bytes'] / 1e9:.2f} GB), loaded in {m['load_s']:.1f} s, compile + capture "
-                   f"{_num(m.get('compile_and_capture_s'))} s {m.get('capture_error', '')}")
+                   f"{_num(m.get('compile_and_capture_s'))} s"
+                   + (f"; fp8 linears: backend {m['fp8_linear_backend']}" if "fp8_linear_backend" in m else "")
+                   + (f"; capture FAILED {m['capture_error']}" if "capture_error" in m else ""))
     errs = [f"{r['impl']} B={r['batch']} {r['logits_rel_err_fp8_vs_bf16']:.1e}" for r in DECODE_ROWS
             if "logits_rel_err_fp8_vs_bf16" in r]
     out.append("first-step logits, fp8 model vs bf16 model (same weights), rel. error: " + ("; ".join(errs) or "n/a"))

@@ -67,3 +67,26 @@ def test_bench_fp8_weights_cpu_smoke(tmp_path):
     text = (tmp_path / "out" / "bench_fp8_weights.txt").read_text()
     assert "== short table" in text and "expert gate_up" in text
     assert text.strip().splitlines()[-1] in proc.stdout
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_bench_fp8_weights_cuda_tiny(tmp_path):
+    """Toy dims on the GPU: every backend (triton, scaled-mm) times through CUDA graphs, and both models decode
+    eagerly and through compiled + captured steps with the same logits."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fp8_weights.py"), "--tiny", "--device", "cuda",
+           "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt"), "--budget-s", "600"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "out" / "bench_fp8_weights.json").read_text())
+    assert not data["skipped"], data["skipped"]
+    for r in data["linear"]:
+        assert "error" not in r and r["us"] > 0 and r["err"] < 1e-2, r
+    assert len(data["linear"]) == len(PROJS) * 2 * len(IMPLS)
+    assert data["decode"]["models"]["fp8"]["fp8_linear_backend"] == "triton"
+    rows = data["decode"]["rows"]
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        assert "error" not in r and "skipped" not in r and r["ms"] > 0, r
+        if r["weights"] == "bf16":  # the same weights: bf16 roundings (and a near-tie routing flip) at most; a
+            assert r["logits_rel_err_fp8_vs_bf16"] < 0.25, r  # wrong weight or layout gives about 1
