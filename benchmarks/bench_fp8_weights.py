@@ -17,8 +17,9 @@ group); ``err_real``: against the float64 product with the unrounded activation 
 
 Section "decode": a V3 slice with the real per-layer dims (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64,
 dense intermediate 18432, moe intermediate 2048, top-8 + 1 shared expert; the first layer dense, the rest MoE) and
-``--experts`` routed experts (default 64, not 256: four layers with 256 experts would be 36 GB fp8 + 71 GB bf16 of
-checkpoint to write and read, more than the budget and the device's disk), vocab cut to ``--vocab``. Random fp8
+``--experts`` routed experts (default 64, not 256: with 256, the bf16 model's 71 GB would fit an H200, but 36 GB fp8
++ 71 GB bf16 of checkpoint to write and read take more than the budget and the device's disk; ``--experts 256
+--formats fp8`` writes the fp8 one only), vocab cut to ``--vocab``. Random fp8
 codes with power-of-two block scales are written with safetensors as an fp8 checkpoint (DeepSeek's layout: e4m3
 ``weight`` + float32 ``weight_scale_inv``) and, from the same tensors, a bf16 one (exact: a code times a power of two
 is a bf16 number); ``mla_compile.from_pretrained`` loads each in turn (fp8 kept, or bf16). For each: weight memory
@@ -284,9 +285,10 @@ def random_tensor(name: str, shape, dev, gen):
     return {"same": value}
 
 
-def write_checkpoints(config, keys, fp8_root: Path, bf16_root: Path, dev, seed: int, shard_bytes: float = 2e9) -> None:
-    """The fp8 checkpoint and its exact bf16 twin (same tensors, dequantized), shard by shard: tensors are made on
-    ``dev`` and copied to the host and written by two writer threads while the next shard is made."""
+def write_checkpoints(config, keys, roots: dict[str, Path], dev, seed: int, shard_bytes: float = 2e9) -> None:
+    """The fp8 checkpoint and its exact bf16 twin (same tensors, dequantized) into ``roots["fp8"]`` /
+    ``roots["bf16"]`` (either may be left out), shard by shard: tensors are made on ``dev``, then copied to the host
+    and written by two writer threads while the next shard is made."""
     from safetensors.torch import save_file
 
     from mla_compile.models.checkpoint import INDEX_FILE, SCALE_SUFFIX
@@ -315,16 +317,17 @@ def write_checkpoints(config, keys, fp8_root: Path, bf16_root: Path, dev, seed: 
                     out8[name] = out16[name] = parts["same"]
                 else:
                     out8[name], out8[name + SCALE_SUFFIX], out16[name] = parts["fp8"], parts["scale"], parts["bf16"]
-            for fmt, out, root in (("fp8", out8, fp8_root), ("bf16", out16, bf16_root)):
-                maps[fmt].update({k: file for k in out})
-                pending.append(pool.submit(write, out, root / file))
+            for fmt, out in (("fp8", out8), ("bf16", out16)):
+                if fmt in roots:
+                    maps[fmt].update({k: file for k in out})
+                    pending.append(pool.submit(write, out, roots[fmt] / file))
             del out8, out16
             while len(pending) > 4:  # bound the memory held by shards in flight
                 pending.pop(0).result()
         for p in pending:
             p.result()
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    for fmt, root in (("fp8", fp8_root), ("bf16", bf16_root)):
+    for fmt, root in roots.items():
         config.save_pretrained(str(root))
         path = root / "config.json"
         cfg = json.loads(path.read_text())
@@ -391,7 +394,7 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
     bds.sync(dev)
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     t0 = time.perf_counter()
-    model = mla_compile.from_pretrained(root, device=dev, dtype=dtype)
+    model = mla_compile.from_pretrained(root, device=dev, dtype=dtype, backend=args.backend)
     bds.sync(dev)
     info["load_s"] = time.perf_counter() - t0
     info.update(weight_bytes(model, args.experts))
@@ -467,7 +470,7 @@ def decode_section(args, dev, dtype) -> None:
     config = v3_config(args)
     keys = checkpoint_keys(config)
     fp8_b, bf16_b = checkpoint_bytes(keys)
-    need = 1.05 * (fp8_b + bf16_b)
+    need = 1.05 * (fp8_b * ("fp8" in args.format_list) + bf16_b * ("bf16" in args.format_list))
     # /dev/shm (memory) first where it has room: the write then runs at memory speed, not the disk's
     places = [Path(args.ckpt_dir)] if args.ckpt_dir else [Path("/dev/shm"), Path(tempfile.gettempdir())]
     free = {}
@@ -487,22 +490,22 @@ def decode_section(args, dev, dtype) -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="bench_fp8_ckpt_", dir=parent))
     try:
-        (root / "fp8").mkdir()
-        (root / "bf16").mkdir()
+        roots = {fmt: root / fmt for fmt in args.format_list}
+        for path in roots.values():
+            path.mkdir()
         t0 = time.perf_counter()
-        write_checkpoints(config, keys, root / "fp8", root / "bf16", dev, args.seed)
+        write_checkpoints(config, keys, roots, dev, args.seed)
         INFO["checkpoint"].update(write_s=time.perf_counter() - t0, **{
-            f"{fmt}_bytes": sum(p.stat().st_size for p in (root / fmt).glob("*.safetensors")) for fmt in ("fp8", "bf16")})
-        print(f"[{elapsed():6.1f}s] checkpoints written in {INFO['checkpoint']['write_s']:.1f} s: fp8 "
-              f"{INFO['checkpoint']['fp8_bytes'] / 1e9:.2f} GB, bf16 {INFO['checkpoint']['bf16_bytes'] / 1e9:.2f} GB",
-              flush=True)
+            f"{fmt}_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")) for fmt, path in roots.items()})
+        print(f"[{elapsed():6.1f}s] checkpoints written in {INFO['checkpoint']['write_s']:.1f} s: " + ", ".join(
+            f"{fmt} {INFO['checkpoint'][fmt + '_bytes'] / 1e9:.2f} GB" for fmt in roots), flush=True)
         save(args)
-        for fmt in ("fp8", "bf16"):
+        for fmt, path in roots.items():
             if elapsed() > args.decode_until_s - 15:
                 skip(f"decode {fmt} model (load and rows)")
                 continue
             try:
-                run_model(args, fmt, root / fmt, dev, dtype)
+                run_model(args, fmt, path, dev, dtype)
             except Exception as exc:  # a model that fails to load loses only its rows
                 MODELS.setdefault(fmt, {})["error"] = f"{type(exc).__name__}: {exc}"[:400]
                 traceback.print_exc()
@@ -551,7 +554,8 @@ def decode_lines(args) -> list[str]:
     out = [f"== decode step, DeepSeek-V3 slice: {args.layers} layers (1 dense + {args.layers - 1} MoE), hidden "
            f"{args.hidden}, {args.heads} heads, q_lora {args.q_lora}, kv_lora {KV_LORA}, rope {ROPE}, {args.experts} "
            f"routed experts top-{args.topk} + 1 shared (moe {args.moe_inter}, dense {args.inter}), vocab {args.vocab} "
-           f"(cut), random weights, {INFO.get('dtype')}; ctx {args.ctx}, block {args.block_size}",
+           f"(cut), random weights, {INFO.get('dtype')}; ctx {args.ctx}, block {args.block_size}; attention backend "
+           f"{args.backend or 'auto'}",
            f"checkpoints (safetensors): fp8 {_num(ck.get('fp8_bytes', float('nan')) / 1e9, '{:.2f}')} GB, bf16 "
            f"{_num(ck.get('bf16_bytes', float('nan')) / 1e9, '{:.2f}')} GB, written in {_num(ck.get('write_s'))} s"]
     for fmt, m in MODELS.items():
@@ -613,6 +617,8 @@ def parse_args(argv=None):
     for name, value in FULL.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                         help=f"default {value} ({TINY[name]} with --tiny)")
+    ap.add_argument("--formats", default="fp8,bf16", help="decode section's checkpoints: fp8, bf16 or both")
+    ap.add_argument("--backend", default=None, help="attention ops' backend of both models (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-dir", default=None,
                     help="where the temporary checkpoints go (default: /dev/shm if it has room, else the temp dir)")
@@ -624,6 +630,9 @@ def parse_args(argv=None):
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.m_list = [int(v) for v in args.ms.split(",")]
     args.batch_list = [int(v) for v in args.batches.split(",")]
+    args.format_list = [f for f in ("fp8", "bf16") if f in args.formats.split(",")]
+    if not args.format_list:
+        ap.error(f"--formats takes fp8, bf16 or fp8,bf16; got {args.formats!r}")
     if min(args.m_list + args.batch_list) < 1 or args.ctx < 1 or args.experts < args.topk:
         ap.error(f"--ms, --batches and --ctx must be positive and --experts >= --topk; got {args.ms!r}, "
                  f"{args.batches!r}, {args.ctx}, {args.experts} < {args.topk}")
