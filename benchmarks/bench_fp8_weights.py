@@ -456,7 +456,7 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
         run_row(args, fmt, "graph", b, graph)
     if why is not None:
         skip(f"decode {fmt} compiled + CUDA graph rows", why)
-    del runner, compiled, model, caches, builder
+    runner = compiled = model = caches = builder = None  # drop the references before freeing
     bds.free_memory()
 
 
