@@ -395,6 +395,7 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
     base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     t0 = time.perf_counter()
     model = mla_compile.from_pretrained(root, device=dev, dtype=dtype, backend=args.backend)
+    model.regional_compile = args.regional_compile  # as patch(regional_compile=) sets it
     bds.sync(dev)
     info["load_s"] = time.perf_counter() - t0
     info.update(weight_bytes(model, args.experts))
@@ -555,7 +556,7 @@ def decode_lines(args) -> list[str]:
            f"{args.hidden}, {args.heads} heads, q_lora {args.q_lora}, kv_lora {KV_LORA}, rope {ROPE}, {args.experts} "
            f"routed experts top-{args.topk} + 1 shared (moe {args.moe_inter}, dense {args.inter}), vocab {args.vocab} "
            f"(cut), random weights, {INFO.get('dtype')}; ctx {args.ctx}, block {args.block_size}; attention backend "
-           f"{args.backend or 'auto'}",
+           f"{args.backend or 'auto'}" + ("; regional compile" if args.regional_compile else ""),
            f"checkpoints (safetensors): fp8 {_num(ck.get('fp8_bytes', float('nan')) / 1e9, '{:.2f}')} GB, bf16 "
            f"{_num(ck.get('bf16_bytes', float('nan')) / 1e9, '{:.2f}')} GB, written in {_num(ck.get('write_s'))} s"]
     for fmt, m in MODELS.items():
@@ -617,6 +618,8 @@ def parse_args(argv=None):
     for name, value in FULL.items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None,
                         help=f"default {value} ({TINY[name]} with --tiny)")
+    ap.add_argument("--regional-compile", action="store_true",
+                    help="compile each decoder layer once as nested regions (MLAForCausalLM.regional_compile)")
     ap.add_argument("--formats", default="fp8,bf16", help="decode section's checkpoints: fp8, bf16 or both")
     ap.add_argument("--backend", default=None, help="attention ops' backend of both models (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
