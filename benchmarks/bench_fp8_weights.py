@@ -572,6 +572,13 @@ def decode_lines(args) -> list[str]:
     errs = [f"{r['impl']} B={r['batch']} {r['logits_rel_err_fp8_vs_bf16']:.1e}" for r in DECODE_ROWS
             if "logits_rel_err_fp8_vs_bf16" in r]
     out.append("first-step logits, fp8 model vs bf16 model (same weights), rel. error: " + ("; ".join(errs) or "n/a"))
+    for r in DECODE_ROWS:
+        head = f"  {r['weights']:4s} {r['impl']:5s} B={r['batch']:<4d}"
+        if "ms" in r:
+            out.append(f"{head} {r['ms']:9.3f} ms/step ({r['tok_s']:8.0f} tok/s), first call {r['first_call_s']:.1f} s"
+                       + (f", replay {r['replay_ms']:.3f} ms" if "replay_ms" in r else ""))
+        else:
+            out.append(f"{head} " + (f"skipped ({r['skipped']})" if "skipped" in r else f"FAILED {r['error'][:200]}"))
     return out
 
 
