@@ -124,6 +124,7 @@ class DecodeGraphRunner:
             model.set_cuda_graph(True)
         self.sampling_rows = SamplingRows(builder.max_batch, builder.device) if sampling else None
         self.token_feed: TokenFeed | None = None  # see enable_token_feed
+        self._rows_after: SamplingRows | None = None  # sample_step's parameters when it samples after the step
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
         self.pool = None
         self.replays = 0
@@ -138,6 +139,7 @@ class DecodeGraphRunner:
                 raise ValueError(f"the token feed needs one token per decode row; the builder has "
                                  f"query_len={self.builder.query_len}")
             self.token_feed = TokenFeed(self.builder.max_batch, self.builder.device)
+            self._rows_after = SamplingRows(2 * self.builder.max_batch, self.builder.device)
             self.graphs, self.pool = {}, None
         return self.token_feed
 
@@ -293,4 +295,6 @@ class DecodeGraphRunner:
             step = self.builder.build(decode, prefill)
             self._fill_feed(feed)
             logits = self._call(step, len(decode))[:step.num_rows]
-        return logits, self.token_feed.store(sample_rows(logits, params, steps))
+        with torch.no_grad():  # parameters by a non-blocking copy from pinned memory, as inside the graphs
+            tokens = sample(logits, **self._rows_after.fill(params, steps, n))
+        return logits, self.token_feed.store(tokens)

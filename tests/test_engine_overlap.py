@@ -283,3 +283,35 @@ def test_kept_logits_and_tokens_of_a_workload_match_no_overlap():
     (want, want_steps, want_logits), (got, got_steps, got_logits) = runs
     assert got == want and got_steps == want_steps > 20 and len(got_logits) == len(want_logits) == want_steps
     assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits))
+
+
+def test_an_error_met_reading_a_step_s_tokens_fails_that_step_s_requests_and_serving_goes_on(tiny):
+    """An asynchronous device error shows only when the host waits for a step's tokens, after the next step
+    was launched: that step's requests fail (``StepFailed``), the rows they still have in the step in flight
+    are dropped, and a request added afterwards is served as alone."""
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("injected asynchronous error")
+
+    engine = _engine(tiny, overlap=True)
+    ids = [engine.add_request([1, 2, 3], 8), engine.add_request([4, 5], 8)]
+    engine.step()
+    engine.step()
+    copy = engine._host_tokens.copy
+    engine._host_tokens.copy = lambda tokens: (copy(tokens)[0], Broken())
+    engine.step()  # launches the poisoned step, reads the one before
+    engine._host_tokens.copy = copy
+    outputs = [list(engine.requests[i].output) for i in ids]
+    with pytest.raises(StepFailed) as info:
+        engine.step()  # launches one more step, then meets the error reading the poisoned one
+    assert sorted(info.value.request_ids) == ids and "injected" in str(info.value.__cause__)
+    assert [engine.requests[i].finish_reason for i in ids] == ["error", "error"] and not engine.running
+    assert [engine.requests[i].output for i in ids] == outputs == [[o[0], o[1]] for o in outputs]
+    late = engine.add_request([7, 8, 9], 4)
+    engine.run()
+    assert [engine.requests[i].output for i in ids] == outputs  # the dropped rows added nothing
+    alone = _engine(tiny, overlap=False)
+    alone.add_request([7, 8, 9], 4)
+    assert engine.requests[late].output == alone.run()[0].output
+    assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)
