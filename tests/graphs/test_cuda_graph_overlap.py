@@ -1,12 +1,13 @@
-"""``Engine(overlap=True)`` over replayed CUDA graphs: the sampled tokens are gathered into the next step's input
-ids inside the captured graph and read by the host one step late, with the same tokens as without overlap."""
+"""The token feed of ``Engine(overlap=True)``: its gather and contract on CPU; over replayed CUDA graphs, the
+sampled tokens gathered into the next step's input ids inside the captured graph and read by the host one
+step late give the same tokens as without overlap."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from mla_compile.app import toy
-from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+from mla_compile.graphs.cuda_graph import DecodeGraphRunner, TokenFeed
 from mla_compile.models.model import patch
 from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.engine import Engine
@@ -14,6 +15,40 @@ from mla_compile.serving.engine import Engine
 from tests.engine_load import FailingRunner, check_trace, make_trace, run_trace, with_sampling
 
 pytest.importorskip("transformers")
+
+
+def test_token_feed_gathers_the_named_rows_of_the_last_tokens_and_keeps_the_host_ids_elsewhere():
+    gen = torch.Generator().manual_seed(0)
+    feed = TokenFeed(max_batch=4, device="cpu")
+    last = torch.randint(0, 1000, (6,), generator=gen)
+    kept = feed.store(last)
+    assert kept.data_ptr() == feed.tokens.data_ptr() and torch.equal(kept, last)
+    feed.fill([5, -1, 0])
+    ids = torch.randint(1000, 2000, (7,), generator=gen)  # host ids: a range the fed tokens never take
+    host = ids.clone()
+    feed.apply(ids, 4)  # a padded decode part of 4 rows, then 3 prefill tokens
+    assert ids.tolist() == [int(last[5]), int(host[1]), int(last[0]), *host[3:].tolist()]
+    feed.fill([])
+    ids = host.clone()
+    feed.apply(ids, 4)
+    assert torch.equal(ids, host)
+    with pytest.raises(ValueError, match=r"TokenFeed.fill: rows \[8\] must be -1 or in \[0, 8\)"):
+        feed.fill([8])
+    with pytest.raises(ValueError, match="5 decode rows, the feed holds max_batch=4"):
+        feed.fill([0] * 5)
+
+
+def test_the_token_feed_needs_one_token_per_decode_row_and_sample_step_needs_the_feed():
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=4, max_tokens=16, block_size=4, device="cpu",
+                              query_len=2)
+    with pytest.raises(ValueError, match="one token per decode row; the builder has query_len=2"):
+        DecodeGraphRunner(lambda *a: None, builder).enable_token_feed()
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=4, max_tokens=16, block_size=4, device="cpu")
+    runner = DecodeGraphRunner(lambda *a: None, builder)
+    with pytest.raises(ValueError, match="sample_step needs the token feed"):
+        runner.sample_step([], [], [], [], [])
+    feed = runner.enable_token_feed()
+    assert runner.enable_token_feed() is feed
 
 
 def _trace_run(step_fn, overlap: bool, sampling: bool, n_requests: int = 400) -> tuple:
