@@ -27,7 +27,7 @@ from torch import Tensor
 
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
 from mla_compile.serving.builder import MetadataBuilder
-from mla_compile.serving.block_manager import Allocation, BlockManager
+from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
 from mla_compile.models.metadata import SeqChunk
 from mla_compile.serving.sampling import SamplingParams, sample_rows
 
@@ -162,9 +162,13 @@ class Engine:
                                  "it None to use the model's")
         vocab_size = model_vocab if vocab_size is None else vocab_size
         max_positions = model_positions if max_positions is None else max_positions
-        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
+        # sink + window models (patch(..., sparse="sink_window")): blocks outside both are released as it moves
+        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching,
+                                   sink_window=sink_window_of(runner))
+        windowed = self.blocks.sink_window is not None
         self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
-                                    cache_tokens=num_blocks * self.block_size, max_positions=max_positions)
+                                    cache_tokens=self.blocks.usable_blocks * self.block_size, max_positions=max_positions,
+                                    peak_tokens=self.blocks.peak_tokens if windowed else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -251,6 +255,8 @@ class Engine:
                 budget -= n
         if not decoding and not chunks:
             return []
+        for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
+            self.blocks.grow(r.alloc, r.length + 1)
         dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
@@ -279,6 +285,8 @@ class Engine:
         for r in done:
             self.running.remove(r)
             self._finish(r, "stop" if r.stopped else "length")
+        for r in self.running:  # [window] give back blocks no later query reads (a no-op for dense models)
+            self.blocks.release_outside(r.alloc, r.computed if r.prefilling else r.length)
         return done
 
     @staticmethod
