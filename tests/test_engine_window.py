@@ -12,6 +12,8 @@ from mla_compile.serving.admission import RequestRejected
 from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.engine import Engine
 
+from tests.engine_load import TINY_V3
+
 pytest.importorskip("transformers")
 
 BS = 4
@@ -19,7 +21,7 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def model():
-    hf = toy.toy_hf_model("v3", seed=8, num_hidden_layers=1, first_k_dense_replace=0)
+    hf = toy.toy_hf_model("v3", seed=8, dtype=torch.float64, **TINY_V3)  # float64: tokens never flip on rounding
     return patch(hf, sparse="sink_window", sink=4, window=8)
 
 
@@ -32,16 +34,16 @@ def _engine(step_fn, num_blocks, max_tokens=16, block_size=BS, **kw):
 def _plain(model, num_blocks, block_size=BS):
     """An engine over the same model that does not know it is windowed: a dense block manager, nothing released."""
     model.allocate_cache(num_blocks, block_size, fill=float("nan"))
-    return _engine(lambda *a: model(*a), num_blocks, block_size=block_size, vocab_size=1024, max_positions=5120)
+    return _engine(lambda *a: model(*a), num_blocks, block_size=block_size, vocab_size=97, max_positions=64)
 
 
 def test_long_generation_runs_in_a_bounded_cache():
     """45 tokens (over 10 windows of 4) in 5 usable blocks of 2 (10 tokens): no step holds more than the sink
     block, the window's blocks and one more; the run's tokens and logits equal those of a run that releases
     nothing (bitwise: the same rows are read in the same order, only from other blocks)."""
-    model = patch(toy.toy_hf_model("v2-lite", seed=8, num_hidden_layers=1, first_k_dense_replace=0),
-                  sparse="sink_window", sink=2, window=4)
-    prompt = toy.random_prompts(3, [5])[0]
+    model = patch(toy.toy_hf_model("v3", seed=8, dtype=torch.float64, **TINY_V3), sparse="sink_window", sink=2,
+                  window=4)
+    prompt = toy.random_prompts(3, [5], vocab_size=97)[0]
     new, bs = 40, 2
     model.allocate_cache(6, bs, fill=float("nan"))
     engine = _engine(model, 6, block_size=bs)
@@ -61,7 +63,7 @@ def test_long_generation_runs_in_a_bounded_cache():
     ours = torch.cat(engine.step_logits)
 
     with pytest.raises(RequestRejected, match="exceed the paged cache"):  # dense: 45 tokens > 12
-        _engine(lambda *a: model(*a), 6, block_size=bs, vocab_size=1024).add_request(prompt, new)
+        _engine(lambda *a: model(*a), 6, block_size=bs, vocab_size=97).add_request(prompt, new)
     plain = _plain(model, 40, bs)
     plain.add_request(prompt, new)
     while plain.running or plain.waiting:
@@ -74,7 +76,7 @@ def test_prefix_cache_shares_only_blocks_that_hold_their_tokens(model):
     """A long prompt's early blocks are released (registered ones stay findable while nobody overwrites them);
     requests with the same prefix, admitted while it runs and after it finished, get the tokens they get alone."""
     gen = torch.Generator().manual_seed(4)
-    base = toy.random_prompts(gen, [30])[0]
+    base = toy.random_prompts(gen, [30], vocab_size=97)[0]
     prompts = [base, base + [5, 6, 7], base[:20] + [9], base + [1]]
     new = [12, 6, 5, 4]
     model.allocate_cache(24, BS, fill=float("nan"))

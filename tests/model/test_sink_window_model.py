@@ -188,3 +188,30 @@ def test_default_sink_is_four_and_dense_patch_clears_it():
     assert patch(hf, sparse="sink_window", window=16).sink_window == (4, 16)
     model = patch(hf)  # patching again without sparse: dense again
     assert model.sink_window is None and model.attentions[0].sink_window is None
+
+
+def test_compiles_whole_without_graph_breaks_or_recompiles(fresh_dynamo):
+    """``torch.compile(fullgraph=True)`` (aot_eager: Dynamo and the fake kernels, no C++ toolchain) of a mixed
+    step, then a decode step of another batch size and length: the eager logits, one dynamic graph per kind."""
+    from torch._dynamo.utils import counters
+
+    from mla_compile.models.metadata import mark_dynamic
+    from tests.engine_load import TINY_V3
+
+    model = patch(toy.toy_hf_model("v3", seed=4, dtype=F64, **TINY_V3), sparse="sink_window", sink=2, window=5)
+    model.allocate_cache(32, 4, fill=float("nan"))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    p = toy.random_prompts(gen, [11, 7, 14], vocab_size=97)
+    blocks = [[3, 0, 7, 5], [1, 2, 4, 6], [8, 9, 10, 11]]
+    steps = [plan_step([], [SeqChunk(blocks[0], p[0]), SeqChunk(blocks[1], p[1][:4])], 4),
+             plan_step([SeqChunk(blocks[0], [5], 11)], [SeqChunk(blocks[1], p[1][4:], 4), SeqChunk(blocks[2], p[2])],
+                       4),
+             plan_step([SeqChunk(blocks[0], [6], 12), SeqChunk(blocks[1], [7], 7), SeqChunk(blocks[2], [8], 14)], [], 4)]
+    with torch.no_grad():
+        for step in steps:
+            want = model(step.input_ids, step.positions, step.meta)
+            mark_dynamic(step.input_ids, step.positions, step.meta)
+            torch.testing.assert_close(compiled(step.input_ids, step.positions, step.meta), want, atol=0, rtol=0)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 3  # prefill-only, mixed, decode-only: no per-size recompiles
