@@ -173,7 +173,8 @@ def _(block_table, query_seq, query_pos, block_size, sink, window, max_kv):
 
 
 declare(OP_QUERY_WINDOW, "reference", torch.ops.mla.sink_window_query_indices_ref, rank=100, devices=("any",),
-        dtypes=(torch.int32,), gpu_tested=True, note="plain torch (index arithmetic only; the arithmetic of sink_window_indices)")
+        dtypes=(torch.int32,), gpu_tested=True,
+        note="plain torch (index arithmetic only; the arithmetic of sink_window_indices)")
 
 
 def sink_window_query_indices(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, *, block_size: int,

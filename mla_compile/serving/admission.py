@@ -114,7 +114,8 @@ def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: 
     total = prompt_len + max_new_tokens
     bounds = [(limits.max_positions, "the model's max_position_embeddings"),
               (limits.max_seq_tokens, "max_blocks_per_seq * block_size of the runner's builder"),
-              (limits.cache_tokens if limits.peak_tokens is None else None, "the paged cache (num_blocks * block_size)")]
+              (limits.cache_tokens if limits.peak_tokens is None else None,  # windowed: the peak, below
+               "the paged cache (num_blocks * block_size)")]
     for bound, what in bounds:
         if bound is not None and total > bound:
             message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens "

@@ -59,7 +59,8 @@ class BlockManager:
         self.null_block: int | None = None
         if self.sink_window is not None:
             if num_blocks < 2:
-                raise ValueError(f"a windowed BlockManager needs num_blocks >= 2 (one is the null block), got {num_blocks}")
+                raise ValueError(f"a windowed BlockManager needs num_blocks >= 2 (one is the null block), "
+                                 f"got {num_blocks}")
             self.null_block = self.free_ids.pop()  # block 0: the table entry of every released block
             self.blocks[self.null_block].ref = 1  # pinned: never freed, evicted or registered
 

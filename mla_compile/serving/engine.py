@@ -167,8 +167,8 @@ class Engine:
                                    sink_window=sink_window_of(runner))
         windowed = self.blocks.sink_window is not None
         self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
-                                    cache_tokens=self.blocks.usable_blocks * self.block_size, max_positions=max_positions,
-                                    peak_tokens=self.blocks.peak_tokens if windowed else None)
+                                    cache_tokens=self.blocks.usable_blocks * self.block_size,
+                                    max_positions=max_positions, peak_tokens=self.blocks.peak_tokens if windowed else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []

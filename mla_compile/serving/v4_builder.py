@@ -152,8 +152,8 @@ class V4Blocks:
                  block_size: int, window: int, max_seqs: int) -> None:
         self.block_size = block_size
         self.tokens = BlockManager(num_blocks, block_size, enable_prefix_caching=False, sink_window=(0, window))
-        n_entry = lambda r: num_entry_blocks[r] if isinstance(num_entry_blocks, dict) else num_entry_blocks  # noqa: E731
-        self.entries = {r: BlockManager(n_entry(r), block_size, enable_prefix_caching=False) for r in rates}
+        per_rate = num_entry_blocks if isinstance(num_entry_blocks, dict) else {r: num_entry_blocks for r in rates}
+        self.entries = {r: BlockManager(per_rate[r], block_size, enable_prefix_caching=False) for r in rates}
         self.free_slots = list(range(max_seqs - 1, -1, -1))
         self.seqs: dict[int, _V4Seq] = {}
 

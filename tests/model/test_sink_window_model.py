@@ -207,7 +207,8 @@ def test_compiles_whole_without_graph_breaks_or_recompiles(fresh_dynamo):
     steps = [plan_step([], [SeqChunk(blocks[0], p[0]), SeqChunk(blocks[1], p[1][:4])], 4),
              plan_step([SeqChunk(blocks[0], [5], 11)], [SeqChunk(blocks[1], p[1][4:], 4), SeqChunk(blocks[2], p[2])],
                        4),
-             plan_step([SeqChunk(blocks[0], [6], 12), SeqChunk(blocks[1], [7], 7), SeqChunk(blocks[2], [8], 14)], [], 4)]
+             plan_step([SeqChunk(blocks[0], [6], 12), SeqChunk(blocks[1], [7], 7), SeqChunk(blocks[2], [8], 14)], [],
+                       4)]
     with torch.no_grad():
         for step in steps:
             want = model(step.input_ids, step.positions, step.meta)
