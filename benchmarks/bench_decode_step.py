@@ -264,7 +264,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         torch.cuda.empty_cache()  # the float32 init copies are cached, not used
         INFO["weights_bytes"] = torch.cuda.memory_allocated()
         INFO["free_bytes_after_weights"] = torch.cuda.mem_get_info()[0]
-    model = patch(hf, backend=args.backend)
+    model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
     from mla_compile.backends import select_backend
     c = model.config
     picks = {op: select_backend(op, device=dev, dtype=dtype, block_size=wl.bs if op == "decode" else None,
@@ -598,6 +598,8 @@ def parse_args(argv=None):
     ap.add_argument("--warm-cache", action="store_true", help="keep the Inductor cache dir (default: a fresh one)")
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
     ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel table of the smallest batch's graph replay")
+    ap.add_argument("--regional-compile", action="store_true",
+                    help="patch(..., regional_compile=True): each decoder layer compiled once, reused for every layer")
     ap.add_argument("--lowerings", action="store_true",
                     help="import mla_compile.lowerings and compile ours with its fusion passes (add "
                          "--backend decode=autotune for the autotuned decode)")

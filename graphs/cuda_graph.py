@@ -7,6 +7,11 @@ reuse the pool). At run time the builder fills the buffers for the real batch, p
 captured size that fits, and the graph is replayed. Larger batches, prefill and mixed steps run the
 step function directly. Without CUDA (or with ``enabled=False``) the same padded steps run directly,
 which is how the logic is tested on CPU.
+
+With a :class:`TokenFeed` (:meth:`DecodeGraphRunner.enable_token_feed`, what ``Engine(overlap=True)`` turns on)
+every step first gathers the input ids of its decode rows from the previous step's sampled tokens on the
+device (inside the captured graph for replayed steps), so the next step can be launched before the host has
+seen those tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +27,62 @@ from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_
 from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_rows
 
 StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
+
+
+class TokenFeed:
+    """Sampled tokens fed back as the next step's inputs on the device, with no host round trip.
+
+    ``tokens`` (int64 ``[2 * max_batch]``): the last step's sampled token of each logits row (decode rows, then
+    prefill rows). ``index`` (int64 ``[max_batch]``): for decode row ``i`` of the next step, the row of
+    ``tokens`` that is its input id, or -1 to keep the id the builder wrote from the host. Both are persistent
+    (fixed addresses for captured graphs); ``index`` is filled per step by one non-blocking copy from pinned
+    host memory (two host buffers used in turn, each reused only after its copy finished). Decode rows have
+    one token each (the builder's ``query_len`` must be 1)."""
+
+    def __init__(self, max_batch: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.tokens = torch.zeros(2 * max_batch, dtype=torch.int64, device=self.device)
+        self.index = torch.full((max_batch,), -1, dtype=torch.int64, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = [torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
+        self._copied: list = [None] * len(self._host)
+        self._turn = 0
+
+    def fill(self, rows: Sequence[int]) -> None:
+        """Set ``index``: decode row ``i < len(rows)`` reads ``tokens[rows[i]]`` (-1: the host id), every
+        later row keeps its host id."""
+        if len(rows) > self.max_batch:
+            raise ValueError(f"TokenFeed.fill: {len(rows)} decode rows, the feed holds max_batch={self.max_batch}")
+        if any(not -1 <= r < self.tokens.numel() for r in rows):
+            raise ValueError(f"TokenFeed.fill: rows {list(rows)} must be -1 or in [0, {self.tokens.numel()})")
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._host)
+        done = self._copied[turn]
+        if done is not None and not done.query():
+            done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
+        host = self._host[turn].numpy()
+        host[:] = -1
+        host[:len(rows)] = rows
+        self.index.copy_(self._host[turn], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
+
+    def apply(self, input_ids: Tensor, n: int) -> None:
+        """Overwrite the first ``n`` input ids (the decode rows) where ``index`` names a row of ``tokens``
+        (tensor ops only: capturable)."""
+        if n == 0:
+            return
+        index = self.index[:n]
+        fed = self.tokens.index_select(0, index.clamp(min=0))
+        input_ids[:n].copy_(torch.where(index >= 0, fed, input_ids[:n]))
+
+    def store(self, tokens: Tensor) -> Tensor:
+        """Keep a step's sampled ``tokens`` (int64 ``[n]``) for the next step; returns their persistent view."""
+        kept = self.tokens[:tokens.shape[0]]
+        kept.copy_(tokens)
+        return kept
 
 
 def default_capture_sizes(max_batch: int, min_batch: int = 2) -> list[int]:
@@ -62,28 +123,50 @@ class DecodeGraphRunner:
         if callable(getattr(model, "set_cuda_graph", None)):
             model.set_cuda_graph(True)
         self.sampling_rows = SamplingRows(builder.max_batch, builder.device) if sampling else None
+        self.token_feed: TokenFeed | None = None  # see enable_token_feed
+        self._rows_after: SamplingRows | None = None  # sample_step's parameters when it samples after the step
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor | None]] = {}
         self.pool = None
         self.replays = 0
         self.fallbacks = 0
 
-    def _call(self, step: StepInputs) -> Tensor:
+    def enable_token_feed(self) -> TokenFeed:
+        """Give every later step a :class:`TokenFeed` (idempotent; returns it): the decode rows' input ids are
+        gathered on the device from the previous step's tokens where :meth:`sample_step` is told to. Graphs
+        captured before are dropped and captured again, with the feed, on the next decode step."""
+        if self.token_feed is None:
+            if self.builder.query_len != 1:
+                raise ValueError(f"the token feed needs one token per decode row; the builder has "
+                                 f"query_len={self.builder.query_len}")
+            self.token_feed = TokenFeed(self.builder.max_batch, self.builder.device)
+            self._rows_after = SamplingRows(2 * self.builder.max_batch, self.builder.device)
+            self.graphs, self.pool = {}, None
+        return self.token_feed
+
+    def _call(self, step: StepInputs, fed_rows: int = 0) -> Tensor:
+        """The step's logits; with a token feed, its first ``fed_rows`` input ids are fed first."""
         own = getattr(step.meta, "mark_dynamic", None)  # metadata that marks itself (DeepSeek-V4's V4Metadata)
         if own is not None:
             own(step.input_ids, step.positions)
         else:
             mark_dynamic(step.input_ids, step.positions, step.meta)
         with torch.no_grad():
+            if self.token_feed is not None:
+                self.token_feed.apply(step.input_ids, fed_rows)
             return self.step_fn(step.input_ids, step.positions, step.meta)
 
     def _call_sampled(self, step: StepInputs, size: int) -> tuple[Tensor, Tensor | None]:
-        """The step's logits and, with sampling on, the tokens drawn from its first ``size`` rows under the
-        parameters in :attr:`sampling_rows` (tensor ops only: capturable)."""
-        logits = self._call(step)
+        """The padded decode step of ``size`` rows: its logits and, with sampling on, the tokens drawn from its
+        rows under the parameters in :attr:`sampling_rows` (kept in the token feed when there is one). Tensor
+        ops only: capturable."""
+        logits = self._call(step, size)
         if self.sampling_rows is None:
             return logits, None
         with torch.no_grad():
-            return logits, sample(logits[:size], **self.sampling_rows.views(size))
+            tokens = sample(logits[:size], **self.sampling_rows.views(size))
+            if self.token_feed is not None:
+                tokens = self.token_feed.store(tokens)
+            return logits, tokens
 
     def capture(self) -> None:
         """Capture one graph per capture size (largest first) into one shared memory pool.
@@ -102,6 +185,8 @@ class DecodeGraphRunner:
             side.wait_stream(torch.cuda.current_stream())
             if self.sampling_rows is not None:
                 self.sampling_rows.fill((), (), size)
+            if self.token_feed is not None:
+                self.token_feed.fill(())
             with torch.cuda.stream(side):
                 for _ in range(self.warmup):
                     self._call_sampled(step, size)
@@ -137,7 +222,7 @@ class DecodeGraphRunner:
         return logits, tokens
 
     def _decode(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams] | None,
-                steps: Sequence[int] | None) -> tuple[Tensor, Tensor | None]:
+                steps: Sequence[int] | None, feed: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
         if self.enabled and not self.graphs:  # capture lazily, on the first decode step
             self.capture()
         size = self.graph_size(len(chunks))
@@ -145,11 +230,13 @@ class DecodeGraphRunner:
         if size is None:
             self.fallbacks += 1
             step = self.builder.build(chunks)
-            return self._call(step)[:step.num_rows], None
+            self._fill_feed(feed)
+            return self._call(step, len(chunks))[:step.num_rows], None
         if not self.enabled:  # no CUDA: the same padded step, run directly
             step = self.builder.build(chunks, decode_batch=size)
+            self._fill_feed(feed)
             if rows is None:
-                return self._call(step)[:step.num_rows], None
+                return self._call(step, size)[:step.num_rows], None
             rows.fill(params, steps, size)
             logits, tokens = self._call_sampled(step, size)
             return logits[:step.num_rows], tokens[:step.num_rows]
@@ -161,6 +248,7 @@ class DecodeGraphRunner:
             step = self.builder.build(chunks, decode_batch=size)
             if rows is not None:
                 rows.fill(params, steps, size)
+            self._fill_feed(feed)
             graph.replay()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
@@ -172,4 +260,41 @@ class DecodeGraphRunner:
         if decode and not prefill:
             return self.decode(decode)
         step = self.builder.build(decode, prefill)
-        return self._call(step)[:step.num_rows]
+        self._fill_feed(())
+        return self._call(step, len(decode))[:step.num_rows]
+
+    def _fill_feed(self, feed: Sequence[int]) -> None:
+        """With a token feed, set the rows this step feeds (none: every input id from the host)."""
+        if self.token_feed is not None:
+            self.token_feed.fill(feed)
+        elif feed:
+            raise ValueError("a step with fed rows needs the token feed: call enable_token_feed() first")
+
+    def sample_step(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], params: Sequence[SamplingParams],
+                    steps: Sequence[int], feed: Sequence[int]) -> tuple[Tensor, Tensor]:
+        """Any step, its tokens sampled on the device and kept in the token feed (:meth:`enable_token_feed`) for
+        the next step: what ``Engine(overlap=True)`` drives.
+
+        ``params[i]`` / ``steps[i]``: how logits row ``i`` (decode rows, then one row per prefill chunk) samples
+        (every seed set). ``feed[i]`` (one per decode chunk): the row of the previous ``sample_step``'s tokens
+        that is decode row ``i``'s input id, or -1 for the id in its chunk (then only a placeholder). Returns the
+        logits ``[n, vocab]`` and the int64 ``[n]`` tokens, both on the device without a host sync: pure decode
+        steps replay their graph (sampling inside it with ``sampling=True``); the tokens are a view the next
+        step overwrites (copy them before, in stream order)."""
+        n = len(decode) + len(prefill)
+        if len(params) != n or len(steps) != n or len(feed) != len(decode):
+            raise ValueError(f"sample_step: {len(decode)} decode and {len(prefill)} prefill chunks need {n} params "
+                             f"and steps and {len(decode)} feed rows, got {len(params)}, {len(steps)} and {len(feed)}")
+        if self.token_feed is None:
+            raise ValueError("sample_step needs the token feed: call enable_token_feed() first")
+        if decode and not prefill:
+            logits, tokens = self._decode(decode, params, steps, feed)
+            if tokens is not None:
+                return logits, tokens  # sampled (and kept) inside the step
+        else:
+            step = self.builder.build(decode, prefill)
+            self._fill_feed(feed)
+            logits = self._call(step, len(decode))[:step.num_rows]
+        with torch.no_grad():  # parameters by a non-blocking copy from pinned memory, as inside the graphs
+            tokens = sample(logits, **self._rows_after.fill(params, steps, n))
+        return logits, self.token_feed.store(tokens)

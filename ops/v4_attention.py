@@ -115,7 +115,7 @@ def _(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_f
 
 
 declare(OP, "reference", torch.ops.mla.v4_attention_ref, rank=100, devices=("any",), dtypes=FLOATS,
-        cache_dtypes=FLOATS, note="plain torch, the numerical ground truth")
+        cache_dtypes=FLOATS, gpu_tested=True, note="plain torch, the numerical ground truth")
 
 
 def v4_attention(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
@@ -175,5 +175,5 @@ def _triton(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
 
 
 declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS,
-        package="triton", kernels=("v4_attention_triton", "_v4_attention_kernel"),
+        package="triton", gpu_tested=True, kernels=("v4_attention_triton", "_v4_attention_kernel"),
         note="ours; slot lists split over up to 16 programs, merged by a second kernel")

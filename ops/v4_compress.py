@@ -187,7 +187,7 @@ def _(kv, gate, query_seq, query_pos, state_slot, state_kv, state_gate, position
 
 
 declare(OP, "reference", torch.ops.mla.v4_compress_write_ref, rank=100, devices=("any",), dtypes=FLOATS,
-        cache_dtypes=FLOATS, note="plain torch")
+        cache_dtypes=FLOATS, gpu_tested=True, note="plain torch")
 
 
 def v4_compress_write(kv: Tensor, gate: Tensor, query_seq: Tensor, query_pos: Tensor, state_slot: Tensor,
@@ -215,5 +215,6 @@ def _triton(kv: Tensor, gate: Tensor, query_seq: Tensor, query_pos: Tensor, stat
 
 
 declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS, cache_dtypes=FLOATS,
-        package="triton", kernels=("v4_compress_write_triton", "_compress_entry_kernel", "_state_write_kernel"),
+        package="triton", gpu_tested=True,
+        kernels=("v4_compress_write_triton", "_compress_entry_kernel", "_state_write_kernel"),
         note="ours; entries then ring state, two launches")

@@ -12,6 +12,7 @@ import torch
 
 from mla_compile.serving.admission import RequestRejected
 from mla_compile.serving.engine import StepFailed
+from mla_compile.serving.sampling import SamplingParams
 
 
 def run_workload(engine, seed: int, n_requests: int = 12, gap: int = 8, max_new: int = 60, max_prompt: int = 20):
@@ -117,6 +118,25 @@ def make_trace(seed: int, n_requests: int, *, vocab_size: int, max_total: int, g
     return trace
 
 
+def with_sampling(trace: list[TraceRequest], seed: int, vocab_size: int, stops: bool = False) -> list[TraceRequest]:
+    """``trace`` with two thirds of its valid requests given :class:`SamplingParams` in place of their int
+    ``max_new_tokens`` (temperature, top-k, top-p; most seeded, some left to the engine's seed) and, with
+    ``stops``, two or three stop tokens each; the rest stay greedy. Changes ``trace`` in place; returns it."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    settings = [dict(temperature=1.0), dict(temperature=0.8, top_k=6), dict(temperature=1.2, top_p=0.85), {}]
+    for r in trace:
+        if r.valid and randint(0, 3):
+            stop = tuple(torch.randint(0, vocab_size, (randint(2, 4),), generator=gen).tolist()) if stops else ()
+            request_seed = randint(0, 2**40) if randint(0, 4) else None  # None: the engine draws one
+            r.max_new_tokens = SamplingParams(**settings[randint(0, 4)], seed=request_seed, stop_token_ids=stop,
+                                              max_new_tokens=r.max_new_tokens)
+    return trace
+
+
 @dataclass
 class TraceRun:
     """What :func:`run_trace` saw: request ids by trace index, rejections, output lengths at abort and
@@ -205,6 +225,11 @@ class FailingRunner:
     def decode_sampled(self, chunks, params, steps):
         out = self.runner.decode_sampled(chunks, params, steps)
         self._after(chunks, ())
+        return out
+
+    def sample_step(self, decode, prefill, params, steps, feed):
+        out = self.runner.sample_step(decode, prefill, params, steps, feed)
+        self._after(decode, prefill)
         return out
 
 

@@ -354,9 +354,11 @@ def cuda_graphs(rank, world, pconf):
             "real_group": state.tp.group is not None}
 
 
-def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
+def dcp_model_equals_single(rank, world, kind, interleave, compile_too, kv_cache="bf16"):
     """DCP over both ranks (tp=2, dcp=2): each rank caches its tokens of every sequence (block-interleaved); the
-    logits of prefill and decode steps equal the single-process model's. Also the per-rank cache rows written."""
+    logits of prefill and decode steps equal the single-process model's (with the same ``kv_cache`` format: the
+    fp8 rows quantize the same latents alike). Also the per-rank cache rows written."""
+    from mla_compile.models.cache import FP8_POISON
     from mla_compile.parallel.dcp import local_seq_lens, plan_dcp_step
 
     state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
@@ -391,11 +393,17 @@ def dcp_model_equals_single(rank, world, kind, interleave, compile_too):
         return out
 
     dcp_plan = lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw)  # noqa: E731
+    fp8 = kv_cache == "fp8"
+    ref.kv_cache_dtype = "fp8" if fp8 else None
     want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
     steps = script(local, dcp_plan)
     model = patch(hf, parallel=state)
+    model.kv_cache_dtype = ref.kv_cache_dtype
     got = _run(model, steps)
-    written = int((~torch.isnan(model.attentions[0].kv_cache[:, :, 0])).sum())
+    cache = model.attentions[0].kv_cache
+    # a written row: a finite first value (bf16), or leading bytes other than the NaN fill's (fp8: a quantized
+    # finite value is never the 0xFF NaN pattern)
+    written = int((cache[:, :, :16] != FP8_POISON).any(-1).sum() if fp8 else (~torch.isnan(cache[:, :, 0])).sum())
     # prefix-cached prefill and chunked prefill over context split across the ranks (the _steps script)
     want_ctx = _run(ref, _steps(vocab, seed=11))
     ctx_steps = _steps(vocab, seed=11, blocks=local_blocks([n + 3 for n in STEP_LENS], 70), planner=dcp_plan)

@@ -85,9 +85,10 @@ def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pc
             assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
-@pytest.mark.parametrize("kind,interleave,compile_too", [("v3", 4, False), ("v2-lite", 1, True)])
-def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, interleave, compile_too):
-    results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, timeout=240)
+@pytest.mark.parametrize("kind,interleave,compile_too,kv_cache", [("v3", 4, False, "bf16"), ("v2-lite", 1, True, "bf16"),
+                                                                  ("v3", 2, False, "fp8")])
+def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, interleave, compile_too, kv_cache):
+    results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, kv_cache, timeout=240)
     for r in results:
         assert r["type"] == "DCPAttention" and r["finite"]
         assert r["err"] <= TOL and r["ctx_err"] <= TOL, r

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 
-def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
-    return None if t is None else t.to(device, non_blocking=True)
+def _mapped(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor | None], Tensor | None]:
+    return lambda t: None if t is None else fn(t)
+
+
+def _moved(device: torch.device | str) -> Callable[[Tensor], Tensor]:
+    return lambda t: t.to(device, non_blocking=True)
 
 
 @dataclass
@@ -57,9 +61,13 @@ class ContextSlices:
         """How many slices (a shape, symbolic under dynamic shapes)."""
         return self.cu_seqlens.shape[0]
 
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> "ContextSlices":
+        """A copy with ``fn`` applied to the index tensors (``rows``, host sizes, kept as is)."""
+        return ContextSlices(fn(self.cu_seqlens), fn(self.starts), self.rows)
+
     def to(self, device: torch.device | str) -> "ContextSlices":
         """A copy with the index tensors on ``device`` (``rows`` stays on the host)."""
-        return ContextSlices(_to(self.cu_seqlens, device), _to(self.starts, device), self.rows)
+        return self.map_tensors(_moved(device))
 
 
 @dataclass
@@ -79,11 +87,15 @@ class PrefillMetadata:
     context: ContextSlices | None = None
     plan: Any = None  # a host-side planner of the causal call (FlashInfer), the same object every step
 
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> "PrefillMetadata":
+        """A copy with ``fn`` applied to every tensor (``context.rows`` kept as is)."""
+        mv = _mapped(fn)
+        ctx = None if self.context is None else self.context.map_tensors(fn)
+        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table), ctx, self.plan)
+
     def to(self, device: torch.device | str) -> "PrefillMetadata":
         """A copy on ``device`` (``context.rows`` stays on the host)."""
-        mv = lambda t: _to(t, device)  # noqa: E731
-        ctx = None if self.context is None else self.context.to(device)
-        return PrefillMetadata(mv(self.cu_seqlens_q), mv(self.cu_seqlens_k), mv(self.block_table), ctx, self.plan)
+        return self.map_tensors(_moved(device))
 
 
 @dataclass
@@ -107,13 +119,17 @@ class MLAMetadata:
             out.extend(v for f in fields(part) if isinstance(v := getattr(part, f.name), Tensor))
         return out
 
-    def to(self, device: torch.device | str) -> "MLAMetadata":
-        """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
-        mv = lambda t: _to(t, device)  # noqa: E731
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> "MLAMetadata":
+        """A copy with ``fn`` applied to every tensor but ``prefill.context.rows`` (host sizes, kept as is)."""
+        mv = _mapped(fn)
         dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len,
                                              self.decode.plan)
-        pre = self.prefill and self.prefill.to(device)
+        pre = self.prefill and self.prefill.map_tensors(fn)
         return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
+
+    def to(self, device: torch.device | str) -> "MLAMetadata":
+        """A copy on ``device`` (host-side planning builds on CPU, then moves once)."""
+        return self.map_tensors(_moved(device))
 
 
 def query_parts(meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:

@@ -2,9 +2,9 @@
 
 :class:`DCPAttention` is :class:`~mla_compile.models.attention.MLAAttention` over this rank's part of every sequence's
 latent cache (block-interleaved by :mod:`mla_compile.parallel.dcp`; the step's metadata is this rank's, from
-:func:`mla_compile.parallel.dcp.plan_dcp_step`). Every token's latent row is written only by the rank that holds
-it (the others get slot -1). Decode: the absorbed queries of the DCP group's heads are all-gathered, each rank
-attends over its tokens (``(out, lse)``), the parts are all-gathered and merged by LSE, and each rank keeps its
+:func:`mla_compile.parallel.dcp.plan_dcp_step`), bf16 or fp8 (the 656-byte rows). Every token's latent row is
+written only by the rank that holds it (the others get slot -1). Decode: the absorbed queries of the DCP group's
+heads are all-gathered, each rank attends over its tokens (``(out, lse)``), the parts are all-gathered and merged by LSE, and each rank keeps its
 own heads for ``W_UV`` and ``o_proj``. Prefill of new tokens attends to the step's own latents (no cache read), as
 without DCP; over cached context (prefix hits, chunked prefill) the group's queries and ``kv_b_proj`` rows are
 all-gathered, each rank attends over its context tokens and the parts are merged by LSE.
@@ -36,8 +36,6 @@ class DCPAttention(MLAAttention):
     def _decode(self, q_nope: Tensor, q_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Absorbed decode over the split cache: ``[n_dec, H_local, v_head_dim]``."""
         c, d = self.config, meta.decode
-        if self.fp8_cache:
-            raise NotImplementedError("DCPAttention: the fp8 latent cache is not split by token yet")
         if d.query_len != 1:
             raise NotImplementedError(f"DCPAttention: query_len={d.query_len}; split-cache decode takes one query "
                                       "per sequence (the causal mask of s_q > 1 spans the ranks' parts)")
@@ -46,13 +44,15 @@ class DCPAttention(MLAAttention):
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
         q_all = all_gather(q_abs, 1, self.dcp)  # the DCP group's heads, in head order
         heads = c.num_heads * self.dcp.size
-        name = cached_backend(self._choice_token, "decode", self._requested["decode"], device=self.kv_cache.device,
+        op = "decode_fp8" if self.fp8_cache else "decode"
+        name = cached_backend(self._choice_token, op, self._requested[op], device=self.kv_cache.device,
                               dtype=q_all.dtype, cache_dtype=self.kv_cache.dtype, block_size=self.kv_cache.shape[1],
                               num_heads=heads, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim), need_lse=True,
                               cuda_graph=self.cuda_graph, cache_strides=tuple(self.kv_cache.stride()),
                               row_width=self.kv_cache.shape[-1])
-        out, lse = ops.decode(q_all, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
-                              kv_lora_rank=c.kv_lora_rank, backend=name)
+        decode = ops.decode_fp8 if self.fp8_cache else ops.decode
+        out, lse = decode(q_all, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+                          kv_lora_rank=c.kv_lora_rank, backend=name)
         out, _ = merge_parts(all_gather(out.unsqueeze(0), 0, self.dcp), all_gather(lse.unsqueeze(0), 0, self.dcp))
         out = out.narrow(1, self.dcp.rank * c.num_heads, c.num_heads)
         return torch.einsum("thc,hvc->thv", out, w_uv)
@@ -70,8 +70,6 @@ class DCPAttention(MLAAttention):
         p = meta.prefill
         if p.context is None:
             return super()._prefill(q_nope, q_pe, latent, k_pe, meta)
-        if self.fp8_cache:
-            raise NotImplementedError("DCPAttention: the fp8 latent cache is not split by token yet")
         c, P = self.config, self.dcp.size
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = up_project(latent, k_pe, self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
@@ -88,7 +86,7 @@ class DCPAttention(MLAAttention):
             ctx.rows, w_all, c.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
             prefill_backend=self._heads_backend("prefill", q.dtype, heads, (c.qk_head_dim, c.v_head_dim)),
             merge_backend=self._heads_backend("merge", q.dtype, heads, (c.v_head_dim,)),
-            gather_backend=self._requested["gather"])
+            gather_backend=self._requested["gather_fp8" if self.fp8_cache else "gather"])
         ctx_out, ctx_lse = merge_parts(all_gather(ctx_out.unsqueeze(0), 0, self.dcp),
                                        all_gather(ctx_lse.unsqueeze(0), 0, self.dcp))
         h0 = self.dcp.rank * c.num_heads

@@ -12,6 +12,10 @@ graphs when the runner has captured them.
 One client never takes down the others: requests are validated before they are queued
 (:mod:`mla_compile.serving.admission`), any request can be aborted between steps, and a step whose runner
 raises fails only the requests in that step (see :class:`Engine`).
+
+``Engine(overlap=True)`` takes the host work off the critical path (see :class:`Engine`): sampled tokens stay
+on the device and feed the next step's inputs there, the host plans and launches step n+1 while the device
+runs step n, and it learns step n's tokens one step late.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
+import torch
 from torch import Tensor
 
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
@@ -49,7 +54,8 @@ class StepRunner(Protocol):
     model, or ``torch.compile`` of it) gives the engine its vocabulary size and positions. A runner that also
     has ``decode_sampled(chunks, params, steps) -> (logits, tokens)`` samples decode steps itself (on the
     device, inside the captured step when it was made with ``sampling=True``); the engine then reads only the
-    tokens."""
+    tokens. ``Engine(overlap=True)`` needs ``enable_token_feed()`` and ``sample_step(decode, prefill, params,
+    steps, feed) -> (logits, tokens)`` (see ``DecodeGraphRunner.sample_step``)."""
 
     builder: MetadataBuilder
 
@@ -137,11 +143,28 @@ class Engine:
     tokens within ``max_positions``, one sequence's block table and the whole cache. ``vocab_size`` and
     ``max_positions`` default to the runner's model config (``runner.step_fn.config``) and may only
     lower it; a runner without one needs ``vocab_size`` passed.
+
+    ``overlap=True`` (the runner needs ``enable_token_feed`` and ``sample_step``: ``DecodeGraphRunner``) keeps
+    sampled tokens on the device: a decode row's input id is gathered there from the previous step's tokens
+    (inside the captured graph for replayed steps), so :meth:`step` launches step n+1 before it reads step n's
+    tokens, which arrive by a non-blocking copy into host memory. Each :meth:`step` call plans and launches one
+    step, then reads the previous step's tokens: it returns (and :attr:`new_tokens` / :meth:`stream` report)
+    what that previous step produced and finished. Every request gets the same tokens as without overlap
+    (same ``(seed, n)`` streams). A request that reaches ``max_new_tokens`` in step n leaves the batch (and
+    frees its blocks) when step n is launched, as it would after step n without overlap; one that draws a stop
+    token in step n is known to have stopped only after step n+1 was launched: it still has a row in step n+1,
+    whose token is dropped (its blocks are freed then; a later step reuses them only after step n+1 ran, in
+    stream order). Full prompt blocks enter the prefix cache when their step was launched without an error.
+    :meth:`abort` first waits for the step in flight (a host sync outside the step), so the request keeps the
+    tokens that step gave it, as without overlap. A step whose launch raises fails its requests as above,
+    after the previous step's tokens were taken; an error met while reading a step's tokens (an asynchronous
+    device error) fails that step's requests. When no request is left running, :meth:`step` also waits for the
+    step in flight, so an idle engine has nothing pending.
     """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
                  enable_prefix_caching: bool = True, vocab_size: int | None = None,
-                 max_positions: int | None = None, seed: int = 0) -> None:
+                 max_positions: int | None = None, seed: int = 0, overlap: bool = False) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
@@ -178,6 +201,17 @@ class Engine:
         self.step_logits: list[Tensor] = []
         self.new_tokens: dict[int, list[int]] = {}  # the last step's tokens by request id (see stream)
         self.cached_prompt_tokens = 0
+        self.overlap = overlap
+        if overlap:
+            missing = [m for m in ("enable_token_feed", "sample_step") if not callable(getattr(runner, m, None))]
+            if missing:
+                raise ValueError(f"overlap=True needs a runner with {' and '.join(missing)} (DecodeGraphRunner); "
+                                 f"{type(runner).__name__} has none")
+            runner.enable_token_feed()
+        self._inflight: _InFlight | None = None  # overlap: the launched step whose tokens are not read yet
+        self._host_tokens = _HostTokens(2 * self.max_batch)
+        self._learned: dict[int, list[int]] = {}  # overlap: tokens read since the last step() returned
+        self._done: list[Request] = []  # overlap: requests finished since the last step() returned
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
@@ -204,11 +238,13 @@ class Engine:
         lose its reference) and it is finished with ``finish_reason "abort"``. Aborting a request
         that already finished (for any reason, an earlier abort included) changes nothing and returns
         it. An id that was never admitted (unknown, or rejected by :meth:`add_request`) raises
-        ``ValueError``.
+        ``ValueError``. With ``overlap`` it first waits for the step in flight and takes its tokens (a
+        :class:`StepFailed` of that step propagates); the next :meth:`step` reports them.
         """
         req = self.requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} is unknown: never added, or rejected at admission")
+        self._sync()  # overlap: the step in flight gives the request its token first
         if req.finish_reason is not None:
             return req
         if req in self.running:
@@ -237,22 +273,17 @@ class Engine:
             self.running.append(req)
 
     def step(self, keep_logits: bool = False) -> list[Request]:
-        """Run one step; returns the requests that finished in it.
+        """Run one step; returns the requests that finished in it (with ``overlap``: launch one step, then
+        read the one launched before; returns the requests that one finished).
 
         Raises :class:`StepFailed` when the runner raised: the step's requests are failed (see the
         class docstring) and the engine is ready for the next step.
         """
+        if self.overlap:
+            return self._step_overlap(keep_logits)
         self.new_tokens = {}
         self._admit()
-        decoding = [r for r in self.running if not r.prefilling]
-        # the decode part is padded to the builder's min_batch, so count its padded size
-        budget = self.max_tokens - (max(len(decoding), self.runner.builder.min_batch) if decoding else 0)
-        chunks = []
-        for r in self.running:
-            if r.prefilling and budget > 0:
-                n = min(len(r.prompt) - r.computed, budget)
-                chunks.append((r, n))
-                budget -= n
+        decoding, chunks = self._schedule()
         if not decoding and not chunks:
             return []
         for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
@@ -289,6 +320,20 @@ class Engine:
             self.blocks.release_outside(r.alloc, r.computed if r.prefilling else r.length)
         return done
 
+    def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
+        """The next step's rows: every running request past its prompt decodes one token, and the rest of the
+        token budget goes to prompt chunks ``(request, tokens)`` in running order."""
+        decoding = [r for r in self.running if not r.prefilling]
+        # the decode part is padded to the builder's min_batch, so count its padded size
+        budget = self.max_tokens - (max(len(decoding), self.runner.builder.min_batch) if decoding else 0)
+        chunks = []
+        for r in self.running:
+            if r.prefilling and budget > 0:
+                n = min(len(r.prompt) - r.computed, budget)
+                chunks.append((r, n))
+                budget -= n
+        return decoding, chunks
+
     @staticmethod
     def _sample(logits: Tensor, rows: list[Request]) -> Tensor:
         """One token per row of ``logits`` ``[len(rows), V]``, each under its request's params at the index
@@ -300,7 +345,8 @@ class Engine:
     def _fail(self, requests: list[Request], exc: Exception) -> StepFailed:
         """Finish the requests of a failed step; returns the error to raise."""
         for r in requests:
-            self.running.remove(r)
+            if r in self.running:  # overlap: a request whose last token is in flight has left running
+                self.running.remove(r)
             self._finish(r, "error")
         ids = [r.id for r in requests]
         return StepFailed(f"the step of requests {ids} failed ({type(exc).__name__}: {exc}); they are "
@@ -310,8 +356,9 @@ class Engine:
     def stream(self) -> Iterator[StepOutput]:
         """Step until no request is waiting or running, yielding after every step the tokens it produced per
         request id and the requests it finished (for streaming output). Between two items the caller may add
-        or abort requests; a :class:`StepFailed` propagates (iterate a fresh :meth:`stream` to go on)."""
-        while self.waiting or self.running:
+        or abort requests; a :class:`StepFailed` propagates (iterate a fresh :meth:`stream` to go on). With
+        ``overlap`` each item holds what the step before it produced (tokens arrive one step late)."""
+        while self.waiting or self.running or self._learned or self._done:
             finished = self.step()
             yield StepOutput(dict(self.new_tokens), finished)
             if self.waiting and not self.running:
@@ -328,3 +375,133 @@ class Engine:
         for _ in self.stream():
             pass
         return sorted(self.finished, key=lambda r: r.id)
+
+    # ------------------------------------------------------------------ overlap (see the class docstring)
+
+    def _step_overlap(self, keep_logits: bool) -> list[Request]:
+        """Plan and launch the next step while the device runs the one in flight, then read that one's tokens;
+        returns the requests it finished."""
+        self._admit()
+        decoding, chunks = self._schedule()
+        previous, self._inflight = self._inflight, None
+        if decoding or chunks:
+            try:
+                self._inflight = self._launch(decoding, chunks, previous, keep_logits)
+            except Exception as exc:
+                launched = [*decoding, *(r for r, _ in chunks)]
+                try:
+                    self._read(previous)  # the previous step's tokens are kept
+                except StepFailed as earlier:  # it failed too (an asynchronous device error): report both
+                    failed = self._fail([r for r in launched if r.finish_reason is None], exc)
+                    earlier.request_ids += failed.request_ids
+                    raise
+                raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
+        self._read(previous)
+        self._retire()
+        if not self.running:
+            self._sync()  # only finished requests are left in flight: wait, so an idle engine has nothing pending
+        self.new_tokens, self._learned = self._learned, {}
+        done, self._done = self._done, []
+        return done
+
+    def _launch(self, decoding: list[Request], chunks: list[tuple[Request, int]], previous: _InFlight | None,
+                keep_logits: bool) -> _InFlight:
+        """Launch a step whose decode rows take the previous step's tokens on the device where the host has
+        not read them yet; register the prompt blocks it completes."""
+        fed = {} if previous is None else {r.id: row for row, r in previous.yields}
+        feed = [fed.get(r.id, -1) for r in decoding]
+        dec = []
+        for r, row in zip(decoding, feed):
+            pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
+            token = 0 if pending else r.output[-1]
+            dec.append(SeqChunk(r.blocks, [token], len(r.prompt) + len(r.output) + pending - 1))
+        pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
+        rows = [*decoding, *(r for r, _ in chunks)]
+        steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
+        logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed)
+        host, ready = self._host_tokens.copy(tokens)
+        kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
+        yields = list(enumerate(decoding))
+        for i, (r, n) in enumerate(chunks):
+            r.computed += n
+            self.blocks.register(r.alloc, r.prompt[:r.computed])
+            if not r.prefilling:  # the chunk that completes the prompt yields the first token
+                yields.append((len(decoding) + i, r))
+        return _InFlight(rows, yields, host, ready, kept)
+
+    def _read(self, step: _InFlight | None) -> None:
+        """Take a launched step's tokens (waiting for its copy): append them, finish the requests they end."""
+        if step is None:
+            return
+        try:
+            if step.ready is not None:
+                step.ready.synchronize()  # an asynchronous device error of the step shows here
+            sampled = step.tokens.tolist()
+            if step.logits is not None:
+                self.step_logits.append(step.logits.cpu())
+        except Exception as exc:
+            raise self._fail([r for r in step.requests if r.finish_reason is None], exc) from exc
+        for row, r in step.yields:
+            if r.finish_reason is not None:
+                continue  # it stopped in the step before (or failed) after this one was launched: drop the token
+            r.output.append(sampled[row])
+            self._learned.setdefault(r.id, []).append(sampled[row])
+            if r.stopped or r.done:
+                if r in self.running:
+                    self.running.remove(r)
+                self._finish(r, "stop" if r.stopped else "length")
+                self._done.append(r)
+
+    def _retire(self) -> None:
+        """Requests whose last token (``max_new_tokens``) the step in flight draws leave the batch and free their
+        blocks now, as they would after that step without overlap: any step that reuses the blocks is launched
+        later, so the device runs it after this one."""
+        if self._inflight is None:
+            return
+        yielding = {r.id for _, r in self._inflight.yields}
+        for r in [r for r in self.running if r.id in yielding and len(r.output) + 1 >= r.max_new_tokens]:
+            self.running.remove(r)
+            self.blocks.free(r.alloc)
+
+    def _sync(self) -> None:
+        """Overlap: wait for the step in flight and take its tokens (nothing to do without one)."""
+        step, self._inflight = self._inflight, None
+        self._read(step)
+
+
+@dataclass
+class _InFlight:
+    """An overlap step launched but not read: its ``requests`` (one per logits row), the ``(row, request)``
+    pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
+    already there), and a device copy of its float32 logits (``keep_logits``) or None."""
+
+    requests: list[Request]
+    yields: list[tuple[int, Request]]
+    tokens: Tensor
+    ready: Any
+    logits: Tensor | None
+
+
+class _HostTokens:
+    """Host memory for the tokens of the last two steps (pinned for a CUDA device), used in turn: step n's
+    tokens are read before step n+2 is launched, so a buffer is never overwritten before it was read."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._buffers: list[Tensor] = []
+        self._turn = 0
+
+    def copy(self, tokens: Tensor) -> tuple[Tensor, Any]:
+        """Start copying int64 ``tokens`` ``[n]`` to the host (non-blocking); returns the host view and the CUDA
+        event to wait on (None: the copy is done)."""
+        cuda = tokens.device.type == "cuda"
+        if not self._buffers:
+            self._buffers = [torch.empty(self.rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        host = self._buffers[self._turn][:tokens.shape[0]]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        if not cuda:
+            return host, None
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
