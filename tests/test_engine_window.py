@@ -19,6 +19,15 @@ pytest.importorskip("transformers")
 BS = 4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Many tiny steps: one intra-op thread is several times faster than two contended ones."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     hf = toy.toy_hf_model("v3", seed=8, dtype=torch.float64, **TINY_V3)  # float64: tokens never flip on rounding
@@ -37,7 +46,8 @@ def _plain(model, num_blocks, block_size=BS):
     return _engine(lambda *a: model(*a), num_blocks, block_size=block_size, vocab_size=97, max_positions=64)
 
 
-def test_long_generation_runs_in_a_bounded_cache():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_generation_runs_in_a_bounded_cache(overlap):
     """45 tokens (over 10 windows of 4) in 5 usable blocks of 2 (10 tokens): no step holds more than the sink
     block, the window's blocks and one more; the run's tokens and logits equal those of a run that releases
     nothing (bitwise: the same rows are read in the same order, only from other blocks)."""
@@ -46,13 +56,13 @@ def test_long_generation_runs_in_a_bounded_cache():
     prompt = toy.random_prompts(3, [5], vocab_size=97)[0]
     new, bs = 40, 2
     model.allocate_cache(6, bs, fill=float("nan"))
-    engine = _engine(model, 6, block_size=bs)
+    engine = _engine(model, 6, block_size=bs, overlap=overlap)
     assert engine.blocks.sink_window == (2, 4) and engine.blocks.peak_blocks(5, 45) == 4
     with pytest.raises(RequestRejected, match="hold up to 12 cache tokens"):  # a 6-block prompt: more than 5
         engine.add_request(list(range(11)), 1)
     rid = engine.add_request(prompt, new)
     held, released = [], 0
-    while engine.running or engine.waiting:
+    while engine.running or engine.waiting or engine._inflight is not None:
         engine.step(keep_logits=True)
         held.append(sum(b.ref > 0 for b in engine.blocks.blocks) - 1)  # less the pinned null block
         if engine.running:

@@ -316,9 +316,15 @@ class Engine:
         for r in done:
             self.running.remove(r)
             self._finish(r, "stop" if r.stopped else "length")
-        for r in self.running:  # [window] give back blocks no later query reads (a no-op for dense models)
-            self.blocks.release_outside(r.alloc, r.computed if r.prefilling else r.length)
+        self._release_windows()  # [window]
         return done
+
+    def _release_windows(self, in_flight: frozenset[int] | set[int] = frozenset()) -> None:
+        """[window] Give back the blocks no later query of a running request reads (a no-op for dense models).
+        ``in_flight``: ids of requests whose next token a launched step has not delivered yet (overlap)."""
+        for r in self.running:
+            next_pos = r.computed if r.prefilling else len(r.prompt) + len(r.output) + (r.id in in_flight) - 1
+            self.blocks.release_outside(r.alloc, next_pos)
 
     def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """The next step's rows: every running request past its prompt decodes one token, and the rest of the
@@ -398,6 +404,7 @@ class Engine:
                 raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
         self._read(previous)
         self._retire()
+        self._release_windows(set() if self._inflight is None else {r.id for _, r in self._inflight.yields})  # [window]
         if not self.running:
             self._sync()  # only finished requests are left in flight: wait, so an idle engine has nothing pending
         self.new_tokens, self._learned = self._learned, {}
@@ -414,7 +421,9 @@ class Engine:
         for r, row in zip(decoding, feed):
             pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
             token = 0 if pending else r.output[-1]
-            dec.append(SeqChunk(r.blocks, [token], len(r.prompt) + len(r.output) + pending - 1))
+            pos = len(r.prompt) + len(r.output) + pending - 1
+            self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation reaches a new block
+            dec.append(SeqChunk(r.blocks, [token], pos))
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
