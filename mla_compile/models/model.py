@@ -47,6 +47,22 @@ class MLAForCausalLM(nn.Module):
         """The MLA attention module of every layer."""
         return [layer.self_attn for layer in self.model.layers]
 
+    def set_sink_window(self, sink: int | None, window: int | None = None) -> None:
+        """Make every layer attend only to the first ``sink`` and the last ``window`` positions of each query's
+        causal prefix (what ``patch(..., sparse="sink_window")`` does; e.g. after ``from_pretrained``), or dense
+        attention again with ``sink=None``. Set it before building an engine over the model (its block manager
+        reads ``sink_window`` once); a compiled graph recompiles for the new mode."""
+        if sink is None:
+            value = None
+        elif self.config.is_sparse:
+            raise NotImplementedError("sink + window attention needs a dense-attention (V2/V3) model; a V3.2 "
+                                      "model already selects its tokens with its indexer")
+        else:
+            value = check_sink_window(sink, window)
+        for attn in self.attentions:
+            attn.sink_window = value
+        self.sink_window = value
+
     def set_cuda_graph(self, enabled: bool = True) -> None:
         """Tell every layer its decode steps will be captured, so "auto" picks only decode backends that
         replay with changing lengths (a CUDA-graph runner calls this before the first step)."""
@@ -194,7 +210,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     config = MLAConfig.from_hf(hf_config)
     if sparse is None:
         sink_window = None
-    elif config.is_sparse:
+    elif config.is_sparse:  # before anything is converted
         raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
                                   "model already selects its tokens with its indexer: pass sparse=None")
     backend = backend or envs.backend()
@@ -204,9 +220,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         mlp = layer.mlp
         if hasattr(mlp, "gate") and hasattr(mlp, "experts") and not isinstance(mlp, MLAMoE):
             layer.mlp = MLAMoE(mlp, impl=moe_impl)
-    for layer in hf_model.model.layers:
-        layer.self_attn.sink_window = sink_window
     model = MLAForCausalLM(hf_model, config)
     model.regional_compile = bool(regional_compile)
-    model.sink_window = sink_window
+    model.set_sink_window(*(sink_window or (None,)))
     return model

@@ -184,10 +184,17 @@ def test_v32_model_is_refused_before_any_change():
 
 
 def test_default_sink_is_four_and_dense_patch_clears_it():
-    hf = toy.toy_hf_model("v2-lite", seed=0, num_hidden_layers=1)
+    hf = toy.toy_hf_model("v2-lite", seed=0, num_hidden_layers=2)
     assert patch(hf, sparse="sink_window", window=16).sink_window == (4, 16)
     model = patch(hf)  # patching again without sparse: dense again
     assert model.sink_window is None and model.attentions[0].sink_window is None
+    model.set_sink_window(0, 8)  # on a patched (or from_pretrained) model
+    assert model.sink_window == (0, 8) and all(a.sink_window == (0, 8) for a in model.attentions)
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        model.set_sink_window(2, 0)
+    assert model.sink_window == (0, 8)
+    model.set_sink_window(None)
+    assert model.sink_window is None and all(a.sink_window is None for a in model.attentions)
 
 
 def test_compiles_whole_without_graph_breaks_or_recompiles(fresh_dynamo):
