@@ -21,7 +21,8 @@ from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.prefill import prefill
 from mla_compile.ops import prefill_autotune as _prefill_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops.sparse_decode import sparse_decode
-from mla_compile.ops.sparse_index import lightning_index, sink_window_indices, to_csr, write_index_cache
+from mla_compile.ops.sparse_index import (lightning_index, sink_window_indices, sink_window_query_indices, to_csr,
+                                         write_index_cache)
 from mla_compile.ops.v4_attention import v4_attention
 from mla_compile.ops.v4_compress import v4_compress_write
 from mla_compile.ops.v4_index import v4_index_topk
@@ -31,6 +32,6 @@ __all__ = [
     "adapters", "backends_for", "checked_mode", "context_attention", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
-    "lightning_index", "sink_window_indices", "sparse_decode", "to_csr", "write_index_cache",
+    "lightning_index", "sink_window_indices", "sink_window_query_indices", "sparse_decode", "to_csr", "write_index_cache",
     "v4_attention", "v4_compress_write", "v4_index_topk",
 ]

@@ -5,6 +5,9 @@
   once when the two overlap), ordered by position, in a fixed-capacity ``[B, max_kv]`` int32 layout
   padded with -1, plus ``counts [B]`` int32. ``max_kv >= sink + window`` so nothing is cut.
   :func:`to_csr` turns that into CSR form.
+- ``mla::sink_window_query_indices``: the same rule per query token, over its causal prefix
+  ``[0, query_pos[t]]`` (``L = query_pos[t] + 1``), ``[T, max_kv]``: what a sink + window model's prefill
+  and multi-token decode need (:class:`mla_compile.models.attention.MLAAttention` with ``sparse="sink_window"``).
 - ``mla::lightning_index``: DeepSeek-V3.2's lightning indexer, ``score(t, j) = sum_h weights[t, h] *
   relu(q_idx[t, h] . k_idx[j])`` over the positions ``j <= query_pos[t]`` (and ``< seq_len``) of query
   t's sequence, top ``topk`` slots per query token.
@@ -25,8 +28,8 @@ same bytes as the reference and computes the scores in one kernel; both implemen
 All are sync-free tensor programs (sizes come from shapes and static ints), so they run under
 ``torch.compile(fullgraph=True)`` and inside CUDA-graph capture. The slots feed
 ``mla_compile.ops.sparse_decode``: a decode step (s_q = 1) passes ``indices[:, None]``. With s_q > 1
-every query of a sequence would get the same set, so multi-token steps use ``lightning_index``,
-which is per query token.
+every query of a sequence would get the same set, so multi-token steps use ``lightning_index`` or
+``sink_window_query_indices``, which are per query token.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from mla_compile.ops.fp8_index import dequantize_fp8_index, quantize_fp8_index
 from mla_compile.ops._paged import check_paged_data, scatter_rows, sequence_slots
 
 OP_WINDOW = declare_op("sink_window_indices", "mla.sink_window_indices")
+OP_QUERY_WINDOW = declare_op("sink_window_query_indices", "mla.sink_window_query_indices")
 OP_LIGHTNING = declare_op("lightning_index", "mla.lightning_index")
 OP_WRITE = declare_op("index_cache_write", "mla.write_index_cache")
 
@@ -67,25 +71,37 @@ def validate_window(block_table: Tensor, seq_lens: Tensor, block_size: int, sink
         check_paged_data(OP_WINDOW, block_table, seq_lens, block_size, None)
 
 
+def _sink_window_positions(L: Tensor, sink: int, window: int, max_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For lengths ``L [N, 1]`` (int64): ``(pos [N, max_kv], valid [N, max_kv], count [N, 1])``, column j the
+    j-th selected position of ``[0, min(sink, L)) U [max(L - window, 0), L)`` (each once, ascending)."""
+    head = L.clamp(max=sink)  # positions [0, head) are the sink
+    tail_start = (L - window).clamp(min=0).maximum(head)  # window positions not already in the sink
+    count = head + (L - tail_start)
+    j = torch.arange(max_kv, device=L.device)[None, :]
+    valid = j < count
+    pos = torch.where(valid, torch.where(j < head, j, tail_start + (j - head)), 0)
+    return pos, valid, count
+
+
+def _slots_of(block_table: Tensor, rows: Tensor, pos: Tensor, valid: Tensor, block_size: int) -> Tensor:
+    """int32 physical slots of positions ``pos [N, K]`` of the sequences ``rows [N, 1]`` of ``block_table``; -1
+    where not ``valid``."""
+    max_blocks = block_table.shape[1]
+    if max_blocks == 0 or block_table.shape[0] == 0:  # no block can be used: every row is empty
+        blocks = torch.zeros_like(pos)
+    else:
+        blocks = block_table.long()[rows, (pos // block_size).clamp(max=max_blocks - 1)]
+    return torch.where(valid, blocks * block_size + pos % block_size, -1).to(torch.int32)
+
+
 @torch.library.custom_op("mla::sink_window_indices_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def sink_window_indices_ref(block_table: Tensor, seq_lens: Tensor, block_size: int, sink: int, window: int,
                             max_kv: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, no host sync): column j holds the j-th selected position."""
     validate_window(block_table, seq_lens, block_size, sink, window, max_kv)
-    L = seq_lens.long()[:, None]
-    head = L.clamp(max=sink)  # positions [0, head) are the sink
-    tail_start = (L - window).clamp(min=0).maximum(head)  # window positions not already in the sink
-    count = head + (L - tail_start)
-    j = torch.arange(max_kv, device=seq_lens.device)[None, :]
-    valid = j < count
-    pos = torch.where(valid, torch.where(j < head, j, tail_start + (j - head)), 0)
-    max_blocks = block_table.shape[1]
-    if max_blocks == 0:  # no block can be used, so every sequence is empty (seq_lens <= 0)
-        blocks = torch.zeros_like(pos)
-    else:
-        blocks = block_table.long().gather(1, (pos // block_size).clamp(max=max_blocks - 1))
-    slots = torch.where(valid, blocks * block_size + pos % block_size, -1)
-    return slots.to(torch.int32), count[:, 0].to(torch.int32)
+    pos, valid, count = _sink_window_positions(seq_lens.long()[:, None], sink, window, max_kv)
+    rows = torch.arange(block_table.shape[0], device=block_table.device)[:, None]
+    return _slots_of(block_table, rows, pos, valid, block_size), count[:, 0].to(torch.int32)
 
 
 @sink_window_indices_ref.register_fake
@@ -105,6 +121,73 @@ def sink_window_indices(block_table: Tensor, seq_lens: Tensor, *, block_size: in
     int32 [B])`` from ``block_table [B, max_blocks]`` and ``seq_lens [B]``; see the module docstring."""
     impl = resolve(OP_WINDOW, block_table.device, backend, dtype=torch.int32)
     return impl.fn(block_table, seq_lens, block_size, sink, window, max_kv)
+
+
+def validate_query_window(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, block_size: int, sink: int,
+                          window: int, max_kv: int) -> None:
+    """Shape/dtype/int checks (no sync); data checks on CPU or in checked mode."""
+    op = OP_QUERY_WINDOW
+    check_tensor(op, "block_table", block_table, ndim=2, dtypes=INDEX_DTYPES, expected="[B, max_blocks] int32")
+    check_tensor(op, "query_seq", query_seq, ndim=1, dtypes=INDEX_DTYPES,
+                 expected="[T] int32 sequence of each query token, -1 for padding")
+    T = query_seq.shape[0]
+    check_tensor(op, "query_pos", query_pos, ndim=1, dtypes=INDEX_DTYPES, shape=(T,),
+                 expected=f"[T] = [{T}] int32 position of each query token")
+    if block_size <= 0:
+        raise ValueError(f"{op}: block_size must be positive (the cache's tokens per block), got {block_size}")
+    if sink < 0 or window < 0:
+        raise ValueError(f"{op}: sink and window must be >= 0, got sink={sink}, window={window}")
+    if max_kv < sink + window:
+        raise ValueError(f"{op}: max_kv must be >= sink + window = {sink + window} so no slot is cut, got {max_kv}")
+    check_same_device(op, block_table=block_table, query_seq=query_seq, query_pos=query_pos)
+    if data_checks_enabled(query_seq):
+        B, cap = block_table.shape[0], block_table.shape[1] * block_size
+        check_range(op, "query_seq", query_seq, -1, B, what=f"sequence ids < B = {B}, or -1 for padding")
+        live = query_seq >= 0
+        check_range(op, "query_pos", query_pos[live], 0, cap,
+                    what=f"positions < max_blocks * block_size = {cap} (padding tokens excepted)")
+        # the used blocks of each live query: its table row's first query_pos // block_size + 1 entries
+        used = (torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+                <= (query_pos[live].long() // block_size)[:, None])
+        check_range(op, "block_table", block_table[query_seq[live].long()][used], 0, 2 ** 31,
+                    what="block ids >= 0 in the blocks the live queries use")
+
+
+@torch.library.custom_op("mla::sink_window_query_indices_ref", mutates_args=(), tags=LAYOUT_TAGS)
+def sink_window_query_indices_ref(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, block_size: int,
+                                  sink: int, window: int, max_kv: int) -> Tensor:
+    """Reference (plain torch, any device, no host sync): query t sees the ``L = query_pos[t] + 1`` positions
+    of its causal prefix; column j holds the j-th selected one."""
+    validate_query_window(block_table, query_seq, query_pos, block_size, sink, window, max_kv)
+    live = query_seq >= 0
+    L = torch.where(live, query_pos.long() + 1, 0)[:, None]
+    pos, valid, _ = _sink_window_positions(L, sink, window, max_kv)
+    rows = torch.where(live, query_seq.long(), 0)[:, None]
+    return _slots_of(block_table, rows, pos, valid, block_size)
+
+
+@sink_window_query_indices_ref.register_fake
+def _(block_table, query_seq, query_pos, block_size, sink, window, max_kv):
+    validate_query_window(block_table, query_seq, query_pos, block_size, sink, window, max_kv)
+    return query_seq.new_empty(query_seq.shape[0], max_kv, dtype=torch.int32)
+
+
+declare(OP_QUERY_WINDOW, "reference", torch.ops.mla.sink_window_query_indices_ref, rank=100, devices=("any",),
+        dtypes=(torch.int32,), gpu_tested=True,
+        note="plain torch (index arithmetic only; the arithmetic of sink_window_indices)")
+
+
+def sink_window_query_indices(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, *, block_size: int,
+                              sink: int, window: int, max_kv: int | None = None,
+                              backend: str | None = None) -> Tensor:
+    """Per query token, the slots of the first ``sink`` and the last ``window`` positions of its causal prefix
+    ``[0, query_pos[t]]``: ``indices int32 [T, max_kv]`` (default ``max_kv = sink + window``), ascending by
+    position, -1 padded, all -1 for padding tokens (``query_seq[t] == -1``). ``block_table [B, max_blocks]``
+    maps each sequence's positions to blocks; ``query_seq [T]`` / ``query_pos [T]`` place each query.
+    The rows feed ``mla_compile.ops.sparse_decode`` as ``indices[:, None]`` (one query row per token)."""
+    max_kv = sink + window if max_kv is None else max_kv
+    impl = resolve(OP_QUERY_WINDOW, block_table.device, backend, dtype=torch.int32)
+    return impl.fn(block_table, query_seq, query_pos, block_size, sink, window, max_kv)
 
 
 def to_csr(indices: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:

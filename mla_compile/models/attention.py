@@ -4,6 +4,11 @@ Prefill tokens take the non-absorbed path (latents up-projected by ``kv_b_proj``
 decode tokens take the absorbed path (``q_nope @ W_UK`` against the 576-wide latent rows, then
 ``@ W_UV``). Both write their latents into this layer's cache first. Metadata arrives as an argument.
 
+Sink + window layers (``sink_window = (sink, window)``, set by ``patch(..., sparse="sink_window")``) take the
+same sparse path for every token: the slots of the first ``sink`` and the last ``window`` positions of its causal
+prefix (``mla_compile.ops.sink_window_query_indices``), so no other cache row is ever read and the blocks outside
+both may be released (:meth:`mla_compile.serving.block_manager.BlockManager.release_outside`).
+
 Sparse (DeepSeek-V3.2) layers own an :class:`~mla_compile.models.indexer.MLAIndexer`: it picks ``index_topk``
 cache slots per token, and *every* token, decode and prefill alike, takes the absorbed path over just
 those slots (``mla_compile.ops.sparse_decode`` with one query row per token, as FlashMLA's sparse
@@ -21,7 +26,7 @@ from mla_compile.backends import cached_backend, new_choice_cache, parse_backend
 from mla_compile.models.cache import fp8_row_bytes
 from mla_compile.models.config import MLAConfig
 from mla_compile.models.indexer import MLAIndexer
-from mla_compile.models.metadata import MLAMetadata
+from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops.context_attention import up_project
 from mla_compile.models.rope import apply_rope
 
@@ -72,6 +77,7 @@ class MLAAttention(nn.Module):
         if self.kv_b_proj.bias is not None:
             raise ValueError("kv_b_proj must have no bias (DeepSeek's has none): the absorbed path folds its weight alone")
         self.register_buffer("kv_cache", None, persistent=False)
+        self.sink_window: tuple[int, int] | None = None  # (sink, window) of sink + window attention; None: dense
         self.indexer = None
         if config.is_sparse:
             if getattr(hf_attn, "indexer", None) is None or self.q_a_proj is None:
@@ -155,6 +161,11 @@ class MLAAttention(nn.Module):
             indices = self.indexer(x, q_resid, cos, sin, positions, meta)
             out = self._sparse(q_nope, q_pe, indices)
             return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
+        if self.sink_window is not None:
+            if positions is None:
+                raise ValueError("a sink + window MLAAttention needs positions [T] (MLAForCausalLM passes them)")
+            out = self._sparse(q_nope, q_pe, self._sink_window_indices(meta, positions))
+            return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
 
         parts = []
         n_dec = 0
@@ -188,6 +199,15 @@ class MLAAttention(nn.Module):
                                     plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+
+    def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
+        """``int32 [T, sink + window]``: each token's sink and window slots over its causal prefix (-1 padded)."""
+        sink, window = self.sink_window
+        i32 = torch.int32
+        parts = [ops.sink_window_query_indices(table, query_seq.to(i32), query_pos.to(i32),
+                                               block_size=self.kv_cache.shape[1], sink=sink, window=window)
+                 for table, _, query_seq, query_pos in query_parts(meta, positions)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _sparse(self, q_nope: Tensor, q_pe: Tensor, indices: Tensor) -> Tensor:
         """Absorbed attention of every token over its selected slots ``indices [T, topk]``: ``[T, H, v_head_dim]``."""

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from mla_compile import ops
 from mla_compile.models.config import MLAConfig
-from mla_compile.models.metadata import MLAMetadata
+from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops._fp8_format import fp8_index_row_bytes
 from mla_compile.models.rope import apply_rope
 
@@ -75,30 +75,11 @@ class MLAIndexer(nn.Module):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # HF scores in float32
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(acc) * (Hi ** -0.5 * d ** -0.5)
 
-        live = meta.slot_mapping >= 0  # padding tokens select nothing
-        parts, n_dec = [], 0
-        if meta.decode is not None:
-            dm = meta.decode
-            n_dec = dm.num_tokens
-            seq = torch.arange(n_dec, device=x.device) // dm.query_len
-            parts.append(self._select(q[:n_dec], w[:n_dec], dm.block_table, dm.seq_lens,
-                                      torch.where(live[:n_dec], seq, -1), positions[:n_dec]))
-        if meta.prefill is not None:
-            pm = meta.prefill
-            if pm.block_table is None:
-                raise ValueError("sparse (V3.2) prefill needs meta.prefill.block_table (the indexer reads its keys "
-                                 "through it): plan the step with mla_compile.models.metadata.plan_step")
-            n_pre = T - n_dec
-            pos = positions[n_dec:]
-            cu = pm.cu_seqlens_q.long()
-            # a contiguous int64 copy: Inductor (2.11) cannot lower searchsorted over a slice view
-            seq = torch.searchsorted(pm.cu_seqlens_q[1:].long().contiguous(), torch.arange(n_pre, device=x.device),
-                                     right=True)
-            seq = torch.where(live[n_dec:] & (seq < cu.shape[0] - 1), seq, -1)
-            # each prefill sequence holds (last new position + 1) tokens after the step; empty rows 0
-            last = pos[(cu[1:] - 1).clamp(min=0, max=n_pre - 1)]
-            seq_lens = torch.where(cu[1:] > cu[:-1], last + 1, 0).to(torch.int32)
-            parts.append(self._select(q[n_dec:], w[n_dec:], pm.block_table, seq_lens, seq, pos))
+        parts, at = [], 0
+        for block_table, seq_lens, query_seq, query_pos in query_parts(meta, positions):
+            n = query_seq.shape[0]
+            parts.append(self._select(q[at:at + n], w[at:at + n], block_table, seq_lens, query_seq, query_pos))
+            at += n
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def _select(self, q: Tensor, w: Tensor, block_table: Tensor, seq_lens: Tensor, query_seq: Tensor,

@@ -132,6 +132,40 @@ class MLAMetadata:
         return self.map_tensors(_moved(device))
 
 
+def query_parts(meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Where each query token of a step lives, part by part (decode, then prefill, the parts present):
+    ``(block_table [B, max_blocks], seq_lens [B] int32, query_seq [n] int64, query_pos [n])`` with ``n`` the
+    part's tokens, ``query_seq`` -1 for padding tokens (slot -1) and ``seq_lens`` each sequence's length after
+    the step. Tensor ops only (no host sync), so per-token layers (the V3.2 indexer, sink + window attention)
+    derive it inside compiled code. Prefill needs ``meta.prefill.block_table`` (:func:`plan_step` sets it)."""
+    live = meta.slot_mapping >= 0  # padding tokens select nothing
+    device = positions.device
+    parts, n_dec = [], 0
+    if meta.decode is not None:
+        dm = meta.decode
+        n_dec = dm.num_tokens
+        seq = torch.arange(n_dec, device=device) // dm.query_len
+        parts.append((dm.block_table, dm.seq_lens, torch.where(live[:n_dec], seq, -1), positions[:n_dec]))
+    if meta.prefill is not None:
+        pm = meta.prefill
+        if pm.block_table is None:
+            raise ValueError("per-token prefill (V3.2 indexer, sink + window attention) needs meta.prefill.block_table "
+                             "(it reads the sequence's cache through it): plan the step with "
+                             "mla_compile.models.metadata.plan_step")
+        n_pre = positions.shape[0] - n_dec
+        pos = positions[n_dec:]
+        cu = pm.cu_seqlens_q.long()
+        # a contiguous int64 copy: Inductor (2.11) cannot lower searchsorted over a slice view
+        seq = torch.searchsorted(pm.cu_seqlens_q[1:].long().contiguous(), torch.arange(n_pre, device=device),
+                                 right=True)
+        seq = torch.where(live[n_dec:] & (seq < cu.shape[0] - 1), seq, -1)
+        # each prefill sequence holds (last new position + 1) tokens after the step; empty rows 0
+        last = pos[(cu[1:] - 1).clamp(min=0, max=n_pre - 1)]
+        seq_lens = torch.where(cu[1:] > cu[:-1], last + 1, 0).to(torch.int32)
+        parts.append((pm.block_table, seq_lens, seq, pos))
+    return parts
+
+
 def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> None:
     """Mark every per-step size dynamic so one compiled graph serves all batch sizes and lengths."""
     mark = torch._dynamo.maybe_mark_dynamic

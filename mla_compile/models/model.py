@@ -40,11 +40,28 @@ class MLAForCausalLM(nn.Module):
         self.attention_scaling = scaling
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
         self.regional_compile = False  # see forward
+        self.sink_window: tuple[int, int] | None = None  # (sink, window) when patched with sparse="sink_window"
 
     @property
     def attentions(self) -> list[MLAAttention]:
         """The MLA attention module of every layer."""
         return [layer.self_attn for layer in self.model.layers]
+
+    def set_sink_window(self, sink: int | None, window: int | None = None) -> None:
+        """Make every layer attend only to the first ``sink`` and the last ``window`` positions of each query's
+        causal prefix (what ``patch(..., sparse="sink_window")`` does; e.g. after ``from_pretrained``), or dense
+        attention again with ``sink=None``. Set it before building an engine over the model (its block manager
+        reads ``sink_window`` once); a compiled graph recompiles for the new mode."""
+        if sink is None:
+            value = None
+        elif self.config.is_sparse:
+            raise NotImplementedError("sink + window attention needs a dense-attention (V2/V3) model; a V3.2 "
+                                      "model already selects its tokens with its indexer")
+        else:
+            value = check_sink_window(sink, window)
+        for attn in self.attentions:
+            attn.sink_window = value
+        self.sink_window = value
 
     def set_cuda_graph(self, enabled: bool = True) -> None:
         """Tell every layer its decode steps will be captured, so "auto" picks only decode backends that
@@ -88,7 +105,7 @@ class MLAForCausalLM(nn.Module):
             meta = meta.map_tensors(torch.clone)
         for layer in self.model.layers:
             attn = layer.self_attn
-            if self.regional_compile and attn.indexer is None:
+            if self.regional_compile and attn.indexer is None and attn.sink_window is None:
                 q_nope, q_pe, latent, k_pe = _layer_projections(layer, h, cos, sin)
                 attn.write_cache(latent, k_pe, meta)
                 h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
@@ -121,8 +138,23 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, laten
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+SPARSE_MODES = ("sink_window",)
+
+
+def check_sink_window(sink, window) -> tuple[int, int]:
+    """``(sink, window)`` validated: ints (not bools), ``sink >= 0``, ``window >= 1``; raises naming the argument."""
+    for name, value, low in (("sink", sink, 0), ("window", window, 1)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int (tokens), got {type(value).__name__} {value!r}")
+        if value < low:
+            what = "at least 1 (the query itself is in the window)" if name == "window" else ">= 0 (0: no sink)"
+            raise ValueError(f"{name} must be {what}, got {value}")
+    return sink, window
+
+
 def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto",
-          parallel=None, regional_compile: bool = False, **parallel_options) -> MLAForCausalLM | V4ForCausalLM:
+          parallel=None, regional_compile: bool = False, sparse: str | None = None, sink: int | None = None,
+          window: int | None = None, **parallel_options) -> MLAForCausalLM | V4ForCausalLM:
     """Convert an HF ``DeepseekV2ForCausalLM``/``DeepseekV3ForCausalLM``/``DeepseekV32ForCausalLM`` in place
     to the paged MLA path (V3.2: sparse attention over the lightning indexer's top-k tokens).
 
@@ -137,7 +169,25 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
     :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
+
+    ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded) makes every layer's decode and prefill
+    attend only to the first ``sink`` (default 4) and the last ``window`` (required) positions of each query's
+    causal prefix, through ``mla_compile.ops.sparse_decode``: the model's ``sink_window`` is then ``(sink, window)``
+    and an :class:`~mla_compile.serving.engine.Engine` over it releases the cache blocks outside both as the
+    window moves (bounded memory per sequence). Those layers are not split into compile regions.
     """
+    if sparse is None:
+        if sink is not None or window is not None:
+            raise TypeError("patch(sink=..., window=...) needs sparse='sink_window'")
+    elif sparse not in SPARSE_MODES:
+        raise ValueError(f"sparse must be None or one of {SPARSE_MODES}, got {sparse!r}")
+    else:
+        if window is None:
+            raise TypeError("patch(sparse='sink_window') needs window=<tokens each query attends to, itself included>")
+        sink_window = check_sink_window(4 if sink is None else sink, window)
+        if parallel is not None or is_v4_model(getattr(hf_model, "config", None)):
+            raise NotImplementedError("patch(sparse='sink_window') serves unsharded V2/V3 models (DeepSeek-V4 has "
+                                      "its own sliding window): pass parallel=None, or sparse=None")
     if regional_compile and (parallel is not None or is_v4_model(getattr(hf_model, "config", None))):
         raise NotImplementedError("patch(regional_compile=True) serves unsharded V2/V3/V3.2 models so far: pass "
                                   "parallel=None, or regional_compile=False")
@@ -158,6 +208,11 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):
         raise ValueError(f"patch() needs a ...ForCausalLM with .model.layers and .lm_head, got {type(hf_model).__name__}")
     config = MLAConfig.from_hf(hf_config)
+    if sparse is None:
+        sink_window = None
+    elif config.is_sparse:  # before anything is converted
+        raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
+                                  "model already selects its tokens with its indexer: pass sparse=None")
     backend = backend or envs.backend()
     for layer in hf_model.model.layers:
         if not isinstance(layer.self_attn, MLAAttention):
@@ -167,4 +222,5 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
             layer.mlp = MLAMoE(mlp, impl=moe_impl)
     model = MLAForCausalLM(hf_model, config)
     model.regional_compile = bool(regional_compile)
+    model.set_sink_window(*(sink_window or (None,)))
     return model

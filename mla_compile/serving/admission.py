@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,12 +35,15 @@ class RequestRejected(ValueError):
 class RequestLimits:
     """What an admitted request must fit: ``vocab_size`` token ids; at most ``max_positions`` (the
     model's position embeddings, None: no limit), ``max_seq_tokens`` (the block table of one sequence)
-    and ``cache_tokens`` (the whole paged cache) prompt + new tokens."""
+    and ``cache_tokens`` (the whole paged cache) prompt + new tokens. ``peak_tokens(prompt_len, total)``, when
+    given (a windowed block manager's :meth:`~mla_compile.serving.block_manager.BlockManager.peak_tokens`), is
+    what a request holds of the cache at once, compared to ``cache_tokens`` instead of the total."""
 
     vocab_size: int
     max_seq_tokens: int
     cache_tokens: int
     max_positions: int | None = None
+    peak_tokens: Callable[[int, int], int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_tokens", "cache_tokens", "max_positions"):
@@ -111,12 +114,18 @@ def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: 
     total = prompt_len + max_new_tokens
     bounds = [(limits.max_positions, "the model's max_position_embeddings"),
               (limits.max_seq_tokens, "max_blocks_per_seq * block_size of the runner's builder"),
-              (limits.cache_tokens, "the paged cache (num_blocks * block_size)")]
+              (limits.cache_tokens if limits.peak_tokens is None else None,  # windowed: the peak, below
+               "the paged cache (num_blocks * block_size)")]
     for bound, what in bounds:
         if bound is not None and total > bound:
             message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} tokens "
                        f"exceed {what} = {bound}; shorten the prompt or lower max_new_tokens")
             raise RequestRejected(request_id, "prompt + max_new_tokens", message)
+    if limits.peak_tokens is not None and (peak := limits.peak_tokens(prompt_len, total)) > limits.cache_tokens:
+        message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) hold up to {peak} cache tokens "
+                   f"at once (the prompt, or the sink + window blocks), more than the paged cache's "
+                   f"{limits.cache_tokens}; shorten the prompt or give the engine more blocks")
+        raise RequestRejected(request_id, "prompt + max_new_tokens", message)
 
 
 def check_params(request_id: int, params: Any, vocab_size: int) -> SamplingParams:

@@ -6,13 +6,21 @@ blocks are reference-counted; a block whose count drops to 0 stays cached (its h
 until free space runs out, then the least recently used one is evicted. The token lists are stored
 with the hash and compared on a hit, so a hash collision can never hand out the wrong block.
 Host-side only: it runs before a step, in plain Python.
+
+With ``sink_window=(sink, window)`` (a model whose every query reads only the first ``sink`` and the last
+``window`` positions of its prefix, ``patch(..., sparse="sink_window")``; or DeepSeek-V4's sliding token rows,
+``(0, 128)``) a sequence's memory stays bounded however long it runs: :meth:`BlockManager.release_outside`
+gives back the blocks that no later query can read, and the sequence's table keeps its positions, the
+released entries pointing at one shared ``null_block`` that is never read, written, registered or handed
+out. Admission reserves what the sequence can ever hold at once (:meth:`BlockManager.peak_blocks`) instead
+of its whole length, and :meth:`BlockManager.grow` draws new blocks from that reservation.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 
 @dataclass
@@ -28,12 +36,16 @@ class Allocation:
 
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    capacity: int = 0  # tokens the sequence may reach (its prompt plus new tokens)
+    released: int = 0  # entries of ``blocks`` given back by release_outside (they hold the null block)
+    reserved: int = 0  # blocks promised to its later growth (windowed managers), not yet taken
 
 
 class BlockManager:
     """Allocates cache blocks to sequences, sharing full blocks of common prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 sink_window: tuple[int, int] | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.block_size = block_size
@@ -42,11 +54,50 @@ class BlockManager:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # never-cached free blocks
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref-0 cached blocks, LRU first
+        self.sink_window = None if sink_window is None else _check_sink_window(sink_window)
+        self.reserved = 0  # blocks promised to windowed allocations' growth (sum of their ``reserved``)
+        self.null_block: int | None = None
+        if self.sink_window is not None:
+            if num_blocks < 2:
+                raise ValueError(f"a windowed BlockManager needs num_blocks >= 2 (one is the null block), "
+                                 f"got {num_blocks}")
+            self.null_block = self.free_ids.pop()  # block 0: the table entry of every released block
+            self.blocks[self.null_block].ref = 1  # pinned: never freed, evicted or registered
 
     @property
     def num_free(self) -> int:
-        """Blocks that an allocation can take now (free or evictable)."""
-        return len(self.free_ids) + len(self.evictable)
+        """Blocks that an allocation can take now (free or evictable, less those reserved for windowed growth)."""
+        return len(self.free_ids) + len(self.evictable) - self.reserved
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks sequences can hold (all but the null block of a windowed manager)."""
+        return len(self.blocks) - (self.null_block is not None)
+
+    def peak_blocks(self, prompt_len: int, capacity: int) -> int:
+        """The most blocks a sequence with a ``prompt_len``-token prompt, reaching ``capacity`` tokens, holds at
+        once: all of its blocks, or (windowed) its prompt's, or its sink's plus a window's plus one, whichever is
+        larger. Exact as long as :meth:`release_outside` runs after every step."""
+        total = -(-capacity // self.block_size)
+        if self.sink_window is None:
+            return total
+        sink, window = self.sink_window
+        bs = self.block_size
+        return min(total, max(-(-prompt_len // bs), -(-sink // bs) + -(-window // bs) + 1))
+
+    def peak_tokens(self, prompt_len: int, capacity: int) -> int:
+        """:meth:`peak_blocks` in tokens (what admission compares to the cache)."""
+        return self.peak_blocks(prompt_len, capacity) * self.block_size
+
+    def _rebalance(self, alloc: Allocation) -> None:
+        """Set ``alloc.reserved`` to what it may still take: up to its peak, at most the blocks it still lacks."""
+        if self.sink_window is None:
+            return
+        held = len(alloc.blocks) - alloc.released
+        lacking = -(-alloc.capacity // self.block_size) - len(alloc.blocks)
+        want = max(0, min(self.peak_blocks(0, alloc.capacity) - held, lacking))
+        self.reserved += want - alloc.reserved
+        alloc.reserved = want
 
     def _chain(self, tokens: Sequence[int], n_full: int) -> list[tuple[int, tuple]]:
         keys, prev = [], 0
@@ -84,25 +135,76 @@ class BlockManager:
                 if bid is None or self.blocks[bid].key != key:
                     break
                 hits.append(bid)
-        total = -(-capacity // self.block_size)
-        fresh = total - len(hits)
+        # a windowed manager takes the prompt's blocks now and reserves the rest of the sequence's peak
+        now = -(-(capacity if self.sink_window is None else len(tokens)) // self.block_size)
+        fresh = now - len(hits)
+        later = max(self.peak_blocks(len(tokens), capacity) - now, 0) if self.sink_window is not None else 0
         reusable_evictable = sum(1 for b in hits if b in self.evictable)
-        if fresh > self.num_free - reusable_evictable:
-            raise RuntimeError(f"paged cache is full: need {fresh} new blocks, {self.num_free - reusable_evictable} available")
+        if fresh + later > self.num_free - reusable_evictable:
+            raise RuntimeError(f"paged cache is full: need {fresh + later} new blocks, "
+                               f"{self.num_free - reusable_evictable} available")
         for bid in hits:
             self.evictable.pop(bid, None)
             self.blocks[bid].ref += 1
         new = [self._take() for _ in range(fresh)]
         for bid in new:
             self.blocks[bid].ref = 1
-        return Allocation(hits + new, len(hits) * self.block_size)
+        alloc = Allocation(hits + new, len(hits) * self.block_size, capacity)
+        self._rebalance(alloc)
+        return alloc
 
     def grow(self, alloc: Allocation, capacity: int) -> None:
-        """Make ``alloc`` hold ``capacity`` tokens (decode appends)."""
+        """Make ``alloc`` hold ``capacity`` tokens (decode appends); a no-op when it already does. A windowed
+        allocation takes the blocks from its reservation (raises if ``capacity`` passes the one it was
+        allocated for)."""
+        if self.sink_window is not None and capacity > max(alloc.capacity, len(alloc.blocks) * self.block_size):
+            raise ValueError(f"grow: capacity {capacity} exceeds the allocation's {alloc.capacity} tokens, which "
+                             "its reservation was made for")
         while len(alloc.blocks) * self.block_size < capacity:
+            if alloc.reserved > 0:
+                alloc.reserved -= 1
+                self.reserved -= 1
+            elif self.num_free <= 0:
+                raise RuntimeError("paged cache is full: no free or evictable block")
             bid = self._take()
             self.blocks[bid].ref = 1
             alloc.blocks.append(bid)
+        self._rebalance(alloc)
+
+    def release_outside(self, alloc: Allocation, next_pos: int) -> int:
+        """Give back ``alloc``'s blocks that no query at ``next_pos`` or later can read: every position in them is
+        past the sink (``>= sink``) and before the window of a query at ``next_pos`` (``< next_pos + 1 -
+        window``). Their table entries become :attr:`null_block` (positions keep their places); a block whose
+        reference count drops to 0 returns to the free list, or, when registered in the prefix cache, to the
+        evictable ones (its rows still hold its tokens: later prompts may share it until it is evicted).
+        Returns how many blocks were released; a no-op (0) without ``sink_window``. Host-side, between steps."""
+        if self.sink_window is None:
+            return 0
+        sink, window = self.sink_window
+        bs = self.block_size
+        first = -(-sink // bs)  # the first block wholly past the sink
+        end = min((next_pos + 1 - window) // bs, len(alloc.blocks)) if next_pos + 1 >= window else 0
+        released = 0
+        for i in range(first, end):
+            bid = alloc.blocks[i]
+            if bid == self.null_block:
+                continue
+            self._unref(bid)
+            alloc.blocks[i] = self.null_block
+            released += 1
+        alloc.released += released
+        self._rebalance(alloc)
+        return released
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        block.ref -= 1
+        if block.ref > 0:
+            return
+        if block.key is not None:
+            self.evictable[bid] = None
+        else:
+            self.free_ids.append(bid)
 
     def register(self, alloc: Allocation, tokens: Sequence[int]) -> None:
         """After ``tokens`` are in the cache, make the sequence's full blocks findable by later prompts.
@@ -113,6 +215,8 @@ class BlockManager:
         if not self.prefix_caching:
             return
         for i, key in enumerate(self._chain(tokens, len(tokens) // self.block_size)):
+            if alloc.blocks[i] == self.null_block:  # released: the null block never holds tokens
+                continue
             block = self.blocks[alloc.blocks[i]]
             if block.key is None and key[0] not in self.cached:
                 block.key = key
@@ -121,12 +225,24 @@ class BlockManager:
     def free(self, alloc: Allocation) -> None:
         """Release a finished sequence: cached blocks become evictable (LRU), the rest free."""
         for bid in reversed(alloc.blocks):  # tail blocks first, so prefix blocks stay cached longest
-            block = self.blocks[bid]
-            block.ref -= 1
-            if block.ref > 0:
-                continue
-            if block.key is not None:
-                self.evictable[bid] = None
-            else:
-                self.free_ids.append(bid)
+            if bid != self.null_block:
+                self._unref(bid)
         alloc.blocks = []
+        self.reserved -= alloc.reserved
+        alloc.reserved = alloc.released = 0
+
+
+def _check_sink_window(sink_window: Any) -> tuple[int, int]:
+    ok = isinstance(sink_window, tuple) and len(sink_window) == 2 and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in sink_window)
+    if not ok or sink_window[0] < 0 or sink_window[1] < 1:
+        raise ValueError(f"sink_window must be a tuple (sink >= 0, window >= 1) of ints, got {sink_window!r}")
+    return sink_window
+
+
+def sink_window_of(runner: Any) -> tuple[int, int] | None:
+    """The ``(sink, window)`` of the model a runner steps (``runner.step_fn``, a ``torch.compile`` wrapper looked
+    through; set by ``patch(..., sparse="sink_window")``), or None for a dense model."""
+    fn = getattr(runner, "step_fn", None)
+    value = getattr(getattr(fn, "_orig_mod", fn), "sink_window", None)
+    return tuple(value) if isinstance(value, (tuple, list)) else None

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
 from mla_compile.serving.builder import MetadataBuilder
-from mla_compile.serving.block_manager import Allocation, BlockManager
+from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
 from mla_compile.models.metadata import SeqChunk
 from mla_compile.serving.sampling import SamplingParams, sample_rows
 
@@ -185,9 +185,13 @@ class Engine:
                                  "it None to use the model's")
         vocab_size = model_vocab if vocab_size is None else vocab_size
         max_positions = model_positions if max_positions is None else max_positions
-        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
+        # sink + window models (patch(..., sparse="sink_window")): blocks outside both are released as it moves
+        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching,
+                                   sink_window=sink_window_of(runner))
+        windowed = self.blocks.sink_window is not None
         self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
-                                    cache_tokens=num_blocks * self.block_size, max_positions=max_positions)
+                                    cache_tokens=self.blocks.usable_blocks * self.block_size,
+                                    max_positions=max_positions, peak_tokens=self.blocks.peak_tokens if windowed else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -282,6 +286,8 @@ class Engine:
         decoding, chunks = self._schedule()
         if not decoding and not chunks:
             return []
+        for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
+            self.blocks.grow(r.alloc, r.length + 1)
         dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
@@ -310,7 +316,15 @@ class Engine:
         for r in done:
             self.running.remove(r)
             self._finish(r, "stop" if r.stopped else "length")
+        self._release_windows()  # [window]
         return done
+
+    def _release_windows(self, in_flight: frozenset[int] | set[int] = frozenset()) -> None:
+        """[window] Give back the blocks no later query of a running request reads (a no-op for dense models).
+        ``in_flight``: ids of requests whose next token a launched step has not delivered yet (overlap)."""
+        for r in self.running:
+            next_pos = r.computed if r.prefilling else len(r.prompt) + len(r.output) + (r.id in in_flight) - 1
+            self.blocks.release_outside(r.alloc, next_pos)
 
     def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """The next step's rows: every running request past its prompt decodes one token, and the rest of the
@@ -390,6 +404,7 @@ class Engine:
                 raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
         self._read(previous)
         self._retire()
+        self._release_windows(set() if self._inflight is None else {r.id for _, r in self._inflight.yields})  # [window]
         if not self.running:
             self._sync()  # only finished requests are left in flight: wait, so an idle engine has nothing pending
         self.new_tokens, self._learned = self._learned, {}
@@ -406,7 +421,9 @@ class Engine:
         for r, row in zip(decoding, feed):
             pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
             token = 0 if pending else r.output[-1]
-            dec.append(SeqChunk(r.blocks, [token], len(r.prompt) + len(r.output) + pending - 1))
+            pos = len(r.prompt) + len(r.output) + pending - 1
+            self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation reaches a new block
+            dec.append(SeqChunk(r.blocks, [token], pos))
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
