@@ -282,7 +282,7 @@ class Engine:
         decoding, chunks = self._schedule()
         if not decoding and not chunks:
             return []
-        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
+        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
             rows = [*decoding, *(r for r, _ in chunks)]
@@ -406,7 +406,7 @@ class Engine:
         for r, row in zip(decoding, feed):
             pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
             token = 0 if pending else r.output[-1]
-            dec.append(SeqChunk(r.blocks, [token], len(r.prompt) + len(r.output) + pending - 1))
+            dec.append(SeqChunk(r.blocks, [token], len(r.prompt) + len(r.output) + pending - 1, key=r.id))
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
