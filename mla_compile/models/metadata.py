@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from itertools import chain
-from typing import Any, Callable, Sequence
+from operator import attrgetter
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -194,11 +195,19 @@ def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Non
 @dataclass
 class SeqChunk:
     """One sequence's part of a step: its cache ``blocks``, its new ``tokens`` and the position of the
-    first new token (``start``; the sequence holds ``start + len(tokens)`` tokens after the step)."""
+    first new token (``start``; the sequence holds ``start + len(tokens)`` tokens after the step).
+
+    ``key`` (optional, hashable): a stable name of the sequence across steps, e.g. its request id. When
+    every decode chunk of a decode-only step has one, :class:`~mla_compile.serving.builder.MetadataBuilder`
+    keeps the block tables on the host between steps and writes only what changed (see
+    :class:`~mla_compile.serving.host_tables.HostBlockTables` for what a key's ``blocks`` may do between
+    steps: stay the same list, be appended to or truncated in place, or be another list). Plans never
+    depend on it: a keyed step builds the same tensors as an unkeyed one."""
 
     blocks: Sequence[int]
     tokens: Sequence[int]
     start: int = 0
+    key: Hashable | None = None
 
 
 @dataclass
@@ -268,7 +277,8 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         n, q = len(decode), query_len
         tok, pos, slots = (np.empty(n_seq * q, dtype=np.int64) for _ in range(3))
         table, seq_lens = np.empty((n_seq, max_blocks), dtype=np.int32), np.empty(n_seq, dtype=np.int32)
-        fill_decode(decode, chunk_starts(decode), chunk_block_counts(decode), block_size, tok, pos, slots, table, seq_lens)
+        fill_decode([c.blocks for c in decode], [c.tokens for c in decode], chunk_starts(decode),
+                    chunk_block_counts(decode), block_size, tok, pos, slots, table, seq_lens)
         ids_parts.append(tok)
         pos_parts.append(pos)
         slot_parts.append(slots)
@@ -324,7 +334,7 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
 
 def chunk_starts(chunks: Sequence[SeqChunk]) -> np.ndarray:
     """Each chunk's ``start`` (int64)."""
-    return np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+    return np.fromiter(map(attrgetter("start"), chunks), dtype=np.int64, count=len(chunks))
 
 
 def chunk_block_counts(chunks: Sequence[SeqChunk]) -> np.ndarray:
@@ -332,17 +342,21 @@ def chunk_block_counts(chunks: Sequence[SeqChunk]) -> np.ndarray:
     return np.fromiter((len(c.blocks) for c in chunks), dtype=np.int64, count=len(chunks))
 
 
-def fill_decode(decode: Sequence[SeqChunk], starts: np.ndarray, block_counts: np.ndarray, block_size: int,
-                ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, table: np.ndarray, seq_lens: np.ndarray) -> None:
+def fill_decode(blocks: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]], starts: np.ndarray,
+                block_counts: np.ndarray, block_size: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+                table: np.ndarray, seq_lens: np.ndarray, *, table_written: bool = False) -> None:
     """Write the decode part of a step into ``ids``/``pos``/``slots [n_seq * q]`` (int64), ``table [n_seq,
     max_blocks]`` and ``seq_lens [n_seq]`` (int32), q new tokens per sequence (``q = len(ids) // n_seq``):
-    whole-batch numpy, no per-token Python. The rows past ``len(decode)`` are padding (token 0, position 0,
-    slot -1, seq_len 0, an empty table row). ``starts`` / ``block_counts``: each chunk's ``start`` and
-    ``len(blocks)``, checked by the caller."""
-    n, n_seq = len(decode), seq_lens.shape[0]
+    whole-batch numpy, no per-token Python. ``blocks``, ``tokens``, ``starts``, ``block_counts``: each
+    decode chunk's ``blocks``, ``tokens``, ``start`` and ``len(blocks)``, checked by the caller. The rows
+    past the chunks are padding (token 0, position 0, slot -1, seq_len 0, an empty table row).
+    ``table_written``: the caller already wrote ``table`` (every row, padding rows included; e.g.
+    gathered from persistent tables), so it is only read."""
+    n, n_seq = len(tokens), seq_lens.shape[0]
     q = ids.shape[0] // n_seq
-    _fill_block_table(table, [c.blocks for c in decode], block_counts)
-    ids[:n * q] = np.fromiter(chain.from_iterable(c.tokens for c in decode), dtype=np.int64, count=n * q)
+    if not table_written:
+        fill_block_table(table, blocks, block_counts)
+    ids[:n * q] = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=n * q)
     p = (starts[:, None] + np.arange(q)).reshape(-1)
     pos[:n * q] = p
     slots[:n * q] = table[np.repeat(np.arange(n), q), p // block_size].astype(np.int64) * block_size + p % block_size
@@ -351,9 +365,10 @@ def fill_decode(decode: Sequence[SeqChunk], starts: np.ndarray, block_counts: np
     seq_lens[n:] = 0
 
 
-def _fill_block_table(table: np.ndarray, blocks: Sequence[Sequence[int]], counts: np.ndarray) -> None:
-    """Zero ``table [rows, width]`` (int32) and write each block list into its row: one flat C-level pass
-    over all ids and one masked store, not a Python loop over rows."""
+def fill_block_table(table: np.ndarray, blocks: Sequence[Sequence[int]], counts: np.ndarray) -> None:
+    """Zero ``table [rows, width]`` (int32) and write block list i into row i (``counts``: the lists'
+    lengths, int64, each at most ``width``): one flat C-level pass over all ids and one masked store, not a
+    Python loop over rows."""
     table.fill(0)
     flat = np.fromiter(chain.from_iterable(blocks), dtype=np.int32, count=int(counts.sum()))
     table[:len(counts)][np.arange(table.shape[1]) < counts[:, None]] = flat
@@ -362,7 +377,7 @@ def _fill_block_table(table: np.ndarray, blocks: Sequence[Sequence[int]], counts
 def _block_table_np(blocks: list[Sequence[int]], rows: int, width: int) -> np.ndarray:
     """``[rows, width]`` int32 table of the given block lists, zero-padded."""
     table = np.empty((rows, width), dtype=np.int32)
-    _fill_block_table(table, blocks, np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks)))
+    fill_block_table(table, blocks, np.fromiter(map(len, blocks), dtype=np.int64, count=len(blocks)))
     return table
 
 

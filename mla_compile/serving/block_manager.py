@@ -174,7 +174,8 @@ class BlockManager:
     def release_outside(self, alloc: Allocation, next_pos: int) -> int:
         """Give back ``alloc``'s blocks that no query at ``next_pos`` or later can read: every position in them is
         past the sink (``>= sink``) and before the window of a query at ``next_pos`` (``< next_pos + 1 -
-        window``). Their table entries become :attr:`null_block` (positions keep their places); a block whose
+        window``). Their table entries become :attr:`null_block` (positions keep their places; ``alloc.blocks``
+        is then a new list, never changed in place, as the keyed ``MetadataBuilder`` expects); a block whose
         reference count drops to 0 returns to the free list, or, when registered in the prefix cache, to the
         evictable ones (its rows still hold its tokens: later prompts may share it until it is evicted).
         Returns how many blocks were released; a no-op (0) without ``sink_window``. Host-side, between steps."""
@@ -184,14 +185,16 @@ class BlockManager:
         bs = self.block_size
         first = -(-sink // bs)  # the first block wholly past the sink
         end = min((next_pos + 1 - window) // bs, len(alloc.blocks)) if next_pos + 1 >= window else 0
-        released = 0
+        released, blocks = 0, list(alloc.blocks)
         for i in range(first, end):
-            bid = alloc.blocks[i]
+            bid = blocks[i]
             if bid == self.null_block:
                 continue
             self._unref(bid)
-            alloc.blocks[i] = self.null_block
+            blocks[i] = self.null_block
             released += 1
+        if released:  # a new list: builders that keep host tables by list identity see the change
+            alloc.blocks = blocks
         alloc.released += released
         self._rebalance(alloc)
         return released

@@ -6,12 +6,16 @@ every field into one pinned host buffer, copies it into the front of the arena w
 ``non_blocking`` copy (no device allocation, no host sync; one H2D transfer instead of one per field)
 and hands out *views* of the arena, each at a 16-byte aligned offset. The layout depends only on the
 step's sizes (tokens, logits rows, decode rows, prefill rows), so steps of one size always get the same
-addresses, which is what a captured CUDA graph needs: fill, then replay.
+addresses, which is what a captured CUDA graph needs: fill, then replay. Decode chunks that carry a
+``key`` (:class:`~mla_compile.models.metadata.SeqChunk`) keep their block tables on the host between
+steps (:class:`~mla_compile.serving.host_tables.HostBlockTables`), so a decode step writes only the ids
+that changed instead of re-packing every table.
 """
 
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -19,7 +23,8 @@ import torch
 from torch import Tensor
 
 from mla_compile.models.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
-                                  chunk_block_counts, chunk_starts, fill_decode, plan_step)
+                                         chunk_block_counts, chunk_starts, fill_decode, plan_step)
+from mla_compile.serving.host_tables import HostBlockTables
 
 _ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)
 
@@ -131,6 +136,8 @@ class MetadataBuilder:
         self._copied: list = [None, None]
         self._turn = 0
         self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
+        # block tables of keyed decode sequences (SeqChunk.key), kept between steps: see _build_decode
+        self.host_tables = HostBlockTables(max_batch, max_blocks_per_seq)
 
     def _host(self, end: int) -> tuple[Tensor, int]:
         """The host bytes to pack the next step into and their id: pinned staging buffer 0/1 in turn, -1 the
@@ -186,7 +193,20 @@ class MetadataBuilder:
 
         ``decode_batch`` pads the decode part to a capture size. Raises before writing anything when the
         step does not fit the buffers.
+
+        Every build keeps :attr:`host_tables` following the step's decode chunks: when each has a
+        ``key`` their rows are brought up to date (keys absent from the step leave), and a decode-only
+        step gathers its block table from them; a step whose decode chunks lack keys, a step without
+        decode chunks and a build that raises empty them (the next keyed step rewrites its rows).
         """
+        try:
+            return self._build(decode, prefill, decode_batch, logits)
+        except BaseException:
+            self.host_tables.clear()
+            raise
+
+    def _build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], decode_batch: int | None,
+               logits: str) -> StepInputs:
         n_dec = decode_batch if decode_batch is not None else max(len(decode), self.min_batch) if decode else 0
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
@@ -201,6 +221,7 @@ class MetadataBuilder:
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
             raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; "
                              f"the builder holds max_tokens={self.max_tokens}")
+        self._update_tables(decode)
         meta = plan.meta
         planned = None if meta.decode is None or self.decode_planner is None else \
             self.decode_planner(meta.decode.block_table, meta.decode.seq_lens)
@@ -221,18 +242,27 @@ class MetadataBuilder:
     def _build_decode(self, decode: Sequence[SeqChunk], n_seq: int) -> StepInputs | None:
         """The decode-only step (the one served every token): the same arena bytes and views as the
         general path, written straight into the staging buffer with whole-batch numpy and the views of
-        its padded size reused. ``None`` when a check fails (the general path then raises its error)."""
+        its padded size reused. When every chunk has a ``key``, the block table rows are gathered from
+        :attr:`host_tables`, updated only where a sequence changed, instead of re-packed from the chunks'
+        block lists. ``None`` when a check fails (the general path then raises its error)."""
         q, bs, n = self.query_len, self.block_size, len(decode)
-        starts, nblk = chunk_starts(decode), chunk_block_counts(decode)
-        ntok = np.fromiter((len(c.tokens) for c in decode), dtype=np.int64, count=n)
+        blocks = list(map(_BLOCKS, decode))
+        starts = chunk_starts(decode)
+        nblk = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
+        tokens = list(map(_TOKENS, decode))
+        ntok = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
         if ((ntok != q) | (starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
             return None
+        rows_of = self._update_tables(decode, blocks, nblk) if n else None  # padding_decode: tables untouched
         layout = self._layouts.get(n_seq)
         if layout is None:
             layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
         host, turn = self._host(layout.end)
         ids, pos, slots, rows, table, lens = layout.fields(host, turn)
-        fill_decode(decode, starts, nblk, bs, ids, pos, slots, table, lens)
+        if rows_of is not None:
+            np.take(self.host_tables.table, rows_of, axis=0, out=table[:n], mode="clip")  # rows in range
+            table[n:] = 0
+        fill_decode(blocks, tokens, starts, nblk, bs, ids, pos, slots, table, lens, table_written=rows_of is not None)
         rows[:] = layout.rows
         planned = None if self.decode_planner is None else \
             self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
@@ -240,6 +270,20 @@ class MetadataBuilder:
         v = layout.views
         meta = MLAMetadata(v[2], DecodeMetadata(v[4], v[5], q, planned), None, v[3])
         return StepInputs(v[0], v[1], meta, n)
+
+    def _update_tables(self, decode: Sequence[SeqChunk], blocks: list[Sequence[int]] | None = None,
+                       counts: np.ndarray | None = None) -> np.ndarray | None:
+        """Bring :attr:`host_tables` up to date with the step's decode chunks, checked (``blocks``,
+        ``counts``: their block lists and lengths, if already at hand); returns each chunk's row, or None
+        (some chunk has no key, or there is none) after emptying the tables."""
+        rows = None
+        if decode and decode[0].key is not None:
+            blocks = [c.blocks for c in decode] if blocks is None else blocks
+            counts = chunk_block_counts(decode) if counts is None else counts
+            rows = self.host_tables.update(list(map(_KEY, decode)), blocks, counts)
+        if rows is None and len(self.host_tables):
+            self.host_tables.clear()
+        return rows
 
     def padding_decode(self, batch: int) -> StepInputs:
         """A decode step of ``batch`` padding sequences (reads and writes nothing): for graph capture.
@@ -253,6 +297,7 @@ class MetadataBuilder:
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+_KEY, _BLOCKS, _TOKENS = attrgetter("key"), attrgetter("blocks"), attrgetter("tokens")
 
 
 class _DecodeLayout:

@@ -288,7 +288,7 @@ class Engine:
             return []
         for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
             self.blocks.grow(r.alloc, r.length + 1)
-        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length) for r in decoding]
+        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
             rows = [*decoding, *(r for r, _ in chunks)]
@@ -423,7 +423,7 @@ class Engine:
             token = 0 if pending else r.output[-1]
             pos = len(r.prompt) + len(r.output) + pending - 1
             self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation reaches a new block
-            dec.append(SeqChunk(r.blocks, [token], pos))
+            dec.append(SeqChunk(r.blocks, [token], pos, key=r.id))
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
