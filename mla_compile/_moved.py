@@ -13,7 +13,7 @@ import sys
 
 FLOORS = {
     "models": ("attention", "cache", "checkpoint", "config", "fp4_checkpoint", "fp4_linear", "fp8_linear",
-               "indexer", "loader", "metadata", "model", "moe", "rope", "v4_cache", "v4_model"),
+               "indexer", "loader", "metadata", "model", "moe", "rope", "v4_cache", "v4_loader", "v4_model"),
     "serving": ("admission", "block_manager", "builder", "engine", "generate", "memory_plan", "sampling",
                 "v4_builder"),
     "app": ("cli", "demo", "doctor", "textgen", "toy", "v4_toy"),
