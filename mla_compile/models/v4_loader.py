@@ -17,8 +17,9 @@ Formats: float / bf16 tensors (stored in ``dtype``; transformers' ``_keep_in_fp3
 fp8 e4m3 weights with 128 x 128 block scales (float32, or ue8m0 as float8_e8m0fnu / uint8 bytes) stay fp8 in
 :class:`~mla_compile.models.fp8_linear.FP8BlockLinear` (``o_a_proj``:
 :class:`~mla_compile.models.fp8_linear.FP8GroupedLinear` when each group's rows are whole blocks), routed experts
-in :class:`~mla_compile.models.fp8_linear.FP8Experts`; ``expert_dtype: "fp4"`` experts (packed e2m1 + ue8m0)
-stay packed in :class:`~mla_compile.models.fp4_linear.FP4Experts`. fp8 weights of modules that have no fp8 form
+in :class:`~mla_compile.models.fp8_linear.FP8Experts`; fp4 experts (packed e2m1 + ue8m0: ``expert_dtype: "fp4"``,
+or int8 / uint8 expert weights when config.json names no ``expert_dtype``, as V4-Flash's first release) stay
+packed in :class:`~mla_compile.models.fp4_linear.FP4Experts`. fp8 weights of modules that have no fp8 form
 (embedding, ``lm_head``, router, a grouped projection whose groups split blocks) are dequantized once at load.
 MTP tensors (``mtp.*``, layers >= ``num_hidden_layers``) are skipped. A broken checkpoint raises
 :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and the tensor.
@@ -130,11 +131,19 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
                                   "model's dtype (V4ForCausalLM.allocate_cache(dtype=...)); pass kv_cache_dtype=None")
     config = _read_config(root)
     read_fp8_format(config, root)  # only DeepSeek's fp8 e4m3 128 x 128 blocks (or no quantization_config)
-    fp4 = expert_dtype(config, root) == "fp4"
+    declared = expert_dtype(config, root)
     index = read_index(root)
     dtype = dtype or _config_dtype(config)
     device = torch.device(device or "cpu")
     entries, skipped = _entries(index, config.num_hidden_layers)
+    packed = _packed_experts(index, entries)
+    if declared == "fp8" and packed is not None:
+        raise CheckpointError(f"{packed.file}: tensor {packed.key} is packed fp4 bytes, but config.json says "
+                              "expert_dtype 'fp8': set it to 'fp4' (or remove it) for DeepSeek-V4's fp4 experts")
+    fp4 = declared == "fp4" or (declared is None and packed is not None)
+    if fp4 and declared is None:
+        log.info("%s: expert weights stored packed with no expert_dtype in config.json: loading them as fp4 "
+                 "(e2m1 + ue8m0), as DeepSeek-V4 ships them", packed.key)
     with torch.device("meta"):
         hf = _hf_class()(config)
     loader = _V4Loader(hf, config, index, entries, device, dtype, fp4)
@@ -194,6 +203,23 @@ def _entries(index: ShardIndex, num_layers: int) -> tuple[list[_Entry], int]:
         seen[name] = key
         entries.append(_Entry(key, file, name))
     return entries, skipped
+
+
+def _packed_experts(index: ShardIndex, entries: list[_Entry]) -> _Entry | None:
+    """The first routed-expert weight when it is stored as packed fp4 bytes (int8 / uint8 / float4, read from its
+    shard's header), else None. DeepSeek-V4-Flash's first config.json names no ``expert_dtype``; its experts are
+    int8-packed e2m1 with ue8m0 scales."""
+    from safetensors import safe_open
+
+    first = next((e for e in entries if _EXPERT.match(e.name) and e.name.endswith(".weight")), None)
+    if first is None:
+        return None
+    try:
+        with safe_open(str(index.root / first.file), framework="pt", device="cpu") as f:
+            stored = f.get_slice(first.key).get_dtype()
+    except Exception:  # a missing tensor or unreadable shard is reported, naming it, by the load itself
+        return None
+    return first if stored in ("I8", "U8", "F4") else None
 
 
 def _rebuild_nonpersistent(hf: nn.Module, config, device: torch.device) -> None:
@@ -374,8 +400,8 @@ class _V4Loader:
             self.filled.add((m["module"], j, proj, kind))
             return
         if t.dtype in (torch.int8, torch.uint8) and kind == "weight":
-            raise CheckpointError(f"{e.file}: tensor {e.key} is {t.dtype}: packed fp4 expert weights need "
-                                  "quantization_config.expert_dtype 'fp4' (or a top-level expert_dtype) in config.json")
+            raise CheckpointError(f"{e.file}: tensor {e.key} is {t.dtype}, packed fp4 bytes, but config.json says "
+                                  "expert_dtype 'fp8': set it to 'fp4' (or remove it) for DeepSeek-V4's fp4 experts")
         if j >= experts.down_proj.shape[0]:
             raise CheckpointError(f"{e.file}: tensor {e.key}: expert {j} out of range (the model has "
                                   f"{experts.down_proj.shape[0]} routed experts)")

@@ -168,6 +168,92 @@ def test_model_names():
     assert v4_model_name("mtp.0.attn.wq_a.weight") is None
 
 
+# DeepSeek-V4-Flash's release, as its config.json and shard headers list it (facts: names, shapes, dtypes)
+FLASH_CONFIG = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", hc_eps=1e-6, hc_mult=4, hc_sinkhorn_iters=20,
+    head_dim=512, hidden_act="silu", hidden_size=4096, index_head_dim=128, index_n_heads=64, index_topk=512,
+    max_position_embeddings=1048576, moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+    norm_topk_prob=True, num_attention_heads=64, num_experts_per_tok=6, num_hidden_layers=43, num_hash_layers=3,
+    num_key_value_heads=1, num_nextn_predict_layers=1, o_groups=8, o_lora_rank=1024, q_lora_rank=1024,
+    qk_rope_head_dim=64, rms_norm_eps=1e-6, rope_theta=10000, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+    sliding_window=128, swiglu_limit=10.0, tie_word_embeddings=False, torch_dtype="bfloat16", vocab_size=129280,
+    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8", scale_fmt="ue8m0",
+                             weight_block_size=[128, 128]),
+    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=16, original_max_position_embeddings=65536, type="yarn"),
+    compress_rope_theta=160000, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0])
+
+
+def _flash_layout(layers, experts):
+    """``(name, shape)`` of every tensor of V4-Flash's first ``layers`` layers (``experts`` routed experts each)
+    and the top-level ones, in the release's spelling; MTP (``mtp.0.*``) left out."""
+    H, V, Q, HD, NH, OG, OL, I = 4096, 129280, 1024, 512, 64, 8, 1024, 2048
+    out = [("embed.weight", (V, H)), ("head.weight", (V, H)), ("norm.weight", (H,)), ("hc_head_base", (4,)),
+           ("hc_head_fn", (4, 4 * H)), ("hc_head_scale", (1,))]
+
+    def fp8(name, n, k):
+        return [(f"{name}.weight", (n, k)), (f"{name}.scale", (-(-n // 128), -(-k // 128)))]
+
+    for i in range(layers):
+        p, rate = f"layers.{i}", FLASH_CONFIG["compress_ratios"][i]
+        out += [(f"{p}.attn.attn_sink", (NH,)), (f"{p}.attn.kv_norm.weight", (HD,)), (f"{p}.attn.q_norm.weight", (Q,)),
+                (f"{p}.attn_norm.weight", (H,)), (f"{p}.ffn_norm.weight", (H,)), (f"{p}.ffn.gate.weight", (256, H))]
+        out += fp8(f"{p}.attn.wkv", HD, H) + fp8(f"{p}.attn.wo_a", OG * OL, NH * HD // OG)
+        out += fp8(f"{p}.attn.wo_b", H, OG * OL) + fp8(f"{p}.attn.wq_a", Q, H) + fp8(f"{p}.attn.wq_b", NH * HD, Q)
+        for w, (n, k) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+            out += fp8(f"{p}.ffn.shared_experts.{w}", n, k)
+            out += [(f"{p}.ffn.experts.{j}.{w}.{kind}", (n, k // (2 if kind == "weight" else 32)))
+                    for j in range(experts) for kind in ("weight", "scale")]
+        out += [(f"{p}.hc_{hc}_{part}", {"base": (24,), "fn": (24, 4 * H), "scale": (3,)}[part])
+                for hc in ("attn", "ffn") for part in ("base", "fn", "scale")]
+        out.append((f"{p}.ffn.gate.tid2eid", (V, 6)) if i < 3 else (f"{p}.ffn.gate.bias", (256,)))
+        if rate:
+            c = 2 * HD if rate == 4 else HD
+            out += [(f"{p}.attn.compressor.ape", (rate, c)), (f"{p}.attn.compressor.norm.weight", (HD,)),
+                    (f"{p}.attn.compressor.wgate.weight", (c, H)), (f"{p}.attn.compressor.wkv.weight", (c, H))]
+        if rate == 4:
+            out += [(f"{p}.attn.indexer.compressor.ape", (4, 256)),
+                    (f"{p}.attn.indexer.compressor.norm.weight", (128,)),
+                    (f"{p}.attn.indexer.compressor.wgate.weight", (256, H)),
+                    (f"{p}.attn.indexer.compressor.wkv.weight", (256, H)),
+                    (f"{p}.attn.indexer.weights_proj.weight", (64, H))] + fp8(f"{p}.attn.indexer.wq_b", 64 * 128, Q)
+    return out
+
+
+def test_v4_flash_release_layout_maps_onto_the_model(tmp_path):
+    """Every tensor name of DeepSeek-V4-Flash's release (first 4 layers: sliding, hash MoE, CSA, HCA) lands on a
+    parameter of the model built from its config.json (transformers converts the raw config), with the stored
+    shape: fp8 linears as FP8BlockLinear / FP8GroupedLinear (o_a_proj: 8 groups of 1024 rows), packed experts as
+    FP4Experts (no expert_dtype in that config.json: read from the int8 weights). Meta device, no data."""
+    from mla_compile.models.checkpoint import ShardIndex
+    from mla_compile.models.v4_loader import _EXPERT, _Entry, _V4Loader
+
+    config = dict(FLASH_CONFIG, num_hidden_layers=4, compress_ratios=FLASH_CONFIG["compress_ratios"][:4])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert cfg.layer_types == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                               "heavily_compressed_attention"]
+    layout = _flash_layout(4, cfg.n_routed_experts)
+    with torch.device("meta"):
+        hf = transformers.DeepseekV4ForCausalLM(cfg)
+    entries = [_Entry(k, "shard", v4_model_name(k)) for k, _ in layout]
+    index = ShardIndex(tmp_path, {k: "shard" for k, _ in layout})
+    _V4Loader(hf, cfg, index, entries, torch.device("meta"), torch.bfloat16, fp4=True)
+    attn, experts = hf.model.layers[2].self_attn, hf.model.layers[2].mlp.experts
+    assert isinstance(attn.o_a_proj, FP8GroupedLinear) and isinstance(attn.q_b_proj, FP8BlockLinear)
+    assert isinstance(experts, FP4Experts) and experts.swiglu_limit == 10.0
+    assert type(attn.compressor.kv_proj) is torch.nn.Linear  # bf16 in the release: no scale, stays a Linear
+    for (key, shape), e in zip(layout, entries):
+        m = _EXPERT.match(e.name)
+        if m:
+            kind = "weight" if m["name"] == "weight" else "scale"
+            want = hf.get_submodule(m["module"]).expected_shape(m["proj"], kind)
+        else:
+            prefix, _, attr = e.name.rpartition(".")
+            module = hf.get_submodule(prefix)
+            want = module._parameters.get(attr, module._buffers.get(attr)).shape
+        assert tuple(want) == shape, (key, e.name, shape, tuple(want))
+
+
 # ---- quantized checkpoints ----------------------------------------------------------------------------------
 
 FP8_LINEAR = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "indexer.wq_b.",
@@ -353,6 +439,25 @@ def _edit_index(root, change):
     (root / INDEX).write_text(json.dumps(data))
 
 
+@pytest.mark.parametrize("form", ["uint8", "float32"])
+def test_block_scale_storage_forms_load_the_same(pristine, tmp_path, form):
+    """ue8m0 scales as uint8 bytes (``scale_fmt: ue8m0``) or as float32 ``weight_scale_inv`` (V3's form) give the
+    same model as the float8_e8m0fnu ``.scale`` tensors."""
+    tensors = {}
+    for k, t in _tensors(pristine).items():
+        if t.dtype == E8M0 and form == "uint8":
+            t = t.view(torch.uint8)
+        elif t.dtype == E8M0:
+            k, t = k.removesuffix(".scale") + ".weight_scale_inv", t.float()
+        tensors[k] = t
+    _write(tmp_path / "ckpt", tensors, pristine)
+    want = from_pretrained(pristine, dtype=torch.float32)
+    got = from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    theirs = dict(got.named_parameters())
+    for name, t in want.named_parameters():
+        assert torch.equal(theirs[name], t), name
+
+
 def test_missing_shard(ckpt):
     file = _weight_map(ckpt)["layers.1.attn.wo_b.weight"]
     (ckpt / file).unlink()
@@ -424,13 +529,22 @@ def test_fp4_dims_not_multiple_of_32(tmp_path):
 
 
 def test_packed_experts_without_expert_dtype(tmp_path):
+    """No expert_dtype in config.json (DeepSeek-V4-Flash's first release): int8 expert weights load as packed
+    fp4; an explicit expert_dtype 'fp8' with int8 expert weights is refused, naming the tensor."""
     root = tmp_path / "q"
     _quantized_checkpoint(root, "fp4", moe_intermediate_size=32)
     config = json.loads((root / "config.json").read_text())
     del config["expert_dtype"]
     (root / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"layers.0.ffn.experts.0.w1.weight is torch.int8: packed fp4 expert "
-                       "weights need quantization_config.expert_dtype 'fp4'"):
+    model = from_pretrained(root, dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, FP4Experts)
+    with safe_open(str(root / _weight_map(root)["layers.0.ffn.experts.1.w2.weight"]), framework="pt") as f:
+        assert torch.equal(experts.down_proj[1], f.get_tensor("layers.0.ffn.experts.1.w2.weight").view(torch.uint8))
+    config["expert_dtype"] = "fp8"
+    (root / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.ffn\.experts\.\d+\.w\d\.weight is packed fp4 bytes, "
+                       "but config.json says expert_dtype 'fp8'"):
         from_pretrained(root)
 
 
