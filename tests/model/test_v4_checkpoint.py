@@ -394,6 +394,7 @@ def test_quantized_compiles_whole(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(E8M0 is None, reason="torch without float8_e8m0fnu")
 @pytest.mark.parametrize("kind,overrides", [("fp8", {"o_lora_rank": 128}), ("fp4", {"moe_intermediate_size": 32})],
                          ids=["fp8-grouped-o_a", "fp4-experts"])
 @torch.no_grad()
@@ -464,6 +465,9 @@ def test_block_scale_storage_forms_load_the_same(pristine, tmp_path, form):
     got = from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
     theirs = dict(got.named_parameters())
     for name, t in want.named_parameters():
+        assert theirs[name].dtype == t.dtype, name
+        if t.dtype == torch.float8_e4m3fn:  # compared as bytes: torch.equal of fp8 needs a recent torch
+            t, theirs[name] = t.view(torch.uint8), theirs[name].view(torch.uint8)
         assert torch.equal(theirs[name], t), name
 
 
