@@ -2,7 +2,8 @@
 
 :class:`FP8BlockLinear` replaces an ``nn.Linear`` whose checkpoint tensors are fp8 (``weight`` e4m3 and
 ``weight_scale_inv``); :class:`FP8Experts` replaces the fused MoE experts module when the per-expert weights
-are fp8. Both keep the checkpoint's names so the loader assigns tensors by name.
+are fp8; :class:`FP8GroupedLinear` replaces DeepSeek-V4's block-diagonal grouped output projection
+(``o_a_proj``). All keep the checkpoint's names so the loader assigns tensors by name.
 """
 
 from __future__ import annotations
@@ -56,15 +57,17 @@ class FP8Experts(nn.Module):
     ``forward(x, weights, ids, grouped=)`` runs the fp8 op either densely (every expert on every token,
     combined by the routing weights; exact, static shapes) or grouped (the token copies sorted by expert,
     each expert's weights read once: ``offs``, like ``moe.experts_grouped``).
+    ``swiglu_limit`` (DeepSeek-V4): the gate is clamped to ``<= limit`` and the up projection to
+    ``[-limit, limit]`` before ``act(gate) * up``; None (V2/V3) clamps nothing.
     """
 
     is_fp8_block = True
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act_fn: nn.Module, *,
-                 act_quant: bool = False, backend: str | None = None,
+                 act_quant: bool = False, backend: str | None = None, swiglu_limit: float | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.num_experts, self.act_fn = num_experts, act_fn
+        self.num_experts, self.act_fn, self.swiglu_limit = num_experts, act_fn, swiglu_limit
         self.act_quant, self.backend = act_quant, backend
         for name, (rows, cols) in self.shapes(hidden, intermediate).items():
             w = torch.empty(num_experts, rows, cols, dtype=torch.float8_e4m3fn, device=device)
@@ -82,18 +85,52 @@ class FP8Experts(nn.Module):
         return ops.fp8_block_linear(x, getattr(self, name), getattr(self, f"{name}_scale_inv"),
                                     act_quant=self.act_quant, offs=offs, backend=self.backend)
 
+    def _glu(self, gate: Tensor, up: Tensor) -> Tensor:
+        if self.swiglu_limit is not None:
+            gate = gate.clamp(max=self.swiglu_limit)
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+        return self.act_fn(gate) * up
+
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool = False) -> Tensor:
         """``x [T, H]``, routing ``weights [T, k]`` and expert ``ids [T, k]`` -> ``[T, H]`` float32."""
         if grouped:
             return self._grouped(x, weights, ids)
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=torch.float32, device=x.device)
         combine = combine.scatter_add_(1, ids, weights.float())
-        h = self.act_fn(self._linear(x, "gate_proj")) * self._linear(x, "up_proj")  # [E, T, I]
+        h = self._glu(self._linear(x, "gate_proj"), self._linear(x, "up_proj"))  # [E, T, I]
         y = self._linear(h, "down_proj")  # [E, T, H]
         return torch.einsum("eth,te->th", y.float(), combine)
 
     def _grouped(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         order, offs = sort_by_expert(ids, self.num_experts)
         xs = x[order // ids.shape[1]]
-        h = self.act_fn(self._linear(xs, "gate_proj", offs)) * self._linear(xs, "up_proj", offs)
+        h = self._glu(self._linear(xs, "gate_proj", offs), self._linear(xs, "up_proj", offs))
         return combine_sorted(self._linear(h, "down_proj", offs), order, weights)
+
+
+class FP8GroupedLinear(FP8BlockLinear):
+    """DeepSeek-V4's block-diagonal grouped projection (HF ``DeepseekV4GroupedLinear``, the attention's
+    ``o_a_proj``) over fp8 blocks: ``weight [G * R, K]`` float8_e4m3fn with ``weight_scale_inv [G * R / 128,
+    ceil(K / 128)]``; group ``g`` owns rows ``[g R, (g + 1) R)``. ``forward(x [..., G, K]) -> [..., G, R]``.
+    ``R`` (rows per group) must be a multiple of 128, so that each group's rows are whole blocks."""
+
+    def __init__(self, in_features_per_group: int, out_features: int, n_groups: int, *, act_quant: bool = False,
+                 backend: str | None = None, device: torch.device | str | None = None) -> None:
+        if out_features % n_groups or (out_features // n_groups) % BLOCK:
+            raise ValueError(f"FP8GroupedLinear: out_features {out_features} must be n_groups ({n_groups}) x a "
+                             f"multiple of {BLOCK} (each group's rows whole 128-row blocks)")
+        super().__init__(in_features_per_group, out_features, act_quant=act_quant, backend=backend, device=device)
+        self.n_groups = n_groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [..., G, K]`` -> ``[..., G, R]`` in x's dtype (one batched fp8 matmul over the groups)."""
+        G, K = self.n_groups, self.in_features
+        lead = x.shape[:-2]
+        xg = x.reshape(-1, G, K).transpose(0, 1).contiguous()  # [G, M, K]
+        w = self.weight.view(G, -1, K)
+        s = self.weight_scale_inv.view(G, -1, self.weight_scale_inv.shape[-1])
+        y = ops.fp8_block_linear(xg, w, s, act_quant=self.act_quant, backend=self.backend)  # [G, M, R]
+        return y.transpose(0, 1).reshape(*lead, G, -1)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", n_groups={self.n_groups}"

@@ -22,6 +22,7 @@ from mla_compile.models.fp4_checkpoint import expert_dtype, parse_expert_key, pl
 from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
 from mla_compile.models.model import MLAForCausalLM, patch
+from mla_compile.models.v4_loader import is_v4_checkpoint, load_v4
 from mla_compile.ops.fp8_block_linear import dequantize
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,14 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     returned; a config is initialised here): this rank's shard only, each tensor read as the slice the rank keeps
     (``device`` is then the parallel state's); bf16/float checkpoints only so far (fp8 / fp4 ones raise
     NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
-    MTP layers (``num_nextn_predict_layers``) are skipped.
+    MTP layers (``num_nextn_predict_layers``) are skipped. A DeepSeek-V4 checkpoint (``model_type: "deepseek_v4"``)
+    loads as a :class:`~mla_compile.models.v4_model.V4ForCausalLM` (:func:`mla_compile.models.v4_loader.load_v4`).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     root = Path(path)
+    if is_v4_checkpoint(root):  # DeepSeek-V4: its own loader
+        return load_v4(root, device=device, dtype=dtype, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
+                       backend=backend, moe_impl=moe_impl)
     config = read_config(root)
     fp8 = read_fp8_format(config, root)
     fp4_experts = expert_dtype(config, root) == "fp4"

@@ -239,7 +239,9 @@ class V4MoE(nn.Module):
     """V4's MoE on static shapes: hash routing (``tid2eid[input_ids]``) or ``scoring_func`` top-k with the
     correction bias, normalised and scaled weights, experts with the ``swiglu_limit`` clamp (``impl``
     "dense": every expert on every token; "grouped": ``torch._grouped_mm`` over tokens sorted by expert;
-    "auto": grouped for CUDA bf16), plus the shared expert. Shares the HF block's modules."""
+    "auto": grouped for CUDA bf16), plus the shared expert. Shares the HF block's modules; experts that a
+    quantized checkpoint loaded as :class:`~mla_compile.models.fp8_linear.FP8Experts` or
+    :class:`~mla_compile.models.fp4_linear.FP4Experts` (with the clamp) run through their own forward."""
 
     def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
         super().__init__()
@@ -264,7 +266,11 @@ class V4MoE(nn.Module):
         weights, ids = self.route(x, input_ids)
         grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
                                              and hasattr(torch, "_grouped_mm"))
-        routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, self.hf.experts)
+        experts = self.hf.experts
+        if getattr(experts, "is_fp8_block", False) or getattr(experts, "is_fp4_block", False):
+            routed = experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
+        else:
+            routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)
         return routed.to(x.dtype) + self.hf.shared_experts(x)
 
 
