@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.dp_sync import StepShape
 from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
 from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_rows
 
@@ -202,34 +203,40 @@ class DecodeGraphRunner:
         i = bisect.bisect_left(self.capture_sizes, max(batch, self.builder.min_batch))
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
-    def decode(self, chunks: Sequence[SeqChunk]) -> Tensor:
+    def decode(self, chunks: Sequence[SeqChunk], shape: StepShape | None = None) -> Tensor:
         """Logits ``[len(chunks), vocab]`` of one decode step. A replayed graph's output is a view that
-        the next replay overwrites: consume (or clone) it before the next step."""
-        return self._decode(chunks, None, None)[0]
+        the next replay overwrites: consume (or clone) it before the next step. ``shape`` (a decode-only
+        :class:`~mla_compile.serving.dp_sync.StepShape`): pad to the size every data-parallel attention group
+        runs (``chunks`` may then be empty: a padding-only step)."""
+        return self._decode(chunks, None, None, shape=shape)[0]
 
     def decode_sampled(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                       steps: Sequence[int]) -> tuple[Tensor, Tensor]:
+                       steps: Sequence[int], shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
         """One decode step and its tokens: logits ``[n, vocab]`` and int64 ``[n]`` tokens on the device, row
         ``i`` drawn under ``params[i]`` at generation step ``steps[i]`` (every seed set). Replayed as one graph
         with the step when the runner was made with ``sampling=True``; otherwise sampled after the step.
-        Both outputs are views the next replay overwrites."""
+        Both outputs are views the next replay overwrites. ``shape``: as for :meth:`decode`."""
         if len(params) != len(chunks) or len(steps) != len(chunks):
             raise ValueError(f"decode_sampled: {len(chunks)} chunks need as many params and steps, got "
                              f"{len(params)} and {len(steps)}")
-        logits, tokens = self._decode(chunks, params, steps)
+        logits, tokens = self._decode(chunks, params, steps, shape=shape)
         if tokens is None:
             tokens = sample_rows(logits, params, steps)
         return logits, tokens
 
     def _decode(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams] | None,
-                steps: Sequence[int] | None, feed: Sequence[int] = ()) -> tuple[Tensor, Tensor | None]:
+                steps: Sequence[int] | None, feed: Sequence[int] = (),
+                shape: StepShape | None = None) -> tuple[Tensor, Tensor | None]:
         if self.enabled and not self.graphs:  # capture lazily, on the first decode step
             self.capture()
-        size = self.graph_size(len(chunks))
+        if shape is not None and not shape.decode_only:
+            raise ValueError("a decode step takes a decode-only StepShape")
+        n = len(chunks) if shape is None else max(len(chunks), shape.decode_rows)  # [dp] every group's rows
+        size = self.graph_size(n)
         rows = self.sampling_rows if params is not None else None
         if size is None:
             self.fallbacks += 1
-            step = self.builder.build(chunks)
+            step = self.builder.build(chunks, decode_batch=None if shape is None else max(n, self.builder.min_batch))
             self._fill_feed(feed)
             return self._call(step, len(chunks))[:step.num_rows], None
         if not self.enabled:  # no CUDA: the same padded step, run directly
@@ -255,11 +262,18 @@ class DecodeGraphRunner:
         self.replays += 1
         return out[:step.num_rows], None if rows is None else tokens[:step.num_rows]
 
-    def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = ()) -> Tensor:
-        """Any step: pure decode goes through :meth:`decode`; prefill and mixed steps run uncaptured."""
-        if decode and not prefill:
+    def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), shape: StepShape | None = None) -> Tensor:
+        """Any step: pure decode goes through :meth:`decode`; prefill and mixed steps run uncaptured. ``shape``
+        (:class:`~mla_compile.serving.dp_sync.StepShape`, what data-parallel attention groups agreed on): a
+        decode-only one goes through :meth:`decode`, padded to its rows; any other pads the step to its tokens
+        and rows (the chunks may be empty: a padding-only step)."""
+        if shape is not None and shape.decode_only:
+            if prefill:
+                raise ValueError("a decode-only StepShape was given with prefill chunks")
+            return self.decode(decode, shape)
+        if decode and not prefill and shape is None:
             return self.decode(decode)
-        step = self.builder.build(decode, prefill)
+        step = self.builder.build(decode, prefill, **_padding(shape))
         self._fill_feed(())
         return self._call(step, len(decode))[:step.num_rows]
 
@@ -271,7 +285,7 @@ class DecodeGraphRunner:
             raise ValueError("a step with fed rows needs the token feed: call enable_token_feed() first")
 
     def sample_step(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                    steps: Sequence[int], feed: Sequence[int]) -> tuple[Tensor, Tensor]:
+                    steps: Sequence[int], feed: Sequence[int], shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
         """Any step, its tokens sampled on the device and kept in the token feed (:meth:`enable_token_feed`) for
         the next step: what ``Engine(overlap=True)`` drives.
 
@@ -280,21 +294,30 @@ class DecodeGraphRunner:
         that is decode row ``i``'s input id, or -1 for the id in its chunk (then only a placeholder). Returns the
         logits ``[n, vocab]`` and the int64 ``[n]`` tokens, both on the device without a host sync: pure decode
         steps replay their graph (sampling inside it with ``sampling=True``); the tokens are a view the next
-        step overwrites (copy them before, in stream order)."""
+        step overwrites (copy them before, in stream order). ``shape``: as for :meth:`run`."""
         n = len(decode) + len(prefill)
         if len(params) != n or len(steps) != n or len(feed) != len(decode):
             raise ValueError(f"sample_step: {len(decode)} decode and {len(prefill)} prefill chunks need {n} params "
                              f"and steps and {len(decode)} feed rows, got {len(params)}, {len(steps)} and {len(feed)}")
         if self.token_feed is None:
             raise ValueError("sample_step needs the token feed: call enable_token_feed() first")
-        if decode and not prefill:
-            logits, tokens = self._decode(decode, params, steps, feed)
+        if (shape.decode_only and not prefill) if shape is not None else (decode and not prefill):
+            logits, tokens = self._decode(decode, params, steps, feed, shape)
             if tokens is not None:
                 return logits, tokens  # sampled (and kept) inside the step
         else:
-            step = self.builder.build(decode, prefill)
+            step = self.builder.build(decode, prefill, **_padding(shape))
             self._fill_feed(feed)
             logits = self._call(step, len(decode))[:step.num_rows]
         with torch.no_grad():  # parameters by a non-blocking copy from pinned memory, as inside the graphs
             tokens = sample(logits, **self._rows_after.fill(params, steps, n))
         return logits, self.token_feed.store(tokens)
+
+
+def _padding(shape: StepShape | None) -> dict:
+    """``MetadataBuilder.build`` keywords of a mixed ``shape`` (none without one)."""
+    if shape is None:
+        return {}
+    if shape.decode_only:
+        raise ValueError("a step with prefill chunks takes a mixed StepShape (tokens and rows), not a decode-only one")
+    return dict(tokens=shape.tokens, rows=shape.rows)

@@ -225,10 +225,20 @@ class StepInputs:
         return StepInputs(self.input_ids.to(device), self.positions.to(device), self.meta.to(device), self.num_rows)
 
 
+def step_size(n_decode: int, prefill_tokens: int, n_prefill: int, *, query_len: int = 1, min_batch: int = 2,
+              decode_batch: int | None = None) -> tuple[int, int]:
+    """``(tokens, logits rows)`` of the step :func:`plan_step` plans (``logits="last"``, no ``tokens`` / ``rows``)
+    for ``n_decode`` decode chunks and ``n_prefill`` prefill chunks of ``prefill_tokens`` new tokens in all:
+    the padded decode part (``decode_batch``, else ``max(n_decode, min_batch)`` when there is one), one row per
+    decode sequence and per prefill chunk, each total raised to ``min_batch``."""
+    n_seq = decode_batch if decode_batch is not None else max(n_decode, min_batch) if n_decode else 0
+    return max(n_seq * query_len + prefill_tokens, min_batch), max(n_seq + n_prefill, min_batch)
+
+
 def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_size: int, *,
               max_blocks: int | None = None, num_blocks: int | None = None, query_len: int = 1,
               logits: str = "last", min_batch: int = 2, decode_batch: int | None = None,
-              context_chunk_tokens: int = 65536) -> StepInputs:
+              context_chunk_tokens: int = 65536, tokens: int | None = None, rows: int | None = None) -> StepInputs:
     """Host-side planning of one step (CPU tensors; move once with ``.to(device)``).
 
     Decode chunks carry ``query_len`` new tokens each. Prefill chunks carry new prompt tokens from
@@ -237,14 +247,20 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
     ``logits``: "last" (one row per sequence) or "all" (one row per new token). Each non-empty part,
     the token count and the logits rows are padded up to ``min_batch`` with rows that read and write
     nothing (seq_len 0, slot -1), so sizes 0/1 never specialise a compiled graph; ``decode_batch``
-    pads the decode part to exactly that many sequences (a CUDA-graph capture size). Validates block
-    ids and capacities here, on host data, so the ops need no device-side checks.
+    pads the decode part to exactly that many sequences (a CUDA-graph capture size; with no decode chunk, a
+    decode part of padding sequences only). ``tokens`` / ``rows`` pad the whole step to exactly that many
+    tokens / logits rows (at least what :func:`step_size` gives without them; data-parallel attention groups
+    pad their steps to one shape): the extra tokens are padding tokens at the end (token 0, position 0,
+    slot -1) in the prefill part, which is then made empty (no sequence) when the step has no prefill chunk;
+    the extra rows repeat the last row. Validates block ids and capacities here, on host data, so the ops
+    need no device-side checks.
     """
     if logits not in ("last", "all"):
         raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
     chunks = list(decode) + list(prefill)
-    if not chunks:
-        raise ValueError("plan_step needs at least one decode or prefill sequence")
+    if not chunks and not decode_batch and not tokens:
+        raise ValueError("plan_step needs at least one decode or prefill sequence (or decode_batch / tokens "
+                         "for a padding-only step)")
     max_blocks = max([len(c.blocks) for c in chunks] + [min_batch]) if max_blocks is None else max_blocks
     for i, c in enumerate(chunks):
         end = c.start + len(c.tokens)
@@ -269,10 +285,10 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
     ids_parts: list[np.ndarray] = []
     pos_parts: list[np.ndarray] = []
     slot_parts: list[np.ndarray] = []
-    rows: list[np.ndarray] = []
+    row_parts: list[np.ndarray] = []
     pad_rows = np.zeros(0, dtype=np.int64)  # logits rows of padding decode sequences: after the real rows
     dec = None
-    if decode:
+    if decode or decode_batch:
         n_seq = decode_batch if decode_batch is not None else max(len(decode), min_batch)
         n, q = len(decode), query_len
         tok, pos, slots = (np.empty(n_seq * q, dtype=np.int64) for _ in range(3))
@@ -283,7 +299,7 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         pos_parts.append(pos)
         slot_parts.append(slots)
         every = logits == "all"
-        rows.append(np.arange(n * q) if every else np.arange(q - 1, n * q, q))
+        row_parts.append(np.arange(n * q) if every else np.arange(q - 1, n * q, q))
         pad_rows = np.arange(n * q, n_seq * q) if every else np.arange(n * q + q - 1, n_seq * q, q)
         dec = DecodeMetadata(torch.from_numpy(table), torch.from_numpy(seq_lens), query_len)
     pre = None
@@ -307,7 +323,7 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         ids_parts.append(np.asarray(ids, dtype=np.int64))
         pos_parts.append(np.asarray(pos_l, dtype=np.int64))
         slot_parts.append(np.asarray(slots_l, dtype=np.int64))
-        rows.append(np.asarray(pre_rows, dtype=np.int64))
+        row_parts.append(np.asarray(pre_rows, dtype=np.int64))
         n_pad = max(0, min_batch - len(prefill))
         cu += [cu[-1]] * n_pad
         cu_t = torch.tensor(cu, dtype=torch.int32)
@@ -317,16 +333,25 @@ def plan_step(decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], block_siz
         pre.block_table = _block_table([c.blocks for c in prefill], len(starts_l), max_blocks)
         if any(starts_l):
             pre.context = context_slices(starts_l, context_chunk_tokens, min_batch)
-    real_rows = np.concatenate(rows)
+    real_rows = np.concatenate(row_parts) if row_parts else np.zeros(0, dtype=np.int64)
     num_rows = len(real_rows)
     all_rows = np.concatenate([real_rows, pad_rows])
     total = sum(len(a) for a in ids_parts)
-    tail = max(0, min_batch - total)
+    natural_tokens, natural_rows = max(total, min_batch), max(len(all_rows), min_batch)
+    for name, want, least in (("tokens", tokens, natural_tokens), ("rows", rows, natural_rows)):
+        if want is not None and want < least:
+            raise ValueError(f"{name}={want} is below the step's own {least} {name}: pad to at least that")
+    tail = (natural_tokens if tokens is None else tokens) - total
+    if tail and pre is None:  # padding tokens belong to the prefill part: an empty one (no sequence)
+        cu_t = torch.zeros(min_batch + 1, dtype=torch.int32)
+        pre = PrefillMetadata(cu_t, cu_t.clone(), torch.zeros((min_batch, max_blocks), dtype=torch.int32))
     ids_parts.append(np.zeros(tail, dtype=np.int64))
     pos_parts.append(np.zeros(tail, dtype=np.int64))
     slot_parts.append(np.full(tail, -1, dtype=np.int64))
-    if len(all_rows) < min_batch:
-        all_rows = np.concatenate([all_rows, np.full(min_batch - len(all_rows), all_rows[-1], dtype=np.int64)])
+    n_rows = natural_rows if rows is None else rows
+    if len(all_rows) < n_rows:
+        last = all_rows[-1] if len(all_rows) else 0
+        all_rows = np.concatenate([all_rows, np.full(n_rows - len(all_rows), last, dtype=np.int64)])
     cat = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))  # noqa: E731
     meta = MLAMetadata(cat(slot_parts), dec, pre, torch.from_numpy(all_rows.astype(np.int64, copy=False)))
     return StepInputs(cat(ids_parts), cat(pos_parts), meta, num_rows)

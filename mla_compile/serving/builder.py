@@ -188,11 +188,14 @@ class MetadataBuilder:
                 "block_table": (n_seq, self.max_blocks), "seq_lens": (n_seq,)}
 
     def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
-              decode_batch: int | None = None, logits: str = "last") -> StepInputs:
+              decode_batch: int | None = None, logits: str = "last", tokens: int | None = None,
+              rows: int | None = None) -> StepInputs:
         """Plan a step on the host and fill the arena; returns views of it as :class:`StepInputs`.
 
-        ``decode_batch`` pads the decode part to a capture size. Raises before writing anything when the
-        step does not fit the buffers.
+        ``decode_batch`` pads the decode part to a capture size (with no decode chunk: a decode part of padding
+        sequences only). ``tokens`` / ``rows`` pad the step to exactly that many tokens / logits rows (see
+        :func:`plan_step`; what data-parallel attention groups agree on). Raises before writing anything when
+        the step does not fit the buffers.
 
         Every build keeps :attr:`host_tables` following the step's decode chunks: when each has a
         ``key`` their rows are brought up to date (keys absent from the step leave), and a decode-only
@@ -200,24 +203,25 @@ class MetadataBuilder:
         decode chunks and a build that raises empty them (the next keyed step rewrites its rows).
         """
         try:
-            return self._build(decode, prefill, decode_batch, logits)
+            return self._build(decode, prefill, decode_batch, logits, tokens, rows)
         except BaseException:
             self.host_tables.clear()
             raise
 
     def _build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], decode_batch: int | None,
-               logits: str) -> StepInputs:
+               logits: str, tokens: int | None, rows: int | None) -> StepInputs:
         n_dec = decode_batch if decode_batch is not None else max(len(decode), self.min_batch) if decode else 0
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
                              f"max_batch={self.max_batch}")
-        if decode and not prefill and logits == "last" and n_dec >= max(len(decode), self.min_batch):
+        if n_dec and not prefill and logits == "last" and n_dec >= max(len(decode), self.min_batch) \
+                and tokens in (None, n_dec * self.query_len) and rows in (None, n_dec):
             fast = self._build_decode(decode, n_dec)
             if fast is not None:
                 return fast
         plan = plan_step(decode, prefill, self.block_size, max_blocks=self.max_blocks, query_len=self.query_len,
-                         logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if decode else None,
-                         context_chunk_tokens=self.context_chunk_tokens)
+                         logits=logits, min_batch=self.min_batch, decode_batch=decode_batch if n_dec else None,
+                         context_chunk_tokens=self.context_chunk_tokens, tokens=tokens, rows=rows)
         if plan.input_ids.shape[0] > self.max_tokens or plan.meta.logits_indices.shape[0] > self.max_tokens:
             raise ValueError(f"step has {plan.input_ids.shape[0]} tokens; "
                              f"the builder holds max_tokens={self.max_tokens}")

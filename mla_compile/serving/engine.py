@@ -16,11 +16,16 @@ raises fails only the requests in that step (see :class:`Engine`).
 ``Engine(overlap=True)`` takes the host work off the critical path (see :class:`Engine`): sampled tokens stay
 on the device and feed the next step's inputs there, the host plans and launches step n+1 while the device
 runs step n, and it learns step n's tokens one step late.
+
+``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
+every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no
+work runs padding-only steps while others have some. The lines marked ``[dp]`` do this.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import random
 from collections import deque
@@ -33,7 +38,8 @@ from torch import Tensor
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
 from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
-from mla_compile.models.metadata import SeqChunk
+from mla_compile.models.metadata import SeqChunk, step_size
+from mla_compile.serving.dp_sync import DPStepSync, StepDemand, StepShape
 from mla_compile.serving.sampling import SamplingParams, sample_rows
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -160,11 +166,23 @@ class Engine:
     after the previous step's tokens were taken; an error met while reading a step's tokens (an asynchronous
     device error) fails that step's requests. When no request is left running, :meth:`step` also waits for the
     step in flight, so an idle engine has nothing pending.
+
+    ``dp_sync`` (a :class:`~mla_compile.serving.dp_sync.DPStepSync`; the runner's ``run``, ``decode_sampled`` and
+    ``sample_step`` take ``shape=``: ``DecodeGraphRunner``): this engine serves one data-parallel attention group
+    of a sharded model (``ParallelConfig(dp_attention=D)``), one engine per rank, the same requests on every rank
+    of a group. The constructor and every :meth:`step` are collective over ``dp_sync``'s group: every rank calls
+    them in lockstep. Each :meth:`step` agrees on the step's shape with the other groups and pads its step to it
+    (padding tokens and rows read and write nothing, so every request gets the tokens it would get alone); a
+    group with nothing to run runs a padding-only step while some other group has work. :attr:`dp_active` says
+    whether some group still had requests at the last step; :meth:`stream` and :meth:`run` step until no group
+    has any. A runner that raises leaves the other ranks waiting in the model's collectives (until their
+    timeout): under ``dp_sync`` a :class:`StepFailed` is fatal to the whole group of engines.
     """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
                  enable_prefix_caching: bool = True, vocab_size: int | None = None,
-                 max_positions: int | None = None, seed: int = 0, overlap: bool = False) -> None:
+                 max_positions: int | None = None, seed: int = 0, overlap: bool = False,
+                 dp_sync: DPStepSync | None = None) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
@@ -212,6 +230,36 @@ class Engine:
         self._host_tokens = _HostTokens(2 * self.max_batch)
         self._learned: dict[int, list[int]] = {}  # overlap: tokens read since the last step() returned
         self._done: list[Request] = []  # overlap: requests finished since the last step() returned
+        self.dp_sync = dp_sync  # [dp]
+        self.dp_active = True  # [dp] whether some group had requests at the last step's agreement
+        if dp_sync is not None:
+            self._check_dp_runner()
+
+    def _check_dp_runner(self) -> None:
+        """[dp] The runner pads to an agreed shape, and every rank's engine and runner are built alike (collective)."""
+        methods = ["run", "sample_step"] if self.overlap else ["run"]
+        if callable(getattr(self.runner, "decode_sampled", None)):
+            methods.append("decode_sampled")
+        for m in methods:
+            if "shape" not in inspect.signature(getattr(self.runner, m)).parameters:
+                raise ValueError(f"dp_sync needs a runner whose {m}() takes shape= (DecodeGraphRunner); "
+                                 f"{type(self.runner).__name__}.{m} does not")
+        b = self.runner.builder
+        sizes = tuple(getattr(self.runner, "capture_sizes", ()))
+        self.dp_sync.check_same("engine sizes (max_batch, max_tokens, min_batch, query_len, capture sizes)",
+                                [b.max_batch, self.max_tokens, b.min_batch, b.query_len, hash(sizes) % (1 << 62)])
+
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._inflight is not None or self._learned or self._done)
+
+    def _dp_agree(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> StepShape | None:
+        """[dp] This step's shape, agreed with every other group (None: no group runs a step)."""
+        b = self.runner.builder
+        tokens, rows = step_size(len(decoding), sum(n for _, n in chunks), len(chunks), query_len=b.query_len,
+                                 min_batch=b.min_batch)
+        agreed = self.dp_sync.agree(StepDemand(self._has_work(), len(decoding), bool(chunks), tokens, rows))
+        self.dp_active = agreed.active
+        return agreed.shape
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
@@ -284,19 +332,24 @@ class Engine:
         self.new_tokens = {}
         self._admit()
         decoding, chunks = self._schedule()
+        shape = None if self.dp_sync is None else self._dp_agree(decoding, chunks)  # [dp]
+        if shape is not None and not decoding and not chunks:
+            self.runner.run((), (), shape=shape)  # [dp] nothing here while other groups step: a padding-only step
         if not decoding and not chunks:
             return []
+        kw = {} if shape is None else {"shape": shape}  # [dp]
         for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
             self.blocks.grow(r.alloc, r.length + 1)
         dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         try:
             rows = [*decoding, *(r for r, _ in chunks)]
-            decode_sampled = None if pre else getattr(self.runner, "decode_sampled", None)
+            decode_only = not pre and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
+            decode_sampled = getattr(self.runner, "decode_sampled", None) if decode_only else None
             if decode_sampled is not None:  # the runner samples on the device, in the captured step if it can
-                logits, tokens = decode_sampled(dec, [r.params for r in rows], [len(r.output) for r in rows])
+                logits, tokens = decode_sampled(dec, [r.params for r in rows], [len(r.output) for r in rows], **kw)
             else:
-                logits = self.runner.run(dec, pre) if pre else self.runner.decode(dec)
+                logits = self.runner.decode(dec, **kw) if decode_only else self.runner.run(dec, pre, **kw)
                 tokens = self._sample(logits, rows)
             sampled = tokens.tolist()  # a host sync: an asynchronous device error shows here
             if keep_logits:
@@ -363,9 +416,12 @@ class Engine:
         """Step until no request is waiting or running, yielding after every step the tokens it produced per
         request id and the requests it finished (for streaming output). Between two items the caller may add
         or abort requests; a :class:`StepFailed` propagates (iterate a fresh :meth:`stream` to go on). With
-        ``overlap`` each item holds what the step before it produced (tokens arrive one step late)."""
-        while self.waiting or self.running or self._learned or self._done:
+        ``overlap`` each item holds what the step before it produced (tokens arrive one step late). With
+        ``dp_sync`` it steps until no group has a request (a group without any runs padding steps meanwhile)."""
+        while self.dp_sync is not None or self.waiting or self.running or self._learned or self._done:
             finished = self.step()
+            if self.dp_sync is not None and not self.dp_active:  # [dp] no group had a request: nothing ran
+                return
             yield StepOutput(dict(self.new_tokens), finished)
             if self.waiting and not self.running:
                 self._admit()
@@ -374,7 +430,8 @@ class Engine:
                                        "empty cache (leaked blocks?)")
 
     def run(self) -> list[Request]:
-        """Step until no request is waiting or running; returns all finished requests by id.
+        """Step until no request is waiting or running (with ``dp_sync``: in any group); returns all finished
+        requests by id.
 
         A :class:`StepFailed` propagates; calling :meth:`run` again serves the remaining requests.
         """
@@ -389,10 +446,13 @@ class Engine:
         returns the requests it finished."""
         self._admit()
         decoding, chunks = self._schedule()
+        shape = None if self.dp_sync is None else self._dp_agree(decoding, chunks)  # [dp]
+        if shape is not None and not decoding and not chunks:
+            self.runner.run((), (), shape=shape)  # [dp] nothing here while other groups step: a padding-only step
         previous, self._inflight = self._inflight, None
         if decoding or chunks:
             try:
-                self._inflight = self._launch(decoding, chunks, previous, keep_logits)
+                self._inflight = self._launch(decoding, chunks, previous, keep_logits, shape)
             except Exception as exc:
                 launched = [*decoding, *(r for r, _ in chunks)]
                 try:
@@ -412,7 +472,7 @@ class Engine:
         return done
 
     def _launch(self, decoding: list[Request], chunks: list[tuple[Request, int]], previous: _InFlight | None,
-                keep_logits: bool) -> _InFlight:
+                keep_logits: bool, shape: StepShape | None = None) -> _InFlight:
         """Launch a step whose decode rows take the previous step's tokens on the device where the host has
         not read them yet; register the prompt blocks it completes."""
         fed = {} if previous is None else {r.id: row for row, r in previous.yields}
@@ -427,7 +487,8 @@ class Engine:
         pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
-        logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed)
+        kw = {} if shape is None else {"shape": shape}  # [dp]
+        logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
         host, ready = self._host_tokens.copy(tokens)
         kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
         yields = list(enumerate(decoding))

@@ -1,0 +1,187 @@
+"""Serving under data-parallel attention: one Engine per attention group, each step's shape agreed on the host
+(mla_compile/serving/dp_sync.py) and every group's step padded to it.
+
+- plan_step / MetadataBuilder padding to a given token and row count: the real part unchanged, padding tokens
+  write nothing, and a toy model's logits of the real rows equal the unpadded step's (single process).
+- the agreement itself, without a model: the pure rule and DPStepSync over 2 gloo processes.
+- two attention groups (dp_attention=2 on 2 gloo processes) serving different seeded traces: every request's
+  tokens equal the unsharded model serving it alone; padding-only steps while a group is idle; no hang.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from mla_compile.models.metadata import SeqChunk, plan_step, step_size
+from mla_compile.serving.dp_sync import StepAgreement, StepDemand, StepShape, agree_shape
+from tests import dp_serving_workers as w
+from tests.dist_helpers import run_ranks
+
+BS = 4
+
+
+def _random_chunks(gen, n_dec, prefill_lens, vocab=50):
+    perm = torch.randperm(64, generator=gen).tolist()
+    dec, pre, at = [], [], 0
+    for _ in range(n_dec):
+        start = int(torch.randint(1, 12, (1,), generator=gen))
+        need = start // BS + 1
+        dec.append(SeqChunk(perm[at:at + need], [int(torch.randint(0, vocab, (1,), generator=gen))], start))
+        at += need
+    for n in prefill_lens:
+        start = int(torch.randint(0, 2, (1,), generator=gen)) * BS
+        need = -(-(start + n) // BS)
+        pre.append(SeqChunk(perm[at:at + need], torch.randint(0, vocab, (n,), generator=gen).tolist(), start))
+        at += need
+    return dec, pre
+
+
+@pytest.mark.parametrize("n_dec,prefill_lens", [(0, [5]), (3, []), (1, [1]), (2, [3, 7]), (0, [1]), (5, [2, 2, 9])])
+def test_plan_step_pads_to_tokens_and_rows_without_touching_the_real_part(n_dec, prefill_lens):
+    gen = torch.Generator().manual_seed(n_dec * 31 + len(prefill_lens))
+    dec, pre = _random_chunks(gen, n_dec, prefill_lens)
+    base = plan_step(dec, pre, BS)
+    T, R = step_size(n_dec, sum(prefill_lens), len(prefill_lens))
+    assert (base.input_ids.shape[0], base.meta.logits_indices.shape[0]) == (T, R)
+    with pytest.raises(ValueError, match="tokens=.* is below"):
+        plan_step(dec, pre, BS, tokens=T - 1)
+    with pytest.raises(ValueError, match="rows=.* is below"):
+        plan_step(dec, pre, BS, rows=R - 1)
+    step = plan_step(dec, pre, BS, tokens=T + 5, rows=R + 3)
+    assert step.input_ids.shape[0] == T + 5 and step.meta.logits_indices.shape[0] == R + 3
+    assert step.num_rows == base.num_rows
+    for a, b in ((step.input_ids, base.input_ids), (step.positions, base.positions),
+                 (step.meta.slot_mapping, base.meta.slot_mapping), (step.meta.logits_indices, base.meta.logits_indices)):
+        assert torch.equal(a[:b.shape[0]], b)
+    assert (step.meta.slot_mapping[T:] == -1).all() and (step.input_ids[T:] == 0).all()
+    assert (step.meta.logits_indices[R:] < T + 5).all()
+    pm = step.meta.prefill
+    assert pm is not None  # padding tokens always belong to a prefill part
+    if pre:
+        assert torch.equal(pm.cu_seqlens_q, base.meta.prefill.cu_seqlens_q)
+    else:  # an empty one: no sequence
+        assert int(pm.cu_seqlens_q.abs().sum()) == 0 and pm.block_table.shape[0] == pm.cu_seqlens_q.shape[0] - 1
+    if dec:
+        assert torch.equal(step.meta.decode.block_table, base.meta.decode.block_table)
+
+
+def test_padding_only_steps_and_decode_batch_without_chunks():
+    step = plan_step([], [], BS, tokens=6, rows=3)
+    assert step.num_rows == 0 and step.input_ids.shape[0] == 6 and step.meta.decode is None
+    assert (step.meta.slot_mapping == -1).all() and step.meta.logits_indices.tolist() == [0, 0, 0]
+    step = plan_step([], [], BS, decode_batch=4)
+    assert step.meta.decode.seq_lens.tolist() == [0] * 4 and (step.meta.slot_mapping == -1).all()
+    with pytest.raises(ValueError, match="at least one decode or prefill"):
+        plan_step([], [], BS)
+
+
+def test_padded_steps_give_the_same_logits_and_cache_on_a_toy_model():
+    """The toy model over a NaN-filled cache: a step padded to more tokens / rows (and a padding-only step)
+    gives the unpadded step's logits on its real rows and writes exactly the same cache slots (float32; other
+    token counts round the later layers' inputs differently, hence the 1e-5 tolerance)."""
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models.model import patch
+    from mla_compile.serving.builder import MetadataBuilder
+
+    model = patch(toy.toy_hf_model("v3", seed=5, num_hidden_layers=2))
+    gen = torch.Generator().manual_seed(8)
+    dec, pre = _random_chunks(gen, 2, [6], vocab=model.config.vocab_size)
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=BS, device="cpu")
+
+    def run(decode, prefill, **kw):
+        model.allocate_cache(64, BS, fill=float("nan"))
+        with torch.no_grad():
+            for c in [*decode, *prefill]:  # each sequence's context: written first, the same way each time
+                if c.start:
+                    model(*_prefill_inputs(c, torch.Generator().manual_seed(c.start), model.config.vocab_size))
+            step = builder.build(decode, prefill, **kw)
+            logits = model(step.input_ids, step.positions, step.meta)[:step.num_rows].clone()
+        return logits, [a.kv_cache.clone() for a in model.attentions]
+
+    want, cache = run(dec, pre)
+    T, R = step_size(2, 6, 1)
+    for d, p, kw in ((dec, pre, dict(tokens=T + 7, rows=R + 2)), (dec, [], dict(tokens=T + 3, rows=R + 1))):
+        got, got_cache = run(d, p, **kw)
+        base, base_cache = run(d, p)
+        torch.testing.assert_close(got, base, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_cache, base_cache):  # the same slots written (later layers: rounding of other shapes)
+            assert torch.equal(torch.isnan(a), torch.isnan(b))
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    got, _ = run(dec, pre, tokens=T + 7, rows=R + 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(want).all()
+    _, empty_cache = run([], [], tokens=9, rows=4)  # padding only: writes nothing
+    assert all(bool(torch.isnan(c).all()) for c in empty_cache)
+
+
+def _prefill_inputs(chunk, gen, vocab):
+    """A plain prefill of ``chunk``'s first ``start`` positions (its context), seeded tokens."""
+    toks = torch.randint(0, vocab, (chunk.start,), generator=gen).tolist()
+    step = plan_step([], [SeqChunk(chunk.blocks, toks, 0)], BS)
+    return step.input_ids, step.positions, step.meta
+
+
+def test_agree_shape_rule():
+    def vecs(*demands):
+        return list(np.max([StepDemand(*d).vector() for d in demands], axis=0))
+
+    idle = (False, 0, False, 0, 0)
+    assert agree_shape(vecs(idle, idle)) == StepAgreement(False, None)
+    # in flight only (overlap): keep stepping, no model step
+    assert agree_shape(vecs((True, 0, False, 0, 0), idle)) == StepAgreement(True, None)
+    # decode only: the most decode rows; the idle group pads
+    assert agree_shape(vecs((True, 3, False, 3, 3), idle, (True, 1, False, 2, 2))) == \
+        StepAgreement(True, StepShape(True, decode_rows=3))
+    # some group prefills: a mixed step of the most tokens and rows of any group
+    a = (True, 5, False, *step_size(5, 0, 0))
+    b = (True, 1, True, *step_size(1, 40, 2))
+    assert agree_shape(vecs(a, b, idle)) == StepAgreement(True, StepShape(False, tokens=42, rows=5))
+    # an idle group's tokens / rows never count
+    assert StepDemand(True, 0, False, 2, 2).vector()[4:] == [0, 0]
+
+
+def test_dp_step_sync_two_processes():
+    demands = {0: [(True, 2, False, 2, 2), (True, 0, False, 0, 0), (False, 0, False, 0, 0), (True, 1, True, 9, 3)],
+               1: [(True, 4, False, 4, 4), (True, 3, True, 20, 5), (False, 0, False, 0, 0), (False, 0, False, 0, 0)]}
+    res = run_ranks(w.sync_agreements, 2, demands, timeout=60)
+    want = [StepAgreement(True, StepShape(True, decode_rows=4)), StepAgreement(True, StepShape(False, tokens=20, rows=5)),
+            StepAgreement(False, None), StepAgreement(True, StepShape(False, tokens=9, rows=3))]
+    for r in res:
+        assert r["agreements"] == want
+        assert r["any"] == [True, False]
+        assert r["mismatch"] is not None and "differ across ranks" in r["mismatch"]
+
+
+@pytest.mark.parametrize("pconf,overlap", [(dict(tp=2, dp_attention=2, ep=2), False),
+                                           (dict(tp=2, dp_attention=2), True)])
+def test_two_attention_groups_serve_their_own_traces_with_the_tokens_of_each_request_alone(pconf, overlap):
+    pytest.importorskip("transformers")
+    res = run_ranks(w.dp_engine_equals_alone, 2, pconf, overlap, timeout=150)
+    for r in res:
+        assert r["same"], (r["got"], r["want"])
+        assert r["finished"] == r["requests"] and r["after_run"] == 0
+    a, b = res
+    assert a["group"] != b["group"]
+    # lockstep: the same steps and model calls everywhere, each call of one token count on both ranks
+    assert a["steps"] == b["steps"] and a["calls"] == b["calls"] and a["agreements"] == b["agreements"]
+    idle_first = res[[r["group"] for r in res].index(1)]
+    assert len(idle_first["padding"]) >= 3 and idle_first["padding"][0] == 0  # group 1 pads before its arrivals
+    assert any(r["mixed_padded"] for r in res)  # a decode-only group padded into another group's prefill step
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a multi-GPU machine)")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_attention_groups_on_two_gpus_compiled_and_captured(overlap):
+    """NCCL on 2 GPUs: the sharded model compiled, its decode steps (padding-only ones too) replayed in CUDA graphs
+    of the agreed capture size; every request gets the tokens of the unsharded model serving it alone."""
+    pytest.importorskip("transformers")
+    res = run_ranks(w.dp_engine_equals_alone, 2, dict(tp=2, dp_attention=2, ep=2), overlap, True, timeout=480)
+    for r in res:
+        assert r["same"], (r["got"], r["want"])
+        assert r["finished"] == r["requests"] and r["replays"] > 10
+    assert res[0]["steps"] == res[1]["steps"] and res[0]["agreements"] == res[1]["agreements"]
+    assert any(len(r["padding"]) >= 3 for r in res)
