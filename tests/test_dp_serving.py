@@ -185,3 +185,42 @@ def test_two_attention_groups_on_two_gpus_compiled_and_captured(overlap):
         assert r["finished"] == r["requests"] and r["replays"] > 10
     assert res[0]["steps"] == res[1]["steps"] and res[0]["agreements"] == res[1]["agreements"]
     assert any(len(r["padding"]) >= 3 for r in res)
+
+
+def test_engine_refuses_a_runner_or_builder_that_cannot_pad_before_any_collective():
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
+
+    class NoSync:  # any collective would fail: the checks must come first
+        def __getattr__(self, name):
+            raise AssertionError(f"collective {name} called before the runner was checked")
+
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=BS, device="cpu")
+
+    class OldRunner:
+        def __init__(self, builder):
+            self.builder = builder
+
+        def run(self, decode, prefill=()):
+            raise AssertionError
+
+        def decode(self, chunks):
+            raise AssertionError
+
+    with pytest.raises(ValueError, match=r"runner whose run\(\) takes shape="):
+        Engine(OldRunner(builder), num_blocks=16, vocab_size=10, dp_sync=NoSync())
+
+    class OtherBuilder(MetadataBuilder):
+        def build(self, decode, prefill=(), *, decode_batch=None, logits="last"):
+            raise AssertionError
+
+    class ShapeRunner(OldRunner):
+        def run(self, decode, prefill=(), shape=None):
+            raise AssertionError
+
+        def decode(self, chunks, shape=None):
+            raise AssertionError
+
+    other = OtherBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=BS, device="cpu")
+    with pytest.raises(ValueError, match=r"builder whose build\(\) pads to tokens= and rows="):
+        Engine(ShapeRunner(other), num_blocks=16, vocab_size=10, dp_sync=NoSync())

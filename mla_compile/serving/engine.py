@@ -237,7 +237,7 @@ class Engine:
 
     def _check_dp_runner(self) -> None:
         """[dp] The runner pads to an agreed shape, and every rank's engine and runner are built alike (collective)."""
-        methods = ["run", "sample_step"] if self.overlap else ["run"]
+        methods = ["run", "decode", "sample_step"] if self.overlap else ["run", "decode"]
         if callable(getattr(self.runner, "decode_sampled", None)):
             methods.append("decode_sampled")
         for m in methods:
@@ -245,6 +245,9 @@ class Engine:
                 raise ValueError(f"dp_sync needs a runner whose {m}() takes shape= (DecodeGraphRunner); "
                                  f"{type(self.runner).__name__}.{m} does not")
         b = self.runner.builder
+        if not {"tokens", "rows"} <= inspect.signature(b.build).parameters.keys():
+            raise ValueError(f"dp_sync needs a builder whose build() pads to tokens= and rows= (MetadataBuilder); "
+                             f"{type(b).__name__}.build does not")
         sizes = tuple(getattr(self.runner, "capture_sizes", ()))
         self.dp_sync.check_same("engine sizes (max_batch, max_tokens, min_batch, query_len, capture sizes)",
                                 [b.max_batch, self.max_tokens, b.min_batch, b.query_len, hash(sizes) % (1 << 62)])
