@@ -262,7 +262,8 @@ class DecodeGraphRunner:
         self.replays += 1
         return out[:step.num_rows], None if rows is None else tokens[:step.num_rows]
 
-    def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), shape: StepShape | None = None) -> Tensor:
+    def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (),
+            shape: StepShape | None = None) -> Tensor:
         """Any step: pure decode goes through :meth:`decode`; prefill and mixed steps run uncaptured. ``shape``
         (:class:`~mla_compile.serving.dp_sync.StepShape`, what data-parallel attention groups agreed on): a
         decode-only one goes through :meth:`decode`, padded to its rows; any other pads the step to its tokens

@@ -17,10 +17,12 @@ BS = 4
 NUM_BLOCKS = 64
 
 
-def group_trace(group: int) -> list[tuple[int, list[int], int]]:
-    """Attention group ``group``'s seeded requests ``(arrival step, prompt, max_new_tokens)``: other counts,
-    lengths and arrivals per group; group 1 stays idle for the first steps, group 0 has prompts longer than the
-    step budget (chunked prefill)."""
+def group_trace(group: int) -> list[tuple[int, list[int], object]]:
+    """Attention group ``group``'s seeded requests ``(arrival step, prompt, max_new_tokens or SamplingParams)``:
+    other counts, lengths and arrivals per group; group 1 stays idle for the first steps, group 0 has prompts
+    longer than the step budget (chunked prefill); every third request samples (seeded, temperature, top-k)."""
+    from mla_compile.serving.sampling import SamplingParams
+
     gen = torch.Generator().manual_seed(100 + group)
 
     def randint(low: int, high: int) -> int:
@@ -30,7 +32,10 @@ def group_trace(group: int) -> list[tuple[int, list[int], int]]:
     trace, at = [], first
     for _ in range(n):
         prompt = torch.randint(0, 1024, (randint(2, max_prompt),), generator=gen).tolist()
-        trace.append((at, prompt, randint(2, 10)))
+        n = randint(2, 10)
+        if len(trace) % 3 == 2:
+            n = SamplingParams(temperature=0.9, top_k=8, seed=randint(0, 1 << 30), max_new_tokens=n)
+        trace.append((at, prompt, n))
         at += randint(0, gap)
     return trace
 

@@ -53,7 +53,8 @@ def test_plan_step_pads_to_tokens_and_rows_without_touching_the_real_part(n_dec,
     assert step.input_ids.shape[0] == T + 5 and step.meta.logits_indices.shape[0] == R + 3
     assert step.num_rows == base.num_rows
     for a, b in ((step.input_ids, base.input_ids), (step.positions, base.positions),
-                 (step.meta.slot_mapping, base.meta.slot_mapping), (step.meta.logits_indices, base.meta.logits_indices)):
+                 (step.meta.slot_mapping, base.meta.slot_mapping),
+                 (step.meta.logits_indices, base.meta.logits_indices)):
         assert torch.equal(a[:b.shape[0]], b)
     assert (step.meta.slot_mapping[T:] == -1).all() and (step.input_ids[T:] == 0).all()
     assert (step.meta.logits_indices[R:] < T + 5).all()
@@ -147,7 +148,8 @@ def test_dp_step_sync_two_processes():
     demands = {0: [(True, 2, False, 2, 2), (True, 0, False, 0, 0), (False, 0, False, 0, 0), (True, 1, True, 9, 3)],
                1: [(True, 4, False, 4, 4), (True, 3, True, 20, 5), (False, 0, False, 0, 0), (False, 0, False, 0, 0)]}
     res = run_ranks(w.sync_agreements, 2, demands, timeout=60)
-    want = [StepAgreement(True, StepShape(True, decode_rows=4)), StepAgreement(True, StepShape(False, tokens=20, rows=5)),
+    want = [StepAgreement(True, StepShape(True, decode_rows=4)),
+            StepAgreement(True, StepShape(False, tokens=20, rows=5)),
             StepAgreement(False, None), StepAgreement(True, StepShape(False, tokens=9, rows=3))]
     for r in res:
         assert r["agreements"] == want

@@ -167,8 +167,9 @@ class Engine:
     device error) fails that step's requests. When no request is left running, :meth:`step` also waits for the
     step in flight, so an idle engine has nothing pending.
 
-    ``dp_sync`` (a :class:`~mla_compile.serving.dp_sync.DPStepSync`; the runner's ``run``, ``decode_sampled`` and
-    ``sample_step`` take ``shape=``: ``DecodeGraphRunner``): this engine serves one data-parallel attention group
+    ``dp_sync`` (a :class:`~mla_compile.serving.dp_sync.DPStepSync`; the runner's ``run``, ``decode``,
+    ``decode_sampled`` and ``sample_step`` take ``shape=`` and its builder's ``build`` takes ``tokens=`` and
+    ``rows=``: ``DecodeGraphRunner`` over a ``MetadataBuilder``): this engine serves one data-parallel attention group
     of a sharded model (``ParallelConfig(dp_attention=D)``), one engine per rank, the same requests on every rank
     of a group. The constructor and every :meth:`step` are collective over ``dp_sync``'s group: every rank calls
     them in lockstep. Each :meth:`step` agrees on the step's shape with the other groups and pads its step to it
