@@ -69,11 +69,12 @@ def dp_engine_equals_alone(rank, world, pconf, overlap, cuda=False):
     state = init(ParallelConfig(**pconf), timeout=120 if cuda else 60, device=None if cuda else "cpu")
     group = rank // state.config.attn_tp
     hf = toy.toy_hf_model("v3", seed=2, num_hidden_layers=2, device=state.device, dtype=torch.float32)
-    ref = patch(copy.deepcopy(hf))
+    backend = "triton" if cuda else None  # one decode backend for the captured and the uncaptured model
+    ref = patch(copy.deepcopy(hf), backend=backend)
     trace = group_trace(group)
     want = [alone(ref, p, n) for _, p, n in trace]
 
-    model = patch(hf, parallel=state)
+    model = patch(hf, parallel=state, backend=backend)
     calls = []
     if not cuda:  # replayed graphs run no Python: count model calls on CPU only
         model.register_forward_pre_hook(lambda m, args: calls.append(int(args[0].shape[0])))
