@@ -174,6 +174,17 @@ def test_two_attention_groups_serve_their_own_traces_with_the_tokens_of_each_req
     assert any(r["mixed_padded"] for r in res)  # a decode-only group padded into another group's prefill step
 
 
+def test_two_attention_groups_of_two_ranks_each_four_processes():
+    """tp=4, dp_attention=2: each group's two ranks split its heads and run the same engine on the same trace."""
+    pytest.importorskip("transformers")
+    res = run_ranks(w.dp_engine_equals_alone, 4, dict(tp=4, dp_attention=2, ep=2), False, timeout=240)
+    assert [r["group"] for r in res] == [0, 0, 1, 1]
+    for r in res:
+        assert r["same"], (r["got"], r["want"])
+        assert r["calls"] == res[0]["calls"] and r["steps"] == res[0]["steps"]
+    assert res[0]["padding"] == res[1]["padding"] and len(res[2]["padding"]) >= 3
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a multi-GPU machine)")
 @pytest.mark.parametrize("overlap", [False, True])
