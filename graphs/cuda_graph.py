@@ -25,6 +25,7 @@ from torch import Tensor
 from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.dp_sync import StepShape
 from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
+from mla_compile.serving.host_upload import HostUpload
 from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_rows
 
 StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
@@ -45,10 +46,7 @@ class TokenFeed:
         self.max_batch = max_batch
         self.tokens = torch.zeros(2 * max_batch, dtype=torch.int64, device=self.device)
         self.index = torch.full((max_batch,), -1, dtype=torch.int64, device=self.device)
-        pin = self.device.type == "cuda"
-        self._host = [torch.full((max_batch,), -1, dtype=torch.int64, pin_memory=pin) for _ in range(2 if pin else 1)]
-        self._copied: list = [None] * len(self._host)
-        self._turn = 0
+        self._upload = HostUpload(self.index, fill=-1)
 
     def fill(self, rows: Sequence[int]) -> None:
         """Set ``index``: decode row ``i < len(rows)`` reads ``tokens[rows[i]]`` (-1: the host id), every
@@ -57,18 +55,10 @@ class TokenFeed:
             raise ValueError(f"TokenFeed.fill: {len(rows)} decode rows, the feed holds max_batch={self.max_batch}")
         if any(not -1 <= r < self.tokens.numel() for r in rows):
             raise ValueError(f"TokenFeed.fill: rows {list(rows)} must be -1 or in [0, {self.tokens.numel()})")
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._host)
-        done = self._copied[turn]
-        if done is not None and not done.query():
-            done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
-        host = self._host[turn].numpy()
+        host = self._upload.begin()
         host[:] = -1
         host[:len(rows)] = rows
-        self.index.copy_(self._host[turn], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
+        self._upload.upload()
 
     def apply(self, input_ids: Tensor, n: int) -> None:
         """Overwrite the first ``n`` input ids (the decode rows) where ``index`` names a row of ``tokens``

@@ -125,6 +125,22 @@ def _index(root: Path) -> dict:
     return json.loads((root / INDEX).read_text())
 
 
+def weight_map(root: Path) -> dict:
+    """The checkpoint's index: tensor name -> shard file name."""
+    return _index(root)["weight_map"]
+
+
+def rewrite_shard(root: Path, key: str, change) -> str:
+    """Rewrite the shard holding ``key`` with ``change(tensors)`` applied (a dict, edited in place); returns the
+    shard's name (for checkpoint-error tests)."""
+    file = weight_map(root)[key]
+    with safe_open(str(root / file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(tensors)
+    save_file(tensors, str(root / file), metadata={"format": "pt"})
+    return file
+
+
 def _add_mtp_layer(root: Path, config) -> None:
     """One MTP layer (index num_hidden_layers) in its own shard, as V3/R1/V3.2 ship it."""
     i, h = config.num_hidden_layers, config.hidden_size

@@ -1,5 +1,6 @@
 """Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile;
-without a GPU, Triton kernels run in Triton's interpreter; in CI a skipped test that no GPU run selects fails.
+without a GPU, Triton kernels run in Triton's interpreter; in CI a skipped test that no GPU run selects fails;
+CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it).
 
 ``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt). ``TRITON_INTERPRET`` set
 by the caller is kept (``0`` runs the ``sm90_compile`` tests, which need Triton's compiler).
@@ -11,8 +12,13 @@ import importlib.util
 import os
 import tempfile
 
-import pytest
-import torch
+# One intra-op thread on CPU, here and in the processes tests spawn (set before torch is imported: the gloo
+# workers inherit the environment). The tests' tensors are tiny: a second thread only adds synchronization, and
+# on a loaded machine (CI neighbours, parallel jobs) it makes small ops orders of magnitude slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Set before any test module imports a kernel: @triton.jit reads it when a kernel is defined. On CPU the
 # interpreter runs the Triton tests on CPU tensors (tests/ops/triton/test_triton_interpret*.py, ...).

@@ -448,16 +448,69 @@ def engine_per_rank(rank, world, pconf):
     return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got)}
 
 
-def from_pretrained_sharded(rank, world, root, pconf):
-    """``from_pretrained(dir, parallel=...)`` of a float checkpoint equals the single-process load; each rank
-    keeps only its shard (parameter count) and nothing is left on the meta device."""
+def from_pretrained_sharded(rank, world, root, pconf, dp=False):
+    """``from_pretrained(dir, parallel=...)`` equals the single-process load of the same checkpoint (float, fp8 or
+    fp4 experts): max logits error and greedy tokens (argmax of every row) over the step script (``dp``: each
+    data-parallel attention group its own requests); each rank keeps only its shard (parameter counts, the
+    shapes and dtypes of every parameter) and nothing is left on the meta device."""
     from mla_compile.models.loader import from_pretrained
 
     state = init(ParallelConfig(**pconf), timeout=60)
     model = from_pretrained(root, parallel=state, dtype=torch.float32)
     ref = from_pretrained(root, dtype=torch.float32)
-    steps = _steps(ref.config.vocab_size, seed=7)
+    vocab = ref.config.vocab_size
+    steps = _dp_steps(vocab, rank // state.config.attn_tp) if dp else _steps(vocab, seed=7)
+    got, want = _run(model, steps), _run(ref, steps)
     meta_left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    return {"err": _max_err(_run(model, steps), _run(ref, steps)), "meta_left": meta_left,
+
+    def experts(m):
+        return sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+
+    return {"err": _max_err(got, want), "meta_left": meta_left,
+            "finite": all(bool(torch.isfinite(g).all()) for g in got),
+            "same_tokens": all(torch.equal(g.argmax(-1), x.argmax(-1)) for g, x in zip(got, want)),
             "params": sum(p.numel() for p in model.parameters()),
-            "full_params": sum(p.numel() for p in ref.parameters())}
+            "full_params": sum(p.numel() for p in ref.parameters()),
+            "expert_params": experts(model), "full_expert_params": experts(ref),
+            "shapes": {n: (list(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()}}
+
+
+def from_pretrained_error(rank, world, roots, pconf):
+    """``from_pretrained(dir, parallel=...)`` of each checkpoint in ``roots`` that cannot be split so: the error
+    texts (None where it loaded)."""
+    from mla_compile.models.loader import from_pretrained
+
+    state = init(ParallelConfig(**pconf), timeout=60)
+    errors = []
+    for root in roots:
+        try:
+            from_pretrained(root, parallel=state, dtype=torch.float32)
+            errors.append(None)
+        except ValueError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def quantized_checkpoint_on_device(rank, world, root, pconf):
+    """``from_pretrained(dir, parallel=...)`` of an fp8 / fp4-expert checkpoint on this rank's device (NCCL on a
+    GPU; world size 1 runs real single-rank groups) against the single-process load there: eager and
+    fullgraph-compiled logits errors, greedy tokens, graph breaks. fp32 activations."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from mla_compile.models.loader import from_pretrained
+
+    state = init(ParallelConfig(**pconf), single_rank_collectives=world == 1, timeout=120)
+    model = from_pretrained(root, parallel=state, dtype=torch.float32)
+    ref = from_pretrained(root, device=state.device, dtype=torch.float32)
+    steps = [s.to(state.device) for s in _steps(ref.config.vocab_size, seed=7)]
+    want = _run(ref, steps)
+    got = _run(model, steps)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    got_c = _run((compiled, model), steps, dynamic=True)
+    return {"backend": dist.get_backend(), "device": str(model.lm_head.weight.device),
+            "err": _max_err(got, want), "compiled_err": _max_err(got_c, want),
+            "same_tokens": all(torch.equal(g.argmax(-1), x.argmax(-1)) for g, x in zip(got, want)),
+            "graph_breaks": dict(counters["graph_break"]), "real_group": state.tp.group is not None}

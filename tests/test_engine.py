@@ -93,15 +93,6 @@ def test_shared_prefixes_and_long_prompts_in_chunks_match_hf(prefix_caching):
 # ---------------------------------------------------------------- bad requests, aborts, failing steps
 
 
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny steps: one intra-op thread is several times faster than two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """A float64 tiny V3 toy (97-token vocabulary, 64 positions) with a 40-block cache of 4 tokens."""
@@ -121,7 +112,7 @@ def _tiny_engine(model, num_blocks=40, fail_from=None, sampling=False, **kw):
 @pytest.mark.parametrize("n_requests, abort_rate, invalid_rate, fail_from", [(600, 0.0, 0.0, None),
                                                                           (1000, 0.1, 0.05, 300)])
 def test_trace_with_aborts_bad_requests_and_a_failing_step_gives_each_request_its_tokens_alone(
-        tiny, one_thread, n_requests, abort_rate, invalid_rate, fail_from):
+        tiny, n_requests, abort_rate, invalid_rate, fail_from):
     """Seeded clients with shared prefixes arrive over time into a cache far smaller than their total;
     some abort, some send bad requests, one step fails. Every other request gets the tokens it gets
     alone, the aborted and failed ones a prefix of them; every block comes back."""

@@ -19,15 +19,6 @@ from tests.engine_load import (TINY_V3, FailingRunner, check_trace, make_trace, 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Many tiny steps: one intra-op thread is several times faster than two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """A float64 tiny V3 toy (97-token vocabulary, 64 positions; tokens do not depend on the batch) with a

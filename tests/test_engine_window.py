@@ -19,15 +19,6 @@ pytest.importorskip("transformers")
 BS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Many tiny steps: one intra-op thread is several times faster than two contended ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     hf = toy.toy_hf_model("v3", seed=8, dtype=torch.float64, **TINY_V3)  # float64: tokens never flip on rounding

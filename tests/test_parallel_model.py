@@ -141,13 +141,3 @@ def test_from_pretrained_reads_each_rank_s_shard_of_a_checkpoint(tmp_path, kind,
     for r in results:
         assert r["meta_left"] == [] and r["err"] <= TOL, r
         assert r["params"] < 0.7 * r["full_params"]
-
-
-def test_from_pretrained_with_parallel_refuses_quantized_checkpoints_before_any_rendezvous(tmp_path):
-    from mla_compile.models.loader import from_pretrained
-    from mla_compile.parallel import ParallelConfig
-    from tests.checkpoints import write_checkpoint
-
-    write_checkpoint(tmp_path, "v3", "fp8", seed=1)
-    with pytest.raises(NotImplementedError, match="fp8 .weight_scale_inv. or fp4 expert weights"):
-        from_pretrained(tmp_path, parallel=ParallelConfig(tp=2))

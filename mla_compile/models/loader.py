@@ -6,6 +6,7 @@ Linears with a ``weight_scale_inv`` in the checkpoint become :class:`~mla_compil
 (fp8 kept in memory); fp8 experts become :class:`~mla_compile.models.fp8_linear.FP8Experts`, and with
 ``expert_dtype: "fp4"`` (DeepSeek-V4's packed e2m1 + ue8m0) :class:`~mla_compile.models.fp4_linear.FP4Experts`, kept
 packed; ``kv_b_proj`` is dequantized once (the absorbed decode reads its weight as ``W_UK`` / ``W_UV``).
+With ``parallel=`` the same modules are sharded (:mod:`mla_compile.parallel.shard`) from lazily sliced tensors.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
 from mla_compile.models.model import MLAForCausalLM, patch
 from mla_compile.models.v4_loader import is_v4_checkpoint, load_v4
-from mla_compile.ops.fp8_block_linear import dequantize
+from mla_compile.ops.fp8_block_linear import BLOCK as FP8_BLOCK, dequantize
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def from_pretrained(path: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
@@ -39,8 +41,10 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     float8_e4m3fn with float32 block scales, fp4 experts (``expert_dtype: "fp4"``) packed uint8 with ue8m0 bytes. ``kv_cache_dtype``: default of ``allocate_cache`` (e.g. "fp8").
     ``parallel``: a :class:`~mla_compile.parallel.ParallelConfig` (or the state :func:`mla_compile.parallel.init`
     returned; a config is initialised here): this rank's shard only, each tensor read as the slice the rank keeps
-    (``device`` is then the parallel state's); bf16/float checkpoints only so far (fp8 / fp4 ones raise
-    NotImplementedError). ``backend`` / ``moe_impl``: passed to :func:`patch`.
+    (``device`` is then the parallel state's). fp8 and fp4 weights stay quantized: a rank reads its rows /
+    columns of the codes with the matching rows / columns of the block scales and only its experts' codes and
+    scales, and its heads of ``kv_b_proj`` dequantized; a split through a quantization block raises ValueError
+    (see :func:`mla_compile.parallel.shard.block_split`). ``backend`` / ``moe_impl``: passed to :func:`patch`.
     MTP layers (``num_nextn_predict_layers``) are skipped. A DeepSeek-V4 checkpoint (``model_type: "deepseek_v4"``)
     loads as a :class:`~mla_compile.models.v4_model.V4ForCausalLM` (:func:`mla_compile.models.v4_loader.load_v4`).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
@@ -55,8 +59,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     index = read_index(root)
     dtype = dtype or _config_dtype(config)
     if parallel is not None:
-        return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl,
-                        quantized=fp8 is not None or fp4_experts or any(k.endswith(SCALE_SUFFIX) for k in index.weight_map))
+        return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts)
     device = torch.device(device or "cpu")
     hf = _meta_model(config)
     kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)
@@ -73,19 +76,17 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
 
 
 def _sharded(root: Path, config, index: ShardIndex, parallel, dtype: torch.dtype, kv_cache_dtype, backend,
-             moe_impl: str, quantized: bool) -> MLAForCausalLM:
-    """``from_pretrained(parallel=...)``: a meta model sharded by :func:`patch` from lazily sliced shard tensors."""
+             moe_impl: str, fp4_experts: bool) -> MLAForCausalLM:
+    """``from_pretrained(parallel=...)``: a meta model (fp8 / fp4 modules swapped in as for one process)
+    sharded by :func:`patch` from lazily sliced shard tensors."""
     from mla_compile.parallel import ParallelState, init
 
-    if quantized:
-        raise NotImplementedError(f"{root}: from_pretrained(parallel=...) reads float checkpoints so far; this one has "
-                                  "fp8 (weight_scale_inv) or fp4 expert weights, whose shards are not built yet: "
-                                  "load it with parallel=None")
-    state = parallel if isinstance(parallel, ParallelState) else init(parallel)
     hf = _meta_model(config)  # MTP layers (index >= num_hidden_layers) are not built, so never read
+    kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)  # before init: a broken checkpoint fails alone
+    state = parallel if isinstance(parallel, ParallelState) else init(parallel)
     fp32 = tuple(getattr(hf, "_keep_in_fp32_modules", None) or ()) + tuple(
         getattr(hf, "_keep_in_fp32_modules_strict", None) or ())
-    source = _SliceSource(index, dtype, fp32)
+    source = _SliceSource(index, dtype, fp32, kv_b)
     model = patch(hf.eval(), backend=backend, moe_impl=moe_impl, parallel=state, weights=source)
     model.kv_cache_dtype = kv_cache_dtype
     return model
@@ -94,11 +95,15 @@ def _sharded(root: Path, config, index: ShardIndex, parallel, dtype: torch.dtype
 class _SliceSource:
     """HF parameter name -> a lazily sliced checkpoint tensor (:class:`_Lazy`): only the rows / columns a rank
     keeps are read from the shard (safetensors ``get_slice``). The stacked experts of an HF MoE
-    (``...experts.gate_up_proj [E, 2I, H]``, ``...experts.down_proj [E, H, I]``) are assembled from the
-    per-expert checkpoint tensors of the experts and rows asked for."""
+    (``...experts.gate_up_proj [E, 2I, H]``, ``...experts.down_proj [E, H, I]``; of an FP8Experts / FP4Experts
+    ``...experts.gate_proj`` and ``...experts.gate_proj_scale_inv`` etc.) are assembled from the per-expert
+    checkpoint tensors of the experts and rows asked for. Float tensors are cast to ``dtype`` (float32 for
+    the ``fp32`` modules); fp8 / fp4 codes and their scales keep their stored dtype. The ``kv_b`` linears'
+    fp8 weights are read dequantized (:class:`_DequantizedRows`)."""
 
-    def __init__(self, index: ShardIndex, dtype: torch.dtype, fp32: tuple[str, ...]) -> None:
-        self.index, self.dtype, self.fp32 = index, dtype, fp32
+    def __init__(self, index: ShardIndex, dtype: torch.dtype, fp32: tuple[str, ...],
+                 kv_b: set[str] | frozenset[str] = frozenset()) -> None:
+        self.index, self.dtype, self.fp32, self.kv_b = index, dtype, fp32, kv_b
         self._shapes: dict[str, tuple[int, ...]] = {}
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -116,17 +121,26 @@ class _SliceSource:
             raise KeyError(key)
         return safe_open(str(self.index.root / self.index.file_of(key)), framework="pt", device="cpu")
 
-    def __call__(self, name: str) -> "_Lazy":
+    def __call__(self, name: str) -> "_Lazy | _DequantizedRows":
         dtype = torch.float32 if any(p in name for p in self.fp32) else self.dtype
         prefix, _, param = name.rpartition(".")
-        if prefix.endswith(".experts") and param in ("gate_up_proj", "down_proj"):
-            parts = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+        if prefix.endswith(".experts") and param in ("gate_up_proj", "down_proj", "gate_proj", "up_proj",
+                                                     "gate_proj" + SCALE_SUFFIX, "up_proj" + SCALE_SUFFIX,
+                                                     "down_proj" + SCALE_SUFFIX):
+            if param == "gate_up_proj":
+                parts = ("gate_proj.weight", "up_proj.weight")
+            elif param.endswith(SCALE_SUFFIX):  # FP8Experts / FP4Experts: one projection's scales
+                parts = (param[: -len(SCALE_SUFFIX)] + ".weight" + SCALE_SUFFIX,)
+            else:
+                parts = (param + ".weight",)
             keys = []
-            while f"{prefix}.{len(keys)}.{parts[0]}.weight" in self.index.weight_map:
-                keys.append([f"{prefix}.{len(keys)}.{p}.weight" for p in parts])
+            while f"{prefix}.{len(keys)}.{parts[0]}" in self.index.weight_map:
+                keys.append([f"{prefix}.{len(keys)}.{p}" for p in parts])
             if not keys:
                 raise KeyError(name)
             return _Lazy(self, keys, dtype, stacked=True)
+        if prefix in self.kv_b and param == "weight":
+            return _DequantizedRows(self, name, dtype)
         return _Lazy(self, [[name]], dtype, stacked=False)
 
 
@@ -145,7 +159,12 @@ class _Lazy:
 
     def _read(self, key: str, index: tuple) -> Tensor:
         with self.source.open(key) as f:
-            return f.get_slice(key)[index].to(self.dtype)
+            t = f.get_slice(key)[index]
+        if t.dtype == FP8 and not key.endswith(SCALE_SUFFIX) and key + SCALE_SUFFIX not in self.source.index.weight_map:
+            raise CheckpointError(f"{self.source.index.file_of(key)}: tensor {key} is float8_e4m3fn but "
+                                  f"{key}{SCALE_SUFFIX} is missing from the index: fp8 weights need their block scales")
+        # fp8 / fp4 codes and block scales stay as stored; float weights take the model's dtype
+        return t if key.endswith(SCALE_SUFFIX) or t.dtype not in _FLOATS else t.to(self.dtype)
 
     def __getitem__(self, index) -> Tensor:
         index = index if isinstance(index, tuple) else (index,)
@@ -168,6 +187,36 @@ class _Lazy:
                 start += n
             out.append(torch.cat(pieces))
         return torch.stack(out)
+
+
+class _DequantizedRows:
+    """An fp8 ``kv_b_proj.weight`` (``weight_scale_inv`` beside it) read dequantized, rows only where indexed:
+    ``t[r0:r1]`` reads the 128-row blocks covering ``[r0, r1)`` and their scales, dequantizes them in float32
+    and keeps exactly rows ``r0 .. r1 - 1`` (any row boundary: the result is float), cast to ``dtype``."""
+
+    def __init__(self, source: _SliceSource, key: str, dtype: torch.dtype) -> None:
+        self.source, self.key, self.dtype = source, key, dtype
+        self.shape = torch.Size(source.shape(key))
+
+    def __getitem__(self, index) -> Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        rows, rest = index[0], index[1:]
+        if not isinstance(rows, slice):
+            raise TypeError(f"{self.key} (read dequantized) takes a row slice, got {rows}")
+        r0, r1, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise TypeError(f"{self.key} (read dequantized) takes unit-step row slices, got {rows}")
+        b0, b1 = r0 // FP8_BLOCK, -(-r1 // FP8_BLOCK)
+        with self.source.open(self.key) as f:
+            codes = f.get_slice(self.key)[b0 * FP8_BLOCK: min(b1 * FP8_BLOCK, self.shape[0])]
+        scale_key = self.key + SCALE_SUFFIX
+        with self.source.open(scale_key) as f:
+            scale = f.get_slice(scale_key)[b0:b1]
+        if codes.dtype != FP8:
+            raise CheckpointError(f"{self.source.index.file_of(self.key)}: tensor {self.key} has a weight_scale_inv "
+                                  f"but is {codes.dtype}, not float8_e4m3fn")
+        w = dequantize(codes, scale.float(), torch.float32)[r0 - b0 * FP8_BLOCK: r1 - b0 * FP8_BLOCK]
+        return w[(slice(None),) + rest].to(self.dtype)
 
 
 def _config_dtype(config) -> torch.dtype:

@@ -12,6 +12,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile import ops
 from mla_compile.parallel.groups import Group
 
 
@@ -46,16 +47,28 @@ class RowParallelLinear(nn.Module):
     """``y = all_reduce(x_shard @ W[:, shard].T) + bias``: the input features are split over ``group``.
 
     ``weight [out, in / P]`` (this rank's columns), ``bias`` whole (added once, after the sum) or None.
+    ``weight_scale_inv``: given, ``weight`` is DeepSeek's fp8 (e4m3) with this float32 scale per 128 x 128 block
+    of the local columns (``[ceil(out/128), ceil(in_local/128)]``), run by ``mla::fp8_block_linear``
+    (``act_quant`` / ``backend`` as :class:`~mla_compile.models.fp8_linear.FP8BlockLinear`'s).
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: Group) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: Group, *,
+                 weight_scale_inv: nn.Parameter | None = None, act_quant: bool = False,
+                 backend: str | None = None) -> None:
         super().__init__()
         self.weight = weight
         self.bias = bias
+        self.weight_scale_inv = weight_scale_inv
+        self.act_quant, self.backend = act_quant, backend
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.group)
+        if self.weight_scale_inv is None:
+            local = F.linear(x, self.weight)
+        else:
+            local = ops.fp8_block_linear(x, self.weight, self.weight_scale_inv, act_quant=self.act_quant,
+                                         backend=self.backend)
+        y = all_reduce(local, self.group)
         return y if self.bias is None else y + self.bias
 
 

@@ -51,12 +51,42 @@ class ParallelExperts(nn.Module):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool) -> Tensor:
         """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over the (token, slot) pairs whose expert is held
         here (this rank's part of the intermediate width): ``[T, H]``."""
-        local = ids - self.first
-        mine = (local >= 0) & (local < self.num_local)
-        weights = torch.where(mine, weights, torch.zeros_like(weights))
-        local = torch.where(mine, local, torch.zeros_like(local))
+        weights, local = local_routing(weights, ids, self.first, self.num_local)
         run = experts_grouped if grouped else experts_dense
         return run(x, weights, local, self.gate_up_proj, self.down_proj, self.act_fn)
+
+
+class ParallelBlockExperts(nn.Module):
+    """This rank's routed experts when they are block-quantized: ``local`` an
+    :class:`~mla_compile.models.fp8_linear.FP8Experts` or :class:`~mla_compile.models.fp4_linear.FP4Experts` of the
+    ``E_local`` experts ``first .. first + E_local - 1`` (this rank's part of their intermediate width), which
+    runs itself (dense, or grouped: sorted by expert)."""
+
+    quantized = True
+
+    def __init__(self, local: nn.Module, first: int) -> None:
+        super().__init__()
+        self.local = local
+        self.first = first
+
+    @property
+    def num_local(self) -> int:
+        """Experts held here."""
+        return self.local.num_experts
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool) -> Tensor:
+        """As :meth:`ParallelExperts.forward`: ``[T, H]`` float32."""
+        weights, local = local_routing(weights, ids, self.first, self.num_local)
+        return self.local(x, weights, local, grouped=grouped)
+
+
+def local_routing(weights: Tensor, ids: Tensor, first: int, num_local: int) -> tuple[Tensor, Tensor]:
+    """Routing ``weights [T, k]`` / global expert ``ids [T, k]`` -> this rank's: weight 0 (and local id 0) for
+    the (token, slot) pairs whose expert is not among ``first .. first + num_local - 1``, local ids for the rest."""
+    local = ids - first
+    mine = (local >= 0) & (local < num_local)
+    return (torch.where(mine, weights, torch.zeros_like(weights)),
+            torch.where(mine, local, torch.zeros_like(local)))
 
 
 class ParallelMoE(nn.Module):
@@ -64,7 +94,8 @@ class ParallelMoE(nn.Module):
     names); see the module docstring for ``dispatch``. ``impl``: "auto" (grouped on CUDA bf16), "dense" or
     "grouped", as :class:`mla_compile.models.moe.MLAMoE`."""
 
-    def __init__(self, gate: nn.Module, experts: ParallelExperts, shared_experts: ParallelMLP | None,
+    def __init__(self, gate: nn.Module, experts: ParallelExperts | ParallelBlockExperts,
+                 shared_experts: ParallelMLP | None,
                  state: ParallelState, *, dispatch: str = "all_to_all", impl: str = "auto") -> None:
         super().__init__()
         if dispatch not in DISPATCHES:
@@ -81,6 +112,8 @@ class ParallelMoE(nn.Module):
     def _grouped(self, x: Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "grouped"
+        if getattr(self.experts, "quantized", False):  # fp8 / fp4 ops take any float activation (MLAMoE's rule)
+            return x.is_cuda
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
     def forward(self, x: Tensor) -> Tensor:

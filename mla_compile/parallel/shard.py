@@ -14,6 +14,11 @@ Per rank (``H_l = num_heads / attn_tp`` heads from head ``attn_rank * H_l``):
 - ``embed_tokens`` and ``lm_head`` split by vocabulary rows (zero-padded to a multiple of the ranks); logits
   all-gathered.
 
+fp8 linears (:class:`~mla_compile.models.fp8_linear.FP8BlockLinear`) and fp8 / fp4 experts
+(:class:`~mla_compile.models.fp8_linear.FP8Experts`, :class:`~mla_compile.models.fp4_linear.FP4Experts`) are split the
+same way and stay quantized, their block scales split with them (:func:`block_split`); ``kv_b_proj`` must come
+float (``from_pretrained``'s source dequantizes this rank's heads).
+
 Weights come from the HF model itself (its tensors are sliced and the full ones dropped) or, for a model
 built on the meta device, from ``weights`` (a state dict, or a function from an HF parameter name to a tensor
 or a lazily sliceable object such as safetensors' ``get_slice``), so a rank never holds a full weight it does
@@ -29,11 +34,15 @@ from torch import Tensor, nn
 
 from mla_compile.models.attention import MLAAttention
 from mla_compile.models.config import MLAConfig
+from mla_compile.models.fp4_linear import FP4Experts
+from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
+from mla_compile.ops.fp4_block_linear import BLOCK as FP4_BLOCK, as_bytes
+from mla_compile.ops.fp8_block_linear import BLOCK as FP8_BLOCK
 from mla_compile.parallel.attention import DCPAttention
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import (ParallelLMHead, ParallelMLP, RowParallelLinear, VocabParallelEmbedding,
                                          shard_range, take_rows)
-from mla_compile.parallel.moe import ParallelExperts, ParallelMoE
+from mla_compile.parallel.moe import ParallelBlockExperts, ParallelExperts, ParallelMoE
 
 WeightSource = Mapping[str, Any] | Callable[[str], Any]
 
@@ -91,9 +100,10 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
 
     ``weights`` (see the module docstring) is required when the model is on the meta device. ``ep_dispatch``:
     "all_to_all" or "all_reduce" (see :mod:`mla_compile.parallel.moe`). Raises ``ValueError`` when the model
-    does not split evenly (``ParallelConfig.validate_for``) and ``NotImplementedError`` for fp8-expert models and
-    sparse (V3.2) models under DCP, which are not sharded yet. A sparse model's lightning indexer is replicated
-    (every rank picks the same top-k slots of its whole cache); its attention heads are split as usual.
+    does not split evenly (``ParallelConfig.validate_for``) or a split cuts an fp8 / fp4 quantization block, and
+    ``NotImplementedError`` for sparse (V3.2) models under DCP, which are not sharded yet. A sparse model's
+    lightning indexer is replicated (every rank picks the same top-k slots of its whole cache); its attention
+    heads are split as usual.
 
     ``dcp > 1``: every layer is a :class:`~mla_compile.parallel.attention.DCPAttention` over this rank's part of
     the cache; plan each rank's steps with :func:`mla_compile.parallel.dcp.plan_dcp_step`.
@@ -122,13 +132,13 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
         if isinstance(attn, MLAAttention):
             raise ValueError("shard_model needs an unpatched HF model (layer self_attn is already an MLAAttention)")
         a = pre + "self_attn."
-        if getattr(attn, "q_proj", None) is not None:
-            attn.q_proj = _linear(src.take(a + "q_proj.weight", _rows(h0 * qk, (h0 + H_l) * qk)))
-        else:
-            attn.q_b_proj = _linear(src.take(a + "q_b_proj.weight", _rows(h0 * qk, (h0 + H_l) * qk)))
+        q = "q_proj" if getattr(attn, "q_proj", None) is not None else "q_b_proj"
+        setattr(attn, q, _split_linear(src, getattr(attn, q), a + q + ".", 0, attn_g, "attention TP"))
         attn.kv_b_proj = _linear(src.take(a + "kv_b_proj.weight", _rows(h0 * kvw, (h0 + H_l) * kvw)))
-        bias = src.take(a + "o_proj.bias") if attn.o_proj.bias is not None else None
-        attn.o_proj = RowParallelLinear(src.take(a + "o_proj.weight", _cols(h0 * v, (h0 + H_l) * v)), bias, attn_g)
+        if attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{a}kv_b_proj.weight is float8_e4m3fn: the absorbed path reads it as W_UK / W_UV, so "
+                             "weights= must give it dequantized (from_pretrained's source does)")
+        attn.o_proj = _row_parallel(src, attn.o_proj, a + "o_proj.", attn_g)
         if p.dcp > 1:
             layer.self_attn = DCPAttention(local_config, attn, state.dcp, backend=backend)
         else:
@@ -152,13 +162,64 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
     return model
 
 
+def block_split(name: str, dim: int, total: int, group, block: int, degree: str = "TP") -> tuple[slice, slice]:
+    """This rank's slice of dim ``dim`` (``total`` long) of a block-quantized tensor ``name`` split evenly over
+    ``group``, and the matching slice of its scale grid (one scale per ``block`` along that dim).
+
+    A shard must start on a block boundary, or lie inside one block (then it keeps that block's scale: exact,
+    the local block grid is the global one shifted by whole blocks). Every rank's shard is checked here, so all
+    ranks raise the same ``ValueError`` (naming the tensor, the dim, its size and the degree) instead of one
+    rank going on alone into a collective."""
+    size = group.size
+    if total % size:
+        raise ValueError(f"{name}: dim {dim} of size {total} does not split over {degree} degree {size}")
+    n = total // size
+    for r in range(size):
+        a = r * n
+        if a % block and a % block + n > block:
+            raise ValueError(
+                f"{name}: dim {dim} of size {total} split over {degree} degree {size} gives rank {r} [{a}, {a + n}), "
+                f"which starts inside a {block}-wide quantization block and runs past it: the block scales cannot "
+                f"be split there; use a {degree} degree that cuts {total} at multiples of {block}, or load it "
+                "unsharded / dequantized")
+    a = group.rank * n
+    return slice(a, a + n), slice(a // block, -(-(a + n) // block))
+
+
+def _split_linear(src: _Source, module: nn.Module, pre: str, dim: int, group, degree: str = "TP") -> nn.Module:
+    """``module`` (an ``nn.Linear`` without bias or an :class:`FP8BlockLinear`) with this rank's rows (``dim``
+    0) or columns (1) of an even split over ``group``; an fp8 one keeps the matching rows / columns of its
+    block-scale grid (:func:`block_split`)."""
+    total = module.weight.shape[dim]
+    if not isinstance(module, FP8BlockLinear):
+        s, e = shard_range(total, group)
+        return _linear(src.take(pre + "weight", _rows(s, e) if dim == 0 else _cols(s, e)))
+    part, blocks = block_split(pre + "weight", dim, total, group, FP8_BLOCK, degree)
+    cut = (lambda f, i: f[i]) if dim == 0 else (lambda f, i: f[:, i])
+    weight = src.take(pre + "weight", lambda f: cut(f, part))
+    scale = src.take(pre + "weight_scale_inv", lambda f: cut(f, blocks))
+    out = FP8BlockLinear(weight.shape[1], weight.shape[0], act_quant=module.act_quant, backend=module.backend,
+                         device="meta")
+    out.weight, out.weight_scale_inv = weight, scale
+    return out
+
+
+def _row_parallel(src: _Source, module: nn.Module, pre: str, group) -> RowParallelLinear:
+    """``o_proj`` with this rank's columns (its heads), all-reduced over ``group``; fp8 kept fp8."""
+    bias = src.take(pre + "bias") if getattr(module, "bias", None) is not None else None
+    local = _split_linear(src, module, pre, 1, group, "attention TP")
+    if isinstance(local, FP8BlockLinear):
+        return RowParallelLinear(local.weight, bias, group, weight_scale_inv=local.weight_scale_inv,
+                                 act_quant=local.act_quant, backend=local.backend)
+    return RowParallelLinear(local.weight, bias, group)
+
+
 def _shard_mlp(mlp: nn.Module, pre: str, group, src: _Source, *, reduce: bool, dp=None) -> ParallelMLP:
-    """A gated MLP with its intermediate width split over ``group`` (tokens gathered over ``dp`` first)."""
-    inter = mlp.gate_proj.weight.shape[0]
-    s, e = shard_range(inter, group)
-    gate = _linear(src.take(pre + "gate_proj.weight", _rows(s, e)))
-    up = _linear(src.take(pre + "up_proj.weight", _rows(s, e)))
-    down = _linear(src.take(pre + "down_proj.weight", _cols(s, e)))
+    """A gated MLP with its intermediate width split over ``group`` (tokens gathered over ``dp`` first); fp8
+    projections stay fp8 with their block scales split alike."""
+    gate = _split_linear(src, mlp.gate_proj, pre + "gate_proj.", 0, group)
+    up = _split_linear(src, mlp.up_proj, pre + "up_proj.", 0, group)
+    down = _split_linear(src, mlp.down_proj, pre + "down_proj.", 1, group)
     return ParallelMLP(gate, up, down, mlp.act_fn, group, reduce=reduce, dp=dp)
 
 
@@ -166,9 +227,16 @@ def _shard_moe(moe: nn.Module, pre: str, config: MLAConfig, state: ParallelState
                dispatch: str) -> ParallelMoE:
     """Experts ``[e0, e0 + E_l)`` of this EP rank with their intermediate columns of this MoE-TP rank."""
     experts = moe.experts
-    if getattr(experts, "is_fp8_block", False) or not hasattr(experts, "gate_up_proj"):
-        raise NotImplementedError(f"{type(experts).__name__}: only the transformers-5 fused bf16/fp32 experts "
-                                  "(gate_up_proj [E, 2I, H], down_proj [E, H, I]) are sharded so far")
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:
+        shared = _shard_mlp(shared, pre + "shared_experts.", state.tp, src, reduce=False)
+    if isinstance(experts, (FP8Experts, FP4Experts)):
+        local = _shard_block_experts(experts, pre + "experts.", state, src)
+        return ParallelMoE(moe.gate, local, shared, state, dispatch=dispatch, impl=impl)
+    if not hasattr(experts, "gate_up_proj"):
+        raise NotImplementedError(f"{type(experts).__name__}: only the transformers-5 fused float experts "
+                                  "(gate_up_proj [E, 2I, H], down_proj [E, H, I]), FP8Experts and FP4Experts are "
+                                  "sharded")
     E, two_i = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1]
     inter = two_i // 2
     e0, e1 = shard_range(E, state.ep)
@@ -180,11 +248,50 @@ def _shard_moe(moe: nn.Module, pre: str, config: MLAConfig, state: ParallelState
 
     gate_up = src.take(pre + "experts.gate_up_proj", gate_up_rows)
     down = src.take(pre + "experts.down_proj", lambda f: f[e0:e1, :, s:t])
-    shared = getattr(moe, "shared_experts", None)
-    if shared is not None:
-        shared = _shard_mlp(shared, pre + "shared_experts.", state.tp, src, reduce=False)
     return ParallelMoE(moe.gate, ParallelExperts(gate_up, down, experts.act_fn, e0), shared, state,
                        dispatch=dispatch, impl=impl)
+
+
+def _shard_block_experts(experts: nn.Module, pre: str, state: ParallelState, src: _Source) -> ParallelBlockExperts:
+    """The experts ``[e0, e1)`` of this EP rank, each with this MoE-TP rank's intermediate rows (gate / up) and
+    columns (down), as a local :class:`FP8Experts` / :class:`FP4Experts`: only those experts' weights and
+    scales are read. fp8: the 128 x 128 scale grid is split with the weights (:func:`block_split`); fp4: the
+    per-row scales follow the rows, and a column split must fall on the 32-weight scale groups."""
+    e0, e1 = shard_range(experts.num_experts, state.ep)
+    fp4 = isinstance(experts, FP4Experts)
+    hidden, inter = (experts.hidden, experts.intermediate) if fp4 else tuple(experts.down_proj.shape[1:])
+    if fp4:  # the checkpoint's names: one tensor per expert j
+        part, _ = block_split(f"{pre}<j>.down_proj.weight", 1, inter, state.moe_tp, FP4_BLOCK, "MoE TP")
+        if part.start % FP4_BLOCK or (part.stop - part.start) % FP4_BLOCK:
+            raise ValueError(f"{pre}<j>.down_proj.weight: intermediate size {inter} split over MoE TP degree "
+                             f"{state.moe_tp.size} gives {part.stop - part.start} columns per rank, not a multiple "
+                             f"of {FP4_BLOCK} (one ue8m0 scale per {FP4_BLOCK}): use a MoE TP degree that cuts "
+                             f"{inter} at multiples of {FP4_BLOCK}")
+        row_blocks, col_part = part, slice(part.start // 2, part.stop // 2)  # scales per row; 2 codes per byte
+        col_blocks = slice(part.start // FP4_BLOCK, part.stop // FP4_BLOCK)
+    else:
+        part, row_blocks = block_split(f"{pre}<j>.gate_proj.weight (up_proj, down_proj alike)", 0, inter,
+                                       state.moe_tp, FP8_BLOCK, "MoE TP")
+        col_part, col_blocks = part, row_blocks
+    I_l = part.stop - part.start
+    if fp4:
+        local = FP4Experts(e1 - e0, hidden, I_l, experts.act_fn, swiglu_limit=experts.swiglu_limit,
+                           backend=experts.backend, device="meta")
+    else:
+        local = FP8Experts(e1 - e0, hidden, I_l, experts.act_fn, act_quant=experts.act_quant,
+                           backend=experts.backend, swiglu_limit=getattr(experts, "swiglu_limit", None),
+                           device="meta")
+    to = as_bytes if fp4 else (lambda t: t)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        if proj == "down_proj":  # [E, H, I]: the intermediate columns
+            w = src.take(pre + proj, lambda f: to(torch.as_tensor(f[e0:e1, :, col_part])))
+            sc = src.take(pre + proj + "_scale_inv", lambda f: to(torch.as_tensor(f[e0:e1, :, col_blocks])))
+        else:  # [E, I, H]: the intermediate rows
+            w = src.take(pre + proj, lambda f: to(torch.as_tensor(f[e0:e1, part])))
+            sc = src.take(pre + proj + "_scale_inv", lambda f: to(torch.as_tensor(f[e0:e1, row_blocks])))
+        setattr(local, proj, w)
+        setattr(local, proj + "_scale_inv", sc)
+    return ParallelBlockExperts(local, e0)
 
 
 def _materialise_rest(hf_model: nn.Module, src: _Source, device: torch.device) -> None:

@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from mla_compile.serving.host_upload import HostUpload
+
 SEED_LIMIT = 2**63
 
 
@@ -171,11 +173,7 @@ class SamplingRows:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.packed = torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, device=self.device)
-        pin = self.device.type == "cuda"
-        self._host = [torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, pin_memory=pin)
-                      for _ in range(2 if pin else 1)]
-        self._copied: list = [None] * len(self._host)
-        self._turn = 0
+        self._upload = HostUpload(self.packed)
 
     def views(self, n: int) -> dict[str, Tensor]:
         """The ``[n]`` device views :func:`sample` takes (the same addresses every step)."""
@@ -191,12 +189,7 @@ class SamplingRows:
                              f"(at most max_batch={self.max_batch})")
         if any(p.seed is None for p in params):
             raise ValueError("SamplingRows.fill: every params.seed must be set (the engine sets it at admission)")
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._host)
-        done = self._copied[turn]
-        if done is not None and not done.query():
-            done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
-        host = self._host[turn].numpy()
+        host = self._upload.begin()
         host[:, :n] = 0
         k = len(params)
         host[0, :k].view("float64")[:] = [p.temperature for p in params]
@@ -205,8 +198,5 @@ class SamplingRows:
         host[2, :k].view("float64")[:] = [p.top_p for p in params]
         host[3, :k] = [p.seed for p in params]
         host[4, :k] = list(steps)
-        self.packed.copy_(self._host[turn], non_blocking=True)
-        if self.device.type == "cuda":
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
+        self._upload.upload()
         return self.views(n)

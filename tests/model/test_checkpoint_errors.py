@@ -11,12 +11,10 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from mla_compile import from_pretrained
 from mla_compile.models.checkpoint import CheckpointError
-from tests.checkpoints import INDEX, write_checkpoint
+from tests.checkpoints import INDEX, rewrite_shard, weight_map, write_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -35,18 +33,6 @@ def ckpt(pristine, tmp_path):
     return root
 
 
-def _weight_map(root):
-    return json.loads((root / INDEX).read_text())["weight_map"]
-
-
-def _rewrite_shard(root, key, change):
-    """Rewrite the shard holding ``key`` with ``change(tensors)`` applied; returns the shard's name."""
-    file = _weight_map(root)[key]
-    with safe_open(str(root / file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    change(tensors)
-    save_file(tensors, str(root / file), metadata={"format": "pt"})
-    return file
 
 
 def _edit_json(path, change):
@@ -57,7 +43,7 @@ def _edit_json(path, change):
 
 def test_missing_shard(ckpt):
     key = "model.layers.1.self_attn.o_proj.weight"
-    file = _weight_map(ckpt)[key]
+    file = weight_map(ckpt)[key]
     (ckpt / file).unlink()
     with pytest.raises(CheckpointError, match=f"{file}: missing shard"):
         from_pretrained(ckpt)
@@ -65,14 +51,14 @@ def test_missing_shard(ckpt):
 
 def test_wrong_shape(ckpt):
     key = "model.layers.0.self_attn.q_a_layernorm.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: torch.ones(7)}))
+    file = rewrite_shard(ckpt, key, lambda t: t.update({key: torch.ones(7)}))
     with pytest.raises(CheckpointError, match=rf"{file}: tensor {key} has shape \[7\].*expects \[128\]"):
         from_pretrained(ckpt)
 
 
 def test_missing_weight_scale_inv(ckpt):
     key = "model.layers.1.self_attn.q_b_proj.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.pop(key + "_scale_inv"))
+    file = rewrite_shard(ckpt, key, lambda t: t.pop(key + "_scale_inv"))
     _edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key + "_scale_inv"))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is float8_e4m3fn but {key}_scale_inv is missing"):
         from_pretrained(ckpt)
@@ -80,7 +66,7 @@ def test_missing_weight_scale_inv(ckpt):
 
 def test_scaled_weight_that_is_not_fp8(ckpt):
     key = "model.layers.1.self_attn.o_proj.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].to(torch.bfloat16)}))
+    file = rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].to(torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is torch.bfloat16, but the model expects "
                        "torch.float8_e4m3fn"):
         from_pretrained(ckpt)
@@ -88,7 +74,7 @@ def test_scaled_weight_that_is_not_fp8(ckpt):
 
 def test_missing_tensor_names_its_shard(ckpt):
     key = "model.layers.1.mlp.experts.3.up_proj.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.pop(key))
+    file = rewrite_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is listed in the index but not in this shard"):
         from_pretrained(ckpt)
     _edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key))

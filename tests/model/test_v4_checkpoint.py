@@ -32,7 +32,7 @@ from mla_compile.models.fp4_linear import FP4Experts  # noqa: E402
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear  # noqa: E402
 from mla_compile.models.v4_loader import v4_model_name  # noqa: E402
 from mla_compile.models.v4_model import V4ForCausalLM, V4Sequences  # noqa: E402
-from tests.checkpoints import dequantize_fp4_64, quantize_fp4  # noqa: E402
+from tests.checkpoints import dequantize_fp4_64, quantize_fp4, rewrite_shard, weight_map  # noqa: E402
 from tests.model.test_v4_model import hf_greedy, ours_greedy, prompts  # noqa: E402
 
 INDEX = "model.safetensors.index.json"
@@ -430,17 +430,6 @@ def ckpt(pristine, tmp_path):
     return root
 
 
-def _weight_map(root):
-    return json.loads((root / INDEX).read_text())["weight_map"]
-
-
-def _rewrite_shard(root, key, change):
-    file = _weight_map(root)[key]
-    with safe_open(str(root / file), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    change(tensors)
-    save_file(tensors, str(root / file), metadata={"format": "pt"})
-    return file
 
 
 def _edit_index(root, change):
@@ -472,7 +461,7 @@ def test_block_scale_storage_forms_load_the_same(pristine, tmp_path, form):
 
 
 def test_missing_shard(ckpt):
-    file = _weight_map(ckpt)["layers.1.attn.wo_b.weight"]
+    file = weight_map(ckpt)["layers.1.attn.wo_b.weight"]
     (ckpt / file).unlink()
     with pytest.raises(CheckpointError, match=f"{file}: missing shard"):
         from_pretrained(ckpt)
@@ -480,7 +469,7 @@ def test_missing_shard(ckpt):
 
 def test_wrong_shape(ckpt):
     key = "layers.0.attn.q_norm.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: torch.ones(7)}))
+    file = rewrite_shard(ckpt, key, lambda t: t.update({key: torch.ones(7)}))
     with pytest.raises(CheckpointError, match=rf"{file}: tensor {key} \(model.layers.0.self_attn.q_a_norm.weight\) "
                        r"has shape \[7\].*expects \[16\]"):
         from_pretrained(ckpt)
@@ -488,7 +477,7 @@ def test_wrong_shape(ckpt):
 
 def test_missing_tensor_names_its_shard(ckpt):
     key = "layers.2.ffn.experts.3.w3.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.pop(key))
+    file = rewrite_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is listed in the index but not in this shard"):
         from_pretrained(ckpt)
     _edit_index(ckpt, lambda m: m.pop(key))
@@ -499,7 +488,7 @@ def test_missing_tensor_names_its_shard(ckpt):
 
 def test_missing_plain_tensor(ckpt):
     key = "layers.1.attn.compressor.ape"
-    _rewrite_shard(ckpt, key, lambda t: t.pop(key))
+    rewrite_shard(ckpt, key, lambda t: t.pop(key))
     _edit_index(ckpt, lambda m: m.pop(key))
     missing = r"model\.layers\.1\.self_attn\.compressor\.position_bias"
     with pytest.raises(CheckpointError, match=rf"1 tensors missing.*{missing}"):
@@ -508,8 +497,8 @@ def test_missing_plain_tensor(ckpt):
 
 def test_fp8_weight_without_scale(ckpt):
     key, scale = "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale"
-    file = _weight_map(ckpt)[key]
-    _rewrite_shard(ckpt, scale, lambda t: t.pop(scale))
+    file = weight_map(ckpt)[key]
+    rewrite_shard(ckpt, scale, lambda t: t.pop(scale))
     _edit_index(ckpt, lambda m: m.pop(scale))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is float8_e4m3fn but its block scale"):
         from_pretrained(ckpt)
@@ -517,7 +506,7 @@ def test_fp8_weight_without_scale(ckpt):
 
 def test_scaled_weight_that_is_not_fp8(ckpt):
     key = "layers.1.attn.wo_b.weight"
-    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].to(torch.bfloat16)}))
+    file = rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].to(torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is torch.bfloat16, but the model expects "
                        "torch.float8_e4m3fn"):
         from_pretrained(ckpt)
@@ -525,7 +514,7 @@ def test_scaled_weight_that_is_not_fp8(ckpt):
 
 def test_bad_scale_dtype(ckpt):
     key = "layers.1.attn.wq_a.scale"
-    file = _rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].view(torch.uint8).to(torch.int32)}))
+    file = rewrite_shard(ckpt, key, lambda t: t.update({key: t[key].view(torch.uint8).to(torch.int32)}))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is torch.int32; a block scale"):
         from_pretrained(ckpt)
 
@@ -552,7 +541,7 @@ def test_packed_experts_without_expert_dtype(tmp_path):
     model = from_pretrained(root, dtype=torch.float32)
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts, FP4Experts)
-    with safe_open(str(root / _weight_map(root)["layers.0.ffn.experts.1.w2.weight"]), framework="pt") as f:
+    with safe_open(str(root / weight_map(root)["layers.0.ffn.experts.1.w2.weight"]), framework="pt") as f:
         assert torch.equal(experts.down_proj[1], f.get_tensor("layers.0.ffn.experts.1.w2.weight").view(torch.uint8))
     config["expert_dtype"] = "fp8"
     (root / "config.json").write_text(json.dumps(config))
