@@ -282,8 +282,8 @@ class DecodeGraphRunner:
 
         ``params[i]`` / ``steps[i]``: how logits row ``i`` (decode rows, then one row per prefill chunk) samples
         (every seed set). ``feed[i]`` (one per decode chunk): the row of the previous ``sample_step``'s tokens
-        that is decode row ``i``'s input id, or -1 for the id in its chunk (then only a placeholder). Returns the
-        logits ``[n, vocab]`` and the int64 ``[n]`` tokens, both on the device without a host sync: pure decode
+        that is decode row ``i``'s input id (the id in its chunk is then only a placeholder), or -1 for the id in
+        its chunk. Returns the logits ``[n, vocab]`` and the int64 ``[n]`` tokens, both on the device without a host sync: pure decode
         steps replay their graph (sampling inside it with ``sampling=True``); the tokens are a view the next
         step overwrites (copy them before, in stream order). ``shape``: as for :meth:`run`."""
         n = len(decode) + len(prefill)

@@ -99,7 +99,7 @@ class MLAForCausalLM(nn.Module):
         so compile time hardly grows with depth; eager runs are unchanged."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
-        if self.regional_compile:
+        if self.regional_compile and any(a.indexer is None and a.sink_window is None for a in self.attentions):
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)

@@ -134,6 +134,10 @@ class BlockManager:
                 bid = self.cached.get(key[0])
                 if bid is None or self.blocks[bid].key != key:
                     break
+                if self.sink_window is not None and self.blocks[bid].ref > 0:
+                    # windowed: share no block with a live sequence. Its release would return nothing to the
+                    # pool while the releaser's reservation grows, so blocks would be promised twice
+                    break
                 hits.append(bid)
         # a windowed manager takes the prompt's blocks now and reserves the rest of the sequence's peak
         now = -(-(capacity if self.sink_window is None else len(tokens)) // self.block_size)

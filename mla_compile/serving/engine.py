@@ -4,7 +4,7 @@ decodes, per-request sampling (:mod:`mla_compile.serving.sampling`).
 Each :meth:`Engine.step` is one model step under a token budget: every running request decodes one
 token, and the rest of the budget goes to prompt chunks of requests being prefilled (a long prompt
 spreads over several steps; each chunk attends to the cached context before it). Admission reserves
-a request's blocks up front; full blocks of earlier prompts are shared through the prefix cache, so
+a request's blocks up front (a windowed model's: its peak, released as the window moves); full blocks of earlier prompts are shared through the prefix cache, so
 a prefill starts after its cached prefix. A request stops at a stop token or ``max_new_tokens``. Steps go through a
 runner (:class:`~mla_compile.graphs.cuda_graph.DecodeGraphRunner`): pure decode steps replay CUDA
 graphs when the runner has captured them.
@@ -342,11 +342,11 @@ class Engine:
         if not decoding and not chunks:
             return []
         kw = {} if shape is None else {"shape": shape}  # [dp]
-        for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
-            self.blocks.grow(r.alloc, r.length + 1)
-        dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
-        pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
-        try:
+        try:  # a failed grow (no block left) fails the step's requests like a runner error: never a stuck engine
+            for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
+                self.blocks.grow(r.alloc, r.length + 1)
+            dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
+            pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
             rows = [*decoding, *(r for r, _ in chunks)]
             decode_only = not pre and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
             decode_sampled = getattr(self.runner, "decode_sampled", None) if decode_only else None
