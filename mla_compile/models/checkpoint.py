@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mla_compile.models.config import is_mla_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,3 +121,12 @@ def read_index(root: Path) -> ShardIndex:
             raise CheckpointError(f"{root / file}: missing shard, listed in {INDEX_FILE} for {len(keys)} tensors "
                                   f"(e.g. {keys[0]}); download it again or fix the index")
     return index
+
+
+def config_dtype(config) -> torch.dtype:
+    """The checkpoint's weight dtype from its config (``dtype`` or the older ``torch_dtype``; a name or a dtype);
+    bfloat16 when it names no floating dtype."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mla_compile.models.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index, read_config,
-                                    read_fp8_format, read_index)
+from mla_compile.models.checkpoint import (EXPERT, SCALE_SUFFIX, CheckpointError, ShardIndex, config_dtype, layer_index,
+                                           read_config, read_fp8_format, read_index)
 from mla_compile.models.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
 from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
@@ -57,7 +57,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     fp8 = read_fp8_format(config, root)
     fp4_experts = expert_dtype(config, root) == "fp4"
     index = read_index(root)
-    dtype = dtype or _config_dtype(config)
+    dtype = dtype or config_dtype(config)
     if parallel is not None:
         return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts)
     device = torch.device(device or "cpu")
@@ -217,13 +217,6 @@ class _DequantizedRows:
                                   f"but is {codes.dtype}, not float8_e4m3fn")
         w = dequantize(codes, scale.float(), torch.float32)[r0 - b0 * FP8_BLOCK: r1 - b0 * FP8_BLOCK]
         return w[(slice(None),) + rest].to(self.dtype)
-
-
-def _config_dtype(config) -> torch.dtype:
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
 
 
 def _meta_model(config) -> nn.Module:

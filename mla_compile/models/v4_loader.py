@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mla_compile.models.checkpoint import (CONFIG_FILE, SCALE_SUFFIX, CheckpointError, ShardIndex, layer_index,
-                                           read_fp8_format, read_index)
+from mla_compile.models.checkpoint import (CONFIG_FILE, SCALE_SUFFIX, CheckpointError, ShardIndex, config_dtype,
+                                           layer_index, read_fp8_format, read_index)
 from mla_compile.models.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
 from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear
@@ -133,7 +133,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     read_fp8_format(config, root)  # only DeepSeek's fp8 e4m3 128 x 128 blocks (or no quantization_config)
     declared = expert_dtype(config, root)
     index = read_index(root)
-    dtype = dtype or _config_dtype(config)
+    dtype = dtype or config_dtype(config)
     device = torch.device(device or "cpu")
     entries, skipped = _entries(index, config.num_hidden_layers)
     packed = _packed_experts(index, entries)
@@ -179,13 +179,6 @@ def _hf_class():
         raise CheckpointError(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM: DeepSeek-V4 "
                               "checkpoints need transformers 5.17 or newer")
     return cls
-
-
-def _config_dtype(config) -> torch.dtype:
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
 
 
 def _entries(index: ShardIndex, num_layers: int) -> tuple[list[_Entry], int]:
