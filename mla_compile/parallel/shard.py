@@ -227,16 +227,17 @@ def _shard_moe(moe: nn.Module, pre: str, config: MLAConfig, state: ParallelState
                dispatch: str) -> ParallelMoE:
     """Experts ``[e0, e0 + E_l)`` of this EP rank with their intermediate columns of this MoE-TP rank."""
     experts = moe.experts
-    shared = getattr(moe, "shared_experts", None)
-    if shared is not None:
-        shared = _shard_mlp(shared, pre + "shared_experts.", state.tp, src, reduce=False)
-    if isinstance(experts, (FP8Experts, FP4Experts)):
-        local = _shard_block_experts(experts, pre + "experts.", state, src)
-        return ParallelMoE(moe.gate, local, shared, state, dispatch=dispatch, impl=impl)
-    if not hasattr(experts, "gate_up_proj"):
+    block = isinstance(experts, (FP8Experts, FP4Experts))
+    if not block and not hasattr(experts, "gate_up_proj"):  # refused before anything is sharded
         raise NotImplementedError(f"{type(experts).__name__}: only the transformers-5 fused float experts "
                                   "(gate_up_proj [E, 2I, H], down_proj [E, H, I]), FP8Experts and FP4Experts are "
                                   "sharded")
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:
+        shared = _shard_mlp(shared, pre + "shared_experts.", state.tp, src, reduce=False)
+    if block:
+        local = _shard_block_experts(experts, pre + "experts.", state, src)
+        return ParallelMoE(moe.gate, local, shared, state, dispatch=dispatch, impl=impl)
     E, two_i = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[1]
     inter = two_i // 2
     e0, e1 = shard_range(E, state.ep)
