@@ -463,8 +463,8 @@ class Engine:
                     self._read(previous)  # the previous step's tokens are kept
                 except StepFailed as earlier:  # it failed too (an asynchronous device error): report both
                     failed = self._fail([r for r in launched if r.finish_reason is None], exc)
-                    earlier.request_ids += failed.request_ids
-                    raise
+                    raise StepFailed(f"{earlier}; and then: {failed}", earlier.request_ids + failed.request_ids
+                                     ) from exc
                 raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
         self._read(previous)
         self._retire()
