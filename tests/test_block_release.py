@@ -2,6 +2,8 @@
 released as the window moves, the table keeps positions (released entries hold the null block), reservations
 bound a sequence's blocks, and the prefix cache never hands out the null block or a reused block."""
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,3 +130,61 @@ def test_prefix_cache_never_returns_the_null_block_or_a_reused_block():
 def test_bad_sink_window_is_a_clear_error(bad):
     with pytest.raises(ValueError, match="sink_window must be a tuple"):
         BlockManager(8, 4, sink_window=bad)
+
+
+def _serve(seed: int) -> str | None:
+    """A seeded toy scheduler over a windowed manager with shared prefixes (admit while blocks fit, chunked
+    prefill, decode one token a step, release after every step): what went wrong, or None. The manager must
+    never promise more blocks than it has, nor refuse an admitted sequence's growth."""
+    rng = random.Random(seed)
+    bs, sink, window = rng.choice([2, 4]), rng.choice([0, 2, 4]), rng.choice([3, 4, 8])
+    bm = BlockManager(rng.randint(4, 14), bs, sink_window=(sink, window))
+    base = [rng.randrange(3) for _ in range(40)]
+    waiting, running = [], []
+    for _ in range(6):
+        n = rng.randint(1, 20)
+        prompt = base[:n] if rng.random() < 0.7 else [rng.randrange(3) for _ in range(n)]
+        cap = n + rng.randint(1, 20)
+        if bm.peak_tokens(n, cap) <= bm.usable_blocks * bs:
+            waiting.append(dict(prompt=prompt, cap=cap, out=0))
+    for _ in range(300):
+        while waiting:
+            try:
+                waiting[0]["alloc"] = bm.allocate(waiting[0]["prompt"], waiting[0]["cap"])
+            except RuntimeError:
+                break
+            r = waiting.pop(0)
+            r["done"] = r["alloc"].cached_tokens
+            running.append(r)
+        if not running:
+            return None if not waiting else "stuck: nothing runs and nothing is admitted"
+        budget = 6
+        for r in running:
+            if r["done"] < len(r["prompt"]):
+                n = min(len(r["prompt"]) - r["done"], budget)
+                budget -= n
+                r["done"] += n
+                bm.register(r["alloc"], r["prompt"][:r["done"]])
+                r["out"] = int(r["done"] == len(r["prompt"]))
+            else:
+                try:
+                    bm.grow(r["alloc"], len(r["prompt"]) + r["out"])
+                except RuntimeError as exc:
+                    return f"grow refused an admitted sequence: {exc}"
+                r["out"] += 1
+        for r in [r for r in running if r["done"] == len(r["prompt"]) and len(r["prompt"]) + r["out"] >= r["cap"]]:
+            running.remove(r)
+            bm.free(r["alloc"])
+        for r in running:
+            nxt = r["done"] if r["done"] < len(r["prompt"]) else len(r["prompt"]) + r["out"] - 1
+            bm.release_outside(r["alloc"], nxt)
+            if bm.num_free < 0:
+                return f"promised more blocks than it has (num_free {bm.num_free})"
+    return "did not finish in 300 steps"
+
+
+def test_windowed_manager_with_shared_prefixes_never_over_promises_blocks():
+    """500 seeded workloads (the review's repro found 112 failing of 3000 when a windowed sequence could share a
+    block with a live one)."""
+    failures = {seed: why for seed in range(500) if (why := _serve(seed)) is not None}
+    assert failures == {}
