@@ -126,9 +126,13 @@ def test_prefix_cache_never_returns_the_null_block_or_a_reused_block():
     assert c.cached_tokens == 4 * next(i for i, blk in enumerate(full) if blk in reused)
 
 
-@pytest.mark.parametrize("bad", [(4,), (-1, 8), (2, 0), (2.0, 8), (True, 8), [4, 8]])
-def test_bad_sink_window_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="sink_window must be a tuple"):
+@pytest.mark.parametrize("bad,error,message", [
+    ((4,), ValueError, "sink_window must be a tuple"), ([4, 8], ValueError, "sink_window must be a tuple"),
+    ((-1, 8), ValueError, "sink must be >= 0"), ((2, 0), ValueError, "window must be at least 1"),
+    ((2.0, 8), TypeError, "sink must be an int"), ((True, 8), TypeError, "sink must be an int")])
+def test_bad_sink_window_is_a_clear_error(bad, error, message):
+    """The model's rule (``check_sink_window``), named by argument."""
+    with pytest.raises(error, match=message):
         BlockManager(8, 4, sink_window=bad)
 
 

@@ -193,3 +193,14 @@ def preset(name: str) -> MLAConfig:
         return PRESETS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+
+
+def check_sink_window(sink, window) -> tuple[int, int]:
+    """``(sink, window)`` validated: ints (not bools), ``sink >= 0``, ``window >= 1``; raises naming the argument."""
+    for name, value, low in (("sink", sink, 0), ("window", window, 1)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int (tokens), got {type(value).__name__} {value!r}")
+        if value < low:
+            what = "at least 1 (the query itself is in the window)" if name == "window" else ">= 0 (0: no sink)"
+            raise ValueError(f"{name} must be {what}, got {value}")
+    return sink, window

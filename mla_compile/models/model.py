@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from mla_compile import envs
 from mla_compile.models.attention import MLAAttention
 from mla_compile.models.cache import allocate_index_cache, allocate_latent_cache
-from mla_compile.models.config import MLAConfig, is_mla_model
+from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
 from mla_compile.models.metadata import MLAMetadata
 from mla_compile.models.moe import MLAMoE
 from mla_compile.models.rope import default_inv_freq, rope_cos_sin
@@ -139,17 +139,6 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, laten
 
 
 SPARSE_MODES = ("sink_window",)
-
-
-def check_sink_window(sink, window) -> tuple[int, int]:
-    """``(sink, window)`` validated: ints (not bools), ``sink >= 0``, ``window >= 1``; raises naming the argument."""
-    for name, value, low in (("sink", sink, 0), ("window", window, 1)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int (tokens), got {type(value).__name__} {value!r}")
-        if value < low:
-            what = "at least 1 (the query itself is in the window)" if name == "window" else ">= 0 (0: no sink)"
-            raise ValueError(f"{name} must be {what}, got {value}")
-    return sink, window
 
 
 def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto",

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mla_compile.models.config import check_sink_window
+
 
 @dataclass
 class _Block:
@@ -240,11 +242,10 @@ class BlockManager:
 
 
 def _check_sink_window(sink_window: Any) -> tuple[int, int]:
-    ok = isinstance(sink_window, tuple) and len(sink_window) == 2 and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in sink_window)
-    if not ok or sink_window[0] < 0 or sink_window[1] < 1:
-        raise ValueError(f"sink_window must be a tuple (sink >= 0, window >= 1) of ints, got {sink_window!r}")
-    return sink_window
+    """``(sink, window)`` as the model takes them (:func:`mla_compile.models.config.check_sink_window`)."""
+    if not (isinstance(sink_window, tuple) and len(sink_window) == 2):
+        raise ValueError(f"sink_window must be a tuple (sink, window), got {sink_window!r}")
+    return check_sink_window(*sink_window)
 
 
 def sink_window_of(runner: Any) -> tuple[int, int] | None:
