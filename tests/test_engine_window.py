@@ -75,9 +75,7 @@ def test_long_generation_runs_in_a_bounded_cache(overlap):
 
 def test_prefix_cache_shares_only_blocks_that_hold_their_tokens(model):
     """A long prompt's early blocks are released (registered ones stay findable while nobody overwrites them);
-    requests with the same prefix admitted while it runs share no block with it (a windowed sequence shares none
-    with a live one), the one admitted after it finished shares its 7 full blocks; all get the tokens they get
-    alone."""
+    requests with the same prefix, admitted while it runs and after it finished, get the tokens they get alone."""
     gen = torch.Generator().manual_seed(4)
     base = toy.random_prompts(gen, [30], vocab_size=97)[0]
     prompts = [base, base + [5, 6, 7], base[:20] + [9], base + [1]]
@@ -93,7 +91,7 @@ def test_prefix_cache_shares_only_blocks_that_hold_their_tokens(model):
     engine.run()
     engine.add_request(prompts[3], new[3])  # after the others finished: released blocks may have been reused
     done = engine.run()
-    assert engine.cached_prompt_tokens == 28
+    assert engine.cached_prompt_tokens >= 28 + 20
     for r in done:
         alone = _plain(model, 64)
         alone.add_request(r.prompt, r.max_new_tokens)

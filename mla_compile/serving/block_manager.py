@@ -41,6 +41,7 @@ class Allocation:
     capacity: int = 0  # tokens the sequence may reach (its prompt plus new tokens)
     released: int = 0  # entries of ``blocks`` given back by release_outside (they hold the null block)
     reserved: int = 0  # blocks promised to its later growth (windowed managers), not yet taken
+    held: int = 0  # entries of ``blocks`` that are not released (windowed managers; set by _rebalance)
 
 
 class BlockManager:
@@ -65,6 +66,10 @@ class BlockManager:
                                  f"got {num_blocks}")
             self.null_block = self.free_ids.pop()  # block 0: the table entry of every released block
             self.blocks[self.null_block].ref = 1  # pinned: never freed, evicted or registered
+        # windowed: what live sequences hold (each counts a block it shares with others) plus what they have
+        # reserved. Admission keeps it within the usable blocks, so however shared blocks come and go (a release
+        # of a shared block frees nothing) the reservations are always backed: num_free >= usable - claimed >= 0
+        self.claimed = 0
 
     @property
     def num_free(self) -> int:
@@ -92,14 +97,17 @@ class BlockManager:
         return self.peak_blocks(prompt_len, capacity) * self.block_size
 
     def _rebalance(self, alloc: Allocation) -> None:
-        """Set ``alloc.reserved`` to what it may still take: up to its peak, at most the blocks it still lacks."""
+        """Set ``alloc.reserved`` to what it may still take: up to its peak, at most the blocks it still lacks
+        (and keep :attr:`claimed` in step)."""
         if self.sink_window is None:
             return
-        held = len(alloc.blocks) - alloc.released
+        before = alloc.held + alloc.reserved
+        alloc.held = len(alloc.blocks) - alloc.released
         lacking = -(-alloc.capacity // self.block_size) - len(alloc.blocks)
-        want = max(0, min(self.peak_blocks(0, alloc.capacity) - held, lacking))
+        want = max(0, min(self.peak_blocks(0, alloc.capacity) - alloc.held, lacking))
         self.reserved += want - alloc.reserved
         alloc.reserved = want
+        self.claimed += alloc.held + alloc.reserved - before
 
     def _chain(self, tokens: Sequence[int], n_full: int) -> list[tuple[int, tuple]]:
         keys, prev = [], 0
@@ -136,10 +144,6 @@ class BlockManager:
                 bid = self.cached.get(key[0])
                 if bid is None or self.blocks[bid].key != key:
                     break
-                if self.sink_window is not None and self.blocks[bid].ref > 0:
-                    # windowed: share no block with a live sequence. Its release would return nothing to the
-                    # pool while the releaser's reservation grows, so blocks would be promised twice
-                    break
                 hits.append(bid)
         # a windowed manager takes the prompt's blocks now and reserves the rest of the sequence's peak
         now = -(-(capacity if self.sink_window is None else len(tokens)) // self.block_size)
@@ -149,6 +153,11 @@ class BlockManager:
         if fresh + later > self.num_free - reusable_evictable:
             raise RuntimeError(f"paged cache is full: need {fresh + later} new blocks, "
                                f"{self.num_free - reusable_evictable} available")
+        if self.sink_window is not None and self.claimed + now + later > self.usable_blocks:
+            # a block shared with a live sequence is no memory saved for good: when that sequence's window
+            # leaves it, this one still holds it (and the other needs a new block)
+            raise RuntimeError(f"paged cache is full: need {now + later} blocks at its peak, "
+                               f"{self.usable_blocks - self.claimed} not claimed by running sequences")
         for bid in hits:
             self.evictable.pop(bid, None)
             self.blocks[bid].ref += 1
@@ -170,6 +179,7 @@ class BlockManager:
             if alloc.reserved > 0:
                 alloc.reserved -= 1
                 self.reserved -= 1
+                self.claimed -= 1  # held again by _rebalance below: the take moves a claim, adds none
             elif self.num_free <= 0:
                 raise RuntimeError("paged cache is full: no free or evictable block")
             bid = self._take()
@@ -238,7 +248,9 @@ class BlockManager:
                 self._unref(bid)
         alloc.blocks = []
         self.reserved -= alloc.reserved
-        alloc.reserved = alloc.released = 0
+        if self.sink_window is not None:
+            self.claimed -= alloc.held + alloc.reserved
+        alloc.reserved = alloc.released = alloc.held = 0
 
 
 def _check_sink_window(sink_window: Any) -> tuple[int, int]:
