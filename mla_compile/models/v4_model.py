@@ -65,6 +65,7 @@ class V4Metadata:
         mark_dynamic(input_ids, positions, self)
 
     def to(self, device) -> "V4Metadata":
+        """A copy with every tensor on ``device`` (host planning builds on CPU, then moves once)."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return V4Metadata(mv(self.query_seq), mv(self.seq_lens), mv(self.block_table), mv(self.slot_mapping),
                           mv(self.state_slot), {r: mv(t) for r, t in self.entry_tables.items()},
@@ -252,6 +253,9 @@ class V4MoE(nn.Module):
         self.impl = impl
 
     def route(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``(weights [T, top_k], expert ids [T, top_k])`` of tokens ``x [T, hidden]``: the experts by
+        ``tid2eid[input_ids]`` in a hash-routed layer, else the top-k of the gate's scores (the bias only picks),
+        the weights their normalised scores times ``routed_scaling_factor``, as the HF gate."""
         g = self.hf.gate
         scores = g.score_fn(F.linear(x, g.weight))
         if self.is_hash:
