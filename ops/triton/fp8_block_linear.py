@@ -24,17 +24,24 @@ from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
 @triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
-    M, N, K, KB,
+    M, N, K, KB, KB_PER, s_yk,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    """Program (m tile x split, n tile, group). With ``SPLIT_K > 1`` split ``k`` sums 128-wide steps
+    ``[k * KB_PER, (k + 1) * KB_PER)`` into its own float32 slice of ``y`` (stride ``s_yk``); the caller adds the
+    slices (a fixed order: deterministic)."""
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K, KB,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
+    pid_m = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb0 = split * KB_PER
+    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
+                kb0, tl.minimum(kb0 + KB_PER, KB), s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    y = y_ptr + split.to(tl.int64) * s_yk + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
@@ -68,15 +75,16 @@ def _fp8_sorted_kernel(
         return
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
-    acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K, KB,
+    acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K, 0, KB,
                 s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
 
 
 @triton.jit
-def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, KB, s_xm, s_wn, s_sn,
+def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s_xm, s_wn, s_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr):
-    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``."""
+    """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``, summed
+    over the 128-wide K steps ``[kb_start, kb_end)``."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
     n_ok = offs_n < N
@@ -84,7 +92,7 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, KB, s_xm, s_wn, s_s
     w_rows = w_base + offs_n.to(tl.int64) * s_wn
     s_row = s_base + (pid_n * BLOCK_N // 128) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, KB):
+    for kb in range(kb_start, kb_end):
         k = kb * 128 + offs_k
         k_ok = k < K
         x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -138,8 +146,23 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quan
     return y
 
 
-def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool) -> Tensor:
-    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
+# Programs a launch should reach before K is split: a few per SM of an H100 / H200 (132 SMs), so a skinny
+# decode GEMM (M <= 16, N / 64 column tiles) streams its weight from every SM instead of a few.
+_SPLIT_TARGET = 528
+
+
+def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
+    """How many K slices a launch of ``tiles`` output tiles over ``kb`` 128-wide K steps takes: 1 when the tiles
+    already fill the GPU, else enough slices to reach ``target`` programs, each slice at least two K steps."""
+    if tiles >= target // 2 or kb < 4:
+        return 1
+    return max(1, min(-(-target // tiles), kb // 2))
+
+
+def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+            split: int | None = None) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices
+    (None: :func:`split_k`'s choice), summed in float32 in slice order."""
     grouped = weight.dim() == 3
     w3 = weight if grouped else weight[None]
     s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
@@ -148,17 +171,28 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     x3 = x if x.dim() == 3 else x[None]
     x3 = last_dim_contiguous(x3)
     w3 = last_dim_contiguous(w3).view(torch.uint8)  # raw codes: the interpreter has no float8 numpy dtype
-    y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
     if M * N == 0:
+        y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
     cfg = _config(M, x.dtype == torch.float32)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
+    kb = triton.cdiv(K, 128)
+    m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
+    if split is None:
+        split = split_k(m_tiles * n_tiles * E, kb)
+    kb_per = triton.cdiv(kb, split)
+    split = triton.cdiv(kb, kb_per)  # no empty slice
+    if split == 1:
+        y = torch.empty(1, E, M, N, dtype=x.dtype, device=x.device)
+    else:  # float32 slices, added below in a fixed order
+        y = torch.empty(split, E, M, N, dtype=torch.float32, device=x.device)
+    grid = (m_tiles * split, n_tiles, E)
     wrap_triton(_fp8_linear_kernel)[grid](
-        x3, w3, s3, y, M, N, K, triton.cdiv(K, 128),
-        s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),
-        ACT_QUANT=act_quant, **cfg,
+        x3, w3, s3, y, M, N, K, kb, kb_per, y.stride(0),
+        s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
+        ACT_QUANT=act_quant, SPLIT_K=split, **cfg,
     )
+    y = y[0] if split == 1 else y.sum(0).to(x.dtype)
     return y if grouped else y[0]
 
 

@@ -34,6 +34,36 @@ def test_interpreter_matches_reference(x_shape, w_shape, act_quant, dtype):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("split,w_shape", [(2, (70, 700)), (4, (70, 700)), (6, (3, 70, 700)), (3, (130, 520))])
+def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
+    """K split into float32 slices (4 of 6 steps -> 3 slices of 2; 6 -> one step each; a ragged last K step)."""
+    from mla_compile.ops.triton.fp8_block_linear import _launch
+
+    codes, scale = _weights(*w_shape)
+    x = torch.randn(3, w_shape[-1]).bfloat16()
+    want = _ref64(x.float(), codes, scale, act_quant)
+    y = _launch(x, codes, scale, act_quant, split=split)
+    assert y.shape == want.shape and y.dtype == torch.bfloat16
+    assert _rel(y.double(), want) < 8e-3
+    y32 = _launch(x.float(), codes, scale, act_quant, split=split)
+    assert _rel(y32.double(), want) < 1e-6
+
+
+def test_split_k_choice():
+    from mla_compile.ops.triton.fp8_block_linear import split_k
+
+    assert split_k(24, 56) == 22  # q_a at M=1: 24 column tiles -> 528 programs
+    assert split_k(9, 56) == 28  # kv_a: at most KB / 2 slices (two K steps each)
+    assert split_k(384, 12) == 1 and split_k(300, 56) == 1  # enough tiles already
+    assert split_k(2, 3) == 1  # too few K steps to split
+    for tiles in range(1, 300):
+        for kb in range(1, 130):
+            s = split_k(tiles, kb)
+            assert 1 <= s and (s == 1 or 2 * s <= kb)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("offs", OFFS)
@@ -66,7 +96,7 @@ def test_triton_sorted_groups_on_gpu(act_quant):
 @pytest.mark.cuda
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("x_shape,w_shape", CASES + [((64, 7168), (2048, 7168))])
+@pytest.mark.parametrize("x_shape,w_shape", CASES + [((64, 7168), (2048, 7168)), ((1, 7168), (576, 7168))])
 def test_triton_on_gpu_matches_float64(x_shape, w_shape, act_quant):
     codes, scale = _weights(*w_shape)
     x = torch.randn(*x_shape).bfloat16()
