@@ -77,3 +77,19 @@ def test_grow_and_disabled_prefix_caching():
     assert bm.allocate(t + [1]).cached_tokens == 0
     bm.grow(a, 13)
     assert len(a.blocks) == 4
+
+
+def test_forget_makes_registered_blocks_unfindable_and_an_unheld_one_free():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(100, 113))  # three full blocks and one token
+    a = bm.allocate(tokens)
+    made = bm.register(a, tokens)
+    assert made == a.blocks[:3] and bm.register(a, tokens) == []  # already findable: nothing new
+    keep = bm.allocate([7, 8, 9, 10, 11])
+    kept = bm.register(keep, [7, 8, 9, 10, 11])
+    bm.free(a)  # the three keyed blocks become evictable
+    assert len(bm.evictable) == 3
+    bm.forget(made[1:])
+    assert len(bm.evictable) == 1 and bm.num_free == 8 - len(keep.blocks)
+    assert bm.allocate(tokens).cached_tokens == 4  # only the first block still matches
+    assert bm.allocate([7, 8, 9, 10, 11]).cached_tokens == 4 and kept  # other sequences' blocks untouched

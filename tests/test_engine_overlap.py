@@ -308,3 +308,36 @@ def test_an_error_met_reading_a_step_s_tokens_fails_that_step_s_requests_and_ser
     alone.add_request([7, 8, 9], 4)
     assert engine.requests[late].output == alone.run()[0].output
     assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)
+
+
+def test_a_failed_read_forgets_the_prompt_blocks_its_launch_registered_and_fails_the_step_fed_by_it(tiny):
+    """Overlap registers a step's full prompt blocks at launch. If reading that step's tokens then fails (an
+    asynchronous device error), its blocks may hold garbage: a request admitted meanwhile with a prefix hit on
+    them (in the step launched after it) fails too, and no later prompt finds them."""
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("injected asynchronous error")
+
+    engine = _engine(tiny, overlap=True)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three full blocks of 4
+    a = engine.add_request(prompt, 4)
+    copy = engine._host_tokens.copy
+    engine._host_tokens.copy = lambda tokens: (copy(tokens)[0], Broken())
+    engine.step()  # launches a's prompt (its blocks findable now); nothing to read yet
+    engine._host_tokens.copy = copy
+    assert len(engine.blocks.cached) == 3
+    b = engine.add_request(prompt + [30, 31], 4)
+    with pytest.raises(StepFailed) as info:
+        engine.step()  # admits b on a prefix hit, launches it beside a's decode, then meets the error
+    assert engine.requests[b].alloc.cached_tokens == 12  # b did read a's blocks
+    assert sorted(info.value.request_ids) == [a, b]
+    assert [engine.requests[i].finish_reason for i in (a, b)] == ["error", "error"]
+    assert engine.blocks.cached == {} and engine._inflight is None
+    c = engine.add_request(prompt, 4)
+    engine.run()
+    assert engine.requests[c].alloc.cached_tokens == 0  # computed afresh
+    alone = _engine(tiny, overlap=False)
+    alone.add_request(prompt, 4)
+    assert engine.requests[c].output == alone.run()[0].output
+    assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)

@@ -225,14 +225,17 @@ class BlockManager:
         else:
             self.free_ids.append(bid)
 
-    def register(self, alloc: Allocation, tokens: Sequence[int]) -> None:
-        """After ``tokens`` are in the cache, make the sequence's full blocks findable by later prompts.
+    def register(self, alloc: Allocation, tokens: Sequence[int]) -> list[int]:
+        """After ``tokens`` are in the cache, make the sequence's full blocks findable by later prompts; returns
+        the ids of the blocks this call made findable.
 
         Call it only once the step that wrote them succeeded: a registered block is trusted to hold
-        its tokens' keys, so a block of a failed step must stay unregistered (it is then freed).
+        its tokens' keys, so a block of a failed step must stay unregistered (it is then freed). A caller that
+        registers earlier (``Engine(overlap=True)``: at launch) must :meth:`forget` them if the step fails.
         """
         if not self.prefix_caching:
-            return
+            return []
+        made = []
         for i, key in enumerate(self._chain(tokens, len(tokens) // self.block_size)):
             if alloc.blocks[i] == self.null_block:  # released: the null block never holds tokens
                 continue
@@ -240,6 +243,20 @@ class BlockManager:
             if block.key is None and key[0] not in self.cached:
                 block.key = key
                 self.cached[key[0]] = block.id
+                made.append(block.id)
+        return made
+
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Make blocks :meth:`register` made findable unfindable again (their step failed): later prompts never
+        match them. A block already evicted or re-keyed since is left alone."""
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.key is not None and self.cached.get(block.key[0]) == bid:
+                del self.cached[block.key[0]]
+                block.key = None
+                if bid in self.evictable:  # nobody holds it: free, not evictable, once unkeyed
+                    del self.evictable[bid]
+                    self.free_ids.append(bid)
 
     def free(self, alloc: Allocation) -> None:
         """Release a finished sequence: cached blocks become evictable (LRU), the rest free."""

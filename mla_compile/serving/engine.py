@@ -160,11 +160,13 @@ class Engine:
     frees its blocks) when step n is launched, as it would after step n without overlap; one that draws a stop
     token in step n is known to have stopped only after step n+1 was launched: it still has a row in step n+1,
     whose token is dropped (its blocks are freed then; a later step reuses them only after step n+1 ran, in
-    stream order). Full prompt blocks enter the prefix cache when their step was launched without an error.
+    stream order). Full prompt blocks enter the prefix cache when their step was launched without an error,
+    and leave it again if reading that step's tokens fails.
     :meth:`abort` first waits for the step in flight (a host sync outside the step), so the request keeps the
     tokens that step gave it, as without overlap. A step whose launch raises fails its requests as above,
     after the previous step's tokens were taken; an error met while reading a step's tokens (an asynchronous
-    device error) fails that step's requests. When no request is left running, :meth:`step` also waits for the
+    device error) fails that step's requests and those of the step launched after it (fed that step's tokens,
+    and maybe reading its prompt blocks through a prefix hit), and no prompt block of either stays findable. When no request is left running, :meth:`step` also waits for the
     step in flight, so an idle engine has nothing pending.
 
     ``dp_sync`` (a :class:`~mla_compile.serving.dp_sync.DPStepSync`; the runner's ``run``, ``decode``,
@@ -496,12 +498,13 @@ class Engine:
         host, ready = self._host_tokens.copy(tokens)
         kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
         yields = list(enumerate(decoding))
+        registered = []  # findable before the step is known to succeed: forgotten again if it fails (_read)
         for i, (r, n) in enumerate(chunks):
             r.computed += n
-            self.blocks.register(r.alloc, r.prompt[:r.computed])
+            registered += self.blocks.register(r.alloc, r.prompt[:r.computed])
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
                 yields.append((len(decoding) + i, r))
-        return _InFlight(rows, yields, host, ready, kept)
+        return _InFlight(rows, yields, host, ready, kept, registered)
 
     def _read(self, step: _InFlight | None) -> None:
         """Take a launched step's tokens (waiting for its copy): append them, finish the requests they end."""
@@ -514,7 +517,13 @@ class Engine:
             if step.logits is not None:
                 self.step_logits.append(step.logits.cpu())
         except Exception as exc:
-            raise self._fail([r for r in step.requests if r.finish_reason is None], exc) from exc
+            self.blocks.forget(step.registered)  # its prompt blocks may hold garbage: no later prompt matches them
+            failed = [r for r in step.requests if r.finish_reason is None]
+            later, self._inflight = self._inflight, None
+            if later is not None and later is not step:  # launched on top of it (its tokens, its blocks): fail too
+                self.blocks.forget(later.registered)
+                failed += [r for r in later.requests if r.finish_reason is None and r not in failed]
+            raise self._fail(failed, exc) from exc
         for row, r in step.yields:
             if r.finish_reason is not None:
                 continue  # it stopped in the step before (or failed) after this one was launched: drop the token
@@ -547,13 +556,15 @@ class Engine:
 class _InFlight:
     """An overlap step launched but not read: its ``requests`` (one per logits row), the ``(row, request)``
     pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
-    already there), and a device copy of its float32 logits (``keep_logits``) or None."""
+    already there), a device copy of its float32 logits (``keep_logits``) or None, and the prompt blocks its
+    launch made findable (forgotten if it fails)."""
 
     requests: list[Request]
     yields: list[tuple[int, Request]]
     tokens: Tensor
     ready: Any
     logits: Tensor | None
+    registered: list[int]
 
 
 class _HostTokens:
