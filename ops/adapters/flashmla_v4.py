@@ -20,7 +20,8 @@ group applies the sink through ``attn_sink``; otherwise the window and the compr
 merged by LSE in float32, and the sink is applied once on the merged result as
 ``out * sigmoid(lse - sink)``. Heads are zero-padded to 64 (H <= 64) or 128 (one call per 128 heads).
 Then rows with no valid slot get ``out = 0``, ``lse = -inf``, and the output's trailing ``rope_dim``
-channels are rotated back by ``-query_pos * inv_freq`` (interleaved pairs), in float32.
+channels are rotated back by ``-query_pos * inv_freq`` (interleaved pairs), in float32: one Triton launch
+per head group on CUDA (``ops/triton/v4_finish.py``), torch ops elsewhere.
 
 Everything is device tensor arithmetic on shapes known at trace time: no host reads, no scheduling
 metadata (the sparse prefill kernel has none), so a captured CUDA graph replays with any slot values.
@@ -33,7 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mla_compile.ops.adapters._common import check_dtype, check_value, importable, require_capability
+from mla_compile.ops.adapters._common import (check_dtype, check_value, importable, require_capability,
+                                              triton_available)
 from mla_compile.ops.registry import LAYOUT_TAGS, SM90, declare
 from mla_compile.ops.v4_attention import OP, rotate_interleaved, validate
 
@@ -91,32 +93,15 @@ def head_groups(H: int) -> tuple[int, list[tuple[int, int]]]:
     return width, [(h, min(h + width, H)) for h in range(0, H, width)]
 
 
-def _sparse_call(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Tensor, scale: float,
-                 sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``flash_mla_sparse_fwd`` over any head count: ``q [T, H, 512]`` padded with zero heads to 64 / 128 per
-    call (``sinks`` with -inf, which has no effect), results sliced back. Returns ``out [T, H, 512]`` and
-    ``lse [T, H]`` float32 natural log as FlashMLA gives them (undefined on rows without a valid index)."""
-    import flash_mla
-
-    T, H, D = q.shape
-    width, groups = head_groups(H)
-    outs, lses = [], []
-    for h0, h1 in groups:
-        n = h1 - h0
-        qg = q[:, h0:h1]
-        sink = None if sinks is None else sinks[h0:h1].to(torch.float32)
-        if n != width:
-            qg = torch.cat([qg, qg.new_zeros(T, width - n, D)], dim=1)
-            if sink is not None:
-                sink = torch.cat([sink, sink.new_full((width - n,), float("-inf"))])
-        out, _max_logits, lse = flash_mla.flash_mla_sparse_fwd(
-            qg.contiguous(), kv, indices, scale, d_v=HEAD_DIM, attn_sink=None if sink is None else sink.contiguous(),
-            topk_length=topk_length, use_legacy=True)
-        outs.append(out[:, :n])
-        lses.append(lse[:, :n])
-    if len(groups) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+def _padded(q: Tensor, sinks: Tensor, h0: int, h1: int, width: int) -> tuple[Tensor, Tensor]:
+    """Heads ``h0:h1`` of ``q [T, H, 512]`` zero-padded to ``width`` (contiguous) and their sinks as float32,
+    padded with -inf (which has no effect in FlashMLA)."""
+    T, _, D = q.shape
+    qg, sink = q[:, h0:h1], sinks[h0:h1].to(torch.float32)
+    if h1 - h0 != width:
+        qg = torch.cat([qg, qg.new_zeros(T, width - (h1 - h0), D)], dim=1)
+        sink = torch.cat([sink, sink.new_full((width - (h1 - h0),), float("-inf"))])
+    return qg.contiguous(), sink.contiguous()
 
 
 def combine(parts: list[tuple[Tensor, Tensor, Tensor]], sinks: Tensor, sink_applied: bool) -> tuple[Tensor, Tensor]:
@@ -164,17 +149,40 @@ def flashmla_v4_attention_core(q: Tensor, kv_cache: Tensor, window_slots: Tensor
             lists.append((comp_cache, comp_slots, "comp_cache"))
     if T * H == 0 or not lists:
         return q.new_zeros(T, H, D), q.new_full((T, H), float("-inf"), dtype=torch.float32)
+    import flash_mla
+
     one = len(lists) == 1
-    parts = []
+    prepared = []
     for cache, slots, name in lists:
         kv = flat_rows(name, cache)
-        idx, length, live = sparse_indices(slots, kv.shape[0])
-        out, lse = _sparse_call(q, kv, idx, length, scale, sinks if one else None)
-        parts.append((out, lse, live))
-    out, lse = combine(parts, sinks, sink_applied=one)
+        prepared.append((kv, *sparse_indices(slots, kv.shape[0])))
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    width, groups = head_groups(H)
+    for h0, h1 in groups:
+        qg, sink = _padded(q, sinks, h0, h1, width)
+        parts = []
+        for kv, idx, length, live in prepared:
+            o, _max_logits, l = flash_mla.flash_mla_sparse_fwd(
+                qg, kv, idx, scale, d_v=HEAD_DIM, attn_sink=sink if one else None, topk_length=length,
+                use_legacy=True)
+            parts.append((o[:, :h1 - h0], l[:, :h1 - h0], live))
+        finish(parts, sinks[h0:h1], one, query_pos, inv_freq, out[:, h0:h1], lse[:, h0:h1])
+    return out, lse
+
+
+def finish(parts: list[tuple[Tensor, Tensor, Tensor]], sinks: Tensor, sink_applied: bool, query_pos: Tensor,
+           inv_freq: Tensor, out: Tensor, lse: Tensor) -> None:
+    """:func:`combine` then the rope back-rotation, written into the views ``out [T, h, D]`` and ``lse [T, h]``.
+    One Triton launch on CUDA (``ops/triton/v4_finish.py``), torch ops elsewhere."""
+    if out.is_cuda and triton_available():
+        from mla_compile.ops.triton.v4_finish import v4_finish_triton
+        v4_finish_triton(parts, sinks, sink_applied, query_pos, inv_freq, out, lse)
+        return
+    o, l = combine(parts, sinks, sink_applied)
     freqs = query_pos.float()[:, None] * inv_freq.float()[None, :]
-    out = rotate_interleaved(out, freqs.cos(), -freqs.sin())
-    return out.to(q.dtype).contiguous(), lse.contiguous()
+    out.copy_(rotate_interleaved(o, freqs.cos(), -freqs.sin()))
+    lse.copy_(l)
 
 
 @torch.library.custom_op("mla::v4_attention_flashmla", mutates_args=(), tags=LAYOUT_TAGS)
@@ -195,6 +203,6 @@ def _(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_f
 
 declare(OP, BACKEND, torch.ops.mla.v4_attention_flashmla, rank=20, available=available, dtypes=DTYPES,
         cache_dtypes=DTYPES, head_dims=((HEAD_DIM,),), stride_align=8, min_capability=SM90, max_capability=SM90,
-        package="sgl-flash-mla", gpu_tested=False,
+        package="sgl-flash-mla", gpu_tested=False, kernels=("_v4_finish_kernel=flashmla (adapter boundary)",),
         note="FlashMLA's sparse kernel (flash_mla_sparse_fwd, sm90): window and compressed lists as two calls "
              "merged by LSE (one call with attn_sink when one list serves), heads padded to 64 / 128")

@@ -81,8 +81,8 @@ def test_two_caches_two_calls_merged_by_lse(fake_flash_mla, H):
     assert len(sent) == 2 * groups  # window and compressed lists, each per head group
     for n, (a, kw) in enumerate(sent):
         q_in, kv_in, idx, scale = a
-        cache, slots = (kv, ws) if n // groups == 0 else (comp, cs)
-        h0, h1 = (n % groups) * width, min((n % groups + 1) * width, H)
+        cache, slots = (kv, ws) if n % 2 == 0 else (comp, cs)  # per head group: the window, then the entries
+        h0, h1 = (n // 2) * width, min((n // 2 + 1) * width, H)
         assert q_in.shape == (q.shape[0], width, D) and torch.equal(q_in[:, :h1 - h0], q[:, h0:h1])
         assert (q_in[:, h1 - h0:] == 0).all()
         assert kv_in.shape == (cache.shape[0] * cache.shape[1], 1, D) and kv_in.data_ptr() == cache.data_ptr()
@@ -171,8 +171,8 @@ def test_combine_merges_applies_the_sink_once_and_clears_empty_rows():
     a part that is not live contributes nothing whatever it holds."""
     g = torch.Generator().manual_seed(12)
     T, H, d = 4, 2, 8
-    oa, ob = torch.randn(T, H, d, generator=g, dtype=torch.float64), torch.randn(T, H, d, generator=g, dtype=torch.float64)
-    la, lb = torch.randn(T, H, generator=g, dtype=torch.float64), torch.randn(T, H, generator=g, dtype=torch.float64)
+    oa, ob = (torch.randn(T, H, d, generator=g, dtype=torch.float64) for _ in range(2))
+    la, lb = (torch.randn(T, H, generator=g, dtype=torch.float64) for _ in range(2))
     live_a, live_b = torch.tensor([True, True, False, False]), torch.tensor([True, False, True, False])
     oa[2], la[2], ob[1], lb[1] = NAN, float("inf"), NAN, NAN  # what FlashMLA may leave in rows it did not define
     sinks = torch.tensor([0.5, -1.0])
