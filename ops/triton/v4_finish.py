@@ -66,7 +66,8 @@ def _v4_finish_kernel(oa_ptr, la_ptr, live_a_ptr, ob_ptr, lb_ptr, live_b_ptr, si
         fb = fa
     if SINK:
         sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
-        share = tl.where(lse == float("-inf"), 0.0, 1.0 / (1.0 + tl.exp(sink - lse)))
+        empty = lse == float("-inf")
+        share = tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - tl.where(empty, 0.0, lse))))
         fa = fa * share
         fb = fb * share
     out_n = a_n * fa[:, None]
