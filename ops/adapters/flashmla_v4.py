@@ -44,8 +44,9 @@ MODULE = "flash_mla"
 DTYPES = (torch.bfloat16,)
 HEAD_DIM = 512  # d_qk = d_v: FlashMLA's V4 kernels take 512 only
 SPARSE_HEADS = (64, 128)  # the h_q FlashMLA's sparse kernels accept
-# Index lists are padded to a multiple of this (the kernels walk them in tiles of 64 on sm90, 128 on the
-# sm100 head-128 kernels; 128 satisfies both, and topk_length skips the padding)
+# Index lists are padded to a multiple of this: FlashMLA wants topk a multiple of its kernel's index tile
+# ("topk mod B_TOPK must be 0"; 64 in the sm90 decode path we already use, 128 covers a 128 tile too), and
+# topk_length makes the kernel skip the padding
 TOPK_TILE = 128
 LSE_SCALE = 1.0  # FlashMLA's sparse prefill returns natural-log LSE by default: nothing to convert
 
