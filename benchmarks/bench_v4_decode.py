@@ -2,6 +2,7 @@
 
     python benchmarks/bench_v4_decode.py --out OUT_DIR [--batches 1,64,256] [--ctx 8192,131072] [--backend triton]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
+    python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
 
 The slice: hidden 4096, 64 heads of 512 (rope 64), q_lora 1024, o_groups 8 x 1024, 256 experts top-6
 (moe 2048, sqrtsoftplus; the first layer hash-routed), mHC 4 streams, window 128, CSA rate 4 with the
@@ -14,6 +15,12 @@ captured step replayed). A step's time is the median over ``--iters`` of CUDA ev
 HF is not measured: its eager attention materializes [S, S] scores at prefill and its V4 model cannot
 compile whole (``_can_compile_fullgraph = False``). Also written: cache bytes per sequence at each
 context and at 1M tokens (``mla_compile.models.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``.
+
+``--attention`` times the ``v4_attention`` op alone instead, per backend (our Triton kernel, FlashMLA's sparse
+kernel): one decode row per sequence at position ``ctx`` with V4-Flash dims (64 heads of 512, rope 64), for each
+layer kind: sliding (the 128-row window), CSA (window + top-512 of the ``ctx / 4`` compressed entries) and HCA
+(window + all ``ctx / 128`` entries); the median per-call time of a replayed CUDA graph of one call (eager
+medians on CPU). Writes ``bench_v4_attention.json`` / ``.txt``.
 """
 
 from __future__ import annotations
@@ -129,6 +136,86 @@ def timed(fn, dev: torch.device, warmup: int, iters: int) -> dict:
     return dict(ms=statistics.median(times), first_call_s=first)
 
 
+def attention_case(a, kind: str, batch: int, ctx: int, dev: torch.device, dtype: torch.dtype) -> tuple:
+    """``v4_attention``'s arguments for ``batch`` decode rows at position ``ctx``: each sequence's window rows
+    and compressed entries are its own contiguous region of the caches (random values), CSA picks ``idx_topk``
+    distinct visible entries at random, HCA lists every visible entry."""
+    gen = torch.Generator().manual_seed(a.seed)
+    W, D, bs = a.window, a.head_dim, a.block_size
+    nb = -(-batch * W // bs)
+    kv = torch.randn(nb, bs, D, generator=gen).to(dtype)
+    ws = (torch.arange(batch)[:, None] * W + torch.arange(W)[None, :]).to(torch.int32)
+    rate = {"sliding": 0, "CSA": a.csa, "HCA": a.hca}[kind]
+    if rate == 0:
+        comp, cs = kv, ws[:, :0]
+    else:
+        n = (ctx + 1) // rate
+        comp = torch.randn(-(-batch * n // bs), bs, D, generator=gen).to(dtype)
+        if kind == "CSA":
+            k = min(a.idx_topk, n)
+            cs = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(batch)])
+        else:
+            cs = torch.arange(n)[None, :].expand(batch, n)
+        cs = (cs + torch.arange(batch)[:, None] * n).to(torch.int32)
+    q = torch.randn(batch, a.heads, D, generator=gen).to(dtype)
+    sinks = torch.randn(a.heads, generator=gen)
+    pos = torch.full((batch,), ctx, dtype=torch.int32)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, a.rope, 2, dtype=torch.float32) / a.rope))
+    return tuple(t.to(dev) for t in (q, kv, ws, comp, cs, sinks, pos, inv_freq))
+
+
+def attention_main(a, dev: torch.device) -> int:
+    """The ``--attention`` run: ``v4_attention`` per backend, layer kind, batch and context."""
+    from mla_compile.ops import v4_attention
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    backends = a.attn_backends.split(",") if dev.type == "cuda" else ["reference"]
+    start, rows = time.time(), []
+    for ctx in (int(x) for x in a.ctx.split(",")):
+        for kind in ("sliding", "CSA", "HCA"):
+            for b in (int(x) for x in a.batches.split(",")):
+                args = attention_case(a, kind, b, ctx, dev, dtype)
+                for name in backends:
+                    row = dict(backend=name, kind=kind, batch=b, ctx=ctx, heads=a.heads, head_dim=a.head_dim,
+                               slots=args[2].shape[1] + args[4].shape[1])
+                    call = lambda: v4_attention(*args, a.head_dim ** -0.5, backend=name)  # noqa: E731
+                    try:
+                        if time.time() - start > a.budget_s:
+                            row["skipped"] = "time budget"
+                        elif dev.type == "cuda":
+                            for _ in range(2):
+                                call()
+                            torch.cuda.synchronize()
+                            graph = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(graph):
+                                call()
+                            row.update(timed(graph.replay, dev, a.warmup, a.iters))
+                        else:
+                            row.update(timed(call, dev, a.warmup, a.iters))
+                    except Exception as exc:  # keep measuring; the reason goes into the table
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                        traceback.print_exc(limit=4)
+                    rows.append(row)
+                    cell = row.get("skipped") or row.get("error") or f"{row['ms'] * 1e3:9.1f} us"
+                    print(f"[{time.time() - start:6.1f}s] {kind:7s} B={b:<4d} ctx={ctx:<7d} {name:10s} {cell}",
+                          flush=True)
+                del args
+    info = dict(args=vars(a), device=str(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
+                torch=torch.__version__)
+    with open(os.path.join(a.out, "bench_v4_attention.json"), "w") as f:
+        json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
+    lines = [f"v4_attention per call ({info['device']}, {a.heads} heads x {a.head_dim}, window {a.window}, "
+             f"CSA top-{a.idx_topk} of ctx/{a.csa}, HCA ctx/{a.hca}; CUDA-graph replay median)"]
+    for r in rows:
+        cell = r.get("skipped") or r.get("error") or f"{r['ms'] * 1e3:9.1f} us"
+        lines.append(f"{r['kind']:7s} B={r['batch']:<4d} ctx={r['ctx']:<7d} slots={r['slots']:<5d} "
+                     f"{r['backend']:10s} {cell}")
+    with open(os.path.join(a.out, "bench_v4_attention.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -141,12 +228,18 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
+    p.add_argument("--attn-backends", default="triton,flashmla", help="backends --attention compares on CUDA")
     args = p.parse_args(argv)
+    if args.attention and args.ctx is None and not args.tiny:
+        args.ctx = "8192"  # the op alone: V4-Flash at 8k unless asked
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
+    if args.attention:
+        return attention_main(args, dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     start = time.time()
     from mla_compile.models.model import patch

@@ -57,7 +57,7 @@ class Backend:
 
     ``fn`` runs it with the op's arguments (and ``plan=`` when ``needs_plan``); ``rank`` orders the backends
     of an op when no timings apply (lower first). ``head_dims``: decode ``(kv_lora_rank, rope_dim)``,
-    prefill ``(qk_head_dim, v_head_dim)``, merge ``(D,)``. ``block_multiple``: page sizes must be a
+    prefill ``(qk_head_dim, v_head_dim)``, merge and v4_attention ``(D,)``. ``block_multiple``: page sizes must be a
     multiple of it; ``stride_align``: the cache's page and row strides are multiples of it (bytes of a
     uint8 cache); ``packed_rows``: rows are dense (row stride = row width). ``host_sync``: reads lengths on
     the host every call ("auto" skips it). ``gpu_tested``: passed its CUDA tests on a GPU ("auto" skips the

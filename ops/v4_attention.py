@@ -122,7 +122,8 @@ def v4_attention(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: 
                  sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float, *,
                  backend: str | None = None) -> tuple[Tensor, Tensor]:
     """V4 sink attention; see the module docstring. Returns ``out [T, H, D]`` (q's dtype), ``lse [T, H]`` float32."""
-    impl = resolve(OP, q.device, backend, dtype=q.dtype, cache=kv_cache)
+    # the selector's facts: heads and head dims (D,) (a backend may take only some, FlashMLA 512)
+    impl = resolve(OP, q.device, backend, dtype=q.dtype, cache=kv_cache, shape=lambda: (q.shape[1], (q.shape[2],), 1))
     return impl.fn(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale)
 
 

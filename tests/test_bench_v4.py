@@ -28,3 +28,17 @@ def test_bench_v4_decode_cpu_smoke(tmp_path):
     assert rows["ours graph"]["skipped"] == "needs CUDA"
     assert data["info"]["bytes_per_seq_1m"] > 0
     assert "per sequence at 1M tokens" in (tmp_path / "bench_v4_decode.txt").read_text()
+
+
+def test_bench_v4_attention_cpu_smoke(tmp_path):
+    """``--attention``: one row per layer kind, batch and context (the reference on CPU), lists as configured."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_v4_decode.py"), "--attention", "--device", "cpu", "--tiny",
+           "--ctx", "40", "--batches", "2", "--iters", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_v4_attention.json").read_text())
+    rows = {r["kind"]: r for r in data["rows"]}
+    assert set(rows) == {"sliding", "CSA", "HCA"} and all(r["ms"] > 0 for r in rows.values())
+    # tiny dims: window 8; CSA top-8 of 41 // 4 = 10 entries; HCA all 41 // 16 = 2 entries
+    assert (rows["sliding"]["slots"], rows["CSA"]["slots"], rows["HCA"]["slots"]) == (8, 16, 10)
+    assert "v4_attention per call" in (tmp_path / "bench_v4_attention.txt").read_text()

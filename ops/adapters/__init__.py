@@ -13,7 +13,7 @@ bodies, on first use). Which backend serves a call is decided by ``mla_compile.o
 adapter is one module here plus its import below.
 """
 
-from mla_compile.ops.adapters import flash_attn, flashinfer, flashinfer_sm100, flashmla, sdpa  # noqa: F401
+from mla_compile.ops.adapters import flash_attn, flashinfer, flashinfer_sm100, flashmla, flashmla_v4, sdpa  # noqa: F401
 from mla_compile.ops.adapters.flashinfer import (FlashInferDecodePlan, FlashInferPrefillPlan, plan_flashinfer_decode,
                                                  plan_flashinfer_prefill)
 

@@ -173,7 +173,50 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
         out[empty], lse[empty] = NAN, INF  # undefined in FlashMLA: make the adapter fix it
         return out, lse.transpose(1, 2).contiguous()  # lse [B, H, s_q]
 
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False,
+                             return_log2_lse=None):
+        """Sparse prefill as documented: natural-log LSE (``return_log2_lse=None``), the sink scaling the
+        output only, indices -1 or ``>= s_kv`` invalid, only the leading ``topk_length[i]`` read; rows
+        without a valid index are undefined (NaN output, +inf LSE here)."""
+        calls.append(("flash_mla_sparse_fwd", (q, kv, indices, sm_scale),
+                      dict(d_v=d_v, attn_sink=attn_sink, topk_length=topk_length, use_legacy=use_legacy,
+                           return_log2_lse=return_log2_lse)))
+        assert use_legacy, "sm90 kernels are legacy-only"
+        assert return_log2_lse is None
+        s_q, h_q, d_qk = q.shape
+        assert q.dtype == torch.bfloat16 and kv.dtype == torch.bfloat16 and d_qk in (512, 576) and d_v == 512
+        if h_q not in (64, 128):
+            raise RuntimeError(f"sparse_attn_prefill_interface, sparse_prefill.cpp, Unsupported h_q: {h_q}")
+        assert q.stride(1) == d_qk and q.stride(2) == 1, "Expected q.stride(1) == d_qk"
+        assert kv.dim() == 3 and kv.shape[1:] == (1, d_qk) and kv.stride(-1) == 1
+        s_kv = kv.shape[0]
+        assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1) and indices.stride(-1) == 1
+        topk = indices.shape[2]
+        assert topk % 64 == 0 and topk > 0, f"topk ({topk}) mod B_TOPK (64) must be 0"
+        if attn_sink is not None:
+            assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,) and attn_sink.is_contiguous()
+        if topk_length is not None:
+            assert topk_length.dtype == torch.int32 and topk_length.shape == (s_q,) and topk_length.is_contiguous()
+        idx = indices[:, 0].long()
+        col = torch.arange(topk)[None, :]
+        valid = (idx >= 0) & (idx < s_kv)
+        if topk_length is not None:
+            valid &= col < topk_length.long()[:, None]
+        rows = kv[:, 0].double()[torch.where(valid, idx, 0)]  # [s_q, topk, d]
+        rows = torch.where(valid[..., None], rows, 0.0)
+        logits = torch.einsum("thd,tkd->thk", q.double(), rows) * sm_scale
+        logits = logits.masked_fill(~valid[:, None, :], -INF)
+        lse = torch.logsumexp(logits, dim=-1)
+        out = torch.einsum("thk,tkd->thd", torch.exp(logits - lse[..., None]), rows[..., :d_v])
+        if attn_sink is not None:
+            out = out * torch.sigmoid(lse - attn_sink.double()[None, :])[..., None]
+        max_logits = logits.amax(dim=-1)
+        empty = ~valid.any(dim=1)
+        out[empty], lse[empty] = NAN, INF
+        return out.to(q.dtype), max_logits.float(), lse.float()
+
     mod.FlashMLASchedMeta = FakeSchedMeta
+    mod.flash_mla_sparse_fwd = flash_mla_sparse_fwd
     mod.get_mla_metadata = get_mla_metadata
     mod.get_mla_decoding_metadata = get_mla_decoding_metadata
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
