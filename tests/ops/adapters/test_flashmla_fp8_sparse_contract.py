@@ -64,8 +64,6 @@ def test_fp8_decode_runs_the_sparse_kernel_over_causal_slot_lists(fake_flash_mla
     out, lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
 
     assert not fake_flash_mla.named("get_mla_decoding_metadata")
-    for _, kw in fake_flash_mla.named("flash_mla_with_kvcache"):  # the kernel stops at each sequence's length
-        assert kw["topk_length"].tolist() == list(LAYOUT.seq_lens)
     for idx in _sparse_calls(fake_flash_mla, q, cache, 3 * 64):
         for b, n in enumerate(LAYOUT.seq_lens):
             for i in range(s_q):
