@@ -327,6 +327,16 @@ class V4ForCausalLM(nn.Module):
                 a.index_cache = full(n_entry, block_size, d)
                 a.state["indexer"] = (full(max_seqs, R, 2 * d), full(max_seqs, R, 2 * d))
 
+    def cache_sizes(self) -> tuple[int, int, dict[int, int], int] | None:
+        """What :meth:`allocate_cache` made: ``(num_blocks, block_size, {rate: num_entry_blocks}, max_seqs)``
+        (``max_seqs`` 0 for a model of sliding layers only); None before it ran."""
+        first = self.attn[0].kv_cache
+        if first is None:
+            return None
+        entries = {a.rate: a.comp_cache.shape[0] for a in self.attn if a.rate and a.comp_cache is not None}
+        rows = [a.state["compressor"][0].shape[0] for a in self.attn if "compressor" in a.state]
+        return first.shape[0], first.shape[1], entries, min(rows, default=0)
+
     def forward(self, input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> Tensor:
         """One step over ``T`` flat tokens; returns logits of ``meta.logits_indices`` (or every token)."""
         m = self.model

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mla_compile.models.config import check_sink_window
+from mla_compile.models.metadata import SeqChunk
 
 
 @dataclass
@@ -240,6 +241,11 @@ class BlockManager:
             if block.key is None and key[0] not in self.cached:
                 block.key = key
                 self.cached[key[0]] = block.id
+
+    def chunk(self, alloc: Allocation, tokens: Sequence[int], start: int, key: int | None = None) -> SeqChunk:
+        """The step's :class:`~mla_compile.models.metadata.SeqChunk` that writes ``tokens`` of ``alloc``'s sequence
+        from position ``start`` (``key``: the request id the keyed ``MetadataBuilder`` tracks decode rows by)."""
+        return SeqChunk(alloc.blocks, list(tokens), start, key=key)
 
     def free(self, alloc: Allocation) -> None:
         """Release a finished sequence: cached blocks become evictable (LRU), the rest free."""

@@ -8,16 +8,17 @@ views every time for a size, so a captured graph replays them; padding rows are 
 with ``query_seq = -1`` and slot -1 (they read and write nothing). Other steps (prefill, mixed, or
 no ``decode_batch``) get fresh tensors and run uncaptured.
 
-:class:`V4Blocks` keeps the block lists of V4 sequences on the host with bounded token-row memory: every V4
-layer reads its token rows only through its sliding window, so they live in a windowed
-:class:`~mla_compile.serving.block_manager.BlockManager` (``sink_window=(0, sliding_window)``) that releases the
-blocks a sequence's window has left; the compressed entries are kept whole.
+:class:`V4BlockManager` keeps the caches of V4 sequences on the host with bounded token-row memory (what
+:class:`~mla_compile.serving.engine.Engine` drives for a V4 runner): every V4 layer reads its token rows only
+through its sliding window, so they live in a windowed :class:`~mla_compile.serving.block_manager.BlockManager`
+(``sink_window=(0, sliding_window)``) that releases the blocks a sequence's window has left; the compressed
+entries are kept whole. :class:`V4Blocks` is the same by sequence id, for loops that drive steps themselves.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -42,11 +43,17 @@ class V4Chunk:
 class V4DecodeBuilder:
     """Builds V4 steps; decode steps of a capture size live in persistent buffers on ``device``."""
 
+    query_len = 1  # one token per decode row (what DecodeGraphRunner's token feed needs)
+
     def __init__(self, *, max_batch: int, max_blocks_per_seq: int, max_entry_blocks: int, rates: Sequence[int],
-                 block_size: int, device: torch.device | str, min_batch: int = 2) -> None:
+                 block_size: int, device: torch.device | str, min_batch: int = 2, max_tokens: int = 2048) -> None:
+        """``max_tokens``: the most tokens one step may hold (what :class:`~mla_compile.serving.engine.Engine`
+        schedules under); decode steps of a capture size sit in persistent buffers, other steps are built fresh."""
         if not 1 <= min_batch <= max_batch:
             raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
-        self.max_batch, self.min_batch = max_batch, min_batch
+        if not isinstance(max_tokens, int) or max_tokens < max_batch:
+            raise ValueError(f"max_tokens must hold a full decode batch ({max_batch}), got {max_tokens!r}")
+        self.max_batch, self.min_batch, self.max_tokens = max_batch, min_batch, max_tokens
         self.max_blocks, self.max_entry_blocks, self.block_size = max_blocks_per_seq, max_entry_blocks, block_size
         self.rates = tuple(sorted(rates))
         self.device = torch.device(device)
@@ -106,6 +113,9 @@ class V4DecodeBuilder:
         """A step of ``decode`` chunks (one token each) then ``prefill`` chunks. With ``decode_batch`` (decode
         only) it is padded to that many rows and written into the persistent buffers."""
         chunks = list(decode) + list(prefill)
+        n_tokens = sum(len(c.tokens) for c in chunks)
+        if n_tokens > self.max_tokens:
+            raise ValueError(f"a step of {n_tokens} tokens exceeds the builder's max_tokens={self.max_tokens}")
         if decode_batch is None or prefill:
             return self._step({k: t.to(self.device) for k, t in self._host(chunks, len(chunks)).items()},
                               self.rates, len(chunks))
@@ -129,71 +139,215 @@ class V4DecodeBuilder:
 
 
 @dataclass
-class _V4Seq:
+class V4Allocation:
+    """A V4 sequence's cache: its token-row blocks (``tokens``, windowed), its compressed-entry blocks per rate
+    (``entries``) and its compressor-state row (``state_slot``; None once freed). ``cached_tokens``: prompt tokens
+    already in the cache (0: no prefix caching for V4)."""
+
     tokens: Allocation
     entries: dict[int, Allocation]
-    state_slot: int
-    length: int = 0
+    state_slot: int | None
+    cached_tokens: int = 0
+
+    @property
+    def blocks(self) -> list[int]:
+        """The token-row blocks (released ones hold the token manager's ``null_block``)."""
+        return self.tokens.blocks
 
 
-class V4Blocks:
-    """Block lists of V4 sequences over one model's caches (host-side, between steps).
+class V4BlockManager:
+    """The cache of V4 sequences, with the block-manager interface :class:`~mla_compile.serving.engine.Engine`
+    drives (``allocate``, ``grow``, ``register``, ``release_outside``, ``free``, ``chunk``). Host-side, between steps.
 
     Token rows (``num_blocks`` blocks of ``block_size``, the model's ``allocate_cache(num_blocks, ...)``) go
     through a windowed :class:`~mla_compile.serving.block_manager.BlockManager` with ``sink_window=(0, window)``
-    (``window``: the model's ``sliding_window``): :meth:`commit` releases the blocks wholly before the window of
-    the sequence's next token, their table entries pointing at the manager's ``null_block`` (block 0, never
-    read), so a sequence holds at most its prompt's blocks or a window's plus one, however long it runs.
-    Compressed entries (``num_entry_blocks`` per rate) and one compressor-state row (of ``max_seqs``) per
-    sequence are kept until :meth:`free`. No prefix caching (a V4 prefix also needs its compressor state).
+    (``window``: the model's ``sliding_window``; every V4 layer reads its token rows only through it):
+    :meth:`release_outside` gives back the blocks wholly before the window of a sequence's next token, their table
+    entries pointing at the manager's ``null_block`` (block 0, never read), so a sequence holds at most its prompt's
+    blocks or a window's plus one, however long it runs. Compressed entries (``num_entry_blocks`` per rate, one
+    row per ``rate`` tokens, taken whole at :meth:`allocate`) and one compressor-state row (of ``max_seqs``) per
+    sequence are kept until :meth:`free`: memory per sequence is the window plus its compressed entries.
+
+    No prefix caching: a V4 prefix hit also needs every compressor's partial-window state at the hit's end,
+    which is not kept (``enable_prefix_caching=True`` is refused).
     """
 
     def __init__(self, *, num_blocks: int, num_entry_blocks: int | dict[int, int], rates: Sequence[int],
-                 block_size: int, window: int, max_seqs: int) -> None:
+                 block_size: int, window: int, max_seqs: int, max_entry_blocks_per_seq: int | None = None,
+                 enable_prefix_caching: bool = False) -> None:
+        if enable_prefix_caching:
+            raise ValueError("prefix caching is not supported for DeepSeek-V4: a hit would need every compressor's "
+                             "partial-window state at its end; pass enable_prefix_caching=False")
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs (compressor-state rows) must be >= 1, got {max_seqs}")
         self.block_size = block_size
+        self.prefix_caching = False
         self.tokens = BlockManager(num_blocks, block_size, enable_prefix_caching=False, sink_window=(0, window))
         per_rate = num_entry_blocks if isinstance(num_entry_blocks, dict) else {r: num_entry_blocks for r in rates}
+        missing = [r for r in rates if r not in per_rate]
+        if missing:
+            raise ValueError(f"num_entry_blocks has no count for compression rate {missing[0]}")
         self.entries = {r: BlockManager(per_rate[r], block_size, enable_prefix_caching=False) for r in rates}
+        self.max_entry_blocks = max_entry_blocks_per_seq
         self.free_slots = list(range(max_seqs - 1, -1, -1))
-        self.seqs: dict[int, _V4Seq] = {}
+
+    @classmethod
+    def for_runner(cls, runner: Any, *, num_blocks: int, num_entry_blocks: int | dict[int, int] | None = None,
+                   enable_prefix_caching: bool = False) -> "V4BlockManager":
+        """The manager of a V4 runner (``runner.builder`` a :class:`V4DecodeBuilder`, ``runner.step_fn`` the
+        :class:`~mla_compile.models.v4_model.V4ForCausalLM` or ``torch.compile`` of it, its caches allocated):
+        the window from the model's config, entry blocks per rate (default: all the model allocated) and
+        compressor-state rows from its caches. Raises ``ValueError`` when the sizes exceed what was allocated."""
+        fn = getattr(runner, "step_fn", None)
+        model = getattr(fn, "_orig_mod", fn)
+        sizes = model.cache_sizes() if callable(getattr(model, "cache_sizes", None)) else None
+        if sizes is None:
+            raise ValueError(f"a V4 engine needs the runner's step_fn to be a V4ForCausalLM (or torch.compile of one) "
+                             f"with allocate_cache() done; got {type(model).__name__}"
+                             + ("" if model is None or not hasattr(model, "cache_sizes") else " without caches"))
+        b = runner.builder
+        model_blocks, model_bs, model_entries, model_seqs = sizes
+        if model_bs != b.block_size:
+            raise ValueError(f"the model's caches have block_size {model_bs}, the builder {b.block_size}")
+        if num_blocks > model_blocks:
+            raise ValueError(f"num_blocks={num_blocks} exceeds the {model_blocks} token-row blocks the model allocated")
+        if num_entry_blocks is None:
+            num_entry_blocks = model_entries
+        per_rate = num_entry_blocks if isinstance(num_entry_blocks, dict) else {r: num_entry_blocks for r in b.rates}
+        for r in b.rates:
+            if per_rate.get(r, 0) > model_entries.get(r, 0):
+                raise ValueError(f"num_entry_blocks[{r}]={per_rate.get(r)} exceeds the {model_entries.get(r, 0)} "
+                                 f"entry blocks of rate {r} the model allocated")
+        return cls(num_blocks=num_blocks, num_entry_blocks=per_rate, rates=b.rates, block_size=b.block_size,
+                   window=model.config.sliding_window, max_seqs=model_seqs if b.rates else b.max_batch,
+                   max_entry_blocks_per_seq=b.max_entry_blocks, enable_prefix_caching=enable_prefix_caching)
+
+    # the token manager's figures (what the engine's admission limits read)
+    @property
+    def sink_window(self) -> tuple[int, int] | None:
+        return self.tokens.sink_window
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.tokens.usable_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.tokens.num_free
+
+    @property
+    def null_block(self) -> int | None:
+        return self.tokens.null_block
+
+    def peak_blocks(self, prompt_len: int, capacity: int) -> int:
+        """Token-row blocks a sequence holds at once (:meth:`BlockManager.peak_blocks` of the windowed manager)."""
+        return self.tokens.peak_blocks(prompt_len, capacity)
+
+    def peak_tokens(self, prompt_len: int, capacity: int) -> int:
+        return self.tokens.peak_tokens(prompt_len, capacity)
+
+    def entry_blocks(self, capacity: int) -> dict[int, int]:
+        """Entry blocks per rate a sequence reaching ``capacity`` tokens takes."""
+        return {r: -(-max(capacity // r, 1) // self.block_size) for r in self.entries}
+
+    def never_fits(self, prompt_len: int, capacity: int) -> str | None:
+        """Why a sequence of ``capacity`` tokens can never be admitted, even into an empty cache (its compressed
+        entries exceed a rate's whole entry cache or one sequence's entry table), or None."""
+        for r, n in self.entry_blocks(capacity).items():
+            for limit, what in ((len(self.entries[r].blocks), "the entry cache of rate"),
+                                (self.max_entry_blocks, "the builder's max_entry_blocks for rate")):
+                if limit is not None and n > limit:
+                    return (f"{capacity} tokens need {n} compressed-entry blocks of rate {r}, more than {what} "
+                            f"{r} ({limit} blocks of {self.block_size} entries)")
+        return None
+
+    def allocate(self, tokens: Sequence[int], capacity: int | None = None) -> V4Allocation:
+        """Cache for a new sequence with prompt ``tokens`` that may reach ``capacity`` tokens: its prompt's token
+        blocks and all its entry blocks now, the rest of its token peak reserved, a compressor-state row. Raises
+        ``RuntimeError`` (nothing taken) when it does not fit now."""
+        capacity = len(tokens) if capacity is None else capacity
+        if not 1 <= len(tokens) <= capacity:
+            raise ValueError(f"need a non-empty prompt and capacity >= len(tokens), got {len(tokens)} and {capacity}")
+        if not self.free_slots:
+            raise RuntimeError("no free compressor-state row: every one of max_seqs is in use")
+        need = self.entry_blocks(capacity)
+        short = [r for r, n in need.items() if n > self.entries[r].num_free]
+        if short:
+            raise RuntimeError(f"entry cache of rate {short[0]} is full: need {need[short[0]]} blocks")
+        alloc = self.tokens.allocate(tokens, capacity)  # raises before anything else is taken
+        entries = {r: m.allocate([0], max(capacity // r, 1)) for r, m in self.entries.items()}
+        return V4Allocation(alloc, entries, self.free_slots.pop())
+
+    def grow(self, alloc: V4Allocation, capacity: int) -> None:
+        """Token blocks for ``capacity`` tokens (from the sequence's reservation)."""
+        self.tokens.grow(alloc.tokens, capacity)
+
+    def register(self, alloc: V4Allocation, tokens: Sequence[int]) -> None:
+        """No prefix caching for V4: nothing to register."""
+
+    def release_outside(self, alloc: V4Allocation, next_pos: int) -> int:
+        """Release the token blocks the window of a query at ``next_pos`` has left; returns how many."""
+        return self.tokens.release_outside(alloc.tokens, next_pos)
+
+    def free(self, alloc: V4Allocation | Allocation) -> None:
+        """Give back everything ``alloc`` holds (a no-op for one already freed, or never allocated)."""
+        if not isinstance(alloc, V4Allocation) or alloc.state_slot is None:
+            return
+        self.tokens.free(alloc.tokens)
+        for r, a in alloc.entries.items():
+            self.entries[r].free(a)
+        self.free_slots.append(alloc.state_slot)
+        alloc.state_slot = None
+
+    def chunk(self, alloc: V4Allocation, tokens: Sequence[int], start: int, key: int | None = None) -> V4Chunk:
+        """The :class:`V4Chunk` that writes ``tokens`` from position ``start`` (blocks must already cover them;
+        ``key`` is not used: the V4 builder keeps no host tables by request)."""
+        return V4Chunk(list(tokens), start, list(alloc.tokens.blocks),
+                       {r: list(a.blocks) for r, a in alloc.entries.items()}, alloc.state_slot)
+
+
+class V4Blocks:
+    """Block lists of V4 sequences by id over one model's caches (host-side, between steps): a
+    :class:`V4BlockManager` that also tracks each sequence's length, for loops that drive steps themselves."""
+
+    def __init__(self, *, num_blocks: int, num_entry_blocks: int | dict[int, int], rates: Sequence[int],
+                 block_size: int, window: int, max_seqs: int) -> None:
+        self.manager = V4BlockManager(num_blocks=num_blocks, num_entry_blocks=num_entry_blocks, rates=rates,
+                                      block_size=block_size, window=window, max_seqs=max_seqs)
+        self.block_size = block_size
+        self.tokens, self.entries = self.manager.tokens, self.manager.entries
+        self.seqs: dict[int, V4Allocation] = {}
+        self.lens: dict[int, int] = {}
+
+    @property
+    def free_slots(self) -> list[int]:
+        return self.manager.free_slots
 
     def add(self, seq_id: int, prompt_len: int, capacity: int) -> None:
-        """Admit sequence ``seq_id`` of a ``prompt_len``-token prompt that may reach ``capacity`` tokens: its
-        prompt's token blocks and all its entry blocks now, the rest of its peak reserved. Raises
-        ``RuntimeError`` (nothing taken) when it does not fit, ``ValueError`` for a known id or bad lengths."""
+        """Admit sequence ``seq_id`` of a ``prompt_len``-token prompt that may reach ``capacity`` tokens
+        (:meth:`V4BlockManager.allocate`). Raises ``RuntimeError`` (nothing taken) when it does not fit,
+        ``ValueError`` for a known id or bad lengths."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} is already added")
         if not 1 <= prompt_len <= capacity:
             raise ValueError(f"need 1 <= prompt_len <= capacity, got {prompt_len} and {capacity}")
-        if not self.free_slots:
-            raise RuntimeError("no free compressor-state row: every one of max_seqs is in use")
-        need = {r: -(-max(capacity // r, 1) // self.block_size) for r in self.entries}
-        short = [r for r, n in need.items() if n > self.entries[r].num_free]
-        if short:
-            raise RuntimeError(f"entry cache of rate {short[0]} is full: need {need[short[0]]} blocks")
-        tokens = self.tokens.allocate([0] * prompt_len, capacity)  # raises before anything else is taken
-        entries = {r: m.allocate([0], max(capacity // r, 1)) for r, m in self.entries.items()}
-        self.seqs[seq_id] = _V4Seq(tokens, entries, self.free_slots.pop())
+        self.seqs[seq_id] = self.manager.allocate([0] * prompt_len, capacity)
+        self.lens[seq_id] = 0
 
     def chunk(self, seq_id: int, tokens: Sequence[int]) -> V4Chunk:
         """The :class:`V4Chunk` that appends ``tokens`` to sequence ``seq_id`` (its token blocks grown to cover
         them); call :meth:`commit` after the step ran."""
-        seq = self.seqs[seq_id]
-        self.tokens.grow(seq.tokens, seq.length + len(tokens))
-        return V4Chunk(list(tokens), seq.length, list(seq.tokens.blocks),
-                       {r: list(a.blocks) for r, a in seq.entries.items()}, seq.state_slot)
+        alloc, start = self.seqs[seq_id], self.lens[seq_id]
+        self.manager.grow(alloc, start + len(tokens))
+        return self.manager.chunk(alloc, tokens, start)
 
     def commit(self, seq_id: int, n_tokens: int) -> int:
         """After a step appended ``n_tokens`` to ``seq_id``: advance it and release its token blocks that the
         window of its next token has left. Returns how many blocks were released."""
-        seq = self.seqs[seq_id]
-        seq.length += n_tokens
-        return self.tokens.release_outside(seq.tokens, seq.length)
+        self.lens[seq_id] += n_tokens
+        return self.manager.release_outside(self.seqs[seq_id], self.lens[seq_id])
 
     def free(self, seq_id: int) -> None:
         """Give back everything sequence ``seq_id`` holds."""
-        seq = self.seqs.pop(seq_id)
-        self.tokens.free(seq.tokens)
-        for r, a in seq.entries.items():
-            self.entries[r].free(a)
-        self.free_slots.append(seq.state_slot)
+        self.manager.free(self.seqs.pop(seq_id))
+        del self.lens[seq_id]
