@@ -327,6 +327,30 @@ class V4ForCausalLM(nn.Module):
                 a.index_cache = full(n_entry, block_size, d)
                 a.state["indexer"] = (full(max_seqs, R, 2 * d), full(max_seqs, R, 2 * d))
 
+    @torch.no_grad()
+    def copy_cache_rows(self, state_rows: list[tuple[int, int]] = (),
+                        entry_blocks: dict[int, list[tuple[int, int]]] | None = None) -> None:
+        """Copy compressor-state rows ``(src, dst)`` in every compressed layer (compressor and indexer), and
+        compressed-entry blocks ``(src, dst)`` per rate (entries and indexer keys) in the layers of that rate.
+        Device copies queued between steps (no host read); a prefix-cache snapshot and its restore."""
+        dev = self.lm_head.weight.device
+        idx = lambda pairs, i: torch.tensor([p[i] for p in pairs], dtype=torch.long, device=dev)  # noqa: E731
+        if state_rows:
+            src, dst = idx(state_rows, 0), idx(state_rows, 1)
+            for a in self.attn:
+                for pair in a.state.values():
+                    for t in pair:
+                        t.index_copy_(0, dst, t.index_select(0, src))
+        for rate, pairs in (entry_blocks or {}).items():
+            if not pairs:
+                continue
+            src, dst = idx(pairs, 0), idx(pairs, 1)
+            for a in self.attn:
+                if a.rate == rate:
+                    for t in (a.comp_cache, a.index_cache):
+                        if t is not None:
+                            t.index_copy_(0, dst, t.index_select(0, src))
+
     def cache_sizes(self) -> tuple[int, int, dict[int, int], int] | None:
         """What :meth:`allocate_cache` made: ``(num_blocks, block_size, {rate: num_entry_blocks}, max_seqs)``
         (``max_seqs`` 0 for a model of sliding layers only); None before it ran."""

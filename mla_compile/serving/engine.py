@@ -20,7 +20,8 @@ runs step n, and it learns step n's tokens one step late.
 DeepSeek-V4 (a runner over :class:`~mla_compile.models.v4_model.V4ForCausalLM` with a
 :class:`~mla_compile.serving.v4_builder.V4DecodeBuilder`) is served by the same engine: its caches go through a
 :class:`~mla_compile.serving.v4_builder.V4BlockManager` (token rows released as the window moves, compressed
-entries per rate, a compressor-state row per request), without prefix caching or ``dp_sync``.
+entries per rate, a compressor-state row per request; prefix hits rounded down to a compressor-state snapshot),
+without ``dp_sync``.
 
 ``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
 every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no
@@ -173,8 +174,9 @@ class Engine:
     device error) fails that step's requests. When no request is left running, :meth:`step` also waits for the
     step in flight, so an idle engine has nothing pending.
 
-    ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, whose prefix hits would need the
-    compressors' partial-window state at the hit's end; True for a V4 runner raises ``ValueError``).
+    ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, where it costs snapshots of the
+    compressors' state and prompt chunks ending at snapshot positions; True turns it on there too, see
+    :class:`~mla_compile.serving.v4_builder.V4BlockManager`).
     ``num_entry_blocks`` (DeepSeek-V4 only): compressed-entry blocks per rate the engine hands out (default: all
     the model's ``allocate_cache`` made); the compressor-state rows are the model's too.
 
@@ -416,7 +418,7 @@ class Engine:
         chunks = []
         for r in self.running:
             if r.prefilling and budget > 0:
-                n = min(len(r.prompt) - r.computed, budget)
+                n = self.blocks.prefill_chunk(r.computed, min(len(r.prompt) - r.computed, budget), len(r.prompt))
                 chunks.append((r, n))
                 budget -= n
         return decoding, chunks

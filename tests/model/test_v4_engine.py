@@ -72,6 +72,10 @@ def _trace(seed, n):
     """``n`` requests of random lengths and arrival steps, greedy or seeded sampling, some with stop tokens."""
     rng = random.Random(seed)
     ps = prompts(seed, [rng.randint(1, 30) for _ in range(n)])
+    for i in range(1, n):  # some prompts extend a cut of an earlier one (prefix-cache hits, many mid-window)
+        if rng.random() < 0.5:
+            src = ps[rng.randrange(i)]
+            ps[i] = src[:rng.randint(1, len(src))] + ps[i]
     reqs = []
     for i, p in enumerate(ps):
         kind = rng.choice(["greedy", "sample", "topk"])
@@ -84,13 +88,14 @@ def _trace(seed, n):
     return reqs
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_seeded_trace_equals_each_request_alone(model64, seed):
-    """Random arrivals and lengths, at most 3 running (compressor-state rows reused), a 12-token step budget
-    (prompts chunked across compression and window boundaries, mixed with decodes): every request gets the
-    tokens it gets alone, and its finish reason; afterwards every block and state row is free again."""
+@pytest.mark.parametrize("seed,prefix", [(0, False), (1, False), (0, True), (2, True)])
+def test_seeded_trace_equals_each_request_alone(model64, seed, prefix):
+    """Random arrivals and lengths (some prompts extending cuts of earlier ones), at most 3 running
+    (compressor-state rows reused), a 12-token step budget (prompts chunked across compression and window
+    boundaries, mixed with decodes), with and without prefix caching: every request gets the tokens it gets
+    alone, and its finish reason; afterwards every block and state row is free again (or held by a snapshot)."""
     trace = _trace(seed, 9)
-    eng = v4_engine(model64, num_blocks=40, num_entry=24, max_seqs=3)
+    eng = v4_engine(model64, num_blocks=60, num_entry=30, max_seqs=5, enable_prefix_caching=prefix)
     ids, step = {}, 0
     while len(ids) < len(trace) or eng.running or eng.waiting:
         for i, (arrive, p, params) in enumerate(trace):
@@ -106,8 +111,10 @@ def test_seeded_trace_equals_each_request_alone(model64, seed):
         assert req.finish_reason == ("stop" if want[-1] in params.stop_token_ids else "length")
     assert any(r.finish_reason == "stop" for r in eng.finished) and any(len(r.prompt) > 12 for r in eng.finished)
     m = eng.blocks
-    assert m.num_free == m.usable_blocks and sorted(m.free_slots) == [0, 1, 2]
-    assert all(e.num_free == len(e.blocks) for e in m.entries.values())
+    assert m.num_free == m.usable_blocks and sorted(m.free_slots + [s.row for s in m.snapshots.values()]) == [0, 1, 2, 3, 4]
+    assert all(e.num_free == len(e.blocks) - sum(r in s.entry_blocks for s in m.snapshots.values())
+               for r, e in m.entries.items())
+    assert (eng.cached_prompt_tokens > 0) == prefix
 
 
 @torch.no_grad()
@@ -179,7 +186,7 @@ def test_long_contexts_release_window_blocks():
 
 def test_stop_abort_and_admission(model64):
     """A stop token ends a request with its stop token kept; abort (waiting or running) frees everything; requests
-    whose compressed entries can never fit are rejected at add_request; prefix caching is refused for V4."""
+    whose compressed entries can never fit are rejected at add_request."""
     p = prompts(7, [10])[0]
     greedy = alone(model64, p, SamplingParams(max_new_tokens=8))
     eng = v4_engine(model64, num_blocks=20, num_entry=4, max_seqs=2, max_batch=2, max_entry_blocks=4)
@@ -198,10 +205,64 @@ def test_stop_abort_and_admission(model64):
     assert m.num_free == m.usable_blocks and sorted(m.free_slots) == [0, 1]
     with pytest.raises(RequestRejected, match="compressed-entry blocks of rate 4"):
         eng.add_request(p, 60)  # 70 tokens: 17 entries of rate 4, 5 blocks > 4
-    with pytest.raises(ValueError, match="prefix caching is not supported for DeepSeek-V4"):
-        v4_engine(model64, num_blocks=20, num_entry=4, max_seqs=2, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="exceeds the 20 token-row blocks"):
         Engine(eng.runner, num_blocks=21)
+
+
+def _shared_prefix_requests(seed):
+    """Prompts sharing prefixes of a 37-token prompt P: P[:29] + 9 others (29 is mid-window for CSA 4, HCA 8 and
+    the sliding window 6), all of P + 5 others, P[:3] + 20 others (too short a share for a hit), P again, and a
+    prompt sharing nothing."""
+    p, a, b, c, d = prompts(seed, [37, 9, 5, 20, 15])
+    return [p, p[:29] + a, p + b, p[:3] + c, list(p), d]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_hits_ending_mid_window_equal_the_no_cache_run(model64, overlap):
+    """Prefix caching (block size 4: snapshots every 8 tokens, the lcm of 4, 4 and 8): the requests of
+    :func:`_shared_prefix_requests`, some arriving while P still runs (its blocks shared live), some after it
+    finished (its blocks evictable), get every token of the run without prefix caching, and reuse the prefix
+    rounded down to a snapshot: 24 of 29 shared tokens, 32 of P's 37 (its last chunk split at 32), none of 3."""
+    ps = _shared_prefix_requests(11)
+    params = [SamplingParams(max_new_tokens=6, **({} if i % 2 else dict(temperature=1.0, seed=i))) for i in range(6)]
+    arrivals = [0, 6, 6, 7, 30, 30]  # P prefills in steps 0-4 (chunks end at 8, 16, 24, 32, 37)
+
+    def serve(prefix):
+        eng = v4_engine(model64, num_blocks=60, num_entry=30, max_seqs=8, enable_prefix_caching=prefix,
+                        overlap=overlap)
+        ids, step = {}, 0
+        while len(ids) < len(ps) or eng.running or eng.waiting or eng._inflight is not None:
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    ids[i] = eng.add_request(ps[i], params[i])
+            eng.step()
+            step += 1
+        return eng, [eng.requests[ids[i]] for i in range(len(ps))]
+
+    plain, want = serve(False)
+    assert plain.cached_prompt_tokens == 0
+    eng, got = serve(True)
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [r.alloc.cached_tokens for r in got] == [0, 24, 32, 0, 32, 0]
+    assert eng.blocks.snapshots  # kept for later requests
+    assert got[0].output == alone(model64, ps[0], params[0])
+
+
+def test_prefix_cache_snapshots_make_room_for_running_requests(model64):
+    """Snapshots take only spare state rows and entry blocks: with one spare row the older snapshots are
+    evicted as newer ones come, admission evicts them when a request needs the rows, and every token still
+    equals each request alone; a hit on a prefix whose snapshot was evicted computes it again."""
+    p, p29, p_more, p3, p_again, other = _shared_prefix_requests(12)
+    ps = [p, other, p_more, p29, p_again, p3]  # 2 at a time: P and another, then P + 5 hits P's last snapshot
+    eng = v4_engine(model64, num_blocks=60, num_entry=30, max_seqs=3, max_batch=2, enable_prefix_caching=True)
+    rids = [eng.add_request(q, 5) for q in ps]
+    m = eng.blocks
+    while eng.running or eng.waiting:
+        eng.step()
+        assert len(m.snapshots) + len(eng.running) <= 3 and len(m.free_slots) + len(m.snapshots) + len(eng.running) == 3
+    for rid, q in zip(rids, ps):
+        assert eng.requests[rid].output == alone(model64, q, SamplingParams(max_new_tokens=5))
+    assert eng.requests[rids[2]].alloc.cached_tokens == 32 and eng.requests[rids[3]].alloc.cached_tokens < 24
 
 
 def test_v4_block_manager_needs_a_v4_model_with_caches():
@@ -234,8 +295,8 @@ def test_compiled_engine_equals_eager(model64):
 @pytest.mark.cuda
 def test_engine_cuda_graphs_match_cpu():
     """On the GPU: the compiled model (inductor, float32) with captured decode steps sampling inside the graph,
-    overlap on and off; the seeded trace's tokens equal each request alone on CPU (float32), decode steps
-    replayed."""
+    without overlap, and with overlap and prefix caching (snapshot copies on the device); the seeded trace's
+    tokens equal each request alone on CPU (float32), decode steps replayed."""
     cpu = patch(toy_v4_model(31))
     trace = _trace(0, 9)
     want = [alone(cpu, p, params) for _, p, params in trace]
@@ -243,8 +304,8 @@ def test_engine_cuda_graphs_match_cpu():
         torch._dynamo.reset()
         model = patch(toy_v4_model(31).cuda())
         compiled = torch.compile(model, fullgraph=True)
-        eng = v4_engine(model, num_blocks=40, num_entry=24, max_seqs=3, step_fn=compiled, device="cuda",
-                        enabled=True, sampling=True, overlap=overlap)
+        eng = v4_engine(model, num_blocks=60, num_entry=30, max_seqs=5, step_fn=compiled, device="cuda",
+                        enabled=True, sampling=True, overlap=overlap, enable_prefix_caching=overlap)
         for _, p, params in trace:
             eng.add_request(p, params)
         assert [r.output for r in eng.run()] == want
