@@ -332,24 +332,20 @@ class V4ForCausalLM(nn.Module):
                         entry_blocks: dict[int, list[tuple[int, int]]] | None = None) -> None:
         """Copy compressor-state rows ``(src, dst)`` in every compressed layer (compressor and indexer), and
         compressed-entry blocks ``(src, dst)`` per rate (entries and indexer keys) in the layers of that rate.
-        Device copies queued between steps (no host read); a prefix-cache snapshot and its restore."""
-        dev = self.lm_head.weight.device
-        idx = lambda pairs, i: torch.tensor([p[i] for p in pairs], dtype=torch.long, device=dev)  # noqa: E731
-        if state_rows:
-            src, dst = idx(state_rows, 0), idx(state_rows, 1)
+        Device-to-device copies queued between steps, in stream order (no host transfer, no sync): a prefix-cache
+        snapshot and its restore."""
+        for src, dst in state_rows:
             for a in self.attn:
                 for pair in a.state.values():
                     for t in pair:
-                        t.index_copy_(0, dst, t.index_select(0, src))
+                        t[dst].copy_(t[src])
         for rate, pairs in (entry_blocks or {}).items():
-            if not pairs:
-                continue
-            src, dst = idx(pairs, 0), idx(pairs, 1)
-            for a in self.attn:
-                if a.rate == rate:
-                    for t in (a.comp_cache, a.index_cache):
-                        if t is not None:
-                            t.index_copy_(0, dst, t.index_select(0, src))
+            for src, dst in pairs:
+                for a in self.attn:
+                    if a.rate == rate:
+                        for t in (a.comp_cache, a.index_cache):
+                            if t is not None:
+                                t[dst].copy_(t[src])
 
     def cache_sizes(self) -> tuple[int, int, dict[int, int], int] | None:
         """What :meth:`allocate_cache` made: ``(num_blocks, block_size, {rate: num_entry_blocks}, max_seqs)``

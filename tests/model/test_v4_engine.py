@@ -40,13 +40,15 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def v4_engine(model, *, num_blocks, num_entry, max_seqs, block_size=4, max_batch=3, max_tokens=12,
-              max_blocks=32, max_entry_blocks=8, step_fn=None, device="cpu", enabled=False, sampling=False, **kw):
+              max_blocks=32, max_entry_blocks=8, step_fn=None, device="cpu", enabled=False, sampling=False,
+              strict_sync=False, **kw):
     """An engine over ``model`` (its caches allocated here, NaN-filled) through a ``DecodeGraphRunner``."""
     model.allocate_cache(num_blocks, block_size, num_entry, max_seqs, fill=NAN)
     builder = V4DecodeBuilder(max_batch=max_batch, max_blocks_per_seq=max_blocks, max_entry_blocks=max_entry_blocks,
                               rates=model.rates, block_size=block_size, device=device, max_tokens=max_tokens)
     sizes = sorted({2, max_batch})
-    runner = DecodeGraphRunner(model if step_fn is None else step_fn, builder, capture_sizes=sizes, enabled=enabled, sampling=sampling)
+    runner = DecodeGraphRunner(model if step_fn is None else step_fn, builder, capture_sizes=sizes, enabled=enabled, sampling=sampling,
+                               strict_sync=strict_sync)
     return Engine(runner, num_blocks=num_blocks, **kw)
 
 
@@ -272,6 +274,7 @@ def test_v4_block_manager_needs_a_v4_model_with_caches():
         V4BlockManager.for_runner(DecodeGraphRunner(lambda *a: None, builder), num_blocks=4)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_engine_equals_eager(model64):
     """The steps through ``torch.compile(fullgraph=True)`` (aot_eager on CPU) and the runner's padded decode steps,
@@ -296,7 +299,8 @@ def test_compiled_engine_equals_eager(model64):
 def test_engine_cuda_graphs_match_cpu():
     """On the GPU: the compiled model (inductor, float32) with captured decode steps sampling inside the graph,
     without overlap, and with overlap and prefix caching (snapshot copies on the device); the seeded trace's
-    tokens equal each request alone on CPU (float32), decode steps replayed."""
+    tokens equal each request alone on CPU (float32), decode steps replayed with no host sync in their fill and
+    replay (``strict_sync``)."""
     cpu = patch(toy_v4_model(31))
     trace = _trace(0, 9)
     want = [alone(cpu, p, params) for _, p, params in trace]
@@ -305,7 +309,7 @@ def test_engine_cuda_graphs_match_cpu():
         model = patch(toy_v4_model(31).cuda())
         compiled = torch.compile(model, fullgraph=True)
         eng = v4_engine(model, num_blocks=60, num_entry=30, max_seqs=5, step_fn=compiled, device="cuda",
-                        enabled=True, sampling=True, overlap=overlap, enable_prefix_caching=overlap)
+                        enabled=True, sampling=True, overlap=overlap, enable_prefix_caching=overlap, strict_sync=True)
         for _, p, params in trace:
             eng.add_request(p, params)
         assert [r.output for r in eng.run()] == want
