@@ -19,7 +19,7 @@ runs step n, and it learns step n's tokens one step late.
 
 DeepSeek-V4 (a runner over :class:`~mla_compile.models.v4_model.V4ForCausalLM` with a
 :class:`~mla_compile.serving.v4_builder.V4DecodeBuilder`) is served by the same engine: its caches go through a
-:class:`~mla_compile.serving.v4_builder.V4BlockManager` (token rows released as the window moves, compressed
+:class:`~mla_compile.serving.v4_blocks.V4BlockManager` (token rows released as the window moves, compressed
 entries per rate, a compressor-state row per request; prefix hits rounded down to a compressor-state snapshot),
 without ``dp_sync``.
 
@@ -47,7 +47,8 @@ from mla_compile.serving.block_manager import Allocation, BlockManager, sink_win
 from mla_compile.models.metadata import SeqChunk, step_size
 from mla_compile.serving.dp_sync import DPStepSync, StepDemand, StepShape
 from mla_compile.serving.sampling import SamplingParams, sample_rows
-from mla_compile.serving.v4_builder import V4BlockManager, V4DecodeBuilder
+from mla_compile.serving.v4_blocks import V4BlockManager
+from mla_compile.serving.v4_builder import V4DecodeBuilder
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -176,7 +177,7 @@ class Engine:
 
     ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, where it costs snapshots of the
     compressors' state and prompt chunks ending at snapshot positions; True turns it on there too, see
-    :class:`~mla_compile.serving.v4_builder.V4BlockManager`).
+    :class:`~mla_compile.serving.v4_blocks.V4BlockManager`).
     ``num_entry_blocks`` (DeepSeek-V4 only): compressed-entry blocks per rate the engine hands out (default: all
     the model's ``allocate_cache`` made); the compressor-state rows are the model's too.
 
@@ -221,7 +222,8 @@ class Engine:
         windowed = self.blocks.sink_window is not None
         self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
                                     cache_tokens=self.blocks.usable_blocks * self.block_size,
-                                    max_positions=max_positions, peak_tokens=self.blocks.peak_tokens if windowed else None,
+                                    max_positions=max_positions,
+                                    peak_tokens=self.blocks.peak_tokens if windowed else None,
                                     never_fits=getattr(self.blocks, "never_fits", None))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -250,7 +252,7 @@ class Engine:
 
     def _cache_manager(self, num_blocks: int, prefix_caching: bool | None,
                        num_entry_blocks: int | dict[int, int] | None) -> BlockManager | V4BlockManager:
-        """The block manager of the runner's model: a :class:`~mla_compile.serving.v4_builder.V4BlockManager` for a
+        """The block manager of the runner's model: a :class:`~mla_compile.serving.v4_blocks.V4BlockManager` for a
         DeepSeek-V4 runner (its builder a ``V4DecodeBuilder``), else a :class:`BlockManager` (windowed for a sink +
         window model, ``patch(..., sparse="sink_window")``: blocks outside both are released as it moves)."""
         if isinstance(self.runner.builder, V4DecodeBuilder):

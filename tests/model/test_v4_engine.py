@@ -31,7 +31,8 @@ from mla_compile.models.v4_model import V4Sequences  # noqa: E402
 from mla_compile.serving.admission import RequestRejected  # noqa: E402
 from mla_compile.serving.engine import Engine  # noqa: E402
 from mla_compile.serving.sampling import SamplingParams, sample_rows  # noqa: E402
-from mla_compile.serving.v4_builder import V4BlockManager, V4DecodeBuilder  # noqa: E402
+from mla_compile.serving.v4_blocks import V4BlockManager  # noqa: E402
+from mla_compile.serving.v4_builder import V4DecodeBuilder  # noqa: E402
 from tests.checkpoints import write_tokenizer  # noqa: E402
 from tests.model.test_v4_model import hf_greedy, prompts  # noqa: E402
 
@@ -47,8 +48,8 @@ def v4_engine(model, *, num_blocks, num_entry, max_seqs, block_size=4, max_batch
     builder = V4DecodeBuilder(max_batch=max_batch, max_blocks_per_seq=max_blocks, max_entry_blocks=max_entry_blocks,
                               rates=model.rates, block_size=block_size, device=device, max_tokens=max_tokens)
     sizes = sorted({2, max_batch})
-    runner = DecodeGraphRunner(model if step_fn is None else step_fn, builder, capture_sizes=sizes, enabled=enabled, sampling=sampling,
-                               strict_sync=strict_sync)
+    runner = DecodeGraphRunner(model if step_fn is None else step_fn, builder, capture_sizes=sizes, enabled=enabled,
+                               sampling=sampling, strict_sync=strict_sync)
     return Engine(runner, num_blocks=num_blocks, **kw)
 
 
@@ -113,7 +114,8 @@ def test_seeded_trace_equals_each_request_alone(model64, seed, prefix):
         assert req.finish_reason == ("stop" if want[-1] in params.stop_token_ids else "length")
     assert any(r.finish_reason == "stop" for r in eng.finished) and any(len(r.prompt) > 12 for r in eng.finished)
     m = eng.blocks
-    assert m.num_free == m.usable_blocks and sorted(m.free_slots + [s.row for s in m.snapshots.values()]) == [0, 1, 2, 3, 4]
+    assert m.num_free == m.usable_blocks
+    assert sorted(m.free_slots + [s.row for s in m.snapshots.values()]) == [0, 1, 2, 3, 4]
     assert all(e.num_free == len(e.blocks) - sum(r in s.entry_blocks for s in m.snapshots.values())
                for r, e in m.entries.items())
     assert (eng.cached_prompt_tokens > 0) == prefix
@@ -261,7 +263,7 @@ def test_prefix_cache_snapshots_make_room_for_running_requests(model64):
     m = eng.blocks
     while eng.running or eng.waiting:
         eng.step()
-        assert len(m.snapshots) + len(eng.running) <= 3 and len(m.free_slots) + len(m.snapshots) + len(eng.running) == 3
+        assert len(m.free_slots) + len(m.snapshots) + len(eng.running) == 3  # every state row accounted for
     for rid, q in zip(rids, ps):
         assert eng.requests[rid].output == alone(model64, q, SamplingParams(max_new_tokens=5))
     assert eng.requests[rids[2]].alloc.cached_tokens == 32 and eng.requests[rids[3]].alloc.cached_tokens < 24
@@ -304,10 +306,10 @@ def test_engine_cuda_graphs_match_cpu():
     cpu = patch(toy_v4_model(31))
     trace = _trace(0, 9)
     want = [alone(cpu, p, params) for _, p, params in trace]
+    torch._dynamo.reset()
+    model = patch(toy_v4_model(31).cuda())
+    compiled = torch.compile(model, fullgraph=True)  # one compile serves both runs
     for overlap in (False, True):
-        torch._dynamo.reset()
-        model = patch(toy_v4_model(31).cuda())
-        compiled = torch.compile(model, fullgraph=True)
         eng = v4_engine(model, num_blocks=60, num_entry=30, max_seqs=5, step_fn=compiled, device="cuda",
                         enabled=True, sampling=True, overlap=overlap, enable_prefix_caching=overlap, strict_sync=True)
         for _, p, params in trace:
