@@ -70,34 +70,28 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph); on CUDA the decode
     steps are then replayed as CUDA graphs.
     """
-    from mla_compile.serving.builder import MetadataBuilder
     from mla_compile.models.checkpoint import read_config
-    from mla_compile.serving.engine import Engine
-    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
     from mla_compile.models.loader import from_pretrained
+    from mla_compile.models.v4_loader import is_v4_checkpoint
     from mla_compile.serving.sampling import SamplingParams
 
     if kv_cache not in ("bf16", "fp8"):
         raise ValueError(f"kv_cache must be 'bf16' or 'fp8', got {kv_cache!r}")
-    read_config(Path(path))  # a broken checkpoint is reported by its config, before the tokenizer is read
+    if not is_v4_checkpoint(path):  # DeepSeek-V4 has its own config; the loader reads it
+        read_config(Path(path))  # a broken checkpoint is reported by its config, before the tokenizer is read
     tokenizer = load_tokenizer(path)
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
     model = from_pretrained(path, device=device, dtype=dtype, kv_cache_dtype="fp8" if kv_cache == "fp8" else None)
     load_s = time.perf_counter() - t0
-    log(f"loaded {path} in {load_s:.1f} s ({model.config.num_layers} layers, {device})")
+    layers = getattr(model.config, "num_layers", None) or model.config.num_hidden_layers
+    log(f"loaded {path} in {load_s:.1f} s ({layers} layers, {device})")
     stop = (eos,) if isinstance(eos, int) and 0 <= eos < model.config.vocab_size else ()
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop,
                             max_new_tokens=max_new_tokens)
-    num_blocks = -(-(len(prompt_ids) + max_new_tokens) // block_size) + 1
-    model.allocate_cache(num_blocks, block_size)
-    step_fn = torch.compile(model, fullgraph=True) if compile else model
-    # one request: the whole prompt in one step, then decode steps (padded to 2 rows, as every graph runner's)
-    builder = MetadataBuilder(max_batch=2, max_blocks_per_seq=num_blocks, max_tokens=len(prompt_ids) + 2,
-                              block_size=block_size, device=device)
-    runner = DecodeGraphRunner(step_fn, builder, capture_sizes=[2], enabled=compile and builder.device.type == "cuda")
-    engine = Engine(runner, num_blocks=num_blocks, enable_prefix_caching=False)
+    engine = single_request_engine(model, len(prompt_ids), max_new_tokens, block_size=block_size, device=device,
+                                   compile=compile)
     rid = engine.add_request(prompt_ids, params)
     out: list[int] = []
     shown = ""
@@ -118,3 +112,32 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
         stream.write(text[len(shown):] + "\n")
         stream.flush()
     return TextResult(prompt_ids, out, text, load_s, times[1] - times[0], times[-1] - times[1])
+
+
+def single_request_engine(model: Any, prompt_len: int, max_new_tokens: int, *, block_size: int, device: str,
+                          compile: bool) -> Any:
+    """An :class:`~mla_compile.serving.engine.Engine` for one request of ``prompt_len`` + ``max_new_tokens`` tokens
+    over ``model`` (an MLA model, or DeepSeek-V4's :class:`~mla_compile.models.v4_model.V4ForCausalLM`), its
+    caches allocated to fit: the whole prompt in one step, then decode steps padded to 2 rows (as every graph
+    runner's), replayed as CUDA graphs when compiled on CUDA."""
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from mla_compile.models.v4_model import V4ForCausalLM
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
+    from mla_compile.serving.v4_builder import V4DecodeBuilder
+
+    total = prompt_len + max_new_tokens
+    num_blocks = -(-total // block_size) + 1  # V4: + the windowed manager's null block
+    if isinstance(model, V4ForCausalLM):
+        entries = {r: -(-max(total // r, 1) // block_size) for r in model.rates}
+        model.allocate_cache(num_blocks, block_size, entries or 1, 1)
+        builder = V4DecodeBuilder(max_batch=2, max_blocks_per_seq=num_blocks, max_entry_blocks=max(entries.values(),
+                                  default=1), rates=model.rates, block_size=block_size, device=device,
+                                  max_tokens=prompt_len + 2)
+    else:
+        model.allocate_cache(num_blocks, block_size)
+        builder = MetadataBuilder(max_batch=2, max_blocks_per_seq=num_blocks, max_tokens=prompt_len + 2,
+                                  block_size=block_size, device=device)
+    step_fn = torch.compile(model, fullgraph=True) if compile else model
+    runner = DecodeGraphRunner(step_fn, builder, capture_sizes=[2], enabled=compile and builder.device.type == "cuda")
+    return Engine(runner, num_blocks=num_blocks, enable_prefix_caching=False)

@@ -327,6 +327,36 @@ class V4ForCausalLM(nn.Module):
                 a.index_cache = full(n_entry, block_size, d)
                 a.state["indexer"] = (full(max_seqs, R, 2 * d), full(max_seqs, R, 2 * d))
 
+    @torch.no_grad()
+    def copy_cache_rows(self, state_rows: list[tuple[int, int]] = (),
+                        entry_blocks: dict[int, list[tuple[int, int]]] | None = None) -> None:
+        """Copy compressor-state rows ``(src, dst)`` in every compressed layer (compressor and indexer), and
+        compressed-entry blocks ``(src, dst)`` per rate (entries and indexer keys) in the layers of that rate.
+        Device-to-device copies queued between steps, in stream order (no host transfer, no sync): a prefix-cache
+        snapshot and its restore."""
+        for src, dst in state_rows:
+            for a in self.attn:
+                for pair in a.state.values():
+                    for t in pair:
+                        t[dst].copy_(t[src])
+        for rate, pairs in (entry_blocks or {}).items():
+            for src, dst in pairs:
+                for a in self.attn:
+                    if a.rate == rate:
+                        for t in (a.comp_cache, a.index_cache):
+                            if t is not None:
+                                t[dst].copy_(t[src])
+
+    def cache_sizes(self) -> tuple[int, int, dict[int, int], int] | None:
+        """What :meth:`allocate_cache` made: ``(num_blocks, block_size, {rate: num_entry_blocks}, max_seqs)``
+        (``max_seqs`` 0 for a model of sliding layers only); None before it ran."""
+        first = self.attn[0].kv_cache
+        if first is None:
+            return None
+        entries = {a.rate: a.comp_cache.shape[0] for a in self.attn if a.rate and a.comp_cache is not None}
+        rows = [a.state["compressor"][0].shape[0] for a in self.attn if "compressor" in a.state]
+        return first.shape[0], first.shape[1], entries, min(rows, default=0)
+
     def forward(self, input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> Tensor:
         """One step over ``T`` flat tokens; returns logits of ``meta.logits_indices`` (or every token)."""
         m = self.model

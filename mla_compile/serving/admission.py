@@ -37,13 +37,16 @@ class RequestLimits:
     model's position embeddings, None: no limit), ``max_seq_tokens`` (the block table of one sequence)
     and ``cache_tokens`` (the whole paged cache) prompt + new tokens. ``peak_tokens(prompt_len, total)``, when
     given (a windowed block manager's :meth:`~mla_compile.serving.block_manager.BlockManager.peak_tokens`), is
-    what a request holds of the cache at once, compared to ``cache_tokens`` instead of the total."""
+    what a request holds of the cache at once, compared to ``cache_tokens`` instead of the total.
+    ``never_fits(prompt_len, total)``, when given, says why a request could not be admitted even into an empty
+    cache for reasons beyond the token rows (DeepSeek-V4's compressed-entry caches), or returns None."""
 
     vocab_size: int
     max_seq_tokens: int
     cache_tokens: int
     max_positions: int | None = None
     peak_tokens: Callable[[int, int], int] | None = None
+    never_fits: Callable[[int, int], str | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_seq_tokens", "cache_tokens", "max_positions"):
@@ -125,6 +128,10 @@ def check_length(request_id: int, prompt_len: int, max_new_tokens: int, limits: 
         message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) hold up to {peak} cache tokens "
                    f"at once (the prompt, or the sink + window blocks), more than the paged cache's "
                    f"{limits.cache_tokens}; shorten the prompt or give the engine more blocks")
+        raise RequestRejected(request_id, "prompt + max_new_tokens", message)
+    if limits.never_fits is not None and (why := limits.never_fits(prompt_len, total)):
+        message = (f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) cannot fit: {why}; shorten the "
+                   "prompt or lower max_new_tokens")
         raise RequestRejected(request_id, "prompt + max_new_tokens", message)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from mla_compile.models.config import check_sink_window
+from mla_compile.models.metadata import SeqChunk
 
 
 @dataclass
@@ -128,23 +129,43 @@ class BlockManager:
             return bid
         raise RuntimeError("paged cache is full: no free or evictable block")
 
-    def allocate(self, tokens: Sequence[int], capacity: int | None = None) -> Allocation:
+    def chain_keys(self, tokens: Sequence[int], n_full: int) -> list[int]:
+        """The prefix-cache keys (chain hashes) of the first ``n_full`` full blocks of ``tokens``: key ``i`` names
+        ``tokens[:(i + 1) * block_size]``."""
+        return [h for h, _ in self._chain(tokens, n_full)]
+
+    def _hits(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """The cached blocks of ``tokens``' leading full blocks, at most ``limit`` of them."""
+        hits: list[int] = []
+        if self.prefix_caching:
+            for key in self._chain(tokens, limit):
+                bid = self.cached.get(key[0])
+                if bid is None or self.blocks[bid].key != key:
+                    break
+                hits.append(bid)
+        return hits
+
+    def cached_blocks(self, tokens: Sequence[int]) -> int:
+        """How many leading full blocks of ``tokens[:-1]`` the prefix cache holds now (what :meth:`allocate`
+        would reuse); takes nothing."""
+        return len(self._hits(tokens, (len(tokens) - 1) // self.block_size))
+
+    def allocate(self, tokens: Sequence[int], capacity: int | None = None, *,
+                 max_cached: int | None = None) -> Allocation:
         """Blocks for a new sequence whose prompt is ``tokens``, reusing cached full blocks of its prefix.
 
         At most the full blocks of ``tokens[:-1]`` are reused, so at least the last token is computed
-        (its logits are needed). ``capacity`` (default ``len(tokens)``) is the token count to reserve.
+        (its logits are needed), and at most ``max_cached`` tokens' worth (None: no further limit).
+        ``capacity`` (default ``len(tokens)``) is the token count to reserve.
         Raises without changing anything when the blocks do not fit.
         """
         capacity = len(tokens) if capacity is None else capacity
         if capacity < len(tokens) or not tokens:
             raise ValueError(f"need a non-empty prompt and capacity >= len(tokens), got {len(tokens)} and {capacity}")
-        hits: list[int] = []
-        if self.prefix_caching:
-            for key in self._chain(tokens, (len(tokens) - 1) // self.block_size):
-                bid = self.cached.get(key[0])
-                if bid is None or self.blocks[bid].key != key:
-                    break
-                hits.append(bid)
+        limit = (len(tokens) - 1) // self.block_size
+        if max_cached is not None:
+            limit = min(limit, max_cached // self.block_size)
+        hits = self._hits(tokens, limit)
         # a windowed manager takes the prompt's blocks now and reserves the rest of the sequence's peak
         now = -(-(capacity if self.sink_window is None else len(tokens)) // self.block_size)
         fresh = now - len(hits)
@@ -257,6 +278,16 @@ class BlockManager:
                 if bid in self.evictable:  # nobody holds it: free, not evictable, once unkeyed
                     del self.evictable[bid]
                     self.free_ids.append(bid)
+
+    def prefill_chunk(self, start: int, n: int, prompt_len: int) -> int:
+        """How many of the ``n`` prompt tokens from ``start`` that the step's budget allows the next prompt chunk
+        takes: all of them (managers that must end chunks at particular positions take fewer)."""
+        return n
+
+    def chunk(self, alloc: Allocation, tokens: Sequence[int], start: int, key: int | None = None) -> SeqChunk:
+        """The step's :class:`~mla_compile.models.metadata.SeqChunk` that writes ``tokens`` of ``alloc``'s sequence
+        from position ``start`` (``key``: the request id the keyed ``MetadataBuilder`` tracks decode rows by)."""
+        return SeqChunk(alloc.blocks, list(tokens), start, key=key)
 
     def free(self, alloc: Allocation) -> None:
         """Release a finished sequence: cached blocks become evictable (LRU), the rest free."""

@@ -17,6 +17,12 @@ raises fails only the requests in that step (see :class:`Engine`).
 on the device and feed the next step's inputs there, the host plans and launches step n+1 while the device
 runs step n, and it learns step n's tokens one step late.
 
+DeepSeek-V4 (a runner over :class:`~mla_compile.models.v4_model.V4ForCausalLM` with a
+:class:`~mla_compile.serving.v4_builder.V4DecodeBuilder`) is served by the same engine: its caches go through a
+:class:`~mla_compile.serving.v4_blocks.V4BlockManager` (token rows released as the window moves, compressed
+entries per rate, a compressor-state row per request; prefix hits rounded down to a compressor-state snapshot),
+without ``dp_sync``.
+
 ``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
 every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no
 work runs padding-only steps while others have some. The lines marked ``[dp]`` do this.
@@ -41,6 +47,8 @@ from mla_compile.serving.block_manager import Allocation, BlockManager, sink_win
 from mla_compile.models.metadata import SeqChunk, step_size
 from mla_compile.serving.dp_sync import DPStepSync, StepDemand, StepShape
 from mla_compile.serving.sampling import SamplingParams, sample_rows
+from mla_compile.serving.v4_blocks import V4BlockManager
+from mla_compile.serving.v4_builder import V4DecodeBuilder
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -169,6 +177,12 @@ class Engine:
     and maybe reading its prompt blocks through a prefix hit), and no prompt block of either stays findable. When no request is left running, :meth:`step` also waits for the
     step in flight, so an idle engine has nothing pending.
 
+    ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, where it costs snapshots of the
+    compressors' state and prompt chunks ending at snapshot positions; True turns it on there too, see
+    :class:`~mla_compile.serving.v4_blocks.V4BlockManager`).
+    ``num_entry_blocks`` (DeepSeek-V4 only): compressed-entry blocks per rate the engine hands out (default: all
+    the model's ``allocate_cache`` made); the compressor-state rows are the model's too.
+
     ``dp_sync`` (a :class:`~mla_compile.serving.dp_sync.DPStepSync`; the runner's ``run``, ``decode``,
     ``decode_sampled`` and ``sample_step`` take ``shape=`` and its builder's ``build`` takes ``tokens=`` and
     ``rows=``: ``DecodeGraphRunner`` over a ``MetadataBuilder``): this engine serves one data-parallel attention group
@@ -183,9 +197,9 @@ class Engine:
     """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
-                 enable_prefix_caching: bool = True, vocab_size: int | None = None,
+                 enable_prefix_caching: bool | None = None, vocab_size: int | None = None,
                  max_positions: int | None = None, seed: int = 0, overlap: bool = False,
-                 dp_sync: DPStepSync | None = None) -> None:
+                 dp_sync: DPStepSync | None = None, num_entry_blocks: int | dict[int, int] | None = None) -> None:
         self.runner = runner
         self.block_size = runner.builder.block_size
         self.max_batch = runner.builder.max_batch
@@ -206,13 +220,13 @@ class Engine:
                                  "it None to use the model's")
         vocab_size = model_vocab if vocab_size is None else vocab_size
         max_positions = model_positions if max_positions is None else max_positions
-        # sink + window models (patch(..., sparse="sink_window")): blocks outside both are released as it moves
-        self.blocks = BlockManager(num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching,
-                                   sink_window=sink_window_of(runner))
+        self.blocks = self._cache_manager(num_blocks, enable_prefix_caching, num_entry_blocks)
         windowed = self.blocks.sink_window is not None
         self.limits = RequestLimits(vocab_size=vocab_size, max_seq_tokens=self.max_blocks * self.block_size,
                                     cache_tokens=self.blocks.usable_blocks * self.block_size,
-                                    max_positions=max_positions, peak_tokens=self.blocks.peak_tokens if windowed else None)
+                                    max_positions=max_positions,
+                                    peak_tokens=self.blocks.peak_tokens if windowed else None,
+                                    never_fits=getattr(self.blocks, "never_fits", None))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
@@ -237,6 +251,20 @@ class Engine:
         self.dp_active = True  # [dp] whether some group had requests at the last step's agreement
         if dp_sync is not None:
             self._check_dp_runner()
+
+    def _cache_manager(self, num_blocks: int, prefix_caching: bool | None,
+                       num_entry_blocks: int | dict[int, int] | None) -> BlockManager | V4BlockManager:
+        """The block manager of the runner's model: a :class:`~mla_compile.serving.v4_blocks.V4BlockManager` for a
+        DeepSeek-V4 runner (its builder a ``V4DecodeBuilder``), else a :class:`BlockManager` (windowed for a sink +
+        window model, ``patch(..., sparse="sink_window")``: blocks outside both are released as it moves)."""
+        if isinstance(self.runner.builder, V4DecodeBuilder):
+            return V4BlockManager.for_runner(self.runner, num_blocks=num_blocks, num_entry_blocks=num_entry_blocks,
+                                             enable_prefix_caching=bool(prefix_caching))
+        if num_entry_blocks is not None:
+            raise ValueError("num_entry_blocks is for DeepSeek-V4 runners (a V4DecodeBuilder); this runner's builder "
+                             f"is a {type(self.runner.builder).__name__}")
+        return BlockManager(num_blocks, self.block_size, enable_prefix_caching=prefix_caching is not False,
+                            sink_window=sink_window_of(self.runner))
 
     def _check_dp_runner(self) -> None:
         """[dp] The runner pads to an agreed shape, and every rank's engine and runner are built alike (collective)."""
@@ -347,8 +375,8 @@ class Engine:
         try:  # a failed grow (no block left) fails the step's requests like a runner error: never a stuck engine
             for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
                 self.blocks.grow(r.alloc, r.length + 1)
-            dec = [SeqChunk(r.blocks, [r.output[-1]], r.length, key=r.id) for r in decoding]
-            pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
+            dec = [self.blocks.chunk(r.alloc, [r.output[-1]], r.length, key=r.id) for r in decoding]
+            pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
             rows = [*decoding, *(r for r, _ in chunks)]
             decode_only = not pre and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
             decode_sampled = getattr(self.runner, "decode_sampled", None) if decode_only else None
@@ -394,7 +422,7 @@ class Engine:
         chunks = []
         for r in self.running:
             if r.prefilling and budget > 0:
-                n = min(len(r.prompt) - r.computed, budget)
+                n = self.blocks.prefill_chunk(r.computed, min(len(r.prompt) - r.computed, budget), len(r.prompt))
                 chunks.append((r, n))
                 budget -= n
         return decoding, chunks
@@ -489,8 +517,8 @@ class Engine:
             token = 0 if pending else r.output[-1]
             pos = len(r.prompt) + len(r.output) + pending - 1
             self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation reaches a new block
-            dec.append(SeqChunk(r.blocks, [token], pos, key=r.id))
-        pre = [SeqChunk(r.blocks, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
+            dec.append(self.blocks.chunk(r.alloc, [token], pos, key=r.id))
+        pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
         rows = [*decoding, *(r for r, _ in chunks)]
         steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
         kw = {} if shape is None else {"shape": shape}  # [dp]

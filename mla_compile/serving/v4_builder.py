@@ -8,10 +8,7 @@ views every time for a size, so a captured graph replays them; padding rows are 
 with ``query_seq = -1`` and slot -1 (they read and write nothing). Other steps (prefill, mixed, or
 no ``decode_batch``) get fresh tensors and run uncaptured.
 
-:class:`V4Blocks` keeps the block lists of V4 sequences on the host with bounded token-row memory: every V4
-layer reads its token rows only through its sliding window, so they live in a windowed
-:class:`~mla_compile.serving.block_manager.BlockManager` (``sink_window=(0, sliding_window)``) that releases the
-blocks a sequence's window has left; the compressed entries are kept whole.
+The chunks' block lists come from :class:`mla_compile.serving.v4_blocks.V4BlockManager`.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from torch import Tensor
 
 from mla_compile.models.metadata import StepInputs
 from mla_compile.models.v4_model import V4Metadata
-from mla_compile.serving.block_manager import Allocation, BlockManager
 
 
 @dataclass
@@ -42,11 +38,17 @@ class V4Chunk:
 class V4DecodeBuilder:
     """Builds V4 steps; decode steps of a capture size live in persistent buffers on ``device``."""
 
+    query_len = 1  # one token per decode row (what DecodeGraphRunner's token feed needs)
+
     def __init__(self, *, max_batch: int, max_blocks_per_seq: int, max_entry_blocks: int, rates: Sequence[int],
-                 block_size: int, device: torch.device | str, min_batch: int = 2) -> None:
+                 block_size: int, device: torch.device | str, min_batch: int = 2, max_tokens: int = 2048) -> None:
+        """``max_tokens``: the most tokens one step may hold (what :class:`~mla_compile.serving.engine.Engine`
+        schedules under); decode steps of a capture size sit in persistent buffers, other steps are built fresh."""
         if not 1 <= min_batch <= max_batch:
             raise ValueError(f"need 1 <= min_batch <= max_batch, got min_batch={min_batch}, max_batch={max_batch}")
-        self.max_batch, self.min_batch = max_batch, min_batch
+        if not isinstance(max_tokens, int) or max_tokens < max_batch:
+            raise ValueError(f"max_tokens must hold a full decode batch ({max_batch}), got {max_tokens!r}")
+        self.max_batch, self.min_batch, self.max_tokens = max_batch, min_batch, max_tokens
         self.max_blocks, self.max_entry_blocks, self.block_size = max_blocks_per_seq, max_entry_blocks, block_size
         self.rates = tuple(sorted(rates))
         self.device = torch.device(device)
@@ -106,6 +108,9 @@ class V4DecodeBuilder:
         """A step of ``decode`` chunks (one token each) then ``prefill`` chunks. With ``decode_batch`` (decode
         only) it is padded to that many rows and written into the persistent buffers."""
         chunks = list(decode) + list(prefill)
+        n_tokens = sum(len(c.tokens) for c in chunks)
+        if n_tokens > self.max_tokens:
+            raise ValueError(f"a step of {n_tokens} tokens exceeds the builder's max_tokens={self.max_tokens}")
         if decode_batch is None or prefill:
             return self._step({k: t.to(self.device) for k, t in self._host(chunks, len(chunks)).items()},
                               self.rates, len(chunks))
@@ -126,74 +131,3 @@ class V4DecodeBuilder:
         if not self.min_batch <= batch <= self.max_batch:
             raise ValueError(f"batch must be in [{self.min_batch}, {self.max_batch}], got {batch}")
         return self.build((), decode_batch=batch)
-
-
-@dataclass
-class _V4Seq:
-    tokens: Allocation
-    entries: dict[int, Allocation]
-    state_slot: int
-    length: int = 0
-
-
-class V4Blocks:
-    """Block lists of V4 sequences over one model's caches (host-side, between steps).
-
-    Token rows (``num_blocks`` blocks of ``block_size``, the model's ``allocate_cache(num_blocks, ...)``) go
-    through a windowed :class:`~mla_compile.serving.block_manager.BlockManager` with ``sink_window=(0, window)``
-    (``window``: the model's ``sliding_window``): :meth:`commit` releases the blocks wholly before the window of
-    the sequence's next token, their table entries pointing at the manager's ``null_block`` (block 0, never
-    read), so a sequence holds at most its prompt's blocks or a window's plus one, however long it runs.
-    Compressed entries (``num_entry_blocks`` per rate) and one compressor-state row (of ``max_seqs``) per
-    sequence are kept until :meth:`free`. No prefix caching (a V4 prefix also needs its compressor state).
-    """
-
-    def __init__(self, *, num_blocks: int, num_entry_blocks: int | dict[int, int], rates: Sequence[int],
-                 block_size: int, window: int, max_seqs: int) -> None:
-        self.block_size = block_size
-        self.tokens = BlockManager(num_blocks, block_size, enable_prefix_caching=False, sink_window=(0, window))
-        per_rate = num_entry_blocks if isinstance(num_entry_blocks, dict) else {r: num_entry_blocks for r in rates}
-        self.entries = {r: BlockManager(per_rate[r], block_size, enable_prefix_caching=False) for r in rates}
-        self.free_slots = list(range(max_seqs - 1, -1, -1))
-        self.seqs: dict[int, _V4Seq] = {}
-
-    def add(self, seq_id: int, prompt_len: int, capacity: int) -> None:
-        """Admit sequence ``seq_id`` of a ``prompt_len``-token prompt that may reach ``capacity`` tokens: its
-        prompt's token blocks and all its entry blocks now, the rest of its peak reserved. Raises
-        ``RuntimeError`` (nothing taken) when it does not fit, ``ValueError`` for a known id or bad lengths."""
-        if seq_id in self.seqs:
-            raise ValueError(f"sequence {seq_id} is already added")
-        if not 1 <= prompt_len <= capacity:
-            raise ValueError(f"need 1 <= prompt_len <= capacity, got {prompt_len} and {capacity}")
-        if not self.free_slots:
-            raise RuntimeError("no free compressor-state row: every one of max_seqs is in use")
-        need = {r: -(-max(capacity // r, 1) // self.block_size) for r in self.entries}
-        short = [r for r, n in need.items() if n > self.entries[r].num_free]
-        if short:
-            raise RuntimeError(f"entry cache of rate {short[0]} is full: need {need[short[0]]} blocks")
-        tokens = self.tokens.allocate([0] * prompt_len, capacity)  # raises before anything else is taken
-        entries = {r: m.allocate([0], max(capacity // r, 1)) for r, m in self.entries.items()}
-        self.seqs[seq_id] = _V4Seq(tokens, entries, self.free_slots.pop())
-
-    def chunk(self, seq_id: int, tokens: Sequence[int]) -> V4Chunk:
-        """The :class:`V4Chunk` that appends ``tokens`` to sequence ``seq_id`` (its token blocks grown to cover
-        them); call :meth:`commit` after the step ran."""
-        seq = self.seqs[seq_id]
-        self.tokens.grow(seq.tokens, seq.length + len(tokens))
-        return V4Chunk(list(tokens), seq.length, list(seq.tokens.blocks),
-                       {r: list(a.blocks) for r, a in seq.entries.items()}, seq.state_slot)
-
-    def commit(self, seq_id: int, n_tokens: int) -> int:
-        """After a step appended ``n_tokens`` to ``seq_id``: advance it and release its token blocks that the
-        window of its next token has left. Returns how many blocks were released."""
-        seq = self.seqs[seq_id]
-        seq.length += n_tokens
-        return self.tokens.release_outside(seq.tokens, seq.length)
-
-    def free(self, seq_id: int) -> None:
-        """Give back everything sequence ``seq_id`` holds."""
-        seq = self.seqs.pop(seq_id)
-        self.tokens.free(seq.tokens)
-        for r, a in seq.entries.items():
-            self.entries[r].free(a)
-        self.free_slots.append(seq.state_slot)

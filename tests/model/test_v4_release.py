@@ -1,4 +1,4 @@
-"""DeepSeek-V4 token-row blocks released as the sliding window moves (:class:`mla_compile.serving.v4_builder.V4Blocks`):
+"""DeepSeek-V4 token-row blocks released as the sliding window moves (:class:`mla_compile.serving.v4_blocks.V4Blocks`):
 two sequences of over 10 windows run in a token-row cache far too small for them whole, with the logits of the
 fixed-table run that keeps every block; the released entries point at a NaN-filled null block."""
 
@@ -14,7 +14,8 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
 from mla_compile.models.model import patch  # noqa: E402
 from mla_compile.models.v4_model import V4Sequences  # noqa: E402
-from mla_compile.serving.v4_builder import V4Blocks, V4DecodeBuilder  # noqa: E402
+from mla_compile.serving.v4_blocks import V4Blocks  # noqa: E402
+from mla_compile.serving.v4_builder import V4DecodeBuilder  # noqa: E402
 
 from test_v4_model import prompts  # noqa: E402
 
