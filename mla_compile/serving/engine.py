@@ -529,7 +529,7 @@ class Engine:
         registered = []  # findable before the step is known to succeed: forgotten again if it fails (_read)
         for i, (r, n) in enumerate(chunks):
             r.computed += n
-            registered += self.blocks.register(r.alloc, r.prompt[:r.computed])
+            registered.append(self.blocks.register(r.alloc, r.prompt[:r.computed]))
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
                 yields.append((len(decoding) + i, r))
         return _InFlight(rows, yields, host, ready, kept, registered)
@@ -545,11 +545,13 @@ class Engine:
             if step.logits is not None:
                 self.step_logits.append(step.logits.cpu())
         except Exception as exc:
-            self.blocks.forget(step.registered)  # its prompt blocks may hold garbage: no later prompt matches them
+            for made in step.registered:  # its prompt blocks may hold garbage: no later prompt matches them
+                self.blocks.forget(made)
             failed = [r for r in step.requests if r.finish_reason is None]
             later, self._inflight = self._inflight, None
             if later is not None and later is not step:  # launched on top of it (its tokens, its blocks): fail too
-                self.blocks.forget(later.registered)
+                for made in later.registered:
+                    self.blocks.forget(made)
                 failed += [r for r in later.requests if r.finish_reason is None and r not in failed]
             raise self._fail(failed, exc) from exc
         for row, r in step.yields:
@@ -585,14 +587,14 @@ class _InFlight:
     """An overlap step launched but not read: its ``requests`` (one per logits row), the ``(row, request)``
     pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
     already there), a device copy of its float32 logits (``keep_logits``) or None, and the prompt blocks its
-    launch made findable (forgotten if it fails)."""
+    launch made findable (what each ``blocks.register`` call returned; given to ``blocks.forget`` if it fails)."""
 
     requests: list[Request]
     yields: list[tuple[int, Request]]
     tokens: Tensor
     ready: Any
     logits: Tensor | None
-    registered: list[int]
+    registered: list[Any]
 
 
 class _HostTokens:

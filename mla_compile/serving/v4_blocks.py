@@ -47,6 +47,16 @@ class _Snapshot:
     entry_blocks: dict[int, Allocation]
 
 
+@dataclass
+class _Made:
+    """What one :meth:`V4BlockManager.register` made findable: token blocks, entry blocks per rate, a snapshot's
+    key (None: none taken)."""
+
+    tokens: list[int]
+    entries: dict[int, list[int]]
+    snapshot: Any = None
+
+
 def _entry_keys(tokens: Sequence[int], rate: int) -> list[tuple[int, ...]]:
     """One key per complete compressed entry of ``tokens``: the ``rate`` tokens it closes."""
     return [tuple(tokens[j * rate:(j + 1) * rate]) for j in range(len(tokens) // rate)]
@@ -259,33 +269,48 @@ class V4BlockManager:
         cut = (end if end < prompt_len else prompt_len - 1) // self.snapshot_every * self.snapshot_every
         return cut - start if cut > start else n
 
-    def register(self, alloc: V4Allocation, tokens: Sequence[int]) -> None:
+    def register(self, alloc: V4Allocation, tokens: Sequence[int]) -> _Made:
         """After the prompt's first ``len(tokens)`` tokens are in the cache (their step succeeded): make its full
         token and entry blocks findable, and at a multiple of ``snapshot_every`` take a snapshot of its state (when
-        a state row, and an entry block per rate it needs, are free or held by older snapshots)."""
+        a state row, and an entry block per rate it needs, are free or held by older snapshots). Returns what it
+        made findable, for :meth:`forget`."""
+        made = _Made([], {})
         if not self.prefix_caching:
-            return
-        self.tokens.register(alloc.tokens, tokens)
+            return made
+        made.tokens = self.tokens.register(alloc.tokens, tokens)
         for r, m in self.entries.items():
-            m.register(alloc.entries[r], _entry_keys(tokens, r))
+            made.entries[r] = m.register(alloc.entries[r], _entry_keys(tokens, r))
         L, bs = len(tokens), self.block_size
         if L == 0 or L % self.snapshot_every:
-            return
+            return made
         key = self.tokens.chain_keys(tokens, L // bs)[-1]
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
-            return
+            return made
         partial = [r for r in self.entries if (L // r) % bs]
         while (not self.free_slots or any(self.entries[r].num_free < 1 for r in partial)) and self._evict_snapshot():
             pass
         if not self.free_slots or any(self.entries[r].num_free < 1 for r in partial):
-            return  # no room: no snapshot
+            return made  # no room: no snapshot
         row = self.free_slots.pop()
         blocks = {r: self.entries[r].allocate([None], 1) for r in partial}
         self.model.copy_cache_rows([(alloc.state_slot, row)],
                                    {r: [(alloc.entries[r].blocks[(L // r) // bs], a.blocks[0])]
                                     for r, a in blocks.items()})
         self.snapshots[key] = _Snapshot(tuple(tokens), row, blocks)
+        made.snapshot = key
+        return made
+
+    def forget(self, made: _Made) -> None:
+        """Undo a :meth:`register` whose step failed: its blocks are no longer findable and its snapshot is gone."""
+        self.tokens.forget(made.tokens)
+        for r, ids in made.entries.items():
+            self.entries[r].forget(ids)
+        snap = self.snapshots.pop(made.snapshot, None) if made.snapshot is not None else None
+        if snap is not None:
+            self.free_slots.append(snap.row)
+            for r, a in snap.entry_blocks.items():
+                self.entries[r].free(a)
 
     def release_outside(self, alloc: V4Allocation, next_pos: int) -> int:
         """Release the token blocks the window of a query at ``next_pos`` has left; returns how many."""
