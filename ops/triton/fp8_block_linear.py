@@ -116,6 +116,15 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s
     return acc
 
 
+def _wrap(kernel):
+    """``wrap_triton(kernel)``; under Triton's interpreter (CPU tests) the kernel itself: torch 2.11's ``wrap_triton``
+    refuses an interpreted function (2.13 accepts it), and an interpreted launch is never traced."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+
+
 def _config(M: int, ieee: bool) -> dict:
     """Tiles and launch options. fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps
     and one stage keep them from spilling (sm_90 compile at 2 stages: 144 B of stack)."""
@@ -151,7 +160,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quan
     cu = torch.cat([offs.new_zeros(1), offs])
     cfg = _config_with(R, x.dtype == torch.float32, config)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
-    wrap_triton(_fp8_sorted_kernel)[grid](
+    _wrap(_fp8_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, K, triton.cdiv(K, 128), E,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
         ACT_QUANT=act_quant, CHUNK=128, **cfg,
@@ -201,7 +210,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     else:  # float32 slices, added below in a fixed order
         y = torch.empty(split, E, M, N, dtype=torch.float32, device=x.device)
     grid = (m_tiles * split, n_tiles, E)
-    wrap_triton(_fp8_linear_kernel)[grid](
+    _wrap(_fp8_linear_kernel)[grid](
         x3, w3, s3, y, M, N, K, kb, kb_per, y.stride(0),
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
         ACT_QUANT=act_quant, SPLIT_K=split, **cfg,
