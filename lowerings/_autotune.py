@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Candidate:
     """One autotune choice: ``name`` (a Python identifier, unique), the ``backend`` it belongs to and the
-    multi-output op ``op(*tensors, *scalars, *extra) -> (out, lse)`` (decode: ``q, kv_cache, block_table,
-    seq_lens, scale, kv_lora_rank``; prefill: ``q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal``)."""
+    op ``op(*tensors, *scalars, *extra) -> (out, lse)`` (decode: ``q, kv_cache, block_table, seq_lens, scale,
+    kv_lora_rank``; prefill: ``q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal``), or ``-> out`` (the fp8
+    linear: ``x, weight, weight_scale_inv[, offs], act_quant``)."""
 
     name: str
     backend: str

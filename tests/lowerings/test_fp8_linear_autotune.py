@@ -311,6 +311,24 @@ def test_compiled_fp8_modules_go_through_the_lowering():
     assert _rel(grouped, want) < 1e-5
 
 
+def test_from_pretrained_backend_spec_reaches_the_fp8_modules(tmp_path):
+    """``from_pretrained(backend="decode=triton,fp8_block_linear=autotune")`` (through ``patch``) gives every fp8
+    module of the loaded model backend "autotune"; without that entry they stay on "auto" (None)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, "v2-lite", "fp8", shards=2, num_hidden_layers=2)
+
+    def fp8_backends(model):
+        return {(type(m).__name__, m.backend) for m in model.modules() if isinstance(m, (FP8BlockLinear, FP8Experts))}
+
+    assert fp8_backends(mla_compile.from_pretrained(tmp_path, backend="fp8_block_linear=autotune")) == {
+        ("FP8BlockLinear", "autotune"), ("FP8Experts", "autotune")}
+    assert fp8_backends(mla_compile.from_pretrained(tmp_path)) == {("FP8BlockLinear", None), ("FP8Experts", None)}
+
+
 @needs_interpreter
 def test_inspect_reports_the_fp8_linear_pick():
     from mla_compile.graphs import inspect_compile
@@ -340,9 +358,9 @@ def test_inspect_names_the_emitted_fp8_ops():
 # ------------------------------------------------------------------------------------------------ CUDA
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 7, 128, 1024])
+@pytest.mark.parametrize("M", [1, 7, 1024])
 @pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("N,K", [(1536, 7168), (576, 7168), (7168, 2048), (200, 300)])
+@pytest.mark.parametrize("N,K", [(1536, 7168), (7168, 2048), (200, 300)])
 def test_cuda_fp8_linear_autotune_times_every_serving_candidate(M, act_quant, N, K):
     """Real timings of the real candidates (Triton configs; scaled-mm where the registry says it serves); the
     emitted winner matches the float64 block math."""
