@@ -56,7 +56,8 @@ def _check_dtype(x: Tensor) -> None:
 def _triton_launch(x: Tensor, launch, args: tuple, block_m: int, block_n: int, num_warps: int,
                    num_stages: int) -> Tensor:
     """``launch(*args, config=...)`` with the nonzero launch parameters, the kernels launched directly (a
-    plain custom op body: wrap_triton's higher-order-op dispatch would add host time to every timed call)."""
+    plain custom op body: wrap_triton's higher-order-op dispatch would add host time to every timed call). A
+    Triton build failure becomes a RuntimeError, which Inductor's autotuning records as an unusable choice."""
     if x.device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError(f"{OP}: the Triton config ops run CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
                          f"got x on {x.device}")
@@ -64,8 +65,13 @@ def _triton_launch(x: Tensor, launch, args: tuple, block_m: int, block_n: int, n
 
     cfg = {k: v for k, v in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                              ("num_stages", num_stages)) if v > 0}
-    with set_wrap_triton_enabled(False):
-        return launch(*args, config=cfg)
+    from triton.errors import TritonError
+
+    try:
+        with set_wrap_triton_enabled(False):
+            return launch(*args, config=cfg)
+    except TritonError as e:  # a config this GPU cannot build (shared memory, registers): a RuntimeError, which
+        raise RuntimeError(f"{OP}: Triton config {cfg} failed: {type(e).__name__}: {e}") from e  # autotuning skips
 
 
 @torch.library.custom_op("mla::fp8_block_linear_triton_config", mutates_args=(), tags=LAYOUT_TAGS)

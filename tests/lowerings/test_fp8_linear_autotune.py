@@ -161,6 +161,30 @@ def test_sorted_groups_autotune(offs):
     assert _rel(y, want) < 1e-6 and (y[offs[-1]:] == 0).all()
 
 
+@torch.library.custom_op("mla_lower_test::unbuildable_fp8_linear", mutates_args=())
+def unbuildable_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_quant: bool) -> torch.Tensor:
+    """A candidate whose kernel cannot be built here (as the config ops report a Triton build failure)."""
+    charge(1)
+    raise RuntimeError("simulated OutOfResources")
+
+
+unbuildable_fp8_linear.register_fake(fp8_fake)
+
+
+@needs_interpreter
+def test_a_candidate_that_cannot_build_is_skipped():
+    codes, scale = _weights(70, 150)
+    x = torch.randn(5, 150)
+    bad = Candidate("mla_tf8_unbuildable", "bad", torch.ops.mla_lower_test.unbuildable_fp8_linear.default)
+    good = _candidates("buildable", 0)[2]
+    before = _compile_log.mark()
+    with autotune_on_cpu(lambda **facts: [bad, good]):
+        y, code, _ = _compile_run(lambda x: mla_compile.ops.fp8_block_linear(x, codes, scale, backend="autotune"), x)
+    (rec,) = _compile_log.records_since(before)
+    assert rec.winner == good.name and rec.timings_ms[bad.name] == float("inf"), rec
+    assert "unbuildable" not in code and _rel(y, _ref64(x, codes, scale, False)) < 1e-6
+
+
 def test_failure_inside_autotuning_warns_and_falls_back(monkeypatch):
     def broken(*a, **k):
         raise AttributeError("simulated private API change")
