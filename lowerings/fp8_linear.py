@@ -7,7 +7,7 @@ Candidates, from the registry (:mod:`mla_compile.ops.registry`; ``why_not`` deci
 call's form: ``act_quant``, a 3-D weight or sorted groups, K):
 
 - our Triton kernel in each of :data:`TRITON_CONFIGS` (``mla::fp8_block_linear_triton_config``, or
-  ``mla::fp8_block_linear_sorted_triton_config`` for the sorted-groups form with ``offs``; float32
+  ``mla::fp8_block_linear_sorted_triton_config`` in :data:`SORTED_CONFIGS` for the sorted-groups form; float32
   activations only in the heuristic's configuration, float64 never: its Triton backend runs the reference);
 - the peers the registry declares autotune-eligible that serve the call: torch's blockwise-scaled matmul
   (``"scaled-mm"``) for ``act_quant=True``, a 2-D weight and K a multiple of 128.
@@ -29,13 +29,16 @@ from mla_compile.lowerings._autotune import Candidate, hints
 
 OP_NAME = "mla::fp8_block_linear_autotune"
 SELECT_NAME = "mla_fp8_block_linear_autotune"
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 keeps the heuristic's value (ops/triton/fp8_block_linear.py:_config:
-# BLOCK_M 16 up to 16 rows else 64, BLOCK_N 64, 4 warps, 3 stages for 16-bit activations). BLOCK_N divides 128 (a
-# tile's rows share one weight-scale row). Narrow column tiles give few-token calls more programs over N; wide row
-# tiles read each weight tile once for more tokens. Stage memory is at most 40 KB (BLOCK_M x 128 activation +
-# BLOCK_N x 128 codes), three stages well inside an sm_90 SM.
-TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (16, 32, 2, 4), (32, 128, 4, 3),
-                                                         (128, 64, 8, 3))
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, split_k); 0 keeps the heuristic's value (ops/triton/fp8_block_linear.py:
+# _config: BLOCK_M 16 up to 16 rows else 64, BLOCK_N 64, 4 warps, 3 stages for 16-bit activations; split_k: K slices
+# until the launch has a few programs per SM). BLOCK_N divides 128 (a tile's rows share one weight-scale row).
+# Narrow column tiles give few-token calls more programs over N; wide row tiles read each weight tile once for
+# more tokens; split_k 1 (no slices) saves the float32 slice sum where the heuristic would split. Stage memory is
+# at most 40 KB (BLOCK_M x 128 activation + BLOCK_N x 128 codes), three stages well inside an sm_90 SM. The sorted
+# groups kernel takes the first four fields (it does not split K).
+TRITON_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (0, 0, 0, 0, 0), (16, 32, 2, 4, 0), (32, 128, 4, 3, 0), (128, 64, 8, 3, 0), (0, 0, 0, 0, 1))
+SORTED_CONFIGS: tuple[tuple[int, int, int, int], ...] = tuple(dict.fromkeys(c[:4] for c in TRITON_CONFIGS))
 _CPU_HOOK: list[Callable | None] = [None]  # tests: candidates on CPU (see autotune_on_cpu)
 _WARNED: set[str] = set()
 
@@ -55,12 +58,14 @@ def fp8_linear_candidates(device: torch.device, dtype: torch.dtype, act_quant: b
     out = _autotune.peer_candidates("fp8_block_linear", dict(device=device, dtype=dtype, **form))
     triton = backends_for("fp8_block_linear")["triton"]
     if device.type == "cuda" and dtype != torch.float64 and why_not(triton, facts_for(device, dtype, **form)) is None:
-        configs = TRITON_CONFIGS if torch.finfo(dtype).bits <= 16 else TRITON_CONFIGS[:1]
+        configs = SORTED_CONFIGS if sorted_groups else TRITON_CONFIGS
+        configs = configs if torch.finfo(dtype).bits <= 16 else configs[:1]
         op = (torch.ops.mla.fp8_block_linear_sorted_triton_config if sorted_groups
               else torch.ops.mla.fp8_block_linear_triton_config).default
         kind = "sorted_triton" if sorted_groups else "triton"
-        for bm, bn, nw, ns in configs:
-            out.append(Candidate(f"mla_fp8_linear_{kind}_bm{bm}_bn{bn}_w{nw}_s{ns}", "triton", op, (bm, bn, nw, ns)))
+        for cfg in configs:
+            label = "_".join(f"{k}{v}" for k, v in zip(("bm", "bn", "w", "s", "sk"), cfg))
+            out.append(Candidate(f"mla_fp8_linear_{kind}_{label}", "triton", op, cfg))
     return out
 
 

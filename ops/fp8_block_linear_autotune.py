@@ -13,7 +13,8 @@ fastest. Without the lowering the compiled graph calls this op's eager kernel: c
 
 ``mla::fp8_block_linear_triton_config`` (2-D and 3-D weights) and ``mla::fp8_block_linear_sorted_triton_config``
 (sorted groups, ``offs`` before ``act_quant``: the lowering passes tensors first) are the Triton kernel with
-explicit launch parameters, one autotune choice per configuration; 0 keeps the heuristic's value.
+explicit launch parameters (and, without ``offs``, K slices), one autotune choice per configuration; 0 keeps
+the heuristic's value.
 """
 
 from __future__ import annotations
@@ -76,15 +77,16 @@ def _triton_launch(x: Tensor, launch, args: tuple, block_m: int, block_n: int, n
 
 @torch.library.custom_op("mla::fp8_block_linear_triton_config", mutates_args=(), tags=LAYOUT_TAGS)
 def fp8_block_linear_triton_config(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
-                                   block_m: int, block_n: int, num_warps: int, num_stages: int) -> Tensor:
+                                   block_m: int, block_n: int, num_warps: int, num_stages: int,
+                                   split_k: int) -> Tensor:
     """Our Triton fp8 linear (2-D or 3-D weight, no ``offs``) with explicit ``BLOCK_M``/``BLOCK_N``/``num_warps``/
-    ``num_stages`` (0: the heuristic's); ``BLOCK_N`` divides 128."""
+    ``num_stages`` and K slices ``split_k`` (0: the heuristic's value of each); ``BLOCK_N`` divides 128."""
     validate(x, weight, weight_scale_inv)
     _check_dtype(x)
     from mla_compile.ops.triton.fp8_block_linear import _launch
 
-    return _triton_launch(x, _launch, (x, weight, weight_scale_inv, act_quant), block_m, block_n, num_warps,
-                          num_stages)
+    return _triton_launch(x, _launch, (x, weight, weight_scale_inv, act_quant, split_k or None), block_m, block_n,
+                          num_warps, num_stages)
 
 
 fp8_block_linear_triton_config.register_fake(lambda x, weight, weight_scale_inv, act_quant, *cfg:
