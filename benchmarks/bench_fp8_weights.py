@@ -8,7 +8,10 @@ Section "linear": ``mla::fp8_block_linear`` at DeepSeek-V3 shapes (q_a_proj 7168
 kv_a_proj_with_mqa 7168 -> 576, o_proj 128 x 128 -> 7168, one routed expert's gate_up 7168 -> 2 x 2048 and down
 2048 -> 7168) at M = 1, 16, 128, 1024, 4096 tokens, bf16 activations: backends "triton" (weight-only and with the
 activation quantized), "scaled-mm" (activation quantized: its only mode) and "reference", against a bf16
-``torch.mm`` of the dequantized weight. Weights are random bf16 quantized to 128 x 128 blocks (amax / 448, as
+``torch.mm`` of the dequantized weight; and ``backend="autotune"`` compiled (``torch.compile``, static shapes) with
+``mla_compile.lowerings`` installed (rows "fp8 autotune [act_quant]"): Inductor times the candidates the
+registry says serve the shape (our Triton launch configs; scaled-mm for act_quant) and emits the winner, named in
+the row's note and ``autotune_winner`` (each shape compiles afresh: a few seconds per row). Weights are random bf16 quantized to 128 x 128 blocks (amax / 448, as
 DeepSeek's checkpoints); where one weight would sit in L2, several weight sets rotate inside the timed call. Time:
 CUDA-graph replay per call (``bench_kernels.attempt``; "eager" = ``do_bench`` on the Python call). TB/s counts the
 weight bytes (fp8 codes + float32 scales, or bf16); TFLOP/s counts 2 M N K. ``err``: norm-relative error against a
@@ -209,6 +212,36 @@ def linear_case(a, dev, M: int, name: str, N: int, K: int) -> None:
         backend, note = ("reference", f"{note} [cpu: backend reference]") if cpu else (backend, note)
         row(impl, lambda i, b=backend, aq=aq: fp8_block_linear(x, *quant[i], act_quant=aq, backend=b), fp8_bytes,
             sets8, want_aq if aq else want, note=note)
+    for impl, aq in (("fp8 autotune", False), ("fp8 autotune act_quant", True)):
+        try:
+            call, winner = autotuned_linear(x, quant, aq)
+        except Exception as exc:
+            bk.ROWS.append({"group": group, "impl": impl, "error": f"{type(exc).__name__}: {exc}"[:300], "M": M,
+                            "proj": name, "N": N, "K": K})
+            print(f"  {impl:30s} FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        note = f"torch.compile + the autotune lowering: {winner}" + (" [cpu: nothing timed, static default]" if cpu
+                                                                     else "")
+        row(impl, call, fp8_bytes, sets8, want_aq if aq else want, note=note)
+        bk.ROWS[-1]["autotune_winner"] = winner
+
+
+def autotuned_linear(x, quant, act_quant: bool):
+    """``(call(i), winner)``: ``fp8_block_linear(backend="autotune")`` compiled (fullgraph, static shapes, Dynamo
+    reset first: every shape compiles afresh) and lowered by ``mla_compile.lowerings``, which times the candidates
+    the registry says serve this call on ``x``'s shapes and emits the winner; ``call(i)`` runs it on weight set
+    ``i``; ``winner``: the emitted candidate and its backend (or what ran without a lowering decision)."""
+    import mla_compile.lowerings  # noqa: F401  (installs the lowering)
+    from mla_compile.ops import _compile_log, fp8_block_linear
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, w, s: fp8_block_linear(a, w, s, act_quant=act_quant, backend="autotune"),
+                       fullgraph=True, dynamic=False)
+    before = _compile_log.mark()
+    fn(x, *quant[0])
+    recs = [r for r in _compile_log.records_since(before) if r.op == "mla::fp8_block_linear_autotune"]
+    winner = f"{recs[-1].winner} ({recs[-1].winner_backend})" if recs else "no autotune record"
+    return (lambda i: fn(x, *quant[i])), winner
 
 
 # ---------------------------------------------------------------------------------------------- section: decode
@@ -584,8 +617,9 @@ def decode_lines(args) -> list[str]:
 
 def short_table(args) -> list[str]:
     out = ["== short table", "linear, us per call (graph replay); last column: bf16 mm time / fp8 triton time"]
-    impls = ["bf16 torch.mm", "fp8 triton", "fp8 triton act_quant", "fp8 scaled-mm act_quant", "fp8 reference"]
-    heads = ["bf16 mm", "triton", "triton aq", "scaled-mm aq", "reference"]
+    impls = ["bf16 torch.mm", "fp8 triton", "fp8 triton act_quant", "fp8 scaled-mm act_quant", "fp8 reference",
+             "fp8 autotune", "fp8 autotune act_quant"]
+    heads = ["bf16 mm", "triton", "triton aq", "scaled-mm aq", "reference", "autotuned", "autotuned aq"]
     out.append(f"  {'proj':20s} {'M':>5s} " + " ".join(f"{h:>12s}" for h in heads) + f" {'bf16/triton':>11s}")
     cell = {(r.get("proj"), r.get("M"), r["impl"]): r for r in bk.ROWS}
     for proj, M in dict.fromkeys((r.get("proj"), r.get("M")) for r in bk.ROWS):

@@ -35,6 +35,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 
+FP8_LINEAR_AUTOTUNE = "mla::fp8_block_linear_autotune"  # the op whose autotune picks get a summary line
+
+
 @dataclass
 class GraphBreak:
     """One distinct graph break: a short ``reason``, how often Dynamo hit it, where, and the full text."""
@@ -244,6 +247,9 @@ class InspectReport:
             times = ", ".join(f"{k} {v:.3f} ms" if v is not None else f"{k} -" for k, v in a["timings_ms"].items())
             lines.append(f"  autotune {a['op']} {a['shapes']} {a['dtype']}: {a['winner']} ({a['winner_backend']})"
                          + (f" [{times}]" if times else ""))
+        picks = Counter(a["winner_backend"] for a in self.autotune if a["op"] == FP8_LINEAR_AUTOTUNE)
+        if picks:  # the fp8 linears of a model: one line of which backend the lowering picked, and how often
+            lines.append("  fp8 linear backend (autotuned): " + ", ".join(f"{b} x{n}" for b, n in picks.items()))
         lines.append(f"  fusion passes fired: {', '.join(f'{k} x{v}' for k, v in self.passes_fired.items()) or 'none'}")
         if self.passes_skipped:
             lines.append(f"  fusion sites left alone: {'; '.join(f'{k} x{v}' for k, v in self.passes_skipped.items())}")

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Candidate:
     """One autotune choice: ``name`` (a Python identifier, unique), the ``backend`` it belongs to and the
-    multi-output op ``op(*tensors, *scalars, *extra) -> (out, lse)`` (decode: ``q, kv_cache, block_table,
-    seq_lens, scale, kv_lora_rank``; prefill: ``q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal``)."""
+    op ``op(*tensors, *scalars, *extra) -> (out, lse)`` (decode: ``q, kv_cache, block_table, seq_lens, scale,
+    kv_lora_rank``; prefill: ``q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal``), or ``-> out`` (the fp8
+    linear: ``x, weight, weight_scale_inv[, offs], act_quant``)."""
 
     name: str
     backend: str
@@ -101,8 +102,8 @@ def _replayed(name: str, op, args: tuple):
 
 def extern_choice(cand: Candidate, scalar_names: tuple[str, ...]):
     """The ``ExternKernelChoice`` of ``cand`` (one per name per process: Inductor registers it by name);
-    its benchmark callable returns ``out`` only (``ExternKernelChoice`` times one output), from a CUDA-graph
-    replay on CUDA (``GRAPH_TIMING``)."""
+    its benchmark callable returns ``out`` only (``ExternKernelChoice`` times one output; an op with one
+    output returns it), from a CUDA-graph replay on CUDA (``GRAPH_TIMING``)."""
     from torch._inductor.select_algorithm import ExternKernelChoice
 
     choice = _CHOICES.get(cand.name)
@@ -111,9 +112,8 @@ def extern_choice(cand: Candidate, scalar_names: tuple[str, ...]):
 
         def bench(*tensors, **scalars):
             args = (*tensors, *(scalars[k] for k in scalar_names), *extra)
-            if GRAPH_TIMING[0] and tensors and tensors[0].is_cuda:
-                return _replayed(name, op, args)[0]
-            return op(*args)[0]
+            outs = _replayed(name, op, args) if GRAPH_TIMING[0] and tensors and tensors[0].is_cuda else op(*args)
+            return outs[0] if isinstance(outs, (tuple, list)) else outs
 
         bench.__name__ = cand.name
         lookup = getattr(ExternKernelChoice, "lookup", None)
@@ -190,11 +190,16 @@ def select(op_name: str, select_name: str, candidates: list[Candidate], tensors:
     return win
 
 
-def emit(op, tensors: tuple, scalars: tuple) -> tuple:
-    """``op(*tensors, *scalars)`` as a fallback kernel of the graph (its ``(out, lse)``)."""
+def _outputs(result):
+    """A fallback kernel's outputs: a tuple for a multi-output op, the one node for a single-output op."""
+    return tuple(result) if isinstance(result, (tuple, list)) else result
+
+
+def emit(op, tensors: tuple, scalars: tuple):
+    """``op(*tensors, *scalars)`` as a fallback kernel of the graph (its ``(out, lse)``, or its one output)."""
     from torch._inductor.lowering import fallback_handler
 
-    return tuple(fallback_handler(op, add_to_fallback_set=False)(*tensors, *scalars))
+    return _outputs(fallback_handler(op, add_to_fallback_set=False)(*tensors, *scalars))
 
 
 def select_and_emit(op_name: str, select_name: str, candidates: list[Candidate], tensors: tuple, scalars: dict,
@@ -221,7 +226,7 @@ def lower(op_name: str, op, args: tuple, device, find: Callable[[], list[Candida
             warn_once(warned, f"{type(e).__name__}", f"{op_name}: autotuning failed on torch {torch.__version__} "
                       f"({type(e).__name__}: {e}); using the static default backend instead")
         log.debug("%s autotune fell back", op_name, exc_info=True)
-    return tuple(fallback_handler(op, add_to_fallback_set=False)(*args))
+    return _outputs(fallback_handler(op, add_to_fallback_set=False)(*args))
 
 
 def install(op_name: str, op, lowering: Callable, warned: set[str]) -> bool:

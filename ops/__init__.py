@@ -15,6 +15,7 @@ from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401
 from mla_compile.ops import absorb as _absorb  # noqa: E402,F401  (registers mla::absorb_q, mla::absorb_out)
 from mla_compile.ops.fp4_block_linear import fp4_block_linear
 from mla_compile.ops.fp8_block_linear import fp8_block_linear
+from mla_compile.ops import fp8_block_linear_autotune as _fp8_block_linear_autotune  # noqa: E402,F401  (backend "autotune")
 from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states

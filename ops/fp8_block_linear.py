@@ -28,8 +28,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import check_tensor
 from mla_compile.ops._block_linear import check_x_and_offs, empty_output, pick_groups
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
-from mla_compile.ops.select import resolve
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, backends_for, declare, declare_op
+from mla_compile.ops.select import resolve, why_not_form
 
 OP = declare_op("fp8_block_linear", "mla.fp8_block_linear")
 BLOCK = 128
@@ -111,9 +111,11 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, *, act
     group with ``offs [E]`` int32 cumulative row ends (returns ``[R, N]``). ``backend``: None/"auto",
     "reference", "triton" or "scaled-mm". Raises ValueError for a backend that cannot run ``act_quant``/``offs``.
     """
-    if backend == "scaled-mm" and (not act_quant or offs is not None):
-        raise ValueError(f"{OP}: backend 'scaled-mm' runs 2-D weights with the activation quantized "
-                         f"(act_quant=True, no offs); got act_quant={act_quant}, offs given: {offs is not None}; "
+    spec = backends_for(OP).get(backend) if backend not in (None, "auto") else None
+    why = spec and why_not_form(spec, act_quant, weight.dim() == 3 or offs is not None, x.shape[-1])
+    if why:  # the registry's word on the call's form, before anything runs
+        raise ValueError(f"{OP}: backend {backend!r} cannot serve this call ({'; '.join(why)}); got "
+                         f"act_quant={act_quant}, weight {list(weight.shape)}, offs given: {offs is not None}; "
                          "use backend 'triton' or 'reference'")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]) if weight.dim() == 2 else x
@@ -134,7 +136,9 @@ def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=True, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel"),
+        gpu_tested=True, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel",
+                                  "fp8_block_linear_triton_config=triton (autotuned config)",
+                                  "fp8_block_linear_sorted_triton_config=triton (autotuned config)"),
         note="ours: fp8 codes and block scales read directly")
 
 
@@ -169,5 +173,6 @@ def _scaled_mm_available() -> bool:
 
 
 declare(OP, "scaled-mm", torch.ops.mla.fp8_block_linear_scaled_mm, rank=60, available=_scaled_mm_available,
-        dtypes=FLOATS, auto_skip="runs only act_quant=True 2-D weights with K a multiple of 128",
+        dtypes=FLOATS, act_quant_only=True, grouped=False, k_multiple=BLOCK, autotune=True,
+        auto_skip="runs only act_quant=True 2-D weights with K a multiple of 128",
         note="torch._scaled_mm with 1x128 / 128x128 scales")

@@ -61,7 +61,9 @@ class Backend:
     multiple of it; ``stride_align``: the cache's page and row strides are multiples of it (bytes of a
     uint8 cache); ``packed_rows``: rows are dense (row stride = row width). ``host_sync``: reads lengths on
     the host every call ("auto" skips it). ``gpu_tested``: passed its CUDA tests on a GPU ("auto" skips the
-    others). ``autotune``: a candidate of the Inductor autotune lowering. ``auto_skip``: why "auto" never
+    others). ``autotune``: a candidate of the Inductor autotune lowering.
+    The block linears' forms: ``act_quant_only`` (runs only with the activation quantized), ``grouped`` (serves
+    3-D weights and sorted groups), ``k_multiple`` (K must be a multiple of it). ``auto_skip``: why "auto" never
     picks it although it serves (empty: "auto" may). ``tiers``: a composite that runs ``backend`` for steps
     of at most ``rows`` query rows, ``((rows, backend), ..., (None, backend))``; its timing is its parts'.
     ``kernels``: names of ops and Triton kernels that belong to this backend (``mla-compile inspect``),
@@ -96,6 +98,9 @@ class Backend:
     package: str | None = None
     gpu_tested: bool = False
     autotune: bool = False
+    act_quant_only: bool = False
+    grouped: bool = True
+    k_multiple: int | None = None
     auto_skip: str = ""
     tiers: tuple[tuple[int | None, str], ...] = ()
     kernels: tuple[str, ...] = ()

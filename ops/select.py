@@ -44,6 +44,9 @@ class Facts:
     packed_rows: bool | None = None
     batch: int | None = None
     context: int | None = None
+    act_quant: bool | None = None
+    grouped: bool | None = None
+    k: int | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,19 @@ def _why_not_cache(spec: Backend, f: Facts) -> list[str]:
     return why
 
 
+def why_not_form(spec: Backend, act_quant: bool | None, grouped: bool | None, k: int | None) -> list[str]:
+    """Why ``spec`` (a block linear's backend) cannot serve a call of this form: ``act_quant`` (the activation
+    quantized), ``grouped`` (a 3-D weight or sorted groups), ``k`` (the reduction dim); None: unknown."""
+    why = []
+    if spec.act_quant_only and act_quant is False:
+        why.append("runs only act_quant=True (the activation quantized per 1 x 128 group)")
+    if not spec.grouped and grouped:
+        why.append("runs 2-D weights only (no grouped / offs form)")
+    if spec.k_multiple and k is not None and k % spec.k_multiple:
+        why.append(f"K {k} not a multiple of {spec.k_multiple}")
+    return why
+
+
 def cache_layout(strides, row_width) -> tuple[int, bool]:
     """``(align, packed)`` of a paged cache ``[NB, BS, W]`` from its strides: the largest power of two up to
     256 dividing the page and row strides (0 when rows are not contiguous), and whether rows are dense.
@@ -130,6 +146,7 @@ def why_not(spec: Backend, f: Facts) -> str | None:
         why.append(f"query_len {f.query_len} > 1 not supported")
     if f.sparse and not spec.sparse:
         why.append("no sparse (index-list) path")
+    why += why_not_form(spec, f.act_quant, f.grouped, f.k)
     if f.need_lse and not spec.lse:
         why.append("returns no LSE and the caller needs it")
     if spec.needs_plan and not f.planned:
@@ -333,4 +350,4 @@ def requested_in(op: str, parsed: dict[str, str]) -> str:
 
 
 __all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "describe", "facts_for", "parse_backend_spec",
-           "requested_in", "resolve", "select", "static_int", "why_not"]
+           "requested_in", "resolve", "select", "static_int", "why_not", "why_not_form"]

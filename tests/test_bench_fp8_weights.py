@@ -16,7 +16,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPLS = ("bf16 torch.mm", "fp8 triton", "fp8 triton act_quant", "fp8 scaled-mm act_quant", "fp8 reference")
+IMPLS = ("bf16 torch.mm", "fp8 triton", "fp8 triton act_quant", "fp8 scaled-mm act_quant", "fp8 reference",
+         "fp8 autotune", "fp8 autotune act_quant")
 PROJS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "expert gate_up", "expert down")
 
 
@@ -39,6 +40,8 @@ def test_bench_fp8_weights_cpu_smoke(tmp_path):
         assert r["us"] > 0 and r["gbs"] > 0
         # float32 math, bf16 output: within a few bf16 roundings of the float64 product of the row's contract
         assert r["err"] < 1e-2, (key, r)
+        if r["impl"].startswith("fp8 autotune"):  # CPU: no candidates, the compiled call runs the static default
+            assert r["autotune_winner"] == "no autotune record", r
         if "act_quant" in r["impl"]:  # the activation's e4m3 rounding shows against the unrounded product
             assert r["err_real"] > 3 * r["err"], (key, r)
         else:
@@ -83,6 +86,9 @@ def test_bench_fp8_weights_cuda_tiny(tmp_path):
     for r in data["linear"]:
         assert "error" not in r and r["us"] > 0 and r["err"] < 1e-2, r
     assert len(data["linear"]) == len(PROJS) * 2 * len(IMPLS)
+    for r in data["linear"]:  # the compiled autotune rows name the candidate the lowering emitted
+        if r["impl"].startswith("fp8 autotune"):
+            assert r["autotune_winner"].endswith(("(triton)", "(scaled-mm)")), r
     assert data["decode"]["models"]["fp8"]["fp8_linear_backend"] == "triton"
     rows = data["decode"]["rows"]
     assert len(rows) == 2 * 2 * 2

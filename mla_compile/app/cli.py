@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--fresh", action="store_true",
                       help="disable Inductor's caches so every graph is compiled and dumped in full")
     insp.add_argument("--lowerings", action="store_true",
-                      help="import mla_compile.lowerings, run the MLA fusion passes and autotune the decode "
-                      "(backend decode=autotune unless --backend is given); the report lists passes and choices")
+                      help="import mla_compile.lowerings, run the MLA fusion passes and autotune the decode and "
+                      "any fp8 linears (backend decode=autotune,fp8_block_linear=autotune unless --backend is "
+                      "given); the report lists passes and choices")
     sub.add_parser("doctor", help="versions, the GPU, every attention backend (available or why not) and the "
                    "selector's choice for DeepSeek-V2-Lite and V3 shapes",
                    description="Print torch/triton/CUDA versions, the GPU, every decode/prefill/merge backend with "
@@ -248,7 +249,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         import mla_compile.lowerings as lowerings  # registers the autotuned decode lowering
 
         options = lowerings.compile_options(True)
-        backend = backend or "decode=autotune"
+        backend = backend or "decode=autotune,fp8_block_linear=autotune"
     setup = build_demo(args.model, layers=args.layers, num_prompts=args.batch + 1,
                        max_new_tokens=args.max_new_tokens, block_size=args.block_size, device=args.device,
                        dtype=_dtype(args.dtype), seed=args.seed, backend=backend)

@@ -108,6 +108,24 @@ class FP8Experts(nn.Module):
         return combine_sorted(self._linear(h, "down_proj", offs), order, weights)
 
 
+def apply_backend_spec(model: nn.Module, spec: str | dict[str, str] | None) -> int:
+    """Give every fp8 module of ``model`` (:class:`FP8BlockLinear` and its subclasses, :class:`FP8Experts`) whose
+    ``backend`` is None the backend ``spec`` asks for ``fp8_block_linear`` (a per-op entry such as
+    ``"fp8_block_linear=autotune"``; None: ``MLA_COMPILE_BACKEND``); "auto" leaves them as they are. Returns how
+    many modules were set."""
+    from mla_compile.backends import requested_for
+
+    name = requested_for("fp8_block_linear", spec)
+    if name == "auto":
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (FP8BlockLinear, FP8Experts)) and module.backend is None:
+            module.backend = name
+            count += 1
+    return count
+
+
 class FP8GroupedLinear(FP8BlockLinear):
     """DeepSeek-V4's block-diagonal grouped projection (HF ``DeepseekV4GroupedLinear``, the attention's
     ``o_a_proj``) over fp8 blocks: ``weight [G * R, K]`` float8_e4m3fn with ``weight_scale_inv [G * R / 128,

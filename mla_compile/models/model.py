@@ -13,6 +13,7 @@ from mla_compile import envs
 from mla_compile.models.attention import MLAAttention
 from mla_compile.models.cache import allocate_index_cache, allocate_latent_cache
 from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
+from mla_compile.models.fp8_linear import apply_backend_spec
 from mla_compile.models.metadata import MLAMetadata
 from mla_compile.models.moe import MLAMoE
 from mla_compile.models.rope import default_inv_freq, rope_cos_sin
@@ -150,7 +151,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     Every layer's ``self_attn`` becomes an :class:`MLAAttention` and every MoE ``mlp`` an
     :class:`MLAMoE`, both sharing the HF weights. Returns the :class:`MLAForCausalLM` to run; the HF
     model's own ``forward`` is not usable afterwards. ``backend`` picks the attention ops' backend
-    (default: ``MLA_COMPILE_BACKEND`` or "auto").
+    (default: ``MLA_COMPILE_BACKEND`` or "auto"); its ``fp8_block_linear=NAME`` entry also sets the fp8 linears'
+    (``FP8BlockLinear`` / ``FP8Experts`` without a backend of their own; e.g. ``"fp8_block_linear=autotune"``).
 
     ``regional_compile``: run each dense-attention layer as nested compile regions, so ``torch.compile`` compiles
     a layer once for all layers of its shape (see :meth:`MLAForCausalLM.forward`; V2/V3 models, unsharded).
@@ -180,6 +182,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     if regional_compile and (parallel is not None or is_v4_model(getattr(hf_model, "config", None))):
         raise NotImplementedError("patch(regional_compile=True) serves unsharded V2/V3/V3.2 models so far: pass "
                                   "parallel=None, or regional_compile=False")
+    apply_backend_spec(hf_model, backend)  # fp8 linears: "fp8_block_linear=NAME" (sharding copies it)
     if parallel is not None:
         if is_v4_model(getattr(hf_model, "config", None)):
             raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "

@@ -116,6 +116,15 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s
     return acc
 
 
+def _wrap(kernel):
+    """``wrap_triton(kernel)``; under Triton's interpreter (CPU tests) the kernel itself: torch 2.11's ``wrap_triton``
+    refuses an interpreted function (2.13 accepts it), and an interpreted launch is never traced."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
+
+
 def _config(M: int, ieee: bool) -> dict:
     """Tiles and launch options. fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps
     and one stage keep them from spilling (sm_90 compile at 2 stages: 144 B of stack)."""
@@ -125,8 +134,21 @@ def _config(M: int, ieee: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
 
 
-def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool, offs: Tensor) -> Tensor:
-    """Sorted-groups kernel path: ``x [R, K]`` with ``offs [E]`` cumulative row ends -> ``[R, N]``."""
+def _config_with(M: int, ieee: bool, config: dict | None) -> dict:
+    """:func:`_config` with the entries of ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) in
+    its place; ``BLOCK_N`` must divide 128 (a tile's rows share one weight-scale row) and ``BLOCK_M`` be at least 16."""
+    cfg = _config(M, ieee)
+    cfg.update(config or {})
+    if 128 % cfg["BLOCK_N"] or cfg["BLOCK_M"] < 16 or cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
+        raise ValueError(f"mla.fp8_block_linear: Triton config needs BLOCK_N dividing 128 and BLOCK_M a power of two "
+                         f">= 16; got BLOCK_M={cfg['BLOCK_M']}, BLOCK_N={cfg['BLOCK_N']}")
+    return cfg
+
+
+def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool, offs: Tensor,
+                   config: dict | None = None) -> Tensor:
+    """Sorted-groups kernel path: ``x [R, K]`` with ``offs [E]`` cumulative row ends -> ``[R, N]``; ``config``
+    overrides the launch parameters (:func:`_config_with`)."""
     E, N, K = weight.shape
     R = x.shape[0]
     y = torch.empty(R, N, dtype=x.dtype, device=x.device)
@@ -136,9 +158,9 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quan
     w = last_dim_contiguous(weight).view(torch.uint8)
     s = last_dim_contiguous(weight_scale_inv)
     cu = torch.cat([offs.new_zeros(1), offs])
-    cfg = _config(R, x.dtype == torch.float32)
+    cfg = _config_with(R, x.dtype == torch.float32, config)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
-    wrap_triton(_fp8_sorted_kernel)[grid](
+    _wrap(_fp8_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, K, triton.cdiv(K, 128), E,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
         ACT_QUANT=act_quant, CHUNK=128, **cfg,
@@ -160,9 +182,10 @@ def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
 
 
 def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
-            split: int | None = None) -> Tensor:
+            split: int | None = None, config: dict | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices
-    (None: :func:`split_k`'s choice), summed in float32 in slice order."""
+    (None: :func:`split_k`'s choice), summed in float32 in slice order; ``config`` overrides the launch
+    parameters (:func:`_config_with`)."""
     grouped = weight.dim() == 3
     w3 = weight if grouped else weight[None]
     s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
@@ -175,7 +198,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
         y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    cfg = _config(M, x.dtype == torch.float32)
+    cfg = _config_with(M, x.dtype == torch.float32, config)
     kb = triton.cdiv(K, 128)
     m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
     if split is None:
@@ -187,7 +210,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     else:  # float32 slices, added below in a fixed order
         y = torch.empty(split, E, M, N, dtype=torch.float32, device=x.device)
     grid = (m_tiles * split, n_tiles, E)
-    wrap_triton(_fp8_linear_kernel)[grid](
+    _wrap(_fp8_linear_kernel)[grid](
         x3, w3, s3, y, M, N, K, kb, kb_per, y.stride(0),
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
         ACT_QUANT=act_quant, SPLIT_K=split, **cfg,
