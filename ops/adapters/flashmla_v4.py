@@ -204,6 +204,6 @@ def _(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_f
 
 declare(OP, BACKEND, torch.ops.mla.v4_attention_flashmla, rank=20, available=available, dtypes=DTYPES,
         cache_dtypes=DTYPES, head_dims=((HEAD_DIM,),), stride_align=8, min_capability=SM90, max_capability=SM90,
-        package="sgl-flash-mla", gpu_tested=False, kernels=("_v4_finish_kernel=flashmla (adapter boundary)",),
+        package="sgl-flash-mla", gpu_tested=True, kernels=("_v4_finish_kernel=flashmla (adapter boundary)",),
         note="FlashMLA's sparse kernel (flash_mla_sparse_fwd, sm90): window and compressed lists as two calls "
              "merged by LSE (one call with attn_sink when one list serves), heads padded to 64 / 128")
