@@ -29,7 +29,7 @@ from mla_compile.graphs.cuda_graph import DecodeGraphRunner  # noqa: E402
 from mla_compile.models.model import patch  # noqa: E402
 from mla_compile.models.v4_model import V4Sequences  # noqa: E402
 from mla_compile.serving.admission import RequestRejected  # noqa: E402
-from mla_compile.serving.engine import Engine  # noqa: E402
+from mla_compile.serving.engine import Engine, StepFailed  # noqa: E402
 from mla_compile.serving.sampling import SamplingParams, sample_rows  # noqa: E402
 from mla_compile.serving.v4_blocks import V4BlockManager  # noqa: E402
 from mla_compile.serving.v4_builder import V4DecodeBuilder  # noqa: E402
@@ -250,6 +250,35 @@ def test_prefix_hits_ending_mid_window_equal_the_no_cache_run(model64, overlap):
     assert [r.alloc.cached_tokens for r in got] == [0, 24, 32, 0, 32, 0]
     assert eng.blocks.snapshots  # kept for later requests
     assert got[0].output == alone(model64, ps[0], params[0])
+
+
+def test_a_failed_read_under_overlap_forgets_the_v4_prefix_blocks_and_snapshot_its_launch_made(model64):
+    """Overlap registers a V4 prompt chunk's blocks and state snapshot at launch. When reading that step's tokens
+    fails (an asynchronous device error), a request admitted meanwhile on a hit of that snapshot fails with it,
+    and neither the blocks nor the snapshot are found later: the same prompt is computed afresh, as alone."""
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("injected asynchronous error")
+
+    (p,) = prompts(13, [16])
+    eng = v4_engine(model64, num_blocks=60, num_entry=30, max_seqs=8, enable_prefix_caching=True, overlap=True)
+    a = eng.add_request(p, 4)
+    copy = eng._host_tokens.copy
+    eng._host_tokens.copy = lambda tokens: (copy(tokens)[0], Broken())
+    eng.step()  # launches p's first chunk (it ends at 8: blocks and a snapshot findable now)
+    eng._host_tokens.copy = copy
+    m = eng.blocks
+    assert len(m.snapshots) == 1 and m.tokens.cached
+    b = eng.add_request(p[:10] + [1, 2], 4)
+    with pytest.raises(StepFailed) as info:
+        eng.step()  # admits b on the snapshot, launches it, then meets the error reading the first step
+    assert eng.requests[b].alloc.cached_tokens == 8 and sorted(info.value.request_ids) == [a, b]
+    assert not m.snapshots and not m.tokens.cached and not any(e.cached for e in m.entries.values())
+    c = eng.add_request(p, 4)
+    eng.run()
+    assert eng.requests[c].alloc.cached_tokens == 0
+    assert eng.requests[c].output == alone(model64, p, SamplingParams(max_new_tokens=4))
 
 
 def test_prefix_cache_snapshots_make_room_for_running_requests(model64):
