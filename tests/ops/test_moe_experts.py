@@ -147,3 +147,25 @@ def test_errors_name_the_argument(change, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ops.moe_experts(a["x"], a["weights"], a["ids"], a["gate_up"], a["down"], shared_gate=a["shared_gate"],
                         shared_up=a["shared_up"], shared_down=a["shared_down"])
+
+
+def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
+    """On an (assumed) H200 with both backends GPU-tested, "auto" is the split: the fused kernels up to
+    FUSED_MAX_TOKENS tokens, the grouped GEMMs above; without a GPU-tested fused kernel, grouped."""
+    import dataclasses
+
+    from mla_compile.ops import select
+    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS, auto_backend
+    from mla_compile.ops.registry import _TABLE, parse_split, split_part
+
+    monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
+    table = _TABLE["moe_experts"]
+    for name in ("triton", "grouped"):
+        monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
+    split = auto_backend("cuda", "bfloat16")
+    tiers = parse_split(split)
+    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS) == "triton"
+    assert split_part(tiers, FUSED_MAX_TOKENS + 1) == "grouped"
+    assert auto_backend("cuda", "float32") == "triton"  # grouped runs bf16 only
+    monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
+    assert auto_backend("cuda", "bfloat16") == "grouped"
