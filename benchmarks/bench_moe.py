@@ -1,6 +1,6 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
 (hidden 7168, moe_intermediate 2048, 256 experts top-8, 1 shared), random bf16 weights, tokens T = 1, 8, 64,
@@ -15,7 +15,8 @@ and the routing alone: ``moe_route(backend="triton")`` (one kernel) vs the same 
 Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 4 input sets whose routed
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
-must read. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
+must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``) for up
+to 8 tokens, each checked against the default config's output. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ from mla_compile.models.moe import experts_dense  # noqa: E402
 from mla_compile.ops import moe_experts, moe_route  # noqa: E402
 from mla_compile.ops.moe_experts import auto_backend  # noqa: E402
 from mla_compile.ops.moe_route import route_math  # noqa: E402
+from mla_compile.ops.triton import moe_experts as tmoe  # noqa: E402
+
+SWEEP = False
+# (gate_up_tile, down_tile, waves, num_warps)
+SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
+                 (4096, 2048, 1, 4))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
@@ -102,6 +109,8 @@ def case(name, T):
                 F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
 
     bk.attempt(group, "fused triton", run("triton"), flops, nbytes, note, rep_ms=100, sets=SETS)
+    if SWEEP and T <= 8:
+        sweep(group, sets, shared, gate_up, down, flops, nbytes)
     bk.attempt(group, "grouped", run("grouped"), flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
@@ -124,6 +133,31 @@ def case(name, T):
     bk.attempt(group, "route torch (eager)", route_torch, 0, T * E * 4, rep_ms=100, sets=SETS)
 
 
+def sweep(group, sets, shared, gate_up, down, flops, nbytes):
+    """Time the fused kernels under each of ``SWEEP_CONFIGS``, each checked against the default config."""
+    (x, w, ids), (sg, su, sd) = sets[0], shared[0]
+
+    def call():
+        return moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                           out_float32=True, backend="triton")
+
+    def all_sets():
+        for (xs, ws, ids_s), (g, u, d) in zip(sets, shared):
+            moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton")
+
+    default = dict(tmoe.CONFIG)
+    want = call().double()
+    try:
+        for gu_tile, dn_tile, waves, warps in SWEEP_CONFIGS:
+            tmoe.CONFIG.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
+            err = float((call().double() - want).norm() / want.norm())
+            bk.attempt(group, f"fused gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
+                       f"rel diff to default {err:.1e}", rep_ms=100, sets=SETS)
+    finally:
+        tmoe.CONFIG.clear()
+        tmoe.CONFIG.update(default)
+
+
 def table() -> str:
     """Microseconds per call: one line per (dims, T), one column per implementation."""
     impls = ["fused triton", "grouped", "dense", "auto", "route triton", "route torch (eager)"]
@@ -140,7 +174,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
+    ap.add_argument("--sweep", action="store_true", help="also time the fused kernels' launch configs (T <= 8)")
     args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
     sections = [lambda n=n, t=t: case(n, t) for n in args.dims.split(",") for t in map(int, args.tokens.split(","))]

@@ -35,7 +35,7 @@ from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, d
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts", "mla.moe_experts")
-FUSED_MAX_TOKENS = 16  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above
+FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above
 
 
 def validate(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
@@ -177,7 +177,7 @@ declare(OP, "grouped", torch.ops.mla.moe_experts_grouped, rank=60, available=_gr
 def moe_experts_split(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                       shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
                       out_float32: bool, tiers: str, plan_id: int) -> Tensor:
-    """``mla::moe_experts`` through the part of ``tiers`` (``"triton:16/grouped"``) whose token bound covers T."""
+    """``mla::moe_experts`` through the part of ``tiers`` (``"triton:8/grouped"``) whose token bound covers T."""
     return run_split_part(OP, tiers, x.shape[0],
                           (x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32), plan_id)
 

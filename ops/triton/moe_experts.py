@@ -3,11 +3,11 @@
 Rows are (token, slot) pairs, slot ``j < k`` the j-th pick of the token and ``j >= k`` the shared expert
 ``j - k`` (a ``[I]``-wide slice of the shared MLP, weight 1). Kernel 1, grid (rows, I tiles): one
 program computes ``BLOCK_N`` columns of the row's gate and up products over all of H (a GEMV on the
-expert's rows; few tokens make tensor cores idle anyway) and stores ``silu(g) * u`` in x's dtype. Kernel 2,
-grid (tokens, H tiles): one program loops over its token's slots in order, computes the ``BLOCK_H``
-outputs of each slot's down projection and adds them with the slot's weight in float32: no atomics, the
-same sum order every run. The routed and shared weights live in different tensors; a slot's base
-pointer and row stride are selected with ``tl.where`` (no branch).
+expert's rows; few tokens make tensor cores idle anyway) and stores ``silu(g) * u`` in x's dtype; the
+routed and shared weights live in different tensors, so a row's base pointer and row stride are selected
+with ``tl.where`` (no branch). Kernel 2, grid (tokens, H tiles): one program computes ``BLOCK_H`` outputs
+of its token, walking I in chunks and, per chunk, every slot (unrolled: k and the slot count are
+compile-time constants) with the slot's weight, in float32: no atomics, the same sum order every run.
 """
 
 from __future__ import annotations
@@ -61,37 +61,44 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr,
-    H, I, K, SLOTS,
+    H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(0, SLOTS):
-        routed = j < K
-        e = tl.load(ids_ptr + t * s_ids + j, mask=routed, other=0).to(tl.int64)
-        weight = tl.load(w_ptr + t * s_w + j, mask=routed, other=1.0).to(tl.float32)
-        base = tl.where(routed, dn_ptr + e * s_de, sd_ptr + (j - K).to(tl.int64) * I)
-        stride = tl.where(routed, s_dh, s_sd).to(tl.int64)
-        rows = base + offs_h.to(tl.int64) * stride
-        a_row = h_ptr + (t * SLOTS + j) * s_h
-        part = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < I
-            a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(rows[:, None] + k[None, :], mask=h_ok[:, None] & k_ok[None, :], other=0.0)
-            part += tl.sum(w.to(tl.float32) * a, axis=1)
-        acc += weight * part
+    # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
+    # together (memory-level parallelism); the sum order is fixed by the code, the same every run
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        m = h_ok[:, None] & k_ok[None, :]
+        for j in tl.static_range(SLOTS):
+            if j < K:
+                e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
+                weight = tl.load(w_ptr + t * s_w + j)
+                rows = dn_ptr + e * s_de + offs_h.to(tl.int64) * s_dh
+            else:
+                weight = 1.0
+                rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
+            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += weight * tl.sum(w * a[None, :], axis=1)
     tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+# Launch parameters (a benchmark may swap them; each config is checked against the reference there).
+# ``tile``: elements of a program's weight tile per load step (BLOCK_N * BLOCK_K, BLOCK_H * BLOCK_K); ``waves``:
+# the widest output tile (16, 8 or 4) is taken that still gives every SM this many programs.
+CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=2, num_warps=4)
+
+
 def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
-    """The widest tile (16, 8 or 4 outputs) that still gives every SM two programs."""
+    """The widest tile (16, 8 or 4 outputs) that still gives every SM ``CONFIG["waves"]`` programs."""
     for block in (16, 8):
-        if programs_per_tile * triton.cdiv(width, block) >= 2 * num_sms(device):
+        if programs_per_tile * triton.cdiv(width, block) >= CONFIG["waves"] * num_sms(device):
             return block
     return 4
 
@@ -115,17 +122,19 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     else:  # never read (every slot is routed); any pointers of the right type
         sg, su, sd = gate_up, gate_up, down
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
+    wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
     block_n = _blocks(T * slots, I, x.device)
     wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
         x, ids, gate_up, sg, su, h, H, I, K, slots,
         x.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
-        BLOCK_N=block_n, BLOCK_K=256 if x.dtype != torch.float32 else 128, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_tile"] // block_n // wide, num_warps=CONFIG["num_warps"],
     )
     block_h = _blocks(T, H, x.device)
     wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
-        h, weights, ids, down, sd, out, H, I, K, slots,
+        h, weights, ids, down, sd, out, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
-        BLOCK_H=block_h, BLOCK_K=256 if x.dtype != torch.float32 else 128, num_warps=4,
+        K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=CONFIG["down_tile"] // block_h // wide,
+        num_warps=CONFIG["num_warps"],
     )
     return out
 
