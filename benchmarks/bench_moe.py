@@ -16,7 +16,8 @@ Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``) for up
-to 8 tokens, each checked against the default config's output. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
+to 8 tokens, each checked against the default config's output. Writes ``bench_moe.json`` and ``bench_moe.txt``
+under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
