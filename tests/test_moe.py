@@ -63,3 +63,77 @@ def test_grouped_experts_match_dense_float64_with_fp32_combine():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     assert not torch.equal(got.double(), torch.zeros_like(want))
+
+
+@pytest.mark.parametrize("kind", toy.KINDS)
+def test_fused_moe_matches_hf_block_and_keeps_the_state_dict(kind):
+    """impl="fused" (the mla::moe_route / mla::moe_experts ops, their references on CPU) against HF's block;
+    the shared experts fold into the experts op, and no state-dict key or tensor changes."""
+    hf = toy.toy_hf_model(kind, seed=3)
+    block = hf.model.layers[1].mlp
+    ref = copy.deepcopy(block)
+    if kind == "v3":
+        with torch.no_grad():
+            block.gate.e_score_correction_bias.copy_(torch.randn(block.gate.e_score_correction_bias.shape) * 0.3)
+            ref.gate.e_score_correction_bias.copy_(block.gate.e_score_correction_bias)
+    moe = MLAMoE(block, impl="fused")
+    assert moe.fold_shared
+    assert moe.state_dict().keys() == block.state_dict().keys()
+    assert all(moe.state_dict()[k].data_ptr() == v.data_ptr() for k, v in block.state_dict().items())
+    x = torch.randn(37, hf.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), ref(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", toy.KINDS)
+def test_compiled_fused_moe_equals_dense(kind, dtype):
+    hf = toy.toy_hf_model(kind, seed=6, dtype=dtype)
+    block = hf.model.layers[1].mlp
+    fused = torch.compile(MLAMoE(block, impl="fused"), fullgraph=True)
+    x = torch.randn(5, hf.config.hidden_size).to(dtype)
+    with torch.no_grad():
+        want = MLAMoE(block, impl="dense")(x)
+        got = fused(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_fused_rejects_experts_it_cannot_run():
+    hf = toy.toy_hf_model("v2-lite", seed=0)
+    block = hf.model.layers[1].mlp
+    block.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match="SiLU"):
+        MLAMoE(block, impl="fused")
+    assert not MLAMoE(block).fusable  # "auto" keeps the other paths
+
+
+def test_shared_experts_that_do_not_fold_run_beside_the_op():
+    hf = toy.toy_hf_model("v3", seed=2)
+    block = hf.model.layers[1].mlp
+    ref = copy.deepcopy(block)
+    block.shared_experts.act_fn = torch.nn.Tanh()  # not SiLU: cannot join the experts op
+    ref.shared_experts.act_fn = torch.nn.Tanh()
+    moe = MLAMoE(block, impl="fused")
+    assert not moe.fold_shared
+    x = torch.randn(6, hf.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), ref(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", toy.KINDS)
+def test_greedy_tokens_with_fused_moe_equal_dense(kind):
+    from mla_compile.models.model import patch
+    from mla_compile.serving.generate import greedy_generate
+
+    prompts = toy.random_prompts(torch.Generator().manual_seed(1), [5, 8])
+    runs = {}
+    for impl in ("dense", "fused"):
+        model = patch(toy.toy_hf_model(kind, seed=7, num_hidden_layers=2), moe_impl=impl)
+        model.allocate_cache(16, 4, fill=float("nan"))
+        runs[impl] = greedy_generate(model, prompts, 4, block_size=4, num_blocks=16, keep_logits=True,
+                                     dynamic=False)
+    assert runs["fused"].tokens == runs["dense"].tokens
+    for a, b in zip(runs["fused"].step_logits, runs["dense"].step_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

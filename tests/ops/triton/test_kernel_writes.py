@@ -26,6 +26,9 @@ WRITES = {
     "_prefill_kernel": ["lse_ptr", "o_ptr"],
     "_gather_kernel": ["out_ptr"],
     "_merge_kernel": ["lse_ptr", "out_ptr"],
+    "_moe_route_kernel": ["ids_ptr", "w_ptr"],
+    "_moe_gate_up_kernel": ["h_ptr"],
+    "_moe_down_kernel": ["out_ptr"],
 }
 
 

@@ -1,0 +1,194 @@
+"""Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
+
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep]
+
+DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
+(hidden 7168, moe_intermediate 2048, 256 experts top-8, 1 shared), random bf16 weights, tokens T = 1, 8, 64,
+256. Every row runs the routed *and* shared experts of the layer, output in bf16:
+- "fused triton": ``moe_experts(backend="triton")``, reads only the routed experts' rows (the shared ones
+  folded in as weight-1 slots), two kernels;
+- "grouped": ``moe_experts(backend="grouped")``, tokens sorted by expert through ``torch._grouped_mm`` (what
+  ``MLAMoE`` ran before), plus the shared MLP as three linears;
+- "dense": every expert on every token (``models.moe.experts_dense``) plus the shared MLP;
+- "auto": what ``moe_experts``'s "auto" runs here (its choice in the note);
+and the routing alone: ``moe_route(backend="triton")`` (one kernel) vs the same math in eager torch.
+Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 4 input sets whose routed
+experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
+come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
+must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``) for up
+to 8 tokens, each checked against the default config's output. Writes ``bench_moe.json`` and ``bench_moe.txt``
+under ``--out``; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402  (graph_ms, attempt, ceilings, run_sections)
+
+import mla_compile  # noqa: E402,F401
+from mla_compile.models.moe import experts_dense  # noqa: E402
+from mla_compile.ops import moe_experts, moe_route  # noqa: E402
+from mla_compile.ops.moe_experts import auto_backend  # noqa: E402
+from mla_compile.ops.moe_route import route_math  # noqa: E402
+from mla_compile.ops.triton import moe_experts as tmoe  # noqa: E402
+
+SWEEP = False
+# (gate_up_tile, down_tile, waves, num_warps)
+SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
+                 (4096, 2048, 1, 4))
+
+DEV, SETS = "cuda", 4
+# name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
+DIMS = {"v2-lite": (2048, 1408, 64, 6, 2, (1, 1, "softmax")), "v3": (7168, 2048, 256, 8, 1, (8, 4, "sigmoid"))}
+
+
+_WEIGHTS: dict = {}
+
+
+def _weights(H, I, E, S):
+    """Random bf16 ``(gate_up, down, [SETS copies of the shared weights])``, kept for the next T of these dims."""
+    key = (H, I, E, S)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        torch.cuda.empty_cache()
+        _WEIGHTS[key] = _new_weights(H, I, E, S)
+    return _WEIGHTS[key]
+
+
+def _new_weights(H, I, E, S):
+    gate_up = torch.empty(E, 2 * I, H, device=DEV, dtype=torch.bfloat16)
+    down = torch.empty(E, H, I, device=DEV, dtype=torch.bfloat16)
+    for e in range(0, E, 16):  # chunks bound the float32 temporaries
+        gate_up[e:e + 16] = torch.randn(gate_up[e:e + 16].shape, device=DEV) * H ** -0.5
+        down[e:e + 16] = torch.randn(down[e:e + 16].shape, device=DEV) * I ** -0.5
+    shared = [tuple((torch.randn(*shape, device=DEV) * 0.02).bfloat16()
+                    for shape in ((S * I, H), (S * I, H), (H, S * I))) for _ in range(SETS)]
+    return gate_up, down, shared
+
+
+def _sets(T, H, E, k, seed):
+    """``SETS`` inputs ``(x, weights, ids)``; with one token the sets pick disjoint experts when E allows."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    perm = torch.randperm(E, device=DEV, generator=gen)
+    out = []
+    for s in range(SETS):
+        if T == 1 and SETS * k <= E:
+            ids = perm[s * k:(s + 1) * k][None]
+        else:
+            ids = torch.stack([torch.randperm(E, device=DEV, generator=gen)[:k] for _ in range(T)])
+        out.append((torch.randn(T, H, device=DEV).bfloat16(), torch.rand(T, k, device=DEV) + 0.1, ids.int()))
+    return out
+
+
+def case(name, T):
+    H, I, E, k, S, (G, TG, scoring) = DIMS[name]
+    group = f"{name} T={T}"
+    print(group, flush=True)
+    gate_up, down, shared = _weights(H, I, E, S)
+    sets = _sets(T, H, E, k, seed=T)
+    hit = sum(int(torch.unique(ids).numel()) for _, _, ids in sets) / SETS
+    nbytes = (hit + S) * 3 * H * I * 2
+    flops = 2 * T * (k + S) * 3 * H * I
+    note = f"{hit:.0f} experts hit"
+
+    def run(backend):
+        def fn():
+            for (x, w, ids), (sg, su, sd) in zip(sets, shared):
+                moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd, backend=backend)
+        return fn
+
+    def dense():
+        for (x, w, ids), (sg, su, sd) in zip(sets, shared):
+            experts_dense(x, w, ids.long(), gate_up, down, F.silu).to(x.dtype) + F.linear(
+                F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
+
+    bk.attempt(group, "fused triton", run("triton"), flops, nbytes, note, rep_ms=100, sets=SETS)
+    if SWEEP and T <= 8:
+        sweep(group, sets, shared, gate_up, down, flops, nbytes)
+    bk.attempt(group, "grouped", run("grouped"), flops, nbytes, note, rep_ms=100, sets=SETS)
+    bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
+    bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
+               rep_ms=100, sets=SETS)
+
+    logits = [torch.randn(T, E, device=DEV) for _ in range(SETS)]
+    bias = torch.randn(E, device=DEV) * 0.1 if scoring == "sigmoid" else None
+    args = (bias, k, G, TG, scoring, scoring == "sigmoid", 2.5)
+
+    def route_triton():
+        for z in logits:
+            moe_route(z, k, bias=bias, num_group=G, topk_group=TG, scoring=scoring, renormalize=args[5],
+                      scaling=2.5, backend="triton")
+
+    def route_torch():
+        for z in logits:
+            route_math(z, *args)
+
+    bk.attempt(group, "route triton", route_triton, 0, T * E * 4, rep_ms=100, sets=SETS)
+    bk.attempt(group, "route torch (eager)", route_torch, 0, T * E * 4, rep_ms=100, sets=SETS)
+
+
+def sweep(group, sets, shared, gate_up, down, flops, nbytes):
+    """Time the fused kernels under each of ``SWEEP_CONFIGS``, each checked against the default config."""
+    (x, w, ids), (sg, su, sd) = sets[0], shared[0]
+
+    def call():
+        return moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                           out_float32=True, backend="triton")
+
+    def all_sets():
+        for (xs, ws, ids_s), (g, u, d) in zip(sets, shared):
+            moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton")
+
+    default = dict(tmoe.CONFIG)
+    want = call().double()
+    try:
+        for gu_tile, dn_tile, waves, warps in SWEEP_CONFIGS:
+            tmoe.CONFIG.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
+            err = float((call().double() - want).norm() / want.norm())
+            bk.attempt(group, f"fused gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
+                       f"rel diff to default {err:.1e}", rep_ms=100, sets=SETS)
+    finally:
+        tmoe.CONFIG.clear()
+        tmoe.CONFIG.update(default)
+
+
+def table() -> str:
+    """Microseconds per call: one line per (dims, T), one column per implementation."""
+    impls = ["fused triton", "grouped", "dense", "auto", "route triton", "route torch (eager)"]
+    by = {}
+    for r in bk.ROWS:
+        by.setdefault(r["group"], {})[r["impl"]] = "FAILED" if "error" in r else f"{r['us']:.1f}"
+    lines = [f"{'':14s}" + "".join(f"{i:>22s}" for i in impls)]
+    lines += [f"{g:14s}" + "".join(f"{row.get(i, '-'):>22s}" for i in impls) for g, row in by.items()]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
+    ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
+    ap.add_argument("--sweep", action="store_true", help="also time the fused kernels' launch configs (T <= 8)")
+    args = ap.parse_args()
+    global SWEEP
+    SWEEP = args.sweep
+    os.makedirs(args.out, exist_ok=True)
+    bk.ceilings()
+    sections = [lambda n=n, t=t: case(n, t) for n in args.dims.split(",") for t in map(int, args.tokens.split(","))]
+    bk.run_sections(sections, os.path.join(args.out, "bench_moe.json"))
+    rows = "\n".join(f"{r.get('group', '')}: {bk._fmt(r)}" for r in bk.ROWS)
+    text = table()
+    with open(os.path.join(args.out, "bench_moe.txt"), "w") as f:
+        f.write(rows + "\n\n" + text + "\n")
+    print("\nus per call (CUDA-graph replay, weights from memory)\n" + text)
+
+
+if __name__ == "__main__":
+    main()

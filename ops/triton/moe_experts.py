@@ -1,0 +1,151 @@
+"""Triton ``mla::moe_experts``: the routed (and shared) experts for few tokens, reading only the picked experts.
+
+Rows are (token, slot) pairs, slot ``j < k`` the j-th pick of the token and ``j >= k`` the shared expert
+``j - k`` (a ``[I]``-wide slice of the shared MLP, weight 1). Kernel 1, grid (rows, I tiles): one
+program computes ``BLOCK_N`` columns of the row's gate and up products over all of H (a GEMV on the
+expert's rows; few tokens make tensor cores idle anyway) and stores ``silu(g) * u`` in x's dtype; the
+routed and shared weights live in different tensors, so a row's base pointer and row stride are selected
+with ``tl.where`` (no branch). Kernel 2, grid (tokens, H tiles): one program computes ``BLOCK_H`` outputs
+of its token, walking I in chunks and, per chunk, every slot (unrolled: k and the slot count are
+compile-time constants) with the slot's weight, in float32: no atomics, the same sum order every run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+from mla_compile.ops.moe_experts import _out_dtype, validate
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr,
+    H, I, K, SLOTS,
+    s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row // SLOTS
+    j = row % SLOTS
+    routed = j < K
+    e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
+    shared_row = (j - K).to(tl.int64) * I  # first row of shared slice j - k
+    g_base = tl.where(routed, gu_ptr + e * s_gue, sg_ptr + shared_row * s_sg)
+    u_base = tl.where(routed, gu_ptr + e * s_gue + I * s_gun, su_ptr + shared_row * s_su)
+    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
+    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
+
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    g_rows = g_base + offs_n.to(tl.int64) * g_stride
+    u_rows = u_base + offs_n.to(tl.int64) * u_stride
+    x_row = x_ptr + t.to(tl.int64) * s_x
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.sum(tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk, axis=1)
+        acc_u += tl.sum(tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk, axis=1)
+    a = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_down_kernel(
+    h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr,
+    H, I,
+    s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
+    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
+    # together (memory-level parallelism); the sum order is fixed by the code, the same every run
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        m = h_ok[:, None] & k_ok[None, :]
+        for j in tl.static_range(SLOTS):
+            if j < K:
+                e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
+                weight = tl.load(w_ptr + t * s_w + j)
+                rows = dn_ptr + e * s_de + offs_h.to(tl.int64) * s_dh
+            else:
+                weight = 1.0
+                rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
+            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += weight * tl.sum(w * a[None, :], axis=1)
+    tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+# Launch parameters (a benchmark may swap them; each config is checked against the reference there).
+# ``tile``: elements of a program's weight tile per load step (BLOCK_N * BLOCK_K, BLOCK_H * BLOCK_K); ``waves``:
+# the widest output tile (16, 8 or 4) is taken that still gives every SM this many programs.
+CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=2, num_warps=4)
+
+
+def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
+    """The widest tile (16, 8 or 4 outputs) that still gives every SM ``CONFIG["waves"]`` programs."""
+    for block in (16, 8):
+        if programs_per_tile * triton.cdiv(width, block) >= CONFIG["waves"] * num_sms(device):
+            return block
+    return 4
+
+
+def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
+            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
+    T, H = x.shape
+    K = ids.shape[1]
+    I = gate_up.shape[1] // 2
+    S = 0 if shared_gate is None else shared_gate.shape[0] // I
+    slots = K + S
+    out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
+    if T == 0:
+        return out
+    x = last_dim_contiguous(x)
+    gate_up, down = last_dim_contiguous(gate_up), last_dim_contiguous(down)
+    ids, weights = ids.contiguous(), weights.float().contiguous()
+    if S:
+        sg, su, sd = (last_dim_contiguous(t) for t in (shared_gate, shared_up, shared_down))
+    else:  # never read (every slot is routed); any pointers of the right type
+        sg, su, sd = gate_up, gate_up, down
+    h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
+    wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
+    block_n = _blocks(T * slots, I, x.device)
+    wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
+        x, ids, gate_up, sg, su, h, H, I, K, slots,
+        x.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
+        BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_tile"] // block_n // wide, num_warps=CONFIG["num_warps"],
+    )
+    block_h = _blocks(T, H, x.device)
+    wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
+        h, weights, ids, down, sd, out, H, I,
+        h.stride(0), weights.stride(0), ids.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
+        K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=CONFIG["down_tile"] // block_h // wide,
+        num_warps=CONFIG["num_warps"],
+    )
+    return out
+
+
+@triton_op("mla::moe_experts_triton", mutates_args=())
+def moe_experts_triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
+                       shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
+                       out_float32: bool) -> Tensor:
+    """Triton ``mla::moe_experts`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
+                                             out_float32)
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
+    return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32)

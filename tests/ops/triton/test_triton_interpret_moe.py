@@ -1,0 +1,47 @@
+"""The MoE Triton kernels under Triton's interpreter (CPU): ``mla::moe_route``'s kernel against the float64
+per-row routing math, best pick first; the two ``mla::moe_experts`` kernels against the float64 per-(token, pick)
+loop (shared experts folded in or not, an expert picked twice, widths off the tiles), NaN-poisoned outputs,
+run-to-run equality. References and inputs: tests/ops/test_moe_route.py, tests/ops/test_moe_experts.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.test_moe_experts import experts64, make, rel
+from tests.ops.test_moe_route import CASES, _check, _inputs, poison_empty, route64, route_choice
+from tests.ops.triton.conftest import INTERPRET
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("case", CASES + [(64, 6, 1, 1, "softmax", False, False, 1.0),
+                                          (256, 8, 8, 4, "sigmoid", True, True, 2.5)])
+def test_interpreter_matches_float64_math(case, monkeypatch):
+    from mla_compile.ops.triton.moe_route import _launch
+
+    E, k, G, TG, scoring, bias, renorm, scaling = case
+    logits, b = _inputs(E, bias, T=5, seed=E)
+    poison_empty(monkeypatch)
+    w, ids = _launch(logits, b, k, G, TG, scoring, renorm, scaling)
+    _check(w, ids, route64(logits, b, k, G, TG, scoring, renorm, scaling), 2e-6)
+    best_first = [[route_choice(logits[t], b, scoring)[e] for e in ids[t].tolist()] for t in range(5)]
+    assert all(row == sorted(row, reverse=True) for row in best_first)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,I,E,k,S", [(5, 40, 24, 6, 3, 2), (1, 64, 32, 8, 6, 0), (3, 300, 20, 5, 2, 1)])
+def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, monkeypatch):
+    from mla_compile.ops.triton.moe_experts import _launch
+
+    args = make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
+    want = experts64(*args, round_to=dtype)
+    poison_empty(monkeypatch)
+    out = _launch(*args, True)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
+    assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
+    again = _launch(*args, True)
+    assert torch.equal(out, again), "the combine must add the picks in one fixed order"
+    low = _launch(*args, False)
+    assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)

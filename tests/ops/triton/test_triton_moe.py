@@ -1,0 +1,149 @@
+"""``mla::moe_route`` and ``mla::moe_experts`` on a GPU at DeepSeek-V2-Lite and V3 dims (bf16): the Triton kernels
+against float64 math (routing row by row; the experts per (token, pick) in float64 for few tokens, against the
+float32 reference op for more), NaN-poisoned outputs, run-to-run equality, the "auto" split and the grouped
+backend, and the fused MoE block compiled (fullgraph) against the dense path. The CPU twins run the kernels
+under Triton's interpreter (tests/ops/test_moe_route.py, tests/ops/test_moe_experts.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mla_compile import ops
+from tests.ops.test_moe_route import _check, route64
+from tests.ops.triton._triton_test_util import poison_allocator
+
+DEV = "cuda"  # a CPU dry run of the test code sets "cpu"
+SLACK = 1.0  # and this to 2: the interpreter's float32 -> bf16 cast truncates (the GPU's rounds to nearest)
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")]
+
+# name: (hidden, moe_intermediate, experts, top_k, shared experts)
+DIMS = {"v2-lite": (2048, 1408, 64, 6, 2), "v3": (7168, 2048, 256, 8, 1)}
+# name: (E, top_k, num_group, topk_group, scoring, bias, renormalize, scaling)
+ROUTES = {"v2-lite": (64, 6, 1, 1, "softmax", False, False, 1.0),
+          "v2": (160, 6, 8, 3, "softmax", False, False, 16.0),
+          "v3": (256, 8, 8, 4, "sigmoid", True, True, 2.5)}
+
+
+@pytest.mark.parametrize("T", [1, 8, 256])
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_route_kernel_matches_float64_math(name, T):
+    E, k, G, TG, scoring, bias, renorm, scaling = ROUTES[name]
+    gen = torch.Generator().manual_seed(T)
+    logits = torch.randn(T, E, generator=gen) * 2
+    b = torch.randn(E, generator=gen) * 0.3 if bias else None
+    poison_allocator(device=DEV)
+    w, ids = ops.moe_route(logits.to(DEV), k, bias=None if b is None else b.to(DEV), num_group=G, topk_group=TG,
+                           scoring=scoring, renormalize=renorm, scaling=scaling, backend="triton")
+    _check(w.cpu(), ids.cpu(), route64(logits, b, k, G, TG, scoring, renorm, scaling), 2e-6)
+
+
+def _weights(name, seed=0):
+    """bf16 ``(gate_up, down, shared_gate, shared_up, shared_down)`` on the GPU at ``name``'s dims."""
+    H, I, E, _, S = DIMS[name]
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    gate_up = torch.empty(E, 2 * I, H, device=DEV, dtype=torch.bfloat16)
+    down = torch.empty(E, H, I, device=DEV, dtype=torch.bfloat16)
+    for e in range(0, E, 16):  # chunks bound the float32 temporaries
+        gate_up[e:e + 16] = torch.randn(gate_up[e:e + 16].shape, device=DEV, generator=gen) * H ** -0.5
+        down[e:e + 16] = torch.randn(down[e:e + 16].shape, device=DEV, generator=gen) * I ** -0.5
+    shared = [(torch.randn(*shape, device=DEV, generator=gen) * scale).bfloat16()
+              for shape, scale in (((S * I, H), H ** -0.5), ((S * I, H), H ** -0.5), ((H, S * I), I ** -0.5))]
+    return gate_up, down, *shared
+
+
+@pytest.fixture(scope="module", params=list(DIMS))
+def model_weights(request):
+    weights = _weights(request.param)
+    yield request.param, weights
+    del weights
+    torch.cuda.empty_cache()
+
+
+def _routing(T, E, k, seed):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, device=DEV, generator=gen)[:k] for _ in range(T)]).int()
+    return torch.rand(T, k, device=DEV, generator=gen) + 0.1, ids
+
+
+def _experts64(x, weights, ids, gate_up, down, sg, su, sd):
+    """The contract in float64 on the GPU, one (token, pick) at a time (activation rounded to bf16)."""
+    I = gate_up.shape[1] // 2
+
+    def mlp(g_w, u_w, d_w, v):
+        a = (F.silu(g_w.double() @ v) * (u_w.double() @ v)).bfloat16().double()
+        return d_w.double() @ a
+
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        v = x[t].double()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            out[t] += float(weights[t, j]) * mlp(gate_up[e, :I], gate_up[e, I:], down[e], v)
+        out[t] += mlp(sg, su, sd, v)
+    return out
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_fused_experts_match_float64_at_model_dims(model_weights, T):
+    name, (gate_up, down, sg, su, sd) = model_weights
+    H, I, E, k, _ = DIMS[name]
+    weights, ids = _routing(T, E, k, seed=T)
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    want = _experts64(x, weights, ids, gate_up, down, sg, su, sd)
+    poison_allocator(device=DEV)
+    out = ops.moe_experts(x, weights, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                          out_float32=True, backend="triton")
+    assert not out.isnan().any() and _rel(out, want) < 4e-3 * SLACK, _rel(out, want)
+    again = ops.moe_experts(x, weights, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                            out_float32=True, backend="triton")
+    assert torch.equal(out, again), "run-to-run results must be bitwise equal"
+    low = ops.moe_experts(x, weights, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                          backend="triton")
+    assert low.dtype == torch.bfloat16 and _rel(low, want) < 8e-3 * SLACK
+
+
+@pytest.mark.parametrize("T", [16, 64])
+def test_every_backend_matches_the_reference_at_model_dims(model_weights, T):
+    name, (gate_up, down, sg, su, sd) = model_weights
+    H, I, E, k, _ = DIMS[name]
+    weights, ids = _routing(T, E, k, seed=T)
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    shared = dict(shared_gate=sg, shared_up=su, shared_down=sd)
+    want = _reference32(x, weights, ids, gate_up, down, sg, su, sd)
+    for backend in ("triton", "grouped", "auto"):
+        poison_allocator(device=DEV)
+        out = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend=backend)
+        assert not out.isnan().any() and _rel(out, want) < 8e-3 * SLACK, (backend, _rel(out, want))
+
+
+def _reference32(x, weights, ids, gate_up, down, sg, su, sd):
+    """The reference op (float32 math, bf16 weights read one expert at a time)."""
+    return torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, sg, su, sd, True)
+
+
+@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
+def test_compiled_fused_block_equals_dense_on_gpu(kind):
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models.moe import MLAMoE
+
+    hf = toy.toy_hf_model(kind, seed=6, dtype=torch.bfloat16).to(DEV)
+    block = hf.model.layers[1].mlp
+    for impl in ("fused", "auto"):  # "auto": the split (fused up to 8 tokens) once "triton" is GPU-tested
+        compiled = torch.compile(MLAMoE(block, impl=impl), fullgraph=True)
+        for T in (1, 3, 40):
+            x = torch.randn(T, hf.config.hidden_size, device=DEV).bfloat16()
+            with torch.no_grad():
+                want = MLAMoE(block, impl="dense")(x)
+                got = compiled(x)
+                again = compiled(x)
+            assert torch.equal(got, again), impl
+            torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

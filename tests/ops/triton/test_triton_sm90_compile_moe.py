@@ -1,0 +1,54 @@
+"""The MoE kernels (``mla::moe_route``, the two ``mla::moe_experts`` kernels) compiled for sm_90 on the CPU (Triton's
+front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and V3 dims, with the launch shapes an H200 (132 SMs)
+gets: they compile, and where cuobjdump is bundled, without register spills. Marked ``sm90_compile``: skipped
+without Triton or under ``TRITON_INTERPRET=1`` (run by test_sm90_compile_subprocess.py in CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_test_util import SM90_COMPILE
+
+pytestmark = SM90_COMPILE
+
+# (hidden, moe_intermediate, experts, top_k, shared experts)
+DIMS = {"v2-lite": (2048, 1408, 64, 6, 2), "v3": (7168, 2048, 256, 8, 1)}
+
+
+def _no_spills(launches):
+    from mla_compile.ops.triton import _sm90
+
+    for kernel, _, args, kwargs in launches:
+        compiled = _sm90.compile_sm90(kernel, args, kwargs)
+        if _sm90.cuobjdump() is not None:
+            assert _sm90.resources(compiled)["stack"] == 0, f"register spills in {kernel.fn.__name__}"
+
+
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("name", list(DIMS))
+def test_moe_experts_kernels_compile_for_sm90(name, T):
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_experts
+
+    H, I, E, k, S = DIMS[name]
+
+    def meta(*shape, dtype=torch.bfloat16):  # shapes and strides only: nothing is launched (V3's experts: 22 GB)
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    launches = _sm90.record(moe_experts, moe_experts._launch, meta(T, H), meta(T, k, dtype=torch.float32),
+                            meta(T, k, dtype=torch.int32), meta(E, 2 * I, H), meta(E, H, I), meta(S * I, H),
+                            meta(S * I, H), meta(H, S * I), False, sms=132)
+    assert len(launches) == 2
+    _no_spills(launches)
+
+
+@pytest.mark.parametrize("E,k,G,TG,scoring,bias", [(64, 6, 1, 1, "softmax", False), (160, 6, 8, 3, "softmax", False),
+                                                   (256, 8, 8, 4, "sigmoid", True)])
+def test_moe_route_kernel_compiles_for_sm90(E, k, G, TG, scoring, bias):
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_route
+
+    launches = _sm90.record(moe_route, moe_route._launch, torch.zeros(64, E), torch.zeros(E) if bias else None,
+                            k, G, TG, scoring, scoring == "sigmoid", 2.5)
+    assert len(launches) == 1
+    _no_spills(launches)
