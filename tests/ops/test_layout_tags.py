@@ -14,8 +14,13 @@ from mla_compile import ops
 
 
 def _mla_ops():
+    """Every ``mla::`` op loaded so far, but the Triton kernels' ``triton_op`` s (``*_triton``, imported on first
+    use): Inductor traces into those down to their kernels, so no layout tag applies, and only our ops' own
+    dispatch calls them, on the strides it checked."""
     out = []
     for name in dir(torch.ops.mla):
+        if name.endswith("_triton"):
+            continue
         packet = getattr(torch.ops.mla, name)
         if isinstance(packet, torch._ops.OpOverloadPacket):
             out.append(packet.default)
