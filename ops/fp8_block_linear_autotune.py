@@ -128,7 +128,7 @@ def _autotune(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bo
     return torch.ops.mla.fp8_block_linear_autotune(x, weight, weight_scale_inv, act_quant, offs)
 
 
-declare(OP, BACKEND, _autotune, rank=70, devices=("any",), dtypes=FLOATS, gpu_tested=False,
+declare(OP, BACKEND, _autotune, rank=70, devices=("any",), dtypes=FLOATS, gpu_tested=True,
         kernels=("fp8_block_linear_autotune=autotune (not lowered: static default)",),
         note="Inductor times our Triton configs and, where it serves, torch's blockwise-scaled matmul per compiled "
              "shape and emits the fastest (needs `import mla_compile.lowerings`; eager and CPU run 'auto''s "

@@ -35,7 +35,7 @@ from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, d
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts", "mla.moe_experts")
-FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above
+FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above (H200: BENCHMARKS.md run 118)
 
 
 def validate(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
@@ -223,5 +223,5 @@ def _triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF), package="triton",
-        kernels=("moe_experts_triton", "_moe_gate_up_kernel", "_moe_down_kernel"),
+        gpu_tested=True, kernels=("moe_experts_triton", "_moe_gate_up_kernel", "_moe_down_kernel"),
         note="ours: reads only the routed experts; gate_up+SiLU*up, then down+weighted combine (small T)")

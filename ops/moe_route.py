@@ -130,5 +130,5 @@ def _triton(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, top
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32,), package="triton",
-        kernels=("moe_route_triton", "_moe_route_kernel"),
+        gpu_tested=True, kernels=("moe_route_triton", "_moe_route_kernel"),
         note="ours: one program per token (scores, group choice, top-k, weights)")
