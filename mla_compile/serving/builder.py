@@ -260,15 +260,15 @@ class MetadataBuilder:
         blocks = list(map(_BLOCKS, decode))
         starts = np.fromiter(map(_START, decode), np.int64, n)
         nblk = np.fromiter(map(len, blocks), np.int64, n)
-        tokens = list(map(_TOKENS, decode))
         if q == 1:
             try:
-                flat = [t for (t,) in tokens]  # raises unless each chunk has exactly one token
+                flat = [t for (t,) in map(_TOKENS, decode)]  # raises unless each chunk has exactly one token
             except (TypeError, ValueError):
                 return None
-        elif (np.fromiter(map(len, tokens), np.int64, n) != q).any():
-            return None
         else:
+            tokens = list(map(_TOKENS, decode))
+            if (np.fromiter(map(len, tokens), np.int64, n) != q).any():
+                return None
             flat = list(chain.from_iterable(tokens))
         if ((starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
             return None
