@@ -206,6 +206,11 @@ class MetadataBuilder:
         ``key`` their rows are brought up to date (keys absent from the step leave), and a decode-only
         step gathers its block table from them; a step whose decode chunks lack keys, a step without
         decode chunks and a build that raises empty them (the next keyed step rewrites its rows).
+
+        The returned tensors are views the builder owns: callers read them and may overwrite a decode
+        step's real rows (as a token feed does with ``input_ids``), but must leave its padding rows and
+        ``logits_indices`` as built (a CPU builder's arena is its host buffer, whose constant parts later
+        steps of the same size do not write again).
         """
         try:
             return self._build(decode, prefill, decode_batch, logits, tokens, rows)
