@@ -14,11 +14,29 @@ from mla_compile.serving.host_tables import HostBlockTables
 BS, MAX_BLOCKS, MAX_BATCH = 4, 6, 8
 
 
-def _builder(query_len=1, **kw):
+def _builder(query_len=1, cls=None, **kw):
     args = dict(max_batch=MAX_BATCH, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS, device="cpu",
                 query_len=query_len)
     args.update(kw)
-    return MetadataBuilder(**args)
+    return (cls or MetadataBuilder)(**args)
+
+
+class _TwoBuffers(MetadataBuilder):
+    """A builder that packs each step into one of two host buffers in turn and copies it to the arena, as a
+    CUDA builder does with its pinned staging buffers; the buffers start poisoned, so a field the builder
+    wrongly trusts to be still written from an earlier step shows."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.buffers = [torch.full_like(self.arena, 0xA5) for _ in range(2)]
+        self.turn = 0
+
+    def _host(self, end):
+        turn, self.turn = self.turn, self.turn ^ 1
+        return self.buffers[turn][:end], turn
+
+    def _send(self, host, turn, end):
+        self.arena[:end].copy_(host)
 
 
 def _unkeyed(chunks):
@@ -53,14 +71,17 @@ def _need(tokens):
     return -(-tokens // BS)
 
 
-@pytest.mark.parametrize("seed, query_len, steps", [(0, 1, 2000), (1, 1, 600), (2, 2, 600)])
-def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_len, steps):
+@pytest.mark.parametrize("seed, query_len, steps, staging",
+                         [(0, 1, 2000, False), (1, 1, 600, False), (2, 2, 600, False), (3, 1, 1000, True),
+                          (4, 2, 400, True)])
+def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_len, steps, staging):
     """Hundreds of steps of sequences joining (some sharing a prefix of another's blocks, some under a key a
     finished sequence had), prefilling in chunks mixed with decodes, decoding in a shuffled order, leaving;
     block lists appended to in place, now and then by several blocks, truncated in place, or replaced by
-    another list object. Every step equals a from-scratch plan and an unkeyed builder's step."""
+    another list object; with ``staging``, each step packed into one of two poisoned host buffers in turn.
+    Every step equals a from-scratch plan and an unkeyed builder's step."""
     rng = random.Random(seed)
-    b = _builder(query_len)
+    b = _builder(query_len, _TwoBuffers if staging else None)
     live: list[_Seq] = []
     left_keys: list[int] = []
     next_key, next_block = 0, 0

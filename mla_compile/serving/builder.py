@@ -15,6 +15,7 @@ that changed instead of re-packing every table.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.models.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
-                                         chunk_block_counts, chunk_starts, fill_decode, plan_step)
+                                         chunk_block_counts, fill_block_table, plan_step)
 from mla_compile.serving.host_tables import HostBlockTables
 
 _ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)
@@ -136,6 +137,9 @@ class MetadataBuilder:
         self._copied: list = [None, None]
         self._turn = 0
         self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
+        # per persistent host buffer (``_host``'s id): the sizes of the decode step written last into it, whose
+        # constant parts (logits rows, padding rows) are still there; dropped when another step writes it
+        self._written: dict[int, tuple[int, int, bool]] = {}
         # block tables of keyed decode sequences (SeqChunk.key), kept between steps: see _build_decode
         self.host_tables = HostBlockTables(max_batch, max_blocks_per_seq)
 
@@ -173,6 +177,7 @@ class MetadataBuilder:
         if end > self.arena.numel():  # unreachable when the size checks in build() hold
             raise ValueError(f"step metadata needs {end} bytes; the builder's arena holds {self.arena.numel()}")
         host, turn = self._host(end)
+        self._written.pop(turn, None)
         flat = host.numpy()
         for sp in spans:
             a = arrays[sp.name]
@@ -201,6 +206,11 @@ class MetadataBuilder:
         ``key`` their rows are brought up to date (keys absent from the step leave), and a decode-only
         step gathers its block table from them; a step whose decode chunks lack keys, a step without
         decode chunks and a build that raises empty them (the next keyed step rewrites its rows).
+
+        The returned tensors are views the builder owns: callers read them and may overwrite a decode
+        step's real rows (as a token feed does with ``input_ids``), but must leave its padding rows and
+        ``logits_indices`` as built (a CPU builder's arena is its host buffer, whose constant parts later
+        steps of the same size do not write again).
         """
         try:
             return self._build(decode, prefill, decode_batch, logits, tokens, rows)
@@ -248,14 +258,24 @@ class MetadataBuilder:
         general path, written straight into the staging buffer with whole-batch numpy and the views of
         its padded size reused. When every chunk has a ``key``, the block table rows are gathered from
         :attr:`host_tables`, updated only where a sequence changed, instead of re-packed from the chunks'
-        block lists. ``None`` when a check fails (the general path then raises its error)."""
+        block lists. What a step of the same sizes wrote last into the same staging buffer and no other
+        step overwrote since (the logits rows, the padding rows) is not written again. ``None`` when a
+        check fails (the general path then raises its error)."""
         q, bs, n = self.query_len, self.block_size, len(decode)
         blocks = list(map(_BLOCKS, decode))
-        starts = chunk_starts(decode)
-        nblk = np.fromiter(map(len, blocks), dtype=np.int64, count=n)
-        tokens = list(map(_TOKENS, decode))
-        ntok = np.fromiter(map(len, tokens), dtype=np.int64, count=n)
-        if ((ntok != q) | (starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
+        starts = np.fromiter(map(_START, decode), np.int64, n)
+        nblk = np.fromiter(map(len, blocks), np.int64, n)
+        if q == 1:
+            try:
+                flat = [t for (t,) in map(_TOKENS, decode)]  # raises unless each chunk has exactly one token
+            except (TypeError, ValueError):
+                return None
+        else:
+            tokens = list(map(_TOKENS, decode))
+            if (np.fromiter(map(len, tokens), np.int64, n) != q).any():
+                return None
+            flat = list(chain.from_iterable(tokens))
+        if ((starts < 0) | (nblk > self.max_blocks) | (starts + q > nblk * bs)).any():
             return None
         rows_of = self._update_tables(decode, blocks, nblk) if n else None  # padding_decode: tables untouched
         layout = self._layouts.get(n_seq)
@@ -263,11 +283,32 @@ class MetadataBuilder:
             layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
         host, turn = self._host(layout.end)
         ids, pos, slots, rows, table, lens = layout.fields(host, turn)
-        if rows_of is not None:
+        if rows_of is None:
+            fill_block_table(table, blocks, nblk)  # zero past the chunks' rows too
+        else:
             np.take(self.host_tables.table, rows_of, axis=0, out=table[:n], mode="clip")  # rows in range
-            table[n:] = 0
-        fill_decode(blocks, tokens, starts, nblk, bs, ids, pos, slots, table, lens, table_written=rows_of is not None)
-        rows[:] = layout.rows
+        nq = n * q
+        ids[:nq] = flat
+        if q == 1:
+            pos[:n] = starts
+            blk, off = np.divmod(starts, bs)
+            at = layout.at
+        else:
+            p = (starts[:, None] + layout.steps).reshape(-1)
+            pos[:nq] = p
+            blk, off = np.divmod(p, bs)
+            at = layout.at_tokens
+        np.multiply(table[at[:nq], blk], bs, out=slots[:nq], dtype=np.int64)
+        slots[:nq] += off
+        np.add(starts, q, out=lens[:n], casting="unsafe")  # int64 -> int32: starts + q <= nblk * bs, checked
+        if self._written.get(turn) != (n_seq, n, rows_of is not None):
+            # rows past the chunks: padding (token 0, position 0, slot -1, seq_len 0, an empty table row)
+            ids[nq:], pos[nq:], slots[nq:], lens[n:] = 0, 0, -1, 0
+            if rows_of is not None:
+                table[n:] = 0
+            rows[:] = layout.rows
+            if turn != -2:  # a persistent buffer: these stay written until another step of other sizes
+                self._written[turn] = (n_seq, n, rows_of is not None)
         planned = None if self.decode_planner is None else \
             self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
         self._send(host, turn, layout.end)
@@ -301,7 +342,7 @@ class MetadataBuilder:
 
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-_KEY, _BLOCKS, _TOKENS = attrgetter("key"), attrgetter("blocks"), attrgetter("tokens")
+_KEY, _BLOCKS, _TOKENS, _START = attrgetter("key"), attrgetter("blocks"), attrgetter("tokens"), attrgetter("start")
 
 
 class _DecodeLayout:
@@ -314,6 +355,9 @@ class _DecodeLayout:
         n, q = n_seq * builder.query_len, builder.query_len
         self.spans, self.end = _layout(builder._decode_shapes(n_seq))
         self.rows = np.arange(q - 1, n, q, dtype=np.int64)
+        self.at = np.arange(n_seq)  # each token's table row: one token per sequence ...
+        self.at_tokens = np.repeat(self.at, q)  # ... or q
+        self.steps = np.arange(q)
         self.views = [builder._view(sp) for sp in self.spans]
         self._fields: dict[int, list[np.ndarray]] = {}
 

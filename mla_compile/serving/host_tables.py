@@ -44,6 +44,7 @@ class HostBlockTables:
         self._keys: list[Hashable] = []  # the last update's keys, its rows and block lists, in order
         self._rows = np.zeros(0, dtype=np.int64)
         self._blocks: list[Sequence[int]] = []
+        self._counts = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         """How many keys hold a row."""
@@ -57,7 +58,7 @@ class HostBlockTables:
         row = self._row_of.pop(key, None)
         if row is not None:
             self._release(row)
-            self._keys, self._rows, self._blocks = [], self._rows[:0], []
+            self._keys, self._rows, self._blocks, self._counts = [], self._rows[:0], [], self._counts[:0]
 
     def _release(self, row: int) -> None:
         self._lists[row] = None
@@ -73,8 +74,13 @@ class HostBlockTables:
         n = len(keys)
         if keys == self._keys:  # the same sequences in the same order as the last update (the usual step)
             rows = self._rows
-            same = all(map(is_, blocks, self._blocks))
-            fresh = None if same else np.flatnonzero(~np.fromiter(map(is_, blocks, self._blocks), bool, n))
+            if all(map(is_, blocks, self._blocks)):  # the same lists: only their lengths can have changed
+                grow = counts - self._counts
+                if grow.any():
+                    self._grow(rows, blocks, counts, grow)
+                self._counts = counts
+                return rows
+            fresh = np.flatnonzero(~np.fromiter(map(is_, blocks, self._blocks), bool, n))
         else:
             try:
                 present = set(keys)
@@ -103,8 +109,30 @@ class HostBlockTables:
         except BaseException:
             self.clear()
             raise
-        self._keys, self._rows, self._blocks = keys, rows, blocks
+        self._keys, self._rows, self._blocks, self._counts = keys, rows, blocks, counts
         return rows
+
+    def _grow(self, rows: np.ndarray, blocks: list[Sequence[int]], counts: np.ndarray, grow: np.ndarray) -> None:
+        """The steady step: the last update's keys and lists, some lists now longer or shorter by ``grow``.
+        A list grown by one block writes its new id; any other change rewrites the row (:meth:`_write`)."""
+        changed = np.flatnonzero(grow)
+        if (grow[changed] != 1).any():
+            try:
+                self._write(rows, blocks, counts, None)
+            except BaseException:
+                self.clear()
+                raise
+            return
+        at = counts[changed] - 1
+        try:
+            ids = np.fromiter(map(getitem, map(blocks.__getitem__, changed.tolist()), at.tolist()), np.int32,
+                              len(changed))
+        except BaseException:
+            self.clear()
+            raise
+        picked = rows[changed]
+        self.table[picked, at] = ids
+        self.counts[picked] = counts[changed]
 
     def _write(self, rows: np.ndarray, blocks: list[Sequence[int]], counts: np.ndarray,
                fresh: np.ndarray | None) -> None:
