@@ -174,8 +174,9 @@ class Engine:
     tokens that step gave it, as without overlap. A step whose launch raises fails its requests as above,
     after the previous step's tokens were taken; an error met while reading a step's tokens (an asynchronous
     device error) fails that step's requests and those of the step launched after it (fed that step's tokens,
-    and maybe reading its prompt blocks through a prefix hit), and no prompt block of either stays findable. When no request is left running, :meth:`step` also waits for the
-    step in flight, so an idle engine has nothing pending.
+    and maybe reading its prompt blocks through a prefix hit), and no prompt block of either stays findable.
+    When no request is left running, :meth:`step` also waits for the step in flight, so an idle engine has
+    nothing pending.
 
     ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, where it costs snapshots of the
     compressors' state and prompt chunks ending at snapshot positions; True turns it on there too, see
