@@ -514,3 +514,90 @@ def quantized_checkpoint_on_device(rank, world, root, pconf):
             "err": _max_err(got, want), "compiled_err": _max_err(got_c, want),
             "same_tokens": all(torch.equal(g.argmax(-1), x.argmax(-1)) for g, x in zip(got, want)),
             "graph_breaks": dict(counters["graph_break"]), "real_group": state.tp.group is not None}
+
+
+def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too):
+    """DCP over both ranks (tp=2, dcp=2) on steps with cached context and multi-token decode: a prefill of a
+    prefix and a prompt; chunked prefill over the cached prefix mixed with a ``query_len``-token decode; two
+    ``query_len``-token decode steps (every token's logits). Logits vs the single-process model, planned two
+    ways: :func:`plan_dcp_step` (each rank's own blocks) and :func:`localize` of the global plan (what the demo's
+    engine path does). A sparse (V3.2) ``kind`` picks top-k slots over contexts longer than its ``index_topk``."""
+    from mla_compile.parallel.dcp import local_seq_lens, localize, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=17)
+    ref = patch(copy.deepcopy(hf))
+    vocab = hf.config.vocab_size
+    gen = torch.Generator().manual_seed(8)
+    q = query_len
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (19, 6, 11)]
+    dec = [torch.randint(0, vocab, (3 * q,), generator=gen).tolist() for _ in prompts]
+    ends = [len(p) + 3 * q for p in prompts]
+
+    def script(blocks, planner):
+        b0, b1, b2 = blocks
+        p0, p1, p2 = prompts
+        steps = [
+            # the first 9 tokens of prompt 0 (cached context next step), prompt 1 whole
+            planner([], [SeqChunk(b0, p0[:9]), SeqChunk(b1, p1)], logits="all"),
+            # chunked prefill of prompt 0 over its 9 cached tokens, a fresh prompt 2 and a q-token decode of 1
+            planner([SeqChunk(b1, dec[1][:q], len(p1))], [SeqChunk(b0, p0[9:], 9), SeqChunk(b2, p2[:7])],
+                    logits="all", query_len=q),
+            # prompt 2's last tokens over its 7 cached ones
+            planner([], [SeqChunk(b2, p2[7:], 7)], logits="all"),
+        ]
+        for j in range(2):  # q-token decode of all three
+            starts = [len(p0) + j * q, len(p1) + (j + 1) * q, len(p2) + j * q]
+            toks = [dec[0][j * q:(j + 1) * q], dec[1][(j + 1) * q:(j + 2) * q], dec[2][j * q:(j + 1) * q]]
+            steps.append(planner([SeqChunk(b, t, s) for b, t, s in zip(blocks, toks, starts)], [], logits="all",
+                                 query_len=q))
+        return steps
+
+    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(90 + rank)).tolist()
+    local, at = [], 0
+    for n in ends:
+        need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+        local.append(own[at:at + need])
+        at += need
+    glob = _blocks(ends, seed=23)
+    want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    model = patch(hf, parallel=state)
+    planned = script(local, lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw))
+    globals_ = script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw))
+
+    def localized(model_fn):
+        def run(input_ids, positions, meta):
+            return model_fn(input_ids, positions, localize(meta, positions, BS, world, rank, interleave))
+        return run
+
+    for a in model.attentions:
+        a.interleave = interleave
+    res = {"type": type(model.attentions[0]).__name__,
+           "indexer": type(model.attentions[0].indexer).__name__ if model.attentions[0].indexer is not None else None,
+           "topk": getattr(hf.config, "index_topk", None), "longest": max(ends)}
+    got = _run(model, planned)
+    res["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
+    res["err"] = _max_err(got, want)
+    res["step_errs"] = [_max_err([g], [x]) for g, x in zip(got, want)]
+    res["rows"] = [g.shape[0] for g in got]
+    res["err_localize"] = _max_err(_run((localized(model), model), globals_), want)
+    if compile_too:
+        from torch._dynamo.utils import counters
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        torch._dynamo.reset()
+        counters.clear()
+        seen: set[str] = set()
+
+        def record(gm, example_inputs):  # AOT (functionalized) graphs, run as traced: the ops they hold
+            def fw(g, _):
+                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+                return g.forward
+            return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+        compiled = torch.compile(model, fullgraph=True, backend=record)
+        res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
+        res["compiled_localize_err"] = _max_err(_run((localized(compiled), model), globals_, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+        res["collectives"] = sorted(t for t in seen if "c10d" in t)
+    return res
