@@ -583,21 +583,17 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
     res["err_localize"] = _max_err(_run((localized(model), model), globals_), want)
     if compile_too:
         from torch._dynamo.utils import counters
-        from torch._functorch.aot_autograd import aot_module_simplified
 
         torch._dynamo.reset()
         counters.clear()
         seen: set[str] = set()
 
-        def record(gm, example_inputs):  # AOT (functionalized) graphs, run as traced: the ops they hold
-            def fw(g, _):
-                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
-                return g.forward
-            return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+        def record(gm, example_inputs):  # Dynamo's graph, run as traced (no AOT / Inductor: fast on CPU)
+            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
 
         compiled = torch.compile(model, fullgraph=True, backend=record)
         res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
-        res["compiled_localize_err"] = _max_err(_run((localized(compiled), model), globals_, dynamic=True), want)
         res["graph_breaks"] = dict(counters["graph_break"])
         res["collectives"] = sorted(t for t in seen if "c10d" in t)
     return res

