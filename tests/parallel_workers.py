@@ -516,20 +516,10 @@ def quantized_checkpoint_on_device(rank, world, root, pconf):
             "graph_breaks": dict(counters["graph_break"]), "real_group": state.tp.group is not None}
 
 
-def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too):
-    """DCP over both ranks (tp=2, dcp=2) on steps with cached context and multi-token decode: a prefill of a
-    prefix and a prompt; chunked prefill over the cached prefix mixed with a ``query_len``-token decode; two
-    ``query_len``-token decode steps (every token's logits). Logits vs the single-process model, planned two
-    ways: :func:`plan_dcp_step` (each rank's own blocks) and :func:`localize` of the global plan (what the demo's
-    engine path does). A sparse (V3.2) ``kind`` picks top-k slots over contexts longer than its ``index_topk``."""
-    from mla_compile.parallel.dcp import local_seq_lens, localize, plan_dcp_step
-
-    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
-    hf = toy.toy_hf_model(kind, seed=17)
-    ref = patch(copy.deepcopy(hf))
-    vocab = hf.config.vocab_size
+def _dcp_script(vocab: int, q: int):
+    """The step script of :func:`dcp_multi_token_equals_single`: ``(script(blocks, planner), ends)``, ``ends`` each
+    sequence's final length (``planner(decode, prefill, **kw)`` as ``plan_step`` without its block size)."""
     gen = torch.Generator().manual_seed(8)
-    q = query_len
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (19, 6, 11)]
     dec = [torch.randint(0, vocab, (3 * q,), generator=gen).tolist() for _ in prompts]
     ends = [len(p) + 3 * q for p in prompts]
@@ -552,6 +542,22 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
             steps.append(planner([SeqChunk(b, t, s) for b, t, s in zip(blocks, toks, starts)], [], logits="all",
                                  query_len=q))
         return steps
+
+    return script, ends
+
+
+def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too):
+    """DCP over both ranks (tp=2, dcp=2) on steps with cached context and multi-token decode: a prefill of a
+    prefix and a prompt; chunked prefill over the cached prefix mixed with a ``query_len``-token decode; two
+    ``query_len``-token decode steps (every token's logits). Logits vs the single-process model, planned two
+    ways: :func:`plan_dcp_step` (each rank's own blocks) and :func:`localize` of the global plan (what the demo's
+    engine path does). A sparse (V3.2) ``kind`` picks top-k slots over contexts longer than its ``index_topk``."""
+    from mla_compile.parallel.dcp import local_seq_lens, localize, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=17)
+    ref = patch(copy.deepcopy(hf))
+    script, ends = _dcp_script(hf.config.vocab_size, query_len)
 
     own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(90 + rank)).tolist()
     local, at = [], 0
@@ -596,4 +602,50 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
         res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
         res["graph_breaks"] = dict(counters["graph_break"])
         res["collectives"] = sorted(t for t in seen if "c10d" in t)
+    return res
+
+
+def dcp_one_rank(kind, device, query_len, compile_backend=None):
+    """The DCP layers over a group of one rank (no process group: the collectives are skipped) on ``device``,
+    through :func:`_dcp_script`: ``DCPAttention`` (and ``DCPIndexer``) built from a patched model's layers, so
+    their code paths (per-query causal limits, candidate merge) run with the device's backends. Max logits error
+    against the patched model, eager and (``compile_backend``) compiled fullgraph."""
+    from mla_compile.models.metadata import mark_dynamic
+    from mla_compile.parallel.attention import DCPAttention
+    from mla_compile.parallel.dcp import plan_dcp_step
+    from mla_compile.parallel.groups import Group
+
+    hf = toy.toy_hf_model(kind, seed=17, device=device)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf)
+    one = Group(None, (0,), 0)
+    for layer in model.model.layers:
+        layer.self_attn = DCPAttention(layer.self_attn.config, layer.self_attn, one)
+    script, ends = _dcp_script(hf.config.vocab_size, query_len)
+    blocks = _blocks(ends, seed=23)
+
+    def run(fn, owner, steps, dynamic=False):
+        owner.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"), device=device)
+        outs = []
+        with torch.no_grad():
+            for st in steps:
+                st = st.to(device)
+                if dynamic:
+                    mark_dynamic(st.input_ids, st.positions, st.meta)
+                outs.append(fn(st.input_ids, st.positions, st.meta)[:st.num_rows].float().cpu())
+        return outs
+
+    want = run(ref, ref, script(blocks, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    steps = script(blocks, lambda d, p, **kw: plan_dcp_step(d, p, BS, 1, 0, **kw))
+    res = {"types": sorted({type(a).__name__ for a in model.attentions}),
+           "indexers": sorted({type(a.indexer).__name__ for a in model.attentions if a.indexer is not None}),
+           "err": _max_err(run(model, model, steps), want)}
+    if compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+        res["compiled_err"] = _max_err(run(compiled, model, steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
     return res

@@ -98,3 +98,25 @@ def test_localize_context_covers_this_rank_s_part_of_each_context(rank, interlea
                              context_chunk_tokens=5).meta
     assert got.slot_mapping.tolist() == plan.slot_mapping.tolist()
     assert got.decode.seq_lens.tolist() == plan.decode.seq_lens.tolist()
+
+
+@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=pytest.mark.skipif(
+    not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM"))])
+def test_dcp_layers_over_one_rank_equal_the_model(kind):
+    pytest.importorskip("transformers")
+    r = w.dcp_one_rank(kind, "cpu", 2, "eager")
+    assert r["types"] == ["DCPAttention"] and r["indexers"] == (["DCPIndexer"] if kind == "v3.2" else []), r
+    assert r["err"] <= TOL and r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["v3", "v3.2"])
+def test_dcp_layers_over_one_rank_on_the_gpu(kind):
+    """The DCP paths with the GPU's backends (multi-token decode as one-query rows, the sparse candidates'
+    merge), eager and compiled by Inductor; float32 on the GPU: <= 1e-4."""
+    pytest.importorskip("transformers")
+    if kind == "v3.2" and not toy.has_sparse_kinds():
+        pytest.skip("needs transformers with DeepseekV32ForCausalLM")
+    r = w.dcp_one_rank(kind, "cuda", 2, "inductor")
+    assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4 and r["graph_breaks"] == {}, r
