@@ -649,3 +649,38 @@ def dcp_one_rank(kind, device, query_len, compile_backend=None):
         res["compiled_err"] = _max_err(run(compiled, model, steps, dynamic=True), want)
         res["graph_breaks"] = dict(counters["graph_break"])
     return res
+
+
+def dcp_engine_per_rank(rank, world, kind):
+    """Every rank runs the same Engine over the DCP model (tp=2, dcp=2) through the demo's DCP step
+    (:func:`mla_compile.parallel.dcp.localize` of each planned step), with a small token budget so prompts are
+    prefilled in chunks over their cached context; tokens equal the unsharded engine's."""
+    from mla_compile.app.demo import _dcp_step
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=2, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf, parallel=state)
+    load = dict(seed=5, n_requests=5, gap=3, max_new=8, max_prompt=24)
+    chunked = []
+
+    def engine(m, step):
+        m.allocate_cache(64, BS)
+        builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=10, max_tokens=12, block_size=BS, device="cpu")
+        return Engine(DecodeGraphRunner(step, builder, capture_sizes=[2, 4], enabled=False), num_blocks=64)
+
+    def counting(step):
+        def run(input_ids, positions, meta):
+            chunked.append(meta.prefill is not None and meta.prefill.context is not None)
+            return step(input_ids, positions, meta)
+        run._orig_mod = model
+        return run
+
+    want, steps = run_workload(engine(ref, ref), **load)
+    got, got_steps = run_workload(engine(model, counting(_dcp_step(model, BS, state))), **load)
+    return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got),
+            "context_steps": sum(chunked)}

@@ -120,3 +120,13 @@ def test_dcp_layers_over_one_rank_on_the_gpu(kind):
         pytest.skip("needs transformers with DeepseekV32ForCausalLM")
     r = w.dcp_one_rank(kind, "cuda", 2, "inductor")
     assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4 and r["graph_breaks"] == {}, r
+
+
+@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=pytest.mark.skipif(
+    not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM"))])
+def test_engine_on_dcp_ranks_with_chunked_prefill_gives_the_unsharded_tokens(kind):
+    pytest.importorskip("transformers")
+    results = run_ranks(w.dcp_engine_per_rank, 2, kind, timeout=240)
+    for r in results:
+        assert r["same"] and r["steps"] == r["got_steps"] and r["tokens"] > 10, r
+        assert r["context_steps"] >= 2, r  # prompts longer than the token budget: chunks over cached context
