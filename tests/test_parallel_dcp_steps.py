@@ -20,11 +20,11 @@ TOL = 1e-5
 ONE = Group(None, (0,), 0)  # a group of one: merge_topk then merges the candidates it is given
 
 
+SPARSE = pytest.mark.skipif(not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM")
+
+
 @pytest.mark.parametrize("kind,interleave,query_len,compile_too", [
-    ("v3", 4, 3, False), ("v2-lite", 1, 2, True),
-    pytest.param("v3.2", 2, 2, True, marks=pytest.mark.skipif(not toy.has_sparse_kinds(),
-                                                               reason="needs transformers with DeepseekV32ForCausalLM")),
-])
+    ("v3", 4, 3, False), ("v2-lite", 1, 2, True), pytest.param("v3.2", 2, 2, True, marks=SPARSE)])
 def test_dcp2_context_and_multi_token_decode_equal_single_process(kind, interleave, query_len, compile_too):
     pytest.importorskip("transformers")
     results = run_ranks(w.dcp_multi_token_equals_single, 2, kind, interleave, query_len, compile_too, timeout=300)
@@ -100,8 +100,7 @@ def test_localize_context_covers_this_rank_s_part_of_each_context(rank, interlea
     assert got.decode.seq_lens.tolist() == plan.decode.seq_lens.tolist()
 
 
-@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=pytest.mark.skipif(
-    not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM"))])
+@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=SPARSE)])
 def test_dcp_layers_over_one_rank_equal_the_model(kind):
     pytest.importorskip("transformers")
     r = w.dcp_one_rank(kind, "cpu", 2, "eager")
@@ -122,8 +121,7 @@ def test_dcp_layers_over_one_rank_on_the_gpu(kind):
     assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4 and r["graph_breaks"] == {}, r
 
 
-@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=pytest.mark.skipif(
-    not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM"))])
+@pytest.mark.parametrize("kind", ["v3", pytest.param("v3.2", marks=SPARSE)])
 def test_engine_on_dcp_ranks_with_chunked_prefill_gives_the_unsharded_tokens(kind):
     pytest.importorskip("transformers")
     results = run_ranks(w.dcp_engine_per_rank, 2, kind, timeout=240)
