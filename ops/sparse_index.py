@@ -289,6 +289,29 @@ def lightning_scores_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, bl
     return scores.masked_fill(~visible, float("-inf"))
 
 
+def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     query_seq: Tensor, query_limit: Tensor, *, backend: str | None = None) -> Tensor:
+    """The scores ``[T, L]`` :func:`lightning_index` selects from (:func:`lightning_scores_ref`'s contract), with
+    ``lightning_index``'s backend (``backend``: None/"auto" or a name): "triton" runs its scoring kernel, the
+    others the reference. For a caller that selects itself (a cache split by token merges the parts' top-k)."""
+    impl = resolve(OP_LIGHTNING, q_idx.device, backend, dtype=q_idx.dtype)
+    if impl.name == "triton" and torch.float64 not in (q_idx.dtype, weights.dtype, k_idx_cache.dtype):
+        return triton_scores(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_limit)
+    return lightning_scores_ref(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_limit)
+
+
+def triton_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                  query_seq: Tensor, query_limit: Tensor) -> Tensor:
+    """:func:`lightning_scores` by the Triton scoring kernel (float32; CUDA, or any device under Triton's
+    interpreter): a query with limit 0 is a padding token to it, the others see positions ``<= limit - 1``."""
+    from mla_compile.ops.triton.lightning_index import lightning_scores as kernel_scores
+
+    seen = (query_seq >= 0) & (query_limit > 0)
+    i32 = torch.int32
+    return kernel_scores(q_idx, weights, k_idx_cache, block_table.to(i32), seq_lens.to(i32),
+                         torch.where(seen, query_seq, -1).to(i32), (query_limit - 1).clamp(min=0).to(i32))
+
+
 def select_topk(scores: Tensor, topk: int) -> Tensor:
     """Positions ``int64 [T, min(topk, L)]`` of the highest ``scores [T, L]`` (float32 or float64, -inf where
     invisible) by descending score, equal scores lower position first (a stable descending sort; -0.0

@@ -5,6 +5,9 @@ Model tests run 2 gloo processes (tp=2, dcp=2) against the single-process patche
 planned per rank (``plan_dcp_step``) and localized from a global plan (``localize``, the demo engine's path).
 """
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -128,3 +131,32 @@ def test_engine_on_dcp_ranks_with_chunked_prefill_gives_the_unsharded_tokens(kin
     for r in results:
         assert r["same"] and r["steps"] == r["got_steps"] and r["tokens"] > 10, r
         assert r["context_steps"] >= 2, r  # prompts longer than the token budget: chunks over cached context
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="needs TRITON_INTERPRET=1 and an importable triton (tests/conftest.py sets it without a GPU)")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_scores_with_query_limits_equal_the_reference(fp8):
+    """The split-cache indexer's scores (each query's limit in a rank's part) by the Triton kernel, under the
+    interpreter, against the reference: limits 0 (nothing here), padding tokens, a NaN-poisoned cache."""
+    from mla_compile.ops.fp8_index import quantize_fp8_index
+    from mla_compile.ops.sparse_index import lightning_scores_ref, triton_scores
+
+    gen = torch.Generator().manual_seed(3 + fp8)
+    B, M, bs, Hi, d, T = 3, 3, 16, 4, 32, 10
+    keys = torch.randn(B * M * bs, d, generator=gen)
+    cache = quantize_fp8_index(keys) if fp8 else keys.clone()
+    cache = cache.view(B * M, bs, -1)
+    cache[-1] = float("nan") if not fp8 else 255  # the block of the unused table entries: never read
+    used = torch.randperm(B * M - 1, generator=gen)[:6].tolist()
+    table = torch.tensor([used[:3], [used[3], 8, 8], [used[4], used[5], 8]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 7, 30], dtype=torch.int32)  # 3, 1 and 2 blocks of 16
+    query_seq = torch.tensor([0, 0, 1, 1, 2, 2, 2, -1, 0, 1])
+    limit = torch.tensor([40, 0, 7, 3, 30, 1, 0, 5, 17, 7])
+    q, w = torch.randn(T, Hi, d, generator=gen), torch.randn(T, Hi, generator=gen)
+    want = lightning_scores_ref(q, w, cache, table, seq_lens, query_seq, limit)
+    got = triton_scores(q, w, cache, table, seq_lens, query_seq, limit)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+    assert int((~torch.isneginf(want)).sum()) == 40 + 7 + 3 + 30 + 1 + 17 + 7  # padding and limit-0 rows: none
+    fin = ~torch.isneginf(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from mla_compile.models.config import MLAConfig
 from mla_compile.models.indexer import MLAIndexer
 from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops.context_attention import up_project
-from mla_compile.ops.sparse_index import lightning_scores_ref, select_topk
+from mla_compile.ops.sparse_index import lightning_scores, select_topk
 from mla_compile.parallel.dcp import global_position, local_position, local_seq_lens, merge_parts, merge_topk, owner
 from mla_compile.parallel.groups import Group
 from mla_compile.parallel.layers import all_gather
@@ -211,7 +211,7 @@ class DCPIndexer(MLAIndexer):
         limit = torch.where(live, local_seq_lens(query_pos.long() + 1, P, rank, interleave), 0)
         # each sequence's tokens in this part: the largest limit of its queries (decode: its whole length)
         held = torch.zeros(B, dtype=limit.dtype, device=limit.device).scatter_reduce(0, seq, limit, "amax")
-        scores = lightning_scores_ref(q, w, self.k_cache, block_table, held, query_seq, limit)
+        scores = lightning_scores(q, w, self.k_cache, block_table, held, query_seq, limit)
         local = select_topk(scores, topk)  # [T, min(topk, L)] local positions, best first
         best = scores.gather(1, local)
         pos = global_position(local, P, rank, interleave)
