@@ -1,5 +1,5 @@
-"""GPU: ``v4_attention`` with backend "auto" on an H200 takes the split that the shipped timing table (BENCHMARKS.md
-run 117) makes, Triton for at most 2 query rows and FlashMLA above, and each call runs that part: the output
+"""GPU: ``v4_attention`` with backend "auto" on an H200 takes the split that the shipped timing table makes (from
+BENCHMARKS.md run 117: Triton for at most 2 query rows, FlashMLA above), and each call runs its part: the output
 equals the named backend's bit for bit and the float64 reference within bf16 tolerance, eager, compiled
 (``fullgraph=True``, dynamic rows) and replayed from a CUDA graph per row count with new inputs. Skips without
 ``flash_mla`` or off sm90."""
@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from mla_compile.ops import v4_attention
+from mla_compile.ops import timings, v4_attention
 from mla_compile.ops.registry import parse_split, split_part
 from mla_compile.ops.select import resolve
 from tests.cuda_capture import capture
@@ -21,7 +21,17 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 BF16, I32 = torch.bfloat16, torch.int32
 H, D, ROPE, BS, WINDOW, TOPK = 64, 512, 64, 64, 128, 512
 SCALE = D ** -0.5
-SPLIT = "split:triton:2/flashmla"
+SPLIT = "split:triton:2/flashmla"  # what run 117's rows make; a re-measured table may move the bound
+
+
+def _split(csa: bool) -> str:
+    """The split "auto" takes for V4-Flash attention here (a Triton part first, FlashMLA last)."""
+    args = _case(0, 2, csa)
+    name = resolve("v4_attention", args[0].device, None, dtype=BF16, cache=args[1],
+                   shape=lambda: (H, (D,), 1, _slots(csa))).name
+    tiers = parse_split(name) if name.startswith("split:") else ()
+    assert tiers and tiers[0][1] == "triton" and tiers[-1][1] == "flashmla", name
+    return name
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +68,7 @@ def _slots(csa: bool) -> int:
 
 
 def _check(out, lse, args, T: int, csa: bool):
-    part = split_part(parse_split(SPLIT), T)
+    part = split_part(parse_split(_split(csa)), T)
     want, want_lse = v4_attention(*args, SCALE, backend=part)
     assert torch.equal(out, want) and torch.equal(lse, want_lse), f"T={T}: not {part}'s result"
     ref, ref_lse = v4_attention64(*args, SCALE)
@@ -68,10 +78,10 @@ def _check(out, lse, args, T: int, csa: bool):
 
 @pytest.mark.parametrize("csa", [False, True])
 def test_auto_takes_the_split_and_runs_the_part_of_each_row_count(csa):
-    args = _case(1, 4, csa)
-    impl = resolve("v4_attention", args[0].device, None, dtype=BF16, cache=args[1],
-                   shape=lambda: (H, (D,), 1, _slots(csa)))
-    assert impl.name == SPLIT
+    name = _split(csa)
+    h200 = next(t for t in timings.tables() if t.capability == (9, 0))
+    if "run 117" in next(r.source for r in h200.rows if r.op == "v4_attention"):
+        assert name == SPLIT
     for T in (1, 2, 3, 64):
         args = _case(T, T, csa)
         out, lse = v4_attention(*args, SCALE, slots=_slots(csa))
