@@ -58,7 +58,7 @@ class Shape:
 
     def key(self) -> dict:
         return dict(op=self.op, dtype="bfloat16", cache=self.cache, heads=timings.bucket("heads", self.heads),
-                    batch=timings.bucket("batch", self.batch), context=timings.bucket("context", self.context))
+                    batch=timings.bucket("batch", self.batch), context=timings.bucket("context", self.context, self.op))
 
 
 # v4_attention's layer kinds at position V4_CTX by the slots a query row lists: window 128, CSA window + top-512,

@@ -137,3 +137,10 @@ def test_check_names_every_problem():
     with pytest.raises(ValueError, match="invalid backend timing file"):
         timings.parse(bad)
     assert timings.bucket("heads", 20) == 32 and timings.bucket("batch", 1000) == 256
+
+
+def test_only_v4_attention_has_context_buckets_below_1024():
+    """The finer buckets are v4_attention's (listed slots); every other op's short contexts stay in 1024."""
+    assert timings.bucket("context", 512, "prefill") == 1024 == timings.bucket("context", 100)
+    assert timings.bucket("context", 512, "v4_attention") == 512
+    assert timings.bucket("context", 192, "v4_attention") == 256 and timings.bucket("context", 640, "v4_attention") == 1024

@@ -26,7 +26,7 @@ RUN_117 = {128: {1: (26.6, 27.6), 64: (49.4, 35.4), 256: (194.1, 62.8)},  # slid
 
 
 def _run_117_rows() -> set:
-    return {(64, timings.bucket("batch", b), timings.bucket("context", slots), t, f)
+    return {(64, timings.bucket("batch", b), timings.bucket("context", slots, "v4_attention"), t, f)
             for slots, by in RUN_117.items() for b, (t, f) in by.items()}
 
 
@@ -48,7 +48,7 @@ def test_the_shipped_rows_are_keyed_by_the_slots_the_model_lists(everything_inst
     exactly its numbers."""
     [h200] = [t for t in timings.tables() if t.capability == SM90]
     rows = [r for r in h200.rows if r.op == "v4_attention"]
-    kinds = {timings.bucket("context", n) for n in RUN_117}
+    kinds = {timings.bucket("context", n, "v4_attention") for n in RUN_117}
     assert len(kinds) == 3, "the three layer kinds are three classes"
     assert rows and {r.context for r in rows} <= kinds
     by_hand = [r for r in rows if "run 117" in r.source]
