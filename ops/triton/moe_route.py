@@ -76,7 +76,8 @@ def _moe_route_kernel(
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     taken = tl.zeros([BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        pick = _argmax_first(tl.where(taken == 0, choice, float("-inf")), e, BLOCK_E)
+        # NaN scores match no maximum (BLOCK_E comes back): keep the id in range, so the experts never read past E
+        pick = tl.minimum(_argmax_first(tl.where(taken == 0, choice, float("-inf")), e, BLOCK_E), E - 1)
         taken = tl.where(e == pick, 1, taken)
         weights = tl.where(k_idx == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), weights)
         ids = tl.where(k_idx == j, pick, ids)
