@@ -58,20 +58,21 @@ def _results(engine, seen):
 
 
 def test_a_sampled_trace_with_stop_tokens_and_aborts_gives_the_tokens_and_reasons_of_no_overlap(tiny):
-    """Random arrivals, shared prefixes, greedy / seeded / unseeded sampling with stop tokens, bad requests and
+    """A 1000-step trace: random arrivals, shared prefixes, greedy / seeded / unseeded sampling with stop tokens, bad requests and
     aborts. Stops are learned one step late with overlap (the stopped request has one more row, admissions
     may come a step later), so a request aborted at a given step may hold one token less or more; every other
     request gets exactly the same tokens and finish reason."""
     runs = []
     for overlap in (False, True):
         for sampling in ((False,) if not overlap else (False, True)):
-            trace = with_sampling(make_trace(21, 160, vocab_size=97, max_total=64), seed=5, vocab_size=97, stops=True)
+            trace = with_sampling(make_trace(21, 1000, vocab_size=97, max_total=64), seed=5, vocab_size=97, stops=True)
             engine = _engine(tiny, overlap, sampling=sampling)
             seen = run_trace(engine, trace)
             assert not engine.waiting and not engine.running and engine._inflight is None
             assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)
             runs.append((_results(engine, seen), seen, trace))
     (want, want_seen, trace), *others = runs
+    assert min(seen.steps for _, seen, _ in runs) >= 1000  # issue #26: a 1000-step trace
     reasons = [reason for reason, _ in want.values()]
     assert reasons.count("stop") > 15 and reasons.count("length") > 30 and reasons.count("abort") > 5
     for got, seen, _ in others:
