@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -144,6 +145,15 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     return torch.where(temperature > 0, drawn, greedy)
 
 
+def sample_columns(logits: Tensor, columns: Mapping[str, np.ndarray]) -> Tensor:
+    """:func:`sample` of ``logits`` ``[B, V]`` with its per-row parameters from numpy ``columns`` ``[B]`` (by
+    :func:`sample`'s argument names; what ``DecodeRows.sampling`` gives). Returns int64 ``[B]``."""
+    dtypes = {"temperature": torch.float32, "top_p": torch.float32}
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(v)).to(logits.device, dtypes.get(name, torch.int64))
+               for name, v in columns.items()}
+    return sample(logits, **tensors)
+
+
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
     """:func:`sample` of ``logits`` ``[B, V]`` with row ``i`` drawn under ``params[i]`` at step ``steps[i]``
     (host-side: builds the ``[B]`` parameter tensors on the logits' device). Every ``params[i].seed`` must be
@@ -198,5 +208,23 @@ class SamplingRows:
         host[2, :k].view("float64")[:] = [p.top_p for p in params]
         host[3, :k] = [p.seed for p in params]
         host[4, :k] = list(steps)
+        self._upload.upload()
+        return self.views(n)
+
+    def fill_columns(self, columns: Mapping[str, np.ndarray], n: int) -> dict[str, Tensor]:
+        """:meth:`fill` from whole columns (numpy ``[k]`` each, by :func:`sample`'s argument names, as
+        :meth:`~mla_compile.serving.decode_rows.DecodeRows.sampling` gives them; every seed set): no per-row
+        Python. Rows ``k..n`` are greedy padding; returns :meth:`views` of ``n``."""
+        k = len(columns["steps"])
+        if not k <= n <= self.max_batch:
+            raise ValueError(f"SamplingRows.fill_columns: {k} rows for {n} (at most max_batch={self.max_batch})")
+        host = self._upload.begin()
+        host[:, k:n] = 0
+        host[2, k:n].view("float64")[:] = 1.0
+        host[0, :k].view("float64")[:] = columns["temperature"]
+        host[1, :k] = columns["top_k"]
+        host[2, :k].view("float64")[:] = columns["top_p"]
+        host[3, :k] = columns["seeds"]
+        host[4, :k] = columns["steps"]
         self._upload.upload()
         return self.views(n)
