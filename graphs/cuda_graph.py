@@ -56,7 +56,7 @@ class TokenFeed:
         if len(rows) > self.max_batch:
             raise ValueError(f"TokenFeed.fill: {len(rows)} decode rows, the feed holds max_batch={self.max_batch}")
         if isinstance(rows, np.ndarray):
-            bad = len(rows) and ((rows < -1) | (rows >= self.tokens.numel())).any()
+            bad = len(rows) and (rows.min() < -1 or rows.max() >= self.tokens.numel())
         else:
             bad = any(not -1 <= r < self.tokens.numel() for r in rows)
         if bad:
@@ -277,7 +277,7 @@ class DecodeGraphRunner:
                    params: Sequence[SamplingParams] | None, steps: Sequence[int] | None, n: int) -> dict[str, Tensor]:
         """Fill ``rows`` for ``n`` rows: from a DecodeRows batch's columns, else from ``params`` / ``steps``."""
         if isinstance(chunks, DecodeRows) and params is None:
-            return rows.fill_columns(chunks.sampling(), n)
+            return rows.fill_packed(chunks.sampling_packed(), n)
         return rows.fill(params, steps, n)
 
     def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (),

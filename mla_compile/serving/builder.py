@@ -137,6 +137,7 @@ class MetadataBuilder:
             if self._pin else []
         self._copied: list = [None, None]
         self._turn = 0
+        self._fronts: dict[tuple[int, int], Tensor] = {}  # see _front
         self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
         # per persistent host buffer (``_host``'s id): the sizes of the decode step written last into it, whose
         # constant parts (logits rows, padding rows) are still there; dropped when another step writes it
@@ -153,10 +154,18 @@ class MetadataBuilder:
             done = self._copied[turn]
             if done is not None and not done.query():
                 done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
-            return self._staging[turn][:end], turn
+            return self._front(turn, end), turn
         if self.arena.device.type == "cpu":
-            return self.arena[:end], turn  # a CPU arena is written in place
+            return self._front(turn, end), turn  # a CPU arena is written in place
         return torch.empty(end, dtype=torch.uint8), -2  # another device without pinned staging: a fresh buffer
+
+    def _front(self, turn: int, end: int) -> Tensor:
+        """The first ``end`` bytes of persistent host buffer ``turn`` (staging buffer 0/1, -1 the CPU arena),
+        sliced once per size."""
+        front = self._fronts.get((turn, end))
+        if front is None:
+            front = self._fronts[(turn, end)] = (self.arena if turn == -1 else self._staging[turn])[:end]
+        return front
 
     def _send(self, host: Tensor, turn: int, end: int) -> None:
         """Copy the packed bytes to the front of the arena (one async H2D copy from pinned staging)."""
@@ -339,7 +348,7 @@ class MetadataBuilder:
         if batch.max_blocks > self.max_blocks or batch.block_size != bs:
             return None
         starts = batch.positions[:n]
-        if n and (starts >= batch.block_counts[:n] * bs).any():  # positions >= 0: DecodeRows checks them
+        if n and (starts >= batch.capacity[:n]).any():  # positions >= 0: DecodeRows checks them
             return None
         if len(self.host_tables):
             self.host_tables.clear()  # the keyed tables follow keyed chunk steps only

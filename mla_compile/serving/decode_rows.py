@@ -40,11 +40,15 @@ class DecodeRows:
 
     Arrays (``[max_rows]``, the first ``len(self)`` entries in use, in batch order): :attr:`tokens`,
     :attr:`positions` (where each row's token is written: the sequence holds ``positions + 1`` tokens after the
-    step), :attr:`steps` (the index of the token each row draws), :attr:`block_counts`, :attr:`table`
-    (int32 ``[max_rows, max_blocks]``, zero past a row's blocks), :attr:`fed` (the logits row of the previous
-    step whose sampled token is the row's input, or -1: an engine's token feed), and the sampling columns
-    :attr:`temperature`, :attr:`top_k`, :attr:`top_p`, :attr:`seeds`. :attr:`keys` names each row (hashable,
-    unique), :attr:`block_lists` holds each row's block list object.
+    step), :attr:`steps` (the index of the token each row draws), :attr:`block_counts`, :attr:`capacity` (the
+    tokens its blocks hold), :attr:`table` (int32 ``[max_rows, max_blocks]``, zero past a row's blocks),
+    :attr:`fed` (the logits row of the previous step whose sampled token is the row's input, or -1: an
+    engine's token feed), and the sampling columns :attr:`temperature`, :attr:`top_k`, :attr:`top_p`,
+    :attr:`seeds`. They are views of two packed arrays, so a step touches each with few numpy calls:
+    :attr:`packed` (int64 ``[6, max_rows]``: temperature and top_p as float64 bits, top_k, seeds, steps in the
+    row order of :class:`~mla_compile.serving.sampling.SamplingRows`, then positions) and :attr:`inputs`
+    (tokens, fed). :attr:`keys` names each row (hashable, unique), :attr:`block_lists` holds each row's block
+    list object.
 
     Contract: a row's table equals its block list as of the last :meth:`arrange` (for a new row) or
     :meth:`set_blocks` of it; whoever changes a sequence's block list calls :meth:`set_blocks` for its row.
@@ -56,12 +60,15 @@ class DecodeRows:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.table = np.zeros((max_rows, max_blocks), dtype=np.int32)
-        i64 = lambda: np.zeros(max_rows, dtype=np.int64)  # noqa: E731
-        self.tokens, self.positions, self.steps, self.block_counts = i64(), i64(), i64(), i64()
-        self.fed, self.top_k, self.seeds = np.full(max_rows, -1, dtype=np.int64), i64(), i64()
-        self.temperature = np.zeros(max_rows, dtype=np.float64)
-        self.top_p = np.ones(max_rows, dtype=np.float64)
-        self._arange = np.arange(max_rows, dtype=np.int64)
+        self.block_counts = np.zeros(max_rows, dtype=np.int64)
+        self.capacity = np.zeros(max_rows, dtype=np.int64)
+        self.packed = np.zeros((6, max_rows), dtype=np.int64)
+        self.temperature, self.top_k = self.packed[0].view(np.float64), self.packed[1]
+        self.top_p, self.seeds, self.steps = self.packed[2].view(np.float64), self.packed[3], self.packed[4]
+        self.positions = self.packed[5]
+        self.inputs = np.zeros((2, max_rows), dtype=np.int64)
+        self.tokens, self.fed = self.inputs[0], self.inputs[1]
+        self._fed_inputs = np.stack([np.zeros(max_rows, dtype=np.int64), np.arange(max_rows, dtype=np.int64)])
         self.clear()
 
     def clear(self) -> None:
@@ -109,16 +116,16 @@ class DecodeRows:
             rows[j, lens[j]:] = 0
         kept = np.flatnonzero(old >= 0)
         src = old[kept]
-        for a in (self.tokens, self.positions, self.steps, self.block_counts, self.fed, self.top_k, self.seeds,
-                  self.temperature, self.top_p):
+        for a in (self.block_counts, self.capacity, self.table):
             a[kept] = a[src]  # a gather first (fancy indexing copies), then the store
-        self.table[kept] = self.table[src]
+        for a in (self.packed, self.inputs):
+            a[:, kept] = a[:, src]
         lists, params = self.block_lists, self.params
         self.block_lists = [lists[o] if o >= 0 else None for o in old.tolist()]
         self.params = [params[o] if o >= 0 else None for o in old.tolist()]
         for j, (i, s) in enumerate(zip(new, states)):
             self.table[i] = rows[j]
-            self.block_counts[i] = lens[j]
+            self.block_counts[i], self.capacity[i] = lens[j], lens[j] * self.block_size
             self.tokens[i], self.positions[i], self.steps[i], self.fed[i] = s.token, s.position, s.step, s.fed
             p = s.params
             self.temperature[i], self.top_k[i], self.top_p[i], self.seeds[i] = p.temperature, p.top_k, p.top_p, p.seed
@@ -128,7 +135,7 @@ class DecodeRows:
     def short(self) -> np.ndarray:
         """The rows whose blocks do not hold their position (they need a block before the step)."""
         n = self.n
-        return np.flatnonzero(self.positions[:n] >= self.block_counts[:n] * self.block_size)
+        return np.flatnonzero(self.positions[:n] >= self.capacity[:n])
 
     def set_blocks(self, row: int, blocks: Sequence[int]) -> None:
         """Rewrite ``row``'s table from ``blocks`` (its sequence's block list now; another object or the same
@@ -139,7 +146,7 @@ class DecodeRows:
         ids = np.fromiter(blocks, np.int32, k)
         self.table[row, :k] = ids
         self.table[row, k:] = 0
-        self.block_counts[row] = k
+        self.block_counts[row], self.capacity[row] = k, k * self.block_size
         self.block_lists[row] = blocks
 
     def advance(self, tokens: np.ndarray | None = None, fed: bool = False) -> None:
@@ -147,22 +154,23 @@ class DecodeRows:
         tokens, their next inputs; None: placeholder 0. ``fed``: the next step feeds each row the token of its
         logits row in this step (:attr:`fed` = the row index), else :attr:`fed` = -1."""
         n = self.n
-        self.positions[:n] += 1
-        self.steps[:n] += 1
-        if tokens is None:
-            self.tokens[:n] = 0
-        else:
-            self.tokens[:n] = tokens[:n]
-        if fed:
-            self.fed[:n] = self._arange[:n]
-        else:
-            self.fed[:n] = -1
+        self.packed[4:6, :n] += 1  # steps and positions
+        if fed and tokens is None:
+            self.inputs[:, :n] = self._fed_inputs[:, :n]
+            return
+        self.tokens[:n] = 0 if tokens is None else tokens[:n]
+        self.fed[:n] = self._fed_inputs[1, :n] if fed else -1
 
     def sampling(self) -> dict[str, np.ndarray]:
         """The rows' sampling columns by :func:`~mla_compile.serving.sampling.sample`'s argument names."""
         n = self.n
         return dict(temperature=self.temperature[:n], top_k=self.top_k[:n], top_p=self.top_p[:n],
                     seeds=self.seeds[:n], steps=self.steps[:n])
+
+    def sampling_packed(self) -> np.ndarray:
+        """The rows' sampling columns packed as :class:`~mla_compile.serving.sampling.SamplingRows` holds them
+        (int64 ``[5, len(self)]``, floats as float64 bits): one copy fills its host buffer."""
+        return self.packed[:5, :self.n]
 
     def chunks(self) -> list[SeqChunk]:
         """The rows as keyed decode :class:`~mla_compile.models.metadata.SeqChunk` objects (the general

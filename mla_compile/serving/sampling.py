@@ -170,6 +170,8 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequenc
 
 
 _ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps")  # the order of SamplingRows' packed rows
+# a greedy padding row as SamplingRows packs it: temperature 0, top_k 0, top_p 1.0 (float64 bits), seed 0, step 0
+_PADDING_ROW = np.array([[0], [0], [np.float64(1.0).view(np.int64)], [0], [0]], dtype=np.int64)
 
 
 class SamplingRows:
@@ -184,12 +186,17 @@ class SamplingRows:
         self.max_batch = max_batch
         self.packed = torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, device=self.device)
         self._upload = HostUpload(self.packed)
+        self._views: dict[int, dict[str, Tensor]] = {}
 
     def views(self, n: int) -> dict[str, Tensor]:
-        """The ``[n]`` device views :func:`sample` takes (the same addresses every step)."""
-        p = self.packed
-        return dict(temperature=p[0, :n].view(torch.float64), top_k=p[1, :n], top_p=p[2, :n].view(torch.float64),
-                    seeds=p[3, :n], steps=p[4, :n])
+        """The ``[n]`` device views :func:`sample` takes (the same addresses every step; made once per ``n``, the
+        same dict every call: read it, do not change it)."""
+        views = self._views.get(n)
+        if views is None:
+            p = self.packed
+            views = self._views[n] = dict(temperature=p[0, :n].view(torch.float64), top_k=p[1, :n],
+                                          top_p=p[2, :n].view(torch.float64), seeds=p[3, :n], steps=p[4, :n])
+        return views
 
     def fill(self, params: Sequence[SamplingParams], steps: Sequence[int], n: int) -> dict[str, Tensor]:
         """Write row ``i < len(params)`` from ``params[i]`` at generation step ``steps[i]`` (every seed set),
@@ -211,20 +218,18 @@ class SamplingRows:
         self._upload.upload()
         return self.views(n)
 
-    def fill_columns(self, columns: Mapping[str, np.ndarray], n: int) -> dict[str, Tensor]:
-        """:meth:`fill` from whole columns (numpy ``[k]`` each, by :func:`sample`'s argument names, as
-        :meth:`~mla_compile.serving.decode_rows.DecodeRows.sampling` gives them; every seed set): no per-row
-        Python. Rows ``k..n`` are greedy padding; returns :meth:`views` of ``n``."""
-        k = len(columns["steps"])
-        if not k <= n <= self.max_batch:
-            raise ValueError(f"SamplingRows.fill_columns: {k} rows for {n} (at most max_batch={self.max_batch})")
+    def fill_packed(self, packed: np.ndarray, n: int) -> dict[str, Tensor]:
+        """:meth:`fill` from rows already packed as this holds them (int64 ``[5, k]``: temperature, top_k, top_p,
+        seeds, steps, floats as float64 bits, every seed set; what
+        :meth:`~mla_compile.serving.decode_rows.DecodeRows.sampling_packed` gives): one copy, no per-row Python.
+        Rows ``k..n`` are greedy padding; returns :meth:`views` of ``n``."""
+        k = packed.shape[1]
+        if packed.shape[0] != len(_ROW_FIELDS) or not k <= n <= self.max_batch:
+            raise ValueError(f"SamplingRows.fill_packed: {packed.shape} packed rows for {n} (expected "
+                             f"[{len(_ROW_FIELDS)}, k], k <= n <= max_batch={self.max_batch})")
         host = self._upload.begin()
-        host[:, k:n] = 0
-        host[2, k:n].view("float64")[:] = 1.0
-        host[0, :k].view("float64")[:] = columns["temperature"]
-        host[1, :k] = columns["top_k"]
-        host[2, :k].view("float64")[:] = columns["top_p"]
-        host[3, :k] = columns["seeds"]
-        host[4, :k] = columns["steps"]
+        host[:, :k] = packed
+        if k < n:
+            host[:, k:n] = _PADDING_ROW
         self._upload.upload()
         return self.views(n)
