@@ -39,12 +39,15 @@ class Recording(MetadataBuilder):
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.steps, self.from_rows, self.from_arrays = [], 0, 0
+        self.engine = None  # set: each step also records its block manager's counts
 
     def build(self, decode, prefill=(), **kw):
         step = super().build(decode, prefill, **kw)
         self.from_rows += isinstance(decode, DecodeRows)
         self.from_arrays += isinstance(decode, DecodeRows) and not self.host_tables
-        self.steps.append(({k: v.clone() for k, v in step_fields(step).items()}, step.num_rows))
+        blocks = self.engine.blocks
+        counts = (blocks.num_free, blocks.reserved, blocks.claimed, len(blocks.free_ids), len(blocks.evictable))
+        self.steps.append(({k: v.clone() for k, v in step_fields(step).items()}, step.num_rows, counts))
         return step
 
 
@@ -53,6 +56,7 @@ def _run(trace_seed, overlap, window, sampling, rows_on):
     runner = DecodeGraphRunner(FakeModel(window), builder, sampling=sampling)
     engine = Engine(runner, num_blocks=40, vocab_size=VOCAB, max_positions=64, overlap=overlap)
     assert (engine._rows is not None) and (engine.blocks.sink_window == window)
+    builder.engine = engine
     if not rows_on:
         engine._rows = None  # the per-request SeqChunk path
     trace = with_sampling(make_trace(trace_seed, 50, vocab_size=VOCAB, max_total=64, max_new=36, max_prompt=12, gap=5), seed=trace_seed,
@@ -73,8 +77,9 @@ def test_engine_steps_from_the_decode_rows_equal_the_chunk_steps(overlap, window
         assert rows_builder.from_rows > 60 and chunk_builder.from_rows == 0
         assert rows_builder.from_arrays == rows_builder.from_rows  # every decode-only step, whatever grew
         assert len(rows_builder.steps) == len(chunk_builder.steps)
-        for n, ((g, g_rows), (w, w_rows)) in enumerate(zip(rows_builder.steps, chunk_builder.steps)):
-            assert g.keys() == w.keys() and g_rows == w_rows, n
+        for n, ((g, g_rows, g_counts), (w, w_rows, w_counts)) in enumerate(zip(rows_builder.steps,
+                                                                               chunk_builder.steps)):
+            assert g.keys() == w.keys() and g_rows == w_rows and g_counts == w_counts, n
             for name in g:
                 assert torch.equal(g[name], w[name]), (n, name)
 
