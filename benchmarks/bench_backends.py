@@ -3,14 +3,22 @@
     python benchmarks/bench_backends.py --out ops/backend_timings/h200.json   # on the GPU
     python benchmarks/bench_backends.py --dry-run                             # CPU: list the grid
     python benchmarks/bench_backends.py --check ops/backend_timings/h200.json # CPU: validate a file
+    python benchmarks/bench_backends.py --only v4_attention --out ops/backend_timings/h200.json  # one op's rows
 
-For each op the selector ranks by time (decode, decode_fp8, sparse_decode, prefill, merge: the ones whose
-public functions pass their heads), each shape of :data:`GRID` and each backend the registry declares
+For each op the selector ranks by time (decode, decode_fp8, sparse_decode, prefill, merge, v4_attention: the
+ones whose public functions pass their heads), each shape of :data:`GRID` and each backend the registry declares
 for the op, the backend is timed through our op (``ops.<op>(..., backend=name)``) when the selector says
 it serves the shape: the median GPU time of one call in a replayed CUDA graph (``bench_kernels.graph_ms``),
 or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans
 are made before timing. "autotune" is left out (it is a compile-time choice among the others). The file
 (format: :mod:`mla_compile.ops.timings`) records the GPU, its compute capability and the package versions.
+``--only OP,...`` times those ops alone; with ``--out`` naming an existing file of the same GPU, that file's
+rows of the other ops are kept (its rows of these ops are replaced).
+
+``v4_attention`` shapes: ``batch`` decode rows (one query row per sequence) at position 8192 with V4 dims (heads
+of 512, rope 64, window 128, CSA top-512 of the ctx / 4 entries, HCA all ctx / 128 entries, as
+``bench_v4_decode.py --attention``), one shape per layer kind, ``context`` = the slots each row lists
+(:data:`V4_SLOTS`), the timing class the V4 model's calls name.
 """
 
 from __future__ import annotations
@@ -53,29 +61,57 @@ class Shape:
                     batch=timings.bucket("batch", self.batch), context=timings.bucket("context", self.context))
 
 
+# v4_attention's layer kinds at position V4_CTX by the slots a query row lists: window 128, CSA window + top-512,
+# HCA window + the 8192 / 128 entries
+V4_CTX, V4_WINDOW = 8192, 128
+V4_SLOTS = {"sliding": V4_WINDOW, "CSA": V4_WINDOW + 512, "HCA": V4_WINDOW + V4_CTX // 128}
+V4_KIND = {slots: kind for kind, slots in V4_SLOTS.items()}
+
 GRID: tuple[Shape, ...] = (
     *(Shape(op, h, b, L, cache) for op, cache in (("decode", "bfloat16"), ("decode_fp8", "fp8"))
       for h in (16, 128) for b in (2, 16, 128) for L in (4096, 8192)),
     *(Shape("sparse_decode", h, 128, 2048, cache) for h in (16, 128) for cache in ("bfloat16", "fp8")),
     *(Shape("prefill", h, n, L) for h in (16, 128) for n, L in ((8, 4096), (2, 1024))),
     *(Shape("merge", h, 1024, 1024) for h in (16, 128)),
+    # 64 heads: V4-Flash, 128: V4-Pro
+    *(Shape("v4_attention", h, b, slots) for h in (64, 128) for slots in V4_SLOTS.values() for b in (1, 8, 64, 256)),
 )
 
 
 def facts(s: Shape, planned: bool, **cap):
     """The selector's facts for ``s`` on the CUDA device (``cap=(major, minor)`` to assume one, as tests do)."""
-    paged = s.op in ("decode", "decode_fp8", "sparse_decode")
-    width = W if s.cache == "fp8" else D
-    dims = {"prefill": (192, 128), "merge": (DC,)}.get(s.op, (DC, DR))
+    paged = s.op in ("decode", "decode_fp8", "sparse_decode", "v4_attention")
+    width = W if s.cache == "fp8" else DC if s.op == "v4_attention" else D
+    dims = {"prefill": (192, 128), "merge": (DC,), "v4_attention": (DC,)}.get(s.op, (DC, DR))
     align, packed = cache_layout((PAGE * width, width, 1), width) if paged else (None, None)
+    # v4_attention: the listed slots, as the V4 model names them for its sliding and CSA layers
+    context = s.context if s.op == "v4_attention" else None
     return facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8 if s.cache == "fp8" else torch.bfloat16,
                      block_size=PAGE if paged else None, num_heads=s.heads, head_dims=dims, query_len=1,
-                     planned=planned, cache_align=align, packed_rows=packed, **cap)
+                     planned=planned, cache_align=align, packed_rows=packed, context=context, **cap)
 
 
-def grid() -> list[tuple[Shape, str]]:
+def shapes(only: tuple[str, ...] | None = None) -> list[Shape]:
+    """The shapes of :data:`GRID`, of the ops ``only`` names (None: every op)."""
+    return [s for s in GRID if only is None or s.op in only]
+
+
+def grid(only: tuple[str, ...] | None = None) -> list[tuple[Shape, str]]:
     """Every (shape, backend) pair to try: each shape with every declared backend of its op."""
-    return [(s, name) for s in GRID for name in priority(s.op) if name not in SKIP]
+    return [(s, name) for s in shapes(only) for name in priority(s.op) if name not in SKIP]
+
+
+def _v4_inputs(s: Shape, dev: str) -> tuple:
+    """``v4_attention``'s arguments for shape ``s`` (its layer kind from its slots) with
+    ``bench_v4_decode.attention_case``, the inputs of BENCHMARKS.md's V4 attention rows."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_v4_decode import attention_case
+
+    a = SimpleNamespace(seed=0, window=V4_WINDOW, head_dim=DC, block_size=PAGE, csa=4, hca=128, idx_topk=512,
+                        heads=s.heads, rope=DR)
+    return attention_case(a, V4_KIND[s.context], s.batch, V4_CTX, torch.device(dev), torch.bfloat16)
 
 
 def _inputs(s: Shape):
@@ -83,6 +119,9 @@ def _inputs(s: Shape):
     from mla_compile import ops
 
     dev = "cuda"
+    if s.op == "v4_attention":
+        args = _v4_inputs(s, dev)
+        return (lambda name, plan: ops.v4_attention(*args, DC ** -0.5, backend=name)), None
     if s.op == "merge":
         oa, ob = (torch.randn(s.batch, s.heads, DC, device=dev, dtype=torch.bfloat16) for _ in range(2))
         la, lb = (torch.randn(s.batch, s.heads, device=dev) for _ in range(2))
@@ -118,15 +157,15 @@ def _inputs(s: Shape):
     return (lambda name, p: ops.decode(q, cache, table, lens, SCALE, backend=name, plan=p)), plan
 
 
-def measure() -> dict:
-    """Time the grid on this GPU; returns the timing file's contents."""
+def measure(only: tuple[str, ...] | None = None) -> dict:
+    """Time the grid (of the ops ``only`` names; None: all) on this GPU; returns the timing file's contents."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_kernels as bk  # CUDA-graph replay timing (graph_ms) and do_bench (bench)
 
     rows: dict[tuple, dict] = {}
     autos: list[tuple] = []
     overheads: list[tuple] = []
-    for s in GRID:
+    for s in shapes(only):
         call, make_plan = _inputs(s)
         f = facts(s, planned=True)  # outside the try: a bug here stops the run instead of skipping every backend
         for name in (n for n in priority(s.op) if n not in SKIP):
@@ -262,27 +301,48 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def keep_other_ops(old: dict, new: dict, only: tuple[str, ...]) -> dict:
+    """``new`` (this run's rows of the ops ``only`` names) with ``old``'s rows of every other op, when ``old``
+    is a timing file of the same GPU (else SystemExit: rows of two GPUs never share a file). The file's
+    versions are this run's; its source names both runs."""
+    if old.get("capability") != new["capability"] or old.get("gpu") != new["gpu"]:
+        raise SystemExit(f"--only: the existing file is of {old.get('gpu')} {old.get('capability')}, this GPU is "
+                         f"{new['gpu']} {new['capability']}: write another file")
+    kept = [r for r in old.get("rows", []) if r.get("op") not in only]
+    print(f"kept {len(kept)} rows of other ops from the existing file")
+    return dict(new, rows=kept + new["rows"],
+                source=f"{old.get('source', '')}; rows of {', '.join(only)}: {new['source']} (--only)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="timing file to write (JSON)")
     ap.add_argument("--dry-run", action="store_true", help="list the (op, backend, shape) grid; no GPU needed")
     ap.add_argument("--check", metavar="FILE", help="validate a timing file; no GPU needed")
+    ap.add_argument("--only", metavar="OP[,OP]", help="these ops alone (e.g. v4_attention); an existing --out file "
+                    "of the same GPU keeps its rows of the other ops")
     args = ap.parse_args(argv)
+    ops_of_grid = sorted({s.op for s in GRID})
+    only = tuple(o.strip() for o in args.only.split(",") if o.strip()) if args.only else None
+    if only is not None and not only or set(only or ()) - set(ops_of_grid):
+        ap.error(f"--only takes ops of the grid {ops_of_grid}, got {args.only!r}")
     if args.check:
         errors = timings.check(json.loads(open(args.check).read()))
         print("\n".join(errors) if errors else f"{args.check}: valid")
         return 1 if errors else 0
     if args.dry_run:
-        pairs = grid()
+        pairs = grid(only)
         for s, name in pairs:
             print(f"{s.op:14s} {name:19s} heads {s.heads:3d} batch {s.batch:4d} context {s.context:5d} {s.cache}")
-        print(f"{len(pairs)} (shape, backend) pairs over {len(GRID)} shapes")
+        print(f"{len(pairs)} (shape, backend) pairs over {len(shapes(only))} shapes")
         return 0
     if not args.out or not torch.cuda.is_available():
         ap.error("--out and a CUDA GPU are needed to measure (or use --dry-run / --check)")
-    doc = measure()
+    doc = measure(only)
     if not doc["rows"]:
         raise SystemExit("no backend could be timed on any shape: nothing written")
+    if only is not None and os.path.exists(args.out):
+        doc = keep_other_ops(json.loads(open(args.out).read()), doc, only)
     errors = timings.check(doc)
     if errors:
         raise SystemExit("measured file is invalid: " + "; ".join(errors))

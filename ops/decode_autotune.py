@@ -110,15 +110,20 @@ decode_by_rows.register_fake(lambda q, kv_cache, block_table, seq_lens, scale, k
                              fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank))
 
 
+def warn_unlowered(op_name: str, warned: set[str], device_type: str) -> bool:
+    """Warn once per ``warned`` set when ``backend="autotune"`` of ``op_name`` is used on an accelerator without
+    its lowering (each op's ``_warn_if_unlowered`` calls it at trace time, as a constant result)."""
+    if device_type != "cpu" and not lowering_installed(op_name) and op_name not in warned:
+        warned.add(op_name)
+        warnings.warn(f"backend='autotune': no Inductor lowering is installed for {op_name}, so compiled graphs "
+                      "run the static default backend untuned; `import mla_compile.lowerings` before compiling to "
+                      "let Inductor time every backend", stacklevel=3)
+    return True
+
+
 @torch.compiler.assume_constant_result
 def _warn_if_unlowered(device_type: str) -> bool:
-    """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""
-    if device_type != "cpu" and not lowering_installed() and "decode" not in _WARNED:
-        _WARNED.add("decode")
-        warnings.warn("backend='autotune': no Inductor lowering is installed for mla::decode_autotune, so "
-                      "compiled graphs run the static default backend untuned; `import mla_compile.lowerings` "
-                      "before compiling to let Inductor time every backend", stacklevel=2)
-    return True
+    return warn_unlowered("mla::decode_autotune", _WARNED, device_type)
 
 
 def _autotune(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,

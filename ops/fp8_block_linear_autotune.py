@@ -20,12 +20,11 @@ the heuristic's value.
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from mla_compile.ops.decode_autotune import lowering_installed
+from mla_compile.ops.decode_autotune import warn_unlowered
 from mla_compile.ops.fp8_block_linear import OP, fake, validate
 from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare
 from mla_compile.ops.select import resolve
@@ -113,13 +112,7 @@ fp8_block_linear_sorted_triton_config.register_fake(lambda x, weight, weight_sca
 
 @torch.compiler.assume_constant_result
 def _warn_if_unlowered(device_type: str) -> bool:
-    """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""
-    if device_type != "cpu" and not lowering_installed(OP_NAME) and "fp8" not in _WARNED:
-        _WARNED.add("fp8")
-        warnings.warn("backend='autotune': no Inductor lowering is installed for mla::fp8_block_linear_autotune, "
-                      "so compiled graphs run the static default backend untuned; `import mla_compile.lowerings` "
-                      "before compiling to let Inductor time every backend", stacklevel=2)
-    return True
+    return warn_unlowered(OP_NAME, _WARNED, device_type)
 
 
 def _autotune(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,

@@ -16,14 +16,13 @@ choice per configuration); 0 means "the heuristic's value" (``ops/triton/prefill
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import Tensor
 
 from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare
 from mla_compile.ops.select import resolve
-from mla_compile.ops.decode_autotune import lowering_installed
+from mla_compile.ops.decode_autotune import warn_unlowered
 from mla_compile.ops.prefill import OP, fake, validate
 
 BACKEND = "autotune"
@@ -66,13 +65,7 @@ prefill_triton_config.register_fake(fake)
 
 @torch.compiler.assume_constant_result
 def _warn_if_unlowered(device_type: str) -> bool:
-    """Warn once when ``backend="autotune"`` is used on an accelerator without the lowering (runs at trace time)."""
-    if device_type != "cpu" and not lowering_installed(OP_NAME) and "prefill" not in _WARNED:
-        _WARNED.add("prefill")
-        warnings.warn("backend='autotune': no Inductor lowering is installed for mla::prefill_autotune, so "
-                      "compiled graphs run the static default backend untuned; `import mla_compile.lowerings` "
-                      "before compiling to let Inductor time every backend", stacklevel=2)
-    return True
+    return warn_unlowered(OP_NAME, _WARNED, device_type)
 
 
 def _autotune(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,

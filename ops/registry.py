@@ -215,7 +215,10 @@ def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int):
     """Run the part of split ``tiers`` that serves ``rows`` on the op's ``args`` (the body of a split op);
     a part that needs a plan gets ``plan_id`` (ValueError when it is -1)."""
     name = split_part(parse_split(tiers), rows)
-    spec = backends_for(op)[name]
+    spec = backends_for(op).get(name)
+    if spec is None:
+        raise ValueError(f"{OPS[op_name(op)].key}: split {tiers!r} runs {name!r} for {rows} rows, which is not a "
+                         f"declared backend; declared: {priority(op)}")
     if not spec.needs_plan:
         return spec.fn(*args)
     if plan_id < 0 or spec.plan_id_fn is None:

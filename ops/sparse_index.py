@@ -263,6 +263,18 @@ def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, blo
     T = q_idx.shape[0]
     if block_table.shape[0] == 0:  # no sequences: every token is padding
         return torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
+    scores = lightning_scores_ref(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos.long() + 1)
+    return positions_to_slots(select_topk(scores, topk), block_table, seq_lens, query_seq, query_pos,
+                              k_idx_cache.shape[1], topk)
+
+
+def lightning_scores_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                         query_seq: Tensor, query_limit: Tensor) -> Tensor:
+    """The lightning indexer's scores ``[T, L]`` (L = max_blocks * block_size; float32, float64 for float64
+    queries) of every position of each query's sequence, ``-inf`` where not visible: positions ``>= seq_lens``
+    of the sequence, ``>= query_limit[t]`` (the query's causal limit: ``query_pos + 1`` in one cache) and every
+    position of a padding token (``query_seq == -1``). Plain torch, no checks (``lightning_index_ref``'s
+    arithmetic; a split cache passes each query's limit in its own part). Needs ``block_table.shape[0] > 0``."""
     acc = torch.float64 if q_idx.dtype == torch.float64 else torch.float32
     slots, valid, pos = sequence_slots(block_table, seq_lens, k_idx_cache.shape[1])  # [B, L]
     rows = k_idx_cache.reshape(-1, k_idx_cache.shape[2])[slots]
@@ -273,10 +285,31 @@ def lightning_index_ref(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, blo
     seq = torch.where(live, query_seq.long(), 0)
     logits = torch.einsum("thd,tld->thl", q_idx.to(acc), keys[seq])  # [T, Hi, L]
     scores = (torch.relu(logits) * weights.to(acc)[..., None]).sum(dim=1)  # [T, L]
-    visible = valid[seq] & (pos[None, :] <= query_pos.long()[:, None]) & live[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return positions_to_slots(select_topk(scores, topk), block_table, seq_lens, query_seq, query_pos,
-                              k_idx_cache.shape[1], topk)
+    visible = valid[seq] & (pos[None, :] < query_limit.long()[:, None]) & live[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def lightning_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                     query_seq: Tensor, query_limit: Tensor, *, backend: str | None = None) -> Tensor:
+    """The scores ``[T, L]`` :func:`lightning_index` selects from (:func:`lightning_scores_ref`'s contract), with
+    ``lightning_index``'s backend (``backend``: None/"auto" or a name): "triton" runs its scoring kernel, the
+    others the reference. For a caller that selects itself (a cache split by token merges the parts' top-k)."""
+    impl = resolve(OP_LIGHTNING, q_idx.device, backend, dtype=q_idx.dtype)
+    if impl.name == "triton" and torch.float64 not in (q_idx.dtype, weights.dtype, k_idx_cache.dtype):
+        return triton_scores(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_limit)
+    return lightning_scores_ref(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_limit)
+
+
+def triton_scores(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                  query_seq: Tensor, query_limit: Tensor) -> Tensor:
+    """:func:`lightning_scores` by the Triton scoring kernel (float32; CUDA, or any device under Triton's
+    interpreter): a query with limit 0 is a padding token to it, the others see positions ``<= limit - 1``."""
+    from mla_compile.ops.triton.lightning_index import lightning_scores as kernel_scores
+
+    seen = (query_seq >= 0) & (query_limit > 0)
+    i32 = torch.int32
+    return kernel_scores(q_idx, weights, k_idx_cache, block_table.to(i32), seq_lens.to(i32),
+                         torch.where(seen, query_seq, -1).to(i32), (query_limit - 1).clamp(min=0).to(i32))
 
 
 def select_topk(scores: Tensor, topk: int) -> Tensor:

@@ -7,15 +7,18 @@ GPU it was measured on (name, compute capability, package versions), rows of one
      "us": {"triton": 312.0, "flashmla": 332.9}, "shape": "B=128 L=8192 H=16", "source": "run 26"}
 
 ``heads``, ``batch`` (sequences of a decode or prefill, tokens of the other ops) and ``context`` (tokens
-per sequence) are bucket bounds from :data:`BUCKETS` (a value goes to the smallest bound at or above it,
-or the largest); ``cache`` is the cache format ("fp8" for the uint8 rows, else the cache dtype; the
-input dtype for ops without a cache); ``us`` is GPU time per call in microseconds (CUDA-graph replay).
+per sequence; the top-k of a sparse decode; the slots each query row lists in ``v4_attention``: a sliding
+layer's window, a CSA layer's window + top-k, an HCA layer's window + entries) are bucket bounds from
+:data:`BUCKETS` (a value goes to the smallest bound at or above it, or the largest); ``cache`` is the
+cache format ("fp8" for the uint8 rows, else the cache dtype; the input dtype for ops without a cache);
+``us`` is GPU time per call in microseconds (CUDA-graph replay).
 
 :func:`rank` orders the backends that can serve a call: the fastest in the table for the call's class
 first. A compiled graph serves every batch and context, so without them the class is (op, dtype, cache,
 heads) and a backend's time is its sum over the rows of that class, among backends timed in every row
 (a composite's time is its parts', per :attr:`~mla_compile.ops.registry.Backend.tiers`). A table applies
-only to GPUs of its compute capability; a class without data keeps the declared static order.
+only to GPUs of its compute capability; a class without data keeps the declared static order (the
+selector widens a graph's static context that has no rows to every context first).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 FORMAT = 1
 BUCKETS: dict[str, tuple[int, ...]] = {"heads": (16, 32, 64, 128), "batch": (2, 16, 64, 128, 256),
-                                       "context": (1024, 4096, 8192, 32768)}
+                                       "context": (128, 256, 512, 1024, 4096, 8192, 32768)}
 FOLDER = Path(__file__).with_name("backend_timings")
 # A split by batch is made only where the class's overall winner is slower than a bucket's fastest by more than
 # this factor (differences below it are within one run's spread).

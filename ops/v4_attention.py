@@ -32,7 +32,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+                                      run_split_part)
 from mla_compile.ops.select import resolve
 
 OP = declare_op("v4_attention", "mla.v4_attention", cache=True)
@@ -107,11 +108,14 @@ def v4_attention_ref(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cac
     return out.to(q.dtype).contiguous(), lse.to(torch.float32).contiguous()
 
 
-@v4_attention_ref.register_fake
-def _(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale):
+def fake(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale, *backend_args):
+    """Fake outputs shared by every v4_attention implementation: validate, then ``out``, ``lse``."""
     validate(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq)
     T, H, D = q.shape
     return q.new_empty(T, H, D), q.new_empty(T, H, dtype=torch.float32)
+
+
+v4_attention_ref.register_fake(fake)
 
 
 declare(OP, "reference", torch.ops.mla.v4_attention_ref, rank=100, devices=("any",), dtypes=FLOATS,
@@ -120,11 +124,37 @@ declare(OP, "reference", torch.ops.mla.v4_attention_ref, rank=100, devices=("any
 
 def v4_attention(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
                  sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float, *,
-                 backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """V4 sink attention; see the module docstring. Returns ``out [T, H, D]`` (q's dtype), ``lse [T, H]`` float32."""
-    # the selector's facts: heads and head dims (D,) (a backend may take only some, FlashMLA 512)
-    impl = resolve(OP, q.device, backend, dtype=q.dtype, cache=kv_cache, shape=lambda: (q.shape[1], (q.shape[2],), 1))
-    return impl.fn(q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale)
+                 backend: str | None = None, slots: int | None = None) -> tuple[Tensor, Tensor]:
+    """V4 sink attention; see the module docstring. Returns ``out [T, H, D]`` (q's dtype), ``lse [T, H]`` float32.
+
+    ``backend``: None/"auto" (the selector's choice: by the timing table of this GPU, a split that runs the
+    fastest backend for the call's number of query rows ``T``, :func:`v4_attention_split`), or a declared
+    backend name ("reference", "triton", "flashmla", or a split's name). ``slots``: the number of slots each
+    query row lists (``W + K``), the "context" of the selector's timing class; give it only when it is fixed
+    for the model (a sliding layer's window, a CSA layer's window + top-k), not when it grows with the
+    context (an HCA layer's entry list): None, the default, ranks by the op's timings at every slot count."""
+    # the selector's facts: heads, head dims (D,) (a backend may take only some, FlashMLA 512), listed slots
+    impl = resolve(OP, q.device, backend, dtype=q.dtype, cache=kv_cache,
+                   shape=lambda: (q.shape[1], (q.shape[2],), 1, slots))
+    return call_impl(OP, impl, (q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale),
+                     None)
+
+
+@torch.library.custom_op("mla::v4_attention_split", mutates_args=(), tags=LAYOUT_TAGS)
+def v4_attention_split(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
+                       sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float, tiers: str,
+                       plan_id: int) -> tuple[Tensor, Tensor]:
+    """``mla::v4_attention`` through the part of ``tiers`` (``"triton:2/flashmla"``: see
+    :func:`~mla_compile.ops.registry.split_name`) whose row bound covers this call's ``T`` query rows (a
+    static shape at run time: each CUDA-graph size records its own part). ``plan_id``: -1 (no v4_attention
+    backend plans on the host)."""
+    return run_split_part(OP, tiers, q.shape[0],
+                          (q, kv_cache, window_slots, comp_cache, comp_slots, sinks, query_pos, inv_freq, scale),
+                          plan_id)
+
+
+v4_attention_split.register_fake(fake)
+declare_split_op(OP, torch.ops.mla.v4_attention_split, "batch")
 
 
 # ------------------------------------------------------------------------------------------- slot lists

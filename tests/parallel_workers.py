@@ -514,3 +514,173 @@ def quantized_checkpoint_on_device(rank, world, root, pconf):
             "err": _max_err(got, want), "compiled_err": _max_err(got_c, want),
             "same_tokens": all(torch.equal(g.argmax(-1), x.argmax(-1)) for g, x in zip(got, want)),
             "graph_breaks": dict(counters["graph_break"]), "real_group": state.tp.group is not None}
+
+
+def _dcp_script(vocab: int, q: int):
+    """The step script of :func:`dcp_multi_token_equals_single`: ``(script(blocks, planner), ends)``, ``ends`` each
+    sequence's final length (``planner(decode, prefill, **kw)`` as ``plan_step`` without its block size)."""
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (19, 6, 11)]
+    dec = [torch.randint(0, vocab, (3 * q,), generator=gen).tolist() for _ in prompts]
+    ends = [len(p) + 3 * q for p in prompts]
+
+    def script(blocks, planner):
+        b0, b1, b2 = blocks
+        p0, p1, p2 = prompts
+        steps = [
+            # the first 9 tokens of prompt 0 (cached context next step), prompt 1 whole
+            planner([], [SeqChunk(b0, p0[:9]), SeqChunk(b1, p1)], logits="all"),
+            # chunked prefill of prompt 0 over its 9 cached tokens, a fresh prompt 2 and a q-token decode of 1
+            planner([SeqChunk(b1, dec[1][:q], len(p1))], [SeqChunk(b0, p0[9:], 9), SeqChunk(b2, p2[:7])],
+                    logits="all", query_len=q),
+            # prompt 2's last tokens over its 7 cached ones
+            planner([], [SeqChunk(b2, p2[7:], 7)], logits="all"),
+        ]
+        for j in range(2):  # q-token decode of all three
+            starts = [len(p0) + j * q, len(p1) + (j + 1) * q, len(p2) + j * q]
+            toks = [dec[0][j * q:(j + 1) * q], dec[1][(j + 1) * q:(j + 2) * q], dec[2][j * q:(j + 1) * q]]
+            steps.append(planner([SeqChunk(b, t, s) for b, t, s in zip(blocks, toks, starts)], [], logits="all",
+                                 query_len=q))
+        return steps
+
+    return script, ends
+
+
+def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too):
+    """DCP over both ranks (tp=2, dcp=2) on steps with cached context and multi-token decode: a prefill of a
+    prefix and a prompt; chunked prefill over the cached prefix mixed with a ``query_len``-token decode; two
+    ``query_len``-token decode steps (every token's logits). Logits vs the single-process model, planned two
+    ways: :func:`plan_dcp_step` (each rank's own blocks) and :func:`localize` of the global plan (what the demo's
+    engine path does). A sparse (V3.2) ``kind`` picks top-k slots over contexts longer than its ``index_topk``."""
+    from mla_compile.parallel.dcp import local_seq_lens, localize, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=17)
+    ref = patch(copy.deepcopy(hf))
+    script, ends = _dcp_script(hf.config.vocab_size, query_len)
+
+    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(90 + rank)).tolist()
+    local, at = [], 0
+    for n in ends:
+        need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
+        local.append(own[at:at + need])
+        at += need
+    glob = _blocks(ends, seed=23)
+    want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    model = patch(hf, parallel=state)
+    planned = script(local, lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw))
+    globals_ = script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw))
+
+    def localized(model_fn):
+        def run(input_ids, positions, meta):
+            return model_fn(input_ids, positions, localize(meta, positions, BS, world, rank, interleave))
+        return run
+
+    for a in model.attentions:
+        a.interleave = interleave
+    res = {"type": type(model.attentions[0]).__name__,
+           "indexer": type(model.attentions[0].indexer).__name__ if model.attentions[0].indexer is not None else None,
+           "topk": getattr(hf.config, "index_topk", None), "longest": max(ends)}
+    got = _run(model, planned)
+    res["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
+    res["err"] = _max_err(got, want)
+    res["step_errs"] = [_max_err([g], [x]) for g, x in zip(got, want)]
+    res["rows"] = [g.shape[0] for g in got]
+    res["err_localize"] = _max_err(_run((localized(model), model), globals_), want)
+    if compile_too:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        seen: set[str] = set()
+
+        def record(gm, example_inputs):  # Dynamo's graph, run as traced (no AOT / Inductor: fast on CPU)
+            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        compiled = torch.compile(model, fullgraph=True, backend=record)
+        res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+        res["collectives"] = sorted(t for t in seen if "c10d" in t)
+    return res
+
+
+def dcp_one_rank(kind, device, query_len, compile_backend=None):
+    """The DCP layers over a group of one rank (no process group: the collectives are skipped) on ``device``,
+    through :func:`_dcp_script`: ``DCPAttention`` (and ``DCPIndexer``) built from a patched model's layers, so
+    their code paths (per-query causal limits, candidate merge) run with the device's backends. Max logits error
+    against the patched model, eager and (``compile_backend``) compiled fullgraph."""
+    from mla_compile.models.metadata import mark_dynamic
+    from mla_compile.parallel.attention import DCPAttention
+    from mla_compile.parallel.dcp import plan_dcp_step
+    from mla_compile.parallel.groups import Group
+
+    hf = toy.toy_hf_model(kind, seed=17, device=device)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf)
+    one = Group(None, (0,), 0)
+    for layer in model.model.layers:
+        layer.self_attn = DCPAttention(layer.self_attn.config, layer.self_attn, one)
+    script, ends = _dcp_script(hf.config.vocab_size, query_len)
+    blocks = _blocks(ends, seed=23)
+
+    def run(fn, owner, steps, dynamic=False):
+        owner.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"), device=device)
+        outs = []
+        with torch.no_grad():
+            for st in steps:
+                st = st.to(device)
+                if dynamic:
+                    mark_dynamic(st.input_ids, st.positions, st.meta)
+                outs.append(fn(st.input_ids, st.positions, st.meta)[:st.num_rows].float().cpu())
+        return outs
+
+    want = run(ref, ref, script(blocks, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    steps = script(blocks, lambda d, p, **kw: plan_dcp_step(d, p, BS, 1, 0, **kw))
+    res = {"types": sorted({type(a).__name__ for a in model.attentions}),
+           "indexers": sorted({type(a.indexer).__name__ for a in model.attentions if a.indexer is not None}),
+           "err": _max_err(run(model, model, steps), want)}
+    if compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+        res["compiled_err"] = _max_err(run(compiled, model, steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res
+
+
+def dcp_engine_per_rank(rank, world, kind):
+    """Every rank runs the same Engine over the DCP model (tp=2, dcp=2) through the demo's DCP step
+    (:func:`mla_compile.parallel.dcp.localize` of each planned step), with a small token budget so prompts are
+    prefilled in chunks over their cached context; tokens equal the unsharded engine's."""
+    from mla_compile.app.demo import _dcp_step
+    from mla_compile.graphs.cuda_graph import DecodeGraphRunner
+    from mla_compile.serving.builder import MetadataBuilder
+    from mla_compile.serving.engine import Engine
+    from tests.engine_load import run_workload
+
+    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
+    hf = toy.toy_hf_model(kind, seed=2, num_hidden_layers=2)
+    ref = patch(copy.deepcopy(hf))
+    model = patch(hf, parallel=state)
+    load = dict(seed=5, n_requests=5, gap=3, max_new=8, max_prompt=24)
+    chunked = []
+
+    def engine(m, step):
+        m.allocate_cache(64, BS)
+        builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=10, max_tokens=12, block_size=BS, device="cpu")
+        return Engine(DecodeGraphRunner(step, builder, capture_sizes=[2, 4], enabled=False), num_blocks=64)
+
+    def counting(step):
+        def run(input_ids, positions, meta):
+            chunked.append(meta.prefill is not None and meta.prefill.context is not None)
+            return step(input_ids, positions, meta)
+        run._orig_mod = model
+        return run
+
+    want, steps = run_workload(engine(ref, ref), **load)
+    got, got_steps = run_workload(engine(model, counting(_dcp_step(model, BS, state))), **load)
+    return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got),
+            "context_steps": sum(chunked)}

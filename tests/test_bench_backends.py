@@ -28,7 +28,7 @@ def bench():
 
 def test_the_grid_covers_every_backend_of_every_ranked_op(bench, capsys):
     pairs = bench.grid()
-    for op in ("decode", "decode_fp8", "sparse_decode", "prefill", "merge"):
+    for op in ("decode", "decode_fp8", "sparse_decode", "prefill", "merge", "v4_attention"):
         assert {n for s, n in pairs if s.op == op} == set(priority(op)) - {"autotune"}, op
     for s in bench.GRID:
         key = s.key()
@@ -61,3 +61,27 @@ def test_the_selector_accepts_the_facts_of_every_grid_shape(bench):
         except ValueError:
             pass
     assert served > 0
+
+
+def test_v4_attention_shapes_are_one_class_each_and_only_keeps_the_other_ops_rows(bench, capsys):
+    v4 = bench.shapes(("v4_attention",))
+    assert {s.heads for s in v4} == {64, 128} and {s.batch for s in v4} == {1, 8, 64, 256}
+    assert {s.context for s in v4} == {128, 640, 192}  # sliding, CSA, HCA: the slots a query row lists
+    assert len({tuple(s.key().items()) for s in v4}) == len(v4), "two shapes would share (and overwrite) a row"
+    assert all(bench.facts(s, planned=True, cap=(9, 0)).context == s.context for s in v4)
+    assert bench.main(["--dry-run", "--only", "v4_attention"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(bench.grid(('v4_attention',)))} (shape, backend) pairs over {len(v4)} shapes" in out
+    assert "decode " not in out and "v4_attention   flashmla" in out
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--only", "v4_attn"])
+    [shipped] = sorted(timings.FOLDER.glob("*.json"))
+    old = json.loads(shipped.read_text())
+    new = dict(old, source="new run", rows=[dict(old["rows"][-1], us={"triton": 1.0})])
+    merged = bench.keep_other_ops(old, new, ("v4_attention",))
+    assert [r for r in merged["rows"] if r["op"] == "v4_attention"] == new["rows"]
+    assert [r for r in merged["rows"] if r["op"] != "v4_attention"] == [r for r in old["rows"]
+                                                                        if r["op"] != "v4_attention"]
+    assert timings.check(merged) == [] and "new run (--only)" in merged["source"]
+    with pytest.raises(SystemExit, match="write another file"):
+        bench.keep_other_ops(old, dict(new, capability=[10, 0]), ("v4_attention",))

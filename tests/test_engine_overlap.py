@@ -347,3 +347,28 @@ def test_a_failed_read_forgets_the_prompt_blocks_its_launch_registered_and_fails
     alone.add_request(prompt, 4)
     assert engine.requests[c].output == alone.run()[0].output
     assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)
+
+
+def test_a_request_admitted_on_a_hit_of_a_failed_step_s_blocks_fails_even_if_not_scheduled_yet(tiny):
+    """The prefix hit can come before any step of its request: admitted while the failed step was in flight, on
+    its (unverified) prompt blocks, but left out of the next step by the token budget. It fails too."""
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("injected asynchronous error")
+
+    engine = _engine(tiny, overlap=True)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    a = engine.add_request(prompt, 4)
+    copy = engine._host_tokens.copy
+    engine._host_tokens.copy = lambda tokens: (copy(tokens)[0], Broken())
+    engine.step()
+    engine._host_tokens.copy = copy
+    d = engine.add_request(list(range(40, 55)), 4)  # a fresh prompt: the next step's budget goes to it
+    hit = engine.add_request(prompt + [30, 31], 4)
+    with pytest.raises(StepFailed) as info:
+        engine.step()
+    assert engine.requests[hit].alloc.cached_tokens == 12  # admitted on a's blocks, not scheduled
+    assert sorted(info.value.request_ids) == sorted([a, d, hit])
+    assert engine.requests[hit].finish_reason == "error" and not engine.running and engine.blocks.cached == {}
+    assert engine.blocks.num_free == 40 and all(b.ref == 0 for b in engine.blocks.blocks)

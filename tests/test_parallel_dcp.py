@@ -77,6 +77,4 @@ def test_localize_equals_plan_dcp_step_with_the_same_blocks(rank, interleave):
     assert got.slot_mapping.tolist() == want.slot_mapping.tolist()
     assert got.decode.seq_lens.tolist() == want.decode.seq_lens.tolist()
     assert (got.slot_mapping >= 0).sum() < (glob.meta.slot_mapping >= 0).sum()  # only this rank's tokens
-    with pytest.raises(NotImplementedError, match="plan_dcp_step"):
-        ctx = plan_step([], [SeqChunk(blocks[0], [1, 2], 8)], bs)
-        dcp.localize(ctx.meta, ctx.positions, bs, 2, rank)
+    # steps with cached context: tests/test_parallel_dcp_steps.py

@@ -1,6 +1,7 @@
 """``mla-compile doctor``: versions, the GPU, every backend of every op in the registry with whether it can
 run here (and why not), the timing tables "auto" ranks by, and what the selector picks for DeepSeek-V2-Lite
-and V3 shapes (decode, prefill, merge, fp8 decode, sparse decode). Imports no peer library."""
+and V3 shapes (decode, prefill, merge, fp8 decode, sparse decode) and for DeepSeek-V4's attention per layer
+kind (a split by query rows where the timings say so). Imports no peer library."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ SHAPES = (("DeepSeek-V2-Lite", "deepseek-v2-lite"), ("DeepSeek-V3", "deepseek-v3
 BLOCK_SIZE = 64
 DTYPE = torch.bfloat16
 PACKAGES = ("triton", "sgl-flash-mla", "flashinfer-python", "flash-attn")
+# DeepSeek-V4's attention as V4Attention asks: (label, heads), head dim 512, window 128, CSA top-512; the
+# listed slots per layer kind (None: an HCA layer's list grows with the context)
+V4_MODELS = (("DeepSeek-V4", 64), ("DeepSeek-V4", 128))  # V4-Flash's heads, V4-Pro's
+V4_HEAD_DIM, V4_WINDOW, V4_TOPK = 512, 128, 512
+V4_KINDS = (("sliding", V4_WINDOW), ("CSA", V4_WINDOW + V4_TOPK), ("HCA", None))
 
 
 def _version(dist: str) -> str:
@@ -66,6 +72,23 @@ def _choices(device: torch.device) -> list[str]:
     return lines
 
 
+def _v4_choices(device: torch.device) -> list[str]:
+    lines = []
+    for label, heads in V4_MODELS:
+        for kind, slots in V4_KINDS:
+            head = f"  {label} ({heads} heads) v4_attention {kind} ({slots or 'all'} slots)"
+            try:
+                choice = backends.select_backend(
+                    "v4_attention", device=device, dtype=DTYPE, num_heads=heads, head_dims=(V4_HEAD_DIM,),
+                    block_size=BLOCK_SIZE, cache_strides=(BLOCK_SIZE * V4_HEAD_DIM, V4_HEAD_DIM, 1),
+                    row_width=V4_HEAD_DIM, context=slots)
+            except ValueError as e:
+                lines.append(f"{head} -> error: {e}")
+                continue
+            lines.append(f"{head} -> {choice.name}: {choice.reason.split('; serves')[0]}")
+    return lines
+
+
 def doctor_report() -> str:
     """The report as text (what ``mla-compile doctor`` prints)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,4 +120,8 @@ def doctor_report() -> str:
               "MLAAttention asks (decode LSE unused; no FlashInfer decode_planner given to the metadata builder; "
               "sparse_decode as a V3.2 layer of these dims would):"]
     lines += _choices(device)
+    lines += ["", f"selection for DeepSeek-V4 attention ({str(DTYPE).replace('torch.', '')}, block size "
+              f"{BLOCK_SIZE} on {device.type}, heads of {V4_HEAD_DIM}, window {V4_WINDOW}, CSA top-{V4_TOPK}, as "
+              "V4Attention asks: a graph that serves every batch):"]
+    lines += _v4_choices(device)
     return "\n".join(lines)

@@ -76,11 +76,15 @@ class MLAIndexer(nn.Module):
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(acc) * (Hi ** -0.5 * d ** -0.5)
 
         parts, at = [], 0
-        for block_table, seq_lens, query_seq, query_pos in query_parts(meta, positions):
+        for block_table, seq_lens, query_seq, query_pos in self._query_parts(meta, positions):
             n = query_seq.shape[0]
             parts.append(self._select(q[at:at + n], w[at:at + n], block_table, seq_lens, query_seq, query_pos))
             at += n
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _query_parts(self, meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Each part's ``(block_table, seq_lens, query_seq, query_pos)`` (:func:`query_parts`)."""
+        return query_parts(meta, positions)
 
     def _select(self, q: Tensor, w: Tensor, block_table: Tensor, seq_lens: Tensor, query_seq: Tensor,
                 query_pos: Tensor) -> Tensor:

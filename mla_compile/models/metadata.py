@@ -133,13 +133,16 @@ class MLAMetadata:
         return self.map_tensors(_moved(device))
 
 
-def query_parts(meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+def query_parts(meta: MLAMetadata, positions: Tensor, live: Tensor | None = None
+                ) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
     """Where each query token of a step lives, part by part (decode, then prefill, the parts present):
     ``(block_table [B, max_blocks], seq_lens [B] int32, query_seq [n] int64, query_pos [n])`` with ``n`` the
-    part's tokens, ``query_seq`` -1 for padding tokens (slot -1) and ``seq_lens`` each sequence's length after
-    the step. Tensor ops only (no host sync), so per-token layers (the V3.2 indexer, sink + window attention)
-    derive it inside compiled code. Prefill needs ``meta.prefill.block_table`` (:func:`plan_step` sets it)."""
-    live = meta.slot_mapping >= 0  # padding tokens select nothing
+    part's tokens, ``query_seq`` -1 for padding tokens and ``seq_lens`` each sequence's length after
+    the step. ``live [T]`` (bool) marks the real tokens (default: slot >= 0; a cache split by token, where
+    another rank's tokens have slot -1 here, passes its own). Tensor ops only (no host sync), so per-token
+    layers (the V3.2 indexer, sink + window attention) derive it inside compiled code. Prefill needs
+    ``meta.prefill.block_table`` (:func:`plan_step` sets it)."""
+    live = meta.slot_mapping >= 0 if live is None else live  # padding tokens select nothing
     device = positions.device
     parts, n_dec = [], 0
     if meta.decode is not None:

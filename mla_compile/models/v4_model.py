@@ -131,6 +131,9 @@ class V4Attention(nn.Module):
         self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
         self.index_topk = config.index_topk
         self.backend = _own_backend("v4_attention", backend)
+        # the slots each query row lists, the timing class "auto" ranks v4_attention by: fixed for a sliding
+        # layer (its window) and a CSA layer (window + top-k); an HCA layer's grows with the context (None)
+        self.slots = {SLIDING: self.window, CSA: self.window + self.index_topk}.get(self.layer_type)
         self.compress_backend = _own_backend("v4_compress_write", backend)
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.kv_cache: Tensor | None = None
@@ -173,7 +176,7 @@ class V4Attention(nn.Module):
                 cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
                                    meta.query_seq, positions, rate=self.rate, topk=self.index_topk)
         out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, self.scale,
-                              backend=self.backend)
+                              backend=self.backend, slots=self.slots)
         grouped = a.o_a_proj(out.reshape(T, self.o_groups, -1)).flatten(1)
         return a.o_b_proj(grouped)
 

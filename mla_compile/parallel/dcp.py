@@ -8,11 +8,17 @@ Each rank decodes over its part and returns ``(out, lse)``; the parts are all-ga
 A rank whose part is empty contributes ``lse = -inf`` and weighs nothing. KV capacity per rank grows ``dcp``
 times (no rank holds a whole row set of a sequence).
 
+Beyond one query per sequence (:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position
+``p`` sees the first ``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``);
+prefill over cached context attends each rank's context slices; a sparse (V3.2) layer picks its top-k from every
+rank's candidates (:func:`merge_topk`).
+
 All helpers are tensor ops (no host syncs), usable in host planning or inside a compiled step.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from mla_compile import ops
@@ -35,6 +41,13 @@ def local_position(positions: Tensor, dcp: int, interleave: int) -> Tensor:
     """Where token ``positions`` sits in its owner's part of the sequence."""
     _check(dcp, interleave)
     return (positions // (interleave * dcp)) * interleave + positions % interleave
+
+
+def global_position(local: Tensor, dcp: int, rank: int, interleave: int) -> Tensor:
+    """The sequence position of DCP ``rank``'s token at ``local`` position of its part (inverse of
+    :func:`local_position` on that rank's tokens)."""
+    _check(dcp, interleave)
+    return ((local // interleave) * dcp + rank) * interleave + local % interleave
 
 
 def local_seq_lens(seq_lens: Tensor, dcp: int, rank: int, interleave: int) -> Tensor:
@@ -67,6 +80,27 @@ def merge_parts(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def merge_topk(scores: Tensor, positions: Tensor, topk: int, group: Group) -> tuple[Tensor, Tensor]:
+    """The ``topk`` best of every DCP rank's candidates: ``scores [T, k]`` (``-inf``: no candidate) at sequence
+    positions ``positions [T, k]`` (int64), the same ``k`` on every rank of ``group``. Candidates are all-gathered
+    and ordered by descending score, equal scores lower position first (the order of
+    :func:`mla_compile.ops.sparse_index.select_topk`), so when each rank's candidates are its own top ``k >= topk``
+    in that order, the result is exactly the top ``topk`` of the whole sequence. Returns ``(scores, positions)``
+    ``[T, min(topk, P * k)]``, ``-inf`` / ``-1`` where fewer candidates exist."""
+    if group.group is not None:
+        P, (T, k) = group.size, scores.shape
+        scores = all_gather(scores.unsqueeze(0), 0, group).permute(1, 0, 2).reshape(T, P * k)
+        positions = all_gather(positions.unsqueeze(0), 0, group).permute(1, 0, 2).reshape(T, P * k)
+    none = torch.isneginf(scores)
+    positions = positions.masked_fill(none, torch.iinfo(torch.int64).max)  # after every real candidate
+    by_pos = torch.argsort(positions, dim=-1, stable=True)
+    scores, positions = scores.gather(-1, by_pos), positions.gather(-1, by_pos)
+    scores = torch.where(scores == 0, 0.0, scores)  # -0.0 ties with 0.0, as in select_topk
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    scores, positions = scores.gather(-1, order), positions.gather(-1, order)
+    return scores, positions.masked_fill(torch.isneginf(scores), -1)
+
+
 def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, group: Group, *,
                kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode of one query per sequence over a cache split across ``group`` (the DCP ranks).
@@ -92,14 +126,14 @@ def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, inte
     blocks of each sequence (enough for its part, :func:`local_seq_lens`); ``start`` and the tokens are the
     sequence's, as without DCP. Returns the step with this rank's metadata: slots of the tokens it holds (-1 for
     the others), its block tables and its part of each decode sequence's length. Positions and logits rows are
-    the same on every rank. ``interleave`` defaults to ``block_size``.
+    the same on every rank. ``interleave`` defaults to ``block_size``. Decode chunks of ``query_len > 1`` tokens
+    (``query_len=`` as for ``plan_step``) are planned alike.
 
     Prefill chunks over cached context (``start > 0``: prefix hits, chunked prefill) get this rank's context
     slices (:func:`~mla_compile.models.metadata.context_slices` of its part of each context), present on every rank
     whenever any chunk has context, so every rank's graph runs the same collectives.
     """
     import numpy as np
-    import torch
 
     from mla_compile.models.metadata import SeqChunk, plan_step
 
@@ -165,17 +199,17 @@ def localize(meta, positions: Tensor, block_size: int, dcp: int, rank: int, inte
     step's block ids as this rank's own: every rank's cache has the same blocks and a sequence's part fits the
     first of its blocks (simple, but each rank keeps as many blocks as one unsplit cache; plan with
     :func:`plan_dcp_step` to size each rank's cache to its part). Tensor ops on the step's device, no host sync.
-    Steps with cached context (prefix hits, chunked prefill) need :func:`plan_dcp_step`.
-    """
-    import torch
 
-    from mla_compile.models.metadata import DecodeMetadata, MLAMetadata
+    Cached context (prefix hits, chunked prefill) keeps the step's slices: slice ``c``'s positions ``[a, b)`` of
+    a sequence are this rank's local positions ``[local_seq_lens(a), local_seq_lens(b))`` (contiguous, since a
+    rank's tokens keep their order), and each slice's workspace size ``rows`` (host) stays the global one, an
+    upper bound of the local rows. Decode steps of ``query_len > 1`` localize like single-token ones
+    (:class:`~mla_compile.parallel.attention.DCPAttention` derives each query's causal limit from ``positions``).
+    """
+    from mla_compile.models.metadata import ContextSlices, DecodeMetadata, MLAMetadata, PrefillMetadata
 
     interleave = block_size if interleave is None else interleave
-    if meta.prefill is not None and meta.prefill.context is not None:
-        raise NotImplementedError("localize: a step with cached context needs plan_dcp_step (context slices of "
-                                  "this rank's part)")
-    parts, decode, n_dec = [], None, 0
+    parts, decode, prefill, n_dec = [], None, meta.prefill, 0
     if meta.decode is not None:
         d = meta.decode
         n_dec = d.num_tokens
@@ -189,6 +223,14 @@ def localize(meta, positions: Tensor, block_size: int, dcp: int, rank: int, inte
         seq = torch.searchsorted(p.cu_seqlens_q, tok, right=True) - 1
         seq = seq.clamp(0, p.block_table.shape[0] - 1)  # padding tokens past the last sequence: slot -1 below
         parts.append(local_slot_mapping(rest, p.block_table, seq, block_size, dcp, rank, interleave))
+        if p.context is not None:
+            ctx = p.context
+            first = local_seq_lens(ctx.starts, dcp, rank, interleave)
+            last = local_seq_lens(ctx.starts + ctx.cu_seqlens.diff(dim=1), dcp, rank, interleave)
+            cu = torch.cat([torch.zeros_like(ctx.cu_seqlens[:, :1]), (last - first).cumsum(1).to(ctx.cu_seqlens.dtype)],
+                           1)
+            prefill = PrefillMetadata(p.cu_seqlens_q, p.cu_seqlens_k, p.block_table,
+                                      ContextSlices(cu, first.to(ctx.starts.dtype), ctx.rows), p.plan)
     slots = parts[0] if len(parts) == 1 else torch.cat(parts)
     slots = slots.masked_fill(meta.slot_mapping < 0, -1)
-    return MLAMetadata(slots, decode, meta.prefill, meta.logits_indices)
+    return MLAMetadata(slots, decode, prefill, meta.logits_indices)

@@ -100,13 +100,14 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
 
     ``weights`` (see the module docstring) is required when the model is on the meta device. ``ep_dispatch``:
     "all_to_all" or "all_reduce" (see :mod:`mla_compile.parallel.moe`). Raises ``ValueError`` when the model
-    does not split evenly (``ParallelConfig.validate_for``) or a split cuts an fp8 / fp4 quantization block, and
-    ``NotImplementedError`` for sparse (V3.2) models under DCP, which are not sharded yet. A sparse model's
-    lightning indexer is replicated (every rank picks the same top-k slots of its whole cache); its attention
-    heads are split as usual.
+    does not split evenly (``ParallelConfig.validate_for``) or a split cuts an fp8 / fp4 quantization block. A
+    sparse model's lightning indexer is replicated (every rank picks the same top-k slots; under DCP from the
+    candidates of every rank's part, :class:`~mla_compile.parallel.attention.DCPIndexer`); its attention heads are
+    split as usual.
 
     ``dcp > 1``: every layer is a :class:`~mla_compile.parallel.attention.DCPAttention` over this rank's part of
-    the cache; plan each rank's steps with :func:`mla_compile.parallel.dcp.plan_dcp_step`.
+    the cache (sparse V3.2 layers too); plan each rank's steps with :func:`mla_compile.parallel.dcp.plan_dcp_step`
+    (or :func:`~mla_compile.parallel.dcp.localize` a step planned without DCP).
 
     Data-parallel attention (``dp_attention > 1``): each attention group runs its own requests (own cache, heads
     split over its ``attn_tp`` ranks); MLPs, MoE and ``lm_head`` gather every group's tokens and keep their own
@@ -117,9 +118,6 @@ def shard_model(hf_model: nn.Module, state: ParallelState, *, backend: str | Non
     config = MLAConfig.from_hf(hf_model.config)
     p = state.config
     p.validate_for(config)
-    if config.is_sparse and p.dcp > 1:
-        raise NotImplementedError("sparse (V3.2) attention reads the slots its indexer picks from the whole cache; "
-                                  "it is not split by token (dcp) yet")
     src = _Source(hf_model, weights, state.device)
     attn_g, tp_g = state.attn, state.tp
     H_l = config.num_heads // attn_g.size

@@ -289,6 +289,11 @@ class BlockManager:
         from position ``start`` (``key``: the request id the keyed ``MetadataBuilder`` tracks decode rows by)."""
         return SeqChunk(alloc.blocks, list(tokens), start, key=key)
 
+    def uses(self, alloc: Allocation, made: Sequence[Sequence[int]]) -> bool:
+        """Whether ``alloc`` holds a block of ``made`` (what :meth:`register` calls returned)."""
+        ids = {b for m in made for b in m}
+        return any(b in ids for b in alloc.blocks)
+
     def free(self, alloc: Allocation) -> None:
         """Release a finished sequence: cached blocks become evictable (LRU), the rest free."""
         for bid in reversed(alloc.blocks):  # tail blocks first, so prefix blocks stay cached longest

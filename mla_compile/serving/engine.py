@@ -178,9 +178,10 @@ class Engine:
     :meth:`abort` first waits for the step in flight (a host sync outside the step), so the request keeps the
     tokens that step gave it, as without overlap. A step whose launch raises fails its requests as above,
     after the previous step's tokens were taken; an error met while reading a step's tokens (an asynchronous
-    device error) fails that step's requests and those of the step launched after it (fed that step's tokens,
-    and maybe reading its prompt blocks through a prefix hit), and no prompt block of either stays findable. When no request is left running, :meth:`step` also waits for the
-    step in flight, so an idle engine has nothing pending.
+    device error) fails that step's requests, those of the step launched after it (fed that step's tokens) and
+    every request that took one of their new prompt blocks by a prefix hit; no such block stays findable.
+    When no request is left running, :meth:`step` also waits for the step in flight, so an idle engine has
+    nothing pending.
 
     ``enable_prefix_caching`` (default None: on, except for DeepSeek-V4, where it costs snapshots of the
     compressors' state and prompt chunks ending at snapshot positions; True turns it on there too, see
@@ -641,14 +642,16 @@ class Engine:
             if step.logits is not None:
                 self.step_logits.append(step.logits.cpu())
         except Exception as exc:
-            for made in step.registered:  # its prompt blocks may hold garbage: no later prompt matches them
-                self.blocks.forget(made)
             failed = [r for r in step.requests if r.finish_reason is None]
+            made = list(step.registered)  # its prompt blocks may hold garbage
             later, self._inflight = self._inflight, None
             if later is not None and later is not step:  # launched on top of it (its tokens, its blocks): fail too
-                for made in later.registered:
-                    self.blocks.forget(made)
+                made += later.registered
                 failed += [r for r in later.requests if r.finish_reason is None and r not in failed]
+            # and every request admitted on a prefix hit of those blocks (or snapshots), scheduled yet or not
+            failed += [r for r in self.running if r not in failed and self.blocks.uses(r.alloc, made)]
+            for m in made:  # no later prompt matches them
+                self.blocks.forget(m)
             raise self._fail(failed, exc) from exc
         for row, r in step.yields:
             if r.finish_reason is not None:

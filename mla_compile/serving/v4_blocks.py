@@ -24,12 +24,13 @@ from mla_compile.serving.v4_builder import V4Chunk
 class V4Allocation:
     """A V4 sequence's cache: its token-row blocks (``tokens``, windowed), its compressed-entry blocks per rate
     (``entries``) and its compressor-state row (``state_slot``; None once freed). ``cached_tokens``: prompt tokens
-    taken from the prefix cache (0 without a hit)."""
+    taken from the prefix cache (0 without a hit); ``snapshot``: the key of the snapshot restored (None: none)."""
 
     tokens: Allocation
     entries: dict[int, Allocation]
     state_slot: int | None
     cached_tokens: int = 0
+    snapshot: Any = None
 
     @property
     def blocks(self) -> list[int]:
@@ -249,7 +250,8 @@ class V4BlockManager:
             raise
         seq = V4Allocation(alloc, entries, self.free_slots.pop(), cached_tokens=L)
         if snap is not None:  # the snapshot's state and partial entry blocks into the new sequence's own
-            self.snapshots.move_to_end(self.tokens.chain_keys(tokens, L // self.block_size)[-1])
+            seq.snapshot = self.tokens.chain_keys(tokens, L // self.block_size)[-1]
+            self.snapshots.move_to_end(seq.snapshot)
             partial = {r: [(a.blocks[0], entries[r].blocks[(L // r) // self.block_size])]
                        for r, a in snap.entry_blocks.items()}
             self.model.copy_cache_rows([(snap.row, seq.state_slot)], partial)
@@ -300,6 +302,17 @@ class V4BlockManager:
         self.snapshots[key] = _Snapshot(tuple(tokens), row, blocks)
         made.snapshot = key
         return made
+
+    def uses(self, alloc: V4Allocation, made: Sequence[_Made]) -> bool:
+        """Whether ``alloc`` holds a token or entry block of ``made`` (what :meth:`register` calls returned) or was
+        restored from a snapshot one of them took."""
+        if alloc.state_slot is None:
+            return False
+        if self.tokens.uses(alloc.tokens, [m.tokens for m in made]):
+            return True
+        if any(self.entries[r].uses(a, [m.entries.get(r, []) for m in made]) for r, a in alloc.entries.items()):
+            return True
+        return alloc.snapshot is not None and any(m.snapshot == alloc.snapshot for m in made)
 
     def forget(self, made: _Made) -> None:
         """Undo a :meth:`register` whose step failed: its blocks are no longer findable and its snapshot is gone."""

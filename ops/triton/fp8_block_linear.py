@@ -184,8 +184,9 @@ def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
 def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
             split: int | None = None, config: dict | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices
-    (None: :func:`split_k`'s choice), summed in float32 in slice order; ``config`` overrides the launch
-    parameters (:func:`_config_with`)."""
+    (None: :func:`split_k`'s choice for M <= 16, else 1: traced with a symbolic M, a choice that followed M
+    would guard on it and recompile per band of M), summed in float32 in slice order; ``config`` overrides the
+    launch parameters (:func:`_config_with`)."""
     grouped = weight.dim() == 3
     w3 = weight if grouped else weight[None]
     s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
@@ -201,8 +202,8 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     cfg = _config_with(M, x.dtype == torch.float32, config)
     kb = triton.cdiv(K, 128)
     m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
-    if split is None:
-        split = split_k(m_tiles * n_tiles * E, kb)
+    if split is None:  # only for M <= 16 (one row tile; a guard _config already takes): no new guard on M
+        split = split_k(n_tiles * E, kb) if M <= 16 else 1
     kb_per = triton.cdiv(kb, split)
     split = triton.cdiv(kb, kb_per)  # no empty slice
     if split == 1:
