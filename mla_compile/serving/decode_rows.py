@@ -135,7 +135,7 @@ class DecodeRows:
     def short(self) -> np.ndarray:
         """The rows whose blocks do not hold their position (they need a block before the step)."""
         n = self.n
-        return np.flatnonzero(self.positions[:n] >= self.capacity[:n])
+        return (self.positions[:n] >= self.capacity[:n]).nonzero()[0]
 
     def set_blocks(self, row: int, blocks: Sequence[int]) -> None:
         """Rewrite ``row``'s table from ``blocks`` (its sequence's block list now; another object or the same

@@ -25,6 +25,7 @@ class HostUpload:
         else:
             self._host = [torch.full(device.shape, fill, dtype=device.dtype, pin_memory=pin)
                           for _ in range(2 if pin else 1)]
+        self._arrays = [h.numpy() for h in self._host]  # numpy views, made once
         self._copied: list = [None] * len(self._host)
         self._turn = 0
 
@@ -33,7 +34,7 @@ class HostUpload:
         done = self._copied[self._turn]
         if done is not None and not done.query():
             done.synchronize()  # the host is two steps ahead: wait for that step's copy
-        return self._host[self._turn].numpy()
+        return self._arrays[self._turn]
 
     def upload(self) -> None:
         """Copy this step's host buffer into ``device`` (non-blocking) and move to the next buffer."""
