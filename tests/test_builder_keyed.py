@@ -391,6 +391,15 @@ def test_the_host_time_benchmark_times_equal_work(monkeypatch, capsys):
             assert all(c.key is not None for c in k_chunks) and all(c.key is None for c in p_chunks)
             got, want = step_fields(kb.build(k_chunks)), step_fields(pb.build(p_chunks))
             assert all(torch.equal(got[name], want[name]) for name in want)
+    # its DecodeRows trace builds what its keyed trace builds (positions, tokens and blocks as they grow)
+    rows_trace, keyed = bench.RowsTrace(6, 12, 4, 30), bench.Trace(6, 12, 4, 30, True, False)
+    rb, kb = (MetadataBuilder(max_batch=6, max_blocks_per_seq=12, max_tokens=6, block_size=4, device="cpu")
+              for _ in range(2))
+    for _ in range(30):
+        got, want = step_fields(rb.build(rows_trace.update())), step_fields(kb.build(keyed.step()))
+        assert all(torch.equal(got[name], want[name]) for name in want)
+        rows_trace.advance()
     monkeypatch.setattr("sys.argv", ["bench_builder_host.py", "--batches", "2", "--calls", "3", "--warmup", "1"])
     bench.main()
-    assert "B=   2: full" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "B=   2: full" in out and "rows" in out and "overlap rows" in out
