@@ -19,14 +19,16 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.decode_rows import DecodeRows
 from mla_compile.serving.dp_sync import StepShape
 from mla_compile.models.metadata import MLAMetadata, SeqChunk, StepInputs, mark_dynamic
 from mla_compile.serving.host_upload import HostUpload
-from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_rows
+from mla_compile.serving.sampling import SamplingParams, SamplingRows, sample, sample_columns, sample_rows
 
 StepFn = Callable[[Tensor, Tensor, MLAMetadata], Tensor]
 
@@ -48,15 +50,19 @@ class TokenFeed:
         self.index = torch.full((max_batch,), -1, dtype=torch.int64, device=self.device)
         self._upload = HostUpload(self.index, fill=-1)
 
-    def fill(self, rows: Sequence[int]) -> None:
+    def fill(self, rows: Sequence[int] | np.ndarray) -> None:
         """Set ``index``: decode row ``i < len(rows)`` reads ``tokens[rows[i]]`` (-1: the host id), every
         later row keeps its host id."""
         if len(rows) > self.max_batch:
             raise ValueError(f"TokenFeed.fill: {len(rows)} decode rows, the feed holds max_batch={self.max_batch}")
-        if any(not -1 <= r < self.tokens.numel() for r in rows):
+        if isinstance(rows, np.ndarray):
+            bad = len(rows) and (rows.min() < -1 or rows.max() >= self.tokens.numel())
+        else:
+            bad = any(not -1 <= r < self.tokens.numel() for r in rows)
+        if bad:
             raise ValueError(f"TokenFeed.fill: rows {list(rows)} must be -1 or in [0, {self.tokens.numel()})")
         host = self._upload.begin()
-        host[:] = -1
+        host[len(rows):] = -1
         host[:len(rows)] = rows
         self._upload.upload()
 
@@ -87,7 +93,13 @@ def default_capture_sizes(max_batch: int, min_batch: int = 2) -> list[int]:
 
 
 class DecodeGraphRunner:
-    """Replays captured decode steps of ``step_fn``; falls back to calling it for anything else."""
+    """Replays captured decode steps of ``step_fn``; falls back to calling it for anything else.
+
+    :meth:`decode`, :meth:`decode_sampled`, :meth:`sample_step` and :meth:`run` take the decode part as
+    :class:`~mla_compile.serving.decode_rows.DecodeRows` as well as chunks (``takes_decode_rows``): what an
+    ``Engine`` hands over for its decode-only steps."""
+
+    takes_decode_rows = True
 
     def __init__(self, step_fn: StepFn, builder: MetadataBuilder, capture_sizes: Sequence[int] | None = None, *,
                  enabled: bool | None = None, warmup: int = 2, strict_sync: bool = False,
@@ -193,37 +205,45 @@ class DecodeGraphRunner:
         i = bisect.bisect_left(self.capture_sizes, max(batch, self.builder.min_batch))
         return self.capture_sizes[i] if i < len(self.capture_sizes) else None
 
-    def decode(self, chunks: Sequence[SeqChunk], shape: StepShape | None = None) -> Tensor:
-        """Logits ``[len(chunks), vocab]`` of one decode step. A replayed graph's output is a view that
+    def decode(self, chunks: Sequence[SeqChunk] | DecodeRows, shape: StepShape | None = None) -> Tensor:
+        """Logits ``[len(chunks), vocab]`` of one decode step (``chunks``: decode chunks, or a
+        :class:`~mla_compile.serving.decode_rows.DecodeRows` batch, built from its arrays). A replayed graph's output is a view that
         the next replay overwrites: consume (or clone) it before the next step. ``shape`` (a decode-only
         :class:`~mla_compile.serving.dp_sync.StepShape`): pad to the size every data-parallel attention group
         runs (``chunks`` may then be empty: a padding-only step)."""
         return self._decode(chunks, None, None, shape=shape)[0]
 
-    def decode_sampled(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                       steps: Sequence[int], shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
+    def decode_sampled(self, chunks: Sequence[SeqChunk] | DecodeRows, params: Sequence[SamplingParams] | None,
+                       steps: Sequence[int] | None, shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
         """One decode step and its tokens: logits ``[n, vocab]`` and int64 ``[n]`` tokens on the device, row
         ``i`` drawn under ``params[i]`` at generation step ``steps[i]`` (every seed set). Replayed as one graph
         with the step when the runner was made with ``sampling=True``; otherwise sampled after the step.
-        Both outputs are views the next replay overwrites. ``shape``: as for :meth:`decode`."""
-        if len(params) != len(chunks) or len(steps) != len(chunks):
+        Both outputs are views the next replay overwrites. ``shape``: as for :meth:`decode`. ``chunks`` a
+        :class:`~mla_compile.serving.decode_rows.DecodeRows` batch: ``params`` and ``steps`` None, each row
+        samples under the batch's own columns (:meth:`DecodeRows.sampling`)."""
+        if isinstance(chunks, DecodeRows):
+            if params is not None or steps is not None:
+                raise ValueError("decode_sampled: a DecodeRows batch samples under its own columns; pass "
+                                 "params=None and steps=None")
+        elif params is None or steps is None or len(params) != len(chunks) or len(steps) != len(chunks):
             raise ValueError(f"decode_sampled: {len(chunks)} chunks need as many params and steps, got "
-                             f"{len(params)} and {len(steps)}")
-        logits, tokens = self._decode(chunks, params, steps, shape=shape)
+                             f"{None if params is None else len(params)} and {None if steps is None else len(steps)}")
+        logits, tokens = self._decode(chunks, params, steps, shape=shape, sampled=True)
         if tokens is None:
-            tokens = sample_rows(logits, params, steps)
+            tokens = sample_columns(logits, chunks.sampling()) if isinstance(chunks, DecodeRows) else \
+                sample_rows(logits, params, steps)
         return logits, tokens
 
-    def _decode(self, chunks: Sequence[SeqChunk], params: Sequence[SamplingParams] | None,
-                steps: Sequence[int] | None, feed: Sequence[int] = (),
-                shape: StepShape | None = None) -> tuple[Tensor, Tensor | None]:
+    def _decode(self, chunks: Sequence[SeqChunk] | DecodeRows, params: Sequence[SamplingParams] | None,
+                steps: Sequence[int] | None, feed: Sequence[int] | np.ndarray = (),
+                shape: StepShape | None = None, sampled: bool = False) -> tuple[Tensor, Tensor | None]:
         if self.enabled and not self.graphs:  # capture lazily, on the first decode step
             self.capture()
         if shape is not None and not shape.decode_only:
             raise ValueError("a decode step takes a decode-only StepShape")
         n = len(chunks) if shape is None else max(len(chunks), shape.decode_rows)  # [dp] every group's rows
         size = self.graph_size(n)
-        rows = self.sampling_rows if params is not None else None
+        rows = self.sampling_rows if sampled else None
         if size is None:
             self.fallbacks += 1
             step = self.builder.build(chunks, decode_batch=None if shape is None else max(n, self.builder.min_batch))
@@ -234,7 +254,7 @@ class DecodeGraphRunner:
             self._fill_feed(feed)
             if rows is None:
                 return self._call(step, size)[:step.num_rows], None
-            rows.fill(params, steps, size)
+            self._fill_rows(rows, chunks, params, steps, size)
             logits, tokens = self._call_sampled(step, size)
             return logits[:step.num_rows], tokens[:step.num_rows]
         graph, out, tokens = self.graphs[size]
@@ -244,13 +264,21 @@ class DecodeGraphRunner:
         try:
             step = self.builder.build(chunks, decode_batch=size)
             if rows is not None:
-                rows.fill(params, steps, size)
+                self._fill_rows(rows, chunks, params, steps, size)
             self._fill_feed(feed)
             graph.replay()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         self.replays += 1
         return out[:step.num_rows], None if rows is None else tokens[:step.num_rows]
+
+    @staticmethod
+    def _fill_rows(rows: SamplingRows, chunks: Sequence[SeqChunk] | DecodeRows,
+                   params: Sequence[SamplingParams] | None, steps: Sequence[int] | None, n: int) -> dict[str, Tensor]:
+        """Fill ``rows`` for ``n`` rows: from a DecodeRows batch's columns, else from ``params`` / ``steps``."""
+        if isinstance(chunks, DecodeRows) and params is None:
+            return rows.fill_packed(chunks.sampling_packed(), n)
+        return rows.fill(params, steps, n)
 
     def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (),
             shape: StepShape | None = None) -> Tensor:
@@ -272,11 +300,12 @@ class DecodeGraphRunner:
         """With a token feed, set the rows this step feeds (none: every input id from the host)."""
         if self.token_feed is not None:
             self.token_feed.fill(feed)
-        elif feed:
+        elif len(feed):
             raise ValueError("a step with fed rows needs the token feed: call enable_token_feed() first")
 
-    def sample_step(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], params: Sequence[SamplingParams],
-                    steps: Sequence[int], feed: Sequence[int], shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
+    def sample_step(self, decode: Sequence[SeqChunk] | DecodeRows, prefill: Sequence[SeqChunk],
+                    params: Sequence[SamplingParams] | None, steps: Sequence[int] | None,
+                    feed: Sequence[int] | np.ndarray, shape: StepShape | None = None) -> tuple[Tensor, Tensor]:
         """Any step, its tokens sampled on the device and kept in the token feed (:meth:`enable_token_feed`) for
         the next step: what ``Engine(overlap=True)`` drives.
 
@@ -285,15 +314,26 @@ class DecodeGraphRunner:
         that is decode row ``i``'s input id (the id in its chunk is then only a placeholder), or -1 for the id in
         its chunk. Returns the logits ``[n, vocab]`` and the int64 ``[n]`` tokens, both on the device without a host sync: pure decode
         steps replay their graph (sampling inside it with ``sampling=True``); the tokens are a view the next
-        step overwrites (copy them before, in stream order). ``shape``: as for :meth:`run`."""
+        step overwrites (copy them before, in stream order). ``shape``: as for :meth:`run`. ``decode`` a
+        :class:`~mla_compile.serving.decode_rows.DecodeRows` batch (no prefill chunks): ``params`` and ``steps``
+        None, each row samples under the batch's own columns; ``feed`` may be a numpy array."""
         n = len(decode) + len(prefill)
-        if len(params) != n or len(steps) != n or len(feed) != len(decode):
+        batch = decode if isinstance(decode, DecodeRows) else None
+        if batch is not None:
+            if prefill or params is not None or steps is not None:
+                raise ValueError("sample_step: a DecodeRows batch takes no prefill chunks and samples under its own "
+                                 "columns (params=None, steps=None)")
+            if len(feed) != n:
+                raise ValueError(f"sample_step: {n} decode rows need as many feed rows, got {len(feed)}")
+        elif params is None or steps is None:
+            raise ValueError("sample_step: chunks need params and steps")
+        elif len(params) != n or len(steps) != n or len(feed) != len(decode):
             raise ValueError(f"sample_step: {len(decode)} decode and {len(prefill)} prefill chunks need {n} params "
                              f"and steps and {len(decode)} feed rows, got {len(params)}, {len(steps)} and {len(feed)}")
         if self.token_feed is None:
             raise ValueError("sample_step needs the token feed: call enable_token_feed() first")
-        if (shape.decode_only and not prefill) if shape is not None else (decode and not prefill):
-            logits, tokens = self._decode(decode, params, steps, feed, shape)
+        if (shape.decode_only and not prefill) if shape is not None else (len(decode) and not prefill):
+            logits, tokens = self._decode(decode, params, steps, feed, shape, sampled=True)
             if tokens is not None:
                 return logits, tokens  # sampled (and kept) inside the step
         else:
@@ -301,7 +341,7 @@ class DecodeGraphRunner:
             self._fill_feed(feed)
             logits = self._call(step, len(decode))[:step.num_rows]
         with torch.no_grad():  # parameters by a non-blocking copy from pinned memory, as inside the graphs
-            tokens = sample(logits, **self._rows_after.fill(params, steps, n))
+            tokens = sample(logits, **self._fill_rows(self._rows_after, decode, params, steps, n))
         return logits, self.token_feed.store(tokens)
 
 

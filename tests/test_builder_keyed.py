@@ -9,6 +9,8 @@ import torch
 
 from mla_compile.models.metadata import SeqChunk, plan_step
 from mla_compile.serving.builder import MetadataBuilder, step_fields
+from mla_compile.serving.decode_rows import DecodeRows, RowState
+from mla_compile.serving.sampling import SamplingParams
 from mla_compile.serving.host_tables import HostBlockTables
 
 BS, MAX_BLOCKS, MAX_BATCH = 4, 6, 8
@@ -63,8 +65,22 @@ def _check(b, decode, prefill=(), decode_batch=None, query_len=1):
 
 
 class _Seq:
-    def __init__(self, key, blocks, length, prompt_left):
+    def __init__(self, key, blocks, length, prompt_left, token=0):
         self.key, self.blocks, self.length, self.prompt_left = key, blocks, length, prompt_left
+        self.token, self.changed = token, False  # its next decode input; whether its block list changed
+
+
+def _check_rows(b, rows, want, want_builder, prefill=(), decode_batch=None):
+    """Build the step of a DecodeRows batch; assert every tensor equals the step ``want`` that ``want_builder``
+    built from chunks, at the same arena offsets."""
+    got = b.build(rows, prefill, decode_batch=decode_batch)
+    g, w = step_fields(got), step_fields(want)
+    assert g.keys() == w.keys()
+    for name in g:
+        assert g[name].dtype == w[name].dtype and torch.equal(g[name], w[name]), name
+        assert g[name].data_ptr() - b.arena.data_ptr() == w[name].data_ptr() - want_builder.arena.data_ptr(), name
+    assert got.num_rows == want.num_rows
+    return got
 
 
 def _need(tokens):
@@ -82,6 +98,9 @@ def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_le
     Every step equals a from-scratch plan and an unkeyed builder's step."""
     rng = random.Random(seed)
     b = _builder(query_len, _TwoBuffers if staging else None)
+    # one token per row: a DecodeRows batch kept beside the chunks, updated as an engine updates it
+    by_rows = _builder(query_len, _TwoBuffers if staging else None) if query_len == 1 else None
+    rows, params = DecodeRows(MAX_BATCH, MAX_BLOCKS, BS), SamplingParams(seed=0)
     live: list[_Seq] = []
     left_keys: list[int] = []
     next_key, next_block = 0, 0
@@ -113,7 +132,7 @@ def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_le
                 prompt = max(prompt, len(blocks) * BS + 1)
                 seen["share"] += 1
             blocks = blocks + fresh_blocks(_need(prompt) - len(blocks))
-            live.append(_Seq(key, blocks, 0, prompt))
+            live.append(_Seq(key, blocks, 0, prompt, rng.randrange(1000)))
             seen["join"] += 1
         decoding = [s for s in live if not s.prompt_left]
         if rng.random() < 0.3:
@@ -133,10 +152,11 @@ def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_le
             if rng.random() < 0.03:  # another list object with another last block
                 s.blocks = s.blocks[:-1] + fresh_blocks(1)
                 seen["replace"] += 1
+            s.changed = True  # (an unchanged row rewritten is still right; the check is that it is enough)
         prefilling = [s for s in live if s.prompt_left]
         chunks = [(s, min(s.prompt_left, rng.randint(1, 6))) for s in prefilling if rng.random() < 0.8]
-        dec = [SeqChunk(s.blocks, [rng.randrange(1000) for _ in range(query_len)], s.length, key=s.key)
-               for s in decoding]
+        dec = [SeqChunk(s.blocks, [s.token] + [rng.randrange(1000) for _ in range(query_len - 1)], s.length,
+                        key=s.key) for s in decoding]
         pre = [SeqChunk(s.blocks, [rng.randrange(1000) for _ in range(n)], s.length, key=s.key) for s, n in chunks]
         if not dec and not pre:
             continue
@@ -146,7 +166,19 @@ def test_long_random_trace_equals_a_from_scratch_build_every_step(seed, query_le
             seen["padded"] += 1
         seen["mixed" if pre else "decode_only"] += 1
         seen["min_batch"] += len(dec) == 1 and not pre
-        _check(b, dec, pre, batch, query_len)
+        want = _check(b, dec, pre, batch, query_len)
+        if by_rows is not None:
+            rows.arrange([s.key for s in decoding],
+                         lambda i: RowState(decoding[i].blocks, decoding[i].token, decoding[i].length, 0, params))
+            for i, s in enumerate(decoding):
+                if s.changed:
+                    rows.set_blocks(i, s.blocks)
+            _check_rows(by_rows, rows, want, b, pre, batch)
+            if not pre:  # built from the arrays (the keyed chunk path would have filled the keyed tables)
+                assert len(by_rows.host_tables) == 0
+            rows.advance(np.array([rng.randrange(1000) for _ in decoding], dtype=np.int64))
+            for i, s in enumerate(decoding):
+                s.token, s.changed = int(rows.tokens[i]), False
         if dec and not pre:  # the keyed path ran: its tables hold exactly this step's sequences
             assert len(b.host_tables) == len(dec) and all(c.key in b.host_tables for c in dec)
         for s in decoding:
@@ -359,6 +391,15 @@ def test_the_host_time_benchmark_times_equal_work(monkeypatch, capsys):
             assert all(c.key is not None for c in k_chunks) and all(c.key is None for c in p_chunks)
             got, want = step_fields(kb.build(k_chunks)), step_fields(pb.build(p_chunks))
             assert all(torch.equal(got[name], want[name]) for name in want)
+    # its DecodeRows trace builds what its keyed trace builds (positions, tokens and blocks as they grow)
+    rows_trace, keyed = bench.RowsTrace(6, 12, 4, 30), bench.Trace(6, 12, 4, 30, True, False)
+    rb, kb = (MetadataBuilder(max_batch=6, max_blocks_per_seq=12, max_tokens=6, block_size=4, device="cpu")
+              for _ in range(2))
+    for _ in range(30):
+        got, want = step_fields(rb.build(rows_trace.update())), step_fields(kb.build(keyed.step()))
+        assert all(torch.equal(got[name], want[name]) for name in want)
+        rows_trace.advance()
     monkeypatch.setattr("sys.argv", ["bench_builder_host.py", "--batches", "2", "--calls", "3", "--warmup", "1"])
     bench.main()
-    assert "B=   2: full" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "B=   2: full" in out and "rows" in out and "overlap rows" in out

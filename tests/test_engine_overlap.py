@@ -10,6 +10,7 @@ from mla_compile.app import toy
 from mla_compile.graphs.cuda_graph import DecodeGraphRunner
 from mla_compile.models.model import patch
 from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.decode_rows import DecodeRows
 from mla_compile.serving.engine import Engine, StepFailed
 from mla_compile.serving.sampling import SamplingParams
 
@@ -38,7 +39,12 @@ class Spy:
         return getattr(self.runner, name)
 
     def sample_step(self, decode, prefill, params, steps, feed):
-        self.calls.append(dict(decode=list(decode), prefill=list(prefill), steps=list(steps), feed=list(feed)))
+        if isinstance(decode, DecodeRows):  # the engine's decode batch: its rows as chunks, its own steps
+            rec = dict(decode=decode.chunks(), prefill=[], steps=decode.steps[:len(decode)].tolist(),
+                       feed=[int(f) for f in feed])
+        else:
+            rec = dict(decode=list(decode), prefill=list(prefill), steps=list(steps), feed=list(feed))
+        self.calls.append(rec)
         return self.runner.sample_step(decode, prefill, params, steps, feed)
 
 

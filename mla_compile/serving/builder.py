@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mla_compile.models.metadata import (DecodeMetadata, MLAMetadata, PrefillMetadata, SeqChunk, StepInputs,
                                          chunk_block_counts, fill_block_table, plan_step)
+from mla_compile.serving.decode_rows import DecodeRows
 from mla_compile.serving.host_tables import HostBlockTables
 
 _ALIGN = 16  # bytes: Inductor assumes 16-byte aligned inputs (it copies misaligned ones)
@@ -136,6 +137,7 @@ class MetadataBuilder:
             if self._pin else []
         self._copied: list = [None, None]
         self._turn = 0
+        self._fronts: dict[tuple[int, int], Tensor] = {}  # see _front
         self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
         # per persistent host buffer (``_host``'s id): the sizes of the decode step written last into it, whose
         # constant parts (logits rows, padding rows) are still there; dropped when another step writes it
@@ -152,10 +154,18 @@ class MetadataBuilder:
             done = self._copied[turn]
             if done is not None and not done.query():
                 done.synchronize()  # the host is two steps ahead: wait for that step's copy to finish
-            return self._staging[turn][:end], turn
+            return self._front(turn, end), turn
         if self.arena.device.type == "cpu":
-            return self.arena[:end], turn  # a CPU arena is written in place
+            return self._front(turn, end), turn  # a CPU arena is written in place
         return torch.empty(end, dtype=torch.uint8), -2  # another device without pinned staging: a fresh buffer
+
+    def _front(self, turn: int, end: int) -> Tensor:
+        """The first ``end`` bytes of persistent host buffer ``turn`` (staging buffer 0/1, -1 the CPU arena),
+        sliced once per size."""
+        front = self._fronts.get((turn, end))
+        if front is None:
+            front = self._fronts[(turn, end)] = (self.arena if turn == -1 else self._staging[turn])[:end]
+        return front
 
     def _send(self, host: Tensor, turn: int, end: int) -> None:
         """Copy the packed bytes to the front of the arena (one async H2D copy from pinned staging)."""
@@ -192,10 +202,15 @@ class MetadataBuilder:
         return {"input_ids": (n,), "positions": (n,), "slot_mapping": (n,), "logits_indices": (n_seq,),
                 "block_table": (n_seq, self.max_blocks), "seq_lens": (n_seq,)}
 
-    def build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = (), *,
+    def build(self, decode: Sequence[SeqChunk] | DecodeRows, prefill: Sequence[SeqChunk] = (), *,
               decode_batch: int | None = None, logits: str = "last", tokens: int | None = None,
               rows: int | None = None) -> StepInputs:
         """Plan a step on the host and fill the arena; returns views of it as :class:`StepInputs`.
+
+        ``decode``: the decode chunks, or a :class:`~mla_compile.serving.decode_rows.DecodeRows` batch (one token
+        per row): a decode-only step (``logits="last"``, no ``tokens`` / ``rows`` beyond its own) is then built
+        from its arrays with whole-batch numpy, any other from its :meth:`~DecodeRows.chunks`; the same
+        tensors either way.
 
         ``decode_batch`` pads the decode part to a capture size (with no decode chunk: a decode part of padding
         sequences only). ``tokens`` / ``rows`` pad the step to exactly that many tokens / logits rows (see
@@ -205,7 +220,8 @@ class MetadataBuilder:
         Every build keeps :attr:`host_tables` following the step's decode chunks: when each has a
         ``key`` their rows are brought up to date (keys absent from the step leave), and a decode-only
         step gathers its block table from them; a step whose decode chunks lack keys, a step without
-        decode chunks and a build that raises empty them (the next keyed step rewrites its rows).
+        decode chunks, a step built from a :class:`DecodeRows` batch and a build that raises empty them (the next
+        keyed step rewrites its rows).
 
         The returned tensors are views the builder owns: callers read them and may overwrite a decode
         step's real rows (as a token feed does with ``input_ids``), but must leave its padding rows and
@@ -218,14 +234,21 @@ class MetadataBuilder:
             self.host_tables.clear()
             raise
 
-    def _build(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk], decode_batch: int | None,
-               logits: str, tokens: int | None, rows: int | None) -> StepInputs:
-        n_dec = decode_batch if decode_batch is not None else max(len(decode), self.min_batch) if decode else 0
+    def _build(self, decode: Sequence[SeqChunk] | DecodeRows, prefill: Sequence[SeqChunk],
+               decode_batch: int | None, logits: str, tokens: int | None, rows: int | None) -> StepInputs:
+        n_dec = decode_batch if decode_batch is not None else max(len(decode), self.min_batch) if len(decode) else 0
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
                              f"max_batch={self.max_batch}")
-        if n_dec and not prefill and logits == "last" and n_dec >= max(len(decode), self.min_batch) \
-                and tokens in (None, n_dec * self.query_len) and rows in (None, n_dec):
+        decode_only = n_dec and not prefill and logits == "last" and n_dec >= max(len(decode), self.min_batch) \
+            and tokens in (None, n_dec * self.query_len) and rows in (None, n_dec)
+        if isinstance(decode, DecodeRows):
+            if decode_only and self.query_len == 1:
+                fast = self._build_rows(decode, n_dec)
+                if fast is not None:
+                    return fast
+            decode = decode.chunks()
+        elif decode_only:
             fast = self._build_decode(decode, n_dec)
             if fast is not None:
                 return fast
@@ -314,6 +337,48 @@ class MetadataBuilder:
         self._send(host, turn, layout.end)
         v = layout.views
         meta = MLAMetadata(v[2], DecodeMetadata(v[4], v[5], q, planned), None, v[3])
+        return StepInputs(v[0], v[1], meta, n)
+
+    def _build_rows(self, batch: DecodeRows, n_seq: int) -> StepInputs | None:
+        """The decode-only step of a :class:`DecodeRows` batch (``query_len`` 1): the arena bytes and views of
+        :meth:`_build_decode`, each field one numpy copy of the batch's arrays. ``None`` when a row's blocks do
+        not hold its position or the batch's table is wider than the builder's (the general path then raises
+        its error)."""
+        n, bs = batch.n, self.block_size
+        if batch.max_blocks > self.max_blocks or batch.block_size != bs:
+            return None
+        starts = batch.positions[:n]
+        if n and (starts >= batch.capacity[:n]).any():  # positions >= 0: DecodeRows checks them
+            return None
+        if len(self.host_tables):
+            self.host_tables.clear()  # the keyed tables follow keyed chunk steps only
+        layout = self._layouts.get(n_seq)
+        if layout is None:
+            layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
+        host, turn = self._host(layout.end)
+        ids, pos, slots, rows, table, lens = layout.fields(host, turn)
+        w = batch.max_blocks
+        table[:n, :w] = batch.table[:n]
+        if w < self.max_blocks:
+            table[:n, w:] = 0
+        ids[:n] = batch.tokens[:n]
+        pos[:n] = starts
+        blk, off = np.divmod(starts, bs)
+        np.multiply(table[layout.at[:n], blk], bs, out=slots[:n], dtype=np.int64)
+        slots[:n] += off
+        np.add(starts, 1, out=lens[:n], casting="unsafe")  # int64 -> int32: starts < block_counts * bs, checked
+        if self._written.get(turn) != (n_seq, n, True):
+            # rows past the batch: padding (token 0, position 0, slot -1, seq_len 0, an empty table row)
+            ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 0
+            table[n:] = 0
+            rows[:] = layout.rows
+            if turn != -2:  # a persistent buffer: these stay written until another step of other sizes
+                self._written[turn] = (n_seq, n, True)
+        planned = None if self.decode_planner is None else \
+            self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
+        self._send(host, turn, layout.end)
+        v = layout.views
+        meta = MLAMetadata(v[2], DecodeMetadata(v[4], v[5], 1, planned), None, v[3])
         return StepInputs(v[0], v[1], meta, n)
 
     def _update_tables(self, decode: Sequence[SeqChunk], blocks: list[Sequence[int]] | None = None,

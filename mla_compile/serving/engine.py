@@ -38,11 +38,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
 from mla_compile.serving.builder import MetadataBuilder
+from mla_compile.serving.decode_rows import DecodeRows, RowState
 from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
 from mla_compile.models.metadata import SeqChunk, step_size
 from mla_compile.serving.dp_sync import DPStepSync, StepDemand, StepShape
@@ -69,7 +71,10 @@ class StepRunner(Protocol):
     has ``decode_sampled(chunks, params, steps) -> (logits, tokens)`` samples decode steps itself (on the
     device, inside the captured step when it was made with ``sampling=True``); the engine then reads only the
     tokens. ``Engine(overlap=True)`` needs ``enable_token_feed()`` and ``sample_step(decode, prefill, params,
-    steps, feed) -> (logits, tokens)`` (see ``DecodeGraphRunner.sample_step``)."""
+    steps, feed) -> (logits, tokens)`` (see ``DecodeGraphRunner.sample_step``). A runner with ``takes_decode_rows =
+    True`` over a ``MetadataBuilder`` is handed decode-only steps as the engine's
+    :class:`~mla_compile.serving.decode_rows.DecodeRows` batch (``params`` / ``steps`` None: the batch's own
+    columns), kept on the host between steps and updated only where it changed."""
 
     builder: MetadataBuilder
 
@@ -230,6 +235,9 @@ class Engine:
                                     never_fits=getattr(self.blocks, "never_fits", None))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._scheduled = -1  # the running version _decoding / _prefilling were made for (see _schedule)
+        self._decoding: list[Request] = []
+        self._prefilling: list[Request] = []
         self.finished: list[Request] = []
         self.requests: dict[int, Request] = {}  # every admitted request by id
         self._ids = itertools.count()
@@ -252,6 +260,22 @@ class Engine:
         self.dp_active = True  # [dp] whether some group had requests at the last step's agreement
         if dp_sync is not None:
             self._check_dp_runner()
+        # the decode batch kept on the host between steps (see DecodeRows), for a runner that takes one over a
+        # MetadataBuilder of one token per decode row; _rows_at: the running version its rows were arranged for
+        b = runner.builder
+        takes_rows = getattr(runner, "takes_decode_rows", False) and type(self.blocks) is BlockManager \
+            and isinstance(b, MetadataBuilder) and b.query_len == 1
+        self._rows = DecodeRows(b.max_batch, b.max_blocks, b.block_size) if takes_rows else None
+        self._rows_at: int | None = None
+
+    @property
+    def running(self) -> list[Request]:
+        """The admitted requests not finished yet, in batch order (prefilling ones included)."""
+        return self._running
+
+    @running.setter
+    def running(self, requests: list[Request]) -> None:
+        self._running = _Running(requests)  # a version no list had before
 
     def _cache_manager(self, num_blocks: int, prefix_caching: bool | None,
                        num_entry_blocks: int | dict[int, int] | None) -> BlockManager | V4BlockManager:
@@ -373,24 +397,35 @@ class Engine:
         if not decoding and not chunks:
             return []
         kw = {} if shape is None else {"shape": shape}  # [dp]
+        batch = self._rows
         try:  # a failed grow (no block left) fails the step's requests like a runner error: never a stuck engine
-            for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
-                self.blocks.grow(r.alloc, r.length + 1)
-            dec = [self.blocks.chunk(r.alloc, [r.output[-1]], r.length, key=r.id) for r in decoding]
+            decode_only = not chunks and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
+            if batch is not None:  # the decode rows kept between steps: only what changed is written
+                self._arrange_rows(decoding, {})
+                self._grow_rows(decoding)  # [window]
+                dec = batch if decode_only else batch.chunks()
+            else:
+                for r in decoding:  # [window] a no-op unless a windowed allocation reaches a new block
+                    self.blocks.grow(r.alloc, r.length + 1)
+                dec = [self.blocks.chunk(r.alloc, [r.output[-1]], r.length, key=r.id) for r in decoding]
             pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
             rows = [*decoding, *(r for r, _ in chunks)]
-            decode_only = not pre and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
             decode_sampled = getattr(self.runner, "decode_sampled", None) if decode_only else None
-            if decode_sampled is not None:  # the runner samples on the device, in the captured step if it can
+            if decode_sampled is not None and dec is batch:  # the batch samples under its own columns
+                logits, tokens = decode_sampled(batch, None, None, **kw)
+            elif decode_sampled is not None:  # the runner samples on the device, in the captured step if it can
                 logits, tokens = decode_sampled(dec, [r.params for r in rows], [len(r.output) for r in rows], **kw)
             else:
                 logits = self.runner.decode(dec, **kw) if decode_only else self.runner.run(dec, pre, **kw)
                 tokens = self._sample(logits, rows)
-            sampled = tokens.tolist()  # a host sync: an asynchronous device error shows here
+            host = tokens.cpu()  # a host sync: an asynchronous device error shows here
+            sampled = host.tolist()
             if keep_logits:
                 self.step_logits.append(logits.float().cpu())
         except Exception as exc:
             raise self._fail([*decoding, *(r for r, _ in chunks)], exc) from exc
+        if batch is not None:
+            batch.advance(host.numpy())  # each decode row's token is its next input
         for r, t in zip(decoding, sampled):
             r.output.append(t)
             self.new_tokens[r.id] = [t]
@@ -398,6 +433,7 @@ class Engine:
             r.computed += n
             self.blocks.register(r.alloc, r.prompt[:r.computed])  # only now are these blocks complete
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
+                self.running.touch()  # it decodes from the next step on
                 r.output.append(t)
                 self.new_tokens[r.id] = [t]
         done = [r for r in self.running if r.stopped or r.done]
@@ -407,26 +443,69 @@ class Engine:
         self._release_windows()  # [window]
         return done
 
-    def _release_windows(self, in_flight: frozenset[int] | set[int] = frozenset()) -> None:
+    def _release_windows(self, in_flight: _InFlight | None = None) -> None:
         """[window] Give back the blocks no later query of a running request reads (a no-op for dense models).
-        ``in_flight``: ids of requests whose next token a launched step has not delivered yet (overlap)."""
+        ``in_flight``: the launched step whose tokens the host has not read yet (overlap)."""
+        if type(self.blocks) is BlockManager and self.blocks.sink_window is None:
+            return  # dense: nothing is ever released
+        pending = set() if in_flight is None else {r.id for _, r in in_flight.yields}
+        batch = self._rows
         for r in self.running:
-            next_pos = r.computed if r.prefilling else len(r.prompt) + len(r.output) + (r.id in in_flight) - 1
-            self.blocks.release_outside(r.alloc, next_pos)
+            next_pos = r.computed if r.prefilling else len(r.prompt) + len(r.output) + (r.id in pending) - 1
+            if self.blocks.release_outside(r.alloc, next_pos) and batch is not None:
+                row = batch.row_of(r.id)
+                if row is not None:  # its table follows the released entries (alloc.blocks is a new list)
+                    batch.set_blocks(row, r.alloc.blocks)
 
     def _schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """The next step's rows: every running request past its prompt decodes one token, and the rest of the
-        token budget goes to prompt chunks ``(request, tokens)`` in running order."""
-        decoding = [r for r in self.running if not r.prefilling]
+        token budget goes to prompt chunks ``(request, tokens)`` in running order. The split of the running
+        requests into decoding and prefilling ones is made again only when the running list or a request's
+        prefilling state changed (``running.version``)."""
+        if self._scheduled != self.running.version:
+            self._decoding = [r for r in self.running if not r.prefilling]
+            self._prefilling = [r for r in self.running if r.prefilling]
+            self._scheduled = self.running.version
+        decoding = self._decoding
         # the decode part is padded to the builder's min_batch, so count its padded size
         budget = self.max_tokens - (max(len(decoding), self.runner.builder.min_batch) if decoding else 0)
         chunks = []
-        for r in self.running:
-            if r.prefilling and budget > 0:
-                n = self.blocks.prefill_chunk(r.computed, min(len(r.prompt) - r.computed, budget), len(r.prompt))
-                chunks.append((r, n))
-                budget -= n
+        for r in self._prefilling:
+            if budget <= 0:
+                break
+            n = self.blocks.prefill_chunk(r.computed, min(len(r.prompt) - r.computed, budget), len(r.prompt))
+            chunks.append((r, n))
+            budget -= n
         return decoding, chunks
+
+    def _arrange_rows(self, decoding: list[Request], fed: dict[int, int]) -> None:
+        """Make the decode batch's rows those of ``decoding`` (in order) when the running requests changed since
+        it was last arranged: a request already there keeps its row, a new one's row starts from its state
+        (``fed``: request id -> the previous step's logits row whose token, still on the device, is its input)."""
+        version = self.running.version
+        if self._rows_at == version:
+            return
+        self._rows.arrange([r.id for r in decoding], lambda i: self._row_state(decoding[i], fed))
+        self._rows_at = version
+
+    @staticmethod
+    def _row_state(r: Request, fed: dict[int, int]) -> RowState:
+        """A new decode row of ``r``: its last token as input (or a placeholder 0 when ``fed`` names the row of
+        the previous step that holds it on the device), at the position after its tokens so far."""
+        row = fed.get(r.id, -1)
+        pending = int(row >= 0)
+        token = 0 if pending else r.output[-1]
+        return RowState(r.alloc.blocks, token, len(r.prompt) + len(r.output) + pending - 1, len(r.output) + pending,
+                        r.params, row)
+
+    def _grow_rows(self, decoding: list[Request]) -> None:
+        """[window] Give the decode rows whose blocks do not reach their position a block (a windowed allocation
+        grows from its reservation; a dense one holds its blocks from admission on) and write it into the batch."""
+        batch = self._rows
+        for i in batch.short().tolist():
+            r = decoding[i]
+            self.blocks.grow(r.alloc, int(batch.positions[i]) + 1)
+            batch.set_blocks(i, r.alloc.blocks)
 
     @staticmethod
     def _sample(logits: Tensor, rows: list[Request]) -> Tensor:
@@ -499,7 +578,7 @@ class Engine:
                 raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
         self._read(previous)
         self._retire()
-        self._release_windows(set() if self._inflight is None else {r.id for _, r in self._inflight.yields})  # [window]
+        self._release_windows(self._inflight)  # [window]
         if not self.running:
             self._sync()  # only finished requests are left in flight: wait, so an idle engine has nothing pending
         self.new_tokens, self._learned = self._learned, {}
@@ -510,20 +589,36 @@ class Engine:
                 keep_logits: bool, shape: StepShape | None = None) -> _InFlight:
         """Launch a step whose decode rows take the previous step's tokens on the device where the host has
         not read them yet; register the prompt blocks it completes."""
-        fed = {} if previous is None else {r.id: row for row, r in previous.yields}
-        feed = [fed.get(r.id, -1) for r in decoding]
-        dec = []
-        for r, row in zip(decoding, feed):
-            pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
-            token = 0 if pending else r.output[-1]
-            pos = len(r.prompt) + len(r.output) + pending - 1
-            self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation reaches a new block
-            dec.append(self.blocks.chunk(r.alloc, [token], pos, key=r.id))
-        pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
-        rows = [*decoding, *(r for r, _ in chunks)]
-        steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
+        batch = self._rows
+        if batch is not None and previous is None:  # every input id from the host: the kept rows are stale
+            batch.clear()
+            self._rows_at = None
+        fed = {} if previous is None else _Fed(previous.yields)
         kw = {} if shape is None else {"shape": shape}  # [dp]
-        logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
+        rows = [*decoding, *(r for r, _ in chunks)]
+        if batch is not None and not chunks:  # the decode rows kept between steps: only what changed is written
+            self._arrange_rows(decoding, fed)
+            self._grow_rows(decoding)  # [window]
+            logits, tokens = self.runner.sample_step(batch, (), None, None, batch.fed[:len(batch)], **kw)
+        else:
+            if batch is not None:
+                self._arrange_rows(decoding, fed)
+                self._grow_rows(decoding)  # [window]
+                dec, feed = batch.chunks(), batch.fed[:len(batch)].tolist()
+            else:
+                feed = [fed.get(r.id, -1) for r in decoding]
+                dec = []
+                for r, row in zip(decoding, feed):
+                    pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
+                    token = 0 if pending else r.output[-1]
+                    pos = len(r.prompt) + len(r.output) + pending - 1
+                    self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation needs a block
+                    dec.append(self.blocks.chunk(r.alloc, [token], pos, key=r.id))
+            pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
+            steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
+            logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
+        if batch is not None:
+            batch.advance(None, fed=True)  # the next step feeds each row this step's token, on the device
         host, ready = self._host_tokens.copy(tokens)
         kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
         yields = list(enumerate(decoding))
@@ -532,6 +627,7 @@ class Engine:
             r.computed += n
             registered.append(self.blocks.register(r.alloc, r.prompt[:r.computed]))
             if not r.prefilling:  # the chunk that completes the prompt yields the first token
+                self.running.touch()  # it decodes from the next step on
                 yields.append((len(decoding) + i, r))
         return _InFlight(rows, yields, host, ready, kept, registered)
 
@@ -583,6 +679,60 @@ class Engine:
         """Overlap: wait for the step in flight and take its tokens (nothing to do without one)."""
         step, self._inflight = self._inflight, None
         self._read(step)
+
+
+_VERSIONS = itertools.count()
+
+
+class _Running(list):
+    """The engine's running requests: a list whose :attr:`version` changes with every change of it (and with every
+    request that starts decoding: :meth:`touch`, called by the engine), to a value no list of any engine had
+    before, so work that depends only on it is redone only then."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.version = next(_VERSIONS)
+
+    def touch(self) -> None:
+        """Mark a change the list cannot see (a request's prefilling state)."""
+        self.version = next(_VERSIONS)
+
+    def _changed(method):  # noqa: N805 - a decorator of the methods below
+        def changed(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
+            self.version = next(_VERSIONS)
+            return out
+        changed.__name__ = method.__name__
+        return changed
+
+    append, remove, insert, pop, extend, clear = map(_changed, (list.append, list.remove, list.insert, list.pop,
+                                                               list.extend, list.clear))
+    sort, reverse = _changed(list.sort), _changed(list.reverse)
+    __setitem__, __delitem__, __iadd__ = _changed(list.__setitem__), _changed(list.__delitem__), \
+        _changed(list.__iadd__)
+    del _changed
+
+
+class _Fed(dict):
+    """Request id -> the logits row of a launched step whose token is that request's next input, made from the
+    step's ``yields`` on first use (most steps never look one up)."""
+
+    def __init__(self, yields: list[tuple[int, Request]]) -> None:
+        super().__init__()
+        self._yields = yields
+
+    def _fill(self) -> None:
+        if self._yields is not None:
+            self.update((r.id, row) for row, r in self._yields)
+            self._yields = None
+
+    def get(self, key, default=None):
+        self._fill()
+        return super().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        self._fill()
+        return super().__contains__(key)
 
 
 @dataclass

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -144,6 +145,15 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     return torch.where(temperature > 0, drawn, greedy)
 
 
+def sample_columns(logits: Tensor, columns: Mapping[str, np.ndarray]) -> Tensor:
+    """:func:`sample` of ``logits`` ``[B, V]`` with its per-row parameters from numpy ``columns`` ``[B]`` (by
+    :func:`sample`'s argument names; what ``DecodeRows.sampling`` gives). Returns int64 ``[B]``."""
+    dtypes = {"temperature": torch.float32, "top_p": torch.float32}
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(v)).to(logits.device, dtypes.get(name, torch.int64))
+               for name, v in columns.items()}
+    return sample(logits, **tensors)
+
+
 def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
     """:func:`sample` of ``logits`` ``[B, V]`` with row ``i`` drawn under ``params[i]`` at step ``steps[i]``
     (host-side: builds the ``[B]`` parameter tensors on the logits' device). Every ``params[i].seed`` must be
@@ -160,6 +170,8 @@ def sample_rows(logits: Tensor, params: Sequence[SamplingParams], steps: Sequenc
 
 
 _ROW_FIELDS = ("temperature", "top_k", "top_p", "seeds", "steps")  # the order of SamplingRows' packed rows
+# a greedy padding row as SamplingRows packs it: temperature 0, top_k 0, top_p 1.0 (float64 bits), seed 0, step 0
+_PADDING_ROW = np.array([[0], [0], [np.float64(1.0).view(np.int64)], [0], [0]], dtype=np.int64)
 
 
 class SamplingRows:
@@ -174,12 +186,17 @@ class SamplingRows:
         self.max_batch = max_batch
         self.packed = torch.zeros(len(_ROW_FIELDS), max_batch, dtype=torch.int64, device=self.device)
         self._upload = HostUpload(self.packed)
+        self._views: dict[int, dict[str, Tensor]] = {}
 
     def views(self, n: int) -> dict[str, Tensor]:
-        """The ``[n]`` device views :func:`sample` takes (the same addresses every step)."""
-        p = self.packed
-        return dict(temperature=p[0, :n].view(torch.float64), top_k=p[1, :n], top_p=p[2, :n].view(torch.float64),
-                    seeds=p[3, :n], steps=p[4, :n])
+        """The ``[n]`` device views :func:`sample` takes (the same addresses every step; made once per ``n``, the
+        same dict every call: read it, do not change it)."""
+        views = self._views.get(n)
+        if views is None:
+            p = self.packed
+            views = self._views[n] = dict(temperature=p[0, :n].view(torch.float64), top_k=p[1, :n],
+                                          top_p=p[2, :n].view(torch.float64), seeds=p[3, :n], steps=p[4, :n])
+        return views
 
     def fill(self, params: Sequence[SamplingParams], steps: Sequence[int], n: int) -> dict[str, Tensor]:
         """Write row ``i < len(params)`` from ``params[i]`` at generation step ``steps[i]`` (every seed set),
@@ -198,5 +215,21 @@ class SamplingRows:
         host[2, :k].view("float64")[:] = [p.top_p for p in params]
         host[3, :k] = [p.seed for p in params]
         host[4, :k] = list(steps)
+        self._upload.upload()
+        return self.views(n)
+
+    def fill_packed(self, packed: np.ndarray, n: int) -> dict[str, Tensor]:
+        """:meth:`fill` from rows already packed as this holds them (int64 ``[5, k]``: temperature, top_k, top_p,
+        seeds, steps, floats as float64 bits, every seed set; what
+        :meth:`~mla_compile.serving.decode_rows.DecodeRows.sampling_packed` gives): one copy, no per-row Python.
+        Rows ``k..n`` are greedy padding; returns :meth:`views` of ``n``."""
+        k = packed.shape[1]
+        if packed.shape[0] != len(_ROW_FIELDS) or not k <= n <= self.max_batch:
+            raise ValueError(f"SamplingRows.fill_packed: {packed.shape} packed rows for {n} (expected "
+                             f"[{len(_ROW_FIELDS)}, k], k <= n <= max_batch={self.max_batch})")
+        host = self._upload.begin()
+        host[:, :k] = packed
+        if k < n:
+            host[:, k:n] = _PADDING_ROW
         self._upload.upload()
         return self.views(n)
