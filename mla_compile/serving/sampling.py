@@ -149,7 +149,9 @@ def sample_columns(logits: Tensor, columns: Mapping[str, np.ndarray]) -> Tensor:
     """:func:`sample` of ``logits`` ``[B, V]`` with its per-row parameters from numpy ``columns`` ``[B]`` (by
     :func:`sample`'s argument names; what ``DecodeRows.sampling`` gives). Returns int64 ``[B]``."""
     dtypes = {"temperature": torch.float32, "top_p": torch.float32}
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(v)).to(logits.device, dtypes.get(name, torch.int64))
+    # non_blocking, as sample_rows: a pageable source is staged at once, with no wait for the device's stream
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(v)).to(logits.device, dtypes.get(name, torch.int64),
+                                                                 non_blocking=True)
                for name, v in columns.items()}
     return sample(logits, **tensors)
 
