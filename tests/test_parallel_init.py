@@ -38,16 +38,16 @@ def test_launched_world_of_other_size_errors_on_every_rank():
 def test_missing_peer_times_out_at_init():
     (r,) = run_ranks(w.lonely, 1, 2.0, timeout=60)
     assert r is not None, "init returned without its peer"
+    # no wall-clock bound here: were the 2 s timeout not applied, torch's default (minutes) would outlast
+    # run_ranks' 60 s deadline, which fails the test with TimeoutError
     assert "1/2" in r["error"] or "Timed out" in r["error"] or "timeout" in r["error"].lower()
-    assert r["seconds"] < 30
 
 
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_dead_or_hung_peer_errors_instead_of_hanging(how):
     results = run_ranks(w.dead_peer, 2, 3.0, how, expect_dead=(1,), timeout=60)
     r = results[0]
-    assert r is not None, "the collective returned without its peer"
-    assert r["seconds"] < 30, r
+    assert r is not None, "the collective returned without its peer"  # and within run_ranks' deadline
     assert "Connection" in r["error"] or "Timed out" in r["error"] or "closed" in r["error"], r
 
 
