@@ -125,6 +125,13 @@ def _index(root: Path) -> dict:
     return json.loads((root / INDEX).read_text())
 
 
+def edit_json(path: Path, change) -> None:
+    """Rewrite the JSON file ``path`` (a checkpoint's config or index) with ``change(data)`` applied in place."""
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
 def weight_map(root: Path) -> dict:
     """The checkpoint's index: tensor name -> shard file name."""
     return _index(root)["weight_map"]

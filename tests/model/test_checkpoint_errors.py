@@ -14,7 +14,7 @@ import torch
 
 from mla_compile import from_pretrained
 from mla_compile.models.checkpoint import CheckpointError
-from tests.checkpoints import INDEX, rewrite_shard, weight_map, write_checkpoint
+from tests.checkpoints import INDEX, edit_json, rewrite_shard, weight_map, write_checkpoint
 
 pytest.importorskip("transformers")
 
@@ -35,12 +35,6 @@ def ckpt(pristine, tmp_path):
 
 
 
-def _edit_json(path, change):
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
-
-
 def test_missing_shard(ckpt):
     key = "model.layers.1.self_attn.o_proj.weight"
     file = weight_map(ckpt)[key]
@@ -59,7 +53,7 @@ def test_wrong_shape(ckpt):
 def test_missing_weight_scale_inv(ckpt):
     key = "model.layers.1.self_attn.q_b_proj.weight"
     file = rewrite_shard(ckpt, key, lambda t: t.pop(key + "_scale_inv"))
-    _edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key + "_scale_inv"))
+    edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key + "_scale_inv"))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is float8_e4m3fn but {key}_scale_inv is missing"):
         from_pretrained(ckpt)
 
@@ -77,13 +71,13 @@ def test_missing_tensor_names_its_shard(ckpt):
     file = rewrite_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is listed in the index but not in this shard"):
         from_pretrained(ckpt)
-    _edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key))
+    edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key))
     with pytest.raises(CheckpointError, match=f"1 tensors missing.*{key} \\(expected in no shard"):
         from_pretrained(ckpt)
 
 
 def test_unknown_quant_method(ckpt):
-    _edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(quant_method="awq"))
+    edit_json(ckpt / "config.json", lambda d: d["quantization_config"].update(quant_method="awq"))
     with pytest.raises(CheckpointError, match=r"config.json: quantization_config.quant_method is 'awq'"):
         from_pretrained(ckpt)
 

@@ -32,10 +32,10 @@ from mla_compile.models.fp4_linear import FP4Experts  # noqa: E402
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear  # noqa: E402
 from mla_compile.models.v4_loader import v4_model_name  # noqa: E402
 from mla_compile.models.v4_model import V4ForCausalLM, V4Sequences  # noqa: E402
-from tests.checkpoints import dequantize_fp4_64, quantize_fp4, rewrite_shard, weight_map  # noqa: E402
+from tests.checkpoints import (INDEX, dequantize_fp4_64, edit_json, quantize_fp4, rewrite_shard,  # noqa: E402
+                               weight_map)
 from tests.model.test_v4_model import hf_greedy, ours_greedy, prompts  # noqa: E402
 
-INDEX = "model.safetensors.index.json"
 NAN = float("nan")
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
@@ -432,12 +432,6 @@ def ckpt(pristine, tmp_path):
 
 
 
-def _edit_index(root, change):
-    data = json.loads((root / INDEX).read_text())
-    change(data["weight_map"])
-    (root / INDEX).write_text(json.dumps(data))
-
-
 @pytest.mark.parametrize("form", ["uint8", "float32"])
 def test_block_scale_storage_forms_load_the_same(pristine, tmp_path, form):
     """ue8m0 scales as uint8 bytes (``scale_fmt: ue8m0``) or as float32 ``weight_scale_inv`` (V3's form) give the
@@ -480,7 +474,7 @@ def test_missing_tensor_names_its_shard(ckpt):
     file = rewrite_shard(ckpt, key, lambda t: t.pop(key))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is listed in the index but not in this shard"):
         from_pretrained(ckpt)
-    _edit_index(ckpt, lambda m: m.pop(key))
+    edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key))
     missing = r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight\b"
     with pytest.raises(CheckpointError, match=rf"1 tensors missing.*{missing}"):
         from_pretrained(ckpt)
@@ -489,7 +483,7 @@ def test_missing_tensor_names_its_shard(ckpt):
 def test_missing_plain_tensor(ckpt):
     key = "layers.1.attn.compressor.ape"
     rewrite_shard(ckpt, key, lambda t: t.pop(key))
-    _edit_index(ckpt, lambda m: m.pop(key))
+    edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(key))
     missing = r"model\.layers\.1\.self_attn\.compressor\.position_bias"
     with pytest.raises(CheckpointError, match=rf"1 tensors missing.*{missing}"):
         from_pretrained(ckpt)
@@ -499,7 +493,7 @@ def test_fp8_weight_without_scale(ckpt):
     key, scale = "layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale"
     file = weight_map(ckpt)[key]
     rewrite_shard(ckpt, scale, lambda t: t.pop(scale))
-    _edit_index(ckpt, lambda m: m.pop(scale))
+    edit_json(ckpt / INDEX, lambda d: d["weight_map"].pop(scale))
     with pytest.raises(CheckpointError, match=f"{file}: tensor {key} is float8_e4m3fn but its block scale"):
         from_pretrained(ckpt)
 
@@ -522,9 +516,7 @@ def test_bad_scale_dtype(ckpt):
 def test_fp4_dims_not_multiple_of_32(tmp_path):
     root = tmp_path / "q"
     _quantized_checkpoint(root, "fp4", moe_intermediate_size=32)
-    config = json.loads((root / "config.json").read_text())
-    config["moe_intermediate_size"] = 16
-    (root / "config.json").write_text(json.dumps(config))
+    edit_json(root / "config.json", lambda c: c.update(moe_intermediate_size=16))
     with pytest.raises(CheckpointError, match=r"config.json: expert_dtype 'fp4' for model.layers.0.mlp.experts: "
                        "FP4Experts: intermediate size 16 must be a multiple of 32"):
         from_pretrained(root)
