@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 import time
 import traceback
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_v4_decode import timed  # noqa: E402  (median CUDA-event step time, first call timed alone)
 
 FULL = dict(layers=1, hidden=2048, heads=16, kv_lora=512, rope=64, nope=128, v=128, inter=2048, vocab=32768,
             batches="1,16", ctx="8192,131072", sink=4, window=4096, block_size=64, warmup=3, iters=20)
@@ -60,26 +63,6 @@ def tables(a, batch: int, ctx: int, sparse: bool) -> tuple[list[list[int]], int]
             row[i], at = at, at + 1
         out.append(row)
     return out, at
-
-
-def timed(fn, dev: torch.device, warmup: int, iters: int) -> dict:
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            if dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-    return dict(ms=statistics.median(times))
 
 
 def main(argv=None) -> int:
@@ -141,7 +124,8 @@ def main(argv=None) -> int:
                 for impl, fn in (("eager", model), ("compiled", compiled)):
                     row = dict(base, impl=impl)
                     try:
-                        row.update(timed(lambda: fn(*args_in), dev, args.warmup, args.iters))
+                        with torch.no_grad():
+                            row.update(timed(lambda: fn(*args_in), dev, args.warmup, args.iters))
                         row["tok_s"] = b / (row["ms"] / 1e3)
                     except Exception as exc:  # keep measuring; the reason goes into the table
                         row["error"] = f"{type(exc).__name__}: {exc}"[:400]
