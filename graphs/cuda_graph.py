@@ -175,13 +175,17 @@ class DecodeGraphRunner:
         """Capture one graph per capture size (largest first) into one shared memory pool.
 
         The model's caches must be allocated before, and never replaced after: graphs hold their addresses.
-        Called on the first decode step if not called before.
+        Called on the first decode step if not called before; the token feed's tokens (an earlier step's draws that
+        this step feeds on) are kept across the warm-up runs.
         """
         if not self.enabled:
             return
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("DecodeGraphRunner.capture() cannot run inside another CUDA-graph capture")
         self.pool = torch.cuda.graph_pool_handle()
+        # the warm-up runs below sample into the token feed: keep the tokens an earlier step left there for the
+        # step that triggered this capture (the engine captures lazily, with that step's feed pending)
+        kept = None if self.token_feed is None else self.token_feed.tokens.clone()
         for size in reversed(self.capture_sizes):
             step = self.builder.padding_decode(size)
             side = torch.cuda.Stream()
@@ -198,6 +202,8 @@ class DecodeGraphRunner:
             with torch.cuda.graph(graph, pool=self.pool):
                 out, tokens = self._call_sampled(step, size)
             self.graphs[size] = (graph, out, tokens)
+        if kept is not None:
+            self.token_feed.tokens.copy_(kept)
         torch.cuda.synchronize()
 
     def graph_size(self, batch: int) -> int | None:

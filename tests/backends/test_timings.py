@@ -118,12 +118,7 @@ def test_the_shipped_h200_file_is_valid_measured_and_names_declared_backends():
                                               "v4_attention"}
     for row in table.rows:
         assert set(row.us) <= set(backends_for(row.op)), row
-        # bench_backends.py wrote every row but v4_attention's, copied by hand from BENCHMARKS.md run 117 (until
-        # bench_backends.py --only v4_attention re-measures them)
-        if row.op == "v4_attention" and row.source != "bench_backends":
-            assert row.source.startswith("bench_v4_decode --attention, BENCHMARKS.md run 117"), row
-        else:
-            assert row.source == "bench_backends", row
+        assert row.source == "bench_backends", row  # every row measured by bench_backends.py
 
 
 def test_check_names_every_problem():

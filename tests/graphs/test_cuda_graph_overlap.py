@@ -53,8 +53,8 @@ def test_the_token_feed_needs_one_token_per_decode_row_and_sample_step_needs_the
 
 def _trace_run(step_fn, overlap: bool, sampling: bool, n_requests: int = 400) -> tuple:
     """A seeded trace (shared prefixes, sampled and greedy requests without stop tokens, 10% aborts, 5% bad
-    requests) through a CUDA-graph runner over ``step_fn`` (vocabulary 1024, 24 cache blocks of 16) whose
-    first replayed decode step after call 150 raises. Returns ``(engine, seen, results)`` after
+    requests) through a CUDA-graph runner over ``step_fn`` (vocabulary 1024, 24 cache blocks of 16; its graphs
+    captured lazily, by the first decode step) whose first replayed decode step after call 150 raises. Returns ``(engine, seen, results)`` after
     :func:`check_trace` passed."""
     builder = MetadataBuilder(max_batch=16, max_blocks_per_seq=8, max_tokens=64, block_size=16, device="cuda")
     runner = DecodeGraphRunner(step_fn, builder, strict_sync=True, sampling=sampling)
@@ -62,7 +62,7 @@ def _trace_run(step_fn, overlap: bool, sampling: bool, n_requests: int = 400) ->
     limits = engine.limits
     trace = make_trace(17, n_requests, vocab_size=limits.vocab_size, max_total=limits.max_seq_tokens, block_size=16)
     with_sampling(trace, seed=4, vocab_size=limits.vocab_size)
-    runner.capture()
+    # no runner.capture() here: the first decode step captures, with the prefill's tokens in the feed
     seen = run_trace(engine, trace)
     check_trace(engine, trace, seen)
     results = ({i: (engine.requests[rid].finish_reason, engine.requests[rid].output) for i, rid in seen.ids.items()},

@@ -1,5 +1,5 @@
 """GPU: ``v4_attention`` with backend "auto" on an H200 takes the split that the shipped timing table makes (from
-BENCHMARKS.md run 117: Triton for at most 2 query rows, FlashMLA above), and each call runs its part: the output
+BENCHMARKS.md run 123: Triton for at most 16 query rows, FlashMLA above), and each call runs its part: the output
 equals the named backend's bit for bit and the float64 reference within bf16 tolerance, eager, compiled
 (``fullgraph=True``, dynamic rows) and replayed from a CUDA graph per row count with new inputs. Skips without
 ``flash_mla`` or off sm90."""
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 BF16, I32 = torch.bfloat16, torch.int32
 H, D, ROPE, BS, WINDOW, TOPK = 64, 512, 64, 64, 128, 512
 SCALE = D ** -0.5
-SPLIT = "split:triton:2/flashmla"  # what run 117's rows make; a re-measured table may move the bound
+SPLIT = "split:triton:16/flashmla"  # what run 123's rows make; a re-measured table may move the bound
 
 
 def _split(csa: bool) -> str:
@@ -80,7 +80,7 @@ def _check(out, lse, args, T: int, csa: bool):
 def test_auto_takes_the_split_and_runs_the_part_of_each_row_count(csa):
     name = _split(csa)
     h200 = next(t for t in timings.tables() if t.capability == (9, 0))
-    if "run 117" in next(r.source for r in h200.rows if r.op == "v4_attention"):
+    if "run 123" in h200.source:
         assert name == SPLIT
     for T in (1, 2, 3, 64):
         args = _case(T, T, csa)
@@ -90,7 +90,8 @@ def test_auto_takes_the_split_and_runs_the_part_of_each_row_count(csa):
 
 def test_compiled_with_dynamic_rows_runs_each_call_s_part():
     fn = torch.compile(lambda *a: v4_attention(*a, SCALE, slots=WINDOW + TOPK), fullgraph=True, dynamic=True)
-    for i, T in enumerate((64, 2, 37, 2)):
+    # 48 first: a first call of 64 rows would equal the 64 heads, and Dynamo's duck sizing would tie them
+    for i, T in enumerate((48, 2, 37, 2)):
         args = _case(10 + i, T, True)
         with torch.compiler.set_stance("fail_on_recompile") if i else torch.compiler.set_stance("default"):
             out, lse = fn(*args)
