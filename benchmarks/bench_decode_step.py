@@ -321,6 +321,10 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         import mla_compile.lowerings as lowerings
         options = lowerings.compile_options(passes=True)
         INFO["lowerings"] = f"installed={lowerings.LOWERING_INSTALLED}, passes {sorted(options) or 'off'}"
+    if dev.type == "cuda" and args.compile:
+        # what DecodeGraphRunner sets: set here, before the first compiled call, so the compiled rows compile the
+        # graph the captured rows replay (set later, its guard recompiles the model inside the capture time)
+        model.set_cuda_graph(True)
     compiled = torch.compile(model, fullgraph=True, options=options or None)
     for i, (b, c) in enumerate(cells):
         def ours_compiled(b=b, c=c):
