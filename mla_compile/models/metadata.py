@@ -120,6 +120,26 @@ class MLAMetadata:
             out.extend(v for f in fields(part) if isinstance(v := getattr(part, f.name), Tensor))
         return out
 
+    def flat(self) -> tuple:
+        """The metadata as a flat tuple of tensors, None and plain values (:meth:`from_flat` rebuilds it): what a
+        nested compile region takes, so Dynamo can reuse one traced region for every layer."""
+        d, p = self.decode, self.prefill
+        c = p.context if p is not None else None
+        return (self.slot_mapping, self.logits_indices,
+                d is not None, *(d and (d.block_table, d.seq_lens, d.query_len, d.plan) or (None,) * 4),
+                p is not None, *(p and (p.cu_seqlens_q, p.cu_seqlens_k, p.block_table, p.plan) or (None,) * 4),
+                c is not None, *(c and (c.cu_seqlens, c.starts, c.rows) or (None,) * 3))
+
+    @staticmethod
+    def from_flat(slot_mapping, logits_indices, has_decode, block_table, seq_lens, query_len, decode_plan,
+                  has_prefill, cu_seqlens_q, cu_seqlens_k, prefill_table, prefill_plan,
+                  has_context, cu_seqlens, starts, rows) -> "MLAMetadata":
+        """The metadata :meth:`flat` gave."""
+        ctx = ContextSlices(cu_seqlens, starts, rows) if has_context else None
+        dec = DecodeMetadata(block_table, seq_lens, query_len, decode_plan) if has_decode else None
+        pre = PrefillMetadata(cu_seqlens_q, cu_seqlens_k, prefill_table, ctx, prefill_plan) if has_prefill else None
+        return MLAMetadata(slot_mapping, dec, pre, logits_indices)
+
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> "MLAMetadata":
         """A copy with ``fn`` applied to every tensor but ``prefill.context.rows`` (host sizes, kept as is)."""
         mv = _mapped(fn)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import envs
+from mla_compile.backends import new_choice_cache
 from mla_compile.models.attention import MLAAttention
 from mla_compile.models.cache import allocate_index_cache, allocate_latent_cache
 from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
@@ -42,6 +43,12 @@ class MLAForCausalLM(nn.Module):
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
         self.regional_compile = False  # see forward
         self.sink_window: tuple[int, int] | None = None  # (sink, window) when patched with sparse="sink_window"
+        # one backend-choice cache for every layer: a choice depends only on the call's static configuration, and
+        # layers that share the cache's token trace to the same graph (a nested compile region is then reused
+        # for every layer instead of traced again)
+        token, choices = new_choice_cache()
+        for attn in self.attentions:
+            attn._choice_token, attn._backend_choices = token, choices
 
     @property
     def attentions(self) -> list[MLAAttention]:
@@ -104,12 +111,13 @@ class MLAForCausalLM(nn.Module):
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
+            flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
         for layer in self.model.layers:
             attn = layer.self_attn
             if self.regional_compile and attn.indexer is None and attn.sink_window is None:
                 q_nope, q_pe, latent, k_pe = _layer_projections(layer, h, cos, sin)
                 attn.write_cache(latent, k_pe, meta)
-                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
+                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, *flat)
                 continue
             h = h + attn(layer.input_layernorm(h), cos, sin, meta, positions)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -133,8 +141,10 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) ->
 
 @_region
 def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor,
-                sin: Tensor, meta: MLAMetadata) -> Tensor:
-    """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP."""
+                sin: Tensor, *flat_meta) -> Tensor:
+    """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP
+    (``flat_meta``: the step's :meth:`MLAMetadata.flat`)."""
+    meta = MLAMetadata.from_flat(*flat_meta)
     h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -60,3 +60,26 @@ def test_regional_compile_is_refused_where_it_is_not_built():
 
     with pytest.raises(NotImplementedError, match="regional_compile"):
         patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), regional_compile=True, parallel=ParallelConfig(tp=1))
+
+
+def test_metadata_flat_round_trip_and_one_choice_cache_per_model():
+    """What lets Dynamo (torch >= 2.13) trace the second region once and reuse it for every layer: the region
+    takes the metadata as plain arguments (:meth:`MLAMetadata.flat`, rebuilt by ``from_flat``), and every layer
+    shares the model's backend-choice token (a per-layer token is a constant that differs between layers)."""
+    from mla_compile.models.metadata import MLAMetadata, SeqChunk
+    from mla_compile.serving.builder import MetadataBuilder
+
+    builder = MetadataBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=32, block_size=4, device="cpu",
+                              context_chunk_tokens=8)
+    decode = [SeqChunk([1, 2, 3], [7], 9, key=0)]
+    prefill = [SeqChunk([4, 5, 6, 8], list(range(6)), 5)]  # 5 cached tokens of context, then 6 new ones
+    steps = [builder.build(decode), builder.build((), prefill), builder.build(decode, prefill)]
+    assert steps[1].meta.prefill.context is not None  # the case with context slices is covered
+    for meta in (s.meta for s in steps):
+        back = MLAMetadata.from_flat(*meta.flat())
+        assert back == meta  # the same structure, plain values and tensor objects (compared by identity)
+        assert [id(t) for t in back.tensors()] == [id(t) for t in meta.tensors()]
+        assert (back.decode is None, back.prefill is None) == (meta.decode is None, meta.prefill is None)
+    model = patch(toy.toy_hf_model("v2-lite", seed=1, num_hidden_layers=3))
+    assert len({a._choice_token for a in model.attentions}) == 1
+    assert len({id(a._backend_choices) for a in model.attentions}) == 1
