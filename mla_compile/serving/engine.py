@@ -208,7 +208,8 @@ class Engine:
     :class:`~mla_compile.serving.dp_sync.DPStepFatal`, finishes every request it holds with ``"error"`` and
     raises it again from every later :meth:`step`; the other ranks, left in a collective of that model step or of
     the next agreement, raise it when that collective fails or times out (``init(timeout=)``,
-    ``DPStepSync(timeout=)``). A padding-only step that raises, or a failed agreement, is fatal the same way.
+    ``DPStepSync(timeout=)``; under NCCL its watchdog may end a stuck peer's process at that timeout instead). A
+    padding-only step that raises, or a failed agreement, is fatal the same way.
     """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
