@@ -97,7 +97,8 @@ class DecodeGraphRunner:
 
     :meth:`decode`, :meth:`decode_sampled`, :meth:`sample_step` and :meth:`run` take the decode part as
     :class:`~mla_compile.serving.decode_rows.DecodeRows` as well as chunks (``takes_decode_rows``): what an
-    ``Engine`` hands over for its decode-only steps."""
+    ``Engine`` hands over for its decode-only steps. :attr:`model_calls` counts the model runs it started (a host
+    int: no sync)."""
 
     takes_decode_rows = True
 
@@ -132,6 +133,9 @@ class DecodeGraphRunner:
         self.pool = None
         self.replays = 0
         self.fallbacks = 0
+        # how often this runner started its model (a step_fn call or a graph replay; capture's runs too): a host
+        # counter an Engine under dp_sync reads to tell a step that failed before its model ran any collective
+        self.model_calls = 0
 
     def enable_token_feed(self) -> TokenFeed:
         """Give every later step a :class:`TokenFeed` (idempotent; returns it): the decode rows' input ids are
@@ -154,6 +158,7 @@ class DecodeGraphRunner:
         else:
             mark_dynamic(step.input_ids, step.positions, step.meta)
         with torch.no_grad():
+            self.model_calls += 1
             if self.token_feed is not None:
                 self.token_feed.apply(step.input_ids, fed_rows)
             return self.step_fn(step.input_ids, step.positions, step.meta)
@@ -272,6 +277,7 @@ class DecodeGraphRunner:
             if rows is not None:
                 self._fill_rows(rows, chunks, params, steps, size)
             self._fill_feed(feed)
+            self.model_calls += 1
             graph.replay()
         finally:
             torch.cuda.set_sync_debug_mode(previous)

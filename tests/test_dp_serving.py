@@ -155,6 +155,7 @@ def test_dp_step_sync_two_processes():
         assert r["agreements"] == want
         assert r["any"] == [True, False]
         assert r["mismatch"] is not None and "differ across ranks" in r["mismatch"]
+    assert res[1]["stopped"] is None and "a peer engine stopped stepping" in res[0]["stopped"]
 
 
 @pytest.mark.parametrize("pconf,overlap", [(dict(tp=2, dp_attention=2, ep=2), False),
@@ -237,3 +238,144 @@ def test_engine_refuses_a_runner_or_builder_that_cannot_pad_before_any_collectiv
     other = OtherBuilder(max_batch=4, max_blocks_per_seq=8, max_tokens=64, block_size=BS, device="cpu")
     with pytest.raises(ValueError, match=r"builder whose build\(\) pads to tokens= and rows="):
         Engine(ShapeRunner(other), num_blocks=16, vocab_size=10, dp_sync=NoSync())
+
+
+@pytest.mark.parametrize("pconf,overlap", [(dict(tp=2, dp_attention=2, ep=2), False),
+                                           (dict(tp=2, dp_attention=2), True)])
+def test_a_step_failing_before_the_model_on_one_rank_fails_only_its_requests_and_every_rank_goes_on(pconf, overlap):
+    """Rank 0's runner raises before calling its model at one step and its builder at another: rank 0 runs a
+    padding-only step in their place, fails those steps' requests exactly as an engine without dp_sync failing the
+    same steps does, and both ranks finish their traces (rank 1's requests with the tokens each gets alone)."""
+    pytest.importorskip("transformers")
+    res = run_ranks(w.dp_fail_before_model, 2, pconf, overlap, timeout=150)
+    a, b = res
+    assert a["group"] == 0 and b["group"] == 1
+    assert len(a["failures"]) == 2 and all(a["failures"]) and a["failures"] == a["single_failures"]
+    assert a["got"] == a["single"]  # the same tokens and finish reasons as without dp_sync
+    failed = {i for ids in a["failures"] for i in ids}
+    for i, ((out, reason), want) in enumerate(zip(a["got"], a["want"])):
+        if i in failed:
+            assert reason == "error" and out == want[:len(out)] and len(out) < len(want)
+        else:
+            assert (out, reason) == (want, "length")
+    assert b["failures"] == [] and b["got"] == [(want, "length") for want in b["want"]]
+    for r in res:
+        assert r["finished"] == len(r["got"]) and r["all_free"]
+    # lockstep: the same agreements and as many model runs on both ranks (rank 0's padding steps included)
+    assert a["agreements"] == b["agreements"] and a["model_calls"] == b["model_calls"]
+
+
+@pytest.mark.parametrize("overlap,linger", [(False, 0.0), (True, 11.0)])
+def test_a_step_failing_inside_the_model_on_one_rank_ends_every_rank_with_dp_step_fatal(overlap, linger):
+    """Rank 0's model raises inside a step (after the collectives of its first layer): no rank can go on in
+    lockstep, so both ranks raise DPStepFatal instead of hanging, finish every request they hold, and every later
+    step raises again. Rank 1 raises when its collective of that step fails: at once when rank 0's process ends,
+    else (rank 0 lingers) at the 8 s process-group timeout."""
+    pytest.importorskip("transformers")
+    res = run_ranks(w.dp_fail_inside_model, 2, dict(tp=2, dp_attention=2, ep=2), overlap, 8, linger, timeout=120)
+    a, b = res
+    assert "inside the model" in a["message"] and "injected failure inside the model" in a["message"]
+    assert "inside the model" in b["message"]  # its collective of that step failed
+    if linger:
+        assert "timed out" in b["message"].lower()
+    for r in res:
+        assert r["error"] == "DPStepFatal" and r["ids"], r
+        assert "stopped at an earlier fatal" in r["later"]
+        assert "error" in r["reasons"] and set(r["reasons"]) <= {"error", "length"}
+        assert r["unfinished"] == 0 and r["all_free"]
+
+
+class _OneRankSync:
+    """A DPStepSync of one rank without torch.distributed: each agreement is this rank's own demand."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.steps, self.fail_at = 0, fail_at
+
+    def check_same(self, what, values):
+        pass
+
+    def agree(self, demand):
+        from mla_compile.serving.dp_sync import DPStepFatal
+
+        self.steps += 1
+        if self.steps - 1 == self.fail_at:
+            raise DPStepFatal("DPStepSync: the all-reduce of the step agreement failed (injected)")
+        return agree_shape(demand.vector())
+
+
+class _RaiseAfterModel(w.RaiseBeforeModel):
+    """Raises on its calls ``fail_at`` (counted as ``RaiseBeforeModel`` counts) after the wrapped runner ran the
+    step's model: from the engine's side, a runner that raised once its model had started."""
+
+    def _after(self, decode, prefill):
+        if len(decode) or len(prefill):
+            self.calls += 1
+            if self.calls - 1 in self.fail_at:
+                raise RuntimeError(f"injected failure after the model in runner call {self.calls - 1}")
+
+    def run(self, decode, prefill=(), shape=None):
+        out = self.runner.run(decode, prefill, shape=shape)
+        self._after(decode, prefill)
+        return out
+
+    def decode_sampled(self, chunks, params, steps, shape=None):
+        out = self.runner.decode_sampled(chunks, params, steps, shape=shape)
+        self._after(chunks, ())
+        return out
+
+
+@pytest.mark.parametrize("case", ["before_model", "builder", "after_runner", "inside_runner", "no_counter",
+                                  "padding_fails", "agreement_fails"])
+def test_which_step_failures_a_dp_engine_recovers_from(case):
+    """One engine under a one-rank stand-in for DPStepSync, a step failing in each way: before the model (a
+    runner raising before calling it, a builder error) it fails the step's requests (StepFailed) after running a
+    padding-only step in its place (one more model run), after the runner returned it fails them without one;
+    raising once the runner's model ran, without a model_calls counter, in the padding step that stands in or in
+    the agreement is DPStepFatal: every request finished with "error", every block free, every later step raising
+    it again."""
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models.model import patch
+    from mla_compile.serving.dp_sync import DPStepFatal
+    from mla_compile.serving.engine import StepFailed
+
+    model = patch(toy.toy_hf_model("v3", seed=2, num_hidden_layers=1, dtype=torch.float32))
+    eng = w._engine(model, dp_sync=_OneRankSync(fail_at=1 if case == "agreement_fails" else None))
+    inner = eng.runner
+    if case == "before_model":
+        eng.runner = w.RaiseBeforeModel(inner, {1})
+    elif case == "builder":
+        w.failing_build(inner.builder, 1)
+    elif case == "inside_runner":
+        eng.runner = _RaiseAfterModel(inner, {1})
+    elif case == "no_counter":
+        eng.runner = type("Uncounted", (w.RaiseBeforeModel,), {"model_calls": None})(inner, {1})
+    elif case == "padding_fails":
+        w.failing_build(inner.builder, 1)
+        build = inner.builder.build
+        inner.builder.build = lambda d, p=(), **kw: build(d, p, **kw) if len(d) or len(p) else 1 / 0
+    elif case == "after_runner":
+        sample, seen = eng._sample, []
+        eng._sample = lambda logits, rows: sample(logits, rows) if seen.append(1) or len(seen) != 2 else 1 / 0
+    ids = [eng.add_request(list(range(3 + i, 9 + 2 * i)), 6) for i in range(3)]
+    eng.step()  # prefills
+    before = inner.model_calls
+    fatal = case in ("inside_runner", "no_counter", "padding_fails", "agreement_fails")
+    with pytest.raises(DPStepFatal if fatal else StepFailed) as info:
+        eng.step()
+    assert isinstance(info.value, DPStepFatal) == fatal and not isinstance(info.value, StepFailed) == fatal
+    if not fatal:
+        # one model run: the padding step in place of a step that failed before its model, or the step itself
+        # when it failed after the runner returned (no padding step then)
+        assert inner.model_calls - before == 1
+        assert info.value.request_ids and set(info.value.request_ids) <= set(ids)
+        eng.run()
+        assert all(eng.requests[i].finish_reason == ("error" if i in info.value.request_ids else "length")
+                   for i in ids)
+        return
+    assert sorted(info.value.request_ids) == ids
+    assert all(eng.requests[i].finish_reason == "error" for i in ids) and not eng.running and not eng.waiting
+    assert eng.blocks.num_free == len(eng.blocks.blocks)
+    for _ in range(2):
+        with pytest.raises(DPStepFatal, match="stopped at an earlier fatal"):
+            eng.step()

@@ -61,6 +61,7 @@ class ParallelState:
     dcp: Group  # this rank's decode-context-parallel group (tokens of the latent cache split over it)
     ep: Group  # ranks holding the other experts (same expert-TP rank)
     moe_tp: Group  # ranks splitting the same experts (same EP rank)
+    timeout: timedelta = DEFAULT_TIMEOUT  # what init() bounds the rendezvous and every collective of its groups by
 
 
 def _env_int(name: str) -> int | None:
@@ -154,7 +155,7 @@ def _make_groups(config: ParallelConfig, rank: int, world: int, device: torch.de
                 pg = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine[name] = Group(pg, tuple(ranks), ranks.index(rank))
-    return ParallelState(config, rank, world, device, **mine)
+    return ParallelState(config, rank, world, device, **mine, timeout=timeout)
 
 
 def current(config: ParallelConfig | None = None) -> ParallelState:

@@ -18,15 +18,40 @@ that read and write nothing (slot -1, sequence length 0; :func:`mla_compile.mode
 
 A group with nothing to run while others step runs a padding-only step of that shape; the engines stop only
 when the agreement says no group has any request left (``StepAgreement.active``).
+
+A step that fails on one rank (see :class:`~mla_compile.serving.engine.Engine`) is recovered where every rank can
+still run the same collectives: a failure before that rank's model started (planning, building, a runner that
+raises before calling the model) is followed by a padding-only step of the agreed shape on that rank, and one after
+its runner returned (sampling, reading the tokens) needs nothing more; that rank fails the step's requests and every
+rank goes on. A failure once its model started (its collectives may have run on some ranks and not on others)
+cannot be recovered: it raises :class:`DPStepFatal` on that rank, whose engine then stops, and the peers, left
+waiting in a collective of the model or of the next agreement, raise :class:`DPStepFatal` when that collective
+fails or times out (the process groups' ``timeout``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from mla_compile.parallel.groups import current
+
+
+class DPStepFatal(RuntimeError):
+    """Data-parallel serving cannot go on: a step failed where the ranks' collectives may no longer match (inside
+    a model step, or a padding step that could not run), or a collective of the agreement or of the model failed or
+    timed out (a peer failed so, stopped stepping or died). The engine that raised it fails all its requests
+    (``request_ids``, finished with ``finish_reason == "error"``) and raises it again from every later step; the
+    other ranks raise it too, at the latest when their process group's timeout runs out. Not a ``StepFailed``:
+    a loop that catches those and steps on still stops."""
+
+    def __init__(self, message: str, request_ids: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids or [])
 
 
 @dataclass(frozen=True)
@@ -85,20 +110,35 @@ class DPStepSync:
     """Host-side agreement of data-parallel attention groups on each step's shape (see the module docstring).
 
     ``group``: a CPU-capable (gloo) process group over every rank that runs an engine (default: a new gloo group
-    over the whole world, made here: every rank must construct its ``DPStepSync`` at the same point, as
-    ``new_group`` is collective). Every rank must then call :meth:`agree` once per engine step, in lockstep:
-    :class:`~mla_compile.serving.engine.Engine` does it in each :meth:`~mla_compile.serving.engine.Engine.step`.
+    over the whole world, made here with ``timeout``, a timedelta or seconds, by default the one given to
+    :func:`mla_compile.parallel.init`, else torch's default; every rank must construct its ``DPStepSync`` at the
+    same point, as ``new_group`` is collective). Every rank must then call :meth:`agree` once per engine step, in
+    lockstep: :class:`~mla_compile.serving.engine.Engine` does it in each
+    :meth:`~mla_compile.serving.engine.Engine.step`.
+    A failed or timed-out all-reduce (a peer stopped stepping or died) raises :class:`DPStepFatal`.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: timedelta | float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DPStepSync needs torch.distributed: call mla_compile.parallel.init(config) first")
-        self.group = dist.new_group(backend="gloo") if group is None else group
+        if timeout is None:
+            try:
+                timeout = current().timeout
+            except RuntimeError:  # torch.distributed set up without mla_compile.parallel.init
+                pass
+        if timeout is not None and not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if group is None else group
         self.steps = 0  # agreements made (one per engine step)
 
     def _max(self, values: Sequence[int]) -> list[int]:
         vec = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(vec, dist.ReduceOp.MAX, group=self.group)
+        try:
+            dist.all_reduce(vec, dist.ReduceOp.MAX, group=self.group)
+        except Exception as exc:  # gloo's timeout or a closed connection
+            raise DPStepFatal(f"DPStepSync: the all-reduce of the step agreement failed ({type(exc).__name__}: "
+                              f"{exc}): a peer engine stopped stepping (a fatal step failure, an exception in its "
+                              "serving loop) or died; data-parallel serving cannot go on") from exc
         return vec.tolist()
 
     def agree(self, demand: StepDemand) -> StepAgreement:

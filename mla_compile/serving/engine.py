@@ -25,7 +25,8 @@ without ``dp_sync``.
 
 ``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
 every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no
-work runs padding-only steps while others have some. The lines marked ``[dp]`` do this.
+work runs padding-only steps while others have some; a step failing before its model runs a padding-only step in
+its place. The lines marked ``[dp]`` do this.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.decode_rows import DecodeRows, RowState
 from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
 from mla_compile.models.metadata import SeqChunk, step_size
-from mla_compile.serving.dp_sync import DPStepSync, StepDemand, StepShape
+from mla_compile.serving.dp_sync import DPStepFatal, DPStepSync, StepDemand, StepShape
 from mla_compile.serving.sampling import SamplingParams, sample_rows
 from mla_compile.serving.v4_blocks import V4BlockManager
 from mla_compile.serving.v4_builder import V4DecodeBuilder
@@ -198,8 +199,17 @@ class Engine:
     (padding tokens and rows read and write nothing, so every request gets the tokens it would get alone); a
     group with nothing to run runs a padding-only step while some other group has work. :attr:`dp_active` says
     whether some group still had requests at the last step; :meth:`stream` and :meth:`run` step until no group
-    has any. A runner that raises leaves the other ranks waiting in the model's collectives (until their
-    timeout): under ``dp_sync`` a :class:`StepFailed` is fatal to the whole group of engines.
+    has any. A step that raises fails its requests as above (:class:`StepFailed`) and every rank goes on when
+    this rank can still run the collectives the other ranks run in that step: when it raised before the runner
+    started the model (planning, a builder error, a runner that raises before calling its model: the runner's
+    ``model_calls`` did not change), the engine runs a padding-only step of the agreed shape in its place; when it
+    raised after the runner returned, the model's collectives all ran. Once the model started (``model_calls``
+    changed, or a runner without ``model_calls``) the ranks' collectives may no longer match: the engine raises
+    :class:`~mla_compile.serving.dp_sync.DPStepFatal`, finishes every request it holds with ``"error"`` and
+    raises it again from every later :meth:`step`; the other ranks, left in a collective of that model step or of
+    the next agreement, raise it when that collective fails or times out (``init(timeout=)``,
+    ``DPStepSync(timeout=)``; under NCCL its watchdog may end a stuck peer's process at that timeout instead). A
+    padding-only step that raises, or a failed agreement, is fatal the same way.
     """
 
     def __init__(self, runner: StepRunner, *, num_blocks: int, max_tokens_per_step: int | None = None,
@@ -258,6 +268,8 @@ class Engine:
         self._done: list[Request] = []  # overlap: requests finished since the last step() returned
         self.dp_sync = dp_sync  # [dp]
         self.dp_active = True  # [dp] whether some group had requests at the last step's agreement
+        self._dp_fatal: DPStepFatal | None = None  # [dp] set once a step failed where the ranks cannot go on
+        self._returned = False  # [dp] whether the runner call of the step being run returned
         if dp_sync is not None:
             self._check_dp_runner()
         # the decode batch kept on the host between steps (see DecodeRows), for a runner that takes one over a
@@ -312,13 +324,74 @@ class Engine:
         return bool(self.waiting or self.running or self._inflight is not None or self._learned or self._done)
 
     def _dp_agree(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> StepShape | None:
-        """[dp] This step's shape, agreed with every other group (None: no group runs a step)."""
+        """[dp] This step's shape, agreed with every other group (None: no group runs a step); runs this rank's
+        padding-only step when only other groups have something to run."""
+        if self._dp_fatal is not None:
+            raise DPStepFatal(f"this engine stopped at an earlier fatal data-parallel step failure: {self._dp_fatal}"
+                              ) from self._dp_fatal
         b = self.runner.builder
         tokens, rows = step_size(len(decoding), sum(n for _, n in chunks), len(chunks), query_len=b.query_len,
                                  min_batch=b.min_batch)
-        agreed = self.dp_sync.agree(StepDemand(self._has_work(), len(decoding), bool(chunks), tokens, rows))
+        try:
+            agreed = self.dp_sync.agree(StepDemand(self._has_work(), len(decoding), bool(chunks), tokens, rows))
+        except DPStepFatal as exc:
+            raise self._dp_stop([], exc, "the step agreement failed") from exc
         self.dp_active = agreed.active
+        if agreed.shape is not None and not decoding and not chunks:
+            self._dp_padding(agreed.shape, [])  # nothing here while other groups step
+        self._returned = False
         return agreed.shape
+
+    def _model_calls(self) -> int | None:
+        """[dp] The runner's count of the model runs it started (None: it does not count them)."""
+        calls = getattr(self.runner, "model_calls", None)
+        return calls if isinstance(calls, int) else None
+
+    def _dp_padding(self, shape: StepShape, requests: list[Request], failed: Exception | None = None) -> None:
+        """[dp] A padding-only step of ``shape``: this rank's part of the collectives every other rank runs in
+        this step. If it raises, the ranks cannot go on (``requests``: the step's, ``failed``: the error it
+        stands in for)."""
+        try:
+            self.runner.run((), (), shape=shape)
+        except Exception as exc:
+            why = "its padding-only step raised" if failed is None else \
+                f"its step raised before its model ({type(failed).__name__}: {failed}) and the padding-only " \
+                "step run in its place raised too"
+            raise self._dp_stop(requests, exc, why) from exc
+
+    def _dp_recover(self, calls: int | None, shape: StepShape, requests: list[Request], exc: Exception) -> None:
+        """[dp] After this rank's step (of ``requests``) raised ``exc``: make sure this rank ran the step's
+        collectives as every other rank did, or stop (raises :class:`DPStepFatal`). ``calls``: the runner's
+        ``model_calls`` before the step."""
+        if self._returned:  # the runner returned: the model ran every collective of the step
+            return
+        now = self._model_calls()
+        if calls is None or now is None:
+            raise self._dp_stop(requests, exc, f"its step raised and its runner ({type(self.runner).__name__}) has "
+                                "no model_calls counter, so whether its model's collectives started is unknown")
+        if now != calls:
+            raise self._dp_stop(requests, exc, "its step raised inside the model (its collectives may have run on "
+                                "some ranks and not on others)")
+        self._dp_padding(shape, requests, exc)  # before its model: the padding step runs its collectives
+
+    def _dp_stop(self, requests: list[Request], exc: Exception, why: str) -> DPStepFatal:
+        """[dp] Stop this engine for good: every request not finished yet (``requests``: the failed step's, those
+        in flight, running and waiting) is finished with ``"error"``; returns the error to raise (and raised again
+        by every later step)."""
+        pending = [*requests, *(self._inflight.requests if self._inflight is not None else ()), *self.running,
+                   *self.waiting]
+        failed = list({r.id: r for r in pending if r.finish_reason is None}.values())
+        self.running, self._inflight, self.dp_active = [], None, False
+        self.waiting.clear()
+        for r in failed:
+            self._finish(r, "error")
+        ids = [r.id for r in failed]
+        self._dp_fatal = DPStepFatal(
+            f"data-parallel step {self.dp_sync.steps} on this rank: {why} ({type(exc).__name__}: {exc}); "
+            f"the ranks cannot go on in lockstep, so this engine stops: its requests {ids} are finished with "
+            "finish_reason 'error' (the other ranks raise DPStepFatal too, at the latest at their process group's "
+            "timeout)", ids)
+        return self._dp_fatal
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
@@ -384,7 +457,8 @@ class Engine:
         read the one launched before; returns the requests that one finished).
 
         Raises :class:`StepFailed` when the runner raised: the step's requests are failed (see the
-        class docstring) and the engine is ready for the next step.
+        class docstring) and the engine is ready for the next step. With ``dp_sync``, raises
+        :class:`~mla_compile.serving.dp_sync.DPStepFatal` when the ranks cannot go on (see the class docstring).
         """
         if self.overlap:
             return self._step_overlap(keep_logits)
@@ -392,11 +466,10 @@ class Engine:
         self._admit()
         decoding, chunks = self._schedule()
         shape = None if self.dp_sync is None else self._dp_agree(decoding, chunks)  # [dp]
-        if shape is not None and not decoding and not chunks:
-            self.runner.run((), (), shape=shape)  # [dp] nothing here while other groups step: a padding-only step
         if not decoding and not chunks:
             return []
         kw = {} if shape is None else {"shape": shape}  # [dp]
+        calls = None if shape is None else self._model_calls()  # [dp]
         batch = self._rows
         try:  # a failed grow (no block left) fails the step's requests like a runner error: never a stuck engine
             decode_only = not chunks and (shape is None or shape.decode_only)  # [dp] a mixed shape pads to tokens
@@ -417,13 +490,19 @@ class Engine:
                 logits, tokens = decode_sampled(dec, [r.params for r in rows], [len(r.output) for r in rows], **kw)
             else:
                 logits = self.runner.decode(dec, **kw) if decode_only else self.runner.run(dec, pre, **kw)
+                tokens = None
+            self._returned = True  # [dp] the runner returned: every collective of its model step ran
+            if tokens is None:
                 tokens = self._sample(logits, rows)
             host = tokens.cpu()  # a host sync: an asynchronous device error shows here
             sampled = host.tolist()
             if keep_logits:
                 self.step_logits.append(logits.float().cpu())
         except Exception as exc:
-            raise self._fail([*decoding, *(r for r, _ in chunks)], exc) from exc
+            failed = [*decoding, *(r for r, _ in chunks)]
+            if shape is not None:  # [dp] run this step's collectives on padding, or stop
+                self._dp_recover(calls, shape, failed, exc)
+            raise self._fail(failed, exc) from exc
         if batch is not None:
             batch.advance(host.numpy())  # each decode row's token is its next input
         for r, t in zip(decoding, sampled):
@@ -561,14 +640,15 @@ class Engine:
         self._admit()
         decoding, chunks = self._schedule()
         shape = None if self.dp_sync is None else self._dp_agree(decoding, chunks)  # [dp]
-        if shape is not None and not decoding and not chunks:
-            self.runner.run((), (), shape=shape)  # [dp] nothing here while other groups step: a padding-only step
-        previous, self._inflight = self._inflight, None
         if decoding or chunks:
+            calls = None if shape is None else self._model_calls()  # [dp]
             try:
-                self._inflight = self._launch(decoding, chunks, previous, keep_logits, shape)
+                step = self._launch(decoding, chunks, self._inflight, keep_logits, shape)
             except Exception as exc:
                 launched = [*decoding, *(r for r, _ in chunks)]
+                if shape is not None:  # [dp] run this step's collectives on padding, or stop
+                    self._dp_recover(calls, shape, launched, exc)
+                previous, self._inflight = self._inflight, None
                 try:
                     self._read(previous)  # the previous step's tokens are kept
                 except StepFailed as earlier:  # it failed too (an asynchronous device error): report both
@@ -576,6 +656,9 @@ class Engine:
                     raise StepFailed(f"{earlier}; and then: {failed}", earlier.request_ids + failed.request_ids
                                      ) from exc
                 raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
+            previous, self._inflight = self._inflight, step
+        else:
+            previous, self._inflight = self._inflight, None
         self._read(previous)
         self._retire()
         self._release_windows(self._inflight)  # [window]
@@ -617,6 +700,7 @@ class Engine:
             pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
             steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
             logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
+        self._returned = True  # [dp] the runner returned: every collective of its model step ran
         if batch is not None:
             batch.advance(None, fed=True)  # the next step feeds each row this step's token, on the device
         host, ready = self._host_tokens.copy(tokens)
