@@ -210,3 +210,48 @@ def dcp_sink_engine_per_rank(rank, world, sink, window):
     return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got),
             "ref_windowed": ref_engine.blocks.sink_window, "dcp_windowed": dcp_engine.blocks.sink_window,
             "longest": max(len(t) for t in got)}
+
+
+def dcp_sink_one_rank(device, sink, window, query_len, compile_backend=None):
+    """A sink + window V3 toy whose layers are ``DCPAttention`` over a group of one rank (no process group) on
+    ``device``, through :func:`_dcp_script`: the DCP sink + window path (``sink_window_slots``, the sparse decode
+    with LSE, the merge) with the device's backends. Max logits error against the patched sink + window model,
+    eager and (``compile_backend``) compiled fullgraph, and its graph breaks."""
+    from mla_compile.parallel.attention import DCPAttention
+    from mla_compile.parallel.dcp import plan_dcp_step
+    from mla_compile.parallel.groups import Group
+
+    hf = toy.toy_hf_model("v3", seed=17, device=device)
+    ref = patch(copy.deepcopy(hf), sparse="sink_window", sink=sink, window=window)
+    model = patch(hf, sparse="sink_window", sink=sink, window=window)
+    one = Group(None, (0,), 0)
+    for layer in model.model.layers:
+        layer.self_attn = DCPAttention(layer.self_attn.config, layer.self_attn, one)
+    model.set_sink_window(sink, window)
+    script, ends = _dcp_script(hf.config.vocab_size, query_len)
+    blocks = _blocks(ends, seed=23)
+
+    def run(fn, owner, steps, dynamic=False):
+        owner.allocate_cache(NUM_BLOCKS, BS, fill=float("nan"), device=device)
+        outs = []
+        with torch.no_grad():
+            for st in steps:
+                st = st.to(device)
+                if dynamic:
+                    mark_dynamic(st.input_ids, st.positions, st.meta)
+                outs.append(fn(st.input_ids, st.positions, st.meta)[:st.num_rows].float().cpu())
+        return outs
+
+    want = run(ref, ref, script(blocks, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
+    steps = script(blocks, lambda d, p, **kw: plan_dcp_step(d, p, BS, 1, 0, **kw))
+    res = {"types": sorted({type(a).__name__ for a in model.attentions}),
+           "err": _max_err(run(model, model, steps), want), "longest": max(ends)}
+    if compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+        res["compiled_err"] = _max_err(run(compiled, model, steps, dynamic=True), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res

@@ -124,3 +124,14 @@ def test_engine_on_dcp_ranks_with_sink_window_gives_the_unsharded_tokens():
         assert r["same"] and r["steps"] == r["got_steps"] and r["tokens"] > 10, r
         assert r["longest"] > 2 + 5, r
         assert r["ref_windowed"] == (2, 5) and r["dcp_windowed"] is None, r  # released vs kept blocks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dcp_sink_window_layers_over_one_rank_on_the_gpu():
+    """The DCP sink + window path with the GPU's backends (sparse decode over each rank's slots, the LSE merge),
+    eager and compiled by Inductor; float32 on the GPU: <= 1e-4."""
+    pytest.importorskip("transformers")
+    r = w.dcp_sink_one_rank("cuda", 2, 5, 2, "inductor")
+    assert r["types"] == ["DCPAttention"] and r["longest"] > 2 + 5 + 8, r
+    assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4 and r["graph_breaks"] == {}, r

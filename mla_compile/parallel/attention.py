@@ -142,6 +142,7 @@ class DCPAttention(MLAAttention):
         return self._merged_own_heads(out, lse)
 
     def _interleave_of(self, cache: Tensor) -> int:
+        """Tokens per rank in a row of the split: :attr:`interleave`, or ``cache``'s block size."""
         return cache.shape[1] if self.interleave is None else self.interleave
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
