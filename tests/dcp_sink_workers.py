@@ -43,8 +43,9 @@ def _other_batch(vocab: int, q: int):
 
 
 def dcp_sink_window_equals_single(rank, world, kind, interleave, sink, window, query_len, compile_too, dcp_size=2):
-    """A sink + window model under DCP (tp=2, dcp=``dcp_size``; 1: TP alone, whole cache rows on every rank) over :func:`_dcp_script` (prefill, chunked prefill over a
-    cached context, ``query_len``-token decode; contexts past ``sink + window``): logits against the single-process
+    """A sink + window model under DCP (tp=2, dcp=``dcp_size``; 1: TP alone, whole cache rows on every rank) over
+    :func:`_dcp_script` (prefill, chunked prefill over a cached context, ``query_len``-token decode; contexts past
+    ``sink + window``): logits against the single-process
     sink + window model, planned per rank (``plan_dcp_step``) and localized from the global plan. Also how far the
     dense model is (the window must matter), and (``compile_too``) fullgraph compile: breaks, collectives, and
     other batch sizes without a recompile."""

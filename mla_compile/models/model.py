@@ -163,10 +163,11 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
 
     ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded or sharded: under DCP each rank attends over
     the sink + window tokens it holds, :class:`~mla_compile.parallel.attention.DCPAttention`) makes every layer's
-    decode and prefill attend only to the first ``sink`` (default 4) and the last ``window`` (required) positions of each query's
-    causal prefix, through ``mla_compile.ops.sparse_decode``: the model's ``sink_window`` is then ``(sink, window)``
-    and an :class:`~mla_compile.serving.engine.Engine` over it releases the cache blocks outside both as the
-    window moves (bounded memory per sequence). Those layers are not split into compile regions.
+    decode and prefill attend only to the first ``sink`` (default 4) and the last ``window`` (required) positions of
+    each query's causal prefix, through ``mla_compile.ops.sparse_decode``: the model's ``sink_window`` is then
+    ``(sink, window)`` and an :class:`~mla_compile.serving.engine.Engine` over it releases the cache blocks outside
+    both as the window moves (bounded memory per sequence; not yet under DCP, where the engine keeps every block).
+    Those layers are not split into compile regions.
     """
     if sparse is None:
         if sink is not None or window is not None:

@@ -8,10 +8,12 @@ Each rank decodes over its part and returns ``(out, lse)``; the parts are all-ga
 A rank whose part is empty contributes ``lse = -inf`` and weighs nothing. KV capacity per rank grows ``dcp``
 times (no rank holds a whole row set of a sequence).
 
-Beyond one query per sequence (:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position
-``p`` sees the first ``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``);
+Beyond one query per sequence (:func:`dcp_decode` with ``s_q > 1``, and
+:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position ``p`` sees the first
+``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``; :func:`query_rows`);
 prefill over cached context attends each rank's context slices; a sparse (V3.2) layer picks its top-k from every
-rank's candidates (:func:`merge_topk`).
+rank's candidates (:func:`merge_topk`); a sink + window layer attends each rank's share of the sink and window
+positions (:func:`sink_window_slots`).
 
 All helpers are tensor ops (no host syncs), usable in host planning or inside a compiled step.
 """
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mla_compile import ops
+from mla_compile.ops.sparse_index import sink_window_positions
 from mla_compile.parallel.groups import Group
 from mla_compile.parallel.layers import all_gather
 
@@ -129,8 +132,6 @@ def sink_window_slots(block_table: Tensor, query_seq: Tensor, query_pos: Tensor,
     ``query_seq == -1``). ``block_table [B, max_blocks]`` is this rank's (its part of sequence ``b`` in the first
     blocks of row ``b``). The union over the ranks is :func:`mla_compile.ops.sink_window_query_indices`'s
     selection, each position on its owner: attending each rank's slots and merging by LSE is exact."""
-    from mla_compile.ops.sparse_index import sink_window_positions
-
     live = query_seq >= 0
     L = torch.where(live, query_pos.long() + 1, 0)[:, None]
     pos, valid, _ = sink_window_positions(L, sink, window, sink + window)
