@@ -71,9 +71,11 @@ def validate_window(block_table: Tensor, seq_lens: Tensor, block_size: int, sink
         check_paged_data(OP_WINDOW, block_table, seq_lens, block_size, None)
 
 
-def _sink_window_positions(L: Tensor, sink: int, window: int, max_kv: int) -> tuple[Tensor, Tensor, Tensor]:
+def sink_window_positions(L: Tensor, sink: int, window: int, max_kv: int) -> tuple[Tensor, Tensor, Tensor]:
     """For lengths ``L [N, 1]`` (int64): ``(pos [N, max_kv], valid [N, max_kv], count [N, 1])``, column j the
-    j-th selected position of ``[0, min(sink, L)) U [max(L - window, 0), L)`` (each once, ascending)."""
+    j-th selected position of ``[0, min(sink, L)) U [max(L - window, 0), L)`` (each once, ascending). The
+    positions of the sink + window rule, before any block table (a cache split by token maps them to its own
+    slots: :func:`mla_compile.parallel.dcp.sink_window_slots`)."""
     head = L.clamp(max=sink)  # positions [0, head) are the sink
     tail_start = (L - window).clamp(min=0).maximum(head)  # window positions not already in the sink
     count = head + (L - tail_start)
@@ -99,7 +101,7 @@ def sink_window_indices_ref(block_table: Tensor, seq_lens: Tensor, block_size: i
                             max_kv: int) -> tuple[Tensor, Tensor]:
     """Reference (plain torch, any device, no host sync): column j holds the j-th selected position."""
     validate_window(block_table, seq_lens, block_size, sink, window, max_kv)
-    pos, valid, count = _sink_window_positions(seq_lens.long()[:, None], sink, window, max_kv)
+    pos, valid, count = sink_window_positions(seq_lens.long()[:, None], sink, window, max_kv)
     rows = torch.arange(block_table.shape[0], device=block_table.device)[:, None]
     return _slots_of(block_table, rows, pos, valid, block_size), count[:, 0].to(torch.int32)
 
@@ -161,7 +163,7 @@ def sink_window_query_indices_ref(block_table: Tensor, query_seq: Tensor, query_
     validate_query_window(block_table, query_seq, query_pos, block_size, sink, window, max_kv)
     live = query_seq >= 0
     L = torch.where(live, query_pos.long() + 1, 0)[:, None]
-    pos, valid, _ = _sink_window_positions(L, sink, window, max_kv)
+    pos, valid, _ = sink_window_positions(L, sink, window, max_kv)
     rows = torch.where(live, query_seq.long(), 0)[:, None]
     return _slots_of(block_table, rows, pos, valid, block_size)
 

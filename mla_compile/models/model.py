@@ -171,11 +171,13 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     the ``ParallelState`` it returned) shards the model for this rank instead:
     :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
 
-    ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded) makes every layer's decode and prefill
-    attend only to the first ``sink`` (default 4) and the last ``window`` (required) positions of each query's
-    causal prefix, through ``mla_compile.ops.sparse_decode``: the model's ``sink_window`` is then ``(sink, window)``
-    and an :class:`~mla_compile.serving.engine.Engine` over it releases the cache blocks outside both as the
-    window moves (bounded memory per sequence). Those layers are not split into compile regions.
+    ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded or sharded: under DCP each rank attends over
+    the sink + window tokens it holds, :class:`~mla_compile.parallel.attention.DCPAttention`) makes every layer's
+    decode and prefill attend only to the first ``sink`` (default 4) and the last ``window`` (required) positions of
+    each query's causal prefix, through ``mla_compile.ops.sparse_decode``: the model's ``sink_window`` is then
+    ``(sink, window)`` and an :class:`~mla_compile.serving.engine.Engine` over it releases the cache blocks outside
+    both as the window moves (bounded memory per sequence; not yet under DCP, where the engine keeps every block).
+    Those layers are not split into compile regions.
     """
     if sparse is None:
         if sink is not None or window is not None:
@@ -186,9 +188,13 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         if window is None:
             raise TypeError("patch(sparse='sink_window') needs window=<tokens each query attends to, itself included>")
         sink_window = check_sink_window(4 if sink is None else sink, window)
-        if parallel is not None or is_v4_model(getattr(hf_model, "config", None)):
-            raise NotImplementedError("patch(sparse='sink_window') serves unsharded V2/V3 models (DeepSeek-V4 has "
-                                      "its own sliding window): pass parallel=None, or sparse=None")
+        if is_v4_model(getattr(hf_model, "config", None)):
+            raise NotImplementedError("patch(sparse='sink_window') serves V2/V3 models (DeepSeek-V4 has its own "
+                                      "sliding window): pass sparse=None")
+        hf_config = getattr(hf_model, "config", None)
+        if hf_config is not None and is_mla_model(hf_config) and MLAConfig.from_hf(hf_config).is_sparse:  # first
+            raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
+                                      "model already selects its tokens with its indexer: pass sparse=None")
     if regional_compile and (parallel is not None or is_v4_model(getattr(hf_model, "config", None))):
         raise NotImplementedError("patch(regional_compile=True) serves unsharded V2/V3/V3.2 models so far: pass "
                                   "parallel=None, or regional_compile=False")
@@ -199,7 +205,10 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
                                       "is not built yet: pass parallel=None")
         from mla_compile.parallel import ParallelConfig, current, shard_model
         state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
-        return shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
+        model = shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
+        if sparse is not None:
+            model.set_sink_window(*sink_window)
+        return model
     if parallel_options:
         raise TypeError(f"patch() got {sorted(parallel_options)}: these options need parallel=")
     hf_config = getattr(hf_model, "config", None)
@@ -212,9 +221,6 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     config = MLAConfig.from_hf(hf_config)
     if sparse is None:
         sink_window = None
-    elif config.is_sparse:  # before anything is converted
-        raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
-                                  "model already selects its tokens with its indexer: pass sparse=None")
     backend = backend or envs.backend()
     for layer in hf_model.model.layers:
         if not isinstance(layer.self_attn, MLAAttention):

@@ -18,6 +18,11 @@ its top ``index_topk`` local candidates (score, sequence position), all-gathers 
 union (:func:`mla_compile.parallel.dcp.merge_topk`: the same slots as one process); each rank attends over the
 picked slots it holds, and the parts are merged by LSE.
 
+Sink + window layers (``patch(..., sparse="sink_window")``): every token, decode and prefill alike, attends over
+the slots of the sink and window positions of its causal prefix that this rank holds
+(:func:`mla_compile.parallel.dcp.sink_window_slots`, each position on its owner), through the same sparse path and
+LSE merge; a rank holding none of them contributes ``lse = -inf``.
+
 ``interleave`` (tokens per rank in a row; None: the cache's block size) must be the planner's
 (:func:`~mla_compile.parallel.dcp.plan_dcp_step`, :func:`~mla_compile.parallel.dcp.localize`).
 """
@@ -35,9 +40,23 @@ from mla_compile.models.indexer import MLAIndexer
 from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops.context_attention import up_project
 from mla_compile.ops.sparse_index import lightning_scores, select_topk
-from mla_compile.parallel.dcp import global_position, local_position, local_seq_lens, merge_parts, merge_topk, owner
+from mla_compile.parallel.dcp import (gather_merge, global_position, local_position, local_seq_lens, merge_topk,
+                                      owner, query_rows, sink_window_slots)
 from mla_compile.parallel.groups import Group
 from mla_compile.parallel.layers import all_gather
+
+
+def split_query_parts(meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """:func:`query_parts` of a DCP rank's step, with every token of a real sequence live (another rank's tokens
+    have slot -1 here): decode tokens of sequences holding tokens in this part (padding sequences hold none; a
+    real one holding none here has nothing to read here either), and every prefill token (those past the last
+    sequence stay padding)."""
+    live = torch.ones_like(meta.slot_mapping, dtype=torch.bool)
+    if meta.decode is not None:
+        d = meta.decode
+        held = (d.seq_lens > 0).repeat_interleave(d.query_len, 0)
+        live = torch.cat([held, live[d.num_tokens:]])
+    return query_parts(meta, positions, live)
 
 
 class DCPAttention(MLAAttention):
@@ -68,10 +87,7 @@ class DCPAttention(MLAAttention):
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:
         """:meth:`MLAAttention.attend` over the split cache; ``positions`` is needed by sparse layers and by
         decode steps of ``query_len > 1`` (each query's causal limit in this rank's part)."""
-        if self.sink_window is not None:
-            raise NotImplementedError("DCPAttention: sink + window attention is not split by token (dcp); "
-                                      "serve it unsharded")
-        if self.indexer is not None:
+        if self.indexer is not None or self.sink_window is not None:  # the sparse path, over this rank's slots
             return super().attend(x, q_nope, q_pe, latent, k_pe, cos, sin, meta, positions, q_resid)
         c, T = self.config, x.shape[0]
         parts, n_dec = [], 0
@@ -106,7 +122,7 @@ class DCPAttention(MLAAttention):
         """Merge every rank's ``(out [T, H_group, Dc], lse)`` by LSE; this rank's heads through ``W_UV``:
         ``[T, H_local, v_head_dim]``."""
         c = self.config
-        out, _ = merge_parts(all_gather(out.unsqueeze(0), 0, self.dcp), all_gather(lse.unsqueeze(0), 0, self.dcp))
+        out, _ = gather_merge(out, lse, self.dcp)
         out = out.narrow(1, self.dcp.rank * c.num_heads, c.num_heads)
         return torch.einsum("thc,hvc->thv", out, self._w_uk_uv()[1])
 
@@ -117,20 +133,32 @@ class DCPAttention(MLAAttention):
         q_all = self._group_queries(q_nope, q_pe)
         table, lens = d.block_table, d.seq_lens
         if d.query_len > 1:
-            s_q, P = d.query_len, self.dcp.size
-            il = self.kv_cache.shape[1] if self.interleave is None else self.interleave
-            limit = local_seq_lens(positions + 1, P, self.dcp.rank, il).to(lens.dtype)
-            table = table.repeat_interleave(s_q, 0)
-            lens = torch.minimum(limit, lens.repeat_interleave(s_q, 0))  # padding sequences (length 0) stay empty
+            table, lens = query_rows(table, lens, positions, d.query_len, self.dcp.size, self.dcp.rank,
+                                     self._interleave_of(self.kv_cache))
         op = "decode_fp8" if self.fp8_cache else "decode"
         decode = ops.decode_fp8 if self.fp8_cache else ops.decode
         out, lse = decode(q_all, self.kv_cache, table, lens, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
                           backend=self._paged_backend(op, q_all.dtype, q_all.shape[1]))
         return self._merged_own_heads(out, lse)
 
+    def _interleave_of(self, cache: Tensor) -> int:
+        """Tokens per rank in a row of the split: :attr:`interleave`, or ``cache``'s block size."""
+        return cache.shape[1] if self.interleave is None else self.interleave
+
+    def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
+        """``int32 [T, sink + window]``: each token's sink and window slots over its causal prefix that this rank
+        holds (:func:`~mla_compile.parallel.dcp.sink_window_slots`; -1 for the others' and padding)."""
+        sink, window = self.sink_window
+        bs, P, rank = self.kv_cache.shape[1], self.dcp.size, self.dcp.rank
+        parts = [sink_window_slots(table, query_seq, query_pos, bs, sink, window, P, rank,
+                                   self._interleave_of(self.kv_cache))
+                 for table, _, query_seq, query_pos in split_query_parts(meta, positions)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
     def _sparse(self, q_nope: Tensor, q_pe: Tensor, indices: Tensor) -> Tensor:
         """Absorbed attention of every token over the selected slots this rank holds (``indices [T, topk]``,
-        -1 elsewhere, from :class:`DCPIndexer`), merged over the group: ``[T, H_local, v_head_dim]``."""
+        -1 elsewhere, from :class:`DCPIndexer` or the sink + window rule), merged over the group:
+        ``[T, H_local, v_head_dim]``."""
         c = self.config
         q_all = self._group_queries(q_nope, q_pe)
         out, lse = ops.sparse_decode(q_all, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
@@ -167,8 +195,7 @@ class DCPAttention(MLAAttention):
             prefill_backend=self._heads_backend("prefill", q.dtype, heads, (c.qk_head_dim, c.v_head_dim)),
             merge_backend=self._heads_backend("merge", q.dtype, heads, (c.v_head_dim,)),
             gather_backend=self._requested["gather_fp8" if self.fp8_cache else "gather"])
-        ctx_out, ctx_lse = merge_parts(all_gather(ctx_out.unsqueeze(0), 0, self.dcp),
-                                       all_gather(ctx_lse.unsqueeze(0), 0, self.dcp))
+        ctx_out, ctx_lse = gather_merge(ctx_out, ctx_lse, self.dcp)
         h0 = self.dcp.rank * c.num_heads
         out, _ = ops.merge_attn_states(out, lse, ctx_out.narrow(1, h0, c.num_heads).contiguous(),
                                        ctx_lse.narrow(1, h0, c.num_heads).contiguous())
@@ -189,16 +216,7 @@ class DCPIndexer(MLAIndexer):
         self.interleave = interleave  # tokens per rank in a row (None: the cache's block size); DCPAttention's
 
     def _query_parts(self, meta: MLAMetadata, positions: Tensor) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """:func:`query_parts` with every token of a real sequence live (another rank's tokens have slot -1
-        here): decode tokens of sequences holding tokens in this part (padding sequences hold none; a real one
-        holding none here has no candidates here either), and every prefill token (those past the last
-        sequence stay padding)."""
-        live = torch.ones_like(meta.slot_mapping, dtype=torch.bool)
-        if meta.decode is not None:
-            d = meta.decode
-            held = (d.seq_lens > 0).repeat_interleave(d.query_len, 0)
-            live = torch.cat([held, live[d.num_tokens:]])
-        return query_parts(meta, positions, live)
+        return split_query_parts(meta, positions)
 
     def _select(self, q: Tensor, w: Tensor, block_table: Tensor, seq_lens: Tensor, query_seq: Tensor,
                 query_pos: Tensor) -> Tensor:

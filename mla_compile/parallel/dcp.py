@@ -8,10 +8,12 @@ Each rank decodes over its part and returns ``(out, lse)``; the parts are all-ga
 A rank whose part is empty contributes ``lse = -inf`` and weighs nothing. KV capacity per rank grows ``dcp``
 times (no rank holds a whole row set of a sequence).
 
-Beyond one query per sequence (:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position
-``p`` sees the first ``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``);
+Beyond one query per sequence (:func:`dcp_decode` with ``s_q > 1``, and
+:class:`~mla_compile.parallel.attention.DCPAttention`): a decode query at position ``p`` sees the first
+``local_seq_lens(p + 1)`` tokens of a rank's part (multi-token decode, ``query_len > 1``; :func:`query_rows`);
 prefill over cached context attends each rank's context slices; a sparse (V3.2) layer picks its top-k from every
-rank's candidates (:func:`merge_topk`).
+rank's candidates (:func:`merge_topk`); a sink + window layer attends each rank's share of the sink and window
+positions (:func:`sink_window_slots`).
 
 All helpers are tensor ops (no host syncs), usable in host planning or inside a compiled step.
 """
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from mla_compile import ops
+from mla_compile.ops.sparse_index import sink_window_positions
 from mla_compile.parallel.groups import Group
 from mla_compile.parallel.layers import all_gather
 
@@ -101,23 +104,84 @@ def merge_topk(scores: Tensor, positions: Tensor, topk: int, group: Group) -> tu
     return scores, positions.masked_fill(torch.isneginf(scores), -1)
 
 
-def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, group: Group, *,
-               kv_lora_rank: int = 512, backend: str | None = None) -> tuple[Tensor, Tensor]:
-    """Absorbed MLA decode of one query per sequence over a cache split across ``group`` (the DCP ranks).
-
-    ``q [B, H, D]``: the same queries on every rank of the group; ``kv_cache``, ``block_table``, ``seq_lens``:
-    this rank's part (``seq_lens`` from :func:`local_seq_lens`, may be 0). Returns ``(out [B, H, kv_lora_rank],
-    lse [B, H])`` of attention over the whole sequences, on every rank; a sequence with no tokens anywhere
-    gets ``out = 0``, ``lse = -inf``.
-    """
-    if q.dim() != 3:
-        raise ValueError(f"dcp_decode: q must be [B, H, D] (one query per sequence), got {list(q.shape)}")
-    out, lse = ops.decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank=kv_lora_rank, backend=backend)
-    if group.size == 1 and group.group is None:
+def gather_merge(out: Tensor, lse: Tensor, group: Group) -> tuple[Tensor, Tensor]:
+    """Every rank of ``group``'s partial ``(out [T, H, D], lse [T, H])`` over its own keys, all-gathered and merged
+    by LSE (:func:`merge_parts`): the attention over the union of the ranks' keys, the same on every rank."""
+    if group.group is None:
         return out, lse
-    outs = all_gather(out.unsqueeze(0), 0, group)
-    lses = all_gather(lse.unsqueeze(0), 0, group)
-    return merge_parts(outs, lses)
+    return merge_parts(all_gather(out.unsqueeze(0), 0, group), all_gather(lse.unsqueeze(0), 0, group))
+
+
+def query_rows(block_table: Tensor, seq_lens: Tensor, positions: Tensor, query_len: int, dcp: int, rank: int,
+               interleave: int) -> tuple[Tensor, Tensor]:
+    """Multi-token decode over DCP ``rank``'s part as one query per row: ``(block_table [B * query_len,
+    max_blocks], seq_lens [B * query_len])``, row ``b * query_len + i`` the ``i``-th query of sequence ``b``,
+    seeing the first ``local_seq_lens(positions + 1)`` tokens of this rank's part (its causal limit here; a
+    negative position sees none) and at most the sequence's ``seq_lens [B]`` here (padding sequences, length 0,
+    stay empty). ``positions [B * query_len]``: each query's sequence position."""
+    limit = local_seq_lens((positions.long() + 1).clamp(min=0), dcp, rank, interleave).to(seq_lens.dtype)
+    table = block_table.repeat_interleave(query_len, 0)
+    return table, torch.minimum(limit, seq_lens.repeat_interleave(query_len, 0))
+
+
+def sink_window_slots(block_table: Tensor, query_seq: Tensor, query_pos: Tensor, block_size: int, sink: int,
+                      window: int, dcp: int, rank: int, interleave: int) -> Tensor:
+    """The sink + window rule under DCP: per query token, the slots in DCP ``rank``'s cache of the first ``sink``
+    and the last ``window`` positions of its causal prefix ``[0, query_pos]`` that this rank holds,
+    ``int32 [T, sink + window]`` (-1 for positions another rank holds, and padding; all -1 for padding tokens,
+    ``query_seq == -1``). ``block_table [B, max_blocks]`` is this rank's (its part of sequence ``b`` in the first
+    blocks of row ``b``). The union over the ranks is :func:`mla_compile.ops.sink_window_query_indices`'s
+    selection, each position on its owner: attending each rank's slots and merging by LSE is exact."""
+    live = query_seq >= 0
+    L = torch.where(live, query_pos.long() + 1, 0)[:, None]
+    pos, valid, _ = sink_window_positions(L, sink, window, sink + window)
+    mine = valid & (owner(pos, dcp, interleave) == rank)
+    lp = local_position(pos, dcp, interleave)
+    col = (lp // block_size).clamp(max=max(block_table.shape[1] - 1, 0))
+    seq = torch.where(live, query_seq.long(), 0)[:, None]
+    if block_table.shape[0] == 0 or block_table.shape[1] == 0:
+        blocks = torch.zeros_like(lp)
+    else:
+        blocks = block_table.long()[seq, torch.where(mine, col, 0)]
+    return torch.where(mine, blocks * block_size + lp % block_size, -1).to(torch.int32)
+
+
+def dcp_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, group: Group, *,
+               kv_lora_rank: int = 512, backend: str | None = None, positions: Tensor | None = None,
+               interleave: int | None = None) -> tuple[Tensor, Tensor]:
+    """Absorbed MLA decode over a cache split across ``group`` (the DCP ranks): ``mla::decode``'s contract
+    (:func:`mla_compile.ops.decode`) over the whole sequences, each rank holding its part.
+
+    ``q [B, H, D]`` (one query per sequence) or ``[B, s_q, H, D]``: the same queries on every rank of the group;
+    ``kv_cache``, ``block_table``, ``seq_lens``: this rank's part (``seq_lens`` from :func:`local_seq_lens` of
+    each sequence's length after the step, may be 0). With ``s_q > 1`` the new tokens are the last ``s_q`` of
+    each sequence and query ``i`` sees the positions before ``G - (s_q - 1 - i)`` (``G``: the whole length, the
+    sum of the group's ``seq_lens``, all-gathered), or, given ``positions [B, s_q]`` (int; no gather), the
+    positions up to ``positions[b, i]``. ``interleave``: the split's tokens per rank in a row (default: the
+    cache's block size). Returns ``(out [B, (s_q,) H, kv_lora_rank], lse [B, (s_q,) H])`` on every rank, q's
+    layout; a query that sees no tokens anywhere gets ``out = 0``, ``lse = -inf``.
+    """
+    if q.dim() not in (3, 4):
+        raise ValueError(f"dcp_decode: q must be [B, H, D] or [B, s_q, H, D], got {list(q.shape)}")
+    squeeze = q.dim() == 3
+    q4 = q.unsqueeze(1) if squeeze else q
+    B, s_q, H, D = q4.shape
+    table, lens = block_table, seq_lens
+    if s_q > 1:
+        interleave = kv_cache.shape[1] if interleave is None else interleave
+        if positions is None:
+            total = all_gather(seq_lens.unsqueeze(0), 0, group).sum(0)
+            positions = total.long()[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]
+        elif tuple(positions.shape) != (B, s_q):
+            raise ValueError(f"dcp_decode: positions must be [B, s_q] = [{B}, {s_q}], got {list(positions.shape)}")
+        table, lens = query_rows(block_table, seq_lens, positions.reshape(-1), s_q, group.size, group.rank,
+                                 interleave)
+    out, lse = ops.decode(q4.reshape(B * s_q, H, D), kv_cache, table, lens, scale, kv_lora_rank=kv_lora_rank,
+                          backend=backend)
+    out, lse = gather_merge(out, lse, group)
+    if squeeze:
+        return out, lse
+    return out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H)
 
 
 def plan_dcp_step(decode, prefill, block_size: int, dcp: int, rank: int, *, interleave: int | None = None,

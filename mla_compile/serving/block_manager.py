@@ -315,7 +315,15 @@ def _check_sink_window(sink_window: Any) -> tuple[int, int]:
 
 def sink_window_of(runner: Any) -> tuple[int, int] | None:
     """The ``(sink, window)`` of the model a runner steps (``runner.step_fn``, a ``torch.compile`` wrapper looked
-    through; set by ``patch(..., sparse="sink_window")``), or None for a dense model."""
+    through; set by ``patch(..., sparse="sink_window")``), or None for a dense model, and for a model whose cache
+    is split by token over DCP ranks (``parallel_state.config.dcp > 1``): a rank's part of a sequence sits in the
+    first blocks of the shared table (:func:`mla_compile.parallel.dcp.localize`), so a block outside the global
+    window may still hold another rank's window tokens; such an engine keeps every block (dense accounting; its
+    attention still reads only the sink and window tokens)."""
     fn = getattr(runner, "step_fn", None)
-    value = getattr(getattr(fn, "_orig_mod", fn), "sink_window", None)
+    model = getattr(fn, "_orig_mod", fn)
+    state = getattr(model, "parallel_state", None)
+    if getattr(getattr(state, "config", None), "dcp", 1) > 1:
+        return None
+    value = getattr(model, "sink_window", None)
     return tuple(value) if isinstance(value, (tuple, list)) else None
