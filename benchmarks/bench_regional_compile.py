@@ -1,6 +1,7 @@
 """Cold compile time against depth, with and without ``patch(..., regional_compile=True)``.
 
     python benchmarks/bench_regional_compile.py [--layers 6 24] [--kind v2-lite] [--device cpu] [--backend eager]
+        [--warm] [--regional 0|1]
 
 Each configuration runs in a fresh process with an empty Inductor / Triton cache: build a toy of ``kind`` with N
 layers, compile it (``fullgraph=True``, ``--backend``: inductor by default; ``eager`` times Dynamo's tracing alone)
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="v2-lite")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: Dynamo's tracing alone)")
+    ap.add_argument("--warm", action="store_true", help="also a warm start: a second process over the same caches")
+    ap.add_argument("--regional", choices=("0", "1"), help="only without (0) or with (1) regional compilation")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -52,16 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_one(kind, int(layers), regional == "1", args.device, args.backend)))
         return 0
     for layers in args.layers:
-        for regional in (False, True):
+        for regional in (False, True) if args.regional is None else (args.regional == "1",):
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-                out = subprocess.run([sys.executable, __file__, "--device", args.device, "--backend", args.backend, "--one",
-                                      f"{args.kind},{layers},{int(regional)}"], env=env, check=True,
-                                     capture_output=True, text=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
-                print(f"{r['kind']:8s} layers {r['layers']:3d} regional {str(r['regional']):5s} "
-                      f"{r['seconds']:6.1f} s (CPU {r['cpu_seconds']:6.1f} s)  tokens equal to eager: {r['tokens_equal']}",
-                      flush=True)
+                for start in ("cold", "warm")[:1 + args.warm]:  # warm: a new process over the cold one's caches
+                    out = subprocess.run([sys.executable, __file__, "--device", args.device, "--backend", args.backend,
+                                          "--one", f"{args.kind},{layers},{int(regional)}"], env=env, check=True,
+                                         capture_output=True, text=True).stdout
+                    r = json.loads(out.strip().splitlines()[-1])
+                    print(f"{r['kind']:8s} layers {r['layers']:3d} regional {str(r['regional']):5s} {start} "
+                          f"{r['seconds']:6.1f} s (CPU {r['cpu_seconds']:6.1f} s)  tokens equal to eager: "
+                          f"{r['tokens_equal']}", flush=True)
     return 0
 
 
