@@ -103,9 +103,13 @@ def test_reference_swiglu_limit():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,I,E,k,S,limit", [(5, 40, 24, 6, 3, 2, None), (1, 200, 136, 8, 6, 0, None),
-                                               (5, 300, 20, 5, 2, 1, 0.05), (1, 130, 18, 4, 2, 8, None)])
+@pytest.mark.parametrize("T,H,I,E,k,S,limit,dtype", [
+    (5, 40, 24, 6, 3, 2, None, torch.bfloat16),  # one 128-block each way, shared experts
+    (1, 200, 136, 8, 6, 0, None, torch.float32),  # H and I over two blocks, no shared experts
+    (1, 200, 136, 8, 6, 0, None, torch.bfloat16),
+    (5, 160, 20, 5, 2, 1, 0.05, torch.float32),  # the V4 clamp
+    (1, 130, 18, 4, 2, 8, None, torch.bfloat16),  # 8 shared slices of 18 rows: tiles of 2 rows, blocks straddled
+])
 def test_interpreter_matches_float64_loop(T, H, I, E, k, S, limit, dtype, monkeypatch):
     from mla_compile.ops.triton.moe_experts_fp8 import _launch
     from tests.ops.test_moe_route import poison_empty
