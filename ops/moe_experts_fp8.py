@@ -18,8 +18,9 @@ Backends: "reference" (plain torch, any device: one expert at a time dequantized
 (CUDA: tokens sorted by expert through ``mla::fp8_block_linear``'s sorted-groups form, each hit expert read
 once: the large-T path; its gate/up outputs are rounded to x's dtype before the activation, as
 ``FP8Experts`` rounds them), "triton" (ours, CUDA: reads only the routed experts' fp8 rows and their scales
-per (token, pick), dequantizing in registers: the small-T path). "auto" on a GPU with both: ``triton`` up to
-:data:`~mla_compile.ops.moe_experts.FUSED_MAX_TOKENS` tokens, ``grouped`` above, inside one op.
+per (token, pick), dequantizing in registers: the small-T path). "auto" on a GPU with both GPU-tested:
+``triton`` up to :data:`~mla_compile.ops.moe_experts.FUSED_MAX_TOKENS` tokens, ``grouped`` above, inside one op
+(one graph serves every batch size); while they are not, "auto" runs "reference".
 """
 
 from __future__ import annotations
