@@ -177,3 +177,24 @@ def test_cuda_fused_fp8_moe_at_v3_dims(monkeypatch):
                 assert rel(got, want) < 1e-2, (T, rel(got, want))
             assert rel(auto(x), want) < 1e-2, (T, "auto")
             assert rel(compiled(x), want) < 1e-2, (T, "compiled")
+
+
+def test_fp8_checkpoint_with_fused_moe_equals_dense(tmp_path):
+    """A V3 fp8 checkpoint (tests/checkpoints.py) loaded with moe_impl="fused": every MoE layer runs
+    mla::moe_experts_fp8 with its fp8 shared experts folded in; greedy tokens and logits as moe_impl="dense"."""
+    from mla_compile import from_pretrained
+    from mla_compile.serving.generate import greedy_generate
+    from tests.checkpoints import write_checkpoint
+
+    write_checkpoint(tmp_path, "v3", "fp8", seed=5)
+    prompts = [[3, 4, 5, 6, 7], [9, 10]]
+    runs = {}
+    for impl in ("dense", "fused"):
+        model = from_pretrained(tmp_path, dtype=torch.float32, moe_impl=impl)
+        moes = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MLAMoE)]
+        assert moes and all(m.fp8_experts and m.fold_shared for m in moes) and all(m.impl == impl for m in moes)
+        model.allocate_cache(16, 4)
+        runs[impl] = greedy_generate(model, prompts, 3, block_size=4, num_blocks=16, keep_logits=True)
+    assert runs["fused"].tokens == runs["dense"].tokens
+    for a, b in zip(runs["fused"].step_logits, runs["dense"].step_logits):
+        assert rel(a, b) < 1e-5
