@@ -120,7 +120,8 @@ class MLAMoE(nn.Module):
     "auto" is its fused kernel; fp8 shared experts fold in when they are weight-only ``FP8BlockLinear`` modules), else
     run themselves (grouped on CUDA under "auto"/"grouped", else dense). ``fused_refusal`` says why the fused ops
     cannot serve these experts (None when they can): fp4 experts, activation-quantized fp8 experts, experts
-    with an ``fp8_block_linear`` backend of their own, a non-SiLU activation.
+    with an ``fp8_block_linear`` backend of their own, a non-SiLU activation. It, ``fusable`` and ``fold_shared``
+    are decided at construction.
     """
 
     def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
@@ -138,31 +139,23 @@ class MLAMoE(nn.Module):
             if not hasattr(self.experts, name):
                 raise ValueError(f"MoE experts module {type(self.experts).__name__} has no {name}: expected the "
                                  "transformers>=5 fused-experts layout (gate_up_proj [E, 2I, H], down_proj [E, H, I])")
+        # decided once, from the modules as they are now (patch() sets fp8 backends before it builds MLAMoE)
+        if self.fp8_experts:
+            self.fused_refusal = fp8_fused_refusal(self.experts)
+        else:
+            self.fused_refusal = None if _is_silu(self.experts.act_fn) else "the experts' activation is not SiLU"
+        self.fusable = self.fused_refusal is None
         if impl == "fused" and not self.fusable:
             raise ValueError(f"impl='fused' cannot run these experts: {self.fused_refusal}; use impl='auto'")
-        self.impl = impl
-
-    # read at every call (constants of a compiled graph), so a backend set on the fp8 modules later still counts
-    @property
-    def fused_refusal(self) -> str | None:
-        """Why the fused ops cannot run these experts (None: they can)."""
-        if self.fp8_experts:
-            return fp8_fused_refusal(self.experts)
-        return None if _is_silu(self.experts.act_fn) else "the experts' activation is not SiLU"
-
-    @property
-    def fusable(self) -> bool:
-        return self.fused_refusal is None
-
-    @property
-    def fold_shared(self) -> bool:
-        """Whether the shared experts run inside the fused experts op (as always-routed experts)."""
+        width = self.experts.down_proj.shape[-1] if self.fusable else 0
         if not self.fusable:
-            return False
-        width = self.experts.down_proj.shape[-1]
-        if self.fp8_experts:
-            return _foldable_shared_fp8(self.shared_experts, width, getattr(self.experts, "swiglu_limit", None))
-        return _foldable_shared(self.shared_experts, width)
+            self.fold_shared = False
+        elif self.fp8_experts:
+            limit = getattr(self.experts, "swiglu_limit", None)
+            self.fold_shared = _foldable_shared_fp8(self.shared_experts, width, limit)
+        else:
+            self.fold_shared = _foldable_shared(self.shared_experts, width)
+        self.impl = impl
 
     def _use_fused(self, x: Tensor) -> bool:
         if self.impl != "auto":
