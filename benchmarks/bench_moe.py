@@ -1,6 +1,6 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep] [--fp8]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
 (hidden 7168, moe_intermediate 2048, 256 experts top-8, 1 shared), random bf16 weights, tokens T = 1, 8, 64,
@@ -12,12 +12,18 @@ DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 s
 - "dense": every expert on every token (``models.moe.experts_dense``) plus the shared MLP;
 - "auto": what ``moe_experts``'s "auto" runs here (its choice in the note);
 and the routing alone: ``moe_route(backend="triton")`` (one kernel) vs the same math in eager torch.
+``--fp8`` adds the same layer with fp8 block-quantized weights (e4m3 codes, one float32 scale per 128 x 128
+block, as DeepSeek's checkpoints; routed and shared), through ``mla::moe_experts_fp8``: "fp8 fused triton"
+(reads only the routed experts' codes and scales) and "fp8 grouped" (tokens sorted by expert through
+``mla::fp8_block_linear``'s sorted groups plus three fp8 linears for the shared MLP: what ``MLAMoE`` runs for
+fp8 experts without the fused kernel); their note gives the norm-relative error against the reference backend
+(first input set). GB/s counts fp8 bytes (codes + scales).
 Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 4 input sets whose routed
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
-must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``) for up
-to 8 tokens, each checked against the default config's output. Writes ``bench_moe.json`` and ``bench_moe.txt``
-under ``--out``; a short table is printed last.
+must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``; with
+``--fp8`` also ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
+config's output. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ import mla_compile  # noqa: E402,F401
 from mla_compile.models.moe import experts_dense  # noqa: E402
 from mla_compile.ops import moe_experts, moe_route  # noqa: E402
 from mla_compile.ops.moe_experts import auto_backend  # noqa: E402
+from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8  # noqa: E402
 from mla_compile.ops.moe_route import route_math  # noqa: E402
 from mla_compile.ops.triton import moe_experts as tmoe  # noqa: E402
 
 SWEEP = False
+FP8 = False
 # (gate_up_tile, down_tile, waves, num_warps)
 SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
                  (4096, 2048, 1, 4))
@@ -71,6 +79,66 @@ def _new_weights(H, I, E, S):
     shared = [tuple((torch.randn(*shape, device=DEV) * 0.02).bfloat16()
                     for shape in ((S * I, H), (S * I, H), (H, S * I))) for _ in range(SETS)]
     return gate_up, down, shared
+
+
+_FP8_WEIGHTS: dict = {}
+
+
+def _fp8(shape, fan_in):
+    """Random e4m3 codes ``shape`` and float32 block scales (values ~ fan_in**-0.5), made in chunks of 16 rows
+    of the leading dim (bounds the float32 temporaries)."""
+    codes = torch.empty(shape, device=DEV, dtype=torch.float8_e4m3fn)
+    lead = shape[0] if len(shape) == 3 else 1
+    view = codes if len(shape) == 3 else codes[None]
+    for e in range(0, lead, 16):
+        view[e:e + 16] = (torch.randn(view[e:e + 16].shape, device=DEV) * 64).clamp(-448, 448)
+    blocks = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    return codes, (torch.rand(blocks, device=DEV) + 0.5) * fan_in ** -0.5 / 64
+
+
+def _fp8_weights(H, I, E, S):
+    """fp8 ``(routed [gate, gate_scale, up, up_scale, down, down_scale], [SETS dicts of shared kwargs])``."""
+    key = (H, I, E, S)
+    if key not in _FP8_WEIGHTS:
+        _FP8_WEIGHTS.clear()
+        torch.cuda.empty_cache()
+        routed = (*_fp8((E, I, H), H), *_fp8((E, I, H), H), *_fp8((E, H, I), I))
+        shared = []
+        for _ in range(SETS):
+            (g, gs), (u, us), (d, ds) = _fp8((S * I, H), H), _fp8((S * I, H), H), _fp8((H, S * I), I)
+            shared.append(dict(shared_gate=g, shared_gate_scale=gs, shared_up=u, shared_up_scale=us,
+                               shared_down=d, shared_down_scale=ds))
+        _FP8_WEIGHTS[key] = routed, shared
+    return _FP8_WEIGHTS[key]
+
+
+def fp8_case(group, T, H, I, E, S, sets, hit, flops, note):
+    """The fp8 rows of one (dims, T): fused Triton vs grouped, each checked against the reference backend."""
+    routed, shared = _fp8_weights(H, I, E, S)
+    scale_bytes = 4 * 3 * (-(-H // 128)) * (-(-I // 128))
+    nbytes = (hit + S) * (3 * H * I + scale_bytes)
+    x, w, ids = sets[0]
+    want = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="reference").double()
+
+    def run(backend):
+        def fn():
+            for (xs, ws, ids_s), sh in zip(sets, shared):
+                moe_experts_fp8(xs, ws, ids_s, *routed, **sh, backend=backend)
+        return fn
+
+    for impl, backend in (("fp8 fused triton", "triton"), ("fp8 grouped", "grouped")):
+        try:
+            got = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend=backend).double()
+            check = f"rel err {float((got - want).norm() / want.norm()):.1e}"
+        except Exception as exc:  # the timing attempt records the failure as its row
+            check = f"check failed: {type(exc).__name__}"
+        bk.attempt(group, impl, run(backend), flops, nbytes, f"{note}; {check}", rep_ms=100, sets=SETS)
+    if SWEEP and T <= 8:
+        from mla_compile.ops.triton import moe_experts_fp8 as tfp8
+
+        sweep_configs(group, tfp8.CONFIG, "fp8 fused",
+                      lambda: moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="triton"),
+                      run("triton"), flops, nbytes)
 
 
 def _sets(T, H, E, k, seed):
@@ -116,6 +184,8 @@ def case(name, T):
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
                rep_ms=100, sets=SETS)
+    if FP8:
+        fp8_case(group, T, H, I, E, S, sets, hit, flops, note)
 
     logits = [torch.randn(T, E, device=DEV) for _ in range(SETS)]
     bias = torch.randn(E, device=DEV) * 0.1 if scoring == "sigmoid" else None
@@ -146,22 +216,29 @@ def sweep(group, sets, shared, gate_up, down, flops, nbytes):
         for (xs, ws, ids_s), (g, u, d) in zip(sets, shared):
             moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton")
 
-    default = dict(tmoe.CONFIG)
+    sweep_configs(group, tmoe.CONFIG, "fused", call, all_sets, flops, nbytes)
+
+
+def sweep_configs(group, config, label, call, all_sets, flops, nbytes):
+    """Time ``all_sets`` under each of ``SWEEP_CONFIGS`` written into the kernels' ``config`` dict, each checked
+    (``call``: one float32 output) against the default config; the default is restored after."""
+    default = dict(config)
     want = call().double()
     try:
         for gu_tile, dn_tile, waves, warps in SWEEP_CONFIGS:
-            tmoe.CONFIG.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
+            config.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
             err = float((call().double() - want).norm() / want.norm())
-            bk.attempt(group, f"fused gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
+            bk.attempt(group, f"{label} gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
                        f"rel diff to default {err:.1e}", rep_ms=100, sets=SETS)
     finally:
-        tmoe.CONFIG.clear()
-        tmoe.CONFIG.update(default)
+        config.clear()
+        config.update(default)
 
 
 def table() -> str:
     """Microseconds per call: one line per (dims, T), one column per implementation."""
     impls = ["fused triton", "grouped", "dense", "auto", "route triton", "route torch (eager)"]
+    impls += ["fp8 fused triton", "fp8 grouped"] if FP8 else []
     by = {}
     for r in bk.ROWS:
         by.setdefault(r["group"], {})[r["impl"]] = "FAILED" if "error" in r else f"{r['us']:.1f}"
@@ -176,9 +253,10 @@ def main():
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
     ap.add_argument("--sweep", action="store_true", help="also time the fused kernels' launch configs (T <= 8)")
+    ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     args = ap.parse_args()
-    global SWEEP
-    SWEEP = args.sweep
+    global SWEEP, FP8
+    SWEEP, FP8 = args.sweep, args.fp8
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
     sections = [lambda n=n, t=t: case(n, t) for n in args.dims.split(",") for t in map(int, args.tokens.split(","))]

@@ -28,6 +28,8 @@ class FP8BlockLinear(nn.Module):
     weight-only, the closest to the bf16 weights); ``backend``: the op's backend (None: auto).
     """
 
+    is_fp8_linear = True  # a plain fp8 linear (MLAMoE folds such shared experts into mla::moe_experts_fp8)
+
     def __init__(self, in_features: int, out_features: int, *, act_quant: bool = False,
                  backend: str | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -131,6 +133,8 @@ class FP8GroupedLinear(FP8BlockLinear):
     ``o_a_proj``) over fp8 blocks: ``weight [G * R, K]`` float8_e4m3fn with ``weight_scale_inv [G * R / 128,
     ceil(K / 128)]``; group ``g`` owns rows ``[g R, (g + 1) R)``. ``forward(x [..., G, K]) -> [..., G, R]``.
     ``R`` (rows per group) must be a multiple of 128, so that each group's rows are whole blocks."""
+
+    is_fp8_linear = False  # block-diagonal groups, not a plain linear
 
     def __init__(self, in_features_per_group: int, out_features: int, n_groups: int, *, act_quant: bool = False,
                  backend: str | None = None, device: torch.device | str | None = None) -> None:

@@ -4,8 +4,8 @@ HF's eager experts loop over the experts that were hit (``nonzero`` and a Python
 graph). Here routing is the same math on static shapes, and the experts run densely (every expert on
 every token, weighted by a ``[T, E]`` routing matrix; any device), grouped (tokens sorted by expert,
 ``torch._grouped_mm``; CUDA bf16) or fused (the ``mla::moe_route`` / ``mla::moe_experts`` ops: for few
-tokens kernels that read only the routed experts, with the shared experts folded in), all without host
-syncs. The HF router/expert/shared
+tokens kernels that read only the routed experts, with the shared experts folded in; fp8 block-quantized
+experts through ``mla::moe_experts_fp8``), all without host syncs. The HF router/expert/shared
 modules are shared, not copied, under their HF names, so state dicts stay HF-compatible.
 """
 
@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from mla_compile.ops.moe_experts import auto_backend, moe_experts
 from mla_compile.ops.moe_experts import combine_sorted, sort_by_expert  # noqa: F401  (their home is ops)
+from mla_compile.ops.moe_experts_fp8 import auto_backend as auto_backend_fp8
+from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.moe_route import moe_route, route_math
 from mla_compile.ops.registry import SPLIT_PREFIX
 
@@ -79,6 +81,33 @@ def _foldable_shared(shared: nn.Module | None, width: int) -> bool:
     return _is_silu(getattr(shared, "act_fn", None)) and linears[0].out_features % width == 0
 
 
+def _foldable_shared_fp8(shared: nn.Module | None, width: int, limit: float | None) -> bool:
+    """:func:`_foldable_shared` for fp8 shared experts (``mla::moe_experts_fp8``): weight-only
+    ``FP8BlockLinear`` ``gate_proj``/``up_proj``/``down_proj`` with no backend of their own, SiLU, width a multiple
+    of ``width``, and the routed experts' swiglu clamp ``limit`` (the op clamps both alike: V4's shared MLP holds
+    it as ``limit``, V2/V3's has none)."""
+    linears = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(getattr(m, "is_fp8_linear", False) and not m.act_quant and m.backend is None for m in linears):
+        return False
+    if getattr(shared, "limit", None) != limit:
+        return False
+    return _is_silu(getattr(shared, "act_fn", None)) and linears[0].out_features % width == 0
+
+
+def fp8_fused_refusal(experts: nn.Module) -> str | None:
+    """Why block-quantized ``experts`` cannot run in ``mla::moe_experts_fp8`` (None: they can): it serves
+    weight-only fp8 (``FP8Experts``) SiLU experts that ask for no ``fp8_block_linear`` backend of their own."""
+    if getattr(experts, "is_fp4_block", False):
+        return "fp4 experts have no fused kernel (mla::moe_experts_fp8 serves fp8 ones)"
+    if getattr(experts, "act_quant", False):
+        return "the experts quantize their activations (act_quant=True); mla::moe_experts_fp8 is weight-only"
+    if getattr(experts, "backend", None) is not None:
+        return f"the experts ask for fp8_block_linear backend {experts.backend!r}; they run it themselves"
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        return "the experts' activation is not SiLU"
+    return None
+
+
 class MLAMoE(nn.Module):
     """Drop-in for ``DeepseekV2Moe``/``DeepseekV3MoE`` sharing their ``gate``, ``experts``, ``shared_experts``.
 
@@ -87,6 +116,12 @@ class MLAMoE(nn.Module):
     references elsewhere; the shared experts run inside the experts op when they are plain SiLU linears), or
     "auto": "fused" on CUDA where ``mla::moe_experts``'s "auto" serves x's dtype with its fused kernels (fused
     for few tokens, grouped GEMMs above, in one op), else "grouped" on CUDA bf16, else "dense".
+    fp8 experts (``FP8Experts``) take ``mla::moe_experts_fp8`` the same way ("fused", or "auto" where that op's
+    "auto" is its fused kernel; fp8 shared experts fold in when they are weight-only ``FP8BlockLinear`` modules), else
+    run themselves (grouped on CUDA under "auto"/"grouped", else dense). ``fused_refusal`` says why the fused ops
+    cannot serve these experts (None when they can): fp4 experts, activation-quantized fp8 experts, experts
+    with an ``fp8_block_linear`` backend of their own, a non-SiLU activation. It, ``fusable`` and ``fold_shared``
+    are decided at construction.
     """
 
     def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
@@ -104,20 +139,36 @@ class MLAMoE(nn.Module):
             if not hasattr(self.experts, name):
                 raise ValueError(f"MoE experts module {type(self.experts).__name__} has no {name}: expected the "
                                  "transformers>=5 fused-experts layout (gate_up_proj [E, 2I, H], down_proj [E, H, I])")
-        self.fusable = not self.fp8_experts and _is_silu(self.experts.act_fn)
+        # decided once, from the modules as they are now (patch() sets fp8 backends before it builds MLAMoE)
+        if self.fp8_experts:
+            self.fused_refusal = fp8_fused_refusal(self.experts)
+        else:
+            self.fused_refusal = None if _is_silu(self.experts.act_fn) else "the experts' activation is not SiLU"
+        self.fusable = self.fused_refusal is None
         if impl == "fused" and not self.fusable:
-            raise ValueError("impl='fused' runs bf16/fp16/fp32 experts with SiLU (DeepSeek's); these experts are "
-                             f"{'fp8/fp4 block-quantized' if self.fp8_experts else 'not SiLU'}: use impl='auto'")
+            raise ValueError(f"impl='fused' cannot run these experts: {self.fused_refusal}; use impl='auto'")
         width = self.experts.down_proj.shape[-1] if self.fusable else 0
-        self.fold_shared = self.fusable and _foldable_shared(self.shared_experts, width)
+        if not self.fusable:
+            self.fold_shared = False
+        elif self.fp8_experts:
+            limit = getattr(self.experts, "swiglu_limit", None)
+            self.fold_shared = _foldable_shared_fp8(self.shared_experts, width, limit)
+        else:
+            self.fold_shared = _foldable_shared(self.shared_experts, width)
         self.impl = impl
 
     def _use_fused(self, x: Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "fused"
-        if not (self.fusable and x.is_cuda):
+        return x.is_cuda and self.auto_fused(str(x.device), str(x.dtype).replace("torch.", ""))
+
+    def auto_fused(self, device: str, dtype: str) -> bool:
+        """Whether "auto" runs the fused ops on ``device`` with x of ``dtype`` (names): the experts can run in them
+        and the experts op's own "auto" there is its fused kernel (alone or split with grouped GEMMs above
+        ``FUSED_MAX_TOKENS`` tokens). A constant of the graph, as the ops' choices are."""
+        if not self.fusable:
             return False
-        choice = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
+        choice = (auto_backend_fp8 if self.fp8_experts else auto_backend)(device, dtype)
         return choice == "triton" or choice.startswith(SPLIT_PREFIX)
 
     def _use_grouped(self, x: Tensor) -> bool:
@@ -134,11 +185,26 @@ class MLAMoE(nn.Module):
                                  scoring=scoring, renormalize=renorm, scaling=scaling,
                                  backend=("triton" if x.is_cuda else "reference") if explicit else None)
         se = self.shared_experts
-        shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight) if self.fold_shared else (None,) * 3
-        out = moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
-                          shared_gate=shared[0], shared_up=shared[1], shared_down=shared[2],
-                          backend=("triton" if x.is_cuda else "reference") if explicit else None)
+        backend = ("triton" if x.is_cuda else "reference") if explicit else None
+        if self.fp8_experts:
+            out = self._fused_fp8(x, weights, ids, backend)
+        else:
+            shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight) if self.fold_shared else (None,) * 3
+            out = moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
+                              shared_gate=shared[0], shared_up=shared[1], shared_down=shared[2], backend=backend)
         return out if self.fold_shared else out + se(x)
+
+    def _fused_fp8(self, x: Tensor, weights: Tensor, ids: Tensor, backend: str | None) -> Tensor:
+        """The fp8 experts (``FP8Experts``) and, when they fold, the fp8 shared experts in ``mla::moe_experts_fp8``."""
+        ex, se = self.experts, self.shared_experts
+        shared = {}
+        if self.fold_shared:
+            for name in ("gate", "up", "down"):
+                linear = getattr(se, f"{name}_proj")
+                shared[f"shared_{name}"], shared[f"shared_{name}_scale"] = linear.weight, linear.weight_scale_inv
+        return moe_experts_fp8(x, weights, ids, ex.gate_proj, ex.gate_proj_scale_inv, ex.up_proj,
+                               ex.up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv, **shared,
+                               swiglu_limit=getattr(ex, "swiglu_limit", None), backend=backend)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``: routed experts plus shared experts."""

@@ -52,3 +52,27 @@ def test_moe_route_kernel_compiles_for_sm90(E, k, G, TG, scoring, bias):
                             k, G, TG, scoring, scoring == "sigmoid", 2.5)
     assert len(launches) == 1
     _no_spills(launches)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("name", list(DIMS))
+def test_moe_experts_fp8_kernels_compile_for_sm90(name, T):
+    """The two ``mla::moe_experts_fp8`` kernels (e4m3 codes, float32 block scales), shared experts folded in."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_experts_fp8
+
+    H, I, E, k, S = DIMS[name]
+
+    def meta(*shape, dtype=torch.float8_e4m3fn):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    def scales(rows, cols, *lead):
+        return meta(*lead, -(-rows // 128), -(-cols // 128), dtype=torch.float32)
+
+    routed = (meta(E, I, H), scales(I, H, E), meta(E, I, H), scales(I, H, E), meta(E, H, I), scales(H, I, E))
+    shared = (meta(S * I, H), scales(S * I, H), meta(S * I, H), scales(S * I, H), meta(H, S * I), scales(H, S * I))
+    launches = _sm90.record(moe_experts_fp8, moe_experts_fp8._launch, meta(T, H, dtype=torch.bfloat16),
+                            meta(T, k, dtype=torch.float32), meta(T, k, dtype=torch.int32), *routed, *shared, False,
+                            None, sms=132)
+    assert len(launches) == 2
+    _no_spills(launches)
