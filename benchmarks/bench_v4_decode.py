@@ -50,7 +50,7 @@ FULL = dict(layers=1, hidden=4096, heads=64, head_dim=512, rope=64, q_lora=1024,
             vocab=129280, o_groups=8, o_lora=1024, idx_heads=64, idx_dim=128, idx_topk=512, window=128, csa=4,
             hca=128, hc=4, batches="1,64,256", ctx="8192,131072", block_size=64, warmup=3, iters=20)
 TINY = dict(layers=1, hidden=64, heads=4, head_dim=64, rope=16, q_lora=32, experts=8, topk=2, moe=32, vocab=512,
-            o_groups=2, o_lora=16, idx_heads=4, idx_dim=32, idx_topk=8, window=8, csa=4, hca=16, hc=2,
+            o_groups=2, o_lora=16, idx_heads=16, idx_dim=32, idx_topk=8, window=8, csa=4, hca=16, hc=2,
             batches="1,4", ctx="64,256", block_size=16, warmup=1, iters=3)
 
 
@@ -68,6 +68,7 @@ def build_model(a, dev: torch.device, dtype: torch.dtype):
         index_topk=a.idx_topk, max_position_embeddings=1 << 20)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    torch.manual_seed(a.seed)  # HF initializes its weights from the global generator
     try:
         with torch.device(dev):
             hf = DeepseekV4ForCausalLM(cfg).eval()
