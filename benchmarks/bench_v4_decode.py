@@ -18,9 +18,10 @@ compiled" (``torch.compile(hf)`` in its default mode: HF's V4 has no static cach
 gets no prefill (its eager attention would materialize [S, S] scores): its ``DynamicCache`` is filled with
 the context our caches hold (:func:`hf_cache`), so both decode the same step, and the first step's logits
 are compared (rel. error). HF rebinds its cache tensors each step; restoring them before every call makes
-each timed call the same step at ``ctx``. The first "hf compiled" row also runs ``--hf-next-steps`` real
-consecutive steps from its context and reports the graphs each compiled (recompiles as positions and the
-compressed entries grow). An HF row is skipped, with the reason in the table, when its step would not fit in
+each timed call the same step at ``ctx`` (for "hf compiled" its best case: no recompiles). The first "hf
+compiled" row also runs ``--hf-next-steps`` real consecutive steps from its context and reports the graphs each
+compiled: Dynamo guards on the sizes of the compressors' partial-window buffers, so a step with a buffer
+length not seen before recompiles. An HF row is skipped, with the reason in the table, when its step would not fit in
 the GPU's free memory (:func:`hf_decode_bytes`: ``repeat_kv`` makes 64-head copies of the shared KV head as
 keys and as values) or in what is left of ``--budget-s``. A step's time is the median over ``--iters`` of
 CUDA events around the step. Also written: cache bytes per sequence at each context and at 1M tokens
@@ -166,7 +167,10 @@ def hf_cache(hf, model, contexts: Contexts, batch: int):
         keep = min(ctx, cfg.sliding_window - 1)
         k = rows(attn.kv_cache, contexts.table, ctx - keep, keep).unsqueeze(1)  # [B, 1, keep, D]
         layer.lazy_initialization(k, k)
-        layer.keys = layer.values = k
+        # as a step leaves them (a compiled HF guards on strides and aliasing): a full window is the last
+        # W - 1 rows of the step's [B, 1, W, D] concatenation; keys and values one tensor in compressed layers
+        layer.keys = window_like_hf(k, ctx >= cfg.sliding_window - 1)
+        layer.values = layer.keys if attn.rate else window_like_hf(k, ctx >= cfg.sliding_window - 1)
         layer.cumulative_length = ctx
         if not attn.rate:
             continue
@@ -188,6 +192,16 @@ def hf_cache(hf, model, contexts: Contexts, batch: int):
                 layer.overlap_kv[name] = skv[:, last, :c].clone()
                 layer.overlap_gate[name] = sg[:, last, :c] + mod.position_bias[:, :c]
     return cache
+
+
+def window_like_hf(k: torch.Tensor, full: bool) -> torch.Tensor:
+    """``k [B, 1, n, D]`` laid out as HF's sliding-window update leaves it: once the window is full, a view
+    of the last ``n`` rows of a ``[B, 1, n + 1, D]`` tensor; before, contiguous."""
+    if not full:
+        return k.clone()
+    buf = k.new_empty(k.shape[0], k.shape[1], k.shape[2] + 1, k.shape[3])
+    buf[:, :, 1:] = k
+    return buf[:, :, 1:]
 
 
 def hf_snapshot(cache) -> list:
