@@ -502,9 +502,10 @@ def main(argv=None) -> int:
                     if elapsed + need_s > args.budget_s:
                         row["skipped"] = f"time budget: ~{need_s:.0f} s needed, {args.budget_s - elapsed:.0f} s left"
                     elif free_b is not None and need_b > 0.9 * free_b:
+                        rows_kv = f"{args.window} + {(ctx + 1) // args.csa}"
                         row["skipped"] = (f"memory: HF's step needs ~{need_b / 2**30:.1f} GiB (its cache and repeat_kv "
                                           f"of the shared KV head to {args.heads} heads, as keys and as values, over "
-                                          f"{args.window} + {(ctx + 1) // args.csa} rows), {free_b / 2**30:.1f} GiB free")
+                                          f"{rows_kv} rows), {free_b / 2**30:.1f} GiB free")
                 if "skipped" not in row:
                     try:
                         with torch.no_grad():
@@ -537,7 +538,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 cell = row.get("skipped") or row.get("error") or f"{row['ms']:.3f} ms ({row['tok_s']:.0f} tok/s)"
                 if "rel_err_vs_ours_eager" in row:
-                    cell += f"  first call {row['first_call_s']:.1f} s, logits rel. err. vs ours {row['rel_err_vs_ours_eager']:.1e}"
+                    cell += (f"  first call {row['first_call_s']:.1f} s, logits rel. err. vs ours "
+                             f"{row['rel_err_vs_ours_eager']:.1e}")
                 print(f"[{time.time() - start:7.1f}s] {impl:14s} B={b:<4d} ctx={ctx:<7d} {cell}", flush=True)
                 with open(os.path.join(args.out, "bench_v4_decode.json"), "w") as f:
                     json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
@@ -548,13 +550,16 @@ def main(argv=None) -> int:
              f"per sequence at 1M tokens {layout.sequence_bytes(1 << 20) / 2**30:.3f} GiB (bf16)"]
     if hf_compiled is not None:
         lines.append(f"HF: transformers {info['transformers']}, {info['hf_attn_implementation']} attention, experts "
-                     f"{info['hf_experts_implementation']}; 'hf compiled' = torch.compile(hf) default mode, dynamic cache")
+                     f"{info['hf_experts_implementation']}; 'hf compiled' = torch.compile(hf) default mode, "
+                     "dynamic cache")
     for r in rows:
         cell = r.get("skipped") or r.get("error") or f"{r['ms']:.3f} ms  {r['tok_s']:.0f} tok/s"
         if "rel_err_vs_ours_eager" in r:
-            cell += f"  (first call {r['first_call_s']:.1f} s; logits vs ours eager rel. err. {r['rel_err_vs_ours_eager']:.1e}"
+            cell += (f"  (first call {r['first_call_s']:.1f} s; logits vs ours eager rel. err. "
+                     f"{r['rel_err_vs_ours_eager']:.1e}")
             if "graphs_while_timing" in r:
-                cell += f"; graphs compiled: first call {r['graphs_first_call']}, timed calls {r['graphs_while_timing']}"
+                cell += (f"; graphs compiled: first call {r['graphs_first_call']}, "
+                         f"timed calls {r['graphs_while_timing']}")
             if r.get("next_steps_s"):
                 cell += ("; real steps from ctx: " + ", ".join(f"{t:.2f} s ({g} new graphs)" for t, g in
                                                            zip(r["next_steps_s"], r["next_steps_graphs"])))
