@@ -1,6 +1,7 @@
 """Decode-step latency of a DeepSeek-V4-Flash-dims slice through mla_compile (random weights), one run.
 
     python benchmarks/bench_v4_decode.py --out OUT_DIR [--batches 1,64,256] [--ctx 8192,131072] [--backend triton]
+        [--impls "ours eager,ours compiled,ours graph,hf eager,hf compiled"] [--budget-s S]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
     python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
 
@@ -10,11 +11,22 @@ indexer (64 heads x 128, top-512), HCA rate 128; ``--layers`` repeats of (slidin
 Every sequence decodes one token at position ``ctx`` over a context already in the caches (random rows:
 the window's token rows, every compressed entry and indexer key, the compressors' ring state). Only the
 window's token blocks are real: older positions map to one shared block that the step never reads.
-Rows: ours eager, ours compiled (``torch.compile(fullgraph=True)``), ours compiled + CUDA graph (one
-captured step replayed). A step's time is the median over ``--iters`` of CUDA events around the step.
-HF is not measured: its eager attention materializes [S, S] scores at prefill and its V4 model cannot
-compile whole (``_can_compile_fullgraph = False``). Also written: cache bytes per sequence at each
-context and at 1M tokens (``mla_compile.models.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``.
+Rows (``--impls``): ours eager, ours compiled (``torch.compile(fullgraph=True)``), ours compiled + CUDA graph
+(one captured step replayed), and HF's ``DeepseekV4ForCausalLM`` on the same weights: "hf eager" and "hf
+compiled" (``torch.compile(hf)`` in its default mode: HF's V4 has no static cache and
+``_can_compile_fullgraph = False``, its compressors' state lives in the dynamic cache's Python objects). HF
+gets no prefill (its eager attention would materialize [S, S] scores): its ``DynamicCache`` is filled with
+the context our caches hold (:func:`hf_cache`), so both decode the same step, and the first step's logits
+are compared (rel. error). HF rebinds its cache tensors each step; restoring them before every call makes
+each timed call the same step at ``ctx`` (for "hf compiled" its best case: no recompiles). The first "hf
+compiled" row also runs ``--hf-next-steps`` real consecutive steps from its context and reports the graphs each
+compiled: Dynamo guards on the sizes of the compressors' partial-window buffers, so a step with a buffer
+length not seen before recompiles. An HF row is skipped, with the reason in the table, when its step would not fit in
+the GPU's free memory (:func:`hf_decode_bytes`: ``repeat_kv`` makes 64-head copies of the shared KV head as
+keys and as values) or in what is left of ``--budget-s``. A step's time is the median over ``--iters`` of
+CUDA events around the step. Also written: cache bytes per sequence at each context and at 1M tokens
+(``mla_compile.models.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``; the text ends
+with a table of our compiled and graph steps against HF's, with the speedup.
 
 ``--attention`` times the ``v4_attention`` op alone instead, per backend (our Triton kernel, FlashMLA's sparse
 kernel): one decode row per sequence at position ``ctx`` with V4-Flash dims (64 heads of 512, rope 64), for each
@@ -26,6 +38,7 @@ medians on CPU). Writes ``bench_v4_attention.json`` / ``.txt``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -38,7 +51,7 @@ FULL = dict(layers=1, hidden=4096, heads=64, head_dim=512, rope=64, q_lora=1024,
             vocab=129280, o_groups=8, o_lora=1024, idx_heads=64, idx_dim=128, idx_topk=512, window=128, csa=4,
             hca=128, hc=4, batches="1,64,256", ctx="8192,131072", block_size=64, warmup=3, iters=20)
 TINY = dict(layers=1, hidden=64, heads=4, head_dim=64, rope=16, q_lora=32, experts=8, topk=2, moe=32, vocab=512,
-            o_groups=2, o_lora=16, idx_heads=4, idx_dim=32, idx_topk=8, window=8, csa=4, hca=16, hc=2,
+            o_groups=2, o_lora=16, idx_heads=16, idx_dim=32, idx_topk=8, window=8, csa=4, hca=16, hc=2,
             batches="1,4", ctx="64,256", block_size=16, warmup=1, iters=3)
 
 
@@ -56,6 +69,7 @@ def build_model(a, dev: torch.device, dtype: torch.dtype):
         index_topk=a.idx_topk, max_position_embeddings=1 << 20)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    torch.manual_seed(a.seed)  # HF initializes its weights from the global generator
     try:
         with torch.device(dev):
             hf = DeepseekV4ForCausalLM(cfg).eval()
@@ -68,6 +82,9 @@ def build_model(a, dev: torch.device, dtype: torch.dtype):
                 b.copy_(torch.randint(0, a.experts, b.shape, generator=gen, device=dev))
         for layer in hf.model.layers:
             layer.self_attn.sinks.normal_(generator=gen)
+        for name, prm in hf.named_parameters():  # HF initializes the compressors' position biases to zero
+            if name.endswith("position_bias"):
+                prm.normal_(generator=gen)
     return hf
 
 
@@ -108,6 +125,110 @@ class Contexts:
                           table.clone(), slots, torch.arange(batch, dtype=torch.int32),
                           {r: t[:batch].clone() for r, t in self.entry.items()}, torch.arange(batch))
         return ids[:batch].to(self.dev), pos.to(self.dev), meta.to(self.dev)
+
+
+OURS_IMPLS = ("ours eager", "ours compiled", "ours graph")
+HF_IMPLS = ("hf eager", "hf compiled")
+# first-call seconds assumed for an HF row before one has run (the budget guard); later rows use the measured one
+HF_FIRST_CALL_GUESS_S = {("hf eager", "cuda"): 5.0, ("hf compiled", "cuda"): 90.0,
+                         ("hf eager", "cpu"): 1.0, ("hf compiled", "cpu"): 30.0}
+_HF_STATE = ("buffer_kv", "buffer_gate", "compressed_kv", "entry_count", "overlap_kv", "overlap_gate")
+
+
+def hf_cache_kw(hf) -> str:
+    """The name HF's forward takes the cache by: ``past_key_values`` (transformers 5.17), ``cache`` (newer)."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def hf_cache(hf, model, contexts: Contexts, batch: int):
+    """An HF ``DynamicCache`` holding the context our caches hold for sequences ``0..batch-1`` (all at
+    ``contexts.ctx`` tokens), copied out of them, so both models decode the same step over the same context.
+
+    Per layer: the sliding window's last ``sliding_window - 1`` token rows (HF keeps W - 1 and appends the new
+    one); for CSA / HCA the ``ctx // rate`` compressed entries (and the indexer's keys), the raw ``kv`` /
+    ``gate`` projections of the tokens since the last closed window (HF's buffer: our ring rows ``pos % R``),
+    and for CSA the overlap state: the Ca half of the last closed window's rows, its gate with the
+    ``position_bias`` added (as HF stores it). Both rope layouts are V4's interleaved one: rows copy as is."""
+    from transformers import DynamicCache
+
+    cfg, ctx, bs = hf.config, contexts.ctx, contexts.bs
+    dev = model.lm_head.weight.device
+
+    def rows(store: torch.Tensor, table: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        p = torch.arange(first, first + n, device=dev)
+        slots = table.to(dev)[:batch, p // bs].long() * bs + p % bs  # [B, n]
+        return store.reshape(-1, store.shape[-1])[slots]
+
+    cache = DynamicCache(config=cfg)
+    if len(cache.layers) != len(model.attn):
+        raise RuntimeError(f"HF DynamicCache has {len(cache.layers)} layers for {len(model.attn)} attention layers")
+    for layer, attn in zip(cache.layers, model.attn):
+        keep = min(ctx, cfg.sliding_window - 1)
+        k = rows(attn.kv_cache, contexts.table, ctx - keep, keep).unsqueeze(1)  # [B, 1, keep, D]
+        layer.lazy_initialization(k, k)
+        # as a step leaves them (a compiled HF guards on strides and aliasing): a full window is the last
+        # W - 1 rows of the step's [B, 1, W, D] concatenation; keys and values one tensor in compressed layers
+        layer.keys = window_like_hf(k, ctx >= cfg.sliding_window - 1)
+        layer.values = layer.keys if attn.rate else window_like_hf(k, ctx >= cfg.sliding_window - 1)
+        layer.cumulative_length = ctx
+        if not attn.rate:
+            continue
+        r, E = attn.rate, ctx // attn.rate
+        comp = attn.hf.compressor
+        for name, store, mod in (("compressor", attn.comp_cache, comp),
+                                 ("indexer", attn.index_cache, getattr(comp, "indexer", None))):
+            if name not in attn.state:
+                continue
+            skv, sg = (t[:batch] for t in attn.state[name])  # state_slot[b] = b
+            ring = skv.shape[1]
+            layer.compressed_kv[name] = rows(store, contexts.entry[r], 0, E)
+            layer.entry_count[name] = E
+            buf = torch.arange(E * r, ctx, device=dev) % ring
+            layer.buffer_kv[name], layer.buffer_gate[name] = skv[:, buf], sg[:, buf]
+            if hasattr(layer, "overlap_kv") and E > 0:
+                last = torch.arange((E - 1) * r, E * r, device=dev) % ring
+                c = skv.shape[-1] // 2
+                layer.overlap_kv[name] = skv[:, last, :c].clone()
+                layer.overlap_gate[name] = sg[:, last, :c] + mod.position_bias[:, :c]
+    return cache
+
+
+def window_like_hf(k: torch.Tensor, full: bool) -> torch.Tensor:
+    """``k [B, 1, n, D]`` laid out as HF's sliding-window update leaves it: once the window is full, a view
+    of the last ``n`` rows of a ``[B, 1, n + 1, D]`` tensor; before, contiguous."""
+    if not full:
+        return k.clone()
+    buf = k.new_empty(k.shape[0], k.shape[1], k.shape[2] + 1, k.shape[3])
+    buf[:, :, 1:] = k
+    return buf[:, :, 1:]
+
+
+def hf_snapshot(cache) -> list:
+    """What an HF step changes in ``cache`` (it rebinds, never writes in place): restore with :func:`hf_restore`."""
+    return [(l.keys, l.values, l.cumulative_length, {a: dict(getattr(l, a)) for a in _HF_STATE if hasattr(l, a)})
+            for l in cache.layers]
+
+
+def hf_restore(cache, snap: list) -> None:
+    for l, (k, v, n, state) in zip(cache.layers, snap):
+        l.keys, l.values, l.cumulative_length = k, v, n
+        for a, d in state.items():
+            setattr(l, a, dict(d))
+
+
+def hf_decode_bytes(a, batch: int, ctx: int, elem: int) -> int:
+    """Estimated bytes one HF eager decode step at position ``ctx`` needs beyond the weights: its cache (window
+    rows, compressed entries, indexer keys) plus the largest layer's transients: ``repeat_kv`` materializes the
+    shared KV head for all ``heads`` as keys and again as values over the window + compressed rows
+    (``2 B H L D``), the scores and probabilities ``[B, H, L]`` (a few copies), the indexer's float32 scores
+    ``[B, index_heads, ctx / csa]``."""
+    ncsa, nhca = (ctx + 1) // a.csa, (ctx + 1) // a.hca
+    cache = a.layers * batch * elem * (3 * a.window * a.head_dim + (ncsa + nhca) * a.head_dim + ncsa * a.idx_dim)
+    L = a.window + max(ncsa, nhca)
+    attn = 2 * batch * a.heads * L * a.head_dim * elem + 4 * batch * a.heads * L * 4
+    index = 3 * batch * a.idx_heads * ncsa * 4
+    return int(cache + attn + index)
 
 
 def timed(fn, dev: torch.device, warmup: int, iters: int) -> dict:
@@ -218,6 +339,79 @@ def attention_main(a, dev: torch.device) -> int:
     return 0
 
 
+def hf_row(impl: str, a, hf, run, model, contexts: Contexts, b: int, ids: torch.Tensor, dev: torch.device,
+           ref: torch.Tensor | None, row: dict, next_steps: int = 0, deadline: float = float("inf")) -> None:
+    """Measure one HF row into ``row``: HF's cache holding our context (:func:`hf_cache`), restored before
+    every call so each timed call is the same decode step at position ``ctx``. ``first_call_s`` is the first
+    call (the compile for "hf compiled"), ``rel_err_vs_ours_eager`` its logits against ours; for "hf compiled"
+    also the graphs Dynamo compiled at the first call and while timing (0 = steady state), and ``next_steps``
+    consecutive real steps from that context (positions ctx, ctx+1, ...: the cache grows, its Python ints
+    change): each one's wall time and the graphs it compiled (a recompile shows as 1); a step is not started
+    when one more first-call time would pass ``deadline`` (``time.time()``)."""
+    from torch._dynamo.utils import counters
+
+    kw, ctx = hf_cache_kw(hf), contexts.ctx
+    cache = hf_cache(hf, model, contexts, b)
+    snap = hf_snapshot(cache)
+    ids_hf = ids[:b].view(b, 1).to(dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def call(pos: int = ctx, restore: bool = True) -> torch.Tensor:
+        if restore:
+            hf_restore(cache, snap)
+        p = torch.full((b, 1), pos, dtype=torch.long, device=dev)
+        return run(input_ids=ids_hf, position_ids=p, use_cache=True, **{kw: cache}).logits[:, -1]
+
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    g0 = graphs()
+    sync()
+    t0 = time.perf_counter()
+    out = call()
+    sync()
+    first = time.perf_counter() - t0
+    if ref is not None:
+        row["rel_err_vs_ours_eager"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+    del out
+    g1 = graphs()
+    row.update(timed(call, dev, a.warmup, a.iters))
+    row["first_call_s"] = first
+    if impl == "hf compiled":
+        row.update(graphs_first_call=g1 - g0, graphs_while_timing=graphs() - g1)
+        if next_steps:
+            steps, new_graphs = [], []
+            hf_restore(cache, snap)
+            for k in range(next_steps):
+                if time.time() + first > deadline:
+                    row["next_steps_cut"] = "time budget"
+                    break
+                g = graphs()
+                sync()
+                t0 = time.perf_counter()
+                call(ctx + k, restore=False)
+                sync()
+                steps.append(time.perf_counter() - t0)
+                new_graphs.append(graphs() - g)
+            row.update(next_steps_s=steps, next_steps_graphs=new_graphs)
+    hf_restore(cache, snap)
+    del cache, snap
+
+
+def summary(rows: list[dict], has_graph: bool) -> list[str]:
+    """The closing table: per batch x context our compiled (+ graph) step against HF's, with the speedup."""
+    cell = {(r["impl"], r["batch"], r["ctx"]): r for r in rows}
+    ours = "ours graph" if has_graph else "ours compiled"
+    lines = [f"{'B':>5s} {'ctx':>7s} {'ours compiled':>14s} {'ours graph':>11s} {'HF eager':>10s} {'HF compiled':>12s}"
+             f"  {ours} vs HF compiled / eager"]
+    for b, c in sorted({(r["batch"], r["ctx"]) for r in rows}, key=lambda t: (t[1], t[0])):
+        ms = lambda impl: cell.get((impl, b, c), {}).get("ms")  # noqa: E731
+        fmt = lambda v, w: f"{v:{w}.3f}" if v is not None else f"{'-':>{w}s}"  # noqa: E731
+        o, he, hc = ms(ours), ms("hf eager"), ms("hf compiled")
+        sp = lambda h: f"{h / o:.2f}x" if o and h else "-"  # noqa: E731
+        lines.append(f"{b:5d} {c:7d} {fmt(ms('ours compiled'), 14)} {fmt(ms('ours graph'), 11)} {fmt(he, 10)} "
+                     f"{fmt(hc, 12)}  {sp(hc)} / {sp(he)}")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -227,6 +421,13 @@ def main(argv=None) -> int:
     p.add_argument("--ctx")
     p.add_argument("--layers", type=int)
     p.add_argument("--backend", default=None, help="V4 ops' backend (reference, triton; default: the model's)")
+    p.add_argument("--impls", default=",".join(OURS_IMPLS + HF_IMPLS),
+                   help="rows to measure, comma-separated: " + ", ".join(OURS_IMPLS + HF_IMPLS))
+    p.add_argument("--hf-next-steps", type=int, default=3,
+                   help="first 'hf compiled' row: real consecutive steps from its context, timed with their recompiles")
+    p.add_argument("--hf-compile-guess-s", type=float, default=None,
+                   help="the budget guard's first-call time of 'hf compiled' until one is measured "
+                        "(default: 90 on CUDA, 30 on CPU)")
     p.add_argument("--iters", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=1e9)
@@ -238,6 +439,10 @@ def main(argv=None) -> int:
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
+    impls = [x.strip() for x in args.impls.split(",") if x.strip()]
+    bad = [x for x in impls if x not in OURS_IMPLS + HF_IMPLS]
+    if bad:
+        p.error(f"--impls: unknown {bad}; choose from {', '.join(OURS_IMPLS + HF_IMPLS)}")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
     if args.attention:
@@ -252,30 +457,63 @@ def main(argv=None) -> int:
     layout = V4CacheLayout(V4Dims.from_hf(hf.config), "bf16")
     batches = [int(x) for x in args.batches.split(",")]
     ctxs = [int(x) for x in args.ctx.split(",")]
-    ids = torch.randint(0, args.vocab, (max(batches),))
+    ids = torch.randint(0, args.vocab, (max(batches),), generator=torch.Generator().manual_seed(args.seed))
     rows = []
     info = dict(args=vars(args), device=str(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
                 torch=torch.__version__, bytes_per_seq_1m=layout.sequence_bytes(1 << 20),
                 bytes_per_token=layout.model_bytes_per_token)
-    compiled = torch.compile(model, fullgraph=True, backend="inductor" if dev.type == "cuda" else "aot_eager")
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    hf_compiled = None
+    if any(i in HF_IMPLS for i in impls):
+        import transformers
+
+        info.update(transformers=transformers.__version__,
+                    hf_experts_implementation=getattr(hf.config, "_experts_implementation", None),
+                    hf_attn_implementation=getattr(hf.config, "_attn_implementation", None))
+        # HF's V4 cannot compile whole (_can_compile_fullgraph = False: its compressor state lives in the
+        # dynamic cache's Python objects, no static cache): torch.compile's default mode, graph breaks allowed
+        hf_compiled = torch.compile(hf, backend=backend)
+        for name in ("recompile_limit", "cache_size_limit"):  # consecutive steps and batch sizes recompile
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+    seen: dict = {}  # impl -> (first_call_s, ms) of its last measured row: the HF budget guard's estimate
+    elem = torch.empty((), dtype=dtype).element_size()
     for ctx in ctxs:
         contexts = Contexts(args, model, max(batches), ctx, dev)
         for b in batches:
             step_in = contexts.step(b, ids)
-            for impl in ("ours eager", "ours compiled", "ours graph"):
+            ref = None
+            for impl in impls:
                 row = dict(impl=impl, batch=b, ctx=ctx, cache_bytes_per_seq=layout.sequence_bytes(ctx))
-                if time.time() - start > args.budget_s:
+                elapsed = time.time() - start
+                if elapsed > args.budget_s:
                     row["skipped"] = "time budget"
                 elif impl == "ours graph" and dev.type != "cuda":
                     row["skipped"] = "needs CUDA"
-                else:
+                elif impl in HF_IMPLS:
+                    guess = HF_FIRST_CALL_GUESS_S[impl, "cuda" if dev.type == "cuda" else "cpu"]
+                    if impl == "hf compiled" and args.hf_compile_guess_s is not None:
+                        guess = args.hf_compile_guess_s
+                    first, ms = seen.get(impl, (guess, 0.0))
+                    need_s = first + (args.warmup + args.iters) * ms / 1e3
+                    need_b = hf_decode_bytes(args, b, ctx, elem)
+                    free_b = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else None
+                    if elapsed + need_s > args.budget_s:
+                        row["skipped"] = f"time budget: ~{need_s:.0f} s needed, {args.budget_s - elapsed:.0f} s left"
+                    elif free_b is not None and need_b > 0.9 * free_b:
+                        rows_kv = f"{args.window} + {(ctx + 1) // args.csa}"
+                        row["skipped"] = (f"memory: HF's step needs ~{need_b / 2**30:.1f} GiB (its cache and repeat_kv "
+                                          f"of the shared KV head to {args.heads} heads, as keys and as values, over "
+                                          f"{rows_kv} rows), {free_b / 2**30:.1f} GiB free")
+                if "skipped" not in row:
                     try:
                         with torch.no_grad():
                             if impl == "ours eager":
                                 row.update(timed(lambda: model(*step_in), dev, args.warmup, args.iters))
                             elif impl == "ours compiled":
                                 row.update(timed(lambda: compiled(*step_in), dev, args.warmup, args.iters))
-                            else:
+                            elif impl == "ours graph":
                                 for _ in range(2):
                                     compiled(*step_in)
                                 torch.cuda.synchronize()
@@ -283,22 +521,51 @@ def main(argv=None) -> int:
                                 with torch.cuda.graph(graph):
                                     compiled(*step_in)
                                 row.update(timed(graph.replay, dev, args.warmup, args.iters))
+                            else:
+                                if ref is None:
+                                    ref = model(*step_in)
+                                nxt = args.hf_next_steps if impl == "hf compiled" and impl not in seen else 0
+                                hf_row(impl, args, hf, hf if impl == "hf eager" else hf_compiled, model, contexts, b,
+                                       ids, dev, ref, row, nxt, start + args.budget_s)
+                                seen[impl] = (row["first_call_s"], row["ms"])
                         row["tok_s"] = b / (row["ms"] / 1e3)
                     except Exception as exc:  # keep measuring; the reason goes into the table
                         row["error"] = f"{type(exc).__name__}: {exc}"[:400]
                         traceback.print_exc(limit=4)
+                    finally:
+                        if dev.type == "cuda" and impl in HF_IMPLS:
+                            torch.cuda.empty_cache()
                 rows.append(row)
                 cell = row.get("skipped") or row.get("error") or f"{row['ms']:.3f} ms ({row['tok_s']:.0f} tok/s)"
+                if "rel_err_vs_ours_eager" in row:
+                    cell += (f"  first call {row['first_call_s']:.1f} s, logits rel. err. vs ours "
+                             f"{row['rel_err_vs_ours_eager']:.1e}")
                 print(f"[{time.time() - start:7.1f}s] {impl:14s} B={b:<4d} ctx={ctx:<7d} {cell}", flush=True)
                 with open(os.path.join(args.out, "bench_v4_decode.json"), "w") as f:
                     json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
+            del ref
         del contexts
     lines = [f"V4 decode step ({info['device']}, {args.layers} x (sliding, CSA, HCA), backend {args.backend or 'default'})",
              f"cache bytes per token of context {layout.model_bytes_per_token:.0f}; "
              f"per sequence at 1M tokens {layout.sequence_bytes(1 << 20) / 2**30:.3f} GiB (bf16)"]
+    if hf_compiled is not None:
+        lines.append(f"HF: transformers {info['transformers']}, {info['hf_attn_implementation']} attention, experts "
+                     f"{info['hf_experts_implementation']}; 'hf compiled' = torch.compile(hf) default mode, "
+                     "dynamic cache")
     for r in rows:
         cell = r.get("skipped") or r.get("error") or f"{r['ms']:.3f} ms  {r['tok_s']:.0f} tok/s"
+        if "rel_err_vs_ours_eager" in r:
+            cell += (f"  (first call {r['first_call_s']:.1f} s; logits vs ours eager rel. err. "
+                     f"{r['rel_err_vs_ours_eager']:.1e}")
+            if "graphs_while_timing" in r:
+                cell += (f"; graphs compiled: first call {r['graphs_first_call']}, "
+                         f"timed calls {r['graphs_while_timing']}")
+            if r.get("next_steps_s"):
+                cell += ("; real steps from ctx: " + ", ".join(f"{t:.2f} s ({g} new graphs)" for t, g in
+                                                           zip(r["next_steps_s"], r["next_steps_graphs"])))
+            cell += ")"
         lines.append(f"{r['impl']:14s} B={r['batch']:<4d} ctx={r['ctx']:<7d} {cell}")
+    lines += summary(rows, dev.type == "cuda")
     with open(os.path.join(args.out, "bench_v4_decode.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,5 +1,7 @@
-"""CPU smoke test of ``benchmarks/bench_v4_decode.py --device cpu --tiny``: eager and compiled rows run, the
-CUDA-graph row says why it was skipped, and both files are written."""
+"""CPU tests of ``benchmarks/bench_v4_decode.py --device cpu --tiny``: our eager and compiled rows run, the
+CUDA-graph row says why it was skipped, both files are written; HF's rows decode the same step over the
+context copied into HF's cache (float32 logits equal to ours), and the budget guard skips an HF row with
+its reason."""
 
 from __future__ import annotations
 
@@ -12,22 +14,58 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
+HAS_V4 = hasattr(transformers, "DeepseekV4ForCausalLM")
+
+
+def run_decode(out: Path, *args: str) -> dict:
+    """Run the decode benchmark at tiny dims on CPU (one timed iteration); its JSON."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_v4_decode.py"), "--device", "cpu", "--tiny",
+           "--iters", "1", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out / "bench_v4_decode.json").read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(transformers, "DeepseekV4ForCausalLM"), reason="no DeepseekV4ForCausalLM")
+@pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
 def test_bench_v4_decode_cpu_smoke(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_v4_decode.py"), "--device", "cpu", "--tiny",
-           "--ctx", "40", "--batches", "2", "--iters", "1", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    data = json.loads((tmp_path / "bench_v4_decode.json").read_text())
+    """Every row (the default ``--impls``) at ctx 47 (a CSA and an HCA window close at the step): ours eager and
+    compiled run, the graph row says why not; 'hf eager' and 'hf compiled' (torch.compile(hf), aot_eager on
+    CPU) give ours' float32 logits, no graph is compiled while the same step repeats, the real consecutive
+    steps report theirs; the closing table compares ours compiled with HF compiled."""
+    data = run_decode(tmp_path, "--ctx", "47", "--batches", "2", "--hf-next-steps", "2")
     rows = {r["impl"]: r for r in data["rows"]}
-    assert set(rows) == {"ours eager", "ours compiled", "ours graph"}
+    assert set(rows) == {"ours eager", "ours compiled", "ours graph", "hf eager", "hf compiled"}
     assert rows["ours eager"]["ms"] > 0 and rows["ours compiled"]["ms"] > 0
     assert rows["ours graph"]["skipped"] == "needs CUDA"
+    for impl in ("hf eager", "hf compiled"):
+        assert rows[impl]["ms"] > 0 and rows[impl]["rel_err_vs_ours_eager"] < 1e-5, rows[impl]
+    hc = rows["hf compiled"]
+    assert hc["graphs_first_call"] >= 1 and hc["graphs_while_timing"] == 0, hc
+    assert len(hc["next_steps_s"]) == len(hc["next_steps_graphs"]) == 2
     assert data["info"]["bytes_per_seq_1m"] > 0
-    assert "per sequence at 1M tokens" in (tmp_path / "bench_v4_decode.txt").read_text()
+    text = (tmp_path / "bench_v4_decode.txt").read_text()
+    assert "per sequence at 1M tokens" in text
+    last = text.splitlines()[-1].split()  # B, ctx, ours compiled, ours graph, HF eager, HF compiled, speedups
+    assert last[:2] == ["2", "47"] and last[3] == "-" and last[-3].endswith("x") and last[-1].endswith("x"), last
+
+
+# Tiny dims: window 8, CSA rate 4 (top-8 of ctx / 4 entries: sparse from ctx 36), HCA rate 16. ctx 40: no window
+# closes at the step; 43: a CSA window closes (its overlap state is read); 47: CSA and HCA windows close.
+@pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
+def test_bench_v4_decode_hf_eager_same_logits_and_budget_guard(tmp_path):
+    """'hf eager' decodes the step ours does, over the context copied into HF's DynamicCache: float32 logits
+    equal to ours eager; 'hf compiled' is skipped by the budget guard (its first call guessed at 1e6 s)."""
+    data = run_decode(tmp_path, "--ctx", "40,43,47", "--batches", "3", "--impls", "ours eager,hf eager,hf compiled",
+                      "--hf-compile-guess-s", "1e6", "--budget-s", "1e5")
+    hf = [r for r in data["rows"] if r["impl"] == "hf eager"]
+    assert sorted((r["ctx"], r["batch"]) for r in hf) == [(40, 3), (43, 3), (47, 3)]
+    for r in hf:
+        assert r["ms"] > 0 and r["rel_err_vs_ours_eager"] < 1e-5, r
+    skipped = [r for r in data["rows"] if r["impl"] == "hf compiled"]
+    assert len(skipped) == 3 and all(r["skipped"].startswith("time budget: ~1000000 s needed") for r in skipped)
+    text = (tmp_path / "bench_v4_decode.txt").read_text()
+    assert "HF compiled" in text and "transformers" in text
 
 
 def test_bench_v4_attention_cpu_smoke(tmp_path):
