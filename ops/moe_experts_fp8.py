@@ -159,7 +159,7 @@ def moe_experts_fp8_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate: Tenso
 
 
 moe_experts_fp8_grouped.register_fake(fake)
-declare(OP, "grouped", torch.ops.mla.moe_experts_fp8_grouped, rank=60, dtypes=FLOATS[:3], gpu_tested=False,
+declare(OP, "grouped", torch.ops.mla.moe_experts_fp8_grouped, rank=60, dtypes=FLOATS[:3], gpu_tested=True,
         available=torch.cuda.is_available, package="torch",
         note="tokens sorted by expert, mla::fp8_block_linear's sorted groups: each hit expert read once (large T)")
 
@@ -219,6 +219,6 @@ def _triton(*args) -> Tensor:
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF),
-        package="triton", gpu_tested=False,
+        package="triton", gpu_tested=True,
         kernels=("moe_experts_fp8_triton", "_moe_fp8_gate_up_kernel", "_moe_fp8_down_kernel"),
         note="ours: reads only the routed experts' fp8 rows and block scales; gate_up+SiLU*up, then down+combine")
