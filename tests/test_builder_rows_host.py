@@ -6,6 +6,7 @@ step of the same sizes reused."""
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from mla_compile.models.metadata import SeqChunk
@@ -106,3 +107,33 @@ def test_rows_step_without_a_planner_is_reused_and_still_right():
     assert second.meta.decode.seq_lens.tolist() == [6, 7]
     third = b.build(rows, decode_batch=3)  # another padded size: other views
     assert third is not first and third.num_rows == 2 and third.meta.slot_mapping.tolist() == [37, 42, -1]
+
+
+def test_set_blocks_follows_a_list_appended_to_or_truncated_in_place():
+    rows = DecodeRows(3, 6, BS)
+    params = SamplingParams(seed=0)
+    lists = [[11, 12], [21], [31, 32, 33]]
+    rows.arrange([0, 1, 2], lambda i: RowState(lists[i], 0, 0, 0, params))
+    rows.table[:] = -7  # poison: every later id must be written by set_blocks (the rest re-zeroed by a rewrite)
+    rows.set_blocks(0, lists[0])  # unchanged: rewritten whole
+    lists[1].append(22)  # the same list, one block on: only the new id is written
+    rows.set_blocks(1, lists[1])
+    assert rows.table[0].tolist() == [11, 12, 0, 0, 0, 0] and rows.table[1].tolist() == [-7, 22, -7, -7, -7, -7]
+    rows.table[1] = [21, 22, 0, 0, 0, 0]
+    lists[1].extend([23, 24])  # two on: rewritten
+    rows.set_blocks(1, lists[1])
+    del lists[2][1:]  # truncated in place
+    rows.set_blocks(2, lists[2])
+    assert rows.table[1].tolist() == [21, 22, 23, 24, 0, 0] and rows.table[2].tolist() == [31, 0, 0, 0, 0, 0]
+    lists[2].append(35)  # one on after the truncation was written
+    rows.set_blocks(2, lists[2])
+    assert rows.table[2].tolist() == [31, 35, 0, 0, 0, 0]
+    assert rows.block_counts[:3].tolist() == [2, 4, 2] and rows.capacity[:3].tolist() == [2 * BS, 4 * BS, 2 * BS]
+    other = list(lists[0]) + [13]  # another list object one longer: rewritten whole
+    rows.table[0] = -7
+    rows.set_blocks(0, other)
+    assert rows.table[0].tolist() == [11, 12, 13, 0, 0, 0] and rows.block_lists[0] is other
+    lists[1].append(2**31)  # not an int32 id: an error, nothing changed
+    with pytest.raises(OverflowError):
+        rows.set_blocks(1, lists[1])
+    assert rows.table[1].tolist() == [21, 22, 23, 24, 0, 0] and rows.block_counts[1] == 4
