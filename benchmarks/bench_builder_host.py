@@ -12,8 +12,9 @@ grew). "keyed+churn": keyed, and every step one sequence leaves and a new one jo
 engine does to it per step (a block written for each row that reached a new block, every row advanced).
 "engine": a whole ``Engine.step`` of B decoding requests (each holding 65 blocks) up to the moment the step
 is launched (the runner's captured call, stubbed), with the per-request SeqChunk path ("chunks") and with the
-engine's DecodeRows batch ("rows"), without and with ``overlap``; the time after the launch (reading the tokens)
-is not counted.
+engine's DecodeRows batch ("rows"), without and with ``overlap``. "after launch": the rest of the same steps, from
+the launch to ``Engine.step``'s return (with overlap: reading the previous step's tokens, appending them, stop and
+length checks, retiring requests; the work the GPU's timeline sees between two launches when the host is not ahead).
 Prints the median and mean over ``--calls`` calls after ``--warmup`` calls, each call timed alone
 with ``time.perf_counter`` (making the step's chunks, as an engine does between steps, is not timed).
 On a shared machine the median is the figure to read: the mean carries the preemptions.
@@ -145,9 +146,10 @@ class LaunchTimedRunner(DecodeGraphRunner):
 
 
 def time_engine(batch: int, blocks: int, block_size: int, calls: int, warmup: int, overlap: bool,
-                rows: bool) -> list[float]:
-    """Host seconds from the start of ``Engine.step`` to the launch of its decode step, over ``calls`` steps of
-    ``batch`` decoding requests (each holding ``blocks`` blocks from admission) after ``warmup`` steps."""
+                rows: bool) -> tuple[list[float], list[float]]:
+    """Host seconds from the start of ``Engine.step`` to the launch of its decode step, and from the launch to the
+    return of ``Engine.step``, over ``calls`` steps of ``batch`` decoding requests (each holding ``blocks`` blocks
+    from admission) after ``warmup`` steps."""
     prompt, vocab = 8, 32000
     builder = MetadataBuilder(max_batch=max(batch, 2), max_blocks_per_seq=blocks, max_tokens=max(batch, 2) * prompt + 1,
                               block_size=block_size, device="cpu")
@@ -161,12 +163,14 @@ def time_engine(batch: int, blocks: int, block_size: int, calls: int, warmup: in
                            SamplingParams(max_new_tokens=blocks * block_size - prompt, seed=i))
     while any(r.prefilling for r in engine.running) or engine.waiting or len(engine.running) < batch:
         engine.step()
-    times = []
+    before, after = [], []
     for _ in range(warmup + calls):
         t0 = time.perf_counter()
         engine.step()
-        times.append(runner.launched - t0)
-    return times[warmup:]
+        t1 = time.perf_counter()
+        before.append(runner.launched - t0)
+        after.append(t1 - runner.launched)
+    return before[warmup:], after[warmup:]
 
 
 def main() -> None:
@@ -196,14 +200,20 @@ def main() -> None:
         return
     print(f"Engine.step host time up to the launch, {a.blocks} blocks of {a.block_size} per request, median (mean) "
           f"of {a.calls} steps after {a.warmup}")
+    lines = []
     for batch in map(int, a.batches.split(",")):
-        cells = []
+        cells, later = [], []
         for overlap in (False, True):
             for rows in (False, True):
-                t = time_engine(batch, a.blocks, a.block_size, a.calls, a.warmup, overlap, rows)
+                t, t_after = time_engine(batch, a.blocks, a.block_size, a.calls, a.warmup, overlap, rows)
                 name = ("overlap " if overlap else "") + ("rows" if rows else "chunks")
                 cells.append(f"{name} {statistics.median(t) * 1e6:6.1f} us (mean {statistics.mean(t) * 1e6:6.1f})")
+                later.append(f"{name} {statistics.median(t_after) * 1e6:6.1f} us "
+                             f"(mean {statistics.mean(t_after) * 1e6:6.1f})")
         print(f"B={batch:4d}: " + "   ".join(cells))
+        lines.append(f"B={batch:4d}: " + "   ".join(later))
+    print("Engine.step host time after the launch (to its return), same steps")
+    print("\n".join(lines))
 
 if __name__ == "__main__":
     main()

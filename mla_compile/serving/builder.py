@@ -136,8 +136,12 @@ class MetadataBuilder:
         self._staging = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)] \
             if self._pin else []
         self._copied: list = [None, None]
+        # one event per staging buffer, recorded again after each copy from it (only once _host found its last
+        # copy finished): no event made per step
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else []
         self._turn = 0
         self._fronts: dict[tuple[int, int], Tensor] = {}  # see _front
+        self._arena_fronts: dict[int, Tensor] = {}  # the arena's first ``end`` bytes by ``end`` (see _send)
         self._layouts: dict[int, _DecodeLayout] = {}  # decode-only steps by padded batch: see _build_decode
         # per persistent host buffer (``_host``'s id): the sizes of the decode step written last into it, whose
         # constant parts (logits rows, padding rows) are still there; dropped when another step writes it
@@ -170,9 +174,13 @@ class MetadataBuilder:
     def _send(self, host: Tensor, turn: int, end: int) -> None:
         """Copy the packed bytes to the front of the arena (one async H2D copy from pinned staging)."""
         if self._pin:
-            self.arena[:end].copy_(host, non_blocking=True)
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
+            front = self._arena_fronts.get(end)
+            if front is None:
+                front = self._arena_fronts[end] = self.arena[:end]
+            front.copy_(host, non_blocking=True)
+            event = self._events[turn]
+            event.record()
+            self._copied[turn] = event
         elif self.arena.device.type != "cpu":  # another device without pinned memory
             self.arena[:end].copy_(host)
 
@@ -226,7 +234,9 @@ class MetadataBuilder:
         The returned tensors are views the builder owns: callers read them and may overwrite a decode
         step's real rows (as a token feed does with ``input_ids``), but must leave its padding rows and
         ``logits_indices`` as built (a CPU builder's arena is its host buffer, whose constant parts later
-        steps of the same size do not write again).
+        steps of the same size do not write again). A decode-only step built from a :class:`DecodeRows` batch
+        without a ``decode_planner`` is the same :class:`StepInputs` object as every earlier one of the same sizes
+        (its views then hold the new step): use it before building the next step, as the views themselves.
         """
         try:
             return self._build(decode, prefill, decode_batch, logits, tokens, rows)
@@ -236,6 +246,13 @@ class MetadataBuilder:
 
     def _build(self, decode: Sequence[SeqChunk] | DecodeRows, prefill: Sequence[SeqChunk],
                decode_batch: int | None, logits: str, tokens: int | None, rows: int | None) -> StepInputs:
+        if type(decode) is DecodeRows and tokens is None and rows is None and not prefill and logits == "last" \
+                and self.query_len == 1 and decode.n:  # the engine's decode-only step: checked in few operations
+            n_dec = max(decode.n, self.min_batch) if decode_batch is None else decode_batch
+            if max(decode.n, self.min_batch) <= n_dec <= self.max_batch:
+                fast = self._build_rows(decode, n_dec)
+                if fast is not None:
+                    return fast
         n_dec = decode_batch if decode_batch is not None else max(len(decode), self.min_batch) if len(decode) else 0
         if n_dec > self.max_batch or len(prefill) > self.max_batch:
             raise ValueError(f"step has {max(n_dec, len(prefill))} sequences in one part; the builder holds "
@@ -305,7 +322,7 @@ class MetadataBuilder:
         if layout is None:
             layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
         host, turn = self._host(layout.end)
-        ids, pos, slots, rows, table, lens = layout.fields(host, turn)
+        ids, pos, slots, rows, table, lens = layout.fields(host, turn)[:6]
         if rows_of is None:
             fill_block_table(table, blocks, nblk)  # zero past the chunks' rows too
         else:
@@ -341,9 +358,10 @@ class MetadataBuilder:
 
     def _build_rows(self, batch: DecodeRows, n_seq: int) -> StepInputs | None:
         """The decode-only step of a :class:`DecodeRows` batch (``query_len`` 1): the arena bytes and views of
-        :meth:`_build_decode`, each field one numpy copy of the batch's arrays. ``None`` when a row's blocks do
-        not hold its position or the batch's table is wider than the builder's (the general path then raises
-        its error)."""
+        :meth:`_build_decode`, each field written from the batch's arrays by a few numpy calls into the layout's
+        scratch (no array allocated), and with no decode planner the same :class:`StepInputs` object for every step
+        of the same sizes. ``None`` when a row's blocks do not hold its position or the batch's table is wider than
+        the builder's (the general path then raises its error)."""
         n, bs = batch.n, self.block_size
         if batch.max_blocks > self.max_blocks or batch.block_size != bs:
             return None
@@ -356,17 +374,23 @@ class MetadataBuilder:
         if layout is None:
             layout = self._layouts[n_seq] = _DecodeLayout(self, n_seq)
         host, turn = self._host(layout.end)
-        ids, pos, slots, rows, table, lens = layout.fields(host, turn)
+        ids, pos, slots, rows, table, lens, flat_table = layout.fields(host, turn)
         w = batch.max_blocks
         table[:n, :w] = batch.table[:n]
         if w < self.max_blocks:
             table[:n, w:] = 0
         ids[:n] = batch.tokens[:n]
         pos[:n] = starts
-        blk, off = np.divmod(starts, bs)
-        np.multiply(table[layout.at[:n], blk], bs, out=slots[:n], dtype=np.int64)
-        slots[:n] += off
-        np.add(starts, 1, out=lens[:n], casting="unsafe")  # int64 -> int32: starts < block_counts * bs, checked
+        # slot = table[row, start // bs] * bs + start % bs = (table[row, blk] - blk) * bs + start, blk = start // bs
+        blk, at, slot = layout.blk[:n], layout.flat_at[:n], slots[:n]
+        np.floor_divide(starts, bs, out=blk)
+        np.add(layout.row_base[:n], blk, out=at)  # the flat index of each row's block in the table
+        slot[:] = flat_table.take(at)  # int32 ids -> the int64 slots
+        slot -= blk
+        slot *= bs
+        slot += starts
+        lens[:n] = starts  # int64 -> int32: starts < block_counts * bs, checked
+        lens[:n] += 1
         if self._written.get(turn) != (n_seq, n, True):
             # rows past the batch: padding (token 0, position 0, slot -1, seq_len 0, an empty table row)
             ids[n:], pos[n:], slots[n:], lens[n:] = 0, 0, -1, 0
@@ -374,12 +398,15 @@ class MetadataBuilder:
             rows[:] = layout.rows
             if turn != -2:  # a persistent buffer: these stay written until another step of other sizes
                 self._written[turn] = (n_seq, n, True)
-        planned = None if self.decode_planner is None else \
-            self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
+        if self.decode_planner is not None:
+            planned = self.decode_planner(torch.from_numpy(table), torch.from_numpy(lens))
+            self._send(host, turn, layout.end)
+            return layout.step(n, planned)
         self._send(host, turn, layout.end)
-        v = layout.views
-        meta = MLAMetadata(v[2], DecodeMetadata(v[4], v[5], 1, planned), None, v[3])
-        return StepInputs(v[0], v[1], meta, n)
+        step = layout.steps_by_rows.get(n)
+        if step is None:
+            step = layout.steps_by_rows[n] = layout.step(n, None)
+        return step
 
     def _update_tables(self, decode: Sequence[SeqChunk], blocks: list[Sequence[int]] | None = None,
                        counts: np.ndarray | None = None) -> np.ndarray | None:
@@ -425,14 +452,25 @@ class _DecodeLayout:
         self.steps = np.arange(q)
         self.views = [builder._view(sp) for sp in self.spans]
         self._fields: dict[int, list[np.ndarray]] = {}
+        # MetadataBuilder._build_rows: host scratch (each row's block index, its flat index in the table), the
+        # flat index of each table row's first entry, and the step of each real row count (no decode planner)
+        self.blk, self.flat_at = np.zeros(n_seq, dtype=np.int64), np.zeros(n_seq, dtype=np.int64)
+        self.row_base = np.arange(n_seq, dtype=np.int64) * builder.max_blocks
+        self.steps_by_rows: dict[int, StepInputs] = {}
 
     def fields(self, host: Tensor, turn: int) -> list[np.ndarray]:
         """Numpy views, one per field, of the packed host bytes ``host`` (buffer id ``turn``, see
-        ``MetadataBuilder._host``), made once per persistent buffer."""
+        ``MetadataBuilder._host``), made once per persistent buffer; then the block table flattened."""
         fields = self._fields.get(turn)
         if fields is None:
             flat = host.numpy()
             fields = [flat[sp.start:sp.stop].view(sp.dtype).reshape(sp.shape) for sp in self.spans]
+            fields.append(fields[4].reshape(-1))
             if turn != -2:  # a persistent buffer
                 self._fields[turn] = fields
         return fields
+
+    def step(self, n: int, planned: Any) -> StepInputs:
+        """The step's arena views as a decode-only :class:`StepInputs` of ``n`` real rows."""
+        v = self.views
+        return StepInputs(v[0], v[1], MLAMetadata(v[2], DecodeMetadata(v[4], v[5], 1, planned), None, v[3]), n)

@@ -51,7 +51,10 @@ class DecodeRows:
     list object.
 
     Contract: a row's table equals its block list as of the last :meth:`arrange` (for a new row) or
-    :meth:`set_blocks` of it; whoever changes a sequence's block list calls :meth:`set_blocks` for its row.
+    :meth:`set_blocks` of it; whoever changes a sequence's block list calls :meth:`set_blocks` for its row. As
+    for :class:`~mla_compile.serving.host_tables.HostBlockTables`, a list changed in place since the row's last
+    write must only have been appended to (or truncated): any other in-place change is passed as another list
+    object (what :class:`~mla_compile.serving.block_manager.BlockManager` does).
     """
 
     def __init__(self, max_rows: int, max_blocks: int, block_size: int) -> None:
@@ -138,14 +141,19 @@ class DecodeRows:
         return (self.positions[:n] >= self.capacity[:n]).nonzero()[0]
 
     def set_blocks(self, row: int, blocks: Sequence[int]) -> None:
-        """Rewrite ``row``'s table from ``blocks`` (its sequence's block list now; another object or the same
-        one changed). Raises ``ValueError`` for more than ``max_blocks`` blocks, changing nothing."""
+        """Rewrite ``row``'s table from ``blocks`` (its sequence's block list now: another object, or the same one
+        appended to or truncated, see the class contract); the same list grown by one block writes only its new id.
+        Raises ``ValueError`` for more than ``max_blocks`` blocks, changing nothing."""
         k = len(blocks)
         if k > self.max_blocks:
             raise ValueError(f"decode row {row}: {k} blocks exceed max_blocks={self.max_blocks}")
-        ids = np.fromiter(blocks, np.int32, k)
-        self.table[row, :k] = ids
-        self.table[row, k:] = 0
+        held = int(self.block_counts[row])
+        if k == held + 1 and blocks is self.block_lists[row]:  # the usual change: one block appended
+            self.table[row, held] = blocks[held]
+        else:
+            ids = np.fromiter(blocks, np.int32, k)
+            self.table[row, :k] = ids
+            self.table[row, k:] = 0
         self.block_counts[row], self.capacity[row] = k, k * self.block_size
         self.block_lists[row] = blocks
 

@@ -37,7 +37,9 @@ import itertools
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -279,6 +281,8 @@ class Engine:
             and isinstance(b, MetadataBuilder) and b.query_len == 1
         self._rows = DecodeRows(b.max_batch, b.max_blocks, b.block_size) if takes_rows else None
         self._rows_at: int | None = None
+        self._view: _DecodeView | None = None  # see _decode_view
+        self._finishes = 0  # requests finished so far (_finish calls): a step read notes if any finished since launch
 
     @property
     def running(self) -> list[Request]:
@@ -427,9 +431,7 @@ class Engine:
         self._sync()  # overlap: the step in flight gives the request its token first
         if req.finish_reason is not None:
             return req
-        if req in self.running:
-            self.running.remove(req)
-        else:
+        if not self.running.drop(req):
             self.waiting.remove(req)
         self._finish(req, "abort")
         return req
@@ -437,6 +439,7 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         assert reason in FINISH_REASONS and req.finish_reason is None, (reason, req.finish_reason)
         req.finish_reason = reason
+        self._finishes += 1
         self.blocks.free(req.alloc)
         self.finished.append(req)
 
@@ -495,7 +498,6 @@ class Engine:
             if tokens is None:
                 tokens = self._sample(logits, rows)
             host = tokens.cpu()  # a host sync: an asynchronous device error shows here
-            sampled = host.tolist()
             if keep_logits:
                 self.step_logits.append(logits.float().cpu())
         except Exception as exc:
@@ -503,8 +505,19 @@ class Engine:
             if shape is not None:  # [dp] run this step's collectives on padding, or stop
                 self._dp_recover(calls, shape, failed, exc)
             raise self._fail(failed, exc) from exc
+        if batch is not None and not chunks:  # one vectorised pass over the decode rows (see _take_rows)
+            view = self._decode_view(decoding)
+            last = view.last_rows(batch.steps)
+            batch.advance(host.numpy())  # each decode row's token is its next input
+            done = self._take_rows(view, host.numpy(), last, self.new_tokens)
+            for r in done:
+                self.running.drop(r)
+                self._finish(r, "stop" if r.stopped else "length")
+            self._release_windows()  # [window]
+            return done
         if batch is not None:
             batch.advance(host.numpy())  # each decode row's token is its next input
+        sampled = host.tolist()
         for r, t in zip(decoding, sampled):
             r.output.append(t)
             self.new_tokens[r.id] = [t]
@@ -517,7 +530,7 @@ class Engine:
                 self.new_tokens[r.id] = [t]
         done = [r for r in self.running if r.stopped or r.done]
         for r in done:
-            self.running.remove(r)
+            self.running.drop(r)
             self._finish(r, "stop" if r.stopped else "length")
         self._release_windows()  # [window]
         return done
@@ -586,6 +599,51 @@ class Engine:
             self.blocks.grow(r.alloc, int(batch.positions[i]) + 1)
             batch.set_blocks(i, r.alloc.blocks)
 
+    def _decode_view(self, decoding: list[Request]) -> _DecodeView:
+        """What reading the tokens of a decode-only step of ``decoding`` (the decode rows, in row order) needs, made
+        once per ``decoding`` list (:meth:`_schedule` makes a new one whenever the running requests change)."""
+        view = self._view
+        if view is not None and view.requests is decoding:
+            return view
+        n = len(decoding)
+        stop_sets = list(map(_STOPS, decoding))
+        width = max(map(len, stop_sets), default=0)
+        stops = None
+        if width:  # -1 pads (token ids are >= 0)
+            stops = np.full((n, width), -1, dtype=np.int64)
+            if min(map(len, stop_sets)) == width:
+                stops[:] = stop_sets
+            else:
+                for i, ids in enumerate(stop_sets):
+                    stops[i, :len(ids)] = ids
+        view = self._view = _DecodeView(decoding, list(enumerate(decoding)), list(map(_OUTPUT, decoding)),
+                                        list(map(_ID, decoding)),
+                                        np.fromiter(map(_MAX_NEW, decoding), np.int64, n) - 1, stops)
+        return view
+
+    @staticmethod
+    def _take_rows(view: _DecodeView, tokens: np.ndarray, last: list[int], learned: dict[int, list[int]]
+                   ) -> list[Request]:
+        """Take a decode-only step's tokens in one pass: row ``i``'s token ``tokens[i]`` goes to the end of its
+        request's output and of ``learned[request id]``, in row order; returns the requests those tokens finished (a
+        stop token, or ``max_new_tokens`` reached: among the rows ``last``, see :meth:`_DecodeView.last_rows`), in
+        row order, without finishing them. Every request of ``view`` must be unfinished."""
+        n = len(view.ids)
+        toks = tokens[:n]
+        deque(map(list.append, view.outputs, toks.tolist()), 0)
+        singles = toks.reshape(n, 1).tolist()  # [[t], ...]: each request's new tokens
+        if learned:
+            for key, new in zip(view.ids, singles):
+                learned.setdefault(key, []).extend(new)
+        else:
+            learned.update(zip(view.ids, singles))
+        ends = last
+        if view.stops is not None:
+            hit = (view.stops == toks[:, None]).any(1).nonzero()[0].tolist()
+            if hit:
+                ends = sorted({*last, *hit})
+        return [r for r in map(view.requests.__getitem__, ends) if r.stopped or r.done]
+
     @staticmethod
     def _sample(logits: Tensor, rows: list[Request]) -> Tensor:
         """One token per row of ``logits`` ``[len(rows), V]``, each under its request's params at the index
@@ -597,8 +655,7 @@ class Engine:
     def _fail(self, requests: list[Request], exc: Exception) -> StepFailed:
         """Finish the requests of a failed step; returns the error to raise."""
         for r in requests:
-            if r in self.running:  # overlap: a request whose last token is in flight has left running
-                self.running.remove(r)
+            self.running.drop(r)  # overlap: a request whose last token is in flight has left running
             self._finish(r, "error")
         ids = [r.id for r in requests]
         return StepFailed(f"the step of requests {ids} failed ({type(exc).__name__}: {exc}); they are "
@@ -701,10 +758,16 @@ class Engine:
             steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
             logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
         self._returned = True  # [dp] the runner returned: every collective of its model step ran
+        view = last = None
+        if batch is not None and not chunks:  # its tokens are read in one vectorised pass (see _take_rows)
+            view = self._decode_view(decoding)
+            last = view.last_rows(batch.steps)
         if batch is not None:
             batch.advance(None, fed=True)  # the next step feeds each row this step's token, on the device
         host, ready = self._host_tokens.copy(tokens)
         kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
+        if view is not None:
+            return _InFlight(rows, view.yields, host, ready, kept, [], view, last, self._finishes)
         yields = list(enumerate(decoding))
         registered = []  # findable before the step is known to succeed: forgotten again if it fails (_read)
         for i, (r, n) in enumerate(chunks):
@@ -737,14 +800,21 @@ class Engine:
             for m in made:  # no later prompt matches them
                 self.blocks.forget(m)
             raise self._fail(failed, exc) from exc
+        view = step.view
+        if view is not None and (step.finishes == self._finishes or not any(map(_FINISH_REASON, view.requests))):
+            # every request of this decode-only step is still unfinished: one vectorised pass
+            for r in self._take_rows(view, step.tokens.numpy(), step.last, self._learned):
+                self.running.drop(r)  # absent when it reached max_new_tokens (retired at the launch)
+                self._finish(r, "stop" if r.stopped else "length")
+                self._done.append(r)
+            return
         for row, r in step.yields:
             if r.finish_reason is not None:
                 continue  # it stopped in the step before (or failed) after this one was launched: drop the token
             r.output.append(sampled[row])
             self._learned.setdefault(r.id, []).append(sampled[row])
             if r.stopped or r.done:
-                if r in self.running:
-                    self.running.remove(r)
+                self.running.drop(r)
                 self._finish(r, "stop" if r.stopped else "length")
                 self._done.append(r)
 
@@ -752,11 +822,17 @@ class Engine:
         """Requests whose last token (``max_new_tokens``) the step in flight draws leave the batch and free their
         blocks now, as they would after that step without overlap: any step that reuses the blocks is launched
         later, so the device runs it after this one."""
-        if self._inflight is None:
+        step = self._inflight
+        if step is None:
             return
-        yielding = {r.id for _, r in self._inflight.yields}
-        for r in [r for r in self.running if r.id in yielding and len(r.output) + 1 >= r.max_new_tokens]:
-            self.running.remove(r)
+        if step.view is not None:  # a decode-only step: the rows drawing their last token are known
+            retiring = [r for r in map(step.view.requests.__getitem__, step.last)
+                        if len(r.output) + 1 >= r.max_new_tokens and self.running.index_of(r) >= 0]
+        else:
+            yielding = {r.id for _, r in step.yields}
+            retiring = [r for r in self.running if r.id in yielding and len(r.output) + 1 >= r.max_new_tokens]
+        for r in retiring:
+            self.running.drop(r)
             self.blocks.free(r.alloc)
 
     def _sync(self) -> None:
@@ -780,6 +856,22 @@ class _Running(list):
     def touch(self) -> None:
         """Mark a change the list cannot see (a request's prefilling state)."""
         self.version = next(_VERSIONS)
+
+    def index_of(self, item: Any) -> int:
+        """The index of ``item`` itself, or -1: compared by identity (``in`` and ``remove`` compare by ``==``, which for
+        a dataclass builds and compares the field tuples of every request before it)."""
+        try:
+            return list(map(is_, self, repeat(item))).index(True)
+        except ValueError:
+            return -1
+
+    def drop(self, item: Any) -> bool:
+        """Remove ``item`` itself (see :meth:`index_of`); returns whether it was there."""
+        i = self.index_of(item)
+        if i < 0:
+            return False
+        del self[i]
+        return True
 
     def _changed(method):  # noqa: N805 - a decorator of the methods below
         def changed(self, *args, **kwargs):
@@ -819,12 +911,37 @@ class _Fed(dict):
         return super().__contains__(key)
 
 
+_ID, _OUTPUT, _MAX_NEW = attrgetter("id"), attrgetter("output"), attrgetter("max_new_tokens")
+_STOPS, _FINISH_REASON = attrgetter("params.stop_token_ids"), attrgetter("finish_reason")
+
+
+class _DecodeView(NamedTuple):
+    """The decode rows of one ``decoding`` list (see ``Engine._decode_view``): the ``requests`` in row order, their
+    ``(row, request)`` pairs, output lists and ids, the index of each one's last token (``max_new_tokens - 1``,
+    int64 ``[n]``) and its stop token ids (int64 ``[n, k]``, -1 padded; None: no row has any)."""
+
+    requests: list[Request]
+    yields: list[tuple[int, Request]]
+    outputs: list[list[int]]
+    ids: list[int]
+    final: np.ndarray
+    stops: np.ndarray | None
+
+    def last_rows(self, steps: np.ndarray) -> list[int]:
+        """The rows that draw their request's last token (``max_new_tokens``) in a step where row ``i`` draws the
+        token of index ``steps[i]`` (``DecodeRows.steps`` before the step's advance), ascending."""
+        return (steps[:len(self.ids)] >= self.final).nonzero()[0].tolist()
+
+
 @dataclass
 class _InFlight:
     """An overlap step launched but not read: its ``requests`` (one per logits row), the ``(row, request)``
     pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
     already there), a device copy of its float32 logits (``keep_logits``) or None, and the prompt blocks its
-    launch made findable (what each ``blocks.register`` call returned; given to ``blocks.forget`` if it fails)."""
+    launch made findable (what each ``blocks.register`` call returned; given to ``blocks.forget`` if it fails).
+    A decode-only step of the engine's decode rows also has its ``view`` (``Engine._decode_view``), the rows that
+    draw their request's last token (``last``) and the engine's count of finished requests at its launch, so its
+    tokens are read in one pass (``Engine._take_rows``) when no request finished since."""
 
     requests: list[Request]
     yields: list[tuple[int, Request]]
@@ -832,6 +949,9 @@ class _InFlight:
     ready: Any
     logits: Tensor | None
     registered: list[Any]
+    view: _DecodeView | None = None
+    last: list[int] | None = None
+    finishes: int = 0
 
 
 class _HostTokens:

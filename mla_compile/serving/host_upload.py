@@ -27,6 +27,8 @@ class HostUpload:
                           for _ in range(2 if pin else 1)]
         self._arrays = [h.numpy() for h in self._host]  # numpy views, made once
         self._copied: list = [None] * len(self._host)
+        # one event per host buffer, recorded again after each copy from it (begin waits for its last copy first)
+        self._events = [torch.cuda.Event() for _ in self._host] if pin else []
         self._turn = 0
 
     def begin(self) -> np.ndarray:
@@ -43,6 +45,7 @@ class HostUpload:
         turn = self._turn
         self.device.copy_(self._host[turn], non_blocking=True)
         if self.device.device.type == "cuda":
-            self._copied[turn] = torch.cuda.Event()
-            self._copied[turn].record()
+            event = self._events[turn]
+            event.record()
+            self._copied[turn] = event
         self._turn = (turn + 1) % len(self._host)
