@@ -605,22 +605,26 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
     return res
 
 
-def dcp_one_rank(kind, device, query_len, compile_backend=None):
+def dcp_one_rank(kind, device, query_len, compile_backend=None, sink_window=None):
     """The DCP layers over a group of one rank (no process group: the collectives are skipped) on ``device``,
     through :func:`_dcp_script`: ``DCPAttention`` (and ``DCPIndexer``) built from a patched model's layers, so
-    their code paths (per-query causal limits, candidate merge) run with the device's backends. Max logits error
-    against the patched model, eager and (``compile_backend``) compiled fullgraph."""
+    their code paths (per-query causal limits, candidate merge; with ``sink_window=(sink, window)`` the sink +
+    window slots of each rank) run with the device's backends. Max logits error against the patched model, eager
+    and (``compile_backend``) compiled fullgraph, and the longest sequence of the script."""
     from mla_compile.models.metadata import mark_dynamic
     from mla_compile.parallel.attention import DCPAttention
     from mla_compile.parallel.dcp import plan_dcp_step
     from mla_compile.parallel.groups import Group
 
     hf = toy.toy_hf_model(kind, seed=17, device=device)
-    ref = patch(copy.deepcopy(hf))
-    model = patch(hf)
+    sparse = {} if sink_window is None else dict(sparse="sink_window", sink=sink_window[0], window=sink_window[1])
+    ref = patch(copy.deepcopy(hf), **sparse)
+    model = patch(hf, **sparse)
     one = Group(None, (0,), 0)
     for layer in model.model.layers:
         layer.self_attn = DCPAttention(layer.self_attn.config, layer.self_attn, one)
+    if sink_window is not None:
+        model.set_sink_window(*sink_window)  # onto the DCP layers
     script, ends = _dcp_script(hf.config.vocab_size, query_len)
     blocks = _blocks(ends, seed=23)
 
@@ -639,7 +643,7 @@ def dcp_one_rank(kind, device, query_len, compile_backend=None):
     steps = script(blocks, lambda d, p, **kw: plan_dcp_step(d, p, BS, 1, 0, **kw))
     res = {"types": sorted({type(a).__name__ for a in model.attentions}),
            "indexers": sorted({type(a.indexer).__name__ for a in model.attentions if a.indexer is not None}),
-           "err": _max_err(run(model, model, steps), want)}
+           "err": _max_err(run(model, model, steps), want), "longest": max(ends)}
     if compile_backend is not None:
         from torch._dynamo.utils import counters
 

@@ -14,6 +14,7 @@ from mla_compile import ops
 from mla_compile.parallel import dcp
 from mla_compile.serving.block_manager import sink_window_of
 from tests import dcp_sink_workers as w
+from tests import parallel_workers as pw
 from tests.dist_helpers import run_ranks
 
 TOL = 1e-5
@@ -132,6 +133,6 @@ def test_dcp_sink_window_layers_over_one_rank_on_the_gpu():
     """The DCP sink + window path with the GPU's backends (sparse decode over each rank's slots, the LSE merge),
     eager and compiled by Inductor; float32 on the GPU: <= 1e-4."""
     pytest.importorskip("transformers")
-    r = w.dcp_sink_one_rank("cuda", 2, 5, 2, "inductor")
+    r = pw.dcp_one_rank("v3", "cuda", 2, "inductor", sink_window=(2, 5))
     assert r["types"] == ["DCPAttention"] and r["longest"] > 2 + 5 + 8, r
     assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4 and r["graph_breaks"] == {}, r
