@@ -189,15 +189,21 @@ declare_split_op(OP, torch.ops.mla.moe_experts_split, "batch")
 
 
 @torch.compiler.assume_constant_result
-def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts`` on ``device`` with x of ``dtype`` (names; a graph constant): the split
-    fused-up-to-:data:`FUSED_MAX_TOKENS` / grouped above when both serve, else the first usable backend."""
+def fused_or_grouped(op: str, device: str, dtype: str) -> str:
+    """"auto" for an experts op ``op`` (``mla::moe_experts`` and its fp8 sibling) on ``device`` with x of ``dtype``
+    (names; a graph constant): the split "triton" up to :data:`FUSED_MAX_TOKENS` tokens / "grouped" above when
+    both serve, else the first usable backend ("reference" when none is)."""
     facts = facts_for(device, getattr(torch, dtype), need_lse=False)
-    table = backends_for(OP)
-    usable = [n for n in priority(OP) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
+    table = backends_for(op)
+    usable = [n for n in priority(op) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
     if "triton" in usable and "grouped" in usable:
-        return declare_split(OP, ((FUSED_MAX_TOKENS, "triton"), (None, "grouped"))).name
-    return usable[0]
+        return declare_split(op, ((FUSED_MAX_TOKENS, "triton"), (None, "grouped"))).name
+    return usable[0] if usable else "reference"
+
+
+def auto_backend(device: str, dtype: str) -> str:
+    """"auto" for ``mla::moe_experts`` on ``device`` with x of ``dtype``: :func:`fused_or_grouped`."""
+    return fused_or_grouped(OP, device, dtype)
 
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, *,

@@ -31,10 +31,9 @@ from torch import Tensor
 
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp8_block_linear import BLOCK, dequantize, fp8_block_linear
-from mla_compile.ops.moe_experts import (FUSED_MAX_TOKENS, _acc, _out_dtype, combine_sorted, sort_by_expert)
-from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, declare, declare_op, declare_split,
-                                      declare_split_op, priority, run_split_part)
-from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
+from mla_compile.ops.moe_experts import _acc, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
+from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
+from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_experts_fp8", "mla.moe_experts_fp8")
 FP8 = (torch.float8_e4m3fn,)
@@ -181,16 +180,10 @@ moe_experts_fp8_split.register_fake(lambda *args: fake(*args[:-2]))
 declare_split_op(OP, torch.ops.mla.moe_experts_fp8_split, "batch")
 
 
-@torch.compiler.assume_constant_result
 def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts_fp8`` on ``device`` with x of ``dtype`` (names; a graph constant): the split
-    triton-up-to-:data:`FUSED_MAX_TOKENS` / grouped above when both serve, else the first usable backend."""
-    facts = facts_for(device, getattr(torch, dtype), need_lse=False)
-    table = backends_for(OP)
-    usable = [n for n in priority(OP) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
-    if "triton" in usable and "grouped" in usable:
-        return declare_split(OP, ((FUSED_MAX_TOKENS, "triton"), (None, "grouped"))).name
-    return usable[0] if usable else "reference"
+    """"auto" for ``mla::moe_experts_fp8`` on ``device`` with x of ``dtype``: the same choice as for
+    ``mla::moe_experts`` (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
+    return fused_or_grouped(OP, device, dtype)
 
 
 def moe_experts_fp8(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
