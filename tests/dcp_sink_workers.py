@@ -1,5 +1,6 @@
-"""Per-rank bodies of the DCP tests of sink + window attention and of multi-token op-level ``dcp_decode``
-(run by ``tests.dist_helpers.run_ranks`` in spawned processes; plain Python data back to the parent test)."""
+"""Per-rank bodies of the DCP tests of sink + window serving and of multi-token op-level ``dcp_decode`` (the
+sink + window model's logits go through ``tests.parallel_workers.dcp_multi_token_equals_single``), run by
+``tests.dist_helpers.run_ranks`` in spawned processes; plain Python data back to the parent test."""
 
 from __future__ import annotations
 
@@ -8,106 +9,9 @@ import copy
 import torch
 
 from mla_compile.app import toy
-from mla_compile.models.metadata import SeqChunk, mark_dynamic, plan_step
 from mla_compile.models.model import patch
 from mla_compile.parallel import ParallelConfig, init
-from tests.parallel_workers import BS, NUM_BLOCKS, _blocks, _dcp_script, _max_err, _run
-
-
-def _own_blocks(ends, world, rank, interleave, seed):
-    """This rank's own cache blocks of sequences ending at ``ends`` (enough for its part of each)."""
-    from mla_compile.parallel.dcp import local_seq_lens
-
-    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed + rank)).tolist()
-    out, at = [], 0
-    for n in ends:
-        need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
-        out.append(own[at:at + need])
-        at += need
-    return out
-
-
-def _other_batch(vocab: int, q: int):
-    """Four other prompts prefilled, then one ``q``-token decode of all four (the structure of two steps of
-    :func:`_dcp_script`, other batch sizes and lengths): ``(script(blocks, planner), ends)``."""
-    gen = torch.Generator().manual_seed(31)
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 14, 2, 10)]
-    nxt = [torch.randint(0, vocab, (q,), generator=gen).tolist() for _ in prompts]
-
-    def script(blocks, planner):
-        return [planner([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], logits="all"),
-                planner([SeqChunk(b, t, len(p)) for b, t, p in zip(blocks, nxt, prompts)], [], logits="all",
-                        query_len=q)]
-
-    return script, [len(p) + q for p in prompts]
-
-
-def dcp_sink_window_equals_single(rank, world, kind, interleave, sink, window, query_len, compile_too, dcp_size=2):
-    """A sink + window model under DCP (tp=2, dcp=``dcp_size``; 1: TP alone, whole cache rows on every rank) over
-    :func:`_dcp_script` (prefill, chunked prefill over a cached context, ``query_len``-token decode; contexts past
-    ``sink + window``): logits against the single-process
-    sink + window model, planned per rank (``plan_dcp_step``) and localized from the global plan. Also how far the
-    dense model is (the window must matter), and (``compile_too``) fullgraph compile: breaks, collectives, and
-    other batch sizes without a recompile."""
-    from mla_compile.parallel.dcp import localize, plan_dcp_step
-
-    state = init(ParallelConfig(tp=world, dcp=dcp_size), timeout=60)
-    P, rank = state.dcp.size, state.dcp.rank
-    hf = toy.toy_hf_model(kind, seed=17, **({"num_hidden_layers": 1} if compile_too else {}))  # compile: 1 layer
-    vocab = hf.config.vocab_size
-    dense = patch(copy.deepcopy(hf))
-    ref = patch(copy.deepcopy(hf), sparse="sink_window", sink=sink, window=window)
-    model = patch(hf, parallel=state, sparse="sink_window", sink=sink, window=window)
-    for a in model.attentions:
-        a.interleave = interleave
-    script, ends = _dcp_script(vocab, query_len)
-    glob = _blocks(ends, seed=23)
-    global_plan = lambda d, p, **kw: plan_step(d, p, BS, **kw)  # noqa: E731
-    rank_plan = lambda d, p, **kw: plan_dcp_step(d, p, BS, P, rank, interleave=interleave, **kw)  # noqa: E731
-    want = _run(ref, script(glob, global_plan))
-    planned = script(_own_blocks(ends, P, rank, interleave, 90), rank_plan)
-
-    def localized(fn, dynamic=False):
-        def run(input_ids, positions, meta):
-            meta = localize(meta, positions, BS, P, rank, interleave)
-            if dynamic:
-                mark_dynamic(input_ids, positions, meta)
-            return fn(input_ids, positions, meta)
-        return run
-
-    got = _run(model, planned)
-    res = {"type": type(model.attentions[0]).__name__, "sink_window": model.sink_window,
-           "attn_sink_window": [a.sink_window for a in model.attentions], "longest": max(ends),
-           "finite": all(bool(torch.isfinite(g).all()) for g in got), "err": _max_err(got, want),
-           "step_errs": [_max_err([g], [x]) for g, x in zip(got, want)], "rows": [g.shape[0] for g in got],
-           "err_localize": _max_err(_run((localized(model), model), script(glob, global_plan)), want),
-           "vs_dense": _max_err(_run(dense, script(glob, global_plan)), want)}
-    if compile_too:
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        seen: set[str] = set()
-
-        def record(gm, example_inputs):  # Dynamo's graph, run as traced (no AOT / Inductor: fast on CPU)
-            seen.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-            return gm.forward
-
-        compiled = torch.compile(model, fullgraph=True, backend=record)
-        res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
-        graphs = counters["stats"]["unique_graphs"]
-        other, other_ends = _other_batch(vocab, query_len)
-        other_want = _run(ref, other(_blocks(other_ends, seed=5), global_plan))
-        with torch.compiler.set_stance("fail_on_recompile"):
-            got_o = _run((compiled, model), other(_own_blocks(other_ends, P, rank, interleave, 60), rank_plan),
-                         dynamic=True)
-            got_l = _run((localized(compiled, dynamic=True), model), other(_blocks(other_ends, seed=5), global_plan))
-        res["other_err"] = max(_max_err(got_o, other_want), _max_err(got_l, other_want))
-        res["recompiled"] = counters["stats"]["unique_graphs"] - graphs
-        res["graph_breaks"] = dict(counters["graph_break"])
-        res["collectives"] = sorted(t for t in seen if "c10d" in t)
-        res["sparse_decode"] = any("sparse_decode" in t for t in seen)
-    return res
+from tests.parallel_workers import BS
 
 
 def dcp_decode_queries(rank, world, interleave, seq_lens, s_q, given_positions, compile_it):

@@ -546,47 +546,83 @@ def _dcp_script(vocab: int, q: int):
     return script, ends
 
 
-def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too):
-    """DCP over both ranks (tp=2, dcp=2) on steps with cached context and multi-token decode: a prefill of a
-    prefix and a prompt; chunked prefill over the cached prefix mixed with a ``query_len``-token decode; two
-    ``query_len``-token decode steps (every token's logits). Logits vs the single-process model, planned two
-    ways: :func:`plan_dcp_step` (each rank's own blocks) and :func:`localize` of the global plan (what the demo's
-    engine path does). A sparse (V3.2) ``kind`` picks top-k slots over contexts longer than its ``index_topk``."""
-    from mla_compile.parallel.dcp import local_seq_lens, localize, plan_dcp_step
+def _own_blocks(ends, world, rank, interleave, seed):
+    """This rank's own cache blocks of sequences ending at ``ends`` (enough for its part of each)."""
+    from mla_compile.parallel.dcp import local_seq_lens
 
-    state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
-    hf = toy.toy_hf_model(kind, seed=17)
-    ref = patch(copy.deepcopy(hf))
-    script, ends = _dcp_script(hf.config.vocab_size, query_len)
-
-    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(90 + rank)).tolist()
-    local, at = [], 0
+    own = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed + rank)).tolist()
+    out, at = [], 0
     for n in ends:
         need = max(1, -(-int(local_seq_lens(torch.tensor([n]), world, rank, interleave)[0]) // BS))
-        local.append(own[at:at + need])
+        out.append(own[at:at + need])
         at += need
-    glob = _blocks(ends, seed=23)
-    want = _run(ref, script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw)))
-    model = patch(hf, parallel=state)
-    planned = script(local, lambda d, p, **kw: plan_dcp_step(d, p, BS, world, rank, interleave=interleave, **kw))
-    globals_ = script(glob, lambda d, p, **kw: plan_step(d, p, BS, **kw))
+    return out
 
-    def localized(model_fn):
-        def run(input_ids, positions, meta):
-            return model_fn(input_ids, positions, localize(meta, positions, BS, world, rank, interleave))
-        return run
 
+def _other_batch(vocab: int, q: int):
+    """Four other prompts prefilled, then one ``q``-token decode of all four (the structure of two steps of
+    :func:`_dcp_script`, other batch sizes and lengths): ``(script(blocks, planner), ends)``."""
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 14, 2, 10)]
+    nxt = [torch.randint(0, vocab, (q,), generator=gen).tolist() for _ in prompts]
+
+    def script(blocks, planner):
+        return [planner([], [SeqChunk(b, p) for b, p in zip(blocks, prompts)], logits="all"),
+                planner([SeqChunk(b, t, len(p)) for b, t, p in zip(blocks, nxt, prompts)], [], logits="all",
+                        query_len=q)]
+
+    return script, [len(p) + q for p in prompts]
+
+
+def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too, sink_window=None,
+                                  dcp_size=None, layers=None, other_batch=False):
+    """DCP over the ranks (tp=world, dcp=``dcp_size``, default world; 1: TP alone, whole cache rows on every rank)
+    on steps with cached context and multi-token decode: a prefill of a prefix and a prompt; chunked prefill over
+    the cached prefix mixed with a ``query_len``-token decode; two ``query_len``-token decode steps (every token's
+    logits). Logits vs the single-process model, planned two ways: :func:`plan_dcp_step` (each rank's own
+    blocks) and :func:`localize` of the global plan (what the demo's engine path does). A sparse (V3.2) ``kind``
+    picks top-k slots over contexts longer than its ``index_topk``. ``sink_window=(sink, window)``: both models
+    patched with sink + window attention (contexts run past it), and how far the dense model is (the window must
+    matter). ``layers``: the toy's layer count (default the toy's). (``compile_too``) fullgraph compile: breaks,
+    collectives, and (``other_batch``) other batch sizes without a recompile."""
+    from mla_compile.models.metadata import mark_dynamic
+    from mla_compile.parallel.dcp import localize, plan_dcp_step
+
+    state = init(ParallelConfig(tp=world, dcp=dcp_size or world), timeout=60)
+    P, rank = state.dcp.size, state.dcp.rank
+    hf = toy.toy_hf_model(kind, seed=17, **({} if layers is None else {"num_hidden_layers": layers}))
+    vocab = hf.config.vocab_size
+    sparse = {} if sink_window is None else dict(sparse="sink_window", sink=sink_window[0], window=sink_window[1])
+    dense = patch(copy.deepcopy(hf)) if sink_window is not None else None
+    ref = patch(copy.deepcopy(hf), **sparse)
+    model = patch(hf, parallel=state, **sparse)
     for a in model.attentions:
         a.interleave = interleave
-    res = {"type": type(model.attentions[0]).__name__,
-           "indexer": type(model.attentions[0].indexer).__name__ if model.attentions[0].indexer is not None else None,
-           "topk": getattr(hf.config, "index_topk", None), "longest": max(ends)}
+    script, ends = _dcp_script(vocab, query_len)
+    glob = _blocks(ends, seed=23)
+    global_plan = lambda d, p, **kw: plan_step(d, p, BS, **kw)  # noqa: E731
+    rank_plan = lambda d, p, **kw: plan_dcp_step(d, p, BS, P, rank, interleave=interleave, **kw)  # noqa: E731
+    want = _run(ref, script(glob, global_plan))
+    planned = script(_own_blocks(ends, P, rank, interleave, 90), rank_plan)
+
+    def localized(fn, dynamic=False):
+        def run(input_ids, positions, meta):
+            meta = localize(meta, positions, BS, P, rank, interleave)
+            if dynamic:
+                mark_dynamic(input_ids, positions, meta)
+            return fn(input_ids, positions, meta)
+        return run
+
+    attn = model.attentions[0]
     got = _run(model, planned)
-    res["finite"] = all(bool(torch.isfinite(g).all()) for g in got)
-    res["err"] = _max_err(got, want)
-    res["step_errs"] = [_max_err([g], [x]) for g, x in zip(got, want)]
-    res["rows"] = [g.shape[0] for g in got]
-    res["err_localize"] = _max_err(_run((localized(model), model), globals_), want)
+    res = {"type": type(attn).__name__, "indexer": type(attn.indexer).__name__ if attn.indexer is not None else None,
+           "topk": getattr(hf.config, "index_topk", None), "longest": max(ends), "sink_window": model.sink_window,
+           "attn_sink_window": [a.sink_window for a in model.attentions],
+           "finite": all(bool(torch.isfinite(g).all()) for g in got), "err": _max_err(got, want),
+           "step_errs": [_max_err([g], [x]) for g, x in zip(got, want)], "rows": [g.shape[0] for g in got],
+           "err_localize": _max_err(_run((localized(model), model), script(glob, global_plan)), want)}
+    if dense is not None:
+        res["vs_dense"] = _max_err(_run(dense, script(glob, global_plan)), want)
     if compile_too:
         from torch._dynamo.utils import counters
 
@@ -600,8 +636,20 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
 
         compiled = torch.compile(model, fullgraph=True, backend=record)
         res["compiled_err"] = _max_err(_run((compiled, model), planned, dynamic=True), want)
+        if other_batch:
+            graphs = counters["stats"]["unique_graphs"]
+            other, other_ends = _other_batch(vocab, query_len)
+            other_want = _run(ref, other(_blocks(other_ends, seed=5), global_plan))
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got_o = _run((compiled, model), other(_own_blocks(other_ends, P, rank, interleave, 60), rank_plan),
+                             dynamic=True)
+                got_l = _run((localized(compiled, dynamic=True), model),
+                             other(_blocks(other_ends, seed=5), global_plan))
+            res["other_err"] = max(_max_err(got_o, other_want), _max_err(got_l, other_want))
+            res["recompiled"] = counters["stats"]["unique_graphs"] - graphs
         res["graph_breaks"] = dict(counters["graph_break"])
         res["collectives"] = sorted(t for t in seen if "c10d" in t)
+        res["sparse_decode"] = any("sparse_decode" in t for t in seen)
     return res
 
 

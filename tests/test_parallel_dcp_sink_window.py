@@ -67,8 +67,8 @@ def test_engine_keeps_every_block_of_a_dcp_model():
 def test_sharded_sink_window_model_equals_single_process(kind, interleave, sink, window, query_len, compile_too,
                                                          dcp_size):
     pytest.importorskip("transformers")
-    results = run_ranks(w.dcp_sink_window_equals_single, 2, kind, interleave, sink, window, query_len, compile_too,
-                        dcp_size, timeout=300)
+    results = run_ranks(pw.dcp_multi_token_equals_single, 2, kind, interleave, query_len, compile_too, (sink, window),
+                        dcp_size, 1 if compile_too else None, compile_too, timeout=300)  # compiled: one layer
     for r in results:
         assert r["type"] == ("DCPAttention" if dcp_size > 1 else "MLAAttention") and r["finite"], r
         assert r["sink_window"] == (sink, window) and set(r["attn_sink_window"]) == {(sink, window)}, r
