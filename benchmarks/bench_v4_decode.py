@@ -211,6 +211,7 @@ def hf_snapshot(cache) -> list:
 
 
 def hf_restore(cache, snap: list) -> None:
+    """Put back into ``cache`` what :func:`hf_snapshot` took (fresh dicts: a later step may rebind their entries)."""
     for l, (k, v, n, state) in zip(cache.layers, snap):
         l.keys, l.values, l.cumulative_length = k, v, n
         for a, d in state.items():
@@ -348,6 +349,7 @@ def hf_row(impl: str, a, hf, run, model, contexts: Contexts, b: int, ids: torch.
     consecutive real steps from that context (positions ctx, ctx+1, ...: the cache grows, its Python ints
     change): each one's wall time and the graphs it compiled (a recompile shows as 1); a step is not started
     when one more first-call time would pass ``deadline`` (``time.time()``)."""
+    from bench_decode_step import rel_err
     from torch._dynamo.utils import counters
 
     kw, ctx = hf_cache_kw(hf), contexts.ctx
@@ -370,7 +372,7 @@ def hf_row(impl: str, a, hf, run, model, contexts: Contexts, b: int, ids: torch.
     sync()
     first = time.perf_counter() - t0
     if ref is not None:
-        row["rel_err_vs_ours_eager"] = float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+        row["rel_err_vs_ours_eager"] = rel_err(out.float(), ref.float())
     del out
     g1 = graphs()
     row.update(timed(call, dev, a.warmup, a.iters))
