@@ -169,6 +169,7 @@ class V4BlockManager:
         return self.tokens.peak_blocks(prompt_len, capacity)
 
     def peak_tokens(self, prompt_len: int, capacity: int) -> int:
+        """Token rows a sequence holds at once (:meth:`BlockManager.peak_tokens` of the windowed manager)."""
         return self.tokens.peak_tokens(prompt_len, capacity)
 
     def _entries(self, capacity: int, rate: int) -> int:
