@@ -386,9 +386,18 @@ def profile_replay(args, runner, wl: Workload, batch: int, ctx: int) -> None:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA)
+    head = (f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), 5 replays: {kernels / 5:.0f} "
+            f"GPU ops a replay, {kernels / 5 / args.layers:.1f} a layer ({args.layers} layers)")
     with open(os.path.join(args.out, "profile_replay.txt"), "w") as f:
-        f.write(f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), 5 replays\n{table}\n")
+        f.write(f"{head}\n{table}\n")
+    with open(os.path.join(args.out, "profile_replay.csv"), "w") as f:  # every kernel: calls and us per replay
+        f.write("name,calls_per_replay,us_per_replay\n")
+        for a in sorted(averages, key=lambda a: -a.device_time_total):
+            if a.device_type == torch.autograd.DeviceType.CUDA:
+                f.write(f"\"{a.key[:200]}\",{a.count / 5:g},{a.device_time_total / 5:.1f}\n")
 
 
 def metadata_timing(args, dev, builder, wl: Workload, runner) -> None:
