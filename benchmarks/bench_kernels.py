@@ -377,6 +377,8 @@ def main():
     ap.add_argument("--out", required=True, help="folder for bench_kernels.{json,txt,png}")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
     ap.add_argument("--quick", action="store_true", help="no config sweeps")
+    ap.add_argument("--small", action="store_true",
+                    help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -394,7 +396,13 @@ def main():
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     ]
-    sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
+    if args.small:
+        ssweep = [dict(BLOCK_H=16, BLOCK_N=n, num_warps=w, num_stages=st, SPLITS=sp) for sp in (16, 32, 64)
+                  for n, w, st in ((64, 8, 3), (32, 4, 3))]
+        sections = [lambda: decode_case(1, 16, 4096, ssweep, args.budget_s)]
+    else:
+        sections = []
+    sections = sections or [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
                 lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
                 lambda: prefill_case(8, 4096, 128, psweep, args.budget_s),
                 small_ops]

@@ -50,7 +50,8 @@ SWEEP = False
 FP8 = False
 # (gate_up_tile, down_tile, waves, num_warps)
 SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
-                 (4096, 2048, 1, 4))
+                 (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
+                 (8192, 4096, 8, 8), (16384, 16384, 8, 8))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
