@@ -225,9 +225,11 @@ def sweep_configs(group, config, label, call, all_sets, flops, nbytes):
     (``call``: one float32 output) against the default config; the default is restored after."""
     default = dict(config)
     want = call().double()
+    bk.attempt(group, f"{label} default {config}", all_sets, flops, nbytes, rep_ms=100, sets=SETS)
     try:
         for gu_tile, dn_tile, waves, warps in SWEEP_CONFIGS:
             config.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
+            config.pop("narrow_tile", None)  # the swept tiles apply at every width
             err = float((call().double() - want).norm() / want.norm())
             bk.attempt(group, f"{label} gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
                        f"rel diff to default {err:.1e}", rep_ms=100, sets=SETS)

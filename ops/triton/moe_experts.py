@@ -91,8 +91,16 @@ def _moe_down_kernel(
 
 # Launch parameters (a benchmark may swap them; each config is checked against the reference there).
 # ``tile``: elements of a program's weight tile per load step (BLOCK_N * BLOCK_K, BLOCK_H * BLOCK_K); ``waves``:
-# the widest output tile (16, 8 or 4) is taken that still gives every SM this many programs.
-CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=2, num_warps=4)
+# the widest output tile (16, 8 or 4) is taken that still gives every SM this many programs; ``narrow_tile``: the
+# elements a load step of a 4-wide tile (few tokens: the whole of H or I in one step, the most bytes in flight;
+# wider tiles keep the smaller tiles, which do not spill). Timings: ``bench_moe --sweep``, BENCHMARKS.md.
+CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192)
+
+
+def _tile(name: str, block: int) -> int:
+    """Elements of a program's weight tile per load step for ``block`` outputs (``CONFIG[name]``, or
+    ``narrow_tile`` for 4-wide tiles where the config has one)."""
+    return CONFIG.get("narrow_tile", CONFIG[name]) if block == 4 else CONFIG[name]
 
 
 def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
@@ -127,13 +135,13 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
         x, ids, gate_up, sg, su, h, H, I, K, slots,
         x.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
-        BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_tile"] // block_n // wide, num_warps=CONFIG["num_warps"],
+        BLOCK_N=block_n, BLOCK_K=_tile("gate_up_tile", block_n) // block_n // wide, num_warps=CONFIG["num_warps"],
     )
     block_h = _blocks(T, H, x.device)
     wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
         h, weights, ids, down, sd, out, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
-        K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=CONFIG["down_tile"] // block_h // wide,
+        K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=_tile("down_tile", block_h) // block_h // wide,
         num_warps=CONFIG["num_warps"],
     )
     return out

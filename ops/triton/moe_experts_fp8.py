@@ -107,8 +107,8 @@ def _moe_fp8_down_kernel(
 
 # Launch parameters (a benchmark may swap them; each config is checked against the reference there).
 # ``tile``: elements of a program's weight tile per load step; ``waves``: the widest output tile (16, 8 or 4) is
-# taken that still gives every SM this many programs.
-CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=2, num_warps=4)
+# taken that still gives every SM this many programs (``bench_moe --sweep --fp8``, BENCHMARKS.md).
+CONFIG = dict(gate_up_tile=4096, down_tile=4096, waves=2, num_warps=4)
 _MAX_BLOCK_K = 1024
 
 
