@@ -125,10 +125,21 @@ def _gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
     return torch.ops.mla.decode_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-# rank after "triton": the measured timings (ops/backend_timings) decide when "auto" takes it, once GPU-tested
-declare(OP, "gluon", _gluon, rank=60, available=_triton_available, dtypes=(torch.bfloat16,),
-        cache_dtypes=(torch.bfloat16,), block_multiple=64, packed_rows=True, head_dims=((512, 64),),
-        min_capability=SM90, max_capability=SM90, package="triton", gpu_tested=False,
+def _gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+              scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_ws)
+    return torch.ops.mla.decode_gluon_ws(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+# Gluon sm_90 kernels (ops/triton/decode_gluon.py): ranked after "triton", so without timings "auto" keeps
+# the Triton kernel; the measured timings (ops/backend_timings) decide once they are GPU-tested.
+_GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16,), cache_dtypes=(torch.bfloat16,), block_multiple=64,
+              packed_rows=True, head_dims=((512, 64),), min_capability=SM90, max_capability=SM90, package="triton",
+              gpu_tested=False)
+declare(OP, "gluon", _gluon, rank=60, **_GLUON,
         kernels=("decode_gluon=gluon (opaque kernel)", "decode_gluon_kernel"),
         note="ours (Gluon, sm_90: TMA tiles, wgmma, 64 query rows a program); bf16, 512 + 64, pages of a "
              "multiple of 64 (a strided cache runs the Triton kernel)")
+declare(OP, "gluon-ws", _gluon_ws, rank=61, **_GLUON,
+        kernels=("decode_gluon_ws=gluon-ws (opaque kernel)", "decode_gluon_ws_kernel"),
+        note="as 'gluon', warp-specialized (a TMA producer, two consumer warpgroups alternating tiles)")

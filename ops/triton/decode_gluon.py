@@ -20,6 +20,17 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   back to back (asynchronous ``wgmma``); once ``P_j V_j`` is done (both warpgroups, a CTA barrier) slot j
   takes the copy of tile j + 2, so a copy runs while the program works through the next tile.
 
+``decode_gluon_ws_kernel`` (``config={"WS": True}``) is the same work warp-specialized, after FlashMLA's
+sm_90 decode: a producer (the 4 default warps) streams tiles into the two slots (``full`` / ``empty``
+mbarriers, both consumers release a slot); consumer warpgroup c owns output columns ``[256 c, 256 c + 256)``
+and the scores and softmax of the tiles t = c, c + 2, ...: it issues ``S_t`` before it folds in the other
+consumer's tile t - 1 (its P, running max and rescale factor handed over in shared memory, ``pready``),
+so one consumer's softmax runs while the other's dots do. Its own ``P V`` takes P from registers, the
+other's from the one shared P buffer (written only after the writer's own read of the last P is done).
+Both end with the same running max; consumer 1 hands its row sums to consumer 0, which stores the LSE.
+The query rows' rope part, P and the dot operands' descriptors are indexed by an opaque zero in the loop
+(``_fp8_tma.opaque_zero``: built there, not hoisted and held in registers).
+
 The keys of a sequence's last, partial tile past its length may hold anything (NaN included): their
 scores are masked and their value rows zeroed in shared memory before ``P V``. A row that sees no key has
 LSE -inf and output 0. With one split the program writes the result (bf16 output, natural-log LSE); else
@@ -47,6 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
@@ -58,6 +70,7 @@ D = DC + DR
 CHUNK = 64  # columns a TMA copy (128 bytes: the swizzle width)
 STAGES = 2  # tile slots
 NUM_WARPS = 8
+WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 PROGRAMS_PER_SM = 1
 TILE_BYTES = BLOCK_N * D * 2
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -83,10 +96,10 @@ def _issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page, tile, n_tiles, start, B
 
 
 @gluon.jit
-def _zero_tail(k_v, valid):
+def _zero_tail(k_v, valid, zl: gl.constexpr):
     """Zero the value columns ``[0, 512)`` of a slot's key rows at or past ``valid`` (a partial tile: rows of a
-    page past the sequence may hold NaN, and 0 * NaN would reach the output)."""
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    page past the sequence may hold NaN, and 0 * NaN would reach the output); ``zl``: a ``[64, 64]`` layout
+    of the calling warps."""
     keep = (gl.arange(0, 64, gl.SliceLayout(1, zl)) < valid)[:, None]
     for c in gl.static_range(8):
         part = k_v.slice(c * 64, 64, dim=1)
@@ -178,7 +191,7 @@ def decode_gluon_kernel(
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
         if n0 + 64 > end:
-            _zero_tail(k_cur, end - n0)
+            _zero_tail(k_cur, end - n0, q_l)
         p_s.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P rows (and zeroed value rows) before either warpgroup's P V
@@ -202,9 +215,227 @@ def decode_gluon_kernel(
     gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
 
 
-def smem_bytes() -> int:
+# ---- the warp-specialized kernel (``config={"WS": True}``) -------------------------------------------------
+
+
+@gluon.jit
+def _ws_produce(desc_c, desc_r, kc_s, kr_s, full, empty, bt_row, n_tiles, start, BLOCK_SIZE: gl.constexpr):
+    """The producer warp: tile t into slot t % 2 (``full``) once both consumers released tile t - 2 from it
+    (``empty``, two arrivals a use); block-table entries a tile ahead."""
+    page = tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64)
+    for t in range(n_tiles):
+        page_next = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)
+        mbarrier.wait(empty.index(t % 2), ((t // 2) - 1) & 1, pred=t >= 2)
+        _issue_tile(desc_c, desc_r, kc_s, kr_s, full, page, t, n_tiles, start, BLOCK_SIZE)
+        page = page_next
+
+
+@gluon.jit
+def _ws_softmax(s, m_prev, n0, end, lim_min, limit, offs_n, scale_log2):
+    """Scores ``S`` of the tile at ``n0`` to ``(P, m, alpha)``: masked base-2 scores, the rows' new running max
+    after ``m_prev`` and the factor ``alpha`` that takes sums relative to ``m_prev`` to sums relative to ``m``."""
+    s = s * scale_log2
+    if n0 + 64 > gl.minimum(end, lim_min):
+        pos = n0 + offs_n
+        s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+    return gl.exp2(s - m_shift[:, None]), m_new, gl.exp2(m_prev - m_shift)
+
+
+@gluon.jit
+def _ws_publish(p, m_new, alpha, p_s, m_s, a_s, bar):
+    """Hand a tile's ``P`` (bf16), running max and ``alpha`` to the other consumer through shared memory and
+    signal ``bar`` (one arrival, after this consumer's warps have stored)."""
+    p_s.store(p.to(gl.bfloat16))
+    m_s.store(m_new)
+    a_s.store(alpha)
+    fence_async_shared()  # P is read by the other consumer's wgmma
+    gl.thread_barrier()  # (this consumer's warps)
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full, empty, pready, done,
+                scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, o_ptr, lse_ptr,
+                DC: gl.constexpr, DIRECT: gl.constexpr):
+    """Consumer warpgroup ``C``: owns output columns ``[256 C, 256 C + 256)`` of every tile and the scores and
+    softmax of the tiles t = C, C + 2, ...; the running max passes between the consumers with each tile's P.
+
+    Its own tile t: ``S_t`` (its S dot issued before it handles the other's tile t - 1, so that dot runs
+    while it waits), the softmax from the max after tile t - 1 (read with tile t - 1's hand-over), zeroed
+    value rows of a partial tile, P_t / max / alpha handed over (``pready``), then ``O += P_t V_t`` with P
+    from registers. The other's tile t: ``O *= alpha_t``, ``O += P_t V_t`` with P from shared memory (one
+    buffer: each consumer writes it only after its own read of the other's P is done). Each tile's slot
+    is released (``empty``) by both consumers once their reads of it are done. At the end consumer 1 hands
+    its row sums to consumer 0 (``done``), which stores the LSE; each stores its columns."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    rows = pid_h * 64 + gl.arange(0, 64, row_s)
+    row_ok = rows < M
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
+    zero_s = gl.zeros([64, 64], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    o = gl.zeros([64, 256], gl.float32, o_l)
+
+    if C == 0:  # tile 0: nothing of the other's before it
+        if n_tiles > 0:
+            z = opaque_zero(n_tiles)
+            mbarrier.wait(full.index(0), 0)
+            s = warpgroup_mma(qr_s.index(z), kr_s.index(z).permute([1, 0]), zero_s)
+            s = warpgroup_mma(q_s.index(z), kc_s.index(z).permute([1, 0]), s)
+            p, m_i, alpha = _ws_softmax(s, m_i, start, end, lim_min, limit, offs_n, scale_log2)
+            if start + 64 > end:
+                _zero_tail(kc_s.index(0), end - start, zl)
+            _ws_publish(p, m_i, alpha, p_s.index(z), m_s, a_s, pready.index(0))
+            l_i = gl.sum(p, axis=1)
+            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc_s.index(z).slice(0, 256, dim=1), o)
+            gl.thread_barrier()  # every warp's dots done before the release
+            mbarrier.arrive(empty.index(0), count=1)
+    for t in range(2 - C, n_tiles, 2):
+        slot = t % 2
+        prev = 1 - slot
+        n0 = start + t * 64
+        z = opaque_zero(t)  # the loop-invariant operands indexed by it: descriptors made in the loop, not held
+        mbarrier.wait(full.index(slot), (t // 2) & 1)
+        sa = warpgroup_mma(qr_s.index(z), kr_s.index(slot).permute([1, 0]), zero_s, is_async=True)
+        sa = warpgroup_mma(q_s.index(z), kc_s.index(slot).permute([1, 0]), sa, is_async=True)
+        # the other's tile t - 1
+        mbarrier.wait(full.index(prev), ((t - 1) // 2) & 1)  # (long complete: its P came after it)
+        mbarrier.wait(pready.index(prev), ((t - 1) // 2) & 1)
+        alpha_o = a_s.load(row_s)
+        m_i = m_s.load(row_s)
+        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+        l_i = l_i * alpha_o
+        pv = warpgroup_mma(p_s.index(z), kc_s.index(prev).slice(C * 256, 256, dim=1), o, is_async=True)
+        # this consumer's tile t
+        s = warpgroup_mma_wait(1, deps=[sa])
+        p, m_i, alpha = _ws_softmax(s, m_i, n0, end, lim_min, limit, offs_n, scale_log2)
+        if n0 + 64 > end:
+            _zero_tail(kc_s.index(slot), end - n0, zl)
+        o = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()  # every warp's read of the other's P and of tile t - 1 done: P's buffer is free
+        mbarrier.arrive(empty.index(prev), count=1)
+        _ws_publish(p, m_i, alpha, p_s.index(z), m_s, a_s, pready.index(slot))
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc_s.index(slot).slice(C * 256, 256, dim=1), o)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
+    last = n_tiles - 1
+    if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's
+        slot = last % 2
+        mbarrier.wait(full.index(slot), (last // 2) & 1)
+        mbarrier.wait(pready.index(slot), (last // 2) & 1)
+        alpha_o = a_s.load(row_s)
+        m_i = m_s.load(row_s)
+        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+        l_i = l_i * alpha_o
+        o = warpgroup_mma(p_s.index(0), kc_s.index(slot).slice(C * 256, 256, dim=1), o)
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    # row sums: consumer 1's into x_s[0]; consumer 0 adds its own, stores the LSE and the total into x_s[1]
+    if C == 1:
+        x_s.index(0).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done.index(0), count=1)
+        mbarrier.wait(done.index(1), 0)
+        l_i = x_s.index(1).load(row_s)
+        empty_row = l_i == 0.0
+        inv = 1.0 / gl.where(empty_row, 1.0, l_i)
+        if DIRECT:
+            o_first = (b * M + rows) * DC
+        else:
+            o_first = ((b * M + rows) * n_splits + pid_s) * DC
+    else:
+        mbarrier.wait(done.index(0), 0)
+        l_i = l_i + x_s.index(0).load(row_s)
+        x_s.index(1).store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(done.index(1), count=1)
+        inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    cols = C * 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
+    first = gl.convert_layout(o_first, row_o)
+    ok = gl.convert_layout(row_ok, row_o)
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_ptr + first[:, None] + cols[None, :], (o * gl.convert_layout(inv, row_o)[:, None]).to(ty),
+             mask=ok[:, None])
+
+
+@gluon.jit
+def decode_gluon_ws_kernel(
+    q_ptr, desc_c, desc_r, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_bt,
+    M, H, S_Q, n_splits,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+):
+    """``decode_gluon_kernel``'s contract, warp-specialized: 4 warps (consumer 0) plus a consumer warpgroup
+    and a producer warp (``gl.warp_specialize``); the consumers take alternate tiles' scores and softmax
+    (``_ws_consume``), so one's softmax runs while the other's dots do."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_SIZE % 64 == 0)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    scale_log2 = gl.full([], scale_log2, gl.float32)
+    pid_h = gl.program_id(0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C)
+    m_s = gl.allocate_shared_memory(gl.float32, [64], plain)
+    a_s = gl.allocate_shared_memory(gl.float32, [64], plain)
+    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(pready.index(i), count=1)
+        mbarrier.init(done.index(i), count=1)
+
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    for c in gl.static_range(8):
+        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+        q_s.index(0).slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+    qr_s.index(0).store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None],
+                                other=0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_ws_produce, (desc_c, desc_r, kc_s, kr_s, full, empty, bt_row, n_tiles, start, BLOCK_SIZE)),
+        (_ws_consume, (0, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full, empty, pready, done, scale_log2, start,
+                       end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, o_ptr, lse_ptr, DC, DIRECT)),
+        (_ws_consume, (1, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full, empty, pready, done, scale_log2, start,
+                       end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, o_ptr, lse_ptr, DC, DIRECT)),
+    ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
+
+
+def smem_bytes(ws: bool = False) -> int:
     """Shared memory of one program's buffers: the query rows, the two tile slots, P and the slots' barriers
-    (the sm_90 compile adds a little scratch for the cross-warpgroup row maxima; checked by a test)."""
+    (the sm_90 compile adds a little scratch for the cross-warpgroup row maxima; checked by a test); ``ws``:
+    the warp-specialized kernel's (with its hand-over rows, max, alpha and row sums, and eight barriers; the
+    compile adds the partitions' captured arguments)."""
+    if ws:
+        return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + 4 * BLOCK_M * 4 + 8 * 8
     return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + STAGES * 8
 
 
@@ -230,7 +461,8 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
-    waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``."""
+    waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``);
+    several splits are merged by ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -245,29 +477,47 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
     desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
-    decode_gluon_kernel[(hb, splits, B)](
+    ws = bool((config or {}).get("WS", False))
+    kernel = decode_gluon_ws_kernel if ws else decode_gluon_kernel
+    kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
-        M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, num_warps=NUM_WARPS,
+        M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
+        num_warps=WS_WARPS if ws else NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
     return out, lse
+
+
+def _run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+         ws: bool) -> tuple[Tensor, Tensor]:
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    if eligible(q, kv_cache, kv_lora_rank):
+        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config={"WS": ws})
+    return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
 @torch.library.custom_op("mla::decode_gluon", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                  kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """Gluon ``mla::decode`` (same contract as ``mla::decode_ref``; an opaque call to Inductor): :func:`launch`
-    where :func:`eligible`, else ``mla::decode_triton`` (a strided cache, a cache base off 16 bytes, another
-    GPU or dtype; the reference off CUDA)."""
-    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    if eligible(q, kv_cache, kv_lora_rank):
-        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-    return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    (``decode_gluon_kernel``) where :func:`eligible`, else ``mla::decode_triton`` (a strided cache, a cache
+    base off 16 bytes, another GPU or dtype; the reference off CUDA)."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, False)
 
 
-@decode_gluon.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+@torch.library.custom_op("mla::decode_gluon_ws", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                    kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_gluon`` with the warp-specialized kernel (``decode_gluon_ws_kernel``)."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, True)
+
+
+def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
     return decode_outputs(q, kv_lora_rank)
+
+
+decode_gluon.register_fake(_fake)
+decode_gluon_ws.register_fake(_fake)

@@ -1,11 +1,12 @@
-"""The sm_90 Gluon bf16 decode (``ops/triton/decode_gluon.py``, backend "gluon" of ``mla::decode``).
+"""The sm_90 Gluon bf16 decodes (``ops/triton/decode_gluon.py``, backends "gluon" and "gluon-ws" of
+``mla::decode``).
 
-On any machine with Triton: its sm_90 compile (shared memory within an SM's 227 KB, no spills, 8 warps, the
-dots and TMA copies there) and its declaration (what the selector lets it serve; "auto" never picks it before
-its GPU run). On an sm_90 GPU: shapes against a float64 softmax written here (NaN-poisoned cache rows and
-outputs, empty sequences, lengths off the tile size, several splits and one, MTP rows, pages of 64 and 128),
-the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph replay through
-``mla_compile.ops.decode(..., backend="gluon")``."""
+On any machine with Triton: their sm_90 compiles (shared memory within an SM's 227 KB, spills, warps, the
+dots and TMA copies there) and their declarations (what the selector lets them serve; "auto" never picks them
+before their GPU run). On an sm_90 GPU, for both kernels: shapes against a float64 softmax written here
+(NaN-poisoned cache rows and outputs, empty sequences, lengths off the tile size, several splits and one, MTP
+rows, pages of 64 and 128), the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph
+replay through ``mla_compile.ops.decode(..., backend="gluon" | "gluon-ws")``."""
 
 from __future__ import annotations
 
@@ -69,12 +70,13 @@ def _inputs(lens, H, s_q, bs, seed):
     return q, cache, table, seq_lens
 
 
-def _check(lens, H, s_q, bs, seed, config=None):
+def _check(lens, H, s_q, bs, seed, config=None, kernel="plain"):
     from mla_compile.ops.triton import decode_gluon
 
     q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
     assert decode_gluon.eligible(q, cache, DC)
     poison_allocator()
+    config = dict(config or {}, WS=kernel == "ws")
     out, lse = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
     torch.cuda.synchronize()
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
@@ -97,76 +99,91 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 ]
 
 
+# "plain": decode_gluon_kernel (8 warps in step); "ws": decode_gluon_ws_kernel (warp-specialized). Run the
+# plain ones first on a new GPU (-k "not ws"): a hang in the other would stop the session.
+KERNELS = ["plain", "ws"]
+
+
 @pytest.mark.cuda
 @needs_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
-def test_gluon_decode_shapes(B, H, s_q, max_len, bs, splits):
+def test_gluon_decode_shapes(kernel, B, H, s_q, max_len, bs, splits):
     gen = torch.Generator().manual_seed(B * 7 + H + s_q)
     lens = lens_with_empty(B, max_len, gen)
-    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits})
+    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits}, kernel=kernel)
 
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("lens", [[0, 0, 0], [1, 0, 65], [64, 128, 129, 1]])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("lens", [[0, 0, 0], [1, 0, 65], [64, 128, 129, 1], [200, 130, 250]])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_gluon_decode_short_and_empty(lens, s_q):
-    """Splits with no tile, a single tile, a single partial tile: every row written, -inf LSE where nothing
-    is seen (s_q = 2 with one key: the first query position sees nothing)."""
-    _check(lens, 16, s_q, 64, seed=3)
-    _check(lens, 16, s_q, 64, seed=4, config={"SPLITS": 4})
+def test_gluon_decode_short_and_empty(kernel, lens, s_q):
+    """Splits with no tile, one tile, one partial tile, two and three tiles (each consumer's first and last
+    tile of the warp-specialized kernel): every row written, -inf LSE where nothing is seen (s_q = 2 with one
+    key: the first query position sees nothing)."""
+    _check(lens, 16, s_q, 64, seed=3, kernel=kernel)
+    _check(lens, 16, s_q, 64, seed=4, config={"SPLITS": 4}, kernel=kernel)
 
 
 @pytest.mark.cuda
 @needs_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("scale", [-SCALE, 2.0])
-def test_gluon_decode_any_scale(scale):
+def test_gluon_decode_any_scale(kernel, scale):
     from mla_compile.ops.triton import decode_gluon
 
     q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
-    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC)
+    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config={"WS": kernel == "ws"})
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, scale)
     assert_attention_close(out, lse, ref, ref_lse, BF, lse_atol=2e-2 * max(1.0, abs(scale) / SCALE))
 
 
+BACKENDS = {"gluon": "plain", "gluon-ws": "ws"}  # mla::decode backend -> kernel
+
+
 @pytest.mark.cuda
 @needs_sm90
-def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache():
-    """Backend "gluon" of ``mla::decode`` is the kernel bit for bit on a contiguous cache; pages inside a
-    larger buffer (a strided cache, no TMA descriptor over it) run ``mla::decode_triton`` instead."""
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend):
+    """Backends "gluon" / "gluon-ws" of ``mla::decode`` are their kernel bit for bit on a contiguous cache;
+    pages inside a larger buffer (a strided cache, no TMA descriptor over it) run ``mla::decode_triton``."""
     from mla_compile.ops.triton import decode_gluon
 
     q, cache, table, seq_lens = _inputs([900, 0, 333], 16, 1, 64, seed=5)
-    got = decode(q, cache, table, seq_lens, SCALE, backend="gluon")
-    want = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC)
+    got = decode(q, cache, table, seq_lens, SCALE, backend=backend)
+    want = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"WS": BACKENDS[backend] == "ws"})
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     wide = torch.full((cache.shape[0], 128, cache.shape[2]), float("nan"), dtype=BF, device="cuda")
     wide[:, :64] = cache
     strided = wide[:, :64]
     assert not decode_gluon.eligible(q, strided, DC)
-    got = decode(q, strided, table, seq_lens, SCALE, backend="gluon")
+    got = decode(q, strided, table, seq_lens, SCALE, backend=backend)
     want = torch.ops.mla.decode_triton(q, strided, table, seq_lens, SCALE, DC)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.cuda
 @needs_sm90
-def test_gluon_decode_opcheck():
+@pytest.mark.parametrize("op", ["decode_gluon", "decode_gluon_ws"])
+def test_gluon_decode_opcheck(op):
     import mla_compile.ops.triton.decode_gluon  # noqa: F401
 
     q, cache, table, seq_lens = _inputs([70, 0, 130], 16, 2, 64, seed=1)
-    opcheck(torch.ops.mla.decode_gluon.default, (q, cache, table, seq_lens, SCALE, DC))
+    opcheck(getattr(torch.ops.mla, op).default, (q, cache, table, seq_lens, SCALE, DC))
 
 
 @pytest.mark.cuda
 @needs_sm90
-def test_compiled_and_graph_replay_through_the_op():
-    """``decode(..., backend="gluon")`` under torch.compile(fullgraph) and captured in a CUDA graph: replays
-    take new lengths and queries (nothing read on the host)."""
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_compiled_and_graph_replay_through_the_op(backend):
+    """``decode(..., backend=...)`` under torch.compile(fullgraph) and captured in a CUDA graph: replays take
+    new lengths and queries (nothing read on the host)."""
     B, H = 12, 16
     gen = torch.Generator().manual_seed(8)
     q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=8)
-    step = torch.compile(lambda q, t, s: decode(q, cache, t, s, SCALE, backend="gluon"), fullgraph=True)
+    step = torch.compile(lambda q, t, s: decode(q, cache, t, s, SCALE, backend=backend), fullgraph=True)
     out, lse = step(q, table, seq_lens)
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
     assert_attention_close(out, lse, ref, ref_lse, BF)
@@ -184,10 +201,11 @@ def test_compiled_and_graph_replay_through_the_op():
         assert_attention_close(out, lse, ref, ref_lse, BF)
 
 
-def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64():
-    """What the selector lets backend "gluon" serve (no GPU needed: facts given), and that "auto" skips it
-    until the lead marks it GPU-tested."""
-    spec = backends_for("decode")["gluon"]
+@pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])
+def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
+    """What the selector lets backends "gluon" / "gluon-ws" serve (no GPU needed: facts given), and that "auto"
+    skips them until the lead marks them GPU-tested."""
+    spec = backends_for("decode")[backend]
     assert not spec.gpu_tested
 
     def facts(**kw):
@@ -204,7 +222,26 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64():
                 dict(cache_dtype=torch.float16), dict(block_size=32), dict(head_dims=(512, 32)),
                 dict(packed_rows=False)):
         assert why_not(spec, facts(**bad)) is not None, bad
-    assert select("decode", facts()).name != "gluon"
+    assert select("decode", facts()).name not in ("gluon", "gluon-ws")
+
+
+def _compile_sm90(kernel, consts, warps):
+    """The sm_90 compile of one of the module's kernels, its pointers and the q strides 16-byte divisible as the
+    JIT specializes them for a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import decode_gluon as g
+
+    types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
+                 o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32",
+                 desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or p.name.startswith("stride_q")}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
 @sm90_compile
@@ -215,23 +252,11 @@ def test_sm90_compile_resources(direct, block_size):
     fit one SM's register file), shared memory of its buffers' formula plus under 1 KB of scratch and within
     an SM's 227 KB; the loop's dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) and the
     two TMA copies a tile (three places) are there."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
-    kernel = g.decode_gluon_kernel
-    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct)
-    types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
-                 o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32",
-                 desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
-    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if sig[p.name].startswith("*") or p.name.startswith("stride_q")}  # as the JIT specializes them
-    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+    compiled = _compile_sm90(g.decode_gluon_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
+                             g.NUM_WARPS)
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
@@ -241,3 +266,27 @@ def test_sm90_compile_resources(direct, block_size):
     assert res["regs"] <= 255, res
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
     assert res["UTMALDG"] == 6, res
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+def test_sm90_compile_resources_warp_specialized(direct):
+    """The warp-specialized kernel compiles for sm_90: 4 producer warps and two 4-warp consumers (12 warps),
+    shared memory of its formula plus under 1 KB of captured arguments, within 227 KB; the consumers spill
+    little (at most 160 bytes of stack: constant parts of the S dot's descriptors reloaded in consumer 0's
+    loop); each consumer's dots are there (consumer 0: tile 0's S and P V, then per own tile S and two P V,
+    the last tile's P V; consumer 1 the same without tile 0's) and the producer's two TMA copies."""
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(g.decode_gluon_ws_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=64, DIRECT=direct),
+                             g.WS_WARPS)
+    assert compiled.metadata.num_warps == 12
+    shared = compiled.metadata.shared
+    assert g.smem_bytes(ws=True) <= shared < g.smem_bytes(ws=True) + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] <= 160, res
+    s_dot, pv = (DC + DR) // 16, 64 // 16
+    assert res["HGMMA"] == (s_dot + pv + s_dot + 2 * pv + pv) + (s_dot + 2 * pv + pv), res
+    assert res["UTMALDG"] == 2, res
