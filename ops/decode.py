@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM90, call_impl, declare, declare_op, declare_split_op,
                                       run_split_part)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
@@ -117,3 +117,29 @@ declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOA
         autotune=True, kernels=("decode_triton", "decode_triton_config=triton (autotuned config)",
                                 "_decode_split_kernel", "_decode_reduce_kernel"),
         note="ours; portable path for ROCm/XPU")
+
+
+def _gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+           scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon)
+    return torch.ops.mla.decode_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+def _gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+              scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_ws)
+    return torch.ops.mla.decode_gluon_ws(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+# Gluon sm_90 kernels (ops/triton/decode_gluon.py): ranked after "triton", so without timings "auto" keeps
+# the Triton kernel; the measured timings (ops/backend_timings) decide once they are GPU-tested.
+_GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16,), cache_dtypes=(torch.bfloat16,), block_multiple=64,
+              packed_rows=True, head_dims=((512, 64),), min_capability=SM90, max_capability=SM90, package="triton",
+              gpu_tested=False)
+declare(OP, "gluon", _gluon, rank=60, **_GLUON,
+        kernels=("decode_gluon=gluon (opaque kernel)", "decode_gluon_kernel"),
+        note="ours (Gluon, sm_90: TMA tiles, wgmma, 64 query rows a program); bf16, 512 + 64, pages of a "
+             "multiple of 64 (a strided cache runs the Triton kernel)")
+declare(OP, "gluon-ws", _gluon_ws, rank=61, **_GLUON,
+        kernels=("decode_gluon_ws=gluon-ws (opaque kernel)", "decode_gluon_ws_kernel"),
+        note="as 'gluon', warp-specialized (a TMA producer, two consumer warpgroups alternating tiles)")

@@ -6,7 +6,8 @@ with the reference op's signature. ``ops/<op>.py`` declares it as backend "trito
 function, so importing ``mla_compile`` never imports Triton. One exception to the ``triton_op`` rule:
 ``fp8_decode_gluon``, ``fp8_decode_tma`` and ``fp8_decode_wgmma`` (sm_90) are Gluon kernels (Triton's
 lower-level dialect, which Inductor cannot re-emit) behind a plain ``torch.library.custom_op``,
-``mla::decode_fp8_gluon`` (backend "gluon" of ``decode_fp8``).
+``mla::decode_fp8_gluon`` (backend "gluon" of ``decode_fp8``); likewise ``decode_gluon`` (sm_90 bf16),
+``mla::decode_gluon`` / ``mla::decode_gluon_ws`` (backends "gluon" / "gluon-ws" of ``decode``).
 """
 
 from __future__ import annotations

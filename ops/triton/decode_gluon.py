@@ -1,0 +1,273 @@
+"""An sm_90 Gluon kernel for bf16 absorbed-MLA decode (``mla::decode``), 64 query rows a program.
+
+Layout of the work, as ``decode._decode_split_kernel``: the ``s_q * H`` query rows of a sequence are folded
+into one row axis (row r is query ``r // H``, head ``r % H``, and sees the positions before
+``seq_len - (s_q - 1 - r // H)``); a program owns 64 of those rows and one split of the sequence's positions
+(grid ``(cdiv(s_q * H, 64), splits, B)``), so every 64-key tile of the cache is read once for 64 rows.
+
+One program an SM, 8 warps (two warpgroups), no warp specialization:
+
+- shared memory: the query rows ``Q [64, 576]`` bf16 (stored once), two tile slots ``K [64 keys, 576]`` bf16
+  and ``P [64, 64]`` bf16, all with the 128-byte swizzle ``wgmma`` reads (216 + 8 KB);
+- a tile (one block-table entry: pages hold a multiple of 64 rows) arrives by two TMA copies into its slot
+  (the latent columns as eight ``[64, 64]`` blocks, the rope columns), on the slot's mbarrier (one arrival
+  with the byte count a use);
+- ``S = Q K^T [64, 64]`` (``wgmma``, fp32; each warpgroup computes 32 of the key columns), the online
+  softmax in base 2 (``scale * log2 e``), ``P`` to shared memory, ``O += P V`` with ``V`` the tile's first
+  512 columns in place (the latent is the value); ``O [64, 512]`` fp32 lives in registers, each warpgroup
+  owning 256 columns (128 registers a thread);
+- the steps of tile j: softmax of ``S_j``, ``P_j`` stored, then ``P_j V_j`` and ``Q K_{j+1}^T`` issued
+  back to back (asynchronous ``wgmma``); once ``P_j V_j`` is done (both warpgroups, a CTA barrier) slot j
+  takes the copy of tile j + 2, so a copy runs while the program works through the next tile.
+
+``decode_gluon_ws.decode_gluon_ws_kernel`` (``config={"WS": True}``) is the same work warp-specialized, after FlashMLA's
+sm_90 decode: a producer (the 4 default warps) streams tiles into the two slots (``full`` / ``empty``
+mbarriers, both consumers release a slot); consumer warpgroup c owns output columns ``[256 c, 256 c + 256)``
+and the scores and softmax of the tiles t = c, c + 2, ...: it issues ``S_t`` before it folds in the other
+consumer's tile t - 1 (its P, running max and rescale factor handed over in shared memory, ``pready``),
+so one consumer's softmax runs while the other's dots do. Its own ``P V`` takes P from registers, the
+other's from the one shared P buffer (written only after the writer's own read of the last P is done).
+Both end with the same running max; consumer 1 hands its row sums to consumer 0, which stores the LSE.
+The query rows' rope part, P and the dot operands' descriptors are indexed by an opaque zero in the loop
+(``_fp8_tma.opaque_zero``: built there, not hoisted and held in registers).
+
+The keys of a sequence's last, partial tile past its length may hold anything (NaN included): their
+scores are masked and their value rows zeroed in shared memory before ``P V``. A row that sees no key has
+LSE -inf and output 0. With one split the program writes the result (bf16 output, natural-log LSE); else
+each split writes its normalized rows and base-2 LSE to the workspaces of ``_plan.split_buffers`` and
+``decode.reduce_splits`` merges them.
+
+Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q and cache, 512 + 64 head dims,
+pages of a multiple of 64 rows, a contiguous cache with a 16-byte aligned base; any softmax scale: the
+scores are scaled before their maxima are taken). :func:`decode_gluon` (``mla::decode_gluon``) runs
+``mla::decode_triton`` for other calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mla_compile.ops.decode import validate
+from mla_compile.ops.registry import LAYOUT_TAGS
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, SMEM_C, SMEM_SL, STAGES,
+                                              TILE_BYTES, D, issue_tile, zero_tail)
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
+
+NUM_WARPS = 8
+WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
+PROGRAMS_PER_SM = 1
+
+
+@gluon.jit
+def decode_gluon_kernel(
+    q_ptr, desc_c, desc_r, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_bt,
+    M, H, S_Q, n_splits,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+):
+    """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); ``desc_c``
+    / ``desc_r`` span the cache's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and its rows
+    ``[rows, 576]`` (box ``[64, 64]``, the rope columns); ``BLOCK_SIZE`` a multiple of 64. ``DIRECT`` (one
+    split): the result into ``o_ptr`` (bf16 ``[B * M, 512]``) / ``lse_ptr`` (natural log); else each split's
+    rows into the workspaces ``o_ptr`` / ``lse_ptr`` (``[B * M, n_splits, 512]`` fp32, base-2 LSE)."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_SIZE % 64 == 0)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+    pid_h = gl.program_id(0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, DC], SMEM_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, DR], SMEM_C)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(ready.index(0), count=1)
+    mbarrier.init(ready.index(1), count=1)
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+    for t in gl.static_range(2):
+        issue_tile(desc_c, desc_r, kc_s, kr_s, ready, tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64), t,
+                    n_tiles, start, BLOCK_SIZE)
+
+    # the query rows, 64 columns at a time (rows past M: zeros, never stored)
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    for c in gl.static_range(8):
+        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    rows = pid_h * 64 + gl.arange(0, 64, row_s)
+    row_ok = rows < M
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
+    zero_s = gl.zeros([64, 64], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_part = gl.zeros([64, 64], gl.float32, s_l)
+    o = gl.zeros([64, DC], gl.float32, o_l)
+
+    s = zero_s
+    if n_tiles > 0:
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(qr_s, kr_s.index(0).permute([1, 0]), zero_s)
+        s = warpgroup_mma(q_s, kc_s.index(0).permute([1, 0]), s)
+    for j in range(n_tiles):
+        slot = j % 2
+        n0 = start + j * 64
+        k_cur = kc_s.index(slot)
+        page_next = tile_page(bt_row, j + 2, n_tiles, start, BLOCK_SIZE, 64)  # read early, used after P V
+        # online softmax of S_j (base 2)
+        s = s * scale_log2
+        if n0 + 64 > gl.minimum(end, lim_min):
+            pos = n0 + offs_n
+            s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s - m_shift[:, None])
+        l_part = l_part * alpha[:, None] + p
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
+        if n0 + 64 > end:
+            zero_tail(k_cur, end - n0, q_l)
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's P rows (and zeroed value rows) before either warpgroup's P V
+        pv = warpgroup_mma(p_s, k_cur, o, is_async=True)
+        # S_{j+1} from the other slot (a dead product past the last tile: its slot holds an older tile)
+        mbarrier.wait(ready.index(1 - slot), ((j + 1) // 2) & 1, pred=j + 1 < n_tiles)
+        qk = warpgroup_mma(qr_s, kr_s.index(1 - slot).permute([1, 0]), zero_s, is_async=True)
+        qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
+        o = warpgroup_mma_wait(2, deps=[pv])
+        gl.thread_barrier()  # both warpgroups done with slot j and P
+        issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_next, j + 2, n_tiles, start, BLOCK_SIZE)
+        s = warpgroup_mma_wait(0, deps=[qk])
+
+    l_i = gl.sum(l_part, axis=1)
+    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    inv_o = gl.convert_layout(inv, row_o)
+    first = gl.convert_layout(o_first, row_o)
+    ok = gl.convert_layout(row_ok, row_o)
+    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+
+
+def smem_bytes(ws: bool = False) -> int:
+    """Shared memory of one program's buffers: the query rows, the two tile slots, P and the slots' barriers
+    (the sm_90 compile adds a little scratch for the cross-warpgroup row maxima; checked by a test); ``ws``:
+    the warp-specialized kernel's (with its hand-over rows, max, alpha and row sums, and eight barriers; the
+    compile adds the partitions' captured arguments)."""
+    if ws:
+        return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + 4 * BLOCK_M * 4 + 8 * 8
+    return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + STAGES * 8
+
+
+def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
+    """Whether :func:`launch` serves the call: an sm_90 GPU, bf16 q ``[B, s_q, H, 576]`` and cache
+    ``[NB, BS, 576]``, ``kv_lora_rank`` 512, pages of a multiple of 64 rows, a contiguous cache (one TMA
+    descriptor spans it: rows and pages dense, under 2^31 rows, a 16-byte aligned base)."""
+    if q.device.type != "cuda" or kv_cache.device != q.device:
+        return False
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or kv_lora_rank != DC:
+        return False
+    if q.dim() != 4 or q.shape[-1] != D or kv_cache.dim() != 3 or kv_cache.shape[-1] != D:
+        return False
+    if kv_cache.shape[1] % BLOCK_N or kv_cache.data_ptr() % 16:
+        return False
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    if not (kv_cache.stride(2) == 1 and kv_cache.stride(1) == D and kv_cache.stride(0) == kv_cache.shape[1] * D
+            and 0 < rows < 2 ** 31):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+           config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
+    waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``);
+    several splits are merged by ``decode.reduce_splits``."""
+    B, s_q, H, _ = q.shape
+    M = s_q * H
+    out, lse = decode_outputs(q, kv_lora_rank)
+    if B == 0 or M == 0:
+        return out, lse
+    hb = triton.cdiv(M, BLOCK_M)
+    splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
+                                   block_table.shape[1] * kv_cache.shape[1], BLOCK_N)
+    o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
+    q = last_dim_contiguous(q)
+    rows = kv_cache.view(-1, D)
+    blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
+    desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
+    desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
+    ws = bool((config or {}).get("WS", False))
+    kernel = decode_gluon_ws_kernel if ws else decode_gluon_kernel
+    kernel[(hb, splits, B)](
+        q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_table.stride(0),
+        M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
+        num_warps=WS_WARPS if ws else NUM_WARPS,
+    )
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
+    return out, lse
+
+
+def _run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+         ws: bool) -> tuple[Tensor, Tensor]:
+    validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    if eligible(q, kv_cache, kv_lora_rank):
+        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config={"WS": ws})
+    return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+@torch.library.custom_op("mla::decode_gluon", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                 kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Gluon ``mla::decode`` (same contract as ``mla::decode_ref``; an opaque call to Inductor): :func:`launch`
+    (``decode_gluon_kernel``) where :func:`eligible`, else ``mla::decode_triton`` (a strided cache, a cache
+    base off 16 bytes, another GPU or dtype; the reference off CUDA)."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, False)
+
+
+@torch.library.custom_op("mla::decode_gluon_ws", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                    kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_gluon`` with the warp-specialized kernel (``decode_gluon_ws_kernel``)."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, True)
+
+
+def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+    return decode_outputs(q, kv_lora_rank)
+
+
+decode_gluon.register_fake(_fake)
+decode_gluon_ws.register_fake(_fake)

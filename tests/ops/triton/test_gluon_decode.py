@@ -1,0 +1,292 @@
+"""The sm_90 Gluon bf16 decodes (``ops/triton/decode_gluon.py``, backends "gluon" and "gluon-ws" of
+``mla::decode``).
+
+On any machine with Triton: their sm_90 compiles (shared memory within an SM's 227 KB, spills, warps, the
+dots and TMA copies there) and their declarations (what the selector lets them serve; "auto" never picks them
+before their GPU run). On an sm_90 GPU, for both kernels: shapes against a float64 softmax written here
+(NaN-poisoned cache rows and outputs, empty sequences, lengths off the tile size, several splits and one, MTP
+rows, pages of 64 and 128), the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph
+replay through ``mla_compile.ops.decode(..., backend="gluon" | "gluon-ws")``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import mla_compile  # noqa: F401
+from mla_compile.ops import decode
+from mla_compile.ops.registry import backends_for
+from mla_compile.ops.select import facts_for, select, why_not
+from tests.cuda_capture import capture
+from _sparse_test_util import lens_with_empty
+from _triton_test_util import assert_attention_close, paged_cache, poison_allocator, sm90_compile
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+SCALE = 1 / math.sqrt(192)
+DC, DR = 512, 64
+BF = torch.bfloat16
+
+
+def _sm90() -> bool:
+    return HAS_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton")
+
+
+def _softmax64(q, cache, table, seq_lens, scale):
+    """float64 absorbed-MLA decode from the math: row (i, h) of sequence b sees positions
+    ``< seq_lens[b] - (s_q - 1 - i)``; values are the first 512 columns; LSE natural log, -inf and output 0
+    for a row that sees nothing."""
+    B, s_q, H, _ = q.shape
+    bs = cache.shape[1]
+    out = torch.zeros(B, s_q, H, DC, dtype=torch.float64, device=q.device)
+    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(B):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q.device)
+        rows = cache[table[b, pos // bs].long(), pos % bs].double()  # [n, 576]
+        s = torch.einsum("ihd,nd->ihn", q[b].double(), rows) * scale
+        limit = n - (s_q - 1 - torch.arange(s_q, device=q.device))
+        s = s.masked_fill(pos[None, None, :] >= limit[:, None, None], float("-inf"))
+        m = torch.logsumexp(s, dim=-1)
+        seen = m.isfinite()
+        p = torch.where(seen[..., None], torch.exp(s - m[..., None]), 0.0)
+        out[b] = torch.einsum("ihn,nd->ihd", p, rows[:, :DC])
+        lse[b] = m
+    return out, lse
+
+
+def _inputs(lens, H, s_q, bs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache, table, seq_lens = paged_cache(lens, bs, DC + DR, BF, device="cuda", gen=gen)
+    q = torch.randn(len(lens), s_q, H, DC + DR, generator=gen).to("cuda", BF)
+    return q, cache, table, seq_lens
+
+
+def _check(lens, H, s_q, bs, seed, config=None, kernel="plain"):
+    from mla_compile.ops.triton import decode_gluon
+
+    q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
+    assert decode_gluon.eligible(q, cache, DC)
+    poison_allocator()
+    config = dict(config or {}, WS=kernel == "ws")
+    out, lse = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    torch.cuda.synchronize()
+    ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
+    assert_attention_close(out, lse, ref, ref_lse, BF)
+
+
+_SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
+    (6, 16, 1, 3000, 64, None),     # an empty sequence, lengths off the tile size
+    (6, 16, 1, 3000, 64, 1),        # one split: the result written directly
+    (6, 16, 1, 3000, 64, 3),        # three splits merged by the reduce kernel
+    (1, 16, 1, 16384, 64, None),    # one long sequence: many splits
+    (300, 16, 1, 700, 64, None),    # more programs than SMs: one split
+    (5, 128, 1, 2500, 64, None),    # 128 heads: two 64-row programs a sequence
+    (4, 128, 1, 2000, 64, 1),
+    (5, 16, 2, 1000, 64, None),     # MTP: 32 rows, queries of the last position see one key more
+    (3, 128, 2, 1500, 128, None),   # MTP with 256 rows, pages of 128
+    (2, 40, 2, 900, 64, 2),         # 80 rows: a full and a partial program, both query positions in one
+    (7, 16, 1, 3000, 128, None),    # pages of 128
+    (4, 16, 1, 63, 64, None),       # sequences shorter than one tile
+]
+
+
+# "plain": decode_gluon_kernel (8 warps in step); "ws": decode_gluon_ws_kernel (warp-specialized). Run the
+# plain ones first on a new GPU (-k "not ws"): a hang in the other would stop the session.
+KERNELS = ["plain", "ws"]
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
+def test_gluon_decode_shapes(kernel, B, H, s_q, max_len, bs, splits):
+    gen = torch.Generator().manual_seed(B * 7 + H + s_q)
+    lens = lens_with_empty(B, max_len, gen)
+    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits}, kernel=kernel)
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("lens", [[0, 0, 0], [1, 0, 65], [64, 128, 129, 1], [200, 130, 250]])
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_gluon_decode_short_and_empty(kernel, lens, s_q):
+    """Splits with no tile, one tile, one partial tile, two and three tiles (each consumer's first and last
+    tile of the warp-specialized kernel): every row written, -inf LSE where nothing is seen (s_q = 2 with one
+    key: the first query position sees nothing)."""
+    _check(lens, 16, s_q, 64, seed=3, kernel=kernel)
+    _check(lens, 16, s_q, 64, seed=4, config={"SPLITS": 4}, kernel=kernel)
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale", [-SCALE, 2.0])
+def test_gluon_decode_any_scale(kernel, scale):
+    from mla_compile.ops.triton import decode_gluon
+
+    q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
+    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config={"WS": kernel == "ws"})
+    ref, ref_lse = _softmax64(q, cache, table, seq_lens, scale)
+    assert_attention_close(out, lse, ref, ref_lse, BF, lse_atol=2e-2 * max(1.0, abs(scale) / SCALE))
+
+
+BACKENDS = {"gluon": "plain", "gluon-ws": "ws"}  # mla::decode backend -> kernel
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend):
+    """Backends "gluon" / "gluon-ws" of ``mla::decode`` are their kernel bit for bit on a contiguous cache;
+    pages inside a larger buffer (a strided cache, no TMA descriptor over it) run ``mla::decode_triton``."""
+    from mla_compile.ops.triton import decode_gluon
+
+    q, cache, table, seq_lens = _inputs([900, 0, 333], 16, 1, 64, seed=5)
+    got = decode(q, cache, table, seq_lens, SCALE, backend=backend)
+    want = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"WS": BACKENDS[backend] == "ws"})
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    wide = torch.full((cache.shape[0], 128, cache.shape[2]), float("nan"), dtype=BF, device="cuda")
+    wide[:, :64] = cache
+    strided = wide[:, :64]
+    assert not decode_gluon.eligible(q, strided, DC)
+    got = decode(q, strided, table, seq_lens, SCALE, backend=backend)
+    want = torch.ops.mla.decode_triton(q, strided, table, seq_lens, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("op", ["decode_gluon", "decode_gluon_ws"])
+def test_gluon_decode_opcheck(op):
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401
+
+    q, cache, table, seq_lens = _inputs([70, 0, 130], 16, 2, 64, seed=1)
+    opcheck(getattr(torch.ops.mla, op).default, (q, cache, table, seq_lens, SCALE, DC))
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_compiled_and_graph_replay_through_the_op(backend):
+    """``decode(..., backend=...)`` under torch.compile(fullgraph) and captured in a CUDA graph: replays take
+    new lengths and queries (nothing read on the host)."""
+    B, H = 12, 16
+    gen = torch.Generator().manual_seed(8)
+    q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=8)
+    step = torch.compile(lambda q, t, s: decode(q, cache, t, s, SCALE, backend=backend), fullgraph=True)
+    out, lse = step(q, table, seq_lens)
+    ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
+    assert_attention_close(out, lse, ref, ref_lse, BF)
+
+    st = {"q": q.clone(), "lens": seq_lens.clone()}
+    graph, (out, lse) = capture(lambda: step(st["q"], table, st["lens"]))
+    for _ in range(3):
+        new = torch.tensor(lens_with_empty(B, 1500, gen), dtype=torch.int32, device="cuda")
+        st["lens"].copy_(torch.minimum(new, seq_lens))  # within each sequence's written positions
+        st["q"].copy_(torch.randn(B, 1, H, DC + DR, generator=gen).to("cuda", BF))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = _softmax64(st["q"], cache, table, st["lens"], SCALE)
+        assert_attention_close(out, lse, ref, ref_lse, BF)
+
+
+@pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])
+def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
+    """What the selector lets backends "gluon" / "gluon-ws" serve (no GPU needed: facts given), and that "auto"
+    skips them until the lead marks them GPU-tested."""
+    spec = backends_for("decode")[backend]
+    assert not spec.gpu_tested
+
+    def facts(**kw):
+        base = dict(cap=(9, 0), cache_dtype=BF, block_size=64, num_heads=128, head_dims=(DC, DR), query_len=1,
+                    cache_align=128, packed_rows=True)
+        base.update(kw)
+        dtype = base.pop("dtype", BF)
+        return facts_for("cuda", dtype, **base)
+
+    if HAS_TRITON:
+        assert why_not(spec, facts()) is None
+        assert why_not(spec, facts(block_size=128, query_len=2)) is None
+    for bad in (dict(cap=(10, 0)), dict(cap=(8, 0)), dict(dtype=torch.float16, cache_dtype=torch.float16),
+                dict(cache_dtype=torch.float16), dict(block_size=32), dict(head_dims=(512, 32)),
+                dict(packed_rows=False)):
+        assert why_not(spec, facts(**bad)) is not None, bad
+    assert select("decode", facts()).name not in ("gluon", "gluon-ws")
+
+
+def _compile_sm90(kernel, consts, warps):
+    """The sm_90 compile of one of the module's kernels, its pointers and the q strides 16-byte divisible as the
+    JIT specializes them for a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import decode_gluon as g
+
+    types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
+                 o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32",
+                 desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or p.name.startswith("stride_q")}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_sm90_compile_resources(direct, block_size):
+    """The kernel compiles for sm_90 with 8 warps, no spills, at most 255 registers a thread (two warpgroups
+    fit one SM's register file), shared memory of its buffers' formula plus under 1 KB of scratch and within
+    an SM's 227 KB; the loop's dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) and the
+    two TMA copies a tile (three places) are there."""
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(g.decode_gluon_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
+                             g.NUM_WARPS)
+    assert compiled.metadata.num_warps == 8
+    shared = compiled.metadata.shared
+    assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
+    assert res["regs"] <= 255, res
+    assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
+    assert res["UTMALDG"] == 6, res
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+def test_sm90_compile_resources_warp_specialized(direct):
+    """The warp-specialized kernel compiles for sm_90: 4 producer warps and two 4-warp consumers (12 warps),
+    shared memory of its formula plus under 1 KB of captured arguments, within 227 KB; the consumers spill
+    little (at most 160 bytes of stack: constant parts of the S dot's descriptors reloaded in consumer 0's
+    loop); each consumer's dots are there (consumer 0: tile 0's S and P V, then per own tile S and two P V,
+    the last tile's P V; consumer 1 the same without tile 0's) and the producer's two TMA copies."""
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(g.decode_gluon_ws_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=64, DIRECT=direct),
+                             g.WS_WARPS)
+    assert compiled.metadata.num_warps == 12
+    shared = compiled.metadata.shared
+    assert g.smem_bytes(ws=True) <= shared < g.smem_bytes(ws=True) + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] <= 160, res
+    s_dot, pv = (DC + DR) // 16, 64 // 16
+    assert res["HGMMA"] == (s_dot + pv + s_dot + 2 * pv + pv) + (s_dot + 2 * pv + pv), res
+    assert res["UTMALDG"] == 2, res
