@@ -185,6 +185,19 @@ def decode_case(B, H, L, sweep, budget_s):
         attempt(group, cfg_name(c), direct(lambda c=c: tdecode._launch(q, cache, table, lens, SCALE, DC, config=c)),
                 flops, nbytes)
     out, lse = ours()
+    for name in ("gluon", "gluon-ws"):  # the sm_90 Gluon kernels, each checked against the Triton kernel
+        def gl_call(name=name):
+            return decode(q, cache, table, lens, SCALE, backend=name)
+
+        def gl_diff(name=name):
+            o2, l2 = gl_call()
+            return f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
+                   f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
+        try:
+            note = gl_diff()
+        except Exception as exc:
+            note = f"{type(exc).__name__}: {exc}"[:200]
+        attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=note)
 
     def torch_naive():
         kv = cache[table.long()].view(B, nblk * PAGE, D)[:, :L]
@@ -377,6 +390,7 @@ def main():
     ap.add_argument("--out", required=True, help="folder for bench_kernels.{json,txt,png}")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
     ap.add_argument("--quick", action="store_true", help="no config sweeps")
+    ap.add_argument("--decode", action="store_true", help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
     args = ap.parse_args()
@@ -396,7 +410,11 @@ def main():
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     ]
-    if args.small:
+    if args.decode:
+        sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
+                    lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
+                    lambda: decode_case(1, 128, 4096, [], args.budget_s)]
+    elif args.small:
         ssweep = [dict(BLOCK_H=16, BLOCK_N=n, num_warps=w, num_stages=st, SPLITS=sp) for sp in (16, 32, 64)
                   for n, w, st in ((64, 8, 3), (32, 4, 3))]
         sections = [lambda: decode_case(1, 16, 4096, ssweep, args.budget_s)]
