@@ -137,3 +137,41 @@ def test_greedy_tokens_with_fused_moe_equal_dense(kind):
     assert runs["fused"].tokens == runs["dense"].tokens
     for a, b in zip(runs["fused"].step_logits, runs["dense"].step_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _router_case(device, dtype, T=5, E=64, H=2048, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
+    w = (torch.randn(E, H, generator=gen) / H ** 0.5).to(device=device, dtype=dtype)
+    want = x.double() @ w.double().t()  # the half-precision values' exact products, summed in float64
+    return x, w, want
+
+
+def test_router_logits_off_cuda_is_hfs_float32_linear():
+    from mla_compile.models.moe import router_logits
+
+    x, w, want = _router_case("cpu", torch.bfloat16)
+    got = router_logits(x, w)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w.float()), atol=0, rtol=0)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_router_logits_on_cuda_match_float64(dtype, compiled):
+    """The half-precision GEMM with float32 output (or, for float32 inputs, the float32 linear) against float64,
+    eagerly and under Inductor; poisoned inputs' rows would show."""
+    from mla_compile.models.moe import router_logits
+
+    x, w, want = _router_case("cuda", dtype)
+    fn = torch.compile(router_logits, fullgraph=True, dynamic=True) if compiled else router_logits
+    got = fn(x, w)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    x2 = x.clone()
+    x2[1] = float("nan")
+    bad = fn(x2, w)
+    assert bad[1].isnan().all() and not bad[[0, 2, 3, 4]].isnan().any()

@@ -25,6 +25,17 @@ from mla_compile.ops.registry import SPLIT_PREFIX
 IMPLS = ("auto", "dense", "grouped", "fused")
 
 
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """The router's ``x [T, hidden] @ weight [E, hidden].T`` in float32, as HF's DeepSeek routers compute it
+    (``F.linear(x.float(), weight.float())``). On CUDA with x and the weight both bf16 (or both fp16): one
+    half-precision GEMM with float32 accumulation and output (``torch.mm(..., out_dtype=torch.float32)``). The
+    products of half-precision values are exact in float32, so only the summation order differs, and there is no
+    per-step float32 copy of the weight and no SIMT float32 GEMM."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
 def route(gate: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     """DeepSeek routing for ``x [T, hidden]`` -> ``(weights [T, k] float32, expert ids [T, k])``.
 
@@ -33,8 +44,7 @@ def route(gate: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
     scores with "greedy" or "group_limited_greedy" (max per group) choice. The math is
     :func:`mla_compile.ops.moe_route.route_math` (traced inline: Inductor fuses it).
     """
-    logits = F.linear(x.float(), gate.weight.float())
-    return route_math(logits, *route_args(gate))
+    return route_math(router_logits(x, gate.weight), *route_args(gate))
 
 
 def route_args(gate: nn.Module) -> tuple:
@@ -179,7 +189,7 @@ class MLAMoE(nn.Module):
     def _fused(self, x: Tensor) -> Tensor:
         """Routing and experts through the ``mla::moe_route`` / ``mla::moe_experts`` ops."""
         explicit = self.impl == "fused"
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = router_logits(x, self.gate.weight)
         bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate)
         weights, ids = moe_route(logits, top_k, bias=bias, num_group=num_group, topk_group=topk_group,
                                  scoring=scoring, renormalize=renorm, scaling=scaling,
