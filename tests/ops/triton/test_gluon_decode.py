@@ -76,7 +76,7 @@ def _check(lens, H, s_q, bs, seed, config=None, kernel="plain"):
     q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
     assert decode_gluon.eligible(q, cache, DC)
     poison_allocator()
-    config = dict(config or {}, WS=kernel == "ws")
+    config = dict(config or {}, **KERNEL_CONFIG[kernel])
     out, lse = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
     torch.cuda.synchronize()
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
@@ -99,9 +99,11 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 ]
 
 
-# "plain": decode_gluon_kernel (8 warps in step); "ws": decode_gluon_ws_kernel (warp-specialized). Run the
-# plain ones first on a new GPU (-k "not ws"): a hang in the other would stop the session.
-KERNELS = ["plain", "ws"]
+# "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE); "legacy": the same kernel with its
+# first schedule (PIPE=False); "ws": decode_gluon_ws_kernel (warp-specialized). Run "legacy" first on a new GPU
+# (-k legacy), then "plain", then "ws": a hang in one would stop the session.
+KERNEL_CONFIG = {"plain": {"WS": False}, "legacy": {"WS": False, "PIPE": False}, "ws": {"WS": True}}
+KERNELS = list(KERNEL_CONFIG)
 
 
 @pytest.mark.cuda
@@ -135,7 +137,7 @@ def test_gluon_decode_any_scale(kernel, scale):
     from mla_compile.ops.triton import decode_gluon
 
     q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
-    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config={"WS": kernel == "ws"})
+    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config=KERNEL_CONFIG[kernel])
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, scale)
     assert_attention_close(out, lse, ref, ref_lse, BF, lse_atol=2e-2 * max(1.0, abs(scale) / SCALE))
 
@@ -245,9 +247,10 @@ def _compile_sm90(kernel, consts, warps):
 
 
 @sm90_compile
+@pytest.mark.parametrize("pipe", [True, False])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_sm90_compile_resources(direct, block_size):
+def test_sm90_compile_resources(direct, block_size, pipe):
     """The kernel compiles for sm_90 with 8 warps, no spills, at most 255 registers a thread (two warpgroups
     fit one SM's register file), shared memory of its buffers' formula plus under 1 KB of scratch and within
     an SM's 227 KB; the loop's dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) and the
@@ -255,8 +258,8 @@ def test_sm90_compile_resources(direct, block_size):
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
-    compiled = _compile_sm90(g.decode_gluon_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
-                             g.NUM_WARPS)
+    compiled = _compile_sm90(g.decode_gluon_kernel,
+                             dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, PIPE=pipe), g.NUM_WARPS)
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
