@@ -22,6 +22,10 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   default; ``PIPE=False``, the first schedule: ``P_j V_j`` and ``Q K_{j+1}^T`` issued back to back, the copy
   of tile j + 2 after the wait for tile j + 1).
 
+``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
+most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
+docstring).
+
 ``decode_gluon_ws.decode_gluon_ws_kernel`` (``config={"WS": True}``) is the same work warp-specialized, after FlashMLA's
 sm_90 decode: a producer (the 4 default warps) streams tiles into the two slots (``full`` / ``empty``
 mbarriers, both consumers release a slot); consumer warpgroup c owns output columns ``[256 c, 256 c + 256)``
@@ -65,6 +69,7 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 
 NUM_WARPS = 8
@@ -195,13 +200,16 @@ def decode_gluon_kernel(
     gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
 
 
-def smem_bytes(ws: bool = False) -> int:
+def smem_bytes(ws: bool = False, swap: bool = False) -> int:
     """Shared memory of one program's buffers: the query rows, the two tile slots, P and the slots' barriers
     (the sm_90 compile adds a little scratch for the cross-warpgroup row maxima; checked by a test); ``ws``:
     the warp-specialized kernel's (with its hand-over rows, max, alpha and row sums, and eight barriers; the
-    compile adds the partitions' captured arguments)."""
+    compile adds the partitions' captured arguments); ``swap``: the swapped kernel's (``SWAP_ROWS`` query
+    rows, P of as many rows)."""
     if ws:
         return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + 4 * BLOCK_M * 4 + 8 * 8
+    if swap:
+        return SWAP_ROWS * D * 2 + STAGES * TILE_BYTES + SWAP_ROWS * BLOCK_N * 2 + STAGES * 8
     return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + STAGES * 8
 
 
@@ -228,14 +236,19 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
     waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``),
-    PIPE (``decode_gluon_kernel``'s schedule, default True; False: the first one); several splits are merged
-    by ``decode.reduce_splits``."""
+    SWAP (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most
+    ``SWAP_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default True; False: the first
+    one); several splits are merged by ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
     if B == 0 or M == 0:
         return out, lse
-    hb = triton.cdiv(M, BLOCK_M)
+    config = config or {}
+    ws = bool(config.get("WS", False))
+    swap = not ws and bool(config.get("SWAP", M <= SWAP_ROWS))
+    rows_per_program = SWAP_ROWS if swap else BLOCK_M
+    hb = triton.cdiv(M, rows_per_program)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
                                    block_table.shape[1] * kv_cache.shape[1], BLOCK_N)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
@@ -244,16 +257,19 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
     desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
-    ws = bool((config or {}).get("WS", False))
-    extra = {} if ws else {"PIPE": bool((config or {}).get("PIPE", True))}
-    kernel = decode_gluon_ws_kernel if ws else decode_gluon_kernel
+    if ws:
+        kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
+    elif swap:
+        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS}
+    else:
+        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", True))}
     kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, **extra,
-        num_warps=WS_WARPS if ws else NUM_WARPS,
+        num_warps=warps,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
     return out, lse

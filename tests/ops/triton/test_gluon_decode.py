@@ -100,9 +100,11 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 
 
 # "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE); "legacy": the same kernel with its
-# first schedule (PIPE=False); "ws": decode_gluon_ws_kernel (warp-specialized). Run "legacy" first on a new GPU
-# (-k legacy), then "plain", then "ws": a hang in one would stop the session.
-KERNEL_CONFIG = {"plain": {"WS": False}, "legacy": {"WS": False, "PIPE": False}, "ws": {"WS": True}}
+# first schedule (PIPE=False); "swap": decode_gluon_swap_kernel (16 rows a program, operands swapped: forced
+# here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized).
+# Run "legacy" first on a new GPU (-k legacy), then "plain", "swap", "ws": a hang in one would stop the session.
+KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "legacy": {"WS": False, "SWAP": False, "PIPE": False},
+                 "swap": {"WS": False, "SWAP": True}, "ws": {"WS": True}}
 KERNELS = list(KERNEL_CONFIG)
 
 
@@ -156,6 +158,9 @@ def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend)
     q, cache, table, seq_lens = _inputs([900, 0, 333], 16, 1, 64, seed=5)
     got = decode(q, cache, table, seq_lens, SCALE, backend=backend)
     want = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"WS": BACKENDS[backend] == "ws"})
+    if backend == "gluon":  # 16 rows: the swapped kernel by default
+        swapped = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"SWAP": True})
+        assert all(torch.equal(a, b) for a, b in zip(want, swapped))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     wide = torch.full((cache.shape[0], 128, cache.shape[2]), float("nan"), dtype=BF, device="cuda")
     wide[:, :64] = cache
@@ -293,3 +298,26 @@ def test_sm90_compile_resources_warp_specialized(direct):
     s_dot, pv = (DC + DR) // 16, 64 // 16
     assert res["HGMMA"] == (s_dot + pv + s_dot + 2 * pv + pv) + (s_dot + 2 * pv + pv), res
     assert res["UTMALDG"] == 2, res
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_sm90_compile_resources_swapped(direct, block_size):
+    """The swapped kernel compiles for sm_90 with 4 warps, 16 query rows a program, no spills, shared memory of
+    its formula plus under 1 KB (two programs do not fit an SM: one, as the launch plans); its dots (S^T twice,
+    36 k-steps each; O^T's 8 blocks of 64 value columns times 4 k-steps) and the two TMA copies a tile (three
+    places) are there."""
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(g.decode_gluon_swap_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
+                                                             BLOCK_R=g.SWAP_ROWS), g.SWAP_WARPS)
+    assert compiled.metadata.num_warps == 4
+    shared = compiled.metadata.shared
+    assert g.smem_bytes(swap=True) <= shared < g.smem_bytes(swap=True) + 1024
+    assert 227 * 1024 // 2 < shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
+    assert res["HGMMA"] == 2 * (DC + DR) // 16 + (DC // 64) * (64 // 16), res
+    assert res["UTMALDG"] == 6, res
