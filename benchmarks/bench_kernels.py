@@ -198,6 +198,20 @@ def decode_case(B, H, L, sweep, budget_s):
         except Exception as exc:
             note = f"{type(exc).__name__}: {exc}"[:200]
         attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=note)
+    if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the first schedule, 64 rows
+        from mla_compile.ops.triton import decode_gluon
+        variants = [{"PIPE": False, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        for cfg in variants:
+            def variant(cfg=cfg):
+                return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)
+            try:
+                o2, l2 = variant()
+                note = f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
+                       f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
+            except Exception as exc:
+                note = f"{type(exc).__name__}: {exc}"[:200]
+            name = " ".join(f"{k}={v}" for k, v in cfg.items())
+            attempt(group, f"gluon {name} (ours)", variant, flops, nbytes, note=note)
 
     def torch_naive():
         kv = cache[table.long()].view(B, nblk * PAGE, D)[:, :L]
