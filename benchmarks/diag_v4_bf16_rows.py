@@ -2,7 +2,8 @@
 the MoE top-k ids and/or the indexer's top-k entries), and each against a float32 run of the same weights and caches.
 Diagnosis of issue #29 (bf16 errors grow with the batch):
     python benchmarks/diag_v4_bf16_rows.py --set experts=256,moe=256,idx_topk=128,vocab=32768 --b 16 --ctx 2048
-and each against a float32 run of the same (bf16-valued) weights and caches."""
+(the flags pick the slice's dims as bench_v4_decode's FULL with overrides; float32 needs twice the weights' memory).
+"""
 import argparse, sys, types
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 import torch
