@@ -290,12 +290,17 @@ def attention_case(a, kind: str, batch: int, ctx: int, dev: torch.device, dtype:
     return tuple(t.to(dev) for t in (q, kv, ws, comp, cs, sinks, pos, inv_freq))
 
 
+def run_dtype(a, dev: torch.device) -> torch.dtype:
+    """The ``--dtype`` of the run ("auto": bf16 on CUDA, float32 elsewhere)."""
+    return {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
+            "fp32": torch.float32}[a.dtype]
+
+
 def attention_main(a, dev: torch.device) -> int:
     """The ``--attention`` run: ``v4_attention`` per backend, layer kind, batch and context."""
     from mla_compile.ops import v4_attention
 
-    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
-             "fp32": torch.float32}[args.dtype]
+    dtype = run_dtype(a, dev)
     backends = a.attn_backends.split(",") if dev.type == "cuda" else ["reference"]
     start, rows = time.time(), []
     for ctx in (int(x) for x in a.ctx.split(",")):
@@ -473,8 +478,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     if args.attention:
         return attention_main(args, dev)
-    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
-             "fp32": torch.float32}[args.dtype]
+    dtype = run_dtype(args, dev)
     start = time.time()
     from mla_compile.models.model import patch
     from mla_compile.models.v4_cache import V4CacheLayout, V4Dims
