@@ -129,7 +129,7 @@ class MLAForCausalLM(nn.Module):
 
 
 def _mlp(layer: nn.Module, x: Tensor, token_mask: Tensor | None) -> Tensor:
-    """The layer's MLP of ``x [T, hidden]``; an :class:`MLAMoE` also takes the step's ``token_mask [T]`` (real tokens)."""
+    """The layer's MLP of ``x [T, hidden]``; an :class:`MLAMoE` also takes the step's ``token_mask [T]``."""
     if isinstance(layer.mlp, MLAMoE):
         return layer.mlp(x, token_mask=token_mask)
     return layer.mlp(x)

@@ -53,10 +53,11 @@ def activations(module, monkeypatch, run) -> torch.Tensor:
     """The activation buffer ``h [T * slots, I]`` that ``run()`` hands ``module``'s gate-up kernel (launched as
     usual, under the interpreter)."""
     seen = []
-    real = module.wrap_triton if hasattr(module, "wrap_triton") else None
+    name = "_wrap" if hasattr(module, "_wrap") else "wrap_triton"  # what the module launches its kernels through
+    real = getattr(module, name)
 
     def wrap(kernel):
-        launch = real(kernel) if real is not None else kernel
+        launch = real(kernel)
 
         class Recorder:
             def __getitem__(self, grid):
@@ -66,7 +67,7 @@ def activations(module, monkeypatch, run) -> torch.Tensor:
                 return go
         return Recorder()
 
-    monkeypatch.setattr(module, "_wrap" if hasattr(module, "_wrap") else "wrap_triton", wrap)
+    monkeypatch.setattr(module, name, wrap)
     run()
     (h,) = [args[kernel.arg_names.index("h_ptr")] for kernel, args in seen if "gate_up" in kernel.fn.__name__]
     return h

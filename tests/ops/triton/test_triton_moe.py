@@ -178,7 +178,8 @@ def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T):
         gate_up[E - 1].copy_(saved[0])
         down[E - 1].copy_(saved[1])
     unmasked = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="grouped")
-    got = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="grouped", token_mask=mask)
+    got = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="grouped",
+                          token_mask=mask)
     assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
     torch.testing.assert_close(got[mask], unmasked[mask], atol=0, rtol=0)
 
