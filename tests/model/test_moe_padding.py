@@ -165,6 +165,6 @@ def test_padded_decode_logits_on_gpu(kind):
     for n, capture in ((1, 2), (3, 8)):
         want = _run(ref, plan_step(chunks[:n], [], BS, max_blocks=MAX_BLOCKS, min_batch=1).to("cuda"))
         padded = builder.build(chunks[:n], decode_batch=capture)
-        torch.testing.assert_close(_run(model, padded).float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(_run(model, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
         mark_dynamic(padded.input_ids, padded.positions, padded.meta)
-        torch.testing.assert_close(_run(compiled, padded).float(), want.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(_run(compiled, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
