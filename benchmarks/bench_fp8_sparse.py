@@ -1,11 +1,12 @@
 """Time fp8-cache and sparse decode on a GPU: our Triton kernels against the bf16 path and FlashMLA.
 
-    python benchmarks/bench_fp8_sparse.py --out OUT_DIR [--quick]
+    python benchmarks/bench_fp8_sparse.py --out OUT_DIR [--quick | --dense-only | --index-only]
 
 Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 queries):
 - dense decode B=128, L=8192, H=16 (memory-bound): Triton bf16 cache vs Triton fp8 cache (the issue's
   goal: fp8 >= 1.7x faster than bf16), FlashMLA bf16 and FlashMLA fp8 (its sparse V3.2 kernel over
-  causal slot lists, heads padded to 64: its dense fp8 kernel reads another format); also H=128 at L=4096;
+  causal slot lists, heads padded to 64: its dense fp8 kernel reads another format), our Gluon fp8 kernels
+  ("gluon", and "gluon64" with 64 query rows a program, on sm_90); also H=128 at L=4096 and B=1 H=128 at L=8192;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches,
   FlashMLA fp8 sparse;
@@ -69,6 +70,7 @@ def dense_case(B, H, L):
                    flops, B * L * W + out_bytes)
     o_bf, _ = decode(q, bf16, table, lens, SCALE, backend="triton")
     o_f8, _ = decode_fp8(q, fp8, table, lens, SCALE, backend="triton")
+    _gluon64_row(group, q, fp8, table, lens, o_f8, flops, B * L * W + out_bytes)
     rel = float((o_f8.float() - o_bf.float()).norm() / o_bf.float().norm())
     print(f"  fp8 vs bf16 output: {rel:.3%} normwise", flush=True)
     try:
@@ -90,6 +92,24 @@ def dense_case(B, H, L):
         speedup = rows["triton bf16 cache"]["us"] / rows["gluon fp8 cache (auto)"]["us"]
         print(f"  fp8 speedup over bf16 (Gluon fp8 vs Triton bf16): {speedup:.2f}x (goal >= 1.7x)", flush=True)
         bk.ROWS.append({"group": group, "impl": "fp8 speedup (gluon)", "speedup": speedup, "rel_err": rel_gl})
+
+
+def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
+    """Backend "gluon64" (64 query rows a program, ``ops/triton/fp8_decode_gluon64.py``) where its kernel serves
+    the call, its output's normwise difference from the Triton fp8 kernel's in the note."""
+    from mla_compile.ops.triton import fp8_decode_gluon64
+
+    if not fp8_decode_gluon64.eligible(q, fp8, DC):
+        print("  gluon64: not eligible here (needs sm_90)", flush=True)
+        return
+    call = lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="gluon64")  # noqa: E731
+    try:
+        o, _ = call()
+        torch.cuda.synchronize()
+        note = f"rel diff vs triton fp8 {float((o.float() - o_f8.float()).norm() / o_f8.float().norm()):.2e}"
+    except Exception as exc:  # a failing kernel becomes a row, the other rows still run
+        note = f"{type(exc).__name__}: {exc}"[:200]
+    bk.attempt(group, "gluon64 fp8 cache (64 rows a program)", call, flops, nbytes, note=note)
 
 
 def write_case(T=4096):
@@ -194,6 +214,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="only the H=16 dense and sparse cases")
     ap.add_argument("--index-only", action="store_true", help="only the lightning indexer and its cache write")
+    ap.add_argument("--dense-only", action="store_true",
+                    help="only the dense fp8 decodes: B=128 L=8192 H=16, B=128 L=4096 H=128, B=1 L=8192 H=128")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
@@ -201,7 +223,11 @@ def main():
     index = [lambda: index_case(128, 8192), lambda: index_case(1, 8192, 2048), index_write_case]
     sections = index if args.index_only else sections + index
     if not args.quick and not args.index_only:
-        sections += [lambda: dense_case(128, 128, 4096), lambda: sparse_case(128, 128, 8192, 2048)]
+        sections += [lambda: dense_case(128, 128, 4096), lambda: dense_case(1, 128, 8192),
+                     lambda: sparse_case(128, 128, 8192, 2048)]
+    if args.dense_only:
+        sections = [lambda: dense_case(128, 16, 8192), lambda: dense_case(128, 128, 4096),
+                    lambda: dense_case(1, 128, 8192)]
     bk.run_sections(sections, os.path.join(args.out, "bench_fp8_sparse.json"))
     lines = [bk._fmt(r) if "speedup" not in r else f"{r['impl']:30s} {r['speedup']:.2f}x (rel err {r['rel_err']:.2%})"
              for r in bk.ROWS]

@@ -45,7 +45,7 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM89, backends_for, declare, declare_op
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM89, SM90, backends_for, declare, declare_op
 from mla_compile.ops.select import Facts, cache_layout, facts_for, resolve, why_not
 from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
@@ -331,3 +331,18 @@ declare(OP_DECODE, "gluon", _gluon_decode, rank=10, available=_triton_available,
         cache_dtypes=FP8_CACHE, block_multiple=32, stride_align=16, head_dims=((512, 64),), min_capability=SM89,
         package="triton", gpu_tested=True, kernels=("decode_fp8_gluon=gluon (opaque kernel)",),
         note="ours (Gluon: sm_90 TMA / wgmma, else mma.sync); bf16 q, 512 + 64, pages of a multiple of 32")
+
+
+def _gluon64_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                    kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.fp8_decode_gluon64  # noqa: F401  (registers mla::decode_fp8_gluon64)
+    return torch.ops.mla.decode_fp8_gluon64(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
+# Not GPU-tested yet: "auto" skips it until its CUDA tests pass and its timings are measured.
+declare(OP_DECODE, "gluon64", _gluon64_decode, rank=40, available=_triton_available, dtypes=(torch.bfloat16,),
+        cache_dtypes=FP8_CACHE, block_multiple=64, stride_align=16, head_dims=((512, 64),), min_capability=SM90,
+        max_capability=SM90, package="triton", gpu_tested=False,
+        kernels=("decode_fp8_gluon64=gluon64 (opaque kernel)", "decode_fp8_gluon64_kernel"),
+        note="ours (Gluon, sm_90: 64 query rows a program, tiles dequantized to bf16 in shared memory, wgmma); "
+             "bf16 q, 512 + 64, pages of a multiple of 64")

@@ -1,0 +1,294 @@
+"""The sm_90 Gluon fp8-cache decode with 64 query rows a program (``ops/triton/fp8_decode_gluon64.py``, backend
+"gluon64" of ``mla::decode_fp8``).
+
+On any machine with Triton: its sm_90 compile (shared memory within an SM's 227 KB, no spills in the tile
+loop, the dots there, no TMA copies) and its declaration (what the selector lets it serve; "auto" never picks
+it before its GPU run). On an sm_90 GPU: shapes against the float64 decode of the dequantized cache
+(``mla::decode_fp8_ref`` in float64; NaN-poisoned cache rows past each sequence and outputs, empty sequences,
+lengths off the tile size, one split and many, MTP rows, 16 and 128 heads, pages of 64 and 128), latents and
+queries far from 1, any softmax scale, a strided cache (pages inside a larger buffer) bit for bit, the op's
+fallback for what the kernel does not serve, opcheck, torch.compile and CUDA-graph replay through
+``mla_compile.ops.decode_fp8(..., backend="gluon64")``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import mla_compile  # noqa: F401
+from mla_compile.ops import decode_fp8
+from mla_compile.ops.registry import backends_for
+from mla_compile.ops.select import facts_for, select, why_not
+from tests.cuda_capture import capture
+from _sparse_test_util import fp8_paged, lens_with_empty
+from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+SCALE = 1 / math.sqrt(192)
+DC, DR = 512, 64
+BF = torch.bfloat16
+# the sparse fp8 path's budget: each dequantized key / value rounds once to bf16 (2**-9 relative)
+TOL, LSE_ATOL = 1.5e-2, 1e-2
+
+
+def _sm90() -> bool:
+    return HAS_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton")
+
+
+def _inputs(lens, H, s_q, bs, seed, q_mag=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    cache, table, seq_lens, _ = fp8_paged(lens, bs, DC, DR, "cuda", gen)
+    q = (torch.randn(len(lens), s_q, H, DC + DR, generator=gen) * q_mag).to("cuda", BF)
+    return q, cache, table, seq_lens
+
+
+def _reference(q, cache, table, seq_lens, scale=SCALE):
+    """float64 decode over the dequantized cache (``float64(code) * scale``; rows past a sequence masked)."""
+    return torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, scale, DC)
+
+
+def _check(lens, H, s_q, bs, seed, config=None):
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
+    assert g.eligible(q, cache, DC)
+    poison_allocator()
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, table, seq_lens)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
+
+
+_SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
+    (6, 16, 1, 3000, 64, None),     # an empty sequence, lengths off the tile size
+    (6, 16, 1, 3000, 64, 1),        # one split: the result written directly
+    (6, 16, 1, 3000, 64, 3),        # three splits merged by the reduce kernel
+    (1, 16, 1, 16384, 64, None),    # one long sequence: many splits
+    (1, 128, 1, 16384, 64, None),   # 128 heads, one sequence: two 64-row programs, many splits
+    (300, 16, 1, 700, 64, None),    # more programs than SMs: one split
+    (5, 128, 1, 2500, 64, None),    # 128 heads: two 64-row programs a sequence
+    (4, 128, 1, 2000, 64, 1),
+    (140, 128, 1, 1000, 64, None),  # 128 heads, a full wave: one split
+    (5, 16, 2, 1000, 64, None),     # MTP: 32 rows, queries of the last position see one key more
+    (3, 128, 2, 1500, 128, None),   # MTP with 256 rows, pages of 128
+    (2, 40, 2, 900, 64, 2),         # 80 rows: a full and a partial program, both query positions in one
+    (7, 16, 1, 3000, 128, None),    # pages of 128
+    (4, 16, 1, 63, 64, None),       # sequences shorter than one tile
+]
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
+def test_gluon64_fp8_decode_shapes(B, H, s_q, max_len, bs, splits):
+    gen = torch.Generator().manual_seed(B * 7 + H + s_q)
+    lens = lens_with_empty(B, max_len, gen)
+    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits})
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("lens", [[0, 0, 0], [1, 0, 65], [64, 128, 129, 1], [200, 130, 250], [256, 320, 383]])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("H", [16, 128])
+def test_gluon64_fp8_decode_short_and_empty(lens, s_q, H):
+    """Splits with no tile, one tile, one partial tile and two to six tiles (the prologue's two slots, the
+    register tile and the steady state): every row written, -inf LSE where nothing is seen (s_q = 2 with one
+    key: the first query position sees nothing)."""
+    _check(lens, H, s_q, 64, seed=3)
+    _check(lens, H, s_q, 64, seed=4, config={"SPLITS": 4})
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("q_mag,lat_mag", [(1e-4, 1.0), (40.0, 1.0), (1.0, 3e3), (1.0, 1e-2), (1.0, 1e-30)])
+def test_gluon64_fp8_decode_far_from_one(q_mag, lat_mag):
+    """Queries and latents far from 1 (bf16 keeps float32's exponent range: no clamping as in the float16
+    kernels): the float64 reference's accuracy relative to the latents' and scores' size."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    q, cache, table, seq_lens = _inputs([1, 700, 3001, 64], 16, 1, 64, seed=11, q_mag=q_mag)
+    scales = cache[..., DC:DC + 16].contiguous().view(torch.float32)
+    cache[..., DC:DC + 16] = (scales * lat_mag).view(torch.uint8)  # latents times lat_mag (scales stay finite)
+    poison_allocator()
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, table, seq_lens)
+    size = max(1.0, q_mag * lat_mag)
+    assert_attention_close(out / lat_mag, lse / size, ref / lat_mag, ref_lse / size, BF, tol=TOL,
+                           lse_atol=LSE_ATOL)
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("scale", [-SCALE, 0.0, 2.0])
+def test_gluon64_fp8_decode_any_scale(scale):
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
+    out, lse = g.launch(q, cache, table, seq_lens, scale, DC)
+    ref, ref_lse = _reference(q, cache, table, seq_lens, scale)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL * max(1.0, abs(scale) / SCALE))
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_the_backend_runs_the_kernel_strided_caches_too_and_falls_back_elsewhere():
+    """Backend "gluon64" is the kernel bit for bit; pages inside a larger buffer (a strided cache: plain loads,
+    no TMA descriptor needed) give the same bits; pages of 32 rows run ``mla::decode_fp8_gluon``."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    q, cache, table, seq_lens = _inputs([900, 0, 333], 128, 1, 64, seed=5)
+    got = decode_fp8(q, cache, table, seq_lens, SCALE, backend="gluon64")
+    want = g.launch(q, cache, table, seq_lens, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    wide = torch.full((cache.shape[0], 128, cache.shape[2]), 0xFF, dtype=torch.uint8, device="cuda")
+    wide[:, :64] = cache
+    strided = wide[:, :64]
+    assert g.eligible(q, strided, DC)
+    got = torch.ops.mla.decode_fp8_gluon64(q, strided, table, seq_lens, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    q, cache, table, seq_lens = _inputs([900, 0, 333], 16, 1, 32, seed=6)
+    assert not g.eligible(q, cache, DC)
+    got = torch.ops.mla.decode_fp8_gluon64(q, cache, table, seq_lens, SCALE, DC)
+    want = torch.ops.mla.decode_fp8_gluon(q, cache, table, seq_lens, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_gluon64_fp8_decode_opcheck():
+    import mla_compile.ops.triton.fp8_decode_gluon64  # noqa: F401
+
+    q, cache, table, seq_lens = _inputs([70, 0, 130], 16, 2, 64, seed=1)
+    opcheck(torch.ops.mla.decode_fp8_gluon64.default, (q, cache, table, seq_lens, SCALE, DC))
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("H", [16, 128])
+def test_compiled_and_graph_replay_through_the_op(H):
+    """``decode_fp8(..., backend="gluon64")`` under torch.compile(fullgraph) and captured in a CUDA graph:
+    replays take new lengths and queries (nothing read on the host)."""
+    B = 12
+    gen = torch.Generator().manual_seed(8)
+    q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=8)
+    step = torch.compile(lambda q, t, s: decode_fp8(q, cache, t, s, SCALE, backend="gluon64"), fullgraph=True)
+    out, lse = step(q, table, seq_lens)
+    ref, ref_lse = _reference(q, cache, table, seq_lens)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
+
+    st = {"q": q.clone(), "lens": seq_lens.clone()}
+    graph, (out, lse) = capture(lambda: step(st["q"], table, st["lens"]))
+    for _ in range(3):
+        new = torch.tensor(lens_with_empty(B, 1500, gen), dtype=torch.int32, device="cuda")
+        st["lens"].copy_(torch.minimum(new, seq_lens))  # within each sequence's written positions
+        st["q"].copy_(torch.randn(B, 1, H, DC + DR, generator=gen).to("cuda", BF))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = _reference(st["q"], cache, table, st["lens"])
+        assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
+
+
+def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64():
+    """What the selector lets backend "gluon64" serve (no GPU needed: facts given), and that "auto" never takes
+    it before its GPU run (not gpu_tested)."""
+    spec = backends_for("decode_fp8")["gluon64"]
+    assert not spec.gpu_tested
+
+    def facts(**kw):
+        base = dict(cap=(9, 0), cache_dtype=torch.uint8, block_size=64, num_heads=128, head_dims=(DC, DR),
+                    query_len=1, cache_align=16, packed_rows=True)
+        base.update(kw)
+        dtype = base.pop("dtype", BF)
+        return facts_for("cuda", dtype, **base)
+
+    if HAS_TRITON:
+        assert why_not(spec, facts()) is None
+        assert why_not(spec, facts(block_size=128, query_len=2, num_heads=16)) is None
+        assert why_not(spec, facts(packed_rows=False)) is None  # plain loads: pages inside a larger buffer too
+    for bad in (dict(cap=(10, 0)), dict(cap=(8, 9)), dict(dtype=torch.float16), dict(cache_dtype=BF),
+                dict(block_size=32), dict(head_dims=(512, 32)), dict(cache_align=8)):
+        assert why_not(spec, facts(**bad)) is not None, bad
+    assert select("decode_fp8", facts()).name != "gluon64"
+
+
+def _compile_sm90(consts):
+    """The sm_90 compile of the kernel, its pointers, the q strides and the cache strides 16-byte divisible as
+    the JIT specializes them for a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    kernel = g.decode_fp8_gluon64_kernel
+    types = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
+                 o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or p.name.startswith(("stride_q", "stride_k"))}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+
+
+def _loop_sass(compiled) -> str:
+    """The SASS of the kernel's tile loop (between the loop's head and its backward branch)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from mla_compile.ops.triton._sm90 import cuobjdump
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    addr = {int(m.group(1), 16): i for i, line in enumerate(lines) if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line))}
+    loops = [(addr[int(m.group(2), 16)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"/\*([0-9a-f]{4,})\*/.*\bBRA 0x([0-9a-f]+)", line))
+             and int(m.group(2), 16) < int(m.group(1), 16) and int(m.group(2), 16) in addr]
+    first, last = max(loops, key=lambda r: r[1] - r[0])  # the tile loop: the longest backward branch
+    return "\n".join(lines[first:last + 1])
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_sm90_compile_resources(direct, block_size):
+    """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread (two warpgroups fit one SM's
+    register file), no spill inside the tile loop (at most one 8-byte slot outside it, written before the
+    loop and read after it: pages of 128 with workspace outputs keep one epilogue value there), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the
+    dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the
+    tile loop holds its S and P V dots, one tile's 16-byte loads (eight of codes, one of scales, two of
+    rope), the L2 prefetches and at most five CTA barriers (the row maxima across warpgroups, P, the slot's
+    release: the dequantized tile's single store needs none of its own)."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct))
+    assert compiled.metadata.num_warps == 8
+    shared = compiled.metadata.shared
+    assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] <= 8, res
+    assert res["regs"] <= 255, res
+    assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
+    assert res["UTMALDG"] == 0, res
+    loop = _loop_sass(compiled)
+    assert loop.count("LDG.E.128") == 8 + 1 + 2, loop.count("LDG.E.128")  # codes, scales, rope
+    assert "UBLKPF.L2" in loop
+    assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
+    assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
+    assert loop.count("BAR.SYNC") <= 5, loop.count("BAR.SYNC")
