@@ -300,3 +300,45 @@ def test_sm90_compile_resources(direct, block_size):
     assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
     assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
     assert loop.count("BAR.SYNC") <= 5, loop.count("BAR.SYNC")
+
+
+@sm90_compile
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sm90_compile_of_the_launch(monkeypatch, splits):
+    """``launch``'s own call (recorded on CPU tensors: 128 heads, MTP rows, pages of 128 inside a larger buffer)
+    binds every kernel argument and compiles for sm_90 with the launch's constexprs and warps; with several
+    splits it writes the fp32 workspaces and the reduce kernel merges them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+    from mla_compile.ops.triton._sm90 import signature
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
+
+    monkeypatch.setattr(g, "decode_fp8_gluon64_kernel", Recorder(g.decode_fp8_gluon64_kernel))
+    monkeypatch.setattr(g, "wrap_triton", Recorder)
+    gen = torch.Generator().manual_seed(2)
+    cache, table, seq_lens, _ = fp8_paged([300, 0, 129], 128, DC, DR, "cpu", gen)
+    wide = torch.zeros(cache.shape[0], 256, cache.shape[2], dtype=torch.uint8)
+    wide[:, :128] = cache
+    q = torch.randn(3, 2, 128, DC + DR, generator=gen).to(BF)
+    out, lse = g.launch(q, wide[:, :128], table, seq_lens, SCALE, DC, config={"SPLITS": splits})
+    assert out.shape == (3, 2, 128, DC) and lse.shape == (3, 2, 128)
+    kernel, grid, args, kwargs = launches[0]
+    assert grid == (4, splits, 3)
+    assert len(launches) == (1 if splits == 1 else 2)
+    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128
+    assert args[4].dtype == (BF if splits == 1 else torch.float32)
+    sig, consts, attrs = signature(kernel, args, kwargs)
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
+    assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024
