@@ -110,9 +110,9 @@ def _load_rope(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BL
 @gluon.jit
 def _prefetch_tile(kv_ptr, page, tile, n_tiles, start, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
     """Start bringing tile ``tile``'s 64 rows (on block ``page``) into L2 (none past ``n_tiles``): one
-    ``cp.async.bulk.prefetch.L2`` of 656 bytes a row, from one lane of the four that hold the row in
-    ``CODE_L``'s key slice (a hint: no registers held, nothing to wait for; rows past a sequence's end are
-    inside its page)."""
+    ``cp.async.bulk.prefetch.L2`` of 656 bytes a row (a hint: no registers held, nothing to wait for; rows
+    past a sequence's end are inside its page). The instruction takes uniform operands, so ptxas loops over
+    a warp's distinct rows (the four lanes holding one row of ``CODE_L``'s key slice issue it once)."""
     n0 = start + tile * 64
     base = kv_ptr + page * stride_kb + (n0 % BLOCK_SIZE).to(gl.int64) * stride_kt
     key = gl.arange(0, 64, gl.SliceLayout(1, CODE_L))
@@ -121,11 +121,7 @@ def _prefetch_tile(kv_ptr, page, tile, n_tiles, start, stride_kb, stride_kt, BLO
     gl.inline_asm_elementwise(
         """{
         .reg .pred p;
-        .reg .b32 l;
-        mov.u32 l, %laneid;
-        and.b32 l, l, 3;
-        setp.eq.u32 p, l, 0;
-        setp.ne.and.s32 p, $2, 0, p;
+        setp.ne.s32 p, $2, 0;
         @p cp.async.bulk.prefetch.L2.global [$1], 656;
         mov.u32 $0, 0;
         }""",

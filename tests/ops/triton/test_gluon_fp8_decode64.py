@@ -276,7 +276,7 @@ def _loop_sass(compiled) -> str:
 def test_sm90_compile_resources(direct, block_size):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread (two warpgroups fit one SM's
     register file), no spill inside the tile loop (at most one 8-byte slot outside it, written before the
-    loop and read after it: pages of 128 with workspace outputs keep one epilogue value there), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the
+    loop and read after it: ptxas keeps one epilogue value there in some variants), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the
     dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the
     tile loop holds its S and P V dots, one tile's 16-byte loads (eight of codes, one of scales, two of
     rope), the L2 prefetches and at most five CTA barriers (the row maxima across warpgroups, P, the slot's
