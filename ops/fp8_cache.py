@@ -34,7 +34,10 @@ on sm_90 (pages of 64) the ``wgmma`` kernel rounds each dequantized value once (
 saturating at float16's 65504 (a group's scale is clamped; scales of groups whose largest magnitude is below
 0.027 are float16-subnormal); elsewhere the group-split kernel multiplies exact codes and applies the fp32
 scales to the scores and probabilities (scales clamped at 255). Both stay within the sparse fp8 path's
-tolerances and tighter on data far from 1 (``tests/ops/triton/test_gluon_fp8_decode.py``).
+tolerances and tighter on data far from 1 (``tests/ops/triton/test_gluon_fp8_decode.py``). Backend "gluon64"
+(sm_90, 64 query rows a program) dequantizes each tile to bf16 (``bf16(float32(code) * scale)``: within
+``2**-9 + 2**-24`` relative of the float64 value, float32's exponent range, no clamping) and runs the bf16
+decode's ``wgmma`` pipeline (``tests/ops/triton/test_gluon_fp8_decode64.py``).
 """
 
 from __future__ import annotations

@@ -8,39 +8,41 @@ slots ``K [64 keys, 576]``, ``P [64, 64]``, all with the 128-byte swizzle ``wgmm
 same S / softmax / P V pipeline over 8 warps (two warpgroups; ``O [64, 512]`` fp32 in registers, each
 warpgroup owning 256 columns). What differs is how a tile reaches its slot:
 
-- the threads load a tile's fp8 rows straight into registers with 16-byte loads (its codes ``[64, 512]``
-  as eight ``[64, 64]`` chunks, its four fp32 scales a key, its rope ``[64, 64]`` bf16), one tile ahead of
-  the tile they dequantize;
+- the threads load a tile's fp8 rows straight into registers with 16-byte loads (its codes ``[64, 512]``,
+  16 bytes a thread per 64 columns, one key a thread; its four fp32 scales a key; its rope ``[64, 64]``
+  bf16) and store it dequantized (shared memory has no room for a raw staging ring: the bf16 slots take
+  it all);
 - dequantization writes ``bf16(float32(code) * scale[group])`` into the slot, with the rope columns as
   they are. Against the float64 dequantized cache that is one bf16 rounding (relative 2**-9) of the float32
   product (itself exact unless the scale's low bits reach past float32's 24: then within 2**-24), so each
   key / value element is within ``2**-9 + 2**-24`` of it, relative (about 0.2%: scores move by about
-  ``2**-9 / sqrt(3) * ||q * k||``); FlashMLA's sm_90 fp8 kernels dequantize to bf16 the same way. The
-  group-split and TMA fp8 kernels keep exact codes with fp32 scales (LSE ~1e-6); this one trades that for
-  the bf16 pipeline of ``decode_gluon``;
+  ``2**-9 / sqrt(3) * ||q * k||``, 0.025 for N(0, 1) data before the softmax scale); FlashMLA's fp8 kernels
+  likewise dequantize to bf16 before their dots. The group-split and TMA fp8 kernels keep exact codes with
+  fp32 scales (LSE ~1e-6); this one trades that for the bf16 pipeline of ``decode_gluon``;
 - keys at or past the split's end are zeroed as they are loaded (masked loads: a page's rows past a
   sequence may hold anything, NaN codes and scales included), so ``0 * NaN`` never reaches P V.
 
 Steps of tile j (slot ``j % 2``): the online softmax of ``S_j`` (base 2, ``scale * log2 e`` applied before
 the maxima, so any scale), ``P_j`` to shared memory, then ``P_j V_j`` and ``Q K_{j+1}^T`` issued back to back
-(asynchronous ``wgmma``); once ``P_j V_j`` is done in both warpgroups (a CTA barrier) the threads dequantize
-tile j + 2 from their registers into slot j while ``Q K_{j+1}^T`` runs on the tensor cores, then start the
-loads of tile j + 3. The next tile's ``fence.proxy.async`` and CTA barrier (before ``P_{j+1}`` is read)
-order those shared-memory stores before the ``wgmma`` that reads slot j. There are no mbarriers and no
-TMA copies: every synchronization is a CTA barrier that all 256 threads reach (the tile count is uniform in
-a program), so a split with no tile skips the loop and writes its empty rows.
+(asynchronous ``wgmma``); while they run, the L2 prefetch of tile j + 4 and the register loads of tile j + 2's
+codes and scales (prefetched two steps ago: mostly L2 hits) are issued; once ``P_j V_j`` is done in both
+warpgroups (a CTA barrier) the threads load tile j + 2's rope and dequantize the tile into slot j while
+``Q K_{j+1}^T`` runs on the tensor cores. The next tile's ``fence.proxy.async`` and CTA barrier (after
+``P_{j+1}`` is stored) order those shared-memory stores before the ``wgmma`` that reads slot j. Tiles 0 and 1
+are stored before the loop. The L2 prefetch is ``cp.async.bulk.prefetch.L2``, one per row (a hint: no
+registers held, nothing to wait for); the register tile is loaded only during the dots, as two warpgroups'
+``O [64, 512]`` leave no registers to hold a tile across the softmax. There are no mbarriers and no TMA
+copies: every synchronization is a CTA barrier that all 256 threads reach (the tile count is uniform in a
+program), so a split with no tile skips the loop and writes its empty rows.
 
 A row that sees no key has LSE -inf and output 0. With one split the program writes the result (output in
 q's dtype, natural-log LSE); else each split writes its normalized rows and base-2 LSE to the workspaces of
 ``_plan.split_buffers`` and ``decode.reduce_splits`` merges them.
 
-Each tile is also brought toward L2 two tiles ahead (``cp.async.bulk.prefetch.L2``, one per row: a hint that
-holds no registers), so the register loads, issued while ``P_j V_j`` runs, mostly hit L2.
-
 Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q ``[B, s_q, H, 576]``, a uint8 cache
 ``[NB, BS, 656]`` with ``BS`` a multiple of 64, row and page strides multiples of 16 bytes, a 16-byte aligned
 base; pages inside a larger buffer too: no TMA descriptor spans the cache). :func:`decode_fp8_gluon64`
-(``mla::decode_fp8_gluon64``) runs ``mla::decode_fp8_gluon`` for other calls.
+(``mla::decode_fp8_gluon64``) runs ``mla::decode_fp8_gluon`` (or the Triton kernel) for other calls.
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ def decode_fp8_gluon64_kernel(
         # S_{j+1} from the other slot (a dead product past the last tile: that slot holds zeros)
         qk = warpgroup_mma(qr_s, kr_s.index(1 - slot).permute([1, 0]), zero_s, is_async=True)
         qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
-        # while the dots run: tile j + 4 toward L2, tile j + 2 (there since the last step) into registers
+        # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers
         _prefetch_tile(kv_ptr, page4, j + 4, n_tiles, start, stride_kb, stride_kt, BLOCK_SIZE)
         codes, sc = _load_tile(kv_ptr, page2, j + 2, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
         o = warpgroup_mma_wait(2, deps=[pv])
