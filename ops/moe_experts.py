@@ -18,7 +18,10 @@ Backends: "reference" (plain torch, any device: every expert on every token, com
 routing matrix), "grouped" (CUDA bf16: tokens sorted by expert, ``torch._grouped_mm``; each hit expert's
 weights read once: the large-T path), "triton" (ours, CUDA: reads only the routed experts' rows per
 (token, pick): kernel 1 gate_up with SiLU-and-mul fused, kernel 2 down with the weighted combine fused,
-one program per (token, H tile) looping over the picks in order: deterministic; the small-T path). "auto"
+one program per (token, H tile) looping over the picks in order: deterministic; the small-T path),
+"triton-grouped" (ours, CUDA: the (token, pick) pairs sorted by expert in blocks of one expert, ``tl.dot``
+grouped GEMMs reading each hit expert once, shared experts as always-routed experts, a deterministic combine:
+a large-T path; "auto" does not pick it yet). "auto"
 on a GPU with both: the split ``triton`` up to :data:`FUSED_MAX_TOKENS` tokens, ``grouped`` above (chosen
 inside the op from its static T, so one graph serves every batch size).
 """
@@ -210,7 +213,8 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: 
                 shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
                 shared_down: Tensor | None = None, out_float32: bool = False, backend: str | None = None) -> Tensor:
     """Routed (and shared) experts of ``x [T, H]`` -> ``[T, H]``; see the module docstring for the contract.
-    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name."""
+    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton", "triton-grouped" or a
+    split name."""
     if backend in (None, "auto"):
         backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
@@ -231,3 +235,19 @@ def _triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF), package="triton",
         gpu_tested=True, kernels=("moe_experts_triton", "_moe_gate_up_kernel", "_moe_down_kernel"),
         note="ours: reads only the routed experts; gate_up+SiLU*up, then down+weighted combine (small T)")
+
+
+def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
+                    shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
+                    out_float32: bool) -> Tensor:
+    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
+    return torch.ops.mla.moe_experts_triton_grouped(x, weights, ids, gate_up, down, shared_gate, shared_up,
+                                                    shared_down, out_float32)
+
+
+declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,
+        dtypes=(torch.float32, *HALF), package="triton", gpu_tested=False,
+        kernels=("moe_experts_triton_grouped", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
+                 "_moe_grouped_down_kernel", "_moe_combine_kernel"),
+        note="ours: pairs sorted by expert in blocks of 16-64 rows, tl.dot grouped GEMMs, each hit expert "
+             "read once; deterministic combine (many tokens)")
