@@ -198,6 +198,20 @@ def decode_case(B, H, L, sweep, budget_s):
         except Exception as exc:
             note = f"{type(exc).__name__}: {exc}"[:200]
         attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=note)
+    if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the first schedule, 64 rows
+        from mla_compile.ops.triton import decode_gluon
+        variants = [{"PIPE": False, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        for cfg in variants:
+            def variant(cfg=cfg):
+                return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)
+            try:
+                o2, l2 = variant()
+                note = f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
+                       f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
+            except Exception as exc:
+                note = f"{type(exc).__name__}: {exc}"[:200]
+            name = " ".join(f"{k}={v}" for k, v in cfg.items())
+            attempt(group, f"gluon {name} (ours)", variant, flops, nbytes, note=note)
 
     def torch_naive():
         kv = cache[table.long()].view(B, nblk * PAGE, D)[:, :L]
@@ -307,6 +321,29 @@ def _fi_prefill(q, k, v, cu, H):
     return lambda: prefill(q, k, v, cu, cu, SCALE, causal=True, backend="flashinfer", plan=plan)
 
 
+def skinny_cases():
+    """``mla::skinny_linear`` (our GEMV, both weights in one launch) against ``F.linear`` per weight (cuBLAS) at the
+    decode step's projections and few rows; 4 rotating weight sets, so the weights come from memory."""
+    from mla_compile.ops import skinny_linear
+
+    shapes = {"v2-lite q_proj+kv_a": (2048, (3072, 576)), "v2-lite o_proj": (2048, (2048,)),
+              "v3 q_a+kv_a": (7168, (1536, 576)), "v3 o_proj": (16384, (7168,))}
+    for name, (K, Ns) in shapes.items():
+        sets = [[torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5 for N in Ns] for _ in range(4)]
+        nbytes = sum(N * K * 2 for N in Ns)
+        for M in (1, 2, 8, 16):
+            group = f"linear {name} M={M}"
+            print(group, flush=True)
+            x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+            want = [torch.nn.functional.linear(x.double(), w.double()) for w in sets[0]]
+            got = skinny_linear(x, sets[0], backend="triton")
+            err = max(float((g.double() - r).norm() / r.norm()) for g, r in zip(got, want))
+            attempt(group, "skinny triton (ours)", lambda: [skinny_linear(x, ws, backend="triton") for ws in sets],
+                    2 * M * nbytes / 2, nbytes, note=f"rel err {err:.1e}", sets=4)
+            attempt(group, "F.linear (cuBLAS)", lambda: [[torch.nn.functional.linear(x, w) for w in ws] for ws in sets],
+                    2 * M * nbytes / 2, nbytes, sets=4)
+
+
 def small_ops(t_merge=1024, t_write=8192, n_seqs=8, ctx=4096):
     """Merge, cache write and gather at serving sizes (smaller ones for a dry run)."""
     # merge: two [T, H, 512] partials + LSEs -> one (134 MB per partial: no rotation needed)
@@ -390,6 +427,7 @@ def main():
     ap.add_argument("--out", required=True, help="folder for bench_kernels.{json,txt,png}")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
     ap.add_argument("--quick", action="store_true", help="no config sweeps")
+    ap.add_argument("--skinny", action="store_true", help="only mla::skinny_linear against F.linear at few rows")
     ap.add_argument("--decode", action="store_true", help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
@@ -410,7 +448,9 @@ def main():
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     ]
-    if args.decode:
+    if args.skinny:
+        sections = [skinny_cases]
+    elif args.decode:
         sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
                     lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
                     lambda: decode_case(1, 128, 4096, [], args.budget_s)]

@@ -31,6 +31,17 @@ from mla_compile.ops.context_attention import up_project
 from mla_compile.models.rope import apply_rope
 
 
+def linears(x: Tensor, *modules: nn.Module) -> list[Tensor]:
+    """``x`` through one or two linears that share it: ``[m(x) for m in modules]``. Plain bias-free ``nn.Linear``'s
+    of x's half-precision dtype on CUDA run as one ``mla::skinny_linear`` (one launch; its "auto" picks the GEMV
+    kernel for few rows where that backend is GPU-tested); anything else (quantized or sharded linears, CPU) runs
+    each module. A static choice for a compiled graph (device, dtype and module types)."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(
+            type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype for m in modules):
+        return ops.skinny_linear(x, [m.weight for m in modules])
+    return [m(x) for m in modules]
+
+
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention over a paged latent cache.
 
@@ -116,7 +127,8 @@ class MLAAttention(nn.Module):
         :meth:`attend` (the model's regional compilation calls them apart, the cache write between regions)."""
         if self.kv_cache is None:
             raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
-        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_proj is None else None
+        # the indexer of a sparse (V3.2) layer reads the normed q_a_proj output too; dense layers leave it to project
+        q_resid = self.q_a_layernorm(self.q_a_proj(x)) if self.q_proj is None and self.indexer is not None else None
         q_nope, q_pe, latent, k_pe = self.project(x, cos, sin, q_resid)
         self.write_cache(latent, k_pe, meta)
         return self.attend(x, q_nope, q_pe, latent, k_pe, cos, sin, meta, positions, q_resid)
@@ -129,12 +141,17 @@ class MLAAttention(nn.Module):
         c = self.config
         T = x.shape[0]
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q, kv = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid)
+            if q_resid is None:
+                q_a, kv = linears(x, self.q_a_proj, self.kv_a_proj_with_mqa)
+                q_resid = self.q_a_layernorm(q_a)
+            else:
+                kv, = linears(x, self.kv_a_proj_with_mqa)
+            q, = linears(q_resid, self.q_b_proj)
         q = q.view(T, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), latent, apply_rope(k_pe, cos, sin, c.rope_interleave)
 
@@ -160,12 +177,12 @@ class MLAAttention(nn.Module):
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")
             indices = self.indexer(x, q_resid, cos, sin, positions, meta)
             out = self._sparse(q_nope, q_pe, indices)
-            return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
+            return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
         if self.sink_window is not None:
             if positions is None:
                 raise ValueError("a sink + window MLAAttention needs positions [T] (MLAForCausalLM passes them)")
             out = self._sparse(q_nope, q_pe, self._sink_window_indices(meta, positions))
-            return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
+            return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
 
         parts = []
         n_dec = 0
@@ -175,7 +192,7 @@ class MLAAttention(nn.Module):
         if meta.prefill is not None:
             parts.append(self._prefill(q_nope[n_dec:], q_pe[n_dec:], latent[n_dec:], k_pe[n_dec:], meta))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return self.o_proj(out.reshape(T, c.num_heads * c.v_head_dim))
+        return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
 
     def _decode(self, q_nope: Tensor, q_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Absorbed path: ``[n_dec, H, v_head_dim]``."""

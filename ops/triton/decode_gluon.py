@@ -16,9 +16,15 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   softmax in base 2 (``scale * log2 e``), ``P`` to shared memory, ``O += P V`` with ``V`` the tile's first
   512 columns in place (the latent is the value); ``O [64, 512]`` fp32 lives in registers, each warpgroup
   owning 256 columns (128 registers a thread);
-- the steps of tile j: softmax of ``S_j``, ``P_j`` stored, then ``P_j V_j`` and ``Q K_{j+1}^T`` issued
-  back to back (asynchronous ``wgmma``); once ``P_j V_j`` is done (both warpgroups, a CTA barrier) slot j
-  takes the copy of tile j + 2, so a copy runs while the program works through the next tile.
+- the steps of tile j: softmax of ``S_j``, ``P_j`` stored, ``P_j V_j``; once it is done (both warpgroups, a
+  CTA barrier) slot j takes the copy of tile j + 2, then ``Q K_{j+1}^T`` once tile j + 1 is there, so a copy
+  runs while the program works through the next tile, and two while it waits for one (``PIPE``, the
+  default; ``PIPE=False``, the first schedule: ``P_j V_j`` and ``Q K_{j+1}^T`` issued back to back, the copy
+  of tile j + 2 after the wait for tile j + 1).
+
+``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
+most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
+docstring).
 
 ``decode_gluon_ws.decode_gluon_ws_kernel`` (``config={"WS": True}``) is the same work warp-specialized, after FlashMLA's
 sm_90 decode: a producer (the 4 default warps) streams tiles into the two slots (``full`` / ``empty``
@@ -63,6 +69,7 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 
 NUM_WARPS = 8
@@ -77,13 +84,17 @@ def decode_gluon_kernel(
     stride_qb, stride_qs, stride_qh,
     stride_bt,
     M, H, S_Q, n_splits,
-    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, PIPE: gl.constexpr = True,
 ):
     """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); ``desc_c``
     / ``desc_r`` span the cache's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and its rows
     ``[rows, 576]`` (box ``[64, 64]``, the rope columns); ``BLOCK_SIZE`` a multiple of 64. ``DIRECT`` (one
     split): the result into ``o_ptr`` (bf16 ``[B * M, 512]``) / ``lse_ptr`` (natural log); else each split's
-    rows into the workspaces ``o_ptr`` / ``lse_ptr`` (``[B * M, n_splits, 512]`` fp32, base-2 LSE)."""
+    rows into the workspaces ``o_ptr`` / ``lse_ptr`` (``[B * M, n_splits, 512]`` fp32, base-2 LSE). ``PIPE``
+    (the default): once ``P_j V_j`` is done the copy of tile j + 2 starts, then the wait for tile j + 1 and
+    ``S_{j+1}``, so a late tile j + 1 no longer holds back the copy of tile j + 2 (two tiles in flight while
+    the program waits); ``PIPE=False``: ``P_j V_j`` and ``S_{j+1}`` issued back to back, the copy after the wait
+    for tile j + 1 (the first schedule, kept to time against)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -160,14 +171,24 @@ def decode_gluon_kernel(
         fence_async_shared()
         gl.thread_barrier()  # every warp's P rows (and zeroed value rows) before either warpgroup's P V
         pv = warpgroup_mma(p_s, k_cur, o, is_async=True)
-        # S_{j+1} from the other slot (a dead product past the last tile: its slot holds an older tile)
-        mbarrier.wait(ready.index(1 - slot), ((j + 1) // 2) & 1, pred=j + 1 < n_tiles)
-        qk = warpgroup_mma(qr_s, kr_s.index(1 - slot).permute([1, 0]), zero_s, is_async=True)
-        qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
-        o = warpgroup_mma_wait(2, deps=[pv])
-        gl.thread_barrier()  # both warpgroups done with slot j and P
-        issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_next, j + 2, n_tiles, start, BLOCK_SIZE)
-        s = warpgroup_mma_wait(0, deps=[qk])
+        if PIPE:
+            # P V done (both warpgroups) before anything else: slot j takes tile j + 2 at once, then S_{j+1}
+            o = warpgroup_mma_wait(0, deps=[pv])
+            gl.thread_barrier()  # both warpgroups done with slot j and P
+            issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_next, j + 2, n_tiles, start, BLOCK_SIZE)
+            mbarrier.wait(ready.index(1 - slot), ((j + 1) // 2) & 1, pred=j + 1 < n_tiles)
+            qk = warpgroup_mma(qr_s, kr_s.index(1 - slot).permute([1, 0]), zero_s, is_async=True)
+            qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[qk])
+        else:
+            # S_{j+1} from the other slot (a dead product past the last tile: its slot holds an older tile)
+            mbarrier.wait(ready.index(1 - slot), ((j + 1) // 2) & 1, pred=j + 1 < n_tiles)
+            qk = warpgroup_mma(qr_s, kr_s.index(1 - slot).permute([1, 0]), zero_s, is_async=True)
+            qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
+            o = warpgroup_mma_wait(2, deps=[pv])
+            gl.thread_barrier()  # both warpgroups done with slot j and P
+            issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_next, j + 2, n_tiles, start, BLOCK_SIZE)
+            s = warpgroup_mma_wait(0, deps=[qk])
 
     l_i = gl.sum(l_part, axis=1)
     inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
@@ -179,13 +200,16 @@ def decode_gluon_kernel(
     gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
 
 
-def smem_bytes(ws: bool = False) -> int:
+def smem_bytes(ws: bool = False, swap: bool = False) -> int:
     """Shared memory of one program's buffers: the query rows, the two tile slots, P and the slots' barriers
     (the sm_90 compile adds a little scratch for the cross-warpgroup row maxima; checked by a test); ``ws``:
     the warp-specialized kernel's (with its hand-over rows, max, alpha and row sums, and eight barriers; the
-    compile adds the partitions' captured arguments)."""
+    compile adds the partitions' captured arguments); ``swap``: the swapped kernel's (``SWAP_ROWS`` query
+    rows, P of as many rows)."""
     if ws:
         return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + 4 * BLOCK_M * 4 + 8 * 8
+    if swap:
+        return SWAP_ROWS * D * 2 + STAGES * TILE_BYTES + SWAP_ROWS * BLOCK_N * 2 + STAGES * 8
     return BLOCK_M * D * 2 + STAGES * TILE_BYTES + BLOCK_M * BLOCK_N * 2 + STAGES * 8
 
 
@@ -211,14 +235,20 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
-    waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``);
-    several splits are merged by ``decode.reduce_splits``."""
+    waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``),
+    SWAP (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most
+    ``SWAP_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default True; False: the first
+    one); several splits are merged by ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
     if B == 0 or M == 0:
         return out, lse
-    hb = triton.cdiv(M, BLOCK_M)
+    config = config or {}
+    ws = bool(config.get("WS", False))
+    swap = not ws and bool(config.get("SWAP", M <= SWAP_ROWS))
+    rows_per_program = SWAP_ROWS if swap else BLOCK_M
+    hb = triton.cdiv(M, rows_per_program)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
                                    block_table.shape[1] * kv_cache.shape[1], BLOCK_N)
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
@@ -227,15 +257,19 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
     desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
-    ws = bool((config or {}).get("WS", False))
-    kernel = decode_gluon_ws_kernel if ws else decode_gluon_kernel
+    if ws:
+        kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
+    elif swap:
+        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS}
+    else:
+        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", True))}
     kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
-        M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
-        num_warps=WS_WARPS if ws else NUM_WARPS,
+        M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, **extra,
+        num_warps=warps,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
     return out, lse

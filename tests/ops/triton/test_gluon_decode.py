@@ -3,7 +3,8 @@
 
 On any machine with Triton: their sm_90 compiles (shared memory within an SM's 227 KB, spills, warps, the
 dots and TMA copies there) and their declarations (what the selector lets them serve; "auto" never picks them
-before their GPU run). On an sm_90 GPU, for both kernels: shapes against a float64 softmax written here
+before their GPU run). On an sm_90 GPU, for each kernel (64 rows a program in its two schedules, the swapped
+16-row one, the warp-specialized one): shapes against a float64 softmax written here
 (NaN-poisoned cache rows and outputs, empty sequences, lengths off the tile size, several splits and one, MTP
 rows, pages of 64 and 128), the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph
 replay through ``mla_compile.ops.decode(..., backend="gluon" | "gluon-ws")``."""
@@ -76,7 +77,7 @@ def _check(lens, H, s_q, bs, seed, config=None, kernel="plain"):
     q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
     assert decode_gluon.eligible(q, cache, DC)
     poison_allocator()
-    config = dict(config or {}, WS=kernel == "ws")
+    config = dict(config or {}, **KERNEL_CONFIG[kernel])
     out, lse = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
     torch.cuda.synchronize()
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
@@ -99,14 +100,18 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 ]
 
 
-# "plain": decode_gluon_kernel (8 warps in step); "ws": decode_gluon_ws_kernel (warp-specialized). Run the
-# plain ones first on a new GPU (-k "not ws"): a hang in the other would stop the session.
-KERNELS = ["plain", "ws"]
+# "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE); "legacy": the same kernel with its
+# first schedule (PIPE=False); "swap": decode_gluon_swap_kernel (16 rows a program, operands swapped: forced
+# here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized).
+# Run "legacy" first on a new GPU (-k legacy), then "swap", "plain", "ws": a hang in one would stop the session.
+KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "legacy": {"WS": False, "SWAP": False, "PIPE": False},
+                 "swap": {"WS": False, "SWAP": True}, "ws": {"WS": True}}
+KERNELS = ["plain", "swap", "ws"]  # "legacy" (the code GPU-tested before PIPE) runs the shape table only
 
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ["legacy"] + KERNELS)
 @pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
 def test_gluon_decode_shapes(kernel, B, H, s_q, max_len, bs, splits):
     gen = torch.Generator().manual_seed(B * 7 + H + s_q)
@@ -135,7 +140,7 @@ def test_gluon_decode_any_scale(kernel, scale):
     from mla_compile.ops.triton import decode_gluon
 
     q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
-    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config={"WS": kernel == "ws"})
+    out, lse = decode_gluon.launch(q, cache, table, seq_lens, scale, DC, config=KERNEL_CONFIG[kernel])
     ref, ref_lse = _softmax64(q, cache, table, seq_lens, scale)
     assert_attention_close(out, lse, ref, ref_lse, BF, lse_atol=2e-2 * max(1.0, abs(scale) / SCALE))
 
@@ -154,6 +159,9 @@ def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend)
     q, cache, table, seq_lens = _inputs([900, 0, 333], 16, 1, 64, seed=5)
     got = decode(q, cache, table, seq_lens, SCALE, backend=backend)
     want = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"WS": BACKENDS[backend] == "ws"})
+    if backend == "gluon":  # 16 rows: the swapped kernel by default
+        swapped = decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"SWAP": True})
+        assert all(torch.equal(a, b) for a, b in zip(want, swapped))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     wide = torch.full((cache.shape[0], 128, cache.shape[2]), float("nan"), dtype=BF, device="cuda")
     wide[:, :64] = cache
@@ -245,9 +253,10 @@ def _compile_sm90(kernel, consts, warps):
 
 
 @sm90_compile
+@pytest.mark.parametrize("pipe", [True, False])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_sm90_compile_resources(direct, block_size):
+def test_sm90_compile_resources(direct, block_size, pipe):
     """The kernel compiles for sm_90 with 8 warps, no spills, at most 255 registers a thread (two warpgroups
     fit one SM's register file), shared memory of its buffers' formula plus under 1 KB of scratch and within
     an SM's 227 KB; the loop's dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) and the
@@ -255,8 +264,8 @@ def test_sm90_compile_resources(direct, block_size):
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
-    compiled = _compile_sm90(g.decode_gluon_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
-                             g.NUM_WARPS)
+    compiled = _compile_sm90(g.decode_gluon_kernel,
+                             dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, PIPE=pipe), g.NUM_WARPS)
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
@@ -290,3 +299,26 @@ def test_sm90_compile_resources_warp_specialized(direct):
     s_dot, pv = (DC + DR) // 16, 64 // 16
     assert res["HGMMA"] == (s_dot + pv + s_dot + 2 * pv + pv) + (s_dot + 2 * pv + pv), res
     assert res["UTMALDG"] == 2, res
+
+
+@sm90_compile
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_sm90_compile_resources_swapped(direct, block_size):
+    """The swapped kernel compiles for sm_90 with 4 warps, 16 query rows a program, no spills, shared memory of
+    its formula plus under 1 KB (two programs do not fit an SM: one, as the launch plans); its dots (S^T twice,
+    36 k-steps each; O^T's 8 blocks of 64 value columns times 4 k-steps) and the two TMA copies a tile (three
+    places) are there."""
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    compiled = _compile_sm90(g.decode_gluon_swap_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
+                                                             BLOCK_R=g.SWAP_ROWS), g.SWAP_WARPS)
+    assert compiled.metadata.num_warps == 4
+    shared = compiled.metadata.shared
+    assert g.smem_bytes(swap=True) <= shared < g.smem_bytes(swap=True) + 1024
+    assert 227 * 1024 // 2 < shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
+    assert res["HGMMA"] == 2 * (DC + DR) // 16 + (DC // 64) * (64 // 16), res
+    assert res["UTMALDG"] == 6, res

@@ -1,7 +1,9 @@
-"""The MoE kernels (``mla::moe_route``, the two ``mla::moe_experts`` kernels) compiled for sm_90 on the CPU (Triton's
-front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and V3 dims, with the launch shapes an H200 (132 SMs)
-gets: they compile, and where cuobjdump is bundled, without register spills. Marked ``sm90_compile``: skipped
-without Triton or under ``TRITON_INTERPRET=1`` (run by test_sm90_compile_subprocess.py in CI)."""
+"""The MoE kernels (``mla::moe_route``, the ``mla::moe_experts`` kernels, fused and grouped) and
+``mla::skinny_linear``'s GEMV compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at
+DeepSeek-V2-Lite and V3 dims, with the launch shapes an H200 (132 SMs) gets: they compile, and where cuobjdump is
+bundled, without register spills.
+Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (run by
+test_sm90_compile_subprocess.py in CI)."""
 
 from __future__ import annotations
 
@@ -96,4 +98,18 @@ def test_moe_grouped_kernels_compile_for_sm90(name, T):
                             meta(S * I, H), meta(H, S * I), False, sms=132)
     assert [launch[0].fn.__name__ for launch in launches] == [
         "_moe_align_kernel", "_moe_grouped_gate_up_kernel", "_moe_grouped_down_kernel", "_moe_combine_kernel"]
+    _no_spills(launches)
+
+
+@pytest.mark.parametrize("M,K,Ns", [(2, 2048, (3072, 576)), (8, 2048, (2048,)), (1, 16384, (7168,)),
+                                    (16, 7168, (1536, 576))])
+def test_skinny_linear_kernel_compiles_for_sm90(M, K, Ns):
+    """``mla::skinny_linear``'s GEMV at the decode step's projections (V2-Lite q_proj + kv_a, o_proj; V3 o_proj,
+    q_a + kv_a), no register spills."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, skinny_linear
+
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
+    launches = _sm90.record(skinny_linear, skinny_linear._launch, meta(M, K), [meta(N, K) for N in Ns])
+    assert len(launches) == 1
     _no_spills(launches)

@@ -1,0 +1,98 @@
+"""Triton ``mla::skinny_linear``: a GEMV over the weights' rows for up to ``MAX_ROWS`` rows of x.
+
+Grid (row tiles of all weights, row blocks of x): a program takes ``BLOCK_N`` (4) rows of one weight (the first
+weight's tiles, then the second's: base pointer, stride and output selected with ``tl.where``, no branch) and
+``M_BLOCK`` rows of x, loads the weight tile over the whole of K in one step where K allows (``BLOCK_K`` up to
+``MAX_BLOCK_K``: the most bytes in flight, as the fused MoE kernels' measured best), and writes each row's
+``BLOCK_N`` outputs from float32 sums. Rows of x past ``M_BLOCK`` go to another program, which reads the same
+weight rows again (from L2 for a few rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from mla_compile.ops.skinny_linear import MAX_ROWS, validate
+from mla_compile.ops.triton._common import last_dim_contiguous
+
+BLOCK_N = 4
+MAX_BLOCK_K = 2048
+M_BLOCK = 2  # rows of x a program (more rows: more programs over the same weight rows)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
+    M, N1, N2, K, TILES1,
+    s_x, s_w1, s_w2, s_y1, s_y2,
+    M_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    first = tile < TILES1
+    n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
+    n_max = tl.where(first, N1, N2)
+    w_base = tl.where(first, w1_ptr, w2_ptr)
+    w_stride = tl.where(first, s_w1, s_w2).to(tl.int64)
+    y_base = tl.where(first, y1_ptr, y2_ptr)
+    y_stride = tl.where(first, s_y1, s_y2).to(tl.int64)
+
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < n_max
+    m0 = tl.program_id(1) * M_BLOCK
+    rows = tl.arange(0, M_BLOCK)
+    acc = tl.zeros([M_BLOCK, BLOCK_N], dtype=tl.float32)
+    w_rows = w_base + n.to(tl.int64) * w_stride
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        for i in tl.static_range(M_BLOCK):
+            m = m0 + i
+            xr = tl.load(x_ptr + m.to(tl.int64) * s_x + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
+            part = tl.sum(w * xr[None, :], axis=1)
+            acc += tl.where(rows[:, None] == i, part[None, :], 0.0)
+    m = m0 + rows
+    out = y_base + m[:, None].to(tl.int64) * y_stride + n[None, :]
+    tl.store(out, acc.to(y1_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])
+
+
+def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS`` rows."""
+    M, K = x.shape
+    outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    if M == 0:
+        return outs
+    x = last_dim_contiguous(x)
+    ws = [last_dim_contiguous(w) for w in weights]
+    w1, w2 = ws[0], ws[-1]
+    y1, y2 = outs[0], outs[-1]
+    n2 = w2.shape[0] if len(ws) == 2 else 0
+    tiles1 = triton.cdiv(w1.shape[0], BLOCK_N)
+    grid = (tiles1 + triton.cdiv(n2, BLOCK_N), triton.cdiv(M, M_BLOCK))
+    wrap_triton(_skinny_linear_kernel)[grid](
+        x, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1,
+        x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
+        M_BLOCK=M_BLOCK, BLOCK_N=BLOCK_N, BLOCK_K=min(triton.next_power_of_2(K), MAX_BLOCK_K), num_warps=4,
+    )
+    return outs
+
+
+@torch.library.custom_op("mla::skinny_linear_triton", mutates_args=())
+def skinny_linear_triton(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    """Triton ``mla::skinny_linear`` (contract of the ``_ref`` op): the GEMV kernel up to ``MAX_ROWS`` rows of x,
+    ``F.linear`` above; non-CUDA tensors or float32/float64 run ``F.linear``."""
+    validate(x, weights)
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
+        return [F.linear(x, w) for w in weights]
+    return _launch(x, weights)
+
+
+@skinny_linear_triton.register_fake
+def _fake(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    validate(x, weights)
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]

@@ -1,0 +1,104 @@
+"""``mla::skinny_linear``: the reference op, the Triton GEMV under Triton's interpreter (CPU) and on CUDA, against
+float64 products of the same half-precision values; bad inputs; opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_compile.ops.skinny_linear import MAX_ROWS, skinny_linear
+from tests.ops.triton.conftest import INTERPRET
+
+
+def _case(M, K, Ns, dtype=torch.bfloat16, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(device=device, dtype=dtype)
+    ws = [(torch.randn(N, K, generator=gen) / K ** 0.5).to(device=device, dtype=dtype) for N in Ns]
+    return x, ws
+
+
+def _check(outs, x, ws, tol):
+    assert len(outs) == len(ws)
+    for y, w in zip(outs, ws):
+        want = x.double() @ w.double().t()
+        assert y.dtype == x.dtype and y.shape == want.shape
+        assert torch.isfinite(y).all()
+        err = float((y.double() - want).norm() / want.norm().clamp_min(1e-30))
+        assert err < tol, err
+
+
+@pytest.mark.parametrize("Ns", [[24], [20, 9]])
+def test_reference_matches_float64(Ns):
+    x, ws = _case(3, 40, Ns, dtype=torch.float32)
+    _check(skinny_linear(x, ws, backend="reference"), x, ws, 1e-6)
+
+
+def test_bad_inputs_name_the_argument():
+    x, ws = _case(2, 16, [8, 4])
+    with pytest.raises(ValueError, match="weights\\[1\\]"):
+        skinny_linear(x, [ws[0], ws[1][:, :8]], backend="reference")
+    with pytest.raises(ValueError, match="weights"):
+        skinny_linear(x, ws + ws[:1], backend="reference")
+    with pytest.raises((ValueError, TypeError), match="x"):
+        skinny_linear(x[0], ws, backend="reference")
+    with pytest.raises((ValueError, TypeError), match="weights\\[0\\]"):
+        skinny_linear(x, [ws[0].float()], backend="reference")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("M,K,Ns", [(1, 64, [12]), (2, 96, [9, 5]), (5, 4100, [7, 6]), (3, 32, [1, 13])])
+def test_interpreter_kernel_matches_float64(M, K, Ns, monkeypatch):
+    """Rows of x off the row block, K off the tile (and past one K step: 4100 > 2048), N off the 4-row tiles, two
+    weights in one launch; outputs poisoned with NaN beforehand (every element must be written)."""
+    from mla_compile.ops.triton import skinny_linear as tsl
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    x, ws = _case(M, K, Ns, seed=M + K)
+    outs = tsl._launch(x, ws)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    _check(outs, x, ws, 1e-2)  # bf16 outputs: one rounding of float32 sums
+    again = tsl._launch(x, ws)
+    assert all(torch.equal(a, b) for a, b in zip(outs, again))
+
+
+def test_opcheck():
+    x, ws = _case(2, 32, [8, 4])
+    torch.library.opcheck(torch.ops.mla.skinny_linear_ref.default, (x, ws))
+    import mla_compile.ops.triton.skinny_linear  # noqa: F401
+    torch.library.opcheck(torch.ops.mla.skinny_linear_triton.default, (x, ws))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 2, 5, 8, MAX_ROWS, MAX_ROWS + 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_triton_matches_float64_at_deepseek_dims(M, dtype):
+    """V2-Lite's q_proj + kv_a_proj_with_mqa (2048 -> 3072, 576) and V3's o_proj (16384 -> 7168) shapes."""
+    x, ws = _case(M, 2048, [3072, 576], dtype=dtype, device="cuda", seed=M)
+    _check(skinny_linear(x, ws, backend="triton"), x, ws, 5e-3)
+    x, ws = _case(M, 16384, [7168], dtype=dtype, device="cuda", seed=M + 1)
+    _check(skinny_linear(x, ws, backend="triton"), x, ws, 5e-3)
+    x2 = x.clone()
+    x2[0] = float("nan")
+    bad = skinny_linear(x2, ws, backend="triton")[0]
+    assert bad[0].isnan().all() and (M == 1 or torch.isfinite(bad[1:]).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_compiled_and_graph_replay():
+    """Through torch.compile (dynamic rows, one graph for 2 and 6 rows) and a CUDA graph of the compiled call."""
+    x, ws = _case(6, 2048, [3072, 576], device="cuda", seed=3)
+    fn = torch.compile(lambda a: skinny_linear(a, ws, backend="triton"), fullgraph=True, dynamic=True)
+    for m in (2, 6):
+        _check(fn(x[:m]), x[:m], ws, 5e-3)
+    static = x[:2].clone()
+    fn(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(static)
+    static.copy_(x[2:4])
+    graph.replay()
+    _check(outs, x[2:4], ws, 5e-3)
