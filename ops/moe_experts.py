@@ -239,10 +239,10 @@ declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(tor
 
 def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                     shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                    out_float32: bool) -> Tensor:
+                    out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
     import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
     return torch.ops.mla.moe_experts_triton_grouped(x, weights, ids, gate_up, down, shared_gate, shared_up,
-                                                    shared_down, out_float32)
+                                                    shared_down, out_float32, token_mask)
 
 
 declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,

@@ -20,6 +20,10 @@ the up rows of the same ``BLOCK_N`` columns (K = hidden, pipelined over ``num_st
 block times the expert's down tile, scaled by each row's routing weight (1 for the shared slots), stored
 in float32 at the pair's own row of ``y [T * slots, H]``. Kernel 3 sums each token's slots of ``y`` in slot
 order (picks, then shared experts) and casts: no atomics, the same bits every run.
+
+With a token mask, the masked tokens' picks are sorted past the last expert (dropped: they hit no expert and
+take no row), their shared rows are left out (a shared block with no token left exits before any weight
+load) and their outputs are 0.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from mla_compile.ops._checks import check_tensor
 from mla_compile.ops.moe_experts import _out_dtype, sort_by_expert, validate
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 
@@ -42,7 +47,7 @@ def _moe_align_kernel(
 ):
     """Program ``pid``: the sorted pairs ``[pid * CHUNK, +CHUNK)`` to their padded rows, and the blocks
     ``[pid * CHUNK, +CHUNK)``'s expert and used-row count. Each program recomputes the padded segment
-    starts from ``offs`` (E cumulative ends: a scan of E values)."""
+    starts from ``offs`` (E cumulative ends: a scan of E values); pairs of expert E (dropped) get no row."""
     pid = tl.program_id(0)
     g = tl.arange(0, EP)
     g_ok = g < E
@@ -60,7 +65,7 @@ def _moe_align_kernel(
     e = tl.load(ids_ptr + pair, mask=r_ok, other=0).to(tl.int32)
     hit = e[:, None] == g[None, :]
     shift = tl.sum(tl.where(hit, (pstart - starts)[None, :], 0), axis=1)
-    tl.store(rows_ptr + r + shift, pair.to(tl.int32), mask=r_ok)
+    tl.store(rows_ptr + r + shift, pair.to(tl.int32), mask=r_ok & (e < E))  # e == E: a masked token's pick
 
     # block b -> its expert: the number of padded segments ending at or before its first row (E: none)
     b = pid * CHUNK + tl.arange(0, CHUNK)
@@ -90,11 +95,11 @@ def _block_layout(b, routed_e, routed_used, T, E, SB, TB, BLOCK_M: tl.constexpr)
 
 @triton.jit
 def _moe_grouped_gate_up_kernel(
-    x_ptr, rows_ptr, bexp_ptr, bcnt_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr,
+    x_ptr, rows_ptr, bexp_ptr, bcnt_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
     T, H, I, E, K, SB, TB,
     s_x, s_gue, s_gun, s_sg, s_su, s_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     rb = tl.maximum(b - SB, 0)  # the routed block (when b >= SB)
@@ -107,6 +112,10 @@ def _moe_grouped_gate_up_kernel(
     pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=valid & (b >= SB), other=0)
     t = tl.where(b < SB, first_t + m, pair // K)
     slot = tl.where(b < SB, K + s, pair % K)
+    if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
+        valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
+        if tl.sum(valid.to(tl.int32), axis=0) == 0:
+            return
     routed = e < E
     e64 = e.to(tl.int64)
     shared_row = s.to(tl.int64) * I
@@ -142,11 +151,11 @@ def _moe_grouped_gate_up_kernel(
 
 @triton.jit
 def _moe_grouped_down_kernel(
-    h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr,
+    h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, mask_ptr,
     T, H, I, E, K, SB, TB,
     s_h, s_w, s_de, s_dh, s_sd, s_y,
     SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     b = tl.program_id(0)
     rb = tl.maximum(b - SB, 0)  # the routed block (when b >= SB)
@@ -159,6 +168,10 @@ def _moe_grouped_down_kernel(
     pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=valid & (b >= SB), other=0)
     t = tl.where(b < SB, first_t + m, pair // K)
     slot = tl.where(b < SB, K + s, pair % K)
+    if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
+        valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
+        if tl.sum(valid.to(tl.int32), axis=0) == 0:
+            return
     routed = e < E
     d_base = tl.where(routed, dn_ptr + e.to(tl.int64) * s_de, sd_ptr + s.to(tl.int64) * I)
     d_stride = tl.where(routed, s_dh, s_sd).to(tl.int64)
@@ -184,14 +197,20 @@ def _moe_grouped_down_kernel(
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, out_ptr, H, s_y, s_out, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[t] = sum_j y[t * SLOTS + j]`` over the slots in order (float32), cast to out's dtype."""
+def _moe_combine_kernel(y_ptr, out_ptr, mask_ptr, H, s_y, s_out, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_MASK: tl.constexpr):
+    """``out[t] = sum_j y[t * SLOTS + j]`` over the slots in order (float32), cast to out's dtype; 0 for a
+    masked token (its rows of y are never written nor read)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
+    if HAS_MASK:
+        ok_load = ok & (tl.load(mask_ptr + t) != 0)
+    else:
+        ok_load = ok
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(SLOTS):
-        acc += tl.load(y_ptr + (t * SLOTS + j) * s_y + offs, mask=ok, other=0.0)
+        acc += tl.load(y_ptr + (t * SLOTS + j) * s_y + offs, mask=ok_load, other=0.0)
     tl.store(out_ptr + t * s_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -216,16 +235,20 @@ def block_m(tokens: int, top_k: int, experts: int) -> int:
     return 16 if avg <= 16 else 32 if avg <= 32 else 64
 
 
-def align_blocks(ids: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor, Tensor]:
+def align_blocks(ids: Tensor, num_experts: int, bm: int,
+                 token_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The routed pairs of ``ids [T, k]`` in blocks of ``bm`` rows, one expert per block (device-side, no
     host read): ``(rows [NB * bm] int32, block_expert [NB] int32, block_used [NB] int32)``. ``rows[b * bm +
     m]`` for ``m < block_used[b]`` is the pair ``t * k + j`` (the others are never written nor read);
-    ``block_expert[b]`` is E for the unused blocks past the last expert. ``NB`` comes from shapes only."""
+    ``block_expert[b]`` is E for the unused blocks past the last expert. ``NB`` comes from shapes only.
+    ``token_mask [T]`` bool: the picks of tokens where it is False get no row."""
     T, k = ids.shape
     pairs = T * k
     nb = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
+    if token_mask is not None:  # a masked token's picks go to expert E, past the last one: dropped
+        ids = ids.masked_fill(~token_mask[:, None], num_experts)
     flat = ids.reshape(-1)
-    order, offs = sort_by_expert(ids, num_experts)
+    order, offs = sort_by_expert(ids, num_experts + (token_mask is not None))
     rows = torch.empty(nb * bm, dtype=torch.int32, device=ids.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=ids.device)
     bcnt = torch.empty(nb, dtype=torch.int32, device=ids.device)
@@ -238,7 +261,8 @@ def align_blocks(ids: Tensor, num_experts: int, bm: int) -> tuple[Tensor, Tensor
 
 
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
-            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool) -> Tensor:
+            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool,
+            token_mask: Tensor | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
     T, H = x.shape
     E, K = gate_up.shape[0], ids.shape[1]
@@ -256,7 +280,9 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     else:  # never read (no shared block); any pointers of the right type
         sg, su, sd = gate_up, gate_up, down
     bm = block_m(T, K, E)
-    rows, bexp, bcnt = align_blocks(ids, E, bm)
+    rows, bexp, bcnt = align_blocks(ids, E, bm, token_mask)
+    has_mask = token_mask is not None
+    mask = token_mask.contiguous() if has_mask else ids  # never read without a mask
     tb = triton.cdiv(T, bm)  # blocks per shared expert
     sb = S * tb
     blocks = sb + bexp.shape[0]
@@ -265,31 +291,45 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     cfg = CONFIG
     h = torch.empty(blocks * bm, I, dtype=x.dtype, device=x.device)
     wrap_triton(_moe_grouped_gate_up_kernel)[(blocks, triton.cdiv(I, cfg["gate_up_n"]))](
-        x, rows, bexp, bcnt, gate_up, sg, su, h, T, H, I, E, K, sb, tb,
+        x, rows, bexp, bcnt, gate_up, sg, su, h, mask, T, H, I, E, K, sb, tb,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg["gate_up_n"], BLOCK_K=cfg["gate_up_k"] // wide, NUM_STAGES=cfg["num_stages"],
-        IEEE=ieee, num_warps=cfg["num_warps"],
+        IEEE=ieee, HAS_MASK=has_mask, num_warps=cfg["num_warps"],
     )
     y = torch.empty(T * slots, H, dtype=torch.float32, device=x.device)
     wrap_triton(_moe_grouped_down_kernel)[(blocks, triton.cdiv(H, cfg["down_n"]))](
-        h, rows, bexp, bcnt, weights, down, sd, y, T, H, I, E, K, sb, tb,
+        h, rows, bexp, bcnt, weights, down, sd, y, mask, T, H, I, E, K, sb, tb,
         h.stride(0), weights.stride(0), down.stride(0), down.stride(1), sd.stride(0), y.stride(0),
         SLOTS=slots, BLOCK_M=bm, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"] // wide, NUM_STAGES=cfg["num_stages"],
-        IEEE=ieee, num_warps=cfg["num_warps"],
+        IEEE=ieee, HAS_MASK=has_mask, num_warps=cfg["num_warps"],
     )
     wrap_triton(_moe_combine_kernel)[(T, triton.cdiv(H, COMBINE_BLOCK))](
-        y, out, H, y.stride(0), out.stride(0), SLOTS=slots, BLOCK=COMBINE_BLOCK, num_warps=4,
+        y, out, mask, H, y.stride(0), out.stride(0), SLOTS=slots, BLOCK=COMBINE_BLOCK, HAS_MASK=has_mask,
+        num_warps=4,
     )
     return out
+
+
+def check_mask(x: Tensor, token_mask: Tensor | None) -> None:
+    """``token_mask``: None or ``[T]`` bool on x's device (metadata only, no sync)."""
+    if token_mask is not None:
+        T = x.shape[0]
+        check_tensor("mla.moe_experts", "token_mask", token_mask, dtypes=(torch.bool,), shape=(T,),
+                     expected=f"[{T}] bool, True for the real tokens")
+        if token_mask.device != x.device:
+            raise ValueError(f"mla.moe_experts: token_mask is on {token_mask.device}, x on {x.device}")
 
 
 @triton_op("mla::moe_experts_triton_grouped", mutates_args=())
 def moe_experts_triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                                shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                               out_float32: bool) -> Tensor:
-    """Grouped Triton ``mla::moe_experts`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
-    if x.device.type != "cuda" or x.dtype == torch.float64:
-        return torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
-                                             out_float32)
+                               out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
+    """Grouped Triton ``mla::moe_experts`` (contract of the ``_ref`` op; ``token_mask [T]`` bool: False rows give
+    0 and read no expert); non-CUDA or float64 runs the reference."""
     validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
-    return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32)
+    check_mask(x, token_mask)
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        out = torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
+                                            out_float32)
+        return out if token_mask is None else out.masked_fill(~token_mask[:, None], 0)
+    return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32, token_mask)

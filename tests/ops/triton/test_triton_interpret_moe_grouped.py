@@ -109,7 +109,8 @@ def test_block_layout(T, k, E, bm, monkeypatch):
     assert seen == sorted(range(T * k), key=lambda p: (int(flat[p]), p)), "pairs by expert, stable"
 
 
-def test_launch_reads_nothing_on_the_host(monkeypatch):
+@pytest.mark.parametrize("masked", [False, True])
+def test_launch_reads_nothing_on_the_host(masked, monkeypatch):
     """The host code of a launch (routing prep, buffers) never reads device data: no ``.item()``-style read or
     data-dependent shape under a dispatch mode (kernel launches recorded, not run)."""
     from mla_compile.ops.triton import moe_grouped
@@ -126,8 +127,9 @@ def test_launch_reads_nothing_on_the_host(monkeypatch):
 
     monkeypatch.setattr(moe_grouped, "wrap_triton", Recorder)
     args = make(12, 40, 24, 6, 3, 2, dtype=torch.bfloat16)
+    mask = torch.arange(12) < 9 if masked else None
     with NoHostReads():
-        moe_grouped._launch(*args, False)
+        moe_grouped._launch(*args, False, mask)
     assert len(launches) == 4
 
 
@@ -145,3 +147,49 @@ def test_declared_but_not_chosen_by_auto():
 
     spec = backends_for("moe_experts")["triton-grouped"]
     assert spec.devices == ("cuda",) and torch.bfloat16 in spec.dtypes and auto_skip(spec) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreter_token_mask(dtype, monkeypatch):
+    """Masked tokens (one in the middle, the last block's worth at the end) hold NaN x and weights and alone pick
+    the NaN experts: their rows are exactly 0, the others equal the float64 loop over the real tokens."""
+    from mla_compile.ops.triton import moe_grouped
+
+    monkeypatch.setattr(moe_grouped, "CONFIG", dict(moe_grouped.CONFIG, **SMALL_TILES, block_m=16))
+    T, E = 37, 8
+    x, w, ids, gu, dn, sg, su, sd = routed_case(T, 40, 24, E, 3, 2, dtype, seed=11)
+    mask = torch.ones(T, dtype=torch.bool)
+    mask[5] = False
+    mask[32:] = False
+    ids[~mask, 1] = E - 1  # only masked tokens pick the NaN experts
+    ids[~mask, 2] = E - 2
+    x[~mask] = float("nan")
+    w[~mask] = float("nan")
+    real = mask.nonzero().squeeze(1)
+    want = experts64(x[real], w[real], ids[real], gu[:E - 2], dn[:E - 2], sg, su, sd, round_to=dtype)
+    poison_empty(monkeypatch)
+    out = moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask)
+    assert (out[~mask] == 0).all() and not out.isnan().any()
+    assert rel(out[real], want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out[real], want)
+    assert torch.equal(out, moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask))
+
+
+def test_token_mask_drops_the_masked_picks_from_the_blocks():
+    from mla_compile.ops.triton.moe_grouped import align_blocks
+
+    ids = torch.tensor([[0, 1], [2, 3], [0, 3]], dtype=torch.int32)
+    rows, bexp, bcnt = align_blocks(ids, 4, 16, torch.tensor([True, False, True]))
+    used = [(int(bexp[b]), rows[b * 16: b * 16 + int(bcnt[b])].tolist()) for b in range(bexp.shape[0]) if bcnt[b]]
+    assert used == [(0, [0, 4]), (1, [1]), (3, [5])]
+
+
+def test_op_checks_the_mask_and_falls_back_on_cpu():
+    import mla_compile.ops.triton.moe_grouped  # noqa: F401
+
+    x, w, ids, gu, dn, sg, su, sd = make(6, 40, 24, 6, 3, 2)
+    with pytest.raises((ValueError, TypeError), match="token_mask"):
+        torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gu, dn, sg, su, sd, False, torch.ones(5, dtype=torch.bool))
+    mask = torch.tensor([True, False, True, True, False, True])
+    out = torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gu, dn, sg, su, sd, False, mask)
+    assert (out[~mask] == 0).all() and rel(out[mask], experts64(x, w, ids, gu, dn, sg, su, sd)[mask]) < 1e-6
+    torch.library.opcheck(torch.ops.mla.moe_experts_triton_grouped, (x, w, ids, gu, dn, sg, su, sd, False, mask))

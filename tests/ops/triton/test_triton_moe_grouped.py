@@ -55,6 +55,26 @@ def test_matches_the_reference_at_model_dims(weights, T):
     assert _rel(out[:4], want64) < 4e-3 * SLACK, _rel(out[:4], want64)
 
 
+def test_token_mask_at_model_dims():
+    """A step of 200 real tokens padded to 256 (the padding holds NaN and picks arbitrary experts): its rows are 0,
+    the real ones as the reference on the real tokens alone. Through the backend's own op (it takes the mask
+    whether or not ``ops.moe_experts`` does)."""
+    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
+
+    H, I, E, k, _ = DIMS["v2-lite"]
+    gate_up, down, sg, su, sd = _weights("v2-lite", seed=2)
+    T, real = 256, 200
+    w, ids = _routing(T, E, k, seed=4)
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    x[real:] = float("nan")
+    mask = torch.arange(T, device=DEV) < real
+    want = _reference32(x[:real], w[:real], ids[:real], gate_up, down, sg, su, sd)
+    poison_allocator(device=DEV)
+    out = torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gate_up, down, sg, su, sd, True, mask)
+    assert (out[real:] == 0).all() and not out.isnan().any()
+    assert _rel(out[:real], want) < 8e-3 * SLACK, _rel(out[:real], want)
+
+
 def test_compiled_and_captured_in_a_cuda_graph():
     """fullgraph compile, then one CUDA graph replayed on new routing and tokens: equals the eager op's bits."""
     H, I, E, k, _ = DIMS["v2-lite"]

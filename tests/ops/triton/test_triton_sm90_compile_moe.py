@@ -80,11 +80,12 @@ def test_moe_experts_fp8_kernels_compile_for_sm90(name, T):
     _no_spills(launches)
 
 
-@pytest.mark.parametrize("T", [64, 256])
+@pytest.mark.parametrize("T,masked", [(64, False), (256, False), (256, True)])
 @pytest.mark.parametrize("name", list(DIMS))
-def test_moe_grouped_kernels_compile_for_sm90(name, T):
+def test_moe_grouped_kernels_compile_for_sm90(name, T, masked):
     """The four kernels of the "triton-grouped" backend (align, gate_up, down, combine), shared experts as
-    always-routed blocks, bf16 at the BLOCK_M the op picks for T: they compile without spills."""
+    always-routed blocks, bf16 at the BLOCK_M the op picks for T, with and without a token mask: they compile
+    without spills."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_grouped
 
@@ -95,7 +96,8 @@ def test_moe_grouped_kernels_compile_for_sm90(name, T):
 
     launches = _sm90.record(moe_grouped, moe_grouped._launch, meta(T, H), meta(T, k, dtype=torch.float32),
                             meta(T, k, dtype=torch.int32), meta(E, 2 * I, H), meta(E, H, I), meta(S * I, H),
-                            meta(S * I, H), meta(H, S * I), False, sms=132)
+                            meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool) if masked else None,
+                            sms=132)
     assert [launch[0].fn.__name__ for launch in launches] == [
         "_moe_align_kernel", "_moe_grouped_gate_up_kernel", "_moe_grouped_down_kernel", "_moe_combine_kernel"]
     _no_spills(launches)
