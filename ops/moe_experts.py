@@ -213,8 +213,7 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: 
                 shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
                 shared_down: Tensor | None = None, out_float32: bool = False, backend: str | None = None) -> Tensor:
     """Routed (and shared) experts of ``x [T, H]`` -> ``[T, H]``; see the module docstring for the contract.
-    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton", "triton-grouped" or a
-    split name."""
+    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name."""
     if backend in (None, "auto"):
         backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
