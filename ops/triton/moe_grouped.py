@@ -219,10 +219,12 @@ def _moe_combine_kernel(y_ptr, out_ptr, mask_ptr, H, s_y, s_out, SLOTS: tl.const
 # ``gate_up_n``/``gate_up_k``: kernel 1's I columns (of gate and of up each) and H step; ``down_n``/``down_k``:
 # kernel 2's H columns and I step (halved K for float32 x: registers and shared memory); ``num_stages``: the
 # K loop's software pipeline depth. sm_90 defaults: the kernels are memory bound (each expert's weights read
-# about once); per stage kernel 1 streams 2 x 64 x 128 bf16 (32 KB) of weights and kernel 2 16 KB, so three to
-# four stages keep ~100 KB in flight per SM within its 228 KB of shared memory. BLOCK_M 16/32 runs mma.sync
-# (wgmma wants 64 rows per warpgroup); the tensor cores idle either way.
-CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=64, down_k=128, num_warps=4, num_stages=3)
+# about once); per stage kernel 1 streams 2 x 64 x 128 bf16 (32 KB) of weights and kernel 2 128 x 64 (16 KB),
+# so three stages keep ~100 KB in flight per SM within its 228 KB of shared memory. The token side of a tile
+# (x rows, h rows: BLOCK_M x K) comes from L2 once per column tile, so the column tiles are wide against
+# BLOCK_M (kernel 2: 128 columns, h traffic a quarter of the weights' at BLOCK_M 32). BLOCK_M 16/32 runs
+# mma.sync (wgmma wants 64 rows per warpgroup); the tensor cores idle either way.
+CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=128, down_k=64, num_warps=4, num_stages=3)
 COMBINE_BLOCK = 1024
 
 
