@@ -54,8 +54,9 @@ def _check(args, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,I,E,k,S,bm", [(21, 40, 24, 8, 3, 2, 16), (37, 40, 24, 8, 3, 1, 32), (5, 48, 40, 6, 3, 0, 0),
-                                            (1, 24, 16, 6, 2, 1, 0), (70, 32, 16, 7, 3, 1, 64)])
+@pytest.mark.parametrize("T,H,I,E,k,S,bm", [(21, 40, 24, 8, 3, 2, 16), (37, 40, 24, 8, 3, 1, 32),
+                                            (5, 48, 40, 6, 3, 0, 0), (1, 24, 16, 6, 2, 1, 0),
+                                            (70, 32, 16, 7, 3, 1, 64)])
 def test_interpreter_matches_float64_loop_small_tiles(T, H, I, E, k, S, bm, dtype, monkeypatch):
     """Tiles of 16 (several K steps and N tiles, the last ones partial); ``bm`` 0: BLOCK_M chosen from T*k/E."""
     from mla_compile.ops.triton import moe_grouped
