@@ -62,7 +62,7 @@ SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (40
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
                  dict(gate_up_n=128, gate_up_k=64), dict(gate_up_k=64), dict(down_n=64, down_k=128), dict(down_n=64),
                  dict(down_k=128), dict(num_stages=2), dict(num_stages=4), dict(num_stages=5), dict(num_warps=8),
-                 dict(block_m=64, num_warps=8, num_stages=4))
+                 dict(gate_up_k=256, down_k=128, num_stages=2), dict(block_m=64, num_warps=8, num_stages=4))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
