@@ -14,6 +14,10 @@ x's dtype before the down projection (as the eager model rounds it). The sum ove
 shared experts is float32; ``out`` is float32 when ``out_float32`` (x's dtype otherwise; float64 stays
 float64). Repeated ids in a row count once per pick.
 
+``token_mask [T]`` bool (optional; None: every token is real): rows where it is False (padding tokens of a
+step padded to a captured size) give ``out[t] = 0`` exactly, whatever x, weights and ids hold there; the fused
+"triton" backend then reads no expert weights for them, the others may still compute them and zero the rows.
+
 Backends: "reference" (plain torch, any device: every expert on every token, combined by a ``[T, E]``
 routing matrix), "grouped" (CUDA bf16: tokens sorted by expert, ``torch._grouped_mm``; each hit expert's
 weights read once: the large-T path), "triton" (ours, CUDA: reads only the routed experts' rows per
@@ -32,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mla_compile.ops._checks import INDEX_DTYPES, check_tensor
+from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, declare, declare_op, declare_split,
                                       declare_split_op, priority, run_split_part)
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
@@ -41,8 +45,23 @@ OP = declare_op("moe_experts", "mla.moe_experts")
 FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above (H200: BENCHMARKS.md run 118)
 
 
+def check_token_mask(op: str, x: Tensor, token_mask: Tensor | None) -> None:
+    """``token_mask``: None or ``[T]`` bool on x's device (metadata only, no sync)."""
+    if token_mask is None:
+        return
+    T = x.shape[0]
+    check_tensor(op, "token_mask", token_mask, dtypes=(torch.bool,), shape=(T,),
+                 expected=f"[{T}] bool, True for the real tokens (e.g. slot_mapping >= 0)")
+    check_same_device(op, x=x, token_mask=token_mask)
+
+
+def zero_masked(out: Tensor, token_mask: Tensor | None) -> Tensor:
+    """``out [T, H]`` with the rows where ``token_mask`` is False set to 0 (NaN and inf too); as is for None."""
+    return out if token_mask is None else out.masked_fill(~token_mask[:, None], 0)
+
+
 def validate(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
-             shared_up: Tensor | None, shared_down: Tensor | None) -> None:
+             shared_up: Tensor | None, shared_down: Tensor | None, token_mask: Tensor | None = None) -> None:
     """Shape/dtype checks (metadata only, no sync)."""
     check_tensor(OP, "x", x, ndim=2, dtypes=FLOATS, expected="[T, H]")
     T, H = x.shape
@@ -69,6 +88,7 @@ def validate(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Ten
         check_tensor(OP, "shared_up", shared_up, dtypes=(x.dtype,), shape=(width, H), expected="like shared_gate")
         check_tensor(OP, "shared_down", shared_down, dtypes=(x.dtype,), shape=(H, width),
                      expected=f"[{H}, {width}] of x's dtype")
+    check_token_mask(OP, x, token_mask)
 
 
 def _out_dtype(x: Tensor, out_float32: bool) -> torch.dtype:
@@ -94,10 +114,11 @@ def _shared(x: Tensor, shared_gate: Tensor, shared_up: Tensor, shared_down: Tens
 @torch.library.custom_op("mla::moe_experts_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def moe_experts_ref(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                     shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                    out_float32: bool) -> Tensor:
+                    out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
     """Reference (plain torch, any device): each expert on every token in ``acc``, summed through a ``[T, E]``
-    routing matrix (a loop over experts: no data-dependent shapes, memory of one expert at a time)."""
-    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
+    routing matrix (a loop over experts: no data-dependent shapes, memory of one expert at a time); the rows
+    that ``token_mask`` masks are zeroed at the end."""
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, token_mask)
     acc = _acc(x)
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -109,12 +130,12 @@ def moe_experts_ref(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, do
         out += combine[:, e:e + 1] * (_activation(h[:, :I], h[:, I:], x.dtype) @ down[e].to(acc).T)
     if shared_gate is not None:
         out += _shared(x, shared_gate, shared_up, shared_down, acc)
-    return out.to(_out_dtype(x, out_float32))
+    return zero_masked(out, token_mask).to(_out_dtype(x, out_float32))
 
 
-def fake(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32):
+def fake(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32, token_mask=None):
     """Fake output shared by every implementation: validate, then ``[T, H]``."""
-    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, token_mask)
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_float32))
 
 
@@ -154,14 +175,15 @@ def grouped_routed(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, dow
 @torch.library.custom_op("mla::moe_experts_grouped", mutates_args=(), tags=LAYOUT_TAGS)
 def moe_experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                         shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                        out_float32: bool) -> Tensor:
-    """Grouped GEMMs for the routed experts (each hit expert read once), plain linears for the shared ones."""
-    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
+                        out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
+    """Grouped GEMMs for the routed experts (each hit expert read once), plain linears for the shared ones;
+    masked tokens are computed too, their rows zeroed at the end."""
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, token_mask)
     out = grouped_routed(x, weights, ids, gate_up, down)
     if shared_gate is not None:
         a = F.silu(F.linear(x, shared_gate)) * F.linear(x, shared_up)
         out = out + F.linear(a, shared_down).float()
-    return out.to(_out_dtype(x, out_float32))
+    return zero_masked(out, token_mask).to(_out_dtype(x, out_float32))
 
 
 moe_experts_grouped.register_fake(fake)
@@ -179,15 +201,13 @@ declare(OP, "grouped", torch.ops.mla.moe_experts_grouped, rank=60, available=_gr
 @torch.library.custom_op("mla::moe_experts_split", mutates_args=(), tags=LAYOUT_TAGS)
 def moe_experts_split(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                       shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                      out_float32: bool, tiers: str, plan_id: int) -> Tensor:
+                      out_float32: bool, token_mask: Tensor | None, tiers: str, plan_id: int) -> Tensor:
     """``mla::moe_experts`` through the part of ``tiers`` (``"triton:8/grouped"``) whose token bound covers T."""
-    return run_split_part(OP, tiers, x.shape[0],
-                          (x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32), plan_id)
+    args = (x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32, token_mask)
+    return run_split_part(OP, tiers, x.shape[0], args, plan_id)
 
 
-moe_experts_split.register_fake(lambda x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
-                                out_float32, tiers, plan_id: fake(x, weights, ids, gate_up, down, shared_gate,
-                                                                  shared_up, shared_down, out_float32))
+moe_experts_split.register_fake(lambda *args: fake(*args[:-2]))
 declare_split_op(OP, torch.ops.mla.moe_experts_split, "batch")
 
 
@@ -211,13 +231,16 @@ def auto_backend(device: str, dtype: str) -> str:
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, *,
                 shared_gate: Tensor | None = None, shared_up: Tensor | None = None,
-                shared_down: Tensor | None = None, out_float32: bool = False, backend: str | None = None) -> Tensor:
+                shared_down: Tensor | None = None, out_float32: bool = False, backend: str | None = None,
+                token_mask: Tensor | None = None) -> Tensor:
     """Routed (and shared) experts of ``x [T, H]`` -> ``[T, H]``; see the module docstring for the contract.
-    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name."""
+    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name.
+    ``token_mask [T]`` bool: False rows (padding tokens) give 0 and, in the fused kernels, read no weights."""
     if backend in (None, "auto"):
         backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
-    return impl.fn(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, bool(out_float32))
+    return impl.fn(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, bool(out_float32),
+                   token_mask)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.
@@ -225,10 +248,11 @@ from mla_compile.ops.triton import available as _triton_available  # noqa: E402
 
 
 def _triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
-            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool) -> Tensor:
+            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool,
+            token_mask: Tensor | None = None) -> Tensor:
     import mla_compile.ops.triton.moe_experts  # noqa: F401  (registers mla::moe_experts_triton)
     return torch.ops.mla.moe_experts_triton(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
-                                            out_float32)
+                                            out_float32, token_mask)
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF), package="triton",

@@ -13,6 +13,8 @@ ceil(I/128)]``; optional shared experts (as ``FP8BlockLinear`` holds them) ``sha
 with ``[ceil(S*I/128), ceil(H/128)]`` and ``shared_down [H, S*I]`` with ``[ceil(H/128), ceil(S*I/128)]``.
 ``swiglu_limit`` (DeepSeek-V4; None clamps nothing): the gate product is clamped to ``<= limit`` and the up
 product to ``[-limit, limit]`` before ``silu(g) * u``, for the routed and the shared experts alike.
+``token_mask [T]`` bool (optional), as in ``mla::moe_experts``: False rows give 0 exactly; the "triton" backend
+reads no weights (codes or scales) for them, the others compute them and zero the rows.
 
 Backends: "reference" (plain torch, any device: one expert at a time dequantized, on every token), "grouped"
 (CUDA: tokens sorted by expert through ``mla::fp8_block_linear``'s sorted-groups form, each hit expert read
@@ -31,7 +33,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp8_block_linear import BLOCK, dequantize, fp8_block_linear
-from mla_compile.ops.moe_experts import _acc, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
+from mla_compile.ops.moe_experts import (_acc, _out_dtype, check_token_mask, combine_sorted, fused_or_grouped,
+                                         sort_by_expert, zero_masked)
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
 from mla_compile.ops.select import resolve
 
@@ -54,7 +57,8 @@ def _check_weight(name: str, w: Tensor, scale: Tensor, shape: tuple[int, ...], f
 def validate(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
              up_scale: Tensor, down: Tensor, down_scale: Tensor, shared_gate: Tensor | None,
              shared_gate_scale: Tensor | None, shared_up: Tensor | None, shared_up_scale: Tensor | None,
-             shared_down: Tensor | None, shared_down_scale: Tensor | None) -> None:
+             shared_down: Tensor | None, shared_down_scale: Tensor | None,
+             token_mask: Tensor | None = None) -> None:
     """Shape/dtype checks (metadata only, no sync)."""
     check_tensor(OP, "x", x, ndim=2, dtypes=FLOATS, expected="[T, H] float")
     T, H = x.shape
@@ -83,6 +87,7 @@ def validate(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: 
         _check_weight("shared_down", shared_down, shared_down_scale, (H, width), "[H, S*I]")
     check_same_device(OP, x=x, weights=weights, ids=ids, gate=gate, gate_scale=gate_scale, up=up, up_scale=up_scale,
                       down=down, down_scale=down_scale, **{n: t for n, t in shared.items() if t is not None})
+    check_token_mask(OP, x, token_mask)
 
 
 def _glu(g: Tensor, u: Tensor, dtype: torch.dtype, limit: float | None) -> Tensor:
@@ -97,11 +102,13 @@ def moe_experts_fp8_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, g
                         up_scale: Tensor, down: Tensor, down_scale: Tensor, shared_gate: Tensor | None,
                         shared_gate_scale: Tensor | None, shared_up: Tensor | None,
                         shared_up_scale: Tensor | None, shared_down: Tensor | None,
-                        shared_down_scale: Tensor | None, out_float32: bool, swiglu_limit: float | None) -> Tensor:
+                        shared_down_scale: Tensor | None, out_float32: bool, swiglu_limit: float | None,
+                        token_mask: Tensor | None = None) -> Tensor:
     """Reference (plain torch, any device): each expert dequantized in ``acc`` and run on every token, summed
-    through a ``[T, E]`` routing matrix (one expert's weights in memory at a time, no data-dependent shapes)."""
+    through a ``[T, E]`` routing matrix (one expert's weights in memory at a time, no data-dependent shapes); the
+    rows that ``token_mask`` masks are zeroed at the end."""
     validate(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-             shared_up, shared_up_scale, shared_down, shared_down_scale)
+             shared_up, shared_up_scale, shared_down, shared_down_scale, token_mask)
     acc = _acc(x)
     T, H = x.shape
     E = gate.shape[0]
@@ -117,14 +124,14 @@ def moe_experts_fp8_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, g
         out += combine[:, e:e + 1] * mlp(gate[e], gate_scale[e], up[e], up_scale[e], down[e], down_scale[e])
     if shared_gate is not None:
         out += mlp(shared_gate, shared_gate_scale, shared_up, shared_up_scale, shared_down, shared_down_scale)
-    return out.to(_out_dtype(x, out_float32))
+    return zero_masked(out, token_mask).to(_out_dtype(x, out_float32))
 
 
 def fake(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-         shared_up, shared_up_scale, shared_down, shared_down_scale, out_float32, swiglu_limit):
+         shared_up, shared_up_scale, shared_down, shared_down_scale, out_float32, swiglu_limit, token_mask=None):
     """Fake output shared by every implementation: validate, then ``[T, H]``."""
     validate(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-             shared_up, shared_up_scale, shared_down, shared_down_scale)
+             shared_up, shared_up_scale, shared_down, shared_down_scale, token_mask)
     return x.new_empty(x.shape, dtype=_out_dtype(x, out_float32))
 
 
@@ -140,11 +147,12 @@ def moe_experts_fp8_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate: Tenso
                             shared_gate_scale: Tensor | None, shared_up: Tensor | None,
                             shared_up_scale: Tensor | None, shared_down: Tensor | None,
                             shared_down_scale: Tensor | None, out_float32: bool,
-                            swiglu_limit: float | None) -> Tensor:
+                            swiglu_limit: float | None, token_mask: Tensor | None = None) -> Tensor:
     """The (token, pick) copies sorted by expert through ``mla::fp8_block_linear``'s sorted-groups form (each hit
-    expert read once, as ``FP8Experts(grouped=True)``), the shared experts as three fp8 linears."""
+    expert read once, as ``FP8Experts(grouped=True)``), the shared experts as three fp8 linears; masked tokens
+    are computed too, their rows zeroed at the end."""
     validate(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-             shared_up, shared_up_scale, shared_down, shared_down_scale)
+             shared_up, shared_up_scale, shared_down, shared_down_scale, token_mask)
     order, offs = sort_by_expert(ids, gate.shape[0])
     xs = x[order // ids.shape[1]]
     a = _glu(fp8_block_linear(xs, gate, gate_scale, offs=offs), fp8_block_linear(xs, up, up_scale, offs=offs),
@@ -154,7 +162,7 @@ def moe_experts_fp8_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate: Tenso
         a = _glu(fp8_block_linear(x, shared_gate, shared_gate_scale), fp8_block_linear(x, shared_up, shared_up_scale),
                  x.dtype, swiglu_limit)
         out = out + fp8_block_linear(a, shared_down, shared_down_scale).float()
-    return out.to(_out_dtype(x, out_float32))
+    return zero_masked(out, token_mask).to(_out_dtype(x, out_float32))
 
 
 moe_experts_fp8_grouped.register_fake(fake)
@@ -169,10 +177,10 @@ def moe_experts_fp8_split(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor,
                           shared_gate_scale: Tensor | None, shared_up: Tensor | None,
                           shared_up_scale: Tensor | None, shared_down: Tensor | None,
                           shared_down_scale: Tensor | None, out_float32: bool, swiglu_limit: float | None,
-                          tiers: str, plan_id: int) -> Tensor:
+                          token_mask: Tensor | None, tiers: str, plan_id: int) -> Tensor:
     """``mla::moe_experts_fp8`` through the part of ``tiers`` (``"triton:8/grouped"``) whose bound covers T."""
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-            shared_up, shared_up_scale, shared_down, shared_down_scale, out_float32, swiglu_limit)
+            shared_up, shared_up_scale, shared_down, shared_down_scale, out_float32, swiglu_limit, token_mask)
     return run_split_part(OP, tiers, x.shape[0], args, plan_id)
 
 
@@ -191,15 +199,17 @@ def moe_experts_fp8(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_
                     shared_gate_scale: Tensor | None = None, shared_up: Tensor | None = None,
                     shared_up_scale: Tensor | None = None, shared_down: Tensor | None = None,
                     shared_down_scale: Tensor | None = None, swiglu_limit: float | None = None,
-                    out_float32: bool = False, backend: str | None = None) -> Tensor:
+                    out_float32: bool = False, backend: str | None = None,
+                    token_mask: Tensor | None = None) -> Tensor:
     """Routed (and shared) fp8 experts of ``x [T, H]`` -> ``[T, H]``; shapes and math in the module docstring.
-    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name."""
+    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name.
+    ``token_mask [T]`` bool: False rows (padding tokens) give 0 and, in the fused kernels, read no weights."""
     if backend in (None, "auto"):
         backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
     limit = None if swiglu_limit is None else float(swiglu_limit)
     return impl.fn(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
-                   shared_up, shared_up_scale, shared_down, shared_down_scale, bool(out_float32), limit)
+                   shared_up, shared_up_scale, shared_down, shared_down_scale, bool(out_float32), limit, token_mask)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

@@ -62,10 +62,11 @@ def test_bench_v4_decode_hf_eager_same_logits_and_budget_guard(tmp_path):
     assert sorted((r["ctx"], r["batch"]) for r in hf) == [(40, 3), (43, 3), (47, 3)]
     for r in hf:
         assert r["ms"] > 0 and r["rel_err_vs_ours_eager"] < 1e-5, r
+        assert r["rel_err_row_median"] <= r["rel_err_row_max"] < 1e-5, r  # every row, not only the batch's norm
     skipped = [r for r in data["rows"] if r["impl"] == "hf compiled"]
     assert len(skipped) == 3 and all(r["skipped"].startswith("time budget: ~1000000 s needed") for r in skipped)
     text = (tmp_path / "bench_v4_decode.txt").read_text()
-    assert "HF compiled" in text and "transformers" in text
+    assert "HF compiled" in text and "transformers" in text and "row median" in text
 
 
 def test_bench_v4_attention_cpu_smoke(tmp_path):
@@ -80,3 +81,21 @@ def test_bench_v4_attention_cpu_smoke(tmp_path):
     # tiny dims: window 8; CSA top-8 of 41 // 4 = 10 entries; HCA all 41 // 16 = 2 entries
     assert (rows["sliding"]["slots"], rows["CSA"]["slots"], rows["HCA"]["slots"]) == (8, 16, 10)
     assert "v4_attention per call" in (tmp_path / "bench_v4_attention.txt").read_text()
+
+
+def test_row_errors_are_per_sequence():
+    """``row_errors``: the median and max over rows of ||out_b - ref_b|| / ||ref_b||, against float64; one bad
+    row moves the max, not the median."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_v4_decode import row_errors
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(5, 300, generator=gen, dtype=torch.float64)
+    out = ref + 1e-3 * torch.randn(5, 300, generator=gen, dtype=torch.float64) * torch.arange(1, 6).view(5, 1)
+    out[3] += ref[3]  # one row off by 100 %
+    want = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).sort().values
+    got = row_errors(out.float(), ref.float())
+    assert got["rel_err_row_median"] == pytest.approx(float(want[2]), rel=1e-4)
+    assert got["rel_err_row_max"] == pytest.approx(float(want[-1]), rel=1e-4) and want[-1] > 0.9

@@ -155,6 +155,12 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), latent, apply_rope(k_pe, cos, sin, c.rope_interleave)
 
+    def real_tokens(self, meta: MLAMetadata) -> Tensor | None:
+        """``[T]`` bool, True for the step's real tokens: padding tokens (to a captured size, a ``min_batch``, a
+        data-parallel step shape) have slot -1 in every step kind. What the model hands the MoE so it skips the
+        padding's expert work; None where the slots do not tell padding apart (a cache split by token)."""
+        return meta.slot_mapping >= 0
+
     def write_cache(self, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> None:
         """Write this step's latent rows into the paged cache at ``meta.slot_mapping`` (the layer's only write
         besides a sparse layer's index keys)."""

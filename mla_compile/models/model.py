@@ -112,19 +112,27 @@ class MLAForCausalLM(nn.Module):
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
+        token_mask = self.model.layers[0].self_attn.real_tokens(meta)  # the MoE skips the padding tokens' experts
         for layer in self.model.layers:
             attn = layer.self_attn
             if self.regional_compile and attn.indexer is None and attn.sink_window is None:
                 q_nope, q_pe, latent, k_pe = _layer_projections(layer, h, cos, sin)
                 attn.write_cache(latent, k_pe, meta)
-                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, *flat)
+                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, token_mask, *flat)
                 continue
             h = h + attn(layer.input_layernorm(h), cos, sin, meta, positions)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
         h = self.model.norm(h)
         if meta.logits_indices is not None:
             h = h[meta.logits_indices]
         return self.lm_head(h)
+
+
+def _mlp(layer: nn.Module, x: Tensor, token_mask: Tensor | None) -> Tensor:
+    """The layer's MLP of ``x [T, hidden]``; an :class:`MLAMoE` also takes the step's ``token_mask [T]``."""
+    if isinstance(layer.mlp, MLAMoE):
+        return layer.mlp(x, token_mask=token_mask)
+    return layer.mlp(x)
 
 
 def _region(fn):
@@ -141,12 +149,12 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) ->
 
 @_region
 def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor,
-                sin: Tensor, *flat_meta) -> Tensor:
+                sin: Tensor, token_mask: Tensor | None, *flat_meta) -> Tensor:
     """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP
-    (``flat_meta``: the step's :meth:`MLAMetadata.flat`)."""
+    (``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`)."""
     meta = MLAMetadata.from_flat(*flat_meta)
     h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
 
 
 SPARSE_MODES = ("sink_window",)

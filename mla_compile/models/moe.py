@@ -186,7 +186,7 @@ class MLAMoE(nn.Module):
             return self.impl == "grouped"
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
-    def _fused(self, x: Tensor) -> Tensor:
+    def _fused(self, x: Tensor, token_mask: Tensor | None) -> Tensor:
         """Routing and experts through the ``mla::moe_route`` / ``mla::moe_experts`` ops."""
         explicit = self.impl == "fused"
         logits = router_logits(x, self.gate.weight)
@@ -197,14 +197,16 @@ class MLAMoE(nn.Module):
         se = self.shared_experts
         backend = ("triton" if x.is_cuda else "reference") if explicit else None
         if self.fp8_experts:
-            out = self._fused_fp8(x, weights, ids, backend)
+            out = self._fused_fp8(x, weights, ids, backend, token_mask)
         else:
             shared = (se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight) if self.fold_shared else (None,) * 3
             out = moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj,
-                              shared_gate=shared[0], shared_up=shared[1], shared_down=shared[2], backend=backend)
+                              shared_gate=shared[0], shared_up=shared[1], shared_down=shared[2], backend=backend,
+                              token_mask=token_mask)
         return out if self.fold_shared else out + se(x)
 
-    def _fused_fp8(self, x: Tensor, weights: Tensor, ids: Tensor, backend: str | None) -> Tensor:
+    def _fused_fp8(self, x: Tensor, weights: Tensor, ids: Tensor, backend: str | None,
+                   token_mask: Tensor | None) -> Tensor:
         """The fp8 experts (``FP8Experts``) and, when they fold, the fp8 shared experts in ``mla::moe_experts_fp8``."""
         ex, se = self.experts, self.shared_experts
         shared = {}
@@ -214,12 +216,16 @@ class MLAMoE(nn.Module):
                 shared[f"shared_{name}"], shared[f"shared_{name}_scale"] = linear.weight, linear.weight_scale_inv
         return moe_experts_fp8(x, weights, ids, ex.gate_proj, ex.gate_proj_scale_inv, ex.up_proj,
                                ex.up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv, **shared,
-                               swiglu_limit=getattr(ex, "swiglu_limit", None), backend=backend)
+                               swiglu_limit=getattr(ex, "swiglu_limit", None), backend=backend,
+                               token_mask=token_mask)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x [T, hidden]`` -> ``[T, hidden]``: routed experts plus shared experts."""
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``: routed experts plus shared experts. ``token_mask [T]`` bool
+        (None: every token is real) marks the real tokens; the rows of the others (padding) are not meaningful:
+        the fused ops skip their expert work (their routed and folded shared part is 0), the other paths
+        compute them as any token."""
         if self.fusable and self._use_fused(x):
-            return self._fused(x)
+            return self._fused(x, token_mask)
         weights, ids = route(self.gate, x)
         if self.fp8_experts:  # grouped by default on CUDA, as for bf16 experts
             grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda)

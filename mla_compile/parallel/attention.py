@@ -83,6 +83,10 @@ class DCPAttention(MLAAttention):
         if self.indexer is not None:
             self.indexer.interleave = value
 
+    def real_tokens(self, meta: MLAMetadata) -> None:
+        """None: another rank's tokens have slot -1 here too, so the slots do not tell padding apart."""
+        return None
+
     def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:
         """:meth:`MLAAttention.attend` over the split cache; ``positions`` is needed by sparse layers and by

@@ -8,6 +8,8 @@ routed and shared weights live in different tensors, so a row's base pointer and
 with ``tl.where`` (no branch). Kernel 2, grid (tokens, H tiles): one program computes ``BLOCK_H`` outputs
 of its token, walking I in chunks and, per chunk, every slot (unrolled: k and the slot count are
 compile-time constants) with the slot's weight, in float32: no atomics, the same sum order every run.
+With a token mask (``HAS_MASK``) a program of a masked token returns before any weight load: kernel 1
+stores nothing (its rows of the activation stay unwritten), kernel 2 stores zeros.
 """
 
 from __future__ import annotations
@@ -24,14 +26,17 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr,
+    x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
     H, I, K, SLOTS,
     s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0)
     t = row // SLOTS
     j = row % SLOTS
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
+            return
     routed = j < K
     e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
     shared_row = (j - K).to(tl.int64) * I  # first row of shared slice j - k
@@ -60,14 +65,18 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr,
+    h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr,
     H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
-    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: output 0, no weight reads
+            tl.store(out_ptr + t * s_out + offs_h, tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=h_ok)
+            return
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
     # together (memory-level parallelism); the sum order is fixed by the code, the same every run
@@ -112,7 +121,8 @@ def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
 
 
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
-            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool) -> Tensor:
+            shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool,
+            token_mask: Tensor | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
     T, H = x.shape
     K = ids.shape[1]
@@ -129,20 +139,22 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
         sg, su, sd = (last_dim_contiguous(t) for t in (shared_gate, shared_up, shared_down))
     else:  # never read (every slot is routed); any pointers of the right type
         sg, su, sd = gate_up, gate_up, down
+    mask = ids if token_mask is None else token_mask.contiguous()  # never read without a mask
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
     wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
     block_n = _blocks(T * slots, I, x.device)
     wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
-        x, ids, gate_up, sg, su, h, H, I, K, slots,
+        x, ids, gate_up, sg, su, h, mask, H, I, K, slots,
         x.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
-        BLOCK_N=block_n, BLOCK_K=_tile("gate_up_tile", block_n) // block_n // wide, num_warps=CONFIG["num_warps"],
+        BLOCK_N=block_n, BLOCK_K=_tile("gate_up_tile", block_n) // block_n // wide, HAS_MASK=token_mask is not None,
+        num_warps=CONFIG["num_warps"],
     )
     block_h = _blocks(T, H, x.device)
     wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
-        h, weights, ids, down, sd, out, H, I,
+        h, weights, ids, down, sd, out, mask, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
         K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=_tile("down_tile", block_h) // block_h // wide,
-        num_warps=CONFIG["num_warps"],
+        HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"],
     )
     return out
 
@@ -150,10 +162,10 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
 @triton_op("mla::moe_experts_triton", mutates_args=())
 def moe_experts_triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                        shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
-                       out_float32: bool) -> Tensor:
+                       out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
     """Triton ``mla::moe_experts`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
     if x.device.type != "cuda" or x.dtype == torch.float64:
         return torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
-                                             out_float32)
-    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
-    return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32)
+                                             out_float32, token_mask)
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, token_mask)
+    return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32, token_mask)

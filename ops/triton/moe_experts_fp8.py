@@ -8,7 +8,8 @@ weight tile is loaded as raw bytes, bitcast to float8e4nv and widened to float32
 128-row block of scales; along the reduction each column ``c`` takes its block's scale ``scale[row_block,
 c // 128]``, folded into the activation (``sum_c w[n, c] * (x[c] * s[c])``: one scale gather per column, not per
 weight). For the shared slices (rows ``(j - k) * I + n`` of the shared weights) the launch picks ``BLOCK_N``
-dividing I, so their tiles never straddle a block either.
+dividing I, so their tiles never straddle a block either. With a token mask (``HAS_MASK``) a program of a masked
+token returns before any weight load (kernel 1 stores nothing, kernel 2 stores zeros).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 
 @triton.jit
 def _moe_fp8_gate_up_kernel(
-    x_ptr, ids_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, sg_ptr, su_ptr, sgs_ptr, sus_ptr, h_ptr, limit,
+    x_ptr, ids_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, sg_ptr, su_ptr, sgs_ptr, sus_ptr, h_ptr, mask_ptr, limit,
     H, I, K, SLOTS,
     s_x, s_ids, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_sg, s_su, s_sgs, s_sus, s_h,
-    LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0)
     t = row // SLOTS
     j = row % SLOTS
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
+            return
     routed = j < K
     e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
@@ -73,15 +77,19 @@ def _moe_fp8_gate_up_kernel(
 
 @triton.jit
 def _moe_fp8_down_kernel(
-    h_ptr, w_ptr, ids_ptr, dn_ptr, ds_ptr, sd_ptr, sds_ptr, out_ptr,
+    h_ptr, w_ptr, ids_ptr, dn_ptr, ds_ptr, sd_ptr, sds_ptr, out_ptr, mask_ptr,
     H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_dse, s_dsh, s_sd, s_sds, s_out,
-    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     offs_h = h0 + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: output 0, no weight reads
+            tl.store(out_ptr + t * s_out + offs_h, tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=h_ok)
+            return
     hb = h0 // 128  # the tile's scale row (BLOCK_H divides 128)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -137,7 +145,7 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
             up_scale: Tensor, down: Tensor, down_scale: Tensor, shared_gate: Tensor | None,
             shared_gate_scale: Tensor | None, shared_up: Tensor | None, shared_up_scale: Tensor | None,
             shared_down: Tensor | None, shared_down_scale: Tensor | None, out_float32: bool,
-            swiglu_limit: float | None) -> Tensor:
+            swiglu_limit: float | None, token_mask: Tensor | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract."""
     T, H = x.shape
     K = ids.shape[1]
@@ -160,24 +168,26 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
         sgs, sus, sds = (last_dim_contiguous(s) for s in (shared_gate_scale, shared_up_scale, shared_down_scale))
     else:  # never read (every slot is routed); any pointers of the right type
         sg, su, sd, sgs, sus, sds = g[0], u[0], d[0], gs[0], us[0], ds[0]
+    mask = ids if token_mask is None else token_mask.contiguous()  # never read without a mask
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
     wide = 2 if x.dtype == torch.float32 else 1  # float32 activations: half the elements per tile (registers)
     block_n = _blocks(T * slots, I, x.device, divides=I if S else 0)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     _wrap(_moe_fp8_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
-        x, ids, g, u, gs, us, sg, su, sgs, sus, h, limit, H, I, K, slots,
+        x, ids, g, u, gs, us, sg, su, sgs, sus, h, mask, limit, H, I, K, slots,
         x.stride(0), ids.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
         us.stride(0), us.stride(1), sg.stride(0), su.stride(0), sgs.stride(0), sus.stride(0), h.stride(0),
         LIMIT=swiglu_limit is not None, BLOCK_N=block_n,
-        BLOCK_K=min(CONFIG["gate_up_tile"] // block_n // wide, _MAX_BLOCK_K), num_warps=CONFIG["num_warps"],
+        BLOCK_K=min(CONFIG["gate_up_tile"] // block_n // wide, _MAX_BLOCK_K), HAS_MASK=token_mask is not None,
+        num_warps=CONFIG["num_warps"],
     )
     block_h = _blocks(T, H, x.device)
     _wrap(_moe_fp8_down_kernel)[(T, triton.cdiv(H, block_h))](
-        h, weights, ids, d, ds, sd, sds, out, H, I,
+        h, weights, ids, d, ds, sd, sds, out, mask, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),
         sd.stride(0), sds.stride(0), out.stride(0),
         K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=min(CONFIG["down_tile"] // block_h // wide, _MAX_BLOCK_K),
-        num_warps=CONFIG["num_warps"],
+        HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"],
     )
     return out
 
@@ -188,11 +198,11 @@ def moe_experts_fp8_triton(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor
                            shared_gate_scale: Tensor | None, shared_up: Tensor | None,
                            shared_up_scale: Tensor | None, shared_down: Tensor | None,
                            shared_down_scale: Tensor | None, out_float32: bool,
-                           swiglu_limit: float | None) -> Tensor:
+                           swiglu_limit: float | None, token_mask: Tensor | None = None) -> Tensor:
     """Triton ``mla::moe_experts_fp8`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference."""
     args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, shared_gate, shared_gate_scale,
             shared_up, shared_up_scale, shared_down, shared_down_scale)
     if x.device.type != "cuda" or x.dtype == torch.float64:
-        return torch.ops.mla.moe_experts_fp8_ref(*args, out_float32, swiglu_limit)
-    validate(*args)
-    return _launch(*args, out_float32, swiglu_limit)
+        return torch.ops.mla.moe_experts_fp8_ref(*args, out_float32, swiglu_limit, token_mask)
+    validate(*args, token_mask)
+    return _launch(*args, out_float32, swiglu_limit, token_mask)

@@ -214,7 +214,7 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
     """What the selector lets backends "gluon" / "gluon-ws" serve (no GPU needed: facts given), and that "auto"
     takes them only where the measured timings say so (the shipped table has no rows for them yet)."""
     spec = backends_for("decode")[backend]
-    assert spec.gpu_tested
+    assert not spec.gpu_tested  # its default kernels changed after run 127 (swap, PIPE): GPU run pending
 
     def facts(**kw):
         base = dict(cap=(9, 0), cache_dtype=BF, block_size=64, num_heads=128, head_dims=(DC, DR), query_len=1,

@@ -147,3 +147,59 @@ def test_compiled_fused_block_equals_dense_on_gpu(kind):
                 again = compiled(x)
             assert torch.equal(got, again), impl
             torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("T", [2, 5])
+def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T):
+    """``token_mask``: the B=1 decode step padded to 2 tokens (and 5 with 2 masked). The masked tokens pick only
+    an expert whose weights are NaN (no real token picks it) and have NaN x: "triton" and "auto" (eager and
+    compiled) give exact 0 there and the unmasked call's rows elsewhere; "grouped" (which may read) zeroes the
+    rows of an unpoisoned call."""
+    name, (gate_up, down, sg, su, sd) = model_weights
+    H, I, E, k, _ = DIMS[name]
+    weights, ids = _routing(T, E - 1, k, seed=T)  # real tokens never pick expert E - 1
+    mask = torch.arange(T, device=DEV) % 2 == 0
+    x = torch.randn(T, H, device=DEV).bfloat16()
+    shared = dict(shared_gate=sg, shared_up=su, shared_down=sd)
+    want = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="triton")
+    x_p, ids_p = x.clone(), ids.clone()
+    x_p[~mask], ids_p[~mask] = float("nan"), E - 1
+    saved = gate_up[E - 1].clone(), down[E - 1].clone()
+    compiled = torch.compile(lambda *a, **kw: ops.moe_experts(*a, **kw), fullgraph=True)
+    try:
+        gate_up[E - 1].fill_(float("nan"))
+        down[E - 1].fill_(float("nan"))
+        for backend, fn in (("triton", ops.moe_experts), ("auto", ops.moe_experts), ("triton", compiled)):
+            poison_allocator(device=DEV)
+            out = fn(x_p, weights, ids_p, gate_up, down, **shared, out_float32=True, backend=backend, token_mask=mask)
+            assert torch.equal(out[~mask], torch.zeros_like(out[~mask])), backend
+            assert torch.equal(out[mask], want[mask]), backend
+    finally:
+        gate_up[E - 1].copy_(saved[0])
+        down[E - 1].copy_(saved[1])
+    unmasked = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="grouped")
+    got = ops.moe_experts(x, weights, ids, gate_up, down, **shared, out_float32=True, backend="grouped",
+                          token_mask=mask)
+    assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+    torch.testing.assert_close(got[mask], unmasked[mask], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
+def test_compiled_fused_block_with_a_token_mask_on_gpu(kind):
+    """``MLAMoE(token_mask=...)`` compiled (fullgraph): the real rows of a padded batch as without the mask."""
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models.moe import MLAMoE
+
+    hf = toy.toy_hf_model(kind, seed=6, dtype=torch.bfloat16).to(DEV)
+    compiled = torch.compile(MLAMoE(hf.model.layers[1].mlp, impl="auto"), fullgraph=True)
+    for T in (2, 5, 40):
+        x = torch.randn(T, hf.config.hidden_size, device=DEV).bfloat16()
+        mask = torch.arange(T, device=DEV) < (T + 1) // 2
+        with torch.no_grad():
+            want, got = compiled(x), compiled(x, token_mask=mask)
+        if T <= 8:  # the fused kernels: the same programs for the real tokens
+            assert torch.equal(got[mask], want[mask]), T
+        else:  # the grouped GEMMs of another graph: bf16 roundings may differ
+            torch.testing.assert_close(got[mask].float(), want[mask].float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(got[~mask], torch.zeros_like(got[~mask])), T

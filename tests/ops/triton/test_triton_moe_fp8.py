@@ -73,3 +73,27 @@ def test_v3_dims_against_the_reference_op(v3_args, T):
     assert rel(_call(args, out_float32=True, backend="grouped"), want) < 1e-2
     compiled = torch.compile(lambda *a: _call(a, backend="triton"), fullgraph=True)
     assert rel(compiled(*args), want) < 1e-2
+
+
+@pytest.mark.parametrize("T,H,I,E,k,S,limit", [(2, 200, 136, 8, 6, 0, None), (5, 300, 20, 5, 2, 1, 0.05)])
+def test_masked_tokens_read_no_experts(T, H, I, E, k, S, limit):
+    """``token_mask``: masked tokens pick only an expert of NaN codes and scales and have NaN x; "triton" (eager and
+    compiled) gives exact 0 there and the unmasked rows elsewhere; "grouped" zeroes the rows of an unpoisoned call."""
+    from tests.ops.test_moe_token_mask import poison_masked, random_mask
+
+    args = make(T, H, I, E, k, S, dtype=torch.bfloat16, seed=T + H)
+    mask = random_mask(T, seed=T)
+    dev = tuple(None if a is None else a.to(DEV) for a in args)
+    poisoned = tuple(None if a is None else a.to(DEV) for a in poison_masked(args, mask, (3, 4, 5, 6, 7, 8)))
+    mask = mask.to(DEV)
+    want = _call(dev, swiglu_limit=limit, out_float32=True, backend="triton")
+    compiled = torch.compile(lambda *a, **kw: _call(a, **kw), fullgraph=True)
+    for fn in (_call, lambda a, **kw: compiled(*a, **kw)):
+        poison_allocator(device=DEV)
+        out = fn(poisoned, swiglu_limit=limit, out_float32=True, backend="triton", token_mask=mask)
+        assert torch.equal(out[~mask], torch.zeros_like(out[~mask]))
+        assert torch.equal(out[mask], want[mask])
+    unmasked = _call(dev, swiglu_limit=limit, out_float32=True, backend="grouped")
+    got = _call(dev, swiglu_limit=limit, out_float32=True, backend="grouped", token_mask=mask)
+    assert torch.equal(got[~mask], torch.zeros_like(got[~mask]))
+    torch.testing.assert_close(got[mask], unmasked[mask], atol=0, rtol=0)

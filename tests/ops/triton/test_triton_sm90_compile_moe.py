@@ -26,9 +26,11 @@ def _no_spills(launches):
             assert _sm90.resources(compiled)["stack"] == 0, f"register spills in {kernel.fn.__name__}"
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("T", [1, 16])
 @pytest.mark.parametrize("name", list(DIMS))
-def test_moe_experts_kernels_compile_for_sm90(name, T):
+def test_moe_experts_kernels_compile_for_sm90(name, T, masked):
+    """With ``masked``, a token mask (the early exit of a padding token's programs)."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts
 
@@ -39,7 +41,8 @@ def test_moe_experts_kernels_compile_for_sm90(name, T):
 
     launches = _sm90.record(moe_experts, moe_experts._launch, meta(T, H), meta(T, k, dtype=torch.float32),
                             meta(T, k, dtype=torch.int32), meta(E, 2 * I, H), meta(E, H, I), meta(S * I, H),
-                            meta(S * I, H), meta(H, S * I), False, sms=132)
+                            meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool) if masked else None,
+                            sms=132)
     assert len(launches) == 2
     _no_spills(launches)
 
@@ -56,10 +59,12 @@ def test_moe_route_kernel_compiles_for_sm90(E, k, G, TG, scoring, bias):
     _no_spills(launches)
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("name", list(DIMS))
-def test_moe_experts_fp8_kernels_compile_for_sm90(name, T):
-    """The two ``mla::moe_experts_fp8`` kernels (e4m3 codes, float32 block scales), shared experts folded in."""
+def test_moe_experts_fp8_kernels_compile_for_sm90(name, T, masked):
+    """The two ``mla::moe_experts_fp8`` kernels (e4m3 codes, float32 block scales), shared experts folded in;
+    with ``masked``, a token mask."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts_fp8
 
@@ -75,7 +80,7 @@ def test_moe_experts_fp8_kernels_compile_for_sm90(name, T):
     shared = (meta(S * I, H), scales(S * I, H), meta(S * I, H), scales(S * I, H), meta(H, S * I), scales(H, S * I))
     launches = _sm90.record(moe_experts_fp8, moe_experts_fp8._launch, meta(T, H, dtype=torch.bfloat16),
                             meta(T, k, dtype=torch.float32), meta(T, k, dtype=torch.int32), *routed, *shared, False,
-                            None, sms=132)
+                            None, meta(T, dtype=torch.bool) if masked else None, sms=132)
     assert len(launches) == 2
     _no_spills(launches)
 
