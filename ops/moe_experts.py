@@ -16,7 +16,8 @@ float64). Repeated ids in a row count once per pick.
 
 ``token_mask [T]`` bool (optional; None: every token is real): rows where it is False (padding tokens of a
 step padded to a captured size) give ``out[t] = 0`` exactly, whatever x, weights and ids hold there; the fused
-"triton" backend then reads no expert weights for them, the others may still compute them and zero the rows.
+"triton" and "triton-grouped" backends then read no expert weights for them, the others may still compute them
+and zero the rows.
 
 Backends: "reference" (plain torch, any device: every expert on every token, combined by a ``[T, E]``
 routing matrix), "grouped" (CUDA bf16: tokens sorted by expert, ``torch._grouped_mm``; each hit expert's

@@ -34,7 +34,6 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from mla_compile.ops._checks import check_tensor
 from mla_compile.ops.moe_experts import _out_dtype, sort_by_expert, validate
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 
@@ -312,26 +311,14 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     return out
 
 
-def check_mask(x: Tensor, token_mask: Tensor | None) -> None:
-    """``token_mask``: None or ``[T]`` bool on x's device (metadata only, no sync)."""
-    if token_mask is not None:
-        T = x.shape[0]
-        check_tensor("mla.moe_experts", "token_mask", token_mask, dtypes=(torch.bool,), shape=(T,),
-                     expected=f"[{T}] bool, True for the real tokens")
-        if token_mask.device != x.device:
-            raise ValueError(f"mla.moe_experts: token_mask is on {token_mask.device}, x on {x.device}")
-
-
 @triton_op("mla::moe_experts_triton_grouped", mutates_args=())
 def moe_experts_triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                                shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
                                out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
     """Grouped Triton ``mla::moe_experts`` (contract of the ``_ref`` op; ``token_mask [T]`` bool: False rows give
     0 and read no expert); non-CUDA or float64 runs the reference."""
-    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down)
-    check_mask(x, token_mask)
+    validate(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, token_mask)
     if x.device.type != "cuda" or x.dtype == torch.float64:
-        out = torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
-                                            out_float32)
-        return out if token_mask is None else out.masked_fill(~token_mask[:, None], 0)
+        return torch.ops.mla.moe_experts_ref(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down,
+                                             out_float32, token_mask)
     return _launch(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, out_float32, token_mask)

@@ -29,9 +29,9 @@ def weights(request):
     torch.cuda.empty_cache()
 
 
-def _call(x, w, ids, gate_up, down, sg, su, sd, out_float32=True):
+def _call(x, w, ids, gate_up, down, sg, su, sd, out_float32=True, token_mask=None):
     return ops.moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
-                           out_float32=out_float32, backend="triton-grouped")
+                           out_float32=out_float32, backend="triton-grouped", token_mask=token_mask)
 
 
 @pytest.mark.parametrize("T", [64, 201, 256])
@@ -57,10 +57,7 @@ def test_matches_the_reference_at_model_dims(weights, T):
 
 def test_token_mask_at_model_dims():
     """A step of 200 real tokens padded to 256 (the padding holds NaN and picks arbitrary experts): its rows are 0,
-    the real ones as the reference on the real tokens alone. Through the backend's own op (it takes the mask
-    whether or not ``ops.moe_experts`` does)."""
-    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
-
+    the real ones as the reference on the real tokens alone."""
     H, I, E, k, _ = DIMS["v2-lite"]
     gate_up, down, sg, su, sd = _weights("v2-lite", seed=2)
     T, real = 256, 200
@@ -70,30 +67,37 @@ def test_token_mask_at_model_dims():
     mask = torch.arange(T, device=DEV) < real
     want = _reference32(x[:real], w[:real], ids[:real], gate_up, down, sg, su, sd)
     poison_allocator(device=DEV)
-    out = torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gate_up, down, sg, su, sd, True, mask)
+    out = _call(x, w, ids, gate_up, down, sg, su, sd, token_mask=mask)
     assert (out[real:] == 0).all() and not out.isnan().any()
     assert _rel(out[:real], want) < 8e-3 * SLACK, _rel(out[:real], want)
 
 
-def test_compiled_and_captured_in_a_cuda_graph():
-    """fullgraph compile, then one CUDA graph replayed on new routing and tokens: equals the eager op's bits."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_compiled_and_captured_in_a_cuda_graph(masked):
+    """fullgraph compile, then one CUDA graph replayed on new routing and tokens (and, ``masked``, a token mask
+    that changes between replays): equals the eager op's bits."""
     H, I, E, k, _ = DIMS["v2-lite"]
     gate_up, down, sg, su, sd = _weights("v2-lite", seed=1)
     T = 64
     w, ids = _routing(T, E, k, seed=1)
     x = torch.randn(T, H, device=DEV).bfloat16()
-    fn = torch.compile(lambda a, b, c: _call(a, b, c, gate_up, down, sg, su, sd, out_float32=False), fullgraph=True)
-    graph, out = capture(fn, x, w, ids)
-    for seed in (2, 3):
+    mask = torch.ones(T, dtype=torch.bool, device=DEV) if masked else None
+    fn = torch.compile(lambda a, b, c, m: _call(a, b, c, gate_up, down, sg, su, sd, out_float32=False, token_mask=m),
+                       fullgraph=True)
+    graph, out = capture(fn, x, w, ids, mask)
+    for seed, real in ((2, 50), (3, 64)):
         w2, ids2 = _routing(T, E, k, seed=seed)
         x2 = torch.randn(T, H, device=DEV).bfloat16()
         x.copy_(x2)
         w.copy_(w2)
         ids.copy_(ids2)
+        mask2 = torch.arange(T, device=DEV) < real if masked else None
+        if masked:
+            mask.copy_(mask2)
         poison_allocator(device=DEV)
         graph.replay()
         torch.cuda.synchronize()
-        eager = _call(x2, w2, ids2, gate_up, down, sg, su, sd, out_float32=False)
+        eager = _call(x2, w2, ids2, gate_up, down, sg, su, sd, out_float32=False, token_mask=mask2)
         assert torch.equal(out, eager), seed
-        want = _reference32(x2, w2, ids2, gate_up, down, sg, su, sd)
+        want = torch.ops.mla.moe_experts_ref(x2, w2, ids2, gate_up, down, sg, su, sd, True, mask2)
         assert _rel(out, want) < 1e-2 * SLACK
