@@ -9,6 +9,9 @@ DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 s
   folded in as weight-1 slots), two kernels;
 - "grouped": ``moe_experts(backend="grouped")``, tokens sorted by expert through ``torch._grouped_mm`` (what
   ``MLAMoE`` ran before), plus the shared MLP as three linears;
+- "triton grouped": ``moe_experts(backend="triton-grouped")``, the (token, pick) pairs sorted by expert in blocks
+  of one expert, Triton grouped GEMMs (shared experts as always-routed blocks), a deterministic combine; its
+  note gives the norm-relative error against the reference backend (first input set);
 - "dense": every expert on every token (``models.moe.experts_dense``) plus the shared MLP;
 - "auto": what ``moe_experts``'s "auto" runs here (its choice in the note);
 and the routing alone: ``moe_route(backend="triton")`` (one kernel) vs the same math in eager torch.
@@ -23,7 +26,8 @@ experts are disjoint where the experts allow and whose shared weights are separa
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``; with
 ``--fp8`` also ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
-config's output. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
+config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
+tokens and more. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from mla_compile.ops.moe_experts import auto_backend  # noqa: E402
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8  # noqa: E402
 from mla_compile.ops.moe_route import route_math  # noqa: E402
 from mla_compile.ops.triton import moe_experts as tmoe  # noqa: E402
+from mla_compile.ops.triton import moe_grouped as tgrouped  # noqa: E402
 
 SWEEP = False
 FP8 = False
@@ -52,6 +57,12 @@ FP8 = False
 SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
                  (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
                  (8192, 4096, 8, 8), (16384, 16384, 8, 8))
+# changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
+# in shared memory: such a row records the failure)
+GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
+                 dict(gate_up_n=128, gate_up_k=64), dict(gate_up_k=64), dict(down_n=64, down_k=128), dict(down_n=64),
+                 dict(down_k=128), dict(num_stages=2), dict(num_stages=4), dict(num_stages=5), dict(num_warps=8),
+                 dict(gate_up_k=256, down_k=128, num_stages=2), dict(block_m=64, num_warps=8, num_stages=4))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
@@ -182,6 +193,22 @@ def case(name, T):
     if SWEEP and T <= 8:
         sweep(group, sets, shared, gate_up, down, flops, nbytes)
     bk.attempt(group, "grouped", run("grouped"), flops, nbytes, note, rep_ms=100, sets=SETS)
+    x, w, ids = sets[0]
+    sg, su, sd = shared[0]
+
+    def first_set(backend):
+        return moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd, out_float32=True,
+                           backend=backend).double()
+
+    try:
+        want = first_set("reference")
+        check = f"rel err {float((first_set('triton-grouped') - want).norm() / want.norm()):.1e}"
+    except Exception as exc:  # the timing attempt records the failure as its row
+        check = f"check failed: {type(exc).__name__}"
+    bk.attempt(group, "triton grouped", run("triton-grouped"), flops, nbytes, f"{note}; {check}", rep_ms=100,
+               sets=SETS)
+    if SWEEP and T >= 64:
+        sweep_grouped(group, lambda: first_set("triton-grouped"), run("triton-grouped"), flops, nbytes)
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
                rep_ms=100, sets=SETS)
@@ -238,9 +265,31 @@ def sweep_configs(group, config, label, call, all_sets, flops, nbytes):
         config.update(default)
 
 
+def sweep_grouped(group, call, all_sets, flops, nbytes):
+    """Time the grouped Triton kernels under each change of ``GROUPED_SWEEP`` to their ``CONFIG`` (``call``: one
+    float64 output, checked against the default config's); the default is restored after."""
+    config = tgrouped.CONFIG
+    default = dict(config)
+    want = call()
+    bk.attempt(group, f"triton grouped default {config}", all_sets, flops, nbytes, rep_ms=100, sets=SETS)
+    try:
+        for change in GROUPED_SWEEP:
+            config.clear()
+            config.update(default, **change)
+            label = "triton grouped " + " ".join(f"{k}={v}" for k, v in change.items())
+            try:
+                err = f"rel diff to default {float((call() - want).norm() / want.norm()):.1e}"
+            except Exception as exc:  # the timing attempt records the failure as its row
+                err = f"check failed: {type(exc).__name__}"
+            bk.attempt(group, label, all_sets, flops, nbytes, err, rep_ms=100, sets=SETS)
+    finally:
+        config.clear()
+        config.update(default)
+
+
 def table() -> str:
     """Microseconds per call: one line per (dims, T), one column per implementation."""
-    impls = ["fused triton", "grouped", "dense", "auto", "route triton", "route torch (eager)"]
+    impls = ["fused triton", "grouped", "triton grouped", "dense", "auto", "route triton", "route torch (eager)"]
     impls += ["fp8 fused triton", "fp8 grouped"] if FP8 else []
     by = {}
     for r in bk.ROWS:
@@ -255,7 +304,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
-    ap.add_argument("--sweep", action="store_true", help="also time the fused kernels' launch configs (T <= 8)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     args = ap.parse_args()
     global SWEEP, FP8

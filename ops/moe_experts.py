@@ -16,13 +16,17 @@ float64). Repeated ids in a row count once per pick.
 
 ``token_mask [T]`` bool (optional; None: every token is real): rows where it is False (padding tokens of a
 step padded to a captured size) give ``out[t] = 0`` exactly, whatever x, weights and ids hold there; the fused
-"triton" backend then reads no expert weights for them, the others may still compute them and zero the rows.
+"triton" and "triton-grouped" backends then read no expert weights for them, the others may still compute them
+and zero the rows.
 
 Backends: "reference" (plain torch, any device: every expert on every token, combined by a ``[T, E]``
 routing matrix), "grouped" (CUDA bf16: tokens sorted by expert, ``torch._grouped_mm``; each hit expert's
 weights read once: the large-T path), "triton" (ours, CUDA: reads only the routed experts' rows per
 (token, pick): kernel 1 gate_up with SiLU-and-mul fused, kernel 2 down with the weighted combine fused,
-one program per (token, H tile) looping over the picks in order: deterministic; the small-T path). "auto"
+one program per (token, H tile) looping over the picks in order: deterministic; the small-T path),
+"triton-grouped" (ours, CUDA: the (token, pick) pairs sorted by expert in blocks of one expert, ``tl.dot``
+grouped GEMMs reading each hit expert once, shared experts as always-routed experts, a deterministic combine:
+a large-T path; "auto" does not pick it yet). "auto"
 on a GPU with both: the split ``triton`` up to :data:`FUSED_MAX_TOKENS` tokens, ``grouped`` above (chosen
 inside the op from its static T, so one graph serves every batch size).
 """
@@ -255,3 +259,19 @@ def _triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF), package="triton",
         gpu_tested=True, kernels=("moe_experts_triton", "_moe_gate_up_kernel", "_moe_down_kernel"),
         note="ours: reads only the routed experts; gate_up+SiLU*up, then down+weighted combine (small T)")
+
+
+def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
+                    shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
+                    out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
+    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
+    return torch.ops.mla.moe_experts_triton_grouped(x, weights, ids, gate_up, down, shared_gate, shared_up,
+                                                    shared_down, out_float32, token_mask)
+
+
+declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,
+        dtypes=(torch.float32, *HALF), package="triton", gpu_tested=False,
+        kernels=("moe_experts_triton_grouped", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
+                 "_moe_grouped_down_kernel", "_moe_combine_kernel"),
+        note="ours: pairs sorted by expert in blocks of 16-64 rows, tl.dot grouped GEMMs, each hit expert "
+             "read once; deterministic combine (many tokens)")

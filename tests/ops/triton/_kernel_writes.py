@@ -24,7 +24,7 @@ def main() -> None:
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
 
     from mla_compile.ops.triton import cache_write, decode, fp8_cache_write, fp8_decode, gather, index_cache_write
-    from mla_compile.ops.triton import merge, moe_experts, moe_route, prefill
+    from mla_compile.ops.triton import merge, moe_experts, moe_grouped, moe_route, prefill
 
     triton.runtime.driver.set_active(_Sm90())
     launches = []
@@ -55,6 +55,10 @@ def main() -> None:
         lambda: gather._launch(cache, table, cu, torch.tensor([0, 1, 2], dtype=torch.int32), torch.zeros(12, 576, **bf)),
         lambda: merge._launch(*(torch.randn(4, H, 128, generator=g).to(**bf), torch.randn(4, H, generator=g)) * 2),
         lambda: moe_route._launch(torch.randn(B, 16, generator=g), torch.zeros(16), 4, 4, 2, "sigmoid", True, 2.5),
+        lambda: moe_grouped._launch(torch.randn(B, 64, generator=g).to(**bf), torch.rand(B, 3, generator=g),
+                                    torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf),
+                                    torch.zeros(8, 64, 32, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf),
+                                    torch.zeros(64, 64, **bf), False, torch.tensor([True, False, True])),
         lambda: moe_experts._launch(torch.randn(B, 64, generator=g).to(**bf), torch.rand(B, 3, generator=g),
                                     torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf),
                                     torch.zeros(8, 64, 32, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf),

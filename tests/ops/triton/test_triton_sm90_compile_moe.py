@@ -1,6 +1,7 @@
-"""The MoE kernels (``mla::moe_route``, the two ``mla::moe_experts`` kernels) and ``mla::skinny_linear``'s GEMV
-compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and V3 dims, with
-the launch shapes an H200 (132 SMs) gets: they compile, and where cuobjdump is bundled, without register spills.
+"""The MoE kernels (``mla::moe_route``, the ``mla::moe_experts`` kernels, fused and grouped) and
+``mla::skinny_linear``'s GEMV compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at
+DeepSeek-V2-Lite and V3 dims, with the launch shapes an H200 (132 SMs) gets: they compile, and where cuobjdump is
+bundled, without register spills.
 Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (run by
 test_sm90_compile_subprocess.py in CI)."""
 
@@ -81,6 +82,29 @@ def test_moe_experts_fp8_kernels_compile_for_sm90(name, T, masked):
                             meta(T, k, dtype=torch.float32), meta(T, k, dtype=torch.int32), *routed, *shared, False,
                             None, meta(T, dtype=torch.bool) if masked else None, sms=132)
     assert len(launches) == 2
+    _no_spills(launches)
+
+
+@pytest.mark.parametrize("T,masked", [(64, False), (256, False), (256, True)])
+@pytest.mark.parametrize("name", list(DIMS))
+def test_moe_grouped_kernels_compile_for_sm90(name, T, masked):
+    """The four kernels of the "triton-grouped" backend (align, gate_up, down, combine), shared experts as
+    always-routed blocks, bf16 at the BLOCK_M the op picks for T, with and without a token mask: they compile
+    without spills."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_grouped
+
+    H, I, E, k, S = DIMS[name]
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device="meta")
+
+    launches = _sm90.record(moe_grouped, moe_grouped._launch, meta(T, H), meta(T, k, dtype=torch.float32),
+                            meta(T, k, dtype=torch.int32), meta(E, 2 * I, H), meta(E, H, I), meta(S * I, H),
+                            meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool) if masked else None,
+                            sms=132)
+    assert [launch[0].fn.__name__ for launch in launches] == [
+        "_moe_align_kernel", "_moe_grouped_gate_up_kernel", "_moe_grouped_down_kernel", "_moe_combine_kernel"]
     _no_spills(launches)
 
 
