@@ -200,7 +200,7 @@ def decode_case(B, H, L, sweep, budget_s):
         attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=note)
     if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the first schedule, 64 rows
         from mla_compile.ops.triton import decode_gluon
-        variants = [{"PIPE": False, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        variants = [{"PIPE": True, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
         for cfg in variants:
             def variant(cfg=cfg):
                 return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)

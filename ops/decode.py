@@ -135,7 +135,7 @@ def _gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor
 # the Triton kernel; the measured timings (ops/backend_timings) decide.
 _GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16,), cache_dtypes=(torch.bfloat16,), block_multiple=64,
               packed_rows=True, head_dims=((512, 64),), min_capability=SM90, max_capability=SM90, package="triton",
-              gpu_tested=False)
+              gpu_tested=True)
 declare(OP, "gluon", _gluon, rank=60, **_GLUON,
         kernels=("decode_gluon=gluon (opaque kernel)", "decode_gluon_kernel"),
         note="ours (Gluon, sm_90: TMA tiles, wgmma, 64 query rows a program); bf16, 512 + 64, pages of a "

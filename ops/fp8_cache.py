@@ -342,10 +342,10 @@ def _gluon64_decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: 
     return torch.ops.mla.decode_fp8_gluon64(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
-# Not GPU-tested yet: "auto" skips it until its CUDA tests pass and its timings are measured.
+# GPU-tested (BENCHMARKS.md run 128); "auto" takes it where the measured timings (ops/backend_timings) say so.
 declare(OP_DECODE, "gluon64", _gluon64_decode, rank=40, available=_triton_available, dtypes=(torch.bfloat16,),
         cache_dtypes=FP8_CACHE, block_multiple=64, stride_align=16, head_dims=((512, 64),), min_capability=SM90,
-        max_capability=SM90, package="triton", gpu_tested=False,
+        max_capability=SM90, package="triton", gpu_tested=True,
         kernels=("decode_fp8_gluon64=gluon64 (opaque kernel)", "decode_fp8_gluon64_kernel"),
         note="ours (Gluon, sm_90: 64 query rows a program, tiles dequantized to bf16 in shared memory, wgmma); "
              "bf16 q, 512 + 64, pages of a multiple of 64")

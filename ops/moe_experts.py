@@ -26,9 +26,9 @@ weights read once: the large-T path), "triton" (ours, CUDA: reads only the route
 one program per (token, H tile) looping over the picks in order: deterministic; the small-T path),
 "triton-grouped" (ours, CUDA: the (token, pick) pairs sorted by expert in blocks of one expert, ``tl.dot``
 grouped GEMMs reading each hit expert once, shared experts as always-routed experts, a deterministic combine:
-a large-T path; "auto" does not pick it yet). "auto"
-on a GPU with both: the split ``triton`` up to :data:`FUSED_MAX_TOKENS` tokens, ``grouped`` above (chosen
-inside the op from its static T, so one graph serves every batch size).
+the large-T path). "auto" on a GPU: the split ``triton`` up to :data:`FUSED_MAX_TOKENS` tokens,
+``triton-grouped`` above (``grouped`` where ours does not serve; chosen inside the op from its static T, so one
+graph serves every batch size).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, d
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts", "mla.moe_experts")
-FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, the grouped GEMMs above (H200: BENCHMARKS.md run 118)
+FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, grouped kernels above (BENCHMARKS.md runs 118, 128)
 
 
 def check_token_mask(op: str, x: Tensor, token_mask: Tensor | None) -> None:
@@ -215,13 +215,15 @@ declare_split_op(OP, torch.ops.mla.moe_experts_split, "batch")
 @torch.compiler.assume_constant_result
 def fused_or_grouped(op: str, device: str, dtype: str) -> str:
     """"auto" for an experts op ``op`` (``mla::moe_experts`` and its fp8 sibling) on ``device`` with x of ``dtype``
-    (names; a graph constant): the split "triton" up to :data:`FUSED_MAX_TOKENS` tokens / "grouped" above when
-    both serve, else the first usable backend ("reference" when none is)."""
+    (names; a graph constant): the split "triton" up to :data:`FUSED_MAX_TOKENS` tokens / "triton-grouped" (where
+    the op has it, else "grouped") above when both serve, else the first usable backend ("reference" when none
+    is)."""
     facts = facts_for(device, getattr(torch, dtype), need_lse=False)
     table = backends_for(op)
     usable = [n for n in priority(op) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
-    if "triton" in usable and "grouped" in usable:
-        return declare_split(op, ((FUSED_MAX_TOKENS, "triton"), (None, "grouped"))).name
+    upper = next((n for n in ("triton-grouped", "grouped") if n in usable), None)
+    if "triton" in usable and upper is not None:
+        return declare_split(op, ((FUSED_MAX_TOKENS, "triton"), (None, upper))).name
     return usable[0] if usable else "reference"
 
 
@@ -270,7 +272,7 @@ def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, do
 
 
 declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,
-        dtypes=(torch.float32, *HALF), package="triton", gpu_tested=False,
+        dtypes=(torch.float32, *HALF), package="triton", gpu_tested=True,
         kernels=("moe_experts_triton_grouped", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
                  "_moe_grouped_down_kernel", "_moe_combine_kernel"),
         note="ours: pairs sorted by expert in blocks of 16-64 rows, tl.dot grouped GEMMs, each hit expert "

@@ -18,9 +18,9 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   owning 256 columns (128 registers a thread);
 - the steps of tile j: softmax of ``S_j``, ``P_j`` stored, ``P_j V_j``; once it is done (both warpgroups, a
   CTA barrier) slot j takes the copy of tile j + 2, then ``Q K_{j+1}^T`` once tile j + 1 is there, so a copy
-  runs while the program works through the next tile, and two while it waits for one (``PIPE``, the
-  default; ``PIPE=False``, the first schedule: ``P_j V_j`` and ``Q K_{j+1}^T`` issued back to back, the copy
-  of tile j + 2 after the wait for tile j + 1).
+  runs while the program works through the next tile, and two while it waits for one (``PIPE``); the default
+  (``PIPE=False``, the first schedule, faster on the H200 at 128 heads: BENCHMARKS.md run 128) issues
+  ``P_j V_j`` and ``Q K_{j+1}^T`` back to back and copies tile j + 2 after the wait for tile j + 1.
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
@@ -237,8 +237,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
     waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``),
     SWAP (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most
-    ``SWAP_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default True; False: the first
-    one); several splits are merged by ``decode.reduce_splits``."""
+    ``SWAP_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -262,7 +261,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     elif swap:
         kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS}
     else:
-        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", True))}
+        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", False))}
     kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,

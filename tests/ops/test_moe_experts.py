@@ -126,8 +126,9 @@ def test_errors_name_the_argument(change, match):
 
 
 def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
-    """On an (assumed) H200 with both backends GPU-tested, "auto" is the split: the fused kernels up to
-    FUSED_MAX_TOKENS tokens, the grouped GEMMs above; without a GPU-tested fused kernel, grouped."""
+    """On an (assumed) H200 with the backends GPU-tested, "auto" is the split: the fused kernels up to
+    FUSED_MAX_TOKENS tokens, our grouped kernels above (torch's grouped GEMMs where ours are not usable); without
+    a GPU-tested fused kernel, the first grouped backend alone."""
     import dataclasses
 
     from mla_compile.ops import select
@@ -136,12 +137,17 @@ def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
 
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
     table = _TABLE["moe_experts"]
-    for name in ("triton", "grouped"):
+    for name in ("triton", "triton-grouped", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
-    split = auto_backend("cuda", "bfloat16")
-    tiers = parse_split(split)
-    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS) == "triton"
-    assert split_part(tiers, FUSED_MAX_TOKENS + 1) == "grouped"
-    assert auto_backend("cuda", "float32") == "triton"  # grouped runs bf16 only
+
+    def tiers_of(dtype):
+        tiers = parse_split(auto_backend("cuda", dtype))
+        return split_part(tiers, 1), split_part(tiers, FUSED_MAX_TOKENS), split_part(tiers, FUSED_MAX_TOKENS + 1)
+
+    assert tiers_of("bfloat16") == ("triton", "triton", "triton-grouped")
+    assert tiers_of("float32") == ("triton", "triton", "triton-grouped")  # torch's grouped runs bf16 only
+    monkeypatch.setitem(table, "triton-grouped", dataclasses.replace(table["triton-grouped"], gpu_tested=False))
+    assert tiers_of("bfloat16") == ("triton", "triton", "grouped")
+    assert auto_backend("cuda", "float32") == "triton"
     monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
     assert auto_backend("cuda", "bfloat16") == "grouped"

@@ -100,18 +100,18 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 ]
 
 
-# "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE); "legacy": the same kernel with its
-# first schedule (PIPE=False); "swap": decode_gluon_swap_kernel (16 rows a program, operands swapped: forced
+# "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE=False); "pipe": the same kernel with
+# the PIPE schedule; "swap": decode_gluon_swap_kernel (16 rows a program, operands swapped: forced
 # here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized).
-# Run "legacy" first on a new GPU (-k legacy), then "swap", "plain", "ws": a hang in one would stop the session.
-KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "legacy": {"WS": False, "SWAP": False, "PIPE": False},
+# Run "plain" first on a new GPU (-k plain), then "swap", "pipe", "ws": a hang in one would stop the session.
+KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "SWAP": False, "PIPE": True},
                  "swap": {"WS": False, "SWAP": True}, "ws": {"WS": True}}
-KERNELS = ["plain", "swap", "ws"]  # "legacy" (the code GPU-tested before PIPE) runs the shape table only
+KERNELS = ["plain", "swap", "ws"]  # "pipe" (the PIPE schedule, not the default) runs the shape table only
 
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("kernel", ["legacy"] + KERNELS)
+@pytest.mark.parametrize("kernel", ["pipe"] + KERNELS)
 @pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
 def test_gluon_decode_shapes(kernel, B, H, s_q, max_len, bs, splits):
     gen = torch.Generator().manual_seed(B * 7 + H + s_q)
@@ -214,7 +214,7 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
     """What the selector lets backends "gluon" / "gluon-ws" serve (no GPU needed: facts given), and that "auto"
     takes them only where the measured timings say so (the shipped table has no rows for them yet)."""
     spec = backends_for("decode")[backend]
-    assert not spec.gpu_tested  # its default kernels changed after run 127 (swap, PIPE): GPU run pending
+    assert spec.gpu_tested
 
     def facts(**kw):
         base = dict(cap=(9, 0), cache_dtype=BF, block_size=64, num_heads=128, head_dims=(DC, DR), query_len=1,
