@@ -120,6 +120,24 @@ def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
     return 4
 
 
+def launch_operands(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
+                    shared_up: Tensor | None, shared_down: Tensor | None) -> tuple:
+    """The operands as the MoE launchers (this module's and ``moe_grouped``'s) pass them to their kernels:
+    ``(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, S)`` with contiguous last dims,
+    contiguous ids, float32 weights and ``S`` the shared experts' width in units of I; without shared experts
+    ``gate_up`` / ``down`` stand in for them (never read: any pointers of the right type)."""
+    I = gate_up.shape[1] // 2
+    S = 0 if shared_gate is None else shared_gate.shape[0] // I
+    x = last_dim_contiguous(x)
+    gate_up, down = last_dim_contiguous(gate_up), last_dim_contiguous(down)
+    ids, weights = ids.contiguous(), weights.float().contiguous()
+    if S:
+        sg, su, sd = (last_dim_contiguous(t) for t in (shared_gate, shared_up, shared_down))
+    else:
+        sg, su, sd = gate_up, gate_up, down
+    return x, weights, ids, gate_up, down, sg, su, sd, S
+
+
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
             shared_up: Tensor | None, shared_down: Tensor | None, out_float32: bool,
             token_mask: Tensor | None = None) -> Tensor:
@@ -127,18 +145,12 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     T, H = x.shape
     K = ids.shape[1]
     I = gate_up.shape[1] // 2
-    S = 0 if shared_gate is None else shared_gate.shape[0] // I
-    slots = K + S
     out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
     if T == 0:
         return out
-    x = last_dim_contiguous(x)
-    gate_up, down = last_dim_contiguous(gate_up), last_dim_contiguous(down)
-    ids, weights = ids.contiguous(), weights.float().contiguous()
-    if S:
-        sg, su, sd = (last_dim_contiguous(t) for t in (shared_gate, shared_up, shared_down))
-    else:  # never read (every slot is routed); any pointers of the right type
-        sg, su, sd = gate_up, gate_up, down
+    x, weights, ids, gate_up, down, sg, su, sd, S = launch_operands(x, weights, ids, gate_up, down, shared_gate,
+                                                                    shared_up, shared_down)
+    slots = K + S
     mask = ids if token_mask is None else token_mask.contiguous()  # never read without a mask
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
     wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)

@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.moe_experts import _out_dtype, sort_by_expert, validate
-from mla_compile.ops.triton._common import last_dim_contiguous, pow2
+from mla_compile.ops.triton._common import pow2
+from mla_compile.ops.triton.moe_experts import launch_operands
 
 
 @triton.jit
@@ -110,7 +111,6 @@ def _moe_grouped_gate_up_kernel(
     valid = m < used
     pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=valid & (b >= SB), other=0)
     t = tl.where(b < SB, first_t + m, pair // K)
-    slot = tl.where(b < SB, K + s, pair % K)
     if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
         valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
         if tl.sum(valid.to(tl.int32), axis=0) == 0:
@@ -268,18 +268,12 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     T, H = x.shape
     E, K = gate_up.shape[0], ids.shape[1]
     I = gate_up.shape[1] // 2
-    S = 0 if shared_gate is None else shared_gate.shape[0] // I
-    slots = K + S
     out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
     if T == 0:
         return out
-    x = last_dim_contiguous(x)
-    gate_up, down = last_dim_contiguous(gate_up), last_dim_contiguous(down)
-    ids, weights = ids.contiguous(), weights.float().contiguous()
-    if S:
-        sg, su, sd = (last_dim_contiguous(t) for t in (shared_gate, shared_up, shared_down))
-    else:  # never read (no shared block); any pointers of the right type
-        sg, su, sd = gate_up, gate_up, down
+    x, weights, ids, gate_up, down, sg, su, sd, S = launch_operands(x, weights, ids, gate_up, down, shared_gate,
+                                                                    shared_up, shared_down)
+    slots = K + S
     bm = block_m(T, K, E)
     rows, bexp, bcnt = align_blocks(ids, E, bm, token_mask)
     has_mask = token_mask is not None
