@@ -35,6 +35,14 @@ registers held, nothing to wait for); the register tile is loaded only during th
 copies: every synchronization is a CTA barrier that all 256 threads reach (the tile count is uniform in a
 program), so a split with no tile skips the loop and writes its empty rows.
 
+Opt-in variants (``VARIANTS``: constexpr flags from :func:`launch`'s config, each off by default; the default
+compile does not change): ``RESCALE_SKIP`` raises a row's running maximum only when a tile's passes it by more
+than ``TAU`` (2**8 in P at most) and lets a warp none of whose rows moved skip O's 128 multiplies a thread (a
+warp vote and a warp-uniform branch, no CTA barrier); ``MAX_XCHG`` exchanges the two warpgroups' partial row
+maxima through a ``[64, 2]`` buffer with one CTA barrier (Triton's cross-warp reduction takes three);
+``CVT_BF16`` dequantizes with bf16x2 arithmetic (``_CVT_BF16``: 2.5 instructions a code against 3; fp8
+scales below 2**8).
+
 A row that sees no key has LSE -inf and output 0. With one split the program writes the result (output in
 q's dtype, natural-log LSE); else each split writes its normalized rows and base-2 LSE to the workspaces of
 ``_plan.split_buffers`` and ``decode.reduce_splits`` merges them.
@@ -235,16 +243,16 @@ def _store_tile_bf16(kc, kr, words, sc, rope):
 
 
 def _rescale_asm(n: int) -> str:
-    """PTX of ``_rescale_voted`` for ``n`` accumulator registers a thread (operands: ``n`` outputs tied to the
-    accumulators, then ``n`` alphas; a thread's first four registers cover both its rows, r and r + 8, in
-    wgmma's layout: the vote reads all four)."""
-    muls = "\n".join(f"        mul.f32 ${i}, ${i}, ${n + i};" for i in range(n))
+    """PTX of ``_rescale_voted`` for ``n`` accumulator registers a thread (operands: ``n`` outputs, the ``n``
+    accumulators tied to them, then ``n`` alphas from ``$2n``; a thread's first four registers cover both its
+    rows, r and r + 8, in wgmma's layout: the vote reads all four)."""
+    muls = "\n".join(f"        mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
     return f"""{{
         .reg .pred p;
-        setp.neu.f32 p, ${n}, 0f3F800000;
-        setp.neu.or.f32 p, ${n + 1}, 0f3F800000, p;
-        setp.neu.or.f32 p, ${n + 2}, 0f3F800000, p;
-        setp.neu.or.f32 p, ${n + 3}, 0f3F800000, p;
+        setp.neu.f32 p, ${2 * n}, 0f3F800000;
+        setp.neu.or.f32 p, ${2 * n + 1}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 2}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 3}, 0f3F800000, p;
         vote.sync.any.pred p, p, 0xffffffff;
         @!p bra.uni SKIP;
 {muls}

@@ -310,8 +310,9 @@ def _loop_sass(compiled) -> str:
     return "\n".join(lines[first:last + 1])
 
 
-def _skipped_fmuls(loop: str) -> int:
-    """The FMULs that the forward branch after the loop's warp vote (``RESCALE_SKIP``) jumps over."""
+def _skipped_fmuls(loop: str) -> dict[str, tuple[str, str, str]]:
+    """The FMULs that the forward branch after the loop's warp vote (``RESCALE_SKIP``) jumps over: their
+    ``(destination, first, second)`` registers by destination."""
     lines = loop.splitlines()
     vote = next(i for i, line in enumerate(lines) if "VOTE.ANY" in line)
     i, m = next((i, m) for i, line in enumerate(lines[vote:], vote)
@@ -324,7 +325,8 @@ def _skipped_fmuls(loop: str) -> int:
         if a and int(a.group(1), 16) >= target:
             break
         skipped.append(line)
-    return sum(" FMUL " in line for line in skipped)
+    fmuls = [re.search(r" FMUL (R\d+), (R\d+), (R\d+)", line) for line in skipped if " FMUL " in line]
+    return {m.group(1): m.groups() for m in fmuls if m}
 
 
 @sm90_compile
@@ -362,7 +364,11 @@ def test_sm90_compile_resources(direct, block_size, variant):
     assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
     assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5), loop.count("BAR.SYNC")
     if flags["RESCALE_SKIP"]:
-        assert _skipped_fmuls(loop) == 64 * DC // 256, _skipped_fmuls(loop)
+        fmuls = _skipped_fmuls(loop)
+        assert len(fmuls) == 64 * DC // 256, len(fmuls)  # O's accumulators a thread
+        # each accumulator times one of its thread's two rows' alphas (not another accumulator)
+        assert all(d == a and m not in fmuls for d, a, m in fmuls.values()), fmuls
+        assert len({m for _, _, m in fmuls.values()}) == 2, fmuls
     if flags["CVT_BF16"]:
         assert loop.count("HFMA2.BF16") == 64 and loop.count("PRMT") >= 64, loop.count("HFMA2.BF16")
         assert "HADD2.F32" not in loop
