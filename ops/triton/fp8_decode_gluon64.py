@@ -395,7 +395,7 @@ def decode_fp8_gluon64_kernel(
             # moved skips its O rescale (a warp vote: no CTA barrier)
             m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_shift)  # 1 where kept (0 for rows that have seen nothing: O and l are 0)
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))  # exactly 1 where kept (-inf rows too)
             p = gl.exp2(s - m_shift[:, None])
             l_part = l_part * alpha[:, None] + p
             o = _rescale_voted(o, gl.convert_layout(alpha, row_o))

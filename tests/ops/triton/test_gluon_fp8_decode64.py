@@ -40,7 +40,7 @@ TOL, LSE_ATOL = 1.5e-2, 2e-2
 # the kernel's opt-in variants (``launch``'s config keys, ``fp8_decode_gluon64.VARIANTS``), each alone and all
 # together; the ids name them (``-k RESCALE_SKIP``)
 VARIANTS = {"default": {}, "RESCALE_SKIP": {"RESCALE_SKIP": True}, "MAX_XCHG": {"MAX_XCHG": True},
-            "CVT_BF16": {"CVT_BF16": True},
+            "CVT_BF16": {"CVT_BF16": True}, "RESCALE_SKIP+MAX_XCHG": {"RESCALE_SKIP": True, "MAX_XCHG": True},
             "ALL_VARIANTS": {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": True}}
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
