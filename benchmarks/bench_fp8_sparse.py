@@ -6,7 +6,9 @@ Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 
 - dense decode B=128, L=8192, H=16 (memory-bound): Triton bf16 cache vs Triton fp8 cache (the issue's
   goal: fp8 >= 1.7x faster than bf16), FlashMLA bf16 and FlashMLA fp8 (its sparse V3.2 kernel over
   causal slot lists, heads padded to 64: its dense fp8 kernel reads another format), our Gluon fp8 kernels
-  ("gluon", and "gluon64" with 64 query rows a program, on sm_90); also H=128 at L=4096 and B=1 H=128 at L=8192;
+  ("gluon", and "gluon64" with 64 query rows a program, on sm_90, then one row per opt-in variant of its
+  kernel: ``fp8_decode_gluon64.VARIANTS`` each alone, RESCALE_SKIP+MAX_XCHG and all together); also H=128
+  at L=4096 and B=1 H=128 at L=8192;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches,
   FlashMLA fp8 sparse;
@@ -96,20 +98,30 @@ def dense_case(B, H, L):
 
 def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
     """Backend "gluon64" (64 query rows a program, ``ops/triton/fp8_decode_gluon64.py``) where its kernel serves
-    the call, its output's normwise difference from the Triton fp8 kernel's in the note."""
+    the call, then its kernel's opt-in variants (``launch`` with each ``VARIANTS`` flag alone, the two that
+    serve any scale together, then all of them), each output's normwise difference from the Triton fp8 kernel's
+    in the note."""
     from mla_compile.ops.triton import fp8_decode_gluon64
 
     if not fp8_decode_gluon64.eligible(q, fp8, DC):
         print("  gluon64: not eligible here (needs sm_90)", flush=True)
         return
-    call = lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="gluon64")  # noqa: E731
-    try:
-        o, _ = call()
-        torch.cuda.synchronize()
-        note = f"rel diff vs triton fp8 {float((o.float() - o_f8.float()).norm() / o_f8.float().norm()):.2e}"
-    except Exception as exc:  # a failing kernel becomes a row, the other rows still run
-        note = f"{type(exc).__name__}: {exc}"[:200]
-    bk.attempt(group, "gluon64 fp8 cache (64 rows a program)", call, flops, nbytes, note=note)
+    rows = [("gluon64 fp8 cache (64 rows a program)",
+             lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="gluon64"))]
+    configs = [(k, {k: True}) for k in fp8_decode_gluon64.VARIANTS]
+    configs.append(("RESCALE_SKIP+MAX_XCHG", {"RESCALE_SKIP": True, "MAX_XCHG": True}))  # any scale
+    configs.append(("+".join(fp8_decode_gluon64.VARIANTS), dict.fromkeys(fp8_decode_gluon64.VARIANTS, True)))
+    for name, config in configs:
+        rows.append((f"gluon64 fp8 cache {name}", lambda config=config: fp8_decode_gluon64.launch(
+            q, fp8, table, lens, SCALE, DC, config=config)))
+    for impl, call in rows:
+        try:
+            o, _ = call()
+            torch.cuda.synchronize()
+            note = f"rel diff vs triton fp8 {float((o.float() - o_f8.float()).norm() / o_f8.float().norm()):.2e}"
+        except Exception as exc:  # a failing kernel becomes a row, the other rows still run
+            note = f"{type(exc).__name__}: {exc}"[:200]
+        bk.attempt(group, impl, call, flops, nbytes, note=note)
 
 
 def write_case(T=4096):

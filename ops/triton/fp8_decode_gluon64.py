@@ -35,6 +35,14 @@ registers held, nothing to wait for); the register tile is loaded only during th
 copies: every synchronization is a CTA barrier that all 256 threads reach (the tile count is uniform in a
 program), so a split with no tile skips the loop and writes its empty rows.
 
+Opt-in variants (``VARIANTS``: constexpr flags from :func:`launch`'s config, each off by default; the default
+compile does not change): ``RESCALE_SKIP`` raises a row's running maximum only when a tile's passes it by more
+than ``TAU`` (2**8 in P at most) and lets a warp none of whose rows moved skip O's 128 multiplies a thread (a
+warp vote and a warp-uniform branch, no CTA barrier); ``MAX_XCHG`` exchanges the two warpgroups' partial row
+maxima through a ``[64, 2]`` buffer with one CTA barrier (Triton's cross-warp reduction takes three);
+``CVT_BF16`` dequantizes with bf16x2 arithmetic (``_CVT_BF16``: 2.5 instructions a code against 3; fp8
+scales below 2**8).
+
 A row that sees no key has LSE -inf and output 0. With one split the program writes the result (output in
 q's dtype, natural-log LSE); else each split writes its normalized rows and base-2 LSE to the workspaces of
 ``_plan.split_buffers`` and ``decode.reduce_splits`` merges them.
@@ -70,6 +78,8 @@ D = DC + DR
 ROW_BYTES = DC + 4 * (DC // 128) + 2 * DR  # 656
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 1
+# the kernel's opt-in variants (constexpr flags, each off by default; ``launch``'s config keys)
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
 SMEM_C = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # the codes [64 keys, 512]: 16 bytes a thread a repetition (columns 16 t + 64 r), 8 keys x 64 bytes a warp
 # instruction, one key a thread
@@ -78,6 +88,40 @@ CODE_L = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))
 SCALE_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0]))
 # the rope [64 keys, 64] bf16: 16 bytes a thread a repetition
 ROPE_L = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0]))
+# variant CVT_BF16: the codes as int32 words [64 keys, 128] (CODE_L's bytes: 4 words a thread a repetition)
+WORD_L = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0]))
+# variant MAX_XCHG: the two warpgroups' partial row maxima [64 rows, 2] read back with both in each thread, its
+# rows those of the score accumulator's row slice (registers: row + 8, the warpgroup; lanes 4 and up: rows;
+# warps: rows 16 and 32, the warpgroup bit replicated)
+XCH_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2]))
+XCH_S = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+# variant RESCALE_SKIP: a row's running maximum is raised (and O rescaled) only once a tile's maximum passes it
+# by more than this (base 2): P stays within 2**TAU, exact in bf16's exponent range and fp32's sums
+TAU = gl.constexpr(8.0)
+# variant CVT_BF16: four e4m3 codes (one word) to bf16 times a scale given as two bf16 halves (hi + lo, each
+# times 2**120). prmt puts each code's byte in the low byte of a bf16 lane and its sign in the high byte; shifted
+# left by 4 and masked, a lane holds the sign and the code's 7 magnitude bits under bf16's exponent and mantissa:
+# the bf16 equal to the code times 2**-120 (e4m3 subnormals become bf16 subnormals, exactly); then
+# fma(c, hi, c * lo) rounds once to bf16(code * (hi + lo) * 2**-120), hi + lo within 2**-16 of scale * 2**120.
+# 2.5 instructions a code, against 3 (e4m3 -> f16 -> f32, the fp32 product, the bf16 pack). Scales must stay
+# below 2**8 (scale * 2**120 within bf16's range; the quantizer's amax / 448 for latents below 114688)
+_CVT_BF16 = gl.constexpr("""{
+        .reg .b32 a, b, t;
+        prmt.b32 a, $4, 0, 0x9180;
+        prmt.b32 b, $4, 0, 0xB3A2;
+        shl.b32 a, a, 4;
+        shl.b32 b, b, 4;
+        and.b32 a, a, 0x87F087F0;
+        and.b32 b, b, 0x87F087F0;
+        mul.rn.bf16x2 t, a, $6;
+        fma.rn.bf16x2 a, a, $5, t;
+        mul.rn.bf16x2 t, b, $6;
+        fma.rn.bf16x2 b, b, $5, t;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        }""")
 
 
 @gluon.jit
@@ -96,6 +140,33 @@ def _load_tile(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BL
     sc = (base + key.to(gl.int64)[:, None] * stride_kt + 512).to(gl.pointer_type(gl.float32))
     sc = gl.load(sc + gl.arange(0, 4, gl.SliceLayout(0, SCALE_L))[None, :], mask=ok, other=0.0)
     return codes, sc
+
+
+@gluon.jit
+def _load_words(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """``_load_tile`` with the codes as int32 words ``[64, 128]`` (``WORD_L``: the same 16-byte loads)."""
+    n0 = start + tile * 64
+    live = tile < n_tiles
+    base = kv_ptr + page * stride_kb + (n0 % BLOCK_SIZE).to(gl.int64) * stride_kt
+    key = gl.arange(0, 64, gl.SliceLayout(1, WORD_L))
+    ok = ((n0 + key < end) & live)[:, None]
+    row = (base + key.to(gl.int64)[:, None] * stride_kt).to(gl.pointer_type(gl.int32))
+    words = gl.load(row + gl.arange(0, 128, gl.SliceLayout(0, WORD_L))[None, :], mask=ok, other=0)
+    key = gl.arange(0, 64, gl.SliceLayout(1, SCALE_L))
+    ok = ((n0 + key < end) & live)[:, None]
+    sc = (base + key.to(gl.int64)[:, None] * stride_kt + 512).to(gl.pointer_type(gl.float32))
+    sc = gl.load(sc + gl.arange(0, 4, gl.SliceLayout(0, SCALE_L))[None, :], mask=ok, other=0.0)
+    return words, sc
+
+
+@gluon.jit
+def _load_codes(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr,
+                CVT_BF16: gl.constexpr):
+    """``_load_words`` under ``CVT_BF16``, else ``_load_tile``."""
+    if CVT_BF16:
+        return _load_words(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
+    else:
+        return _load_tile(kv_ptr, page, tile, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
 
 
 @gluon.jit
@@ -142,6 +213,91 @@ def _store_tile(kc, kr, codes, sc, rope):
 
 
 @gluon.jit
+def _halves(sc):
+    """fp32 scales times 2**120 as two bf16 halves ``hi = bf16(x)``, ``lo = bf16(x - hi)``, each duplicated in both
+    lanes of an int32 (a ``bf16x2`` operand of ``_CVT_BF16``)."""
+    x = sc * 1.329227995784916e36  # 2**120, exact
+    hi = x.to(gl.bfloat16)
+    lo = (x - hi.to(gl.float32)).to(gl.bfloat16)
+    hb = hi.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    lb = lo.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return hb | (hb << 16), lb | (lb << 16)
+
+
+@gluon.jit
+def _store_tile_bf16(kc, kr, words, sc, rope):
+    """``_store_tile`` from code words (variant ``CVT_BF16``): each word's four codes dequantized with bf16x2
+    arithmetic (``_CVT_BF16``; scales below 2**8) into ``kc``."""
+    w = gl.reshape(words, [64, 4, 32])
+    hh, ll = _halves(sc)
+    hh = gl.convert_layout(hh, gl.SliceLayout(2, w.type.layout))  # no data movement (checked by the compile)
+    ll = gl.convert_layout(ll, gl.SliceLayout(2, w.type.layout))
+    w, hh = gl.broadcast(w, hh[:, :, None])
+    w, ll = gl.broadcast(w, ll[:, :, None])
+    h0, h1, h2, h3 = gl.inline_asm_elementwise(
+        _CVT_BF16, "=h,=h,=h,=h,r,r,r", [w, hh, ll],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    x = gl.join(gl.join(h0, h1), gl.join(h2, h3))  # [64, 4, 32, i, j]: code 2 j + i of the word
+    kc.store(gl.reshape(gl.permute(x, [0, 1, 2, 4, 3]), [64, 512]))
+    kr.store(rope)
+
+
+def _rescale_asm(n: int) -> str:
+    """PTX of ``_rescale_voted`` for ``n`` accumulator registers a thread (operands: ``n`` outputs, the ``n``
+    accumulators tied to them, then ``n`` alphas from ``$2n``; a thread's first four registers cover both its
+    rows, r and r + 8, in wgmma's layout: the vote reads all four)."""
+    muls = "\n".join(f"        mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    return f"""{{
+        .reg .pred p;
+        setp.neu.f32 p, ${2 * n}, 0f3F800000;
+        setp.neu.or.f32 p, ${2 * n + 1}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 2}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 3}, 0f3F800000, p;
+        vote.sync.any.pred p, p, 0xffffffff;
+        @!p bra.uni SKIP;
+{muls}
+SKIP:
+        }}"""
+
+
+_RESCALE_N = gl.constexpr(64 * DC // (32 * NUM_WARPS))  # O's accumulators a thread
+_RESCALE_ASM = gl.constexpr(_rescale_asm(_RESCALE_N.value))
+_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _RESCALE_N.value + [str(i) for i in range(_RESCALE_N.value)]
+                                             + ["f"] * _RESCALE_N.value))
+
+
+@gluon.jit
+def _rescale_voted(o, alpha):
+    """``o * alpha[:, None]`` (``o`` the ``[64, 512]`` accumulator, ``alpha`` its rows' factors), skipped by a
+    warp (a warp-uniform branch) when every alpha of its rows is 1."""
+    a = gl.broadcast(o, alpha[:, None])[1]
+    return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [o, a], dtype=gl.float32, is_pure=True,
+                                     pack=_RESCALE_N)
+
+
+@gluon.jit
+def _row_max_xchg(s, mx_s, row_l: gl.constexpr):
+    """The row maxima of the scores ``s [64, 64]`` (``row_l``: its row slice) with one CTA barrier: each warpgroup
+    reduces its 32 keys within its warps, writes the partial ``[64, 2]`` and reads both back (the generic
+    cross-warp reduction takes three). The previous tile's reads of ``mx_s`` are behind the loop's other
+    barriers, so the store needs none before it."""
+    part = gl.max(gl.reshape(s, [64, 2, 32]), axis=2)
+    mx_s.store(part)
+    gl.thread_barrier()
+    both = mx_s.load(XCH_L)
+    return gl.convert_layout(gl.max(both, axis=1), row_l, assert_trivial=True)
+
+
+@gluon.jit
+def _store(kc, kr, codes, sc, rope, CVT_BF16: gl.constexpr):
+    """``_store_tile_bf16`` under ``CVT_BF16``, else ``_store_tile``."""
+    if CVT_BF16:
+        _store_tile_bf16(kc, kr, codes, sc, rope)
+    else:
+        _store_tile(kc, kr, codes, sc, rope)
+
+
+@gluon.jit
 def decode_fp8_gluon64_kernel(
     q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     scale_log2,
@@ -150,12 +306,16 @@ def decode_fp8_gluon64_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr = False, MAX_XCHG: gl.constexpr = False, CVT_BF16: gl.constexpr = False,
 ):
     """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the fp8
     cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks at ``stride_kb``); ``BLOCK_SIZE`` a
     multiple of 64. ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * M, 512]``, q's dtype) / ``lse_ptr``
     (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (``[B * M, n_splits, 512]``
-    fp32, base-2 LSE)."""
+    fp32, base-2 LSE). Opt-in variants (default off: the default compile is unchanged): ``RESCALE_SKIP`` keeps
+    each row's running maximum until a tile's maximum passes it by more than ``TAU`` (a CTA-uniform test: O and
+    the row sums are rescaled only on those tiles), ``CVT_BF16`` dequantizes with bf16x2 arithmetic
+    (``_store_tile_bf16``)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -174,13 +334,15 @@ def decode_fp8_gluon64_kernel(
     kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    if MAX_XCHG:
+        mx_s = gl.allocate_shared_memory(gl.float32, [64, 2], XCH_S)
 
     # tiles 0 and 1 into their slots (every tile past n_tiles reads as zeros); tiles 2 and 3 toward L2
     for t in gl.static_range(2):
         page = tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64)
-        codes, sc = _load_tile(kv_ptr, page, t, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
+        codes, sc = _load_codes(kv_ptr, page, t, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE, CVT_BF16)
         rope = _load_rope(kv_ptr, page, t, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
-        _store_tile(kc_s.index(t), kr_s.index(t), codes, sc, rope)
+        _store(kc_s.index(t), kr_s.index(t), codes, sc, rope, CVT_BF16)
     page2 = tile_page(bt_row, 2, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries of tiles j + 2 .. j + 4
     page3 = tile_page(bt_row, 3, n_tiles, start, BLOCK_SIZE, 64)
     page4 = tile_page(bt_row, 4, n_tiles, start, BLOCK_SIZE, 64)
@@ -221,13 +383,30 @@ def decode_fp8_gluon64_kernel(
         if n0 + 64 > gl.minimum(end, lim_min):
             pos = n0 + offs_n
             s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - m_shift[:, None])
-        l_part = l_part * alpha[:, None] + p
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_new
+        if MAX_XCHG:
+            m_new = gl.maximum(m_i, _row_max_xchg(s, mx_s, row_s))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if RESCALE_SKIP:
+            # raise the maxima (all rows) only when some row's grew by more than TAU (always on a row's
+            # first seen key: -inf + TAU is -inf); else P is taken against the stale maxima (P <= 2**TAU)
+            # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
+            # seen key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
+            # moved skips its O rescale (a warp vote: no CTA barrier)
+            m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))  # exactly 1 where kept (-inf rows too)
+            p = gl.exp2(s - m_shift[:, None])
+            l_part = l_part * alpha[:, None] + p
+            o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
+            m_i = m_new
+        else:
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+            alpha = gl.exp2(m_i - m_shift)
+            p = gl.exp2(s - m_shift[:, None])
+            l_part = l_part * alpha[:, None] + p
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
         p_s.store(p.to(gl.bfloat16))
         fence_async_shared()  # P_j and (from the last step) the dequantized tile j + 1, for the async proxy
         gl.thread_barrier()  # every warp's P rows (and tile j + 1's rows) before either warpgroup's dots
@@ -237,12 +416,13 @@ def decode_fp8_gluon64_kernel(
         qk = warpgroup_mma(q_s, kc_s.index(1 - slot).permute([1, 0]), qk, is_async=True)
         # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers
         _prefetch_tile(kv_ptr, page4, j + 4, n_tiles, start, stride_kb, stride_kt, BLOCK_SIZE)
-        codes, sc = _load_tile(kv_ptr, page2, j + 2, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
+        codes, sc = _load_codes(kv_ptr, page2, j + 2, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE,
+                                CVT_BF16)
         o = warpgroup_mma_wait(2, deps=[pv])
         gl.thread_barrier()  # both warpgroups done with slot j and P
         # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
         rope = _load_rope(kv_ptr, page2, j + 2, n_tiles, start, end, stride_kb, stride_kt, BLOCK_SIZE)
-        _store_tile(k_cur, kr_s.index(slot), codes, sc, rope)
+        _store(k_cur, kr_s.index(slot), codes, sc, rope, CVT_BF16)
         page2 = page3
         page3 = page4
         page4 = tile_page(bt_row, j + 5, n_tiles, start, BLOCK_SIZE, 64)
@@ -290,7 +470,8 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
-    waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``."""
+    waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's opt-in
+    variants ``VARIANTS`` (each a bool, default False: ``{"RESCALE_SKIP": True}``)."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -308,6 +489,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
+        **{k: bool((config or {}).get(k, False)) for k in VARIANTS},
         num_warps=NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -36,6 +37,12 @@ BF = torch.bfloat16
 # the kernel's roundings: LSEs within 9e-3, outputs within 3.3e-3 normwise and 1.2e-2 elementwise on these
 # tests' data)
 TOL, LSE_ATOL = 1.5e-2, 2e-2
+# the kernel's opt-in variants (``launch``'s config keys, ``fp8_decode_gluon64.VARIANTS``), each alone and all
+# together; the ids name them (``-k RESCALE_SKIP``)
+VARIANTS = {"default": {}, "RESCALE_SKIP": {"RESCALE_SKIP": True}, "MAX_XCHG": {"MAX_XCHG": True},
+            "CVT_BF16": {"CVT_BF16": True}, "RESCALE_SKIP+MAX_XCHG": {"RESCALE_SKIP": True, "MAX_XCHG": True},
+            "ALL_VARIANTS": {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": True}}
+variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
 
 def _sm90() -> bool:
@@ -57,13 +64,13 @@ def _reference(q, cache, table, seq_lens, scale=SCALE):
     return torch.ops.mla.decode_fp8_ref(q.double(), cache, table, seq_lens, scale, DC)
 
 
-def _check(lens, H, s_q, bs, seed, config=None):
+def _check(lens, H, s_q, bs, seed, config=None, variant="default"):
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
 
     q, cache, table, seq_lens = _inputs(lens, H, s_q, bs, seed)
     assert g.eligible(q, cache, DC)
     poison_allocator()
-    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config={**(config or {}), **VARIANTS[variant]})
     torch.cuda.synchronize()
     ref, ref_lse = _reference(q, cache, table, seq_lens)
     assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
@@ -89,11 +96,12 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 
 @pytest.mark.cuda
 @needs_sm90
+@variants
 @pytest.mark.parametrize("B,H,s_q,max_len,bs,splits", _SHAPES)
-def test_gluon64_fp8_decode_shapes(B, H, s_q, max_len, bs, splits):
+def test_gluon64_fp8_decode_shapes(B, H, s_q, max_len, bs, splits, variant):
     gen = torch.Generator().manual_seed(B * 7 + H + s_q)
     lens = lens_with_empty(B, max_len, gen)
-    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits})
+    _check(lens, H, s_q, bs, seed=B + H, config=None if splits is None else {"SPLITS": splits}, variant=variant)
 
 
 @pytest.mark.cuda
@@ -101,30 +109,33 @@ def test_gluon64_fp8_decode_shapes(B, H, s_q, max_len, bs, splits):
 @pytest.mark.parametrize("lens", [[0, 0, 0], [1, 0, 65], [64, 128, 129, 1], [200, 130, 250], [256, 320, 383]])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("H", [16, 128])
-def test_gluon64_fp8_decode_short_and_empty(lens, s_q, H):
+@variants
+def test_gluon64_fp8_decode_short_and_empty(lens, s_q, H, variant):
     """Splits with no tile, one tile, one partial tile and two to six tiles (the prologue's two slots, the
     register tile and the steady state): every row written, -inf LSE where nothing is seen (s_q = 2 with one
     key: the first query position sees nothing)."""
-    _check(lens, H, s_q, 64, seed=3)
-    _check(lens, H, s_q, 64, seed=4, config={"SPLITS": 4})
+    _check(lens, H, s_q, 64, seed=3, variant=variant)
+    _check(lens, H, s_q, 64, seed=4, config={"SPLITS": 4}, variant=variant)
 
 
 @pytest.mark.cuda
 @needs_sm90
 @pytest.mark.parametrize("q_mag,lat_mag", [(1e-4, 1.0), (1e-3, 1e3), (1.0, 1e-2), (1.0, 1e-30)])
-def test_gluon64_fp8_decode_far_from_one(q_mag, lat_mag):
+@variants
+def test_gluon64_fp8_decode_far_from_one(q_mag, lat_mag, variant):
     """Queries and latents far from 1 (bf16 keeps float32's exponent range: no clamping as in the float16
     kernels): the float64 reference's accuracy relative to the latents' size. Large latents come with small
     queries: the keys' bf16 rounding moves a score by about 2**-9 / sqrt(3) * ||q * k|| (0.025 for N(0, 1)
     data), and logits in the tens or more turn that into visible changes of the softmax (a CPU model of the
-    kernel's roundings exceeds the elementwise bound at queries times 40), not an error of the kernel."""
+    kernel's roundings exceeds the elementwise bound at queries times 40), not an error of the kernel. The
+    scales reach about 7 here (N(0, 1) latents times 1e3): within ``CVT_BF16``'s 2**8."""
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
 
     q, cache, table, seq_lens = _inputs([1, 700, 3001, 64], 16, 1, 64, seed=11, q_mag=q_mag)
     scales = cache[..., DC:DC + 16].contiguous().view(torch.float32)
     cache[..., DC:DC + 16] = (scales * lat_mag).view(torch.uint8)  # latents times lat_mag (scales stay finite)
     poison_allocator()
-    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC)
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config=VARIANTS[variant])
     torch.cuda.synchronize()
     ref, ref_lse = _reference(q, cache, table, seq_lens)
     size = max(1.0, q_mag * lat_mag)
@@ -135,15 +146,44 @@ def test_gluon64_fp8_decode_far_from_one(q_mag, lat_mag):
 @pytest.mark.cuda
 @needs_sm90
 @pytest.mark.parametrize("scale", [-SCALE, 0.0, 4 * SCALE])
-def test_gluon64_fp8_decode_any_scale(scale):
+@variants
+def test_gluon64_fp8_decode_any_scale(scale, variant):
     """Negative, zero and larger scales (applied before the maxima). Not far larger: the keys' bf16 rounding
     moves N(0, 1) scores by about 0.025 (times the scale), which near-ties of large logits would amplify."""
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
 
     q, cache, table, seq_lens = _inputs([700, 300, 5], 16, 1, 64, seed=8)
-    out, lse = g.launch(q, cache, table, seq_lens, scale, DC)
+    out, lse = g.launch(q, cache, table, seq_lens, scale, DC, config=VARIANTS[variant])
     ref, ref_lse = _reference(q, cache, table, seq_lens, scale)
     assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL * max(1.0, abs(scale) / SCALE))
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("splits", [None, 1])
+@variants
+def test_gluon64_fp8_decode_growing_maxima(splits, variant):
+    """Keys scaled up 3, 4 and 5 times at positions 700, 1500 and 2500: for some rows a later tile's maximum
+    passes the running one by more than ``RESCALE_SKIP``'s threshold (2**8) after tiles that kept it (a CPU
+    model of the variant counts 8 such raises in one split), others keep theirs: both paths of the lazy
+    rescale, warps that skip O's rescale next to warps that do not. A row led by a scaled key carries its
+    score's bf16 error (five times N(0, 1)'s) into its LSE (the model: 0.03 for every variant)."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    lens = [3000, 2100, 1000]
+    q, cache, table, seq_lens = _inputs(lens, 16, 1, 64, seed=5)
+    for b, n in enumerate(lens):
+        for pos, f in [(700, 3.0), (1500, 4.0), (2500, 5.0)]:
+            if pos < n:
+                blk, off = int(table[b, pos // 64]), pos % 64
+                sc = cache[blk, off, DC:DC + 16].clone().view(torch.float32) * f
+                cache[blk, off, DC:DC + 16] = sc.view(torch.uint8)
+    poison_allocator()
+    config = {**VARIANTS[variant], **({} if splits is None else {"SPLITS": splits})}
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config=config)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, table, seq_lens)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=5e-2)
 
 
 @pytest.mark.cuda
@@ -232,7 +272,7 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64():
 
 def _compile_sm90(consts):
     """The sm_90 compile of the kernel, its pointers, the q strides and the cache strides 16-byte divisible as
-    the JIT specializes them for a real launch."""
+    the JIT specializes them for a real launch (``consts``: every constexpr, the variants' flags included)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -270,27 +310,50 @@ def _loop_sass(compiled) -> str:
     return "\n".join(lines[first:last + 1])
 
 
+def _skipped_fmuls(loop: str) -> dict[str, tuple[str, str, str]]:
+    """The FMULs that the forward branch after the loop's warp vote (``RESCALE_SKIP``) jumps over: their
+    ``(destination, first, second)`` registers by destination."""
+    lines = loop.splitlines()
+    vote = next(i for i, line in enumerate(lines) if "VOTE.ANY" in line)
+    i, m = next((i, m) for i, line in enumerate(lines[vote:], vote)
+                if (m := re.search(r"/\*([0-9a-f]{4,})\*/.*\bBRA 0x([0-9a-f]+)", line)))
+    target = int(m.group(2), 16)
+    assert target > int(m.group(1), 16), "the vote's branch goes backward"
+    skipped = []
+    for line in lines[i + 1:]:
+        a = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        if a and int(a.group(1), 16) >= target:
+            break
+        skipped.append(line)
+    fmuls = [re.search(r" FMUL (R\d+), (R\d+), (R\d+)", line) for line in skipped if " FMUL " in line]
+    return {m.group(1): m.groups() for m in fmuls if m}
+
+
 @sm90_compile
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_sm90_compile_resources(direct, block_size):
+@pytest.mark.parametrize("variant,direct,block_size", [  # every variant; the default and all of them in each setting
+    (v, d, bs) for v in VARIANTS for d in (False, True) for bs in (64, 128)
+    if v in ("default", "ALL_VARIANTS") or (not d and bs == 64)])
+def test_sm90_compile_resources(direct, block_size, variant):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread (two warpgroups fit one SM's
     register file), no spill inside the tile loop (at most one 8-byte slot outside it, written before the
     loop and read after it: ptxas keeps one epilogue value there in some variants), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the
     dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the
     tile loop holds its S and P V dots, one tile's 16-byte loads (eight of codes, one of scales, two of
     rope), the L2 prefetches and at most five CTA barriers (the row maxima across warpgroups, P, the slot's
-    release: the dequantized tile's single store needs none of its own)."""
+    release: the dequantized tile's single store needs none of its own). Each variant too: ``MAX_XCHG`` with
+    three CTA barriers (one for the row maxima), ``RESCALE_SKIP`` with its warp vote and the branch around O's
+    128 multiplies a thread, ``CVT_BF16`` with its bf16x2 dequantization (no fp32 products)."""
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
     from mla_compile.ops.triton._sm90 import resources
 
-    compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct))
+    flags = {k: VARIANTS[variant].get(k, False) for k in g.VARIANTS}
+    compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, **flags))
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
     assert shared <= 227 * 1024
     res = resources(compiled)
-    assert res["stack"] <= 8, res
+    assert res["stack"] <= (8 if variant in ("default", "RESCALE_SKIP") else 16), res  # outside the loop
     assert res["regs"] <= 255, res
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
     assert res["UTMALDG"] == 0, res
@@ -299,15 +362,26 @@ def test_sm90_compile_resources(direct, block_size):
     assert "UBLKPF.L2" in loop
     assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
     assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
-    assert loop.count("BAR.SYNC") <= 5, loop.count("BAR.SYNC")
+    assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5), loop.count("BAR.SYNC")
+    if flags["RESCALE_SKIP"]:
+        fmuls = _skipped_fmuls(loop)
+        assert len(fmuls) == 64 * DC // 256, len(fmuls)  # O's accumulators a thread
+        # each accumulator times one of its thread's two rows' alphas (not another accumulator)
+        assert all(d == a and m not in fmuls for d, a, m in fmuls.values()), fmuls
+        assert len({m for _, _, m in fmuls.values()}) == 2, fmuls
+    if flags["CVT_BF16"]:
+        assert loop.count("HFMA2.BF16") == 64 and loop.count("PRMT") >= 64, loop.count("HFMA2.BF16")
+        assert "HADD2.F32" not in loop
 
 
 @sm90_compile
+@pytest.mark.parametrize("variant", ["default", "ALL_VARIANTS"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_sm90_compile_of_the_launch(monkeypatch, splits):
+def test_sm90_compile_of_the_launch(monkeypatch, splits, variant):
     """``launch``'s own call (recorded on CPU tensors: 128 heads, MTP rows, pages of 128 inside a larger buffer)
     binds every kernel argument and compiles for sm_90 with the launch's constexprs and warps; with several
-    splits it writes the fp32 workspaces and the reduce kernel merges them."""
+    splits it writes the fp32 workspaces and the reduce kernel merges them; the config's variant flags reach
+    the kernel as constexprs (each False unless asked for)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -331,12 +405,13 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits):
     wide = torch.zeros(cache.shape[0], 256, cache.shape[2], dtype=torch.uint8)
     wide[:, :128] = cache
     q = torch.randn(3, 2, 128, DC + DR, generator=gen).to(BF)
-    out, lse = g.launch(q, wide[:, :128], table, seq_lens, SCALE, DC, config={"SPLITS": splits})
+    out, lse = g.launch(q, wide[:, :128], table, seq_lens, SCALE, DC, config={"SPLITS": splits, **VARIANTS[variant]})
     assert out.shape == (3, 2, 128, DC) and lse.shape == (3, 2, 128)
     kernel, grid, args, kwargs = launches[0]
     assert grid == (4, splits, 3)
     assert len(launches) == (1 if splits == 1 else 2)
     assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128
+    assert {k: kwargs[k] for k in g.VARIANTS} == {k: VARIANTS[variant].get(k, False) for k in g.VARIANTS}
     assert args[4].dtype == (BF if splits == 1 else torch.float32)
     sig, consts, attrs = signature(kernel, args, kwargs)
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
