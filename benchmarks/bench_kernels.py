@@ -428,7 +428,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
     ap.add_argument("--quick", action="store_true", help="no config sweeps")
     ap.add_argument("--skinny", action="store_true", help="only mla::skinny_linear against F.linear at few rows")
-    ap.add_argument("--decode", action="store_true", help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
+    ap.add_argument("--decode", action="store_true",
+                    help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
     args = ap.parse_args()

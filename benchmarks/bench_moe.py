@@ -53,10 +53,12 @@ from mla_compile.ops.triton import moe_grouped as tgrouped  # noqa: E402
 
 SWEEP = False
 FP8 = False
-# (gate_up_tile, down_tile, waves, num_warps)
-SWEEP_CONFIGS = ((2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
-                 (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
-                 (8192, 4096, 8, 8), (16384, 16384, 8, 8))
+# the fused kernels' configs timed by --sweep at T <= 8: (gate_up_tile, down_tile, waves, num_warps), each tile at
+# every width (no narrow_tile)
+SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) for g, d, v, w in (
+    (2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
+    (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
+    (8192, 4096, 8, 8), (16384, 16384, 8, 8)))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
@@ -148,7 +150,7 @@ def fp8_case(group, T, H, I, E, S, sets, hit, flops, note):
     if SWEEP and T <= 8:
         from mla_compile.ops.triton import moe_experts_fp8 as tfp8
 
-        sweep_configs(group, tfp8.CONFIG, "fp8 fused",
+        sweep_configs(group, tfp8.CONFIG, "fp8 fused", SWEEP_CONFIGS,
                       lambda: moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="triton"),
                       run("triton"), flops, nbytes)
 
@@ -208,7 +210,8 @@ def case(name, T):
     bk.attempt(group, "triton grouped", run("triton-grouped"), flops, nbytes, f"{note}; {check}", rep_ms=100,
                sets=SETS)
     if SWEEP and T >= 64:
-        sweep_grouped(group, lambda: first_set("triton-grouped"), run("triton-grouped"), flops, nbytes)
+        sweep_configs(group, tgrouped.CONFIG, "triton grouped", GROUPED_SWEEP, lambda: first_set("triton-grouped"),
+                      run("triton-grouped"), flops, nbytes)
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
                rep_ms=100, sets=SETS)
@@ -244,44 +247,26 @@ def sweep(group, sets, shared, gate_up, down, flops, nbytes):
         for (xs, ws, ids_s), (g, u, d) in zip(sets, shared):
             moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton")
 
-    sweep_configs(group, tmoe.CONFIG, "fused", call, all_sets, flops, nbytes)
+    sweep_configs(group, tmoe.CONFIG, "fused", SWEEP_CONFIGS, call, all_sets, flops, nbytes, drop=("narrow_tile",))
 
 
-def sweep_configs(group, config, label, call, all_sets, flops, nbytes):
-    """Time ``all_sets`` under each of ``SWEEP_CONFIGS`` written into the kernels' ``config`` dict, each checked
-    (``call``: one float32 output) against the default config; the default is restored after."""
+def sweep_configs(group, config, label, changes, call, all_sets, flops, nbytes, drop=()):
+    """Time ``all_sets`` under the kernels' default ``config`` dict and under each of ``changes`` written into it
+    (the ``drop`` keys left out), each checked (``call``: one output of the kernels) against the default config's
+    output; the default is restored after."""
     default = dict(config)
     want = call().double()
     bk.attempt(group, f"{label} default {config}", all_sets, flops, nbytes, rep_ms=100, sets=SETS)
     try:
-        for gu_tile, dn_tile, waves, warps in SWEEP_CONFIGS:
-            config.update(gate_up_tile=gu_tile, down_tile=dn_tile, waves=waves, num_warps=warps)
-            config.pop("narrow_tile", None)  # the swept tiles apply at every width
-            err = float((call().double() - want).norm() / want.norm())
-            bk.attempt(group, f"{label} gu{gu_tile} dn{dn_tile} v{waves} w{warps}", all_sets, flops, nbytes,
-                       f"rel diff to default {err:.1e}", rep_ms=100, sets=SETS)
-    finally:
-        config.clear()
-        config.update(default)
-
-
-def sweep_grouped(group, call, all_sets, flops, nbytes):
-    """Time the grouped Triton kernels under each change of ``GROUPED_SWEEP`` to their ``CONFIG`` (``call``: one
-    float64 output, checked against the default config's); the default is restored after."""
-    config = tgrouped.CONFIG
-    default = dict(config)
-    want = call()
-    bk.attempt(group, f"triton grouped default {config}", all_sets, flops, nbytes, rep_ms=100, sets=SETS)
-    try:
-        for change in GROUPED_SWEEP:
+        for change in changes:
             config.clear()
-            config.update(default, **change)
-            label = "triton grouped " + " ".join(f"{k}={v}" for k, v in change.items())
+            config.update({k: v for k, v in default.items() if k not in drop}, **change)
+            name = label + " " + " ".join(f"{k}={v}" for k, v in change.items())
             try:
-                err = f"rel diff to default {float((call() - want).norm() / want.norm()):.1e}"
+                err = f"rel diff to default {float((call().double() - want).norm() / want.norm()):.1e}"
             except Exception as exc:  # the timing attempt records the failure as its row
                 err = f"check failed: {type(exc).__name__}"
-            bk.attempt(group, label, all_sets, flops, nbytes, err, rep_ms=100, sets=SETS)
+            bk.attempt(group, name, all_sets, flops, nbytes, err, rep_ms=100, sets=SETS)
     finally:
         config.clear()
         config.update(default)

@@ -12,23 +12,23 @@ indexer (64 heads x 128, top-512), HCA rate 128; ``--layers`` repeats of (slidin
 Every sequence decodes one token at position ``ctx`` over a context already in the caches (random rows:
 the window's token rows, every compressed entry and indexer key, the compressors' ring state). Only the
 window's token blocks are real: older positions map to one shared block that the step never reads.
-Rows (``--impls``): ours eager, ours compiled (``torch.compile(fullgraph=True)``), ours compiled + CUDA graph
-(one captured step replayed), and HF's ``DeepseekV4ForCausalLM`` on the same weights: "hf eager" and "hf
-compiled" (``torch.compile(hf)`` in its default mode: HF's V4 has no static cache and
-``_can_compile_fullgraph = False``, its compressors' state lives in the dynamic cache's Python objects). HF
-gets no prefill (its eager attention would materialize [S, S] scores): its ``DynamicCache`` is filled with
-the context our caches hold (:func:`hf_cache`), so both decode the same step, and the first step's logits
-are compared: the norm error over the batch and the median / max row's (:func:`row_errors`; in bf16 a few
-rows whose MoE or indexer top-k flips near a tie carry most of the norm error, so it grows with B). HF rebinds its cache tensors each step; restoring them before every call makes
-each timed call the same step at ``ctx`` (for "hf compiled" its best case: no recompiles). The first "hf
-compiled" row also runs ``--hf-next-steps`` real consecutive steps from its context and reports the graphs each
-compiled: Dynamo guards on the sizes of the compressors' partial-window buffers, so a step with a buffer
-length not seen before recompiles. An HF row is skipped, with the reason in the table, when its step would not fit in
-the GPU's free memory (:func:`hf_decode_bytes`: ``repeat_kv`` makes 64-head copies of the shared KV head as
-keys and as values) or in what is left of ``--budget-s``. A step's time is the median over ``--iters`` of
-CUDA events around the step. Also written: cache bytes per sequence at each context and at 1M tokens
-(``mla_compile.models.v4_cache``). Writes ``bench_v4_decode.json`` / ``.txt`` under ``--out``; the text ends
-with a table of our compiled and graph steps against HF's, with the speedup.
+Rows (``--impls``): ours eager, ours compiled (``torch.compile(fullgraph=True)``), ours compiled + CUDA graph (one
+captured step replayed), and HF's ``DeepseekV4ForCausalLM`` on the same weights: "hf eager" and "hf compiled"
+(``torch.compile(hf)`` in its default mode: HF's V4 has no static cache and ``_can_compile_fullgraph = False``, its
+compressors' state lives in the dynamic cache's Python objects). HF gets no prefill (its eager attention would
+materialize [S, S] scores): its ``DynamicCache`` is filled with the context our caches hold (:func:`hf_cache`), so
+both decode the same step, and the first step's logits are compared: the norm error over the batch and the median /
+max row's (:func:`row_errors`; in bf16 a few rows whose MoE or indexer top-k flips near a tie carry most of the norm
+error, so it grows with B). HF rebinds its cache tensors each step; restoring them before every call makes each timed
+call the same step at ``ctx`` (for "hf compiled" its best case: no recompiles). The first "hf compiled" row also runs
+``--hf-next-steps`` real consecutive steps from its context and reports the graphs each compiled: Dynamo guards on the
+sizes of the compressors' partial-window buffers, so a step with a buffer length not seen before recompiles. An HF row
+is skipped, with the reason in the table, when its step would not fit in the GPU's free memory
+(:func:`hf_decode_bytes`: ``repeat_kv`` makes 64-head copies of the shared KV head as keys and as values) or in what
+is left of ``--budget-s``. A step's time is the median over ``--iters`` of CUDA events around the step. Also written:
+cache bytes per sequence at each context and at 1M tokens (``mla_compile.models.v4_cache``). Writes
+``bench_v4_decode.json`` / ``.txt`` under ``--out``; the text ends with a table of our compiled and graph steps
+against HF's, with the speedup.
 
 ``--attention`` times the ``v4_attention`` op alone instead, per backend (our Triton kernel, FlashMLA's sparse
 kernel): one decode row per sequence at position ``ctx`` with V4-Flash dims (64 heads of 512, rope 64), for each

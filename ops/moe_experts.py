@@ -43,7 +43,8 @@ from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, d
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts", "mla.moe_experts")
-FUSED_MAX_TOKENS = 8  # "auto" runs the fused kernels up to this many tokens, grouped kernels above (BENCHMARKS.md runs 118, 128)
+# "auto" runs the fused kernels up to this many tokens, grouped kernels above (BENCHMARKS.md runs 118, 128)
+FUSED_MAX_TOKENS = 8
 
 
 def check_token_mask(op: str, x: Tensor, token_mask: Tensor | None) -> None:

@@ -234,10 +234,11 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
-    waves, ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``),
-    SWAP (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most
-    ``SWAP_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by ``decode.reduce_splits``."""
+    """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
+    ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
+    (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
+    WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by
+    ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)

@@ -335,14 +335,14 @@ def _skipped_fmuls(loop: str) -> dict[str, tuple[str, str, str]]:
     if v in ("default", "ALL_VARIANTS") or (not d and bs == 64)])
 def test_sm90_compile_resources(direct, block_size, variant):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread (two warpgroups fit one SM's
-    register file), no spill inside the tile loop (at most one 8-byte slot outside it, written before the
-    loop and read after it: ptxas keeps one epilogue value there in some variants), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the
-    dots (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the
-    tile loop holds its S and P V dots, one tile's 16-byte loads (eight of codes, one of scales, two of
-    rope), the L2 prefetches and at most five CTA barriers (the row maxima across warpgroups, P, the slot's
-    release: the dequantized tile's single store needs none of its own). Each variant too: ``MAX_XCHG`` with
-    three CTA barriers (one for the row maxima), ``RESCALE_SKIP`` with its warp vote and the branch around O's
-    128 multiplies a thread, ``CVT_BF16`` with its bf16x2 dequantization (no fp32 products)."""
+    register file), no spill inside the tile loop (at most one 8-byte slot outside it, written before the loop and
+    read after it: ptxas keeps one epilogue value there in some variants), shared memory of its buffers' formula plus
+    under 1 KB of scratch and within an SM's 227 KB; the dots (S twice: the first tile and the loop, 36 k-steps each;
+    P V, 4) are there, no TMA copies, and the tile loop holds its S and P V dots, one tile's 16-byte loads (eight of
+    codes, one of scales, two of rope), the L2 prefetches and at most five CTA barriers (the row maxima across
+    warpgroups, P, the slot's release: the dequantized tile's single store needs none of its own). Each variant too:
+    ``MAX_XCHG`` with three CTA barriers (one for the row maxima), ``RESCALE_SKIP`` with its warp vote and the branch
+    around O's 128 multiplies a thread, ``CVT_BF16`` with its bf16x2 dequantization (no fp32 products)."""
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
     from mla_compile.ops.triton._sm90 import resources
 
