@@ -185,33 +185,28 @@ def decode_case(B, H, L, sweep, budget_s):
         attempt(group, cfg_name(c), direct(lambda c=c: tdecode._launch(q, cache, table, lens, SCALE, DC, config=c)),
                 flops, nbytes)
     out, lse = ours()
+
+    def against_triton(call):
+        """The note of a Gluon row: its largest differences from the Triton kernel's output (or why it failed)."""
+        try:
+            o2, l2 = call()
+            return f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
+                   f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"[:200]
+
     for name in ("gluon", "gluon-ws"):  # the sm_90 Gluon kernels, each checked against the Triton kernel
         def gl_call(name=name):
             return decode(q, cache, table, lens, SCALE, backend=name)
-
-        def gl_diff(name=name):
-            o2, l2 = gl_call()
-            return f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
-                   f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
-        try:
-            note = gl_diff()
-        except Exception as exc:
-            note = f"{type(exc).__name__}: {exc}"[:200]
-        attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=note)
-    if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the first schedule, 64 rows
+        attempt(group, f"{name} (ours)", gl_call, flops, nbytes, note=against_triton(gl_call))
+    if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the PIPE schedule, 64 rows
         from mla_compile.ops.triton import decode_gluon
         variants = [{"PIPE": True, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
         for cfg in variants:
             def variant(cfg=cfg):
                 return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)
-            try:
-                o2, l2 = variant()
-                note = f"max|out-triton|={(o2.float() - out.float()).abs().max():.2e} " \
-                       f"max|lse-triton|={(l2.float() - lse.float()).abs().max():.2e}"
-            except Exception as exc:
-                note = f"{type(exc).__name__}: {exc}"[:200]
             name = " ".join(f"{k}={v}" for k, v in cfg.items())
-            attempt(group, f"gluon {name} (ours)", variant, flops, nbytes, note=note)
+            attempt(group, f"gluon {name} (ours)", variant, flops, nbytes, note=against_triton(variant))
 
     def torch_naive():
         kv = cache[table.long()].view(B, nblk * PAGE, D)[:, :L]
@@ -338,10 +333,11 @@ def skinny_cases():
             want = [torch.nn.functional.linear(x.double(), w.double()) for w in sets[0]]
             got = skinny_linear(x, sets[0], backend="triton")
             err = max(float((g.double() - r).norm() / r.norm()) for g, r in zip(got, want))
+            flops = M * nbytes  # 2 M N K, with nbytes = 2 N K (bf16 weights)
             attempt(group, "skinny triton (ours)", lambda: [skinny_linear(x, ws, backend="triton") for ws in sets],
-                    2 * M * nbytes / 2, nbytes, note=f"rel err {err:.1e}", sets=4)
+                    flops, nbytes, note=f"rel err {err:.1e}", sets=4)
             attempt(group, "F.linear (cuBLAS)", lambda: [[torch.nn.functional.linear(x, w) for w in ws] for ws in sets],
-                    2 * M * nbytes / 2, nbytes, sets=4)
+                    flops, nbytes, sets=4)
 
 
 def small_ops(t_merge=1024, t_write=8192, n_seqs=8, ctx=4096):
@@ -460,11 +456,10 @@ def main():
                   for n, w, st in ((64, 8, 3), (32, 4, 3))]
         sections = [lambda: decode_case(1, 16, 4096, ssweep, args.budget_s)]
     else:
-        sections = []
-    sections = sections or [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
-                lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
-                lambda: prefill_case(8, 4096, 128, psweep, args.budget_s),
-                small_ops]
+        sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
+                    lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
+                    lambda: prefill_case(8, 4096, 128, psweep, args.budget_s),
+                    small_ops]
     run_sections(sections, os.path.join(args.out, "bench_kernels.json"))
     text = table_text()
     with open(os.path.join(args.out, "bench_kernels.txt"), "w") as f:

@@ -11,13 +11,12 @@ weight rows again (from L2 for a few rows).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from mla_compile.ops.skinny_linear import MAX_ROWS, validate
+from mla_compile.ops.skinny_linear import MAX_ROWS, fake, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
 
 BLOCK_N = 4
@@ -84,15 +83,12 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
 @torch.library.custom_op("mla::skinny_linear_triton", mutates_args=())
 def skinny_linear_triton(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    """Triton ``mla::skinny_linear`` (contract of the ``_ref`` op): the GEMV kernel up to ``MAX_ROWS`` rows of x,
-    ``F.linear`` above; non-CUDA tensors or float32/float64 run ``F.linear``."""
-    validate(x, weights)
+    """Triton ``mla::skinny_linear`` (contract of the ``_ref`` op): the GEMV kernel up to ``MAX_ROWS`` rows of x;
+    more rows, non-CUDA tensors or float32/float64 run the reference (``F.linear``)."""
     if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
-        return [F.linear(x, w) for w in weights]
+        return torch.ops.mla.skinny_linear_ref(x, weights)
+    validate(x, weights)
     return _launch(x, weights)
 
 
-@skinny_linear_triton.register_fake
-def _fake(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    validate(x, weights)
-    return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+skinny_linear_triton.register_fake(fake)
