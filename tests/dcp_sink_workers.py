@@ -11,7 +11,7 @@ import torch
 from mla_compile.app import toy
 from mla_compile.models.model import patch
 from mla_compile.parallel import ParallelConfig, init
-from tests.parallel_workers import BS
+from tests.parallel_workers import BS, split_paged_cache, unsplit_paged_cache
 
 
 def dcp_decode_queries(rank, world, interleave, seq_lens, s_q, given_positions, compile_it):
@@ -30,16 +30,8 @@ def dcp_decode_queries(rank, world, interleave, seq_lens, s_q, given_positions, 
     rows = [torch.randn(n, D, generator=gen) for n in seq_lens]
     q = torch.randn(B, s_q, H, D, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    local = dcp.local_seq_lens(lens, world, rank, interleave)
-    max_blocks = max(1, max(-(-int(n) // bs) for n in local)) + 1  # a spare entry per row: a NaN block
-    cache = torch.full((B * max_blocks + 2, bs, D), float("nan"))
-    perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(rank))
-    table = perm[:B * max_blocks].view(B, max_blocks).int()
-    for b, r in enumerate(rows):
-        pos = torch.arange(r.shape[0])
-        slots = dcp.local_slot_mapping(pos, table, torch.full_like(pos, b), bs, world, rank, interleave)
-        keep = slots >= 0
-        cache.view(-1, D)[slots[keep]] = r[keep]
+    # a spare table entry per row: a NaN block
+    cache, table, local = split_paged_cache(rows, lens, world, rank, interleave, bs, spare=1)
     positions = None
     if given_positions:
         positions = lens.long()[:, None] - s_q + torch.arange(s_q)[None, :]
@@ -74,11 +66,7 @@ def dcp_decode_queries(rank, world, interleave, seq_lens, s_q, given_positions, 
             if bool(fin.any()):
                 err_lse = max(err_lse, float((lse[b, i].double() - want_lse)[fin].abs().max()))
             err_out = max(err_out, float((out[b, i].double() - want_out).abs().max()))
-    nb = max(1, max(-(-n // bs) for n in seq_lens))
-    whole = torch.full((B * nb, bs, D), float("nan"))
-    wtable = torch.arange(B * nb).view(B, nb).int()
-    for b, r in enumerate(rows):
-        whole.view(-1, D)[b * nb * bs: b * nb * bs + r.shape[0]] = r
+    whole, wtable = unsplit_paged_cache(rows, bs)
     u_out, _ = ops.decode(q, whole, wtable, lens, scale, kv_lora_rank=Dc)
     return {"err_out": err_out, "err_lse": err_lse, "inf_match": inf_match, "empty": empty,
             "local_lens": local.tolist(), "vs_unsplit": float((out - u_out).abs().max()),

@@ -205,6 +205,39 @@ def groups_layout(rank, world, pconf):
     return out
 
 
+def split_paged_cache(rows, lens, world, rank, interleave, bs, spare=0):
+    """This rank's paged cache of the sequences ``rows`` (``[len_b, D]`` each; ``lens`` their lengths), their
+    tokens block-interleaved over ``world`` ranks: ``(cache, table, local_lens)``. The cache is NaN but for this
+    rank's tokens, its blocks in a per-rank random order; ``spare`` more table entries a row, pointing at NaN
+    blocks."""
+    from mla_compile.parallel import dcp
+
+    B, D = len(rows), rows[0].shape[1]
+    local = dcp.local_seq_lens(lens, world, rank, interleave)
+    max_blocks = max(1, max(-(-int(n) // bs) for n in local)) + spare
+    cache = torch.full((B * max_blocks + 2, bs, D), float("nan"))
+    perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(rank))
+    table = perm[:B * max_blocks].view(B, max_blocks).int()
+    for b, r in enumerate(rows):
+        pos = torch.arange(r.shape[0])
+        slots = dcp.local_slot_mapping(pos, table, torch.full_like(pos, b), bs, world, rank, interleave)
+        keep = slots >= 0
+        cache.view(-1, D)[slots[keep]] = r[keep]
+    return cache, table, local
+
+
+def unsplit_paged_cache(rows, bs):
+    """Every token of the sequences ``rows`` in one paged cache (sequence b in its own run of blocks, NaN past its
+    length): ``(cache, table)``, what the single-process op reads."""
+    B, D = len(rows), rows[0].shape[1]
+    nb = max(1, max(-(-r.shape[0] // bs) for r in rows))
+    whole = torch.full((B * nb, bs, D), float("nan"))
+    table = torch.arange(B * nb).view(B, nb).int()
+    for b, r in enumerate(rows):
+        whole.view(-1, D)[b * nb * bs: b * nb * bs + r.shape[0]] = r
+    return whole, table
+
+
 def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
     """Each rank holds its tokens of every sequence (block-interleaved) in its own NaN-filled paged cache and
     runs ``dcp_decode``; returns the max errors against a float64 softmax over the whole rows and against
@@ -219,16 +252,7 @@ def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
     rows = [torch.randn(n, D, generator=gen) for n in seq_lens]
     q = torch.randn(B, H, D, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    local = dcp.local_seq_lens(lens, world, rank, interleave)
-    max_blocks = max(1, max(-(-int(n) // bs) for n in local))
-    cache = torch.full((B * max_blocks + 2, bs, D), float("nan"))
-    perm = torch.randperm(cache.shape[0], generator=torch.Generator().manual_seed(rank))
-    table = perm[:B * max_blocks].view(B, max_blocks).int()
-    for b, r in enumerate(rows):
-        pos = torch.arange(r.shape[0])
-        slots = dcp.local_slot_mapping(pos, table, torch.full_like(pos, b), bs, world, rank, interleave)
-        keep = slots >= 0
-        cache.view(-1, D)[slots[keep]] = r[keep]
+    cache, table, local = split_paged_cache(rows, lens, world, rank, interleave, bs)
     fn = dcp.dcp_decode
     seen: set[str] = set()
     if compile_it:
@@ -257,11 +281,7 @@ def dcp_decode_parts(rank, world, interleave, seq_lens, compile_it):
         err_lse = max(err_lse, float((lse[b].double() - want_lse)[fin].abs().max()) if bool(fin.any()) else 0.0)
         err_out = max(err_out, float((out[b].double() - want_out).abs().max()))
     # and the single-rank op over one unsplit cache
-    nb = max(1, max(-(-n // bs) for n in seq_lens))
-    whole = torch.full((B * nb, bs, D), float("nan"))
-    wtable = torch.arange(B * nb).view(B, nb).int()
-    for b, r in enumerate(rows):
-        whole.view(-1, D)[b * nb * bs: b * nb * bs + r.shape[0]] = r
+    whole, wtable = unsplit_paged_cache(rows, bs)
     u_out, u_lse = ops.decode(q, whole, wtable, lens, scale, kv_lora_rank=Dc)
     return {"err_out": err_out, "err_lse": err_lse, "local_lens": local.tolist(),
             "vs_unsplit": float((out - u_out).abs().max()),

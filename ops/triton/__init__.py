@@ -6,8 +6,10 @@ with the reference op's signature. ``ops/<op>.py`` declares it as backend "trito
 function, so importing ``mla_compile`` never imports Triton. One exception to the ``triton_op`` rule:
 ``fp8_decode_gluon``, ``fp8_decode_tma`` and ``fp8_decode_wgmma`` (sm_90) are Gluon kernels (Triton's
 lower-level dialect, which Inductor cannot re-emit) behind a plain ``torch.library.custom_op``,
-``mla::decode_fp8_gluon`` (backend "gluon" of ``decode_fp8``); likewise ``decode_gluon`` (sm_90 bf16),
-``mla::decode_gluon`` / ``mla::decode_gluon_ws`` (backends "gluon" / "gluon-ws" of ``decode``).
+``mla::decode_fp8_gluon`` (backend "gluon" of ``decode_fp8``); likewise ``fp8_decode_gluon64``
+(``mla::decode_fp8_gluon64``, backend "gluon64" of ``decode_fp8``) and the sm_90 bf16 decodes ``decode_gluon``,
+``decode_gluon_swap`` and ``decode_gluon_ws`` (``mla::decode_gluon`` / ``mla::decode_gluon_ws``, backends "gluon" /
+"gluon-ws" of ``decode``).
 """
 
 from __future__ import annotations
