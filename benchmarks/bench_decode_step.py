@@ -369,7 +369,8 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         run_row(args.out, "ours graph", b, c, ours_graph, skip=graph_skip, budget_s=args.budget_s)
         note_vs("ours graph", "ours eager", b, c)
     if args.profile_replay and runner is not None:
-        profile_replay(args, runner, wl, min(args.batch_list), max(args.ctx_list))
+        for b in sorted({min(args.batch_list), max(args.batch_list)}):
+            profile_replay(args, runner, wl, b, max(args.ctx_list), suffix="" if b == min(args.batch_list) else f"_b{b}")
     try:
         metadata_timing(args, dev, builder, wl, runner)
     except Exception as exc:
@@ -377,9 +378,10 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         traceback.print_exc(limit=4)
 
 
-def profile_replay(args, runner, wl: Workload, batch: int, ctx: int) -> None:
+def profile_replay(args, runner, wl: Workload, batch: int, ctx: int, suffix: str = "") -> None:
     """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
-    to ``profile_replay.txt``: where the replay time of a small batch goes."""
+    to ``profile_replay{suffix}.txt`` / ``.csv``: where the replay time goes (run for the smallest and the
+    largest batch)."""
     runner.decode(wl.chunks(batch, ctx, 0))  # stage this size's metadata (the arena layout is per size)
     graph = runner.graphs[runner.graph_size(batch)][0]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -391,9 +393,9 @@ def profile_replay(args, runner, wl: Workload, batch: int, ctx: int) -> None:
     kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA)
     head = (f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), 5 replays: {kernels / 5:.0f} "
             f"GPU ops a replay, {kernels / 5 / args.layers:.1f} a layer ({args.layers} layers)")
-    with open(os.path.join(args.out, "profile_replay.txt"), "w") as f:
+    with open(os.path.join(args.out, f"profile_replay{suffix}.txt"), "w") as f:
         f.write(f"{head}\n{table}\n")
-    with open(os.path.join(args.out, "profile_replay.csv"), "w") as f:  # every kernel: calls and us per replay
+    with open(os.path.join(args.out, f"profile_replay{suffix}.csv"), "w") as f:  # every kernel: calls and us per replay
         f.write("name,calls_per_replay,us_per_replay\n")
         for a in sorted(averages, key=lambda a: -a.device_time_total):
             if a.device_type == torch.autograd.DeviceType.CUDA:
@@ -637,7 +639,7 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warm-cache", action="store_true", help="keep the Inductor cache dir (default: a fresh one)")
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
-    ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel table of the smallest batch's graph replay")
+    ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel tables of the smallest and the largest batch's graph replays")
     ap.add_argument("--regional-compile", action="store_true",
                     help="patch(..., regional_compile=True): each decoder layer compiled once, reused for every layer")
     ap.add_argument("--lowerings", action="store_true",

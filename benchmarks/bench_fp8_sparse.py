@@ -98,9 +98,9 @@ def dense_case(B, H, L):
 
 def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
     """Backend "gluon64" (64 query rows a program, ``ops/triton/fp8_decode_gluon64.py``) where its kernel serves
-    the call, then its kernel's opt-in variants (``launch`` with each ``VARIANTS`` flag alone, the two that
-    serve any scale together, then all of them), each output's normwise difference from the Triton fp8 kernel's
-    in the note."""
+    the call (its ``DEFAULTS``), then its kernel's variants (``launch`` with none of the ``VARIANTS`` flags, each
+    alone, the two that serve any scale together, then all of them), each output's normwise difference from the
+    Triton fp8 kernel's in the note."""
     from mla_compile.ops.triton import fp8_decode_gluon64
 
     if not fp8_decode_gluon64.eligible(q, fp8, DC):
@@ -108,9 +108,9 @@ def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
         return
     rows = [("gluon64 fp8 cache (64 rows a program)",
              lambda: decode_fp8(q, fp8, table, lens, SCALE, backend="gluon64"))]
-    configs = [(k, {k: True}) for k in fp8_decode_gluon64.VARIANTS]
-    configs.append(("RESCALE_SKIP+MAX_XCHG", {"RESCALE_SKIP": True, "MAX_XCHG": True}))  # any scale
-    configs.append(("+".join(fp8_decode_gluon64.VARIANTS), dict.fromkeys(fp8_decode_gluon64.VARIANTS, True)))
+    flags = fp8_decode_gluon64.VARIANTS
+    sets = [(), *((k,) for k in flags), ("RESCALE_SKIP", "MAX_XCHG"), flags]  # RESCALE_SKIP+MAX_XCHG: any scale
+    configs = [("+".join(on) or "no variant", {k: k in on for k in flags}) for on in sets]
     for name, config in configs:
         rows.append((f"gluon64 fp8 cache {name}", lambda config=config: fp8_decode_gluon64.launch(
             q, fp8, table, lens, SCALE, DC, config=config)))

@@ -35,8 +35,9 @@ registers held, nothing to wait for); the register tile is loaded only during th
 copies: every synchronization is a CTA barrier that all 256 threads reach (the tile count is uniform in a
 program), so a split with no tile skips the loop and writes its empty rows.
 
-Opt-in variants (``VARIANTS``: constexpr flags from :func:`launch`'s config, each off by default; the default
-compile does not change): ``RESCALE_SKIP`` raises a row's running maximum only when a tile's passes it by more
+Variants (``VARIANTS``: constexpr flags from :func:`launch`'s config; ``DEFAULTS`` holds the ones on unless the
+config says otherwise, ``RESCALE_SKIP`` and ``MAX_XCHG``, faster on the H200 at every timed shape and exact at
+any scale): ``RESCALE_SKIP`` raises a row's running maximum only when a tile's passes it by more
 than ``TAU`` (2**8 in P at most) and lets a warp none of whose rows moved skip O's 128 multiplies a thread (a
 warp vote and a warp-uniform branch, no CTA barrier); ``MAX_XCHG`` exchanges the two warpgroups' partial row
 maxima through a ``[64, 2]`` buffer with one CTA barrier (Triton's cross-warp reduction takes three);
@@ -78,8 +79,9 @@ D = DC + DR
 ROW_BYTES = DC + 4 * (DC // 128) + 2 * DR  # 656
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 1
-# the kernel's opt-in variants (constexpr flags, each off by default; ``launch``'s config keys)
+# the kernel's variants (constexpr flags; ``launch``'s config keys) and the ones on unless the config says otherwise
 VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False}
 SMEM_C = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # the codes [64 keys, 512]: 16 bytes a thread a repetition (columns 16 t + 64 r), 8 keys x 64 bytes a warp
 # instruction, one key a thread
@@ -312,7 +314,7 @@ def decode_fp8_gluon64_kernel(
     cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks at ``stride_kb``); ``BLOCK_SIZE`` a
     multiple of 64. ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * M, 512]``, q's dtype) / ``lse_ptr``
     (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (``[B * M, n_splits, 512]``
-    fp32, base-2 LSE). Opt-in variants (default off: the default compile is unchanged): ``RESCALE_SKIP`` keeps
+    fp32, base-2 LSE). Variants (each off unless set; :func:`launch` sets ``DEFAULTS``): ``RESCALE_SKIP`` keeps
     each row's running maximum until a tile's maximum passes it by more than ``TAU`` (a CTA-uniform test: O and
     the row sums are rescaled only on those tiles), ``CVT_BF16`` dequantizes with bf16x2 arithmetic
     (``_store_tile_bf16``)."""
@@ -470,8 +472,8 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
-    waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's opt-in
-    variants ``VARIANTS`` (each a bool, default False: ``{"RESCALE_SKIP": True}``)."""
+    waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's
+    variants ``VARIANTS`` (each a bool, ``DEFAULTS`` where absent: ``{"CVT_BF16": True}``)."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -489,7 +491,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
-        **{k: bool((config or {}).get(k, False)) for k in VARIANTS},
+        **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
         num_warps=NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)

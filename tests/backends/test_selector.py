@@ -203,10 +203,11 @@ def test_mla_attention_selects_once_per_configuration_and_rejects_bad_specs():
 @pytest.mark.parametrize("timed", [False, True], ids=["static order", "shipped H200 timings"])
 def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, timed):
     """With the real gpu_tested flags and the H200's packages (no flash-attn); without timings (the static
-    order) and with the shipped H200 table (bench_backends.py, BENCHMARKS run 112): at 16 heads tiered FlashMLA
-    edges our Triton decode, and with a plan FlashInfer wins above batch 2 (a split: Triton below); at 128 heads
-    Triton to batch 2 then FlashMLA (the tiers' Triton step is slow at batch 16); a known batch is one class
-    (no split); prefill (planned) is Triton's up to 2048 tokens and FlashInfer's above, at both head counts."""
+    order) and with the shipped H200 table (bench_backends.py, BENCHMARKS run 129): at 16 heads on pages of 64
+    our Gluon decode wins every batch, planned or not; at 128 heads the warp-specialized Gluon kernel to batch 2
+    then FlashMLA, and with a plan FlashInfer to batch 16 then FlashMLA; on pages of 16 (no Gluon, no FlashMLA)
+    Triton, and with a plan Triton to batch 2 then FlashInfer; prefill (planned) is Triton's up to 2048 tokens
+    and FlashInfer's above, at both head counts."""
     for name in ("flash_mla", "flashinfer"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn", None)
@@ -215,12 +216,13 @@ def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, ti
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.delenv("MLA_COMPILE_BACKEND", raising=False)
     with contextlib.nullcontext() if timed else timings.using():
-        assert _pick("decode", block_size=64).name == "flashmla-tiered"
-        assert _pick("decode", block_size=64, planned=True).name == (
-            "split:triton:2/flashinfer" if timed else "flashmla-tiered")
-        assert _pick("decode", block_size=64, planned=True, batch=16).name == ("flashinfer" if timed else "flashmla-tiered")
+        assert _pick("decode", block_size=64).name == ("gluon" if timed else "flashmla-tiered")
+        assert _pick("decode", block_size=64, planned=True).name == ("gluon" if timed else "flashmla-tiered")
+        assert _pick("decode", block_size=64, planned=True, batch=16).name == ("gluon" if timed else "flashmla-tiered")
         assert _pick("decode", block_size=64, num_heads=128).name == (
-            "split:triton:2/flashmla" if timed else "flashmla-tiered")
+            "split:gluon-ws:2/flashmla" if timed else "flashmla-tiered")
+        assert _pick("decode", block_size=64, num_heads=128, planned=True).name == (
+            "split:flashinfer:16/flashmla" if timed else "flashmla-tiered")
         assert _pick("decode", block_size=16).name == "triton"
         assert _pick("decode", block_size=16, planned=True).name == (
             "split:triton:2/flashinfer" if timed else "flashinfer")
