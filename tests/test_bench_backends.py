@@ -77,7 +77,8 @@ def test_v4_attention_shapes_are_one_class_each_and_only_keeps_the_other_ops_row
         bench.main(["--dry-run", "--only", "v4_attn"])
     [shipped] = sorted(timings.FOLDER.glob("*.json"))
     old = json.loads(shipped.read_text())
-    new = dict(old, source="new run", rows=[dict(old["rows"][-1], us={"triton": 1.0})])
+    v4_row = next(r for r in old["rows"] if r["op"] == "v4_attention")
+    new = dict(old, source="new run", rows=[dict(v4_row, us={"triton": 1.0})])
     merged = bench.keep_other_ops(old, new, ("v4_attention",))
     assert [r for r in merged["rows"] if r["op"] == "v4_attention"] == new["rows"]
     assert [r for r in merged["rows"] if r["op"] != "v4_attention"] == [r for r in old["rows"]
