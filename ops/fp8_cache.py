@@ -48,7 +48,8 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM89, SM90, backends_for, declare, declare_op
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM89, SM90, backends_for, declare, declare_op,
+                                      declare_split_op, run_split_part)
 from mla_compile.ops.select import Facts, cache_layout, facts_for, resolve, why_not
 from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
 from mla_compile.ops._ragged import segments
@@ -257,11 +258,27 @@ def decode_fp8_ref(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
     return attend(q, rows[:, None], visible, scale, kv_lora_rank)
 
 
-@decode_fp8_ref.register_fake
-def _(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+def decode_fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, *split_args):
+    """Fake of ``mla::decode_fp8_ref`` and ``mla::decode_fp8_split`` (``split_args``: its tiers and plan id)."""
     validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     B, s_q, H, _ = q.shape
     return q.new_empty(B, s_q, H, kv_lora_rank), q.new_empty(B, s_q, H, dtype=torch.float32)
+
+
+decode_fp8_ref.register_fake(decode_fake)
+
+
+@torch.library.custom_op("mla::decode_fp8_split", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_fp8_split(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                     kv_lora_rank: int, tiers: str, plan_id: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_fp8`` through the part of ``tiers`` (``"gluon64:16/flashmla"``: see
+    :func:`~mla_compile.ops.registry.split_name`) whose row bound covers this call's ``B * s_q`` query rows."""
+    return run_split_part(OP_DECODE, tiers, q.shape[0] * q.shape[1],
+                          (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan_id)
+
+
+decode_fp8_split.register_fake(decode_fake)
+declare_split_op(OP_DECODE, torch.ops.mla.decode_fp8_split, "batch")
 
 
 declare(OP_DECODE, "reference", torch.ops.mla.decode_fp8_ref, rank=100, devices=("any",), dtypes=FLOATS,

@@ -207,3 +207,42 @@ def test_prefill_splits_by_tokens_and_runs_the_part_of_each_call_s_token_count(m
         assert calls[-1] == ("spy-few" if T <= 6 else "spy-many", T)
         torch.testing.assert_close(out, want[0])
         torch.testing.assert_close(lse, want[1])
+
+
+def test_the_shipped_h200_table_splits_fp8_decode_at_128_heads_and_the_split_runs_each_part(
+        everything_installed, monkeypatch):
+    """fp8 decode at 128 heads (BENCHMARKS run 129): gluon64 to batch 16, FlashMLA's fp8 kernel above (reading
+    each sequence's length of the table since ``topk_length``); one Gluon kernel at 16 heads. The split op
+    (``mla::decode_fp8_split``) runs the part of each call's query rows, here with CPU spies for both parts."""
+    def pick(heads):
+        f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=heads,
+                      head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90)
+        return select("decode_fp8", f).name
+    assert pick(128) == "split:gluon64:16/flashmla" and pick(16) == "gluon"
+
+    from mla_compile.ops import fp8_cache
+    monkeypatch.setitem(registry._TABLE, "decode_fp8", dict(registry._TABLE["decode_fp8"]))
+    calls: list = []
+
+    def spy(name):
+        def run(q, kv_cache, block_table, seq_lens, scale, rank):
+            calls.append((name, q.shape[0] * q.shape[1]))
+            return torch.ops.mla.decode_fp8_ref(q, kv_cache, block_table, seq_lens, scale, rank)
+        return Backend(name, "decode_fp8", run, rank=99, devices=("any",), dtypes=FLOATS, gpu_tested=True)
+    for name in ("spy-few", "spy-many"):
+        registry._TABLE["decode_fp8"][name] = spy(name)
+    split = declare_split("decode_fp8", ((2, "spy-few"), (None, "spy-many"))).name
+    gen = generator(5)
+    rows = randn(gen, 3 * 64, 576, dtype=torch.float32)
+    cache = fp8_cache.quantize_fp8_rows(rows[:, :512], rows[:, 512:]).view(3, 64, 656)
+    for B in (2, 3):
+        q = randn(gen, B, 1, 4, 576, dtype=torch.float32)
+        table = torch.tensor([[0], [1], [2]][:B], dtype=torch.int32)
+        lens = torch.tensor([64, 17, 40][:B], dtype=torch.int32)
+        out, lse = ops.decode_fp8(q, cache, table, lens, 0.3, backend=split)
+        ref, ref_lse = torch.ops.mla.decode_fp8_ref(q.double(), cache, table, lens, 0.3, 512)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)
+        assert calls[-1] == ("spy-few" if B <= 2 else "spy-many", B)
+    torch.library.opcheck(torch.ops.mla.decode_fp8_split.default,
+                          (q, cache, table, lens, 0.3, 512, split[len("split:"):], -1))
