@@ -213,7 +213,7 @@ def case(name, T):
         sweep_configs(group, tgrouped.CONFIG, "triton grouped", GROUPED_SWEEP, lambda: first_set("triton-grouped"),
                       run("triton-grouped"), flops, nbytes)
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
-    bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16')}",
+    bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16', H)}",
                rep_ms=100, sets=SETS)
     if FP8:
         fp8_case(group, T, H, I, E, S, sets, hit, flops, note)

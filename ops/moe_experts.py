@@ -28,7 +28,8 @@ one program per (token, H tile) looping over the picks in order: deterministic; 
 grouped GEMMs reading each hit expert once, shared experts as always-routed experts, a deterministic combine:
 the large-T path). "auto" on a GPU: the split ``triton`` up to :data:`FUSED_MAX_TOKENS` tokens,
 ``triton-grouped`` above (``grouped`` where ours does not serve; chosen inside the op from its static T, so one
-graph serves every batch size).
+graph serves every batch size), where the hidden size is at most :data:`FUSED_MAX_HIDDEN`; at wider hidden
+sizes ``triton-grouped`` at every T.
 """
 
 from __future__ import annotations
@@ -43,8 +44,12 @@ from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, backends_for, d
 from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts", "mla.moe_experts")
-# "auto" runs the fused kernels up to this many tokens, grouped kernels above (BENCHMARKS.md runs 118, 128)
-FUSED_MAX_TOKENS = 8
+# "auto" runs the fused kernels up to this many tokens, grouped kernels above, and only where the hidden size is at
+# most FUSED_MAX_HIDDEN (BENCHMARKS.md run 131: the grouped kernels win from 4 tokens at V2-Lite's 2048, at every
+# token count at V3's 7168); the fp8 experts op keeps FUSED_MAX_TOKENS_FP8 (its grouped part is torch's)
+FUSED_MAX_TOKENS = 2
+FUSED_MAX_HIDDEN = 2048
+FUSED_MAX_TOKENS_FP8 = 8
 
 
 def check_token_mask(op: str, x: Tensor, token_mask: Tensor | None) -> None:
@@ -214,23 +219,26 @@ declare_split_op(OP, torch.ops.mla.moe_experts_split, "batch")
 
 
 @torch.compiler.assume_constant_result
-def fused_or_grouped(op: str, device: str, dtype: str) -> str:
+def fused_or_grouped(op: str, device: str, dtype: str, max_tokens: int) -> str:
     """"auto" for an experts op ``op`` (``mla::moe_experts`` and its fp8 sibling) on ``device`` with x of ``dtype``
-    (names; a graph constant): the split "triton" up to :data:`FUSED_MAX_TOKENS` tokens / "triton-grouped" (where
-    the op has it, else "grouped") above when both serve, else the first usable backend ("reference" when none
-    is)."""
+    (names; a graph constant): the split "triton" up to ``max_tokens`` tokens / "triton-grouped" (where the op
+    has it, else "grouped") above when both serve (the grouped one alone for ``max_tokens`` 0), else the first
+    usable backend ("reference" when none is)."""
     facts = facts_for(device, getattr(torch, dtype), need_lse=False)
     table = backends_for(op)
     usable = [n for n in priority(op) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
     upper = next((n for n in ("triton-grouped", "grouped") if n in usable), None)
+    if upper is not None and max_tokens <= 0:
+        return upper
     if "triton" in usable and upper is not None:
-        return declare_split(op, ((FUSED_MAX_TOKENS, "triton"), (None, upper))).name
+        return declare_split(op, ((max_tokens, "triton"), (None, upper))).name
     return usable[0] if usable else "reference"
 
 
-def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts`` on ``device`` with x of ``dtype``: :func:`fused_or_grouped`."""
-    return fused_or_grouped(OP, device, dtype)
+def auto_backend(device: str, dtype: str, hidden: int) -> str:
+    """"auto" for ``mla::moe_experts`` on ``device`` with x of ``dtype`` and ``hidden`` columns:
+    :func:`fused_or_grouped` with :data:`FUSED_MAX_TOKENS` up to :data:`FUSED_MAX_HIDDEN`, else grouped alone."""
+    return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS if hidden <= FUSED_MAX_HIDDEN else 0)
 
 
 def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, *,
@@ -241,7 +249,7 @@ def moe_experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: 
     ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name.
     ``token_mask [T]`` bool: False rows (padding tokens) give 0 and, in the fused kernels, read no weights."""
     if backend in (None, "auto"):
-        backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
+        backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""), x.shape[-1])
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
     return impl.fn(x, weights, ids, gate_up, down, shared_gate, shared_up, shared_down, bool(out_float32),
                    token_mask)
@@ -274,7 +282,7 @@ def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, do
 
 declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,
         dtypes=(torch.float32, *HALF), package="triton", gpu_tested=True,
-        kernels=("moe_experts_triton_grouped", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
+        kernels=("moe_experts_triton_grouped", "_moe_sort_kernel", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
                  "_moe_grouped_down_kernel", "_moe_combine_kernel"),
         note="ours: pairs sorted by expert in blocks of 16-64 rows, tl.dot grouped GEMMs, each hit expert "
              "read once; deterministic combine (many tokens)")

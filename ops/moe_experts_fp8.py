@@ -21,7 +21,7 @@ Backends: "reference" (plain torch, any device: one expert at a time dequantized
 once: the large-T path; its gate/up outputs are rounded to x's dtype before the activation, as
 ``FP8Experts`` rounds them), "triton" (ours, CUDA: reads only the routed experts' fp8 rows and their scales
 per (token, pick), dequantizing in registers: the small-T path). "auto" on a GPU with both GPU-tested:
-``triton`` up to :data:`~mla_compile.ops.moe_experts.FUSED_MAX_TOKENS` tokens, ``grouped`` above, inside one op
+``triton`` up to :data:`~mla_compile.ops.moe_experts.FUSED_MAX_TOKENS_FP8` tokens, ``grouped`` above, inside one op
 (one graph serves every batch size); while they are not, "auto" runs "reference".
 """
 
@@ -33,8 +33,8 @@ from torch import Tensor
 
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp8_block_linear import BLOCK, dequantize, fp8_block_linear
-from mla_compile.ops.moe_experts import (_acc, _out_dtype, check_token_mask, combine_sorted, fused_or_grouped,
-                                         sort_by_expert, zero_masked)
+from mla_compile.ops.moe_experts import (FUSED_MAX_TOKENS_FP8, _acc, _out_dtype, check_token_mask, combine_sorted,
+                                         fused_or_grouped, sort_by_expert, zero_masked)
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
 from mla_compile.ops.select import resolve
 
@@ -189,9 +189,9 @@ declare_split_op(OP, torch.ops.mla.moe_experts_fp8_split, "batch")
 
 
 def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts_fp8`` on ``device`` with x of ``dtype``: the same choice as for
-    ``mla::moe_experts`` (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
-    return fused_or_grouped(OP, device, dtype)
+    """"auto" for ``mla::moe_experts_fp8`` on ``device`` with x of ``dtype``: the fused kernels up to
+    ``FUSED_MAX_TOKENS_FP8`` tokens, grouped GEMMs above (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
+    return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS_FP8)
 
 
 def moe_experts_fp8(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,

@@ -170,16 +170,20 @@ class MLAMoE(nn.Module):
     def _use_fused(self, x: Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "fused"
-        return x.is_cuda and self.auto_fused(str(x.device), str(x.dtype).replace("torch.", ""))
+        return x.is_cuda and self.auto_fused(str(x.device), str(x.dtype).replace("torch.", ""), x.shape[-1])
 
-    def auto_fused(self, device: str, dtype: str) -> bool:
-        """Whether "auto" runs the fused ops on ``device`` with x of ``dtype`` (names): the experts can run in them
-        and the experts op's own "auto" there is its fused kernel (alone or split with grouped GEMMs above
-        ``FUSED_MAX_TOKENS`` tokens). A constant of the graph, as the ops' choices are."""
+    def auto_fused(self, device: str, dtype: str, hidden: int) -> bool:
+        """Whether "auto" runs the ops (``mla::moe_route`` + ``mla::moe_experts``) on ``device`` with x of ``dtype``
+        and ``hidden`` columns (names): the experts can run in them and the experts op's own "auto" there is one
+        of our kernels (fused, our grouped one, or a split of the two by tokens). A constant of the graph, as the
+        ops' choices are."""
         if not self.fusable:
             return False
-        choice = (auto_backend_fp8 if self.fp8_experts else auto_backend)(device, dtype)
-        return choice == "triton" or choice.startswith(SPLIT_PREFIX)
+        if self.fp8_experts:
+            choice = auto_backend_fp8(device, dtype)
+        else:
+            choice = auto_backend(device, dtype, hidden)
+        return choice in ("triton", "triton-grouped") or choice.startswith(SPLIT_PREFIX)
 
     def _use_grouped(self, x: Tensor) -> bool:
         if self.impl != "auto":

@@ -147,11 +147,9 @@ def _head_groups(H: int) -> tuple[int, list[tuple[int, int]]]:
     return width, [(h, min(h + width, H)) for h in range(0, H, width)]
 
 
-def _sparse_call(q: Tensor, k_cache: Tensor, idx: Tensor, scale: float, kv_lora_rank: int,
-                 topk_length: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _sparse_call(q: Tensor, k_cache: Tensor, idx: Tensor, scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """FlashMLA sparse decode on ``q [B, s_q, H, 576]`` for any H: heads zero-padded to 64 / 128 (padded
-    rows are computed and dropped), ``idx`` int32 with -1 padding; ``topk_length [B]`` int32: only the
-    leftmost ``topk_length[b]`` indices of sequence b are read (None: all). Returns ``out [B, s_q, H, 512]``,
+    rows are computed and dropped), ``idx`` int32 with -1 padding. Returns ``out [B, s_q, H, 512]``,
     ``lse [B, s_q, H]`` as FlashMLA gives them (undefined for queries without a valid slot)."""
     import flash_mla
 
@@ -165,7 +163,7 @@ def _sparse_call(q: Tensor, k_cache: Tensor, idx: Tensor, scale: float, kv_lora_
         meta, _ = flash_mla.get_mla_metadata()
         out, lse = flash_mla.flash_mla_with_kvcache(
             qg.contiguous(), k_cache, None, None, kv_lora_rank, meta, softmax_scale=scale, causal=False,
-            is_fp8_kvcache=True, indices=idx, topk_length=topk_length, use_legacy=True)
+            is_fp8_kvcache=True, indices=idx, use_legacy=True)
         outs.append(out[:, :, :h1 - h0])
         lses.append(lse[:, :h1 - h0].transpose(1, 2))  # [B, h, s_q] -> [B, s_q, h]
     if len(groups) == 1:
@@ -206,8 +204,9 @@ def flashmla_decode_fp8_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, s
 
     FlashMLA's dense fp8 kernel reads another format (576 e4m3 bytes per token, per-tensor
     ``descale_q``/``descale_k``, fp8 q), not the 656-byte rows: dense decode runs as sparse decode
-    (the V3.2 kernel, which reads our rows byte for byte) over each query's causal slot list, with
-    ``topk_length`` = the sequence's length, so the kernel reads the lengths' slots, not the table's capacity.
+    (the V3.2 kernel, which reads our rows byte for byte) over each query's causal slot list. That kernel
+    refuses ``topk_length`` ("V3.2 does not support dynamic topk length"), so it runs over the block table's
+    whole width: its cost follows the table's capacity, not the lengths.
     """
     op = fp8_cache.OP_DECODE
     fp8_cache.validate_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank)
@@ -216,8 +215,7 @@ def flashmla_decode_fp8_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, s
     check_value(op, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (576,))
     k_cache = _fp8_k_cache(op, kv_cache)
     idx = _pad_topk(dense_indices(block_table, seq_lens, q.shape[1], BLOCK_SIZE))
-    length = seq_lens.clamp(0, block_table.shape[1] * BLOCK_SIZE).to(torch.int32)  # the last query's visible slots
-    out, lse = _sparse_call(q, k_cache, idx, scale, kv_lora_rank, length)
+    out, lse = _sparse_call(q, k_cache, idx, scale, kv_lora_rank)
     return _sparse_finish(out, lse, idx)
 
 
@@ -274,7 +272,9 @@ def _(q, kv_cache, indices, scale, kv_lora_rank):
 
 FP8 = dict(HOPPER, cache_dtypes=(torch.uint8,), packed_rows=True)
 declare(fp8_cache.OP_DECODE, BACKEND, torch.ops.mla.decode_fp8_flashmla, rank=30, available=available, **FP8,
-        note="FlashMLA's sparse fp8 kernel over each query's causal slot list, reading the sequence's length "
-             "(topk_length) of it")
+        auto_skip="runs the V3.2 sparse kernel over the block table's whole width (it refuses topk_length), so its "
+                  "cost follows the table's capacity, not the lengths (BENCHMARKS.md, runs 27 and 131): 'auto' "
+                  "skips it, ask for it by name",
+        note="FlashMLA's sparse fp8 kernel over each query's causal slot list")
 declare(SPARSE_OP, BACKEND, torch.ops.mla.sparse_decode_flashmla, rank=20, available=available, **FP8,
         note="FlashMLA's sparse fp8 kernel (fp8 cache only; heads padded to 64 / 128)")

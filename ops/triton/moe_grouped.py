@@ -8,8 +8,9 @@ the floor is reading every expert's weights once):
 
 - the shared experts first: shared expert ``s`` owns ``cdiv(T, BLOCK_M)`` blocks, its rows the tokens in
   order (a layout known from shapes: nothing to sort);
-- then the routed pairs, sorted by expert (stable: :func:`sort_by_expert`) and each expert's segment padded
-  to a multiple of ``BLOCK_M`` by ``_moe_align_kernel``, which writes the sorted pair of every used row and,
+- then the routed pairs, sorted by expert (a stable counting sort, ``_moe_sort_kernel``: one program an
+  expert, no torch sort) and each expert's segment padded to a multiple of ``BLOCK_M`` by
+  ``_moe_align_kernel``, which writes the sorted pair of every used row and,
   per block, its expert and number of used rows. The padded row count is bounded by shapes (``T*k +
   min(E, T*k) * (BLOCK_M - 1)``), so every buffer and grid has a static size; blocks past the used ones
   have no rows and their programs exit at once. Nothing is read on the host (CUDA-graph capturable).
@@ -34,14 +35,53 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from mla_compile.ops.moe_experts import _out_dtype, sort_by_expert, validate
+from mla_compile.ops.moe_experts import _out_dtype, validate
 from mla_compile.ops.triton._common import pow2
 from mla_compile.ops.triton.moe_experts import launch_operands
 
 
 @triton.jit
+def _moe_sort_kernel(
+    ids_ptr, mask_ptr, order_ptr, sorted_e_ptr, offs_ptr,
+    P, K, E,
+    HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """A stable counting sort of the pairs by expert, program ``e`` for expert e (e == E: the masked tokens'
+    picks, with ``HAS_MASK``): a first pass over ``ids [P]`` counts the pairs of smaller experts (its segment's
+    start) and its own; a second writes its pairs, in pair order, to ``order[start + rank]`` and e to
+    ``sorted_e`` there; ``offs[e]`` = its segment's end. A pair of a token whose ``mask`` is 0 counts as E."""
+    e = tl.program_id(0)
+    c = tl.arange(0, CHUNK)
+    lt = tl.zeros([CHUNK], dtype=tl.int32)
+    eq = tl.zeros([CHUNK], dtype=tl.int32)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        ok = p < P
+        v = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+        if HAS_MASK:
+            v = tl.where(tl.load(mask_ptr + p // K, mask=ok, other=1) != 0, v, E)
+        v = tl.where(ok, v, E + 1)
+        lt += (v < e).to(tl.int32)
+        eq += (v == e).to(tl.int32)
+    start = tl.sum(lt, axis=0)
+    base = start
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        ok = p < P
+        v = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+        if HAS_MASK:
+            v = tl.where(tl.load(mask_ptr + p // K, mask=ok, other=1) != 0, v, E)
+        hit = ok & (v == e)
+        rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+        tl.store(order_ptr + base + rank, p, mask=hit)
+        tl.store(sorted_e_ptr + base + rank, tl.zeros([CHUNK], dtype=tl.int32) + e, mask=hit)
+        base += tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(offs_ptr + e, start + tl.sum(eq, axis=0))
+
+
+@triton.jit
 def _moe_align_kernel(
-    ids_ptr, order_ptr, offs_ptr, rows_ptr, bexp_ptr, bcnt_ptr,
+    sorted_e_ptr, order_ptr, offs_ptr, rows_ptr, bexp_ptr, bcnt_ptr,
     P, E, NB,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -62,7 +102,7 @@ def _moe_align_kernel(
     r = pid * CHUNK + tl.arange(0, CHUNK)
     r_ok = r < P
     pair = tl.load(order_ptr + r, mask=r_ok, other=0)
-    e = tl.load(ids_ptr + pair, mask=r_ok, other=0).to(tl.int32)
+    e = tl.load(sorted_e_ptr + r, mask=r_ok, other=0)
     hit = e[:, None] == g[None, :]
     shift = tl.sum(tl.where(hit, (pstart - starts)[None, :], 0), axis=1)
     tl.store(rows_ptr + r + shift, pair.to(tl.int32), mask=r_ok & (e < E))  # e == E: a masked token's pick
@@ -225,6 +265,7 @@ def _moe_combine_kernel(y_ptr, out_ptr, mask_ptr, H, s_y, s_out, SLOTS: tl.const
 # mma.sync (wgmma wants 64 rows per warpgroup); the tensor cores idle either way.
 CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=128, down_k=64, num_warps=4, num_stages=3)
 COMBINE_BLOCK = 1024
+SORT_CHUNK = 256  # pairs a step of _moe_sort_kernel's two passes
 
 
 def block_m(tokens: int, top_k: int, experts: int) -> int:
@@ -246,16 +287,21 @@ def align_blocks(ids: Tensor, num_experts: int, bm: int,
     T, k = ids.shape
     pairs = T * k
     nb = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
-    if token_mask is not None:  # a masked token's picks go to expert E, past the last one: dropped
-        ids = ids.masked_fill(~token_mask[:, None], num_experts)
-    flat = ids.reshape(-1)
-    order, offs = sort_by_expert(ids, num_experts + (token_mask is not None))
-    rows = torch.empty(nb * bm, dtype=torch.int32, device=ids.device)
-    bexp = torch.empty(nb, dtype=torch.int32, device=ids.device)
-    bcnt = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    has_mask = token_mask is not None  # a masked token's picks go to expert E, past the last one: dropped
+    dev = ids.device
+    order = torch.empty(pairs, dtype=torch.int32, device=dev)
+    sorted_e = torch.empty(pairs, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts + has_mask, dtype=torch.int32, device=dev)
+    wrap_triton(_moe_sort_kernel)[(num_experts + has_mask,)](
+        ids.reshape(-1), token_mask.contiguous() if has_mask else ids, order, sorted_e, offs, pairs, k,
+        num_experts, HAS_MASK=has_mask, CHUNK=SORT_CHUNK, num_warps=4,
+    )
+    rows = torch.empty(nb * bm, dtype=torch.int32, device=dev)
+    bexp = torch.empty(nb, dtype=torch.int32, device=dev)
+    bcnt = torch.empty(nb, dtype=torch.int32, device=dev)
     chunk = 32
     wrap_triton(_moe_align_kernel)[(triton.cdiv(max(pairs, nb), chunk),)](
-        flat, order, offs, rows, bexp, bcnt, pairs, num_experts, nb,
+        sorted_e, order, offs, rows, bexp, bcnt, pairs, num_experts, nb,
         BLOCK_M=bm, EP=pow2(num_experts), CHUNK=chunk, num_warps=4,
     )
     return rows, bexp, bcnt

@@ -2,7 +2,7 @@
 ``mla::moe_experts_fp8`` (the reference on CPU) with the shared experts folded in and matches the experts'
 own dense path; a compiled forward has no graph break; "auto"'s choice and the refusals (fp4, act_quant, an
 explicit fp8_block_linear backend) read from the module. CUDA: the Triton kernels at V3-like dims against the
-reference op, eager and compiled, T = 1 / 4 / 8 (and the grouped part above FUSED_MAX_TOKENS)."""
+reference op, eager and compiled, T = 1 / 4 / 8 (and the grouped part above FUSED_MAX_TOKENS_FP8)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts
 from mla_compile.models.moe import MLAMoE
-from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS
+from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS_FP8
 
 pytest.importorskip("transformers")
 
@@ -88,19 +88,19 @@ def test_compiled_fused_fp8_moe_has_no_graph_break():
 
 def test_auto_takes_the_fused_fp8_op_where_its_kernels_serve(monkeypatch):
     """"auto" on an (assumed) H200 whose fp8 experts kernels are GPU-tested runs the fused op (the split inside
-    it takes grouped GEMMs above FUSED_MAX_TOKENS); on CPU, or while the kernels are untested, it does not."""
+    it takes grouped GEMMs above FUSED_MAX_TOKENS_FP8); on CPU, or while the kernels are untested, it does not."""
     from mla_compile.ops import select
     from mla_compile.ops.registry import _TABLE
 
     moe = MLAMoE(fp8_moe(seed=5))
-    assert not moe.auto_fused("cpu", "bfloat16")
+    assert not moe.auto_fused("cpu", "bfloat16", 2048)
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
     table = _TABLE["moe_experts_fp8"]
     for name in ("triton", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
-    assert moe.auto_fused("cuda", "bfloat16")
+    assert moe.auto_fused("cuda", "bfloat16", 2048)
     monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
-    assert not moe.auto_fused("cuda", "bfloat16")
+    assert not moe.auto_fused("cuda", "bfloat16", 2048)
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -115,7 +115,7 @@ def test_fp8_experts_the_fused_op_cannot_run_are_refused_with_the_reason(change,
     with pytest.raises(ValueError, match=reason):
         MLAMoE(block, impl="fused")
     moe = MLAMoE(block)
-    assert not moe.fusable and reason in moe.fused_refusal and not moe.auto_fused("cuda", "bfloat16")
+    assert not moe.fusable and reason in moe.fused_refusal and not moe.auto_fused("cuda", "bfloat16", 2048)
 
 
 def test_shared_experts_that_do_not_fold_run_beside_the_fp8_op():
@@ -164,14 +164,14 @@ def test_cuda_fused_fp8_moe_at_v3_dims(monkeypatch):
     for name in ("triton", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], gpu_tested=True))
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
-    assert auto.auto_fused("cuda", "bfloat16")
+    assert auto.auto_fused("cuda", "bfloat16", 2048)
     compiled = torch.compile(auto, fullgraph=True)
     gen = torch.Generator(device="cuda").manual_seed(10)
     with torch.no_grad():
-        for T in (1, 4, FUSED_MAX_TOKENS, 2 * FUSED_MAX_TOKENS):
+        for T in (1, 4, FUSED_MAX_TOKENS_FP8, 2 * FUSED_MAX_TOKENS_FP8):
             x = torch.randn(T, V3_DIMS["hidden_size"], generator=gen, device="cuda").bfloat16()
             want = _reference(auto, x)
-            if T <= FUSED_MAX_TOKENS:
+            if T <= FUSED_MAX_TOKENS_FP8:
                 got = fused(x)
                 assert got.dtype == torch.bfloat16 and not got.isnan().any()
                 assert rel(got, want) < 1e-2, (T, rel(got, want))

@@ -102,7 +102,7 @@ def test_compiled_call_matches_eager():
 
 def test_auto_on_cpu_is_the_reference():
     from mla_compile.ops.moe_experts import auto_backend
-    assert auto_backend("cpu", "bfloat16") == "reference"
+    assert auto_backend("cpu", "bfloat16", 2048) == "reference"
 
 
 @pytest.mark.parametrize("change,match", [
@@ -127,12 +127,13 @@ def test_errors_name_the_argument(change, match):
 
 def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
     """On an (assumed) H200 with the backends GPU-tested, "auto" is the split: the fused kernels up to
-    FUSED_MAX_TOKENS tokens, our grouped kernels above (torch's grouped GEMMs where ours are not usable); without
-    a GPU-tested fused kernel, the first grouped backend alone."""
+    FUSED_MAX_TOKENS tokens, our grouped kernels above (torch's grouped GEMMs where ours are not usable), up to
+    FUSED_MAX_HIDDEN columns, the grouped kernels alone above; without a GPU-tested fused kernel, the first
+    grouped backend alone."""
     import dataclasses
 
     from mla_compile.ops import select
-    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS, auto_backend
+    from mla_compile.ops.moe_experts import FUSED_MAX_HIDDEN, FUSED_MAX_TOKENS, auto_backend
     from mla_compile.ops.registry import _TABLE, parse_split, split_part
 
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
@@ -140,14 +141,16 @@ def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
     for name in ("triton", "triton-grouped", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
 
-    def tiers_of(dtype):
-        tiers = parse_split(auto_backend("cuda", dtype))
+    def tiers_of(dtype, hidden=FUSED_MAX_HIDDEN):
+        tiers = parse_split(auto_backend("cuda", dtype, hidden))
         return split_part(tiers, 1), split_part(tiers, FUSED_MAX_TOKENS), split_part(tiers, FUSED_MAX_TOKENS + 1)
 
     assert tiers_of("bfloat16") == ("triton", "triton", "triton-grouped")
     assert tiers_of("float32") == ("triton", "triton", "triton-grouped")  # torch's grouped runs bf16 only
+    assert auto_backend("cuda", "bfloat16", FUSED_MAX_HIDDEN + 1) == "triton-grouped"  # wide: grouped at any T
     monkeypatch.setitem(table, "triton-grouped", dataclasses.replace(table["triton-grouped"], gpu_tested=False))
     assert tiers_of("bfloat16") == ("triton", "triton", "grouped")
-    assert auto_backend("cuda", "float32") == "triton"
+    assert auto_backend("cuda", "bfloat16", 7168) == "grouped"
+    assert auto_backend("cuda", "float32", 2048) == "triton"
     monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
-    assert auto_backend("cuda", "bfloat16") == "grouped"
+    assert auto_backend("cuda", "bfloat16", 2048) == "grouped"

@@ -176,9 +176,9 @@ def test_auto_on_cpu_is_the_reference():
 
 def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
     """On an (assumed) H200 with both backends GPU-tested, "auto" is the split: the fused kernels up to
-    FUSED_MAX_TOKENS tokens, the grouped fp8 GEMMs above; without a GPU-tested fused kernel, grouped."""
+    FUSED_MAX_TOKENS_FP8 tokens, the grouped fp8 GEMMs above; without a GPU-tested fused kernel, grouped."""
     from mla_compile.ops import select
-    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS
+    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS_FP8
     from mla_compile.ops.moe_experts_fp8 import auto_backend
     from mla_compile.ops.registry import _TABLE, parse_split, split_part
 
@@ -187,7 +187,7 @@ def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
     for name in ("triton", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
     tiers = parse_split(auto_backend("cuda", "bfloat16"))
-    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS) == "triton"
-    assert split_part(tiers, FUSED_MAX_TOKENS + 1) == "grouped"
+    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS_FP8) == "triton"
+    assert split_part(tiers, FUSED_MAX_TOKENS_FP8 + 1) == "grouped"
     monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
     assert auto_backend("cuda", "bfloat16") == "grouped"

@@ -152,11 +152,10 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
             n_slots = k_cache.shape[0] * 64
             assert ((indices == -1) | ((indices >= 0) & (indices < n_slots))).all(), (
                 "FlashMLA treats only -1 as invalid and checks no upper bound (out-of-bounds reads)")
-            if topk_length is not None:  # only the leftmost topk_length[b] indices of sequence b are read
-                assert topk_length.dtype == torch.int32 and topk_length.shape == (B,)
-                assert ((topk_length >= 0) & (topk_length <= indices.shape[2])).all()
-            n_read = [indices.shape[2] if topk_length is None else int(topk_length[b]) for b in range(B)]
-            slots = [[[int(x) for x in indices[b, i, :n_read[b]].tolist()] for i in range(s_q)] for b in range(B)]
+            if topk_length is not None:  # the sm90 V3.2 kernel asserts (splitkv_mla.cuh, BENCHMARKS run 131)
+                raise RuntimeError("Assertion `params.topk_length == nullptr` failed: V3.2 does not support dynamic "
+                                   "topk length")
+            slots = [[[int(x) for x in indices[b, i].tolist()] for i in range(s_q)] for b in range(B)]
             out, lse = sparse_decode_ref64(q, rows.reshape(-1, D), slots, softmax_scale, head_dim_v)
             out, lse = out.to(q.dtype), lse.to(torch.float32)
             empty = lse == -INF

@@ -59,14 +59,14 @@ def _sparse_calls(calls, q, cache, topk_padded):
 @pytest.mark.parametrize("s_q,heads", [(1, 2), (2, 2), (1, 130)])
 def test_fp8_decode_runs_the_sparse_kernel_over_causal_slot_lists(fake_flash_mla, s_q, heads):
     """FlashMLA's dense fp8 kernel reads another format (576 bytes, per-tensor descales): dense fp8 decode
-    goes through the sparse kernel with each query's causal slots, in order, -1 after, and each sequence's
-    length as ``topk_length`` (the kernel reads no slot past it)."""
+    goes through the sparse kernel with each query's causal slots, in order, -1 after (no ``topk_length``: the
+    V3.2 kernel refuses it)."""
     q, cache, table, lens, _ = _inputs(s_q, heads=heads)
     out, lse = flashmla_decode_fp8_core(q, cache, table, lens, SCALE, 512)
 
     assert not fake_flash_mla.named("get_mla_decoding_metadata")
-    for _, kw in fake_flash_mla.named("flash_mla_with_kvcache"):  # the kernel reads the lengths, not the capacity
-        assert kw["topk_length"].tolist() == list(LAYOUT.seq_lens) and kw["topk_length"].dtype == torch.int32
+    for _, kw in fake_flash_mla.named("flash_mla_with_kvcache"):  # the V3.2 kernel refuses topk_length
+        assert kw["topk_length"] is None
     for idx in _sparse_calls(fake_flash_mla, q, cache, 3 * 64):
         for b, n in enumerate(LAYOUT.seq_lens):
             for i in range(s_q):

@@ -30,6 +30,7 @@ WRITES = {
     "_moe_gate_up_kernel": ["h_ptr"],
     "_moe_down_kernel": ["out_ptr"],
     "_moe_align_kernel": ["bcnt_ptr", "bexp_ptr", "rows_ptr"],
+    "_moe_sort_kernel": ["offs_ptr", "order_ptr", "sorted_e_ptr"],
     "_moe_grouped_gate_up_kernel": ["h_ptr"],
     "_moe_grouped_down_kernel": ["y_ptr"],
     "_moe_combine_kernel": ["out_ptr"],

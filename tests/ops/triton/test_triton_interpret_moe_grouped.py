@@ -131,7 +131,7 @@ def test_launch_reads_nothing_on_the_host(masked, monkeypatch):
     mask = torch.arange(12) < 9 if masked else None
     with NoHostReads():
         moe_grouped._launch(*args, False, mask)
-    assert len(launches) == 4
+    assert len(launches) == 5  # sort, align, gate_up, down, combine
 
 
 def test_opcheck():
@@ -175,6 +175,28 @@ def test_interpreter_token_mask(dtype, monkeypatch):
     assert (out[~mask] == 0).all() and not out.isnan().any()
     assert rel(out[real], want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out[real], want)
     assert torch.equal(out, moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask))
+
+
+@pytest.mark.parametrize("P,E,masked", [(1, 1, False), (300, 7, False), (600, 64, True), (257, 3, True)])
+def test_counting_sort_is_argsort_by_expert_stable(P, E, masked):
+    """``_moe_sort_kernel`` (2 pairs a token) against torch's stable argsort: the order, each sorted pair's
+    expert and the segments' cumulative ends; a masked token's picks count as expert E, sorted last."""
+    from mla_compile.ops.triton import moe_grouped
+
+    k = 2
+    gen = torch.Generator().manual_seed(P + E)
+    ids = torch.randint(0, E, (P,), generator=gen, dtype=torch.int64)
+    mask = torch.rand(P // k + 1, generator=gen) < 0.7
+    eff = torch.where(mask[torch.arange(P) // k], ids, E) if masked else ids
+    n = E + masked
+    order = torch.full((P,), -7, dtype=torch.int32)
+    sorted_e = torch.full((P,), -7, dtype=torch.int32)
+    offs = torch.full((n,), -7, dtype=torch.int32)
+    moe_grouped._moe_sort_kernel[(n,)](ids, mask if masked else ids, order, sorted_e, offs, P, k, E,
+                                       HAS_MASK=masked, CHUNK=128)
+    want = torch.argsort(eff, stable=True)
+    assert torch.equal(order.long(), want) and torch.equal(sorted_e.long(), eff[want])
+    assert torch.equal(offs.long(), torch.cumsum(torch.bincount(eff, minlength=n), 0))
 
 
 def test_token_mask_drops_the_masked_picks_from_the_blocks():

@@ -104,7 +104,8 @@ def test_moe_grouped_kernels_compile_for_sm90(name, T, masked):
                             meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool) if masked else None,
                             sms=132)
     assert [launch[0].fn.__name__ for launch in launches] == [
-        "_moe_align_kernel", "_moe_grouped_gate_up_kernel", "_moe_grouped_down_kernel", "_moe_combine_kernel"]
+        "_moe_sort_kernel", "_moe_align_kernel", "_moe_grouped_gate_up_kernel", "_moe_grouped_down_kernel",
+        "_moe_combine_kernel"]
     _no_spills(launches)
 
 
