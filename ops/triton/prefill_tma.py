@@ -6,14 +6,18 @@ diagonal ones with the bottom-right mask; base-2 softmax with the scale folded i
 longest causal blocks start first). What differs: q, k and v tiles come through host-made TMA
 descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``) over 2-D views ``[rows, heads' columns]``
 of the ragged tensors, so the loads are ``cp.async.bulk.tensor`` into swizzled shared memory feeding
-``wgmma`` directly, with no address arithmetic in the loop; ``WS`` asks Triton for its automatic warp
-specialization of the key loops (``tl.range(..., warp_specialize=True)``: a load partition and the MMA /
-softmax partitions); ``HEADS_FIRST`` orders the grid heads-fastest, so every head's longest causal blocks
-start before any head's short ones.
+``wgmma`` directly, with no address arithmetic in the loop. ``HEADS_FIRST`` orders the grid heads-fastest, so every head's
+longest causal blocks start before any head's short ones.
 
-A tile may run past its sequence (TMA bounds are the whole tensor's): query rows past it are never stored,
-key columns past it are masked to ``-inf`` in the diagonal/tail loop, and their value rows are zeroed there
-(rows past ``cu_seqlens_k[-1]`` are padding and may hold NaN; ``0 * NaN`` would reach the output).
+``WS`` runs all key tiles in one masked loop with Triton's automatic warp specialization
+(``tl.range(..., warp_specialize=True)``; Triton 3.6's Hopper pass takes a single such loop per kernel,
+no loop after it, and ``num_warps=4``: it adds a TMA producer warpgroup and splits the 128 query rows over
+two consumer warpgroups, 12 warps with ``setmaxnreg``). Without ``WS``, the unmasked tiles run first
+in their own loop, then the diagonal ones.
+
+A query tile may run past its sequence (TMA bounds are the whole tensor's): those rows are never stored.
+A key tile that would run past its sequence is loaded ending at the sequence's last key instead (see
+``_masked_tile``), so rows past ``cu_seqlens_k[-1]`` (padding, maybe NaN) are never read.
 
 Served where :func:`eligible`: CUDA, bf16/fp16, qk dim = a power of two (>= 16) plus nothing or a power
 of two (>= 16), v dim a power of two (>= 16), 16-byte aligned bases and row strides; elsewhere the op
@@ -33,7 +37,7 @@ from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import online_softmax_step, tiles_started
 
 _LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, WS, HEADS_FIRST): the default launch (see ``config_name``).
+# The default launch (see ``config_name``); the autotune candidates are ``lowerings/prefill.py:TMA_CONFIGS``.
 DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, WS=False, HEADS_FIRST=True)
 
 
@@ -67,6 +71,27 @@ def _view2d(t: Tensor) -> Tensor:
     head ``h``'s columns start at ``h * stride_h``."""
     rows, H, D = t.shape
     return t.as_strided((rows, (H - 1) * t.stride(1) + D), (t.stride(0), 1))
+
+
+@triton.jit
+def _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v, offs_m, off, m_i, l_i, acc,
+                 scale_log2, DA: tl.constexpr, DB: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online-softmax step of key tile ``n0`` with its columns masked: ones before ``n0`` and, causal, past
+    each row's diagonal. A tile that would run past the sequence is loaded ending at its last key instead
+    (starting at ``k_start + len_k - BLOCK_N``, rows before it masked), so no row past ``cu_seqlens_k[-1]``
+    (padding, maybe NaN: ``0 * NaN`` would reach the output) is read; rows of the sequences before it are finite
+    and masked, and rows before the tensor's first (a negative coordinate) read as zero."""
+    kr = tl.minimum(k_start + n0, k_start + len_k - BLOCK_N)
+    n = kr - k_start + tl.arange(0, BLOCK_N)
+    s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
+    if DB > 0:
+        s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
+    v = v_desc.load([kr, col_v])
+    visible = n[None, :] >= n0
+    if CAUSAL:
+        visible = visible & (n[None, :] <= offs_m[:, None] + off)
+    s = tl.where(visible, s * scale_log2, float("-inf"))
+    return online_softmax_step(s, m_i, l_i, acc, v, True, False)
 
 
 @triton.jit
@@ -104,6 +129,7 @@ def _prefill_tma_kernel(
     len_k = tl.where(m0 < len_q, len_k, 0)
     q_row = q_start + m0
     q_a = qa_desc.load([q_row, h * stride_qh])
+    q_b = q_a  # unused when DB == 0
     if DB > 0:
         q_b = qb_desc.load([q_row, h * stride_qh + DA])
     col_k = h * stride_kh
@@ -118,30 +144,22 @@ def _prefill_tma_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
 
-    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=(WS & 1) != 0):
-        kr = k_start + n0
-        s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
-        if DB > 0:
-            s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
-        v = v_desc.load([kr, col_v])
-        m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, v, False, False)
-
-    for n0 in tl.range(full_end, hi, BLOCK_N, warp_specialize=(WS & 2) != 0):
-        kr = k_start + n0
-        n = n0 + offs_n
-        n_ok = n < len_k
-        s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
-        if DB > 0:
-            s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
-        v = v_desc.load([kr, col_v])
-        v = tl.where(n_ok[:, None], v, tl.zeros_like(v))
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (n[None, :] <= offs_m[:, None] + off)
-        s = tl.where(visible, s * scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, True, False)
+    if WS:  # one loop, every tile masked: Triton's Hopper warp specialization takes a single loop
+        for n0 in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+            m_i, l_i, acc = _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v,
+                                         offs_m, off, m_i, l_i, acc, scale_log2, DA, DB, BLOCK_N, CAUSAL)
+    else:
+        for n0 in tl.range(0, full_end, BLOCK_N):  # key tiles every row of the block sees: no mask
+            kr = k_start + n0
+            s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
+            if DB > 0:
+                s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
+            v = v_desc.load([kr, col_v])
+            m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, v, False, False)
+        for n0 in tl.range(full_end, hi, BLOCK_N):  # diagonal (causal) and tail (length) tiles
+            m_i, l_i, acc = _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v,
+                                         offs_m, off, m_i, l_i, acc, scale_log2, DA, DB, BLOCK_N, CAUSAL)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -187,7 +205,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     _prefill_tma_kernel[grid](
         qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse,
         scale * _LOG2E, n_seq, T, H, n_slots, q.stride(1), k.stride(1), v.stride(1),
-        DA=da, DB=db, DV=dv, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal), WS=int(cfg["WS"]),
+        DA=da, DB=db, DV=dv, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal), WS=bool(cfg["WS"]),
         HEADS_FIRST=bool(cfg["HEADS_FIRST"]), CHUNK=128, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

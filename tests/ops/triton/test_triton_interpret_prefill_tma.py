@@ -48,15 +48,17 @@ def _run(H, lq, lk, causal, dqk, dv, config, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads_first", [True, False])
-def test_prefill_tma_mixed_lengths(causal, heads_first):
-    # an empty sequence (with keys), one token, more keys than queries, a partial last tile
+@pytest.mark.parametrize("heads_first,ws", [(True, False), (False, False), (True, True)])
+def test_prefill_tma_mixed_lengths(causal, heads_first, ws):
+    # an empty sequence (with keys), one token, more keys than queries, a partial last tile, a first sequence
+    # shorter than a key tile (its shifted last tile starts before the tensor's first row)
     _run(2, [5, 0, 40, 17], [5, 7, 70, 17], causal, 48, 32,
-         dict(BLOCK_M=16, BLOCK_N=16, HEADS_FIRST=heads_first), seed=int(causal) + 2 * int(heads_first))
+         dict(BLOCK_M=16, BLOCK_N=16, HEADS_FIRST=heads_first, WS=ws), seed=int(causal) + 2 * int(heads_first) + 4 * ws)
+    _run(2, [3, 20], [9, 20], causal, 48, 32, dict(BLOCK_M=16, BLOCK_N=32, WS=ws), seed=9)
 
 
 def test_prefill_tma_warp_specialized_flag_and_single_qk_tile():
-    # WS only changes the compiled schedule; qk 32 has no second tile (DB = 0); float16
+    # WS: one loop, every tile masked; qk 32 has no second tile (DB = 0); float16
     _run(2, [9, 30], [20, 30], True, 32, 16, dict(BLOCK_M=16, BLOCK_N=32, WS=True), dtype=torch.float16, seed=5)
 
 

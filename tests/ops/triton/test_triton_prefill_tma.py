@@ -12,6 +12,7 @@ import torch
 
 import mla_compile  # noqa: F401
 from _triton_test_util import assert_attention_close, cu_from_lens, poison_allocator, prefill_ref64, sm90_compile
+from mla_compile.lowerings.prefill import TMA_CONFIGS
 
 SCALE = 1 / math.sqrt(192)
 
@@ -50,10 +51,11 @@ LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with key
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("cfg", ["default", "n64s3", "rows_first", "m64"])
+@pytest.mark.parametrize("cfg", ["default", "n64s3", "rows_first", "m64", "ws", "ws_n64s3"])
 def test_cuda_prefill_tma_mixed_lengths(causal, cfg):
     config = {"default": {}, "n64s3": dict(BLOCK_N=64, num_stages=3), "rows_first": dict(HEADS_FIRST=False),
-              "m64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)}[cfg]
+              "m64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), "ws": dict(WS=True, num_warps=4),
+              "ws_n64s3": dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3)}[cfg]
     _check(16, LENS_Q, LENS_K, causal, config, seed=int(causal))
 
 
@@ -95,7 +97,6 @@ def test_cuda_prefill_tma_strided_views_and_fallback():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_prefill_tma_autotune_configs():
-    from mla_compile.lowerings.prefill import TMA_CONFIGS
     from mla_compile.ops import prefill_autotune  # noqa: F401  (registers mla::prefill_triton_tma_config)
 
     lq, lk = [200, 333, 0, 64], [200, 400, 5, 64]
@@ -108,7 +109,7 @@ def test_cuda_prefill_tma_autotune_configs():
         assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
 
 
-def _compile_sm90(bm, bn, warps, stages, causal=True):
+def _compile_sm90(bm, bn, warps, stages, ws, causal=True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -122,7 +123,7 @@ def _compile_sm90(bm, bn, warps, stages, causal=True):
                v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
                scale_log2="fp32", n_seq="i32", T="i32", H="i32", n_slots="i32", stride_qh="i32", stride_kh="i32",
                stride_vh="i32")
-    consts = dict(DA=128, DB=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=0, HEADS_FIRST=True, CHUNK=128)
+    consts = dict(DA=128, DB=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=ws, HEADS_FIRST=True, CHUNK=128)
     sig.update({name: "constexpr" for name in consts})
     fn = pt._prefill_tma_kernel
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
@@ -131,19 +132,25 @@ def _compile_sm90(bm, bn, warps, stages, causal=True):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-EXPECTED_HGMMA = {128: 40, 64: 32}  # SASS wgmma instructions per BLOCK_N (read off the sm_90 compile)
+# SASS wgmma instructions by (BLOCK_N, WS), read off the sm_90 compile: S (12 k-steps of 16 at qk 192) and P V
+# (BLOCK_N / 16), per 64-row warpgroup tile, in each loop (two loops without WS)
+EXPECTED_HGMMA = {(128, False): 40, (64, False): 32, (128, True): 40, (64, True): 32}
 
 
 @sm90_compile
-@pytest.mark.parametrize("bm,bn,warps,stages", [(128, 128, 8, 2), (128, 64, 8, 3)])
-def test_sm90_compile_prefill_tma_resources(bm, bn, warps, stages):
+@pytest.mark.parametrize("cfg", TMA_CONFIGS)
+def test_sm90_compile_prefill_tma_resources(cfg):
     """The autotune configurations at qk 192 / v 128 compile for sm_90: no spills, at most 255 registers, shared
-    memory within an SM's 227 KB; the wgmma dots (S as 128 + 64 k-steps, P V; twice: the unmasked and the
-    diagonal loop) and TMA loads are there, no cp.async."""
+    memory within an SM's 227 KB, wgmma dots and TMA loads (no cp.async); warp-specialized ones as a TMA
+    producer warpgroup and two consumer warpgroups (12 warps, a ``ttg.warp_specialize`` region)."""
     from mla_compile.ops.triton._sm90 import resources
 
-    compiled = _compile_sm90(bm, bn, warps, stages)
+    bm, bn, warps, stages, _, ws = cfg
+    ws = ws == 1
+    compiled = _compile_sm90(bm, bn, warps, stages, ws)
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["regs"] <= 255 and res["smem"] <= 227 * 1024, res
-    assert res["HGMMA"] == EXPECTED_HGMMA[bn] and res["UTMALDG"] >= 5 and res["LDGSTS"] == 0, res
+    assert res["HGMMA"] == EXPECTED_HGMMA[bn, ws] and res["UTMALDG"] >= 5 and res["LDGSTS"] == 0, res
+    assert ("ttg.warp_specialize" in compiled.asm["ttgir"]) == ws
+    assert compiled.metadata.num_warps == (12 if ws else warps)
