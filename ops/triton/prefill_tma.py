@@ -87,9 +87,10 @@ def _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, 
     if DB > 0:
         s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
     v = v_desc.load([kr, col_v])
-    visible = n[None, :] >= n0
-    if CAUSAL:
-        visible = visible & (n[None, :] <= offs_m[:, None] + off)
+    if CAUSAL:  # one compare a score: columns before n0 get a bound no row reaches
+        visible = tl.where(n >= n0, n, 1 << 30)[None, :] <= (offs_m + off)[:, None]
+    else:
+        visible = (n >= n0)[None, :]
     s = tl.where(visible, s * scale_log2, float("-inf"))
     return online_softmax_step(s, m_i, l_i, acc, v, True, False)
 
