@@ -136,3 +136,28 @@ declare(OP, "triton-tma", _triton_tma, rank=41, available=_triton_available, dty
                  "prefill_triton_tma_config=triton-tma (autotuned config)"),
         note="ours (sm_90+: q/k/v tiles through host-made TMA descriptors, 128 x 128 tiles); qk a power of two "
              "plus a power of two, v a power of two, 16-byte aligned rows (else the pointer kernel)")
+
+
+def _gluon(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+           cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill_gluon  # noqa: F401  (registers mla::prefill_gluon)
+    return torch.ops.mla.prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+def _gluon_ws(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+              cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill_gluon  # noqa: F401  (registers mla::prefill_gluon_ws)
+    return torch.ops.mla.prefill_gluon_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+# Gluon sm_90 kernels (ops/triton/prefill_gluon.py), not yet run on a GPU: "auto" skips them.
+_GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16, torch.float16), min_capability=SM90,
+              max_capability=SM90, package="triton", gpu_tested=False)
+declare(OP, "gluon", _gluon, rank=42, **_GLUON,
+        kernels=("prefill_gluon=gluon (opaque kernel)", "prefill_gluon_kernel"),
+        note="ours (Gluon, sm_90: TMA ring of key/value tiles, wgmma with S in registers and P as a register A "
+             "operand, 128 query rows a program); qk a power of two >= 64 plus one, v >= 64 (else 'triton-tma')")
+declare(OP, "gluon-ws", _gluon_ws, rank=43, **_GLUON,
+        kernels=("prefill_gluon_ws=gluon-ws (opaque kernel)", "prefill_gluon_ws_kernel"),
+        note="as 'gluon', warp-specialized after FA3: a TMA producer warpgroup and two consumer warpgroups of 64 "
+             "query rows each (128-key tiles)")
