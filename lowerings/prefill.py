@@ -4,8 +4,9 @@ serve the compiled shapes and emits the fastest. Same mechanism as :mod:`mla_com
 alone, then the winner's ``(out, lse)`` op emitted as a fallback kernel; the timing node is dead code.
 
 Candidates: our Triton kernel in a few launch configurations (``mla::prefill_triton_config``), on sm_90+
-our TMA kernel in :data:`TMA_CONFIGS` (``mla::prefill_triton_tma_config``) and the peer backends the registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer
-trtllm-gen on sm100) where the selector says they serve the shapes. Left out (not autotune-eligible):
+our TMA kernel in :data:`TMA_CONFIGS` (``mla::prefill_triton_tma_config``) and the peer backends the
+registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer trtllm-gen on sm100) where
+the selector says they serve the shapes. Left out (not autotune-eligible):
 
 - FlashInfer (``"flashinfer"``): needs a host-side plan per step made from the real lengths; a compiled
   graph cannot make one, and a plan made for the benchmark inputs would not fit the real step.

@@ -1,4 +1,5 @@
-"""An sm_90 Gluon kernel for ``mla::prefill`` (backend "gluon", not yet run on a GPU): ``mla::prefill_gluon``.
+"""sm_90 Gluon kernels for ``mla::prefill`` (backends "gluon" and "gluon-ws", not yet run on a GPU):
+``mla::prefill_gluon`` and ``mla::prefill_gluon_ws``.
 
 Work layout as :mod:`mla_compile.ops.triton.prefill_tma` (a program per 128 query rows of one sequence and one
 head, grid ``(H, n_slots)`` heads-fastest with the longest causal blocks first; the sequence found on the device;
@@ -15,9 +16,17 @@ One program an SM, 8 warps (two warpgroups of 64 query rows; no warp specializat
 - after tile j's ``P V`` is done (both warpgroups: a CTA barrier) its slot takes tile j + 2, so one copy is in
   flight while a tile is worked on.
 
+``prefill_gluon_ws_kernel`` (``config={"WS": True}``, backend "gluon-ws") is the same work warp-specialized as in
+FA3's sm_90 forward: a TMA producer (the 4 default warps) fills a ring of ``STAGES`` slots (``full`` / ``empty``
+mbarriers, both consumers release a slot), and two 4-warp consumer warpgroups each own 64 of the 128 query rows
+(their own S, softmax and ``P V``), so the two are not held in step by a CTA barrier and one's softmax may run
+while the other's dots do (no explicit ping-pong ordering); causal tiles past a consumer's last visible key are
+released without work.
+
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
-two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`), aligned rows (the TMA
-kernel's conditions); elsewhere the op runs ``mla::prefill_triton_tma``'s dispatch (TMA or pointer kernel).
+two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
+aligned rows (the TMA kernel's conditions); elsewhere the op runs ``mla::prefill_triton_tma`` (which runs the
+pointer kernel where the TMA one is not eligible).
 """
 
 from __future__ import annotations
@@ -56,7 +65,9 @@ def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = Fals
     if not tma_eligible(q, k, v) or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     da, db = split_dims(q.shape[-1])
-    return 64 <= min(da, db, v.shape[-1]) and max(da, db, v.shape[-1]) <= 256 and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages) <= SMEM_LIMIT
+    dims = (da, db, v.shape[-1])
+    return (64 <= min(dims) and max(dims) <= 256
+            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages) <= SMEM_LIMIT)
 
 
 @gluon.jit

@@ -6,8 +6,8 @@ diagonal ones with the bottom-right mask; base-2 softmax with the scale folded i
 longest causal blocks start first). What differs: q, k and v tiles come through host-made TMA
 descriptors (``triton.tools.tensor_descriptor.TensorDescriptor``) over 2-D views ``[rows, heads' columns]``
 of the ragged tensors, so the loads are ``cp.async.bulk.tensor`` into swizzled shared memory feeding
-``wgmma`` directly, with no address arithmetic in the loop. ``HEADS_FIRST`` orders the grid heads-fastest, so every head's
-longest causal blocks start before any head's short ones.
+``wgmma`` directly, with no address arithmetic in the loop. ``HEADS_FIRST`` orders the grid heads-fastest,
+so every head's longest causal blocks start before any head's short ones.
 
 ``WS`` runs all key tiles in one masked loop with Triton's automatic warp specialization
 (``tl.range(..., warp_specialize=True)``; Triton 3.6's Hopper pass takes a single such loop per kernel,
@@ -61,7 +61,8 @@ def eligible(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if split_dims(q.shape[-1]) is None or not _pow2(v.shape[-1]):
         return False
     for t in (q, k, v):
-        if t.shape[0] == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * 2) % 16 or (t.stride(1) * 2) % 16:
+        if t.shape[0] == 0 or t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * 2) % 16 \
+                or (t.stride(1) * 2) % 16:
             return False
     return True
 
