@@ -274,8 +274,7 @@ def through_ours(group, flops, nbytes, calls: dict):
         attempt(group, f"ours via {name}", fn, flops, nbytes, graph=graph)
 
 
-GLUON_SWEEP = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(WS=True), dict(WS=True, BLOCK_N=64, STAGES=3),
-               dict(WS=True, BLOCK_N=64)]
+GLUON_SWEEP = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(WS=True), dict(WS=True, BLOCK_N=64, STAGES=3)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):
@@ -493,8 +492,7 @@ def main():
     ]
     if args.prefill_sweep:
         tsweep = [{}, dict(BLOCK_N=64, num_stages=3), dict(HEADS_FIRST=False),
-                  dict(WS=True, num_warps=4), dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3),
-                  dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=2), dict(WS=True, num_warps=4, HEADS_FIRST=False)]
+                  dict(WS=True, num_warps=4), dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3)]
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, psweep, args.budget_s, tsweep,
                                                                           not args.no_gluon)
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]

@@ -154,3 +154,40 @@ def test_sm90_compile_prefill_tma_resources(cfg):
     assert res["HGMMA"] == EXPECTED_HGMMA[bn, ws] and res["UTMALDG"] >= 5 and res["LDGSTS"] == 0, res
     assert ("ttg.warp_specialize" in compiled.asm["ttgir"]) == ws
     assert compiled.metadata.num_warps == (12 if ws else warps)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton-tma", "gluon", "gluon-ws"])
+def test_cuda_new_prefill_backends_compile_and_replay_in_a_cuda_graph(backend):
+    """Each new backend is an opaque op: ``torch.compile(fullgraph=True)`` without graph breaks, and a captured
+    call replays with new inputs copied in (descriptors are made on the host at capture, over fixed buffers)."""
+    from torch._dynamo.utils import counters
+
+    from mla_compile.ops import prefill
+
+    if backend != "triton-tma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need sm_90")
+    lq, lk = [300, 0, 77], [500, 9, 77]
+    q, k, v = _inputs(16, lq, lk, 192, 128, torch.bfloat16, 11)
+    cu_q, cu_k = cu_from_lens(lq, "cuda"), cu_from_lens(lk, "cuda")
+    counters.clear()
+    fn = torch.compile(lambda *a: prefill(*a, SCALE, causal=True, backend=backend), fullgraph=True)
+    out, lse = fn(q, k, v, cu_q, cu_k)
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, True)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+    assert dict(counters["graph_break"]) == {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prefill(q, k, v, cu_q, cu_k, SCALE, causal=True, backend=backend)  # warm-up (compiles) outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = prefill(q, k, v, cu_q, cu_k, SCALE, causal=True, backend=backend)
+    q2, k2, v2 = _inputs(16, lq, lk, 192, 128, torch.bfloat16, 12)
+    q.copy_(q2), k.copy_(k2), v.copy_(v2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, True)
+    assert_attention_close(g_out, g_lse, ref, ref_lse, torch.bfloat16)
