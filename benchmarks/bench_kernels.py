@@ -1,6 +1,7 @@
 """Time the Triton MLA kernels against FlashMLA, FlashInfer and plain torch in one run.
 
     python benchmarks/bench_kernels.py --out OUT_DIR [--budget-s 300] [--quick]
+    python benchmarks/bench_kernels.py --out OUT_DIR --prefill-sweep [--no-gluon]   # prefill kernels vs peers
 
 Measures the two ceilings first (device-to-device copy bandwidth, counting bytes read plus written,
 and a bf16 8192^3 matmul), then each kernel/shape. The main time is the median per-call time of a
@@ -273,7 +274,14 @@ def through_ours(group, flops, nbytes, calls: dict):
         attempt(group, f"ours via {name}", fn, flops, nbytes, graph=graph)
 
 
-def prefill_case(NS, LQ, H, sweep, budget_s):
+GLUON_SWEEP = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(WS=True), dict(WS=True, BLOCK_N=64, STAGES=3)]
+
+
+def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):
+    """Causal prefill of ``NS`` sequences of ``LQ`` tokens at ``H`` heads: ours (and the ``sweep`` configs), the
+    TMA kernel in each ``tma_sweep`` config and, on sm_90 with ``gluon``, the Gluon kernels in ``GLUON_SWEEP``
+    (each with its largest difference from ours), then the peers (SDPA, FlashInfer; through our op unless
+    sweeping)."""
     group = f"prefill causal {NS}x{LQ} H={H} qk192/v128"
     print(group, flush=True)
     T = NS * LQ
@@ -288,6 +296,37 @@ def prefill_case(NS, LQ, H, sweep, budget_s):
     for c in sweep:
         attempt(group, cfg_name(c), direct(lambda c=c: tprefill._launch(q, k, v, cu, cu, SCALE, True, config=c)),
                 flops, nbytes)
+    if tma_sweep:
+        from mla_compile.ops.triton import prefill_tma
+
+        want = prefill(q, k, v, cu, cu, SCALE, causal=True, backend="triton")[0].float()
+        cands = [(prefill_tma.config_name(c), lambda c=c: prefill_tma.launch(q, k, v, cu, cu, SCALE, True, config=c))
+                 for c in tma_sweep]
+        if gluon and torch.cuda.get_device_capability() == (9, 0):
+            from mla_compile.ops.triton import prefill_gluon
+
+            cands += [("gluon " + " ".join(f"{a}={b}" for a, b in c.items()),
+                       lambda c=c: prefill_gluon.launch(q, k, v, cu, cu, SCALE, True, config=c)) for c in GLUON_SWEEP]
+        for name, fn in cands:
+            try:
+                got = fn()[0].float()
+                note = f"max|d| vs ours {float((got - want).abs().max()):.1e}"
+            except Exception as exc:
+                ROWS.append({"group": group, "impl": name, "error": repr(exc)[:300]})
+                print(f"  {name} failed: {exc!r:.200}", flush=True)
+                continue
+            attempt(group, name, fn, flops, nbytes, note=note)
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            qs, ks, vs = (x.view(NS, LQ, H, -1).transpose(1, 2) for x in (q, k, v))
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE)
+            attempt(group, "torch SDPA cuDNN", cudnn, flops, nbytes, rep_ms=100)
+        except Exception as exc:
+            ROWS.append({"group": group, "impl": "torch SDPA cuDNN", "error": repr(exc)[:300]})
     qs, ks, vs = (x.view(NS, LQ, H, -1).transpose(1, 2) for x in (q, k, v))
     attempt(group, "torch SDPA (default backend)",
             lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE), flops, nbytes, rep_ms=100)
@@ -303,6 +342,8 @@ def prefill_case(NS, LQ, H, sweep, budget_s):
     except Exception as exc:
         ROWS.append({"group": group, "impl": "FlashInfer ragged prefill", "error": repr(exc)[:300]})
         print(f"  FlashInfer prefill unavailable: {exc!r:.200}", flush=True)
+    if tma_sweep:
+        return
     through_ours(group, flops, nbytes, {
         "flashinfer": lambda: _fi_prefill(q, k, v, cu, H),
         "sdpa-cudnn": lambda: (lambda: prefill(q, k, v, cu, cu, SCALE, causal=True, backend="sdpa-cudnn"), False),
@@ -426,6 +467,10 @@ def main():
     ap.add_argument("--skinny", action="store_true", help="only mla::skinny_linear against F.linear at few rows")
     ap.add_argument("--decode", action="store_true",
                     help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
+    ap.add_argument("--prefill-sweep", action="store_true",
+                    help="only causal prefill (8 x 4096 and 2 x 1024 tokens, 128 and 16 heads): our pointer, TMA and "
+                         "(sm_90) Gluon kernels in each candidate configuration against FlashInfer and cuDNN SDPA")
+    ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
     args = ap.parse_args()
@@ -445,7 +490,13 @@ def main():
         dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     ]
-    if args.skinny:
+    if args.prefill_sweep:
+        tsweep = [{}, dict(BLOCK_N=64, num_stages=3), dict(HEADS_FIRST=False),
+                  dict(WS=True, num_warps=4), dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3)]
+        sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, psweep, args.budget_s, tsweep,
+                                                                          not args.no_gluon)
+                    for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
+    elif args.skinny:
         sections = [skinny_cases]
     elif args.decode:
         sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),

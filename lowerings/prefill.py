@@ -3,9 +3,10 @@ serve the compiled shapes and emits the fastest. Same mechanism as :mod:`mla_com
 (private Inductor API, torch 2.11-2.13): one ``ExternKernelChoice`` per candidate timed on ``out``
 alone, then the winner's ``(out, lse)`` op emitted as a fallback kernel; the timing node is dead code.
 
-Candidates: our Triton kernel in a few launch configurations (``mla::prefill_triton_config``) and the
-peer backends the registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer
-trtllm-gen on sm100) where the selector says they serve the shapes. Left out (not autotune-eligible):
+Candidates: our Triton kernel in a few launch configurations (``mla::prefill_triton_config``), on sm_90+
+our TMA kernel in :data:`TMA_CONFIGS` (``mla::prefill_triton_tma_config``) and the peer backends the
+registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer trtllm-gen on sm100) where
+the selector says they serve the shapes. Left out (not autotune-eligible):
 
 - FlashInfer (``"flashinfer"``): needs a host-side plan per step made from the real lengths; a compiled
   graph cannot make one, and a plan made for the benchmark inputs would not fit the real step.
@@ -26,6 +27,7 @@ import torch
 
 from mla_compile.lowerings import _autotune
 from mla_compile.lowerings._autotune import Candidate, hints
+from mla_compile.ops import select
 from mla_compile.ops.triton import available as triton_available
 
 OP_NAME = "mla::prefill_autotune"
@@ -33,6 +35,11 @@ SELECT_NAME = "mla_prefill_autotune"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 keeps the heuristic's value (ops/triton/prefill.py:_pick).
 # Every tile is at most the bf16 default's (128 x 64), so none needs more shared memory than it.
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3))
+# The TMA kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages, heads_first, warp_specialize) on sm_90+ (bf16/fp16;
+# 1 / 2: on / off). At qk 192 / v 128 none spills; shared memory 214 KB (128 x 128, 2 stages), 173 KB (128 x 64,
+# 3 stages); warp-specialized (4 warps a consumer warpgroup, 12 in all): 224 KB and 185 KB (sm_90 compile).
+TMA_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (128, 128, 8, 2, 1, 2), (128, 64, 8, 3, 1, 2), (128, 128, 4, 2, 1, 1), (128, 64, 4, 3, 1, 1))
 _CPU_HOOK: list[Callable | None] = [None]  # tests: candidates on CPU (see autotune_on_cpu)
 _WARNED: set[str] = set()
 
@@ -50,6 +57,10 @@ def prefill_candidates(device: torch.device, dtype: torch.dtype, num_heads: int,
         for bm, bn, nw, ns in configs:
             out.append(Candidate(f"mla_prefill_triton_bm{bm}_bn{bn}_w{nw}_s{ns}", "triton",
                                  torch.ops.mla.prefill_triton_config.default, (bm, bn, nw, ns)))
+        if torch.finfo(dtype).bits == 16 and (select.device_capability(device) or (0, 0))[0] >= 9:
+            for bm, bn, nw, ns, hf, ws in TMA_CONFIGS:
+                out.append(Candidate(f"mla_prefill_triton_tma_bm{bm}_bn{bn}_w{nw}_s{ns}_hf{hf}_ws{ws}", "triton-tma",
+                                     torch.ops.mla.prefill_triton_tma_config.default, (bm, bn, nw, ns, hf, ws)))
     return out
 
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, call_impl, declare, declare_op, declare_split_op,
+from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM90, call_impl, declare, declare_op, declare_split_op,
                                       run_split_part)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._ragged import segments
@@ -121,3 +121,43 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 declare(OP, "triton", _triton, rank=40, available=_triton_available, dtypes=FLOATS, package="triton", gpu_tested=True,
         autotune=True, kernels=("prefill_triton", "_prefill_kernel", "prefill_triton_config=triton (autotuned config)"),
         note="ours; portable path for ROCm/XPU")
+
+
+def _triton_tma(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill_tma  # noqa: F401  (registers mla::prefill_triton_tma)
+    return torch.ops.mla.prefill_triton_tma(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+# Ranked after "triton": without timings "auto" keeps the pointer kernel; not yet run on a GPU.
+declare(OP, "triton-tma", _triton_tma, rank=41, available=_triton_available, dtypes=(torch.bfloat16, torch.float16),
+        min_capability=SM90, package="triton", gpu_tested=False,
+        kernels=("prefill_triton_tma=triton-tma (opaque kernel)", "_prefill_tma_kernel",
+                 "prefill_triton_tma_config=triton-tma (autotuned config)"),
+        note="ours (sm_90+: q/k/v tiles through host-made TMA descriptors, 128 x 128 tiles); qk a power of two "
+             "plus a power of two, v a power of two, 16-byte aligned rows (else the pointer kernel)")
+
+
+def _gluon(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+           cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill_gluon  # noqa: F401  (registers mla::prefill_gluon)
+    return torch.ops.mla.prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+def _gluon_ws(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+              cu_seqlens_k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.prefill_gluon  # noqa: F401  (registers mla::prefill_gluon_ws)
+    return torch.ops.mla.prefill_gluon_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+# Gluon sm_90 kernels (ops/triton/prefill_gluon.py), not yet run on a GPU: "auto" skips them.
+_GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16, torch.float16), min_capability=SM90,
+              max_capability=SM90, package="triton", gpu_tested=False)
+declare(OP, "gluon", _gluon, rank=42, **_GLUON,
+        kernels=("prefill_gluon=gluon (opaque kernel)", "prefill_gluon_kernel"),
+        note="ours (Gluon, sm_90: TMA ring of key/value tiles, wgmma with S in registers and P as a register A "
+             "operand, 128 query rows a program); qk a power of two >= 64 plus one, v >= 64 (else 'triton-tma')")
+declare(OP, "gluon-ws", _gluon_ws, rank=43, **_GLUON,
+        kernels=("prefill_gluon_ws=gluon-ws (opaque kernel)", "prefill_gluon_ws_kernel"),
+        note="as 'gluon', warp-specialized after FA3: a TMA producer warpgroup and two consumer warpgroups of 64 "
+             "query rows each (128-key tiles)")

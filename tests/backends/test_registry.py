@@ -74,11 +74,13 @@ def test_the_lowerings_candidates_are_the_registry_s_autotune_eligible_backends(
     assert eligible == {"triton", "flashmla", "flashinfer-trtllm", "flashinfer-cutlass"}
     assert got == {"triton", "flashmla"}, "the Blackwell paths return no LSE and need sm100"
     got = {c.backend for c in lowered_prefill.prefill_candidates(dev, torch.bfloat16, 16, (192, 128), True)}
-    assert got == {"triton", "flash-attn"} == {n for n, s in backends_for("prefill").items() if s.autotune} - {
-        "flashinfer-trtllm"}
+    # "triton-tma": the lowering's own TMA-kernel configurations (sm_90+), like "triton"'s
+    assert got - {"triton-tma"} == {"triton", "flash-attn"} == {
+        n for n, s in backends_for("prefill").items() if s.autotune} - {"flashinfer-trtllm"}
+    assert "triton-tma" in got
     monkeypatch.setattr(select, "device_capability", lambda device=None: (10, 0))
     got = {c.backend for c in lowered_prefill.prefill_candidates(dev, torch.bfloat16, 16, (192, 128), True)}
-    assert got == {"triton", "flash-attn", "flashinfer-trtllm"}
+    assert got == {"triton", "triton-tma", "flash-attn", "flashinfer-trtllm"}
 
 
 def test_ops_imports_nothing_from_the_core():

@@ -65,8 +65,8 @@ def test_auto_follows_the_static_priority_without_timings(everything_installed, 
 def test_priority_order_is_the_documented_one():
     assert backends.PRIORITY["decode"][:5] == ("flashmla-tiered", "flashmla", "flashinfer", "flashinfer-trtllm", "triton")
     assert backends.PRIORITY["decode"][-1] == "reference"
-    assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "flash-attn", "triton", "sdpa-cudnn",
-                                             "autotune", "reference")
+    assert backends.PRIORITY["prefill"] == ("flashinfer", "flashinfer-trtllm", "flash-attn", "triton", "triton-tma",
+                                             "gluon", "gluon-ws", "sdpa-cudnn", "autotune", "reference")
     assert backends.PRIORITY["merge"] == ("triton", "flashinfer", "reference")
 
 

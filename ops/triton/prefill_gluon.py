@@ -1,0 +1,394 @@
+"""sm_90 Gluon kernels for ``mla::prefill`` (backends "gluon" and "gluon-ws", not yet run on a GPU):
+``mla::prefill_gluon`` and ``mla::prefill_gluon_ws``.
+
+Work layout as :mod:`mla_compile.ops.triton.prefill_tma` (a program per 128 query rows of one sequence and one
+head, grid ``(H, n_slots)`` heads-fastest with the longest causal blocks first; the sequence found on the device;
+q/k/v through host-made TMA descriptors over ``[rows, heads' columns]`` views; a key tile that would run past
+its sequence is loaded ending at the sequence's last key, so padding rows are never read).
+
+One program an SM, 8 warps (two warpgroups of 64 query rows; no warp specialization):
+
+- shared memory: ``Q`` as its two qk parts ``[128, DA]`` + ``[128, DB]`` (one TMA copy each, once) and a ring
+  of two key-tile slots, each ``K [BLOCK_N, DA] + [BLOCK_N, DB]`` and ``V [BLOCK_N, DV]``, 128-byte swizzle;
+- ``S = Q_a K_a^T + Q_b K_b^T`` (two async ``wgmma`` k-groups, fp32 in registers), the online softmax in base 2
+  (scale folded into ``log2 e``; the mask only on diagonal / shifted tiles), ``P`` converted in registers to
+  the A-operand layout of ``O += P V`` (``wgmma`` with A from registers, B = the slot's ``V``);
+- after tile j's ``P V`` is done (both warpgroups: a CTA barrier) its slot takes tile j + 2, so one copy is in
+  flight while a tile is worked on.
+
+``prefill_gluon_ws_kernel`` (``config={"WS": True}``, backend "gluon-ws") is the same work warp-specialized as in
+FA3's sm_90 forward: a TMA producer (the 4 default warps) fills a ring of ``STAGES`` slots (``full`` / ``empty``
+mbarriers, both consumers release a slot), and two 4-warp consumer warpgroups each own 64 of the 128 query rows
+(their own S, softmax and ``P V``), so the two are not held in step by a CTA barrier and one's softmax may run
+while the other's dots do (no explicit ping-pong ordering); causal tiles past a consumer's last visible key are
+released without work.
+
+Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
+two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
+aligned rows (the TMA kernel's conditions); elsewhere the op runs ``mla::prefill_triton_tma`` (which runs the
+pointer kernel where the TMA one is not eligible).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from mla_compile.ops.prefill import fake, validate
+from mla_compile.ops.registry import LAYOUT_TAGS
+from mla_compile.ops.triton.prefill_tma import _view2d, split_dims
+from mla_compile.ops.triton.prefill_tma import eligible as tma_eligible
+
+_LOG2E = 1.4426950408889634
+BLOCK_M = 128
+NUM_WARPS = 8
+WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
+SMEM_LIMIT = 227 * 1024
+SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2) -> int:
+    """Shared memory of one program's buffers: Q, the key/value slots and the barriers (three; the
+    warp-specialized kernel's: two a slot and Q's)."""
+    bars = (2 * stages + 1) * 8 if ws else 3 * 8
+    return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars
+
+
+def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = False, stages: int = 2) -> bool:
+    """Whether :func:`launch` serves these tensors (see the module docstring); reads no data."""
+    if not tma_eligible(q, k, v) or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    da, db = split_dims(q.shape[-1])
+    dims = (da, db, v.shape[-1])
+    return (64 <= min(dims) and max(dims) <= 256
+            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages) <= SMEM_LIMIT)
+
+
+@gluon.jit
+def _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, t, n_tiles, k_start, len_k, col_k, col_v,
+           DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr = 2):
+    """Start the TMA copies of key tile ``t`` (none past ``n_tiles``) into slot ``t % STAGES`` on its barrier: rows
+    ``kr + [0, BLOCK_N)`` with ``kr`` the tile's start, or ``k_start + len_k - BLOCK_N`` for a tile that would
+    run past the sequence."""
+    live = t < n_tiles
+    kr = gl.minimum(k_start + t * BLOCK_N, k_start + len_k - BLOCK_N)
+    slot = t % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, BLOCK_N * (DA + DB + DV) * 2, pred=live)
+    tma.async_copy_global_to_shared(ka_desc, [kr, col_k], bar, ka_s.index(slot), pred=live)
+    tma.async_copy_global_to_shared(kb_desc, [kr, col_k + DA], bar, kb_s.index(slot), pred=live)
+    tma.async_copy_global_to_shared(v_desc, [kr, col_v], bar, v_s.index(slot), pred=live)
+
+
+@gluon.jit
+def _program(cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+             CHUNK: gl.constexpr):
+    """``(h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles)`` of a program of grid ``(H, n_slots)``:
+    head ``h``, query rows ``q_start + m0 + [0, BM)`` (``len_q`` the sequence's; a padding program owns rows up to
+    ``T`` and no key, a slot past its sequence's rows no key), key tiles ``[0, n_tiles)`` of ``BLOCK_N``, those
+    from ``full_end`` on masked, ``off`` the causal offset (query j sees keys <= j + off)."""
+    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    h = gl.program_id(0)
+    slot_id = n_slots - 1 - gl.program_id(1)  # the longest causal blocks sit last in each sequence
+    seq = -1  # the segment owning slot ``slot_id`` (``_common.tiles_started``); n_seq: padding rows
+    for c in range(0, n_seq + 1, CHUNK):
+        idx = c + gl.arange(0, CHUNK, c_l)
+        cu = gl.load(cu_q_ptr + idx, mask=idx <= n_seq, other=0)
+        seq += gl.sum((((cu // BM + idx) <= slot_id) & (idx <= n_seq)).to(gl.int32), axis=0)
+    live = seq < n_seq
+    nxt = gl.minimum(seq + 1, n_seq)
+    q_start = gl.load(cu_q_ptr + seq).to(gl.int32)
+    len_q = gl.where(live, gl.load(cu_q_ptr + nxt).to(gl.int32), T) - q_start
+    k_start = gl.load(cu_k_ptr + seq).to(gl.int32)
+    len_k = gl.where(live, gl.load(cu_k_ptr + nxt).to(gl.int32) - k_start, 0)
+    m0 = (slot_id - (q_start // BM + seq)) * BM
+    off = len_k - len_q
+    len_k = gl.where(m0 < len_q, len_k, 0)
+    if CAUSAL:
+        hi = gl.minimum(len_k, m0 + BM + off)
+        full_end = gl.maximum(gl.minimum(m0 + off + 1, len_k), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = len_k
+        full_end = len_k // BLOCK_N * BLOCK_N
+    n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
+    return h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles
+
+
+@gluon.jit
+def _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                  col_s: gl.constexpr):
+    """Base-2 scores ``s`` of key tile ``n0`` to ``(p, m_new, l_new, alpha)``; masked from ``full_end`` on
+    (columns before ``n0`` of a shifted last tile, and past each row's diagonal ``lim``)."""
+    if n0 + BLOCK_N > full_end:
+        n = gl.minimum(n0, len_k - BLOCK_N) + gl.arange(0, BLOCK_N, col_s)
+        if CAUSAL:  # columns before n0 get a bound no row reaches
+            visible = gl.where(n >= n0, n, 1 << 30)[None, :] <= lim[:, None]
+        else:
+            visible = (n >= n0)[None, :] & (lim >= -(1 << 30))[:, None]
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - m_shift[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV: gl.constexpr, row_o: gl.constexpr,
+                o_l: gl.constexpr):
+    """Store the rows' output ``o / l`` (0 where a row saw no key) and natural-log LSE (-inf there)."""
+    empty = l_i == 0.0
+    inv = 1.0 / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    rows = (q_start + offs_m).to(gl.int64)
+    m_ok = offs_m < len_q
+    gl.store(lse_ptr + rows * H + h, lse, mask=m_ok)
+    rows_o = gl.convert_layout(rows, row_o)
+    ok_o = gl.convert_layout(m_ok, row_o)
+    cols = gl.arange(0, DV, gl.SliceLayout(0, o_l))
+    out = o * gl.convert_layout(inv, row_o)[:, None]
+    gl.store(o_ptr + (rows_o * H + h)[:, None] * DV + cols[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=ok_o[:, None])
+
+
+@gluon.jit
+def prefill_gluon_kernel(
+    qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
+    scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
+    DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    CHUNK: gl.constexpr,
+):
+    """Grid ``(H, n_slots)``, 8 warps; descriptors over ``_view2d`` views (q box ``[128, DA]`` / ``[128, DB]``, k
+    ``[BLOCK_N, DA]`` / ``[BLOCK_N, DB]``, v ``[BLOCK_N, DV]``); writes ``o_ptr [T, H, DV]`` (q's dtype) and
+    ``lse_ptr [T, H]`` (natural log) of the program's rows."""
+    gl.static_assert(DB >= 64)
+    BM: gl.constexpr = 128
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, DV, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dt: gl.constexpr = o_ptr.dtype.element_ty
+
+    h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
+        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK)
+    col_k = h * stride_kh
+    col_v = h * stride_vh
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+
+    qa_s = gl.allocate_shared_memory(dt, [BM, DA], sm)
+    qb_s = gl.allocate_shared_memory(dt, [BM, DB], sm)
+    ka_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, DA], sm)
+    kb_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, DB], sm)
+    v_s = gl.allocate_shared_memory(dt, [2, BLOCK_N, DV], sm)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bars.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+
+    q_row = q_start + m0
+    mbarrier.expect(bars.index(2), BM * (DA + DB) * 2)
+    tma.async_copy_global_to_shared(qa_desc, [q_row, h * stride_qh], bars.index(2), qa_s)
+    tma.async_copy_global_to_shared(qb_desc, [q_row, h * stride_qh + DA], bars.index(2), qb_s)
+    for t in gl.static_range(2):
+        _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, t, n_tiles, k_start, len_k, col_k, col_v,
+               DA, DB, DV, BLOCK_N)
+
+    offs_m = m0 + gl.arange(0, BM, row_s)
+    lim = offs_m + off
+    zero_s = gl.zeros([BM, BLOCK_N], gl.float32, s_l)
+    m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BM], gl.float32, row_s)
+    o = gl.zeros([BM, DV], gl.float32, o_l)
+    mbarrier.wait(bars.index(2), 0)
+    for j in range(n_tiles):
+        slot = j % 2
+        mbarrier.wait(bars.index(slot), (j // 2) & 1)
+        qk = warpgroup_mma(qa_s, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma(qb_s, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+        pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()  # both warpgroups done with the slot before it takes tile j + 2
+        _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, j + 2, n_tiles, k_start, len_k, col_k, col_v,
+               DA, DB, DV, BLOCK_N)
+    _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+
+
+@gluon.jit
+def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
+                DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The producer (the default 4 warps): tile t into slot t % STAGES (``full``) once both consumers released
+    tile t - STAGES from it (``empty``, two arrivals a use)."""
+    for t in range(n_tiles):
+        mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+        _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, t, n_tiles, k_start, len_k, col_k, col_v,
+               DA, DB, DV, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q, len_k,
+                m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
+                DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
+    k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``). Causal
+    tiles past this warpgroup's last visible key are released without work. Stores its rows at the end."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    dt: gl.constexpr = o_ptr.dtype.element_ty
+    offs_m = m0 + C * 64 + gl.arange(0, 64, row_s)
+    lim = offs_m + off
+    if CAUSAL:
+        my_hi = gl.minimum(len_k, m0 + C * 64 + 64 + off)  # this warpgroup's keys end here
+    else:
+        my_hi = len_k
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    o = gl.zeros([64, DV], gl.float32, o_l)
+    mbarrier.wait(qbar, 0)
+    qa = qa_s.index(C)
+    qb = qb_s.index(C)
+    for j in range(n_tiles):
+        slot = j % STAGES
+        n0 = j * BLOCK_N
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        if n0 < my_hi:
+            qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
+            o = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()  # (this consumer's warps) every read of the slot done before the release
+        mbarrier.arrive(empty.index(slot), count=1)
+    _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+
+
+@gluon.jit
+def prefill_gluon_ws_kernel(
+    qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
+    scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
+    DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    CHUNK: gl.constexpr, STAGES: gl.constexpr,
+):
+    """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
+    producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
+    the 128 query rows (q boxes ``[64, DA]`` / ``[64, DB]``), independent of each other but for releasing
+    slots, so one's softmax can run while the other's dots do."""
+    gl.static_assert(DB >= 64)
+    BM: gl.constexpr = 128
+    sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dt: gl.constexpr = o_ptr.dtype.element_ty
+    h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
+        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK)
+    col_k = h * stride_kh
+    col_v = h * stride_vh
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+
+    qa_s = gl.allocate_shared_memory(dt, [2, 64, DA], sm)
+    qb_s = gl.allocate_shared_memory(dt, [2, 64, DB], sm)
+    ka_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DA], sm)
+    kb_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DB], sm)
+    v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DV], sm)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    mbarrier.init(qbar.index(0), count=1)
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+
+    q_row = q_start + m0
+    mbarrier.expect(qbar.index(0), BM * (DA + DB) * 2)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(qa_desc, [q_row + 64 * c, h * stride_qh], qbar.index(0), qa_s.index(c))
+        tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar.index(0), qb_s.index(c))
+    gl.warp_specialize([
+        (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
+                       DA, DB, DV, BLOCK_N, STAGES)),
+        (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES)),
+        (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES)),
+    ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
+
+
+def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+           causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
+    (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2)."""
+    cfg = dict(config or {})
+    ws = bool(cfg.get("WS", False))
+    block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
+    stages = int(cfg.get("STAGES", 2))
+    T, H, dqk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out, lse
+    da, db = split_dims(dqk)
+    q2, k2, v2 = _view2d(q), _view2d(k), _view2d(v)
+    q_rows = 64 if ws else BLOCK_M
+    qa = TensorDescriptor.from_tensor(q2, [q_rows, da], SMEM_SL)
+    qb = TensorDescriptor.from_tensor(q2, [q_rows, db], SMEM_SL)
+    ka = TensorDescriptor.from_tensor(k2, [block_n, da], SMEM_SL)
+    kb = TensorDescriptor.from_tensor(k2, [block_n, db], SMEM_SL)
+    vd = TensorDescriptor.from_tensor(v2, [block_n, dv], SMEM_SL)
+    n_seq = cu_seqlens_q.shape[0] - 1
+    n_slots = triton.cdiv(T, BLOCK_M) + n_seq
+    args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
+            q.stride(1), k.stride(1), v.stride(1))
+    if ws:
+        prefill_gluon_ws_kernel[(H, n_slots)](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
+                                              CHUNK=128, STAGES=stages, num_warps=WS_WARPS)
+    else:
+        prefill_gluon_kernel[(H, n_slots)](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
+                                           CHUNK=256, num_warps=NUM_WARPS)
+    return out, lse
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, ws: bool) -> tuple[Tensor, Tensor]:
+    validate(q, k, v, cu_seqlens_q, cu_seqlens_k, causal)
+    if eligible(q, k, v, 128 if ws else 64, ws):  # launch's default tiles
+        return launch(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, {"WS": ws})
+    import mla_compile.ops.triton.prefill_tma  # noqa: F401  (registers mla::prefill_triton_tma)
+    return torch.ops.mla.prefill_triton_tma(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+
+
+@torch.library.custom_op("mla::prefill_gluon", mutates_args=(), tags=LAYOUT_TAGS)
+def prefill_gluon(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                  causal: bool) -> tuple[Tensor, Tensor]:
+    """Gluon ``mla::prefill`` (same contract as ``mla::prefill_ref``; an opaque call to Inductor):
+    ``prefill_gluon_kernel`` where :func:`eligible`, else ``mla::prefill_triton_tma``."""
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, False)
+
+
+@torch.library.custom_op("mla::prefill_gluon_ws", mutates_args=(), tags=LAYOUT_TAGS)
+def prefill_gluon_ws(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                     causal: bool) -> tuple[Tensor, Tensor]:
+    """``mla::prefill_gluon`` with the warp-specialized kernel (``prefill_gluon_ws_kernel``, 128-key tiles)."""
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, True)
+
+
+prefill_gluon.register_fake(fake)
+prefill_gluon_ws.register_fake(fake)

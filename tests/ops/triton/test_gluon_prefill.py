@@ -1,0 +1,131 @@
+"""The sm_90 Gluon prefill kernels (``ops/triton/prefill_gluon.py``, backends "gluon" and "gluon-ws" of
+``mla::prefill``): on an sm_90 GPU against a float64 per-sequence reference (NaN-poisoned outputs and padding
+rows, empty sequences, more keys than queries, strided k/v views, each tile configuration); on any machine
+their sm_90 compile (no spills, shared memory of the formula within an SM's 227 KB, the dots and TMA copies)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mla_compile  # noqa: F401
+from _triton_test_util import assert_attention_close, cu_from_lens, poison_allocator, prefill_ref64, sm90_compile
+
+SCALE = 1 / math.sqrt(192)
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+LENS_Q = [1, 0, 300, 128, 1000, 0, 2500, 77]
+LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with keys), more keys than queries
+CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n128_s2": dict(WS=True),
+           "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64)}
+
+
+def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
+    gen = torch.Generator().manual_seed(seed)
+    T, S = sum(lens_q) + pad, sum(lens_k) + 3
+    q = torch.randn(T, H, 192, generator=gen).to(dtype)
+    k = torch.randn(S, H, 192, generator=gen).to(dtype)
+    v = torch.randn(S, H, 128, generator=gen).to(dtype)
+    q[sum(lens_q):], k[sum(lens_k):], v[sum(lens_k):] = math.nan, math.nan, math.nan  # padding: never read
+    return q.cuda(), k.cuda(), v.cuda()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_cuda_gluon_prefill_configs(causal, cfg):
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    q, k, v = _inputs(16, LENS_Q, LENS_K, torch.bfloat16, int(causal))
+    cu_q, cu_k = cu_from_lens(LENS_Q, "cuda"), cu_from_lens(LENS_K, "cuda")
+    c = CONFIGS[cfg]
+    assert g.eligible(q, k, v, c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("WS", False), c.get("STAGES", 2))
+    poison_allocator()
+    out, lse = g.launch(q, k, v, cu_q, cu_k, SCALE, causal, c)
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, causal)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])
+def test_cuda_gluon_prefill_backends(backend):
+    from mla_compile.ops import prefill
+
+    for H, lq, lk, dtype, seed in ((128, [1024, 513], [1024, 2000], torch.bfloat16, 3),
+                                   (4, [100, 37], [150, 37], torch.float16, 4)):
+        q, k, v = _inputs(H, lq, lk, dtype, seed)
+        cu_q, cu_k = cu_from_lens(lq, "cuda"), cu_from_lens(lk, "cuda")
+        poison_allocator()
+        out, lse = prefill(q, k, v, cu_q, cu_k, SCALE, causal=True, backend=backend)
+        ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, True)
+        assert_attention_close(out, lse, ref, ref_lse, dtype)
+    # k and v as column slices of one projection output (head stride 384, not the head dim)
+    gen = torch.Generator().manual_seed(9)
+    lq, lk = [300, 45], [700, 45]
+    cu_q, cu_k = cu_from_lens(lq, "cuda"), cu_from_lens(lk, "cuda")
+    kv = torch.randn(sum(lk), 8, 384, generator=gen).bfloat16().cuda()
+    k, v = kv[..., :192], kv[..., 192:320]
+    q = torch.randn(sum(lq), 8, 192, generator=gen).bfloat16().cuda()
+    poison_allocator()
+    out, lse = prefill(q, k, v, cu_q, cu_k, SCALE, causal=True, backend=backend)
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, True)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+    # qk 128 (no second tile) is not eligible: the op runs the TMA/pointer Triton dispatch
+    q2, k2 = q[..., :128].contiguous(), k[..., :128].contiguous()
+    out, lse = prefill(q2, k2, v, cu_q, cu_k, SCALE, causal=True, backend=backend)
+    ref, ref_lse = prefill_ref64(q2, k2, v, cu_q, cu_k, SCALE, True)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+
+
+def _compile_sm90(kernel, consts, q_rows, warps):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    bn, sl = consts["BLOCK_N"], repr(g.SMEM_SL)
+
+    def desc(r, c):
+        return f"tensordesc<bf16[{r}, {c}],{sl}>"
+
+    types = dict(qa_desc=desc(q_rows, 128), qb_desc=desc(q_rows, 64), ka_desc=desc(bn, 128), kb_desc=desc(bn, 64),
+                 v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
+                 scale_log2="fp32")
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or p.name.startswith("stride")}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
+@sm90_compile
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_sm90_compile_gluon_prefill_resources(cfg):
+    """Each configuration compiles for sm_90 at qk 192 / v 128: no spills, at most 255 registers; shared memory
+    of its formula plus under 1 KB (the warp-specialized partitions' captured arguments), within 227 KB; the
+    dots (per 128 rows: S in 12 k-steps of 16, P V in BLOCK_N / 16) and the TMA copies (Q's two or four, three a
+    tile: the issue points of the prologue and the loop, or the producer's one); warp-specialized: 12 warps."""
+    from mla_compile.ops.triton import prefill_gluon as g
+    from mla_compile.ops.triton._sm90 import resources
+
+    c = CONFIGS[cfg]
+    ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
+    consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256)
+    if ws:
+        compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages), 64, g.WS_WARPS)
+    else:
+        compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
+    assert compiled.metadata.num_warps == (12 if ws else 8)
+    shared = compiled.metadata.shared
+    formula = g.smem_bytes(192, 128, bn, ws, stages)
+    assert formula <= shared < formula + 1024 and shared <= 227 * 1024, (shared, formula)
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
+    assert res["regs"] <= 255, res
+    dots = 12 + bn // 16
+    assert res["HGMMA"] == (2 * dots if ws else dots), res
+    assert res["UTMALDG"] == (4 + 3 if ws else 2 + 3 * 3), res
