@@ -33,18 +33,12 @@ validate_q = _absorb.validate_q
 validate_out = _absorb.validate_out
 
 
-def _ref_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
-    return torch.ops.mla.absorb_q(q_nope, w_uk, q_pe)
-
-
-def _ref_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
-    return torch.ops.mla.absorb_out(out_lat, w_uv)
-
-
-declare(OP_Q, "reference", _ref_q, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
-        note="mla::absorb_q: torch.bmm into place")
-declare(OP_OUT, "reference", _ref_out, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
-        note="mla::absorb_out: torch.bmm into place")
+# the references are mla::absorb_q / mla::absorb_out themselves; their kernels keep the label the fusion pass gave
+_BMM = "torch bmm into place (fusion pass)"
+declare(OP_Q, "reference", torch.ops.mla.absorb_q, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        kernels=(f"absorb_q={_BMM}",), note="mla::absorb_q: torch.bmm into place")
+declare(OP_OUT, "reference", torch.ops.mla.absorb_out, rank=100, devices=("any",), dtypes=FLOATS, gpu_tested=True,
+        kernels=(f"absorb_out={_BMM}",), note="mla::absorb_out: torch.bmm into place")
 
 
 def skinny_absorb_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor, backend: str | None = None) -> Tensor:

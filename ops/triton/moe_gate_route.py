@@ -21,6 +21,7 @@ from mla_compile.ops.triton._common import last_dim_contiguous
 from mla_compile.ops.triton.moe_route import _route_row, route_meta
 
 TILE = 1 << 15  # gate elements per loaded tile (BLOCK_E * BLOCK_H)
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     block_h = min(triton.next_power_of_2(H), max(16, TILE // meta["BLOCK_E"]))
     wrap_triton(_moe_gate_route_kernel)[(1,)](
         x, weight, bias_arg, weights, ids, T, H, E, E // num_group, x.stride(0), weight.stride(0),
-        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, BLOCK_H=block_h, **meta, num_warps=16,
+        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, BLOCK_H=block_h, **meta, num_warps=NUM_WARPS,
     )
     return weights, ids
 
