@@ -353,6 +353,7 @@ def few_token_cases():
     from mla_compile.ops import moe_gate_route, moe_route, skinny_absorb_out, skinny_absorb_q
     from mla_compile.ops import absorb as absorb_ops
     from mla_compile.ops.triton import moe_gate_route as tmg
+    from mla_compile.ops.triton import skinny_absorb as tsa
 
     routings = {"v2-lite 64x2048 softmax top-6": (64, 2048, 6, 1, 1, "softmax", False, False, 1.0),
                 "v3 256x7168 sigmoid groups top-8": (256, 7168, 8, 8, 4, "sigmoid", True, True, 2.5),
@@ -407,6 +408,12 @@ def few_token_cases():
             attempt(group, "skinny_absorb_q triton (ours)",
                     lambda: [skinny_absorb_q(q_nope, w, q_pe, backend="triton") for w in w_uk], flops, nbytes,
                     note=f"rel err {err:.1e}", sets=K)
+            for block_c in (32, 128):  # the kernel's column tile (64 above)
+                tsa.Q_BLOCK_C = block_c
+                attempt(group, f"skinny_absorb_q triton BC{block_c}",
+                        lambda: [skinny_absorb_q(q_nope, w, q_pe, backend="triton") for w in w_uk], flops, nbytes,
+                        sets=K)
+            tsa.Q_BLOCK_C = 64
             attempt(group, "einsum + cat (bmm + copy)",
                     lambda: [absorb_ops.absorb_q_reference(q_nope, w, q_pe) for w in w_uk], flops, nbytes, sets=K)
             attempt(group, "mla::absorb_q (bmm into place)",
@@ -418,6 +425,11 @@ def few_token_cases():
             attempt(group, "skinny_absorb_out triton (ours)",
                     lambda: [skinny_absorb_out(lat, w, backend="triton") for w in w_uv], flops, nbytes,
                     note=f"rel err {err:.1e}", sets=K)
+            for block_v in (8, 32):  # the kernel's value-row tile (16 above)
+                tsa.OUT_BLOCK_V = block_v
+                attempt(group, f"skinny_absorb_out triton BV{block_v}",
+                        lambda: [skinny_absorb_out(lat, w, backend="triton") for w in w_uv], flops, nbytes, sets=K)
+            tsa.OUT_BLOCK_V = 16
             attempt(group, "einsum + reshape (bmm + copy)",
                     lambda: [absorb_ops.absorb_out_reference(lat, w) for w in w_uv], flops, nbytes, sets=K)
             attempt(group, "mla::absorb_out (bmm into place)",

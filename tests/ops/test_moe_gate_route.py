@@ -138,6 +138,38 @@ def test_errors_name_the_argument(change, match):
         ops.moe_gate_route(args.pop("x"), args.pop("weight"), args.pop("top_k"), backend="reference", **args)
 
 
+@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
+def test_moe_layer_wiring_passes_the_gates_routing(kind, monkeypatch):
+    """``MLAMoE``'s fused path through ``mla::moe_gate_route`` (forced on CPU, its reference backend) gives the
+    routing and output of the router + ``mla::moe_route`` path: the gate's bias, groups, scoring and scaling reach
+    the op in the right places."""
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models import moe as moe_mod
+
+    hf = toy.toy_hf_model(kind, seed=8)
+    block = hf.model.layers[1].mlp
+    if kind == "v3":
+        with torch.no_grad():
+            block.gate.e_score_correction_bias.copy_(torch.randn(block.gate.e_score_correction_bias.shape) * 0.3)
+    layer = moe_mod.MLAMoE(block, impl="fused")
+    x = torch.randn(2, hf.config.hidden_size)
+    with torch.no_grad():
+        want = layer(x)
+        calls = []
+        real = moe_mod.moe_gate_route
+
+        def spy(*args, **kwargs):
+            calls.append(kwargs)
+            return real(*args, **{**kwargs, "backend": "reference"})
+
+        monkeypatch.setattr(moe_mod, "moe_gate_route", spy)
+        monkeypatch.setattr(moe_mod.MLAMoE, "_gate_route", lambda self, x: True)
+        got = layer(x)
+    assert len(calls) == 1 and calls[0]["scoring"] == ("sigmoid" if kind == "v3" else "softmax")
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 # --- CUDA (the lead's H200 run) ---
 
 # (routing, H): V2-Lite's gate 64 x 2048 (fused), V3's routing at hidden 2048 (fused), V3's gate 256 x 7168 (above
@@ -184,16 +216,18 @@ def test_cuda_compiled_and_graph_replay(routing, H):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
 def test_cuda_fused_moe_layer_routes_through_the_op(kind):
-    """``MLAMoE(impl="fused")`` on CUDA bf16 takes ``mla::moe_gate_route`` and matches the dense experts."""
+    """``MLAMoE(impl="fused")`` on CUDA bf16 takes ``mla::moe_gate_route`` and matches the dense experts, eagerly
+    and compiled."""
     pytest.importorskip("transformers")
     from mla_compile.app import toy
     from mla_compile.models.moe import MLAMoE
 
-    hf = toy.toy_hf_model(kind, seed=5).to("cuda", torch.bfloat16)
-    layer = next(m.mlp for m in hf.model.layers if hasattr(m.mlp, "gate"))
-    fused, dense = MLAMoE(layer, impl="fused"), MLAMoE(layer, impl="dense")
+    hf = toy.toy_hf_model(kind, seed=5, dtype=torch.bfloat16, device="cuda")
+    block = hf.model.layers[1].mlp
+    fused, dense = MLAMoE(block, impl="fused"), MLAMoE(block, impl="dense")
     x = torch.randn(2, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert fused._gate_route(x)
     with torch.no_grad():
-        got, want = fused(x), dense(x)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        want = dense(x)
+        for fn in (fused, torch.compile(fused, fullgraph=True, dynamic=True)):
+            torch.testing.assert_close(fn(x).float(), want.float(), atol=2e-2, rtol=2e-2)
