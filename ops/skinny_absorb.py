@@ -8,7 +8,8 @@ Contracts (those of :mod:`mla_compile.ops.absorb`'s ``mla::absorb_q`` / ``mla::a
 - ``skinny_absorb_out(out_lat [T, H, Dc], w_uv [H, V, Dc]) -> [T, H * V]`` (contiguous, out_lat's dtype):
   ``einsum("thc,hvc->thv", out_lat, w_uv).reshape(T, H * V)``, the rows ``o_proj`` reads.
 
-``w_uk`` / ``w_uv`` are ``kv_b_proj.weight``'s per-head views (any strides; no copy is made of them).
+``w_uk`` / ``w_uv`` are ``kv_b_proj.weight``'s per-head views: any head and row strides, read in place (the Triton
+kernels copy a weight only if its last dim is not unit-stride, which the model's views never are).
 
 Backends: "reference" (``torch.bmm`` writing into the final layout, any device), "triton" (ours, CUDA half
 precision, up to :data:`MAX_ROWS` tokens: a per-head GEMV, one launch, every weight element read once for all

@@ -47,13 +47,14 @@ def _moe_gate_route_kernel(
             part = tl.sum(g * xr[None, :], axis=1)
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
     k_idx = tl.arange(0, BLOCK_K)
+    k_ok = k_idx < TOP_K
     for r in tl.static_range(ROWS):
-        z = tl.sum(tl.where(r_idx[:, None] == r, acc, 0.0), axis=0)
-        weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
-                                  NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
-        k_ok = (k_idx < TOP_K) & (r < T)
-        tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
-        tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
+        if r < T:  # a one-token call routes one row
+            z = tl.sum(tl.where(r_idx[:, None] == r, acc, 0.0), axis=0)
+            weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
+                                      NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+            tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
+            tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
 
 
 def fusable(x: Tensor, weight: Tensor) -> bool:

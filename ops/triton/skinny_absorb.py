@@ -5,7 +5,8 @@ BLOCK_C]`` tiles (the reduction runs over the nope dim), once for every token, a
 ``BLOCK_C`` latent columns from float32 sums; the programs of the first column tile also copy the token's q_pe
 into the last ``Dr`` columns. ``_skinny_absorb_out_kernel``, grid (heads, value-row tiles): a program loads
 ``W_UV[h]``'s ``[BLOCK_V, BLOCK_C]`` tiles (the reduction runs over the latent dim) and writes each token's
-``BLOCK_V`` outputs at ``h * V`` of its token-major row. Weight strides are taken as given.
+``BLOCK_V`` outputs at ``h * V`` of its token-major row. The weights' head and row strides are taken as given
+(``kv_b_proj``'s views); a weight without a unit last stride is copied first (the model's views have one).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ OUT_MAX_BLOCK_C = 512
 def _skinny_absorb_q_kernel(
     q_ptr, w_ptr, pe_ptr, out_ptr,
     T, N, C, R,
-    s_qt, s_qh, s_wh, s_wn, s_wc, s_pt, s_ph, s_ot, s_oh,
+    s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     hd = tl.program_id(0).to(tl.int64)
@@ -42,7 +43,7 @@ def _skinny_absorb_q_kernel(
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        w = tl.load(w_head + n[:, None].to(tl.int64) * s_wn + c[None, :].to(tl.int64) * s_wc,
+        w = tl.load(w_head + n[:, None].to(tl.int64) * s_wn + c[None, :],
                     mask=n_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             xr = tl.load(q_ptr + r * s_qt + hd * s_qh + n, mask=n_ok & (r < T), other=0.0).to(tl.float32)
@@ -62,7 +63,7 @@ def _skinny_absorb_q_kernel(
 def _skinny_absorb_out_kernel(
     x_ptr, w_ptr, out_ptr,
     T, C, V,
-    s_xt, s_xh, s_wh, s_wv, s_wc, s_ot,
+    s_xt, s_xh, s_wh, s_wv, s_ot,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     hd = tl.program_id(0).to(tl.int64)
@@ -74,7 +75,7 @@ def _skinny_absorb_out_kernel(
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         c_ok = c < C
-        w = tl.load(w_rows[:, None] + c[None, :].to(tl.int64) * s_wc, mask=v_ok[:, None] & c_ok[None, :],
+        w = tl.load(w_rows[:, None] + c[None, :], mask=v_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_xt + hd * s_xh + c, mask=c_ok & (r < T), other=0.0).to(tl.float32)
@@ -92,11 +93,11 @@ def launch_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
     out = torch.empty(T, H, C + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0 or H == 0:
         return out
-    q_nope, q_pe = last_dim_contiguous(q_nope), last_dim_contiguous(q_pe)
+    q_nope, q_pe, w_uk = last_dim_contiguous(q_nope), last_dim_contiguous(q_pe), last_dim_contiguous(w_uk)
     grid = (H, triton.cdiv(C, Q_BLOCK_C))
     wrap_triton(_skinny_absorb_q_kernel)[grid](
         q_nope, w_uk, q_pe, out, T, N, C, R,
-        q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1), w_uk.stride(2),
+        q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
         q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         ROWS=MAX_ROWS, BLOCK_N=min(triton.next_power_of_2(N), Q_MAX_BLOCK_N), BLOCK_C=Q_BLOCK_C,
         BLOCK_R=triton.next_power_of_2(max(R, 1)), num_warps=4,
@@ -112,11 +113,11 @@ def launch_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
     out = torch.empty(T, H * V, dtype=out_lat.dtype, device=out_lat.device)
     if T == 0 or H * V == 0:
         return out
-    out_lat = last_dim_contiguous(out_lat)
+    out_lat, w_uv = last_dim_contiguous(out_lat), last_dim_contiguous(w_uv)
     grid = (H, triton.cdiv(V, OUT_BLOCK_V))
     wrap_triton(_skinny_absorb_out_kernel)[grid](
         out_lat, w_uv, out, T, C, V,
-        out_lat.stride(0), out_lat.stride(1), w_uv.stride(0), w_uv.stride(1), w_uv.stride(2), out.stride(0),
+        out_lat.stride(0), out_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         ROWS=MAX_ROWS, BLOCK_V=OUT_BLOCK_V, BLOCK_C=min(triton.next_power_of_2(C), OUT_MAX_BLOCK_C), num_warps=4,
     )
     return out

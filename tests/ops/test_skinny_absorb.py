@@ -78,7 +78,7 @@ def test_interpreter_kernels_match_float64(T, H, N, V, C, R, monkeypatch):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 def test_interpreter_absorb_q_takes_a_transposed_weight():
-    """Any weight strides: W_UK as the transpose of a contiguous [H, C, N] tensor (unit stride on the reduction)."""
+    """W_UK as the transpose of a contiguous [H, C, N] tensor (no unit last stride: the kernel path copies it)."""
     from mla_compile.ops.triton import skinny_absorb as tsa
 
     q_nope, w_uk, q_pe, _, _ = _case(2, 3, 24, 4, 40, 8, seed=9)
