@@ -2,8 +2,8 @@
 
 One program (grid ``(1,)``) loads the gate ``[E, H]`` in ``[BLOCK_E, BLOCK_H]`` tiles, each tile once, and
 accumulates every token's float32 logits against it (the products of half-precision values are exact in float32);
-then it routes each token with ``mla::moe_route``'s per-row routing (:func:`~mla_compile.ops.triton.moe_route._route_row`)
-and writes its picks best first. More tokens, larger gates, non-CUDA tensors or float32/float64 run the unfused
+then it routes each token with ``mla::moe_route``'s per-row routing
+(:func:`~mla_compile.ops.triton.moe_route._route_row`) and writes its picks best first. More tokens, larger gates, non-CUDA tensors or float32/float64 run the unfused
 path inside the op.
 """
 
