@@ -5,8 +5,8 @@ graph). Here routing is the same math on static shapes, and the experts run dens
 every token, weighted by a ``[T, E]`` routing matrix; any device), grouped (tokens sorted by expert,
 ``torch._grouped_mm``; CUDA bf16) or fused (the ``mla::moe_route`` / ``mla::moe_experts`` ops, or
 ``mla::moe_gate_route`` for router and routing in one kernel: for few tokens kernels that read only the routed
-experts, with the shared experts folded in; fp8 block-quantized
-experts through ``mla::moe_experts_fp8``), all without host syncs. The HF router/expert/shared
+experts, with the shared experts folded in; fp8 block-quantized experts through ``mla::moe_experts_fp8``), all
+without host syncs. The HF router/expert/shared
 modules are shared, not copied, under their HF names, so state dicts stay HF-compatible.
 """
 
@@ -200,7 +200,8 @@ class MLAMoE(nn.Module):
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
     def _fused(self, x: Tensor, token_mask: Tensor | None) -> Tensor:
-        """Routing and experts through the ``mla::moe_route`` / ``mla::moe_experts`` ops."""
+        """Routing and experts through the ``mla::moe_gate_route`` (where :meth:`_gate_route`) or router GEMM +
+        ``mla::moe_route``, then the ``mla::moe_experts`` ops."""
         explicit = self.impl == "fused"
         bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate)
         route_kw = dict(bias=bias, num_group=num_group, topk_group=topk_group, scoring=scoring, renormalize=renorm,
