@@ -6,8 +6,8 @@ every token, weighted by a ``[T, E]`` routing matrix; any device), grouped (toke
 ``torch._grouped_mm``; CUDA bf16) or fused (the ``mla::moe_route`` / ``mla::moe_experts`` ops, or
 ``mla::moe_gate_route`` for router and routing in one kernel: for few tokens kernels that read only the routed
 experts, with the shared experts folded in; fp8 block-quantized experts through ``mla::moe_experts_fp8``), all
-without host syncs. The HF router/expert/shared
-modules are shared, not copied, under their HF names, so state dicts stay HF-compatible.
+without host syncs. The HF router/expert/shared modules are shared, not copied, under their HF names, so state
+dicts stay HF-compatible.
 """
 
 from __future__ import annotations
