@@ -381,6 +381,102 @@ def skinny_cases():
                     flops, nbytes, sets=4)
 
 
+def _rotation(nbytes: int, cap: int = 256) -> int:
+    """Input sets to rotate over so that ``nbytes`` each add up past the 60 MB L2 (weights come from memory)."""
+    return max(4, min(cap, math.ceil((96 << 20) / nbytes)))
+
+
+def few_token_cases():
+    """The few-token decode kernels against what they replace, at 1 and 2 tokens: ``mla::moe_gate_route`` (router
+    GEMV + routing, one launch) against ``torch.mm(out_dtype=float32)`` + ``mla::moe_route``'s kernel, and
+    ``mla::skinny_absorb_q`` / ``_out`` (per-head GEMVs) against the einsum forms (cuBLAS bmm + copy) and
+    ``mla::absorb_q`` / ``_out`` (bmm into place); weights rotated past L2."""
+    from mla_compile.ops import moe_gate_route, moe_route, skinny_absorb_out, skinny_absorb_q
+    from mla_compile.ops import absorb as absorb_ops
+    from mla_compile.ops.triton import moe_gate_route as tmg
+    from mla_compile.ops.triton import skinny_absorb as tsa
+
+    routings = {"v2-lite 64x2048 softmax top-6": (64, 2048, 6, 1, 1, "softmax", False, False, 1.0),
+                "v3 256x7168 sigmoid groups top-8": (256, 7168, 8, 8, 4, "sigmoid", True, True, 2.5),
+                "v3 routing at 256x2048": (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5)}
+    sweep = [(1 << 15, 16), (1 << 15, 32), (1 << 14, 16), (1 << 14, 8), (1 << 13, 4)]  # no spills (tile 2^16 spills)
+    for name, (E, H, k, G, TG, scoring, has_bias, renorm, scaling) in routings.items():
+        nbytes = E * H * 2
+        K = _rotation(nbytes)
+        gates = [torch.randn(E, H, device=DEV, dtype=torch.bfloat16) / H ** 0.5 for _ in range(K)]
+        bias = torch.randn(E, device=DEV) * 0.1 if has_bias else None
+        kw = dict(bias=bias, num_group=G, topk_group=TG, scoring=scoring, renormalize=renorm, scaling=scaling)
+        for T in (1, 2):
+            group = f"router+route {name} T={T}"
+            print(group, flush=True)
+            x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+            want = moe_route(torch.mm(x, gates[0].t(), out_dtype=torch.float32), k, backend="triton", **kw)[1]
+            got = moe_gate_route(x, gates[0], k, backend="triton", **kw)[1]
+            same = bool((got.sort(-1).values == want.sort(-1).values).all())
+            fused = tmg.fusable(x, gates[0])
+            attempt(group, "moe_gate_route triton (ours)",
+                    lambda: [moe_gate_route(x, g, k, backend="triton", **kw) for g in gates], T * nbytes, nbytes,
+                    note=f"{'fused kernel' if fused else 'mm + route inside the op'}; ids as mm+route: {same}",
+                    sets=K)
+            for tile, warps in sweep:  # the fused kernel itself, also where the op does not take it
+                tmg.TILE, tmg.NUM_WARPS = tile, warps
+                attempt(group, f"fused kernel tile{tile} w{warps}",
+                        lambda: [tmg._launch(x, g, bias, k, G, TG, scoring, renorm, scaling) for g in gates],
+                        T * nbytes, nbytes, sets=K)
+            tmg.TILE, tmg.NUM_WARPS = sweep[0]
+            attempt(group, "mm(out f32) + route kernel",
+                    lambda: [moe_route(torch.mm(x, g.t(), out_dtype=torch.float32), k, backend="triton", **kw)
+                             for g in gates], T * nbytes, nbytes, sets=K)
+    for name, Hh in (("v2-lite H=16", 16), ("v3 H=128", 128)):
+        N = V = 128
+        kv_bytes = Hh * (N + V) * DC * 2
+        K = _rotation(kv_bytes)
+        views = [torch.randn(Hh * (N + V), DC, device=DEV, dtype=torch.bfloat16).view(Hh, N + V, DC) / DC ** 0.5
+                 for _ in range(K)]
+        w_uk = [w[:, :N] for w in views]
+        w_uv = [w[:, N:] for w in views]
+        nbytes = kv_bytes // 2
+        for T in (1, 2):
+            q_nope = torch.randn(T, Hh, N, device=DEV, dtype=torch.bfloat16)
+            q_pe = torch.randn(T, Hh, DR, device=DEV, dtype=torch.bfloat16)
+            lat = torch.randn(T, Hh, DC, device=DEV, dtype=torch.bfloat16)
+            flops = T * nbytes  # 2 T H N C, with nbytes = 2 H N C (bf16 weights)
+            group = f"absorb_q {name} T={T}"
+            print(group, flush=True)
+            want = torch.einsum("thn,hnc->thc", q_nope.double(), w_uk[0].double())
+            err = float((skinny_absorb_q(q_nope, w_uk[0], q_pe, backend="triton")[..., :DC].double() - want).norm()
+                        / want.norm())
+            attempt(group, "skinny_absorb_q triton (ours)",
+                    lambda: [skinny_absorb_q(q_nope, w, q_pe, backend="triton") for w in w_uk], flops, nbytes,
+                    note=f"rel err {err:.1e}", sets=K)
+            for block_c in (32, 128):  # the kernel's column tile (64 above)
+                tsa.Q_BLOCK_C = block_c
+                attempt(group, f"skinny_absorb_q triton BC{block_c}",
+                        lambda: [skinny_absorb_q(q_nope, w, q_pe, backend="triton") for w in w_uk], flops, nbytes,
+                        sets=K)
+            tsa.Q_BLOCK_C = 64
+            attempt(group, "einsum + cat (bmm + copy)",
+                    lambda: [absorb_ops.absorb_q_reference(q_nope, w, q_pe) for w in w_uk], flops, nbytes, sets=K)
+            attempt(group, "mla::absorb_q (bmm into place)",
+                    lambda: [torch.ops.mla.absorb_q(q_nope, w, q_pe) for w in w_uk], flops, nbytes, sets=K)
+            group = f"absorb_out {name} T={T}"
+            print(group, flush=True)
+            want = torch.einsum("thc,hvc->thv", lat.double(), w_uv[0].double()).reshape(T, -1)
+            err = float((skinny_absorb_out(lat, w_uv[0], backend="triton").double() - want).norm() / want.norm())
+            attempt(group, "skinny_absorb_out triton (ours)",
+                    lambda: [skinny_absorb_out(lat, w, backend="triton") for w in w_uv], flops, nbytes,
+                    note=f"rel err {err:.1e}", sets=K)
+            for block_v in (8, 32):  # the kernel's value-row tile (16 above)
+                tsa.OUT_BLOCK_V = block_v
+                attempt(group, f"skinny_absorb_out triton BV{block_v}",
+                        lambda: [skinny_absorb_out(lat, w, backend="triton") for w in w_uv], flops, nbytes, sets=K)
+            tsa.OUT_BLOCK_V = 16
+            attempt(group, "einsum + reshape (bmm + copy)",
+                    lambda: [absorb_ops.absorb_out_reference(lat, w) for w in w_uv], flops, nbytes, sets=K)
+            attempt(group, "mla::absorb_out (bmm into place)",
+                    lambda: [torch.ops.mla.absorb_out(lat, w) for w in w_uv], flops, nbytes, sets=K)
+
+
 def small_ops(t_merge=1024, t_write=8192, n_seqs=8, ctx=4096):
     """Merge, cache write and gather at serving sizes (smaller ones for a dry run)."""
     # merge: two [T, H, 512] partials + LSEs -> one (134 MB per partial: no rotation needed)
@@ -465,6 +561,9 @@ def main():
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip FlashInfer (JIT builds) past this")
     ap.add_argument("--quick", action="store_true", help="no config sweeps")
     ap.add_argument("--skinny", action="store_true", help="only mla::skinny_linear against F.linear at few rows")
+    ap.add_argument("--few-tokens", action="store_true",
+                    help="only the few-token kernels (mla::moe_gate_route, mla::skinny_absorb_q/out) against what "
+                         "they replace, at 1 and 2 tokens")
     ap.add_argument("--decode", action="store_true",
                     help="only the decode sections (H=128 B=128, H=16 B=128, H=128 B=1)")
     ap.add_argument("--prefill-sweep", action="store_true",
@@ -498,6 +597,8 @@ def main():
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
     elif args.skinny:
         sections = [skinny_cases]
+    elif args.few_tokens:
+        sections = [few_token_cases]
     elif args.decode:
         sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
                     lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),

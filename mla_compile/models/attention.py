@@ -42,6 +42,32 @@ def linears(x: Tensor, *modules: nn.Module) -> list[Tensor]:
     return [m(x) for m in modules]
 
 
+def absorb_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
+    """``[q_nope @ W_UK | q_pe]`` per head, ``[T, H, Dc + Dr]``. On CUDA with q_nope and W_UK of one half-precision
+    dtype, where ``mla::skinny_absorb_q``'s "auto" picks its Triton backend (GPU-tested): that op (the per-head GEMV
+    for few tokens, ``mla::absorb_q``'s bmm into place above, one graph for every batch size); elsewhere ``einsum``
+    + ``cat`` (which the absorb fusion pass rewrites in compiled graphs). A static choice for a compiled graph."""
+    if _skinny_absorb(q_nope, w_uk, ops.skinny_absorb.OP_Q):
+        return ops.skinny_absorb_q(q_nope, w_uk, q_pe, backend="triton")
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+    return torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+
+
+def absorb_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
+    """``out_lat @ W_UV^T`` per head, ``[T, H, v]``: ``mla::skinny_absorb_out`` where its "auto" picks its Triton
+    backend (as :func:`absorb_q`), else ``einsum``."""
+    if _skinny_absorb(out_lat, w_uv, ops.skinny_absorb.OP_OUT):
+        return ops.skinny_absorb_out(out_lat, w_uv, backend="triton").view(out_lat.shape[0], out_lat.shape[1],
+                                                                           w_uv.shape[1])
+    return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+
+
+def _skinny_absorb(x: Tensor, w: Tensor, op: str) -> bool:
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
+        return False
+    return ops.resolve(op, x.device, None, dtype=x.dtype).name == "triton"
+
+
 class MLAAttention(nn.Module):
     """Multi-head Latent Attention over a paged latent cache.
 
@@ -204,8 +230,7 @@ class MLAAttention(nn.Module):
         """Absorbed path: ``[n_dec, H, v_head_dim]``."""
         c, d = self.config, meta.decode
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        q_abs = absorb_q(q_nope, w_uk, q_pe)
         B = d.block_table.shape[0]
         q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
         if self.fp8_cache:
@@ -221,7 +246,7 @@ class MLAAttention(nn.Module):
                                     kv_lora_rank=c.kv_lora_rank, backend=name,
                                     plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
-        return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+        return absorb_out(out_lat, w_uv)
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
         """``int32 [T, sink + window]``: each token's sink and window slots over its causal prefix (-1 padded)."""
@@ -236,13 +261,12 @@ class MLAAttention(nn.Module):
         """Absorbed attention of every token over its selected slots ``indices [T, topk]``: ``[T, H, v_head_dim]``."""
         c = self.config
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)
-        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        q_abs = absorb_q(q_nope, w_uk, q_pe)
         name = self._backend("sparse_decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                              need_lse=False)
         out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
                                        backend=name)
-        return torch.einsum("thc,hvc->thv", out_lat, w_uv)
+        return absorb_out(out_lat, w_uv)
 
     def _prefill(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Non-absorbed path: ``[n_pre, H, v_head_dim]``. New tokens attend causally to each other, then

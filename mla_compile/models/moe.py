@@ -3,10 +3,11 @@
 HF's eager experts loop over the experts that were hit (``nonzero`` and a Python loop: a data-dependent
 graph). Here routing is the same math on static shapes, and the experts run densely (every expert on
 every token, weighted by a ``[T, E]`` routing matrix; any device), grouped (tokens sorted by expert,
-``torch._grouped_mm``; CUDA bf16) or fused (the ``mla::moe_route`` / ``mla::moe_experts`` ops: for few
-tokens kernels that read only the routed experts, with the shared experts folded in; fp8 block-quantized
-experts through ``mla::moe_experts_fp8``), all without host syncs. The HF router/expert/shared
-modules are shared, not copied, under their HF names, so state dicts stay HF-compatible.
+``torch._grouped_mm``; CUDA bf16) or fused (the ``mla::moe_route`` / ``mla::moe_experts`` ops, or
+``mla::moe_gate_route`` for router and routing in one kernel: for few tokens kernels that read only the routed
+experts, with the shared experts folded in; fp8 block-quantized experts through ``mla::moe_experts_fp8``), all
+without host syncs. The HF router/expert/shared modules are shared, not copied, under their HF names, so state
+dicts stay HF-compatible.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from mla_compile.ops.moe_experts import auto_backend, moe_experts
 from mla_compile.ops.moe_experts import combine_sorted, sort_by_expert  # noqa: F401  (their home is ops)
 from mla_compile.ops.moe_experts_fp8 import auto_backend as auto_backend_fp8
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
+from mla_compile.ops.moe_gate_route import OP as GATE_ROUTE_OP
+from mla_compile.ops.moe_gate_route import moe_gate_route
 from mla_compile.ops.moe_route import moe_route, route_math
 from mla_compile.ops.registry import SPLIT_PREFIX
+from mla_compile.ops.select import resolve
 
 IMPLS = ("auto", "dense", "grouped", "fused")
 
@@ -185,19 +189,33 @@ class MLAMoE(nn.Module):
             choice = auto_backend(device, dtype, hidden)
         return choice in ("triton", "triton-grouped") or choice.startswith(SPLIT_PREFIX)
 
+    def _gate_route(self, x: Tensor) -> bool:
+        """Whether the router GEMV and the routing run as one ``mla::moe_gate_route`` (its Triton kernel for few
+        tokens, the unfused pair inside the op above): CUDA, x and the gate weight of one half-precision dtype,
+        and either ``impl="fused"`` or that op's "auto" picking "triton". A constant of the graph."""
+        weight = self.gate.weight
+        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
+            return False
+        return self.impl == "fused" or resolve(GATE_ROUTE_OP, x.device, None, dtype=x.dtype).name == "triton"
+
     def _use_grouped(self, x: Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "grouped"
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
     def _fused(self, x: Tensor, token_mask: Tensor | None) -> Tensor:
-        """Routing and experts through the ``mla::moe_route`` / ``mla::moe_experts`` ops."""
+        """Routing and experts through the ``mla::moe_gate_route`` (where :meth:`_gate_route`) or router GEMM +
+        ``mla::moe_route``, then the ``mla::moe_experts`` ops."""
         explicit = self.impl == "fused"
-        logits = router_logits(x, self.gate.weight)
         bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate)
-        weights, ids = moe_route(logits, top_k, bias=bias, num_group=num_group, topk_group=topk_group,
-                                 scoring=scoring, renormalize=renorm, scaling=scaling,
-                                 backend=("triton" if x.is_cuda else "reference") if explicit else None)
+        route_kw = dict(bias=bias, num_group=num_group, topk_group=topk_group, scoring=scoring, renormalize=renorm,
+                        scaling=scaling)
+        if self._gate_route(x):
+            weights, ids = moe_gate_route(x, self.gate.weight, top_k, backend="triton", **route_kw)
+        else:
+            logits = router_logits(x, self.gate.weight)
+            weights, ids = moe_route(logits, top_k, backend=("triton" if x.is_cuda else "reference") if explicit
+                                     else None, **route_kw)
         se = self.shared_experts
         backend = ("triton" if x.is_cuda else "reference") if explicit else None
         if self.fp8_experts:

@@ -26,17 +26,12 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 
 
 @triton.jit
-def _moe_route_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr,
-    E, GROUP_SIZE, s_l, s_w, s_i, scaling,
-    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    z = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
+def _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling,
+               BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+               NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+               RENORM: tl.constexpr):
+    """One token's routing from its float32 logits ``z [BLOCK_E]`` (experts ``e``, ``ok``: ``e < E``):
+    ``(weights [BLOCK_K] float32, ids [BLOCK_K] int32)``, the first ``TOP_K`` entries best first."""
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-z))
     else:
@@ -83,10 +78,35 @@ def _moe_route_kernel(
         ids = tl.where(k_idx == j, pick, ids)
     if RENORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    weights = weights * scaling
+    return weights * scaling, ids
+
+
+@triton.jit
+def _moe_route_kernel(
+    logits_ptr, bias_ptr, w_ptr, ids_ptr,
+    E, GROUP_SIZE, s_l, s_w, s_i, scaling,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    z = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
+    weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
+                              NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+    k_idx = tl.arange(0, BLOCK_K)
     k_ok = k_idx < TOP_K
     tl.store(w_ptr + t * s_w + k_idx, weights, mask=k_ok)
     tl.store(ids_ptr + t * s_i + k_idx, ids, mask=k_ok)
+
+
+def route_meta(E: int, top_k: int, num_group: int, topk_group: int, scoring: str, has_bias: bool,
+               renormalize: bool) -> dict:
+    """The routing constexprs of :func:`_route_row` for these routing constants."""
+    return dict(BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(num_group)),
+                BLOCK_K=max(2, triton.next_power_of_2(top_k)), TOP_K=top_k, NUM_GROUP=num_group,
+                TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, RENORM=renormalize)
 
 
 def _launch(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int, scoring: str,
@@ -104,9 +124,8 @@ def _launch(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, top
     bias_arg = logits if bias is None else bias.contiguous()
     wrap_triton(_moe_route_kernel)[(T,)](
         logits, bias_arg, weights, ids, E, E // num_group, logits.stride(0), weights.stride(0), ids.stride(0),
-        float(scaling), BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(num_group)),
-        BLOCK_K=max(2, triton.next_power_of_2(top_k)), TOP_K=top_k, NUM_GROUP=num_group, TOPK_GROUP=topk_group,
-        SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, RENORM=renormalize, num_warps=4,
+        float(scaling), **route_meta(E, top_k, num_group, topk_group, scoring, bias is not None, renormalize),
+        num_warps=4,
     )
     return weights, ids
 

@@ -102,6 +102,13 @@ def test_sites_whose_intermediates_are_used_elsewhere_are_left_alone():
         torch.testing.assert_close(g.to(torch.float64), w, atol=1e-5, rtol=1e-5)
 
 
+def _model_takes_skinny_absorb(device: str, dtype: torch.dtype) -> bool:
+    from mla_compile.models.attention import _skinny_absorb
+
+    x = torch.empty(1, 1, 1, device=device, dtype=dtype)
+    return _skinny_absorb(x, x, "skinny_absorb_q") and _skinny_absorb(x, x, "skinny_absorb_out")
+
+
 @pytest.mark.parametrize("device,dtype", [("cpu", torch.float32),
                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda)])
 def test_toy_model_decode_step_fires_once_per_layer_with_the_same_logits(device, dtype):
@@ -127,7 +134,10 @@ def test_toy_model_decode_step_fires_once_per_layer_with_the_same_logits(device,
             with torch._inductor.config.patch(fx_graph_cache=False), mla_passes(passes):
                 logits[passes] = torch.compile(model, fullgraph=True)(step.input_ids, step.positions, step.meta)
             fired = {k: counters["mla_passes"][k] for k in ("fuse_absorb_q", "fuse_absorb_out")}
-            assert fired == ({"fuse_absorb_q": layers, "fuse_absorb_out": layers} if passes else
+            # where the model calls mla::skinny_absorb_* itself (CUDA half, their Triton backend GPU-tested) there
+            # is no einsum left for the passes to rewrite
+            sites = 0 if _model_takes_skinny_absorb(device, dtype) else layers
+            assert fired == ({"fuse_absorb_q": sites, "fuse_absorb_out": sites} if passes else
                              {"fuse_absorb_q": 0, "fuse_absorb_out": 0})
     torch._dynamo.reset()
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)

@@ -1,0 +1,109 @@
+"""Triton ``mla::moe_gate_route``: the router GEMV and the routing of up to ``MAX_ROWS`` tokens in one program.
+
+One program (grid ``(1,)``) loads the gate ``[E, H]`` in ``[BLOCK_E, BLOCK_H]`` tiles, each tile once, and
+accumulates every token's float32 logits against it (the products of half-precision values are exact in float32);
+then it routes each token with ``mla::moe_route``'s per-row routing
+(:func:`~mla_compile.ops.triton.moe_route._route_row`) and writes its picks best first. More tokens, larger gates, non-CUDA tensors or float32/float64 run the unfused
+path inside the op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from mla_compile.ops.moe_gate_route import MAX_FUSED_WEIGHT, MAX_ROWS, OP, fake, validate
+from mla_compile.ops.moe_route import MAX_EXPERTS
+from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton.moe_route import _route_row, route_meta
+
+TILE = 1 << 15  # gate elements per loaded tile (BLOCK_E * BLOCK_H)
+NUM_WARPS = 16
+
+
+@triton.jit
+def _moe_gate_route_kernel(
+    x_ptr, g_ptr, bias_ptr, w_ptr, ids_ptr,
+    T, H, E, GROUP_SIZE, s_x, s_g, s_w, s_i, scaling,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORM: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    r_idx = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
+    g_rows = g_ptr + e.to(tl.int64) * s_g
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        g = tl.load(g_rows[:, None] + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(ROWS):
+            xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0).to(tl.float32)
+            part = tl.sum(g * xr[None, :], axis=1)
+            acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
+    k_idx = tl.arange(0, BLOCK_K)
+    k_ok = k_idx < TOP_K
+    for r in tl.static_range(ROWS):
+        if r < T:  # a one-token call routes one row
+            z = tl.sum(tl.where(r_idx[:, None] == r, acc, 0.0), axis=0)
+            weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
+                                      NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+            tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
+            tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
+
+
+def fusable(x: Tensor, weight: Tensor) -> bool:
+    """Whether the fused kernel serves this call (static facts: tokens, gate size)."""
+    E, H = weight.shape
+    return x.shape[0] <= MAX_ROWS and E * H <= MAX_FUSED_WEIGHT and E <= MAX_EXPERTS
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int,
+            scoring: str, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor]:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS``
+    tokens and ``MAX_EXPERTS`` experts."""
+    T, H = x.shape
+    E = weight.shape[0]
+    if T > MAX_ROWS or E > MAX_EXPERTS:
+        raise ValueError(f"{OP}: the fused kernel serves at most {MAX_ROWS} tokens and {MAX_EXPERTS} experts, "
+                         f"got {T} tokens and {E} experts")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    if T == 0:
+        return weights, ids
+    x = last_dim_contiguous(x)
+    weight = last_dim_contiguous(weight)
+    bias_arg = weight if bias is None else bias.contiguous()
+    meta = route_meta(E, top_k, num_group, topk_group, scoring, bias is not None, renormalize)
+    block_h = min(triton.next_power_of_2(H), max(16, TILE // meta["BLOCK_E"]))
+    wrap_triton(_moe_gate_route_kernel)[(1,)](
+        x, weight, bias_arg, weights, ids, T, H, E, E // num_group, x.stride(0), weight.stride(0),
+        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, BLOCK_H=block_h, **meta, num_warps=NUM_WARPS,
+    )
+    return weights, ids
+
+
+@torch.library.custom_op("mla::moe_gate_route_triton", mutates_args=())
+def moe_gate_route_triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int,
+                          topk_group: int, scoring: str, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor]:
+    """Triton ``mla::moe_gate_route`` (contract of the ``_ref`` op): the fused kernel where :func:`fusable`;
+    else on CUDA half ``torch.mm(..., out_dtype=float32)`` and ``mla::moe_route``'s kernel, elsewhere the
+    reference."""
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if x.device.type != "cuda" or not half:
+        return torch.ops.mla.moe_gate_route_ref(x, weight, bias, top_k, num_group, topk_group, scoring,
+                                                renormalize, scaling)
+    validate(x, weight, bias, top_k, num_group, topk_group, scoring)
+    if fusable(x, weight):
+        return _launch(x, weight, bias, top_k, num_group, topk_group, scoring, renormalize, scaling)
+    import mla_compile.ops.triton.moe_route  # noqa: F401  (registers mla::moe_route_triton)
+    logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return torch.ops.mla.moe_route_triton(logits, bias, top_k, num_group, topk_group, scoring, renormalize, scaling)
+
+
+moe_gate_route_triton.register_fake(fake)

@@ -1,0 +1,57 @@
+"""The few-token kernels (``mla::moe_gate_route``'s fused router + routing, ``mla::skinny_absorb_q`` / ``_out``'s
+per-head GEMVs) compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and
+V3 dims: they compile, and where cuobjdump is bundled, without register spills.
+Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (run by
+test_sm90_compile_subprocess.py in CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _triton_test_util import SM90_COMPILE
+
+pytestmark = SM90_COMPILE
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _no_spills(launches):
+    from mla_compile.ops.triton import _sm90
+
+    for kernel, _, args, kwargs in launches:
+        compiled = _sm90.compile_sm90(kernel, args, kwargs)
+        if _sm90.cuobjdump() is not None:
+            assert _sm90.resources(compiled)["stack"] == 0, f"register spills in {kernel.fn.__name__}"
+
+
+# (E, H, top_k, num_group, topk_group, scoring, bias, renormalize, scaling): V2-Lite's gate, V3's routing at 2048
+ROUTINGS = [(64, 2048, 6, 1, 1, "softmax", False, False, 1.0), (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5)]
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("E,H,k,G,TG,scoring,bias,renorm,scaling", ROUTINGS)
+def test_moe_gate_route_kernel_compiles_for_sm90(T, E, H, k, G, TG, scoring, bias, renorm, scaling):
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_gate_route
+
+    launches = _sm90.record(moe_gate_route, moe_gate_route._launch, _meta(T, H), _meta(E, H),
+                            _meta(E, dtype=torch.float32) if bias else None, k, G, TG, scoring, renorm, scaling)
+    assert len(launches) == 1
+    _no_spills(launches)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("H", [16, 128])
+def test_skinny_absorb_kernels_compile_for_sm90(T, H):
+    """The kv_b_proj views' strides (nope 128, v 128, latent 512, rope 64)."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, skinny_absorb
+
+    N = V = 128
+    w = _meta(H * (N + V), 512).view(H, N + V, 512)
+    launches = _sm90.record(skinny_absorb, skinny_absorb.launch_q, _meta(T, H, N), w[:, :N], _meta(T, H, 64))
+    launches += _sm90.record(skinny_absorb, skinny_absorb.launch_out, _meta(T, H, 512), w[:, N:])
+    assert len(launches) == 2
+    _no_spills(launches)
