@@ -98,6 +98,6 @@ def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=False, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
+        gpu_tested=True, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
         note=f"ours: router GEMV and routing in one program, up to {MAX_ROWS} tokens (torch.mm + the route "
              "kernel above)")

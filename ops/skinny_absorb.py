@@ -69,8 +69,8 @@ def _triton_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
 
 
 declare(OP_Q, "triton", _triton_q, rank=50, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=False, kernels=("skinny_absorb_q_triton", "_skinny_absorb_q_kernel"),
+        gpu_tested=True, kernels=("skinny_absorb_q_triton", "_skinny_absorb_q_kernel"),
         note=f"ours: a per-head GEMV with q_pe copied into place, one launch, up to {MAX_ROWS} tokens (bmm above)")
 declare(OP_OUT, "triton", _triton_out, rank=50, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=False, kernels=("skinny_absorb_out_triton", "_skinny_absorb_out_kernel"),
+        gpu_tested=True, kernels=("skinny_absorb_out_triton", "_skinny_absorb_out_kernel"),
         note=f"ours: a per-head GEMV written token-major, one launch, up to {MAX_ROWS} tokens (bmm above)")
