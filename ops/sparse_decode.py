@@ -19,7 +19,7 @@ from torch import Tensor
 from mla_compile.ops._fp8_format import FP8_GROUP, fp8_row_bytes
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, check_same_device, check_tensor,
                                      data_checks_enabled)
-from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
+from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, SM90, declare, declare_op
 from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend
 from mla_compile.ops.fp8_cache import dequantize_fp8_rows
@@ -106,3 +106,17 @@ def _triton(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_
 declare(OP, "triton", _triton, rank=10, available=_triton_available, dtypes=FLOATS,
         cache_dtypes=FLOATS + (torch.uint8,), package="triton", gpu_tested=True,
         kernels=("sparse_decode_triton", "_sparse_split_kernel"), note="ours; bf16/fp16/fp32 or fp8 cache")
+
+
+def _gluon64(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.sparse_decode_gluon64  # noqa: F401  (registers mla::sparse_decode_gluon64)
+    return torch.ops.mla.sparse_decode_gluon64(q, kv_cache, indices, scale, kv_lora_rank)
+
+
+# Not yet run on a GPU: "auto" skips it until its GPU tests and timings (ask for it by name).
+declare(OP, "gluon64", _gluon64, rank=40, available=_triton_available, dtypes=(torch.bfloat16,),
+        cache_dtypes=(torch.uint8,), stride_align=16, head_dims=((512, 64),), min_capability=SM90,
+        max_capability=SM90, package="triton", gpu_tested=False,
+        kernels=("sparse_decode_gluon64=gluon64 (opaque kernel)", "sparse_decode_gluon64_kernel"),
+        note="ours (Gluon, sm_90: 64 heads a program, listed fp8 rows gathered with 16-byte loads, dequantized "
+             "to bf16 in shared memory, wgmma); bf16 q, fp8 cache, 512 + 64")

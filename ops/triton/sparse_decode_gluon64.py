@@ -1,0 +1,340 @@
+"""An sm_90 Gluon sparse decode over the 656-byte fp8 latent cache (``mla::sparse_decode``), 64 heads a program.
+
+The sparse twin of ``fp8_decode_gluon64`` (dense fp8 decode): the same shared memory (``Q [64, 576]`` bf16 once,
+two bf16 tile slots ``K [64 keys, 576]`` and ``P [64, 64]`` with the 128-byte swizzle ``wgmma`` reads: 224 KB),
+the same dequantization (``bf16(float32(e4m3 code) * scale)``, the rope as it is: one bf16 rounding of each key /
+value element, relative ``2**-9``, as FlashMLA's fp8 kernels) and the same S / online softmax / P V pipeline over
+8 warps (two warpgroups, ``O [64, 512]`` fp32 in registers, asynchronous ``wgmma``; the running maxima exchanged
+across warpgroups through a ``[64, 2]`` buffer and raised only past ``TAU``: ``fp8_decode_gluon64``'s
+``MAX_XCHG`` and ``RESCALE_SKIP``, on by default here). What differs is the loader:
+
+- a program owns 64 heads of one query ``(b, i)`` (grid ``(cdiv(H, 64), splits, B * s_q)``; heads past ``H`` are
+  zero rows, never stored) and one split of the query's index list ``indices[b, i, :]`` (``topk`` slots, 64 a
+  tile): the 64 keys of a tile are arbitrary cache rows, so each thread loads its key's slot (``-1``, or anything
+  outside ``[0, num_blocks * block_size)``, marks an invalid key) and its row ``(slot // BS, slot % BS)`` with
+  16-byte loads (codes, scales, rope), one key a thread as in ``fp8_decode_gluon64``; invalid keys load as zeros
+  (no byte of their rows is read: unwritten rows may hold NaN) and their scores are set to ``-inf``;
+- the slots of tiles ``j + 2 .. j + 4`` are held in registers (one int32 each a thread), tile ``j + 5``'s are
+  loaded during tile ``j``'s dots, tile ``j + 4``'s rows are sent toward L2 (``cp.async.bulk.prefetch.L2``, one
+  per row) and tile ``j + 2``'s codes loaded into registers while the dots run, then dequantized into the slot
+  ``P_j V_j`` released, as the dense kernel does with its pages;
+- the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs.
+
+With 128 heads two programs read each tile (adjacent in the grid: the second mostly from L2). A row whose slots
+are all invalid has LSE -inf and output 0. With one split the program writes the result (output in q's dtype,
+natural-log LSE); else each split writes its normalized rows and base-2 LSE to the workspaces of
+``_plan.split_buffers`` and ``decode.reduce_splits`` merges them.
+
+Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q ``[B, s_q, H, 576]``, a uint8 cache
+``[NB, BS, 656]`` of any block size with row and page strides multiples of 16 bytes and a 16-byte aligned base,
+int32 or int64 indices ``[B, s_q, topk]``). :func:`sparse_decode_gluon64` (``mla::sparse_decode_gluon64``) runs
+``mla::sparse_decode_triton`` for other calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from mla_compile.ops.registry import LAYOUT_TAGS
+from mla_compile.ops.sparse_decode import validate
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._fp8_tma import opaque_zero
+from mla_compile.ops.triton._gluon import finish_rows
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
+from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, SMEM_C, TAU, XCH_S, _rescale_voted,
+                                                       _row_max_xchg, _store_tile)
+
+BLOCK_M = 64  # heads a program (wgmma's M)
+BLOCK_N = 64  # keys a tile
+DC, DR = 512, 64
+D = DC + DR
+ROW_BYTES = DC + 4 * (DC // 128) + 2 * DR  # 656
+NUM_WARPS = 8
+PROGRAMS_PER_SM = 1
+# the kernel's flags (``launch``'s config keys; each on by default, see ``fp8_decode_gluon64.VARIANTS``)
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG")
+
+
+@gluon.jit
+def _tile_slots(idx_row, tile, n_tiles, start, end, n_slots, layout: gl.constexpr):
+    """The int32 cache slots of tile ``tile``'s 64 keys (positions ``start + 64 tile + k`` of the index row
+    ``idx_row``) in ``layout`` (a 1-D slice), ``-1`` for an invalid key: a ``-1`` entry, a slot outside
+    ``[0, n_slots)``, a position at or past ``end``, any key of a tile past ``n_tiles``."""
+    pos = start + tile * 64 + gl.arange(0, 64, layout)
+    slot = gl.load(idx_row + pos, mask=(pos < end) & (tile < n_tiles), other=-1)
+    ok = (slot >= 0) & (slot < n_slots)
+    return gl.where(ok, slot, -1).to(gl.int32)
+
+
+@gluon.jit
+def _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """The first bytes of the cache rows of ``slot`` (slot 0's for invalid keys: masked, never read)."""
+    s = gl.maximum(slot, 0)
+    return kv_ptr + (s // BLOCK_SIZE).to(gl.int64) * stride_kb + (s % BLOCK_SIZE).to(gl.int64) * stride_kt
+
+
+@gluon.jit
+def _load_codes(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """A tile's codes ``[64, 512]`` uint8 (``CODE_L``) and scales ``[64, 4]`` fp32 (``SCALE_L``) from the rows of
+    ``slot`` (``SliceLayout(1, CODE_L)``) into registers; invalid keys read as 0."""
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
+    ok = (slot >= 0)[:, None]
+    codes = gl.load(row[:, None] + gl.arange(0, 512, gl.SliceLayout(0, CODE_L))[None, :], mask=ok, other=0)
+    slot = gl.convert_layout(slot, gl.SliceLayout(1, SCALE_L))  # the same keys a thread: no data movement
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
+    sc = (row + 512).to(gl.pointer_type(gl.float32))
+    sc = gl.load(sc[:, None] + gl.arange(0, 4, gl.SliceLayout(0, SCALE_L))[None, :], mask=(slot >= 0)[:, None],
+                 other=0.0)
+    return codes, sc
+
+
+@gluon.jit
+def _load_rope(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """A tile's rope columns ``[64, 64]`` bf16 (``ROPE_L``) from the rows of ``slot``; invalid keys read as 0."""
+    slot = gl.convert_layout(slot, gl.SliceLayout(1, ROPE_L))
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
+    rope = (row + 528).to(gl.pointer_type(gl.bfloat16))
+    return gl.load(rope[:, None] + gl.arange(0, 64, gl.SliceLayout(0, ROPE_L))[None, :], mask=(slot >= 0)[:, None],
+                   other=0.0)
+
+
+@gluon.jit
+def _prefetch_rows(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """Start bringing the rows of ``slot`` (``SliceLayout(1, CODE_L)``) into L2, none for invalid keys: one
+    ``cp.async.bulk.prefetch.L2`` of 656 bytes a row (a hint: no registers held, nothing to wait for)."""
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE).to(gl.int64, bitcast=True)
+    gl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ge.s32 p, $2, 0;
+        @p cp.async.bulk.prefetch.L2.global [$1], 656;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [row, slot], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def sparse_decode_gluon64_kernel(
+    q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt,
+    stride_ib, stride_is,
+    H, S_Q, topk, n_slots, n_splits,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+    RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True,
+):
+    """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
+    fp8 cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks of ``BLOCK_SIZE`` rows at
+    ``stride_kb``, ``n_slots`` rows in all); the slots ``idx_ptr`` ``[B, S_Q, topk]`` (int32 or int64, last dim
+    contiguous). ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * S_Q * H, 512]``, q's dtype) /
+    ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
+    (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG``: as
+    ``fp8_decode_gluon64``'s variants."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    key_l: gl.constexpr = gl.SliceLayout(1, CODE_L)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+    pid_h = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    bq = gl.program_id(2).to(gl.int64)  # query (b, i) = (bq // S_Q, bq % S_Q)
+    b = bq // S_Q
+    i = bq % S_Q
+    per_split = gl.cdiv(gl.cdiv(topk, n_splits), 64) * 64
+    start = pid_s * per_split
+    end = gl.minimum(start + per_split, topk)
+    n_tiles = gl.maximum(gl.cdiv(end - start, 64), 0)
+    idx_row = idx_ptr + b * stride_ib + i * stride_is
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, DC], SMEM_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, DR], SMEM_C)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    if MAX_XCHG:
+        mx_s = gl.allocate_shared_memory(gl.float32, [64, 2], XCH_S)
+
+    # tiles 0 and 1 into their slots (invalid keys and tiles past n_tiles read as zeros); tiles 2 and 3 toward L2
+    for t in gl.static_range(2):
+        slot_t = _tile_slots(idx_row, t, n_tiles, start, end, n_slots, key_l)
+        codes, sc = _load_codes(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
+        rope = _load_rope(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
+        _store_tile(kc_s.index(t), kr_s.index(t), codes, sc, rope)
+    slot2 = _tile_slots(idx_row, 2, n_tiles, start, end, n_slots, key_l)  # the slots of tiles j + 2 .. j + 4
+    slot3 = _tile_slots(idx_row, 3, n_tiles, start, end, n_slots, key_l)
+    slot4 = _tile_slots(idx_row, 4, n_tiles, start, end, n_slots, key_l)
+    _prefetch_rows(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+    _prefetch_rows(kv_ptr, slot3, stride_kb, stride_kt, BLOCK_SIZE)
+
+    # the query rows (heads pid_h * 64 ...), 64 columns at a time (heads past H: zeros, never stored)
+    h_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + i * stride_qs + h_q.to(gl.int64) * stride_qh
+    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    for c in gl.static_range(8):
+        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
+        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(h_q < H)[:, None], other=0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # the query rows and tiles 0 and 1 stored (every warp) before any wgmma reads them
+
+    zero_s = gl.zeros([64, 64], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_part = gl.zeros([64, 64], gl.float32, s_l)
+    o = gl.zeros([64, DC], gl.float32, o_l)
+
+    s = zero_s
+    key_ok = _tile_slots(idx_row, 0, n_tiles, start, end, n_slots, col_s) >= 0
+    if n_tiles > 0:
+        s = warpgroup_mma(qr_s, kr_s.index(0).permute([1, 0]), zero_s)
+        s = warpgroup_mma(q_s, kc_s.index(0).permute([1, 0]), s)
+    for j in range(n_tiles):
+        buf = j % 2
+        k_cur = kc_s.index(buf)
+        # online softmax of S_j (base 2); invalid keys -inf
+        s = gl.where(key_ok[None, :], s * scale_log2, float("-inf"))
+        if MAX_XCHG:
+            m_new = gl.maximum(m_i, _row_max_xchg(s, mx_s, row_s))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        if RESCALE_SKIP:
+            # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
+            # valid key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
+            # moved skips its O rescale (a warp vote: no CTA barrier)
+            m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))
+            p = gl.exp2(s - m_shift[:, None])
+            l_part = l_part * alpha[:, None] + p
+            o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
+        else:
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+            alpha = gl.exp2(m_i - m_shift)
+            p = gl.exp2(s - m_shift[:, None])
+            l_part = l_part * alpha[:, None] + p
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_new
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()  # P_j and (from the last step) the dequantized tile j + 1, for the async proxy
+        gl.thread_barrier()  # every warp's P rows (and tile j + 1's rows) before either warpgroup's dots
+        pv = warpgroup_mma(p_s, k_cur, o, is_async=True)
+        # S_{j+1} from the other slot (a dead product past the last tile: that slot holds zeros)
+        qk = warpgroup_mma(qr_s, kr_s.index(1 - buf).permute([1, 0]), zero_s, is_async=True)
+        qk = warpgroup_mma(q_s, kc_s.index(1 - buf).permute([1, 0]), qk, is_async=True)
+        # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers,
+        # tile j + 5's slots
+        _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE)
+        codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+        slot5 = _tile_slots(idx_row, j + 5, n_tiles, start, end, n_slots, key_l)
+        o = warpgroup_mma_wait(2, deps=[pv])
+        gl.thread_barrier()  # both warpgroups done with slot j and P
+        # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
+        rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+        _store_tile(k_cur, kr_s.index(buf), codes, sc, rope)
+        key_ok = _tile_slots(idx_row, j + 1, n_tiles, start, end, n_slots, col_s) >= 0
+        slot2 = slot3
+        slot3 = slot4
+        slot4 = slot5
+        s = warpgroup_mma_wait(0, deps=[qk])
+
+    l_i = gl.sum(l_part, axis=1)
+    # the program's rows and split again (an opaque zero: recomputed here, not held in registers across the loop)
+    z = opaque_zero(n_tiles)
+    rows = (gl.program_id(0) + z) * 64 + gl.arange(0, 64, row_s)
+    row_ok = rows < H
+    bq = gl.program_id(2).to(gl.int64) + z
+    pid_s = gl.program_id(1) + z
+    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    inv_o = gl.convert_layout(inv, row_o)
+    first = gl.convert_layout(o_first, row_o)
+    ok = gl.convert_layout(row_ok, row_o)
+    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+
+
+def smem_bytes() -> int:
+    """Shared memory of one program's buffers: the query rows, the two bf16 tile slots and P (the sm_90 compile
+    adds a little scratch for the cross-warpgroup row maxima; checked by a test)."""
+    return BLOCK_M * D * 2 + 2 * BLOCK_N * D * 2 + BLOCK_M * BLOCK_N * 2
+
+
+def eligible(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> bool:
+    """Whether :func:`launch` serves the call: an sm_90 GPU, bf16 q ``[B, s_q, H, 576]``, a uint8 cache
+    ``[NB, BS, 656]`` (``kv_lora_rank`` 512; any block size), dense bytes within a row, row and page strides
+    multiples of 16 bytes, a 16-byte aligned base, fewer than 2**31 slots, int32 / int64 indices."""
+    if q.device.type != "cuda" or kv_cache.device != q.device or indices.device != q.device:
+        return False
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.uint8 or kv_lora_rank != DC:
+        return False
+    if indices.dtype not in (torch.int32, torch.int64):
+        return False
+    if q.dim() != 4 or q.shape[-1] != D or kv_cache.dim() != 3 or kv_cache.shape[-1] != ROW_BYTES:
+        return False
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16:
+        return False
+    if kv_cache.data_ptr() % 16 or kv_cache.shape[0] * kv_cache.shape[1] >= 2 ** 31:
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_rank: int,
+           config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """Run the kernel on a call :func:`eligible` accepts (``q [B, s_q, H, 576]``, ``indices [B, s_q, topk]``).
+    ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
+    tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
+    (each a bool, default True)."""
+    B, s_q, H, _ = q.shape
+    topk = indices.shape[2]
+    out, lse = decode_outputs(q, kv_lora_rank)
+    if B * s_q * H == 0:
+        return out, lse
+    hb = triton.cdiv(H, BLOCK_M)
+    splits, direct = opaque_splits(config, B * s_q * hb, num_sms(q.device) * PROGRAMS_PER_SM, topk, BLOCK_N)
+    o_buf, l_buf = split_buffers(out, lse, B * s_q * H, splits, DC, direct)
+    q = last_dim_contiguous(q)
+    indices = last_dim_contiguous(indices)
+    sparse_decode_gluon64_kernel[(hb, splits, B * s_q)](
+        q, kv_cache, indices, o_buf, l_buf,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        indices.stride(0), indices.stride(1),
+        H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits,
+        DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
+        **{k: bool((config or {}).get(k, True)) for k in VARIANTS},
+        num_warps=NUM_WARPS,
+    )
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct)
+    return out, lse
+
+
+@torch.library.custom_op("mla::sparse_decode_gluon64", mutates_args=(), tags=LAYOUT_TAGS)
+def sparse_decode_gluon64(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float,
+                          kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """Gluon ``mla::sparse_decode`` with 64 heads a program (same contract as ``mla::sparse_decode_ref``; an
+    opaque call to Inductor): :func:`launch` where :func:`eligible`, else ``mla::sparse_decode_triton``."""
+    validate(q, kv_cache, indices, kv_lora_rank)
+    if eligible(q, kv_cache, indices, kv_lora_rank):
+        return launch(q, kv_cache, indices, scale, kv_lora_rank)
+    import mla_compile.ops.triton.sparse_decode  # noqa: F401  (registers mla::sparse_decode_triton)
+    return torch.ops.mla.sparse_decode_triton(q, kv_cache, indices, scale, kv_lora_rank)
+
+
+@sparse_decode_gluon64.register_fake
+def _(q, kv_cache, indices, scale, kv_lora_rank):
+    validate(q, kv_cache, indices, kv_lora_rank)
+    return decode_outputs(q, kv_lora_rank)

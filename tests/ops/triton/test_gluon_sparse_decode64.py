@@ -1,0 +1,319 @@
+"""The sm_90 Gluon sparse decode over the fp8 cache with 64 heads a program (``ops/triton/sparse_decode_gluon64.py``,
+backend "gluon64" of ``mla::sparse_decode``).
+
+On any machine with Triton: its sm_90 compile (shared memory within an SM's 227 KB, at most 255 registers, no spill
+in the tile loop, the dots and one tile's 16-byte row loads there, no TMA copies), the compile of ``launch``'s own
+recorded call, and its declaration (what the selector lets it serve; "auto" skips it before its GPU run). On an
+sm_90 GPU: shapes against the float64 sparse decode of the dequantized cache (``mla::sparse_decode_ref`` in float64;
+NaN-poisoned cache rows that no list names (0xFF bytes) and outputs, -1 padded lists from the lightning indexer in
+any order, all-invalid rows, 16 / 40 / 128 heads, s_q 1 and 2, topk off the tile size, one split and many, int64
+indices, pages of 64 and 1), opcheck, torch.compile and CUDA-graph replay through
+``mla_compile.ops.sparse_decode(..., backend="gluon64")``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import mla_compile  # noqa: F401
+from mla_compile.ops import sparse_decode
+from mla_compile.ops.registry import backends_for
+from mla_compile.ops.select import facts_for, select, why_not
+from tests.cuda_capture import capture
+from _sparse_test_util import fp8_paged, lens_with_empty, topk_indices
+from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+SCALE = 1 / math.sqrt(192)
+DC, DR = 512, 64
+BF = torch.bfloat16
+# each dequantized key / value rounds once to bf16 (2**-9 relative), as in fp8_decode_gluon64's tests
+TOL, LSE_ATOL = 1.5e-2, 2e-2
+
+
+def _sm90() -> bool:
+    return HAS_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton")
+
+
+def _inputs(B, H, s_q, max_len, topk, bs, seed, empty_row=True):
+    """q, a NaN-poisoned fp8 cache and ``[B, s_q, topk]`` lists (-1 padded, any order; row 1 of the batch, when
+    there are three or more, all -1 where ``empty_row``)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = lens_with_empty(B, max_len, gen)
+    cache, table, seq_lens, _ = fp8_paged(lens, bs, DC, DR, "cuda", gen)
+    idx = topk_indices(table, seq_lens, bs, s_q, topk, gen)
+    if empty_row and B > 2:
+        idx[2] = -1
+    q = torch.randn(B, s_q, H, DC + DR, generator=gen).to("cuda", BF)
+    return q, cache, idx
+
+
+def _reference(q, cache, idx, scale=SCALE):
+    return torch.ops.mla.sparse_decode_ref(q.double(), cache, idx, scale, DC)
+
+
+def _check(q, cache, idx, config=None):
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    assert g.eligible(q, cache, idx, DC)
+    poison_allocator()
+    out, lse = g.launch(q, cache, idx, SCALE, DC, config=config)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, idx)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
+    return out, lse
+
+
+_SHAPES = [  # B, H, s_q, max_len, topk, bs, SPLITS (None: the plan's)
+    (6, 16, 1, 5000, 2048, 64, None),     # an empty sequence, short lists padded with -1, many splits
+    (6, 16, 1, 5000, 2048, 64, 1),        # one split: the result written directly
+    (6, 16, 1, 5000, 2048, 64, 3),        # three splits merged by the reduce kernel
+    (5, 128, 1, 4000, 2048, 64, None),    # 128 heads: two 64-head programs a query
+    (4, 128, 1, 3000, 2048, 64, 1),
+    (150, 16, 1, 2500, 2048, 64, None),   # more programs than SMs: one split
+    (140, 128, 1, 700, 512, 64, None),    # 128 heads, full waves
+    (5, 16, 2, 3000, 2048, 64, None),     # MTP: two queries, each its own list
+    (3, 128, 2, 2000, 1000, 64, None),    # MTP with 128 heads, topk off the tile size
+    (4, 40, 2, 900, 300, 64, 2),          # 40 heads: a partial program
+    (5, 16, 1, 1500, 2048, 1, None),      # pages of one row
+    (4, 64, 1, 100, 96, 128, None),       # lists shorter than two tiles, pages of 128
+]
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("B,H,s_q,max_len,topk,bs,splits", _SHAPES)
+def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits):
+    q, cache, idx = _inputs(B, H, s_q, max_len, topk, bs, seed=B + H + topk + bs)
+    out, lse = _check(q, cache, idx, None if splits is None else {"SPLITS": splits})
+    if B > 2:
+        assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("config", [{"RESCALE_SKIP": False, "MAX_XCHG": False}, {"RESCALE_SKIP": False},
+                                    {"MAX_XCHG": False}])
+def test_gluon64_sparse_decode_flags_off(config):
+    q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11)
+    _check(q, cache, idx, config)
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_gluon64_sparse_decode_int64_indices_all_invalid_and_growing_scores():
+    """int64 lists; a batch whose every list is -1 (LSE -inf, output 0 everywhere); a query whose scores grow
+    along its list (the running maxima raised tile after tile) at a larger softmax scale."""
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    q, cache, idx = _inputs(5, 16, 1, 4000, 2048, 64, seed=12)
+    _check(q, cache, idx.long())
+    poison_allocator()
+    out, lse = g.launch(q, cache, torch.full_like(idx, -1), SCALE, DC)
+    torch.cuda.synchronize()
+    assert torch.isinf(lse).all() and (lse < 0).all() and (out == 0).all()
+    # growing scores: q along the first written row's dequantized latent, the list sorted by score
+    from mla_compile.ops.fp8_cache import dequantize_fp8_rows
+
+    slots = idx[0, 0][idx[0, 0] >= 0].long()
+    lat, _ = dequantize_fp8_rows(cache.reshape(-1, cache.shape[-1])[slots], DC)
+    q0 = torch.zeros_like(q[:1])
+    q0[..., :DC] = (lat[0].float() * 0.5).to(BF)
+    score = lat.float() @ q0[0, 0, 0, :DC].float()
+    order = torch.argsort(score)
+    grow = torch.full_like(idx[:1], -1)
+    grow[0, 0, :slots.numel()] = slots[order].int()
+    out, lse = g.launch(q0, cache, grow, 1.0, DC)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q0, cache, grow, 1.0)
+    assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=0.5)
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_the_backend_runs_the_kernel_and_falls_back_elsewhere():
+    """Backend "gluon64" is the kernel bit for bit; a strided cache (pages inside a larger buffer) gives the same
+    bits; a bf16 cache runs ``mla::sparse_decode_triton``."""
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    q, cache, idx = _inputs(3, 128, 1, 3000, 2048, 64, seed=5)
+    got = sparse_decode(q, cache, idx, SCALE, backend="gluon64")
+    want = g.launch(q, cache, idx, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    wide = torch.full((cache.shape[0], 128, cache.shape[2]), 0xFF, dtype=torch.uint8, device="cuda")
+    wide[:, :64] = cache
+    strided = wide[:, :64]
+    assert g.eligible(q, strided, idx, DC)
+    got = torch.ops.mla.sparse_decode_gluon64(q, strided, idx, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    bf = torch.randn(cache.shape[0], 64, DC + DR, device="cuda").to(BF)
+    assert not g.eligible(q, bf, idx, DC)
+    got = torch.ops.mla.sparse_decode_gluon64(q, bf, idx, SCALE, DC)
+    want = torch.ops.mla.sparse_decode_triton(q, bf, idx, SCALE, DC)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_gluon64_sparse_decode_opcheck():
+    import mla_compile.ops.triton.sparse_decode_gluon64  # noqa: F401
+
+    q, cache, idx = _inputs(3, 16, 2, 300, 128, 64, seed=1)
+    opcheck(torch.ops.mla.sparse_decode_gluon64.default, (q, cache, idx, SCALE, DC))
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("H,s_q", [(16, 2), (128, 1)])
+def test_compiled_and_graph_replay_through_the_op(H, s_q):
+    """``sparse_decode(..., backend="gluon64")`` under torch.compile(fullgraph) and captured in a CUDA graph:
+    replays take new lists (an all -1 row included) and queries (nothing read on the host)."""
+    B, topk = 12, 512
+    gen = torch.Generator().manual_seed(8)
+    cache, table, seq_lens, _ = fp8_paged([3000] * B, 64, DC, DR, "cuda", gen)
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, i: sparse_decode(q, cache, i, SCALE, backend="gluon64"), fullgraph=True)
+    st = {"q": torch.zeros(B, s_q, H, DC + DR, device="cuda", dtype=BF),
+          "idx": torch.full((B, s_q, topk), -1, device="cuda", dtype=torch.int32)}
+    out, lse = step(st["q"], st["idx"])
+    assert torch.isinf(lse).all() and (out == 0).all()
+    graph, (out, lse) = capture(lambda: step(st["q"], st["idx"]))
+    for _ in range(3):
+        new_lens = torch.tensor(lens_with_empty(B, 3000, gen), dtype=torch.int32, device="cuda")
+        idx = topk_indices(table, new_lens, 64, s_q, topk, gen)
+        idx[3] = -1
+        st["idx"].copy_(idx)
+        st["q"].copy_(torch.randn(B, s_q, H, DC + DR, generator=gen).to("cuda", BF))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = _reference(st["q"], cache, st["idx"])
+        assert_attention_close(out, lse, ref, ref_lse, BF, tol=TOL, lse_atol=LSE_ATOL)
+        assert torch.isinf(lse[3]).all() and (out[3] == 0).all()
+
+
+def test_declaration_serves_only_sm90_bf16_fp8_deepseek_rows():
+    """What the selector lets backend "gluon64" serve (no GPU needed: facts given), and that "auto" skips it
+    (not yet run on a GPU)."""
+    spec = backends_for("sparse_decode")["gluon64"]
+    assert not spec.gpu_tested
+
+    def facts(**kw):
+        base = dict(cap=(9, 0), cache_dtype=torch.uint8, block_size=64, num_heads=128, head_dims=(DC, DR),
+                    query_len=1, cache_align=16, packed_rows=True)
+        base.update(kw)
+        dtype = base.pop("dtype", BF)
+        return facts_for("cuda", dtype, **base)
+
+    if HAS_TRITON:
+        assert why_not(spec, facts()) is None
+        assert why_not(spec, facts(block_size=1, query_len=2, num_heads=16)) is None
+        assert why_not(spec, facts(packed_rows=False)) is None  # plain loads: pages inside a larger buffer too
+    for bad in (dict(cap=(10, 0)), dict(cap=(8, 9)), dict(dtype=torch.float16), dict(cache_dtype=BF),
+                dict(head_dims=(512, 32)), dict(cache_align=8)):
+        assert why_not(spec, facts(**bad)) is not None, bad
+    assert select("sparse_decode", facts()).name != "gluon64"
+
+
+def _compile_sm90(consts, idx_type="*i32"):
+    """The sm_90 compile of the kernel, its pointers, the q strides and the cache strides 16-byte divisible as
+    the JIT specializes them for a real launch (``consts``: every constexpr, the flags included)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    kernel = g.sparse_decode_gluon64_kernel
+    types = dict(q_ptr="*bf16", kv_ptr="*u8", idx_ptr=idx_type, lse_ptr="*fp32",
+                 o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or p.name.startswith(("stride_q", "stride_k"))}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+
+
+@sm90_compile
+@pytest.mark.parametrize("flags,direct,block_size,idx_type", [
+    ({}, False, 64, "*i32"), ({}, True, 64, "*i32"), ({}, False, 1, "*i64"), ({}, True, 128, "*i64"),
+    ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32")])
+def test_sm90_compile_resources(flags, direct, block_size, idx_type):
+    """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread, no spill at all (no local
+    memory), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the dots
+    (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the tile loop
+    holds its S and P V dots, one tile's 16-byte row loads (eight of codes, one of scales, two of rope), the L2
+    prefetches and at most five CTA barriers (three with the row maxima exchanged across warpgroups)."""
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+    from mla_compile.ops.triton._sm90 import resources
+    from test_gluon_fp8_decode64 import _loop_sass
+
+    flags = {k: flags.get(k, True) for k in g.VARIANTS}
+    compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, **flags), idx_type)
+    assert compiled.metadata.num_warps == 8
+    shared = compiled.metadata.shared
+    assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["STL"] == 0 and res["LDL"] == 0, res
+    assert res["regs"] <= 255, res
+    assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
+    assert res["UTMALDG"] == 0, res
+    loop = _loop_sass(compiled)
+    assert loop.count("LDG.E.128") == 8 + 1 + 2, loop.count("LDG.E.128")  # codes, scales, rope
+    assert "UBLKPF.L2" in loop
+    assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
+    assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
+    assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5), loop.count("BAR.SYNC")
+
+
+@sm90_compile
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sm90_compile_of_the_launch(monkeypatch, splits):
+    """``launch``'s own call (recorded on CPU tensors: 128 heads, MTP, pages of 64 inside a larger buffer) binds
+    every kernel argument and compiles for sm_90 with the launch's constexprs and warps; with several splits it
+    writes the fp32 workspaces and the reduce kernel merges them; the flags default to on."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+    from mla_compile.ops.triton._sm90 import signature
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
+
+    monkeypatch.setattr(g, "sparse_decode_gluon64_kernel", Recorder(g.sparse_decode_gluon64_kernel))
+    monkeypatch.setattr(g, "wrap_triton", Recorder)
+    gen = torch.Generator().manual_seed(2)
+    cache, table, seq_lens, _ = fp8_paged([300, 0, 129], 64, DC, DR, "cpu", gen)
+    wide = torch.zeros(cache.shape[0], 128, cache.shape[2], dtype=torch.uint8)
+    wide[:, :64] = cache
+    q = torch.randn(3, 2, 128, DC + DR, generator=gen).to(BF)
+    idx = torch.randint(-1, 64 * cache.shape[0], (3, 2, 256), generator=gen, dtype=torch.int32)
+    out, lse = g.launch(q, wide[:, :64], idx, SCALE, DC, config={"SPLITS": splits})
+    assert out.shape == (3, 2, 128, DC) and lse.shape == (3, 2, 128)
+    kernel, grid, args, kwargs = launches[0]
+    assert grid == (2, splits, 6)
+    assert len(launches) == (1 if splits == 1 else 2)
+    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 64
+    assert all(kwargs[k] is True for k in g.VARIANTS)
+    assert args[3].dtype == (BF if splits == 1 else torch.float32)
+    sig, consts, attrs = signature(kernel, args, kwargs)
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
+    assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024
