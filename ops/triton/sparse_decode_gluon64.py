@@ -1,4 +1,5 @@
-"""An sm_90 Gluon sparse decode over the 656-byte fp8 latent cache (``mla::sparse_decode``), 64 heads a program.
+"""An sm_90 Gluon sparse decode over the 656-byte fp8 (or the bf16) latent cache (``mla::sparse_decode``), 64 heads
+a program.
 
 The sparse twin of ``fp8_decode_gluon64`` (dense fp8 decode): the same shared memory (``Q [64, 576]`` bf16 once,
 two bf16 tile slots ``K [64 keys, 576]`` and ``P [64, 64]`` with the 128-byte swizzle ``wgmma`` reads: 224 KB),
@@ -20,14 +21,19 @@ across warpgroups through a ``[64, 2]`` buffer and raised only past ``TAU``: ``f
   ``P_j V_j`` released, as the dense kernel does with its pages;
 - the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs.
 
+A bf16 cache (``[NB, BS, 576]``, ``FP8`` False) needs no dequantization: once ``P_j V_j`` releases slot j, tile
+``j + 2``'s rows are copied straight into it with ``cp.async`` (16 bytes a copy, invalid keys zero-filled, no
+registers held), and the copies are waited for (this thread's; the next CTA barrier: every thread's) before the
+dots that read the slot, one step later.
+
 With 128 heads two programs read each tile (adjacent in the grid: the second mostly from L2). A row whose slots
 are all invalid has LSE -inf and output 0. With one split the program writes the result (output in q's dtype,
 natural-log LSE); else each split writes its normalized rows and base-2 LSE to the workspaces of
 ``_plan.split_buffers`` and ``decode.reduce_splits`` merges them.
 
-Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q ``[B, s_q, H, 576]``, a uint8 cache
-``[NB, BS, 656]`` of any block size with row and page strides multiples of 16 bytes and a 16-byte aligned base,
-int32 or int64 indices ``[B, s_q, topk]``). :func:`sparse_decode_gluon64` (``mla::sparse_decode_gluon64``) runs
+Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q ``[B, s_q, H, 576]``, a uint8 fp8 cache
+``[NB, BS, 656]`` or a bf16 cache ``[NB, BS, 576]`` of any block size with row and page strides multiples of 16
+bytes and a 16-byte aligned base, int32 or int64 indices ``[B, s_q, topk]``). :func:`sparse_decode_gluon64` (``mla::sparse_decode_gluon64``) runs
 ``mla::sparse_decode_triton`` for other calls.
 """
 
@@ -39,6 +45,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from mla_compile.ops.registry import LAYOUT_TAGS
@@ -105,19 +112,44 @@ def _load_rope(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
                    other=0.0)
 
 
-@gluon.jit
-def _prefetch_rows(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
-    """Start bringing the rows of ``slot`` (``SliceLayout(1, CODE_L)``) into L2, none for invalid keys: one
-    ``cp.async.bulk.prefetch.L2`` of 656 bytes a row (a hint: no registers held, nothing to wait for)."""
-    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE).to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise(
-        """{
+def _prefetch_asm(nbytes: int) -> str:
+    return f"""{{
         .reg .pred p;
         setp.ge.s32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], 656;
+        @p cp.async.bulk.prefetch.L2.global [$1], {nbytes};
         mov.u32 $0, 0;
-        }""",
-        "=r,l,r", [row, slot], dtype=gl.int32, is_pure=False, pack=1)
+        }}"""
+
+
+_PREFETCH_FP8 = gl.constexpr(_prefetch_asm(ROW_BYTES))
+_PREFETCH_BF16 = gl.constexpr(_prefetch_asm(2 * D))
+
+
+@gluon.jit
+def _prefetch_rows(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr, FP8: gl.constexpr):
+    """Start bringing the rows of ``slot`` (``SliceLayout(1, CODE_L)``) into L2, none for invalid keys: one
+    ``cp.async.bulk.prefetch.L2`` a row (656 bytes fp8, 1152 bf16; a hint: no registers held, nothing to wait
+    for)."""
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE).to(gl.int64, bitcast=True)
+    if FP8:
+        gl.inline_asm_elementwise(_PREFETCH_FP8, "=r,l,r", [row, slot], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise(_PREFETCH_BF16, "=r,l,r", [row, slot], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _copy_tile(kc, kr, kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
+    """bf16 cache: copy the rows of ``slot`` (``SliceLayout(1, CODE_L)``) into a slot's latent ``kc [64, 512]``
+    and rope ``kr [64, 64]`` with ``cp.async`` (16 bytes a copy, ``ROPE_L``: no registers held; invalid keys
+    zero-filled, none of their bytes read) and commit them as one group."""
+    slot = gl.convert_layout(slot, gl.SliceLayout(1, ROPE_L))  # the same keys a thread: no data movement
+    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
+    ok = (slot >= 0)[:, None]
+    cols = gl.arange(0, 512, gl.SliceLayout(0, ROPE_L))
+    async_copy.async_copy_global_to_shared(kc, row[:, None] + cols[None, :], mask=ok)
+    cols = gl.arange(0, 64, gl.SliceLayout(0, ROPE_L))
+    async_copy.async_copy_global_to_shared(kr, row[:, None] + 512 + cols[None, :], mask=ok)
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -128,12 +160,12 @@ def sparse_decode_gluon64_kernel(
     stride_kb, stride_kt,
     stride_ib, stride_is,
     H, S_Q, topk, n_slots, n_splits,
-    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
-    fp8 cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks of ``BLOCK_SIZE`` rows at
-    ``stride_kb``, ``n_slots`` rows in all); the slots ``idx_ptr`` ``[B, S_Q, topk]`` (int32 or int64, last dim
+    cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
+    ``BLOCK_SIZE`` rows at ``stride_kb``, in elements; ``n_slots`` rows in all); the slots ``idx_ptr`` ``[B, S_Q, topk]`` (int32 or int64, last dim
     contiguous). ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * S_Q * H, 512]``, q's dtype) /
     ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
     (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG``: as
@@ -171,14 +203,17 @@ def sparse_decode_gluon64_kernel(
     # tiles 0 and 1 into their slots (invalid keys and tiles past n_tiles read as zeros); tiles 2 and 3 toward L2
     for t in gl.static_range(2):
         slot_t = _tile_slots(idx_row, t, n_tiles, start, end, n_slots, key_l)
-        codes, sc = _load_codes(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
-        rope = _load_rope(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
-        _store_tile(kc_s.index(t), kr_s.index(t), codes, sc, rope)
+        if FP8:
+            codes, sc = _load_codes(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
+            rope = _load_rope(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
+            _store_tile(kc_s.index(t), kr_s.index(t), codes, sc, rope)
+        else:
+            _copy_tile(kc_s.index(t), kr_s.index(t), kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
     slot2 = _tile_slots(idx_row, 2, n_tiles, start, end, n_slots, key_l)  # the slots of tiles j + 2 .. j + 4
     slot3 = _tile_slots(idx_row, 3, n_tiles, start, end, n_slots, key_l)
     slot4 = _tile_slots(idx_row, 4, n_tiles, start, end, n_slots, key_l)
-    _prefetch_rows(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
-    _prefetch_rows(kv_ptr, slot3, stride_kb, stride_kt, BLOCK_SIZE)
+    _prefetch_rows(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE, FP8)
+    _prefetch_rows(kv_ptr, slot3, stride_kb, stride_kt, BLOCK_SIZE, FP8)
 
     # the query rows (heads pid_h * 64 ...), 64 columns at a time (heads past H: zeros, never stored)
     h_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
@@ -188,6 +223,8 @@ def sparse_decode_gluon64_kernel(
         qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
         q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
     qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(h_q < H)[:, None], other=0.0).to(gl.bfloat16))
+    if not FP8:
+        async_copy.wait_group(0)  # tiles 0 and 1 landed (this thread's copies; the barrier: every thread's)
     fence_async_shared()
     gl.thread_barrier()  # the query rows and tiles 0 and 1 stored (every warp) before any wgmma reads them
 
@@ -228,6 +265,8 @@ def sparse_decode_gluon64_kernel(
             o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
         p_s.store(p.to(gl.bfloat16))
+        if not FP8:
+            async_copy.wait_group(0)  # tile j + 1's copies (issued last step) landed
         fence_async_shared()  # P_j and (from the last step) the dequantized tile j + 1, for the async proxy
         gl.thread_barrier()  # every warp's P rows (and tile j + 1's rows) before either warpgroup's dots
         pv = warpgroup_mma(p_s, k_cur, o, is_async=True)
@@ -236,14 +275,18 @@ def sparse_decode_gluon64_kernel(
         qk = warpgroup_mma(q_s, kc_s.index(1 - buf).permute([1, 0]), qk, is_async=True)
         # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers,
         # tile j + 5's slots
-        _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE)
-        codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+        _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE, FP8)
+        if FP8:
+            codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
         slot5 = _tile_slots(idx_row, j + 5, n_tiles, start, end, n_slots, key_l)
         o = warpgroup_mma_wait(2, deps=[pv])
         gl.thread_barrier()  # both warpgroups done with slot j and P
         # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
-        rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
-        _store_tile(k_cur, kr_s.index(buf), codes, sc, rope)
+        if FP8:
+            rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+            _store_tile(k_cur, kr_s.index(buf), codes, sc, rope)
+        else:
+            _copy_tile(k_cur, kr_s.index(buf), kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
         key_ok = _tile_slots(idx_row, j + 1, n_tiles, start, end, n_slots, col_s) >= 0
         slot2 = slot3
         slot3 = slot4
@@ -273,18 +316,19 @@ def smem_bytes() -> int:
 
 
 def eligible(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> bool:
-    """Whether :func:`launch` serves the call: an sm_90 GPU, bf16 q ``[B, s_q, H, 576]``, a uint8 cache
-    ``[NB, BS, 656]`` (``kv_lora_rank`` 512; any block size), dense bytes within a row, row and page strides
-    multiples of 16 bytes, a 16-byte aligned base, fewer than 2**31 slots, int32 / int64 indices."""
+    """Whether :func:`launch` serves the call: an sm_90 GPU, bf16 q ``[B, s_q, H, 576]`` (``kv_lora_rank`` 512),
+    int32 / int64 indices, a uint8 fp8 cache ``[NB, BS, 656]`` or a bf16 cache ``[NB, BS, 576]`` of any block size,
+    dense elements within a row, row and page strides multiples of 16 bytes, a 16-byte aligned base, fewer than
+    2**31 slots."""
     if q.device.type != "cuda" or kv_cache.device != q.device or indices.device != q.device:
         return False
-    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.uint8 or kv_lora_rank != DC:
+    if q.dtype != torch.bfloat16 or kv_lora_rank != DC or indices.dtype not in (torch.int32, torch.int64):
         return False
-    if indices.dtype not in (torch.int32, torch.int64):
+    width = {torch.uint8: ROW_BYTES, torch.bfloat16: D}.get(kv_cache.dtype)
+    if width is None or q.dim() != 4 or q.shape[-1] != D or kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
         return False
-    if q.dim() != 4 or q.shape[-1] != D or kv_cache.dim() != 3 or kv_cache.shape[-1] != ROW_BYTES:
-        return False
-    if kv_cache.stride(2) != 1 or kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16:
+    align = 16 // kv_cache.element_size()
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) % align or kv_cache.stride(0) % align:
         return False
     if kv_cache.data_ptr() % 16 or kv_cache.shape[0] * kv_cache.shape[1] >= 2 ** 31:
         return False
@@ -314,7 +358,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
         kv_cache.stride(0), kv_cache.stride(1),
         indices.stride(0), indices.stride(1),
         H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits,
-        DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
+        DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, FP8=kv_cache.dtype == torch.uint8,
         **{k: bool((config or {}).get(k, True)) for k in VARIANTS},
         num_warps=NUM_WARPS,
     )
