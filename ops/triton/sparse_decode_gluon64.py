@@ -33,8 +33,8 @@ natural-log LSE); else each split writes its normalized rows and base-2 LSE to t
 
 Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q ``[B, s_q, H, 576]``, a uint8 fp8 cache
 ``[NB, BS, 656]`` or a bf16 cache ``[NB, BS, 576]`` of any block size with row and page strides multiples of 16
-bytes and a 16-byte aligned base, int32 or int64 indices ``[B, s_q, topk]``). :func:`sparse_decode_gluon64` (``mla::sparse_decode_gluon64``) runs
-``mla::sparse_decode_triton`` for other calls.
+bytes and a 16-byte aligned base, int32 or int64 indices ``[B, s_q, topk]``). :func:`sparse_decode_gluon64`
+(``mla::sparse_decode_gluon64``) runs ``mla::sparse_decode_triton`` for other calls.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ def sparse_decode_gluon64_kernel(
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
-    ``BLOCK_SIZE`` rows at ``stride_kb``, in elements; ``n_slots`` rows in all); the slots ``idx_ptr`` ``[B, S_Q, topk]`` (int32 or int64, last dim
-    contiguous). ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * S_Q * H, 512]``, q's dtype) /
+    ``BLOCK_SIZE`` rows at ``stride_kb``, in elements; ``n_slots`` rows in all); the slots ``idx_ptr``
+    ``[B, S_Q, topk]`` (int32 or int64, last dim contiguous). ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * S_Q * H, 512]``, q's dtype) /
     ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
     (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG``: as
     ``fp8_decode_gluon64``'s variants."""

@@ -267,7 +267,8 @@ def _compile_sm90(consts, idx_type="*i32"):
     ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32")])
 def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread, no spill inside the tile loop (at
-    most one 8-byte slot outside it: the bf16 kernel without its flags keeps one there), shared memory of its buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the dots
+    most one 8-byte slot outside it: the bf16 kernel without its flags keeps one there), shared memory of its
+    buffers' formula plus under 1 KB of scratch and within an SM's 227 KB; the dots
     (S twice: the first tile and the loop, 36 k-steps each; P V, 4) are there, no TMA copies, and the tile loop
     holds its S and P V dots, one tile's 16-byte row loads (fp8: eight of codes, one of scales, two of rope into
     registers; bf16: sixteen of latent and two of rope ``cp.async`` copies, no register loads of rows), the L2
