@@ -1,6 +1,6 @@
 """Time fp8-cache and sparse decode on a GPU: our Triton kernels against the bf16 path and FlashMLA.
 
-    python benchmarks/bench_fp8_sparse.py --out OUT_DIR [--quick | --dense-only | --index-only]
+    python benchmarks/bench_fp8_sparse.py --out OUT_DIR [--quick | --dense-only | --sparse-only | --index-only]
 
 Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 queries):
 - dense decode B=128, L=8192, H=16 (memory-bound): Triton bf16 cache vs Triton fp8 cache (the issue's
@@ -259,6 +259,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="only the H=16 dense and sparse cases")
     ap.add_argument("--index-only", action="store_true", help="only the lightning indexer and its cache write")
+    ap.add_argument("--sparse-only", action="store_true",
+                    help="only the sparse decodes: B=128 topk 2048 over L=8192, H=16 and H=128")
     ap.add_argument("--dense-only", action="store_true",
                     help="only the dense fp8 decodes: B=128 L=8192 H=16, B=128 L=4096 H=128, B=1 L=8192 H=128")
     args = ap.parse_args()
@@ -273,6 +275,8 @@ def main():
     if args.dense_only:
         sections = [lambda: dense_case(128, 16, 8192), lambda: dense_case(128, 128, 4096),
                     lambda: dense_case(1, 128, 8192)]
+    if args.sparse_only:
+        sections = [lambda: sparse_case(128, 16, 8192, 2048), lambda: sparse_case(128, 128, 8192, 2048)]
     bk.run_sections(sections, os.path.join(args.out, "bench_fp8_sparse.json"))
     lines = [bk._fmt(r) if "speedup" not in r else f"{r['impl']:30s} {r['speedup']:.2f}x (rel err {r['rel_err']:.2%})"
              for r in bk.ROWS]
