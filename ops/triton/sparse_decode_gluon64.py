@@ -7,7 +7,8 @@ the same dequantization (``bf16(float32(e4m3 code) * scale)``, the rope as it is
 value element, relative ``2**-9``, as FlashMLA's fp8 kernels) and the same S / online softmax / P V pipeline over
 8 warps (two warpgroups, ``O [64, 512]`` fp32 in registers, asynchronous ``wgmma``; the running maxima exchanged
 across warpgroups through a ``[64, 2]`` buffer and raised only past ``TAU``: ``fp8_decode_gluon64``'s
-``MAX_XCHG`` and ``RESCALE_SKIP``, on by default here). What differs is the loader:
+``MAX_XCHG`` and ``RESCALE_SKIP``, on by default here; its opt-in ``CVT_BF16`` bf16x2 dequantization too).
+What differs is the loader:
 
 - a program owns 64 heads of one query ``(b, i)`` (grid ``(cdiv(H, 64), splits, B * s_q)``; heads past ``H`` are
   zero rows, never stored) and one split of the query's index list ``indices[b, i, :]`` (``topk`` slots, 64 a
@@ -56,7 +57,7 @@ from mla_compile.ops.triton._gluon import finish_rows
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, SMEM_C, TAU, XCH_S, _rescale_voted,
-                                                       _row_max_xchg, _store_tile)
+                                                       WORD_L, _row_max_xchg, _store_tile, _store_tile_bf16)
 
 BLOCK_M = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
@@ -65,8 +66,10 @@ D = DC + DR
 ROW_BYTES = DC + 4 * (DC // 128) + 2 * DR  # 656
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 1
-# the kernel's flags (``launch``'s config keys; each on by default, see ``fp8_decode_gluon64.VARIANTS``)
-VARIANTS = ("RESCALE_SKIP", "MAX_XCHG")
+# the kernel's flags (``launch``'s config keys, as ``fp8_decode_gluon64.VARIANTS``) and their values unless the
+# config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False}
 
 
 @gluon.jit
@@ -88,18 +91,36 @@ def _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _load_codes(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
-    """A tile's codes ``[64, 512]`` uint8 (``CODE_L``) and scales ``[64, 4]`` fp32 (``SCALE_L``) from the rows of
-    ``slot`` (``SliceLayout(1, CODE_L)``) into registers; invalid keys read as 0."""
+def _load_codes(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr, CVT_BF16: gl.constexpr):
+    """A tile's codes ``[64, 512]`` uint8 (``CODE_L``; ``CVT_BF16``: as int32 words ``[64, 128]``, ``WORD_L``, the
+    same 16-byte loads) and scales ``[64, 4]`` fp32 (``SCALE_L``) from the rows of ``slot``
+    (``SliceLayout(1, CODE_L)``) into registers; invalid keys read as 0."""
     row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
     ok = (slot >= 0)[:, None]
-    codes = gl.load(row[:, None] + gl.arange(0, 512, gl.SliceLayout(0, CODE_L))[None, :], mask=ok, other=0)
+    if CVT_BF16:
+        words = row.to(gl.pointer_type(gl.int32))
+        words = gl.convert_layout(words, gl.SliceLayout(1, WORD_L))  # the same keys a thread
+        ok_w = gl.convert_layout(slot, gl.SliceLayout(1, WORD_L)) >= 0
+        codes = gl.load(words[:, None] + gl.arange(0, 128, gl.SliceLayout(0, WORD_L))[None, :],
+                        mask=ok_w[:, None], other=0)
+    else:
+        codes = gl.load(row[:, None] + gl.arange(0, 512, gl.SliceLayout(0, CODE_L))[None, :], mask=ok, other=0)
     slot = gl.convert_layout(slot, gl.SliceLayout(1, SCALE_L))  # the same keys a thread: no data movement
     row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
     sc = (row + 512).to(gl.pointer_type(gl.float32))
     sc = gl.load(sc[:, None] + gl.arange(0, 4, gl.SliceLayout(0, SCALE_L))[None, :], mask=(slot >= 0)[:, None],
                  other=0.0)
     return codes, sc
+
+
+@gluon.jit
+def _store(kc, kr, codes, sc, rope, CVT_BF16: gl.constexpr):
+    """``fp8_decode_gluon64._store_tile_bf16`` (bf16x2 dequantization of code words) under ``CVT_BF16``, else
+    ``_store_tile``."""
+    if CVT_BF16:
+        _store_tile_bf16(kc, kr, codes, sc, rope)
+    else:
+        _store_tile(kc, kr, codes, sc, rope)
 
 
 @gluon.jit
@@ -161,14 +182,14 @@ def sparse_decode_gluon64_kernel(
     stride_ib, stride_is,
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
-    RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True,
+    RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
     ``BLOCK_SIZE`` rows at ``stride_kb``, in elements; ``n_slots`` rows in all); the slots ``idx_ptr``
-    ``[B, S_Q, topk]`` (int32 or int64, last dim contiguous). ``DIRECT`` (one split): the result into ``o_ptr`` (``[B * S_Q * H, 512]``, q's dtype) /
-    ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
-    (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG``: as
+    ``[B, S_Q, topk]`` (int32 or int64, last dim contiguous). ``DIRECT`` (one split): the result into ``o_ptr``
+    (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
+    (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` / ``CVT_BF16``: as
     ``fp8_decode_gluon64``'s variants."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
@@ -204,9 +225,9 @@ def sparse_decode_gluon64_kernel(
     for t in gl.static_range(2):
         slot_t = _tile_slots(idx_row, t, n_tiles, start, end, n_slots, key_l)
         if FP8:
-            codes, sc = _load_codes(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
+            codes, sc = _load_codes(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE, CVT_BF16)
             rope = _load_rope(kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
-            _store_tile(kc_s.index(t), kr_s.index(t), codes, sc, rope)
+            _store(kc_s.index(t), kr_s.index(t), codes, sc, rope, CVT_BF16)
         else:
             _copy_tile(kc_s.index(t), kr_s.index(t), kv_ptr, slot_t, stride_kb, stride_kt, BLOCK_SIZE)
     slot2 = _tile_slots(idx_row, 2, n_tiles, start, end, n_slots, key_l)  # the slots of tiles j + 2 .. j + 4
@@ -277,14 +298,14 @@ def sparse_decode_gluon64_kernel(
         # tile j + 5's slots
         _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE, FP8)
         if FP8:
-            codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+            codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE, CVT_BF16)
         slot5 = _tile_slots(idx_row, j + 5, n_tiles, start, end, n_slots, key_l)
         o = warpgroup_mma_wait(2, deps=[pv])
         gl.thread_barrier()  # both warpgroups done with slot j and P
         # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
         if FP8:
             rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
-            _store_tile(k_cur, kr_s.index(buf), codes, sc, rope)
+            _store(k_cur, kr_s.index(buf), codes, sc, rope, CVT_BF16)
         else:
             _copy_tile(k_cur, kr_s.index(buf), kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
         key_ok = _tile_slots(idx_row, j + 1, n_tiles, start, end, n_slots, col_s) >= 0
@@ -340,7 +361,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     """Run the kernel on a call :func:`eligible` accepts (``q [B, s_q, H, 576]``, ``indices [B, s_q, topk]``).
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
-    (each a bool, default True)."""
+    (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` applies to an fp8 cache only)."""
     B, s_q, H, _ = q.shape
     topk = indices.shape[2]
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -359,7 +380,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
         indices.stride(0), indices.stride(1),
         H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits,
         DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, FP8=kv_cache.dtype == torch.uint8,
-        **{k: bool((config or {}).get(k, True)) for k in VARIANTS},
+        **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
         num_warps=NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct)

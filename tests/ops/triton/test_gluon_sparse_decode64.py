@@ -112,8 +112,11 @@ def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits, kind
 @needs_sm90
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("config", [{"RESCALE_SKIP": False, "MAX_XCHG": False}, {"RESCALE_SKIP": False},
-                                    {"MAX_XCHG": False}])
-def test_gluon64_sparse_decode_flags_off(config, kind):
+                                    {"MAX_XCHG": False}, {"CVT_BF16": True},
+                                    {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True}])
+def test_gluon64_sparse_decode_flags(config, kind):
+    """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; a bf16 cache ignores
+    it)."""
     q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11, kind=kind)
     _check(q, cache, idx, config)
 
@@ -264,7 +267,8 @@ def _compile_sm90(consts, idx_type="*i32"):
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("flags,direct,block_size,idx_type", [
     ({}, False, 64, "*i32"), ({}, True, 64, "*i32"), ({}, False, 1, "*i64"), ({}, True, 128, "*i64"),
-    ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32")])
+    ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32"), ({"CVT_BF16": True}, False, 64, "*i32"),
+    ({"CVT_BF16": True}, True, 1, "*i64")])
 def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread, no spill inside the tile loop (at
     most one 8-byte slot outside it: the bf16 kernel without its flags keeps one there), shared memory of its
@@ -278,7 +282,7 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     from mla_compile.ops.triton._sm90 import resources
     from test_gluon_fp8_decode64 import _loop_sass
 
-    flags = {k: flags.get(k, True) for k in g.VARIANTS}
+    flags = {k: flags.get(k, g.DEFAULTS[k]) for k in g.VARIANTS}
     compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, FP8=fp8, **flags), idx_type)
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
@@ -300,6 +304,8 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
     assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
     assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5) + (not fp8), loop.count("BAR.SYNC")
+    if fp8 and flags["CVT_BF16"]:  # bf16x2 dequantization: no fp32 products
+        assert loop.count("HFMA2.BF16") == 64 and loop.count("PRMT") >= 64, loop.count("HFMA2.BF16")
 
 
 @sm90_compile
@@ -308,7 +314,7 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
 def test_sm90_compile_of_the_launch(monkeypatch, splits, kind):
     """``launch``'s own call (recorded on CPU tensors: 128 heads, MTP, pages of 64 inside a larger buffer) binds
     every kernel argument and compiles for sm_90 with the launch's constexprs and warps; with several splits it
-    writes the fp32 workspaces and the reduce kernel merges them; the flags default to on."""
+    writes the fp32 workspaces and the reduce kernel merges them; the flags take ``DEFAULTS``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -342,7 +348,7 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, kind):
     assert grid == (2, splits, 6)
     assert len(launches) == (1 if splits == 1 else 2)
     assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 64 and kwargs["FP8"] == (kind == "fp8")
-    assert all(kwargs[k] is True for k in g.VARIANTS)
+    assert {k: kwargs[k] for k in g.VARIANTS} == g.DEFAULTS
     assert args[3].dtype == (BF if splits == 1 else torch.float32)
     sig, consts, attrs = signature(kernel, args, kwargs)
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
