@@ -188,9 +188,9 @@ def sparse_decode_gluon64_kernel(
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
     ``BLOCK_SIZE`` rows at ``stride_kb``, in elements; ``n_slots`` rows in all); the slots ``idx_ptr``
     ``[B, S_Q, topk]`` (int32 or int64, last dim contiguous). ``DIRECT`` (one split): the result into ``o_ptr``
-    (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr``
-    (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` / ``CVT_BF16``: as
-    ``fp8_decode_gluon64``'s variants."""
+    (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces
+    ``o_ptr`` / ``lse_ptr`` (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` /
+    ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
