@@ -57,7 +57,8 @@ from mla_compile.ops.triton._gluon import finish_rows
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, SMEM_C, TAU, XCH_S, _rescale_voted,
-                                                       WORD_L, _row_max_xchg, _store_tile, _store_tile_bf16)
+                                                       WORD_L, _CVT_BF16, _halves, _row_max_xchg, _store_tile,
+                                                       _store_tile_bf16)
 
 BLOCK_M = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
@@ -68,8 +69,9 @@ NUM_WARPS = 8
 PROGRAMS_PER_SM = 1
 # the kernel's flags (``launch``'s config keys, as ``fp8_decode_gluon64.VARIANTS``) and their values unless the
 # config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
-VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
-DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False}
+# ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC")
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": True}
 
 
 @gluon.jit
@@ -121,6 +123,40 @@ def _store(kc, kr, codes, sc, rope, CVT_BF16: gl.constexpr):
         _store_tile_bf16(kc, kr, codes, sc, rope)
     else:
         _store_tile(kc, kr, codes, sc, rope)
+
+
+@gluon.jit
+def _dequant_store(kc, codes, sc, CVT_BF16: gl.constexpr):
+    """Dequantize a tile's codes into a slot's latent ``kc [64, 512]`` (``fp8_decode_gluon64._store_tile`` /
+    ``_store_tile_bf16`` without the rope)."""
+    if CVT_BF16:
+        w = gl.reshape(codes, [64, 4, 32])
+        hh, ll = _halves(sc)
+        hh = gl.convert_layout(hh, gl.SliceLayout(2, w.type.layout))  # no data movement
+        ll = gl.convert_layout(ll, gl.SliceLayout(2, w.type.layout))
+        w, hh = gl.broadcast(w, hh[:, :, None])
+        w, ll = gl.broadcast(w, ll[:, :, None])
+        h0, h1, h2, h3 = gl.inline_asm_elementwise(
+            _CVT_BF16, "=h,=h,=h,=h,r,r,r", [w, hh, ll],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        x = gl.join(gl.join(h0, h1), gl.join(h2, h3))  # [64, 4, 32, i, j]: code 2 j + i of the word
+        kc.store(gl.reshape(gl.permute(x, [0, 1, 2, 4, 3]), [64, 512]))
+    else:
+        x = gl.reshape(codes.to(gl.float8e4nv, bitcast=True).to(gl.float32), [64, 4, 128])
+        sc = gl.convert_layout(sc, gl.SliceLayout(2, x.type.layout))  # no data movement
+        kc.store(gl.reshape((x * sc[:, :, None]).to(gl.bfloat16), [64, 512]))
+
+
+@gluon.jit
+def _copy_rope(kr, kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr, ROPE_OFF: gl.constexpr):
+    """Copy the rope columns of the rows of ``slot`` (``SliceLayout(1, CODE_L)``; at element ``ROPE_OFF`` of a row
+    of ``kv_ptr``'s type, bf16 there) into ``kr [64, 64]`` with ``cp.async`` (16 bytes a copy, ``ROPE_L``; invalid
+    keys zero-filled) and commit them as one group."""
+    slot = gl.convert_layout(slot, gl.SliceLayout(1, ROPE_L))  # the same keys a thread: no data movement
+    row = (_row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE) + ROPE_OFF).to(gl.pointer_type(gl.bfloat16))
+    cols = gl.arange(0, 64, gl.SliceLayout(0, ROPE_L))
+    async_copy.async_copy_global_to_shared(kr, row[:, None] + cols[None, :], mask=(slot >= 0)[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
@@ -183,6 +219,7 @@ def sparse_decode_gluon64_kernel(
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
+    ROPE_ASYNC: gl.constexpr = True,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
@@ -190,7 +227,8 @@ def sparse_decode_gluon64_kernel(
     ``[B, S_Q, topk]`` (int32 or int64, last dim contiguous). ``DIRECT`` (one split): the result into ``o_ptr``
     (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces
     ``o_ptr`` / ``lse_ptr`` (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` /
-    ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants."""
+    ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants; ``ROPE_ASYNC`` (fp8): a tile's rope copied into its slot
+    with ``cp.async`` right after the CTA barrier that follows P (no register load after P V)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -286,7 +324,7 @@ def sparse_decode_gluon64_kernel(
             o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
         p_s.store(p.to(gl.bfloat16))
-        if not FP8:
+        if (not FP8) or ROPE_ASYNC:
             async_copy.wait_group(0)  # tile j + 1's copies (issued last step) landed
         fence_async_shared()  # P_j and (from the last step) the dequantized tile j + 1, for the async proxy
         gl.thread_barrier()  # every warp's P rows (and tile j + 1's rows) before either warpgroup's dots
@@ -294,6 +332,10 @@ def sparse_decode_gluon64_kernel(
         # S_{j+1} from the other slot (a dead product past the last tile: that slot holds zeros)
         qk = warpgroup_mma(qr_s, kr_s.index(1 - buf).permute([1, 0]), zero_s, is_async=True)
         qk = warpgroup_mma(q_s, kc_s.index(1 - buf).permute([1, 0]), qk, is_async=True)
+        if FP8 and ROPE_ASYNC:
+            # tile j + 2's rope into slot j's rope now: S_j is done in both warpgroups (the barrier above) and
+            # P_j V_j reads the latent only
+            _copy_rope(kr_s.index(buf), kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE, DC + 16)
         # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers,
         # tile j + 5's slots
         _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE, FP8)
@@ -304,8 +346,11 @@ def sparse_decode_gluon64_kernel(
         gl.thread_barrier()  # both warpgroups done with slot j and P
         # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
         if FP8:
-            rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
-            _store(k_cur, kr_s.index(buf), codes, sc, rope, CVT_BF16)
+            if ROPE_ASYNC:
+                _dequant_store(k_cur, codes, sc, CVT_BF16)
+            else:
+                rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
+                _store(k_cur, kr_s.index(buf), codes, sc, rope, CVT_BF16)
         else:
             _copy_tile(k_cur, kr_s.index(buf), kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
         key_ok = _tile_slots(idx_row, j + 1, n_tiles, start, end, n_slots, col_s) >= 0

@@ -112,11 +112,12 @@ def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits, kind
 @needs_sm90
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("config", [{"RESCALE_SKIP": False, "MAX_XCHG": False}, {"RESCALE_SKIP": False},
-                                    {"MAX_XCHG": False}, {"CVT_BF16": True},
+                                    {"MAX_XCHG": False}, {"CVT_BF16": True}, {"ROPE_ASYNC": False},
+                                    {"ROPE_ASYNC": False, "CVT_BF16": True},
                                     {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True}])
 def test_gluon64_sparse_decode_flags(config, kind):
-    """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; a bf16 cache ignores
-    it)."""
+    """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; ``ROPE_ASYNC`` off: the
+    fp8 rope through registers; a bf16 cache ignores both)."""
     q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11, kind=kind)
     _check(q, cache, idx, config)
 
@@ -268,7 +269,8 @@ def _compile_sm90(consts, idx_type="*i32"):
 @pytest.mark.parametrize("flags,direct,block_size,idx_type", [
     ({}, False, 64, "*i32"), ({}, True, 64, "*i32"), ({}, False, 1, "*i64"), ({}, True, 128, "*i64"),
     ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32"), ({"CVT_BF16": True}, False, 64, "*i32"),
-    ({"CVT_BF16": True}, True, 1, "*i64")])
+    ({"CVT_BF16": True}, True, 1, "*i64"), ({"ROPE_ASYNC": False}, False, 64, "*i32"),
+    ({"ROPE_ASYNC": False, "CVT_BF16": True}, True, 64, "*i32")])
 def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread, no spill inside the tile loop (at
     most one 8-byte slot outside it: the bf16 kernel without its flags keeps one there), shared memory of its
@@ -277,7 +279,8 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     holds its S and P V dots, one tile's 16-byte row loads (fp8: eight of codes, one of scales, two of rope into
     registers; bf16: sixteen of latent and two of rope ``cp.async`` copies, no register loads of rows), the L2
     prefetches and at most five CTA barriers (three with the row maxima exchanged across warpgroups; one more
-    for bf16, after the copies' wait)."""
+    for bf16, after the copies' wait; two more with fp8 ``ROPE_ASYNC``: the rope's two ``cp.async`` copies
+    replace its register loads, and Triton's barrier pass adds one after their wait and one before them)."""
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
     from mla_compile.ops.triton._sm90 import resources
     from test_gluon_fp8_decode64 import _loop_sass
@@ -294,16 +297,21 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
     assert res["UTMALDG"] == 0, res
     loop = _loop_sass(compiled)
-    if fp8:
+    if fp8 and not flags["ROPE_ASYNC"]:
         assert loop.count("LDG.E.128") == 8 + 1 + 2, loop.count("LDG.E.128")  # codes, scales, rope
         assert "LDGSTS" not in loop
+    elif fp8:  # the rope by cp.async
+        assert loop.count("LDG.E.128") == 8 + 1, loop.count("LDG.E.128")  # codes, scales
+        assert loop.count("LDGSTS.E.BYPASS.128") == 2, loop.count("LDGSTS.E.BYPASS.128")
     else:
         assert loop.count("LDGSTS.E.BYPASS.128") == 16 + 2, loop.count("LDGSTS.E.BYPASS.128")  # latent, rope
         assert "LDG.E.128" not in loop
     assert "UBLKPF.L2" in loop
     assert "STL" not in loop and "LDL" not in loop, "a spill inside the tile loop"
     assert loop.count("HGMMA") == (DC + DR) // 16 + 64 // 16
-    assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5) + (not fp8), loop.count("BAR.SYNC")
+    # Triton's barrier pass adds one after the copies' wait (bf16, fp8 ROPE_ASYNC) and one before the rope copies
+    extra = (2 if flags["ROPE_ASYNC"] else 0) if fp8 else 1
+    assert loop.count("BAR.SYNC") <= (3 if flags["MAX_XCHG"] else 5) + extra, loop.count("BAR.SYNC")
     if fp8 and flags["CVT_BF16"]:  # bf16x2 dequantization: no fp32 products
         assert loop.count("HFMA2.BF16") == 64 and loop.count("PRMT") >= 64, loop.count("HFMA2.BF16")
 
