@@ -169,7 +169,8 @@ def sparse_case(B, H, L, topk):
 def _sparse_gluon64_rows(group, q, cache, idx, flops, nbytes, kind="fp8"):
     """Backend "gluon64" of the sparse decode (``ops/triton/sparse_decode_gluon64.py``, sm_90) on the ``kind``
     cache where its kernel serves the call, then (fp8) its kernel with each flag of ``VARIANTS`` away from its
-    default, and with 2 and 4 splits; each output's normwise difference from the Triton kernel's on the same cache in the note."""
+    default, and with 2 and 4 splits; each output's normwise difference from the Triton kernel's on the same cache
+    in the note."""
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
 
     if not g.eligible(q, cache, idx, DC):
