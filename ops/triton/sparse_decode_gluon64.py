@@ -20,7 +20,11 @@ What differs is the loader:
   loaded during tile ``j``'s dots, tile ``j + 4``'s rows are sent toward L2 (``cp.async.bulk.prefetch.L2``, one
   per row) and tile ``j + 2``'s codes loaded into registers while the dots run, then dequantized into the slot
   ``P_j V_j`` released, as the dense kernel does with its pages;
-- the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs.
+- the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs;
+- ``ROPE_ASYNC`` (on by default): tile ``j + 2``'s rope goes straight into slot j's rope buffer with ``cp.async``
+  as soon as the CTA barrier after ``P_j`` shows ``S_j`` done in both warpgroups (``P_j V_j`` reads the latent
+  only), waited for one step later, so no rope load sits between ``P_j V_j`` and the dequantization. Every copy
+  group is waited for before the program exits.
 
 A bf16 cache (``[NB, BS, 576]``, ``FP8`` False) needs no dequantization: once ``P_j V_j`` releases slot j, tile
 ``j + 2``'s rows are copied straight into it with ``cp.async`` (16 bytes a copy, invalid keys zero-filled, no
@@ -359,6 +363,8 @@ def sparse_decode_gluon64_kernel(
         slot4 = slot5
         s = warpgroup_mma_wait(0, deps=[qk])
 
+    if (not FP8) or ROPE_ASYNC:
+        async_copy.wait_group(0)  # the last step's copies (of tiles past the end: zero-filled) before the CTA exits
     l_i = gl.sum(l_part, axis=1)
     # the program's rows and split again (an opaque zero: recomputed here, not held in registers across the loop)
     z = opaque_zero(n_tiles)
