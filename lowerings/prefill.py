@@ -4,7 +4,8 @@ serve the compiled shapes and emits the fastest. Same mechanism as :mod:`mla_com
 alone, then the winner's ``(out, lse)`` op emitted as a fallback kernel; the timing node is dead code.
 
 Candidates: our Triton kernel in a few launch configurations (``mla::prefill_triton_config``), on sm_90+
-our TMA kernel in :data:`TMA_CONFIGS` (``mla::prefill_triton_tma_config``) and the peer backends the
+our TMA kernel in :data:`TMA_CONFIGS` (``mla::prefill_triton_tma_config``; once its backend "triton-tma" is
+GPU-tested) and the peer backends the
 registry declares autotune-eligible (``autotune=True``: flash-attn, FlashInfer trtllm-gen on sm100) where
 the selector says they serve the shapes. Left out (not autotune-eligible):
 
@@ -28,6 +29,7 @@ import torch
 from mla_compile.lowerings import _autotune
 from mla_compile.lowerings._autotune import Candidate, hints
 from mla_compile.ops import select
+from mla_compile.ops.registry import backends_for
 from mla_compile.ops.triton import available as triton_available
 
 OP_NAME = "mla::prefill_autotune"
@@ -57,7 +59,9 @@ def prefill_candidates(device: torch.device, dtype: torch.dtype, num_heads: int,
         for bm, bn, nw, ns in configs:
             out.append(Candidate(f"mla_prefill_triton_bm{bm}_bn{bn}_w{nw}_s{ns}", "triton",
                                  torch.ops.mla.prefill_triton_config.default, (bm, bn, nw, ns)))
-        if torch.finfo(dtype).bits == 16 and (select.device_capability(device) or (0, 0))[0] >= 9:
+        tma = backends_for("prefill")["triton-tma"]  # its configs join once its CUDA tests have passed
+        if (torch.finfo(dtype).bits == 16 and (select.device_capability(device) or (0, 0))[0] >= 9
+                and tma.gpu_tested):
             for bm, bn, nw, ns, hf, ws in TMA_CONFIGS:
                 out.append(Candidate(f"mla_prefill_triton_tma_bm{bm}_bn{bn}_w{nw}_s{ns}_hf{hf}_ws{ws}", "triton-tma",
                                      torch.ops.mla.prefill_triton_tma_config.default, (bm, bn, nw, ns, hf, ws)))

@@ -99,5 +99,7 @@ def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton",
         gpu_tested=True, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
+        auto_skip="one program reads the whole gate: 18.3 us a call at V2-Lite against 8.2 us for torch.mm + the "
+                  "route kernel (BENCHMARKS.md run 132): 'auto' skips it, ask for it by name",
         note=f"ours: router GEMV and routing in one program, up to {MAX_ROWS} tokens (torch.mm + the route "
              "kernel above)")

@@ -113,10 +113,10 @@ def _gluon64(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora
     return torch.ops.mla.sparse_decode_gluon64(q, kv_cache, indices, scale, kv_lora_rank)
 
 
-# Not yet run on a GPU: "auto" skips it until its GPU tests and timings (ask for it by name).
+# GPU-tested on the H200 (BENCHMARKS run 132); "auto" takes it where the timing table says it is fastest
 declare(OP, "gluon64", _gluon64, rank=40, available=_triton_available, dtypes=(torch.bfloat16,),
         cache_dtypes=(torch.uint8, torch.bfloat16), stride_align=16, head_dims=((512, 64),), min_capability=SM90,
-        max_capability=SM90, package="triton", gpu_tested=False,
+        max_capability=SM90, package="triton", gpu_tested=True,
         kernels=("sparse_decode_gluon64=gluon64 (opaque kernel)", "sparse_decode_gluon64_kernel"),
         note="ours (Gluon, sm_90: 64 heads a program, listed rows gathered with 16-byte loads (fp8: dequantized "
              "to bf16 in shared memory; bf16: cp.async), wgmma); bf16 q, fp8 or bf16 cache, 512 + 64")

@@ -21,10 +21,10 @@ What differs is the loader:
   per row) and tile ``j + 2``'s codes loaded into registers while the dots run, then dequantized into the slot
   ``P_j V_j`` released, as the dense kernel does with its pages;
 - the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs;
-- ``ROPE_ASYNC`` (on by default): tile ``j + 2``'s rope goes straight into slot j's rope buffer with ``cp.async``
-  as soon as the CTA barrier after ``P_j`` shows ``S_j`` done in both warpgroups (``P_j V_j`` reads the latent
-  only), waited for one step later, so no rope load sits between ``P_j V_j`` and the dequantization. Every copy
-  group is waited for before the program exits.
+- ``ROPE_ASYNC`` (off by default: slower on the H200 at 16 and 128 heads, BENCHMARKS run 132): tile ``j + 2``'s
+  rope goes straight into slot j's rope buffer with ``cp.async`` as soon as the CTA barrier after ``P_j`` shows
+  ``S_j`` done in both warpgroups (``P_j V_j`` reads the latent only), waited for one step later, so no rope load
+  sits between ``P_j V_j`` and the dequantization. Every copy group is waited for before the program exits.
 
 A bf16 cache (``[NB, BS, 576]``, ``FP8`` False) needs no dequantization: once ``P_j V_j`` releases slot j, tile
 ``j + 2``'s rows are copied straight into it with ``cp.async`` (16 bytes a copy, invalid keys zero-filled, no
@@ -75,7 +75,7 @@ PROGRAMS_PER_SM = 1
 # config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
 # ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done
 VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC")
-DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": True}
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False}
 
 
 @gluon.jit
@@ -223,7 +223,7 @@ def sparse_decode_gluon64_kernel(
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
-    ROPE_ASYNC: gl.constexpr = True,
+    ROPE_ASYNC: gl.constexpr = False,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of

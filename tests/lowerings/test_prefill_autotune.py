@@ -205,3 +205,24 @@ def test_cuda_prefill_autotune_picks_a_backend_and_matches_the_reference(lens, c
     torch.testing.assert_close(out.float(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
     assert "mla_prefill_autotune" not in "\n".join(code)  # only the winner's op is emitted
+
+
+def test_tma_configs_join_the_candidates_on_sm90_only_once_gpu_tested(monkeypatch):
+    """On an (assumed) sm_90 with Triton: the pointer kernel's configs always; the TMA kernel's configs only while
+    its backend "triton-tma" is marked GPU-tested (an untested kernel never wins an autotune it cannot fail)."""
+    import dataclasses
+
+    from mla_compile.ops import select
+    from mla_compile.ops.registry import _TABLE
+
+    monkeypatch.setattr(lowering, "triton_available", lambda: True)
+    monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(lowering._autotune, "peer_candidates", lambda op, facts: [])
+    table = _TABLE["prefill"]
+
+    def backends(tested):
+        monkeypatch.setitem(table, "triton-tma", dataclasses.replace(table["triton-tma"], gpu_tested=tested))
+        return [c.backend for c in lowering.prefill_candidates(torch.device("cuda"), torch.bfloat16, 16,
+                                                                (192, 128), True)]
+    assert backends(False) == ["triton"] * len(lowering.TRITON_CONFIGS)
+    assert backends(True) == ["triton"] * len(lowering.TRITON_CONFIGS) + ["triton-tma"] * len(lowering.TMA_CONFIGS)
