@@ -7,6 +7,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 # Used when there is no CUDA device (interpreter runs): small, so that split paths get exercised.
 _FALLBACK_SMS = 4
@@ -40,6 +41,27 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 # on would therefore mark that metadata as written, and a graph whose inputs are "mutated" is copied
 # around and refused by Inductor's CUDA graphs (mode="reduce-overhead"). So the kernels load metadata
 # themselves and hand the helpers loaded values.
+
+
+@triton.jit
+def causal_bounds(m0, off, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """A prefill tile's key range: ``(hi, full_end)``, the keys its query rows ``[m0, m0 + BLOCK_M)`` can see
+    (``off`` = keys before the first query, the causal diagonal's shift) and the end of the ``BLOCK_N`` tiles no
+    row of it masks (the tiles in ``[full_end, hi)`` need the causal / length mask)."""
+    if CAUSAL:
+        hi = tl.minimum(len_k, m0 + BLOCK_M + off)
+        full_end = tl.maximum(tl.minimum(m0 + off + 1, len_k), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = len_k
+        full_end = len_k // BLOCK_N * BLOCK_N
+    return hi, full_end
+
+
+def prefill_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A varlen prefill's ``(out [T, H, dv] in q's dtype, lse [T, H] float32)``, uninitialized."""
+    T, H = q.shape[0], q.shape[1]
+    return (torch.empty(T, H, v.shape[-1], dtype=q.dtype, device=q.device),
+            torch.empty(T, H, dtype=torch.float32, device=q.device))
 
 
 @triton.jit

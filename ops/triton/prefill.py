@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.prefill import validate
-from mla_compile.ops.triton._common import (dot_two_part, tiles_started, last_dim_contiguous, online_softmax_step,
-                                             pow2)
+from mla_compile.ops.triton._common import (causal_bounds, dot_two_part, last_dim_contiguous, online_softmax_step,
+                                             pow2, prefill_outputs, tiles_started)
 
 _LOG2E = 1.4426950408889634
 
@@ -71,12 +71,7 @@ def _prefill_kernel(
     k_base = k_ptr + k_start.to(tl.int64) * stride_kt + h * stride_kh
     v_base = v_ptr + k_start.to(tl.int64) * stride_vt + h * stride_vh
 
-    if CAUSAL:
-        hi = tl.minimum(len_k, m0 + BLOCK_M + off)
-        full_end = tl.maximum(tl.minimum(m0 + off + 1, len_k), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = len_k
-        full_end = len_k // BLOCK_N * BLOCK_N
+    hi, full_end = causal_bounds(m0, off, len_k, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -130,8 +125,7 @@ def _launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
     """Kernel path (the interpreter on CPU tensors too). ``config``: BLOCK_M, BLOCK_N, num_warps, num_stages."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
-    out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    out, lse = prefill_outputs(q, v)
     if T == 0 or H == 0:
         return out, lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))

@@ -42,6 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.prefill import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
+from mla_compile.ops.triton._common import prefill_outputs
 from mla_compile.ops.triton.prefill_tma import _view2d, split_dims
 from mla_compile.ops.triton.prefill_tma import eligible as tma_eligible
 
@@ -342,8 +343,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     stages = int(cfg.get("STAGES", 2))
     T, H, dqk = q.shape
     dv = v.shape[-1]
-    out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    out, lse = prefill_outputs(q, v)
     if T == 0 or H == 0:
         return out, lse
     da, db = split_dims(dqk)

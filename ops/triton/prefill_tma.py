@@ -34,7 +34,7 @@ from torch import Tensor
 
 from mla_compile.ops.prefill import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._common import online_softmax_step, tiles_started
+from mla_compile.ops.triton._common import causal_bounds, online_softmax_step, prefill_outputs, tiles_started
 
 _LOG2E = 1.4426950408889634
 # The default launch (see ``config_name``); the autotune candidates are ``lowerings/prefill.py:TMA_CONFIGS``.
@@ -137,12 +137,7 @@ def _prefill_tma_kernel(
     col_k = h * stride_kh
     col_v = h * stride_vh
 
-    if CAUSAL:
-        hi = tl.minimum(len_k, m0 + BLOCK_M + off)
-        full_end = tl.maximum(tl.minimum(m0 + off + 1, len_k), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = len_k
-        full_end = len_k // BLOCK_N * BLOCK_N
+    hi, full_end = causal_bounds(m0, off, len_k, BLOCK_M, BLOCK_N, CAUSAL)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
@@ -185,8 +180,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     cfg = {**DEFAULT, **(config or {})}
     T, H, dqk = q.shape
     dv = v.shape[-1]
-    out = torch.empty(T, H, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    out, lse = prefill_outputs(q, v)
     if T == 0 or H == 0:
         return out, lse
     from triton.tools.tensor_descriptor import TensorDescriptor

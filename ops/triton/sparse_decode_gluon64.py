@@ -63,6 +63,7 @@ from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, SMEM_C, TAU, XCH_S, _rescale_voted,
                                                        WORD_L, _CVT_BF16, _halves, _row_max_xchg, _store_tile,
                                                        _store_tile_bf16)
+from mla_compile.ops.triton.fp8_decode_gluon64 import smem_bytes  # noqa: F401  (the same buffers: Q, 2 slots, P)
 
 BLOCK_M = 64  # heads a program (wgmma's M)
 BLOCK_N = 64  # keys a tile
@@ -379,12 +380,6 @@ def sparse_decode_gluon64_kernel(
     cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
     ty: gl.constexpr = o_ptr.dtype.element_ty
     gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
-
-
-def smem_bytes() -> int:
-    """Shared memory of one program's buffers: the query rows, the two bf16 tile slots and P (the sm_90 compile
-    adds a little scratch for the cross-warpgroup row maxima; checked by a test)."""
-    return BLOCK_M * D * 2 + 2 * BLOCK_N * D * 2 + BLOCK_M * BLOCK_N * 2
 
 
 def eligible(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> bool:
