@@ -88,6 +88,8 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     alive, as captured graphs may use them) only outside a CUDA-graph capture: capturing a call that needs
     more counters than an eager call made before is refused (run the largest batch once eagerly first)."""
     key = torch.device(device)
+    if key.type == "cuda" and key.index is None:
+        key = torch.device("cuda", torch.cuda.current_device())
     bufs = _COUNTERS.setdefault(key, [])
     if bufs and bufs[-1].numel() >= n:
         return bufs[-1]
