@@ -203,6 +203,11 @@ def decode_case(B, H, L, sweep, budget_s):
     if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the PIPE schedule, 64 rows
         from mla_compile.ops.triton import decode_gluon
         variants = [{"PIPE": True, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        if B <= 2:  # latency-bound: the swapped kernel merging its own splits (FUSED_REDUCE) against the reduce kernel
+            swap = {"SWAP": True}
+            variants += [swap] if H > decode_gluon.SWAP_ROWS else []
+            fused = [dict(swap, FUSED_REDUCE=True, MERGE_GROUP=g) for g in (0, 4)]
+            variants += fused + [dict(c, SPLITS=sp) for sp in (8, 32) for c in [swap] + fused]
         for cfg in variants:
             def variant(cfg=cfg):
                 return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)
@@ -571,7 +576,8 @@ def main():
                          "(sm_90) Gluon kernels in each candidate configuration against FlashInfer and cuDNN SDPA")
     ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
     ap.add_argument("--small", action="store_true",
-                    help="only the latency-bound decode of one sequence (B=1, H=16, L=4096), swept over split counts")
+                    help="only the latency-bound decode (B=1, H=16, L=4096, swept over split counts; B=2 H=16 and B=1 "
+                         "H=128), with the Gluon kernel's FUSED_REDUCE variants")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -606,7 +612,9 @@ def main():
     elif args.small:
         ssweep = [dict(BLOCK_H=16, BLOCK_N=n, num_warps=w, num_stages=st, SPLITS=sp) for sp in (16, 32, 64)
                   for n, w, st in ((64, 8, 3), (32, 4, 3))]
-        sections = [lambda: decode_case(1, 16, 4096, ssweep, args.budget_s)]
+        sections = [lambda: decode_case(1, 16, 4096, ssweep, args.budget_s),
+                    lambda: decode_case(2, 16, 4096, [], args.budget_s),
+                    lambda: decode_case(1, 128, 4096, [], args.budget_s)]
     else:
         sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
                     lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
