@@ -115,18 +115,20 @@ def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits, kind
                                     {"MAX_XCHG": False}, {"CVT_BF16": True}, {"ROPE_ASYNC": True},
                                     {"ROPE_ASYNC": True, "CVT_BF16": True},
                                     {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True},
-                                    {"SPLIT_DEQUANT": True}, {"SPLIT_DEQUANT": True, "RESCALE_SKIP": False,
-                                                              "MAX_XCHG": False}])
+                                    {"SPLIT_DEQUANT": True}, {"SPLIT_DEQUANT": True, "EARLY_CODES": True},
+                                    {"SPLIT_DEQUANT": True, "EARLY_CODES": True, "RESCALE_SKIP": False,
+                                     "MAX_XCHG": False}])
 def test_gluon64_sparse_decode_flags(config, kind):
     """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; ``ROPE_ASYNC`` on: the
-    fp8 rope by ``cp.async``; ``SPLIT_DEQUANT``: each warpgroup dequantizes its own latent half; a bf16 cache
-    ignores the three)."""
+    fp8 rope by ``cp.async``; ``SPLIT_DEQUANT``: each warpgroup dequantizes its own latent half, ``EARLY_CODES``
+    its code loads before the softmax; a bf16 cache ignores the four)."""
     q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11, kind=kind)
     _check(q, cache, idx, config)
 
 
 @pytest.mark.cuda
 @needs_sm90
+@pytest.mark.parametrize("early", [False, True], ids=["split", "split_early"])
 @pytest.mark.parametrize("B,H,s_q,max_len,topk,bs,splits", [
     (6, 16, 1, 5000, 2048, 64, None),     # 16 heads, an empty sequence, -1 padded lists, many splits
     (5, 128, 1, 4000, 2048, 64, 1),       # 128 heads, one split: written directly
@@ -134,11 +136,14 @@ def test_gluon64_sparse_decode_flags(config, kind):
     (4, 40, 2, 900, 300, 64, 2),          # a partial program
     (5, 16, 1, 1500, 2048, 1, None),      # pages of one row
 ])
-def test_gluon64_sparse_decode_split_dequant(B, H, s_q, max_len, topk, bs, splits):
-    """``SPLIT_DEQUANT`` (fp8 cache: each warpgroup loads and dequantizes the 256 latent columns its P V reads)
-    against the float64 reference at 16 and 128 heads, an all -1 batch row included; int64 lists alike."""
+def test_gluon64_sparse_decode_split_dequant(B, H, s_q, max_len, topk, bs, splits, early):
+    """``SPLIT_DEQUANT`` (fp8 cache: each warpgroup loads and dequantizes the 256 latent columns its P V reads;
+    ``early``: with ``EARLY_CODES``, those loads before the softmax) against the float64 reference at 16, 40 and
+    128 heads, an all -1 batch row included; int64 lists alike."""
     q, cache, idx = _inputs(B, H, s_q, max_len, topk, bs, seed=B + H + topk + bs + 1)
-    config = {"SPLIT_DEQUANT": True} if splits is None else {"SPLIT_DEQUANT": True, "SPLITS": splits}
+    config = {"SPLIT_DEQUANT": True, "EARLY_CODES": early}
+    if splits is not None:
+        config["SPLITS"] = splits
     out, lse = _check(q, cache, idx, config)
     assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
     _check(q, cache, idx.long(), config)
@@ -146,8 +151,8 @@ def test_gluon64_sparse_decode_split_dequant(B, H, s_q, max_len, topk, bs, split
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the kernel module imports Gluon)")
 def test_split_dequant_rejects_cvt_bf16_and_rope_async():
-    """``SPLIT_DEQUANT`` with ``CVT_BF16`` or ``ROPE_ASYNC`` on an fp8 cache is a ValueError naming the config,
-    raised before anything runs (CPU tensors: no kernel is reached)."""
+    """``SPLIT_DEQUANT`` with ``CVT_BF16`` or ``ROPE_ASYNC``, or ``EARLY_CODES`` without ``SPLIT_DEQUANT``, on an
+    fp8 cache is a ValueError naming the config, raised before anything runs (CPU tensors: no kernel is reached)."""
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
 
     gen = torch.Generator().manual_seed(3)
@@ -157,6 +162,8 @@ def test_split_dequant_rejects_cvt_bf16_and_rope_async():
     for other in ("CVT_BF16", "ROPE_ASYNC"):
         with pytest.raises(ValueError, match="SPLIT_DEQUANT"):
             g.launch(q, cache, idx, SCALE, DC, config={"SPLIT_DEQUANT": True, other: True})
+    with pytest.raises(ValueError, match="EARLY_CODES"):
+        g.launch(q, cache, idx, SCALE, DC, config={"EARLY_CODES": True})
 
 
 @pytest.mark.cuda
@@ -311,7 +318,7 @@ def _compile_sm90(consts, idx_type="*i32"):
     ({}, False, 64, "*i32"), ({}, True, 64, "*i32"), ({}, False, 1, "*i64"), ({}, True, 128, "*i64"),
     ({"RESCALE_SKIP": False, "MAX_XCHG": False}, False, 64, "*i32"), ({"CVT_BF16": True}, False, 64, "*i32"),
     ({"CVT_BF16": True}, True, 1, "*i64"), ({"ROPE_ASYNC": True}, False, 64, "*i32"),
-    ({"ROPE_ASYNC": True, "CVT_BF16": True}, True, 64, "*i32"), ({"SPLIT_DEQUANT": True}, False, 64, "*i32")])
+    ({"ROPE_ASYNC": True, "CVT_BF16": True}, True, 64, "*i32")])
 def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     """The kernel compiles for sm_90 with 8 warps, at most 255 registers a thread, no spill inside the tile loop (at
     most one 8-byte slot outside it: the bf16 kernel without its flags keeps one there), shared memory of its
@@ -324,6 +331,19 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     replace its register loads, and Triton's barrier pass adds one after their wait and one before them;
     ``SPLIT_DEQUANT`` writes none after P V, but the barrier pass puts it back before the slot's first store: it
     knows no warpgroup ownership; its scales are two 8-byte loads)."""
+    _check_resources(flags, direct, block_size, idx_type, fp8)
+
+
+@sm90_compile
+@pytest.mark.parametrize("flags,direct,block_size,idx_type", [
+    ({"SPLIT_DEQUANT": True}, False, 64, "*i32"), ({"SPLIT_DEQUANT": True, "EARLY_CODES": True}, True, 1, "*i64")])
+def test_sm90_compile_resources_split_dequant(flags, direct, block_size, idx_type):
+    """``test_sm90_compile_resources`` for the fp8 cache's ``SPLIT_DEQUANT`` (and ``EARLY_CODES``, its code loads
+    held across the softmax: still no spill in the loop)."""
+    _check_resources(flags, direct, block_size, idx_type, True)
+
+
+def _check_resources(flags, direct, block_size, idx_type, fp8):
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
     from mla_compile.ops.triton._sm90 import resources
     from test_gluon_fp8_decode64 import _loop_sass
@@ -342,7 +362,8 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     loop = _loop_sass(compiled)
     if fp8 and flags["SPLIT_DEQUANT"]:  # the scales of a thread's two keys (32 apart): two 8-byte loads
         assert loop.count("LDG.E.128") == 8 + 2, loop.count("LDG.E.128")  # codes, rope
-        assert loop.count("LDG.E.64") == 2, loop.count("LDG.E.64")
+        n64 = loop.count("LDG.E.64")  # int64 lists add their 8-byte slot loads
+        assert n64 == 2 if idx_type == "*i32" else n64 > 2, n64
         assert "LDGSTS" not in loop
     elif fp8 and not flags["ROPE_ASYNC"]:
         assert loop.count("LDG.E.128") == 8 + 1 + 2, loop.count("LDG.E.128")  # codes, scales, rope
