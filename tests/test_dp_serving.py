@@ -272,7 +272,8 @@ def test_a_step_failing_inside_the_model_on_one_rank_ends_every_rank_with_dp_ste
     step raises again. Rank 1 raises when its collective of that step fails: at once when rank 0's process ends,
     else (rank 0 lingers) at the 8 s process-group timeout."""
     pytest.importorskip("transformers")
-    res = run_ranks(w.dp_fail_inside_model, 2, dict(tp=2, dp_attention=2, ep=2), overlap, 8, linger, timeout=120)
+    res = run_ranks(w.dp_fail_inside_model, 2, dict(tp=2, dp_attention=2, ep=2), overlap, 8, linger, timeout=120,
+                    fresh=True)  # rank 0's process ends
     a, b = res
     assert "inside the model" in a["message"] and "injected failure inside the model" in a["message"]
     assert "inside the model" in b["message"]  # its collective of that step failed
