@@ -193,7 +193,8 @@ def test_two_attention_groups_on_two_gpus_compiled_and_captured(overlap):
     """NCCL on 2 GPUs: the sharded model compiled, its decode steps (padding-only ones too) replayed in CUDA graphs
     of the agreed capture size; every request gets the tokens of the unsharded model serving it alone."""
     pytest.importorskip("transformers")
-    res = run_ranks(w.dp_engine_equals_alone, 2, dict(tp=2, dp_attention=2, ep=2), overlap, True, timeout=480)
+    res = run_ranks(w.dp_engine_equals_alone, 2, dict(tp=2, dp_attention=2, ep=2), overlap, True, timeout=480,
+                    fresh=True)
     for r in res:
         assert r["same"], (r["got"], r["want"])
         assert r["finished"] == r["requests"] and r["replays"] > 10
