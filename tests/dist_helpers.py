@@ -5,10 +5,18 @@
 the results in rank order. A rank that raises makes the call raise with its traceback; a rank still running
 at the deadline is killed (this launcher's own children only) and the call raises ``TimeoutError``.
 ``fn`` must be importable by name (a module-level function of an importable module).
+
+Calls reuse a pool of ``world`` worker processes kept for the session (spawning and importing torch,
+transformers and mla_compile costs seconds a call): each call still gets its own process group (a fresh
+rendezvous port, destroyed after), a reset Dynamo and the RNG state of a fresh process. A call that fails or
+times out ends its pool (the next call starts a new one). ``fresh=True`` (and any call with ``env`` or
+``expect_dead``) spawns its own processes, for tests whose ranks exit, hang or need another environment.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import os
 import queue
 import socket
@@ -47,10 +55,123 @@ def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple
             pass
 
 
+def _serve(rank: int, world: int, jobs, results) -> None:
+    """A pool worker: run ``(seq, fn, args, port)`` jobs until ``None``, each as a fresh process would."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1"})
+    import random
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    from mla_compile.parallel import destroy
+
+    torch.set_num_threads(1)
+    torch_rng, py_rng = torch.get_rng_state(), random.getstate()
+    while (job := jobs.get()) is not None:
+        seq, fn, args, port = job
+        os.environ["MASTER_PORT"] = str(port)
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            results.put((seq, rank, True, fn(rank, world, *args)))
+        except BaseException:  # noqa: BLE001  (reported to the parent, which raises)
+            results.put((seq, rank, False, traceback.format_exc()))
+        finally:
+            try:
+                destroy()
+            except Exception:  # noqa: BLE001  (the result is already sent)
+                pass
+
+
+class _Pool:
+    """``world`` pool workers (spawned), one job queue each and one result queue."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.jobs[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.jobs:
+                q.put(None)
+        for p in self.procs:
+            if not kill:
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+_SEQ = itertools.count()
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _POOLS[world] = _Pool(world)
+    seq, port = next(_SEQ), free_port()
+    for q in pool.jobs:
+        q.put((seq, fn, args, port))
+    deadline = time.monotonic() + timeout
+    got: dict[int, object] = {}
+    errors: list[str] = []
+    ok_pool = False
+    try:
+        while len(got) + len(errors) < world:
+            try:
+                s, rank, ok, out = pool.results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if not pool.alive():
+                    codes = {r: p.exitcode for r, p in enumerate(pool.procs)}
+                    raise RuntimeError(f"a pool worker exited (exit codes {codes})") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
+                                       f"{timeout} s") from None
+                continue
+            if s != seq:
+                continue
+            if ok:
+                got[rank] = out
+            else:
+                errors.append(f"rank {rank}:\n{out}")
+        ok_pool = not errors
+    finally:
+        if not ok_pool:  # a rank may still sit in a collective: end this pool, the next call starts another
+            _POOLS.pop(world, None)
+            pool.close(kill=True)
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [got[r] for r in range(world)]
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = None,
-              expect_dead: tuple[int, ...] = ()) -> list:
+              expect_dead: tuple[int, ...] = (), fresh: bool = False) -> list:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]`` from ``world`` processes; see the module
-    docstring. Ranks in ``expect_dead`` may exit without a result (their entry is None)."""
+    docstring. Ranks in ``expect_dead`` may exit without a result (their entry is None). ``fresh``: spawn new
+    processes for this call instead of the session's pool."""
+    if not (fresh or env or expect_dead):
+        return _run_pooled(fn, world, args, timeout)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     start = ctx.Barrier(world)

@@ -193,7 +193,8 @@ def test_two_attention_groups_on_two_gpus_compiled_and_captured(overlap):
     """NCCL on 2 GPUs: the sharded model compiled, its decode steps (padding-only ones too) replayed in CUDA graphs
     of the agreed capture size; every request gets the tokens of the unsharded model serving it alone."""
     pytest.importorskip("transformers")
-    res = run_ranks(w.dp_engine_equals_alone, 2, dict(tp=2, dp_attention=2, ep=2), overlap, True, timeout=480)
+    res = run_ranks(w.dp_engine_equals_alone, 2, dict(tp=2, dp_attention=2, ep=2), overlap, True, timeout=480,
+                    fresh=True)
     for r in res:
         assert r["same"], (r["got"], r["want"])
         assert r["finished"] == r["requests"] and r["replays"] > 10
@@ -272,7 +273,8 @@ def test_a_step_failing_inside_the_model_on_one_rank_ends_every_rank_with_dp_ste
     step raises again. Rank 1 raises when its collective of that step fails: at once when rank 0's process ends,
     else (rank 0 lingers) at the 8 s process-group timeout."""
     pytest.importorskip("transformers")
-    res = run_ranks(w.dp_fail_inside_model, 2, dict(tp=2, dp_attention=2, ep=2), overlap, 8, linger, timeout=120)
+    res = run_ranks(w.dp_fail_inside_model, 2, dict(tp=2, dp_attention=2, ep=2), overlap, 8, linger, timeout=120,
+                    fresh=True)  # rank 0's process ends
     a, b = res
     assert "inside the model" in a["message"] and "injected failure inside the model" in a["message"]
     assert "inside the model" in b["message"]  # its collective of that step failed

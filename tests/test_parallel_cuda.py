@@ -23,13 +23,13 @@ def _check(results):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nccl_world1_sharded_model_matches_and_replays_in_cuda_graphs():
-    _check(run_ranks(w.cuda_graphs, 1, dict(tp=1), timeout=480))
+    _check(run_ranks(w.cuda_graphs, 1, dict(tp=1), timeout=480, fresh=True))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (a multi-GPU machine)")
 def test_nccl_tp2_ep2_on_two_gpus_matches_and_replays_in_cuda_graphs():
-    _check(run_ranks(w.cuda_graphs, 2, dict(tp=2, ep=2), timeout=480))
+    _check(run_ranks(w.cuda_graphs, 2, dict(tp=2, ep=2), timeout=480, fresh=True))
 
 
 @pytest.mark.cuda
@@ -43,7 +43,7 @@ def test_nccl_quantized_checkpoint_sharded_load_matches_single_process(tmp_path,
     from tests.checkpoints import write_checkpoint
 
     write_checkpoint(tmp_path, "v3", fmt, seed=4)
-    for r in run_ranks(w.quantized_checkpoint_on_device, world, str(tmp_path), pconf, timeout=480):
+    for r in run_ranks(w.quantized_checkpoint_on_device, world, str(tmp_path), pconf, timeout=480, fresh=True):
         assert r["backend"] == "nccl" and r["real_group"] and r["device"].startswith("cuda"), r
         assert r["err"] < 1e-4 and r["compiled_err"] < 1e-4, r
         assert r["same_tokens"] and r["graph_breaks"] == {}, r

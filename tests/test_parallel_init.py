@@ -36,7 +36,7 @@ def test_launched_world_of_other_size_errors_on_every_rank():
 
 
 def test_missing_peer_times_out_at_init():
-    (r,) = run_ranks(w.lonely, 1, 2.0, timeout=60)
+    (r,) = run_ranks(w.lonely, 1, 2.0, timeout=60, fresh=True)
     assert r is not None, "init returned without its peer"
     # no wall-clock bound here: were the 2 s timeout not applied, torch's default (minutes) would outlast
     # run_ranks' 60 s deadline, which fails the test with TimeoutError

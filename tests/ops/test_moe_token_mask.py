@@ -104,8 +104,8 @@ def test_reference_masked_rows_are_zero_and_real_rows_unchanged(dtype, shared):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,I,E,k,S", [(7, 40, 24, 6, 3, 2), (2, 64, 32, 8, 6, 0), (4, 300, 20, 5, 2, 1)])
+@pytest.mark.parametrize("T,H,I,E,k,S,dtype", [  # each shape once, each dtype at least once
+    (7, 40, 24, 6, 3, 2, torch.float32), (2, 64, 32, 8, 6, 0, torch.bfloat16), (4, 300, 20, 5, 2, 1, torch.bfloat16)])
 def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype, monkeypatch):
     from mla_compile.ops.triton.moe_experts import _launch
     from tests.ops.test_moe_route import poison_empty

@@ -260,9 +260,8 @@ def _compile_sm90(kernel, consts, warps):
 
 
 @sm90_compile
-@pytest.mark.parametrize("pipe", [True, False])
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("block_size,direct,pipe", [  # each pair of the three settings' values once (4 of 8)
+    (64, False, True), (64, True, False), (128, False, False), (128, True, True)])
 def test_sm90_compile_resources(direct, block_size, pipe):
     """The kernel compiles for sm_90 with 8 warps, no spills, at most 255 registers a thread (two warpgroups
     fit one SM's register file), shared memory of its buffers' formula plus under 1 KB of scratch and within
@@ -309,8 +308,7 @@ def test_sm90_compile_resources_warp_specialized(direct):
 
 
 @sm90_compile
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("block_size,direct", [(64, False), (128, True)])  # each value of both once
 def test_sm90_compile_resources_swapped(direct, block_size):
     """The swapped kernel compiles for sm_90 with 4 warps, 16 query rows a program, no spills, shared memory of
     its formula plus under 1 KB (two programs do not fit an SM: one, as the launch plans); its dots (S^T twice,
