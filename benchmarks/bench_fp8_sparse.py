@@ -102,6 +102,19 @@ def dense_case(B, H, L):
         bk.ROWS.append({"group": group, "impl": "fp8 speedup (gluon)", "speedup": speedup, "rel_err": rel_gl})
 
 
+def _time_rows(group, rows, o_ref, flops, nbytes):
+    """Time each ``(impl, call)`` of ``rows`` (a call returns ``(out, lse)``), its output's normwise difference from
+    ``o_ref`` (the Triton fp8 kernel's) in the note; a failing call becomes a row and the others still run."""
+    for impl, call in rows:
+        try:
+            o, _ = call()
+            torch.cuda.synchronize()
+            note = f"rel diff vs triton fp8 {float((o.float() - o_ref.float()).norm() / o_ref.float().norm()):.2e}"
+        except Exception as exc:
+            note = f"{type(exc).__name__}: {exc}"[:200]
+        bk.attempt(group, impl, call, flops, nbytes, note=note)
+
+
 def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
     """Backend "gluon64" (64 query rows a program, ``ops/triton/fp8_decode_gluon64.py``) where its kernel serves
     the call (its ``DEFAULTS``), then its kernel's variants (``launch`` with none of the ``VARIANTS`` flags, each
@@ -120,14 +133,7 @@ def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
     for name, config in configs:
         rows.append((f"gluon64 fp8 cache {name}", lambda config=config: fp8_decode_gluon64.launch(
             q, fp8, table, lens, SCALE, DC, config=config)))
-    for impl, call in rows:
-        try:
-            o, _ = call()
-            torch.cuda.synchronize()
-            note = f"rel diff vs triton fp8 {float((o.float() - o_f8.float()).norm() / o_f8.float().norm()):.2e}"
-        except Exception as exc:  # a failing kernel becomes a row, the other rows still run
-            note = f"{type(exc).__name__}: {exc}"[:200]
-        bk.attempt(group, impl, call, flops, nbytes, note=note)
+    _time_rows(group, rows, o_f8, flops, nbytes)
 
 
 def write_case(T=4096):
@@ -185,14 +191,7 @@ def _sparse_gluon64_rows(group, q, cache, idx, flops, nbytes, kind="fp8"):
     for name, config in configs if kind == "fp8" else ():
         rows.append((f"gluon64 {kind} sparse {name}", lambda config=config: g.launch(q, cache, idx, SCALE, DC,
                                                                                       config=config)))
-    for impl, call in rows:
-        try:
-            o, _ = call()
-            torch.cuda.synchronize()
-            note = f"rel diff vs triton fp8 {float((o.float() - o_ref.float()).norm() / o_ref.float().norm()):.2e}"
-        except Exception as exc:  # a failing kernel becomes a row, the other rows still run
-            note = f"{type(exc).__name__}: {exc}"[:200]
-        bk.attempt(group, impl, call, flops, nbytes, note=note)
+    _time_rows(group, rows, o_ref, flops, nbytes)
 
 
 IDX_H, IDX_D, TOPK = 64, 128, 2048  # DeepSeek-V3.2's indexer

@@ -19,6 +19,7 @@ import torch
 import mla_compile  # noqa: F401
 from mla_compile.ops.triton._plan import split_counters
 from tests.cuda_capture import capture
+from tests.ops.triton.test_gluon_decode import _softmax64  # the float64 decode from the math
 from _sparse_test_util import lens_with_empty
 from _triton_test_util import assert_attention_close, paged_cache, poison_allocator, sm90_compile
 
@@ -34,30 +35,6 @@ def _sm90() -> bool:
 
 
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU and triton")
-
-
-def _softmax64(q, cache, table, seq_lens, scale):
-    """float64 absorbed-MLA decode from the math: row (i, h) of sequence b sees positions
-    ``< seq_lens[b] - (s_q - 1 - i)``; values are the first 512 columns; natural-log LSE, -inf and output 0 for a
-    row that sees nothing."""
-    B, s_q, H, _ = q.shape
-    bs = cache.shape[1]
-    out = torch.zeros(B, s_q, H, DC, dtype=torch.float64, device=q.device)
-    lse = torch.full((B, s_q, H), float("-inf"), dtype=torch.float64, device=q.device)
-    for b in range(B):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        pos = torch.arange(n, device=q.device)
-        rows = cache[table[b, pos // bs].long(), pos % bs].double()
-        s = torch.einsum("ihd,nd->ihn", q[b].double(), rows) * scale
-        limit = n - (s_q - 1 - torch.arange(s_q, device=q.device))
-        s = s.masked_fill(pos[None, None, :] >= limit[:, None, None], float("-inf"))
-        m = torch.logsumexp(s, dim=-1)
-        p = torch.where(m.isfinite()[..., None], torch.exp(s - m[..., None]), 0.0)
-        out[b] = torch.einsum("ihn,nd->ihd", p, rows[:, :DC])
-        lse[b] = m
-    return out, lse
 
 
 def _inputs(lens, H, s_q, seed, bs=64):
