@@ -147,3 +147,15 @@ def opcheck_and_compile(op, ref, args, mutated: int | None = None):
     for g, w in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
+
+def sm90_facts(**kw):
+    """The selector's facts of a DeepSeek decode call on an (assumed) sm_90 (no GPU needed): bf16 q, 128 heads,
+    512 + 64, one query row, pages of 64 of the 656-byte fp8 rows, 16-byte aligned and packed; ``kw`` overrides
+    any of them (``dtype``: q's)."""
+    from mla_compile.ops.select import facts_for
+
+    base = dict(cap=(9, 0), cache_dtype=torch.uint8, block_size=64, num_heads=128, head_dims=(512, 64), query_len=1,
+                cache_align=16, packed_rows=True)
+    base.update(kw)
+    dtype = base.pop("dtype", torch.bfloat16)
+    return facts_for("cuda", dtype, **base)

@@ -21,10 +21,10 @@ from torch.library import opcheck
 import mla_compile  # noqa: F401
 from mla_compile.ops import decode
 from mla_compile.ops.registry import backends_for
-from mla_compile.ops.select import facts_for, select, why_not
+from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import lens_with_empty
-from _triton_test_util import assert_attention_close, paged_cache, poison_allocator, sm90_compile
+from _triton_test_util import assert_attention_close, paged_cache, poison_allocator, sm90_compile, sm90_facts
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -219,11 +219,7 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
     assert spec.gpu_tested
 
     def facts(**kw):
-        base = dict(cap=(9, 0), cache_dtype=BF, block_size=64, num_heads=128, head_dims=(DC, DR), query_len=1,
-                    cache_align=128, packed_rows=True)
-        base.update(kw)
-        dtype = base.pop("dtype", BF)
-        return facts_for("cuda", dtype, **base)
+        return sm90_facts(**{"cache_dtype": BF, "cache_align": 128, **kw})
 
     if HAS_TRITON:
         assert why_not(spec, facts()) is None

@@ -22,10 +22,10 @@ from torch.library import opcheck
 import mla_compile  # noqa: F401
 from mla_compile.ops import sparse_decode
 from mla_compile.ops.registry import backends_for
-from mla_compile.ops.select import facts_for, select, why_not
+from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import float_paged, fp8_paged, lens_with_empty, topk_indices
-from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile
+from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile, sm90_facts
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -272,12 +272,7 @@ def test_declaration_serves_only_sm90_bf16_q_fp8_or_bf16_deepseek_rows():
     spec = backends_for("sparse_decode")["gluon64"]
     assert spec.gpu_tested
 
-    def facts(**kw):
-        base = dict(cap=(9, 0), cache_dtype=torch.uint8, block_size=64, num_heads=128, head_dims=(DC, DR),
-                    query_len=1, cache_align=16, packed_rows=True)
-        base.update(kw)
-        dtype = base.pop("dtype", BF)
-        return facts_for("cuda", dtype, **base)
+    facts = sm90_facts
 
     if HAS_TRITON:
         assert why_not(spec, facts()) is None
