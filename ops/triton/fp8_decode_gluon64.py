@@ -390,8 +390,6 @@ def decode_fp8_gluon64_kernel(
         else:
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
         if RESCALE_SKIP:
-            # raise the maxima (all rows) only when some row's grew by more than TAU (always on a row's
-            # first seen key: -inf + TAU is -inf); else P is taken against the stale maxima (P <= 2**TAU)
             # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
             # seen key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
             # moved skips its O rescale (a warp vote: no CTA barrier)
