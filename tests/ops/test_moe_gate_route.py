@@ -215,9 +215,10 @@ def test_cuda_compiled_and_graph_replay(routing, H):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
-def test_cuda_fused_moe_layer_routes_through_the_op(kind):
-    """``MLAMoE(impl="fused")`` on CUDA bf16 takes ``mla::moe_gate_route`` and matches the dense experts, eagerly
-    and compiled."""
+def test_cuda_fused_moe_layer_routes_through_the_op(kind, monkeypatch):
+    """``MLAMoE(impl="fused")`` on CUDA bf16 does not take ``mla::moe_gate_route`` while "auto" skips its Triton
+    kernel (slower than the router GEMM + route kernel); made to take it, the layer matches the dense experts,
+    eagerly and compiled."""
     pytest.importorskip("transformers")
     from mla_compile.app import toy
     from mla_compile.models.moe import MLAMoE
@@ -226,7 +227,8 @@ def test_cuda_fused_moe_layer_routes_through_the_op(kind):
     block = hf.model.layers[1].mlp
     fused, dense = MLAMoE(block, impl="fused"), MLAMoE(block, impl="dense")
     x = torch.randn(2, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert fused._gate_route(x)
+    assert not fused._gate_route(x)
+    monkeypatch.setattr(MLAMoE, "_gate_route", lambda self, x: True)
     with torch.no_grad():
         want = dense(x)
         for fn in (fused, torch.compile(fused, fullgraph=True, dynamic=True)):
