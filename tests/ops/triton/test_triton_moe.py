@@ -137,7 +137,7 @@ def test_compiled_fused_block_equals_dense_on_gpu(kind):
 
     hf = toy.toy_hf_model(kind, seed=6, dtype=torch.bfloat16).to(DEV)
     block = hf.model.layers[1].mlp
-    for impl in ("fused", "auto"):  # "auto": the split (fused up to 8 tokens) once "triton" is GPU-tested
+    for impl in ("fused", "auto"):  # "auto": the fused kernels up to FUSED_MAX_TOKENS at hidden <= FUSED_MAX_HIDDEN
         compiled = torch.compile(MLAMoE(block, impl=impl), fullgraph=True)
         for T in (1, 3, 40):
             x = torch.randn(T, hf.config.hidden_size, device=DEV).bfloat16()
