@@ -1,10 +1,17 @@
-"""Decode-step latency and tokens/s of a DeepSeek-V2-Lite-shaped model: HF transformers vs mla_compile, one run.
+"""Decode-step latency and tokens/s of a DeepSeek-V2-Lite- or V3-shaped model: HF transformers vs mla_compile, one run.
 
     python benchmarks/bench_decode_step.py --out OUT_DIR [--budget-s 300] [--batches 1,8,64,256] [--ctx 4096]
     python benchmarks/bench_decode_step.py --device cpu --tiny --out /tmp/bds        # CPU smoke test
     python benchmarks/bench_decode_step.py --out OUT_DIR --kv-cache fp8 [--lowerings]  # the 656-byte fp8 latent cache
+    python benchmarks/bench_decode_step.py --out OUT_DIR --kind v3 --only ours       # a slice of real DeepSeek-V3
 
-A random-weight V2-Lite-shaped model (default 4 layers, hidden 2048, 16 heads, 64 experts top-6, bf16)
+``--kind v2-lite`` (default): a random-weight V2-Lite-shaped model (default 4 layers, hidden 2048, 16 heads,
+no q_lora, 64 experts top-6 softmax greedy routing, 2 shared experts, bf16). ``--kind v3``: a slice of
+DeepSeek-V3/R1 at its real dims (hidden 7168, 128 heads, q_lora 1536, 256 experts top-8 in 8 groups (top 4
+groups), sigmoid routing with the score-correction bias, 1 shared expert, moe_intermediate 2048, dense
+intermediate 18432, vocab 129280, yarn rope of the public config); default 4 layers, of which the first is
+dense (about 74 GB of bf16 weights: each MoE layer holds 22.5 GB of experts). The model flags (``--hidden``,
+``--heads``, ``--experts``, ...) default per kind and override it. Each configuration
 decodes one new token per sequence over ``--ctx`` tokens of random context already in the cache, at
 each batch size, in five configurations: HF eager (its forward and DynamicCache), HF compiled
 (``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` over a ``StaticCache``),
@@ -44,10 +51,20 @@ import torch
 START = time.time()
 IMPLS = {"hf eager": "HF eager (DynamicCache)", "hf compiled": "HF compiled (StaticCache)",
          "ours eager": "ours eager", "ours compiled": "ours compiled", "ours graph": "ours compiled + CUDA graph"}
+# model and run defaults of each (kind, --tiny); q_lora_rank 0 = none (a full-rank q_proj)
 FULL = dict(layers=4, hidden=2048, heads=16, experts=64, topk=6, moe_inter=1408, inter=10944, vocab=102400,
+            q_lora_rank=0, n_group=1, topk_group=1, shared_experts=2,
             ctx="4096", batches="1,8,64,256", block_size=64, warmup=3, iters=20)
 TINY = dict(layers=2, hidden=256, heads=4, experts=8, topk=3, moe_inter=64, inter=512, vocab=1024,
+            q_lora_rank=0, n_group=1, topk_group=1, shared_experts=2,
             ctx="64", batches="1,4", block_size=16, warmup=1, iters=3)
+V3_FULL = dict(FULL, hidden=7168, heads=128, experts=256, topk=8, moe_inter=2048, inter=18432, vocab=129280,
+               q_lora_rank=1536, n_group=8, topk_group=4, shared_experts=1)  # the public DeepSeek-V3/R1 config
+V3_TINY = dict(TINY, experts=16, topk=4, q_lora_rank=128, n_group=4, topk_group=2, shared_experts=1)
+PRESETS = {("v2-lite", False): FULL, ("v2-lite", True): TINY, ("v3", False): V3_FULL, ("v3", True): V3_TINY}
+# DeepSeek-V3's public rope: yarn, factor 40 = max_position_embeddings / original_max_position_embeddings
+V3_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+               original_max_position_embeddings=4096, beta_fast=32, beta_slow=1)
 COMPILE_S = 60.0  # expected cold compile: a compile row is not started with less budget left
 ROWS: list[dict] = []
 INFO: dict = {}
@@ -190,6 +207,7 @@ class Workload:
 
     def __init__(self, args, dev: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int):
         self.dev, self.dtype, self.seed = dev, dtype, args.seed
+        self.hf_interleaved = args.kind == "v2-lite"  # HF V2 caches k_pe interleaved, V3 de-interleaved (as ours)
         self.bs, self.dc, self.dr = args.block_size, kv_lora_rank, rope_dim
         self.max_batch = max(max(args.batch_list), 2)
         self.nb = -(-(max(args.ctx_list) + 1) // self.bs)  # blocks per sequence: context + the new token
@@ -211,11 +229,13 @@ class Workload:
         """The first ``ctx`` tokens of sequences ``0..batch-1`` as HF cache tensors (keys, values).
 
         HF's V2 rope (complex pairs) leaves k_pe interleaved ``(e0, o0, e1, o1, ...)``; ours stores the
-        same rotated values de-interleaved ``[evens | odds]``, so the rope part is re-interleaved here.
+        same rotated values de-interleaved ``[evens | odds]``, so for V2 the rope part is re-interleaved
+        here. HF's V3 (``rope_interleave``) caches k_pe de-interleaved, as ours does.
         """
         lat = self.latents(layer)[self.tables[:batch].to(self.dev)].view(batch, -1, self.dc + self.dr)[:, :ctx]
         k_pe = lat[..., self.dc:]
-        k_pe = torch.stack([k_pe[..., :self.dr // 2], k_pe[..., self.dr // 2:]], dim=-1).flatten(-2)
+        if self.hf_interleaved:
+            k_pe = torch.stack([k_pe[..., :self.dr // 2], k_pe[..., self.dr // 2:]], dim=-1).flatten(-2)
         return lat[..., :self.dc].unsqueeze(1).contiguous(), k_pe.unsqueeze(1).contiguous()
 
     def hf_ids(self, batch: int, k: int) -> torch.Tensor:
@@ -236,16 +256,29 @@ class Workload:
 
 
 def build_hf(args, dev: torch.device, dtype: torch.dtype):
-    """The seeded random HF model (same weights every call), built directly on ``dev``."""
+    """The seeded random HF model of ``--kind`` (same weights every call), built directly on ``dev`` in ``dtype``.
+
+    The layer-0 MLP is dense and the others MoE (``first_k_dense_replace=1``). The parameters are created and
+    randomly initialised on ``dev`` in ``dtype`` (the default dtype is ``dtype`` while the model is built): no
+    float32 copy and no CPU round trip, so a V3 slice of ~74 GB is built in seconds on a GPU.
+    """
     from mla_compile.app import toy
 
     kw = dict(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.heads,
               num_hidden_layers=args.layers, n_routed_experts=args.experts, num_experts_per_tok=args.topk,
               moe_intermediate_size=args.moe_inter, intermediate_size=args.inter, vocab_size=args.vocab,
-              n_shared_experts=2, first_k_dense_replace=1,
+              q_lora_rank=args.q_lora_rank or None, n_group=args.n_group, topk_group=args.topk_group,
+              n_shared_experts=args.shared_experts, first_k_dense_replace=1,
               max_position_embeddings=max(5120, max(args.ctx_list) + 1024))
-    with torch.device(dev):
-        return toy.toy_hf_model("v2-lite", seed=args.seed, dtype=dtype, device=dev, **kw)
+    if args.kind == "v3":  # norm_topk_prob, routed_scaling_factor 2.5, sigmoid routing + bias: toy's V3 settings
+        kw.update(rope_parameters=dict(V3_ROPE), max_position_embeddings=max(163840, max(args.ctx_list) + 1024))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            return toy.toy_hf_model(args.kind, seed=args.seed, dtype=dtype, device=dev, **kw)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def free_memory() -> None:
@@ -280,7 +313,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
     hf = build_hf(args, dev, dtype)
     if dev.type == "cuda":
         sync(dev)
-        torch.cuda.empty_cache()  # the float32 init copies are cached, not used
+        torch.cuda.empty_cache()  # the init temporaries are cached, not used
         INFO["weights_bytes"] = torch.cuda.memory_allocated()
         INFO["free_bytes_after_weights"] = torch.cuda.mem_get_info()[0]
     model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
@@ -555,11 +588,22 @@ def goals(args) -> list[str]:
     if "gpu_us" in md:
         ok = "PASS" if md["gpu_us"] <= 30 else "MISSED"
         out.append(f"  metadata build <= 30 us GPU at B=256: {md['gpu_us']:.1f} us at B={md['batch']} {ok} "
-                   f"(host {md['host_us']:.0f} us; no indexer: V2-Lite is dense MLA)")
+                   f"(host {md['host_us']:.0f} us; no indexer: {args.kind} is dense MLA)")
     else:
         out.append(f"  metadata build <= 30 us GPU at B=256: n/a ({md.get('error', 'no CUDA')}; host "
                    f"{md.get('host_us', float('nan')):.0f} us)")
     return out
+
+
+def model_text(args) -> str:
+    """The model's kind and dims, for the summary."""
+    q = f"q_lora {args.q_lora_rank}" if args.q_lora_rank else "no q_lora"
+    routing = (f"sigmoid routing + bias, {args.n_group} groups top-{args.topk_group}" if args.kind == "v3"
+               else "softmax greedy routing")
+    return (f"{args.kind}{' (tiny)' if args.tiny else ''}: {args.layers} layers (1 dense + {args.layers - 1} MoE), "
+            f"hidden {args.hidden}, {args.heads} heads, {q}, kv_lora 512, {args.experts} experts top-{args.topk} "
+            f"({routing}, {args.shared_experts} shared, moe_inter {args.moe_inter}), inter {args.inter}, "
+            f"vocab {args.vocab}")
 
 
 def table_text(args) -> str:
@@ -567,8 +611,7 @@ def table_text(args) -> str:
     cell = {(r["impl"], r["batch"], r["ctx"]): r for r in ROWS}
     head = "".join(f"{f'B={b} ctx={c}':>26s}" for b, c in cols)
     lines = [f"{INFO.get('device')}, torch {INFO.get('torch')}, transformers {INFO.get('transformers')}; model: "
-             f"{args.layers} layers, hidden {args.hidden}, {args.heads} heads, {args.experts} experts top-"
-             f"{args.topk}, vocab {args.vocab}, {args.dtype}; block {args.block_size}; ours latent cache "
+             f"{model_text(args)}, {args.dtype}; block {args.block_size}; ours latent cache "
              f"{args.kv_cache}; ours backend "
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
              f"compile mode {INFO.get('hf_compile_mode')}"
@@ -623,13 +666,17 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for bench_decode_step.{json,txt}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--kind", choices=("v2-lite", "v3"), default="v2-lite",
+                    help="model shape: DeepSeek-V2-Lite or a slice of DeepSeek-V3/R1 at its real dims (the model "
+                         "flags below default per kind)")
     ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 256, batches 1,4, ctx 64 (CPU smoke test)")
     ap.add_argument("--compile", action="store_true", help="with --tiny: also run the compiled rows (slow on CPU)")
     ap.add_argument("--budget-s", type=float, default=300.0, help="skip rows that would start later than this (seconds since start)")
     for name in FULL:
         kind = str if name in ("ctx", "batches") else int
         ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                        help=f"default {FULL[name]} ({TINY[name]} with --tiny)")
+                        help=f"default {FULL[name]} ({TINY[name]} with --tiny); --kind v3: {V3_FULL[name]} "
+                             f"({V3_TINY[name]} with --tiny)" + (" (0: none)" if name == "q_lora_rank" else ""))
     ap.add_argument("--dtype", default=None, help="bfloat16 (default on CUDA) or float32 (default on CPU)")
     ap.add_argument("--backend", default="auto", help="attention-op backend of ours (auto, triton, reference, ...)")
     ap.add_argument("--hf-attn", default="sdpa", help="HF attention implementation (sdpa: HF's default; eager)")
@@ -648,7 +695,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
-    preset = TINY if args.tiny else FULL
+    preset = PRESETS[(args.kind, args.tiny)]
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -659,6 +706,9 @@ def parse_args(argv=None):
     args.torch_dtype = getattr(torch, args.dtype)
     if min(args.batch_list) < 1 or min(args.ctx_list) < 1:
         ap.error(f"--batches and --ctx must be positive, got {args.batches!r} and {args.ctx!r}")
+    if args.experts % args.n_group or not 1 <= args.topk_group <= args.n_group:
+        ap.error(f"--experts ({args.experts}) must split into --n-group ({args.n_group}) equal groups and "
+                 f"--topk-group ({args.topk_group}) must be in 1..n_group")
     return args
 
 
@@ -679,7 +729,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)
     from mla_compile.models.config import preset
 
-    mla = preset("deepseek-v2-lite")  # the latent dims (512 + 64), which the toy model keeps
+    mla = preset("deepseek-v2-lite")  # the latent dims (512 + 64), the same in V2-Lite, V3 and the toy models
     wl = Workload(args, dev, args.torch_dtype, mla.kv_lora_rank, mla.qk_rope_head_dim)
     phases = [p.strip() for p in args.only.split(",")]
     for name, phase in (("ours", phase_ours), ("hf", phase_hf)):

@@ -1,5 +1,7 @@
-"""CPU smoke test of ``benchmarks/bench_decode_step.py --device cpu --tiny``: the eager rows of HF and ours
-run, agree on the first step's logits, the GPU-only rows say why they were skipped, and both files are written."""
+"""CPU smoke test of ``benchmarks/bench_decode_step.py --device cpu --tiny [--kind v3]``: the eager rows of HF
+and ours run, agree on the first step's logits, the GPU-only rows say why they were skipped, and both files are
+written. ``--kind v3`` is the V3 architecture at tiny dims (q_lora, sigmoid routing with the correction bias in
+groups, 1 shared expert): ours runs it through MLAMoE's group-limited top-k and the q_lora attention path."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_bench_decode_step_cpu_smoke(tmp_path):
+@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
+def test_bench_decode_step_cpu_smoke(tmp_path, kind):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_step.py"), "--device", "cpu", "--tiny",
-           "--out", str(tmp_path)]
+           "--kind", kind, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "bench_decode_step.json").read_text())
@@ -36,8 +39,17 @@ def test_bench_decode_step_cpu_smoke(tmp_path):
         assert rows[("hf compiled", b)]["skipped"] == "cpu"
         assert rows[("ours compiled", b)]["skipped"] == "no --compile"
     info = data["info"]
+    args = info["args"]
+    assert args["kind"] == kind
+    if kind == "v3":  # the V3 features the run must exercise
+        assert (args["q_lora_rank"], args["experts"], args["topk"], args["n_group"], args["topk_group"],
+                args["shared_experts"]) == (128, 16, 4, 4, 2, 1)
+    else:
+        assert (args["q_lora_rank"], args["experts"], args["shared_experts"]) == (0, 8, 2)
     assert info["hf_cache_bytes_per_token"] == info["ours_cache_bytes_per_token"] == 2 * 576 * 4
     assert info["metadata"]["host_us"] > 0
     text = (tmp_path / "bench_decode_step.txt").read_text()
     assert "HF eager (DynamicCache)" in text and "Goals" in text
+    assert f"model: {kind} (tiny): 2 layers (1 dense + 1 MoE), hidden 256, 4 heads, " in text
+    assert ("q_lora 128" in text and "sigmoid routing + bias, 4 groups top-2" in text) == (kind == "v3")
     assert text.strip().splitlines()[-1] in proc.stdout
