@@ -203,9 +203,10 @@ def decode_case(B, H, L, sweep, budget_s):
     if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the PIPE schedule, 64 rows
         from mla_compile.ops.triton import decode_gluon
         variants = [{"PIPE": True, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        swap = {"SWAP": True}
+        if H > decode_gluon.SWAP_ROWS and B <= 16:  # the 16-row kernel at 128 heads: each row block reads the cache
+            variants += [swap]
         if B <= 2:  # latency-bound: the swapped kernel merging its own splits (FUSED_REDUCE) against the reduce kernel
-            swap = {"SWAP": True}
-            variants += [swap] if H > decode_gluon.SWAP_ROWS else []
             fused = [dict(swap, FUSED_REDUCE=True, MERGE_GROUP=g) for g in (0, 4)]
             variants += fused + [dict(c, SPLITS=sp) for sp in (8, 32) for c in [swap] + fused]
         for cfg in variants:
@@ -575,6 +576,9 @@ def main():
                     help="only causal prefill (8 x 4096 and 2 x 1024 tokens, 128 and 16 heads): our pointer, TMA and "
                          "(sm_90) Gluon kernels in each candidate configuration against FlashInfer and cuDNN SDPA")
     ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
+    ap.add_argument("--swap-sweep", action="store_true",
+                    help="only decode at 128 heads and few sequences (B = 2 / 4 / 8 / 16, L = 4096; B = 1, L = 8192): the "
+                         "Gluon kernel's 16-row (SWAP) and 64-row programs against the peers")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode (B=1, H=16, L=4096, swept over split counts; B=2 H=16 and B=1 "
                          "H=128), with the Gluon kernel's FUSED_REDUCE variants")
@@ -609,6 +613,9 @@ def main():
         sections = [lambda: decode_case(128, 128, 4096, dsweep_128, args.budget_s),
                     lambda: decode_case(128, 16, 8192, dsweep_16, args.budget_s),
                     lambda: decode_case(1, 128, 4096, [], args.budget_s)]
+    elif args.swap_sweep:
+        sections = [lambda b=b, l=l: decode_case(b, 128, l, [], args.budget_s)
+                    for b, l in ((2, 4096), (4, 4096), (8, 4096), (16, 4096), (1, 8192))]
     elif args.small:
         ssweep = [dict(BLOCK_H=16, BLOCK_N=n, num_warps=w, num_stages=st, SPLITS=sp) for sp in (16, 32, 64)
                   for n, w, st in ((64, 8, 3), (32, 4, 3))]
