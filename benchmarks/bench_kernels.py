@@ -600,8 +600,7 @@ def main():
         dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     ]
     if args.prefill_sweep:
-        tsweep = [{}, dict(BLOCK_N=64, num_stages=3), dict(HEADS_FIRST=False),
-                  dict(WS=True, num_warps=4), dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3)]
+        tsweep = [{}, dict(BLOCK_N=64, num_stages=3), dict(HEADS_FIRST=True)]
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, psweep, args.budget_s, tsweep,
                                                                           not args.no_gluon)
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]

@@ -37,11 +37,11 @@ SELECT_NAME = "mla_prefill_autotune"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); 0 keeps the heuristic's value (ops/triton/prefill.py:_pick).
 # Every tile is at most the bf16 default's (128 x 64), so none needs more shared memory than it.
 TRITON_CONFIGS: tuple[tuple[int, int, int, int], ...] = ((0, 0, 0, 0), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3))
-# The TMA kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages, heads_first, warp_specialize) on sm_90+ (bf16/fp16;
+# The TMA kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages, heads_first) on sm_90+ (bf16/fp16; heads_first
 # 1 / 2: on / off). At qk 192 / v 128 none spills; shared memory 214 KB (128 x 128, 2 stages), 173 KB (128 x 64,
-# 3 stages); warp-specialized (4 warps a consumer warpgroup, 12 in all): 224 KB and 185 KB (sm_90 compile).
-TMA_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
-    (128, 128, 8, 2, 1, 2), (128, 64, 8, 3, 1, 2), (128, 128, 4, 2, 1, 1), (128, 64, 4, 3, 1, 1))
+# 3 stages) (sm_90 compile).
+TMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (128, 128, 8, 2, 2), (128, 64, 8, 3, 2), (128, 128, 8, 2, 1), (128, 64, 8, 3, 1))
 _CPU_HOOK: list[Callable | None] = [None]  # tests: candidates on CPU (see autotune_on_cpu)
 _WARNED: set[str] = set()
 
@@ -62,9 +62,9 @@ def prefill_candidates(device: torch.device, dtype: torch.dtype, num_heads: int,
         tma = backends_for("prefill")["triton-tma"]  # its configs join once its CUDA tests have passed
         if (torch.finfo(dtype).bits == 16 and (select.device_capability(device) or (0, 0))[0] >= 9
                 and tma.gpu_tested):
-            for bm, bn, nw, ns, hf, ws in TMA_CONFIGS:
-                out.append(Candidate(f"mla_prefill_triton_tma_bm{bm}_bn{bn}_w{nw}_s{ns}_hf{hf}_ws{ws}", "triton-tma",
-                                     torch.ops.mla.prefill_triton_tma_config.default, (bm, bn, nw, ns, hf, ws)))
+            for bm, bn, nw, ns, hf in TMA_CONFIGS:
+                out.append(Candidate(f"mla_prefill_triton_tma_bm{bm}_bn{bn}_w{nw}_s{ns}_hf{hf}", "triton-tma",
+                                     torch.ops.mla.prefill_triton_tma_config.default, (bm, bn, nw, ns, hf)))
     return out
 
 

@@ -129,9 +129,9 @@ def _triton_tma(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return torch.ops.mla.prefill_triton_tma(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-# Ranked after "triton": without timings "auto" keeps the pointer kernel; not yet run on a GPU.
+# Ranked after "triton": without timings "auto" keeps the pointer kernel.
 declare(OP, "triton-tma", _triton_tma, rank=41, available=_triton_available, dtypes=(torch.bfloat16, torch.float16),
-        min_capability=SM90, package="triton", gpu_tested=False,
+        min_capability=SM90, package="triton", gpu_tested=True,
         kernels=("prefill_triton_tma=triton-tma (opaque kernel)", "_prefill_tma_kernel",
                  "prefill_triton_tma_config=triton-tma (autotuned config)"),
         note="ours (sm_90+: q/k/v tiles through host-made TMA descriptors, 128 x 128 tiles); qk a power of two "
@@ -150,9 +150,9 @@ def _gluon_ws(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return torch.ops.mla.prefill_gluon_ws(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-# Gluon sm_90 kernels (ops/triton/prefill_gluon.py), not yet run on a GPU: "auto" skips them.
+# Gluon sm_90 kernels (ops/triton/prefill_gluon.py); ranked after the Triton ones: "auto" takes them from timings.
 _GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16, torch.float16), min_capability=SM90,
-              max_capability=SM90, package="triton", gpu_tested=False)
+              max_capability=SM90, package="triton", gpu_tested=True)
 declare(OP, "gluon", _gluon, rank=42, **_GLUON,
         kernels=("prefill_gluon=gluon (opaque kernel)", "prefill_gluon_kernel"),
         note="ours (Gluon, sm_90: TMA ring of key/value tiles, wgmma with S in registers and P as a register A "

@@ -68,17 +68,15 @@ prefill_triton_config.register_fake(fake)
 @torch.library.custom_op("mla::prefill_triton_tma_config", mutates_args=(), device_types="cuda", tags=LAYOUT_TAGS)
 def prefill_triton_tma_config(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                               scale: float, causal: bool, block_m: int, block_n: int, num_warps: int,
-                              num_stages: int, heads_first: int, warp_specialize: int) -> tuple[Tensor, Tensor]:
-    """Our TMA Triton prefill with explicit launch parameters (0: ``DEFAULT``'s; ``heads_first`` and
-    ``warp_specialize`` 1 / 2: on / off)."""
+                              num_stages: int, heads_first: int) -> tuple[Tensor, Tensor]:
+    """Our TMA Triton prefill with explicit launch parameters (0: ``DEFAULT``'s; ``heads_first`` 1 / 2: on /
+    off)."""
     from mla_compile.ops.triton import prefill_tma
 
     cfg = {k_: v_ for k_, v_ in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                                  ("num_stages", num_stages)) if v_ > 0}
     if heads_first:
         cfg["HEADS_FIRST"] = heads_first == 1
-    if warp_specialize:
-        cfg["WS"] = warp_specialize == 1
     return prefill_tma.run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, cfg)
 
 

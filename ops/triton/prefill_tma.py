@@ -9,11 +9,9 @@ of the ragged tensors, so the loads are ``cp.async.bulk.tensor`` into swizzled s
 ``wgmma`` directly, with no address arithmetic in the loop. ``HEADS_FIRST`` orders the grid heads-fastest,
 so every head's longest causal blocks start before any head's short ones.
 
-``WS`` runs all key tiles in one masked loop with Triton's automatic warp specialization
-(``tl.range(..., warp_specialize=True)``; Triton 3.6's Hopper pass takes a single such loop per kernel,
-no loop after it, and ``num_warps=4``: it adds a TMA producer warpgroup and splits the 128 query rows over
-two consumer warpgroups, 12 warps with ``setmaxnreg``). Without ``WS``, the unmasked tiles run first
-in their own loop, then the diagonal ones.
+The unmasked key tiles run first in their own loop, then the diagonal ones. (No warp-specialized
+variant: Triton 3.6's automatic warp specialization of this loop hangs on the H200, BENCHMARKS.md run 134;
+the warp-specialized prefill is the Gluon one, ``prefill_gluon``.)
 
 A query tile may run past its sequence (TMA bounds are the whole tensor's): those rows are never stored.
 A key tile that would run past its sequence is loaded ending at the sequence's last key instead (see
@@ -38,7 +36,7 @@ from mla_compile.ops.triton._common import causal_bounds, online_softmax_step, p
 
 _LOG2E = 1.4426950408889634
 # The default launch (see ``config_name``); the autotune candidates are ``lowerings/prefill.py:TMA_CONFIGS``.
-DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, WS=False, HEADS_FIRST=True)
+DEFAULT = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, HEADS_FIRST=False)
 
 
 def _pow2(n: int) -> bool:
@@ -101,7 +99,7 @@ def _prefill_tma_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: tl.constexpr, DB: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HEADS_FIRST: tl.constexpr, CHUNK: tl.constexpr,
 ):
     if HEADS_FIRST:
@@ -115,7 +113,7 @@ def _prefill_tma_kernel(
     for c in range(0, n_seq + 1, CHUNK):
         idx = c + tl.arange(0, CHUNK)
         seq += tiles_started(tl.load(cu_q_ptr + idx, mask=idx <= n_seq, other=0), idx, n_seq, slot, BLOCK_M)
-    # No early exits (Triton's Hopper warp specialization wants structured control flow): a padding
+    # No early exits: a padding
     # program (seq == n_seq) owns rows up to T and no key; a slot past its sequence's rows runs no tile.
     live = seq < n_seq
     q_start = tl.load(cu_q_ptr + seq).to(tl.int32)
@@ -142,21 +140,16 @@ def _prefill_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
 
-    if WS:  # one loop, every tile masked: Triton's Hopper warp specialization takes a single loop
-        for n0 in tl.range(0, hi, BLOCK_N, warp_specialize=True):
-            m_i, l_i, acc = _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v,
-                                         offs_m, off, m_i, l_i, acc, scale_log2, DA, DB, BLOCK_N, CAUSAL)
-    else:
-        for n0 in tl.range(0, full_end, BLOCK_N):  # key tiles every row of the block sees: no mask
-            kr = k_start + n0
-            s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
-            if DB > 0:
-                s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
-            v = v_desc.load([kr, col_v])
-            m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, v, False, False)
-        for n0 in tl.range(full_end, hi, BLOCK_N):  # diagonal (causal) and tail (length) tiles
-            m_i, l_i, acc = _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v,
-                                         offs_m, off, m_i, l_i, acc, scale_log2, DA, DB, BLOCK_N, CAUSAL)
+    for n0 in tl.range(0, full_end, BLOCK_N):  # key tiles every row of the block sees: no mask
+        kr = k_start + n0
+        s = tl.dot(q_a, ka_desc.load([kr, col_k]).T)
+        if DB > 0:
+            s = tl.dot(q_b, kb_desc.load([kr, col_k + DA]).T, s)
+        v = v_desc.load([kr, col_v])
+        m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, v, False, False)
+    for n0 in tl.range(full_end, hi, BLOCK_N):  # diagonal (causal) and tail (length) tiles
+        m_i, l_i, acc = _masked_tile(q_a, q_b, ka_desc, kb_desc, v_desc, n0, k_start, len_k, col_k, col_v,
+                                     offs_m, off, m_i, l_i, acc, scale_log2, DA, DB, BLOCK_N, CAUSAL)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -167,10 +160,10 @@ def _prefill_tma_kernel(
 
 
 def config_name(cfg: dict) -> str:
-    """A short name of a launch configuration, e.g. ``tma_m128_n128_w8_s2_ws_hf``."""
+    """A short name of a launch configuration, e.g. ``tma_m128_n128_w8_s2_hf``."""
     c = {**DEFAULT, **cfg}
     return (f"tma_m{c['BLOCK_M']}_n{c['BLOCK_N']}_w{c['num_warps']}_s{c['num_stages']}"
-            + ("_ws" if c["WS"] else "") + ("_hf" if c["HEADS_FIRST"] else ""))
+            + ("_hf" if c["HEADS_FIRST"] else ""))
 
 
 def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -201,7 +194,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     _prefill_tma_kernel[grid](
         qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse,
         scale * _LOG2E, n_seq, T, H, n_slots, q.stride(1), k.stride(1), v.stride(1),
-        DA=da, DB=db, DV=dv, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal), WS=bool(cfg["WS"]),
+        DA=da, DB=db, DV=dv, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal),
         HEADS_FIRST=bool(cfg["HEADS_FIRST"]), CHUNK=128, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse

@@ -48,18 +48,18 @@ def _run(H, lq, lk, causal, dqk, dv, config, dtype=torch.bfloat16, seed=0):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads_first,ws", [(True, False), (False, False), (True, True)])
-def test_prefill_tma_mixed_lengths(causal, heads_first, ws):
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_prefill_tma_mixed_lengths(causal, heads_first):
     # an empty sequence (with keys), one token, more keys than queries, a partial last tile, a first sequence
     # shorter than a key tile (its shifted last tile starts before the tensor's first row)
     _run(2, [5, 0, 40, 17], [5, 7, 70, 17], causal, 48, 32,
-         dict(BLOCK_M=16, BLOCK_N=16, HEADS_FIRST=heads_first, WS=ws), seed=int(causal) + 2 * int(heads_first) + 4 * ws)
-    _run(2, [3, 20], [9, 20], causal, 48, 32, dict(BLOCK_M=16, BLOCK_N=32, WS=ws), seed=9)
+         dict(BLOCK_M=16, BLOCK_N=16, HEADS_FIRST=heads_first), seed=int(causal) + 2 * int(heads_first))
+    _run(2, [3, 20], [9, 20], causal, 48, 32, dict(BLOCK_M=16, BLOCK_N=32), seed=9)
 
 
-def test_prefill_tma_warp_specialized_flag_and_single_qk_tile():
-    # WS: one loop, every tile masked; qk 32 has no second tile (DB = 0); float16
-    _run(2, [9, 30], [20, 30], True, 32, 16, dict(BLOCK_M=16, BLOCK_N=32, WS=True), dtype=torch.float16, seed=5)
+def test_prefill_tma_single_qk_tile():
+    # qk 32 has no second tile (DB = 0); float16
+    _run(2, [9, 30], [20, 30], True, 32, 16, dict(BLOCK_M=16, BLOCK_N=32), dtype=torch.float16, seed=5)
 
 
 def test_prefill_tma_strided_views():
@@ -83,8 +83,8 @@ def test_prefill_tma_split_dims_and_config_names():
 
     assert pt.split_dims(192) == (128, 64) and pt.split_dims(128) == (128, 0) and pt.split_dims(48) == (32, 16)
     assert pt.split_dims(80) == (64, 16) and pt.split_dims(96 + 8) is None and pt.split_dims(8) is None
-    assert pt.config_name({}) == "tma_m128_n128_w8_s2_hf"
-    assert pt.config_name(dict(BLOCK_N=64, WS=True, HEADS_FIRST=False)) == "tma_m128_n64_w8_s2_ws"
+    assert pt.config_name({}) == "tma_m128_n128_w8_s2"
+    assert pt.config_name(dict(BLOCK_N=64, HEADS_FIRST=True)) == "tma_m128_n64_w8_s2_hf"
     # CPU tensors are never eligible (the op runs mla::prefill_triton, i.e. the reference, there)
     q = torch.randn(4, 2, 192).bfloat16()
     assert not pt.eligible(q, q, q[..., :128])

@@ -51,11 +51,10 @@ LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with key
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("cfg", ["default", "n64s3", "rows_first", "m64", "ws", "ws_n64s3"])
+@pytest.mark.parametrize("cfg", ["default", "n64s3", "heads_first", "m64"])
 def test_cuda_prefill_tma_mixed_lengths(causal, cfg):
-    config = {"default": {}, "n64s3": dict(BLOCK_N=64, num_stages=3), "rows_first": dict(HEADS_FIRST=False),
-              "m64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3), "ws": dict(WS=True, num_warps=4),
-              "ws_n64s3": dict(WS=True, num_warps=4, BLOCK_N=64, num_stages=3)}[cfg]
+    config = {"default": {}, "n64s3": dict(BLOCK_N=64, num_stages=3), "heads_first": dict(HEADS_FIRST=True),
+              "m64": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)}[cfg]
     _check(16, LENS_Q, LENS_K, causal, config, seed=int(causal))
 
 
@@ -109,7 +108,7 @@ def test_cuda_prefill_tma_autotune_configs():
         assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
 
 
-def _compile_sm90(bm, bn, warps, stages, ws, causal=True):
+def _compile_sm90(bm, bn, warps, stages, causal=True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -123,7 +122,7 @@ def _compile_sm90(bm, bn, warps, stages, ws, causal=True):
                v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
                scale_log2="fp32", n_seq="i32", T="i32", H="i32", n_slots="i32", stride_qh="i32", stride_kh="i32",
                stride_vh="i32")
-    consts = dict(DA=128, DB=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, WS=ws, HEADS_FIRST=True, CHUNK=128)
+    consts = dict(DA=128, DB=64, DV=128, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HEADS_FIRST=True, CHUNK=128)
     sig.update({name: "constexpr" for name in consts})
     fn = pt._prefill_tma_kernel
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
@@ -132,28 +131,26 @@ def _compile_sm90(bm, bn, warps, stages, ws, causal=True):
                           options=dict(num_warps=warps, num_stages=stages))
 
 
-# SASS wgmma instructions by (BLOCK_N, WS), read off the sm_90 compile: S (12 k-steps of 16 at qk 192) and P V
-# (BLOCK_N / 16), per 64-row warpgroup tile, in each loop (two loops without WS)
-EXPECTED_HGMMA = {(128, False): 40, (64, False): 32, (128, True): 40, (64, True): 32}
+# SASS wgmma instructions by BLOCK_N, read off the sm_90 compile: S (12 k-steps of 16 at qk 192) and P V
+# (BLOCK_N / 16), per 64-row warpgroup tile, in each of the two loops
+EXPECTED_HGMMA = {128: 40, 64: 32}
 
 
 @sm90_compile
 @pytest.mark.parametrize("cfg", TMA_CONFIGS)
 def test_sm90_compile_prefill_tma_resources(cfg):
     """The autotune configurations at qk 192 / v 128 compile for sm_90: no spills, at most 255 registers, shared
-    memory within an SM's 227 KB, wgmma dots and TMA loads (no cp.async); warp-specialized ones as a TMA
-    producer warpgroup and two consumer warpgroups (12 warps, a ``ttg.warp_specialize`` region)."""
+    memory within an SM's 227 KB, wgmma dots and TMA loads (no cp.async)."""
     from mla_compile.ops.triton._sm90 import resources
 
-    bm, bn, warps, stages, _, ws = cfg
-    ws = ws == 1
-    compiled = _compile_sm90(bm, bn, warps, stages, ws)
+    bm, bn, warps, stages, _ = cfg
+    compiled = _compile_sm90(bm, bn, warps, stages)
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["regs"] <= 255 and res["smem"] <= 227 * 1024, res
-    assert res["HGMMA"] == EXPECTED_HGMMA[bn, ws] and res["UTMALDG"] >= 5 and res["LDGSTS"] == 0, res
-    assert ("ttg.warp_specialize" in compiled.asm["ttgir"]) == ws
-    assert compiled.metadata.num_warps == (12 if ws else warps)
+    assert res["HGMMA"] == EXPECTED_HGMMA[bn] and res["UTMALDG"] >= 5 and res["LDGSTS"] == 0, res
+    assert "ttg.warp_specialize" not in compiled.asm["ttgir"]
+    assert compiled.metadata.num_warps == warps
 
 
 @pytest.mark.cuda
