@@ -76,10 +76,10 @@ from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 PROGRAMS_PER_SM = 1
-# One sequence of at most this many query rows also takes the swapped kernel by default: its 16-row programs each
-# read the sequence's cache, which L2 serves at one sequence (BENCHMARKS.md run 134: faster at B=1, H=128, slower from
-# B=4)
-SWAP_ONE_SEQ_ROWS = 128
+# A call of at most this many query rows in all (B * s_q * H) also takes the swapped kernel by default: its 16-row
+# programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
+# at B = 1 and 2 with 128 heads, slower from B = 4)
+SWAP_CALL_ROWS = 256
 MERGE_GROUPS = (0, 1, 2, 4, 8, 16, 32)  # FUSED_REDUCE's MERGE_GROUP: 0 / 1 one merge, else splits a first-level merge
 # The swapped kernel's variants (:func:`launch`'s config keys; these values where a config names none, so a caller
 # that reaches ``launch`` through the op, e.g. a whole decode step, runs one by setting them before its first call).
@@ -244,9 +244,9 @@ def eligible(q: Tensor, kv_cache: Tensor, kv_lora_rank: int) -> bool:
 
 def swap_by_default(batch: int, rows: int) -> bool:
     """Whether :func:`launch` takes the swapped kernel without a SWAP config: for ``batch`` sequences of ``rows``
-    query rows each (``s_q * H``), where a sequence has at most ``SWAP_ROWS`` rows, or the call is one sequence of at
-    most ``SWAP_ONE_SEQ_ROWS`` rows."""
-    return rows <= SWAP_ROWS or (batch == 1 and rows <= SWAP_ONE_SEQ_ROWS)
+    query rows each (``s_q * H``), where a sequence has at most ``SWAP_ROWS`` rows, or the call at most
+    ``SWAP_CALL_ROWS`` rows in all (``mla::decode_gluon`` is opaque: concrete sizes, no guard in a compiled graph)."""
+    return rows <= SWAP_ROWS or batch * rows <= SWAP_CALL_ROWS
 
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
@@ -254,7 +254,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
-    or the call is one sequence of at most ``SWAP_ONE_SEQ_ROWS`` rows, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by
+    or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by
     ``decode.reduce_splits``, or with FUSED_REDUCE (default False; the swapped kernel only) by the kernel's last
     split program of each row block, on the device's counters of ``_plan.split_counters`` (their contract: calls
     with it on one device run in one stream order, and the largest batch is run once before a CUDA-graph

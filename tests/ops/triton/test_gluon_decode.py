@@ -210,13 +210,13 @@ def test_compiled_and_graph_replay_through_the_op(backend):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_the_swapped_kernel_is_the_default_for_few_rows_a_sequence_or_one_sequence():
+def test_the_swapped_kernel_is_the_default_for_few_rows_a_sequence_or_in_all():
     from mla_compile.ops.triton import decode_gluon as g
 
     assert g.swap_by_default(256, 16) and g.swap_by_default(1, 16) and g.swap_by_default(3, 8)
-    assert g.swap_by_default(1, 128) and g.swap_by_default(1, 80)  # one sequence at 128 / 40 x 2 heads
-    assert not g.swap_by_default(2, 128) and not g.swap_by_default(64, 128) and not g.swap_by_default(2, 32)
-    assert not g.swap_by_default(1, 256)  # one sequence of 128 heads x 2 query positions: the 64-row kernel
+    assert g.swap_by_default(1, 128) and g.swap_by_default(2, 128) and g.swap_by_default(1, 256)  # 128 heads
+    assert g.swap_by_default(3, 80) and not g.swap_by_default(4, 80)  # 40 heads x 2 query positions
+    assert not g.swap_by_default(3, 128) and not g.swap_by_default(64, 128) and not g.swap_by_default(2, 256)
 
 
 @pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])

@@ -1,0 +1,163 @@
+"""Hardware counters of our headline kernels and the peers' at the same shapes, under Nsight Compute (#27).
+
+    ncu --clock-control none --profile-from-start off -k regex:'KERNELS' --section SpeedOfLight \
+        --section WarpStateStats --section ComputeWorkloadAnalysis --csv --page raw \
+        python benchmarks/ncu_kernels.py [--cases decode16,decode128,fp8,sparse,prefill,b1] > ncu.csv
+    python benchmarks/ncu_kernels.py --summarize ncu.csv        # the short table (no GPU needed)
+
+The first form runs each case's calls once between ``cudaProfilerStart`` / ``Stop`` (after one call outside
+them, so the JIT compiles and the peers' plans happen before): ncu profiles every launch in there of a kernel
+whose name matches ``-k``. ``--print-regex`` prints a regex of every kernel of the cases (ours and the peers'). The
+second form reads ncu's CSV and prints, per kernel launch: duration, DRAM throughput (% of peak), SM
+throughput, tensor-pipe utilization, and the top three warp stall reasons (warps stalled per issued instruction).
+Shapes: ``decode16`` bf16 decode B=128 L=8192 H=16 (ours Gluon, FlashMLA); ``decode128`` bf16 B=128 L=4096
+H=128 (ours Gluon 64-row, Gluon-ws, FlashMLA); ``fp8`` fp8 decode B=128 L=4096 H=128 (gluon64, FlashMLA's fp8
+sparse kernel over the whole table); ``sparse`` top-2048 B=128 H=128 fp8 cache (gluon64, FlashMLA); ``prefill``
+causal 8 x 4096 H=128 qk192/v128 (Triton, TMA, Gluon, Gluon-ws); ``b1`` bf16 decode B=1 L=4096 H=16 (Gluon).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+
+KERNELS = ("decode_gluon|gluon64|sparse_decode_gluon|prefill_gluon|_prefill_tma_kernel|_prefill_kernel|"
+           "_decode_reduce|flash_fwd|sparse|mla")
+SCALE = 1 / math.sqrt(192)
+PAGE, DC, D, W = 64, 512, 576, 656
+
+
+def _dense(B, L, H, dev, fp8=False, seed=0):
+    import torch
+
+    from mla_compile.ops.fp8_cache import quantize_fp8_rows
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    nblk = -(-L // PAGE)
+    pages = B * nblk
+    cache = (torch.randn(pages, PAGE, D, device=dev, generator=gen) * 0.5).bfloat16()
+    if fp8:
+        rows = cache.view(-1, D)
+        cache = quantize_fp8_rows(rows[:, :DC], rows[:, DC:]).view(pages, PAGE, W)
+    table = torch.randperm(pages, device=dev, generator=gen).view(B, nblk).int().contiguous()
+    lens = torch.full((B,), L, dtype=torch.int32, device=dev)
+    q = torch.randn(B, 1, H, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    return q, cache, table, lens
+
+
+def cases(names: list[str], dev: str = "cuda") -> list[tuple[str, object]]:
+    """``(label, call)`` of every kernel run of the named cases."""
+    import torch
+
+    from mla_compile.ops import decode, decode_fp8, prefill, sparse_decode
+
+    out = []
+    if "decode16" in names:
+        q, c, t, n = _dense(128, 8192, 16, dev)
+        out += [(f"decode16 {b}", lambda b=b, a=(q, c, t, n): decode(*a, SCALE, backend=b))
+                for b in ("gluon", "flashmla")]
+    if "decode128" in names:
+        q, c, t, n = _dense(128, 4096, 128, dev)
+        out += [(f"decode128 {b}", lambda b=b, a=(q, c, t, n): decode(*a, SCALE, backend=b))
+                for b in ("gluon", "gluon-ws", "flashmla")]
+    if "fp8" in names:
+        q, c, t, n = _dense(128, 4096, 128, dev, fp8=True)
+        out += [(f"fp8 {b}", lambda b=b, a=(q, c, t, n): decode_fp8(*a, SCALE, backend=b)) for b in ("gluon64", "flashmla")]
+    if "sparse" in names:
+        _, c, t, _ = _dense(128, 8192, 1, dev, fp8=True, seed=1)
+        q = torch.randn(128, 1, 128, D, device=dev, dtype=torch.bfloat16)
+        pos = torch.rand(128, 8192, device=dev).topk(2048, dim=-1).indices
+        idx = (t.long().gather(1, pos // PAGE) * PAGE + pos % PAGE).int()[:, None].contiguous()
+        out += [(f"sparse {b}", lambda b=b: sparse_decode(q, c, idx, SCALE, backend=b)) for b in ("gluon64", "flashmla")]
+    if "prefill" in names:
+        T, H = 8 * 4096, 128
+        q, k = (torch.randn(T, H, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(T, H, 128, device=dev, dtype=torch.bfloat16)
+        cu = torch.arange(9, device=dev, dtype=torch.int32) * 4096
+        out += [(f"prefill {b}", lambda b=b: prefill(q, k, v, cu, cu, SCALE, causal=True, backend=b))
+                for b in ("triton", "triton-tma", "gluon", "gluon-ws")]
+    if "b1" in names:
+        q, c, t, n = _dense(1, 4096, 16, dev)
+        out += [("b1 gluon", lambda a=(q, c, t, n): decode(*a, SCALE, backend="gluon"))]
+    return out
+
+
+def run(names: list[str]) -> None:
+    import torch
+
+    for label, call in cases(names):
+        try:
+            call()  # untimed: JIT compile, plans, autotune
+            torch.cuda.synchronize()
+            print(f"# {label}", file=sys.stderr, flush=True)
+            torch.cuda.profiler.start()  # ncu --profile-from-start off: only this call's kernels
+            call()
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+        except Exception as exc:  # a peer missing or refusing the shape: say so, go on
+            print(f"# {label} failed: {type(exc).__name__}: {exc}"[:300], file=sys.stderr, flush=True)
+
+
+def _num(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return float("nan")
+
+
+def summarize(path: str) -> str:
+    """The short table of an ncu ``--csv --page raw`` file (a header row of metric names, a row of units, then a
+    row per kernel launch): duration, DRAM and SM throughput (% of peak, elapsed), the busiest tensor pipe (% of
+    peak), and the three largest warp stall reasons (warps stalled per issued instruction)."""
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # ncu's own log lines (==PROF==) are not CSV
+    table = list(csv.reader(lines))
+    if len(table) < 3:
+        return "no kernel rows in " + path
+    head, units, rows = table[0], table[1], table[2:]
+    col = {name: i for i, name in enumerate(head)}
+    tensor = [i for i, n in enumerate(head) if "tensor" in n and "pct_of_peak" in n]
+    stall_prefix, stall_suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+    stalls = [(i, n[len(stall_prefix):-len(stall_suffix)]) for i, n in enumerate(head)
+              if n.startswith(stall_prefix) and n.endswith(stall_suffix)]
+    dur = col.get("gpu__time_duration.sum")
+    to_us = {"msecond": 1e3, "usecond": 1.0, "nsecond": 1e-3, "second": 1e6}.get(units[dur] if dur is not None else "", 1.0)
+
+    def pick(r, *names):
+        for n in names:
+            if n in col:
+                return _num(r[col[n]])
+        return float("nan")
+
+    out = [f"{'kernel':58s} {'us':>9s} {'dram%':>6s} {'sm%':>6s} {'tensor%':>7s}  top stalls (warps per issue)"]
+    for r in rows:
+        name = r[col["Kernel Name"]][:58] if "Kernel Name" in col else "?"
+        us = _num(r[dur]) * to_us if dur is not None else float("nan")
+        dram = pick(r, "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                    "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")
+        sm = pick(r, "sm__throughput.avg.pct_of_peak_sustained_elapsed")
+        tp = max((_num(r[i]) for i in tensor), default=float("nan"))
+        top = sorted(((_num(r[i]), n) for i, n in stalls if n not in ("selected", "not_selected")), reverse=True)[:3]
+        out.append(f"{name:58s} {us:9.1f} {dram:6.1f} {sm:6.1f} {tp:7.1f}  " + ", ".join(f"{n} {v:.2f}" for v, n in top))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="decode16,decode128,fp8,sparse,prefill,b1")
+    ap.add_argument("--summarize", metavar="CSV", help="print the short table of an ncu CSV (no GPU)")
+    ap.add_argument("--print-regex", action="store_true", help="print the kernel-name regex for ncu's -k")
+    args = ap.parse_args(argv)
+    if args.print_regex:
+        print(KERNELS)
+    elif args.summarize:
+        print(summarize(args.summarize))
+    else:
+        run(args.cases.split(","))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
