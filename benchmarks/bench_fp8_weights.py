@@ -443,8 +443,9 @@ def run_model(args, fmt: str, root: Path, dev, dtype) -> None:
         info["fp8_linear_backend"] = resolve(OP, dev, None, dtype=dtype).name
     print(f"[{elapsed():6.1f}s] {fmt} model loaded in {info['load_s']:.1f} s: weights "
           f"{info['total_bytes'] / 1e9:.2f} GB ({info['fp8_modules'] or 'no fp8 modules'})", flush=True)
-    wl = bds.Workload(SimpleNamespace(seed=args.seed, block_size=args.block_size, batch_list=args.batch_list,
-                                      ctx_list=[args.ctx], vocab=args.vocab), dev, dtype, KV_LORA, ROPE)
+    wl = bds.Workload(SimpleNamespace(kind="v3", seed=args.seed, block_size=args.block_size,
+                                      batch_list=args.batch_list, ctx_list=[args.ctx], vocab=args.vocab),
+                      dev, dtype, KV_LORA, ROPE)
     caches = model.allocate_cache(wl.num_blocks, wl.bs)
     for i, cache in enumerate(caches):
         bds.fill_cache(cache, wl.latents(i), KV_LORA, False)
