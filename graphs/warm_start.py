@@ -33,6 +33,7 @@ default (2.13's Dynamo stamps regions out, so its warm start is mostly cache loa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import re
@@ -118,6 +119,18 @@ def _fix_global_names() -> None:
     _FIXED.add("names")
 
 
+class _DroppedGuardNotes(logging.Filter):
+    """Drops torch's per-guard "... guard on ... is dropped with caching_precompile=True." warnings (hundreds a
+    compile of a deep model): the Dynamo cache drops identity guards (ID_MATCH, CLOSURE_MATCH, DICT_VERSION,
+    WEAKREF_ALIVE) by design, since object identities differ between processes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "dropped with caching_precompile" not in str(record.msg)
+
+
+_NOTES = _DroppedGuardNotes()
+
+
 def enable_warm_start(dynamo: bool | None = None) -> bool:
     """Make the ``torch.compile`` calls that follow load (and, after :func:`save_warm_start`, save) torch's Dynamo
     cache in ``TORCHINDUCTOR_CACHE_DIR``, so a fresh process skips Dynamo's tracing of graphs whose guards pass.
@@ -128,7 +141,9 @@ def enable_warm_start(dynamo: bool | None = None) -> bool:
     saves and the one that loads (the choice is part of AOTAutograd's cache key); Inductor's and AOTAutograd's
     caches (on by default) are left as they are. The Dynamo cache is keyed by the compiled function's code: a
     process that compiles another model (other sizes, other layer count) over the same cache directory fails
-    the loaded guards and compiles as usual.
+    the loaded guards and compiles as usual. The cache drops identity guards (object ids differ between
+    processes); with it on, torch's warning for each dropped guard is filtered out of ``torch._dynamo.guards``'s
+    log.
     """
     config = torch._dynamo.config
     usable, why = dynamo_cache_status()
@@ -148,6 +163,9 @@ def enable_warm_start(dynamo: bool | None = None) -> bool:
             on = False
     if hasattr(config, "caching_precompile"):
         config.caching_precompile = on
+    guards_log = logging.getLogger("torch._dynamo.guards")
+    if on and _NOTES not in guards_log.filters:
+        guards_log.addFilter(_NOTES)
     return on
 
 

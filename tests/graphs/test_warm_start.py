@@ -6,6 +6,7 @@ compiles them as usual; the saved artifacts fill an empty cache in another proce
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import subprocess
@@ -107,6 +108,17 @@ def test_enable_sets_torch_config_and_defaults_to_the_supported_versions():
         src = DefaultsSource(LocalSource("fn"), 1)
         back = pickle.loads(pickle.dumps(src))
         assert back == src and back.field == src.field == "__defaults__"
+        seen: list[str] = []  # the per-guard "dropped" warnings are filtered, other warnings pass
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: seen.append(record.getMessage())
+        log = logging.getLogger("torch._dynamo.guards")
+        log.addHandler(handler)
+        try:
+            log.warning("%s guard on %s is dropped with caching_precompile=True.", "ID_MATCH", "L['self']")
+            log.warning("another guard warning")
+        finally:
+            log.removeHandler(handler)
+        assert seen == ["another guard warning"]
     finally:
         config.caching_precompile = before
 
