@@ -57,7 +57,6 @@ def dynamo_cache_status() -> tuple[bool, str]:
     if not hasattr(config, "caching_precompile"):
         return False, f"torch {torch.__version__} has no torch._dynamo.config.caching_precompile"
     try:
-        from torch._dynamo import package  # noqa: F401
         from torch._dynamo.package import CompilePackage, DynamoCache  # noqa: F401
     except ImportError as e:
         return False, f"torch {torch.__version__}: no Dynamo cache ({e})"
@@ -97,9 +96,10 @@ def _fix_global_names() -> None:
     from torch._dynamo import bytecode_transformation as bt
     from torch._dynamo.package import CompilePackage
 
-    counter = getattr(bt, "_unique_id_counter", None)
+    if not hasattr(bt, "_unique_id_counter"):
+        raise AttributeError("torch._dynamo.bytecode_transformation has no _unique_id_counter")
     install = CompilePackage.install
-    if counter is None or getattr(install, "_mla_warm_start", False):
+    if getattr(install, "_mla_warm_start", False):
         _FIXED.add("names")
         return
 
