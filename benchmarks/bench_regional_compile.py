@@ -1,12 +1,19 @@
 """Cold compile time against depth, with and without ``patch(..., regional_compile=True)``.
 
     python benchmarks/bench_regional_compile.py [--layers 6 24] [--kind v2-lite] [--device cpu] [--backend eager]
-        [--warm] [--regional 0|1]
+        [--warm [--dynamo-cache auto|0|1]] [--regional 0|1]
 
 Each configuration runs in a fresh process with an empty Inductor / Triton cache: build a toy of ``kind`` with N
 layers, compile it (``fullgraph=True``, ``--backend``: inductor by default; ``eager`` times Dynamo's tracing alone)
 and run a 3-prompt prefill and 3 decode steps; prints the wall and process CPU time of that (mostly compile) and
-whether the tokens equal the eager model's.
+whether the tokens equal the eager model's, then where the compile time went
+(:func:`mla_compile.graphs.warm_start.compile_breakdown`: Dynamo tracing, guards, AOTAutograd + Inductor or their
+cache loads, loading compiled graphs; ``run``: the rest) and the FX-graph cache hits / misses.
+
+``--warm`` adds a warm start: a second process over the first one's caches. Both call
+:func:`~mla_compile.graphs.warm_start.enable_warm_start` before compiling (``--dynamo-cache``: auto, its
+default, or 0 / 1 to force torch's Dynamo cache off / on) and the first calls
+:func:`~mla_compile.graphs.warm_start.save_warm_start` after its steps.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ import tempfile
 import time
 
 
-def _one(kind: str, layers: int, regional: bool, device: str, backend: str) -> dict:
+def _one(kind: str, layers: int, regional: bool, device: str, backend: str, warm: str = "") -> dict:
+    """One configuration in this process; ``warm``: "" (no warm-start helpers), or "cold"/"warm" then ":" and the
+    ``--dynamo-cache`` choice (the cold process saves the caches after its steps)."""
     import torch
 
     from mla_compile.app import toy
+    from mla_compile.graphs.warm_start import compile_breakdown, enable_warm_start, save_warm_start
     from mla_compile.serving.generate import greedy_generate
     from mla_compile.models.model import patch
 
@@ -32,12 +42,28 @@ def _one(kind: str, layers: int, regional: bool, device: str, backend: str) -> d
     eager = patch(hf, regional_compile=regional)
     eager.allocate_cache(64, 16)
     want = greedy_generate(eager, prompts, 4, block_size=16, num_blocks=64, device=device).tokens
+    start, _, choice = warm.partition(":")
     t0, c0 = time.perf_counter(), time.process_time()
+    dynamo_cache = enable_warm_start({"auto": None, "0": False, "1": True}[choice]) if start else False
     compiled = torch.compile(eager, fullgraph=True, backend=backend)
     eager.allocate_cache(64, 16)
     got = greedy_generate(compiled, prompts, 4, block_size=16, num_blocks=64, device=device).tokens
-    return dict(kind=kind, layers=layers, regional=regional, seconds=round(time.perf_counter() - t0, 1),
-                cpu_seconds=round(time.process_time() - c0, 1), tokens_equal=got == want)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    if start == "cold":
+        save_warm_start()
+    return dict(kind=kind, layers=layers, regional=regional, seconds=round(seconds, 1),
+                cpu_seconds=round(cpu_seconds, 1), tokens_equal=got == want, dynamo_cache=dynamo_cache,
+                torch=torch.__version__, breakdown=compile_breakdown())
+
+
+def _breakdown_line(r: dict) -> str:
+    """The compile breakdown of one result, in seconds and cache counts."""
+    b = r["breakdown"]
+    return (f"    compile {b['compile']:.1f} s: dynamo {b['dynamo']:.1f}, guards {b['guards']:.1f}, aot+inductor "
+            f"{b['aot_inductor']:.1f}, load {b['load']:.1f}; run {r['seconds'] - b['compile']:.1f} s | fx cache "
+            f"{b['fx_cache_hit']} hit / {b['fx_cache_miss']} miss, aot cache {b['aot_cache_hit']} / "
+            f"{b['aot_cache_miss']}, dynamo cache {'on' if r['dynamo_cache'] else 'off'} "
+            f"({b['dynamo_cache_hit']} hit / {b['dynamo_cache_miss']} miss), graphs traced {b['graphs_traced']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,25 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: Dynamo's tracing alone)")
     ap.add_argument("--warm", action="store_true", help="also a warm start: a second process over the same caches")
+    ap.add_argument("--dynamo-cache", choices=("auto", "0", "1"), default="auto",
+                    help="with --warm: torch's Dynamo cache (enable_warm_start's dynamo=None / False / True)")
     ap.add_argument("--regional", choices=("0", "1"), help="only without (0) or with (1) regional compilation")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--start", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         kind, layers, regional = args.one.split(",")
-        print(json.dumps(_one(kind, int(layers), regional == "1", args.device, args.backend)))
+        print(json.dumps(_one(kind, int(layers), regional == "1", args.device, args.backend, args.start)))
         return 0
     for layers in args.layers:
         for regional in (False, True) if args.regional is None else (args.regional == "1",):
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
                 for start in ("cold", "warm")[:1 + args.warm]:  # warm: a new process over the cold one's caches
+                    warm = f"{start}:{args.dynamo_cache}" if args.warm else ""
                     out = subprocess.run([sys.executable, __file__, "--device", args.device, "--backend", args.backend,
-                                          "--one", f"{args.kind},{layers},{int(regional)}"], env=env, check=True,
-                                         capture_output=True, text=True).stdout
+                                          "--one", f"{args.kind},{layers},{int(regional)}", "--start", warm],
+                                         env=env, check=True, capture_output=True, text=True).stdout
                     r = json.loads(out.strip().splitlines()[-1])
                     print(f"{r['kind']:8s} layers {r['layers']:3d} regional {str(r['regional']):5s} {start} "
                           f"{r['seconds']:6.1f} s (CPU {r['cpu_seconds']:6.1f} s)  tokens equal to eager: "
-                          f"{r['tokens_equal']}", flush=True)
+                          f"{r['tokens_equal']}  torch {r['torch']}", flush=True)
+                    print(_breakdown_line(r), flush=True)
     return 0
 
 

@@ -10,6 +10,9 @@ What it holds:
 - :mod:`~mla_compile.graphs.inspect`: what ``torch.compile`` made of a function (graphs, graph breaks,
   recompiles, ``mla::`` ops and their backends, autotune decisions, fusion passes), as an
   :class:`InspectReport` or the counting :class:`CompileWatch`; depends only on torch (depyf optional).
+- :mod:`~mla_compile.graphs.warm_start`: a fresh process over the compile caches of an earlier one, ready
+  without re-tracing (torch's Dynamo cache where it works), saving / loading the compile artifacts, and where
+  a process's compile time went; depends only on torch.
 
 How it plugs in: the package sits above core and depends on it (the builder, the step metadata).
 ``import mla_compile`` does not import it: :class:`~mla_compile.serving.engine.Engine` takes a runner as an
