@@ -70,13 +70,14 @@ def cases(names: list[str], dev: str = "cuda") -> list[tuple[str, object]]:
         q = torch.randn(128, 1, 128, D, device=dev, dtype=torch.bfloat16)
         pos = torch.rand(128, 8192, device=dev).topk(2048, dim=-1).indices
         idx = (t.long().gather(1, pos // PAGE) * PAGE + pos % PAGE).int()[:, None].contiguous()
-        out += [(f"sparse {b}", lambda b=b: sparse_decode(q, c, idx, SCALE, backend=b)) for b in ("gluon64", "flashmla")]
+        out += [(f"sparse {b}", lambda b=b, a=(q, c, idx): sparse_decode(*a, SCALE, backend=b))
+                for b in ("gluon64", "flashmla")]
     if "prefill" in names:
         T, H = 8 * 4096, 128
         q, k = (torch.randn(T, H, 192, device=dev, dtype=torch.bfloat16) for _ in range(2))
         v = torch.randn(T, H, 128, device=dev, dtype=torch.bfloat16)
         cu = torch.arange(9, device=dev, dtype=torch.int32) * 4096
-        out += [(f"prefill {b}", lambda b=b: prefill(q, k, v, cu, cu, SCALE, causal=True, backend=b))
+        out += [(f"prefill {b}", lambda b=b, a=(q, k, v, cu, cu): prefill(*a, SCALE, causal=True, backend=b))
                 for b in ("triton", "triton-tma", "gluon", "gluon-ws")]
     if "b1" in names:
         q, c, t, n = _dense(1, 4096, 16, dev)
@@ -118,12 +119,13 @@ def summarize(path: str) -> str:
         return "no kernel rows in " + path
     head, units, rows = table[0], table[1], table[2:]
     col = {name: i for i, name in enumerate(head)}
-    tensor = [i for i, n in enumerate(head) if "tensor" in n and "pct_of_peak" in n]
+    tensor = [i for i, n in enumerate(head) if "pipe_tensor" in n and ".avg.pct_of_peak_sustained_active" in n]
     stall_prefix, stall_suffix = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
     stalls = [(i, n[len(stall_prefix):-len(stall_suffix)]) for i, n in enumerate(head)
               if n.startswith(stall_prefix) and n.endswith(stall_suffix)]
     dur = col.get("gpu__time_duration.sum")
-    to_us = {"msecond": 1e3, "usecond": 1.0, "nsecond": 1e-3, "second": 1e6}.get(units[dur] if dur is not None else "", 1.0)
+    to_us = {"msecond": 1e3, "ms": 1e3, "usecond": 1.0, "us": 1.0, "nsecond": 1e-3, "ns": 1e-3, "second": 1e6,
+             "s": 1e6}.get(units[dur] if dur is not None else "", 1.0)
 
     def pick(r, *names):
         for n in names:
