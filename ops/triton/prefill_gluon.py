@@ -1,8 +1,9 @@
-"""sm_90 Gluon kernels for ``mla::prefill`` (backends "gluon" and "gluon-ws", not yet run on a GPU):
+"""sm_90 Gluon kernels for ``mla::prefill`` (backends "gluon" and "gluon-ws"):
 ``mla::prefill_gluon`` and ``mla::prefill_gluon_ws``.
 
 Work layout as :mod:`mla_compile.ops.triton.prefill_tma` (a program per 128 query rows of one sequence and one
-head, grid ``(H, n_slots)`` heads-fastest with the longest causal blocks first; the sequence found on the device;
+head, grid ``(H, n_slots)`` heads-fastest (``HEADS_FIRST``, the default) or ``(n_slots, H)`` query blocks fastest,
+with the longest causal blocks first; the sequence found on the device;
 q/k/v through host-made TMA descriptors over ``[rows, heads' columns]`` views; a key tile that would run past
 its sequence is loaded ending at the sequence's last key, so padding rows are never read).
 
@@ -89,14 +90,19 @@ def _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, t, n_tiles, k_start,
 
 @gluon.jit
 def _program(cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-             CHUNK: gl.constexpr):
-    """``(h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles)`` of a program of grid ``(H, n_slots)``:
+             CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr):
+    """``(h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles)`` of a program of grid ``(H, n_slots)``
+    (``HEADS_FIRST``) or ``(n_slots, H)`` (a head's query blocks run together and share its keys in L2):
     head ``h``, query rows ``q_start + m0 + [0, BM)`` (``len_q`` the sequence's; a padding program owns rows up to
     ``T`` and no key, a slot past its sequence's rows no key), key tiles ``[0, n_tiles)`` of ``BLOCK_N``, those
     from ``full_end`` on masked, ``off`` the causal offset (query j sees keys <= j + off)."""
     c_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    h = gl.program_id(0)
-    slot_id = n_slots - 1 - gl.program_id(1)  # the longest causal blocks sit last in each sequence
+    if HEADS_FIRST:
+        h = gl.program_id(0)
+        slot_id = n_slots - 1 - gl.program_id(1)  # the longest causal blocks sit last in each sequence
+    else:
+        h = gl.program_id(1)
+        slot_id = n_slots - 1 - gl.program_id(0)
     seq = -1  # the segment owning slot ``slot_id`` (``_common.tiles_started``); n_seq: padding rows
     for c in range(0, n_seq + 1, CHUNK):
         idx = c + gl.arange(0, CHUNK, c_l)
@@ -163,9 +169,9 @@ def prefill_gluon_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    CHUNK: gl.constexpr,
+    CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr = True,
 ):
-    """Grid ``(H, n_slots)``, 8 warps; descriptors over ``_view2d`` views (q box ``[128, DA]`` / ``[128, DB]``, k
+    """Grid ``(H, n_slots)`` (``(n_slots, H)`` without ``HEADS_FIRST``), 8 warps; descriptors over ``_view2d`` views (q box ``[128, DA]`` / ``[128, DB]``, k
     ``[BLOCK_N, DA]`` / ``[BLOCK_N, DB]``, v ``[BLOCK_N, DV]``); writes ``o_ptr [T, H, DV]`` (q's dtype) and
     ``lse_ptr [T, H]`` (natural log) of the program's rows."""
     gl.static_assert(DB >= 64)
@@ -180,7 +186,7 @@ def prefill_gluon_kernel(
     dt: gl.constexpr = o_ptr.dtype.element_ty
 
     h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
-        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK)
+        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
     col_k = h * stride_kh
     col_v = h * stride_vh
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
@@ -287,7 +293,7 @@ def prefill_gluon_ws_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    CHUNK: gl.constexpr, STAGES: gl.constexpr,
+    CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
@@ -298,7 +304,7 @@ def prefill_gluon_ws_kernel(
     sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dt: gl.constexpr = o_ptr.dtype.element_ty
     h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
-        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK)
+        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
     col_k = h * stride_kh
     col_v = h * stride_vh
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
@@ -336,11 +342,13 @@ def prefill_gluon_ws_kernel(
 def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
            causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
-    (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2)."""
+    (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
+    ``HEADS_FIRST`` (default True: grid ``(H, n_slots)``; False: ``(n_slots, H)``)."""
     cfg = dict(config or {})
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
+    heads_first = bool(cfg.get("HEADS_FIRST", True))
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)
@@ -358,12 +366,13 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     n_slots = triton.cdiv(T, BLOCK_M) + n_seq
     args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
             q.stride(1), k.stride(1), v.stride(1))
+    grid = (H, n_slots) if heads_first else (n_slots, H)
     if ws:
-        prefill_gluon_ws_kernel[(H, n_slots)](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                              CHUNK=128, STAGES=stages, num_warps=WS_WARPS)
+        prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
+                                      CHUNK=128, STAGES=stages, HEADS_FIRST=heads_first, num_warps=WS_WARPS)
     else:
-        prefill_gluon_kernel[(H, n_slots)](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                           CHUNK=256, num_warps=NUM_WARPS)
+        prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
+                                   CHUNK=256, HEADS_FIRST=heads_first, num_warps=NUM_WARPS)
     return out, lse
 
 

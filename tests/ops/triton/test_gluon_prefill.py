@@ -18,7 +18,8 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 LENS_Q = [1, 0, 300, 128, 1000, 0, 2500, 77]
 LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with keys), more keys than queries
 CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n128_s2": dict(WS=True),
-           "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64)}
+           "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
+           "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False)}
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -114,7 +115,8 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
 
     c = CONFIGS[cfg]
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
-    consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256)
+    consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
+                  HEADS_FIRST=c.get("HEADS_FIRST", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages), 64, g.WS_WARPS)
     else:
