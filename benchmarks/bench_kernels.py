@@ -206,9 +206,8 @@ def decode_case(B, H, L, sweep, budget_s):
         swap = {"SWAP": True}
         if H > decode_gluon.SWAP_ROWS and B <= 16:  # the 16-row kernel at 128 heads: each row block reads the cache
             variants += [swap]
-        if B <= 2:  # latency-bound: the swapped kernel merging its own splits (FUSED_REDUCE) against the reduce kernel
-            fused = [dict(swap, FUSED_REDUCE=True, MERGE_GROUP=g) for g in (0, 4)]
-            variants += fused + [dict(c, SPLITS=sp) for sp in (8, 32) for c in [swap] + fused]
+        if B <= 2:  # latency-bound: the swapped kernel at fixed split counts
+            variants += [dict(swap, SPLITS=sp) for sp in (8, 32)]
         for cfg in variants:
             def variant(cfg=cfg):
                 return decode_gluon.launch(q, cache, table, lens, SCALE, DC, config=cfg)
@@ -582,7 +581,7 @@ def main():
                          "Gluon kernel's 16-row (SWAP) and 64-row programs against the peers")
     ap.add_argument("--small", action="store_true",
                     help="only the latency-bound decode (B=1, H=16, L=4096, swept over split counts; B=2 H=16 and B=1 "
-                         "H=128), with the Gluon kernel's FUSED_REDUCE variants")
+                         "H=128), with the Gluon swapped kernel at 8 and 32 splits")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)

@@ -72,30 +72,3 @@ def split_buffers(out: torch.Tensor, lse: torch.Tensor, rows: int, splits, dc: i
         return out, lse
     return (torch.empty(rows * splits * dc, dtype=torch.float32, device=out.device),
             torch.empty(rows * splits, dtype=torch.float32, device=out.device))
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # per device: every counter buffer handed out, newest last
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 arrival counters on ``device``, all 0, for split programs that merge their own
-    results (``decode_gluon_swap_kernel``'s ``FUSED_REDUCE``): a kernel takes a counter back to 0 once all its
-    arrivals are in, so the same buffer serves every later launch and CUDA-graph replay without a memset.
-
-    Contract: one buffer per device, shared by all such launches there, so they must run one after another
-    (one stream, or streams ordered by events): two launches in flight at once would count each other's
-    arrivals. The buffer grows (a new zeroed one of at least ``n``, a power of two; the old ones are kept
-    alive, as captured graphs may use them) only outside a CUDA-graph capture: capturing a call that needs
-    more counters than an eager call made before is refused (run the largest batch once eagerly first)."""
-    key = torch.device(device)
-    if key.type == "cuda" and key.index is None:
-        key = torch.device("cuda", torch.cuda.current_device())
-    bufs = _COUNTERS.setdefault(key, [])
-    if bufs and bufs[-1].numel() >= n:
-        return bufs[-1]
-    if key.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"split_counters: a CUDA-graph capture needs {n} counters on {key}, more than the "
-                           f"{bufs[-1].numel() if bufs else 0} allocated; run the call once outside the capture "
-                           f"first (the buffer must not be allocated inside a graph's memory pool)")
-    bufs.append(torch.zeros(max(1024, 1 << max(0, n - 1).bit_length()), dtype=torch.int32, device=key))
-    return bufs[-1]

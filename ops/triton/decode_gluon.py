@@ -41,8 +41,7 @@ The keys of a sequence's last, partial tile past its length may hold anything (N
 scores are masked and their value rows zeroed in shared memory before ``P V``. A row that sees no key has
 LSE -inf and output 0. With one split the program writes the result (bf16 output, natural-log LSE); else
 each split writes its normalized rows and base-2 LSE to the workspaces of ``_plan.split_buffers`` and
-``decode.reduce_splits`` merges them (the swapped kernel with ``config={"FUSED_REDUCE": True}``: the last split
-program of a row block merges them itself, on the counters of ``_plan.split_counters``).
+``decode.reduce_splits`` merges them.
 
 Contract of :func:`launch`: what :func:`eligible` accepts (sm_90, bf16 q and cache, 512 + 64 head dims,
 pages of a multiple of 64 rows, a contiguous cache with a 16-byte aligned base; any softmax scale: the
@@ -68,7 +67,7 @@ from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, D
                                               TILE_BYTES, D, issue_tile, zero_tail)
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
-from mla_compile.ops.triton._plan import MAX_SPLITS, opaque_splits, split_buffers, split_counters
+from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
@@ -80,11 +79,6 @@ PROGRAMS_PER_SM = 1
 # programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
-MERGE_GROUPS = (0, 1, 2, 4, 8, 16, 32)  # FUSED_REDUCE's MERGE_GROUP: 0 / 1 one merge, else splits a first-level merge
-# The swapped kernel's variants (:func:`launch`'s config keys; these values where a config names none, so a caller
-# that reaches ``launch`` through the op, e.g. a whole decode step, runs one by setting them before its first call).
-VARIANTS = ("FUSED_REDUCE", "MERGE_GROUP")
-DEFAULTS = {"FUSED_REDUCE": False, "MERGE_GROUP": 0}
 
 
 @gluon.jit
@@ -254,14 +248,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
-    or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule, default False: the first one); several splits are merged by
-    ``decode.reduce_splits``, or with FUSED_REDUCE (default False; the swapped kernel only) by the kernel's last
-    split program of each row block, on the device's counters of ``_plan.split_counters`` (their contract: calls
-    with it on one device run in one stream order, and the largest batch is run once before a CUDA-graph
-    capture); MERGE_GROUP (FUSED_REDUCE's, one of ``MERGE_GROUPS``, default 0: one merge of all splits) g > 1:
-    the last split of each group of g merges the group, the last group merger merges the groups (two merges of
-    fewer partials, each in one program). FUSED_REDUCE and MERGE_GROUP take ``DEFAULTS`` where absent (a default
-    FUSED_REDUCE applies to the swapped kernel's calls only)."""
+    or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule,
+    default False: the first one); several splits are merged by ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -270,12 +258,6 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     config = config or {}
     ws = bool(config.get("WS", False))
     swap = not ws and bool(config.get("SWAP", swap_by_default(B, M)))
-    fused = bool(config.get("FUSED_REDUCE", DEFAULTS["FUSED_REDUCE"] and swap))  # the default: swapped calls only
-    if fused and not swap:
-        raise ValueError("mla.decode (gluon): config FUSED_REDUCE is a variant of the swapped kernel (SWAP, not WS)")
-    group = int(config.get("MERGE_GROUP", DEFAULTS["MERGE_GROUP"]))
-    if group not in MERGE_GROUPS:
-        raise ValueError(f"mla.decode (gluon): config MERGE_GROUP must be one of {MERGE_GROUPS}, got {group}")
     rows_per_program = SWAP_ROWS if swap else BLOCK_M
     hb = triton.cdiv(M, rows_per_program)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
@@ -290,12 +272,6 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif swap:
         kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS}
-        fused = fused and not direct  # one split writes the result itself
-        if fused:
-            group = 0 if group <= 1 else group
-            n_counters = B * hb * (1 + (MAX_SPLITS // group if group else 0))
-            extra.update(FUSED_REDUCE=True, MERGE_GROUP=group, fin_o_ptr=out, fin_lse_ptr=lse,
-                         cnt_ptr=split_counters(q.device, n_counters))
     else:
         kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", False))}
     kernel[(hb, splits, B)](
@@ -306,7 +282,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, **extra,
         num_warps=warps,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct or fused)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
     return out, lse
 
 

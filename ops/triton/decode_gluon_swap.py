@@ -10,19 +10,7 @@ A tile costs about a quarter of ``decode_gluon_kernel``'s dots, so the program w
 memory-bound case it is for) rather than on its dots. Tiles, slots, barriers and their phases are
 ``decode_gluon_kernel``'s (``PIPE`` schedule): two slots, the copy of tile j + 2 issued once ``P_j V_j`` is
 done, then the wait for tile j + 1 and ``S_{j+1}``. The contract is ``decode_gluon_kernel``'s with
-``BLOCK_R`` rows a program (grid ``(cdiv(M, BLOCK_R), n_splits, B)``).
-
-``FUSED_REDUCE`` (opt-in, several splits only; ``decode_gluon.launch``'s ``config={"FUSED_REDUCE": True}``): the
-split programs merge their own results, no ``decode.reduce_splits`` launch. Each program writes its partial
-rows and base-2 LSE to the workspace as before, then arrives on the counter of its (sequence, row block) in
-``cnt_ptr`` (int32 ``[B * cdiv(M, BLOCK_R)]``, zero before the launch); the program that arrives last merges
-all ``n_splits`` partials of its rows (``_merge_if_last``: ``decode._decode_reduce_kernel``'s math) into
-``fin_o_ptr`` / ``fin_lse_ptr`` (bf16 ``[B * M, 512]``, natural-log LSE) and sets the counter back to 0, so the
-next launch (and a CUDA-graph replay) finds it zeroed without a memset. ``MERGE_GROUP`` g > 1: two levels, so
-that no program reads all ``n_splits`` partials (one program reads them at one SM's share of L2 bandwidth): the
-last arriver of each group of g splits merges the group into the group's first workspace slot, then arrives on
-the row block's top counter; the last of those merges the groups' results. Counters: ``1 + 64 // g`` a row
-block (the top one, then one a group), else one."""
+``BLOCK_R`` rows a program (grid ``(cdiv(M, BLOCK_R), n_splits, B)``)."""
 
 from __future__ import annotations
 
@@ -37,7 +25,6 @@ from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 SWAP_ROWS = 16  # query rows a program (BLOCK_R; 32 compiles with a few bytes of spills), and the most a
 # sequence may have for "gluon" to take this kernel by default
 SWAP_WARPS = 4
-MERGE_SPLITS = gl.constexpr(1)  # partials a step of FUSED_REDUCE's merge loads (16 x 512 fp32 each: 64 registers)
 
 
 @gluon.jit
@@ -48,12 +35,8 @@ def decode_gluon_swap_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, BLOCK_R: gl.constexpr,
-    FUSED_REDUCE: gl.constexpr = False, MERGE_GROUP: gl.constexpr = 0, fin_o_ptr=None, fin_lse_ptr=None,
-    cnt_ptr=None,
 ):
-    """``decode_gluon_kernel``'s contract with ``BLOCK_R`` (16 or 32) query rows a program, 4 warps;
-    ``FUSED_REDUCE`` (with ``DIRECT`` off): the last split program of a row block merges the splits into
-    ``fin_o_ptr`` / ``fin_lse_ptr`` (the module docstring; ``cnt_ptr`` the zeroed counters)."""
+    """``decode_gluon_kernel``'s contract with ``BLOCK_R`` (16 or 32) query rows a program, 4 warps."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -150,97 +133,3 @@ def decode_gluon_swap_kernel(
     cols = gl.arange(0, DC, gl.SliceLayout(1, o_l))
     ty: gl.constexpr = o_ptr.dtype.element_ty
     gl.store(o_ptr + first[None, :] + cols[:, None], (o * inv_o[None, :]).to(ty), mask=ok[None, :])
-    if FUSED_REDUCE:
-        gl.static_assert(not DIRECT)
-        row0 = b * M + pid_h * BLOCK_R
-        n_rows = M - pid_h * BLOCK_R
-        zero = gl.full([], 0, gl.int32)
-        if MERGE_GROUP > 1:  # two levels: the last of each group of splits, then the last group
-            cnt = cnt_ptr + (b * gl.num_programs(0) + pid_h) * (1 + 64 // MERGE_GROUP)
-            g0 = (pid_s // MERGE_GROUP) * MERGE_GROUP
-            n_groups = gl.cdiv(n_splits, MERGE_GROUP)
-            if _arrive(cnt + 1 + pid_s // MERGE_GROUP, gl.minimum(n_splits - g0, MERGE_GROUP), zero):
-                _merge(o_ptr, lse_ptr, o_ptr, lse_ptr, row0, n_rows, n_splits, g0, 1,
-                       gl.minimum(n_splits - g0, MERGE_GROUP), DC, BLOCK_R, MERGE_SPLITS, False)
-                gl.atomic_xchg(cnt + 1 + pid_s // MERGE_GROUP, zero, sem="relaxed", scope="gpu")
-                if _arrive(cnt, n_groups, zero):
-                    _merge(o_ptr, lse_ptr, fin_o_ptr, fin_lse_ptr, row0, n_rows, n_splits, 0, MERGE_GROUP, n_groups,
-                           DC, BLOCK_R, MERGE_SPLITS, True)
-                    gl.atomic_xchg(cnt, zero, sem="relaxed", scope="gpu")
-        else:
-            cnt = cnt_ptr + b * gl.num_programs(0) + pid_h
-            if _arrive(cnt, n_splits, zero):
-                _merge(o_ptr, lse_ptr, fin_o_ptr, fin_lse_ptr, row0, n_rows, n_splits, 0, 1, n_splits,
-                       DC, BLOCK_R, MERGE_SPLITS, True)
-                gl.atomic_xchg(cnt, zero, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@gluon.jit
-def _fence_gpu(x):
-    """``fence.acq_rel.gpu`` in every thread (``x``: any int32 scalar, returned): this thread's earlier memory
-    operations are ordered before its later ones at GPU scope (a release before the arrival, an acquire after)."""
-    return gl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _arrive(cnt, n, zero):
-    """Arrive on the counter ``cnt`` once this program's stores are done; whether it is the ``n``-th (last)
-    arrival. Memory ordering (the CUDA "last block" pattern): every thread fences (``fence.acq_rel.gpu``) after
-    its stores, a CTA barrier, then one thread's ``atom.add.acq_rel.gpu`` (a release of the whole CTA's stores,
-    an acquire of the earlier arrivals'); Triton hands its result to every thread through shared memory and a
-    barrier, and each thread fences again before it reads what the others wrote (``_merge``)."""
-    zero = _fence_gpu(zero)
-    gl.thread_barrier()  # every thread's stores and fence before the arrival
-    arrived = gl.atomic_add(cnt, 1 + zero, sem="acq_rel", scope="gpu")
-    return arrived == n - 1
-
-
-@gluon.jit
-def _merge(ws_o, ws_l, dst_o, dst_l, row0, n_rows, n_splits, s_first, s_step, n_parts, DC: gl.constexpr,
-           BLOCK_R: gl.constexpr, CH: gl.constexpr, FINAL: gl.constexpr):
-    """Merge ``n_parts`` partials of the ``n_rows`` (at most ``BLOCK_R``) rows from row ``row0``: the workspace
-    slots ``s_first + i * s_step`` of each row (``ws_o`` fp32 ``[rows, n_splits, DC]`` normalized, ``ws_l`` base-2
-    LSE ``[rows, n_splits]``), ``CH`` slots a step, with ``decode._decode_reduce_kernel``'s math (weights
-    ``exp2(lse - max)``; a row no partial saw a key of: LSE -inf, output 0). ``FINAL``: into ``dst_o`` (``[rows,
-    DC]``, its dtype) / ``dst_l`` (natural log); else back into slot ``s_first`` of the workspaces (normalized,
-    base 2) once every thread's reads are done. Loads are ``.cg`` (from L2: never a stale L1 line of another
-    program's partial)."""
-    gl.static_assert(DC == 512)
-    a_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])  # [rows, DC]: each thread all rows
-    r_l: gl.constexpr = gl.SliceLayout(1, a_l)
-    zero = _fence_gpu(gl.full([], 0, gl.int32))  # the acquire side: other programs' partials after the arrival
-    r = gl.arange(0, BLOCK_R, r_l)
-    r_ok = r < n_rows
-    l_row = (row0 + r).to(gl.int64) * n_splits + s_first + zero
-    k = gl.arange(0, 16, gl.SliceLayout(0, a_l))
-    mx = gl.full([BLOCK_R], float("-inf"), gl.float32, r_l)
-    for i0 in range(0, n_parts, 16):
-        ok = r_ok[:, None] & (i0 + k < n_parts)[None, :]
-        lse = gl.load(ws_l + l_row[:, None] + (i0 + k)[None, :] * s_step, mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        mx = gl.maximum(mx, gl.max(lse, axis=1))
-    m_safe = gl.where(mx == float("-inf"), 0.0, mx)
-    c = gl.arange(0, DC, gl.SliceLayout(0, a_l))
-    tot = gl.zeros([BLOCK_R], gl.float32, r_l)
-    acc = gl.zeros([BLOCK_R, DC], gl.float32, a_l)
-    for i0 in range(0, n_parts, CH):
-        for j in gl.static_range(CH):
-            ok = r_ok & (i0 + j < n_parts)
-            slot = l_row + (i0 + j) * s_step
-            w = gl.exp2(gl.load(ws_l + slot, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-            part = gl.load(ws_o + (slot * DC)[:, None] + c[None, :], mask=ok[:, None], other=0.0,
-                           cache_modifier=".cg")
-            tot += w
-            acc += part * w[:, None]
-    empty = tot == 0.0
-    lse2 = gl.where(empty, float("-inf"), m_safe + gl.log2(gl.where(empty, 1.0, tot)))
-    out = acc / gl.where(empty, 1.0, tot)[:, None]
-    if FINAL:
-        gl.store(dst_l + row0 + r, lse2 * 0.6931471805599453, mask=r_ok)
-        gl.store(dst_o + (row0 + r).to(gl.int64)[:, None] * DC + c[None, :], out.to(dst_o.dtype.element_ty),
-                 mask=r_ok[:, None])
-    else:
-        gl.thread_barrier()  # every thread's reads of slot s_first before it is overwritten
-        gl.store(dst_l + l_row, lse2, mask=r_ok)
-        gl.store(dst_o + (l_row * DC)[:, None] + c[None, :], out, mask=r_ok[:, None])

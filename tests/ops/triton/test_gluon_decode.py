@@ -256,8 +256,6 @@ def _compile_sm90(kernel, consts, warps):
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32",
                  desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
-    consts = {**{p.name: p.default for p in kernel.params  # opt-in variants at their defaults (off, pointers unset)
-                 if p.default is None or (p.is_constexpr and p.has_default)}, **consts}
     sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
              if sig[p.name].startswith("*") or p.name.startswith("stride_q")}
@@ -333,4 +331,3 @@ def test_sm90_compile_resources_swapped(direct, block_size):
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + (DC // 64) * (64 // 16), res
     assert res["UTMALDG"] == 6, res
-    assert "atom." not in compiled.asm["ptx"]  # FUSED_REDUCE (opt-in) off: no arrival counter
