@@ -11,8 +11,8 @@ Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 
   at L=4096 and B=1 H=128 at L=8192;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches, our
-  Gluon sparse kernel ("gluon64", on sm_90, fp8 and bf16 caches; then on fp8 each of its flags flipped,
-  SPLIT_DEQUANT+EARLY_CODES, and 2 / 4 splits), FlashMLA fp8 sparse;
+  Gluon sparse kernel ("gluon64", on sm_90, fp8 and bf16 caches; then on fp8 each of its flags flipped and
+  2 / 4 splits), FlashMLA fp8 sparse;
 - the V3.2 lightning indexer (64 index heads x 128, top 2048) for a decode step (B=128 queries over
   L=8192 contexts) and a prefill chunk (2048 queries of one 8192-token sequence), bf16 and fp8 index-key
   caches, Triton vs the torch reference; and the index-key cache write of 4096 tokens.
@@ -175,8 +175,8 @@ def sparse_case(B, H, L, topk):
 def _sparse_gluon64_rows(group, q, cache, idx, flops, nbytes, kind="fp8"):
     """Backend "gluon64" of the sparse decode (``ops/triton/sparse_decode_gluon64.py``, sm_90) on the ``kind``
     cache where its kernel serves the call, then (fp8) its kernel with each flag of ``VARIANTS`` away from its
-    default (``EARLY_CODES`` together with ``SPLIT_DEQUANT``: it needs it), and with 2 and 4 splits; each
-    output's normwise difference from the Triton kernel's on the same cache in the note."""
+    default, and with 2 and 4 splits; each output's normwise difference from the Triton kernel's on the same cache
+    in the note."""
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
 
     if not g.eligible(q, cache, idx, DC):
@@ -184,9 +184,7 @@ def _sparse_gluon64_rows(group, q, cache, idx, flops, nbytes, kind="fp8"):
         return
     o_ref, _ = sparse_decode(q, cache, idx, SCALE, backend="triton")
     rows = [(f"gluon64 {kind} sparse", lambda: sparse_decode(q, cache, idx, SCALE, backend="gluon64"))]
-    # each flag flipped alone (EARLY_CODES only with SPLIT_DEQUANT), then splits
-    configs = [(f"{k}={not g.DEFAULTS[k]}", {k: not g.DEFAULTS[k]}) for k in g.VARIANTS if k != "EARLY_CODES"]
-    configs += [("SPLIT_DEQUANT+EARLY_CODES", {"SPLIT_DEQUANT": True, "EARLY_CODES": True})]
+    configs = [(f"{k}={not g.DEFAULTS[k]}", {k: not g.DEFAULTS[k]}) for k in g.VARIANTS]  # each flag flipped alone
     configs += [(f"SPLITS={n}", {"SPLITS": n}) for n in (2, 4)]
     for name, config in configs if kind == "fp8" else ():
         rows.append((f"gluon64 {kind} sparse {name}", lambda config=config: g.launch(q, cache, idx, SCALE, DC,

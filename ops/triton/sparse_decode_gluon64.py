@@ -21,15 +21,6 @@ What differs is the loader:
   per row) and tile ``j + 2``'s codes loaded into registers while the dots run, then dequantized into the slot
   ``P_j V_j`` released, as the dense kernel does with its pages;
 - the validity of tile ``j + 1``'s keys in the score layout is reloaded (an L1 hit) while ``Q K_{j+1}^T`` runs;
-- ``SPLIT_DEQUANT`` (off by default, fp8 cache, not with ``CVT_BF16`` or ``ROPE_ASYNC``): each warpgroup loads and
-  dequantizes only the 256 latent columns its own ``P V`` reads (``HALF_L``; the tile's slots reloaded in that
-  layout, an L1 hit), and the rope is loaded before the point where slot j is rewritten. The kernel writes no CTA
-  barrier there (S_j read the whole slot before the barrier after ``P_j``; since then only the warpgroup's own
-  ``P_j V_j`` read its columns), but Triton 3.6's barrier pass, which knows no warpgroup ownership, puts one back
-  before the first store into the slot (after ``P_j V_j``'s wait: the sm_90 compile has three CTA barriers in the
-  loop either way). ``EARLY_CODES`` (with ``SPLIT_DEQUANT``) issues those code loads at the top of the step, before
-  the softmax (their L2 latency behind the softmax and both barriers before the dots): held across the softmax
-  they fit the registers in the half layout (no spill in the loop; in ``CODE_L`` the sm_90 compile spills);
 - ``ROPE_ASYNC`` (off by default: slower on the H200 at 16 and 128 heads, BENCHMARKS run 132): tile ``j + 2``'s
   rope goes straight into slot j's rope buffer with ``cp.async`` as soon as the CTA barrier after ``P_j`` shows
   ``S_j`` done in both warpgroups (``P_j V_j`` reads the latent only), waited for one step later, so no rope load
@@ -84,18 +75,8 @@ PROGRAMS_PER_SM = 1
 # the kernel's flags (``launch``'s config keys, as ``fp8_decode_gluon64.VARIANTS``) and their values unless the
 # config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
 # ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done
-# ``SPLIT_DEQUANT``: each warpgroup loads and dequantizes only the 256 latent columns its own P V reads (fp8 cache;
-# neither with ``CVT_BF16`` nor ``ROPE_ASYNC``); ``EARLY_CODES`` (with ``SPLIT_DEQUANT``): those code loads issued at
-# the top of the step, before the softmax, instead of after the dots are issued
-VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC", "SPLIT_DEQUANT", "EARLY_CODES")
-DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False, "SPLIT_DEQUANT": False,
-            "EARLY_CODES": False}
-# variant SPLIT_DEQUANT: the codes as [64 keys, 2 halves, 2 groups, 128] uint8, warpgroup w (warps 4 w .. 4 w + 3)
-# holding half w (columns 256 w ..: the columns of O its P V owns), 16 bytes a thread a repetition (as CODE_L: four
-# lanes along a key's 64-column stretch, eight keys a warp instruction; two keys a thread, 32 apart)
-HALF_L = gl.constexpr(gl.BlockedLayout([1, 1, 1, 16], [8, 1, 1, 4], [4, 2, 1, 1], [3, 2, 0, 1]))
-HALF_SC = gl.constexpr(gl.SliceLayout(3, HALF_L))  # the scales [64, 2 halves, 2 groups]
-HALF_KEY = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, HALF_SC)))  # a key's slot
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC")
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False}
 
 
 @gluon.jit
@@ -172,32 +153,6 @@ def _dequant_store(kc, codes, sc, CVT_BF16: gl.constexpr):
 
 
 @gluon.jit
-def _load_half_codes(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr):
-    """Variant ``SPLIT_DEQUANT``: a tile's codes ``[64, 2, 2, 128]`` uint8 (``HALF_L``: warpgroup w its latent
-    columns ``256 w ..``) and scales ``[64, 2, 2]`` fp32 (``HALF_SC``: the same keys and groups a thread) from the
-    rows of ``slot`` (``HALF_KEY``) into registers; invalid keys read as 0."""
-    row = _row_ptrs(kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE)
-    half = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(2, HALF_SC)))
-    grp = gl.arange(0, 2, gl.SliceLayout(0, gl.SliceLayout(1, HALF_SC)))
-    col = gl.arange(0, 128, gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, HALF_L))))
-    grp_id = 2 * half[None, :, None] + grp[None, None, :]  # [1, 2, 2]: the scale group, 128 columns each
-    ok = (slot >= 0)[:, None, None]
-    codes = gl.load((row[:, None, None] + 128 * grp_id)[:, :, :, None] + col[None, None, None, :],
-                    mask=ok[:, :, :, None], other=0)
-    sc = (row + 512).to(gl.pointer_type(gl.float32))
-    sc = gl.load(sc[:, None, None] + grp_id, mask=ok, other=0.0)
-    return codes, sc
-
-
-@gluon.jit
-def _dequant_half(kc, codes, sc):
-    """Variant ``SPLIT_DEQUANT``: ``bf16(float32(code) * scale)`` of ``_load_half_codes``'s codes into the slot's
-    latent ``kc [64, 512]``, each warpgroup storing its own 256 columns."""
-    x = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, :, :, None]
-    kc.store(gl.reshape(x.to(gl.bfloat16), [64, 512]))
-
-
-@gluon.jit
 def _copy_rope(kr, kv_ptr, slot, stride_kb, stride_kt, BLOCK_SIZE: gl.constexpr, ROPE_OFF: gl.constexpr):
     """Copy the rope columns of the rows of ``slot`` (``SliceLayout(1, CODE_L)``; at element ``ROPE_OFF`` of a row
     of ``kv_ptr``'s type, bf16 there) into ``kr [64, 64]`` with ``cp.async`` (16 bytes a copy, ``ROPE_L``; invalid
@@ -269,7 +224,7 @@ def sparse_decode_gluon64_kernel(
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
-    ROPE_ASYNC: gl.constexpr = False, SPLIT_DEQUANT: gl.constexpr = False, EARLY_CODES: gl.constexpr = False,
+    ROPE_ASYNC: gl.constexpr = False,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
@@ -278,9 +233,7 @@ def sparse_decode_gluon64_kernel(
     (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces
     ``o_ptr`` / ``lse_ptr`` (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` /
     ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants; ``ROPE_ASYNC`` (fp8): a tile's rope copied into its slot
-    with ``cp.async`` right after the CTA barrier that follows P (no register load after P V); ``SPLIT_DEQUANT``
-    (fp8; neither ``CVT_BF16`` nor ``ROPE_ASYNC``): each warpgroup dequantizes its own 256 latent columns;
-    ``EARLY_CODES`` (fp8, with ``SPLIT_DEQUANT``): their loads issued before the softmax."""
+    with ``cp.async`` right after the CTA barrier that follows P (no register load after P V)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -352,10 +305,6 @@ def sparse_decode_gluon64_kernel(
     for j in range(n_tiles):
         buf = j % 2
         k_cur = kc_s.index(buf)
-        if FP8 and SPLIT_DEQUANT and EARLY_CODES:
-            # tile j + 2's slots again in the half layout (an L1 hit), its codes (this warpgroup's half)
-            slot2_h = _tile_slots(idx_row, j + 2, n_tiles, start, end, n_slots, HALF_KEY)
-            hcodes, hsc = _load_half_codes(kv_ptr, slot2_h, stride_kb, stride_kt, BLOCK_SIZE)
         # online softmax of S_j (base 2); invalid keys -inf
         s = gl.where(key_ok[None, :], s * scale_log2, float("-inf"))
         if MAX_XCHG:
@@ -395,25 +344,13 @@ def sparse_decode_gluon64_kernel(
         # while the dots run: tile j + 4 toward L2, tile j + 2 (prefetched two steps ago) into registers,
         # tile j + 5's slots
         _prefetch_rows(kv_ptr, slot4, stride_kb, stride_kt, BLOCK_SIZE, FP8)
-        if FP8 and SPLIT_DEQUANT:
-            if not EARLY_CODES:
-                # tile j + 2's slots again in the half layout (an L1 hit), its codes (this warpgroup's half)
-                slot2_h = _tile_slots(idx_row, j + 2, n_tiles, start, end, n_slots, HALF_KEY)
-                hcodes, hsc = _load_half_codes(kv_ptr, slot2_h, stride_kb, stride_kt, BLOCK_SIZE)
-        elif FP8:
+        if FP8:
             codes, sc = _load_codes(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE, CVT_BF16)
         slot5 = _tile_slots(idx_row, j + 5, n_tiles, start, end, n_slots, key_l)
         o = warpgroup_mma_wait(2, deps=[pv])
-        if not (FP8 and SPLIT_DEQUANT):
-            gl.thread_barrier()  # both warpgroups done with slot j and P
+        gl.thread_barrier()  # both warpgroups done with slot j and P
         # tile j + 2 into slot j while S_{j+1} runs (its rope loaded now: registers are short during P V)
-        if FP8 and SPLIT_DEQUANT:
-            # no CTA barrier: S_j (all of slot j) finished before the barrier after P_j, and this warpgroup's
-            # P_j V_j (the only reader of its columns since) is done; the rope: S_j's only
-            rope = _load_rope(kv_ptr, slot2, stride_kb, stride_kt, BLOCK_SIZE)
-            _dequant_half(k_cur, hcodes, hsc)
-            kr_s.index(buf).store(rope)
-        elif FP8:
+        if FP8:
             if ROPE_ASYNC:
                 _dequant_store(k_cur, codes, sc, CVT_BF16)
             else:
@@ -470,15 +407,8 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     """Run the kernel on a call :func:`eligible` accepts (``q [B, s_q, H, 576]``, ``indices [B, s_q, topk]``).
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
-    (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16``, ``SPLIT_DEQUANT`` and ``EARLY_CODES`` apply to an fp8
-    cache only; there ``SPLIT_DEQUANT`` with ``CVT_BF16`` or ``ROPE_ASYNC``, or ``EARLY_CODES`` without
-    ``SPLIT_DEQUANT``, is a ValueError)."""
+    (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only)."""
     cfg = {k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS}
-    if kv_cache.dtype == torch.uint8 and cfg["SPLIT_DEQUANT"] and (cfg["CVT_BF16"] or cfg["ROPE_ASYNC"]):
-        raise ValueError("sparse_decode_gluon64: config SPLIT_DEQUANT takes neither CVT_BF16 nor ROPE_ASYNC on an "
-                         f"fp8 cache, got {config}")
-    if kv_cache.dtype == torch.uint8 and cfg["EARLY_CODES"] and not cfg["SPLIT_DEQUANT"]:
-        raise ValueError(f"sparse_decode_gluon64: config EARLY_CODES needs SPLIT_DEQUANT on an fp8 cache, got {config}")
     B, s_q, H, _ = q.shape
     topk = indices.shape[2]
     out, lse = decode_outputs(q, kv_lora_rank)

@@ -7,8 +7,8 @@ recorded call, and its declaration (what the selector lets it serve; "auto" skip
 sm_90 GPU: shapes against the float64 sparse decode of the dequantized cache (``mla::sparse_decode_ref`` in float64;
 NaN-poisoned cache rows that no list names (0xFF bytes) and outputs, -1 padded lists from the lightning indexer in
 any order, all-invalid rows, 16 / 40 / 128 heads, s_q 1 and 2, topk off the tile size, one split and many, int64
-indices, pages of 64 and 1, every flag, ``SPLIT_DEQUANT`` at 16, 40 and 128 heads), opcheck, torch.compile and
-CUDA-graph replay through ``mla_compile.ops.sparse_decode(..., backend="gluon64")``."""
+indices, pages of 64 and 1, every flag), opcheck, torch.compile and CUDA-graph replay through
+``mla_compile.ops.sparse_decode(..., backend="gluon64")``."""
 
 from __future__ import annotations
 
@@ -114,56 +114,12 @@ def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits, kind
 @pytest.mark.parametrize("config", [{"RESCALE_SKIP": False, "MAX_XCHG": False}, {"RESCALE_SKIP": False},
                                     {"MAX_XCHG": False}, {"CVT_BF16": True}, {"ROPE_ASYNC": True},
                                     {"ROPE_ASYNC": True, "CVT_BF16": True},
-                                    {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True},
-                                    {"SPLIT_DEQUANT": True}, {"SPLIT_DEQUANT": True, "EARLY_CODES": True},
-                                    {"SPLIT_DEQUANT": True, "EARLY_CODES": True, "RESCALE_SKIP": False,
-                                     "MAX_XCHG": False}])
+                                    {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True}])
 def test_gluon64_sparse_decode_flags(config, kind):
     """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; ``ROPE_ASYNC`` on: the
-    fp8 rope by ``cp.async``; ``SPLIT_DEQUANT``: each warpgroup dequantizes its own latent half, ``EARLY_CODES``
-    its code loads before the softmax; a bf16 cache ignores the four)."""
+    fp8 rope by ``cp.async``; a bf16 cache ignores both)."""
     q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11, kind=kind)
     _check(q, cache, idx, config)
-
-
-@pytest.mark.cuda
-@needs_sm90
-@pytest.mark.parametrize("early", [False, True], ids=["split", "split_early"])
-@pytest.mark.parametrize("B,H,s_q,max_len,topk,bs,splits", [
-    (6, 16, 1, 5000, 2048, 64, None),     # 16 heads, an empty sequence, -1 padded lists, many splits
-    (5, 128, 1, 4000, 2048, 64, 1),       # 128 heads, one split: written directly
-    (3, 128, 2, 2000, 1000, 64, None),    # MTP, topk off the tile size
-    (4, 40, 2, 900, 300, 64, 2),          # a partial program
-    (5, 16, 1, 1500, 2048, 1, None),      # pages of one row
-])
-def test_gluon64_sparse_decode_split_dequant(B, H, s_q, max_len, topk, bs, splits, early):
-    """``SPLIT_DEQUANT`` (fp8 cache: each warpgroup loads and dequantizes the 256 latent columns its P V reads;
-    ``early``: with ``EARLY_CODES``, those loads before the softmax) against the float64 reference at 16, 40 and
-    128 heads, an all -1 batch row included; int64 lists alike."""
-    q, cache, idx = _inputs(B, H, s_q, max_len, topk, bs, seed=B + H + topk + bs + 1)
-    config = {"SPLIT_DEQUANT": True, "EARLY_CODES": early}
-    if splits is not None:
-        config["SPLITS"] = splits
-    out, lse = _check(q, cache, idx, config)
-    assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
-    _check(q, cache, idx.long(), config)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the kernel module imports Gluon)")
-def test_split_dequant_rejects_cvt_bf16_and_rope_async():
-    """``SPLIT_DEQUANT`` with ``CVT_BF16`` or ``ROPE_ASYNC``, or ``EARLY_CODES`` without ``SPLIT_DEQUANT``, on an
-    fp8 cache is a ValueError naming the config, raised before anything runs (CPU tensors: no kernel is reached)."""
-    from mla_compile.ops.triton import sparse_decode_gluon64 as g
-
-    gen = torch.Generator().manual_seed(3)
-    cache = fp8_paged([100], 64, DC, DR, "cpu", gen)[0]
-    q = torch.randn(1, 1, 16, DC + DR, generator=gen).to(BF)
-    idx = torch.zeros(1, 1, 64, dtype=torch.int32)
-    for other in ("CVT_BF16", "ROPE_ASYNC"):
-        with pytest.raises(ValueError, match="SPLIT_DEQUANT"):
-            g.launch(q, cache, idx, SCALE, DC, config={"SPLIT_DEQUANT": True, other: True})
-    with pytest.raises(ValueError, match="EARLY_CODES"):
-        g.launch(q, cache, idx, SCALE, DC, config={"EARLY_CODES": True})
 
 
 @pytest.mark.cuda
@@ -328,19 +284,8 @@ def test_sm90_compile_resources(flags, direct, block_size, idx_type, fp8):
     registers; bf16: sixteen of latent and two of rope ``cp.async`` copies, no register loads of rows), the L2
     prefetches and at most five CTA barriers (three with the row maxima exchanged across warpgroups; one more
     for bf16, after the copies' wait; two more with fp8 ``ROPE_ASYNC``: the rope's two ``cp.async`` copies
-    replace its register loads, and Triton's barrier pass adds one after their wait and one before them;
-    ``SPLIT_DEQUANT`` writes none after P V, but the barrier pass puts it back before the slot's first store: it
-    knows no warpgroup ownership; its scales are two 8-byte loads)."""
+    replace its register loads, and Triton's barrier pass adds one after their wait and one before them)."""
     _check_resources(flags, direct, block_size, idx_type, fp8)
-
-
-@sm90_compile
-@pytest.mark.parametrize("flags,direct,block_size,idx_type", [
-    ({"SPLIT_DEQUANT": True}, False, 64, "*i32"), ({"SPLIT_DEQUANT": True, "EARLY_CODES": True}, True, 1, "*i64")])
-def test_sm90_compile_resources_split_dequant(flags, direct, block_size, idx_type):
-    """``test_sm90_compile_resources`` for the fp8 cache's ``SPLIT_DEQUANT`` (and ``EARLY_CODES``, its code loads
-    held across the softmax: still no spill in the loop)."""
-    _check_resources(flags, direct, block_size, idx_type, True)
 
 
 def _check_resources(flags, direct, block_size, idx_type, fp8):
@@ -360,12 +305,7 @@ def _check_resources(flags, direct, block_size, idx_type, fp8):
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
     assert res["UTMALDG"] == 0, res
     loop = _loop_sass(compiled)
-    if fp8 and flags["SPLIT_DEQUANT"]:  # the scales of a thread's two keys (32 apart): two 8-byte loads
-        assert loop.count("LDG.E.128") == 8 + 2, loop.count("LDG.E.128")  # codes, rope
-        n64 = loop.count("LDG.E.64")  # int64 lists add their 8-byte slot loads
-        assert n64 == 2 if idx_type == "*i32" else n64 > 2, n64
-        assert "LDGSTS" not in loop
-    elif fp8 and not flags["ROPE_ASYNC"]:
+    if fp8 and not flags["ROPE_ASYNC"]:
         assert loop.count("LDG.E.128") == 8 + 1 + 2, loop.count("LDG.E.128")  # codes, scales, rope
         assert "LDGSTS" not in loop
     elif fp8:  # the rope by cp.async
