@@ -79,6 +79,7 @@ PROGRAMS_PER_SM = 1
 # programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SWAP", "PIPE"})  # what :func:`launch`'s config may name
 
 
 @gluon.jit
@@ -256,6 +257,10 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     if B == 0 or M == 0:
         return out, lse
     config = config or {}
+    unknown = set(config) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"mla.decode (gluon): unknown config keys {sorted(unknown)}; expected some of "
+                         f"{sorted(CONFIG_KEYS)}")
     ws = bool(config.get("WS", False))
     swap = not ws and bool(config.get("SWAP", swap_by_default(B, M)))
     rows_per_program = SWAP_ROWS if swap else BLOCK_M

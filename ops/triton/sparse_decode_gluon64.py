@@ -408,6 +408,10 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
     (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only)."""
+    unknown = set(config or {}) - set(VARIANTS) - {"SPLITS"}
+    if unknown:
+        raise ValueError(f"mla.sparse_decode (gluon64): unknown config keys {sorted(unknown)}; expected some of "
+                         f"{sorted(set(VARIANTS) | {'SPLITS'})}")
     cfg = {k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS}
     B, s_q, H, _ = q.shape
     topk = indices.shape[2]

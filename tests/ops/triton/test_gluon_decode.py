@@ -217,6 +217,11 @@ def test_the_swapped_kernel_is_the_default_for_few_rows_a_sequence_or_in_all():
     assert g.swap_by_default(1, 128) and g.swap_by_default(2, 128) and g.swap_by_default(1, 256)  # 128 heads
     assert g.swap_by_default(3, 80) and not g.swap_by_default(4, 80)  # 40 heads x 2 query positions
     assert not g.swap_by_default(3, 128) and not g.swap_by_default(64, 128) and not g.swap_by_default(2, 256)
+    # a config key the kernels do not have (e.g. a removed variant) is refused before anything is launched
+    q = torch.randn(1, 1, 16, 576)
+    with pytest.raises(ValueError, match=r"unknown config keys \['FUSED_REDUCE'\]"):
+        g.launch(q, torch.randn(1, 64, 576), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                 1.0, 512, config={"FUSED_REDUCE": True})
 
 
 @pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])

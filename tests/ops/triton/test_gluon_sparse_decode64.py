@@ -221,6 +221,15 @@ def test_compiled_and_graph_replay_through_the_op(H, s_q, kind):
         assert torch.isinf(lse[3]).all() and (out[3] == 0).all()
 
 
+def test_an_unknown_config_key_is_refused_before_any_launch():
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    q = torch.randn(1, 1, 16, 576)
+    with pytest.raises(ValueError, match=r"unknown config keys \['SPLIT_DEQUANT'\]"):
+        g.launch(q, torch.randn(1, 64, 576), torch.zeros(1, 1, 8, dtype=torch.int32), 1.0, 512,
+                 config={"SPLIT_DEQUANT": True})
+
+
 def test_declaration_serves_only_sm90_bf16_q_fp8_or_bf16_deepseek_rows():
     """What the selector lets backend "gluon64" serve (no GPU needed: facts given), and that "auto" takes it where
     the shipped H200 table (BENCHMARKS run 132) has it fastest: the fp8 cache at 16 heads, the bf16 cache at 16
