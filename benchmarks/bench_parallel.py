@@ -13,7 +13,9 @@ dispatch) and ``tp_dcp`` (``tp=W, dcp=W``: heads split as in ``tp``, each sequen
 :func:`mla_compile.parallel.dcp.localize` on each step). Modes the world size cannot serve are skipped with the
 reason (``dp_ep`` and ``tp_dcp`` need ``W > 1``). Without ``torchrun`` and with ``--tp`` listing several degrees,
 the script is a launcher: it runs ``torchrun --nproc-per-node N`` of itself for each ``N`` (only ``--modes``' ``tp``
-below the largest ``N`` unless ``--all-modes-at all``), splitting ``--budget-s`` among them, and merges the results.
+below the largest ``N`` unless ``--all-modes-at all``) in turn, each with what is left of ``--budget-s`` less
+``MODE_FLOOR_S`` for each mode still to run after it (it is killed, with its workers, 60 s past that), and merges
+the results.
 Plain ``python`` with ``--tp 1`` (the default) runs world size 1 in-process.
 
 The model: ``bench_decode_step``'s ``--kind v3`` (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, 256 experts
@@ -68,6 +70,7 @@ import bench_decode_step as bds  # noqa: E402  (model, workload, timing helpers)
 MODES = ("tp", "dp_ep", "tp_dcp")
 REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # NVLink multicast stays off
 COMM_KERNELS = ("nccl", "allreduce", "allgather", "reducescatter", "alltoall")
+MODE_FLOOR_S = 75.0  # launcher: seconds kept for each mode of a later world size (start, build, compile, rows)
 CHECK_ROWS = 4  # first-step logits rows compared with the world-1 reference
 ROWS: list[dict] = []
 INFO: dict = {}
@@ -524,6 +527,10 @@ def merge(out: str) -> str:
             par = next((r.get("parallel") for r in got.values() if r.get("parallel")), "")
             label = f"{mode} ({par})" if par else f"{mode} W={run['info'].get('world_size')}"
             lines.append(f"{label[:34]:34s}" + "".join(f"{cell(got.get(b), 37):>38s}" for b in batches))
+    lines.append("build / compile + capture per mode: " + "; ".join(
+        f"{mode} W={run['info'].get('world_size')} {m.get('build_s', 0):.1f} s / "
+        f"{m.get('compile_capture_s', float('nan')):.1f} s, {m.get('compiled_graphs', '?')} graphs, "
+        f"breaks {m.get('graph_breaks') or 'none'}" for run in runs for mode, m in run["info"].get("modes", {}).items()))
     lines.append("graph replay GPU time, ms / collective kernels us per replay:")
     for run in runs:
         for r in run["rows"]:
@@ -650,9 +657,8 @@ def launch(args, argv: list[str]) -> None:
             skipped[n] = f"needs {n} GPUs, {have} visible"
             print(f"world size {n}: skipped ({skipped[n]})", flush=True)
             continue
-        left = args.budget_s - bds.elapsed()
-        weight = sum(1 + len(modes_of[m]) for m in worlds[i:] if m <= have)  # + 1: start-up, reference
-        budget = left * (1 + len(modes_of[n])) / max(weight, 1)
+        later = sum(len(modes_of[m]) for m in worlds[i + 1:] if m <= have)
+        budget = args.budget_s - bds.elapsed() - MODE_FLOOR_S * later  # what the later world sizes' modes keep
         if budget < 30:
             skipped[n] = "time budget"
             continue

@@ -75,3 +75,31 @@ def test_launcher_strips_the_flags_it_sets_per_world_size():
     bp = _module()
     argv = ["--out", "o", "--tp", "1,2", "--budget-s=500", "--modes", "tp,dp_ep", "--batches", "1,64"]
     assert bp.strip_flags(argv, ("--tp", "--budget-s", "--modes")) == ["--out", "o", "--batches", "1,64"]
+
+
+def test_merge_tables_cuda_figures_of_every_world_size(tmp_path):
+    """The GPU-only parts of the table (replay time, collectives' share, memory fit, the paper plan) from
+    synthetic per-world results: the numbers follow from the figures given."""
+    bp = _module()
+    gib = 2 ** 30
+
+    def run(world, mode, free_gib, per_tok):
+        rows = [dict(mode=mode, world=world, ctx=4096, batch=b, rows_per_rank=b // (world if mode == "dp_ep" else 1),
+                     parallel=f"tp={world}", ms=2.0 * b, tok_s=500.0, replay_ms=1.5 * b, comm_us=300.0 * b,
+                     kernel_us=1400.0 * b, comm_share=0.2, step_extra_bytes=0, rel_err_vs_world1=1e-3)
+                for b in (8, 64)]
+        info = dict(world_size=world, fit_ctx=32768, fit_frac=0.5, layers=4, device="GPU", gpus_visible=8,
+                    modes={mode: dict(free_bytes_after_weights=free_gib * gib, cache_bytes_per_token_per_rank=per_tok,
+                                      weight_bytes_per_rank=10 * gib, build_s=1.0, compile_capture_s=2.0,
+                                      compiled_graphs=1, graph_breaks={},
+                                      paper_v3_fp8=dict(batch=136, weight_gib=89.4, cache_gib=36.0))})
+        (tmp_path / f"bench_parallel_w{world}.json").write_text(__import__("json").dumps({"info": info, "rows": rows}))
+
+    run(1, "tp", 64, 4608)  # 32768 tokens x 4608 B = 144 MiB a sequence; half of 64 GiB holds 227
+    run(8, "dp_ep", 64, 4608)  # each of 8 ranks its own 227
+    text = bp.merge(str(tmp_path))
+    assert "tp W=1: 227 (cache only" in text and "dp_ep W=8: 1816 (cache only" in text
+    assert "fp8 weights 136" in text and "20% comm" in text
+    assert "collectives 2400 us of 11200 us kernel time" in text  # B=8: 300 and 1400 us per token row
+    data = json.loads((tmp_path / "bench_parallel.json").read_text())
+    assert [r["info"]["world_size"] for r in data["runs"]] == [1, 8]
