@@ -617,7 +617,7 @@ def worker(args, world: int, rank: int) -> None:
         except Exception as exc:  # a mode that fails to start (build, OOM) loses only its rows
             INFO[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"[:500]
             traceback.print_exc()
-            bds.free_memory()
+        bds.free_memory()  # whatever the mode left (a skipped or failed mode returns early)
     if rank == 0:
         save(args, world)
         text = merge(args.out)
