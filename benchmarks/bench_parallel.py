@@ -451,15 +451,10 @@ def log(rank: int, text: str) -> None:
 
 
 def cell(r: dict | None, width: int = 30) -> str:
-    if r is None:
-        return "-"
-    if "skipped" in r:
-        text = f"skipped ({r['skipped']})"
-    elif "error" in r:
-        text = "FAILED " + r["error"]
-    else:
-        text = f"{r['ms']:.3f} ms ({r['tok_s']:.0f} tok/s"
-        text += f", {100 * r['comm_share']:.0f}% comm)" if "comm_share" in r else ")"
+    """A table cell: ``bench_decode_step``'s, with the share of the step in collectives where profiled."""
+    if r is None or "skipped" in r or "error" in r or "comm_share" not in r:
+        return bds._cell(r, width)
+    text = f"{r['ms']:.3f} ms ({r['tok_s']:.0f} tok/s, {100 * r['comm_share']:.0f}% comm)"
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
@@ -494,7 +489,7 @@ def memory_fit(info: dict, rows: list[dict], fit_ctx: int, fit_frac: float) -> l
         paper = [f"{w} weights {m[f'paper_v3_{w}'].get('batch', 'n/a')} ({m[f'paper_v3_{w}'].get('weight_gib', 0):.1f} "
                  "GiB/rank)" for w in ("fp8", "bf16") if f"paper_v3_{w}" in m]
         if paper:
-            lines.append(f"    whole DeepSeek-V3 (61 layers) on paper (serving.memory_plan, 10% reserve): "
+            lines.append("    whole DeepSeek-V3 (61 layers) on paper (serving.memory_plan, 10% reserve): "
                          + ", ".join(paper))
     return lines
 

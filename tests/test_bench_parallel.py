@@ -5,7 +5,6 @@ layout the benchmark fills and the launcher's flag stripping."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import bench_module
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +24,7 @@ SCRIPT = ROOT / "benchmarks" / "bench_parallel.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_parallel", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("bench_parallel")
 
 
 def test_bench_parallel_two_cpu_ranks_every_mode_matches_world1(tmp_path):

@@ -3,18 +3,13 @@ converted, the busiest tensor pipe, the largest stall reasons first, ncu's own l
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ncu_kernels.py"
+from tests import bench_module
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ncu_kernels", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("ncu_kernels")
 
 
 def test_summary_of_a_raw_csv(tmp_path):
