@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.prefill import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._common import prefill_outputs
+from mla_compile.ops.triton._common import causal_bounds, prefill_outputs
 from mla_compile.ops.triton.prefill_tma import _view2d, split_dims
 from mla_compile.ops.triton.prefill_tma import eligible as tma_eligible
 
@@ -117,12 +117,7 @@ def _program(cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: g
     m0 = (slot_id - (q_start // BM + seq)) * BM
     off = len_k - len_q
     len_k = gl.where(m0 < len_q, len_k, 0)
-    if CAUSAL:
-        hi = gl.minimum(len_k, m0 + BM + off)
-        full_end = gl.maximum(gl.minimum(m0 + off + 1, len_k), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = len_k
-        full_end = len_k // BLOCK_N * BLOCK_N
+    hi, full_end = causal_bounds(m0, off, len_k, BM, BLOCK_N, CAUSAL)
     n_tiles = gl.cdiv(gl.maximum(hi, 0), BLOCK_N)
     return h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles
 
