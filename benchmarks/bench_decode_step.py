@@ -411,28 +411,43 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         traceback.print_exc(limit=4)
 
 
+REPLAYS = 5  # graph replays a kernel profile averages over
+
+
+def replay_profile(graph):
+    """``torch.profiler``'s per-name averages over :data:`REPLAYS` replays of a captured CUDA graph."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages()
+
+
+def write_kernel_csv(path: str, averages, flag=None) -> None:
+    """Every GPU kernel of a :func:`replay_profile`, by GPU time: name, calls and us per replay, and where ``flag``
+    is ``(column, predicate)`` a 0/1 column of ``predicate(average)``."""
+    with open(path, "w") as f:
+        f.write("name,calls_per_replay,us_per_replay" + (f",{flag[0]}" if flag else "") + "\n")
+        for a in sorted(averages, key=lambda a: -a.device_time_total):
+            if a.device_type == torch.autograd.DeviceType.CUDA:
+                f.write(f"\"{a.key[:200]}\",{a.count / REPLAYS:g},{a.device_time_total / REPLAYS:.1f}"
+                        + (f",{int(flag[1](a))}" if flag else "") + "\n")
+
+
 def profile_replay(args, runner, wl: Workload, batch: int, ctx: int, suffix: str = "") -> None:
     """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
     to ``profile_replay{suffix}.txt`` / ``.csv``: where the replay time goes (run for the smallest and the
     largest batch)."""
     runner.decode(wl.chunks(batch, ctx, 0))  # stage this size's metadata (the arena layout is per size)
-    graph = runner.graphs[runner.graph_size(batch)][0]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    averages = prof.key_averages()
+    averages = replay_profile(runner.graphs[runner.graph_size(batch)][0])
     table = averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA)
-    head = (f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), 5 replays: {kernels / 5:.0f} "
-            f"GPU ops a replay, {kernels / 5 / args.layers:.1f} a layer ({args.layers} layers)")
+    kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA) / REPLAYS
+    head = (f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), {REPLAYS} replays: {kernels:.0f} "
+            f"GPU ops a replay, {kernels / args.layers:.1f} a layer ({args.layers} layers)")
     with open(os.path.join(args.out, f"profile_replay{suffix}.txt"), "w") as f:
         f.write(f"{head}\n{table}\n")
-    with open(os.path.join(args.out, f"profile_replay{suffix}.csv"), "w") as f:  # every kernel: calls and us per replay
-        f.write("name,calls_per_replay,us_per_replay\n")
-        for a in sorted(averages, key=lambda a: -a.device_time_total):
-            if a.device_type == torch.autograd.DeviceType.CUDA:
-                f.write(f"\"{a.key[:200]}\",{a.count / 5:g},{a.device_time_total / 5:.1f}\n")
+    write_kernel_csv(os.path.join(args.out, f"profile_replay{suffix}.csv"), averages)
 
 
 def metadata_timing(args, dev, builder, wl: Workload, runner) -> None:

@@ -152,21 +152,13 @@ def meta_model(args, dtype):
 
 
 def build_reference(args, dev, dtype, weights: RandomWeights):
-    """The unsharded patched model, every weight materialised from ``weights``."""
-    from torch import nn
-
+    """The unsharded patched model, every weight materialised from ``weights`` (as ``shard_model`` materialises
+    the replicated ones)."""
     from mla_compile.models.model import patch
+    from mla_compile.parallel.shard import _materialise_rest, _Source
 
     hf = meta_model(args, dtype)
-    rotary = hf.model.rotary_emb
-    with torch.device(dev):
-        hf.model.rotary_emb = type(rotary)(rotary.config)
-    for prefix, module in hf.named_modules():
-        for kind, table in (("p", module._parameters), ("b", module._buffers)):
-            for key, t in list(table.items()):
-                if t is not None and t.is_meta:
-                    new = weights(f"{prefix}.{key}" if prefix else key)
-                    table[key] = nn.Parameter(new, requires_grad=False) if kind == "p" else new
+    _materialise_rest(hf, _Source(hf, weights, dev), dev)
     return patch(hf, backend=args.backend)
 
 
@@ -274,22 +266,18 @@ def profile_comm(runner, chunks, shape, out_path: str | None) -> dict:
     """GPU time of the captured step's kernels over 5 replays (per replay) and the part in collective kernels."""
     runner.decode(chunks, shape)  # stage this size's metadata
     n = len(chunks) if shape is None else max(len(chunks), shape.decode_rows)
-    graph = runner.graphs[runner.graph_size(n)][0]
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    avgs = [a for a in prof.key_averages() if a.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(a.device_time_total for a in avgs) / 5
-    comm = [a for a in avgs if any(k in a.key.lower() for k in COMM_KERNELS)]
-    comm_us = sum(a.device_time_total for a in comm) / 5
+    averages = bds.replay_profile(runner.graphs[runner.graph_size(n)][0])
+    avgs = [a for a in averages if a.device_type == torch.autograd.DeviceType.CUDA]
+
+    def collective(a) -> bool:
+        return any(k in a.key.lower() for k in COMM_KERNELS)
+
+    comm = [a for a in avgs if collective(a)]
     if out_path is not None:
-        with open(out_path, "w") as f:
-            f.write("name,calls_per_replay,us_per_replay,collective\n")
-            for a in sorted(avgs, key=lambda a: -a.device_time_total):
-                f.write(f"\"{a.key[:200]}\",{a.count / 5:g},{a.device_time_total / 5:.1f},{int(a in comm)}\n")
-    return {"kernel_us": total, "comm_us": comm_us, "comm_kernels": sorted({a.key[:60] for a in comm})}
+        bds.write_kernel_csv(out_path, averages, ("collective", collective))
+    return {"kernel_us": sum(a.device_time_total for a in avgs) / bds.REPLAYS,
+            "comm_us": sum(a.device_time_total for a in comm) / bds.REPLAYS,
+            "comm_kernels": sorted({a.key[:60] for a in comm})}
 
 
 def run_mode(args, mode: str, world: int, rank: int, dev, dtype, wl, weights, ref: dict, dd: Dist) -> None:
