@@ -262,11 +262,10 @@ class Dist:
             dist.barrier()
 
 
-def profile_comm(runner, chunks, shape, out_path: str | None) -> dict:
-    """GPU time of the captured step's kernels over 5 replays (per replay) and the part in collective kernels."""
-    runner.decode(chunks, shape)  # stage this size's metadata
-    n = len(chunks) if shape is None else max(len(chunks), shape.decode_rows)
-    averages = bds.replay_profile(runner.graphs[runner.graph_size(n)][0])
+def profile_comm(graph, out_path: str | None) -> dict:
+    """GPU time of a captured step's kernels over 5 replays of ``graph`` (its metadata staged; per replay) and the
+    part in collective kernels."""
+    averages = bds.replay_profile(graph)
     avgs = [a for a in averages if a.device_type == torch.autograd.DeviceType.CUDA]
 
     def collective(a) -> bool:
@@ -371,13 +370,12 @@ def run_mode(args, mode: str, world: int, rank: int, dev, dtype, wl, weights, re
             first = res.pop("first_logits")
             res["check"] = [(i, first[j]) for j, i in enumerate(mine[:first.shape[0]]) if i < CHECK_ROWS]
             if args.step == "graph":
-                runner.decode(chunks(0), shape)
-                n = max(len(mine), rows_of[b])
-                graph = runner.graphs[runner.graph_size(n)][0]
+                runner.decode(chunks(0), shape)  # stage this size's metadata
+                graph = runner.graphs[runner.graph_size(max(len(mine), rows_of[b]))][0]
                 res["replay_ms"] = statistics.median(bds.replay_ms(graph) for _ in range(args.iters))
                 if args.profile:
                     path = os.path.join(args.out, f"profile_{mode}_w{world}_b{b}.csv") if rank == 0 else None
-                    res.update(profile_comm(runner, chunks(0), shape, path))
+                    res.update(profile_comm(graph, path))
         except Exception as exc:  # the reason goes into the table
             traceback.print_exc(limit=4)
             res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
