@@ -487,9 +487,9 @@ def merge(out: str) -> str:
                        key=lambda p: int(p.rsplit("_w", 1)[1].split(".")[0])):
         with open(path) as f:
             runs.append(json.load(f))
-    with open(os.path.join(out, "bench_parallel.json"), "w") as f:
-        json.dump({"runs": runs}, f, indent=1, default=str)
     if not runs:
+        with open(os.path.join(out, "bench_parallel.json"), "w") as f:
+            json.dump({"runs": runs}, f)
         return "no runs"
     a = runs[-1]["info"]
     batches = sorted({r["batch"] for run in runs for r in run["rows"]})
@@ -538,7 +538,7 @@ def merge(out: str) -> str:
     if errors:
         lines += ["errors:"] + errors
     text = "\n".join(lines)
-    with open(os.path.join(out, "bench_parallel.json"), "w") as f:  # with the memory-fit lines filled in
+    with open(os.path.join(out, "bench_parallel.json"), "w") as f:  # memory_fit fills in each mode's line
         json.dump({"runs": runs}, f, indent=1, default=str)
     with open(os.path.join(out, "bench_parallel.txt"), "w") as f:
         f.write(text + "\n")
