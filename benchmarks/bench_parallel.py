@@ -194,11 +194,13 @@ def reference_path(args, dev) -> str:
 
 
 def load_reference(args, dev) -> dict | None:
+    """The reference logits :func:`reference_path` holds for this configuration, or None where none was saved."""
     path = reference_path(args, dev)
     return torch.load(path) if os.path.exists(path) else None
 
 
 def mode_config(mode: str, world: int):
+    """The :class:`~mla_compile.parallel.ParallelConfig` of ``mode`` (one of :data:`MODES`) over ``world`` ranks."""
     from mla_compile.parallel import ParallelConfig
 
     if mode == "tp":
@@ -257,6 +259,7 @@ class Dist:
         return out
 
     def barrier(self) -> None:
+        """Wait for every rank."""
         if self._on():
             import torch.distributed as dist
             dist.barrier()
@@ -432,6 +435,7 @@ def paper_plan(args, pconf, dev) -> dict:
 
 
 def log(rank: int, text: str) -> None:
+    """Print ``text`` with the elapsed time, on rank 0 only."""
     if rank == 0:
         print(f"[{bds.elapsed():6.1f}s] {text}", flush=True)
 
@@ -445,6 +449,7 @@ def cell(r: dict | None, width: int = 30) -> str:
 
 
 def save(args, world: int) -> None:
+    """Write this world size's rows and info so far to ``bench_parallel_w{world}.json`` under ``--out``."""
     with open(os.path.join(args.out, f"bench_parallel_w{world}.json"), "w") as f:
         json.dump({"info": INFO, "rows": ROWS}, f, indent=1, default=str)
 
@@ -664,6 +669,7 @@ def launch(args, argv: list[str]) -> None:
 
 
 def main(argv=None) -> None:
+    """The command line (the module docstring): a worker under ``torchrun`` or at world size 1, else the launcher."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     require_env()

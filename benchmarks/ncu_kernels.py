@@ -86,6 +86,8 @@ def cases(names: list[str], dev: str = "cuda") -> list[tuple[str, object]]:
 
 
 def run(names: list[str]) -> None:
+    """Each call of the named cases once outside and once inside ``cudaProfilerStart`` / ``Stop``; a case that
+    fails is reported on stderr and skipped."""
     import torch
 
     for label, call in cases(names):
@@ -147,6 +149,7 @@ def summarize(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="decode16,decode128,fp8,sparse,prefill,b1")
     ap.add_argument("--summarize", metavar="CSV", help="print the short table of an ncu CSV (no GPU)")
