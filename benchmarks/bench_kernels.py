@@ -279,8 +279,9 @@ def through_ours(group, flops, nbytes, calls: dict):
         attempt(group, f"ours via {name}", fn, flops, nbytes, graph=graph)
 
 
-GLUON_SWEEP = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(WS=True), dict(WS=True, BLOCK_N=64, STAGES=3),
-               dict(HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=False)]
+GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=True),
+               dict(WS=True, HEADS_FIRST=False), dict(WS=True, PIPE=True, HEADS_FIRST=True), dict(WS=True, PIPE=True, HEADS_FIRST=False),
+               dict(WS=True, PIPE=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):

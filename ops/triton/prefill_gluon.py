@@ -2,8 +2,10 @@
 ``mla::prefill_gluon`` and ``mla::prefill_gluon_ws``.
 
 Work layout as :mod:`mla_compile.ops.triton.prefill_tma` (a program per 128 query rows of one sequence and one
-head, grid ``(H, n_slots)`` heads-fastest (``HEADS_FIRST``, the default) or ``(n_slots, H)`` query blocks fastest,
-with the longest causal blocks first; the sequence found on the device;
+head, grid ``(H, n_slots)`` heads-fastest (``HEADS_FIRST``) or ``(n_slots, H)`` query blocks fastest (a head's
+query blocks run together and share its keys in L2), by default heads-fastest only for grids of at most
+``HEADS_FIRST_WAVES`` waves of programs (:func:`heads_first`), with the longest causal blocks first; the
+sequence found on the device;
 q/k/v through host-made TMA descriptors over ``[rows, heads' columns]`` views; a key tile that would run past
 its sequence is loaded ending at the sequence's last key, so padding rows are never read).
 
@@ -53,6 +55,14 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
+
+
+def heads_first(programs: int, sms: int) -> bool:
+    """The default grid order for ``programs`` programs on ``sms`` SMs: heads-fastest (all heads' longest causal
+    blocks first: the best tail on a short grid) up to ``HEADS_FIRST_WAVES`` waves, query blocks fastest above
+    (concurrent programs share their head's keys in L2 instead of streaming every head's from memory)."""
+    return programs <= HEADS_FIRST_WAVES * sms
 
 
 def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2) -> int:
@@ -338,12 +348,11 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
            causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
-    ``HEADS_FIRST`` (default True: grid ``(H, n_slots)``; False: ``(n_slots, H)``)."""
+    ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
     cfg = dict(config or {})
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
-    heads_first = bool(cfg.get("HEADS_FIRST", True))
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)
@@ -359,15 +368,19 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     vd = TensorDescriptor.from_tensor(v2, [block_n, dv], SMEM_SL)
     n_seq = cu_seqlens_q.shape[0] - 1
     n_slots = triton.cdiv(T, BLOCK_M) + n_seq
+    if "HEADS_FIRST" in cfg:
+        first = bool(cfg["HEADS_FIRST"])
+    else:
+        first = heads_first(H * n_slots, torch.cuda.get_device_properties(q.device).multi_processor_count)
     args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
             q.stride(1), k.stride(1), v.stride(1))
-    grid = (H, n_slots) if heads_first else (n_slots, H)
+    grid = (H, n_slots) if first else (n_slots, H)
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                      CHUNK=128, STAGES=stages, HEADS_FIRST=heads_first, num_warps=WS_WARPS)
+                                      CHUNK=128, STAGES=stages, HEADS_FIRST=first, num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                   CHUNK=256, HEADS_FIRST=heads_first, num_warps=NUM_WARPS)
+                                   CHUNK=256, HEADS_FIRST=first, num_warps=NUM_WARPS)
     return out, lse
 
 

@@ -32,6 +32,17 @@ def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
     return q.cuda(), k.cuda(), v.cuda()
 
 
+@pytest.mark.parametrize("H,NS,L,sms,want", [(16, 2, 1024, 132, True), (128, 2, 1024, 132, False),
+                                              (16, 8, 4096, 132, False), (16, 2, 1024, 16, False)])
+def test_default_grid_order(H, NS, L, sms, want):
+    """The default grid order: heads-fastest for grids of at most HEADS_FIRST_WAVES waves (2 x 1024 tokens at 16
+    heads on 132 SMs: 288 programs), query blocks fastest above (at 128 heads, 8 x 4096 tokens, or few SMs)."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    programs = H * (NS * L // g.BLOCK_M + NS)
+    assert g.heads_first(programs, sms) is want
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("causal", [True, False])
