@@ -127,12 +127,21 @@ def prefill_live_rows(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, num_rows: int,
 
 
 def finish_prefill(out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                   causal: bool) -> tuple[Tensor, Tensor]:
-    """Our prefill boundary: ``out [T, H, Dv]``, ``lse [T, H]`` float32 natural log; padding rows
-    (past ``cu_seqlens_q[-1]``) and rows that see no key get 0 / -inf (FA2's +inf, garbage, NaN all go)."""
+                   causal: bool, lse_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Our prefill boundary: ``out [T, H, Dv]``, ``lse [T, H]`` times ``lse_scale`` as float32 natural log;
+    padding rows (past ``cu_seqlens_q[-1]``) and rows that see no key get 0 / -inf (FA2's +inf, garbage, NaN
+    all go).
+
+    On CUDA with Triton this is one kernel that writes ``out`` only on those rows (zeroed in place, so pass only
+    a fresh library output; ``ops/triton/finish.py``); elsewhere torch ops that leave ``out`` unchanged.
+    """
+    if out.is_cuda and triton_available():
+        from mla_compile.ops.triton.finish import finish_prefill_triton
+        return finish_prefill_triton(out, lse, cu_seqlens_q, cu_seqlens_k, causal, lse_scale)
     live = prefill_live_rows(cu_seqlens_q, cu_seqlens_k, out.shape[0], causal)
     out = torch.where(live[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-    lse = torch.where(live[:, None], lse.to(torch.float32), float("-inf"))
+    lse = lse.to(torch.float32) if lse_scale == 1.0 else lse.to(torch.float32) * lse_scale
+    lse = torch.where(live[:, None], lse, float("-inf"))
     return out.contiguous(), lse.contiguous()
 
 

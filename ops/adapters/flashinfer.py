@@ -362,7 +362,7 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     if tq < q.shape[0]:
         out = torch.cat([out, out.new_zeros(q.shape[0] - tq, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((q.shape[0] - tq, lse.shape[1]), float("-inf"))])
-    return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
+    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2)
 
 
 @torch.library.custom_op("mla::prefill_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)

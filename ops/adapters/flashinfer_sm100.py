@@ -128,7 +128,7 @@ def trtllm_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
         seq_lens=cu_k.diff(), max_q_len=q.shape[0], max_kv_len=k.shape[0], bmm1_scale=scale, bmm2_scale=1.0,
         o_sf_scale=-1.0, batch_size=cu_q.shape[0] - 1, window_left=-1, cum_seq_lens_q=cu_q, cum_seq_lens_kv=cu_k,
         enable_pdl=False, is_causal=causal, return_lse=True)
-    return finish_prefill(out, lse * LN2, cu_seqlens_q, cu_seqlens_k, causal)
+    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2)
 
 
 @torch.library.custom_op("mla::decode_flashinfer_trtllm", mutates_args=(), tags=LAYOUT_TAGS)

@@ -161,7 +161,7 @@ def test_a_split_passes_the_plan_id_to_the_part_that_plans_and_refuses_a_missing
 
 
 def test_the_shipped_h200_table_splits_where_one_backend_loses_a_batch_class(everything_installed):
-    """The picks "auto" makes from the H200 file (BENCHMARKS run 129) for the model's decode (batch unknown):
+    """The picks "auto" makes from the H200 file (BENCHMARKS run 137) for the model's decode (batch unknown):
     one Gluon kernel at 16 heads; splits at 128 heads, where no backend wins every batch class."""
     picks = {}
     for heads in (16, 128):
@@ -171,7 +171,7 @@ def test_the_shipped_h200_table_splits_where_one_backend_loses_a_batch_class(eve
             picks[heads, planned] = select("decode", f).name
     assert picks[16, False] == "gluon"
     assert picks[16, True] == "gluon"
-    assert picks[128, False] == "split:gluon-ws:2/flashmla"
+    assert picks[128, False] == "split:gluon:2/flashmla"
     assert picks[128, True] == "split:flashinfer:16/flashmla"
 
 
@@ -211,7 +211,7 @@ def test_prefill_splits_by_tokens_and_runs_the_part_of_each_call_s_token_count(m
 
 def test_fp8_decode_picks_from_the_shipped_h200_table_and_its_split_runs_each_part(
         everything_installed, monkeypatch):
-    """fp8 decode (BENCHMARKS run 129): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
+    """fp8 decode (BENCHMARKS run 137): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
     table, is skipped by "auto": its cost follows the block table's capacity), the 16-row Gluon kernel at 16
     heads. The split op (``mla::decode_fp8_split``) runs the part of each call's query rows, here with CPU spies
     for both parts."""

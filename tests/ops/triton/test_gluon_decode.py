@@ -227,7 +227,7 @@ def test_the_swapped_kernel_is_the_default_for_few_rows_a_sequence_or_in_all():
 @pytest.mark.parametrize("backend", ["gluon", "gluon-ws"])
 def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
     """What the selector lets backends "gluon" / "gluon-ws" serve (no GPU needed: facts given), and that "auto"
-    takes them where the measured timings say so: the shipped H200 table (BENCHMARKS run 129) has "gluon" the
+    takes them where the measured timings say so: the shipped H200 table (BENCHMARKS run 137) has "gluon" the
     fastest at 16 heads, and at 128 heads the fastest of ours where no peer library is installed (the selector
     tests cover the picks with the peers: FlashInfer / FlashMLA at 128 heads)."""
     spec = backends_for("decode")[backend]

@@ -91,6 +91,40 @@ def test_gather(bs, N):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("causal,scale,many", [(True, math.log(2.0), False), (False, 1.0, False), (True, 1.0, True)])
+def test_finish_prefill(causal, scale, many):
+    """The adapters' one-launch prefill boundary against the live rows of ``_common.prefill_live_rows``, float64:
+    rows that see no key (an empty key sequence, causal rows before the first key) and padding rows -> 0 / -inf,
+    whatever they held; live rows untouched; the LSE from a strided [H, T] layout times ``scale``; ``many``: 300
+    sequences of 0-3 rows with one key fewer to one more."""
+    from mla_compile.ops.adapters._common import prefill_live_rows
+    from mla_compile.ops.triton.finish import finish_prefill_triton
+
+    gen = torch.Generator().manual_seed(7 + causal + 2 * many)
+    lens_q, lens_k = [5, 3, 0, 7], [2, 0, 4, 9]  # causal: rows 0-2 of the first sequence see no key
+    if many:  # more sequences than the kernel scans in one chunk (128)
+        lens_q = torch.randint(0, 4, (300,), generator=gen).tolist()
+        lens_k = [n + int(d) - 1 for n, d in zip(lens_q, torch.randint(0, 3, (300,), generator=gen))]
+        lens_k = [max(k, 0) for k in lens_k]
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    T, H, D = sum(lens_q) + 3, 6, 40  # 3 padding rows
+    out = torch.randn(T, H, D, generator=gen).to(util.DEVICE, torch.bfloat16)
+    lse = (torch.randn(H, T, generator=gen) * 4).to(util.DEVICE).t()
+    live = prefill_live_rows(cu_q.to(util.DEVICE), cu_k.to(util.DEVICE), T, causal)
+    assert 0 < int(live.sum()) < T
+    out[~live] = NAN
+    expected_out = torch.where(live[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    expected_lse = torch.where(live[:, None], lse.double() * scale, float("-inf"))
+    poison_allocator()
+    got_out, got_lse = finish_prefill_triton(out.clone(), lse, cu_q.to(util.DEVICE), cu_k.to(util.DEVICE), causal,
+                                             scale)
+    assert got_lse.dtype == torch.float32 and got_lse.is_contiguous() and got_lse.shape == (T, H)
+    assert torch.equal(got_out, expected_out)
+    assert torch.equal(got_lse.isinf(), expected_lse.isinf())
+    torch.testing.assert_close(got_lse.double(), expected_lse, atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("B,s_q,H,D,scale", [(6, 1, 16, 512, 1.0), (5, 2, 128, 512, math.log(2.0)),
                                              (4, 3, 3, 40, 1.0)])
 def test_finish_decode(B, s_q, H, D, scale):
