@@ -55,6 +55,7 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT"})  # what :func:`launch` may be given
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -65,10 +66,10 @@ def heads_first(programs: int, sms: int) -> bool:
     return programs <= HEADS_FIRST_WAVES * sms
 
 
-def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2) -> int:
+def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2, kv_split: bool = False) -> int:
     """Shared memory of one program's buffers: Q, the key/value slots and the barriers (three; the
-    warp-specialized kernel's: two a slot and Q's)."""
-    bars = (2 * stages + 1) * 8 if ws else 3 * 8
+    warp-specialized kernel's: two a slot, four with ``kv_split``, and Q's)."""
+    bars = (2 * stages * (2 if kv_split else 1) + 1) * 8 if ws else 3 * 8
     return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars
 
 
@@ -240,22 +241,39 @@ def prefill_gluon_kernel(
 
 @gluon.jit
 def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
-                DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                KV_SPLIT: gl.constexpr):
     """The producer (the default 4 warps): tile t into slot t % STAGES (``full``) once both consumers released
-    tile t - STAGES from it (``empty``, two arrivals a use)."""
+    tile t - STAGES from it (``empty``, two arrivals a use). ``KV_SPLIT``: keys and values of a slot on barriers
+    of their own (``full`` / ``empty`` ``[slot]`` the keys', ``[STAGES + slot]`` the values'): tile t's keys are
+    copied once tile t - STAGES's scores are done, before its ``P V`` is."""
     for t in range(n_tiles):
-        mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
-        _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, t, n_tiles, k_start, len_k, col_k, col_v,
-               DA, DB, DV, BLOCK_N, STAGES)
+        if KV_SPLIT:
+            slot = t % STAGES
+            phase = ((t // STAGES) - 1) & 1
+            kr = gl.minimum(k_start + t * BLOCK_N, k_start + len_k - BLOCK_N)
+            mbarrier.wait(empty.index(slot), phase, pred=t >= STAGES)
+            mbarrier.expect(full.index(slot), BLOCK_N * (DA + DB) * 2)
+            tma.async_copy_global_to_shared(ka_desc, [kr, col_k], full.index(slot), ka_s.index(slot))
+            tma.async_copy_global_to_shared(kb_desc, [kr, col_k + DA], full.index(slot), kb_s.index(slot))
+            mbarrier.wait(empty.index(STAGES + slot), phase, pred=t >= STAGES)
+            mbarrier.expect(full.index(STAGES + slot), BLOCK_N * DV * 2)
+            tma.async_copy_global_to_shared(v_desc, [kr, col_v], full.index(STAGES + slot), v_s.index(slot))
+        else:
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+            _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, t, n_tiles, k_start, len_k, col_k, col_v,
+                   DA, DB, DV, BLOCK_N, STAGES)
 
 
 @gluon.jit
 def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q, len_k,
                 m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
-                DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                KV_SPLIT: gl.constexpr):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
-    k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``). Causal
-    tiles past this warpgroup's last visible key are released without work. Stores its rows at the end."""
+    k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
+    ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it).
+    Causal tiles past this warpgroup's last visible key are released without work. Stores its rows at the end."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -278,18 +296,30 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     qb = qb_s.index(C)
     for j in range(n_tiles):
         slot = j % STAGES
+        phase = (j // STAGES) & 1
         n0 = j * BLOCK_N
-        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        mbarrier.wait(full.index(slot), phase)
         if n0 < my_hi:
             qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
             s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+            if KV_SPLIT:
+                gl.thread_barrier()  # (this consumer's warps) the keys read before their release
+                mbarrier.arrive(empty.index(slot), count=1)
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
             o = o * gl.convert_layout(alpha, row_o)[:, None]
+            if KV_SPLIT:
+                mbarrier.wait(full.index(STAGES + slot), phase)
             pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
             o = warpgroup_mma_wait(0, deps=[pv])
+        elif KV_SPLIT:
+            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.wait(full.index(STAGES + slot), phase)
         gl.thread_barrier()  # (this consumer's warps) every read of the slot done before the release
-        mbarrier.arrive(empty.index(slot), count=1)
+        if KV_SPLIT:
+            mbarrier.arrive(empty.index(STAGES + slot), count=1)
+        else:
+            mbarrier.arrive(empty.index(slot), count=1)
     _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
 
 
@@ -298,7 +328,7 @@ def prefill_gluon_ws_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True,
+    CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
@@ -319,10 +349,11 @@ def prefill_gluon_ws_kernel(
     ka_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DA], sm)
     kb_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DB], sm)
     v_s = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DV], sm)
-    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    NBARS: gl.constexpr = 2 * STAGES if KV_SPLIT else STAGES
+    full = gl.allocate_shared_memory(gl.int64, [NBARS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBARS, 1], mbarrier.MBarrierLayout())
     qbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(NBARS):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     mbarrier.init(qbar.index(0), count=1)
@@ -336,11 +367,13 @@ def prefill_gluon_ws_kernel(
         tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar.index(0), qb_s.index(c))
     gl.warp_specialize([
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
-                       DA, DB, DV, BLOCK_N, STAGES)),
+                       DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
         (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES)),
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
+                       KV_SPLIT)),
         (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES)),
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
+                       KV_SPLIT)),
     ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
 
 
@@ -348,11 +381,16 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
            causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
+    ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False),
     ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
     cfg = dict(config or {})
+    unknown = set(cfg) - CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"prefill_gluon.launch: unknown config keys {sorted(unknown)}; it takes {sorted(CONFIG_KEYS)}")
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
+    kv_split = bool(cfg.get("KV_SPLIT", False))
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)
@@ -377,7 +415,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     grid = (H, n_slots) if first else (n_slots, H)
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                      CHUNK=128, STAGES=stages, HEADS_FIRST=first, num_warps=WS_WARPS)
+                                      CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split,
+                                      num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                    CHUNK=256, HEADS_FIRST=first, num_warps=NUM_WARPS)

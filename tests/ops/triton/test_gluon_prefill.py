@@ -19,7 +19,9 @@ LENS_Q = [1, 0, 300, 128, 1000, 0, 2500, 77]
 LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with keys), more keys than queries
 CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n128_s2": dict(WS=True),
            "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
-           "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False)}
+           "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
+           "ws_kv_split": dict(WS=True, KV_SPLIT=True),
+           "ws_kv_split_n64_s3": dict(WS=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False)}
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -41,6 +43,18 @@ def test_default_grid_order(H, NS, L, sms, want):
 
     programs = H * (NS * L // g.BLOCK_M + NS)
     assert g.heads_first(programs, sms) is want
+
+
+def test_launch_refuses_unknown_config_keys():
+    """A config key the kernels do not have (a removed or misspelt flag) is an error before any launch, not a
+    silently ignored entry of a sweep."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    q = torch.randn(4, 2, 192, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"unknown config keys \['PIPE'\]"):
+        g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config={"WS": True, "PIPE": True})
+    assert all(set(c) <= g.CONFIG_KEYS for c in CONFIGS.values())
 
 
 @pytest.mark.cuda
@@ -126,15 +140,16 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
 
     c = CONFIGS[cfg]
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
+    kv = c.get("KV_SPLIT", False)
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
                   HEADS_FIRST=c.get("HEADS_FIRST", True))
     if ws:
-        compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages), 64, g.WS_WARPS)
+        compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv), 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
     shared = compiled.metadata.shared
-    formula = g.smem_bytes(192, 128, bn, ws, stages)
+    formula = g.smem_bytes(192, 128, bn, ws, stages, kv)
     assert formula <= shared < formula + 1024 and shared <= 227 * 1024, (shared, formula)
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
