@@ -55,7 +55,7 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT"})  # what :func:`launch` may be given
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE"})  # :func:`launch`'s keys
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -177,9 +177,9 @@ def prefill_gluon_kernel(
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr = True,
 ):
-    """Grid ``(H, n_slots)`` (``(n_slots, H)`` without ``HEADS_FIRST``), 8 warps; descriptors over ``_view2d`` views (q box ``[128, DA]`` / ``[128, DB]``, k
-    ``[BLOCK_N, DA]`` / ``[BLOCK_N, DB]``, v ``[BLOCK_N, DV]``); writes ``o_ptr [T, H, DV]`` (q's dtype) and
-    ``lse_ptr [T, H]`` (natural log) of the program's rows."""
+    """Grid ``(H, n_slots)`` (``(n_slots, H)`` without ``HEADS_FIRST``), 8 warps; descriptors over ``_view2d``
+    views (q box ``[128, DA]`` / ``[128, DB]``, k ``[BLOCK_N, DA]`` / ``[BLOCK_N, DB]``, v ``[BLOCK_N, DV]``);
+    writes ``o_ptr [T, H, DV]`` (q's dtype) and ``lse_ptr [T, H]`` (natural log) of the program's rows."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 16])
@@ -324,11 +324,92 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
 
 
 @gluon.jit
+def _ws_consume_pipe(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q,
+                     len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
+                     DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                     KV_SPLIT: gl.constexpr):
+    """As :func:`_ws_consume`, software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup overlap):
+    tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while ``P V``
+    does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
+    maximum). Tile j - 1's values (its whole slot without ``KV_SPLIT``) are released after its ``P V``; with
+    ``KV_SPLIT`` tile j's keys right after its ``S``. The tiles this warpgroup sees are a prefix of the
+    producer's; the rest are released without work."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    dt: gl.constexpr = o_ptr.dtype.element_ty
+    VB: gl.constexpr = STAGES if KV_SPLIT else 0  # the values' barriers: [VB + slot]
+    offs_m = m0 + C * 64 + gl.arange(0, 64, row_s)
+    lim = offs_m + off
+    if CAUSAL:
+        my_hi = gl.minimum(len_k, m0 + C * 64 + 64 + off)  # this warpgroup's keys end here
+    else:
+        my_hi = len_k
+    n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(my_hi, 0), BLOCK_N))
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    o = gl.zeros([64, DV], gl.float32, o_l)
+    mbarrier.wait(qbar, 0)
+    qa = qa_s.index(C)
+    qb = qb_s.index(C)
+    if n_mine > 0:
+        mbarrier.wait(full.index(0), 0)
+        qk = warpgroup_mma(qa, ka_s.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma(qb, kb_s.index(0).permute([1, 0]), qk, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+        if KV_SPLIT:
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+        p_op = gl.convert_layout(p.to(dt), p_a)
+        for j in range(1, n_mine):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+            qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+            qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
+            if KV_SPLIT:
+                mbarrier.wait(full.index(VB + prev), ((j - 1) // STAGES) & 1)
+            pv = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[qk]) * scale_log2  # the S dots done; P V may still run
+            if KV_SPLIT:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(slot), count=1)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, BLOCK_N, CAUSAL,
+                                               col_s)
+            o = warpgroup_mma_wait(0, deps=[pv])
+            gl.thread_barrier()  # (this consumer's warps) every read of tile j - 1's values done before the release
+            mbarrier.arrive(empty.index(VB + prev), count=1)
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dt), p_a)
+        last = (n_mine - 1) % STAGES
+        if KV_SPLIT:
+            mbarrier.wait(full.index(VB + last), ((n_mine - 1) // STAGES) & 1)
+        pv = warpgroup_mma(p_op, v_s.index(last), o, is_async=True)
+        o = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(VB + last), count=1)
+    for j in range(gl.maximum(n_mine, 0), n_tiles):
+        slot = j % STAGES
+        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        mbarrier.arrive(empty.index(slot), count=1)
+        if KV_SPLIT:
+            mbarrier.wait(full.index(VB + slot), (j // STAGES) & 1)
+            mbarrier.arrive(empty.index(VB + slot), count=1)
+    _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+
+
+@gluon.jit
 def prefill_gluon_ws_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
+    PIPE: gl.constexpr = False,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
@@ -365,23 +446,33 @@ def prefill_gluon_ws_kernel(
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(qa_desc, [q_row + 64 * c, h * stride_qh], qbar.index(0), qa_s.index(c))
         tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar.index(0), qb_s.index(c))
-    gl.warp_specialize([
-        (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
-                       DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
-        (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
-                       KV_SPLIT)),
-        (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
-                       KV_SPLIT)),
-    ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
+    # the producer in the 4 default warps (the registers left), the consumers as workers
+    if PIPE:
+        gl.warp_specialize([
+            (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k,
+                           col_v, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
+            (_ws_consume_pipe, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
+                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
+            (_ws_consume_pipe, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
+                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
+        ], [4, 4], [240, 240])
+    else:
+        gl.warp_specialize([
+            (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k,
+                           col_v, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
+            (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
+                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
+            (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
+                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
+        ], [4, 4], [240, 240])
 
 
 def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
            causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
-    ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False),
+    ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False), ``PIPE``
+    (warp-specialized: the consumers software-pipelined, :func:`_ws_consume_pipe`, default False),
     ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
     cfg = dict(config or {})
     unknown = set(cfg) - CONFIG_KEYS
@@ -391,6 +482,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
     kv_split = bool(cfg.get("KV_SPLIT", False))
+    pipe = bool(cfg.get("PIPE", False))
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)
@@ -415,7 +507,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     grid = (H, n_slots) if first else (n_slots, H)
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                      CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split,
+                                      CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
                                       num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),

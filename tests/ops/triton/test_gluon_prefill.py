@@ -21,7 +21,9 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
            "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
            "ws_kv_split": dict(WS=True, KV_SPLIT=True),
-           "ws_kv_split_n64_s3": dict(WS=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False)}
+           "ws_kv_split_n64_s3": dict(WS=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False),
+           "ws_pipe": dict(WS=True, PIPE=True), "ws_pipe_kv_split": dict(WS=True, PIPE=True, KV_SPLIT=True),
+           "ws_pipe_kv_split_n64_s3": dict(WS=True, PIPE=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3)}
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -52,8 +54,8 @@ def test_launch_refuses_unknown_config_keys():
 
     q = torch.randn(4, 2, 192, dtype=torch.bfloat16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"unknown config keys \['PIPE'\]"):
-        g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config={"WS": True, "PIPE": True})
+    with pytest.raises(ValueError, match=r"unknown config keys \['PIPELINE'\]"):
+        g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config={"WS": True, "PIPELINE": True})
     assert all(set(c) <= g.CONFIG_KEYS for c in CONFIGS.values())
 
 
@@ -144,7 +146,8 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
                   HEADS_FIRST=c.get("HEADS_FIRST", True))
     if ws:
-        compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv), 64, g.WS_WARPS)
+        compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
+                                 PIPE=c.get("PIPE", False)), 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
@@ -154,6 +157,6 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["regs"] <= 255, res
-    dots = 12 + bn // 16
-    assert res["HGMMA"] == (2 * dots if ws else dots), res
+    dots = 12 + bn // 16  # PIPE: each consumer's dots in its loop and again in its prologue / epilogue
+    assert res["HGMMA"] == ((4 if c.get("PIPE") else 2) * dots if ws else dots), res
     assert res["UTMALDG"] == (4 + 3 if ws else 2 + 3 * 3), res
