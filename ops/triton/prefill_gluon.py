@@ -269,11 +269,12 @@ def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles,
 def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q, len_k,
                 m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
                 DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr):
+                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
     k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
-    ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it).
-    Causal tiles past this warpgroup's last visible key are released without work. Stores its rows at the end."""
+    ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it;
+    ``PIPE``: :func:`_ws_pipelined_tiles`). Causal tiles past this warpgroup's last visible key are released
+    without work. Stores its rows at the end."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -294,68 +295,53 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     mbarrier.wait(qbar, 0)
     qa = qa_s.index(C)
     qb = qb_s.index(C)
-    for j in range(n_tiles):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        n0 = j * BLOCK_N
-        mbarrier.wait(full.index(slot), phase)
-        if n0 < my_hi:
-            qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
-            qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
-            if KV_SPLIT:
-                gl.thread_barrier()  # (this consumer's warps) the keys read before their release
+    if PIPE:
+        o, m_i, l_i = _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2,
+                                          my_hi, full_end, len_k, lim, n_tiles, BLOCK_N, CAUSAL, STAGES, KV_SPLIT,
+                                          p_a, row_o, col_s, dt)
+    else:
+        for j in range(n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            n0 = j * BLOCK_N
+            mbarrier.wait(full.index(slot), phase)
+            if n0 < my_hi:
+                qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+                qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+                if KV_SPLIT:
+                    gl.thread_barrier()  # (this consumer's warps) the keys read before their release
+                    mbarrier.arrive(empty.index(slot), count=1)
+                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+                o = o * gl.convert_layout(alpha, row_o)[:, None]
+                if KV_SPLIT:
+                    mbarrier.wait(full.index(STAGES + slot), phase)
+                pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[pv])
+            elif KV_SPLIT:
                 mbarrier.arrive(empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
-            if KV_SPLIT:
                 mbarrier.wait(full.index(STAGES + slot), phase)
-            pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[pv])
-        elif KV_SPLIT:
-            mbarrier.arrive(empty.index(slot), count=1)
-            mbarrier.wait(full.index(STAGES + slot), phase)
-        gl.thread_barrier()  # (this consumer's warps) every read of the slot done before the release
-        if KV_SPLIT:
-            mbarrier.arrive(empty.index(STAGES + slot), count=1)
-        else:
-            mbarrier.arrive(empty.index(slot), count=1)
+            gl.thread_barrier()  # (this consumer's warps) every read of the slot done before the release
+            if KV_SPLIT:
+                mbarrier.arrive(empty.index(STAGES + slot), count=1)
+            else:
+                mbarrier.arrive(empty.index(slot), count=1)
     _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
 
 
 @gluon.jit
-def _ws_consume_pipe(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q,
-                     len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
-                     DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                     KV_SPLIT: gl.constexpr):
-    """As :func:`_ws_consume`, software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup overlap):
-    tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while ``P V``
-    does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
+def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2, my_hi, full_end, len_k,
+                        lim, n_tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                        KV_SPLIT: gl.constexpr, p_a: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr,
+                        dt: gl.constexpr):
+    """The tiles of :func:`_ws_consume` software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup
+    overlap): tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while
+    ``P V`` does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
     maximum). Tile j - 1's values (its whole slot without ``KV_SPLIT``) are released after its ``P V``; with
     ``KV_SPLIT`` tile j's keys right after its ``S``. The tiles this warpgroup sees are a prefix of the
-    producer's; the rest are released without work."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    dt: gl.constexpr = o_ptr.dtype.element_ty
+    producer's; the rest are released without work. Returns ``(o, m_i, l_i)``."""
     VB: gl.constexpr = STAGES if KV_SPLIT else 0  # the values' barriers: [VB + slot]
-    offs_m = m0 + C * 64 + gl.arange(0, 64, row_s)
-    lim = offs_m + off
-    if CAUSAL:
-        my_hi = gl.minimum(len_k, m0 + C * 64 + 64 + off)  # this warpgroup's keys end here
-    else:
-        my_hi = len_k
     n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(my_hi, 0), BLOCK_N))
-    zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_l)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([64], gl.float32, row_s)
-    o = gl.zeros([64, DV], gl.float32, o_l)
-    mbarrier.wait(qbar, 0)
-    qa = qa_s.index(C)
-    qb = qb_s.index(C)
     if n_mine > 0:
         mbarrier.wait(full.index(0), 0)
         qk = warpgroup_mma(qa, ka_s.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
@@ -400,7 +386,7 @@ def _ws_consume_pipe(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, 
         if KV_SPLIT:
             mbarrier.wait(full.index(VB + slot), (j // STAGES) & 1)
             mbarrier.arrive(empty.index(VB + slot), count=1)
-    _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+    return o, m_i, l_i
 
 
 @gluon.jit
@@ -446,25 +432,14 @@ def prefill_gluon_ws_kernel(
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(qa_desc, [q_row + 64 * c, h * stride_qh], qbar.index(0), qa_s.index(c))
         tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar.index(0), qb_s.index(c))
-    # the producer in the 4 default warps (the registers left), the consumers as workers
-    if PIPE:
-        gl.warp_specialize([
-            (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k,
-                           col_v, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
-            (_ws_consume_pipe, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
-                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
-            (_ws_consume_pipe, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
-                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
-        ], [4, 4], [240, 240])
-    else:
-        gl.warp_specialize([
-            (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k,
-                           col_v, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
-            (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
-                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
-            (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q,
-                      len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT)),
-        ], [4, 4], [240, 240])
+    gl.warp_specialize([
+        (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
+                       DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
+        (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE)),
+        (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE)),
+    ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
 
 
 def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
@@ -472,7 +447,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
     ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False), ``PIPE``
-    (warp-specialized: the consumers software-pipelined, :func:`_ws_consume_pipe`, default False),
+    (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default False),
     ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
     cfg = dict(config or {})
     unknown = set(cfg) - CONFIG_KEYS
