@@ -20,9 +20,7 @@ LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with key
 CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n128_s2": dict(WS=True),
            "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
            "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
-           "ws_kv_split": dict(WS=True, KV_SPLIT=True),
-           "ws_kv_split_n64_s3": dict(WS=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False),
-           "ws_pipe": dict(WS=True, PIPE=True), "ws_pipe_kv_split": dict(WS=True, PIPE=True, KV_SPLIT=True),
+           "ws_kv_split": dict(WS=True, KV_SPLIT=True), "ws_pipe": dict(WS=True, PIPE=True),
            "ws_pipe_kv_split_n64_s3": dict(WS=True, PIPE=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3)}
 
 
