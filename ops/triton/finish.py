@@ -63,11 +63,11 @@ def _finish_prefill_kernel(out_ptr, lse_in_ptr, lse_out_ptr, cu_q_ptr, cu_k_ptr,
         idx = c + 1 + tl.arange(0, CHUNK)
         cu = tl.load(cu_q_ptr + idx, mask=idx <= n_seq, other=0).to(tl.int64)
         seq += tl.sum(((cu <= t) & (idx <= n_seq)).to(tl.int32), axis=0)
-    live = seq < n_seq
-    s = tl.minimum(seq, n_seq - 1)
-    q0 = tl.load(cu_q_ptr + s).to(tl.int64)
-    len_q = tl.load(cu_q_ptr + s + 1).to(tl.int64) - q0
-    len_k = tl.load(cu_k_ptr + s + 1).to(tl.int64) - tl.load(cu_k_ptr + s).to(tl.int64)
+    live = seq < n_seq  # (no read of cu for a padding row: with no sequence cu has one entry)
+    q0 = tl.load(cu_q_ptr + seq, mask=live, other=0).to(tl.int64)
+    len_q = tl.load(cu_q_ptr + seq + 1, mask=live, other=0).to(tl.int64) - q0
+    len_k = (tl.load(cu_k_ptr + seq + 1, mask=live, other=0).to(tl.int64)
+             - tl.load(cu_k_ptr + seq, mask=live, other=0).to(tl.int64))
     if CAUSAL:
         seen = tl.minimum(len_k, t - q0 + len_k - len_q + 1)
     else:

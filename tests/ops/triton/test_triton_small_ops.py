@@ -91,18 +91,21 @@ def test_gather(bs, N):
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("causal,scale,many", [(True, math.log(2.0), False), (False, 1.0, False), (True, 1.0, True)])
-def test_finish_prefill(causal, scale, many):
+@pytest.mark.parametrize("causal,scale,case", [(True, math.log(2.0), "few"), (False, 1.0, "few"), (True, 1.0, "many"),
+                                              (True, 1.0, "none")])
+def test_finish_prefill(causal, scale, case):
     """The adapters' one-launch prefill boundary against the live rows of ``_common.prefill_live_rows``, float64:
     rows that see no key (an empty key sequence, causal rows before the first key) and padding rows -> 0 / -inf,
-    whatever they held; live rows untouched; the LSE from a strided [H, T] layout times ``scale``; ``many``: 300
-    sequences of 0-3 rows with one key fewer to one more."""
+    whatever they held; live rows untouched; the LSE from a strided [H, T] layout times ``scale``; "many": 300
+    sequences of 0-3 rows with one key fewer to one more; "none": no sequence, padding rows only."""
     from mla_compile.ops.adapters._common import prefill_live_rows
     from mla_compile.ops.triton.finish import finish_prefill_triton
 
-    gen = torch.Generator().manual_seed(7 + causal + 2 * many)
+    gen = torch.Generator().manual_seed(7 + causal + 2 * len(case))
     lens_q, lens_k = [5, 3, 0, 7], [2, 0, 4, 9]  # causal: rows 0-2 of the first sequence see no key
-    if many:  # more sequences than the kernel scans in one chunk (128)
+    if case == "none":  # no sequence: every row is padding
+        lens_q, lens_k = [], []
+    if case == "many":  # more sequences than the kernel scans in one chunk (128)
         lens_q = torch.randint(0, 4, (300,), generator=gen).tolist()
         lens_k = [n + int(d) - 1 for n, d in zip(lens_q, torch.randint(0, 3, (300,), generator=gen))]
         lens_k = [max(k, 0) for k in lens_k]
@@ -112,7 +115,7 @@ def test_finish_prefill(causal, scale, many):
     out = torch.randn(T, H, D, generator=gen).to(util.DEVICE, torch.bfloat16)
     lse = (torch.randn(H, T, generator=gen) * 4).to(util.DEVICE).t()
     live = prefill_live_rows(cu_q.to(util.DEVICE), cu_k.to(util.DEVICE), T, causal)
-    assert 0 < int(live.sum()) < T
+    assert (0 < int(live.sum()) < T) if lens_q else not live.any()
     out[~live] = NAN
     expected_out = torch.where(live[:, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     expected_lse = torch.where(live[:, None], lse.double() * scale, float("-inf"))
