@@ -25,6 +25,16 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def check_config(where: str, config: dict | None, keys) -> dict:
+    """``config`` as a dict (``{}`` for None); a ValueError naming ``where`` when it has keys outside ``keys``
+    (a removed or misspelt launch flag is an error, not an ignored entry)."""
+    config = dict(config or {})
+    unknown = set(config) - set(keys)
+    if unknown:
+        raise ValueError(f"{where}: unknown config keys {sorted(unknown)}; expected some of {sorted(keys)}")
+    return config
+
+
 def pow2(n: int, low: int = 16) -> int:
     """The next power of two >= max(n, low) (``tl.dot`` wants every dim >= 16)."""
     return max(low, triton.next_power_of_2(max(int(n), 1)))

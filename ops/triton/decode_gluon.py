@@ -65,7 +65,7 @@ from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, SMEM_C, SMEM_SL, STAGES,
                                               TILE_BYTES, D, issue_tile, zero_tail)
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
@@ -256,11 +256,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     out, lse = decode_outputs(q, kv_lora_rank)
     if B == 0 or M == 0:
         return out, lse
-    config = config or {}
-    unknown = set(config) - CONFIG_KEYS
-    if unknown:
-        raise ValueError(f"mla.decode (gluon): unknown config keys {sorted(unknown)}; expected some of "
-                         f"{sorted(CONFIG_KEYS)}")
+    config = check_config("mla.decode (gluon)", config, CONFIG_KEYS)
     ws = bool(config.get("WS", False))
     swap = not ws and bool(config.get("SWAP", swap_by_default(B, M)))
     rows_per_program = SWAP_ROWS if swap else BLOCK_M

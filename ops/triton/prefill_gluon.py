@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.prefill import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._common import causal_bounds, prefill_outputs
+from mla_compile.ops.triton._common import causal_bounds, check_config, num_sms, prefill_outputs
 from mla_compile.ops.triton.prefill_tma import _view2d, split_dims
 from mla_compile.ops.triton.prefill_tma import eligible as tma_eligible
 
@@ -84,13 +84,19 @@ def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = Fals
 
 
 @gluon.jit
+def _key_row(t, k_start, len_k, BLOCK_N: gl.constexpr):
+    """First key row of tile ``t``: ``k_start + t * BLOCK_N``, or ``k_start + len_k - BLOCK_N`` for a tile that
+    would run past the sequence (so padding rows are never read)."""
+    return gl.minimum(k_start + t * BLOCK_N, k_start + len_k - BLOCK_N)
+
+
+@gluon.jit
 def _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, t, n_tiles, k_start, len_k, col_k, col_v,
            DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr = 2):
     """Start the TMA copies of key tile ``t`` (none past ``n_tiles``) into slot ``t % STAGES`` on its barrier: rows
-    ``kr + [0, BLOCK_N)`` with ``kr`` the tile's start, or ``k_start + len_k - BLOCK_N`` for a tile that would
-    run past the sequence."""
+    ``kr + [0, BLOCK_N)`` with ``kr`` from :func:`_key_row`."""
     live = t < n_tiles
-    kr = gl.minimum(k_start + t * BLOCK_N, k_start + len_k - BLOCK_N)
+    kr = _key_row(t, k_start, len_k, BLOCK_N)
     slot = t % STAGES
     bar = bars.index(slot)
     mbarrier.expect(bar, BLOCK_N * (DA + DB + DV) * 2, pred=live)
@@ -251,7 +257,7 @@ def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles,
         if KV_SPLIT:
             slot = t % STAGES
             phase = ((t // STAGES) - 1) & 1
-            kr = gl.minimum(k_start + t * BLOCK_N, k_start + len_k - BLOCK_N)
+            kr = _key_row(t, k_start, len_k, BLOCK_N)
             mbarrier.wait(empty.index(slot), phase, pred=t >= STAGES)
             mbarrier.expect(full.index(slot), BLOCK_N * (DA + DB) * 2)
             tma.async_copy_global_to_shared(ka_desc, [kr, col_k], full.index(slot), ka_s.index(slot))
@@ -449,10 +455,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False), ``PIPE``
     (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default False),
     ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
-    cfg = dict(config or {})
-    unknown = set(cfg) - CONFIG_KEYS
-    if unknown:
-        raise ValueError(f"prefill_gluon.launch: unknown config keys {sorted(unknown)}; it takes {sorted(CONFIG_KEYS)}")
+    cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
@@ -476,7 +479,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     if "HEADS_FIRST" in cfg:
         first = bool(cfg["HEADS_FIRST"])
     else:
-        first = heads_first(H * n_slots, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        first = heads_first(H * n_slots, num_sms(q.device))
     args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
             q.stride(1), k.stride(1), v.stride(1))
     grid = (H, n_slots) if first else (n_slots, H)

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.sparse_decode import validate
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import finish_rows
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
@@ -408,11 +408,8 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
     (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only)."""
-    unknown = set(config or {}) - set(VARIANTS) - {"SPLITS"}
-    if unknown:
-        raise ValueError(f"mla.sparse_decode (gluon64): unknown config keys {sorted(unknown)}; expected some of "
-                         f"{sorted(set(VARIANTS) | {'SPLITS'})}")
-    cfg = {k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS}
+    config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS"})
+    cfg = {k: bool(config.get(k, DEFAULTS[k])) for k in VARIANTS}
     B, s_q, H, _ = q.shape
     topk = indices.shape[2]
     out, lse = decode_outputs(q, kv_lora_rank)
