@@ -272,6 +272,7 @@ class FlashInferPrefillPlan:
     dtype: torch.dtype
     total_q: int = 0  # cu_seqlens_q[-1] / cu_seqlens_k[-1] at plan time (host): FlashInfer wants exact row counts
     total_k: int = 0
+    dead_rows: bool = True  # some query row sees no key (host lengths): the boundary kernel must zero it
     times_planned: int = 0
 
     def check(self, q: Tensor, v: Tensor, cu_seqlens_q: Tensor, scale: float, causal: bool) -> None:
@@ -313,6 +314,8 @@ def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_h
                              f"({'; '.join(bad)}); make a new plan")
         plan.num_seqs = cu_q.shape[0] - 1
     plan.total_q, plan.total_k = int(cu_q[-1]), int(cu_k[-1])
+    len_q, len_k = cu_q.diff(), cu_k.diff()
+    plan.dead_rows = bool(((len_k < len_q) if causal else ((len_k == 0) & (len_q > 0))).any())
     plan.wrapper.plan(cu_q, cu_k, num_heads, num_heads, head_dim_qk, head_dim_vo=head_dim_v, causal=causal,
                       sm_scale=float(scale), q_data_type=dtype, kv_data_type=dtype)
     plan.times_planned += 1
@@ -359,6 +362,10 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
                          f"key rows but q has {q.shape[0]} and k {k.shape[0]}; re-plan for this step")
     tq, tk = plan.total_q, plan.total_k  # our API allows padding rows past cu[-1]; FlashInfer does not
     out, lse = plan.wrapper.run(q[:tq], k[:tk], v[:tk], return_lse=True)
+    if tq == q.shape[0] and not plan.dead_rows:
+        # every row sees a key (the plan's host lengths): the boundary is the LSE's base alone, one multiply
+        # instead of the row-finding kernel (whose launch is most of an eager call's host time at small shapes)
+        return out.contiguous(), lse.to(torch.float32).mul_(LN2)
     if tq < q.shape[0]:
         out = torch.cat([out, out.new_zeros(q.shape[0] - tq, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((q.shape[0] - tq, lse.shape[1]), float("-inf"))])

@@ -24,7 +24,9 @@ FA3's sm_90 forward: a TMA producer (the 4 default warps) fills a ring of ``STAG
 mbarriers, both consumers release a slot), and two 4-warp consumer warpgroups each own 64 of the 128 query rows
 (their own S, softmax and ``P V``), so the two are not held in step by a CTA barrier and one's softmax may run
 while the other's dots do (no explicit ping-pong ordering); causal tiles past a consumer's last visible key are
-released without work.
+released without work. By default (``KV_SPLIT`` and ``PIPE``, as FA3) a slot's keys and values have barriers of
+their own and each consumer is software-pipelined: tile j's ``S`` dots are in flight with tile j - 1's ``P V``, the
+keys released right after ``S``, the values waited for only before ``P V``.
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
@@ -80,7 +82,7 @@ def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = Fals
     da, db = split_dims(q.shape[-1])
     dims = (da, db, v.shape[-1])
     return (64 <= min(dims) and max(dims) <= 256
-            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages) <= SMEM_LIMIT)
+            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages, kv_split=ws) <= SMEM_LIMIT)
 
 
 @gluon.jit
@@ -452,15 +454,15 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
            causal: bool, config: dict | None = None) -> tuple[Tensor, Tensor]:
     """The kernel (callers check :func:`eligible`); ``config``: ``WS`` (the warp-specialized kernel), ``BLOCK_N``
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
-    ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default False), ``PIPE``
-    (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default False),
+    ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default True), ``PIPE``
+    (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default True),
     ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
-    kv_split = bool(cfg.get("KV_SPLIT", False))
-    pipe = bool(cfg.get("PIPE", False))
+    kv_split = bool(cfg.get("KV_SPLIT", ws))
+    pipe = bool(cfg.get("PIPE", ws))
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)

@@ -5,6 +5,7 @@ equal to the float64 reference."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -143,6 +144,36 @@ def test_prefill_plan_and_run_contract(fake_flashinfer, causal):
     assert torch.isneginf(lse[7]).all() and (out[7] == 0).all(), "the padding row past cu_seqlens_q[-1]"
     got = torch.ops.mla.prefill_flashinfer(q, k, v, cu_q, cu_k, 0.1, causal, plan.plan_id)
     assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+
+
+@pytest.mark.parametrize("causal,lens_q,lens_k,dead", [(True, [3, 4], [5, 4], False), (False, [3, 4], [5, 4], False),
+                                                        (False, [3, 4], [0, 6], True)])
+def test_prefill_plan_knows_dead_rows_and_skips_the_row_kernel_without_them(fake_flashinfer, monkeypatch, causal,
+                                                                            lens_q, lens_k, dead):
+    """The plan records from its host lengths whether some query row sees no key; a call without such rows
+    and without padding rows converts the LSE's base alone (no row-finding boundary kernel), a call with them
+    still zeroes them: both against the float64 reference, the fake leaving NaN on rows without keys."""
+    import mla_compile.ops.adapters.flashinfer as fi
+
+    gen = generator(9)
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=I32) for lens in (lens_q, lens_k))
+    q, k = randn(gen, 7, 2, 192, dtype=BF16), randn(gen, sum(lens_k), 2, 192, dtype=BF16)
+    v = randn(gen, sum(lens_k), 2, 128, dtype=BF16)
+    facts = dict(num_heads=2, head_dim_qk=192, head_dim_v=128, scale=0.1, dtype=BF16, causal=causal, device="cpu",
+                 workspace_bytes=WS)
+    plan = plan_flashinfer_prefill(cu_q, cu_k, **facts)
+    assert plan.dead_rows is dead
+    ran = []
+    monkeypatch.setattr(fi, "finish_prefill", lambda *a, real=fi.finish_prefill: ran.append(1) or real(*a))
+    out, lse = flashinfer_prefill_core(q, k, v, cu_q, cu_k, 0.1, causal, plan)
+    assert len(ran) == dead
+    assert lse.dtype == torch.float32 and not out.isnan().any() and not lse.isnan().any()
+    ref_out, ref_lse = prefill_ref64(q, k, v, lens_q, lens_k, 0.1, causal)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+    # 4 queries over 2 keys: rows without keys when causal (the plan says so; validate refuses such calls)
+    few = plan_flashinfer_prefill(torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 3, 5], dtype=I32), **facts)
+    assert few.dead_rows is causal
 
 
 def test_merge_converts_the_base_and_keeps_empty_parts_exact(fake_flashinfer):

@@ -17,11 +17,12 @@ SCALE = 1 / math.sqrt(192)
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 LENS_Q = [1, 0, 300, 128, 1000, 0, 2500, 77]
 LENS_K = [1, 0, 300, 1000, 1000, 9, 4096, 1077]  # empty sequences (one with keys), more keys than queries
+_UNPIPED = dict(WS=True, KV_SPLIT=False, PIPE=False)  # the warp-specialized kernel without its two defaults
 CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n128_s2": dict(WS=True),
            "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
            "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
-           "ws_kv_split": dict(WS=True, KV_SPLIT=True), "ws_pipe": dict(WS=True, PIPE=True),
-           "ws_pipe_kv_split_n64_s3": dict(WS=True, PIPE=True, KV_SPLIT=True, BLOCK_N=64, STAGES=3)}
+           "ws_unpiped": _UNPIPED, "ws_unpiped_n64_s3": dict(_UNPIPED, BLOCK_N=64, STAGES=3),
+           "ws_kv_split_only": dict(WS=True, PIPE=False), "ws_pipe_only": dict(WS=True, KV_SPLIT=False)}
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -140,12 +141,12 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
 
     c = CONFIGS[cfg]
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
-    kv = c.get("KV_SPLIT", False)
+    kv = c.get("KV_SPLIT", ws)
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
                   HEADS_FIRST=c.get("HEADS_FIRST", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
-                                 PIPE=c.get("PIPE", False)), 64, g.WS_WARPS)
+                                 PIPE=c.get("PIPE", ws)), 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
@@ -156,5 +157,5 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["regs"] <= 255, res
     dots = 12 + bn // 16  # PIPE: each consumer's dots in its loop and again in its prologue / epilogue
-    assert res["HGMMA"] == ((4 if c.get("PIPE") else 2) * dots if ws else dots), res
+    assert res["HGMMA"] == ((4 if c.get("PIPE", ws) else 2) * dots if ws else dots), res
     assert res["UTMALDG"] == (4 + 3 if ws else 2 + 3 * 3), res
