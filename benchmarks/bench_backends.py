@@ -9,8 +9,7 @@ For each op the selector ranks by time (decode, decode_fp8, sparse_decode, prefi
 ones whose public functions pass their heads), each shape of :data:`GRID` and each backend the registry declares
 for the op, the backend is timed through our op (``ops.<op>(..., backend=name)``) when the selector says
 it serves the shape: the median GPU time of one call in a replayed CUDA graph (``bench_kernels.graph_ms``),
-or the eager time (``bench_kernels.bench``) for backends that cannot be captured (prefill's are captured at
-the timed shape all the same: :data:`REPLAY_ALL`). FlashInfer's host plans
+or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans
 are made before timing. "autotune" is left out (it is a compile-time choice among the others). The file
 (format: :mod:`mla_compile.ops.timings`) records the GPU, its compute capability and the package versions.
 ``--only OP,...`` times those ops alone; with ``--out`` naming an existing file of the same GPU, that file's
@@ -44,10 +43,6 @@ D, W = DC + DR, 656
 SCALE = 1 / math.sqrt(192)
 PACKAGES = ("torch", "triton", "sgl-flash-mla", "flashinfer-python", "flash-attn")
 SKIP = ("autotune",)
-# ops whose backends are all timed as CUDA-graph replays, also those a model runs eagerly (FlashInfer's planned
-# prefill): the GPU time of each backend is what compares them, as every other backend of the op is timed so;
-# the host time of an eager call is what benchmarks/profile_host.py measures
-REPLAY_ALL = ("prefill",)
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,8 @@ def measure(only: tuple[str, ...] | None = None) -> dict:
                 fn = lambda: call(name, plan)  # noqa: E731
                 fn()
                 torch.cuda.synchronize()
-                ms = _time_call(bk, fn, s.op, spec.cuda_graph != "none")
+                capturable = spec.cuda_graph != "none"
+                ms = bk.graph_ms(fn) if capturable else bk.bench(fn)
             except Exception as exc:  # cannot serve / not installed / failed: reported, not timed
                 print(f"  {s} {name}: skipped ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
                 continue
@@ -201,7 +197,7 @@ def measure(only: tuple[str, ...] | None = None) -> dict:
     return dict(format=timings.FORMAT, gpu=torch.cuda.get_device_name(), capability=list(cap),
                 versions={p: _version(p) for p in PACKAGES}, seeded=False,
                 source="benchmarks/bench_backends.py: CUDA-graph replay of one call per backend (eager where it "
-                       f"cannot be captured, except for {', '.join(REPLAY_ALL)})", rows=list(rows.values()))
+                       "cannot be captured)", rows=list(rows.values()))
 
 
 def _time_auto(s: Shape, f, call, make_plan, us: dict, bk) -> tuple:
@@ -217,26 +213,11 @@ def _time_auto(s: Shape, f, call, make_plan, us: dict, bk) -> tuple:
         fn = lambda: call(name, plan)  # noqa: E731
         fn()
         torch.cuda.synchronize()
-        ms = _time_call(bk, fn, s.op, _capturable(s, spec))
+        ms = bk.graph_ms(fn) if _capturable(s, spec) else bk.bench(fn)
     except Exception as exc:
         print(f"  {s} auto ({name}): failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
         return s, name, None, best, us.get(best)
     return s, name, round(ms * 1e3, 1), best, us.get(best)
-
-
-def _time_call(bk, fn, op: str, capturable: bool) -> float:
-    """Milliseconds of one call: a CUDA-graph replay where the backend can be captured; for the ops of
-    :data:`REPLAY_ALL` also where the model runs it eagerly (a fixed-shape call, its host plan made before the
-    capture), falling back to the eager time when the capture fails; elsewhere the eager time."""
-    if capturable:
-        return bk.graph_ms(fn)
-    if op in REPLAY_ALL:
-        try:
-            return bk.graph_ms(fn)
-        except Exception as exc:  # noqa: BLE001  (reported; timed eagerly instead)
-            torch.cuda.synchronize()
-            print(f"  capture failed, timed eagerly ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
-    return bk.bench(fn)
 
 
 def _capturable(s: Shape, spec) -> bool:
@@ -305,7 +286,7 @@ def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
 
 def _prefill_overhead(s: Shape, us: dict, bk) -> list[tuple]:
     """(shape, "flashinfer prefill", ours us, direct us): FlashInfer's ragged prefill called directly (planned
-    once, LSE returned) against our adapter's time in this run, both timed as :func:`_time_call` does."""
+    once, LSE returned) against our adapter's time in this run, both timed eagerly (it is not captured)."""
     if "flashinfer" not in us:
         return []
     try:
@@ -318,7 +299,7 @@ def _prefill_overhead(s: Shape, us: dict, bk) -> list[tuple]:
             torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD")
         w.plan(cu, cu, s.heads, s.heads, 192, head_dim_vo=128, causal=True, sm_scale=SCALE,
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        direct = round(_time_call(bk, lambda: w.run(q, k, v, return_lse=True), s.op, False) * 1e3, 1)
+        direct = round(bk.bench(lambda: w.run(q, k, v, return_lse=True)) * 1e3, 1)
         return [(s, "flashinfer prefill", us["flashinfer"], direct)]
     except Exception as exc:
         print(f"  {s} FlashInfer prefill direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
