@@ -130,7 +130,7 @@ def _compile_sm90(kernel, consts, q_rows, warps):
 
 
 @sm90_compile
-@pytest.mark.parametrize("cfg", list(CONFIGS))
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if "heads_last" not in c])  # grid order: index math alone
 def test_sm90_compile_gluon_prefill_resources(cfg):
     """Each configuration compiles for sm_90 at qk 192 / v 128: no spills, at most 255 registers; shared memory
     of its formula plus under 1 KB (the warp-specialized partitions' captured arguments), within 227 KB; the
