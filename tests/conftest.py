@@ -1,6 +1,7 @@
 """Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile;
 without a GPU, Triton kernels run in Triton's interpreter; in CI a skipped test that no GPU run selects fails;
-CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it).
+CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it); the ``sm_90`` compile checks' children
+start when collection ends.
 
 ``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt). ``TRITON_INTERPRET`` set
 by the caller is kept (``0`` runs the ``sm90_compile`` tests, which need Triton's compiler).
@@ -48,6 +49,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+SM90_CHILDREN = "test_sm90_compile_tests_pass_without_the_interpreter"  # its children start when collection ends
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        if item.name == SM90_CHILDREN:
+            item.module.start_children()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for item in session.items:
+        if item.name == SM90_CHILDREN:
+            item.module.stop_children()
 
 
 # The GPU runs select -m cuda and -m sm90_compile; CI (no GPU) runs the rest. A skip of any other test in
