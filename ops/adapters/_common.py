@@ -113,6 +113,14 @@ def finish_decode(out: Tensor, lse: Tensor, seq_lens: Tensor, lse_scale: float =
     return out.contiguous(), lse.contiguous()
 
 
+def prefill_has_keyless_rows(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool) -> bool:
+    """Whether some query row of these sequences sees no key (:func:`prefill_live_rows`' rule per sequence; host
+    tensors, a plan's): bottom-right causal row i sees ``len_k - len_q + 1 + i`` keys, so some row sees none when
+    ``len_k < len_q``; non-causal, the rows of a sequence without keys."""
+    len_q, len_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    return bool(((len_k < len_q) if causal else ((len_k == 0) & (len_q > 0))).any())
+
+
 def prefill_live_rows(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, num_rows: int, causal: bool) -> Tensor:
     """``[T]`` bool: row t belongs to a sequence and sees at least one key (bottom-right causal)."""
     n = cu_seqlens_q.shape[0] - 1

@@ -43,7 +43,7 @@ from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
 from mla_compile.ops.registry import DEEPSEEK_DECODE, DEEPSEEK_PREFILL, LAYOUT_TAGS, SM80, declare
 from mla_compile.ops.adapters._common import (LN2, LOG2E, check_dtype, finish_decode, finish_prefill, importable,
-                                              require_capability, workspace)
+                                              prefill_has_keyless_rows, require_capability, workspace)
 
 BACKEND = "flashinfer"
 MODULE = "flashinfer"
@@ -314,8 +314,7 @@ def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_h
                              f"({'; '.join(bad)}); make a new plan")
         plan.num_seqs = cu_q.shape[0] - 1
     plan.total_q, plan.total_k = int(cu_q[-1]), int(cu_k[-1])
-    len_q, len_k = cu_q.diff(), cu_k.diff()
-    plan.dead_rows = bool(((len_k < len_q) if causal else ((len_k == 0) & (len_q > 0))).any())
+    plan.dead_rows = prefill_has_keyless_rows(cu_q, cu_k, causal)
     plan.wrapper.plan(cu_q, cu_k, num_heads, num_heads, head_dim_qk, head_dim_vo=head_dim_v, causal=causal,
                       sm_scale=float(scale), q_data_type=dtype, kv_data_type=dtype)
     plan.times_planned += 1

@@ -176,6 +176,22 @@ def test_prefill_plan_knows_dead_rows_and_skips_the_row_kernel_without_them(fake
     assert few.dead_rows is causal
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_plans_keyless_rule_is_the_live_row_rule_per_sequence(causal):
+    """``prefill_has_keyless_rows`` (the plan's host check) says yes exactly when ``prefill_live_rows`` marks some
+    row of a sequence dead, over random lengths with empty queries and keys."""
+    from mla_compile.ops.adapters._common import prefill_has_keyless_rows, prefill_live_rows
+
+    gen = generator(11)
+    for _ in range(200):
+        n = int(torch.randint(1, 5, (1,), generator=gen))
+        lens_q = torch.randint(0, 5, (n,), generator=gen)
+        lens_k = torch.randint(0, 7, (n,), generator=gen)
+        cu_q, cu_k = (torch.nn.functional.pad(x.cumsum(0), (1, 0)).to(I32) for x in (lens_q, lens_k))
+        live = prefill_live_rows(cu_q, cu_k, int(cu_q[-1]), causal)
+        assert prefill_has_keyless_rows(cu_q, cu_k, causal) is (not bool(live.all())), (lens_q, lens_k)
+
+
 def test_merge_converts_the_base_and_keeps_empty_parts_exact(fake_flashinfer):
     gen = generator(7)
     out_a, out_b = randn(gen, 5, 2, 16, dtype=BF16), randn(gen, 5, 2, 16, dtype=BF16)
