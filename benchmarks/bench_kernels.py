@@ -280,10 +280,9 @@ def through_ours(group, flops, nbytes, calls: dict):
 
 
 GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=True),
-               dict(WS=True, HEADS_FIRST=False), dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False),
-               dict(WS=True, KV_SPLIT=False, PIPE=False, HEADS_FIRST=True),
-               dict(WS=True, KV_SPLIT=False, PIPE=False, HEADS_FIRST=False),
-               dict(WS=True, PIPE=False, HEADS_FIRST=False)]
+               dict(WS=True, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=False, FOLD_SCALE=False),
+               dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False),
+               dict(WS=True, KV_SPLIT=False, PIPE=False, HEADS_FIRST=False)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):

@@ -57,7 +57,7 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE"})  # :func:`launch`'s keys
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE"})  # :func:`launch`'s keys
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -142,10 +142,15 @@ def _program(cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
-def _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                  col_s: gl.constexpr):
-    """Base-2 scores ``s`` of key tile ``n0`` to ``(p, m_new, l_new, alpha)``; masked from ``full_end`` on
-    (columns before ``n0`` of a shifted last tile, and past each row's diagonal ``lim``)."""
+def _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, scale_log2, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                  col_s: gl.constexpr, FOLD: gl.constexpr):
+    """Raw scores ``s`` of key tile ``n0`` to ``(p, m_new, l_new, alpha)`` in base 2 (``scale_log2`` = the softmax
+    scale times log2 e); masked from ``full_end`` on (columns before ``n0`` of a shifted last tile, and past each
+    row's diagonal ``lim``). ``FOLD`` (a positive scale): the row maximum is taken on the raw scores and the
+    scale folded into the exponent (``exp2(s * c - m)``: one FMA an element, as FA3); else the scores are scaled
+    first."""
+    if not FOLD:
+        s = s * scale_log2
     if n0 + BLOCK_N > full_end:
         n = gl.minimum(n0, len_k - BLOCK_N) + gl.arange(0, BLOCK_N, col_s)
         if CAUSAL:  # columns before n0 get a bound no row reaches
@@ -153,10 +158,16 @@ def _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N: gl.constexpr, 
         else:
             visible = (n >= n0)[None, :] & (lim >= -(1 << 30))[:, None]
         s = gl.where(visible, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    if FOLD:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
     alpha = gl.exp2(m_i - m_shift)
-    p = gl.exp2(s - m_shift[:, None])
+    if FOLD:
+        p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]))
+    else:
+        p = gl.exp2(s - m_shift[:, None])
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
@@ -183,7 +194,7 @@ def prefill_gluon_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr = True,
+    CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr = True, FOLD: gl.constexpr = True,
 ):
     """Grid ``(H, n_slots)`` (``(n_slots, H)`` without ``HEADS_FIRST``), 8 warps; descriptors over ``_view2d``
     views (q box ``[128, DA]`` / ``[128, DB]``, k ``[BLOCK_N, DA]`` / ``[BLOCK_N, DB]``, v ``[BLOCK_N, DV]``);
@@ -236,8 +247,9 @@ def prefill_gluon_kernel(
         mbarrier.wait(bars.index(slot), (j // 2) & 1)
         qk = warpgroup_mma(qa_s, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma(qb_s, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+        s = warpgroup_mma_wait(0, deps=[qk])
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, scale_log2, BLOCK_N, CAUSAL,
+                                           col_s, FOLD)
         o = o * gl.convert_layout(alpha, row_o)[:, None]
         pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=[pv])
@@ -277,7 +289,7 @@ def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles,
 def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q, len_k,
                 m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
                 DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr):
+                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
     k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
     ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it;
@@ -306,7 +318,7 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     if PIPE:
         o, m_i, l_i = _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2,
                                           my_hi, full_end, len_k, lim, n_tiles, BLOCK_N, CAUSAL, STAGES, KV_SPLIT,
-                                          p_a, row_o, col_s, dt)
+                                          p_a, row_o, col_s, dt, FOLD)
     else:
         for j in range(n_tiles):
             slot = j % STAGES
@@ -316,11 +328,12 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
             if n0 < my_hi:
                 qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
                 qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
-                s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+                s = warpgroup_mma_wait(0, deps=[qk])
                 if KV_SPLIT:
                     gl.thread_barrier()  # (this consumer's warps) the keys read before their release
                     mbarrier.arrive(empty.index(slot), count=1)
-                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+                p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, scale_log2, BLOCK_N, CAUSAL,
+                                                   col_s, FOLD)
                 o = o * gl.convert_layout(alpha, row_o)[:, None]
                 if KV_SPLIT:
                     mbarrier.wait(full.index(STAGES + slot), phase)
@@ -341,7 +354,7 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
 def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2, my_hi, full_end, len_k,
                         lim, n_tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                         KV_SPLIT: gl.constexpr, p_a: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr,
-                        dt: gl.constexpr):
+                        dt: gl.constexpr, FOLD: gl.constexpr):
     """The tiles of :func:`_ws_consume` software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup
     overlap): tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while
     ``P V`` does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
@@ -354,11 +367,12 @@ def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_
         mbarrier.wait(full.index(0), 0)
         qk = warpgroup_mma(qa, ka_s.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma(qb, kb_s.index(0).permute([1, 0]), qk, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[qk]) * scale_log2
+        s = warpgroup_mma_wait(0, deps=[qk])
         if KV_SPLIT:
             gl.thread_barrier()
             mbarrier.arrive(empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, full_end, len_k, lim, BLOCK_N, CAUSAL, col_s)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, full_end, len_k, lim, scale_log2, BLOCK_N, CAUSAL, col_s,
+                                           FOLD)
         p_op = gl.convert_layout(p.to(dt), p_a)
         for j in range(1, n_mine):
             slot = j % STAGES
@@ -369,12 +383,12 @@ def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_
             if KV_SPLIT:
                 mbarrier.wait(full.index(VB + prev), ((j - 1) // STAGES) & 1)
             pv = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[qk]) * scale_log2  # the S dots done; P V may still run
+            s = warpgroup_mma_wait(1, deps=[qk])  # the S dots done; P V may still run
             if KV_SPLIT:
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(slot), count=1)
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, BLOCK_N, CAUSAL,
-                                               col_s)
+            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, j * BLOCK_N, full_end, len_k, lim, scale_log2, BLOCK_N,
+                                               CAUSAL, col_s, FOLD)
             o = warpgroup_mma_wait(0, deps=[pv])
             gl.thread_barrier()  # (this consumer's warps) every read of tile j - 1's values done before the release
             mbarrier.arrive(empty.index(VB + prev), count=1)
@@ -403,7 +417,7 @@ def prefill_gluon_ws_kernel(
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
-    PIPE: gl.constexpr = False,
+    PIPE: gl.constexpr = False, FOLD: gl.constexpr = True,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
@@ -444,9 +458,11 @@ def prefill_gluon_ws_kernel(
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                        DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
         (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE)),
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE,
+                       FOLD)),
         (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE)),
+                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE,
+                       FOLD)),
     ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
 
 
@@ -456,13 +472,16 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
     ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default True), ``PIPE``
     (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default True),
-    ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),"""
+    ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),
+    ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, :func:`_softmax_tile`; default True, taken
+    only for a positive ``scale``)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
     kv_split = bool(cfg.get("KV_SPLIT", ws))
     pipe = bool(cfg.get("PIPE", ws))
+    fold = bool(cfg.get("FOLD_SCALE", True)) and scale > 0
     T, H, dqk = q.shape
     dv = v.shape[-1]
     out, lse = prefill_outputs(q, v)
@@ -488,10 +507,10 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
-                                      num_warps=WS_WARPS)
+                                      FOLD=fold, num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
-                                   CHUNK=256, HEADS_FIRST=first, num_warps=NUM_WARPS)
+                                   CHUNK=256, HEADS_FIRST=first, FOLD=fold, num_warps=NUM_WARPS)
     return out, lse
 
 

@@ -22,7 +22,8 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "ws_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3), "ws_n64_s2": dict(WS=True, BLOCK_N=64),
            "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
            "ws_unpiped": _UNPIPED, "ws_unpiped_n64_s3": dict(_UNPIPED, BLOCK_N=64, STAGES=3),
-           "ws_kv_split_only": dict(WS=True, PIPE=False), "ws_pipe_only": dict(WS=True, KV_SPLIT=False)}
+           "ws_kv_split_only": dict(WS=True, PIPE=False), "ws_pipe_only": dict(WS=True, KV_SPLIT=False),
+           "ws_unfolded": dict(WS=True, FOLD_SCALE=False), "plain_unfolded": dict(FOLD_SCALE=False)}
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -72,6 +73,22 @@ def test_cuda_gluon_prefill_configs(causal, cfg):
     poison_allocator()
     out, lse = g.launch(q, k, v, cu_q, cu_k, SCALE, causal, c)
     ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, causal)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("ws", [False, True])
+def test_cuda_gluon_prefill_negative_scale_scales_first(ws):
+    """A negative softmax scale (the row maximum of the scaled scores is not the scaled maximum): the launch
+    does not fold the scale into the exponent, and the result is the float64 reference's."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    q, k, v = _inputs(16, LENS_Q, LENS_K, torch.bfloat16, 5)
+    cu_q, cu_k = cu_from_lens(LENS_Q, "cuda"), cu_from_lens(LENS_K, "cuda")
+    poison_allocator()
+    out, lse = g.launch(q, k, v, cu_q, cu_k, -SCALE, True, {"WS": ws})
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, -SCALE, True)
     assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
 
 
@@ -143,7 +160,7 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
     kv = c.get("KV_SPLIT", ws)
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
-                  HEADS_FIRST=c.get("HEADS_FIRST", True))
+                  HEADS_FIRST=c.get("HEADS_FIRST", True), FOLD=c.get("FOLD_SCALE", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
                                  PIPE=c.get("PIPE", ws)), 64, g.WS_WARPS)
