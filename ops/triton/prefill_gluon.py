@@ -57,7 +57,8 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE"})  # :func:`launch`'s keys
+# :func:`launch`'s config keys
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE"})
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
