@@ -74,9 +74,10 @@ NUM_WARPS = 8
 PROGRAMS_PER_SM = 1
 # the kernel's flags (``launch``'s config keys, as ``fp8_decode_gluon64.VARIANTS``) and their values unless the
 # config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
-# ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done
-VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC")
-DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False}
+# ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done;
+# ``FOLD_SCALE``: the softmax scale folded into the exponent's FMA (a positive scale; opt-in until GPU-timed)
+VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC", "FOLD_SCALE")
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False, "FOLD_SCALE": False}
 
 
 @gluon.jit
@@ -224,7 +225,7 @@ def sparse_decode_gluon64_kernel(
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
-    ROPE_ASYNC: gl.constexpr = False,
+    ROPE_ASYNC: gl.constexpr = False, FOLD_SCALE: gl.constexpr = False,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
@@ -233,7 +234,8 @@ def sparse_decode_gluon64_kernel(
     (``[B * S_Q * H, 512]``, q's dtype) / ``lse_ptr`` (natural log); else each split's rows into the workspaces
     ``o_ptr`` / ``lse_ptr`` (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` /
     ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants; ``ROPE_ASYNC`` (fp8): a tile's rope copied into its slot
-    with ``cp.async`` right after the CTA barrier that follows P (no register load after P V)."""
+    with ``cp.async`` right after the CTA barrier that follows P (no register load after P V); ``FOLD_SCALE`` (a
+    positive scale): the row maximum taken on the raw scores, the scale folded into ``exp2(s * c - m)``."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -306,11 +308,14 @@ def sparse_decode_gluon64_kernel(
         buf = j % 2
         k_cur = kc_s.index(buf)
         # online softmax of S_j (base 2); invalid keys -inf
-        s = gl.where(key_ok[None, :], s * scale_log2, float("-inf"))
+        # FOLD_SCALE (a positive scale): the row maximum on the raw scores, the scale folded into the exponent's
+        # FMA (exp2(s * c - m)), as the prefill kernel does; else the scores scaled first
+        s = gl.where(key_ok[None, :], s if FOLD_SCALE else s * scale_log2, float("-inf"))
         if MAX_XCHG:
-            m_new = gl.maximum(m_i, _row_max_xchg(s, mx_s, row_s))
+            row_max = _row_max_xchg(s, mx_s, row_s)
         else:
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            row_max = gl.max(s, axis=1)
+        m_new = gl.maximum(m_i, row_max * scale_log2 if FOLD_SCALE else row_max)
         if RESCALE_SKIP:
             # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
             # valid key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
@@ -318,13 +323,13 @@ def sparse_decode_gluon64_kernel(
             m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))
-            p = gl.exp2(s - m_shift[:, None])
+            p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]) if FOLD_SCALE else s - m_shift[:, None])
             l_part = l_part * alpha[:, None] + p
             o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
         else:
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
             alpha = gl.exp2(m_i - m_shift)
-            p = gl.exp2(s - m_shift[:, None])
+            p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]) if FOLD_SCALE else s - m_shift[:, None])
             l_part = l_part * alpha[:, None] + p
             o = o * gl.convert_layout(alpha, row_o)[:, None]
         m_i = m_new
@@ -407,9 +412,11 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     """Run the kernel on a call :func:`eligible` accepts (``q [B, s_q, H, 576]``, ``indices [B, s_q, topk]``).
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
-    (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only)."""
+    (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only;
+    ``FOLD_SCALE`` to a positive ``scale`` only)."""
     config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS"})
     cfg = {k: bool(config.get(k, DEFAULTS[k])) for k in VARIANTS}
+    cfg["FOLD_SCALE"] = cfg["FOLD_SCALE"] and scale > 0  # the raw scores' maximum is the scaled one's only then
     B, s_q, H, _ = q.shape
     topk = indices.shape[2]
     out, lse = decode_outputs(q, kv_lora_rank)
