@@ -135,14 +135,20 @@ def prefill_live_rows(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, num_rows: int,
 
 
 def finish_prefill(out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                   causal: bool, lse_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+                   causal: bool, lse_scale: float = 1.0, all_live: bool = False) -> tuple[Tensor, Tensor]:
     """Our prefill boundary: ``out [T, H, Dv]``, ``lse [T, H]`` times ``lse_scale`` as float32 natural log;
     padding rows (past ``cu_seqlens_q[-1]``) and rows that see no key get 0 / -inf (FA2's +inf, garbage, NaN
     all go).
 
     On CUDA with Triton this is one kernel that writes ``out`` only on those rows (zeroed in place, so pass only
     a fresh library output; ``ops/triton/finish.py``); elsewhere torch ops that leave ``out`` unchanged.
+    ``all_live``: the caller knows from host lengths (a plan's, :func:`prefill_has_keyless_rows`) that there are
+    no padding rows and every row sees a key; the boundary is then the LSE's base alone (scaled in place: a fresh
+    library output only), no row-finding work.
     """
+    if all_live:
+        lse = lse.to(torch.float32)
+        return out.contiguous(), (lse.mul_(lse_scale) if lse_scale != 1.0 else lse).contiguous()
     if out.is_cuda and triton_available():
         from mla_compile.ops.triton.finish import finish_prefill_triton
         return finish_prefill_triton(out, lse, cu_seqlens_q, cu_seqlens_k, causal, lse_scale)

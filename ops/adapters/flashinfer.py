@@ -361,14 +361,13 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
                          f"key rows but q has {q.shape[0]} and k {k.shape[0]}; re-plan for this step")
     tq, tk = plan.total_q, plan.total_k  # our API allows padding rows past cu[-1]; FlashInfer does not
     out, lse = plan.wrapper.run(q[:tq], k[:tk], v[:tk], return_lse=True)
-    if tq == q.shape[0] and not plan.dead_rows:
-        # every row sees a key (the plan's host lengths): the boundary is the LSE's base alone, one multiply
-        # instead of the row-finding kernel (whose launch is most of an eager call's host time at small shapes)
-        return out.contiguous(), lse.to(torch.float32).mul_(LN2)
     if tq < q.shape[0]:
         out = torch.cat([out, out.new_zeros(q.shape[0] - tq, *out.shape[1:])])
         lse = torch.cat([lse, lse.new_full((q.shape[0] - tq, lse.shape[1]), float("-inf"))])
-    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2)
+    # no padding rows and every row sees a key (the plan's host lengths): the boundary is one multiply instead
+    # of the row-finding kernel (whose launch is most of an eager call's host time at small shapes)
+    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2,
+                          all_live=tq == q.shape[0] and not plan.dead_rows)
 
 
 @torch.library.custom_op("mla::prefill_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)

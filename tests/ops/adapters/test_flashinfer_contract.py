@@ -151,9 +151,9 @@ def test_prefill_plan_and_run_contract(fake_flashinfer, causal):
 def test_prefill_plan_knows_dead_rows_and_skips_the_row_kernel_without_them(fake_flashinfer, monkeypatch, causal,
                                                                             lens_q, lens_k, dead):
     """The plan records from its host lengths whether some query row sees no key; a call without such rows
-    and without padding rows converts the LSE's base alone (no row-finding boundary kernel), a call with them
+    and without padding rows converts the LSE's base alone (no row-finding boundary work), a call with them
     still zeroes them: both against the float64 reference, the fake leaving NaN on rows without keys."""
-    import mla_compile.ops.adapters.flashinfer as fi
+    import mla_compile.ops.adapters._common as common
 
     gen = generator(9)
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], dtype=I32) for lens in (lens_q, lens_k))
@@ -164,7 +164,8 @@ def test_prefill_plan_knows_dead_rows_and_skips_the_row_kernel_without_them(fake
     plan = plan_flashinfer_prefill(cu_q, cu_k, **facts)
     assert plan.dead_rows is dead
     ran = []
-    monkeypatch.setattr(fi, "finish_prefill", lambda *a, real=fi.finish_prefill: ran.append(1) or real(*a))
+    live_rows = common.prefill_live_rows  # the row-finding path of finish_prefill (CPU tensors here)
+    monkeypatch.setattr(common, "prefill_live_rows", lambda *a: ran.append(1) or live_rows(*a))
     out, lse = flashinfer_prefill_core(q, k, v, cu_q, cu_k, 0.1, causal, plan)
     assert len(ran) == dead
     assert lse.dtype == torch.float32 and not out.isnan().any() and not lse.isnan().any()
