@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-NEEDED = importlib.util.find_spec("triton") is not None and INTERPRETED  # this test runs (else it skips)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+NEEDED = HAS_TRITON and INTERPRETED  # the test runs (its two skip conditions below)
 _CHILDREN: list[tuple[subprocess.Popen, object]] = []  # the two children and their output files, once started
 
 
@@ -48,7 +49,7 @@ def stop_children() -> None:
             proc.wait()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.skipif(not INTERPRETED, reason="this process runs the sm90_compile tests itself (no interpreter)")
 def test_sm90_compile_tests_pass_without_the_interpreter():
     """The two children of :func:`start_children` (started here unless already running) must each pass with
