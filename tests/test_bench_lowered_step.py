@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_bench_lowered_step_cpu_smoke(tmp_path, kv_cache="fp8"):
+def test_bench_lowered_step_cpu_smoke(tmp_path):
+    kv_cache = "fp8"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_lowered_step.py"), "--device", "cpu", "--tiny",
            "--iters", "2", "--kv-cache", kv_cache, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
