@@ -56,7 +56,11 @@ def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple
 
 
 def _serve(rank: int, world: int, jobs, results) -> None:
-    """A pool worker: run ``(seq, fn, args, port)`` jobs until ``None``, each as a fresh process would."""
+    """A pool worker: run ``(seq, fn, args, port)`` jobs until ``None``, each as a fresh process would. A crash
+    (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr (``faulthandler``)."""
+    import faulthandler
+
+    faulthandler.enable()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1"})
     import random
