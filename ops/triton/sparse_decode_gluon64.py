@@ -75,9 +75,9 @@ PROGRAMS_PER_SM = 1
 # the kernel's flags (``launch``'s config keys, as ``fp8_decode_gluon64.VARIANTS``) and their values unless the
 # config says otherwise (``CVT_BF16``: bf16x2 dequantization, fp8 scales below 2**8; fp8 cache only)
 # ``ROPE_ASYNC``: an fp8 tile's rope copied into its slot with ``cp.async`` as soon as the slot's S is done;
-# ``FOLD_SCALE``: the softmax scale folded into the exponent's FMA (a positive scale; opt-in until GPU-timed)
+# ``FOLD_SCALE``: the softmax scale folded into the exponent's FMA (a positive scale)
 VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16", "ROPE_ASYNC", "FOLD_SCALE")
-DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False, "FOLD_SCALE": False}
+DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False, "ROPE_ASYNC": False, "FOLD_SCALE": True}
 
 
 @gluon.jit
