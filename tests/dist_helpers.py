@@ -7,9 +7,13 @@ at the deadline is killed (this launcher's own children only) and the call raise
 ``fn`` must be importable by name (a module-level function of an importable module).
 
 Calls reuse a pool of ``world`` worker processes kept for the session (spawning and importing torch,
-transformers and mla_compile costs seconds a call): each call still gets its own process group (a fresh
-rendezvous port, destroyed after), a reset Dynamo and the RNG state of a fresh process. A call that fails or
-times out ends its pool (the next call starts a new one). ``fresh=True`` (and any call with ``env`` or
+transformers and mla_compile costs seconds a call): each call gets a reset Dynamo and the RNG state of a fresh
+process. A pool's workers hold one default (gloo) process group for their life, made when the pool starts;
+a call's ``init`` reuses it and the ``destroy`` after the call destroys only the subgroups the call made.
+(Destroying and re-making the default group in one process, once a call, crashed gloo workers natively within
+tens to hundreds of cycles on the CI machine: torch 2.13, gloo over TCP, both with a TCPStore made a cycle and
+with one kept for the process, never with a FileStore.) A call that fails or times out ends its pool (the next
+call starts a new one). ``fresh=True`` (and any call with ``env`` or
 ``expect_dead``) spawns its own processes, for tests whose ranks exit, hang or need another environment.
 """
 
@@ -55,26 +59,29 @@ def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple
             pass
 
 
-def _serve(rank: int, world: int, jobs, results) -> None:
-    """A pool worker: run ``(seq, fn, args, port)`` jobs until ``None``, each as a fresh process would. A crash
-    (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr (``faulthandler``)."""
+def _serve(rank: int, world: int, port: int, jobs, results) -> None:
+    """A pool worker: join the pool's default process group (rendezvous at ``port``), then run ``(seq, fn,
+    args)`` jobs until ``None``, each as a fresh process would but on that group. A crash (SIGSEGV, glibc's
+    abort) prints every thread's Python stack to stderr (``faulthandler``)."""
     import faulthandler
 
     faulthandler.enable()
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import random
+    from datetime import timedelta
 
     import torch
+    import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from mla_compile.parallel import destroy
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     torch_rng, py_rng = torch.get_rng_state(), random.getstate()
     while (job := jobs.get()) is not None:
-        seq, fn, args, port = job
-        os.environ["MASTER_PORT"] = str(port)
+        seq, fn, args = job
         torch.set_rng_state(torch_rng)
         random.setstate(py_rng)
         torch._dynamo.reset()
@@ -85,20 +92,23 @@ def _serve(rank: int, world: int, jobs, results) -> None:
             results.put((seq, rank, False, traceback.format_exc()))
         finally:
             try:
-                destroy()
+                destroy()  # the job's subgroups; the pool's default group stays
             except Exception:  # noqa: BLE001  (the result is already sent)
                 pass
+    dist.destroy_process_group()
 
 
 class _Pool:
-    """``world`` pool workers (spawned), one job queue each and one result queue."""
+    """``world`` pool workers (spawned) on one default process group, one job queue each and one result
+    queue."""
 
     def __init__(self, world: int):
         ctx = mp.get_context("spawn")
         self.world = world
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self.jobs[r], self.results), daemon=True)
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.jobs[r], self.results), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -134,9 +144,9 @@ def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
         if pool is not None:
             pool.close(kill=True)
         pool = _POOLS[world] = _Pool(world)
-    seq, port = next(_SEQ), free_port()
+    seq = next(_SEQ)
     for q in pool.jobs:
-        q.put((seq, fn, args, port))
+        q.put((seq, fn, args))
     deadline = time.monotonic() + timeout
     got: dict[int, object] = {}
     errors: list[str] = []

@@ -193,6 +193,32 @@ def lonely(rank, world, timeout_s):
     return None
 
 
+def destroy_owns_what_init_made(rank, world, store_path):
+    """``destroy`` after ``init`` on a default group the caller made (a FileStore at ``store_path``): the
+    subgroups init made (tp=world, dcp=1 with single-rank collectives: one real group a rank) are gone, the
+    default group stays and still sums; after ``init`` made the default group itself (env rendezvous),
+    ``destroy`` ends torch.distributed."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from mla_compile.parallel import destroy
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    state = init(ParallelConfig(tp=world), single_rank_collectives=True, timeout=60)
+    sub = state.dcp.group
+    res = {"sub_made": sub is not None and sub is not dist.group.WORLD and sub in _world.pg_map}
+    destroy()
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x)
+    res.update(sub_gone=sub not in _world.pg_map, default_kept=dist.is_initialized(), sum=x.tolist())
+    dist.destroy_process_group()
+    init(ParallelConfig(tp=world), timeout=60)
+    res["made_default"] = dist.is_initialized()
+    destroy()
+    res["ended"] = not dist.is_initialized()
+    return res
+
+
 def groups_layout(rank, world, pconf):
     """This rank's groups (ranks, index, whether a process group backs them) and a sum over its attention group."""
     import torch.distributed._functional_collectives as funcol

@@ -147,7 +147,8 @@ def test_agree_shape_rule():
 def test_dp_step_sync_two_processes():
     demands = {0: [(True, 2, False, 2, 2), (True, 0, False, 0, 0), (False, 0, False, 0, 0), (True, 1, True, 9, 3)],
                1: [(True, 4, False, 4, 4), (True, 3, True, 20, 5), (False, 0, False, 0, 0), (False, 0, False, 0, 0)]}
-    res = run_ranks(w.sync_agreements, 2, demands, timeout=60)
+    # fresh processes: the worker makes its own default group, and rank 1 ending it is what rank 0 must see
+    res = run_ranks(w.sync_agreements, 2, demands, timeout=60, fresh=True)
     want = [StepAgreement(True, StepShape(True, decode_rows=4)),
             StepAgreement(True, StepShape(False, tokens=20, rows=5)),
             StepAgreement(False, None), StepAgreement(True, StepShape(False, tokens=9, rows=3))]

@@ -51,6 +51,13 @@ def test_dead_or_hung_peer_errors_instead_of_hanging(how):
     assert "Connection" in r["error"] or "Timed out" in r["error"] or "closed" in r["error"], r
 
 
+def test_destroy_ends_only_the_groups_init_made(tmp_path):
+    # fresh processes: the pool's workers hold a default group of their own
+    for r in run_ranks(w.destroy_owns_what_init_made, 2, str(tmp_path / "store"), timeout=120, fresh=True):
+        assert r == {"sub_made": True, "sub_gone": True, "default_kept": True, "sum": [3.0] * 3,
+                     "made_default": True, "ended": True}, r
+
+
 def test_groups_follow_the_rank_layout():
     # tp=2 with ep=2: one attention group of both ranks, EP over both, each expert whole (moe_tp groups of one)
     results = run_ranks(w.groups_layout, 2, dict(tp=2, ep=2, dcp=2))

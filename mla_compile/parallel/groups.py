@@ -29,6 +29,7 @@ from mla_compile.parallel.config import ParallelConfig
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
 _STATES: list["ParallelState"] = []  # what init() set up in this process (patch(parallel=config) finds it)
+_OWNED: list = []  # the process groups init() created: its subgroups, and the default group when it made that one
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,9 @@ def init(config: ParallelConfig, rank: int | None = None, world_size: int | None
     ``MASTER_ADDR:MASTER_PORT`` unless ``init_method`` is given). ``backend``: "nccl" when ``device`` is CUDA
     (default: CUDA when available, device ``cuda:LOCAL_RANK``), else "gloo". ``timeout`` (a timedelta or
     seconds) bounds the rendezvous and every collective, so a missing or dead peer raises instead of hanging.
-    Reuses an already initialised default group. A group of one rank runs no collectives unless
-    ``single_rank_collectives`` (then every group is a real process group: one GPU exercises the collective
-    path, e.g. NCCL inside a CUDA graph). Raises ``ValueError`` when the world size is not
+    Reuses an already initialised default group (:func:`destroy` then leaves it). A group of one rank runs no
+    collectives unless ``single_rank_collectives`` (then every group is a real process group: one GPU exercises
+    the collective path, e.g. NCCL inside a CUDA graph). Raises ``ValueError`` when the world size is not
     ``config.world_size`` (before any rendezvous when the numbers are known) or rank/world size are missing.
     """
     if not isinstance(config, ParallelConfig):
@@ -122,6 +123,7 @@ def init(config: ParallelConfig, rank: int | None = None, world_size: int | None
         kw = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                                 timeout=timeout, **kw)
+        _OWNED.append(dist.group.WORLD)
     state = _make_groups(config, rank, world_size, device, timeout, single_rank_collectives)
     if dist.get_backend() == "nccl":  # create the communicators now: lazy NCCL init must not run inside a capture
         for group in {id(g.group): g.group for g in (state.tp, state.attn, state.dp, state.dcp, state.ep,
@@ -153,6 +155,7 @@ def _make_groups(config: ParallelConfig, rank: int, world: int, device: torch.de
                 pg = dist.group.WORLD
             else:
                 pg = dist.new_group(ranks, timeout=timeout)
+                _OWNED.append(pg)
             if rank in ranks:
                 mine[name] = Group(pg, tuple(ranks), ranks.index(rank))
     return ParallelState(config, rank, world, device, **mine, timeout=timeout)
@@ -168,7 +171,15 @@ def current(config: ParallelConfig | None = None) -> ParallelState:
 
 
 def destroy() -> None:
-    """Forget the states :func:`init` made and destroy the default process group (if initialised)."""
+    """Forget the states :func:`init` made and destroy the process groups it created: every group when it
+    initialised ``torch.distributed`` itself, else only its subgroups (a default group made by the caller before
+    :func:`init` stays, for the caller to destroy)."""
     _STATES.clear()
-    if dist.is_initialized():
+    owned, _OWNED[:] = list(_OWNED), []
+    if not dist.is_initialized():
+        return
+    if any(pg is dist.group.WORLD for pg in owned):
         dist.destroy_process_group()
+        return
+    for pg in owned:
+        dist.destroy_process_group(pg)
