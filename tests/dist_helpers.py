@@ -9,11 +9,10 @@ at the deadline is killed (this launcher's own children only) and the call raise
 Calls reuse a pool of ``world`` worker processes kept for the session (spawning and importing torch,
 transformers and mla_compile costs seconds a call): each call gets a reset Dynamo and the RNG state of a fresh
 process. A pool's workers hold one default (gloo) process group for their life, made when the pool starts;
-a call's ``init`` reuses it and the ``destroy`` after the call destroys only the subgroups the call made.
-(Destroying and re-making the default group in one process, once a call, crashed gloo workers natively within
-tens to hundreds of cycles on the CI machine: torch 2.13, gloo over TCP, both with a TCPStore made a cycle and
-with one kept for the process, never with a FileStore.) A call that fails or times out ends its pool (the next
-call starts a new one). ``fresh=True`` (and any call with ``env`` or
+a call's ``init`` reuses it and the ``destroy`` after the call destroys only the subgroups the call made
+(destroying and re-making the default group in one process once a call crashes gloo workers natively after
+some cycles: BENCHMARKS.md's CPU table). A call that fails or times out ends its pool (the next call starts a
+new one). ``fresh=True`` (and any call with ``env`` or
 ``expect_dead``) spawns its own processes, for tests whose ranks exit, hang or need another environment.
 """
 
@@ -69,16 +68,16 @@ def _serve(rank: int, world: int, port: int, jobs, results) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import random
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from mla_compile.parallel import destroy
+    from mla_compile.parallel.groups import DEFAULT_TIMEOUT
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT)
     torch_rng, py_rng = torch.get_rng_state(), random.getstate()
     while (job := jobs.get()) is not None:
         seq, fn, args = job

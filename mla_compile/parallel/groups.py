@@ -29,7 +29,8 @@ from mla_compile.parallel.config import ParallelConfig
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
 _STATES: list["ParallelState"] = []  # what init() set up in this process (patch(parallel=config) finds it)
-_OWNED: list = []  # the process groups init() created: its subgroups, and the default group when it made that one
+# the process groups init() created: its subgroups, and the default group when it made that one
+_OWNED: list[dist.ProcessGroup] = []
 
 
 @dataclass(frozen=True)

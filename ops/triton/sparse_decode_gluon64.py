@@ -7,7 +7,8 @@ the same dequantization (``bf16(float32(e4m3 code) * scale)``, the rope as it is
 value element, relative ``2**-9``, as FlashMLA's fp8 kernels) and the same S / online softmax / P V pipeline over
 8 warps (two warpgroups, ``O [64, 512]`` fp32 in registers, asynchronous ``wgmma``; the running maxima exchanged
 across warpgroups through a ``[64, 2]`` buffer and raised only past ``TAU``: ``fp8_decode_gluon64``'s
-``MAX_XCHG`` and ``RESCALE_SKIP``, on by default here; its opt-in ``CVT_BF16`` bf16x2 dequantization too).
+``MAX_XCHG`` and ``RESCALE_SKIP``, on by default here; its opt-in ``CVT_BF16`` bf16x2 dequantization too;
+and, on by default here alone, ``FOLD_SCALE``: a positive softmax scale folded into the exponent's FMA).
 What differs is the loader:
 
 - a program owns 64 heads of one query ``(b, i)`` (grid ``(cdiv(H, 64), splits, B * s_q)``; heads past ``H`` are
