@@ -90,10 +90,14 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
-                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
+    of the row's partial outputs (every program recomputes the row's weights from its base-2 LSEs; the first
+    column program stores the natural-log LSE)."""
     row = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
     offs_s = tl.arange(0, CHUNK_S)
-    offs_c = tl.arange(0, BLOCK_DC)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < DC
     n_used = split_count(n_splits, split_cap)  # the first n_used partials of the row's n_splits slots
     mx = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
@@ -103,7 +107,7 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
     m = tl.max(mx, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([CHUNK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_DC], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for s0 in range(0, n_used, CHUNK_S):
         s_ok = s0 + offs_s < n_used
         w = tl.math.exp2(tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
@@ -116,7 +120,14 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
     out = acc / tl.where(empty, 1.0, tot)
     lse = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
     tl.store(out_ptr + row * DC + offs_c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
-    tl.store(lse_ptr + row, lse)
+    if pid_c == 0:
+        tl.store(lse_ptr + row, lse)
+
+
+# A launch of at most ``max_rows`` rows (a concrete count) merges in programs of ``block_c`` columns (None: the whole
+# row in one program, as every larger or traced launch does); ``tile``: elements of a program's partial tile per
+# load step (its split chunk is ``tile // columns``, at most 64). A benchmark may swap them; timings in BENCHMARKS.md.
+REDUCE = dict(block_c=128, max_rows=128, tile=4096)
 
 
 def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: dict | None,
@@ -219,11 +230,14 @@ def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, 
                   dc: int, block_dc: int, direct: bool) -> None:
     """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do when ``direct``):
     the first ``min(splits, max(split_cap, 1))`` of each row's ``splits`` slots, the ones the split kernel
-    used. ``wrap`` is the caller module's ``wrap_triton`` (tests record launches through it)."""
+    used, in programs of ``REDUCE["block_c"]`` columns when there are few rows. ``wrap`` is the caller module's
+    ``wrap_triton`` (tests record launches through it)."""
     if not direct:
-        wrap(_decode_reduce_kernel)[(rows,)](
-            o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(8, 4096 // block_dc)), BLOCK_DC=block_dc,
-            num_warps=4,
+        few = isinstance(rows, int) and rows <= REDUCE["max_rows"]  # a symbolic count is never compared (no guard)
+        block_c = min(block_dc, REDUCE["block_c"] or block_dc) if few else block_dc
+        wrap(_decode_reduce_kernel)[(rows, triton.cdiv(dc, block_c))](
+            o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)),
+            BLOCK_C=block_c, num_warps=4,
         )
 
 

@@ -184,9 +184,9 @@ def test_auto_picks_gluon_and_explicit_gluon_refuses_what_it_cannot_serve():
     assert all(torch.equal(a, g) for a, g in zip(auto, gluon))
     wide = torch.randn(3, 1, 128, DC + DR, generator=gen).to("cuda", torch.bfloat16)  # 128 heads: gluon too
     assert gluon_eligible(wide, cache, DC)
-    auto = decode_fp8(wide, cache, table, seq_lens, SCALE)
-    gluon = decode_fp8(wide, cache, table, seq_lens, SCALE, backend="gluon")
-    assert all(torch.equal(a, g) for a, g in zip(auto, gluon))
+    auto = decode_fp8(wide, cache, table, seq_lens, SCALE)  # one of the Gluon kernels, as the timing table says
+    assert any(all(torch.equal(a, g) for a, g in zip(auto, decode_fp8(wide, cache, table, seq_lens, SCALE, backend=b)))
+               for b in ("gluon", "gluon64"))
     rope16 = torch.randn(3, 1, 16, 512 + 32, generator=gen).to("cuda", torch.bfloat16)  # not DeepSeek's split
     assert not gluon_eligible(rope16, cache, DC)
     with pytest.raises(ValueError, match="backend 'gluon' takes bf16 q"):

@@ -100,6 +100,39 @@ def test_decode(dtype, s_q, bs, lens, splits):
     assert (out[empty] == 0).all()
 
 
+@pytest.mark.parametrize("block_c,splits,cap", [(None, 5, 5), (32, 5, 5), (32, 7, 3), (16, 70, 70)])
+def test_reduce_splits_merges_the_used_partials_in_column_programs(monkeypatch, block_c, splits, cap):
+    """The split merge, in one program a row or in programs of ``block_c`` columns, against a float64 merge of
+    random partials: splits with no key (-inf) weigh nothing, a row of only such splits gives 0 / -inf, and the
+    slots past the used count (``cap``, at most 64) hold NaN, never read."""
+    from mla_compile.ops.triton import decode as td
+
+    monkeypatch.setitem(td.REDUCE, "block_c", block_c)
+    gen = torch.Generator().manual_seed(splits + (block_c or 0))
+    rows, dc = 6, 64
+    used = min(splits, cap, 64)
+    o = torch.randn(rows, splits, dc, generator=gen)
+    lse2 = torch.randn(rows, splits, generator=gen) * 4
+    lse2[0, : used - 1] = float("-inf")  # one live split
+    lse2[1, :used] = float("-inf")  # no key at all
+    lse2[2, 1] = float("-inf")
+    o[:, used:], lse2[:, used:] = NAN, NAN
+    out = torch.full((rows, dc), NAN, dtype=torch.bfloat16)
+    lse = torch.full((rows,), NAN)
+    td.reduce_splits(lambda k: k, o.reshape(-1).clone(), lse2.reshape(-1).clone(), out, lse, rows, splits, cap, dc,
+                     dc, False)
+    l64 = lse2[:, :used].double()
+    m = l64.max(1).values.clamp_min(-1e300)
+    w = torch.exp2(l64 - m[:, None])
+    tot = w.sum(1)
+    ref = (o[:, :used].double() * w[..., None]).sum(1) / tot.clamp_min(1e-300)[:, None]
+    ref_lse = torch.where(tot > 0, (m + torch.log2(tot)) * math.log(2), float("-inf"))
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[1], torch.zeros(dc, dtype=out.dtype)) and lse[1] == float("-inf")
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("causal", [True, False])
 def test_prefill(dtype, causal):
