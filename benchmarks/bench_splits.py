@@ -41,7 +41,7 @@ SHAPES = [("decode", 16, 1, 4096), ("decode", 16, 2, 4096), ("decode", 16, 2, 81
 
 
 def _sets(op, H, B, L):
-    """Input sets (q, cache, table, lens) adding up past the L2, and the flashinfer plan of the first."""
+    """Input sets ``(q, cache, table, lens)`` of one shape, enough of them to add up past the L2."""
     n = bk._rotation(B * L * (656 if op == "decode_fp8" else 2 * D), cap=16)
     out = []
     for i in range(n):
@@ -51,8 +51,14 @@ def _sets(op, H, B, L):
     return out
 
 
+def _op(op):
+    """The public op of ``op`` ("decode" or "decode_fp8")."""
+    return ops.decode_fp8 if op == "decode_fp8" else ops.decode
+
+
 def _call(op, backend, sets, plans=None):
-    fn = ops.decode_fp8 if op == "decode_fp8" else ops.decode
+    """One call of ``backend`` on every input set (with ``plans[i]`` for set i when given)."""
+    fn = _op(op)
 
     def run():
         for i, (q, cache, table, lens) in enumerate(sets):
@@ -61,13 +67,16 @@ def _call(op, backend, sets, plans=None):
     return run
 
 
-def _err(op, backend, s) -> float:
+def _reference(op, s) -> tuple:
+    """The reference op's ``(out, lse)`` (float32) on input set ``s``."""
     q, cache, table, lens = s
-    fn = ops.decode_fp8 if op == "decode_fp8" else ops.decode
-    o, lse = fn(q, cache, table, lens, SCALE, backend=backend)
-    o_ref, lse_ref = fn(q.float(), cache if op == "decode_fp8" else cache.float(), table, lens, SCALE,
-                        backend="reference")
-    return max((o.float() - o_ref).abs().max().item(), (lse - lse_ref).abs().max().item())
+    return _op(op)(q.float(), cache if op == "decode_fp8" else cache.float(), table, lens, SCALE, backend="reference")
+
+
+def _err(op, backend, s, ref) -> float:
+    """The largest difference of ``backend``'s output and LSE on set ``s`` from ``ref``."""
+    o, lse = _op(op)(*s, SCALE, backend=backend)
+    return max((o.float() - ref[0]).abs().max().item(), (lse - ref[1]).abs().max().item())
 
 
 def main() -> None:
@@ -86,13 +95,14 @@ def main() -> None:
         sets = _sets(op, H, B, L)
         group = f"{op} H={H} B={B} L={L} ({len(sets)} sets)"
         print(group, flush=True)
+        ref = _reference(op, sets[0])
         ours = ("gluon", "gluon64") if op == "decode_fp8" else ("gluon",)
         for backend in ours:
             for t in tiles:
                 for c in widths:
                     _plan.SPLIT_TILES, tdecode.REDUCE["block_c"] = t, c
                     try:
-                        err = _err(op, backend, sets[0])
+                        err = _err(op, backend, sets[0], ref)
                         us = bk.graph_ms(_call(op, backend, sets)) / len(sets) * 1e3
                     except Exception as exc:
                         print(f"  {backend} tiles={t} block_c={c}: FAILED {type(exc).__name__}: {str(exc)[:160]}")
@@ -115,7 +125,7 @@ def main() -> None:
                 continue
             rows.append(dict(group=group, impl=backend, us=us))
             print(f"  {backend:8s}: {us:7.1f} us", flush=True)
-        del sets
+        del sets, ref
         torch.cuda.empty_cache()
     with open(os.path.join(a.out, "bench_splits.json"), "w") as f:
         json.dump(rows, f, indent=1)
