@@ -3,8 +3,9 @@
     python benchmarks/bench_splits.py --out OUT_DIR [--tiles 4,2,1] [--block-c 0,128]
 
 For the few-sequence decode shapes (bf16 and fp8 caches, 16 and 128 heads), times our Gluon decodes ("gluon",
-and "gluon64" over fp8) at each ``_plan.SPLIT_TILES`` (the fewest key tiles a split gets: fewer tiles, more
-splits) and each width of the reduce kernel's programs (``decode.REDUCE["block_c"]``, at most ``max_rows`` rows; 0: one program a row),
+and "gluon64" over fp8) at each ``--tiles`` value set for every kernel in ``_plan.SPLIT_TILES`` (the fewest key
+tiles a split gets: fewer tiles, more splits; without ``--tiles``, the shipped per-kernel values) and each width
+of the reduce kernel's programs (``decode.REDUCE["block_c"]``, at most ``max_rows`` rows; 0: one program a row),
 and the peers once. Each time is the median per call of a replayed CUDA graph over enough input sets (each its
 own cache, table and queries) that they do not fit in L2, as in a model step where every layer reads its own
 cache. Every setting's output is compared with the reference op (float32) on the first set. Writes
@@ -82,14 +83,14 @@ def _err(op, backend, s, ref) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tiles", default="4,2,1", help="SPLIT_TILES values")
+    ap.add_argument("--tiles", default="", help="SPLIT_TILES values for every kernel, e.g. 4,2,1 (default: shipped)")
     ap.add_argument("--block-c", default="0,128", help="reduce program widths (0: the whole row)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     torch.manual_seed(0)
-    tiles = [int(t) for t in a.tiles.split(",")]
+    tiles = [int(t) for t in a.tiles.split(",")] if a.tiles else [None]
     widths = [int(c) or None for c in a.block_c.split(",")]
-    default = (_plan.SPLIT_TILES, tdecode.REDUCE["block_c"])
+    default = (dict(_plan.SPLIT_TILES), tdecode.REDUCE["block_c"])
     rows = []
     for op, H, B, L in SHAPES:
         sets = _sets(op, H, B, L)
@@ -100,16 +101,20 @@ def main() -> None:
         for backend in ours:
             for t in tiles:
                 for c in widths:
-                    _plan.SPLIT_TILES, tdecode.REDUCE["block_c"] = t, c
+                    tdecode.REDUCE["block_c"] = c
+                    _plan.SPLIT_TILES.update({k: t or v for k, v in default[0].items()})
                     try:
                         err = _err(op, backend, sets[0], ref)
                         us = bk.graph_ms(_call(op, backend, sets)) / len(sets) * 1e3
                     except Exception as exc:
-                        print(f"  {backend} tiles={t} block_c={c}: FAILED {type(exc).__name__}: {str(exc)[:160]}")
+                        print(f"  {backend} tiles={t or 'shipped'} block_c={c}: FAILED {type(exc).__name__}: "
+                              f"{str(exc)[:160]}")
                         continue
-                    rows.append(dict(group=group, impl=f"{backend} tiles={t} block_c={c}", us=us, err=err))
-                    print(f"  {backend:8s} tiles={t} block_c={c}: {us:7.1f} us  max err {err:.1e}", flush=True)
-        _plan.SPLIT_TILES, tdecode.REDUCE["block_c"] = default
+                    rows.append(dict(group=group, impl=f"{backend} tiles={t or 'shipped'} block_c={c}", us=us, err=err))
+                    print(f"  {backend:8s} tiles={t or 'shipped'} block_c={c}: {us:7.1f} us  max err {err:.1e}",
+                          flush=True)
+        _plan.SPLIT_TILES.update(default[0])
+        tdecode.REDUCE["block_c"] = default[1]
         peers = ("flashmla",) if op == "decode_fp8" else ("flashmla", "flashinfer")
         for backend in peers:
             try:

@@ -56,6 +56,19 @@ def require_capability(op: str, backend: str, device: torch.device, minimum: tup
                          f"use backend='auto' to pick one that runs here")
 
 
+def plain_eager(*tensors: Tensor) -> bool:
+    """Whether an adapter may run its op body directly instead of through its ``torch.library`` op: nothing is
+    being compiled, traced (``torch.jit``), transformed (functorch) or profiled, no torch function or dispatch
+    mode is active, and every tensor is a plain ``torch.Tensor`` that needs no grad. Then the op's dispatch layers
+    (autograd wrapper, redispatch, Dynamo guard) do nothing but cost host time, which is what an eager call of a
+    library whose kernels are short pays most for. Anything else takes the op, so modes, compile, functorch and
+    the profiler see the same op as always."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0 and torch._C._functorch.peek_interpreter_stack() is None
+            and not torch.autograd._profiler_enabled() and torch._C._get_tracing_state() is None
+            and all(type(t) is Tensor and not t.requires_grad for t in tensors))
+
+
 def check_dtype(op: str, backend: str, name: str, t: Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     """A TypeError naming the argument when ``t``'s dtype is not one the peer kernel takes."""
     if t.dtype not in allowed:

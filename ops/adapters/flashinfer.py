@@ -43,7 +43,8 @@ from mla_compile.ops.prefill import fake as prefill_fake
 from mla_compile.ops.prefill import validate as validate_prefill
 from mla_compile.ops.registry import DEEPSEEK_DECODE, DEEPSEEK_PREFILL, LAYOUT_TAGS, SM80, declare
 from mla_compile.ops.adapters._common import (LN2, LOG2E, check_dtype, finish_decode, finish_prefill, importable,
-                                              prefill_has_keyless_rows, require_capability, workspace)
+                                              plain_eager, prefill_has_keyless_rows, require_capability,
+                                              workspace)
 
 BACKEND = "flashinfer"
 MODULE = "flashinfer"
@@ -359,24 +360,35 @@ def flashinfer_prefill_core(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tenso
     if q.shape[0] < plan.total_q or k.shape[0] < plan.total_k:
         raise ValueError(f"{PREFILL_OP}: FlashInfer plan {plan.plan_id} covers {plan.total_q} query / {plan.total_k} "
                          f"key rows but q has {q.shape[0]} and k {k.shape[0]}; re-plan for this step")
-    tq, tk = plan.total_q, plan.total_k  # our API allows padding rows past cu[-1]; FlashInfer does not
-    out, lse = plan.wrapper.run(q[:tq], k[:tk], v[:tk], return_lse=True)
-    if tq < q.shape[0]:
-        out = torch.cat([out, out.new_zeros(q.shape[0] - tq, *out.shape[1:])])
-        lse = torch.cat([lse, lse.new_full((q.shape[0] - tq, lse.shape[1]), float("-inf"))])
+    # our API allows padding rows past cu[-1]; FlashInfer does not
+    rows, tq, tk = q.shape[0], plan.total_q, plan.total_k
+    if tq < rows:
+        q = q[:tq]
+    if tk < k.shape[0]:
+        k, v = k[:tk], v[:tk]
+    out, lse = plan.wrapper.run(q, k, v, return_lse=True)
+    if tq < rows:
+        out = torch.cat([out, out.new_zeros(rows - tq, *out.shape[1:])])
+        lse = torch.cat([lse, lse.new_full((rows - tq, lse.shape[1]), float("-inf"))])
     # no padding rows and every row sees a key (the plan's host lengths): the boundary is one multiply instead
     # of the row-finding kernel (whose launch is most of an eager call's host time at small shapes)
-    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2,
-                          all_live=tq == q.shape[0] and not plan.dead_rows)
+    return finish_prefill(out, lse, cu_seqlens_q, cu_seqlens_k, causal, LN2, all_live=tq == rows and not plan.dead_rows)
 
 
 @torch.library.custom_op("mla::prefill_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)
 def prefill_flashinfer(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
                        causal: bool, plan_id: int) -> tuple[Tensor, Tensor]:
     """``mla::prefill`` through FlashInfer's ragged prefill, planned by ``plan_flashinfer_prefill``."""
-    require_capability(PREFILL_OP, BACKEND, q.device, (8, 0))
     plan = _PLANS.get(plan_id)
-    plan = plan.current() if isinstance(plan, FlashInferPrefillPlanner) else _lookup(plan_id, FlashInferPrefillPlan)
+    plan = plan if isinstance(plan, FlashInferPrefillPlanner) else _lookup(plan_id, FlashInferPrefillPlan)
+    return _prefill_body(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan)
+
+
+def _prefill_body(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float,
+                  causal: bool, plan: FlashInferPrefillPlan | FlashInferPrefillPlanner) -> tuple[Tensor, Tensor]:
+    """What ``mla::prefill_flashinfer`` runs, given the plan (or the planner, whose current plan it takes)."""
+    require_capability(PREFILL_OP, BACKEND, q.device, (8, 0))
+    plan = plan.current() if isinstance(plan, FlashInferPrefillPlanner) else plan
     return flashinfer_prefill_core(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan)
 
 
@@ -391,6 +403,8 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
                          f"mla_compile.ops.adapters.flashinfer.plan_flashinfer_prefill before the step) or a "
                          f"FlashInferPrefillPlanner given to the MetadataBuilder, got "
                          f"{type(plan).__name__}; or use backend 'sdpa-cudnn'/'triton'")
+    if plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k):  # the op's body, without its dispatch layers' host time
+        return _prefill_body(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan)
     return torch.ops.mla.prefill_flashinfer(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, plan.plan_id)
 
 

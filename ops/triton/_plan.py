@@ -7,8 +7,10 @@ import torch
 
 
 MAX_SPLITS = 64  # the most splits a decode launch uses (the kernels' ``split_count`` clamps to it too)
-SPLIT_TILES = 4  # the fewest key tiles of the block table's width an opaque launch gives a split (a benchmark may
-# swap it; timings in BENCHMARKS.md)
+# The fewest key tiles of the block table's width an opaque launch gives a split, per kernel (the module's name;
+# "default" for the rest): fewer tiles, more splits. The bf16 Gluon and the 64-row fp8 Gluon decodes gain from 2
+# at one or two sequences, the 16-row fp8 kernel loses (timings in BENCHMARKS.md; bench_splits.py swaps them).
+SPLIT_TILES = {"default": 4, "decode_gluon": 2, "fp8_decode_gluon64": 2}
 
 
 def split_plan(programs, sms: int, cap, requested: int | None = None) -> tuple:
@@ -50,18 +52,20 @@ def wave_splits(programs: int, slots: int, cap: int) -> tuple[int, bool]:
     return best, best == 1
 
 
-def opaque_splits(config: dict | None, programs: int, slots: int, table_keys: int, block_n: int) -> tuple[int, bool]:
+def opaque_splits(config: dict | None, programs: int, slots: int, table_keys: int, block_n: int,
+                  kernel: str = "default") -> tuple[int, bool]:
     """``(splits, direct)`` of an opaque (Gluon) split launch of ``programs`` programs, ``slots`` at once: the
     caller's ``config["SPLITS"]`` when given (refused outside ``[1, MAX_SPLITS]``: the merge reads at most that
-    many), else :func:`wave_splits` with at most one split per ``SPLIT_TILES`` tiles of ``block_n`` of the block
-    table's ``table_keys`` positions."""
+    many), else :func:`wave_splits` with at most one split per ``SPLIT_TILES[kernel]`` (or the default's) tiles
+    of ``block_n`` of the block table's ``table_keys`` positions."""
     if config and "SPLITS" in config:
         splits = config["SPLITS"]
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"mla.decode_fp8 (gluon): config SPLITS must be in [1, {MAX_SPLITS}] (the merge reads "
                              f"at most that many), got {splits}")
         return splits, splits == 1
-    return wave_splits(programs, slots, max(1, min(table_keys // (SPLIT_TILES * block_n), MAX_SPLITS)))
+    tiles = SPLIT_TILES.get(kernel, SPLIT_TILES["default"])
+    return wave_splits(programs, slots, max(1, min(table_keys // (tiles * block_n), MAX_SPLITS)))
 
 
 def split_buffers(out: torch.Tensor, lse: torch.Tensor, rows: int, splits, dc: int,

@@ -262,7 +262,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     rows_per_program = SWAP_ROWS if swap else BLOCK_M
     hb = triton.cdiv(M, rows_per_program)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
-                                   block_table.shape[1] * kv_cache.shape[1], BLOCK_N)
+                                   block_table.shape[1] * kv_cache.shape[1], BLOCK_N, "decode_gluon")
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
     q = last_dim_contiguous(q)
     rows = kv_cache.view(-1, D)

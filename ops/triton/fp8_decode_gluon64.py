@@ -479,7 +479,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         return out, lse
     hb = triton.cdiv(M, BLOCK_M)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
-                                   block_table.shape[1] * kv_cache.shape[1], BLOCK_N)
+                                   block_table.shape[1] * kv_cache.shape[1], BLOCK_N, "fp8_decode_gluon64")
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
     q = last_dim_contiguous(q)
     decode_fp8_gluon64_kernel[(hb, splits, B)](

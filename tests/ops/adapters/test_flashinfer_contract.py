@@ -146,6 +146,95 @@ def test_prefill_plan_and_run_contract(fake_flashinfer, causal):
     assert torch.equal(got[0], out) and torch.equal(got[1], lse)
 
 
+def test_eager_prefill_skips_the_op_layers_and_gives_the_ops_results(fake_flashinfer, allow_cpu, monkeypatch):
+    """An eager call of the public prefill with plain tensors runs the op body directly (no ``torch.library``
+    dispatch layers: their host time is most of a short eager call); anything that needs the op (a dispatch or
+    function mode, grad, functorch, the profiler, compile) goes through it. Both give the op's results, equal
+    to the float64 reference, the padding row 0 / -inf."""
+    import mla_compile.ops.adapters.flashinfer as fi
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    allow_cpu("mla.prefill", "flashinfer")
+    gen = generator(13)
+    q, k = randn(gen, 9, 2, 192, dtype=BF16), randn(gen, 10, 2, 192, dtype=BF16)
+    v = randn(gen, 10, 2, 128, dtype=BF16)
+    cu_q, cu_k = torch.tensor([0, 3, 8], dtype=I32), torch.tensor([0, 4, 10], dtype=I32)
+    plan = plan_flashinfer_prefill(cu_q, cu_k, num_heads=2, head_dim_qk=192, head_dim_v=128, scale=0.1, dtype=BF16,
+                                   device="cpu", workspace_bytes=WS)
+    call = lambda *t: ops.prefill(*t, cu_q, cu_k, 0.1, causal=True, backend="flashinfer", plan=plan)  # noqa: E731
+    bodies, lookups = [], []  # the op's own code looks its plan up by id; the direct path holds the object
+    body, lookup = fi._prefill_body, fi._lookup
+    monkeypatch.setattr(fi, "_prefill_body", lambda *a: bodies.append(1) or body(*a))
+    monkeypatch.setattr(fi, "_lookup", lambda *a: lookups.append(1) or lookup(*a))
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    class Nothing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    fast = call(q, k, v)
+    assert (len(bodies), len(lookups)) == (1, 0), "the eager call ran the body once, directly"
+    with Ops() as mode:
+        through = call(q, k, v)
+    assert "mla.prefill_flashinfer.default" in mode.seen, "under a dispatch mode the op is what runs"
+    assert (len(bodies), len(lookups)) == (2, 1)
+    with Nothing():
+        by_function_mode = call(q, k, v)
+    with torch.autograd.profiler.profile() as prof:
+        profiled = call(q, k, v)
+    assert "mla::prefill_flashinfer" in {e.name for e in prof.function_events}
+    with_grad = call(q.clone().requires_grad_(), k, v)
+    ref_out, ref_lse = prefill_ref64(q, k, v, [3, 5], [4, 6], 0.1, True)
+    assert_close(fast[0].double(), ref_out, **OUT_TOL[BF16])
+    assert_close(fast[1].double(), ref_lse, **LSE_TOL[BF16])
+    assert torch.isneginf(fast[1][8]).all() and (fast[0][8] == 0).all(), "the padding row past cu_seqlens_q[-1]"
+    for other in (through, by_function_mode, profiled, with_grad):
+        assert torch.equal(other[0], fast[0]) and torch.equal(other[1], fast[1])
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(compiled[0], fast[0]) and torch.equal(compiled[1], fast[1])
+
+
+@pytest.mark.parametrize("make", ["plain", "fake", "function_mode", "grad", "vmap", "profiler", "parameter"])
+def test_plain_eager_is_true_only_without_modes_transforms_profiler_or_grad(make):
+    """``plain_eager``: the condition under which an adapter may skip its op's dispatch layers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.overrides import TorchFunctionMode
+
+    from mla_compile.ops.adapters._common import plain_eager
+
+    x = torch.randn(3, 2)
+    if make == "plain":
+        assert plain_eager(x, x[0])
+    elif make == "fake":
+        with FakeTensorMode() as fm:
+            assert not plain_eager(fm.from_tensor(x))
+        with FakeTensorMode():
+            assert not plain_eager(x)  # the mode alone is enough
+    elif make == "function_mode":
+        with TorchFunctionMode():
+            assert not plain_eager(x)
+    elif make == "grad":
+        assert not plain_eager(x, torch.randn(2, requires_grad=True))
+    elif make == "vmap":
+        seen = []
+        torch.func.vmap(lambda t: seen.append(plain_eager(t)) or t)(x)
+        assert seen == [False]
+    elif make == "profiler":
+        with torch.autograd.profiler.profile():
+            assert not plain_eager(x)
+    else:
+        assert not plain_eager(torch.nn.Parameter(x, requires_grad=False)), "a subclass takes the op"
+
+
 @pytest.mark.parametrize("causal,lens_q,lens_k,dead", [(True, [3, 4], [5, 4], False), (False, [3, 4], [5, 4], False),
                                                         (False, [3, 4], [0, 6], True)])
 def test_prefill_plan_knows_dead_rows_and_skips_the_row_kernel_without_them(fake_flashinfer, monkeypatch, causal,

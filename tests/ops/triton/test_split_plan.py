@@ -137,3 +137,16 @@ def test_opaque_splits_takes_a_callers_count_or_fills_waves():
     assert opaque_splits(None, 128, 264, 8192, 64) == wave_splits(128, 264, 32)
     assert opaque_splits({}, 3, 264, 64 * 4 * 1000, 64) == wave_splits(3, 264, MAX_SPLITS)
     assert opaque_splits(None, 1, 264, 100, 64) == (1, True)  # a table shorter than 4 tiles: one split
+
+
+def test_opaque_splits_caps_per_kernel():
+    """The cap follows the kernel's own ``SPLIT_TILES`` entry (the default's for a kernel without one): the bf16
+    and 64-row fp8 Gluon decodes cut 2 tiles a split, the rest 4."""
+    from mla_compile.ops.triton._plan import SPLIT_TILES
+
+    assert SPLIT_TILES["default"] == 4 and SPLIT_TILES["decode_gluon"] == SPLIT_TILES["fp8_decode_gluon64"] == 2
+    assert opaque_splits(None, 2, 264, 4096, 64, "decode_gluon") == wave_splits(2, 264, 32)
+    assert opaque_splits(None, 2, 264, 4096, 64, "fp8_decode_gluon64") == wave_splits(2, 264, 32)
+    assert opaque_splits(None, 2, 264, 4096, 64, "fp8_decode_wgmma") == wave_splits(2, 264, 16)
+    assert opaque_splits(None, 2, 264, 4096, 64) == wave_splits(2, 264, 16)
+    assert wave_splits(2, 264, 32) != wave_splits(2, 264, 16), "the two caps give different plans here"
