@@ -278,6 +278,9 @@ class FlashInferPrefillPlan:
 
     def check(self, q: Tensor, v: Tensor, cu_seqlens_q: Tensor, scale: float, causal: bool) -> None:
         """ValueError when the static facts of a call differ from what was planned."""
+        if (self.num_seqs, self.num_heads, self.head_dim_qk, self.head_dim_v, self.scale, self.causal, self.dtype) == (
+                cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2], scale, causal, q.dtype):
+            return  # the usual case, in one comparison (an eager call's host time)
         want = {"sequences": (self.num_seqs, cu_seqlens_q.shape[0] - 1), "num_heads": (self.num_heads, q.shape[1]),
                 "head_dim_qk": (self.head_dim_qk, q.shape[2]), "head_dim_v": (self.head_dim_v, v.shape[2]),
                 "scale": (self.scale, scale), "causal": (self.causal, causal), "dtype": (self.dtype, q.dtype)}

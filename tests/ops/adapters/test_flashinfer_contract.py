@@ -203,6 +203,30 @@ def test_eager_prefill_skips_the_op_layers_and_gives_the_ops_results(fake_flashi
     assert torch.equal(compiled[0], fast[0]) and torch.equal(compiled[1], fast[1])
 
 
+@pytest.mark.parametrize("fact", ["sequences", "num_heads", "head_dim_qk", "head_dim_v", "scale", "causal", "dtype"])
+def test_prefill_plan_refuses_a_call_whose_static_facts_differ(fake_flashinfer, fact):
+    """Each static fact of the plan is checked on every call (eager or through the op), the fact named."""
+    gen = generator(17)
+    heads, dqk, dv, dtype = 2, 192, 128, BF16
+    facts = dict(num_heads=heads, head_dim_qk=dqk, head_dim_v=dv, scale=0.1, dtype=dtype, causal=True, device="cpu",
+                 workspace_bytes=WS)
+    cu = torch.tensor([0, 3, 7], dtype=I32)
+    if fact == "sequences":
+        cu = torch.tensor([0, 3, 5, 7], dtype=I32)
+    heads += fact == "num_heads"
+    dqk += 64 * (fact == "head_dim_qk")
+    dv += 64 * (fact == "head_dim_v")
+    dtype = torch.float16 if fact == "dtype" else dtype
+    plan = plan_flashinfer_prefill(torch.tensor([0, 3, 7], dtype=I32), torch.tensor([0, 3, 7], dtype=I32), **facts)
+    q, k = randn(gen, 7, heads, dqk, dtype=dtype), randn(gen, 7, heads, dqk, dtype=dtype)
+    v = randn(gen, 7, heads, dv, dtype=dtype)
+    scale, causal = (0.2 if fact == "scale" else 0.1), fact != "causal"
+    with pytest.raises(ValueError, match=rf"plan \d+ does not match this call \({fact}: planned"):
+        flashinfer_prefill_core(q, k, v, cu, cu, scale, causal, plan)
+    with pytest.raises(ValueError, match=rf"\({fact}: planned"):
+        torch.ops.mla.prefill_flashinfer(q, k, v, cu, cu, scale, causal, plan.plan_id)
+
+
 @pytest.mark.parametrize("make", ["plain", "fake", "function_mode", "grad", "vmap", "profiler", "parameter"])
 def test_plain_eager_is_true_only_without_modes_transforms_profiler_or_grad(make):
     """``plain_eager``: the condition under which an adapter may skip its op's dispatch layers."""
