@@ -31,11 +31,12 @@ def checked_mode() -> bool:
 
 def data_checks_enabled(t: torch.Tensor) -> bool:
     """Data checks run on real CPU tensors always, elsewhere only in checked mode; never on fakes."""
-    if isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta":
+    kind = t.device.type
+    if kind != "cpu" and not _CHECKED:  # the usual accelerator call: decided without the slower checks below
         return False
-    if torch.compiler.is_compiling():
+    if kind == "meta" or isinstance(t, torch._subclasses.FakeTensor):
         return False
-    return t.device.type == "cpu" or _CHECKED
+    return not torch.compiler.is_compiling()
 
 
 def _fmt(shape: Sequence) -> str:
@@ -51,25 +52,31 @@ def check_tensor(op: str, name: str, t: torch.Tensor, *, ndim: int | Sequence[in
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    want = f" (expected {expected})" if expected else ""
-    if ndim is not None:
+    got = t.shape  # the message parts below are built only on a failure (eager calls pay for every check)
+    if ndim is not None and (len(got) != ndim if isinstance(ndim, int) else len(got) not in tuple(ndim)):
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
-            raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} dims{want}, "
-                             f"got shape {_fmt(t.shape)}")
+        raise ValueError(f"{op}: {name} must have {' or '.join(map(str, allowed))} dims{_want(expected)}, "
+                         f"got shape {_fmt(got)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{op}: {name} must have dtype in {[str(d) for d in dtypes]}{want}, got {t.dtype}")
-    if shape is not None:
-        if len(shape) != t.dim() or any(s is not None and t.shape[i] != s for i, s in enumerate(shape)):
-            expect = _fmt("*" if s is None else s for s in shape)
-            raise ValueError(f"{op}: {name} must have shape {expect}{want}, got {_fmt(t.shape)}")
+        raise TypeError(f"{op}: {name} must have dtype in {[str(d) for d in dtypes]}{_want(expected)}, got {t.dtype}")
+    if shape is not None and (len(shape) != len(got) or any(s is not None and g != s for s, g in zip(shape, got))):
+        expect = _fmt("*" if s is None else s for s in shape)
+        raise ValueError(f"{op}: {name} must have shape {expect}{_want(expected)}, got {_fmt(got)}")
+
+
+def _want(expected: str) -> str:
+    return f" (expected {expected})" if expected else ""
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     """All tensors on one device, or a ValueError listing where each one is."""
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
+    first = None
+    for t in tensors.values():
+        if first is None:
+            first = t.device
+        elif t.device != first:
+            devices = {name: t.device for name, t in tensors.items()}
+            raise ValueError(f"{op}: all tensors must be on one device, got {devices}")
 
 
 def check_range(op: str, name: str, t: torch.Tensor, low: int, high: int, *, ignore: int | None = None,
