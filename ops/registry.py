@@ -302,14 +302,22 @@ def kernel_backend(name: str) -> str:
     return _KERNELS.get(_kernel_base(name), "?")
 
 
+_CAPABILITIES: dict[int, tuple[int, int]] = {}  # CUDA device index -> (major, minor): it never changes in a process
+
+
 def device_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
-    """``(major, minor)`` compute capability of a CUDA device, or None without one."""
+    """``(major, minor)`` compute capability of a CUDA device, or None without one. Asked of the driver once a
+    device (an eager adapter call checks it every time; the query costs several microseconds of host time)."""
     if not torch.cuda.is_available():
         return None
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(dev))  # type: ignore[return-value]
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITIES.get(index)
+    if cap is None:
+        cap = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))  # type: ignore[assignment]
+    return cap
 
 
 def call_impl(op: str, impl: Backend, args: tuple, plan: object | None):

@@ -77,6 +77,9 @@ def test_trtllm_ragged_prefill_contract(fake_flashinfer):
 
 
 def test_capability_requirement_names_the_gpu(monkeypatch):
+    from mla_compile.ops import registry
+
+    monkeypatch.setattr(registry, "_CAPABILITIES", {})  # the capability is asked once a device: fake it afresh
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     with pytest.raises(ValueError, match=r"backend 'flashinfer-trtllm' needs a GPU of sm100 to sm103, this one is sm90"):
