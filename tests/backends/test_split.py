@@ -211,15 +211,15 @@ def test_prefill_splits_by_tokens_and_runs_the_part_of_each_call_s_token_count(m
 
 def test_fp8_decode_picks_from_the_shipped_h200_table_and_its_split_runs_each_part(
         everything_installed, monkeypatch):
-    """fp8 decode (BENCHMARKS run 137): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
-    table, is skipped by "auto": its cost follows the block table's capacity), the 16-row Gluon kernel at 16
-    heads. The split op (``mla::decode_fp8_split``) runs the part of each call's query rows, here with CPU spies
+    """fp8 decode (BENCHMARKS run 154): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
+    table, is skipped by "auto": its cost follows the block table's capacity); at 16 heads gluon64 to 2 sequences
+    (two key tiles a split since run 154), the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``) runs the part of each call's query rows, here with CPU spies
     for both parts."""
     def pick(heads):
         f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=heads,
                       head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90)
         return select("decode_fp8", f).name
-    assert pick(128) == "gluon64" and pick(16) == "gluon"
+    assert pick(128) == "gluon64" and pick(16) == "split:gluon64:2/gluon"
 
     from mla_compile.ops import fp8_cache
     monkeypatch.setitem(registry._TABLE, "decode_fp8", dict(registry._TABLE["decode_fp8"]))
