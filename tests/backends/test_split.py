@@ -213,8 +213,8 @@ def test_fp8_decode_picks_from_the_shipped_h200_table_and_its_split_runs_each_pa
         everything_installed, monkeypatch):
     """fp8 decode (BENCHMARKS run 154): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
     table, is skipped by "auto": its cost follows the block table's capacity); at 16 heads gluon64 to 2 sequences
-    (two key tiles a split since run 154), the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``) runs the part of each call's query rows, here with CPU spies
-    for both parts."""
+    (two key tiles a split since run 154), the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``)
+    runs the part of each call's query rows, here with CPU spies for both parts."""
     def pick(heads):
         f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=heads,
                       head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90)

@@ -4,6 +4,8 @@ symbolic batch (torch.compile, dynamic) gets one formula and installs no guard. 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -150,3 +152,18 @@ def test_opaque_splits_caps_per_kernel():
     assert opaque_splits(None, 2, 264, 4096, 64, "fp8_decode_wgmma") == wave_splits(2, 264, 16)
     assert opaque_splits(None, 2, 264, 4096, 64) == wave_splits(2, 264, 16)
     assert wave_splits(2, 264, 32) != wave_splits(2, 264, 16), "the two caps give different plans here"
+
+
+def test_split_tiles_keys_name_the_launchers_that_pass_them():
+    """Every kernel entry of ``SPLIT_TILES`` names a module of ``ops/triton`` whose launcher passes that very key
+    to ``opaque_splits`` (a misspelt key would silently take the default)."""
+    import inspect
+
+    from mla_compile.ops import triton as triton_pkg
+    from mla_compile.ops.triton._plan import SPLIT_TILES
+
+    folder = os.path.dirname(inspect.getfile(triton_pkg))
+    for key in set(SPLIT_TILES) - {"default"}:
+        source = open(os.path.join(folder, f"{key}.py")).read()
+        assert f'BLOCK_N, "{key}")' in source, key
+
