@@ -258,6 +258,9 @@ declare(DECODE_OP, BACKEND, _decode, rank=30, available=available, head_dims=DEE
 
 # ------------------------------------------------------------------------------------------ prefill
 
+_PREFILL_FACTS = ("sequences", "num_heads", "head_dim_qk", "head_dim_v", "scale", "causal", "dtype")
+
+
 @dataclass(eq=False)
 class FlashInferPrefillPlan:
     """FlashInfer ragged-prefill plan (``plan_flashinfer_prefill`` makes and re-plans it)."""
@@ -278,13 +281,11 @@ class FlashInferPrefillPlan:
 
     def check(self, q: Tensor, v: Tensor, cu_seqlens_q: Tensor, scale: float, causal: bool) -> None:
         """ValueError when the static facts of a call differ from what was planned."""
-        if (self.num_seqs, self.num_heads, self.head_dim_qk, self.head_dim_v, self.scale, self.causal, self.dtype) == (
-                cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2], scale, causal, q.dtype):
-            return  # the usual case, in one comparison (an eager call's host time)
-        want = {"sequences": (self.num_seqs, cu_seqlens_q.shape[0] - 1), "num_heads": (self.num_heads, q.shape[1]),
-                "head_dim_qk": (self.head_dim_qk, q.shape[2]), "head_dim_v": (self.head_dim_v, v.shape[2]),
-                "scale": (self.scale, scale), "causal": (self.causal, causal), "dtype": (self.dtype, q.dtype)}
-        _mismatch("FlashInfer prefill", self.plan_id, want)
+        planned = (self.num_seqs, self.num_heads, self.head_dim_qk, self.head_dim_v, self.scale, self.causal,
+                   self.dtype)
+        got = (cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2], scale, causal, q.dtype)
+        if planned != got:  # the message only on a mismatch (an eager call pays for every check)
+            _mismatch("FlashInfer prefill", self.plan_id, dict(zip(_PREFILL_FACTS, zip(planned, got))))
 
 
 def plan_flashinfer_prefill(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, *, num_heads: int, head_dim_qk: int,
