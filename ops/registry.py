@@ -307,7 +307,7 @@ _CAPABILITIES: dict[int, tuple[int, int]] = {}  # CUDA device index -> (major, m
 
 def device_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
     """``(major, minor)`` compute capability of a CUDA device, or None without one. Asked of the driver once a
-    device (an eager adapter call checks it every time; the query costs several microseconds of host time)."""
+    device (eager adapter calls check it on every call)."""
     if not torch.cuda.is_available():
         return None
     dev = torch.device(device) if device is not None else torch.device("cuda")
