@@ -26,6 +26,37 @@ OP = declare_op("prefill", "mla.prefill", env="all")
 def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool = True) -> None:
     """Shape/dtype checks (no sync); data checks on CPU or in checked mode. Causal attention needs at
     least as many keys as queries per sequence; non-causal (a context chunk) may have fewer."""
+    if not _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        _explain(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if data_checks_enabled(cu_seqlens_q):
+        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+            if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
+                raise ValueError(f"{OP}: {name} must start at 0, be non-decreasing and end at most at {total} "
+                                 f"(rows of the ragged tensor), got {cu.tolist()}")
+        if causal:
+            check_range(OP, "cu_seqlens_k - cu_seqlens_q", (cu_seqlens_k.diff() - cu_seqlens_q.diff()), 0, 1 << 62,
+                        what="each sequence needs at least as many keys as queries when causal")
+
+
+def _well_formed(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
+    """Whether the arguments pass every check of :func:`_explain`, decided in one expression (an eager call pays
+    for each check; the named ones run only when this says no). Never True where ``_explain`` would raise."""
+    try:
+        _, H, D = q.shape
+        S, Hk, Dk = k.shape
+        Sv, Hv, _ = v.shape
+        (n,), (nk,) = cu_seqlens_q.shape, cu_seqlens_k.shape
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return all(isinstance(t, torch.Tensor) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)) \
+        and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype \
+        and cu_seqlens_q.dtype in INDEX_DTYPES and cu_seqlens_k.dtype in INDEX_DTYPES \
+        and Hk == H and Dk == D and Sv == S and Hv == H and nk == n and n >= 1 \
+        and q.device == k.device == v.device == cu_seqlens_q.device == cu_seqlens_k.device
+
+
+def _explain(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    """The shape / dtype / device checks one by one, raising the first failure with the argument named."""
     check_tensor(OP, "q", q, ndim=3, dtypes=FLOAT_DTYPES, expected="[T, H, qk_head_dim]")
     T, H, Dqk = q.shape
     check_tensor(OP, "k", k, ndim=3, dtypes=(q.dtype,), shape=(None, H, Dqk), expected=f"[S, {H}, {Dqk}], q's dtype")
@@ -36,14 +67,6 @@ def validate(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"{OP}: cu_seqlens_q must have at least one entry (0), got shape {list(cu_seqlens_q.shape)}")
     check_same_device(OP, q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    if data_checks_enabled(cu_seqlens_q):
-        for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, T), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
-            if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
-                raise ValueError(f"{OP}: {name} must start at 0, be non-decreasing and end at most at {total} "
-                                 f"(rows of the ragged tensor), got {cu.tolist()}")
-        if causal:
-            check_range(OP, "cu_seqlens_k - cu_seqlens_q", (cu_seqlens_k.diff() - cu_seqlens_q.diff()), 0, 1 << 62,
-                        what="each sequence needs at least as many keys as queries when causal")
 
 
 @torch.library.custom_op("mla::prefill_ref", mutates_args=(), tags=LAYOUT_TAGS)

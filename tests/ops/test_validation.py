@@ -167,6 +167,8 @@ PREFILL_CASES = [
                  P + "cu_seqlens_k - cu_seqlens_q values must lie", id="k-shorter-than-q"),
     pytest.param(lambda a: dict(cu_seqlens_q=torch.zeros(0, dtype=I32), cu_seqlens_k=torch.zeros(0, dtype=I32)),
                  ValueError, P + "cu_seqlens_q must have at least one entry", id="cu-empty"),
+    pytest.param(lambda a: dict(cu_seqlens_k=a["cu_seqlens_k"].to("meta")), ValueError,
+                 P + "all tensors must be on one device", id="cu-k-other-device"),
 ]
 
 
