@@ -9,9 +9,10 @@ by the summation order of the logits, may resolve differently per backend.
 
 Backends: "reference" (plain torch, any device: ``F.linear`` in float32, then
 :func:`~mla_compile.ops.moe_route.route_math`), "triton" (ours, CUDA half precision: for up to :data:`MAX_ROWS`
-tokens and a gate of at most :data:`MAX_FUSED_WEIGHT` elements one program reads the gate once for every token
-and routes each, one launch; more tokens or a larger gate run ``torch.mm(..., out_dtype=float32)`` and
-``mla::moe_route``'s kernel inside the op, so one compiled graph serves every batch size).
+tokens one launch, its programs each reading a slice of the gate's experts once for every token and the last
+of them to finish routing each token; more tokens or more experts than the routing holds run
+``torch.mm(..., out_dtype=float32)`` and ``mla::moe_route``'s kernel inside the op, so one compiled graph serves
+every batch size).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_gate_route", "mla.moe_gate_route")
 MAX_ROWS = 2  # tokens the fused kernel serves (a decode step of one sequence, padded to the graph's size 2)
-MAX_FUSED_WEIGHT = 1 << 19  # gate elements one program reads (V2-Lite's 64 x 2048; V3's 256 x 7168 is above)
 
 
 def validate(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int,
@@ -98,8 +98,6 @@ def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=True, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
-        auto_skip="one program reads the whole gate: 18.3 us a call at V2-Lite against 8.2 us for torch.mm + the "
-                  "route kernel (BENCHMARKS.md run 132): 'auto' skips it, ask for it by name",
-        note=f"ours: router GEMV and routing in one program, up to {MAX_ROWS} tokens (torch.mm + the route "
-             "kernel above)")
+        gpu_tested=False, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
+        note=f"ours: router GEMV over the gate's expert slices and routing by the last program, one launch, up to "
+             f"{MAX_ROWS} tokens (torch.mm + the route kernel above)")

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from mla_compile.ops._ragged import segments
+from mla_compile.ops._workspace import workspace  # noqa: F401  (the adapters' name for it)
 from mla_compile.ops.registry import declare_kernels
 from mla_compile.ops.registry import device_capability as capability  # noqa: F401  (adapters' name for it)
 from mla_compile.ops.triton import available as triton_available
@@ -81,24 +82,6 @@ def check_value(op: str, backend: str, name: str, value: int, allowed: tuple[int
     if value not in allowed:
         raise ValueError(f"{op}: backend {backend!r} needs {name} in {list(allowed)}, got {value}; "
                          f"use backend='triton' or 'reference' for other sizes")
-
-
-_WORKSPACES: dict[tuple[str, str, int], Tensor] = {}
-
-
-def workspace(key: str, device: torch.device, nbytes: int, *, zero: bool = False) -> Tensor:
-    """A persistent uint8 buffer per ``(key, device)``, allocated on first use and reused after.
-
-    Allocate it in a warm-up call before CUDA-graph capture (every capture recipe warms up first);
-    ``zero`` buffers (semaphores of the trtllm-gen kernels) are zeroed once, and those kernels reset them.
-    """
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
-    k = (key, device.type, index)
-    buf = _WORKSPACES.get(k)
-    if buf is None or buf.numel() < nbytes:
-        buf = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
-        _WORKSPACES[k] = buf
-    return buf
 
 
 # ------------------------------------------------------------------------------------------ boundary

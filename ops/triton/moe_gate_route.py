@@ -1,9 +1,16 @@
-"""Triton ``mla::moe_gate_route``: the router GEMV and the routing of up to ``MAX_ROWS`` tokens in one program.
+"""Triton ``mla::moe_gate_route``: the router GEMV and the routing of up to ``MAX_ROWS`` tokens in one launch.
 
-One program (grid ``(1,)``) loads the gate ``[E, H]`` in ``[BLOCK_E, BLOCK_H]`` tiles, each tile once, and
-accumulates every token's float32 logits against it (the products of half-precision values are exact in float32);
-then it routes each token with ``mla::moe_route``'s per-row routing
-(:func:`~mla_compile.ops.triton.moe_route._route_row`) and writes its picks best first. More tokens, larger gates, non-CUDA tensors or float32/float64 run the unfused
+Program p of the grid computes the float32 logits of experts ``[p * SLICE_E, (p + 1) * SLICE_E)`` for every token
+(its gate rows read once, ``[SLICE_E, BLOCK_H]`` tiles; the products of half-precision values are exact in float32)
+and stores them in a scratch ``[MAX_ROWS, E]``; then it counts itself in on an arrival counter (a barrier of the
+program's threads, then one acquire-release atomic at GPU scope). The program that arrives last reads every
+logit, routes each token with ``mla::moe_route``'s per-row routing
+(:func:`~mla_compile.ops.triton.moe_route._route_row`), writes its picks best first and puts the counter back to
+0 for the next call. So the gate is read by ``cdiv(E, SLICE_E)`` programs at once (a one-program kernel reading
+the whole gate was slower than ``torch.mm`` + the route kernel) and the routing needs no second launch. The
+counter is a persistent zeroed buffer per device (:func:`~mla_compile.ops._workspace.workspace`): allocated by
+the first call (a warm-up before any CUDA-graph capture), so calls on one device must not run concurrently on two
+streams. More tokens, more experts than the routing holds, non-CUDA tensors or float32/float64 run the unfused
 path inside the op.
 """
 
@@ -15,52 +22,67 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from mla_compile.ops.moe_gate_route import MAX_FUSED_WEIGHT, MAX_ROWS, OP, fake, validate
+from mla_compile.ops._workspace import workspace
+from mla_compile.ops.moe_gate_route import MAX_ROWS, OP, fake, validate
 from mla_compile.ops.moe_route import MAX_EXPERTS
-from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton.moe_route import _route_row, route_meta
 
-TILE = 1 << 15  # gate elements per loaded tile (BLOCK_E * BLOCK_H)
-NUM_WARPS = 16
+# Launch parameters (a benchmark may swap them): ``tile``, gate elements a program loads per step
+# (SLICE_E * BLOCK_H); ``max_slice``, the most experts one program reads; ``num_warps``. SLICE_E is the smallest
+# power of two giving at most one program per SM.
+CONFIG = dict(tile=8192, max_slice=16, num_warps=4)
 
 
 @triton.jit
 def _moe_gate_route_kernel(
-    x_ptr, g_ptr, bias_ptr, w_ptr, ids_ptr,
+    x_ptr, g_ptr, bias_ptr, w_ptr, ids_ptr, logits_ptr, count_ptr,
     T, H, E, GROUP_SIZE, s_x, s_g, s_w, s_i, scaling,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, SLICE_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
     NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
 ):
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
+    es = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
+    es_ok = es < E
     r_idx = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    g_rows = g_ptr + e.to(tl.int64) * s_g
+    acc = tl.zeros([ROWS, SLICE_E], dtype=tl.float32)
+    g_rows = g_ptr + es.to(tl.int64) * s_g
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < H
-        g = tl.load(g_rows[:, None] + h[None, :], mask=ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_rows[:, None] + h[None, :], mask=es_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(g * xr[None, :], axis=1)
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
-    k_idx = tl.arange(0, BLOCK_K)
-    k_ok = k_idx < TOP_K
-    for r in tl.static_range(ROWS):
-        if r < T:  # a one-token call routes one row
-            z = tl.sum(tl.where(r_idx[:, None] == r, acc, 0.0), axis=0)
-            weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
-                                      NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
-            tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
-            tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
+    tl.store(logits_ptr + r_idx[:, None] * E + es[None, :], acc, mask=es_ok[None, :])
+    tl.debug_barrier()  # every thread's logits stored before the program counts itself in (release, GPU scope)
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # the last program: every other program's logits are visible
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # zero again for the next call (stream order)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        k_idx = tl.arange(0, BLOCK_K)
+        k_ok = k_idx < TOP_K
+        for r in tl.static_range(ROWS):
+            if r < T:  # a one-token call routes one row
+                z = tl.load(logits_ptr + r * E + e, mask=ok, other=0.0, volatile=True)
+                weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K,
+                                          TOP_K, NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+                tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
+                tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
 
 
 def fusable(x: Tensor, weight: Tensor) -> bool:
-    """Whether the fused kernel serves this call (static facts: tokens, gate size)."""
-    E, H = weight.shape
-    return x.shape[0] <= MAX_ROWS and E * H <= MAX_FUSED_WEIGHT and E <= MAX_EXPERTS
+    """Whether the fused kernel serves this call (static facts: tokens, experts)."""
+    return x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_EXPERTS
+
+
+def slice_experts(E: int, device: torch.device) -> int:
+    """Experts one program reads: the smallest power of two (at most ``CONFIG["max_slice"]``) giving at most one
+    program per SM."""
+    return min(CONFIG["max_slice"], triton.next_power_of_2(triton.cdiv(E, num_sms(device))))
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int,
@@ -80,10 +102,14 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     weight = last_dim_contiguous(weight)
     bias_arg = weight if bias is None else bias.contiguous()
     meta = route_meta(E, top_k, num_group, topk_group, scoring, bias is not None, renormalize)
-    block_h = min(triton.next_power_of_2(H), max(16, TILE // meta["BLOCK_E"]))
-    wrap_triton(_moe_gate_route_kernel)[(1,)](
-        x, weight, bias_arg, weights, ids, T, H, E, E // num_group, x.stride(0), weight.stride(0),
-        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, BLOCK_H=block_h, **meta, num_warps=NUM_WARPS,
+    slice_e = slice_experts(E, x.device)
+    block_h = min(triton.next_power_of_2(H), max(16, CONFIG["tile"] // slice_e))
+    logits = torch.empty(MAX_ROWS, E, dtype=torch.float32, device=x.device)
+    count = workspace("moe_gate_route-arrivals", x.device, 4, zero=True).view(torch.int32)
+    wrap_triton(_moe_gate_route_kernel)[(triton.cdiv(E, slice_e),)](
+        x, weight, bias_arg, weights, ids, logits, count, T, H, E, E // num_group, x.stride(0), weight.stride(0),
+        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta,
+        num_warps=CONFIG["num_warps"],
     )
     return weights, ids
 

@@ -90,6 +90,24 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+def test_interpreter_kernel_slices_agree_and_leave_the_counter_at_zero(routing, monkeypatch):
+    """Any number of experts a program reads (1: a program per expert; 4; 16) gives the float64 model's picks, and
+    every call leaves the arrival counter at 0 (the next call's last program is found by it)."""
+    from mla_compile.ops._workspace import workspace
+    from mla_compile.ops.triton import moe_gate_route as tmg
+
+    E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]
+    x, weight, b = _inputs(routing, 2, 40, seed=11)
+    for max_slice in (1, 4, 16):
+        monkeypatch.setitem(tmg.CONFIG, "max_slice", max_slice)
+        assert tmg.slice_experts(E, x.device) == max_slice
+        w, ids = tmg._launch(x, weight, b, k, G, TG, scoring, renorm, scaling)
+        _check(w, ids, x, weight, b, routing, 2e-6)
+        assert workspace("moe_gate_route-arrivals", x.device, 4, zero=True).view(torch.int32).item() == 0
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 def test_interpreter_kernel_refuses_more_rows():
     from mla_compile.ops.triton import moe_gate_route as tmg
 
@@ -172,8 +190,8 @@ def test_moe_layer_wiring_passes_the_gates_routing(kind, monkeypatch):
 
 # --- CUDA (the lead's H200 run) ---
 
-# (routing, H): V2-Lite's gate 64 x 2048 (fused), V3's routing at hidden 2048 (fused), V3's gate 256 x 7168 (above
-# MAX_FUSED_WEIGHT: torch.mm + the route kernel inside the op)
+# (routing, H): V2-Lite's gate 64 x 2048, V3's routing at hidden 2048, V3's gate 256 x 7168 (the fused kernel to
+# MAX_ROWS tokens, torch.mm + the route kernel inside the op above)
 CUDA_CASES = [("v2-lite", 2048), ("v3", 2048), ("v3", 7168)]
 
 
