@@ -407,7 +407,10 @@ def few_token_cases():
     routings = {"v2-lite 64x2048 softmax top-6": (64, 2048, 6, 1, 1, "softmax", False, False, 1.0),
                 "v3 256x7168 sigmoid groups top-8": (256, 7168, 8, 8, 4, "sigmoid", True, True, 2.5),
                 "v3 routing at 256x2048": (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5)}
-    sweep = [(1 << 15, 16), (1 << 15, 32), (1 << 14, 16), (1 << 14, 8), (1 << 13, 4)]  # no spills (tile 2^16 spills)
+    # the fused kernel's CONFIG (gate elements a program loads a step, most experts a program reads, warps)
+    sweep = [dict(tile=8192, max_slice=16, num_warps=4), dict(tile=4096, max_slice=16, num_warps=4),
+             dict(tile=8192, max_slice=1, num_warps=4), dict(tile=16384, max_slice=16, num_warps=8),
+             dict(tile=8192, max_slice=4, num_warps=4), dict(tile=2048, max_slice=16, num_warps=2)]
     for name, (E, H, k, G, TG, scoring, has_bias, renorm, scaling) in routings.items():
         nbytes = E * H * 2
         K = _rotation(nbytes)
@@ -426,12 +429,14 @@ def few_token_cases():
                     lambda: [moe_gate_route(x, g, k, backend="triton", **kw) for g in gates], T * nbytes, nbytes,
                     note=f"{'fused kernel' if fused else 'mm + route inside the op'}; ids as mm+route: {same}",
                     sets=K)
-            for tile, warps in sweep:  # the fused kernel itself, also where the op does not take it
-                tmg.TILE, tmg.NUM_WARPS = tile, warps
-                attempt(group, f"fused kernel tile{tile} w{warps}",
+            default = dict(tmg.CONFIG)
+            for config in sweep:  # the fused kernel itself, also where the op does not take it
+                tmg.CONFIG.update(config)
+                attempt(group, f"fused kernel tile{config['tile']} slice<={config['max_slice']} "
+                        f"w{config['num_warps']}",
                         lambda: [tmg._launch(x, g, bias, k, G, TG, scoring, renorm, scaling) for g in gates],
                         T * nbytes, nbytes, sets=K)
-            tmg.TILE, tmg.NUM_WARPS = sweep[0]
+            tmg.CONFIG.update(default)
             attempt(group, "mm(out f32) + route kernel",
                     lambda: [moe_route(torch.mm(x, g.t(), out_dtype=torch.float32), k, backend="triton", **kw)
                              for g in gates], T * nbytes, nbytes, sets=K)

@@ -4,9 +4,9 @@ Program p of the grid computes the float32 logits of experts ``[p * SLICE_E, (p 
 (its gate rows read once, ``[SLICE_E, BLOCK_H]`` tiles; the products of half-precision values are exact in float32)
 and stores them in a scratch ``[MAX_ROWS, E]``; then it counts itself in on an arrival counter (a barrier of the
 program's threads, then one acquire-release atomic at GPU scope). The program that arrives last reads every
-logit, routes each token with ``mla::moe_route``'s per-row routing
-(:func:`~mla_compile.ops.triton.moe_route._route_row`), writes its picks best first and puts the counter back to
-0 for the next call. So the gate is read by ``cdiv(E, SLICE_E)`` programs at once (a one-program kernel reading
+logit, routes every token at once with ``mla::moe_route``'s routing
+(:func:`~mla_compile.ops.triton.moe_route._route_rows`), writes the picks best first and puts the counter back to 0
+for the next call. So the gate is read by ``cdiv(E, SLICE_E)`` programs at once (a one-program kernel reading
 the whole gate was slower than ``torch.mm`` + the route kernel) and the routing needs no second launch. The
 counter is a persistent zeroed buffer per device (:func:`~mla_compile.ops._workspace.workspace`): allocated by
 the first call (a warm-up before any CUDA-graph capture), so calls on one device must not run concurrently on two
@@ -26,7 +26,7 @@ from mla_compile.ops._workspace import workspace
 from mla_compile.ops.moe_gate_route import MAX_ROWS, OP, fake, validate
 from mla_compile.ops.moe_route import MAX_EXPERTS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton.moe_route import _route_row, route_meta
+from mla_compile.ops.triton.moe_route import _route_rows, route_meta
 
 # Launch parameters (a benchmark may swap them): ``tile``, gate elements a program loads per step
 # (SLICE_E * BLOCK_H); ``max_slice``, the most experts one program reads; ``num_warps``. SLICE_E is the smallest
@@ -63,15 +63,13 @@ def _moe_gate_route_kernel(
         tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # zero again for the next call (stream order)
         e = tl.arange(0, BLOCK_E)
         ok = e < E
-        k_idx = tl.arange(0, BLOCK_K)
-        k_ok = k_idx < TOP_K
-        for r in tl.static_range(ROWS):
-            if r < T:  # a one-token call routes one row
-                z = tl.load(logits_ptr + r * E + e, mask=ok, other=0.0, volatile=True)
-                weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K,
-                                          TOP_K, NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
-                tl.store(w_ptr + r * s_w + k_idx, weights, mask=k_ok)
-                tl.store(ids_ptr + r * s_i + k_idx, ids, mask=k_ok)
+        z = tl.load(logits_ptr + r_idx[:, None] * E + e[None, :], mask=ok[None, :], other=0.0, volatile=True)
+        weights, ids = _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS, BLOCK_E, BLOCK_G, BLOCK_K,
+                                   TOP_K, NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+        k_idx = tl.arange(0, BLOCK_K)[None, :]
+        live = (r_idx[:, None] < T) & (k_idx < TOP_K)  # a one-token call writes one row
+        tl.store(w_ptr + r_idx[:, None] * s_w + k_idx, weights, mask=live)
+        tl.store(ids_ptr + r_idx[:, None] * s_i + k_idx, ids, mask=live)
 
 
 def fusable(x: Tensor, weight: Tensor) -> bool:

@@ -20,64 +20,67 @@ from mla_compile.ops.triton._common import last_dim_contiguous
 
 @triton.jit
 def _argmax_first(v, idx, BIG: tl.constexpr):
-    """The lowest index of the maximum of ``v`` (indices ``idx``, ``BIG`` past the last)."""
-    m = tl.max(v, axis=0)
-    return tl.min(tl.where(v == m, idx, BIG), axis=0)
+    """Per row of ``v [R, N]``: the lowest index (``idx [N]``, ``BIG`` past the last) of the row's maximum, ``[R]``."""
+    m = tl.max(v, axis=1)
+    return tl.min(tl.where(v == m[:, None], idx[None, :], BIG), axis=1)
 
 
 @triton.jit
-def _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling,
-               BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-               NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-               RENORM: tl.constexpr):
-    """One token's routing from its float32 logits ``z [BLOCK_E]`` (experts ``e``, ``ok``: ``e < E``):
-    ``(weights [BLOCK_K] float32, ids [BLOCK_K] int32)``, the first ``TOP_K`` entries best first."""
+def _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                RENORM: tl.constexpr):
+    """``ROWS`` tokens' routing at once from their float32 logits ``z [ROWS, BLOCK_E]`` (experts ``e``, ``ok``:
+    ``e < E``): ``(weights [ROWS, BLOCK_K] float32, ids [ROWS, BLOCK_K] int32)``, each row's first ``TOP_K``
+    entries best first. Every step reduces along the experts of each row, so the rows share each reduction."""
+    okr = ok[None, :]
+    er = e[None, :]
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-z))
     else:
-        z = tl.where(ok, z, float("-inf"))
-        p = tl.exp(z - tl.max(z, axis=0))
-        scores = p / tl.sum(p, axis=0)
+        z = tl.where(okr, z, float("-inf"))
+        p = tl.exp(z - tl.max(z, axis=1)[:, None])
+        scores = p / tl.sum(p, axis=1)[:, None]
     choice = scores
     if HAS_BIAS:
-        choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(ok, choice, float("-inf"))
+        choice = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(okr, choice, float("-inf"))
 
     if NUM_GROUP > 1:
-        gid = e // GROUP_SIZE
-        g_idx = tl.arange(0, BLOCK_G)
-        g_scores = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        gid = er // GROUP_SIZE
+        g_idx = tl.arange(0, BLOCK_G)[None, :]
+        g_scores = tl.full([ROWS, BLOCK_G], float("-inf"), tl.float32)
         for g in tl.static_range(NUM_GROUP):
-            in_g = ok & (gid == g)
+            in_g = okr & (gid == g)
             v = tl.where(in_g, choice, float("-inf"))
-            best = tl.max(v, axis=0)
+            best = tl.max(v, axis=1)
             if SIGMOID:  # the sum of the group's two best choices
                 first = _argmax_first(v, e, BLOCK_E)
-                best += tl.max(tl.where(e == first, float("-inf"), v), axis=0)
-            g_scores = tl.where(g_idx == g, best, g_scores)
-        keep_g = tl.zeros([BLOCK_G], dtype=tl.int32)
+                best += tl.max(tl.where(er == first[:, None], float("-inf"), v), axis=1)
+            g_scores = tl.where(g_idx == g, best[:, None], g_scores)
+        keep_g = tl.zeros([ROWS, BLOCK_G], dtype=tl.int32)
         for _ in tl.static_range(TOPK_GROUP):
-            pick = _argmax_first(tl.where(keep_g == 0, g_scores, float("-inf")), g_idx, BLOCK_G)
-            keep_g = tl.where(g_idx == pick, 1, keep_g)
-        keep = tl.zeros([BLOCK_E], dtype=tl.int32)
+            pick = _argmax_first(tl.where(keep_g == 0, g_scores, float("-inf")), tl.arange(0, BLOCK_G), BLOCK_G)
+            keep_g = tl.where(g_idx == pick[:, None], 1, keep_g)
+        keep = tl.zeros([ROWS, BLOCK_E], dtype=tl.int32)
         for g in tl.static_range(NUM_GROUP):
-            kept = tl.sum(tl.where(g_idx == g, keep_g, 0), axis=0)
-            keep = tl.where((gid == g) & (kept > 0), 1, keep)
+            kept = tl.sum(tl.where(g_idx == g, keep_g, 0), axis=1)
+            keep = tl.where((gid == g) & (kept[:, None] > 0), 1, keep)
         fill = float("-inf") if SIGMOID else 0.0
-        choice = tl.where(ok, tl.where(keep > 0, choice, fill), float("-inf"))
+        choice = tl.where(okr, tl.where(keep > 0, choice, fill), float("-inf"))
 
-    k_idx = tl.arange(0, BLOCK_K)
-    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    taken = tl.zeros([BLOCK_E], dtype=tl.int32)
+    k_idx = tl.arange(0, BLOCK_K)[None, :]
+    weights = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+    taken = tl.zeros([ROWS, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         # NaN scores match no maximum (BLOCK_E comes back): keep the id in range, so the experts never read past E
-        pick = tl.minimum(_argmax_first(tl.where(taken == 0, choice, float("-inf")), e, BLOCK_E), E - 1)
-        taken = tl.where(e == pick, 1, taken)
-        weights = tl.where(k_idx == j, tl.sum(tl.where(e == pick, scores, 0.0), axis=0), weights)
+        pick = tl.minimum(_argmax_first(tl.where(taken == 0, choice, float("-inf")), e, BLOCK_E), E - 1)[:, None]
+        taken = tl.where(er == pick, 1, taken)
+        weights = tl.where(k_idx == j, tl.sum(tl.where(er == pick, scores, 0.0), axis=1)[:, None], weights)
         ids = tl.where(k_idx == j, pick, ids)
     if RENORM:
-        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
     return weights * scaling, ids
 
 
@@ -92,10 +95,10 @@ def _moe_route_kernel(
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    z = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)
-    weights, ids = _route_row(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
-                              NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
-    k_idx = tl.arange(0, BLOCK_K)
+    z = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)[None, :]
+    weights, ids = _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, 1, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
+                               NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+    k_idx = tl.arange(0, BLOCK_K)[None, :]
     k_ok = k_idx < TOP_K
     tl.store(w_ptr + t * s_w + k_idx, weights, mask=k_ok)
     tl.store(ids_ptr + t * s_i + k_idx, ids, mask=k_ok)
@@ -103,7 +106,7 @@ def _moe_route_kernel(
 
 def route_meta(E: int, top_k: int, num_group: int, topk_group: int, scoring: str, has_bias: bool,
                renormalize: bool) -> dict:
-    """The routing constexprs of :func:`_route_row` for these routing constants."""
+    """The routing constexprs of :func:`_route_rows` for these routing constants."""
     return dict(BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(num_group)),
                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), TOP_K=top_k, NUM_GROUP=num_group,
                 TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, RENORM=renormalize)

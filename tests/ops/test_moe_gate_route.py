@@ -211,7 +211,7 @@ def test_cuda_triton_matches_float64(routing, H, T, dtype):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("routing,H", CUDA_CASES[:2])
-def test_cuda_compiled_and_graph_replay(routing, H):
+def test_cuda_compiled_and_graph_replay(routing, H, fresh_dynamo):
     """torch.compile with dynamic tokens (one graph for 2 and 6 tokens), then a CUDA graph of the compiled call at
     2 tokens replayed on new inputs."""
     x, weight, b = _inputs(routing, 6, H, device="cuda", seed=7)
@@ -233,7 +233,7 @@ def test_cuda_compiled_and_graph_replay(routing, H):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
-def test_cuda_fused_moe_layer_routes_through_the_op(kind, monkeypatch):
+def test_cuda_fused_moe_layer_routes_through_the_op(kind, monkeypatch, fresh_dynamo):
     """``MLAMoE(impl="fused")`` on CUDA bf16 does not take ``mla::moe_gate_route`` while "auto" skips its Triton
     kernel (slower than the router GEMM + route kernel); made to take it, the layer matches the dense experts,
     eagerly and compiled."""
