@@ -1,7 +1,7 @@
 """Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile;
 without a GPU, Triton kernels run in Triton's interpreter; in CI a skipped test that no GPU run selects fails;
 CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it); the ``sm_90`` compile checks' children
-start when collection ends.
+start when collection ends (under pytest-xdist, in the controller).
 
 ``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt). ``TRITON_INTERPRET`` set
 by the caller is kept (``0`` runs the ``sm90_compile`` tests, which need Triton's compiler).
@@ -52,15 +52,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SM90_CHILDREN = "test_sm90_compile_tests_pass_without_the_interpreter"  # its children start when collection ends
+_SM90_MODULE: list = []  # under pytest-xdist, the controller's copy of that test's module once it started them
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under pytest-xdist the controller starts them (below), once for the run
     for item in session.items:
         if item.name == SM90_CHILDREN:
             item.module.start_children()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """pytest-xdist's controller: the first worker that collected the sm_90 children's test has it start them,
+    into the run's folder (``run_folder``: every worker finds it by the run's id)."""
+    if _SM90_MODULE or not any(i.endswith("::" + SM90_CHILDREN) for i in ids):
+        return
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "ops", "triton", "test_sm90_compile_subprocess.py")
+    spec = importlib.util.spec_from_file_location("_sm90_children", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _SM90_MODULE.append(module)
+    module.start_children(module.run_folder(node.workerinput["testrunuid"]))
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    for module in _SM90_MODULE:
+        module.stop_children()
     for item in session.items:
         if item.name == SM90_CHILDREN:
             item.module.stop_children()

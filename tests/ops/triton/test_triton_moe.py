@@ -153,9 +153,10 @@ def test_compiled_fused_block_equals_dense_on_gpu(kind, fresh_dynamo):
 def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T, fresh_dynamo):
     """``token_mask``: the B=1 decode step padded to 2 tokens (and 5 with 2 masked). The masked tokens pick only
     an expert whose weights are NaN (no real token picks it) and have NaN x: "triton" and "auto" (eager and
-    compiled) give exact 0 there and, elsewhere, the rows of the same backend's unmasked call ("auto" may take the
-    grouped kernels, whose roundings differ from the fused ones'); "grouped" (which may read) zeroes the rows of
-    an unpoisoned call."""
+    compiled) give exact 0 there; elsewhere "triton" gives its unmasked call's rows bit for bit and "auto" its own
+    unmasked call's rows to float32 rounding ("auto" takes the Triton grouped kernels from 3 tokens and at V3's
+    hidden size, where the masked pairs change the sorted blocks: H200 run 158 saw differences of ~1e-4); "grouped"
+    (which may read) zeroes the rows of an unpoisoned call."""
     name, (gate_up, down, sg, su, sd) = model_weights
     H, I, E, k, _ = DIMS[name]
     weights, ids = _routing(T, E - 1, k, seed=T)  # real tokens never pick expert E - 1
@@ -175,7 +176,10 @@ def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T, fresh_dyn
             poison_allocator(device=DEV)
             out = fn(x_p, weights, ids_p, gate_up, down, **shared, out_float32=True, backend=backend, token_mask=mask)
             assert torch.equal(out[~mask], torch.zeros_like(out[~mask])), backend
-            assert torch.equal(out[mask], want[backend][mask]), backend
+            if backend == "triton":
+                assert torch.equal(out[mask], want[backend][mask]), backend
+            else:
+                torch.testing.assert_close(out[mask], want[backend][mask], atol=1e-3, rtol=1e-3)
     finally:
         gate_up[E - 1].copy_(saved[0])
         down[E - 1].copy_(saved[1])
