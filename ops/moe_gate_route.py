@@ -98,6 +98,6 @@ def _triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=False, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
+        gpu_tested=True, kernels=("moe_gate_route_triton", "_moe_gate_route_kernel"),
         note=f"ours: router GEMV over the gate's expert slices and routing by the last program, one launch, up to "
              f"{MAX_ROWS} tokens (torch.mm + the route kernel above)")

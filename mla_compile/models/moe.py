@@ -192,8 +192,7 @@ class MLAMoE(nn.Module):
     def _gate_route(self, x: Tensor) -> bool:
         """Whether the router GEMV and the routing run as one ``mla::moe_gate_route`` (its Triton kernel for few
         tokens, the unfused pair inside the op above): CUDA, x and the gate weight of one half-precision dtype,
-        and that op's "auto" picking "triton" (today it does not: see its declaration's ``auto_skip``). A
-        constant of the graph."""
+        and that op's "auto" picking "triton". A constant of the graph."""
         weight = self.gate.weight
         if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
             return False

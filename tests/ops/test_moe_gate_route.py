@@ -234,10 +234,10 @@ def test_cuda_compiled_and_graph_replay(routing, H, fresh_dynamo):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])
 def test_cuda_fused_moe_layer_routes_through_the_op(kind, monkeypatch, fresh_dynamo):
-    """``MLAMoE(impl="fused")`` on CUDA bf16 does not take ``mla::moe_gate_route`` while "auto" skips its Triton
-    kernel (slower than the router GEMM + route kernel); made to take it, the layer matches the dense experts,
-    eagerly and compiled."""
+    """``MLAMoE(impl="fused")`` on CUDA bf16 takes ``mla::moe_gate_route`` ("auto" picks its Triton kernel) and
+    matches the dense experts, eagerly and compiled."""
     pytest.importorskip("transformers")
+    import mla_compile.models.moe as moe_mod
     from mla_compile.app import toy
     from mla_compile.models.moe import MLAMoE
 
@@ -245,9 +245,11 @@ def test_cuda_fused_moe_layer_routes_through_the_op(kind, monkeypatch, fresh_dyn
     block = hf.model.layers[1].mlp
     fused, dense = MLAMoE(block, impl="fused"), MLAMoE(block, impl="dense")
     x = torch.randn(2, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert not fused._gate_route(x)
-    monkeypatch.setattr(MLAMoE, "_gate_route", lambda self, x: True)
+    assert fused._gate_route(x)
+    calls, real = [], moe_mod.moe_gate_route
+    monkeypatch.setattr(moe_mod, "moe_gate_route", lambda *a, **kw: calls.append(kw["backend"]) or real(*a, **kw))
     with torch.no_grad():
         want = dense(x)
         for fn in (fused, torch.compile(fused, fullgraph=True, dynamic=True)):
             torch.testing.assert_close(fn(x).float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert calls and set(calls) == {"triton"}
