@@ -407,10 +407,10 @@ def few_token_cases():
     routings = {"v2-lite 64x2048 softmax top-6": (64, 2048, 6, 1, 1, "softmax", False, False, 1.0),
                 "v3 256x7168 sigmoid groups top-8": (256, 7168, 8, 8, 4, "sigmoid", True, True, 2.5),
                 "v3 routing at 256x2048": (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5)}
-    # the fused kernel's CONFIG (gate elements a program loads a step, most experts a program reads, warps)
-    sweep = [dict(tile=8192, max_slice=16, num_warps=4), dict(tile=4096, max_slice=16, num_warps=4),
-             dict(tile=8192, max_slice=1, num_warps=4), dict(tile=16384, max_slice=16, num_warps=8),
-             dict(tile=8192, max_slice=4, num_warps=4), dict(tile=2048, max_slice=16, num_warps=2)]
+    # the fused kernel's CONFIG (gate elements a program loads a step, most experts a program reads, warps; no
+    # few-experts override)
+    sweep = [dict(tile=t, max_slice=m, num_warps=w, few_experts=0) for t, m, w in (
+        (8192, 1, 4), (8192, 2, 4), (4096, 1, 4), (2048, 1, 2), (4096, 1, 2), (8192, 1, 8), (8192, 4, 4))]
     for name, (E, H, k, G, TG, scoring, has_bias, renorm, scaling) in routings.items():
         nbytes = E * H * 2
         K = _rotation(nbytes)

@@ -29,9 +29,12 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton.moe_route import _route_rows, route_meta
 
 # Launch parameters (a benchmark may swap them): ``tile``, gate elements a program loads per step
-# (SLICE_E * BLOCK_H); ``max_slice``, the most experts one program reads; ``num_warps``. SLICE_E is the smallest
-# power of two giving at most one program per SM.
-CONFIG = dict(tile=8192, max_slice=16, num_warps=4)
+# (SLICE_E * BLOCK_H); ``max_slice``, the most experts one program reads; ``num_warps``; for gates of at most
+# ``few_experts`` experts ``few_tile`` and ``few_warps`` instead (fewer warps make the last program's routing
+# reductions cheaper). SLICE_E is the smallest power of two giving at most one program per SM, at most max_slice.
+# H200 (BENCHMARKS.md run 159): one expert a program is the fastest at 256 experts and ties at 64; 2 warps and
+# one 2048-wide step save a quarter of the call at V2-Lite's 64 x 2048 gate.
+CONFIG = dict(tile=8192, max_slice=1, num_warps=4, few_experts=64, few_tile=2048, few_warps=2)
 
 
 @triton.jit
@@ -101,13 +104,14 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     bias_arg = weight if bias is None else bias.contiguous()
     meta = route_meta(E, top_k, num_group, topk_group, scoring, bias is not None, renormalize)
     slice_e = slice_experts(E, x.device)
-    block_h = min(triton.next_power_of_2(H), max(16, CONFIG["tile"] // slice_e))
+    few = E <= CONFIG["few_experts"]
+    block_h = min(triton.next_power_of_2(H), max(16, CONFIG["few_tile" if few else "tile"] // slice_e))
     logits = torch.empty(MAX_ROWS, E, dtype=torch.float32, device=x.device)
     count = workspace("moe_gate_route-arrivals", x.device, 4, zero=True).view(torch.int32)
     wrap_triton(_moe_gate_route_kernel)[(triton.cdiv(E, slice_e),)](
         x, weight, bias_arg, weights, ids, logits, count, T, H, E, E // num_group, x.stride(0), weight.stride(0),
         weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta,
-        num_warps=CONFIG["num_warps"],
+        num_warps=CONFIG["few_warps" if few else "num_warps"],
     )
     return weights, ids
 
