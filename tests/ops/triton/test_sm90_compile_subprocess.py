@@ -12,6 +12,8 @@ import functools
 import importlib.util
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -57,15 +59,18 @@ def start_children(folder: Path | None = None) -> None:
     for i, k in enumerate(SELECTIONS):
         _CHILDREN.append(subprocess.Popen([sys.executable, "-c", _WRAP, str(folder / str(i)), *cmd, k], cwd=ROOT,
                                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          preexec_fn=functools.partial(os.nice, 10)))
+                                          preexec_fn=functools.partial(os.nice, 10), start_new_session=True))
 
 
 def stop_children() -> None:
-    """Kill children still running (the session ends without having run the test, e.g. ``-x``)."""
+    """At the end of the session that started them: kill children still running (the session ends without having
+    run the test, e.g. ``-x``) and remove their folder."""
     for proc in _CHILDREN:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the wrapper and its pytest: one process group
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    for folder in _RUN:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _folder() -> Path:
