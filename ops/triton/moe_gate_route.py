@@ -92,7 +92,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     tokens and ``MAX_EXPERTS`` experts."""
     T, H = x.shape
     E = weight.shape[0]
-    if T > MAX_ROWS or E > MAX_EXPERTS:
+    if not fusable(x, weight):
         raise ValueError(f"{OP}: the fused kernel serves at most {MAX_ROWS} tokens and {MAX_EXPERTS} experts, "
                          f"got {T} tokens and {E} experts")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
