@@ -1,6 +1,6 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep] [--fp8]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep] [--fp8] [--pad]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
 (hidden 7168, moe_intermediate 2048, 256 experts top-8, 1 shared), random bf16 weights, tokens T = 1, 8, 64,
@@ -24,10 +24,14 @@ fp8 experts without the fused kernel); their note gives the norm-relative error 
 Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 4 input sets whose routed
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
-must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``; with
+must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``: the GEMV
+kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; with
 ``--fp8`` also ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
-tokens and more. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
+tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
+graphs run one sequence (their smallest capture size is 2); such a group is named ``T=1+1pad``. Each group also
+times a "read floor": ``torch.sum`` over contiguous bf16 buffers of the bytes the call must read (one buffer a
+set), what a plain streaming read of that many bytes takes here. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -53,12 +57,20 @@ from mla_compile.ops.triton import moe_grouped as tgrouped  # noqa: E402
 
 SWEEP = False
 FP8 = False
+PAD = False
 # the fused kernels' configs timed by --sweep at T <= 8: (gate_up_tile, down_tile, waves, num_warps), each tile at
 # every width (no narrow_tile)
 SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) for g, d, v, w in (
     (2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
     (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
     (8192, 4096, 8, 8), (16384, 16384, 8, 8)))
+# the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8
+DOT = dict(gate_up_dot=True, down_dot=True)
+DOT_SWEEP = (DOT, dict(gate_up_dot=True), dict(down_dot=True), dict(DOT, dot_n=16), dict(DOT, dot_n=64, dot_stages=3),
+             dict(DOT, dot_k=256, dot_stages=3), dict(DOT, dot_k=64, dot_stages=6), dict(DOT, dot_stages=3),
+             dict(DOT, dot_stages=6), dict(DOT, dot_n=16, dot_k=256), dict(DOT, down_k=128, down_stages=8),
+             dict(DOT, down_k=512, down_stages=4), dict(DOT, down_h=32, down_k=128, down_stages=6),
+             dict(DOT, down_stages=3), dict(DOT, dot_warps=2), dict(DOT, dot_warps=8, dot_n=64, dot_stages=3))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
@@ -126,23 +138,26 @@ def _fp8_weights(H, I, E, S):
     return _FP8_WEIGHTS[key]
 
 
-def fp8_case(group, T, H, I, E, S, sets, hit, flops, note):
-    """The fp8 rows of one (dims, T): fused Triton vs grouped, each checked against the reference backend."""
+def fp8_case(group, T, H, I, E, S, sets, hit, flops, note, mask):
+    """The fp8 rows of one (dims, T): fused Triton vs grouped, each checked against the reference backend
+    (``mask``: the sets' token mask or None)."""
     routed, shared = _fp8_weights(H, I, E, S)
     scale_bytes = 4 * 3 * (-(-H // 128)) * (-(-I // 128))
     nbytes = (hit + S) * (3 * H * I + scale_bytes)
     x, w, ids = sets[0]
-    want = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="reference").double()
+    want = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="reference",
+                           token_mask=mask)[:T].double()
 
     def run(backend):
         def fn():
             for (xs, ws, ids_s), sh in zip(sets, shared):
-                moe_experts_fp8(xs, ws, ids_s, *routed, **sh, backend=backend)
+                moe_experts_fp8(xs, ws, ids_s, *routed, **sh, backend=backend, token_mask=mask)
         return fn
 
     for impl, backend in (("fp8 fused triton", "triton"), ("fp8 grouped", "grouped")):
         try:
-            got = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend=backend).double()
+            got = moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend=backend,
+                                  token_mask=mask)[:T].double()
             check = f"rel err {float((got - want).norm() / want.norm()):.1e}"
         except Exception as exc:  # the timing attempt records the failure as its row
             check = f"check failed: {type(exc).__name__}"
@@ -151,7 +166,8 @@ def fp8_case(group, T, H, I, E, S, sets, hit, flops, note):
         from mla_compile.ops.triton import moe_experts_fp8 as tfp8
 
         sweep_configs(group, tfp8.CONFIG, "fp8 fused", SWEEP_CONFIGS,
-                      lambda: moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="triton"),
+                      lambda: moe_experts_fp8(x, w, ids, *routed, **shared[0], out_float32=True, backend="triton",
+                                              token_mask=mask),
                       run("triton"), flops, nbytes)
 
 
@@ -166,16 +182,27 @@ def _sets(T, H, E, k, seed):
         else:
             ids = torch.stack([torch.randperm(E, device=DEV, generator=gen)[:k] for _ in range(T)])
         out.append((torch.randn(T, H, device=DEV).bfloat16(), torch.rand(T, k, device=DEV) + 0.1, ids.int()))
+    if PAD:  # one padding token a set: NaN activations and expert 0 (never read: its mask is False)
+        out = [(torch.cat([x, torch.full_like(x[:1], float("nan"))]), torch.cat([w, w[:1]]),
+                torch.cat([ids, torch.zeros_like(ids[:1])])) for x, w, ids in out]
     return out
+
+
+def _mask(T):
+    """The token mask of an input set (None without ``--pad``)."""
+    if not PAD:
+        return None
+    return torch.arange(T + 1, device=DEV) < T
 
 
 def case(name, T):
     H, I, E, k, S, (G, TG, scoring) = DIMS[name]
-    group = f"{name} T={T}"
+    group = f"{name} T={T}" + ("+1pad" if PAD else "")
     print(group, flush=True)
     gate_up, down, shared = _weights(H, I, E, S)
     sets = _sets(T, H, E, k, seed=T)
-    hit = sum(int(torch.unique(ids).numel()) for _, _, ids in sets) / SETS
+    mask = _mask(T)
+    hit = sum(int(torch.unique(ids[:T]).numel()) for _, _, ids in sets) / SETS
     nbytes = (hit + S) * 3 * H * I * 2
     flops = 2 * T * (k + S) * 3 * H * I
     note = f"{hit:.0f} experts hit"
@@ -183,24 +210,33 @@ def case(name, T):
     def run(backend):
         def fn():
             for (x, w, ids), (sg, su, sd) in zip(sets, shared):
-                moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd, backend=backend)
+                moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd, backend=backend,
+                            token_mask=mask)
         return fn
+
+    floor = [torch.empty(int(nbytes) // 2, device=DEV, dtype=torch.bfloat16).normal_() for _ in range(SETS)]
+
+    def read_floor():
+        for buf in floor:
+            buf.sum(dtype=torch.float32)
 
     def dense():
         for (x, w, ids), (sg, su, sd) in zip(sets, shared):
             experts_dense(x, w, ids.long(), gate_up, down, F.silu).to(x.dtype) + F.linear(
                 F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
 
+    bk.attempt(group, "read floor", read_floor, 0, nbytes, "torch.sum over the bytes to read", rep_ms=100, sets=SETS)
+    del floor[:]
     bk.attempt(group, "fused triton", run("triton"), flops, nbytes, note, rep_ms=100, sets=SETS)
     if SWEEP and T <= 8:
-        sweep(group, sets, shared, gate_up, down, flops, nbytes)
+        sweep(group, sets, shared, gate_up, down, flops, nbytes, mask)
     bk.attempt(group, "grouped", run("grouped"), flops, nbytes, note, rep_ms=100, sets=SETS)
     x, w, ids = sets[0]
     sg, su, sd = shared[0]
 
     def first_set(backend):
         return moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd, out_float32=True,
-                           backend=backend).double()
+                           backend=backend, token_mask=mask)[:T].double()
 
     try:
         want = first_set("reference")
@@ -216,7 +252,7 @@ def case(name, T):
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16', H)}",
                rep_ms=100, sets=SETS)
     if FP8:
-        fp8_case(group, T, H, I, E, S, sets, hit, flops, note)
+        fp8_case(group, T, H, I, E, S, sets, hit, flops, note, mask)
 
     logits = [torch.randn(T, E, device=DEV) for _ in range(SETS)]
     bias = torch.randn(E, device=DEV) * 0.1 if scoring == "sigmoid" else None
@@ -235,19 +271,22 @@ def case(name, T):
     bk.attempt(group, "route torch (eager)", route_torch, 0, T * E * 4, rep_ms=100, sets=SETS)
 
 
-def sweep(group, sets, shared, gate_up, down, flops, nbytes):
-    """Time the fused kernels under each of ``SWEEP_CONFIGS``, each checked against the default config."""
+def sweep(group, sets, shared, gate_up, down, flops, nbytes, mask):
+    """Time the fused kernels under each of ``SWEEP_CONFIGS`` and ``DOT_SWEEP``, each checked against the default
+    config."""
     (x, w, ids), (sg, su, sd) = sets[0], shared[0]
 
     def call():
         return moe_experts(x, w, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
-                           out_float32=True, backend="triton")
+                           out_float32=True, backend="triton", token_mask=mask)
 
     def all_sets():
         for (xs, ws, ids_s), (g, u, d) in zip(sets, shared):
-            moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton")
+            moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton",
+                        token_mask=mask)
 
     sweep_configs(group, tmoe.CONFIG, "fused", SWEEP_CONFIGS, call, all_sets, flops, nbytes, drop=("narrow_tile",))
+    sweep_configs(group, tmoe.CONFIG, "fused", DOT_SWEEP, call, all_sets, flops, nbytes)
 
 
 def sweep_configs(group, config, label, changes, call, all_sets, flops, nbytes, drop=()):
@@ -274,7 +313,7 @@ def sweep_configs(group, config, label, changes, call, all_sets, flops, nbytes, 
 
 def table() -> str:
     """Microseconds per call: one line per (dims, T), one column per implementation."""
-    impls = ["fused triton", "grouped", "triton grouped", "dense", "auto", "route triton", "route torch (eager)"]
+    impls = ["read floor", "fused triton", "grouped", "triton grouped", "dense", "auto", "route triton", "route torch (eager)"]
     impls += ["fp8 fused triton", "fp8 grouped"] if FP8 else []
     by = {}
     for r in bk.ROWS:
@@ -292,9 +331,10 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
+    ap.add_argument("--pad", action="store_true", help="one padding token (masked) added to every input set")
     args = ap.parse_args()
-    global SWEEP, FP8
-    SWEEP, FP8 = args.sweep, args.fp8
+    global SWEEP, FP8, PAD
+    SWEEP, FP8, PAD = args.sweep, args.fp8, args.pad
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
     sections = [lambda n=n, t=t: case(n, t) for n in args.dims.split(",") for t in map(int, args.tokens.split(","))]

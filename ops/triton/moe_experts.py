@@ -10,6 +10,11 @@ of its token, walking I in chunks and, per chunk, every slot (unrolled: k and th
 compile-time constants) with the slot's weight, in float32: no atomics, the same sum order every run.
 With a token mask (``HAS_MASK``) a program of a masked token returns before any weight load: kernel 1
 stores nothing (its rows of the activation stay unwritten), kernel 2 stores zeros.
+
+Kernel 1's tensor-core form (``CONFIG["gate_up_dot"]``, bf16 / fp16 x): the same grid and output, but each step
+multiplies the ``[BLOCK_N, BLOCK_K]`` weight tiles by x broadcast to 16 columns with ``tl.dot`` (float32
+accumulation; the columns are equal, column 0 is kept), so Triton's software pipeliner streams the weight tiles
+through shared memory ``num_stages`` deep instead of one register load a step.
 """
 
 from __future__ import annotations
@@ -64,6 +69,49 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
+def _moe_gate_up_dot_kernel(
+    x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
+    H, I, K, SLOTS,
+    s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row // SLOTS
+    j = row % SLOTS
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
+            return
+    routed = j < K
+    e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
+    shared_row = (j - K).to(tl.int64) * I
+    g_base = tl.where(routed, gu_ptr + e * s_gue, sg_ptr + shared_row * s_sg)
+    u_base = tl.where(routed, gu_ptr + e * s_gue + I * s_gun, su_ptr + shared_row * s_su)
+    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
+    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
+
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    g_rows = g_base + offs_n.to(tl.int64) * g_stride
+    u_rows = u_base + offs_n.to(tl.int64) * u_stride
+    cols = tl.arange(0, 16)
+    x_row = x_ptr + t.to(tl.int64) * s_x
+    acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xk = tl.load(x_row + k[:, None] + 0 * cols[None, :], mask=k_ok[:, None], other=0.0)  # [BLOCK_K, 16]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g = tl.dot(tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0), xk, acc_g)
+        acc_u = tl.dot(tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0), xk, acc_u)
+    first = cols[None, :] == 0
+    g = tl.sum(tl.where(first, acc_g, 0.0), axis=1)
+    u = tl.sum(tl.where(first, acc_u, 0.0), axis=1)
+    a = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr,
     H, I,
@@ -98,12 +146,54 @@ def _moe_down_kernel(
     tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
+@triton.jit
+def _moe_down_dot_kernel(
+    h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr,
+    H, I,
+    s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
+    K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    if HAS_MASK:
+        if tl.load(mask_ptr + t) == 0:  # a padding token: output 0, no weight reads
+            tl.store(out_ptr + t * s_out + offs_h, tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=h_ok)
+            return
+    cols = tl.arange(0, 16)
+    n_k = tl.cdiv(I, BLOCK_K)
+    acc = tl.zeros([BLOCK_H, 16], dtype=tl.float32)
+    # one loop over (slot, I chunk), slot-major: the pipeliner streams every slot's tiles without a drain between
+    # slots; each chunk's product is weighted and added in the same order every run
+    for it in tl.range(0, SLOTS * n_k, num_stages=NUM_STAGES):
+        j = it // n_k
+        k = (it - j * n_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        routed = j < K
+        e = tl.load(ids_ptr + t * s_ids + j, mask=routed, other=0).to(tl.int64)
+        weight = tl.where(routed, tl.load(w_ptr + t * s_w + j, mask=routed, other=0.0), 1.0)
+        base = tl.where(routed, dn_ptr + e * s_de, sd_ptr + (j - K).to(tl.int64) * I)
+        stride = tl.where(routed, s_dh, s_sd).to(tl.int64)
+        w = tl.load(base + offs_h.to(tl.int64)[:, None] * stride + k[None, :], mask=h_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k[:, None] + 0 * cols[None, :], mask=k_ok[:, None], other=0.0)
+        acc += weight * tl.dot(w, a)
+    out = tl.sum(tl.where(cols[None, :] == 0, acc, 0.0), axis=1)
+    tl.store(out_ptr + t * s_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
 # Launch parameters (a benchmark may swap them; each config is checked against the reference there).
 # ``tile``: elements of a program's weight tile per load step (BLOCK_N * BLOCK_K, BLOCK_H * BLOCK_K); ``waves``:
 # the widest output tile (16, 8 or 4) is taken that still gives every SM this many programs; ``narrow_tile``: the
 # elements a load step of a 4-wide tile (few tokens: the whole of H or I in one step, the most bytes in flight;
 # wider tiles keep the smaller tiles, which do not spill). Timings: ``bench_moe --sweep``, BENCHMARKS.md.
-CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192)
+# ``gate_up_dot`` / ``down_dot``: the kernels' tensor-core forms for bf16 / fp16 x, ``dot_n`` x ``dot_k`` (``down_h`` x
+# ``down_k``) weight tiles ``dot_stages`` (``down_stages``) deep, ``dot_warps`` warps; float32 x always takes the
+# GEMV forms (tl.dot would round it to tf32).
+CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
+              gate_up_dot=False, dot_n=32, dot_k=128, dot_stages=4, down_dot=False, down_h=16, down_k=256,
+              down_stages=5, dot_warps=4)
 
 
 def _tile(name: str, block: int) -> int:
@@ -154,20 +244,32 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     mask = ids if token_mask is None else token_mask.contiguous()  # never read without a mask
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
     wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
-    block_n = _blocks(T * slots, I, x.device)
-    wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
-        x, ids, gate_up, sg, su, h, mask, H, I, K, slots,
-        x.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
-        BLOCK_N=block_n, BLOCK_K=_tile("gate_up_tile", block_n) // block_n // wide, HAS_MASK=token_mask is not None,
-        num_warps=CONFIG["num_warps"],
-    )
-    block_h = _blocks(T, H, x.device)
-    wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
-        h, weights, ids, down, sd, out, mask, H, I,
-        h.stride(0), weights.stride(0), ids.stride(0), down.stride(0), down.stride(1), sd.stride(0), out.stride(0),
-        K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=_tile("down_tile", block_h) // block_h // wide,
-        HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"],
-    )
+    gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
+                    gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
+    if CONFIG["gate_up_dot"] and x.dtype != torch.float32:
+        wrap_triton(_moe_gate_up_dot_kernel)[(T * slots, triton.cdiv(I, CONFIG["dot_n"]))](
+            *gate_up_args, BLOCK_N=CONFIG["dot_n"], BLOCK_K=CONFIG["dot_k"], HAS_MASK=token_mask is not None,
+            NUM_STAGES=CONFIG["dot_stages"], num_warps=CONFIG["dot_warps"],
+        )
+    else:
+        block_n = _blocks(T * slots, I, x.device)
+        wrap_triton(_moe_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
+            *gate_up_args, BLOCK_N=block_n, BLOCK_K=_tile("gate_up_tile", block_n) // block_n // wide,
+            HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"],
+        )
+    down_args = (h, weights, ids, down, sd, out, mask, H, I, h.stride(0), weights.stride(0), ids.stride(0),
+                 down.stride(0), down.stride(1), sd.stride(0), out.stride(0))
+    if CONFIG["down_dot"] and x.dtype != torch.float32:
+        wrap_triton(_moe_down_dot_kernel)[(T, triton.cdiv(H, CONFIG["down_h"]))](
+            *down_args, K=K, SLOTS=slots, BLOCK_H=CONFIG["down_h"], BLOCK_K=CONFIG["down_k"],
+            HAS_MASK=token_mask is not None, NUM_STAGES=CONFIG["down_stages"], num_warps=CONFIG["dot_warps"],
+        )
+    else:
+        block_h = _blocks(T, H, x.device)
+        wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
+            *down_args, K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=_tile("down_tile", block_h) // block_h // wide,
+            HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"],
+        )
     return out
 
 

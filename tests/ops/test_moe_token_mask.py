@@ -106,9 +106,16 @@ def test_reference_masked_rows_are_zero_and_real_rows_unchanged(dtype, shared):
 @needs_interpreter
 @pytest.mark.parametrize("T,H,I,E,k,S,dtype", [  # each shape once, each dtype at least once
     (7, 40, 24, 6, 3, 2, torch.float32), (2, 64, 32, 8, 6, 0, torch.bfloat16), (4, 300, 20, 5, 2, 1, torch.bfloat16)])
-def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype, monkeypatch):
+@pytest.mark.parametrize("dot", [False, True])
+def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype, dot, monkeypatch):
+    """``dot``: the kernels' tensor-core forms at 16-wide tiles (bf16 / fp16 x; float32 keeps the GEMV kernels)."""
+    from mla_compile.ops.triton import moe_experts as kernels
     from mla_compile.ops.triton.moe_experts import _launch
     from tests.ops.test_moe_route import poison_empty
+
+    if dot:
+        for key, value in dict(gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16).items():
+            monkeypatch.setitem(kernels.CONFIG, key, value)
 
     args = bf.make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     mask = random_mask(T, seed=T)
@@ -119,7 +126,6 @@ def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype,
     check(out, unmasked, want, mask, 1e-6 if dtype == torch.float32 else 8e-3)
     poisoned = _launch(*poison_masked(args, mask, (3, 4)), True, mask)
     assert torch.equal(poisoned, out), "a masked token read an expert's weights or its x"
-    from mla_compile.ops.triton import moe_experts as kernels
     check_activations(activations(kernels, monkeypatch, lambda: _launch(*args, True, mask)), mask)
     low = _launch(*poison_masked(args, mask, (3, 4)), False, mask)
     assert low.dtype == dtype and torch.equal(low[~mask], torch.zeros_like(low[~mask]))

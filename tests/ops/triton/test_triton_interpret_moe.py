@@ -41,12 +41,23 @@ def test_interpreter_nan_logits_still_give_expert_ids_in_range(scoring):
     assert ((ids >= 0) & (ids < 12)).all(), ids
 
 
+# the experts kernels' forms: the GEMV kernels, the tensor-core (tl.dot) forms at their default tiles, and at
+# 16-wide tiles (several steps along H and I, every slot's chunks in the down kernel's one loop)
+VARIANTS = {"gemv": {}, "dot": dict(gate_up_dot=True, down_dot=True),
+            "dot16": dict(gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16, dot_stages=2)}
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,H,I,E,k,S", [(5, 40, 24, 6, 3, 2), (1, 64, 32, 8, 6, 0), (3, 300, 20, 5, 2, 1)])
-def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, monkeypatch):
+def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, variant, monkeypatch):
+    """float32 x takes the GEMV kernels under every variant (tl.dot would round it to tf32)."""
+    from mla_compile.ops.triton import moe_experts
     from mla_compile.ops.triton.moe_experts import _launch
 
+    for key, value in VARIANTS[variant].items():
+        monkeypatch.setitem(moe_experts.CONFIG, key, value)
     args = make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     want = experts64(*args, round_to=dtype)
     poison_empty(monkeypatch)
