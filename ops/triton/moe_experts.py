@@ -11,10 +11,11 @@ compile-time constants) with the slot's weight, in float32: no atomics, the same
 With a token mask (``HAS_MASK``) a program of a masked token returns before any weight load: kernel 1
 stores nothing (its rows of the activation stay unwritten), kernel 2 stores zeros.
 
-Kernel 1's tensor-core form (``CONFIG["gate_up_dot"]``, bf16 / fp16 x): the same grid and output, but each step
-multiplies the ``[BLOCK_N, BLOCK_K]`` weight tiles by x broadcast to 16 columns with ``tl.dot`` (float32
-accumulation; the columns are equal, column 0 is kept), so Triton's software pipeliner streams the weight tiles
-through shared memory ``num_stages`` deep instead of one register load a step.
+The tensor-core forms (``CONFIG["gate_up_dot"]``, the default for bf16 / fp16 x, and ``CONFIG["down_dot"]``): the
+same grids and outputs, but each step multiplies the weight tiles by the activation broadcast to 16 columns with
+``tl.dot`` (float32 accumulation; the columns are equal, column 0 is kept), so Triton's software pipeliner
+streams the weight tiles through shared memory (cp.async) several steps deep instead of one register load a
+step; the down form walks every (slot, chunk) in one loop, weighting each chunk's product.
 """
 
 from __future__ import annotations
@@ -190,9 +191,10 @@ def _moe_down_dot_kernel(
 # wider tiles keep the smaller tiles, which do not spill). Timings: ``bench_moe --sweep``, BENCHMARKS.md.
 # ``gate_up_dot`` / ``down_dot``: the kernels' tensor-core forms for bf16 / fp16 x, ``dot_n`` x ``dot_k`` (``down_h`` x
 # ``down_k``) weight tiles ``dot_stages`` (``down_stages``) deep, ``dot_warps`` warps; float32 x always takes the
-# GEMV forms (tl.dot would round it to tf32).
+# GEMV forms (tl.dot would round it to tf32). Kernel 1 takes its tensor-core form (as fast at one token, faster at
+# two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens).
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
-              gate_up_dot=False, dot_n=32, dot_k=128, dot_stages=4, down_dot=False, down_h=16, down_k=256,
+              gate_up_dot=True, dot_n=32, dot_k=128, dot_stages=4, down_dot=False, down_h=16, down_k=256,
               down_stages=5, dot_warps=4)
 
 

@@ -108,14 +108,16 @@ def test_reference_masked_rows_are_zero_and_real_rows_unchanged(dtype, shared):
     (7, 40, 24, 6, 3, 2, torch.float32), (2, 64, 32, 8, 6, 0, torch.bfloat16), (4, 300, 20, 5, 2, 1, torch.bfloat16)])
 @pytest.mark.parametrize("dot", [False, True])
 def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype, dot, monkeypatch):
-    """``dot``: the kernels' tensor-core forms at 16-wide tiles (bf16 / fp16 x; float32 keeps the GEMV kernels)."""
+    """``dot``: the kernels' tensor-core forms at 16-wide tiles, else the GEMV kernels (float32 x always takes the
+    GEMV kernels)."""
     from mla_compile.ops.triton import moe_experts as kernels
     from mla_compile.ops.triton.moe_experts import _launch
     from tests.ops.test_moe_route import poison_empty
 
-    if dot:
-        for key, value in dict(gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16).items():
-            monkeypatch.setitem(kernels.CONFIG, key, value)
+    forms = dict(gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16) if dot else \
+        dict(gate_up_dot=False, down_dot=False)
+    for key, value in forms.items():
+        monkeypatch.setitem(kernels.CONFIG, key, value)
 
     args = bf.make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     mask = random_mask(T, seed=T)
