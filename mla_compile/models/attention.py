@@ -164,6 +164,20 @@ class MLAAttention(nn.Module):
         """The projections of ``x [T, hidden]``, no cache access: ``q_nope [T, H, nope]``, ``q_pe [T, H, rope]``
         (rotated), ``latent [T, kv_lora_rank]`` (normed), ``k_pe [T, rope]`` (rotated). ``q_resid``: the
         normed ``q_a_proj`` output of a q-LoRA layer (computed here when None)."""
+        q_nope, q_pe, kv = self.project_raw(x, cos, sin, q_resid)
+        return (q_nope, q_pe, *self.finish_kv(kv, cos, sin))
+
+    def finish_kv(self, kv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``latent [T, kv_lora_rank]`` (normed) and ``k_pe [T, rope]`` (rotated) of the raw ``kv_a_proj_with_mqa``
+        output ``kv [T, kv_lora_rank + rope]``."""
+        c = self.config
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, c.rope_interleave)
+
+    def project_raw(self, x: Tensor, cos: Tensor, sin: Tensor, q_resid: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa``
+        output ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`)."""
         c = self.config
         T = x.shape[0]
         if self.q_proj is not None:
@@ -177,9 +191,7 @@ class MLAAttention(nn.Module):
             q, = linears(q_resid, self.q_b_proj)
         q = q.view(T, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), latent, apply_rope(k_pe, cos, sin, c.rope_interleave)
+        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
 
     def real_tokens(self, meta: MLAMetadata) -> Tensor | None:
         """``[T]`` bool, True for the step's real tokens: padding tokens (to a captured size, a ``min_batch``, a
@@ -196,6 +208,20 @@ class MLAAttention(nn.Module):
         write_backend = self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
         write_backend = None if write_backend == "auto" else write_backend
         write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=write_backend)
+
+    def write_cache_raw(self, kv: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> None:
+        """:meth:`write_cache` of the raw ``kv [T, kv_lora_rank + rope]`` (as :meth:`project_raw` returns it): with the
+        cache write's backend "auto", the latent norm, k_pe's RoPE and the write (quantizing into an fp8 cache) are
+        one ``mla::write_latent_cache_fused`` call; a backend asked for by name gets :meth:`finish_kv`'s rows."""
+        if self.kv_cache is None:
+            raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
+        if self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"] != "auto":
+            self.write_cache(*self.finish_kv(kv, cos, sin), meta)
+            return
+        c, norm = self.config, self.kv_a_layernorm
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping, self.kv_cache,
+                                               norm.variance_epsilon, c.rope_interleave)
 
     def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:

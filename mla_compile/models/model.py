@@ -116,9 +116,9 @@ class MLAForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn = layer.self_attn
             if self.regional_compile and attn.indexer is None and attn.sink_window is None:
-                q_nope, q_pe, latent, k_pe = _layer_projections(layer, h, cos, sin)
-                attn.write_cache(latent, k_pe, meta)
-                h = _layer_rest(layer, h, q_nope, q_pe, latent, k_pe, cos, sin, token_mask, *flat)
+                q_nope, q_pe, kv = _layer_projections(layer, h, cos, sin)
+                attn.write_cache_raw(kv, cos, sin, meta)
+                h = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, token_mask, *flat)
                 continue
             h = h + attn(layer.input_layernorm(h), cos, sin, meta, positions)
             h = h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
@@ -142,17 +142,20 @@ def _region(fn):
 
 
 @_region
-def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The first region of a layer: input norm and the attention projections (no cache access)."""
-    return layer.self_attn.project(layer.input_layernorm(h), cos, sin)
+def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The first region of a layer: input norm and the attention projections (no cache access), the latent left
+    raw (``MLAAttention.project_raw``): the cache write after the region norms and rotates it in its own launch."""
+    return layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin)
 
 
 @_region
-def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor,
-                sin: Tensor, token_mask: Tensor | None, *flat_meta) -> Tensor:
+def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, cos: Tensor, sin: Tensor,
+                token_mask: Tensor | None, *flat_meta) -> Tensor:
     """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP
-    (``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`)."""
+    (``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`). The
+    normed latent and rotated k_pe (of the raw ``kv``) feed only a prefill: a decode-only graph drops them."""
     meta = MLAMetadata.from_flat(*flat_meta)
+    latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
     h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
     return h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
 

@@ -22,8 +22,11 @@ def _subgraph_calls(gm: torch.fx.GraphModule) -> list[str]:
             if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
 
 
-@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
-def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shape(kind):
+@pytest.mark.parametrize("kind,cache", [("v2-lite", None), ("v3", None), ("v2-lite", "fp8")])
+def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shape(kind, cache):
+    """Also: between the regions each layer writes its cache rows from the raw latent in one
+    ``mla::write_latent_cache_fused`` call (norm + RoPE + write; quantizing into the fp8 cache), and the tokens,
+    logits and cache equal the unregional eager model's, whose norm, RoPE and write are separate ops."""
     torch._dynamo.reset()
     counters.clear()
     layers = 5
@@ -32,7 +35,7 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
     model = patch(hf, regional_compile=True)
     assert model.regional_compile and not eager_model.regional_compile
     prompts = toy.random_prompts(3, [9, 21, 4])
-    eager_model.allocate_cache(64, 4, fill=float("nan"))
+    eager_caches = eager_model.allocate_cache(64, 4, dtype=cache, fill=float("nan"))
     want = greedy_generate(eager_model, prompts, 4, block_size=4, num_blocks=64, keep_logits=True)
     graphs: list[torch.fx.GraphModule] = []
 
@@ -42,13 +45,17 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
         return aot_eager(gm, example_inputs)
 
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    model.allocate_cache(64, 4, fill=float("nan"))
+    got_caches = model.allocate_cache(64, 4, dtype=cache, fill=float("nan"))
     got = greedy_generate(compiled, prompts, 4, block_size=4, num_blocks=64, keep_logits=True)
     assert got.tokens == want.tokens
     for a, b in zip(got.step_logits, want.step_logits):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_caches, eager_caches, strict=True):  # every layer's rows, bit for bit, the NaN fill included
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert dict(counters["graph_break"]) == {}
     for gm in graphs:  # prefill and decode graphs: the MoE layers' two regions are traced once, called per layer
+        writes = [n for n in gm.graph.nodes if n.op == "call_function" and "write_latent_cache" in str(n.target)]
+        assert len(writes) == layers and all("write_latent_cache_fused" in str(n.target) for n in writes), writes
         calls = _subgraph_calls(gm)
         assert len(calls) >= 2 * (layers - 1), calls  # (Dynamo may inline the one dense layer's second region)
         assert len(set(calls)) <= 4 and len(set(calls[-2 * (layers - 1):])) == 2, calls
