@@ -101,8 +101,9 @@ class MLAForCausalLM(nn.Module):
         """One step over ``T`` flat tokens (decode tokens first, then prefill); returns logits.
 
         With ``regional_compile`` (set by :func:`patch`), each dense-attention layer runs as two nested compile
-        regions (``torch.compiler.nested_compile_region``): its projections, then its attention over the cache
-        and its MLP / MoE, with the cache write between them (Inductor takes no mutating op inside a region).
+        regions (``torch.compiler.nested_compile_region``): its projections (after the previous layer's MLP
+        residual), then its attention over the cache and its MLP / MoE, with the cache write between them
+        (Inductor takes no mutating op inside a region).
         ``torch.compile`` then compiles each region once and stamps it out for every layer of the same shape,
         so compile time hardly grows with depth; eager runs are unchanged."""
         h = self.model.embed_tokens(input_ids)
@@ -113,15 +114,23 @@ class MLAForCausalLM(nn.Module):
             meta = meta.map_tensors(torch.clone)
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
         token_mask = self.model.layers[0].self_attn.real_tokens(meta)  # the MoE skips the padding tokens' experts
+        mlp_out = None  # a region's MLP output, added to h by the next layer's first region (one launch with its norm)
         for layer in self.model.layers:
             attn = layer.self_attn
             if self.regional_compile and attn.indexer is None and attn.sink_window is None:
-                q_nope, q_pe, kv = _layer_projections(layer, h, cos, sin)
+                if mlp_out is None:
+                    q_nope, q_pe, kv = _layer_projections(layer, h, cos, sin)
+                else:
+                    h, q_nope, q_pe, kv = _layer_add_projections(layer, h, mlp_out, cos, sin)
                 attn.write_cache_raw(kv, cos, sin, meta)
-                h = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, token_mask, *flat)
+                h, mlp_out = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, token_mask, *flat)
                 continue
+            if mlp_out is not None:
+                h, mlp_out = h + mlp_out, None
             h = h + attn(layer.input_layernorm(h), cos, sin, meta, positions)
             h = h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
+        if mlp_out is not None:
+            h = h + mlp_out
         h = self.model.norm(h)
         if meta.logits_indices is not None:
             h = h[meta.logits_indices]
@@ -149,15 +158,26 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) ->
 
 
 @_region
+def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here so that the add
+    and the input norm are one kernel); also returns that sum."""
+    h = h + mlp_out
+    return (h, *layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin))
+
+
+@_region
 def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, cos: Tensor, sin: Tensor,
-                token_mask: Tensor | None, *flat_meta) -> Tensor:
-    """The second region: attention over the (already written) cache, ``o_proj``, both residuals and the MLP
-    (``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`). The
-    normed latent and rotated k_pe (of the raw ``kv``) feed only a prefill: a decode-only graph drops them."""
+                token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
+    """The second region: attention over the (already written) cache, ``o_proj``, the attention residual and the
+    MLP: returns ``(h + attention, mlp output)``, the MLP's residual left to the next layer's first region (or the
+    model's end). ``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's
+    :meth:`MLAMetadata.flat`. The normed latent and rotated k_pe (of the raw ``kv``) feed only a prefill: a
+    decode-only graph drops them."""
     meta = MLAMetadata.from_flat(*flat_meta)
     latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
     h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
-    return h + _mlp(layer, layer.post_attention_layernorm(h), token_mask)
+    return h, _mlp(layer, layer.post_attention_layernorm(h), token_mask)
 
 
 SPARSE_MODES = ("sink_window",)
