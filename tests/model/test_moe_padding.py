@@ -151,12 +151,16 @@ def test_compiled_step_passes_the_mask_without_breaks_or_recompiles(regional):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("regional", [False, True])
 @pytest.mark.parametrize("kind", toy.KINDS)
-def test_padded_decode_logits_on_gpu(kind):
+def test_padded_decode_logits_on_gpu(kind, regional):
     """The GPU twin: bf16 on CUDA, "fused" MoE (the Triton kernels skip the padding): a B=1 decode padded to 2 and
-    B=3 padded to 8 by the builder give the unpadded step's logits for the real rows, eager and compiled."""
-    model = _model(kind, device="cuda", dtype=torch.bfloat16)
+    B=3 padded to 8 by the builder give the unpadded step's logits for the real rows, eager and compiled; with
+    ``regional`` the padded model runs as compile regions (the fused norm + RoPE + cache write between them, the
+    MLP residual added in the next region) against the unregional model."""
+    model = _model(kind, device="cuda", dtype=torch.bfloat16, regional=regional)
     ref = copy.deepcopy(model)
+    ref.regional_compile = False
     chunks = _prefilled(model, device="cuda")
     _prefilled(ref, device="cuda")
     compiled = torch.compile(model, fullgraph=True)
