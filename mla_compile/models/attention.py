@@ -91,6 +91,9 @@ class MLAAttention(nn.Module):
     def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.config = config
+        # a plain float on the module, read inside compile regions: torch 2.11's Dynamo fails to lift a float field
+        # of the config (unspecialized, a graph input) into a nested region's subgraph (BENCHMARKS.md, run 165)
+        self.softmax_scale = float(config.softmax_scale)
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
         op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
@@ -262,13 +265,13 @@ class MLAAttention(nn.Module):
         if self.fp8_cache:
             name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                                  query_len=d.query_len, need_lse=False)
-            out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+            out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                         kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
             plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
             name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                                  query_len=d.query_len, need_lse=False, planned=plan is not None)
-            out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, c.softmax_scale,
+            out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                     kv_lora_rank=c.kv_lora_rank, backend=name,
                                     plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
@@ -290,7 +293,7 @@ class MLAAttention(nn.Module):
         q_abs = absorb_q(q_nope, w_uk, q_pe)
         name = self._backend("sparse_decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                              need_lse=False)
-        out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
+        out_lat, _ = ops.sparse_decode(q_abs, self.kv_cache, indices, self.softmax_scale, kv_lora_rank=c.kv_lora_rank,
                                        backend=name)
         return absorb_out(out_lat, w_uv)
 
@@ -303,13 +306,13 @@ class MLAAttention(nn.Module):
         k, v = up_project(latent, k_pe, self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
         plan = getattr(p, "plan", None)  # a host-side plan (FlashInfer) for the causal call, if the builder made one
         name = self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim), planned=plan is not None)
-        out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,
+        out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, self.softmax_scale, causal=True,
                                backend=name, plan=plan if takes_plan("prefill", name) else None)
         if p.context is not None:
             ctx = p.context
             out, lse = ops.context_attention(
                 q, out, lse, self.kv_cache, p.block_table, p.cu_seqlens_q, ctx.cu_seqlens, ctx.starts, ctx.rows,
-                self.kv_b_proj.weight, c.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
+                self.kv_b_proj.weight, self.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
                 prefill_backend=self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim)),
                 merge_backend=self._backend("merge", out.dtype, head_dims=(c.v_head_dim,)),
                 gather_backend=self._requested["gather_fp8" if self.fp8_cache else "gather"])
