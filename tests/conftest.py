@@ -1,7 +1,8 @@
 """Shared pytest setup: the ``cuda`` marker skips without a GPU; hypothesis runs the "ci" profile;
 without a GPU, Triton kernels run in Triton's interpreter; in CI a skipped test that no GPU run selects fails;
-CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it); the ``sm_90`` compile checks' children
-start when collection ends (under pytest-xdist, in the controller).
+CPU ops use one thread (``OMP_NUM_THREADS=1`` unless the caller set it); Inductor trusts the CPU's vector ISAs
+without probe builds (``TORCHINDUCTOR_VEC_ISA_OK=1`` unless set); the ``sm_90`` compile checks' children start when
+collection ends (under pytest-xdist, in the controller).
 
 ``HYPOTHESIS_PROFILE=dev`` runs many more examples (for a local bug hunt). ``TRITON_INTERPRET`` set
 by the caller is kept (``0`` runs the ``sm90_compile`` tests, which need Triton's compiler).
@@ -17,6 +18,11 @@ import tempfile
 # workers inherit the environment). The tests' tensors are tiny: a second thread only adds synchronization, and
 # on a loaded machine (CI neighbours, parallel jobs) it makes small ops orders of magnitude slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU backend takes the vector ISAs that /proc/cpuinfo lists without first compiling and loading a probe
+# library for each (read when torch._inductor.config is imported, so set here for the workers and the processes
+# tests spawn). Every process with an empty Inductor cache (the warm-start, split-plan and benchmark children) paid
+# ~13 s of g++ for those probes, every other one ~2 s of dlopen child processes; the ISA picked is the same here.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
