@@ -92,7 +92,7 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.config = config
         # a plain float on the module, read inside compile regions: torch 2.11's Dynamo fails to lift a float field
-        # of the config (unspecialized, a graph input) into a nested region's subgraph (BENCHMARKS.md, run 165)
+        # of the config (unspecialized, a graph input) into a nested region's subgraph (BENCHMARKS.md, runs 164-165)
         self.softmax_scale = float(config.softmax_scale)
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
