@@ -3,7 +3,7 @@
 Rows are (token, slot) pairs, slot ``j < k`` the j-th pick of the token and ``j >= k`` the shared expert
 ``j - k`` (a ``[I]``-wide slice of the shared MLP, weight 1). Kernel 1, grid (rows, I tiles): one
 program computes ``BLOCK_N`` columns of the row's gate and up products over all of H (a GEMV on the
-expert's rows; few tokens make tensor cores idle anyway) and stores ``silu(g) * u`` in x's dtype; the
+expert's rows) and stores ``silu(g) * u`` in x's dtype; the
 routed and shared weights live in different tensors, so a row's base pointer and row stride are selected
 with ``tl.where`` (no branch). Kernel 2, grid (tokens, H tiles): one program computes ``BLOCK_H`` outputs
 of its token, walking I in chunks and, per chunk, every slot (unrolled: k and the slot count are

@@ -20,6 +20,17 @@ class _Sm90:
         return GPUTarget("cuda", 90, 64)
 
 
+def _with_config(config: dict, change: dict, run) -> None:
+    """``run()`` with ``change`` written into a kernel module's ``config`` dict, restored after."""
+    saved = dict(config)
+    config.update(change)
+    try:
+        run()
+    finally:
+        config.clear()
+        config.update(saved)
+
+
 def main() -> None:
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
 
@@ -68,6 +79,12 @@ def main() -> None:
                                     torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf),
                                     torch.zeros(8, 64, 32, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf),
                                     torch.zeros(64, 64, **bf), False, torch.tensor([True, False, True])),
+        # the other form of each experts kernel (the GEMV gate-up, the tensor-core down)
+        lambda: _with_config(moe_experts.CONFIG, dict(gate_up_dot=False, down_dot=True), lambda: moe_experts._launch(
+            torch.randn(B, 64, generator=g).to(**bf), torch.rand(B, 3, generator=g),
+            torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf), torch.zeros(8, 64, 32, **bf),
+            torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), False,
+            torch.tensor([True, False, True]))),
     ]
     report: dict[str, list[str]] = {}
     for run in runs:
