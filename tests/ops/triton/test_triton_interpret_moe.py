@@ -48,11 +48,11 @@ VARIANTS = {"gemv": dict(gate_up_dot=False, down_dot=False), "dot": dict(gate_up
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,variant", [(torch.float32, "gemv"), *((torch.bfloat16, v) for v in VARIANTS)])
 @pytest.mark.parametrize("T,H,I,E,k,S", [(5, 40, 24, 6, 3, 2), (1, 64, 32, 8, 6, 0), (3, 300, 20, 5, 2, 1)])
 def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, variant, monkeypatch):
-    """float32 x takes the GEMV kernels under every variant (tl.dot would round it to tf32)."""
+    """bf16 x under every form; float32 x always takes the GEMV kernels (tl.dot would round it to tf32), whatever
+    the config asks: :func:`test_interpreter_float32_keeps_the_gemv_kernels`."""
     from mla_compile.ops.triton import moe_experts
     from mla_compile.ops.triton.moe_experts import _launch
 
@@ -69,3 +69,28 @@ def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, variant, monk
     assert torch.equal(out, again), "the combine must add the picks in one fixed order"
     low = _launch(*args, False)
     assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+def test_interpreter_float32_keeps_the_gemv_kernels(monkeypatch):
+    """With the tensor-core forms asked for, float32 x still launches the GEMV kernels (bf16 x the forms)."""
+    from mla_compile.ops.triton import moe_experts
+
+    for key, value in VARIANTS["dot16"].items():
+        monkeypatch.setitem(moe_experts.CONFIG, key, value)
+    names = {}
+    real = moe_experts.wrap_triton
+    for dtype in (torch.float32, torch.bfloat16):
+        args = make(2, 40, 24, 6, 3, 1, dtype=dtype, seed=9)
+        seen = []
+
+        def wrap(kernel, seen=seen):
+            seen.append(kernel.fn.__name__)
+            return real(kernel)
+
+        monkeypatch.setattr(moe_experts, "wrap_triton", wrap)
+        out = moe_experts._launch(*args, True)
+        assert rel(out, experts64(*args, round_to=dtype)) < (1e-6 if dtype == torch.float32 else 8e-3)
+        names[dtype] = seen
+    assert names[torch.float32] == ["_moe_gate_up_kernel", "_moe_down_kernel"]
+    assert names[torch.bfloat16] == ["_moe_gate_up_dot_kernel", "_moe_down_dot_kernel"]
