@@ -31,7 +31,8 @@ config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFI
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
 graphs run one sequence (their smallest capture size is 2); such a group is named ``T=1+1pad``. Each group also
 times a "read floor": ``torch.sum`` over contiguous bf16 buffers of the bytes the call must read (one buffer a
-set), what a plain streaming read of that many bytes takes here. Writes ``bench_moe.json`` and ``bench_moe.txt`` under ``--out``; a short table is printed last.
+set), what a plain streaming read of that many bytes takes here. Writes ``bench_moe.json`` and ``bench_moe.txt``
+under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
