@@ -31,6 +31,20 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 
 
 @triton.jit
+def _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n):
+    """Row pointers ``(gate, up)`` of the columns ``offs_n`` of slot ``j`` of token ``t``: the j-th pick's expert in
+    ``gate_up`` for ``j < K``, else slice ``j - K`` of the shared weights (selected with ``tl.where``, no branch)."""
+    routed = j < K
+    e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
+    shared_row = (j - K).to(tl.int64) * I  # first row of shared slice j - k
+    g_base = tl.where(routed, gu_ptr + e * s_gue, sg_ptr + shared_row * s_sg)
+    u_base = tl.where(routed, gu_ptr + e * s_gue + I * s_gun, su_ptr + shared_row * s_su)
+    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
+    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
+    return g_base + offs_n.to(tl.int64) * g_stride, u_base + offs_n.to(tl.int64) * u_stride
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
     H, I, K, SLOTS,
@@ -43,18 +57,9 @@ def _moe_gate_up_kernel(
     if HAS_MASK:
         if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
             return
-    routed = j < K
-    e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
-    shared_row = (j - K).to(tl.int64) * I  # first row of shared slice j - k
-    g_base = tl.where(routed, gu_ptr + e * s_gue, sg_ptr + shared_row * s_sg)
-    u_base = tl.where(routed, gu_ptr + e * s_gue + I * s_gun, su_ptr + shared_row * s_su)
-    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
-    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
-
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    g_rows = g_base + offs_n.to(tl.int64) * g_stride
-    u_rows = u_base + offs_n.to(tl.int64) * u_stride
+    g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
     x_row = x_ptr + t.to(tl.int64) * s_x
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -82,18 +87,9 @@ def _moe_gate_up_dot_kernel(
     if HAS_MASK:
         if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
             return
-    routed = j < K
-    e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
-    shared_row = (j - K).to(tl.int64) * I
-    g_base = tl.where(routed, gu_ptr + e * s_gue, sg_ptr + shared_row * s_sg)
-    u_base = tl.where(routed, gu_ptr + e * s_gue + I * s_gun, su_ptr + shared_row * s_su)
-    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
-    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
-
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    g_rows = g_base + offs_n.to(tl.int64) * g_stride
-    u_rows = u_base + offs_n.to(tl.int64) * u_stride
+    g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
     cols = tl.arange(0, 16)
     x_row = x_ptr + t.to(tl.int64) * s_x
     acc_g = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
