@@ -90,3 +90,26 @@ def test_metadata_flat_round_trip_and_one_choice_cache_per_model():
     model = patch(toy.toy_hf_model("v2-lite", seed=1, num_hidden_layers=3))
     assert len({a._choice_token for a in model.attentions}) == 1
     assert len({id(a._backend_choices) for a in model.attentions}) == 1
+
+
+def test_regional_write_with_a_named_cache_write_backend_keeps_the_separate_ops(monkeypatch):
+    """A cache-write backend asked for by name: the regional model (eager) norms and rotates the latent itself and
+    writes through that backend (``MLAAttention.write_cache``), with the unregional model's rows and logits."""
+    from mla_compile.models.attention import MLAAttention
+
+    hf = toy.toy_hf_model("v2-lite", seed=5, num_hidden_layers=3, first_k_dense_replace=1)
+    eager_model = patch(copy.deepcopy(hf))
+    model = patch(hf, regional_compile=True, backend="cache_write=reference")
+    calls = []
+    real = MLAAttention.write_cache
+    monkeypatch.setattr(MLAAttention, "write_cache", lambda self, *a: calls.append(self) or real(self, *a))
+    prompts = toy.random_prompts(3, [7, 12])
+    caches = [m.allocate_cache(32, 4, fill=float("nan")) for m in (eager_model, model)]
+    want = greedy_generate(eager_model, prompts, 3, block_size=4, num_blocks=32, keep_logits=True)
+    n_unregional = len(calls)
+    got = greedy_generate(model, prompts, 3, block_size=4, num_blocks=32, keep_logits=True)
+    assert got.tokens == want.tokens and len(calls) == 2 * n_unregional > 0  # every layer's write, both models
+    for a, b in zip(got.step_logits, want.step_logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(*caches, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
