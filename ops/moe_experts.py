@@ -276,14 +276,14 @@ declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(tor
 def _triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                     shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
                     out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
-    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_triton_grouped)
-    return torch.ops.mla.moe_experts_triton_grouped(x, weights, ids, gate_up, down, shared_gate, shared_up,
+    import mla_compile.ops.triton.moe_grouped  # noqa: F401  (registers mla::moe_experts_grouped_triton)
+    return torch.ops.mla.moe_experts_grouped_triton(x, weights, ids, gate_up, down, shared_gate, shared_up,
                                                     shared_down, out_float32, token_mask)
 
 
 declare(OP, "triton-grouped", _triton_grouped, rank=55, available=_triton_available,
         dtypes=(torch.float32, *HALF), package="triton", gpu_tested=True,
-        kernels=("moe_experts_triton_grouped", "_moe_sort_kernel", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
+        kernels=("moe_experts_grouped_triton", "_moe_sort_kernel", "_moe_align_kernel", "_moe_grouped_gate_up_kernel",
                  "_moe_grouped_down_kernel", "_moe_combine_kernel"),
         note="ours: pairs sorted by expert in blocks of 16-64 rows, tl.dot grouped GEMMs, each hit expert "
              "read once; deterministic combine (many tokens)")

@@ -351,8 +351,8 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     return out
 
 
-@triton_op("mla::moe_experts_triton_grouped", mutates_args=())
-def moe_experts_triton_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
+@triton_op("mla::moe_experts_grouped_triton", mutates_args=())
+def moe_experts_grouped_triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor,
                                shared_gate: Tensor | None, shared_up: Tensor | None, shared_down: Tensor | None,
                                out_float32: bool, token_mask: Tensor | None = None) -> Tensor:
     """Grouped Triton ``mla::moe_experts`` (contract of the ``_ref`` op; ``token_mask [T]`` bool: False rows give

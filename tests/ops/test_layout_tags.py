@@ -13,10 +13,26 @@ import mla_compile.ops.adapters  # noqa: F401  (and the peer adapters' ops)
 from mla_compile import ops
 
 
+def _load_triton_ops() -> None:
+    """Import every module of ``mla_compile.ops.triton`` (each registers its ops on first use otherwise): the set of
+    ops the test sees then does not depend on which tests ran before it in the same process."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    if importlib.util.find_spec("triton") is None:
+        return
+    import mla_compile.ops.triton as kernels
+
+    for module in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{module.name}")
+
+
 def _mla_ops():
-    """Every ``mla::`` op loaded so far, but the Triton kernels' ``triton_op`` s (``*_triton``, imported on first
-    use): Inductor traces into those down to their kernels, so no layout tag applies, and only our ops' own
+    """Every ``mla::`` op (the Triton modules loaded first), but the Triton kernels' ``triton_op`` s (named
+    ``*_triton``): Inductor traces into those down to their kernels, so no layout tag applies, and only our ops' own
     dispatch calls them, on the strides it checked."""
+    _load_triton_ops()
     out = []
     for name in dir(torch.ops.mla):
         if name.endswith("_triton"):

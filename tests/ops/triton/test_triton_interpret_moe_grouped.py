@@ -138,8 +138,8 @@ def test_opcheck():
     import mla_compile.ops.triton.moe_grouped  # noqa: F401
 
     x, w, ids, gu, dn, sg, su, sd = make(6, 40, 24, 6, 3, 2)
-    torch.library.opcheck(torch.ops.mla.moe_experts_triton_grouped, (x, w, ids, gu, dn, sg, su, sd, False))
-    torch.library.opcheck(torch.ops.mla.moe_experts_triton_grouped, (x, w, ids.long(), gu, dn, None, None, None, True))
+    torch.library.opcheck(torch.ops.mla.moe_experts_grouped_triton, (x, w, ids, gu, dn, sg, su, sd, False))
+    torch.library.opcheck(torch.ops.mla.moe_experts_grouped_triton, (x, w, ids.long(), gu, dn, None, None, None, True))
 
 
 def test_declared_gpu_tested_for_cuda():
@@ -213,8 +213,8 @@ def test_op_checks_the_mask_and_falls_back_on_cpu():
 
     x, w, ids, gu, dn, sg, su, sd = make(6, 40, 24, 6, 3, 2)
     with pytest.raises((ValueError, TypeError), match="token_mask"):
-        torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gu, dn, sg, su, sd, False, torch.ones(5, dtype=torch.bool))
+        torch.ops.mla.moe_experts_grouped_triton(x, w, ids, gu, dn, sg, su, sd, False, torch.ones(5, dtype=torch.bool))
     mask = torch.tensor([True, False, True, True, False, True])
-    out = torch.ops.mla.moe_experts_triton_grouped(x, w, ids, gu, dn, sg, su, sd, False, mask)
+    out = torch.ops.mla.moe_experts_grouped_triton(x, w, ids, gu, dn, sg, su, sd, False, mask)
     assert (out[~mask] == 0).all() and rel(out[mask], experts64(x, w, ids, gu, dn, sg, su, sd)[mask]) < 1e-6
-    torch.library.opcheck(torch.ops.mla.moe_experts_triton_grouped, (x, w, ids, gu, dn, sg, su, sd, False, mask))
+    torch.library.opcheck(torch.ops.mla.moe_experts_grouped_triton, (x, w, ids, gu, dn, sg, su, sd, False, mask))
