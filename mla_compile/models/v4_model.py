@@ -85,6 +85,12 @@ def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> None
         mark(meta.logits_indices, 0)
 
 
+def _norm_eps(norm: nn.Module) -> float:
+    """The epsilon of HF's ``DeepseekV4UnweightedRMSNorm``: ``variance_epsilon`` from transformers 5.25, ``eps``
+    before."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
 def _rms(x: Tensor, eps: float) -> Tensor:
     """Unweighted RMSNorm over the last dim (HF ``DeepseekV4UnweightedRMSNorm``)."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -185,7 +191,7 @@ def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """mHC weights of ``x [T, n, hidden]`` (HF ``DeepseekV4HyperConnection``'s parameters ``fn``, ``base``,
     ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn, collapsed [T, hidden])``."""
     n = hc.hc_mult
-    flat = _rms(x.reshape(x.shape[0], -1).float(), hc.input_norm.eps)
+    flat = _rms(x.reshape(x.shape[0], -1).float(), _norm_eps(hc.input_norm))
     mixes = F.linear(flat, hc.fn.float())
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
@@ -209,7 +215,7 @@ def hyper_mix(post: Tensor, comb: Tensor, block_out: Tensor, x: Tensor) -> Tenso
 
 def hyper_head(head: nn.Module, x: Tensor) -> Tensor:
     """Final collapse of the streams (HF ``DeepseekV4HyperHead``)."""
-    flat = _rms(x.flatten(1).float(), head.input_norm.eps)
+    flat = _rms(x.flatten(1).float(), _norm_eps(head.input_norm))
     pre = torch.sigmoid(F.linear(flat, head.hc_fn.float()) * head.hc_scale.float() + head.hc_base.float()) + head.eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
