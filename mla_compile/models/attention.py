@@ -205,26 +205,32 @@ class MLAAttention(nn.Module):
     def write_cache(self, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> None:
         """Write this step's latent rows into the paged cache at ``meta.slot_mapping`` (the layer's only write
         besides a sparse layer's index keys)."""
+        cache = self._require_cache()
+        write = ops.write_latent_cache_fp8 if self.fp8_cache else ops.write_latent_cache
+        write_backend = self._write_backend()
+        write(latent, k_pe, meta.slot_mapping, cache, backend=None if write_backend == "auto" else write_backend)
+
+    def _require_cache(self) -> Tensor:
+        """The layer's cache; a RuntimeError when none is allocated yet."""
         if self.kv_cache is None:
             raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
-        write = ops.write_latent_cache_fp8 if self.fp8_cache else ops.write_latent_cache
-        write_backend = self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
-        write_backend = None if write_backend == "auto" else write_backend
-        write(latent, k_pe, meta.slot_mapping, self.kv_cache, backend=write_backend)
+        return self.kv_cache
+
+    def _write_backend(self) -> str:
+        """The cache write's backend as asked for ("auto" unless named), for the cache's format."""
+        return self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"]
 
     def write_cache_raw(self, kv: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> None:
         """:meth:`write_cache` of the raw ``kv [T, kv_lora_rank + rope]`` (as :meth:`project_raw` returns it): with the
         cache write's backend "auto", the latent norm, k_pe's RoPE and the write (quantizing into an fp8 cache) are
         one ``mla::write_latent_cache_fused`` call; a backend asked for by name gets :meth:`finish_kv`'s rows."""
-        if self.kv_cache is None:
-            raise RuntimeError("MLAAttention has no cache: call MLAForCausalLM.allocate_cache(...) first")
-        if self._requested["cache_write_fp8" if self.fp8_cache else "cache_write"] != "auto":
+        if self._write_backend() != "auto":
             self.write_cache(*self.finish_kv(kv, cos, sin), meta)
             return
         c, norm = self.config, self.kv_a_layernorm
         latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping, self.kv_cache,
-                                               norm.variance_epsilon, c.rope_interleave)
+        torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
+                                               self._require_cache(), norm.variance_epsilon, c.rope_interleave)
 
     def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:
