@@ -25,6 +25,7 @@ from mla_compile import envs, ops
 from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
 from mla_compile.models.cache import fp8_row_bytes
 from mla_compile.models.config import MLAConfig
+from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.indexer import MLAIndexer
 from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops.context_attention import up_project
@@ -91,9 +92,7 @@ class MLAAttention(nn.Module):
     def __init__(self, config: MLAConfig, hf_attn: nn.Module, backend: str | None = None) -> None:
         super().__init__()
         self.config = config
-        # a plain float on the module, read inside compile regions: torch 2.11's Dynamo fails to lift a float field
-        # of the config (unspecialized, a graph input) into a nested region's subgraph (BENCHMARKS.md, runs 164-165)
-        self.softmax_scale = float(config.softmax_scale)
+        self._scale = freeze(config.softmax_scale)  # a constant of every graph (models/consts.py says why)
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
         op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
@@ -201,6 +200,11 @@ class MLAAttention(nn.Module):
         data-parallel step shape) have slot -1 in every step kind. What the model hands the MoE so it skips the
         padding's expert work; None where the slots do not tell padding apart (a cache split by token)."""
         return meta.slot_mapping >= 0
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's softmax scale (``config.softmax_scale``), a compile-time constant."""
+        return thaw(self._scale)
 
     def write_cache(self, latent: Tensor, k_pe: Tensor, meta: MLAMetadata) -> None:
         """Write this step's latent rows into the paged cache at ``meta.slot_mapping`` (the layer's only write

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.models.consts import freeze, thaw
 from mla_compile.ops.moe_experts import auto_backend, moe_experts
 from mla_compile.ops.moe_experts import combine_sorted, sort_by_expert  # noqa: F401  (their home is ops)
 from mla_compile.ops.moe_experts_fp8 import auto_backend as auto_backend_fp8
@@ -40,27 +41,32 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x.float(), weight.float())
 
 
-def route(gate: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+def route(gate: nn.Module, x: Tensor, scaling: float | None = None) -> tuple[Tensor, Tensor]:
     """DeepSeek routing for ``x [T, hidden]`` -> ``(weights [T, k] float32, expert ids [T, k])``.
 
     V3 (the gate has ``e_score_correction_bias``): sigmoid scores, group-limited choice on biased
     scores (top-2 sum per group), weights from unbiased scores, optional normalisation. V2: softmax
     scores with "greedy" or "group_limited_greedy" (max per group) choice. The math is
-    :func:`mla_compile.ops.moe_route.route_math` (traced inline: Inductor fuses it).
+    :func:`mla_compile.ops.moe_route.route_math` (traced inline: Inductor fuses it). ``scaling``: as
+    :func:`route_args`.
     """
-    return route_math(router_logits(x, gate.weight), *route_args(gate))
+    return route_math(router_logits(x, gate.weight), *route_args(gate, scaling))
 
 
-def route_args(gate: nn.Module) -> tuple:
+def route_args(gate: nn.Module, scaling: float | None = None) -> tuple:
     """The routing constants of an HF DeepSeek gate, as :func:`~mla_compile.ops.moe_route.route_math` and
-    ``mla::moe_route`` take them: ``(bias, top_k, num_group, topk_group, scoring, renormalize, scaling)``."""
+    ``mla::moe_route`` take them: ``(bias, top_k, num_group, topk_group, scoring, renormalize, scaling)``.
+    ``scaling`` (None: the gate's ``routed_scaling_factor``) lets a module pass the factor it keeps as a constant
+    (:mod:`mla_compile.models.consts`)."""
+    if scaling is None:
+        scaling = float(gate.routed_scaling_factor)
     bias = getattr(gate, "e_score_correction_bias", None)
     if bias is not None:
         return (bias, gate.top_k, gate.num_group, gate.topk_group, "sigmoid",
-                bool(getattr(gate, "norm_topk_prob", False)), float(gate.routed_scaling_factor))
+                bool(getattr(gate, "norm_topk_prob", False)), scaling)
     limited = getattr(gate, "topk_method", "greedy") == "group_limited_greedy"
     num_group, topk_group = (gate.num_group, gate.topk_group) if limited else (1, 1)
-    return None, gate.top_k, num_group, topk_group, "softmax", False, float(gate.routed_scaling_factor)
+    return None, gate.top_k, num_group, topk_group, "softmax", False, scaling
 
 
 def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, act) -> Tensor:
@@ -170,6 +176,7 @@ class MLAMoE(nn.Module):
         else:
             self.fold_shared = _foldable_shared(self.shared_experts, width)
         self.impl = impl
+        self._scaling = freeze(self.gate.routed_scaling_factor)  # a constant of every graph (models/consts.py)
 
     def _use_fused(self, x: Tensor) -> bool:
         if self.impl != "auto":
@@ -207,7 +214,7 @@ class MLAMoE(nn.Module):
         """Routing and experts through the ``mla::moe_gate_route`` (where :meth:`_gate_route`) or router GEMM +
         ``mla::moe_route``, then the ``mla::moe_experts`` ops."""
         explicit = self.impl == "fused"
-        bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate)
+        bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate, thaw(self._scaling))
         route_kw = dict(bias=bias, num_group=num_group, topk_group=topk_group, scoring=scoring, renormalize=renorm,
                         scaling=scaling)
         if self._gate_route(x):
@@ -248,7 +255,7 @@ class MLAMoE(nn.Module):
         compute them as any token."""
         if self.fusable and self._use_fused(x):
             return self._fused(x, token_mask)
-        weights, ids = route(self.gate, x)
+        weights, ids = route(self.gate, x, thaw(self._scaling))
         if self.fp8_experts:  # grouped by default on CUDA, as for bf16 experts
             grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda)
             return self.experts(x, weights, ids, grouped=grouped).to(x.dtype) + self.shared_experts(x)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
@@ -132,8 +133,7 @@ class V4Attention(nn.Module):
         self.num_heads, self.head_dim = hf_attn.num_heads, hf_attn.head_dim
         self.window = config.sliding_window
         self.o_groups = config.o_groups
-        self.eps = config.rms_norm_eps
-        self.scale = hf_attn.scaling
+        self._eps, self._scale = freeze(config.rms_norm_eps), freeze(hf_attn.scaling)  # constants (models/consts.py)
         self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
         self.index_topk = config.index_topk
         self.backend = _own_backend("v4_attention", backend)
@@ -152,7 +152,7 @@ class V4Attention(nn.Module):
         a = self.hf
         T = x.shape[0]
         q_res = a.q_a_norm(a.q_a_proj(x))
-        q = _rms(a.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), self.eps)
+        q = _rms(a.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), thaw(self._eps))
         q = rope_interleaved(q, freqs)
         kv = rope_interleaved(a.kv_norm(a.kv_proj(x)), freqs)
         write_index_cache(kv, meta.slot_mapping, self.kv_cache)  # a plain row write: [T, D] at token slots
@@ -181,7 +181,7 @@ class V4Attention(nn.Module):
                 q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
                 cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
                                    meta.query_seq, positions, rate=self.rate, topk=self.index_topk)
-        out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, self.scale,
+        out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, thaw(self._scale),
                               backend=self.backend, slots=self.slots)
         grouped = a.o_a_proj(out.reshape(T, self.o_groups, -1)).flatten(1)
         return a.o_b_proj(grouped)

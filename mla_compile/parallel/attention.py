@@ -141,7 +141,7 @@ class DCPAttention(MLAAttention):
                                      self._interleave_of(self.kv_cache))
         op = "decode_fp8" if self.fp8_cache else "decode"
         decode = ops.decode_fp8 if self.fp8_cache else ops.decode
-        out, lse = decode(q_all, self.kv_cache, table, lens, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
+        out, lse = decode(q_all, self.kv_cache, table, lens, self.softmax_scale, kv_lora_rank=c.kv_lora_rank,
                           backend=self._paged_backend(op, q_all.dtype, q_all.shape[1]))
         return self._merged_own_heads(out, lse)
 
@@ -165,7 +165,7 @@ class DCPAttention(MLAAttention):
         ``[T, H_local, v_head_dim]``."""
         c = self.config
         q_all = self._group_queries(q_nope, q_pe)
-        out, lse = ops.sparse_decode(q_all, self.kv_cache, indices, c.softmax_scale, kv_lora_rank=c.kv_lora_rank,
+        out, lse = ops.sparse_decode(q_all, self.kv_cache, indices, self.softmax_scale, kv_lora_rank=c.kv_lora_rank,
                                      backend=self._paged_backend("sparse_decode", q_all.dtype, q_all.shape[1]))
         return self._merged_own_heads(out, lse)
 
@@ -185,7 +185,7 @@ class DCPAttention(MLAAttention):
         c, P = self.config, self.dcp.size
         q = torch.cat([q_nope, q_pe], dim=-1)
         k, v = up_project(latent, k_pe, self.kv_b_proj.weight, c.num_heads, c.qk_nope_head_dim, c.v_head_dim)
-        out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, c.softmax_scale, causal=True,
+        out, lse = ops.prefill(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, self.softmax_scale, causal=True,
                                backend=self._backend("prefill", q.dtype, head_dims=(c.qk_head_dim, c.v_head_dim)))
         q_all = all_gather(q, 1, self.dcp)
         w_all = all_gather(self.kv_b_proj.weight, 0, self.dcp)  # the group's heads' W_UK / W_UV, in head order
@@ -195,7 +195,7 @@ class DCPAttention(MLAAttention):
         ctx = p.context
         ctx_out, ctx_lse = ops.context_attention(
             q_all, empty_out, empty_lse, self.kv_cache, p.block_table, p.cu_seqlens_q, ctx.cu_seqlens, ctx.starts,
-            ctx.rows, w_all, c.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
+            ctx.rows, w_all, self.softmax_scale, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
             prefill_backend=self._heads_backend("prefill", q.dtype, heads, (c.qk_head_dim, c.v_head_dim)),
             merge_backend=self._heads_backend("merge", q.dtype, heads, (c.v_head_dim,)),
             gather_backend=self._requested["gather_fp8" if self.fp8_cache else "gather"])

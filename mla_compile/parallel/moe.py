@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import experts_dense, experts_grouped, route
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import ParallelMLP, all_gather, all_reduce, all_to_all, gathered
@@ -108,6 +109,7 @@ class ParallelMoE(nn.Module):
         self.tp, self.ep, self.moe_tp, self.dp = state.tp, state.ep, state.moe_tp, state.dp
         self.dispatch = dispatch if state.ep.size > 1 else "all_reduce"
         self.impl = impl
+        self._scaling = freeze(gate.routed_scaling_factor)  # a constant of every graph (models/consts.py)
 
     def _grouped(self, x: Tensor) -> bool:
         if self.impl != "auto":
@@ -125,7 +127,7 @@ class ParallelMoE(nn.Module):
         """Over tokens that are the same on every rank."""
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.dispatch == "all_reduce":
-            weights, ids = route(self.gate, x)
+            weights, ids = route(self.gate, x, thaw(self._scaling))
             y = self.experts(x, weights, ids, self._grouped(x)).to(x.dtype)
             return all_reduce(y if shared is None else y + shared, self.tp)
         routed = self._all_to_all(x)
@@ -137,7 +139,7 @@ class ParallelMoE(nn.Module):
         padded = F.pad(x, (0, 0, 0, (-T) % P))
         C = padded.shape[0] // P
         mine = padded.narrow(0, self.ep.rank * C, C)
-        weights, ids = route(self.gate, mine)
+        weights, ids = route(self.gate, mine, thaw(self._scaling))
         # the same slice and routing to every peer (equal splits: a static shape)
         recv_x = all_to_all(mine.repeat(P, 1), self.ep)
         recv_w = all_to_all(weights.repeat(P, 1), self.ep)

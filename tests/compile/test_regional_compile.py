@@ -113,3 +113,39 @@ def test_regional_write_with_a_named_cache_write_backend_keeps_the_separate_ops(
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(*caches, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_two_models_of_other_scales_compile_in_one_process():
+    """A second regionally compiled model whose softmax and routing scales differ (v2-lite then v3: 1/sqrt(192) and 1.0 against yarn's
+    scale and 2.5), compiled after the first without a Dynamo reset, keeps both scales constants of its graphs:
+    a float attribute would have become a SymFloat graph input on that recompile ("automatic dynamic"), which
+    the ops' ``float`` arguments refuse. Each model's tokens and logits equal its eager twin's."""
+    scales = []
+    for kind in ("v2-lite", "v3"):
+        hf = toy.toy_hf_model(kind, seed=5, num_hidden_layers=3, first_k_dense_replace=1)
+        eager_model = patch(copy.deepcopy(hf))
+        model = patch(hf, regional_compile=True)
+        attn = model.model.layers[1].self_attn
+        assert isinstance(attn.softmax_scale, float) and attn.softmax_scale == attn.config.softmax_scale
+        scales.append(attn.softmax_scale)
+        prompts = toy.random_prompts(2, [7, 3])
+        eager_model.allocate_cache(32, 4)
+        want = greedy_generate(eager_model, prompts, 3, block_size=4, num_blocks=32, keep_logits=True)
+        graphs: list[torch.fx.GraphModule] = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            from torch._dynamo.backends.debugging import aot_eager
+            return aot_eager(gm, example_inputs)
+
+        model.allocate_cache(32, 4)
+        got = greedy_generate(torch.compile(model, fullgraph=True, backend=backend), prompts, 3, block_size=4,
+                              num_blocks=32, keep_logits=True)
+        assert got.tokens == want.tokens
+        for a, b in zip(got.step_logits, want.step_logits, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        floats = [n for gm in graphs for n in gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymFloat)]
+        assert graphs and not floats, floats
+    assert scales[0] != scales[1]

@@ -154,8 +154,9 @@ def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T, fresh_dyn
     """``token_mask``: the B=1 decode step padded to 2 tokens (and 5 with 2 masked). The masked tokens pick only
     an expert whose weights are NaN (no real token picks it) and have NaN x: "triton" and "auto" (eager and
     compiled) give exact 0 there; elsewhere "triton" gives its unmasked call's rows bit for bit and "auto" its own
-    unmasked call's rows to float32 rounding ("auto" takes the Triton grouped kernels from 3 tokens and at V3's
-    hidden size, where the masked pairs change the sorted blocks: H200 run 158 saw differences of ~1e-4); "grouped"
+    unmasked call's rows to the rounding of the bf16 intermediate ("auto" takes the Triton grouped kernels from 3
+    tokens and at V3's hidden size, where the masked pairs change the sorted blocks and so the order of the float32
+    sums behind each bf16 ``act(g) * u``: H200 runs 158 and 166 saw differences of ~1e-4 and 1.3e-3); "grouped"
     (which may read) zeroes the rows of an unpoisoned call."""
     name, (gate_up, down, sg, su, sd) = model_weights
     H, I, E, k, _ = DIMS[name]
@@ -179,7 +180,7 @@ def test_masked_tokens_read_no_experts_at_model_dims(model_weights, T, fresh_dyn
             if backend == "triton":
                 assert torch.equal(out[mask], want[backend][mask]), backend
             else:
-                torch.testing.assert_close(out[mask], want[backend][mask], atol=1e-3, rtol=1e-3)
+                torch.testing.assert_close(out[mask], want[backend][mask], atol=5e-3, rtol=5e-3)
     finally:
         gate_up[E - 1].copy_(saved[0])
         down[E - 1].copy_(saved[1])
