@@ -630,7 +630,8 @@ def table_text(args) -> str:
              f"{args.kv_cache}; ours backend "
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
              f"compile mode {INFO.get('hf_compile_mode')}"
-             + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else ""),
+             + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else "")
+             + f"; PDL for our custom ops' kernels {'off' if args.no_pdl else 'on (sm_90+)'}",
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
              "(tokens/s); 'steps back to back': mean step time of steps launched without a sync (host planning "
              "overlapped, as with Engine(overlap=True)); 'A vs B' rows: speedup = B's time / A's time", f"{'':28s}{head}"]
@@ -707,6 +708,8 @@ def parse_args(argv=None):
     ap.add_argument("--lowerings", action="store_true",
                     help="import mla_compile.lowerings and compile ours with its fusion passes (add "
                          "--backend decode=autotune for the autotuned decode)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch our custom ops' kernels without programmatic dependent launch (ops/triton/_pdl.py)")
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
@@ -737,6 +740,9 @@ def main(argv=None) -> None:
 
     import mla_compile  # noqa: F401  (registers the ops)
 
+    if args.no_pdl:
+        from mla_compile.ops.triton import _pdl
+        _pdl.ENABLED = False
     dev = torch.device(args.device)
     INFO.update(args={k: v for k, v in vars(args).items() if k != "torch_dtype"}, torch=torch.__version__,
                 transformers=transformers.__version__,

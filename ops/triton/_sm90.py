@@ -13,14 +13,15 @@ import torch
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 # SASS instructions counted by resources(): matrix (wgmma, mma.sync), spills, global loads (cp.async, TMA, plain)
 COUNTED = ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "LDG")
 
 
-def record(module, fn, *args, sms: int | None = None, **kwargs) -> list[tuple]:
+def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwargs) -> list[tuple]:
     """Run ``fn(*args, **kwargs)`` with ``module.wrap_triton`` replaced by a recorder (and ``module.num_sms``
-    returning ``sms`` when given, e.g. an H200's 132); returns ``(kernel, grid, args, kwargs)`` per launch."""
+    returning ``sms`` when given, e.g. an H200's 132; with ``pdl``, ``module.launch_kwargs`` giving the launch an
+    sm_90 device gets: PDL on); returns ``(kernel, grid, args, kwargs)`` per launch."""
     launches: list[tuple] = []
 
     class Recorder:
@@ -30,16 +31,20 @@ def record(module, fn, *args, sms: int | None = None, **kwargs) -> list[tuple]:
         def __getitem__(self, grid):
             return lambda *a, **k: launches.append((self.kernel, grid, a, k))
 
-    saved = module.wrap_triton, getattr(module, "num_sms", None)
+    saved = module.wrap_triton, getattr(module, "num_sms", None), getattr(module, "launch_kwargs", None)
     module.wrap_triton = Recorder
     if sms is not None:
         module.num_sms = lambda device: sms
+    if pdl:
+        module.launch_kwargs = lambda device: {"PDL": True, "launch_pdl": True}
     try:
         fn(*args, **kwargs)
     finally:
         module.wrap_triton = saved[0]
         if sms is not None:
             module.num_sms = saved[1]
+        if pdl:
+            module.launch_kwargs = saved[2]
     return launches
 
 

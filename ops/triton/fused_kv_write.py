@@ -7,7 +7,8 @@ rotated k_pe to k_pe's dtype, then both to the cache dtype.
 With ``FP8`` (a uint8 cache of DeepSeek fp8 rows) the rounded norm is quantized by the fp8 cache write's
 own helper (:func:`mla_compile.ops.triton._fp8.store_fp8_latent`: e4m3 codes + float32 group scales)
 and the rotated k_pe is stored as bfloat16, so a row's bytes are those of ``mla::write_latent_cache_fp8``
-given the same normed latent and roped k_pe.
+given the same normed latent and roped k_pe. On sm_90 it is launched with PDL (``_pdl.py``): it waits for the
+kernel before it first thing, and lets the next one be scheduled.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mla_compile.ops.triton._common import pow2
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton._fp8 import bf16_bits, store_fp8_latent
 
 
@@ -27,8 +29,10 @@ def _fused_kv_write_kernel(
     n_slots, block_size, eps,
     s_lat, s_kpe, s_cos, s_sin, s_cb, s_ct,
     DC: tl.constexpr, HALF: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVE: tl.constexpr, ROUND_NORM: tl.constexpr, FP8: tl.constexpr,
+    INTERLEAVE: tl.constexpr, ROUND_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # every operand but the norm weight comes from the step's kernels
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = (slot >= 0) & (slot < n_slots)
@@ -96,5 +100,5 @@ def launch(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: 
         kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1], float(eps),
         latent.stride(0), k_pe.stride(0), cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         DC=dc, HALF=half, BLOCK_DC=pow2(dc, 128 if fp8 else 16), BLOCK_HALF=pow2(half), INTERLEAVE=bool(interleave),
-        ROUND_NORM=bool(round_norm), FP8=fp8, num_warps=4 if dc <= 512 else 8,
+        ROUND_NORM=bool(round_norm), FP8=fp8, num_warps=4 if dc <= 512 else 8, **launch_kwargs(latent.device),
     )

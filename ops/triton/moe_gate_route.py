@@ -26,6 +26,7 @@ from mla_compile.ops._workspace import workspace
 from mla_compile.ops.moe_gate_route import MAX_ROWS, OP, fake, validate
 from mla_compile.ops.moe_route import MAX_EXPERTS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton.moe_route import _route_rows, route_meta
 
 # Launch parameters (a benchmark may swap them): ``tile``, gate elements a program loads per step
@@ -44,8 +45,9 @@ def _moe_gate_route_kernel(
     ROWS: tl.constexpr, SLICE_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
     NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr,
+    RENORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
     es = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
     es_ok = es < E
     r_idx = tl.arange(0, ROWS)
@@ -55,6 +57,7 @@ def _moe_gate_route_kernel(
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < H
         g = tl.load(g_rows[:, None] + h[None, :], mask=es_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)  # the gate's tile is in flight before x, the previous kernel's output, is read
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(g * xr[None, :], axis=1)
@@ -111,7 +114,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     wrap_triton(_moe_gate_route_kernel)[(triton.cdiv(E, slice_e),)](
         x, weight, bias_arg, weights, ids, logits, count, T, H, E, E // num_group, x.stride(0), weight.stride(0),
         weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta,
-        num_warps=CONFIG["few_warps" if few else "num_warps"],
+        num_warps=CONFIG["few_warps" if few else "num_warps"], **launch_kwargs(x.device if H else torch.device("cpu")),
     )
     return weights, ids
 

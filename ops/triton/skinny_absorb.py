@@ -7,6 +7,7 @@ into the last ``Dr`` columns. ``_skinny_absorb_out_kernel``, grid (heads, value-
 ``W_UV[h]``'s ``[BLOCK_V, BLOCK_C]`` tiles (the reduction runs over the latent dim) and writes each token's
 ``BLOCK_V`` outputs at ``h * V`` of its token-major row. The weights' head and row strides are taken as given
 (``kv_b_proj``'s views); a weight without a unit last stride is copied first (the model's views have one).
+On sm_90 both are launched with PDL (``_pdl.py``): the first weight tile is requested before the wait.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.library import wrap_triton
 
 from mla_compile.ops.skinny_absorb import MAX_ROWS, validate_out, validate_q
 from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 Q_BLOCK_C = 64  # latent columns a program of absorb_q writes
 Q_MAX_BLOCK_N = 128
@@ -31,8 +33,9 @@ def _skinny_absorb_q_kernel(
     q_ptr, w_ptr, pe_ptr, out_ptr,
     T, N, C, R,
     s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
     hd = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -45,6 +48,7 @@ def _skinny_absorb_q_kernel(
         n_ok = n < N
         w = tl.load(w_head + n[:, None].to(tl.int64) * s_wn + c[None, :],
                     mask=n_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)  # W_UK's tile is in flight before q, the previous kernel's output, is read
         for r in tl.static_range(ROWS):
             xr = tl.load(q_ptr + r * s_qt + hd * s_qh + n, mask=n_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(w * xr[:, None], axis=0)
@@ -64,8 +68,9 @@ def _skinny_absorb_out_kernel(
     x_ptr, w_ptr, out_ptr,
     T, C, V,
     s_xt, s_xh, s_wh, s_wv, s_ot,
-    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
     hd = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V
@@ -77,6 +82,7 @@ def _skinny_absorb_out_kernel(
         c_ok = c < C
         w = tl.load(w_rows[:, None] + c[None, :], mask=v_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
+        pdl_wait(PDL)  # W_UV's tile is in flight before the latent output is read
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_xt + hd * s_xh + c, mask=c_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(w * xr[None, :], axis=1)
@@ -101,6 +107,7 @@ def launch_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
         q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         ROWS=MAX_ROWS, BLOCK_N=min(triton.next_power_of_2(N), Q_MAX_BLOCK_N), BLOCK_C=Q_BLOCK_C,
         BLOCK_R=triton.next_power_of_2(max(R, 1)), num_warps=4,
+        **launch_kwargs(q_nope.device if N else torch.device("cpu")),  # N = 0: no loop, so no wait: no PDL
     )
     return out
 
@@ -119,6 +126,7 @@ def launch_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
         out_lat, w_uv, out, T, C, V,
         out_lat.stride(0), out_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         ROWS=MAX_ROWS, BLOCK_V=OUT_BLOCK_V, BLOCK_C=min(triton.next_power_of_2(C), OUT_MAX_BLOCK_C), num_warps=4,
+        **launch_kwargs(out_lat.device if C else torch.device("cpu")),  # C = 0: no loop, so no wait: no PDL
     )
     return out
 

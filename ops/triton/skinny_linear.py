@@ -5,7 +5,8 @@ weight's tiles, then the second's: base pointer, stride and output selected with
 ``M_BLOCK`` rows of x, loads the weight tile over the whole of K in one step where K allows (``BLOCK_K`` up to
 ``MAX_BLOCK_K``: the most bytes in flight, as the fused MoE kernels' measured best), and writes each row's
 ``BLOCK_N`` outputs from float32 sums. Rows of x past ``M_BLOCK`` go to another program, which reads the same
-weight rows again (from L2 for a few rows).
+weight rows again (from L2 for a few rows). On sm_90 it is launched with PDL (``_pdl.py``): the first weight tile
+is requested before the kernel waits for the one before it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.library import wrap_triton
 
 from mla_compile.ops.skinny_linear import MAX_ROWS, fake, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 BLOCK_N = 4
 MAX_BLOCK_K = 2048
@@ -29,8 +31,9 @@ def _skinny_linear_kernel(
     x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
     M, N1, N2, K, TILES1,
     s_x, s_w1, s_w2, s_y1, s_y2,
-    M_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(PDL)
     tile = tl.program_id(0)
     first = tile < TILES1
     n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
@@ -50,6 +53,7 @@ def _skinny_linear_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        pdl_wait(PDL)  # the weight tile is in flight before x, the previous kernel's output, is read
         for i in tl.static_range(M_BLOCK):
             m = m0 + i
             xr = tl.load(x_ptr + m.to(tl.int64) * s_x + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
@@ -77,6 +81,7 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
         x, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1,
         x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
         M_BLOCK=M_BLOCK, BLOCK_N=BLOCK_N, BLOCK_K=min(triton.next_power_of_2(K), MAX_BLOCK_K), num_warps=4,
+        **launch_kwargs(x.device if K else torch.device("cpu")),  # K = 0: no loop, so no wait: no PDL
     )
     return outs
 

@@ -102,3 +102,52 @@ def test_cuda_compiled_and_graph_replay():
     static.copy_(x[2:4])
     graph.replay()
     _check(outs, x[2:4], ws, 5e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pdl_chain_reads_each_previous_output():
+    """On sm_90 the kernel is launched with programmatic dependent launch (``ops/triton/_pdl.py``): it may start
+    while the kernel before it runs and requests its weights before it waits. A chain of 24 calls, each reading
+    the one before's output (and a torch op between some of them), eagerly and replayed from a CUDA graph on new
+    inputs, equals the float64 chain of the same bf16 roundings: a missing wait would read a half-written x."""
+    from mla_compile.ops.triton import _pdl
+
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert _pdl.enabled(torch.device("cuda")) and _pdl.launch_kwargs(torch.device("cuda"))["launch_pdl"]
+    gen = torch.Generator().manual_seed(11)
+    ws = [(torch.randn(2048, 2048, generator=gen) / 2048 ** 0.5).cuda().bfloat16() for _ in range(24)]
+
+    def chain(x):
+        for i, w in enumerate(ws):
+            x = skinny_linear(x, [w], backend="triton")[0]
+            if i % 5 == 4:
+                x = x * 1.5  # a torch kernel (launched without PDL) between two of ours
+        return x
+
+    def reference(x):
+        x = x.double()
+        for i, w in enumerate(ws):
+            x = (x @ w.double().t()).bfloat16().double()
+            if i % 5 == 4:
+                x = (x.bfloat16() * 1.5).double()
+        return x
+
+    def close(got, want):  # the float32 sums may round a value the other way: a small drift over 24 steps
+        assert torch.isfinite(got).all()
+        assert float((got.double() - want).norm() / want.norm()) < 2e-2
+
+    x = torch.randn(2, 2048, generator=gen).cuda().bfloat16()
+    close(chain(x), reference(x))
+    static = x.clone()
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(static)
+    for seed in (1, 2):
+        new = torch.randn(2, 2048, generator=torch.Generator().manual_seed(seed)).cuda().bfloat16()
+        static.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        close(out, reference(new))

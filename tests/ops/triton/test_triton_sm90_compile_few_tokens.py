@@ -37,8 +37,9 @@ def test_moe_gate_route_kernel_compiles_for_sm90(T, E, H, k, G, TG, scoring, bia
     from mla_compile.ops.triton import _sm90, moe_gate_route
 
     launches = _sm90.record(moe_gate_route, moe_gate_route._launch, _meta(T, H), _meta(E, H),
-                            _meta(E, dtype=torch.float32) if bias else None, k, G, TG, scoring, renorm, scaling)
-    assert len(launches) == 1
+                            _meta(E, dtype=torch.float32) if bias else None, k, G, TG, scoring, renorm, scaling,
+                            pdl=True)
+    assert len(launches) == 1 and launches[0][3]["PDL"]  # as an sm_90 device launches it
     _no_spills(launches)
 
 
@@ -51,7 +52,7 @@ def test_skinny_absorb_kernels_compile_for_sm90(T, H):
 
     N = V = 128
     w = _meta(H * (N + V), 512).view(H, N + V, 512)
-    launches = _sm90.record(skinny_absorb, skinny_absorb.launch_q, _meta(T, H, N), w[:, :N], _meta(T, H, 64))
-    launches += _sm90.record(skinny_absorb, skinny_absorb.launch_out, _meta(T, H, 512), w[:, N:])
-    assert len(launches) == 2
+    launches = _sm90.record(skinny_absorb, skinny_absorb.launch_q, _meta(T, H, N), w[:, :N], _meta(T, H, 64), pdl=True)
+    launches += _sm90.record(skinny_absorb, skinny_absorb.launch_out, _meta(T, H, 512), w[:, N:], pdl=True)
+    assert len(launches) == 2 and all(launch[3]["PDL"] for launch in launches)  # as an sm_90 device launches them
     _no_spills(launches)

@@ -118,6 +118,6 @@ def test_skinny_linear_kernel_compiles_for_sm90(M, K, Ns):
     from mla_compile.ops.triton import _sm90, skinny_linear
 
     meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
-    launches = _sm90.record(skinny_linear, skinny_linear._launch, meta(M, K), [meta(N, K) for N in Ns])
-    assert len(launches) == 1
+    launches = _sm90.record(skinny_linear, skinny_linear._launch, meta(M, K), [meta(N, K) for N in Ns], pdl=True)
+    assert len(launches) == 1 and launches[0][3]["PDL"]  # as an sm_90 device launches it
     _no_spills(launches)

@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL, sm_90 and later) for the kernels of our opaque custom ops.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream still runs (once
+every program of that one has called ``gdc_launch_dependents`` or ended); ``gdc_wait`` then blocks until that
+kernel has finished and its writes are visible. The weights of a GEMV can so stream in while the kernel before
+it finishes (a CUDA graph records the launch as a programmatic edge). Every kernel that takes a ``PDL`` flag keeps
+this contract:
+
+- it calls :func:`pdl_launch_dependents` early (the next kernel may be scheduled; that one waits for itself);
+- before :func:`pdl_wait` it only reads operands that no kernel of a step writes (weights), and writes nothing;
+- every program calls :func:`pdl_wait` before it ends, so the kernel cannot end before the one before it did
+  (a later kernel's wait then also covers every kernel before).
+
+Only launches inside a ``torch.library.custom_op`` body use it: Inductor regenerates the launches of a
+``triton_op``'s kernels and would not pass the flag on (those kernels run as before).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = True  # a benchmark may turn it off to compare (bench_decode_step --no-pdl)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` take PDL: a CUDA device of compute capability 9.0 or later (a cached host
+    query, no sync) and :data:`ENABLED`. The Triton interpreter's CPU tensors never do."""
+    if not ENABLED or device.type != "cuda":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """The kernel's ``PDL`` constexpr and, when on, the ``launch_pdl`` launch option, for ``kernel[grid](...,
+    **launch_kwargs(device))``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+
+
+@triton.jit
+def pdl_launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel of the stream be scheduled (it waits for this one itself)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Block until the kernel before this one has ended and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
