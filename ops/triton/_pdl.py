@@ -2,17 +2,19 @@
 
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream still runs (once
 every program of that one has called ``gdc_launch_dependents`` or ended); ``gdc_wait`` then blocks until that
-kernel has finished and its writes are visible. The weights of a GEMV can so stream in while the kernel before
-it finishes (a CUDA graph records the launch as a programmatic edge). Every kernel that takes a ``PDL`` flag keeps
+kernel has ended and its writes are visible. The weights of a GEMV can so stream in while the kernel before it
+finishes (a CUDA graph records the launch as a programmatic edge). Every kernel that takes a ``PDL`` flag keeps
 this contract:
 
-- it calls :func:`pdl_launch_dependents` early (the next kernel may be scheduled; that one waits for itself);
 - before :func:`pdl_wait` it only reads operands that no kernel of a step writes (weights), and writes nothing;
-- every program calls :func:`pdl_wait` before it ends, so the kernel cannot end before the one before it did
-  (a later kernel's wait then also covers every kernel before).
+- every program calls :func:`pdl_wait`, and :func:`pdl_launch_dependents` only after it. So when the next kernel
+  starts, every kernel before this one has ended: the next one only overlaps this one, and need only wait before
+  it reads what this one writes. Inductor's PDL code (``TORCHINDUCTOR_ENABLE_PDL=1``, off by default) keeps the
+  same order (its wait before its trigger) and relies on it: its kernels wait only for their direct predecessor.
 
 Only launches inside a ``torch.library.custom_op`` body use it: Inductor regenerates the launches of a
-``triton_op``'s kernels and would not pass the flag on (those kernels run as before).
+``triton_op``'s kernels and would not pass the flag on (those kernels run as before). Measured effect on the
+full-depth step: BENCHMARKS.md (runs 166-168).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def launch_kwargs(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel of the stream be scheduled (it waits for this one itself)."""
+    """Let the next kernel of the stream be scheduled (after :func:`pdl_wait`: see the module's contract)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 

@@ -8,7 +8,7 @@ With ``FP8`` (a uint8 cache of DeepSeek fp8 rows) the rounded norm is quantized 
 own helper (:func:`mla_compile.ops.triton._fp8.store_fp8_latent`: e4m3 codes + float32 group scales)
 and the rotated k_pe is stored as bfloat16, so a row's bytes are those of ``mla::write_latent_cache_fp8``
 given the same normed latent and roped k_pe. On sm_90 it is launched with PDL (``_pdl.py``): it waits for the
-kernel before it first thing, and lets the next one be scheduled.
+kernel before it first thing, then lets the next one be scheduled.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _fused_kv_write_kernel(
     DC: tl.constexpr, HALF: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr, ROUND_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # every operand but the norm weight comes from the step's kernels
+    pdl_launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = (slot >= 0) & (slot < n_slots)

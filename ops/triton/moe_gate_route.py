@@ -47,7 +47,6 @@ def _moe_gate_route_kernel(
     NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     es = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
     es_ok = es < E
     r_idx = tl.arange(0, ROWS)
@@ -58,6 +57,7 @@ def _moe_gate_route_kernel(
         h_ok = h < H
         g = tl.load(g_rows[:, None] + h[None, :], mask=es_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         pdl_wait(PDL)  # the gate's tile is in flight before x, the previous kernel's output, is read
+        pdl_launch_dependents(PDL)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(g * xr[None, :], axis=1)

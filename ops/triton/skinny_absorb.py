@@ -35,7 +35,6 @@ def _skinny_absorb_q_kernel(
     s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     hd = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -49,6 +48,7 @@ def _skinny_absorb_q_kernel(
         w = tl.load(w_head + n[:, None].to(tl.int64) * s_wn + c[None, :],
                     mask=n_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
         pdl_wait(PDL)  # W_UK's tile is in flight before q, the previous kernel's output, is read
+        pdl_launch_dependents(PDL)
         for r in tl.static_range(ROWS):
             xr = tl.load(q_ptr + r * s_qt + hd * s_qh + n, mask=n_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(w * xr[:, None], axis=0)
@@ -70,7 +70,6 @@ def _skinny_absorb_out_kernel(
     s_xt, s_xh, s_wh, s_wv, s_ot,
     ROWS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     hd = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V
@@ -83,6 +82,7 @@ def _skinny_absorb_out_kernel(
         w = tl.load(w_rows[:, None] + c[None, :], mask=v_ok[:, None] & c_ok[None, :],
                     other=0.0).to(tl.float32)
         pdl_wait(PDL)  # W_UV's tile is in flight before the latent output is read
+        pdl_launch_dependents(PDL)
         for r in tl.static_range(ROWS):
             xr = tl.load(x_ptr + r * s_xt + hd * s_xh + c, mask=c_ok & (r < T), other=0.0).to(tl.float32)
             part = tl.sum(w * xr[None, :], axis=1)

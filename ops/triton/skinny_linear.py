@@ -33,7 +33,6 @@ def _skinny_linear_kernel(
     s_x, s_w1, s_w2, s_y1, s_y2,
     M_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_launch_dependents(PDL)
     tile = tl.program_id(0)
     first = tile < TILES1
     n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
@@ -54,6 +53,7 @@ def _skinny_linear_kernel(
         k_ok = k < K
         w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         pdl_wait(PDL)  # the weight tile is in flight before x, the previous kernel's output, is read
+        pdl_launch_dependents(PDL)
         for i in tl.static_range(M_BLOCK):
             m = m0 + i
             xr = tl.load(x_ptr + m.to(tl.int64) * s_x + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
