@@ -21,6 +21,7 @@ from torch.library import triton_op, wrap_triton
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
                                              online_softmax_step, paged_rows, pow2, split_count)
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton._plan import split_buffers, split_plan
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
@@ -90,10 +91,13 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
-                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
     of the row's partial outputs (every program recomputes the row's weights from its base-2 LSEs; the first
-    column program stores the natural-log LSE)."""
+    column program stores the natural-log LSE). ``PDL``: launched with programmatic dependent launch (``_pdl.py``):
+    everything it reads is the split kernel's, so it waits first."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     offs_s = tl.arange(0, CHUNK_S)
@@ -227,17 +231,18 @@ def decode_outputs(q: Tensor, dc: int) -> tuple[Tensor, Tensor]:
 
 
 def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, rows: int, splits, split_cap,
-                  dc: int, block_dc: int, direct: bool) -> None:
+                  dc: int, block_dc: int, direct: bool, pdl: bool = False) -> None:
     """Merge the splits' partial outputs and base-2 LSEs into ``out``/``lse`` (nothing to do when ``direct``):
     the first ``min(splits, max(split_cap, 1))`` of each row's ``splits`` slots, the ones the split kernel
     used, in programs of ``REDUCE["block_c"]`` columns when there are few rows. ``wrap`` is the caller module's
-    ``wrap_triton`` (tests record launches through it)."""
+    ``wrap_triton`` (tests record launches through it). ``pdl``: the caller is a custom op's body (not a
+    ``triton_op``, whose launches Inductor regenerates), so the launch may take PDL (``_pdl.py``)."""
     if not direct:
         few = isinstance(rows, int) and rows <= REDUCE["max_rows"]  # a symbolic count is never compared (no guard)
         block_c = min(block_dc, REDUCE["block_c"] or block_dc) if few else block_dc
         wrap(_decode_reduce_kernel)[(rows, triton.cdiv(dc, block_c))](
             o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)),
-            BLOCK_C=block_c, num_warps=4,
+            BLOCK_C=block_c, num_warps=4, **(launch_kwargs(out.device) if pdl else {"PDL": False}),
         )
 
 

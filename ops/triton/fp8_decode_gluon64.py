@@ -492,7 +492,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
         num_warps=NUM_WARPS,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct, pdl=True)
     return out, lse
 
 

@@ -439,7 +439,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
         **cfg,
         num_warps=NUM_WARPS,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct)
+    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct, pdl=True)
     return out, lse
 
 
