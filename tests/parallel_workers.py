@@ -18,6 +18,10 @@ from mla_compile.parallel import ParallelConfig, init
 
 BS = 4
 NUM_BLOCKS = 48
+# toy overrides for the compiled cases: one MoE layer (attention, routed + shared experts, lm_head). Dynamo's and
+# AOTAutograd's tracing time grows with the layers traced; the collectives and graphs are those of any layer count,
+# and the two-layer toy (a dense layer first) runs eagerly in every other case.
+ONE_MOE_LAYER = dict(num_hidden_layers=1, first_k_dense_replace=0)
 
 
 def _blocks(lens, seed):
@@ -332,13 +336,14 @@ def _dp_steps(vocab: int, group: int):
     return steps
 
 
-def dp_attention_equals_single(rank, world, kind, pconf, compile_too):
+def dp_attention_equals_single(rank, world, kind, pconf, compile_too, overrides=None):
     """Data-parallel attention: each attention group runs its own requests; its logits equal the single-process
-    model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives."""
+    model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives.
+    ``overrides``: toy config changes."""
     from mla_compile.models.cache import CacheLayout
 
     state = init(ParallelConfig(**pconf), timeout=60)
-    hf = toy.toy_hf_model(kind, seed=9)
+    hf = toy.toy_hf_model(kind, seed=9, **(overrides or {}))
     ref = patch(copy.deepcopy(hf))
     steps = _dp_steps(hf.config.vocab_size, rank // state.config.attn_tp)
     want = _run(ref, steps)
@@ -400,15 +405,16 @@ def cuda_graphs(rank, world, pconf):
             "real_group": state.tp.group is not None}
 
 
-def dcp_model_equals_single(rank, world, kind, interleave, compile_too, kv_cache="bf16"):
+def dcp_model_equals_single(rank, world, kind, interleave, compile_too, kv_cache="bf16", overrides=None):
     """DCP over both ranks (tp=2, dcp=2): each rank caches its tokens of every sequence (block-interleaved); the
     logits of prefill and decode steps equal the single-process model's (with the same ``kv_cache`` format: the
-    fp8 rows quantize the same latents alike). Also the per-rank cache rows written."""
+    fp8 rows quantize the same latents alike). Also the per-rank cache rows written (the first layer's).
+    ``overrides``: toy config changes."""
     from mla_compile.models.cache import FP8_POISON
     from mla_compile.parallel.dcp import local_seq_lens, plan_dcp_step
 
     state = init(ParallelConfig(tp=world, dcp=world), timeout=60)
-    hf = toy.toy_hf_model(kind, seed=13)
+    hf = toy.toy_hf_model(kind, seed=13, **(overrides or {}))
     ref = patch(copy.deepcopy(hf))
     gen = torch.Generator().manual_seed(4)
     vocab = hf.config.vocab_size
@@ -699,18 +705,19 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
     return res
 
 
-def dcp_one_rank(kind, device, query_len, compile_backend=None, sink_window=None):
+def dcp_one_rank(kind, device, query_len, compile_backend=None, sink_window=None, overrides=None):
     """The DCP layers over a group of one rank (no process group: the collectives are skipped) on ``device``,
     through :func:`_dcp_script`: ``DCPAttention`` (and ``DCPIndexer``) built from a patched model's layers, so
     their code paths (per-query causal limits, candidate merge; with ``sink_window=(sink, window)`` the sink +
     window slots of each rank) run with the device's backends. Max logits error against the patched model, eager
-    and (``compile_backend``) compiled fullgraph, and the longest sequence of the script."""
+    and (``compile_backend``) compiled fullgraph, and the longest sequence of the script. ``overrides``: toy config
+    changes."""
     from mla_compile.models.metadata import mark_dynamic
     from mla_compile.parallel.attention import DCPAttention
     from mla_compile.parallel.dcp import plan_dcp_step
     from mla_compile.parallel.groups import Group
 
-    hf = toy.toy_hf_model(kind, seed=17, device=device)
+    hf = toy.toy_hf_model(kind, seed=17, device=device, **(overrides or {}))
     sparse = {} if sink_window is None else dict(sparse="sink_window", sink=sink_window[0], window=sink_window[1])
     ref = patch(copy.deepcopy(hf), **sparse)
     model = patch(hf, **sparse)

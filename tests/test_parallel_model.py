@@ -2,7 +2,8 @@
 
 Each test spawns 2 CPU processes (tests/dist_helpers.py) that run a bodies in tests/parallel_workers.py:
 prefill, chunked prefill over a prefix-cached context mixed with a decode, and decode steps, over a
-NaN-filled cache; V2-Lite- and V3-shaped toys.
+NaN-filled cache; V2-Lite- and V3-shaped toys (the compiled cases with one MoE layer, the others with a dense
+layer and a MoE layer).
 """
 
 import pytest
@@ -48,7 +49,8 @@ def test_ep2_equals_single_process(kind, dispatch):
 
 @pytest.mark.parametrize("kind,pconf", [("v2-lite", dict(tp=2)), ("v3", dict(tp=2, ep=2))])
 def test_compiled_fullgraph_with_collectives_in_the_graph(kind, pconf):
-    results = run_ranks(w.sharded_equals_single, 2, kind, pconf, "all_to_all", True, timeout=240)
+    # one MoE layer (w.ONE_MOE_LAYER): the collectives of attention, experts and lm_head at half the tracing time
+    results = run_ranks(w.sharded_equals_single, 2, kind, pconf, "all_to_all", True, w.ONE_MOE_LAYER, timeout=240)
     for r in results:
         assert r["compiled_err"] <= TOL and r["other_batch_err"] <= TOL, r
         assert r["graph_breaks"] == {}
@@ -77,7 +79,8 @@ def test_sparse_v32_tp2_ep2_equals_single_process():
 @pytest.mark.parametrize("kind,pconf,compile_too", [("v3", dict(tp=2, dp_attention=2), False),
                                                     ("v2-lite", dict(tp=2, dp_attention=2, ep=2), True)])
 def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pconf, compile_too):
-    results = run_ranks(w.dp_attention_equals_single, 2, kind, pconf, compile_too, timeout=240)
+    overrides = w.ONE_MOE_LAYER if compile_too else None  # compiled: one layer, as above
+    results = run_ranks(w.dp_attention_equals_single, 2, kind, pconf, compile_too, overrides, timeout=240)
     for r in results:
         assert r["err"] <= TOL, r
         assert r["heads"] == 4 and r["copies"] == 1  # all heads per rank, own cache: no duplicated latent
@@ -88,7 +91,8 @@ def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pc
 @pytest.mark.parametrize("kind,interleave,compile_too,kv_cache", [("v3", 4, False, "bf16"), ("v2-lite", 1, True, "bf16"),
                                                                   ("v3", 2, False, "fp8")])
 def test_dcp2_model_equals_single_process_with_each_token_cached_once(kind, interleave, compile_too, kv_cache):
-    results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, kv_cache, timeout=240)
+    overrides = w.ONE_MOE_LAYER if compile_too else None  # compiled: one layer, as above
+    results = run_ranks(w.dcp_model_equals_single, 2, kind, interleave, compile_too, kv_cache, overrides, timeout=240)
     for r in results:
         assert r["type"] == "DCPAttention" and r["finite"]
         assert r["err"] <= TOL and r["ctx_err"] <= TOL, r
