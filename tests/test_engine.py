@@ -109,7 +109,9 @@ def _tiny_engine(model, num_blocks=40, fail_from=None, sampling=False, **kw):
     return Engine(runner, num_blocks=num_blocks, **kw)
 
 
-@pytest.mark.parametrize("n_requests, abort_rate, invalid_rate, fail_from", [(600, 0.0, 0.0, None),
+# The clean trace (no aborts, bad requests or failures) is shorter: each request's tokens alone cost most of the
+# time, and the faulty trace already drives 875 of its requests to their last token.
+@pytest.mark.parametrize("n_requests, abort_rate, invalid_rate, fail_from", [(200, 0.0, 0.0, None),
                                                                           (1000, 0.1, 0.05, 300)])
 def test_trace_with_aborts_bad_requests_and_a_failing_step_gives_each_request_its_tokens_alone(
         tiny, n_requests, abort_rate, invalid_rate, fail_from):
@@ -123,7 +125,8 @@ def test_trace_with_aborts_bad_requests_and_a_failing_step_gives_each_request_it
     alone = alone_outputs(_tiny_engine(tiny, enable_prefix_caching=False), trace)
     counts = check_trace(engine, trace, seen, alone)
     demand = sum(-(-(len(r.prompt) + r.max_new_tokens) // 4) for r in trace if r.valid)
-    assert demand > 50 * 40 and engine.cached_prompt_tokens > 1000  # cache pressure, prefix hits
+    # cache pressure (the valid requests' blocks: 24x the cache at 200 requests) and prefix hits
+    assert demand > 20 * 40 and engine.cached_prompt_tokens > n_requests
     if fail_from is None:
         assert counts["finished"] == n_requests and not seen.failures
         return
