@@ -352,8 +352,8 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
     options = {}
     if args.lowerings:  # backend "decode=autotune" is asked for through --backend
         import mla_compile.lowerings as lowerings
-        options = lowerings.compile_options(passes=True)
-        INFO["lowerings"] = f"installed={lowerings.LOWERING_INSTALLED}, passes {sorted(options) or 'off'}"
+        options = lowerings.compile_options(passes=True, pdl=not args.no_pdl)
+        INFO["lowerings"] = f"installed={lowerings.LOWERING_INSTALLED}, options {sorted(options) or 'none'}"
     if dev.type == "cuda" and args.compile:
         # what DecodeGraphRunner sets: set here, before the first compiled call, so the compiled rows compile the
         # graph the captured rows replay (set later, its guard recompiles the model inside the capture time)
@@ -631,7 +631,8 @@ def table_text(args) -> str:
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
              f"compile mode {INFO.get('hf_compile_mode')}"
              + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else "")
-             + f"; PDL for our custom ops' kernels {'off' if args.no_pdl else 'on (sm_90+)'}",
+             + "; PDL " + ("off" if args.no_pdl else "on (sm_90+): our custom ops' kernels"
+                           + (", Inductor's" if args.lowerings else "")),
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
              "(tokens/s); 'steps back to back': mean step time of steps launched without a sync (host planning "
              "overlapped, as with Engine(overlap=True)); 'A vs B' rows: speedup = B's time / A's time", f"{'':28s}{head}"]
@@ -709,7 +710,8 @@ def parse_args(argv=None):
                     help="import mla_compile.lowerings and compile ours with its fusion passes (add "
                          "--backend decode=autotune for the autotuned decode)")
     ap.add_argument("--no-pdl", action="store_true",
-                    help="launch our custom ops' kernels without programmatic dependent launch (ops/triton/_pdl.py)")
+                    help="no programmatic dependent launch: neither our custom ops' kernels (ops/triton/_pdl.py) nor, "
+                         "with --lowerings, Inductor's (lowerings.compile_options(pdl=False))")
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)

@@ -277,17 +277,20 @@ class MLAFusionPass(CustomGraphPass):
         return f"mla_compile.lowerings.passes:{_source_hash()}:{','.join(selected_passes()) or 'off'}"
 
 
-def compile_options(passes: bool | None = None) -> dict:
-    """Inductor options for ``torch.compile(options=...)``: the MLA passes as ``post_grad_custom_post_pass``.
+def compile_options(passes: bool | None = None, pdl: bool = True) -> dict:
+    """Inductor options for ``torch.compile(options=...)``: the MLA passes as ``post_grad_custom_post_pass`` and
+    Inductor's programmatic dependent launch (``triton.enable_pdl``).
 
-    ``passes``: None follows ``MLA_COMPILE_PASSES`` (default on); False returns ``{}``.
+    ``passes``: None follows ``MLA_COMPILE_PASSES`` (default on); False leaves them out. ``pdl``: Inductor's
+    kernels launched with PDL where the device has it (sm_90 and later; no effect elsewhere), so our custom ops'
+    PDL kernels (``mla_compile.ops.triton._pdl``) overlap the kernels around them too.
     """
     on = envs.passes_enabled() if passes is None else passes
-    return {"post_grad_custom_post_pass": MLAFusionPass()} if on else {}
+    return ({"post_grad_custom_post_pass": MLAFusionPass()} if on else {}) | ({"triton.enable_pdl": True} if pdl else {})
 
 
 @contextlib.contextmanager
 def mla_passes(enabled: bool | None = None) -> Iterator[None]:
     """Within the block, compiles run the MLA passes (``torch._inductor.config.patch`` of the post-grad hook)."""
-    with torch._inductor.config.patch(compile_options(enabled) or {"post_grad_custom_post_pass": None}):
+    with torch._inductor.config.patch(compile_options(enabled, pdl=False) or {"post_grad_custom_post_pass": None}):
         yield

@@ -129,9 +129,10 @@ def _describe(graph: torch.fx.Graph) -> str:
 
 
 def test_pass_switched_off_by_flag_and_env(monkeypatch):
-    assert mla_passes(False) is not None and compile_options(False) == {}
+    assert mla_passes(False) is not None and compile_options(False, pdl=False) == {}
+    assert compile_options(False) == {"triton.enable_pdl": True}  # Inductor's PDL: on unless asked off
     monkeypatch.setenv("MLA_COMPILE_PASSES", "0")
-    assert compile_options() == {}
+    assert compile_options(pdl=False) == {}
     assert _compiled(_inputs(13, torch.float32), True, False)[2] == {}
 
 
