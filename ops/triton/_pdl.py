@@ -9,12 +9,13 @@ this contract:
 - before :func:`pdl_wait` it only reads operands that no kernel of a step writes (weights), and writes nothing;
 - every program calls :func:`pdl_wait`, and :func:`pdl_launch_dependents` only after it. So when the next kernel
   starts, every kernel before this one has ended: the next one only overlaps this one, and need only wait before
-  it reads what this one writes. Inductor's PDL code (``TORCHINDUCTOR_ENABLE_PDL=1``, off by default) keeps the
-  same order (its wait before its trigger) and relies on it: its kernels wait only for their direct predecessor.
+  it reads what this one writes. Inductor's PDL code (its ``triton.enable_pdl``: off in torch by default, on in
+  ``mla_compile.lowerings.compile_options()``) keeps the same order (its wait before its trigger) and relies on
+  it: its kernels wait only when they read their direct predecessor's output.
 
 Only launches inside a ``torch.library.custom_op`` body use it: Inductor regenerates the launches of a
 ``triton_op``'s kernels and would not pass the flag on (those kernels run as before). Measured effect on the
-full-depth step: BENCHMARKS.md (runs 166-168).
+full-depth step: BENCHMARKS.md (runs 166-169).
 """
 
 from __future__ import annotations
