@@ -106,6 +106,7 @@ class MLAAttention(nn.Module):
         self.q_b_proj = getattr(hf_attn, "q_b_proj", None)
         self.kv_a_proj_with_mqa = hf_attn.kv_a_proj_with_mqa
         self.kv_a_layernorm = hf_attn.kv_a_layernorm
+        self._latent_eps = freeze(self.kv_a_layernorm.variance_epsilon)  # a constant (models/consts.py)
         self.kv_b_proj = hf_attn.kv_b_proj
         self.o_proj = hf_attn.o_proj
         if self.q_proj is None and self.q_b_proj is None:
@@ -234,7 +235,7 @@ class MLAAttention(nn.Module):
         c, norm = self.config, self.kv_a_layernorm
         latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
-                                               self._require_cache(), norm.variance_epsilon, c.rope_interleave)
+                                               self._require_cache(), thaw(self._latent_eps), c.rope_interleave)
 
     def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:

@@ -135,6 +135,11 @@ class V4Attention(nn.Module):
         self.o_groups = config.o_groups
         self._eps, self._scale = freeze(config.rms_norm_eps), freeze(hf_attn.scaling)  # constants (models/consts.py)
         self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
+        comp = getattr(hf_attn, "compressor", None) if self.layer_type != SLIDING else None
+        index = getattr(comp, "indexer", None)
+        # the compressor's and its indexer's norm epsilons, constants (models/consts.py); None where they have none
+        self._comp_eps = None if comp is None else freeze(comp.kv_norm.variance_epsilon)
+        self._index_eps = None if index is None else freeze(index.kv_norm.variance_epsilon)
         self.index_topk = config.index_topk
         self.backend = _own_backend("v4_attention", backend)
         # the slots each query row lists, the timing class "auto" ranks v4_attention by: fixed for a sliding
@@ -167,7 +172,7 @@ class V4Attention(nn.Module):
             skv, sg = self.state["compressor"]
             v4_compress_write(c.kv_proj(x), c.gate_proj(x), meta.query_seq, positions, meta.state_slot, skv, sg,
                               c.position_bias, c.kv_norm.weight, inv_freq, comp, table, rate=self.rate,
-                              eps=c.kv_norm.variance_epsilon, overlap=self.layer_type == CSA,
+                              eps=thaw(self._comp_eps), overlap=self.layer_type == CSA,
                               backend=self.compress_backend)
             if self.layer_type == HCA:
                 cs = compressed_slots(table, meta.query_seq, positions, block_size=comp.shape[1], rate=self.rate)
@@ -176,7 +181,7 @@ class V4Attention(nn.Module):
                 ikv, ig = self.state["indexer"]
                 v4_compress_write(ix.kv_proj(x), ix.gate_proj(x), meta.query_seq, positions, meta.state_slot, ikv,
                                   ig, ix.position_bias, ix.kv_norm.weight, inv_freq, self.index_cache, table,
-                                  rate=self.rate, eps=ix.kv_norm.variance_epsilon, overlap=True,
+                                  rate=self.rate, eps=thaw(self._index_eps), overlap=True,
                                   backend=self.compress_backend)
                 q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
                 cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
