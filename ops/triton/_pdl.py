@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 
 ENABLED = True  # a benchmark may turn it off to compare (bench_decode_step --no-pdl)
+ON = {"PDL": True, "launch_pdl": True}  # the launch arguments with PDL on (the kernel's flag, the launch option)
+OFF = {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,10 +44,11 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_kwargs(device: torch.device) -> dict:
+def launch_kwargs(device: torch.device, waits: bool = True) -> dict:
     """The kernel's ``PDL`` constexpr and, when on, the ``launch_pdl`` launch option, for ``kernel[grid](...,
-    **launch_kwargs(device))``."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    **launch_kwargs(device))``. ``waits``: whether every program of this launch reaches its wait (a kernel whose
+    wait sits in a loop passes False when the loop runs no step: then no PDL)."""
+    return dict(ON if waits and enabled(device) else OFF)
 
 
 @triton.jit

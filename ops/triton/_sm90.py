@@ -36,7 +36,8 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
     if sms is not None:
         module.num_sms = lambda device: sms
     if pdl:
-        module.launch_kwargs = lambda device: {"PDL": True, "launch_pdl": True}
+        from mla_compile.ops.triton._pdl import OFF, ON
+        module.launch_kwargs = lambda device, waits=True: dict(ON if waits else OFF)
     try:
         fn(*args, **kwargs)
     finally:

@@ -21,7 +21,7 @@ from torch.library import triton_op, wrap_triton
 from mla_compile.ops.decode import validate
 from mla_compile.ops.triton._common import (decode_program, dot_two_part, last_dim_contiguous, num_sms,
                                              online_softmax_step, paged_rows, pow2, split_count)
-from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
+from mla_compile.ops.triton._pdl import OFF, launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton._plan import split_buffers, split_plan
 from mla_compile.ops.triton.fp8_decode_kernel import _decode_fp8_split_kernel
 
@@ -242,7 +242,7 @@ def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, 
         block_c = min(block_dc, REDUCE["block_c"] or block_dc) if few else block_dc
         wrap(_decode_reduce_kernel)[(rows, triton.cdiv(dc, block_c))](
             o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)),
-            BLOCK_C=block_c, num_warps=4, **(launch_kwargs(out.device) if pdl else {"PDL": False}),
+            BLOCK_C=block_c, num_warps=4, **(launch_kwargs(out.device) if pdl else dict(OFF)),
         )
 
 

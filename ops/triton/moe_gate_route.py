@@ -114,7 +114,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
     wrap_triton(_moe_gate_route_kernel)[(triton.cdiv(E, slice_e),)](
         x, weight, bias_arg, weights, ids, logits, count, T, H, E, E // num_group, x.stride(0), weight.stride(0),
         weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta,
-        num_warps=CONFIG["few_warps" if few else "num_warps"], **launch_kwargs(x.device if H else torch.device("cpu")),
+        num_warps=CONFIG["few_warps" if few else "num_warps"], **launch_kwargs(x.device, H > 0),
     )
     return weights, ids
 

@@ -107,7 +107,7 @@ def launch_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
         q_pe.stride(0), q_pe.stride(1), out.stride(0), out.stride(1),
         ROWS=MAX_ROWS, BLOCK_N=min(triton.next_power_of_2(N), Q_MAX_BLOCK_N), BLOCK_C=Q_BLOCK_C,
         BLOCK_R=triton.next_power_of_2(max(R, 1)), num_warps=4,
-        **launch_kwargs(q_nope.device if N else torch.device("cpu")),  # N = 0: no loop, so no wait: no PDL
+        **launch_kwargs(q_nope.device, N > 0),
     )
     return out
 
@@ -126,7 +126,7 @@ def launch_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
         out_lat, w_uv, out, T, C, V,
         out_lat.stride(0), out_lat.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
         ROWS=MAX_ROWS, BLOCK_V=OUT_BLOCK_V, BLOCK_C=min(triton.next_power_of_2(C), OUT_MAX_BLOCK_C), num_warps=4,
-        **launch_kwargs(out_lat.device if C else torch.device("cpu")),  # C = 0: no loop, so no wait: no PDL
+        **launch_kwargs(out_lat.device, C > 0),
     )
     return out
 

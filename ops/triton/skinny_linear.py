@@ -81,7 +81,7 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
         x, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1,
         x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
         M_BLOCK=M_BLOCK, BLOCK_N=BLOCK_N, BLOCK_K=min(triton.next_power_of_2(K), MAX_BLOCK_K), num_warps=4,
-        **launch_kwargs(x.device if K else torch.device("cpu")),  # K = 0: no loop, so no wait: no PDL
+        **launch_kwargs(x.device, K > 0),
     )
     return outs
 
