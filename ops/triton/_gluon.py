@@ -10,6 +10,18 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
+def pdl_start(PDL: gl.constexpr):
+    """Under ``PDL`` (the launch took ``launch_pdl``): wait for the kernel before this one (its writes visible),
+    then let the next one be scheduled: the order ``_pdl.py``'s contract asks of every program, at the kernel's
+    start, before any global read."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N: gl.constexpr):
     """``(pid_s, b, seq_len, start, end, n_tiles, bt_row)`` of a program of grid ``(head blocks, n_splits, B)``:
     split ``pid_s`` of sequence ``b`` covers positions ``[start, end)`` in ``n_tiles`` tiles of ``BLOCK_N``."""

@@ -6,16 +6,21 @@ kernel has ended and its writes are visible. The weights of a GEMV can so stream
 finishes (a CUDA graph records the launch as a programmatic edge). Every kernel that takes a ``PDL`` flag keeps
 this contract:
 
-- before :func:`pdl_wait` it only reads operands that no kernel of a step writes (weights), and writes nothing;
+- before :func:`pdl_wait` it only reads operands that the kernel before it cannot have written, and writes
+  nothing. In general that kernel is unknown, so only weights (operands no kernel of a step writes); where the
+  kernel before is the op's own previous launch, also what that launch does not write (the MoE down kernel reads
+  the router's picks, which the gate-up kernel before it only reads);
 - every program calls :func:`pdl_wait`, and :func:`pdl_launch_dependents` only after it. So when the next kernel
   starts, every kernel before this one has ended: the next one only overlaps this one, and need only wait before
   it reads what this one writes. Inductor's PDL code (its ``triton.enable_pdl``: off in torch by default, on in
   ``mla_compile.lowerings.compile_options()``) keeps the same order (its wait before its trigger) and relies on
   it: its kernels wait only when they read their direct predecessor's output.
 
-Only launches inside a ``torch.library.custom_op`` body use it: Inductor regenerates the launches of a
-``triton_op``'s kernels and would not pass the flag on (those kernels run as before). Measured effect on the
-full-depth step: BENCHMARKS.md (runs 166-169).
+Only eager launches use it: those inside a ``torch.library.custom_op`` body (:func:`launch_kwargs`) and a
+``triton_op``'s when the op runs eagerly, e.g. inside such a body (``launch_kwargs(..., eager_only=True)``):
+Inductor regenerates the launches of a traced ``triton_op``'s kernels and would not pass the flag on (those
+kernels run as before). :func:`prefetch_l2` lets a kernel request lines it will read into L2 before its wait (a
+hint: it returns nothing). Measured effect on the full-depth step: BENCHMARKS.md (runs 166-169, 171-).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import triton
 import triton.language as tl
 
 ENABLED = True  # a benchmark may turn it off to compare (bench_decode_step --no-pdl)
+PREFETCH = True  # the L2 prefetches before the waits (prefetch_l2's callers); off: the waits alone (--no-prefetch)
 ON = {"PDL": True, "launch_pdl": True}  # the launch arguments with PDL on (the kernel's flag, the launch option)
 OFF = {"PDL": False}
 
@@ -44,10 +50,23 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_kwargs(device: torch.device, waits: bool = True) -> dict:
+def _traced() -> bool:
+    """Whether a ``wrap_triton`` launch now is traced into a graph (Inductor regenerates it) rather than run: torch
+    runs a ``triton_op``'s body with tracing off when the op runs eagerly. Unknown (an older torch): traced."""
+    try:
+        from torch._library.triton import is_wrap_triton_enabled
+    except ImportError:
+        return True
+    return is_wrap_triton_enabled()
+
+
+def launch_kwargs(device: torch.device, waits: bool = True, eager_only: bool = False) -> dict:
     """The kernel's ``PDL`` constexpr and, when on, the ``launch_pdl`` launch option, for ``kernel[grid](...,
     **launch_kwargs(device))``. ``waits``: whether every program of this launch reaches its wait (a kernel whose
-    wait sits in a loop passes False when the loop runs no step: then no PDL)."""
+    wait sits in a loop passes False when the loop runs no step: then no PDL). ``eager_only``: a ``triton_op``'s
+    launch, PDL only when the op runs eagerly (not while Inductor traces it)."""
+    if eager_only and _traced():
+        return dict(OFF)
     return dict(ON if waits and enabled(device) else OFF)
 
 
@@ -63,3 +82,13 @@ def pdl_wait(PDL: tl.constexpr):
     """Block until the kernel before this one has ended and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Request the 128-byte line of each of ``ptrs`` (where ``mask``) into L2: ``prefetch.global.L2``, sm_90 PTX.
+    Returns nothing and writes nothing; callers pass one pointer per line and only under ``PDL`` (never in the
+    interpreter)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -37,7 +37,7 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
         module.num_sms = lambda device: sms
     if pdl:
         from mla_compile.ops.triton._pdl import OFF, ON
-        module.launch_kwargs = lambda device, waits=True: dict(ON if waits else OFF)
+        module.launch_kwargs = lambda device, waits=True, eager_only=False: dict(ON if waits else OFF)
     try:
         fn(*args, **kwargs)
     finally:

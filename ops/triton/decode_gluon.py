@@ -66,6 +66,7 @@ from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, SMEM_C, SMEM_SL, STAGES,
                                               TILE_BYTES, D, issue_tile, zero_tail)
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
+from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
@@ -272,7 +273,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif swap:
-        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS}
+        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS,
+                                                                      **launch_kwargs(q.device)}
     else:
         kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", False))}
     kernel[(hb, splits, B)](

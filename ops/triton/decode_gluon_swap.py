@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mla_compile.ops.triton._bf16_tma import SMEM_C, issue_tile, zero_tail
-from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._gluon import finish_rows, pdl_start, split_range, tile_page
 
 SWAP_ROWS = 16  # query rows a program (BLOCK_R; 32 compiles with a few bytes of spills), and the most a
 # sequence may have for "gluon" to take this kernel by default
@@ -35,8 +35,11 @@ def decode_gluon_swap_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, BLOCK_R: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
-    """``decode_gluon_kernel``'s contract with ``BLOCK_R`` (16 or 32) query rows a program, 4 warps."""
+    """``decode_gluon_kernel``'s contract with ``BLOCK_R`` (16 or 32) query rows a program, 4 warps; ``PDL``: launched
+    with PDL, every program waits for the kernel before it first."""
+    pdl_start(PDL)
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)

@@ -317,17 +317,19 @@ def test_sm90_compile_resources_warp_specialized(direct):
 
 
 @sm90_compile
-@pytest.mark.parametrize("block_size,direct", [(64, False), (128, True)])  # each value of both once
-def test_sm90_compile_resources_swapped(direct, block_size):
+@pytest.mark.parametrize("block_size,direct,pdl", [(64, False, True), (128, True, False)])  # each value once
+def test_sm90_compile_resources_swapped(direct, block_size, pdl):
     """The swapped kernel compiles for sm_90 with 4 warps, 16 query rows a program, no spills, shared memory of
     its formula plus under 1 KB (two programs do not fit an SM: one, as the launch plans); its dots (S^T twice,
     36 k-steps each; O^T's 8 blocks of 64 value columns times 4 k-steps) and the two TMA copies a tile (three
-    places) are there."""
+    places) are there; with ``PDL`` (the launch an sm_90 device gets) the wait and the trigger, without neither."""
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
     compiled = _compile_sm90(g.decode_gluon_swap_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
-                                                             BLOCK_R=g.SWAP_ROWS), g.SWAP_WARPS)
+                                                             BLOCK_R=g.SWAP_ROWS, PDL=pdl), g.SWAP_WARPS)
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (instruction in compiled.asm["ptx"]) is pdl, instruction
     assert compiled.metadata.num_warps == 4
     shared = compiled.metadata.shared
     assert g.smem_bytes(swap=True) <= shared < g.smem_bytes(swap=True) + 1024

@@ -110,6 +110,62 @@ def test_fused_experts_match_float64_at_model_dims(model_weights, T):
     assert low.dtype == torch.bfloat16 and _rel(low, want) < 8e-3 * SLACK
 
 
+def test_pdl_chain_of_layers_reads_each_previous_output(model_weights):
+    """On sm_90 the fused kernels run eagerly with programmatic dependent launch (``ops/triton/_pdl.py``): kernel 1
+    requests the shared rows into L2 before its wait, kernel 2 reads the picks and requests its experts' rows before
+    its wait. Four layers in a chain, each routed by torch kernels (a router GEMM, softmax, top-k) from the layer
+    before's output, two tokens of which the second is padding (masked), eagerly and replayed from a CUDA graph on
+    new inputs: every layer's output equals the float64 contract of its own input and picks, the masked token's is
+    exactly 0, and graph replay equals eager bit for bit. A read before a missing wait would see half-written
+    picks, x or activations."""
+    from mla_compile.ops.triton import _pdl
+
+    name, (gate_up, down, sg, su, sd) = model_weights
+    H, I, E, k, _ = DIMS[name]
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert _pdl.launch_kwargs(torch.device(DEV), eager_only=True)["PDL"] is False  # not inside a triton_op
+        assert _pdl.enabled(torch.device(DEV))
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    routers = [torch.randn(E, H, device=DEV, generator=gen).bfloat16() for _ in range(4)]
+    mask = torch.tensor([True, False], device=DEV)
+
+    def chain(x):
+        steps = []
+        for router in routers:
+            probs = (x @ router.t()).float().softmax(-1)
+            weights, ids = probs.topk(k, dim=-1)
+            out = ops.moe_experts(x, weights, ids.int(), gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                                  out_float32=True, backend="triton", token_mask=mask)
+            steps.append((x, weights, ids, out))
+            x = (x.float() + out).bfloat16()
+        return steps
+
+    def check(steps):
+        for x, weights, ids, out in steps:
+            want = _experts64(x[:1], weights[:1], ids[:1], gate_up, down, sg, su, sd)
+            assert _rel(out[:1], want) < 4e-3 * SLACK, _rel(out[:1], want)
+            assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+    x = torch.randn(2, H, device=DEV, generator=gen).bfloat16()
+    eager = chain(x)
+    check(eager)
+    static = x.clone()
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static)
+    for seed in (1, 2):
+        new = torch.randn(2, H, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)).bfloat16()
+        static.copy_(new)
+        for *_, out in captured:
+            out.fill_(float("nan"))
+        graph.replay()
+        check(captured)
+        replayed = [t.clone() for step in captured for t in step]
+        assert all(torch.equal(a, b) for a, b in zip(replayed, [t for step in chain(new) for t in step]))
+
+
 @pytest.mark.parametrize("T", [16, 64])
 def test_every_backend_matches_the_reference_at_model_dims(model_weights, T):
     name, (gate_up, down, sg, su, sd) = model_weights

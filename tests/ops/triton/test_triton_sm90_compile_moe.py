@@ -26,11 +26,13 @@ def _no_spills(launches):
             assert _sm90.resources(compiled)["stack"] == 0, f"register spills in {kernel.fn.__name__}"
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("T", [1, 16])
 @pytest.mark.parametrize("name", list(DIMS))
-def test_moe_experts_kernels_compile_for_sm90(name, T, masked):
-    """With ``masked``, a token mask (the early exit of a padding token's programs)."""
+def test_moe_experts_kernels_compile_for_sm90(name, T, masked, pdl):
+    """With ``masked``, a token mask (the early exit of a padding token's programs); with ``pdl``, the launches an
+    sm_90 device gets where the op runs eagerly: the PTX holds the waits, the triggers and the L2 prefetches."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts
 
@@ -42,9 +44,14 @@ def test_moe_experts_kernels_compile_for_sm90(name, T, masked):
     launches = _sm90.record(moe_experts, moe_experts._launch, meta(T, H), meta(T, k, dtype=torch.float32),
                             meta(T, k, dtype=torch.int32), meta(E, 2 * I, H), meta(E, H, I), meta(S * I, H),
                             meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool) if masked else None,
-                            sms=132)
+                            sms=132, pdl=pdl)
     assert len(launches) == 2
     _no_spills(launches)
+    for kernel, _, args, kwargs in launches:
+        assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
+        ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
+        for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "prefetch.global.L2"):
+            assert (instruction in ptx) is pdl, (kernel.fn.__name__, instruction)
 
 
 @pytest.mark.parametrize("E,k,G,TG,scoring,bias", [(64, 6, 1, 1, "softmax", False), (160, 6, 8, 3, "softmax", False),
