@@ -18,11 +18,11 @@ streams the weight tiles through shared memory (cp.async) several steps deep ins
 step; the down form walks every (slot, chunk) in one loop, weighting each chunk's product.
 
 On sm_90, where the op runs eagerly (inside the opaque ``mla::moe_experts_split``, as the model's "auto" runs it),
-both kernels are launched with PDL (``_pdl.py``). Kernel 1 requests the shared slots' rows into L2 before its wait
-(token 0's programs: those rows are every token's); kernel 2 follows kernel 1, which writes only the activation,
-so before its wait it reads the mask and the picks and requests its rows of every slot's expert into L2: the
-down projection's weights stream in while kernel 1 finishes. Every program waits before its trigger, a masked
-token's too.
+both kernels are launched with PDL (``_pdl.py``): every program waits before it reads anything a kernel of the step
+writes, then triggers; a masked token's too. With ``_pdl.PREFETCH`` (off by default: slower at full depth),
+kernel 1 requests the shared slots' rows into L2 before its wait (token 0's programs: those rows are every
+token's), and kernel 2, which follows kernel 1 (that writes only the activation), reads the mask and the picks
+and requests its rows of every slot's expert into L2 before its wait.
 """
 
 from __future__ import annotations
