@@ -33,7 +33,7 @@ import triton.language as tl
 
 ENABLED = True  # a benchmark may turn it off to compare (bench_decode_step --no-pdl)
 # the L2 prefetches before the waits (prefetch_l2's callers, the MoE kernels): off by default, the waits alone were
-# faster at full depth (BENCHMARKS.md runs 171-172: B=1 replay 2.365 ms without, 2.463 with kernel 2's alone)
+# faster at full depth (BENCHMARKS.md runs 171-172)
 PREFETCH = False
 ON = {"PDL": True, "launch_pdl": True}  # the launch arguments with PDL on (the kernel's flag, the launch option)
 OFF = {"PDL": False}
