@@ -632,8 +632,7 @@ def table_text(args) -> str:
              f"compile mode {INFO.get('hf_compile_mode')}"
              + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else "")
              + "; PDL " + ("off" if args.no_pdl else "on (sm_90+): our custom ops' kernels"
-                           + (", Inductor's" if args.lowerings else "")
-                           + (", L2 prefetches" if args.prefetch else "")),
+                           + (", Inductor's" if args.lowerings else "")),
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
              "(tokens/s); 'steps back to back': mean step time of steps launched without a sync (host planning "
              "overlapped, as with Engine(overlap=True)); 'A vs B' rows: speedup = B's time / A's time", f"{'':28s}{head}"]
@@ -713,9 +712,6 @@ def parse_args(argv=None):
     ap.add_argument("--no-pdl", action="store_true",
                     help="no programmatic dependent launch: neither our custom ops' kernels (ops/triton/_pdl.py) nor, "
                          "with --lowerings, Inductor's (lowerings.compile_options(pdl=False))")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="PDL with the L2 prefetches before the waits (ops/triton/_pdl.PREFETCH: the MoE kernels'; off by "
-                         "default)")
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
@@ -746,10 +742,9 @@ def main(argv=None) -> None:
 
     import mla_compile  # noqa: F401  (registers the ops)
 
-    if args.no_pdl or args.prefetch:
+    if args.no_pdl:
         from mla_compile.ops.triton import _pdl
-        _pdl.ENABLED = not args.no_pdl
-        _pdl.PREFETCH = args.prefetch
+        _pdl.ENABLED = False
     dev = torch.device(args.device)
     INFO.update(args={k: v for k, v in vars(args).items() if k != "torch_dtype"}, torch=torch.__version__,
                 transformers=transformers.__version__,

@@ -19,8 +19,7 @@ this contract:
 Only eager launches use it: those inside a ``torch.library.custom_op`` body (:func:`launch_kwargs`) and a
 ``triton_op``'s when the op runs eagerly, e.g. inside such a body (``launch_kwargs(..., eager_only=True)``):
 Inductor regenerates the launches of a traced ``triton_op``'s kernels and would not pass the flag on (those
-kernels run as before). :func:`prefetch_l2` lets a kernel request lines it will read into L2 before its wait (a
-hint: it returns nothing). Measured effect on the full-depth step: BENCHMARKS.md (runs 166-169, 171-).
+kernels run as before). Measured effect on the full-depth step: BENCHMARKS.md (runs 166-169, 171-).
 """
 
 from __future__ import annotations
@@ -32,9 +31,6 @@ import triton
 import triton.language as tl
 
 ENABLED = True  # a benchmark may turn it off to compare (bench_decode_step --no-pdl)
-# the L2 prefetches before the waits (prefetch_l2's callers, the MoE kernels): off by default, the waits alone were
-# faster at full depth (BENCHMARKS.md runs 171-172)
-PREFETCH = False
 ON = {"PDL": True, "launch_pdl": True}  # the launch arguments with PDL on (the kernel's flag, the launch option)
 OFF = {"PDL": False}
 
@@ -84,13 +80,3 @@ def pdl_wait(PDL: tl.constexpr):
     """Block until the kernel before this one has ended and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Request the 128-byte line of each of ``ptrs`` (where ``mask``) into L2: ``prefetch.global.L2``, sm_90 PTX.
-    Returns nothing and writes nothing; callers pass one pointer per line and only under ``PDL`` (never in the
-    interpreter)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

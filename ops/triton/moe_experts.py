@@ -19,10 +19,7 @@ step; the down form walks every (slot, chunk) in one loop, weighting each chunk'
 
 On sm_90, where the op runs eagerly (inside the opaque ``mla::moe_experts_split``, as the model's "auto" runs it),
 both kernels are launched with PDL (``_pdl.py``): every program waits before it reads anything a kernel of the step
-writes, then triggers; a masked token's too. With ``_pdl.PREFETCH`` (off by default: slower at full depth),
-kernel 1 requests the shared slots' rows into L2 before its wait (token 0's programs: those rows are every
-token's), and kernel 2, which follows kernel 1 (that writes only the activation), reads the mask and the picks
-and requests its rows of every slot's expert into L2 before its wait.
+writes, then triggers; a masked token's too.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.moe_experts import _out_dtype, validate
-from mla_compile.ops.triton import _pdl
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
-from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait, prefetch_l2
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -54,52 +50,22 @@ def _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun,
 
 
 @triton.jit
-def _prefetch_rows(rows, ok, length, LINE: tl.constexpr):
-    """Request ``length`` elements of each of the row pointers ``rows`` (where ``ok``) into L2, 32 lines of
-    ``LINE`` elements (128 bytes) a row per step; nothing for ``LINE`` 0."""
-    if LINE > 0:
-        for c0 in range(0, length, 32 * LINE):
-            c = c0 + tl.arange(0, 32) * LINE
-            prefetch_l2(rows[:, None] + c[None, :], ok[:, None] & (c < length)[None, :])
-
-
-@triton.jit
-def _gate_up_prologue(ids_ptr, gu_ptr, sg_ptr, su_ptr, mask_ptr, t, j, K, I, H, s_ids, s_gue, s_gun, s_sg, s_su,
-                      offs_n, n_ok, HAS_MASK: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr):
-    """Kernel 1's start: under ``PDL`` a shared slot's rows of token 0's programs (the same weights serve every
-    token; no pick is read) are requested into L2, then the wait (the picks, x and the mask may be the previous
-    kernel's outputs) and the trigger; returns whether the token is real (a masked token's program then stores
-    nothing)."""
-    if PDL:
-        if (t == 0) & (j >= K):
-            g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su,
-                                        offs_n)
-            _prefetch_rows(g_rows, n_ok, H, LINE)
-            _prefetch_rows(u_rows, n_ok, H, LINE)
+def _gate_up_prologue(mask_ptr, t, HAS_MASK: tl.constexpr, PDL: tl.constexpr):
+    """Kernel 1's start: under ``PDL`` the wait (the picks, x and the mask may be the previous kernel's outputs) and
+    the trigger; returns whether the token is real (a masked token's program then stores nothing)."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     return tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0
 
 
 @triton.jit
-def _down_prologue(ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr, t, I, s_ids, s_de, s_dh, s_sd, s_out, offs_h, h_ok,
-                   K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, HAS_MASK: tl.constexpr,
-                   PDL: tl.constexpr, LINE: tl.constexpr):
-    """Kernel 2's start. The kernel before it is kernel 1, which writes only the activation: so under ``PDL`` a
-    real token's program reads the mask and the picks and requests its rows of every slot's expert into L2 before
-    the wait, then waits and triggers. A masked token's program stores its zeros (after the wait) and the caller
-    returns; returns whether the token is real."""
-    live = tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0
-    if PDL:
-        if live:
-            for j in range(SLOTS):  # a loop, not unrolled: nothing of it stays live past the wait
-                routed = j < K
-                e = tl.load(ids_ptr + t * s_ids + j, mask=routed, other=0).to(tl.int64)
-                base = tl.where(routed, dn_ptr + e * s_de, sd_ptr + (j - K).to(tl.int64) * I)
-                stride = tl.where(routed, s_dh, s_sd).to(tl.int64)
-                _prefetch_rows(base + offs_h.to(tl.int64) * stride, h_ok, I, LINE)
+def _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H: tl.constexpr, HAS_MASK: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Kernel 2's start: under ``PDL`` the wait and the trigger; a masked token's program stores its zeros and the
+    caller returns; returns whether the token is real."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
+    live = tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0
     if not live:
         tl.store(out_ptr + t * s_out + offs_h, tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=h_ok)
     return live
@@ -110,15 +76,14 @@ def _moe_gate_up_kernel(
     x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
     H, I, K, SLOTS,
     s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     t = row // SLOTS
     j = row % SLOTS
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    if not _gate_up_prologue(ids_ptr, gu_ptr, sg_ptr, su_ptr, mask_ptr, t, j, K, I, H, s_ids, s_gue, s_gun, s_sg,
-                             s_su, offs_n, n_ok, HAS_MASK, PDL, LINE):
+    if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
     x_row = x_ptr + t.to(tl.int64) * s_x
@@ -141,15 +106,14 @@ def _moe_gate_up_dot_kernel(
     H, I, K, SLOTS,
     s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     t = row // SLOTS
     j = row % SLOTS
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    if not _gate_up_prologue(ids_ptr, gu_ptr, sg_ptr, su_ptr, mask_ptr, t, j, K, I, H, s_ids, s_gue, s_gun, s_sg,
-                             s_su, offs_n, n_ok, HAS_MASK, PDL, LINE):
+    if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
     cols = tl.arange(0, 16)
@@ -176,13 +140,12 @@ def _moe_down_kernel(
     H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
     K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
-    PDL: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
-    if not _down_prologue(ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr, t, I, s_ids, s_de, s_dh, s_sd, s_out, offs_h,
-                          h_ok, K, SLOTS, BLOCK_H, HAS_MASK, PDL, LINE):
+    if not _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H, HAS_MASK, PDL):
         return  # a padding token: output 0, no weight reads
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
@@ -211,13 +174,12 @@ def _moe_down_dot_kernel(
     H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_sd, s_out,
     K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
-    if not _down_prologue(ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr, t, I, s_ids, s_de, s_dh, s_sd, s_out, offs_h,
-                          h_ok, K, SLOTS, BLOCK_H, HAS_MASK, PDL, LINE):
+    if not _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H, HAS_MASK, PDL):
         return  # a padding token: output 0, no weight reads
     cols = tl.arange(0, 16)
     n_k = tl.cdiv(I, BLOCK_K)
@@ -303,9 +265,8 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     mask = ids if token_mask is None else token_mask.contiguous()  # never read without a mask
     h = torch.empty(T * slots, I, dtype=x.dtype, device=x.device)
     wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
-    # PDL where the op runs eagerly (inside the opaque split op, or called directly), not while Inductor traces it;
-    # LINE: elements of a 128-byte line (the prefetches before the waits)
-    pdl = dict(launch_kwargs(x.device, eager_only=True), LINE=128 // x.element_size() if _pdl.PREFETCH else 0)
+    # PDL where the op runs eagerly (inside the opaque split op, or called directly), not while Inductor traces it
+    pdl = launch_kwargs(x.device, eager_only=True)
     gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
                     gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
     if CONFIG["gate_up_dot"] and x.dtype != torch.float32:
