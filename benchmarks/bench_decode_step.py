@@ -84,6 +84,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def compile_phases() -> dict[str, float]:
+    """Seconds per phase of torch.compile so far in this process (``torch._dynamo.utils.compile_times``, summed over
+    the frames compiled); empty where this torch has no such table."""
+    try:
+        from torch._dynamo.utils import compile_times
+        names, seconds = compile_times(repr="csv", aggregate=True)
+        return {name: float(t) for name, t in zip(names, seconds)}
+    except (ImportError, TypeError, ValueError):  # a private API (None when empty): no breakdown then
+        return {}
+
+
 def measure(step, dev: torch.device, warmup: int, iters: int) -> dict:
     """Run ``step(k)`` (k picks the input set) once (timed: compile), ``warmup - 1`` more times, once for
     peak memory, then ``iters`` timed times; returns the median step time and the first call's logits."""
@@ -371,6 +382,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         note_vs("ours compiled", "ours eager", b, c)
         if "ms" in row and "ours_compile_s" not in INFO:
             INFO["ours_compile_s"] = row["first_call_s"]
+            INFO["ours_compile_phases"] = compile_phases()
     if args.lowerings:  # did the passes fire in the step's graphs (or why not)
         skipped = dict(counters["mla_passes_skipped"])
         INFO["lowerings"] += (f", fired {dict(counters['mla_passes']) or 'none'}"
@@ -631,6 +643,7 @@ def table_text(args) -> str:
              f"{INFO.get('ours_backend')}; HF attention {INFO.get('hf_attn')}, experts {INFO.get('hf_experts')}, "
              f"compile mode {INFO.get('hf_compile_mode')}"
              + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else "")
+             + (f"; MoE kernels {INFO['moe_config']}" if "moe_config" in INFO else "")
              + "; PDL " + ("off" if args.no_pdl else "on (sm_90+): our custom ops' kernels"
                            + (", Inductor's" if args.lowerings else "")),
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
@@ -666,6 +679,14 @@ def table_text(args) -> str:
                  f"{len(args.batch_list)} sizes {INFO.get('ours_capture_s', float('nan')):.1f} s; first call of each compiled row: "
                  + ", ".join(f"{r['impl']} B={r['batch']} {r['first_call_s']:.1f} s" for r in ROWS
                              if "first_call_s" in r and "compiled" in r["impl"]))
+    phases = INFO.get("ours_compile_phases", {})
+    if "_compile.compile_inner" in phases:
+        inside = phases["_compile.compile_inner"]
+        lines.append(f"  ours' first compiled call: torch.compile {inside:.1f} s (Dynamo's tracing "
+                     f"{phases.get('bytecode_tracing', float('nan')):.1f} s, the backend "
+                     f"{phases.get('OutputGraph.call_user_compiler', float('nan')):.1f} s: AOTAutograd + Inductor or their "
+                     f"caches), the rest of the call {INFO['ours_compile_s'] - inside:.1f} s (the step itself, our ops' "
+                     f"kernels' first launches: Triton's compile or cache load); every phase in the JSON")
     md = INFO.get("metadata", {})
     lines.append(f"metadata build (builder.build) at B={md.get('batch')}: host {md.get('host_us', float('nan')):.0f} us, "
                  f"GPU copies {md.get('gpu_us', float('nan')):.1f} us {md.get('error', '')}")
@@ -712,6 +733,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-pdl", action="store_true",
                     help="no programmatic dependent launch: neither our custom ops' kernels (ops/triton/_pdl.py) nor, "
                          "with --lowerings, Inductor's (lowerings.compile_options(pdl=False))")
+    ap.add_argument("--moe-config", default="",
+                    help="comma-separated key=int changes to ops/triton/moe_experts.CONFIG (the few-token MoE kernels' "
+                         "launch parameters), e.g. dot_n=16")
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
@@ -745,6 +769,14 @@ def main(argv=None) -> None:
     if args.no_pdl:
         from mla_compile.ops.triton import _pdl
         _pdl.ENABLED = False
+    if args.moe_config:
+        from mla_compile.ops.triton import moe_experts
+        for item in args.moe_config.split(","):
+            key, value = item.split("=")
+            if key not in moe_experts.CONFIG:
+                raise SystemExit(f"--moe-config: unknown key {key!r}; known: {sorted(moe_experts.CONFIG)}")
+            moe_experts.CONFIG[key] = int(value)
+        INFO["moe_config"] = args.moe_config
     dev = torch.device(args.device)
     INFO.update(args={k: v for k, v in vars(args).items() if k != "torch_dtype"}, torch=torch.__version__,
                 transformers=transformers.__version__,
