@@ -5,6 +5,7 @@ docstring). Imports Triton's Gluon, so only the kernels import it."""
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -15,10 +16,8 @@ def pdl_start(PDL: gl.constexpr):
     then let the next one be scheduled: the order ``_pdl.py``'s contract asks of every program, at the kernel's
     start, before any global read."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @gluon.jit
