@@ -8,8 +8,9 @@ this contract:
 
 - before :func:`pdl_wait` it only reads operands that the kernel before it cannot have written, and writes
   nothing. In general that kernel is unknown, so only weights (operands no kernel of a step writes); where the
-  kernel before is the op's own previous launch, also what that launch does not write (the MoE down kernel reads
-  the router's picks, which the gate-up kernel before it only reads);
+  kernel before is the op's own previous launch, also what that launch does not write. The skinny GEMVs load
+  their first weight tile before the wait (faster: BENCHMARKS.md run 166); the MoE kernels read nothing before
+  it (their L2 prefetches and register preloads there were slower: runs 171-175);
 - every program calls :func:`pdl_wait`, and :func:`pdl_launch_dependents` only after it. So when the next kernel
   starts, every kernel before this one has ended: the next one only overlaps this one, and need only wait before
   it reads what this one writes. Inductor's PDL code (its ``triton.enable_pdl``: off in torch by default, on in
