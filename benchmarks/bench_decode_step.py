@@ -84,15 +84,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def compile_phases() -> dict[str, float]:
-    """Seconds per phase of torch.compile so far in this process (``torch._dynamo.utils.compile_times``, summed over
-    the frames compiled); empty where this torch has no such table."""
+def compile_phases() -> dict:
+    """This process's compile so far: ``mla_compile.graphs.warm_start.compile_breakdown()`` (seconds of Dynamo's
+    tracing, the backend, guards, cache loads; cache hits and misses) and, under ``"torch"``, every phase of
+    torch's own table (``torch._dynamo.utils.compile_times``, summed over frames; absent where it has none)."""
+    from mla_compile.graphs.warm_start import compile_breakdown
+
+    out: dict = dict(compile_breakdown())
     try:
         from torch._dynamo.utils import compile_times
         names, seconds = compile_times(repr="csv", aggregate=True)
-        return {name: float(t) for name, t in zip(names, seconds)}
-    except (ImportError, TypeError, ValueError):  # a private API (None when empty): no breakdown then
-        return {}
+        out["torch"] = {name: float(t) for name, t in zip(names, seconds)}
+    except (ImportError, TypeError, ValueError):  # a private API (None when empty): no table then
+        pass
+    return out
 
 
 def measure(step, dev: torch.device, warmup: int, iters: int) -> dict:
@@ -679,14 +684,14 @@ def table_text(args) -> str:
                  f"{len(args.batch_list)} sizes {INFO.get('ours_capture_s', float('nan')):.1f} s; first call of each compiled row: "
                  + ", ".join(f"{r['impl']} B={r['batch']} {r['first_call_s']:.1f} s" for r in ROWS
                              if "first_call_s" in r and "compiled" in r["impl"]))
-    phases = INFO.get("ours_compile_phases", {})
-    if "_compile.compile_inner" in phases:
-        inside = phases["_compile.compile_inner"]
-        lines.append(f"  ours' first compiled call: torch.compile {inside:.1f} s (Dynamo's tracing "
-                     f"{phases.get('bytecode_tracing', float('nan')):.1f} s, the backend "
-                     f"{phases.get('OutputGraph.call_user_compiler', float('nan')):.1f} s: AOTAutograd + Inductor or their "
-                     f"caches), the rest of the call {INFO['ours_compile_s'] - inside:.1f} s (the step itself, our ops' "
-                     f"kernels' first launches: Triton's compile or cache load); every phase in the JSON")
+    ph = INFO.get("ours_compile_phases")
+    if ph:
+        lines.append(f"  ours' first compiled call: torch.compile {ph['compile']:.1f} s (Dynamo's tracing "
+                     f"{ph['dynamo']:.1f} s, the backend {ph['aot_inductor']:.1f} s: AOTAutograd + Inductor or their "
+                     f"caches; cache hits / misses: AOTAutograd {ph['aot_cache_hit']} / {ph['aot_cache_miss']}, FX graph "
+                     f"{ph['fx_cache_hit']} / {ph['fx_cache_miss']}), the rest of the call "
+                     f"{INFO['ours_compile_s'] - ph['compile']:.1f} s (the step itself, our ops' kernels' first launches); "
+                     f"every phase in the JSON")
     md = INFO.get("metadata", {})
     lines.append(f"metadata build (builder.build) at B={md.get('batch')}: host {md.get('host_us', float('nan')):.0f} us, "
                  f"GPU copies {md.get('gpu_us', float('nan')):.1f} us {md.get('error', '')}")

@@ -53,3 +53,26 @@ def test_bench_decode_step_cpu_smoke(tmp_path, kind):
     assert f"model: {kind} (tiny): 2 layers (1 dense + 1 MoE), hidden 256, 4 heads, " in text
     assert ("q_lora 128" in text and "sigmoid routing + bias, 4 groups top-2" in text) == (kind == "v3")
     assert text.strip().splitlines()[-1] in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config(tmp_path):
+    """``--compile --only ours`` on the CPU: the compiled row runs, agrees with eager, and its first call's compile is
+    broken down (Dynamo's tracing and the backend inside torch.compile's time, a cache miss of a fresh cache dir);
+    ``--moe-config`` is reported, and an unknown key is refused before anything runs."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_step.py"), "--device", "cpu", "--tiny", "--compile",
+           "--only", "ours", "--batches", "1", "--moe-config", "dot_n=16,down_pre_unused=1", "--out", str(tmp_path)]
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "unknown key 'down_pre_unused'" in bad.stderr + bad.stdout
+    cmd[cmd.index("dot_n=16,down_pre_unused=1")] = "dot_n=16"
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_decode_step.json").read_text())
+    info = data["info"]
+    row = next(r for r in data["rows"] if r["impl"] == "ours compiled")
+    assert "error" not in row and row["rel_err_vs_ours_eager"] < 1e-4, row
+    ph = info["ours_compile_phases"]
+    assert 0 < ph["dynamo"] < ph["compile"] and 0 < ph["aot_inductor"] < ph["compile"] <= info["ours_compile_s"]
+    assert ph["fx_cache_miss"] >= 1 and ph["fx_cache_hit"] == 0  # the benchmark's fresh cache dir
+    text = (tmp_path / "bench_decode_step.txt").read_text()
+    assert "ours' first compiled call: torch.compile" in text and "MoE kernels dot_n=16" in text
