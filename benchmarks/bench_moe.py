@@ -1,6 +1,7 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep] [--fp8] [--pad]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep [dot]] [--fp8]
+        [--pad]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
 (hidden 7168, moe_intermediate 2048, 256 experts top-8, 1 shared), random bf16 weights, tokens T = 1, 8, 64,
@@ -25,7 +26,7 @@ Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``: the GEMV
-kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; with
+kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; ``--sweep dot`` the latter only; with
 ``--fp8`` also ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
@@ -65,13 +66,16 @@ SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) fo
     (2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
     (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
     (8192, 4096, 8, 8), (16384, 16384, 8, 8)))
-# the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8
+# the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8: the
+# gate-up form's tiles, depth and warps with the down kernel's GEMV (the default pair), then a few of the down
+# kernel's tensor-core form (it has too few programs at few tokens)
 DOT = dict(gate_up_dot=True, down_dot=True)
-DOT_SWEEP = (DOT, dict(gate_up_dot=True), dict(down_dot=True), dict(DOT, dot_n=16), dict(DOT, dot_n=64, dot_stages=3),
-             dict(DOT, dot_k=256, dot_stages=3), dict(DOT, dot_k=64, dot_stages=6), dict(DOT, dot_stages=3),
-             dict(DOT, dot_stages=6), dict(DOT, dot_n=16, dot_k=256), dict(DOT, down_k=128, down_stages=8),
-             dict(DOT, down_k=512, down_stages=4), dict(DOT, down_h=32, down_k=128, down_stages=6),
-             dict(DOT, down_stages=3), dict(DOT, dot_warps=2), dict(DOT, dot_warps=8, dot_n=64, dot_stages=3))
+DOT_SWEEP = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=256, dot_stages=3),
+             dict(dot_n=16, dot_k=256), dict(dot_n=16, dot_warps=2), dict(dot_n=16, dot_warps=8, dot_k=256),
+             dict(dot_stages=3), dict(dot_stages=5), dict(dot_stages=6), dict(dot_k=256, dot_stages=3),
+             dict(dot_k=64, dot_stages=8), dict(dot_warps=8), dict(dot_warps=2), dict(dot_n=64, dot_stages=3),
+             dict(dot_n=64, dot_k=64, dot_stages=6), dict(dot_n=64, dot_warps=8, dot_stages=3),
+             DOT, dict(DOT, down_h=32, down_k=128, down_stages=6), dict(DOT, dot_n=16, down_k=128, down_stages=8))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
@@ -273,8 +277,8 @@ def case(name, T):
 
 
 def sweep(group, sets, shared, gate_up, down, flops, nbytes, mask):
-    """Time the fused kernels under each of ``SWEEP_CONFIGS`` and ``DOT_SWEEP``, each checked against the default
-    config."""
+    """Time the fused kernels under each of ``SWEEP_CONFIGS`` (not with ``--sweep dot``) and ``DOT_SWEEP``, each
+    checked against the default config."""
     (x, w, ids), (sg, su, sd) = sets[0], shared[0]
 
     def call():
@@ -286,7 +290,8 @@ def sweep(group, sets, shared, gate_up, down, flops, nbytes, mask):
             moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton",
                         token_mask=mask)
 
-    sweep_configs(group, tmoe.CONFIG, "fused", SWEEP_CONFIGS, call, all_sets, flops, nbytes, drop=("narrow_tile",))
+    if SWEEP != "dot":
+        sweep_configs(group, tmoe.CONFIG, "fused", SWEEP_CONFIGS, call, all_sets, flops, nbytes, drop=("narrow_tile",))
     sweep_configs(group, tmoe.CONFIG, "fused", DOT_SWEEP, call, all_sets, flops, nbytes)
 
 
@@ -329,8 +334,9 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
-    ap.add_argument("--sweep", action="store_true",
-                    help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64)")
+    ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot"),
+                    help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64); "
+                         "'dot': the fused kernels' tensor-core forms only (DOT_SWEEP)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     ap.add_argument("--pad", action="store_true", help="one padding token (masked) added to every input set")
     args = ap.parse_args()

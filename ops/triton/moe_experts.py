@@ -211,9 +211,10 @@ def _moe_down_dot_kernel(
 # ``gate_up_dot`` / ``down_dot``: the kernels' tensor-core forms for bf16 / fp16 x, ``dot_n`` x ``dot_k`` (``down_h`` x
 # ``down_k``) weight tiles ``dot_stages`` (``down_stages``) deep, ``dot_warps`` warps; float32 x always takes the
 # GEMV forms (tl.dot would round it to tf32). Kernel 1 takes its tensor-core form (as fast at one token, faster at
-# two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens).
+# two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
+# 64 outputs by 64 of H, 6 deep (``bench_moe --sweep dot``: the fastest of the sweep at one and two tokens).
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
-              gate_up_dot=True, dot_n=32, dot_k=128, dot_stages=4, down_dot=False, down_h=16, down_k=256,
+              gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=6, down_dot=False, down_h=16, down_k=256,
               down_stages=5, dot_warps=4)
 
 
