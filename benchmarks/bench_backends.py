@@ -86,9 +86,12 @@ def facts(s: Shape, planned: bool, **cap):
     align, packed = cache_layout((PAGE * width, width, 1), width) if paged else (None, None)
     # v4_attention: the listed slots, as the V4 model names them for its sliding and CSA layers
     context = s.context if s.op == "v4_attention" else None
+    # a dense decode's block tables hold context / PAGE pages a sequence (bench_fp8_sparse._caches): its capacity
+    capacity = s.context if s.op in ("decode", "decode_fp8") else None
     return facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8 if s.cache == "fp8" else torch.bfloat16,
                      block_size=PAGE if paged else None, num_heads=s.heads, head_dims=dims, query_len=1,
-                     planned=planned, cache_align=align, packed_rows=packed, context=context, **cap)
+                     planned=planned, cache_align=align, packed_rows=packed, context=context, capacity=capacity,
+                     **cap)
 
 
 def shapes(only: tuple[str, ...] | None = None) -> list[Shape]:
@@ -232,7 +235,8 @@ def _capturable(s: Shape, spec) -> bool:
 
 def _report_auto(autos: list[tuple]) -> None:
     """Print, per shape, "auto"'s choice and its time against the fastest backend of the same run."""
-    print("\nauto against the fastest backend of this run (batch unknown to auto, as in a compiled graph):")
+    print("\nauto against the fastest backend of this run (batch unknown to auto, as in a compiled graph; a decode's "
+          "block-table capacity known):")
     within = 0
     for s, name, t, best, tb in autos:
         ratio = t / tb if t and tb else float("nan")

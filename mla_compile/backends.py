@@ -27,7 +27,7 @@ import torch
 from mla_compile import envs
 from mla_compile.ops import registry
 from mla_compile.ops.registry import GRAPH_LEVELS, OPS, BackendSpec, backends_for, priority  # noqa: F401
-from mla_compile.ops.select import (AUTO_CAP, Choice, Facts, cache_layout, facts_for,  # noqa: F401
+from mla_compile.ops.select import (AUTO_CAP, Choice, Facts, cache_layout, context_bound, facts_for,  # noqa: F401
                                     parse_backend_spec, requested_in, select)
 from mla_compile.ops.select import describe as _describe
 
@@ -69,7 +69,8 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
                    need_lse: bool = True, planned: bool = False, cuda_graph: bool = False,
                    cache_strides: tuple[int, ...] | None = None, row_width: int | None = None,
                    cache_align: int | None = None, packed_rows: bool | None = None,
-                   batch: int | None = None, context: int | None = None, capability=AUTO_CAP) -> Choice:
+                   batch: int | None = None, context: int | None = None, capacity: int | None = None,
+                   capability=AUTO_CAP) -> Choice:
     """Pick the backend of ``op`` (a registry op: "decode", "prefill", "merge", "decode_fp8", ...) for one
     static configuration.
 
@@ -91,7 +92,7 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
     facts = facts_for(device, dtype, cache_dtype=cache_dtype or dtype, block_size=block_size, num_heads=num_heads,
                       head_dims=None if head_dims is None else tuple(head_dims), query_len=query_len, sparse=sparse,
                       need_lse=need_lse, planned=planned, cuda_graph=cuda_graph, cache_align=cache_align,
-                      packed_rows=packed_rows, batch=batch, context=context, **cap)
+                      packed_rows=packed_rows, batch=batch, context=context, capacity=capacity, **cap)
     return select(op, facts, requested_for(op, requested), source)
 
 
@@ -119,12 +120,12 @@ def new_choice_cache() -> tuple[int, ChoiceCache]:
 @torch.compiler.assume_constant_result
 def _choose(token: int, op: str, requested: str, device: str, dtype: str, cache_dtype: str, block_size: int,
             num_heads: int, dim_a: int, dim_b: int, query_len: int, need_lse: bool, planned: bool,
-            cuda_graph: bool, align: int, packed: bool) -> str:
+            cuda_graph: bool, align: int, packed: bool, capacity: int = -1) -> str:
     """:func:`select_backend` once per (owner, configuration). Under Dynamo it runs at trace time with
     constant arguments and its result is a constant of the graph; the cache is invisible to Dynamo, so
     filling it adds no guards and no recompiles."""
     key = (op, requested, device, dtype, cache_dtype, block_size, num_heads, dim_a, dim_b, query_len, need_lse,
-           planned, cuda_graph, align, packed)
+           planned, cuda_graph, align, packed, capacity)
     cache = _CACHES.get(token)
     if cache is not None and key in cache:
         return cache[key]
@@ -133,7 +134,8 @@ def _choose(token: int, op: str, requested: str, device: str, dtype: str, cache_
                           block_size=block_size if block_size > 0 else None, num_heads=num_heads, head_dims=dims,
                           query_len=query_len, requested=requested, need_lse=need_lse, planned=planned,
                           cuda_graph=cuda_graph, cache_align=None if align < 0 else align,
-                          packed_rows=None if align < 0 else packed).name
+                          packed_rows=None if align < 0 else packed,
+                          capacity=None if capacity < 0 else capacity).name
     if cache is not None:
         cache[key] = name
     return name
@@ -143,16 +145,19 @@ def cached_backend(token: int, op: str, requested: str, *, device: torch.device,
                    cache_dtype: torch.dtype | None = None, block_size: int | None, num_heads: int,
                    head_dims: tuple[int, ...], query_len: int = 1, need_lse: bool = True, planned: bool = False,
                    cuda_graph: bool = False, cache_strides: tuple[int, ...] | None = None,
-                   row_width: int | None = None) -> str:
+                   row_width: int | None = None, capacity: int | None = None) -> str:
     """The backend name for one static configuration, selected once per owner (``token`` from
     :func:`new_choice_cache`) and reused. Dynamo-friendly: the selection runs at trace time and is a
-    constant of the graph; eager calls after the first are a dict lookup."""
+    constant of the graph; eager calls after the first are a dict lookup. ``capacity``: the most tokens a
+    sequence's block table holds (a paged decode's width times its page size; only its context bucket is kept,
+    see :func:`~mla_compile.ops.select.context_bound`)."""
     multi = 2 if query_len > 1 else 1  # only "s_q > 1" matters; keeps a symbolic query_len out of the key
     dims = tuple(int(d) for d in head_dims)
     align, packed = cache_layout(cache_strides, row_width) if cache_strides is not None else (-1, False)
     return _choose(int(token), op, requested, str(device), str(dtype), str(cache_dtype or dtype),
                    int(block_size or 0), int(num_heads), dims[0], dims[1] if len(dims) > 1 else -1, multi,
-                   bool(need_lse), bool(planned), bool(cuda_graph), align, packed)
+                   bool(need_lse), bool(planned), bool(cuda_graph), align, packed,
+                   -1 if capacity is None else context_bound(op, capacity))
 
 
 def takes_plan(op: str, name: str) -> bool:

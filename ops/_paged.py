@@ -34,6 +34,15 @@ def scatter_rows(cache: Tensor, slot_mapping: Tensor, rows: Tensor) -> None:
     cache.index_put_((target // block_size, target % block_size), values)
 
 
+def decode_shape(q4: Tensor, kv_cache: Tensor, block_table: Tensor, kv_lora_rank: int) -> tuple:
+    """A paged decode call's ``shape()`` for :func:`~mla_compile.ops.select.resolve`: ``(heads, (kv_lora_rank,
+    rope dims), s_q, None, capacity)`` of ``q4 [B, s_q, H, D]``, capacity = the block table's width times the page
+    size (the most tokens a sequence can hold; an IndexError for a malformed call, which the caller's
+    validation then names)."""
+    return (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1], None,
+            block_table.shape[1] * kv_cache.shape[1])
+
+
 def sequence_slots(block_table: Tensor, seq_lens: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Physical slots ``[B, L]`` (int64, 0 where invalid) of every position of every sequence,
     the validity mask ``pos < seq_lens[b]`` ``[B, L]`` and the positions ``[L]`` (L = max_blocks * block_size)."""

@@ -19,7 +19,7 @@ from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_devi
 from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM90, call_impl, declare, declare_op, declare_split_op,
                                       run_split_part)
 from mla_compile.ops.select import resolve
-from mla_compile.ops._paged import attend, check_paged_data, sequence_slots
+from mla_compile.ops._paged import attend, check_paged_data, decode_shape, sequence_slots
 
 OP = declare_op("decode", "mla.decode", cache=True, env="all")
 
@@ -84,7 +84,7 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, planned=plan is not None,
-                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
+                   shape=lambda: decode_shape(q4, kv_cache, block_table, kv_lora_rank))
     out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

@@ -51,7 +51,8 @@ from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_range, ch
 from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM89, SM90, backends_for, declare, declare_op,
                                       declare_split_op, run_split_part)
 from mla_compile.ops.select import Facts, cache_layout, facts_for, resolve, why_not
-from mla_compile.ops._paged import attend, check_paged_data, ragged_rows, scatter_rows, sequence_slots
+from mla_compile.ops._paged import (attend, check_paged_data, decode_shape, ragged_rows, scatter_rows,
+                                    sequence_slots)
 from mla_compile.ops._ragged import segments
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -308,7 +309,7 @@ def decode_fp8(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tenso
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     impl = resolve(OP_DECODE, q.device, backend, dtype=q4.dtype, cache=kv_cache,
-                   shape=lambda: (q4.shape[2], (kv_lora_rank, q4.shape[3] - kv_lora_rank), q4.shape[1]))
+                   shape=lambda: decode_shape(q4, kv_cache, block_table, kv_lora_rank))
     out, lse = impl.fn(q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 

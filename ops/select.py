@@ -44,6 +44,7 @@ class Facts:
     packed_rows: bool | None = None
     batch: int | None = None
     context: int | None = None
+    capacity: int | None = None  # the most tokens a sequence's block table holds (ranks by rows up to it only)
     act_quant: bool | None = None
     grouped: bool | None = None
     k: int | None = None
@@ -193,14 +194,21 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
         if not eligible:
             raise ValueError(f"{op}: no GPU-tested backend serves {_config(facts)}: {rejected}")
         tiers = {n: table[n].tiers for n in eligible if table[n].tiers}
-        context = facts.context
+        context, capacity = facts.context, facts.capacity
 
         def rank():
             return timings.rank(op, eligible, capability=facts.cap, dtype=facts.dtype,
                                 cache_dtype=facts.cache_dtype or facts.dtype, num_heads=facts.num_heads,
-                                batch=facts.batch, context=context, tiers=tiers)
+                                batch=facts.batch, context=context, capacity=capacity, tiers=tiers)
         ranked, why = rank()
         note = ""
+        if why.startswith("static order") and capacity is not None:
+            # no rows at the contexts the block tables can hold: the rows at every context decide
+            capacity = None
+            ranked, wider = rank()
+            if not wider.startswith("static order"):
+                note = f" (no rows up to capacity {facts.capacity}: the rows at every context)"
+                why = wider + note
         if why.startswith("static order") and facts.batch is None and context is not None:
             # a graph's static context (v4_attention's listed slots) the table has no rows at: its rows at
             # every context decide, as for a graph that names none
@@ -214,7 +222,8 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
         elif facts.batch is None and (counts := split_rows(op)):  # a graph serves every size: split where it pays
             split, split_why = timings.tiers_by_batch(
                 op, eligible, capability=facts.cap, dtype=facts.dtype, cache_dtype=facts.cache_dtype or facts.dtype,
-                num_heads=facts.num_heads, context=context, tiers=tiers, prefer=ranked[0], counts=counts)
+                num_heads=facts.num_heads, context=context, capacity=capacity, tiers=tiers, prefer=ranked[0],
+                counts=counts)
             if split:
                 return Choice(declare_split(op, split).name, f"auto: {split_why}{note}; serves {_config(facts)}",
                               rejected)
@@ -239,14 +248,16 @@ def facts_for(device: torch.device | str, dtype: torch.dtype, **kw) -> Facts:
 
 @torch.compiler.assume_constant_result
 def _auto(op: str, device: str, dtype: str, cache_dtype: str, block_size: int, num_heads: int, dim_a: int,
-          dim_b: int, multi: bool, planned: bool, align: int, packed: bool, context: int = -1) -> str:
+          dim_b: int, multi: bool, planned: bool, align: int, packed: bool, context: int = -1,
+          capacity: int = -1) -> str:
     """"auto" for a public op function's call, from constants (a constant of the graph under Dynamo)."""
     f = facts_for(device, getattr(torch, dtype) if dtype else None,
                   cache_dtype=getattr(torch, cache_dtype) if cache_dtype else None,
                   block_size=block_size or None, num_heads=num_heads or None,
                   head_dims=None if dim_a < 0 else (dim_a,) if dim_b < 0 else (dim_a, dim_b),
                   query_len=2 if multi else 1, planned=planned, cache_align=None if align < 0 else align,
-                  packed_rows=packed if align >= 0 else None, context=None if context < 0 else context)
+                  packed_rows=packed if align >= 0 else None, context=None if context < 0 else context,
+                  capacity=None if capacity < 0 else capacity)
     return select(op, f).name
 
 
@@ -257,19 +268,32 @@ def static_int(value) -> int:
     return len([0] * value)  # no type test: under Dynamo a symbolic size passes isinstance(_, int), fails SymInt
 
 
+def context_bound(op: str, value) -> int:
+    """The bound of ``value``'s context bucket (:func:`~mla_compile.ops.timings.bucket`) as a Python int, found by
+    comparisons, so that a symbolic size (a block table's width under dynamic shapes) is guarded by its bucket's
+    range, not specialized to one value (a new width in the same bucket does not recompile)."""
+    edges = timings.bounds("context", op)
+    for edge in edges:
+        if value <= edge:
+            return edge
+    return edges[-1]
+
+
 def resolve(op: str, device: torch.device, backend: str | None, *, dtype: torch.dtype | None = None,
             cache: torch.Tensor | None = None, shape: Callable[[], tuple] | None = None,
             planned: bool = False) -> Backend:
     """The backend of ``op`` for a public function's call: ``backend`` by name, or (None/"auto") the one
     :func:`select` picks from the call's facts: ``cache`` (the paged cache the op reads, if any) and
-    ``shape() -> (num_heads, head_dims, query_len[, context])`` (called only for "auto", so a malformed call
-    reaches the op's own validation; ``context``: a static size of the timing class, None when unknown)."""
+    ``shape() -> (num_heads, head_dims, query_len[, context[, capacity]])`` (called only for "auto", so a malformed
+    call reaches the op's own validation; ``context``: a static size of the timing class, ``capacity``: the most
+    tokens a sequence's block table holds (:attr:`Facts.capacity`); None when unknown)."""
     name = op_name(op)
     if backend in (None, "auto"):
         try:
             num_heads, head_dims, query_len, *rest = shape() if shape is not None else (0, (), 1)
-            context = rest[0] if rest else None
-            backend = _auto_for(name, device, dtype, cache, num_heads, head_dims, query_len, planned, context)
+            context, capacity = (list(rest) + [None, None])[:2]
+            backend = _auto_for(name, device, dtype, cache, num_heads, head_dims, query_len, planned, context,
+                                capacity)
         except (IndexError, ValueError):
             # a malformed call (wrong rank or dtype: no backend serves it, the facts may not even exist); the
             # reference, which serves every well-formed call, validates it and names the problem
@@ -278,14 +302,15 @@ def resolve(op: str, device: torch.device, backend: str | None, *, dtype: torch.
 
 
 def _auto_for(name: str, device: torch.device, dtype: torch.dtype | None, cache: torch.Tensor | None,
-              num_heads, head_dims: tuple, query_len, planned: bool, context=None) -> str:
+              num_heads, head_dims: tuple, query_len, planned: bool, context=None, capacity=None) -> str:
     cache_dtype = _dtype_name(cache.dtype if cache is not None else dtype)
     align, packed = cache_layout(cache.stride(), cache.shape[-1]) if cache is not None else (-1, False)
     dims = tuple(static_int(d) for d in head_dims) + (-1, -1)
     block_size = static_int(cache.shape[1]) if cache is not None and cache.dim() == 3 else 0
     return _auto(name, str(device), _dtype_name(dtype), cache_dtype, block_size, static_int(num_heads), dims[0],
                  dims[1], True if query_len > 1 else False, bool(planned), align, packed,
-                 -1 if context is None else static_int(context))
+                 -1 if context is None else static_int(context),
+                 -1 if capacity is None else context_bound(name, capacity))
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -365,5 +390,5 @@ def requested_in(op: str, parsed: dict[str, str]) -> str:
     return name
 
 
-__all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "describe", "facts_for", "parse_backend_spec",
+__all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "context_bound", "describe", "facts_for", "parse_backend_spec",
            "requested_in", "resolve", "select", "static_int", "why_not", "why_not_form"]

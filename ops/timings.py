@@ -13,6 +13,11 @@ layer's window, a CSA layer's window + top-k, an HCA layer's window + entries) a
 cache format ("fp8" for the uint8 rows, else the cache dtype; the input dtype for ops without a cache);
 ``us`` is GPU time per call in microseconds (CUDA-graph replay).
 
+A call may also name its ``capacity``: the most tokens any of its sequences can hold (a paged decode's block
+table width times the page size: a static shape). No sequence of such a call is longer, so only the rows at
+contexts up to the capacity's bucket are its class (a graph whose tables hold 4096 tokens is not ranked by
+8192-token timings); without rows there, the rows at every context decide.
+
 :func:`rank` orders the backends that can serve a call: the fastest in the table for the call's class
 first. A compiled graph serves every batch and context, so without them the class is (op, dtype, cache,
 heads) and a backend's time is its sum over the rows of that class, among backends timed in every row
@@ -170,15 +175,21 @@ def _installed(capability: tuple[int, int] | None) -> Table | None:
 
 
 def _class_rows(table: Table, op: str, *, dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int,
-                batch: int | None, context: int | None) -> tuple[dict, list[Row]]:
-    """The call's class key and ``table``'s rows in that class."""
+                batch: int | None, context: int | None, capacity: int | None = None) -> tuple[dict, list[Row]]:
+    """The call's class key and ``table``'s rows in that class (``capacity``: only rows at contexts up to its
+    bucket; the key then says "context <= bound")."""
     key = dict(op=op, dtype=str(dtype).replace("torch.", ""), cache=cache_format(cache_dtype),
                heads=bucket("heads", num_heads))
     if batch is not None:
         key["batch"] = bucket("batch", batch)
     if context is not None:
         key["context"] = bucket("context", context, op)
-    return key, [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+    rows = [r for r in table.rows if all(getattr(r, k) == v for k, v in key.items())]
+    if capacity is not None and context is None:
+        limit = bucket("context", capacity, op)
+        rows = [r for r in rows if r.context <= limit]
+        key["context <="] = limit
+    return key, rows
 
 
 def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple]) -> dict[str, float]:
@@ -193,16 +204,18 @@ def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple]) -> dict[
 
 def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
          cache_dtype: torch.dtype, num_heads: int | None, batch: int | None = None, context: int | None = None,
-         tiers: dict[str, tuple] | None = None, table: Table | None = None) -> tuple[list[str], str]:
+         capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None
+         ) -> tuple[list[str], str]:
     """``names`` (in static order) reordered fastest first for this call's class, and why.
 
-    ``table``: the one to use (default: the installed table of ``capability``).
+    ``table``: the one to use (default: the installed table of ``capability``); ``capacity``: see the module
+    docstring.
     """
     table = table or _installed(capability)
     if table is None or num_heads is None:
         return list(names), "static order (no timings for this GPU)" if table is None else "static order"
     key, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=batch,
-                            context=context)
+                            context=context, capacity=capacity)
     totals = _totals(rows, names, tiers or {})
     where = ", ".join(f"{k} {v}" for k, v in key.items() if k != "op")
     if not totals:
@@ -216,7 +229,7 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
 
 def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
                    cache_dtype: torch.dtype, num_heads: int | None, context: int | None = None,
-                   tiers: dict[str, tuple] | None = None, table: Table | None = None, prefer: str | None = None,
+                   capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None, prefer: str | None = None,
                    within: float = SPLIT_WITHIN, counts: str = "batch"
                    ) -> tuple[tuple[tuple[int | None, str], ...], str]:
     """The fastest of ``names`` (static order breaks ties) in each batch bucket of the call's class, as a
@@ -230,7 +243,7 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
     if table is None or num_heads is None:
         return (), "no timings"
     _, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=None,
-                          context=context)
+                          context=context, capacity=capacity)
     tiers = tiers or {}
     size = (lambda r: r.batch) if counts == "batch" else (lambda r: r.batch * r.context)
     winners: list[tuple[int, str, float]] = []

@@ -273,15 +273,16 @@ class MLAAttention(nn.Module):
         q_abs = absorb_q(q_nope, w_uk, q_pe)
         B = d.block_table.shape[0]
         q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
+        capacity = d.block_table.shape[1] * self.kv_cache.shape[1]  # the most tokens a sequence's table holds
         if self.fp8_cache:
             name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
-                                 query_len=d.query_len, need_lse=False)
+                                 query_len=d.query_len, need_lse=False, capacity=capacity)
             out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                         kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
             plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
             name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
-                                 query_len=d.query_len, need_lse=False, planned=plan is not None)
+                                 query_len=d.query_len, need_lse=False, planned=plan is not None, capacity=capacity)
             out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                     kv_lora_rank=c.kv_lora_rank, backend=name,
                                     plan=plan if takes_plan("decode", name) else None)
@@ -330,8 +331,10 @@ class MLAAttention(nn.Module):
         return out
 
     def _backend(self, op: str, dtype: torch.dtype, *, head_dims: tuple[int, ...], query_len: int = 1,
-                 need_lse: bool = True, planned: bool = False) -> str:
-        """The backend of ``op`` for this layer's static configuration (selected once, then cached)."""
+                 need_lse: bool = True, planned: bool = False, capacity: int | None = None) -> str:
+        """The backend of ``op`` for this layer's static configuration (selected once, then cached);
+        ``capacity``: a paged decode's block-table capacity in tokens (its timing class: see
+        :attr:`mla_compile.ops.select.Facts.capacity`)."""
         cache = self.kv_cache
         paged = op in ("decode", "decode_fp8", "sparse_decode")  # the ops that read the paged cache
         return cached_backend(self._choice_token, op, self._requested[op], device=cache.device, dtype=dtype,
@@ -341,4 +344,4 @@ class MLAAttention(nn.Module):
                               need_lse=need_lse, planned=planned,
                               cuda_graph=self.cuda_graph and op in ("decode", "decode_fp8"),
                               cache_strides=tuple(cache.stride()) if paged else None,
-                              row_width=cache.shape[-1] if paged else None)
+                              row_width=cache.shape[-1] if paged else None, capacity=capacity)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from mla_compile.backends import select_backend
 from mla_compile.ops import timings
@@ -141,3 +142,46 @@ def test_only_v4_attention_has_context_buckets_below_1024():
     assert timings.bucket("context", 512, "prefill") == 1024 == timings.bucket("context", 100)
     assert timings.bucket("context", 512, "v4_attention") == 512
     assert timings.bucket("context", 192, "v4_attention") == 256 and timings.bucket("context", 640, "v4_attention") == 1024
+
+
+def test_a_block_table_capacity_ranks_by_the_rows_its_sequences_can_reach(everything_installed):
+    """A paged decode's capacity (block-table width x page size) bounds every sequence of the call: its class is
+    the rows at contexts up to the capacity's bucket; a capacity below every timed context ranks by all rows."""
+    rows = (_row(heads=128, batch=2, context=4096, gluon=19.5, flashinfer=20.5),
+            _row(heads=128, batch=2, context=8192, gluon=30.2, flashinfer=24.4))
+    with timings.using(Table("Test GPU", SM90, rows)):
+        every = _pick(num_heads=128, planned=True)
+        assert every.name == "flashinfer" and "flashinfer 44.9 us, gluon 49.7 us" in every.reason
+        short = _pick(num_heads=128, planned=True, capacity=4096)
+        assert short.name == "gluon" and "heads 128, context <= 4096] over 1 shape(s)" in short.reason
+        assert _pick(num_heads=128, planned=True, capacity=4097).name == "flashinfer", "4097 is in the 8192 bucket"
+        tiny = _pick(num_heads=128, planned=True, capacity=512)
+        assert tiny.name == "flashinfer" and "(no rows up to capacity 512: the rows at every context)" in tiny.reason
+        assert _pick(num_heads=128, planned=True, capacity=4096, batch=2, context=8192).name == "flashinfer", \
+            "a known context is the class itself"
+
+
+def test_the_capacity_guard_is_its_bucket_not_its_value():
+    """Under ``torch.compile(dynamic=True)`` the decode's "auto" reads the block table's width through
+    ``context_bound``: widths in one context bucket share a graph, a width in another bucket recompiles."""
+    from mla_compile import ops
+    from mla_compile.ops.select import context_bound
+
+    assert [context_bound("decode", n) for n in (1, 1024, 1025, 8192, 10 ** 6)] == [1024, 1024, 4096, 8192, 32768]
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(64, 16, 576, generator=gen)
+    q = torch.randn(2, 1, 4, 576, generator=gen)
+    counter = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def step(q, table, lens):
+        return ops.decode(q, cache, table, lens, 0.1)[0]
+
+    torch._dynamo.reset()
+    for width, frames in ((3, 1), (5, 1), (64, 1), (80, 2)):  # 48, 80, 1024 tokens: one bucket; 1280: the next
+        table = torch.randint(0, cache.shape[0], (2, width), generator=gen, dtype=torch.int32)
+        lens = torch.tensor([16 * width - 5, 7], dtype=torch.int32)
+        got = step(q, table, lens)
+        want = ops.decode(q.double(), cache.double(), table, lens, 0.1, backend="reference")[0]
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        assert counter.frame_count == frames, (width, counter.frame_count)
