@@ -15,11 +15,15 @@ steps. With ``use_cuda_graph=True`` the plan owns persistent index buffers (Flas
 mode): re-plan before every replay. The op checks the plan matches its inputs' static shapes; it
 cannot check the *values* (that would sync), so the plan must be made from this step's metadata.
 
-Boundary: FlashInfer's LSE is **base 2**; ours is natural log (``x ln 2``). Queries that see no key
-and padding rows get ``out = 0``, ``lse = -inf``. ``merge_state`` takes base-2 LSE too and would turn
-a ``-inf`` part with a NaN output into NaN, so empty parts are zeroed before and fixed after.
+Boundary: FlashInfer's LSE is **base 2**; ours is natural log (decode asks the kernel for it; prefill ``x ln 2``).
+Queries that see no key and padding rows get ``out = 0``, ``lse = -inf``: the decode kernel writes that itself
+for a sequence without keys, so a one-row decode returns its outputs as they are (no kernel after it); with
+more query rows (causal rows that see nothing) and in prefill our boundary kernel sets them. ``merge_state``
+takes base-2 LSE too and would turn a ``-inf`` part with a NaN output into NaN, so empty parts are zeroed
+before and fixed after.
 
-Not run on a GPU yet: the CPU contract tests (a fake ``flashinfer`` module) cover the calls.
+The CPU contract tests (a fake ``flashinfer`` module that behaves as the H200's kernels) cover the calls; the
+CUDA tests (``tests/ops/adapters/test_adapters_cuda.py``) the real library.
 """
 
 from __future__ import annotations
@@ -225,7 +229,13 @@ def flashinfer_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
     q_pe = q[..., kv_lora_rank:].reshape(B * s_q, H, -1)
     out, lse = plan.wrapper.run(q_nope, q_pe, kv_cache[..., :kv_lora_rank], kv_cache[..., kv_lora_rank:],
                                 return_lse=True, return_lse_base_on_e=True)
-    return finish_decode(out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H), seq_lens)
+    out, lse = out.view(B, s_q, H, kv_lora_rank), lse.view(B, s_q, H)
+    if s_q == 1:
+        # one query row: FlashInfer's outputs are our contract as they are (contiguous, float32 natural-log LSE,
+        # and a sequence with no key gets 0 / -inf from the kernel itself: test_adapters_cuda checks it on
+        # NaN-filled memory), so no boundary kernel follows it
+        return out, lse
+    return finish_decode(out, lse, seq_lens)
 
 
 @torch.library.custom_op("mla::decode_flashinfer", mutates_args=(), tags=LAYOUT_TAGS)

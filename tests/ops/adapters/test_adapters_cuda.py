@@ -166,6 +166,31 @@ def test_flashinfer_decode_matches_reference_and_triton(H, s_q, block, lens):
     _close_to(got, ops.decode(q, cache, table, seq, SCALE, backend="triton"))
 
 
+@pytest.mark.parametrize("H", [16, 128])
+def test_flashinfer_zero_length_slots_give_zero_and_minus_inf(H):
+    """At one query row the adapter returns FlashInfer's own outputs (no boundary kernel after it): the kernel
+    writes 0 and an LSE of -inf for a sequence with no key itself, on memory left full of NaNs, eagerly and in a
+    graph replayed after its plan gains empty slots."""
+    pytest.importorskip("flashinfer")
+    q, cache, table, seq = _paged([0, 100, 0, 3], 64, H, 1)
+    plan = plan_flashinfer_decode(table.cpu(), seq.cpu(), num_heads=H, block_size=64, scale=SCALE, dtype=BF16,
+                                  use_cuda_graph=True)
+
+    def call(q, cache, table, seq):
+        return ops.decode(q, cache, table, seq, SCALE, backend="flashinfer", plan=plan)
+    torch.full((1 << 26,), float("nan"), device="cuda")  # freed: the outputs may land on NaNs
+    _check(*call(q, cache, table, seq), *_decode_ref(q, cache, table, seq))
+    seq.copy_(torch.tensor([50, 100, 7, 3], dtype=I32))
+    plan_flashinfer_decode(table.cpu(), seq.cpu(), num_heads=H, block_size=64, scale=SCALE, dtype=BF16, plan=plan)
+    graph, outs = capture(call, q, cache, table, seq)
+    for o in outs:
+        o.fill_(float("nan"))
+    seq.copy_(torch.tensor([0, 64, 0, 1], dtype=I32))
+    plan_flashinfer_decode(table.cpu(), seq.cpu(), num_heads=H, block_size=64, scale=SCALE, dtype=BF16, plan=plan)
+    graph.replay()
+    _check(*[o.clone() for o in outs], *_decode_ref(q, cache, table, seq))
+
+
 def test_flashinfer_decode_compiled_and_replayed_after_replanning():
     pytest.importorskip("flashinfer")
     q, cache, table, seq = _paged([300, 40, 900, 5], 64, 16, 1)

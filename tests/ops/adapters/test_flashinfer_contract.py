@@ -64,6 +64,25 @@ def test_decode_plan_and_run_contract(fake_flashinfer, s_q):
     assert empty.any() and torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
 
 
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_one_query_row_takes_flashinfers_outputs_without_a_boundary_kernel(fake_flashinfer, monkeypatch, s_q):
+    """At one query row FlashInfer's outputs are returned as they are (the kernel writes 0 / -inf for a sequence
+    with no key: the fake does as the H200's kernel, test_adapters_cuda checks the real one); with more rows the
+    boundary still sets the rows that see no key."""
+    import mla_compile.ops.adapters.flashinfer as adapter
+
+    finished = []
+    real = adapter.finish_decode
+    monkeypatch.setattr(adapter, "finish_decode", lambda *a: finished.append(1) or real(*a))
+    q, cache, table, lens = _decode_inputs(s_q, seed=3)
+    out, lse = flashinfer_decode_core(q, cache, table, lens, 0.1, 512, _plan(table, lens, s_q))
+    assert finished == ([] if s_q == 1 else [1])
+    assert out.is_contiguous() and lse.is_contiguous() and lse.dtype == torch.float32
+    ref_out, ref_lse = decode_ref64(q, cache, LAYOUT, 0.1, 512)
+    assert_close(out.double(), ref_out, **OUT_TOL[BF16])
+    assert_close(lse.double(), ref_lse, **LSE_TOL[BF16])
+
+
 def test_decode_through_the_custom_op_and_compiled(fake_flashinfer, allow_cpu):
     allow_cpu("mla.decode", "flashinfer")
     q, cache, table, lens = _decode_inputs(1, seed=1)
