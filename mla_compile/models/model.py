@@ -17,6 +17,7 @@ from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
 from mla_compile.models.fp8_linear import apply_backend_spec
 from mla_compile.models.metadata import MLAMetadata
 from mla_compile.models.moe import MLAMoE
+from mla_compile.models.region_schema import cache_region_schemas
 from mla_compile.models.rope import default_inv_freq, rope_cos_sin
 from mla_compile.models.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
@@ -49,6 +50,19 @@ class MLAForCausalLM(nn.Module):
         token, choices = new_choice_cache()
         for attn in self.attentions:
             attn._choice_token, attn._backend_choices = token, choices
+
+    @property
+    def regional_compile(self) -> bool:
+        """Whether :meth:`forward` runs each dense-attention layer as nested compile regions (set by :func:`patch`).
+        Turning it on also makes a torch that re-traces a region for every call's schema reuse the first one
+        (:func:`~mla_compile.models.region_schema.cache_region_schemas`; torch 2.11)."""
+        return self._regional_compile
+
+    @regional_compile.setter
+    def regional_compile(self, on: bool) -> None:
+        if on:
+            cache_region_schemas()
+        self._regional_compile = bool(on)
 
     @property
     def attentions(self) -> list[MLAAttention]:
