@@ -28,7 +28,6 @@ from mla_compile.models.config import MLAConfig
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.indexer import MLAIndexer
 from mla_compile.models.metadata import MLAMetadata, query_parts
-from mla_compile.ops.add_rms_linear import OP as ADD_RMS_LINEAR
 from mla_compile.ops.context_attention import up_project
 from mla_compile.models.rope import apply_rope
 
@@ -62,21 +61,6 @@ def absorb_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
         return ops.skinny_absorb_out(out_lat, w_uv, backend="triton").view(out_lat.shape[0], out_lat.shape[1],
                                                                            w_uv.shape[1])
     return torch.einsum("thc,hvc->thv", out_lat, w_uv)
-
-
-def _fuses_input_norm(h: Tensor, norm: nn.Module, firsts: tuple[nn.Module, ...]) -> bool:
-    """Whether ``mla::add_rms_linear``'s Triton backend takes a layer's start: CUDA half-precision rows, a weighted
-    RMSNorm of their dtype, plain bias-free ``nn.Linear``'s of it (as :func:`linears` asks), and the op's "auto"
-    picks Triton there (it is GPU-tested)."""
-    if not (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16)):
-        return False
-    weight = getattr(norm, "weight", None)
-    if not (type(norm).__name__.endswith("RMSNorm") and isinstance(weight, Tensor) and weight.dtype == h.dtype
-            and weight.dim() == 1):
-        return False
-    if not all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == h.dtype for m in firsts):
-        return False
-    return ops.resolve(ADD_RMS_LINEAR, h.device, None, dtype=h.dtype).name == "triton"
 
 
 def _skinny_absorb(x: Tensor, w: Tensor, op: str) -> bool:
@@ -123,7 +107,6 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = hf_attn.kv_a_proj_with_mqa
         self.kv_a_layernorm = hf_attn.kv_a_layernorm
         self._latent_eps = freeze(self.kv_a_layernorm.variance_epsilon)  # a constant (models/consts.py)
-        self._norm_eps = freeze(config.rms_norm_eps)  # the decoder layer's norms' (add_norm_project_raw)
         self.kv_b_proj = hf_attn.kv_b_proj
         self.o_proj = hf_attn.o_proj
         if self.q_proj is None and self.q_b_proj is None:
@@ -198,41 +181,20 @@ class MLAAttention(nn.Module):
                     ) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa``
         output ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`)."""
-        if self.q_proj is None and q_resid is not None:
-            kv, = linears(x, self.kv_a_proj_with_mqa)
-            return (*self._queries(q_resid, cos, sin, normed=True), kv)
-        q_first, kv = linears(x, self._first_q, self.kv_a_proj_with_mqa)
-        return (*self._queries(q_first, cos, sin), kv)
-
-    def add_norm_project_raw(self, h: Tensor, residual: Tensor, norm: nn.Module, cos: Tensor, sin: Tensor
-                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(s, *project_raw(norm(s)))`` of ``s = h + residual``: a decoder layer's residual add, its input norm
-        (``norm``: DeepSeek's RMSNorm, of the config's ``rms_norm_eps``) and the first projections, in one
-        ``mla::add_rms_linear`` launch where that op's Triton backend serves (:func:`_fuses_input_norm`); else the
-        add, the norm and :meth:`project_raw`. A static choice for a compiled graph."""
-        if _fuses_input_norm(h, norm, (self._first_q, self.kv_a_proj_with_mqa)):
-            s, q_first, kv = ops.add_rms_linear(h, residual, norm.weight, thaw(self._norm_eps),
-                                                [self._first_q.weight, self.kv_a_proj_with_mqa.weight])
-            return (s, *self._queries(q_first, cos, sin), kv)
-        s = h + residual
-        return (s, *self.project_raw(norm(s), cos, sin))
-
-    @property
-    def _first_q(self) -> nn.Module:
-        """The query projection that reads the layer's normed input: ``q_proj``, or ``q_a_proj`` (q_lora)."""
-        return self.q_proj if self.q_proj is not None else self.q_a_proj
-
-    def _queries(self, q_first: Tensor, cos: Tensor, sin: Tensor, normed: bool = False) -> tuple[Tensor, Tensor]:
-        """``(q_nope, q_pe rotated)`` from :attr:`_first_q`'s output (q_lora: through ``q_a_layernorm`` unless
-        ``normed``, then ``q_b_proj``)."""
         c = self.config
+        T = x.shape[0]
         if self.q_proj is not None:
-            q = q_first
+            q, kv = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
         else:
-            q, = linears(q_first if normed else self.q_a_layernorm(q_first), self.q_b_proj)
-        q = q.view(q.shape[0], c.num_heads, c.qk_head_dim)
+            if q_resid is None:
+                q_a, kv = linears(x, self.q_a_proj, self.kv_a_proj_with_mqa)
+                q_resid = self.q_a_layernorm(q_a)
+            else:
+                kv, = linears(x, self.kv_a_proj_with_mqa)
+            q, = linears(q_resid, self.q_b_proj)
+        q = q.view(T, c.num_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave)
+        return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
 
     def real_tokens(self, meta: MLAMetadata) -> Tensor | None:
         """``[T]`` bool, True for the step's real tokens: padding tokens (to a captured size, a ``min_batch``, a

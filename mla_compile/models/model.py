@@ -174,10 +174,10 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) ->
 @_region
 def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here: with the input norm
-    and the first projections one ``mla::add_rms_linear`` launch where it serves, else one kernel with the norm);
-    also returns that sum."""
-    return layer.self_attn.add_norm_project_raw(h, mlp_out, layer.input_layernorm, cos, sin)
+    """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here so that the add
+    and the input norm are one kernel); also returns that sum."""
+    h = h + mlp_out
+    return (h, *layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin))
 
 
 @_region

@@ -62,45 +62,6 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("kind", ["v2-lite", "v3"])
-def test_the_layer_start_through_add_rms_linear_equals_the_separate_ops(kind, monkeypatch):
-    """Where ``mla::add_rms_linear`` serves (on CUDA; here forced, its "auto" is the reference on the CPU), a layer's
-    first region is the previous MLP residual's add, the input norm and the first projections (q_proj, or q_lora's
-    q_a_proj, with kv_a_proj_with_mqa) in that one op: every layer but the first calls it once, compiled without
-    graph breaks, and the tokens and logits equal the unregional model's."""
-    from mla_compile.models import attention
-
-    torch._dynamo.reset()
-    counters.clear()
-    layers = 4
-    hf = toy.toy_hf_model(kind, seed=6, num_hidden_layers=layers, first_k_dense_replace=1)
-    eager_model = patch(copy.deepcopy(hf))
-    model = patch(hf, regional_compile=True)
-    monkeypatch.setattr(attention, "_fuses_input_norm", lambda *a: True)
-    prompts = toy.random_prompts(3, [9, 5])
-    for m in (eager_model, model):
-        m.allocate_cache(64, 4)
-    want = greedy_generate(eager_model, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
-    graphs: list[torch.fx.GraphModule] = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        from torch._dynamo.backends.debugging import aot_eager
-        return aot_eager(gm, example_inputs)
-
-    for fn in (model, torch.compile(model, fullgraph=True, backend=backend)):
-        got = greedy_generate(fn, prompts, 3, block_size=4, num_blocks=64, keep_logits=True)
-        assert got.tokens == want.tokens
-        for a, b in zip(got.step_logits, want.step_logits):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert dict(counters["graph_break"]) == {}
-    for gm in graphs:
-        fused = [n for _, sub in gm.named_modules() for n in sub.graph.nodes
-                 if n.op == "call_function" and "add_rms_linear" in str(n.target)]
-        assert len(fused) >= 1, "the first region's subgraph calls the op (traced once, called per layer)"
-    torch._dynamo.reset()
-
-
 def test_regional_compile_is_refused_where_it_is_not_built():
     from mla_compile.parallel import ParallelConfig
 
