@@ -390,5 +390,5 @@ def requested_in(op: str, parsed: dict[str, str]) -> str:
     return name
 
 
-__all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "context_bound", "describe", "facts_for", "parse_backend_spec",
-           "requested_in", "resolve", "select", "static_int", "why_not", "why_not_form"]
+__all__ = ["Choice", "Facts", "auto_skip", "cache_layout", "context_bound", "describe", "facts_for",
+           "parse_backend_spec", "requested_in", "resolve", "select", "static_int", "why_not", "why_not_form"]

@@ -229,8 +229,8 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
 
 def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
                    cache_dtype: torch.dtype, num_heads: int | None, context: int | None = None,
-                   capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None, prefer: str | None = None,
-                   within: float = SPLIT_WITHIN, counts: str = "batch"
+                   capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None,
+                   prefer: str | None = None, within: float = SPLIT_WITHIN, counts: str = "batch"
                    ) -> tuple[tuple[tuple[int | None, str], ...], str]:
     """The fastest of ``names`` (static order breaks ties) in each batch bucket of the call's class, as a
     split ``((bound, name), ..., (None, name))``, and why; ``()`` when one backend serves every bucket or the
