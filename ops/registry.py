@@ -32,6 +32,7 @@ DEEPSEEK_PREFILL = ((192, 128),)  # (qk_head_dim, v_head_dim)
 # "planned" = capturable when its host-side plan (use_cuda_graph=True) is redone before each replay;
 # "none" = reads lengths on the host, never captured.
 GRAPH_LEVELS = ("full", "planned", "none")
+COSTS = ("lengths", "capacity")  # what a backend's time follows (Backend.cost)
 
 
 def _always() -> bool:
@@ -64,7 +65,10 @@ class Backend:
     others). ``autotune``: a candidate of the Inductor autotune lowering.
     The block linears' forms: ``act_quant_only`` (runs only with the activation quantized), ``grouped`` (serves
     3-D weights and sorted groups), ``k_multiple`` (K must be a multiple of it). ``auto_skip``: why "auto" never
-    picks it although it serves (empty: "auto" may). ``tiers``: a composite that runs ``backend`` for steps
+    picks it although it serves (empty: "auto" may). ``cost``: what the backend's time follows, "lengths" (the
+    sequences' lengths, as its timing rows were measured) or "capacity" (a paged decode's block-table width whatever
+    the lengths: "auto" ranks it at its time for the call's capacity, and passes over it where the call names
+    none). ``tiers``: a composite that runs ``backend`` for steps
     of at most ``rows`` query rows, ``((rows, backend), ..., (None, backend))``; its timing is its parts'.
     ``kernels``: names of ops and Triton kernels that belong to this backend (``mla-compile inspect``),
     ``"name"`` or ``"name=label"``. ``plan_id_fn``: for a backend that needs a plan, the op that runs it
@@ -102,6 +106,7 @@ class Backend:
     grouped: bool = True
     k_multiple: int | None = None
     auto_skip: str = ""
+    cost: str = "lengths"
     tiers: tuple[tuple[int | None, str], ...] = ()
     kernels: tuple[str, ...] = ()
     note: str = ""
@@ -120,6 +125,8 @@ class Backend:
         if self.cuda_graph not in GRAPH_LEVELS:
             raise ValueError(f"backend {self.name!r} of {self.op!r}: cuda_graph must be one of {GRAPH_LEVELS}, "
                              f"got {self.cuda_graph!r}")
+        if self.cost not in COSTS:
+            raise ValueError(f"backend {self.name!r} of {self.op!r}: cost must be one of {COSTS}, got {self.cost!r}")
 
 
 BackendSpec = Backend  # the name mla_compile.backends has always exported

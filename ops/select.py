@@ -170,6 +170,15 @@ def auto_skip(spec: Backend) -> str | None:
     return spec.auto_skip or None
 
 
+def _capacity_skip(spec: Backend, f: Facts) -> str | None:
+    """Why "auto" passes over a backend whose time follows the block table's capacity (``Backend.cost``): the call
+    names no capacity (None: it names one, and the timings rank the backend at it)."""
+    if spec.cost == "capacity" and f.capacity is None:
+        return ("its time follows the block table's capacity, not the lengths, and the call names no capacity: "
+                "'auto' passes over it, ask for it by name")
+    return None
+
+
 def _config(f: Facts) -> str:
     where = f"{f.device.type} ({_fmt_cap(f.cap)})" if f.cap and f.device.type == "cuda" else f.device.type
     return (f"[{where}, {str(f.dtype).replace('torch.', '')}, block size {f.block_size}, {f.num_heads} heads, "
@@ -186,7 +195,7 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
     if requested == "auto":
         eligible = []
         for n in usable:
-            skip = auto_skip(table[n])
+            skip = auto_skip(table[n]) or _capacity_skip(table[n], facts)
             if skip:
                 rejected[n] = skip
             else:
@@ -195,16 +204,26 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
             raise ValueError(f"{op}: no GPU-tested backend serves {_config(facts)}: {rejected}")
         tiers = {n: table[n].tiers for n in eligible if table[n].tiers}
         context, capacity = facts.context, facts.capacity
+        at_capacity = frozenset(n for n in eligible if table[n].cost == "capacity")
 
         def rank():
             return timings.rank(op, eligible, capability=facts.cap, dtype=facts.dtype,
                                 cache_dtype=facts.cache_dtype or facts.dtype, num_heads=facts.num_heads,
-                                batch=facts.batch, context=context, capacity=capacity, tiers=tiers)
+                                batch=facts.batch, context=context, capacity=capacity, tiers=tiers,
+                                at_capacity=at_capacity)
         ranked, why = rank()
         note = ""
         if why.startswith("static order") and capacity is not None:
-            # no rows at the contexts the block tables can hold: the rows at every context decide
+            # no rows at the contexts the block tables can hold: the rows at every context decide (without the
+            # backends whose time follows the capacity, which those rows cannot price)
             capacity = None
+            for n in sorted(at_capacity):
+                eligible.remove(n)
+                rejected[n] = f"its time follows the block table's capacity ({facts.capacity}), at which the " \
+                              f"timings have no rows: 'auto' passes over it, ask for it by name"
+            at_capacity = frozenset()
+            if not eligible:
+                raise ValueError(f"{op}: no GPU-tested backend serves {_config(facts)}: {rejected}")
             ranked, wider = rank()
             if not wider.startswith("static order"):
                 note = f" (no rows up to capacity {facts.capacity}: the rows at every context)"
@@ -223,7 +242,7 @@ def select(op: str, facts: Facts, requested: str = "auto", source: str = "argume
             split, split_why = timings.tiers_by_batch(
                 op, eligible, capability=facts.cap, dtype=facts.dtype, cache_dtype=facts.cache_dtype or facts.dtype,
                 num_heads=facts.num_heads, context=context, capacity=capacity, tiers=tiers, prefer=ranked[0],
-                counts=counts)
+                counts=counts, at_capacity=at_capacity)
             if split:
                 return Choice(declare_split(op, split).name, f"auto: {split_why}{note}; serves {_config(facts)}",
                               rejected)

@@ -16,7 +16,9 @@ cache format ("fp8" for the uint8 rows, else the cache dtype; the input dtype fo
 A call may also name its ``capacity``: the most tokens any of its sequences can hold (a paged decode's block
 table width times the page size: a static shape). No sequence of such a call is longer, so only the rows at
 contexts up to the capacity's bucket are its class (a graph whose tables hold 4096 tokens is not ranked by
-8192-token timings); without rows there, the rows at every context decide.
+8192-token timings); without rows there, the rows at every context decide. A backend whose time follows the
+capacity, not the lengths (``Backend.cost == "capacity"``, ``at_capacity`` here), costs its time at the capacity's
+context in every row of the class (at the row's batch bucket).
 
 :func:`rank` orders the backends that can serve a call: the fastest in the table for the call's class
 first. A compiled graph serves every batch and context, so without them the class is (op, dtype, cache,
@@ -192,11 +194,26 @@ def _class_rows(table: Table, op: str, *, dtype: torch.dtype, cache_dtype: torch
     return key, rows
 
 
-def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple]) -> dict[str, float]:
-    """Each of ``names`` timed in every one of ``rows``: its summed microseconds (composites as their parts)."""
+def _capacity_rows(table: Table, key: dict, capacity: int | None) -> dict[int, Row]:
+    """The rows of ``key``'s op, dtype, cache and heads at the capacity's context bucket, by batch bound."""
+    if capacity is None:
+        return {}
+    at = bucket("context", capacity, key["op"])
+    base = {k: key[k] for k in ("op", "dtype", "cache", "heads")}
+    return {r.batch: r for r in table.rows if r.context == at and all(getattr(r, k) == v for k, v in base.items())}
+
+
+def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple], at_capacity: frozenset[str] = frozenset(),
+            capacity_rows: dict[int, Row] | None = None) -> dict[str, float]:
+    """Each of ``names`` timed in every one of ``rows``: its summed microseconds (composites as their parts; a name
+    of ``at_capacity`` at its time in ``capacity_rows``' row of the same batch)."""
     totals = {}
     for n in names:
-        times = [_time(r, n, tiers) for r in rows]
+        if n in at_capacity:
+            times = [_time(capacity_rows[r.batch], n, tiers) if r.batch in (capacity_rows or {}) else None
+                     for r in rows]
+        else:
+            times = [_time(r, n, tiers) for r in rows]
         if rows and None not in times:
             totals[n] = sum(times)
     return totals
@@ -204,19 +221,19 @@ def _totals(rows: list[Row], names: list[str], tiers: dict[str, tuple]) -> dict[
 
 def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
          cache_dtype: torch.dtype, num_heads: int | None, batch: int | None = None, context: int | None = None,
-         capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None
-         ) -> tuple[list[str], str]:
+         capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None,
+         at_capacity: frozenset[str] = frozenset()) -> tuple[list[str], str]:
     """``names`` (in static order) reordered fastest first for this call's class, and why.
 
-    ``table``: the one to use (default: the installed table of ``capability``); ``capacity``: see the module
-    docstring.
+    ``table``: the one to use (default: the installed table of ``capability``); ``capacity``, ``at_capacity``: see
+    the module docstring.
     """
     table = table or _installed(capability)
     if table is None or num_heads is None:
         return list(names), "static order (no timings for this GPU)" if table is None else "static order"
     key, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=batch,
                             context=context, capacity=capacity)
-    totals = _totals(rows, names, tiers or {})
+    totals = _totals(rows, names, tiers or {}, at_capacity, _capacity_rows(table, key, capacity))
     where = ", ".join(f"{k} {v}" for k, v in key.items() if k != "op")
     if not totals:
         return list(names), f"static order (no {table.gpu} timings for {op} [{where}] cover these backends)"
@@ -230,8 +247,8 @@ def rank(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype
 def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | None, dtype: torch.dtype,
                    cache_dtype: torch.dtype, num_heads: int | None, context: int | None = None,
                    capacity: int | None = None, tiers: dict[str, tuple] | None = None, table: Table | None = None,
-                   prefer: str | None = None, within: float = SPLIT_WITHIN, counts: str = "batch"
-                   ) -> tuple[tuple[tuple[int | None, str], ...], str]:
+                   prefer: str | None = None, within: float = SPLIT_WITHIN, counts: str = "batch",
+                   at_capacity: frozenset[str] = frozenset()) -> tuple[tuple[tuple[int | None, str], ...], str]:
     """The fastest of ``names`` (static order breaks ties) in each batch bucket of the call's class, as a
     split ``((bound, name), ..., (None, name))``, and why; ``()`` when one backend serves every bucket or the
     table cannot tell (a bucket where none of ``names`` is timed). ``prefer`` (the class's overall winner)
@@ -242,13 +259,14 @@ def tiers_by_batch(op: str, names: list[str], *, capability: tuple[int, int] | N
     table = table or _installed(capability)
     if table is None or num_heads is None:
         return (), "no timings"
-    _, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=None,
-                          context=context, capacity=capacity)
+    key, rows = _class_rows(table, op, dtype=dtype, cache_dtype=cache_dtype, num_heads=num_heads, batch=None,
+                            context=context, capacity=capacity)
+    by_capacity = _capacity_rows(table, key, capacity)
     tiers = tiers or {}
     size = (lambda r: r.batch) if counts == "batch" else (lambda r: r.batch * r.context)
     winners: list[tuple[int, str, float]] = []
     for bound in sorted({size(r) for r in rows}):
-        totals = _totals([r for r in rows if size(r) == bound], names, tiers)
+        totals = _totals([r for r in rows if size(r) == bound], names, tiers, at_capacity, by_capacity)
         if not totals:
             return (), f"no timings of {names} at {counts} {bound}"
         best = min(totals, key=lambda n: (totals[n], names.index(n)))

@@ -272,9 +272,7 @@ def _(q, kv_cache, indices, scale, kv_lora_rank):
 
 FP8 = dict(HOPPER, cache_dtypes=(torch.uint8,), packed_rows=True)
 declare(fp8_cache.OP_DECODE, BACKEND, torch.ops.mla.decode_fp8_flashmla, rank=30, available=available, **FP8,
-        auto_skip="runs the V3.2 sparse kernel over the block table's whole width (it refuses topk_length), so its "
-                  "cost follows the table's capacity, not the lengths (BENCHMARKS.md, runs 27 and 131): 'auto' "
-                  "skips it, ask for it by name",
-        note="FlashMLA's sparse fp8 kernel over each query's causal slot list")
+        cost="capacity", note="FlashMLA's sparse fp8 kernel over each query's causal slot list, the block table's "
+                              "whole width (it refuses topk_length): its time follows the table's capacity")
 declare(SPARSE_OP, BACKEND, torch.ops.mla.sparse_decode_flashmla, rank=20, available=available, **FP8,
         note="FlashMLA's sparse fp8 kernel (fp8 cache only; heads padded to 64 / 128)")

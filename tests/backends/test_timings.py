@@ -185,3 +185,24 @@ def test_the_capacity_guard_is_its_bucket_not_its_value():
         want = ops.decode(q.double(), cache.double(), table, lens, 0.1, backend="reference")[0]
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
         assert counter.frame_count == frames, (width, counter.frame_count)
+
+
+def test_a_backend_whose_time_follows_the_capacity_is_priced_at_it(everything_installed):
+    """FlashMLA's fp8 decode runs over the block table's whole width (``Backend.cost == "capacity"``): "auto" passes
+    over it where the call names no capacity, and prices it at its time for the call's capacity in every row of the
+    class, while the others keep their rows' times (contexts up to the capacity)."""
+    fp8 = dict(dtype=BF16, cache_dtype=torch.uint8, block_size=64, num_heads=128, head_dims=(512, 64),
+               cache_align=16, packed_rows=True)
+    cls = dict(op="decode_fp8", heads=128, batch=128, cache="fp8")
+    rows = (_row(context=4096, gluon64=450.0, flashmla=430.0, **cls), _row(context=8192, gluon64=880.0, flashmla=750.0,
+                                                                        **cls))
+    with timings.using(Table("Test GPU", SM90, rows)):
+        blind = select_backend("decode_fp8", device="cuda", capability=SM90, **fp8)
+        assert blind.name == "gluon64" and "the call names no capacity" in blind.rejected["flashmla"]
+        short = select_backend("decode_fp8", device="cuda", capability=SM90, capacity=4096, **fp8)
+        assert short.name == "flashmla" and "flashmla 430.0 us, gluon64 450.0 us" in short.reason
+        # capacity 8192: its 750 at both contexts (1500) against gluon64's 450 + 880 (1330), though 750 < 880
+        wide = select_backend("decode_fp8", device="cuda", capability=SM90, capacity=8192, **fp8)
+        assert wide.name == "gluon64" and "gluon64 1330.0 us, flashmla 1500.0 us" in wide.reason
+        tiny = select_backend("decode_fp8", device="cuda", capability=SM90, capacity=512, **fp8)
+        assert tiny.name == "gluon64" and "at which the timings have no rows" in tiny.rejected["flashmla"]
