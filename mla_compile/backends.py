@@ -80,8 +80,9 @@ def select_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, b
     ``cuda_graph``: the call will be captured. ``cache_strides``/``row_width``: the paged cache's strides
     and row width (backends that need aligned or packed rows), or their summary ``cache_align`` /
     ``packed_rows`` (:func:`~mla_compile.ops.select.cache_layout`). ``batch``/``context``: known sizes narrow
-    the timing class (a compiled graph leaves them None). ``capability``: ``(major, minor)`` to assume for
-    a CUDA device (tests), default: the device's own (None without a GPU).
+    the timing class (a compiled graph leaves them None); ``capacity``: the most tokens a sequence's block table
+    holds (a paged decode's; see :attr:`~mla_compile.ops.select.Facts.capacity`). ``capability``: ``(major,
+    minor)`` to assume for a CUDA device (tests), default: the device's own (None without a GPU).
     """
     if op not in OPS:
         raise ValueError(f"select_backend: op must be one of {list(OPS)}, got {op!r}")
