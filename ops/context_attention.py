@@ -75,10 +75,10 @@ def up_project(latent: Tensor, k_pe: Tensor, kv_b_weight: Tensor, num_heads: int
     """Latent rows ``latent [n, kv_lora_rank]`` and ``k_pe [n, rope]`` -> per-head keys ``[n, H, nope + rope]``
     (``[latent @ W_UK | k_pe]``, k_pe cast to the keys' dtype) and contiguous values ``[n, H, v_dim]``, with
     ``kv_b_weight [H * (nope + v_dim), kv_lora_rank]`` (``kv_b_proj.weight``): the non-absorbed prefill path."""
-    n = latent.shape[0]
-    kv = torch.nn.functional.linear(latent, kv_b_weight).view(n, num_heads, nope + v_dim)
+    # no symbolic row count in the views (unflatten, expand with -1): cheaper for Dynamo to trace
+    kv = torch.nn.functional.linear(latent, kv_b_weight).unflatten(-1, (num_heads, nope + v_dim))
     k_nope, v = kv.split([nope, v_dim], dim=-1)
-    k = torch.cat([k_nope, k_pe[:, None, :].expand(n, num_heads, k_pe.shape[-1]).to(k_nope.dtype)], dim=-1)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, num_heads, -1).to(k_nope.dtype)], dim=-1)
     return k, v.contiguous()
 
 

@@ -58,8 +58,7 @@ def absorb_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
     """``out_lat @ W_UV^T`` per head, ``[T, H, v]``: ``mla::skinny_absorb_out`` where its "auto" picks its Triton
     backend (as :func:`absorb_q`), else ``einsum``."""
     if _skinny_absorb(out_lat, w_uv, ops.skinny_absorb.OP_OUT):
-        return ops.skinny_absorb_out(out_lat, w_uv, backend="triton").view(out_lat.shape[0], out_lat.shape[1],
-                                                                           w_uv.shape[1])
+        return ops.skinny_absorb_out(out_lat, w_uv, backend="triton").unflatten(-1, (w_uv.shape[0], w_uv.shape[1]))
     return torch.einsum("thc,hvc->thv", out_lat, w_uv)
 
 
@@ -182,7 +181,6 @@ class MLAAttention(nn.Module):
         """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa``
         output ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`)."""
         c = self.config
-        T = x.shape[0]
         if self.q_proj is not None:
             q, kv = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
         else:
@@ -192,7 +190,7 @@ class MLAAttention(nn.Module):
             else:
                 kv, = linears(x, self.kv_a_proj_with_mqa)
             q, = linears(q_resid, self.q_b_proj)
-        q = q.view(T, c.num_heads, c.qk_head_dim)
+        q = q.unflatten(-1, (c.num_heads, c.qk_head_dim))
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
 
@@ -242,37 +240,34 @@ class MLAAttention(nn.Module):
         """Attention of this step's queries over the cache (written by :meth:`write_cache`) and ``o_proj``:
         ``[T, hidden]``. Dense layers only read the cache here; a sparse (V3.2) layer's indexer also writes its
         index keys (it needs ``x``, ``q_resid``, ``positions``)."""
-        c = self.config
-        T = x.shape[0]
         if self.indexer is not None:
             if positions is None:
                 raise ValueError("a sparse (V3.2) MLAAttention needs positions [T] (MLAForCausalLM passes them)")
             indices = self.indexer(x, q_resid, cos, sin, positions, meta)
             out = self._sparse(q_nope, q_pe, indices)
-            return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
-        if self.sink_window is not None:
+        elif self.sink_window is not None:
             if positions is None:
                 raise ValueError("a sink + window MLAAttention needs positions [T] (MLAForCausalLM passes them)")
             out = self._sparse(q_nope, q_pe, self._sink_window_indices(meta, positions))
-            return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
-
-        parts = []
-        n_dec = 0
-        if meta.decode is not None:
+        elif meta.prefill is None:  # a step of one kind takes every token: no slice at a symbolic bound
+            out = self._decode(q_nope, q_pe, meta)
+        elif meta.decode is None:
+            out = self._prefill(q_nope, q_pe, latent, k_pe, meta)
+        else:  # decode tokens first, then prefill
             n_dec = meta.decode.num_tokens
-            parts.append(self._decode(q_nope[:n_dec], q_pe[:n_dec], meta))
-        if meta.prefill is not None:
-            parts.append(self._prefill(q_nope[n_dec:], q_pe[n_dec:], latent[n_dec:], k_pe[n_dec:], meta))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        return linears(out.reshape(T, c.num_heads * c.v_head_dim), self.o_proj)[0]
+            out = torch.cat([self._decode(q_nope[:n_dec], q_pe[:n_dec], meta),
+                             self._prefill(q_nope[n_dec:], q_pe[n_dec:], latent[n_dec:], k_pe[n_dec:], meta)])
+        return linears(out.flatten(1), self.o_proj)[0]  # [T, H * v_head_dim]
 
     def _decode(self, q_nope: Tensor, q_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Absorbed path: ``[n_dec, H, v_head_dim]``."""
         c, d = self.config, meta.decode
         w_uk, w_uv = self._w_uk_uv()
         q_abs = absorb_q(q_nope, w_uk, q_pe)
-        B = d.block_table.shape[0]
-        q_abs = q_abs.view(B, d.query_len, c.num_heads, c.latent_dim)
+        if d.query_len == 1:  # [B, 1, H, D]: an unsqueeze, no symbolic size for Dynamo to trace
+            q_abs = q_abs.unsqueeze(1)
+        else:
+            q_abs = q_abs.view(d.block_table.shape[0], d.query_len, c.num_heads, c.latent_dim)
         capacity = d.block_table.shape[1] * self.kv_cache.shape[1]  # the most tokens a sequence's table holds
         if self.fp8_cache:
             name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
@@ -286,7 +281,7 @@ class MLAAttention(nn.Module):
             out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                     kv_lora_rank=c.kv_lora_rank, backend=name,
                                     plan=plan if takes_plan("decode", name) else None)
-        out_lat = out_lat.reshape(B * d.query_len, c.num_heads, c.kv_lora_rank)
+        out_lat = out_lat.flatten(0, 1)  # [B * s_q, H, kv_lora_rank]
         return absorb_out(out_lat, w_uv)
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:

@@ -187,9 +187,12 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: T
     MLP: returns ``(h + attention, mlp output)``, the MLP's residual left to the next layer's first region (or the
     model's end). ``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's
     :meth:`MLAMetadata.flat`. The normed latent and rotated k_pe (of the raw ``kv``) feed only a prefill: a
-    decode-only graph drops them."""
+    decode-only step does not make them (nor does Dynamo trace them, at every layer on torch 2.11)."""
     meta = MLAMetadata.from_flat(*flat_meta)
-    latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
+    if meta.prefill is None:
+        latent = k_pe = None
+    else:
+        latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
     h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
     return h, _mlp(layer, layer.post_attention_layernorm(h), token_mask)
 

@@ -24,8 +24,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     are rotated and the output is written de-interleaved ``[evens' | odds']``, as HF does, so the
     rotated k_pe in the cache and q_pe agree. ``False``: rotate-half on ``[first half | second half]``.
     """
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c, s = cos.view(shape), sin.view(shape)
+    c, s = cos, sin
+    for _ in range(x.dim() - 2):  # broadcast over the head dims (unsqueeze: no symbolic size for Dynamo to trace)
+        c, s = c.unsqueeze(1), s.unsqueeze(1)
     xf = x.float()
     if interleave:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]

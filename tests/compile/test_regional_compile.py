@@ -4,6 +4,7 @@ cache write between them), so the compiled graph calls the same subgraphs for ev
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -149,3 +150,42 @@ def test_two_models_of_other_scales_compile_in_one_process():
                   if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.SymFloat)]
         assert graphs and not floats, floats
     assert scales[0] != scales[1]
+
+
+def _symbolic_args(node: torch.fx.Node) -> list:
+    """The arguments of ``node`` (slices' bounds included) that are symbolic sizes."""
+    found = []
+    torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: found.append(a) if isinstance(a, torch.fx.Node)
+                                and isinstance(a.meta.get("example_value"), torch.SymInt) else None)
+    return found
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_region_bodies_take_no_symbolic_views_and_decode_steps_skip_the_latent_norm():
+    """What keeps torch 2.11's Dynamo cheaper (it traces every region call's body again, layer after layer): no view,
+    reshape, expand or slice in a region takes a symbolic size (the token count), whose shape arithmetic is a large
+    part of a trace; and a decode-only step's second region has no latent norm and RoPE (only a prefill reads them):
+    every region of the decode graph has one norm (the input or the post-attention one), the prefill graph's second
+    region two."""
+    model = patch(toy.toy_hf_model("v2-lite", seed=2, num_hidden_layers=3, first_k_dense_replace=1),
+                  regional_compile=True)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    model.allocate_cache(32, 4)
+    greedy_generate(torch.compile(model, fullgraph=True, backend=backend), toy.random_prompts(1, [7, 5]), 2,
+                    block_size=4, num_blocks=32)
+    assert len(graphs) == 2  # prefill, decode
+    shaping = {"view", "reshape", "expand", operator.getitem}
+    norms = []
+    for gm in graphs:
+        regions = [getattr(gm, name) for name in dict.fromkeys(_subgraph_calls(gm))]
+        for region in regions:
+            symbolic = [n.format_node() for n in region.graph.nodes
+                        if n.op in ("call_method", "call_function") and n.target in shaping and _symbolic_args(n)]
+            assert not symbolic, symbolic
+        norms.append(sorted(sum(n.target is torch.rsqrt for n in r.graph.nodes) for r in regions))
+    assert norms[0][-1] == 2 and norms[1] == [1] * len(norms[1]), norms
