@@ -59,7 +59,10 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
         assert len(writes) == layers and all("write_latent_cache_fused" in str(n.target) for n in writes), writes
         calls = _subgraph_calls(gm)
         assert len(calls) >= 2 * (layers - 1), calls  # (Dynamo may inline the one dense layer's second region)
-        assert len(set(calls)) <= 4 and len(set(calls[-2 * (layers - 1):])) == 2, calls
+        # torch 2.11 keeps the first MoE layer's first region (after the dense layer) as one more subgraph; from
+        # the second MoE layer on, every torch calls the same two
+        extra = 1 if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13) else 0
+        assert len(set(calls)) <= 4 + extra and len(set(calls[-2 * (layers - 1 - extra):])) == 2, calls
     torch._dynamo.reset()
 
 
