@@ -288,14 +288,10 @@ def static_int(value) -> int:
 
 
 def context_bound(op: str, value) -> int:
-    """The bound of ``value``'s context bucket (:func:`~mla_compile.ops.timings.bucket`) as a Python int, found by
-    comparisons, so that a symbolic size (a block table's width under dynamic shapes) is guarded by its bucket's
-    range, not specialized to one value (a new width in the same bucket does not recompile)."""
-    edges = timings.bounds("context", op)
-    for edge in edges:
-        if value <= edge:
-            return edge
-    return edges[-1]
+    """The bound of ``value``'s context bucket (:func:`~mla_compile.ops.timings.bucket`) as a Python int. The bucket
+    is found by comparisons, so a symbolic size (a block table's width under dynamic shapes) is guarded by its
+    bucket's range, not specialized to one value (a new width in the same bucket does not recompile)."""
+    return timings.bucket("context", value, op)
 
 
 def resolve(op: str, device: torch.device, backend: str | None, *, dtype: torch.dtype | None = None,

@@ -225,19 +225,14 @@ def test_fp8_decode_picks_from_the_shipped_h200_table_and_its_split_runs_each_pa
     table, is passed over by "auto" unless the call names its block tables' capacity: its cost follows it); at 16 heads gluon64 to 2 sequences
     (two key tiles a split since run 154), the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``)
     runs the part of each call's query rows, here with CPU spies for both parts."""
-    def pick(heads):
+    def pick(heads, capacity=None):
         f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=heads,
-                      head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90)
-        return select("decode_fp8", f).name
-    assert pick(128) == "gluon64" and pick(16) == "split:gluon64:2/gluon"
-
-    def at(capacity):
-        f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=128,
                       head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90, capacity=capacity)
         return select("decode_fp8", f).name
+    assert pick(128) == "gluon64" and pick(16) == "split:gluon64:2/gluon"
     # a named capacity prices FlashMLA at it: with tables of 4096 tokens it takes 128 sequences (429.0 against
     # gluon64's 447.5 us in the file); at 8192 its 744.6 us for every length loses to gluon64's 447.5 + 876.0
-    assert at(4096) == "split:gluon64:16/flashmla" and at(8192) == at(163840) == "gluon64"
+    assert pick(128, 4096) == "split:gluon64:16/flashmla" and pick(128, 8192) == pick(128, 163840) == "gluon64"
 
     from mla_compile.ops import fp8_cache
     monkeypatch.setitem(registry._TABLE, "decode_fp8", dict(registry._TABLE["decode_fp8"]))
