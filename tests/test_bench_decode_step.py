@@ -58,10 +58,12 @@ def test_bench_decode_step_cpu_smoke(tmp_path, kind):
 @pytest.mark.slow
 def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config(tmp_path):
     """``--compile --only ours`` on the CPU: the compiled row runs, agrees with eager, and its first call's compile is
-    broken down (Dynamo's tracing and the backend inside torch.compile's time, a cache miss of a fresh cache dir);
-    ``--moe-config`` is reported, and an unknown key is refused before anything runs."""
+    broken down (Dynamo's tracing and the backend inside torch.compile's time, a cache miss of a fresh cache dir,
+    the Dynamo cache's miss with ``--dynamo-cache``); ``--moe-config`` is reported, and an unknown key is refused
+    before anything runs."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_step.py"), "--device", "cpu", "--tiny", "--compile",
-           "--only", "ours", "--batches", "1", "--moe-config", "dot_n=16,down_pre_unused=1", "--out", str(tmp_path)]
+           "--only", "ours", "--batches", "1", "--moe-config", "dot_n=16,down_pre_unused=1", "--dynamo-cache",
+           "--out", str(tmp_path)]
     bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "unknown key 'down_pre_unused'" in bad.stderr + bad.stdout
     cmd[cmd.index("dot_n=16,down_pre_unused=1")] = "dot_n=16"
@@ -74,5 +76,7 @@ def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config
     ph = info["ours_compile_phases"]
     assert 0 < ph["dynamo"] < ph["compile"] and 0 < ph["aot_inductor"] < ph["compile"] <= info["ours_compile_s"]
     assert ph["fx_cache_miss"] >= 1 and ph["fx_cache_hit"] == 0  # the benchmark's fresh cache dir
+    assert info["dynamo_cache"] is True and ph["dynamo_cache_hit"] == 0 and ph["graphs_traced"] >= 1
     text = (tmp_path / "bench_decode_step.txt").read_text()
     assert "ours' first compiled call: torch.compile" in text and "MoE kernels dot_n=16" in text
+    assert "Dynamo cache 0 / " in text
