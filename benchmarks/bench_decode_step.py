@@ -179,7 +179,7 @@ def run_row(out_dir: str, impl: str, batch: int, ctx: int, fn, skip: str | None 
             row["tok_s"] = batch / (row["ms"] / 1e3)
         except Exception as exc:  # keep measuring the rest; the reason goes into the table
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            traceback.print_exc(limit=4)
+            traceback.print_exc(limit=-12)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -414,7 +414,7 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         except Exception as exc:
             graph_skip = "capture failed"
             INFO["ours_capture_error"] = f"{type(exc).__name__}: {exc}"[:500]
-            traceback.print_exc(limit=4)
+            traceback.print_exc(limit=-12)
     for b, c in cells:
         def ours_graph(b=b, c=c):
             res = measure(lambda k: runner.decode(wl.chunks(b, c, k)), dev, args.warmup, args.iters)
