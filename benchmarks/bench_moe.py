@@ -75,7 +75,11 @@ DOT_SWEEP = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=
              dict(dot_stages=3), dict(dot_stages=5), dict(dot_stages=6), dict(dot_k=256, dot_stages=3),
              dict(dot_k=64, dot_stages=8), dict(dot_warps=8), dict(dot_warps=2), dict(dot_n=64, dot_stages=3),
              dict(dot_n=64, dot_k=64, dot_stages=6), dict(dot_n=64, dot_warps=8, dot_stages=3),
-             DOT, dict(DOT, down_h=32, down_k=128, down_stages=6), dict(DOT, dot_n=16, down_k=128, down_stages=8))
+             DOT, dict(DOT, down_h=32, down_k=128, down_stages=6), dict(DOT, dot_n=16, down_k=128, down_stages=8),
+             # 32-wide tiles with shallower rings: three to five programs an SM, so one token's 8 slots x 44 tiles
+             # are resident at once (64-wide tiles: 176 programs, two an SM, on 132 SMs)
+             dict(dot_n=32), dict(dot_n=32, dot_stages=4), dict(dot_n=32, dot_warps=2),
+             dict(dot_n=32, dot_k=128, dot_stages=3))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
