@@ -282,7 +282,12 @@ def through_ours(group, flops, nbytes, calls: dict):
 GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=True),
                dict(WS=True, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=False, FOLD_SCALE=False),
                dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False),
-               dict(WS=True, KV_SPLIT=False, PIPE=False, HEADS_FIRST=False)]
+               dict(WS=True, KV_SPLIT=False, PIPE=False, HEADS_FIRST=False),
+               # FA3's inter-warpgroup ping-pong: on the default (pipelined) consumers, on FA3's unpipelined
+               # schedule (keys and values on barriers of their own) and on 64-key tiles in 3 slots
+               dict(WS=True, HEADS_FIRST=False, PINGPONG=True),
+               dict(WS=True, PIPE=False, HEADS_FIRST=False, PINGPONG=True),
+               dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False, PINGPONG=True)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):

@@ -23,10 +23,24 @@ One program an SM, 8 warps (two warpgroups of 64 query rows; no warp specializat
 FA3's sm_90 forward: a TMA producer (the 4 default warps) fills a ring of ``STAGES`` slots (``full`` / ``empty``
 mbarriers, both consumers release a slot), and two 4-warp consumer warpgroups each own 64 of the 128 query rows
 (their own S, softmax and ``P V``), so the two are not held in step by a CTA barrier and one's softmax may run
-while the other's dots do (no explicit ping-pong ordering); causal tiles past a consumer's last visible key are
-released without work. By default (``KV_SPLIT`` and ``PIPE``, as FA3) a slot's keys and values have barriers of
-their own and each consumer is software-pipelined: tile j's ``S`` dots are in flight with tile j - 1's ``P V``, the
-keys released right after ``S``, the values waited for only before ``P V``.
+while the other's dots do; causal tiles past a consumer's last visible key are released without work. By default
+(``KV_SPLIT`` and ``PIPE``, as FA3) a slot's keys and values have barriers of their own and each consumer is
+software-pipelined: tile j's ``S`` dots are in flight with tile j - 1's ``P V``, the keys released right after
+``S``, the values waited for only before ``P V``.
+
+``PINGPONG`` (off by default; FA3's inter-warpgroup ping-pong) orders the consumers' dots explicitly: they take
+turns, a consumer issues a turn's dots only once the other has issued its previous turn's, so one warpgroup's
+softmax runs while the other's dots do. Two mbarriers of one arrival, ``turn[c]`` ("consumer c may issue"):
+consumer c's turn k waits for the k-th completion of ``turn[c]`` (parity ``k & 1``), issues its dots, then (a
+warpgroup barrier: all four warps have issued) arrives on ``turn[1 - c]``; ``turn[0]`` is completed once before
+the consumers start, so consumer 0 goes first. A turn is, with ``PIPE``, one step of the pipelined loop (tile j's
+``S`` and tile j - 1's ``P V``: tiles 1 .. n - 1 of a consumer's n); without, tile j - 1's ``P V`` and tile j's
+``S`` (turn 0 tile 0's ``S``, turn n tile n - 1's ``P V``; the turn is held through the wait for ``P V``, as
+FA3). A causal consumer that sees fewer tiles takes fewer turns: each knows both counts, waits only for hand-overs
+the other makes (consumer 0's turn k: ``k <=`` the other's turns; consumer 1's: ``k <`` the other's) and hands
+over after every turn (one nobody waits for completes a phase no wait reads; turns alternate, so no wait sees a
+barrier two phases on). Turns follow the tile order: with two or more slots, every slot a turn waits for was
+released by the other consumer before its last hand-over, so no turn waits on the other's next turn.
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
@@ -58,7 +72,7 @@ WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); 
 SMEM_LIMIT = 227 * 1024
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 # :func:`launch`'s config keys
-CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE"})
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE", "PINGPONG"})
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -69,21 +83,23 @@ def heads_first(programs: int, sms: int) -> bool:
     return programs <= HEADS_FIRST_WAVES * sms
 
 
-def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2, kv_split: bool = False) -> int:
+def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2, kv_split: bool = False,
+               pingpong: bool = False) -> int:
     """Shared memory of one program's buffers: Q, the key/value slots and the barriers (three; the
-    warp-specialized kernel's: two a slot, four with ``kv_split``, and Q's)."""
-    bars = (2 * stages * (2 if kv_split else 1) + 1) * 8 if ws else 3 * 8
+    warp-specialized kernel's: two a slot, four with ``kv_split``, Q's, and the two turns with ``pingpong``)."""
+    bars = (2 * stages * (2 if kv_split else 1) + 1 + (2 if pingpong else 0)) * 8 if ws else 3 * 8
     return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars
 
 
-def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = False, stages: int = 2) -> bool:
+def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = False, stages: int = 2,
+             pingpong: bool = False) -> bool:
     """Whether :func:`launch` serves these tensors (see the module docstring); reads no data."""
     if not tma_eligible(q, k, v) or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     da, db = split_dims(q.shape[-1])
     dims = (da, db, v.shape[-1])
     return (64 <= min(dims) and max(dims) <= 256
-            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages, kv_split=ws) <= SMEM_LIMIT)
+            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages, ws, pingpong) <= SMEM_LIMIT)
 
 
 @gluon.jit
@@ -287,15 +303,46 @@ def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles,
 
 
 @gluon.jit
-def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, scale_log2, q_start, len_q, len_k,
-                m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
+def _ws_tiles(c, m0, off, len_k, n_tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PIPE: gl.constexpr):
+    """``(n_mine, turns)`` of consumer warpgroup ``c`` (rows ``m0 + 64 c + [0, 64)``): its tiles with work (those
+    holding a key its rows see: a prefix of the producer's ``n_tiles``) and its ``PINGPONG`` turns (``PIPE``: one a
+    pipelined step, ``n_mine - 1``; else ``n_mine + 1``; none without tiles). Each consumer reads both's."""
+    hi = len_k
+    if CAUSAL:
+        hi = gl.minimum(len_k, m0 + c * 64 + 64 + off)
+    n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(hi, 0), BLOCK_N))
+    if PIPE:
+        turns = gl.maximum(n_mine - 1, 0)
+    else:
+        turns = n_mine + (n_mine > 0).to(gl.int32)
+    return n_mine, turns
+
+
+@gluon.jit
+def _turn_wait(turn, C: gl.constexpr, k, other_turns):
+    """(``PINGPONG``) Consumer ``C``'s turn ``k``: the k-th completion of ``turn[C]`` (of ``turn[0]``: the kernel's
+    first, then consumer 1's hand-overs), waited for only where the other consumer makes it."""
+    mbarrier.wait(turn.index(C), k & 1, pred=k < other_turns + (1 - C))
+
+
+@gluon.jit
+def _turn_pass(turn, C: gl.constexpr):
+    """(``PINGPONG``) Hand the turn to the other consumer once every warp of this one has issued its dots."""
+    gl.thread_barrier()
+    mbarrier.arrive(turn.index(1 - C), count=1)
+
+
+@gluon.jit
+def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn, scale_log2, q_start, len_q,
+                len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
                 DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
+                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
     k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
     ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it;
     ``PIPE``: :func:`_ws_pipelined_tiles`). Causal tiles past this warpgroup's last visible key are released
-    without work. Stores its rows at the end."""
+    without work. ``PINGPONG``: the dots issued in turns with the other consumer (``turn``, the module
+    docstring). Stores its rows at the end."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -305,10 +352,8 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     dt: gl.constexpr = o_ptr.dtype.element_ty
     offs_m = m0 + C * 64 + gl.arange(0, 64, row_s)
     lim = offs_m + off
-    if CAUSAL:
-        my_hi = gl.minimum(len_k, m0 + C * 64 + 64 + off)  # this warpgroup's keys end here
-    else:
-        my_hi = len_k
+    n_mine, _ = _ws_tiles(C, m0, off, len_k, n_tiles, BLOCK_N, CAUSAL, PIPE)
+    _, other_turns = _ws_tiles(1 - C, m0, off, len_k, n_tiles, BLOCK_N, CAUSAL, PIPE)
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, s_l)
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([64], gl.float32, row_s)
@@ -317,18 +362,23 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     qa = qa_s.index(C)
     qb = qb_s.index(C)
     if PIPE:
-        o, m_i, l_i = _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2,
-                                          my_hi, full_end, len_k, lim, n_tiles, BLOCK_N, CAUSAL, STAGES, KV_SPLIT,
-                                          p_a, row_o, col_s, dt, FOLD)
+        o, m_i, l_i = _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, turn, zero_s, o, m_i, l_i, scale_log2,
+                                          n_mine, other_turns, full_end, len_k, lim, n_tiles, C, BLOCK_N, CAUSAL,
+                                          STAGES, KV_SPLIT, PINGPONG, p_a, row_o, col_s, dt, FOLD)
     else:
         for j in range(n_tiles):
             slot = j % STAGES
             phase = (j // STAGES) & 1
             n0 = j * BLOCK_N
             mbarrier.wait(full.index(slot), phase)
-            if n0 < my_hi:
+            if j < n_mine:
+                if PINGPONG:
+                    if j == 0:  # turn 0: tile 0's S alone; turn j + 1: tile j's P V and tile j + 1's S
+                        _turn_wait(turn, C, 0, other_turns)
                 qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
                 qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
+                if PINGPONG:
+                    _turn_pass(turn, C)
                 s = warpgroup_mma_wait(0, deps=[qk])
                 if KV_SPLIT:
                     gl.thread_barrier()  # (this consumer's warps) the keys read before their release
@@ -338,7 +388,12 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
                 o = o * gl.convert_layout(alpha, row_o)[:, None]
                 if KV_SPLIT:
                     mbarrier.wait(full.index(STAGES + slot), phase)
+                if PINGPONG:
+                    _turn_wait(turn, C, j + 1, other_turns)
                 pv = warpgroup_mma(gl.convert_layout(p.to(dt), p_a), v_s.index(slot), o, is_async=True)
+                if PINGPONG:
+                    if j == n_mine - 1:  # the last turn (tile j's P V alone) handed over before any skipped tile
+                        _turn_pass(turn, C)
                 o = warpgroup_mma_wait(0, deps=[pv])
             elif KV_SPLIT:
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -352,18 +407,19 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
 
 
 @gluon.jit
-def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_i, scale_log2, my_hi, full_end, len_k,
-                        lim, n_tiles, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        KV_SPLIT: gl.constexpr, p_a: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr,
-                        dt: gl.constexpr, FOLD: gl.constexpr):
+def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, turn, zero_s, o, m_i, l_i, scale_log2, n_mine,
+                        other_turns, full_end, len_k, lim, n_tiles, C: gl.constexpr, BLOCK_N: gl.constexpr,
+                        CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
+                        p_a: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr, dt: gl.constexpr,
+                        FOLD: gl.constexpr):
     """The tiles of :func:`_ws_consume` software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup
     overlap): tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while
     ``P V`` does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
     maximum). Tile j - 1's values (its whole slot without ``KV_SPLIT``) are released after its ``P V``; with
-    ``KV_SPLIT`` tile j's keys right after its ``S``. The tiles this warpgroup sees are a prefix of the
-    producer's; the rest are released without work. Returns ``(o, m_i, l_i)``."""
+    ``KV_SPLIT`` tile j's keys right after its ``S``. The ``n_mine`` tiles this warpgroup sees are a prefix of the
+    producer's; the rest are released without work. ``PINGPONG``: step j (j >= 1) is turn j - 1, its two dots
+    issued between :func:`_turn_wait` and :func:`_turn_pass`. Returns ``(o, m_i, l_i)``."""
     VB: gl.constexpr = STAGES if KV_SPLIT else 0  # the values' barriers: [VB + slot]
-    n_mine = gl.minimum(n_tiles, gl.cdiv(gl.maximum(my_hi, 0), BLOCK_N))
     if n_mine > 0:
         mbarrier.wait(full.index(0), 0)
         qk = warpgroup_mma(qa, ka_s.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
@@ -379,11 +435,15 @@ def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, zero_s, o, m_i, l_
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+            if PINGPONG:
+                _turn_wait(turn, C, j - 1, other_turns)
             qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
             if KV_SPLIT:
                 mbarrier.wait(full.index(VB + prev), ((j - 1) // STAGES) & 1)
             pv = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
+            if PINGPONG:
+                _turn_pass(turn, C)
             s = warpgroup_mma_wait(1, deps=[qk])  # the S dots done; P V may still run
             if KV_SPLIT:
                 gl.thread_barrier()
@@ -418,12 +478,13 @@ def prefill_gluon_ws_kernel(
     scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
-    PIPE: gl.constexpr = False, FOLD: gl.constexpr = True,
+    PIPE: gl.constexpr = False, FOLD: gl.constexpr = True, PINGPONG: gl.constexpr = False,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
     the 128 query rows (q boxes ``[64, DA]`` / ``[64, DB]``), independent of each other but for releasing
-    slots, so one's softmax can run while the other's dots do."""
+    slots (and, with ``PINGPONG``, taking turns to issue their dots; ``STAGES >= 2``), so one's softmax can run
+    while the other's dots do."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -447,8 +508,17 @@ def prefill_gluon_ws_kernel(
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     mbarrier.init(qbar.index(0), count=1)
+    if PINGPONG:
+        gl.static_assert(STAGES >= 2)  # with one slot a turn's S would wait for the other's P V of its turn
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+    else:
+        turn = qbar  # not read
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
 
     q_row = q_start + m0
     mbarrier.expect(qbar.index(0), BM * (DA + DB) * 2)
@@ -458,12 +528,12 @@ def prefill_gluon_ws_kernel(
     gl.warp_specialize([
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                        DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
-        (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE,
-                       FOLD)),
-        (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), scale_log2, q_start, len_q, len_k,
-                       m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE,
-                       FOLD)),
+        (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), turn, scale_log2, q_start, len_q,
+                       len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
+                       KV_SPLIT, PIPE, FOLD, PINGPONG)),
+        (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), turn, scale_log2, q_start, len_q,
+                       len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
+                       KV_SPLIT, PIPE, FOLD, PINGPONG)),
     ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers
 
 
@@ -473,15 +543,20 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     (default 64 plain, 128 warp-specialized), ``STAGES`` (warp-specialized: slots of the ring, default 2),
     ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default True), ``PIPE``
     (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default True),
-    ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`),
-    ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, :func:`_softmax_tile`; default True, taken
-    only for a positive ``scale``)."""
+    ``PINGPONG`` (warp-specialized: the consumers issue their dots in turns, the module docstring; needs
+    ``STAGES >= 2``; default False), ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default
+    :func:`heads_first`), ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, :func:`_softmax_tile`;
+    default True, taken only for a positive ``scale``)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
     stages = int(cfg.get("STAGES", 2))
     kv_split = bool(cfg.get("KV_SPLIT", ws))
     pipe = bool(cfg.get("PIPE", ws))
+    pingpong = bool(cfg.get("PINGPONG", False))
+    if pingpong and not (ws and stages >= 2):
+        raise ValueError(f"mla.prefill (gluon): PINGPONG needs WS=True and STAGES >= 2, got WS={ws}, "
+                         f"STAGES={stages}; drop PINGPONG or set both")
     fold = bool(cfg.get("FOLD_SCALE", True)) and scale > 0
     T, H, dqk = q.shape
     dv = v.shape[-1]
@@ -508,7 +583,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
-                                      FOLD=fold, num_warps=WS_WARPS)
+                                      FOLD=fold, PINGPONG=pingpong, num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                    CHUNK=256, HEADS_FIRST=first, FOLD=fold, num_warps=NUM_WARPS)

@@ -23,7 +23,23 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "plain_heads_last": dict(HEADS_FIRST=False), "ws_heads_last": dict(WS=True, HEADS_FIRST=False),
            "ws_unpiped": _UNPIPED, "ws_unpiped_n64_s3": dict(_UNPIPED, BLOCK_N=64, STAGES=3),
            "ws_kv_split_only": dict(WS=True, PIPE=False), "ws_pipe_only": dict(WS=True, KV_SPLIT=False),
-           "ws_unfolded": dict(WS=True, FOLD_SCALE=False), "plain_unfolded": dict(FOLD_SCALE=False)}
+           "ws_unfolded": dict(WS=True, FOLD_SCALE=False), "plain_unfolded": dict(FOLD_SCALE=False),
+           "ws_pingpong": dict(WS=True, PINGPONG=True), "ws_pingpong_unpiped": dict(_UNPIPED, PINGPONG=True),
+           "ws_pingpong_kv_split_only": dict(WS=True, PIPE=False, PINGPONG=True),
+           "ws_pingpong_pipe_only": dict(WS=True, KV_SPLIT=False, PINGPONG=True),
+           "ws_pingpong_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3, PINGPONG=True),
+           "ws_pingpong_unpiped_n64": dict(_UNPIPED, BLOCK_N=64, PINGPONG=True)}
+PINGPONG = [c for c in CONFIGS if "pingpong" in c]
+# Sequences whose two consumer warpgroups (64 query rows each of a 128-row block) see different tile counts at
+# BLOCK_N 64 / 128: 100 and 65 (causal: 1 tile for rows 0-63, 2 for rows 64-99 at 64-key tiles), 64 and 1
+# (one block, rows 64-127 padding), 129 and 513 / 700 (a second block of 1 or a few rows, more keys than queries).
+# A sequence of keys alone (0 / 7), and past the op's causal contract (more queries than keys; the kernels'
+# causal offset is then negative): 200 / 100 (rows 0-63 see no key, rows 64-127 a tile) and 300 / 150 (a block
+# whose rows see no key: no tile for either consumer).
+LENS_PP_Q = [100, 65, 64, 1, 129, 0, 513, 200, 300]
+LENS_PP_K = [100, 65, 64, 1, 129, 7, 700, 100, 150]
+LENS_PP_Q_NONCAUSAL = LENS_PP_Q + [40]
+LENS_PP_K_NONCAUSAL = LENS_PP_K + [0]  # 40 queries and no key: no tile for either consumer, out 0, LSE -inf
 
 
 def _inputs(H, lens_q, lens_k, dtype, seed, pad=5):
@@ -124,6 +140,40 @@ def test_cuda_gluon_prefill_backends(backend):
     assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cfg", PINGPONG + ["ws_n128_s2", "ws_n64_s2", "ws_unpiped"])
+def test_cuda_gluon_prefill_uneven_consumers(causal, cfg):
+    """The warp-specialized kernel where its two consumers see different numbers of key tiles (or none): with
+    ``PINGPONG`` each takes its own count of turns, and neither waits for a hand-over the other never makes (a
+    deadlock hangs in the synchronize: run with pytest's ``--timeout``). Without ``PINGPONG`` the same lengths as
+    a baseline."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    lens_q = LENS_PP_Q if causal else LENS_PP_Q_NONCAUSAL
+    lens_k = LENS_PP_K if causal else LENS_PP_K_NONCAUSAL
+    q, k, v = _inputs(8, lens_q, lens_k, torch.bfloat16, 11 + int(causal))
+    cu_q, cu_k = cu_from_lens(lens_q, "cuda"), cu_from_lens(lens_k, "cuda")
+    poison_allocator()
+    out, lse = g.launch(q, k, v, cu_q, cu_k, SCALE, causal, CONFIGS[cfg])
+    torch.cuda.synchronize()
+    ref, ref_lse = prefill_ref64(q, k, v, cu_q, cu_k, SCALE, causal)
+    assert_attention_close(out, lse, ref, ref_lse, torch.bfloat16)
+
+
+def test_launch_refuses_pingpong_without_two_slots():
+    """``PINGPONG`` needs the warp-specialized kernel and a ring of at least two slots (with one, a turn's S would
+    wait for the slot the other consumer frees only in its next turn): an error before any launch."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    q = torch.randn(4, 2, 192, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for cfg in (dict(WS=True, STAGES=1, PINGPONG=True), dict(PINGPONG=True)):
+        with pytest.raises(ValueError, match="PINGPONG needs WS=True and STAGES >= 2"):
+            g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config=cfg)
+
+
 def _compile_sm90(kernel, consts, q_rows, warps):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -158,17 +208,17 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
 
     c = CONFIGS[cfg]
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
-    kv = c.get("KV_SPLIT", ws)
+    kv, pingpong = c.get("KV_SPLIT", ws), c.get("PINGPONG", False)
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
                   HEADS_FIRST=c.get("HEADS_FIRST", True), FOLD=c.get("FOLD_SCALE", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
-                                 PIPE=c.get("PIPE", ws)), 64, g.WS_WARPS)
+                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong), 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
     shared = compiled.metadata.shared
-    formula = g.smem_bytes(192, 128, bn, ws, stages, kv)
+    formula = g.smem_bytes(192, 128, bn, ws, stages, kv, pingpong)
     assert formula <= shared < formula + 1024 and shared <= 227 * 1024, (shared, formula)
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
