@@ -657,6 +657,7 @@ def table_text(args) -> str:
              f"compile mode {INFO.get('hf_compile_mode')}"
              + (f"; ours with mla_compile.lowerings ({INFO['lowerings']})" if "lowerings" in INFO else "")
              + (f"; MoE kernels {INFO['moe_config']}" if "moe_config" in INFO else "")
+             + ("; the swapped decode's early copies on" if INFO.get("decode_early") else "")
              + "; PDL " + ("off" if args.no_pdl else "on (sm_90+): our custom ops' kernels"
                            + (", Inductor's" if args.lowerings else "")),
              "decode step latency: median of CUDA events around one whole step (host dispatch included), ms "
@@ -752,6 +753,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-pdl", action="store_true",
                     help="no programmatic dependent launch: neither our custom ops' kernels (ops/triton/_pdl.py) nor, "
                          "with --lowerings, Inductor's (lowerings.compile_options(pdl=False))")
+    ap.add_argument("--decode-early", action="store_true",
+                    help="the swapped Gluon decode starts its first copies of older keys before its PDL wait "
+                         "(ops/triton/decode_gluon.EARLY_TILES)")
     ap.add_argument("--moe-config", default="",
                     help="comma-separated key=int changes to ops/triton/moe_experts.CONFIG (the few-token MoE kernels' "
                          "launch parameters), e.g. dot_n=16")
@@ -788,6 +792,10 @@ def main(argv=None) -> None:
     if args.no_pdl:
         from mla_compile.ops.triton import _pdl
         _pdl.ENABLED = False
+    if args.decode_early:
+        from mla_compile.ops.triton import decode_gluon
+        decode_gluon.EARLY_TILES = True
+        INFO["decode_early"] = True
     if args.moe_config:
         from mla_compile.ops.triton import moe_experts
         for item in args.moe_config.split(","):

@@ -27,7 +27,12 @@ def issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page, tile, n_tiles, start, BL
     ``_gluon.tile_page``) into slot ``tile % 2``: cache rows ``page * BLOCK_SIZE + (start + 64 tile) % BLOCK_SIZE
     + [0, 64)``, their latent columns as eight ``[64, 64]`` column blocks (``desc_c``; the slot's ``[64, 512]``
     layout holds them one after another) and their rope columns (``desc_r``)."""
-    live = tile < n_tiles
+    issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page, tile, tile < n_tiles, start, BLOCK_SIZE)
+
+
+@gluon.jit
+def issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page, tile, live, start, BLOCK_SIZE: gl.constexpr):
+    """:func:`issue_tile` of tile ``tile`` where ``live`` (a scalar predicate) holds."""
     row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
     slot = tile % 2
     bar = ready.index(slot)

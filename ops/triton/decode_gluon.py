@@ -80,7 +80,9 @@ PROGRAMS_PER_SM = 1
 # programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SWAP", "PIPE"})  # what :func:`launch`'s config may name
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SWAP", "PIPE", "EARLY"})  # what :func:`launch`'s config may name
+# the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off until measured
+EARLY_TILES = False
 
 
 @gluon.jit
@@ -251,7 +253,9 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
     or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule,
-    default False: the first one); several splits are merged by ``decode.reduce_splits``."""
+    default False: the first one), EARLY (the swapped kernel under PDL starts its first copies of older keys before
+    its wait, ``decode_gluon_swap_kernel``'s contract; default :data:`EARLY_TILES`); several splits are merged by
+    ``decode.reduce_splits``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -273,8 +277,9 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif swap:
-        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS,
-                                                                      **launch_kwargs(q.device)}
+        pdl = launch_kwargs(q.device)
+        early = bool(config.get("EARLY", EARLY_TILES)) and pdl["PDL"]
+        kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS, "EARLY": early, **pdl}
     else:
         kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", False))}
     kernel[(hb, splits, B)](

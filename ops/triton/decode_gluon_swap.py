@@ -19,7 +19,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import SMEM_C, issue_tile, zero_tail
+from mla_compile.ops.triton._bf16_tma import SMEM_C, issue_tile, issue_tile_if, zero_tail
 from mla_compile.ops.triton._gluon import finish_rows, pdl_start, split_range, tile_page
 
 SWAP_ROWS = 16  # query rows a program (BLOCK_R; 32 compiles with a few bytes of spills), and the most a
@@ -35,11 +35,16 @@ def decode_gluon_swap_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, BLOCK_R: gl.constexpr,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, EARLY: gl.constexpr = False,
 ):
     """``decode_gluon_kernel``'s contract with ``BLOCK_R`` (16 or 32) query rows a program, 4 warps; ``PDL``: launched
-    with PDL, every program waits for the kernel before it first."""
-    pdl_start(PDL)
+    with PDL, every program waits for the kernel before it first. ``EARLY`` (with ``PDL``): before that wait a
+    program reads its sequence's length and block-table row and starts the copies of its first two tiles that end
+    before the sequence's last ``S_Q`` positions (the step's new keys, which the kernel before may be writing);
+    the rest after the wait. So the caller promises that the kernel launched directly before this one writes
+    neither ``seq_lens``, ``block_table`` nor the cache rows of older positions."""
+    if not EARLY:
+        pdl_start(PDL)
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -66,9 +71,19 @@ def decode_gluon_swap_kernel(
     mbarrier.init(ready.index(1), count=1)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
-    for t in gl.static_range(2):
-        issue_tile(desc_c, desc_r, kc_s, kr_s, ready, tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64), t,
-                   n_tiles, start, BLOCK_SIZE)
+    if EARLY:
+        n_old = gl.minimum(gl.maximum((seq_len - S_Q - start) // 64, 0), n_tiles)  # tiles of older keys only
+        page0 = tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64)
+        page1 = tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, 64)
+        issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page0, 0, 0 < n_old, start, BLOCK_SIZE)
+        issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page1, 1, 1 < n_old, start, BLOCK_SIZE)
+        pdl_start(PDL)
+        issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page0, 0, (0 >= n_old) & (0 < n_tiles), start, BLOCK_SIZE)
+        issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page1, 1, (1 >= n_old) & (1 < n_tiles), start, BLOCK_SIZE)
+    else:
+        for t in gl.static_range(2):
+            issue_tile(desc_c, desc_r, kc_s, kr_s, ready, tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64), t,
+                       n_tiles, start, BLOCK_SIZE)
 
     # the query rows, 64 columns at a time (rows past M: zeros, never stored)
     m_q = pid_h * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, q_l))

@@ -105,8 +105,10 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 # here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized).
 # Run "plain" first on a new GPU (-k plain), then "swap", "pipe", "ws": a hang in one would stop the session.
 KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "SWAP": False, "PIPE": True},
-                 "swap": {"WS": False, "SWAP": True}, "ws": {"WS": True}}
-KERNELS = ["plain", "swap", "ws"]  # "pipe" (the PIPE schedule, not the default) runs the shape table only
+                 "swap": {"WS": False, "SWAP": True}, "swap-early": {"WS": False, "SWAP": True, "EARLY": True},
+                 "ws": {"WS": True}}
+# "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
+KERNELS = ["plain", "swap", "swap-early", "ws"]  # "pipe" (the PIPE schedule, not the default): the shape table only
 
 
 @pytest.mark.cuda
@@ -317,17 +319,20 @@ def test_sm90_compile_resources_warp_specialized(direct):
 
 
 @sm90_compile
-@pytest.mark.parametrize("block_size,direct,pdl", [(64, False, True), (128, True, False)])  # each value once
-def test_sm90_compile_resources_swapped(direct, block_size, pdl):
+@pytest.mark.parametrize("block_size,direct,pdl,early", [(64, False, True, False), (128, True, False, False),
+                                                         (64, False, True, True)])  # each value once
+def test_sm90_compile_resources_swapped(direct, block_size, pdl, early):
     """The swapped kernel compiles for sm_90 with 4 warps, 16 query rows a program, no spills, shared memory of
     its formula plus under 1 KB (two programs do not fit an SM: one, as the launch plans); its dots (S^T twice,
     36 k-steps each; O^T's 8 blocks of 64 value columns times 4 k-steps) and the two TMA copies a tile (three
-    places) are there; with ``PDL`` (the launch an sm_90 device gets) the wait and the trigger, without neither."""
+    places; five with ``EARLY``: the first two tiles' copies before and after the wait) are there; with ``PDL``
+    (the launch an sm_90 device gets) the wait and the trigger, without neither."""
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
     compiled = _compile_sm90(g.decode_gluon_swap_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
-                                                             BLOCK_R=g.SWAP_ROWS, PDL=pdl), g.SWAP_WARPS)
+                                                             BLOCK_R=g.SWAP_ROWS, PDL=pdl, EARLY=early),
+                             g.SWAP_WARPS)
     for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
         assert (instruction in compiled.asm["ptx"]) is pdl, instruction
     assert compiled.metadata.num_warps == 4
@@ -337,4 +342,56 @@ def test_sm90_compile_resources_swapped(direct, block_size, pdl):
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + (DC // 64) * (64 // 16), res
-    assert res["UTMALDG"] == 6, res
+    assert res["UTMALDG"] == (10 if early else 6), res
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_swapped_early_copies_see_the_keys_the_kernel_before_writes(s_q):
+    """``EARLY`` starts a program's first copies before its PDL wait, but only of tiles that end before the step's
+    new keys: here the kernel launched directly before (``mla::write_latent_cache_fused``, itself under PDL) writes
+    those keys over NaN rows, eagerly and in a replayed CUDA graph with new keys each replay; the decode equals the
+    float64 one over the written cache (a tile copied too early would carry the NaNs into its rows)."""
+    from mla_compile.ops.triton import decode_gluon
+
+    lens = [64 * 3, 64 * 3 + 1, 2, 0, 130, 64 * 40 + 5]  # new keys ending a tile, opening one, short, empty, long
+    q, cache, table, seq_lens = _inputs(lens, 16, s_q, 64, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    slots = torch.full((len(lens) * s_q,), -1, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        for i in range(s_q):
+            pos = n - s_q + i
+            if pos >= 0:
+                slots[b * s_q + i] = int(table[b, pos // 64]) * 64 + pos % 64
+    slots = slots.cuda()
+    live = slots[slots >= 0]
+    T = slots.shape[0]
+    w = torch.randn(DC, generator=gen).to("cuda", BF)
+    cos, sin = (torch.randn(T, DR // 2, generator=gen).cuda() for _ in range(2))
+    src = {"lat": torch.empty(T, DC, dtype=BF, device="cuda"), "kpe": torch.empty(T, DR, dtype=BF, device="cuda")}
+
+    def fresh(seed):
+        g = torch.Generator().manual_seed(seed)
+        src["lat"].copy_(torch.randn(T, DC, generator=g))
+        src["kpe"].copy_(torch.randn(T, DR, generator=g))
+        cache.view(-1, DC + DR)[live] = float("nan")
+
+    def step():
+        torch.ops.mla.write_latent_cache_fused(src["lat"], src["kpe"], w, cos, sin, slots, cache, 1e-6, True)
+        return decode_gluon.launch(q, cache, table, seq_lens, SCALE, DC, config={"SWAP": True, "EARLY": True})
+
+    fresh(1)
+    out, lse = step()
+    torch.cuda.synchronize()
+    assert not cache.view(-1, DC + DR)[live].isnan().any()
+    ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
+    assert_attention_close(out, lse, ref, ref_lse, BF)
+    graph, (out, lse) = capture(step)
+    for seed in (2, 3):
+        fresh(seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = _softmax64(q, cache, table, seq_lens, SCALE)
+        assert_attention_close(out, lse, ref, ref_lse, BF)
