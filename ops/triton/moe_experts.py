@@ -212,9 +212,10 @@ def _moe_down_dot_kernel(
 # ``down_k``) weight tiles ``dot_stages`` (``down_stages``) deep, ``dot_warps`` warps; float32 x always takes the
 # GEMV forms (tl.dot would round it to tf32). Kernel 1 takes its tensor-core form (as fast at one token, faster at
 # two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
-# 64 outputs by 64 of H, 6 deep (``bench_moe --sweep dot``: the fastest of the sweep at one and two tokens).
+# 64 outputs by 64 of H, 10 deep (``bench_moe --sweep dot`` at one and two tokens: the more bytes in flight a
+# program the faster, one program an SM then; narrower tiles with more programs an SM were slower).
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
-              gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=6, down_dot=False, down_h=16, down_k=256,
+              gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
               down_stages=5, dot_warps=4)
 
 
