@@ -6,9 +6,11 @@ graph again, and on torch 2.11 it traces every nested compile region of ``patch(
 once per layer (2.12+ stamps a traced region out instead), which is most of a warm start. This module adds:
 
 - :func:`enable_warm_start`: turn on torch's Dynamo cache (``torch._dynamo.config.caching_precompile``) for
-  the ``torch.compile`` calls that follow, where it works (torch 2.11; see :func:`dynamo_cache_status`): a
-  process then installs the saved bytecode, guards and compiled graphs at ``torch.compile`` time and its first
-  steps run them without tracing. A step whose guards fail (another model, a new shape) compiles as usual.
+  the ``torch.compile`` calls that follow, when asked for (``dynamo=True``; by default on no torch version now,
+  :func:`dynamo_cache_status` says why): a process then installs the saved bytecode, guards and compiled graphs at
+  ``torch.compile`` time and its first steps run them without tracing. A step whose guards fail (another model, a
+  new shape) compiles as usual. On torch 2.11 it serves the CPU toy, but the GPU model's step holds a guard the
+  cache cannot save, and 2.11 then fails that compile (BENCHMARKS.md run 186).
 - :func:`save_warm_start`: after the warm-up steps, write the Dynamo cache entries into the local cache
   (what a later :func:`enable_warm_start` process loads) and return (or write to ``path``) torch's portable
   "mega-cache" of every compile artifact (``torch.compiler.save_cache_artifacts``).
@@ -41,8 +43,10 @@ import warnings
 
 import torch
 
-# torch versions whose Dynamo cache serves our compiled models across processes (checked on CPU, 2.11.0)
-_DYNAMO_CACHE_VERSIONS = ((2, 11),)
+# torch versions whose Dynamo cache serves our compiled models across processes, so that enable_warm_start turns it on
+# by default: none. 2.11.0 serves the CPU toy, but the GPU model's step holds a guard the cache cannot save and
+# 2.11 then fails the compile instead of skipping the save (BENCHMARKS.md run 186); 2.12+ see dynamo_cache_status
+_DYNAMO_CACHE_VERSIONS: tuple[tuple[int, int], ...] = ()
 _FIXED: set[str] = set()
 
 
@@ -60,6 +64,10 @@ def dynamo_cache_status() -> tuple[bool, str]:
         from torch._dynamo.package import CompilePackage, DynamoCache  # noqa: F401
     except ImportError as e:
         return False, f"torch {torch.__version__}: no Dynamo cache ({e})"
+    if _version() == (2, 11) and (2, 11) not in _DYNAMO_CACHE_VERSIONS:
+        return False, (f"torch {torch.__version__}: a step with a guard the cache cannot save (CLASS_MATCH, as the "
+                       "GPU model's) fails to compile with it on (convert_frame asserts guards_state), so it is off "
+                       "unless asked for (enable_warm_start(True), for models it serves, e.g. on the CPU)")
     if _version() not in _DYNAMO_CACHE_VERSIONS:
         return False, (f"torch {torch.__version__}: the saved guards of dynamic steps never pass on load "
                        "(dim-marking guards), so a warm start uses the FX-graph / AOTAutograd caches only")
