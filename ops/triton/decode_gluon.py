@@ -81,7 +81,8 @@ PROGRAMS_PER_SM = 1
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
 CONFIG_KEYS = frozenset({"SPLITS", "WS", "SWAP", "PIPE", "EARLY"})  # what :func:`launch`'s config may name
-# the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off until measured
+# the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
+# full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
 
 
