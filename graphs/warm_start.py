@@ -44,9 +44,14 @@ import warnings
 import torch
 
 # torch versions whose Dynamo cache serves our compiled models across processes, so that enable_warm_start turns it on
-# by default: none. 2.11.0 serves the CPU toy, but the GPU model's step holds a guard the cache cannot save and
-# 2.11 then fails the compile instead of skipping the save (BENCHMARKS.md run 186); 2.12+ see dynamo_cache_status
+# by default: none (the reasons below)
 _DYNAMO_CACHE_VERSIONS: tuple[tuple[int, int], ...] = ()
+# why it stays off by default on a torch that has it (BENCHMARKS.md run 186 for 2.11); other versions: _OFF_ELSE
+_OFF_REASONS = {(2, 11): "a step with a guard the cache cannot save (CLASS_MATCH, as the GPU model's) fails to compile "
+                         "with it on (convert_frame asserts guards_state), so it is off unless asked for "
+                         "(enable_warm_start(True), for models it serves, e.g. on the CPU)"}
+_OFF_ELSE = ("the saved guards of dynamic steps never pass on load (dim-marking guards), so a warm start uses the "
+             "FX-graph / AOTAutograd caches only")
 _FIXED: set[str] = set()
 
 
@@ -64,13 +69,8 @@ def dynamo_cache_status() -> tuple[bool, str]:
         from torch._dynamo.package import CompilePackage, DynamoCache  # noqa: F401
     except ImportError as e:
         return False, f"torch {torch.__version__}: no Dynamo cache ({e})"
-    if _version() == (2, 11) and (2, 11) not in _DYNAMO_CACHE_VERSIONS:
-        return False, (f"torch {torch.__version__}: a step with a guard the cache cannot save (CLASS_MATCH, as the "
-                       "GPU model's) fails to compile with it on (convert_frame asserts guards_state), so it is off "
-                       "unless asked for (enable_warm_start(True), for models it serves, e.g. on the CPU)")
     if _version() not in _DYNAMO_CACHE_VERSIONS:
-        return False, (f"torch {torch.__version__}: the saved guards of dynamic steps never pass on load "
-                       "(dim-marking guards), so a warm start uses the FX-graph / AOTAutograd caches only")
+        return False, f"torch {torch.__version__}: {_OFF_REASONS.get(_version(), _OFF_ELSE)}"
     return True, "torch's Dynamo cache (caching_precompile)"
 
 
