@@ -82,7 +82,11 @@ DOT_SWEEP = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=
              dict(dot_n=32, dot_k=128, dot_stages=3),
              # deeper rings a program (more bytes in flight; run 184: dot_k=64 with 8 stages 41.7 us against 43.9)
              dict(dot_stages=10), dict(dot_k=128, dot_stages=5), dict(dot_k=128, dot_stages=6),
-             dict(dot_k=64, dot_stages=8, dot_warps=8))
+             dict(dot_k=64, dot_stages=8, dot_warps=8),
+             # kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM)
+             dict(gate_up_pipe=True), dict(gate_up_pipe=True, pipe_k=128), dict(gate_up_pipe=True, pipe_k=128,
+                                                                              pipe_stages=2),
+             dict(gate_up_pipe=True, pipe_n=32, pipe_k=128, pipe_warps=8), dict(gate_up_pipe=False))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),

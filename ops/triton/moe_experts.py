@@ -135,6 +135,40 @@ def _moe_gate_up_dot_kernel(
 
 
 @triton.jit
+def _moe_gate_up_pipe_kernel(
+    x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
+    H, I, K, SLOTS,
+    s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row // SLOTS
+    j = row % SLOTS
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
+        return  # a padding token: no weight reads, its activation rows are never read
+    g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
+    x_row = x_ptr + t.to(tl.int64) * s_x
+    # element-wise float32 products summed along K once at the end: no reduction a step, so the pipeliner's
+    # copies of the next steps' tiles are all that a step waits on
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+        acc_u += tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    a = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _moe_down_kernel(
     h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, out_ptr, mask_ptr,
     H, I,
@@ -214,9 +248,12 @@ def _moe_down_dot_kernel(
 # two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
 # 64 outputs by 64 of H, 10 deep (``bench_moe --sweep dot`` at one and two tokens: the more bytes in flight a
 # program the faster, one program an SM then; narrower tiles with more programs an SM were slower).
+# ``gate_up_pipe`` (over ``gate_up_dot``, bf16 / fp16 x): kernel 1's pipelined GEMV form, ``pipe_n`` x ``pipe_k``
+# weight tiles ``pipe_stages`` deep, ``pipe_warps`` warps: many small programs, several an SM, as a plain streaming
+# read of the same bytes.
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
               gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
-              down_stages=5, dot_warps=4)
+              down_stages=5, dot_warps=4, gate_up_pipe=False, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4)
 
 
 def _tile(name: str, block: int) -> int:
@@ -271,7 +308,12 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     pdl = launch_kwargs(x.device, eager_only=True)
     gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
                     gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
-    if CONFIG["gate_up_dot"] and x.dtype != torch.float32:
+    if CONFIG["gate_up_pipe"] and x.dtype != torch.float32:
+        wrap_triton(_moe_gate_up_pipe_kernel)[(T * slots, triton.cdiv(I, CONFIG["pipe_n"]))](
+            *gate_up_args, BLOCK_N=CONFIG["pipe_n"], BLOCK_K=CONFIG["pipe_k"], HAS_MASK=token_mask is not None,
+            NUM_STAGES=CONFIG["pipe_stages"], num_warps=CONFIG["pipe_warps"], **pdl,
+        )
+    elif CONFIG["gate_up_dot"] and x.dtype != torch.float32:
         wrap_triton(_moe_gate_up_dot_kernel)[(T * slots, triton.cdiv(I, CONFIG["dot_n"]))](
             *gate_up_args, BLOCK_N=CONFIG["dot_n"], BLOCK_K=CONFIG["dot_k"], HAS_MASK=token_mask is not None,
             NUM_STAGES=CONFIG["dot_stages"], num_warps=CONFIG["dot_warps"], **pdl,

@@ -91,8 +91,17 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+# kernel 1's forms (``ops/triton/moe_experts.CONFIG``): the tensor-core form and the pipelined GEMV form
+GATE_UP_FORMS = {"dot": dict(gate_up_pipe=False, gate_up_dot=True), "pipe": dict(gate_up_pipe=True)}
+
+
+@pytest.mark.parametrize("form", list(GATE_UP_FORMS))
 @pytest.mark.parametrize("T", [1, 4])
-def test_fused_experts_match_float64_at_model_dims(model_weights, T):
+def test_fused_experts_match_float64_at_model_dims(model_weights, T, form, monkeypatch):
+    from mla_compile.ops.triton import moe_experts as kernels
+
+    for key, value in GATE_UP_FORMS[form].items():
+        monkeypatch.setitem(kernels.CONFIG, key, value)
     name, (gate_up, down, sg, su, sd) = model_weights
     H, I, E, k, _ = DIMS[name]
     weights, ids = _routing(T, E, k, seed=T)

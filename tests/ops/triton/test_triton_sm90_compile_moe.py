@@ -35,6 +35,23 @@ def test_moe_experts_kernels_compile_for_sm90(name, T, masked, pdl):
     sm_90 device gets where the op runs eagerly: the PTX holds the waits and the triggers exactly then, and no
     global load comes before a wait (loading the down kernel's first weight tiles there was slower: BENCHMARKS.md
     run 175)."""
+    _check_experts_kernels(name, T, masked, pdl)
+
+
+@pytest.mark.parametrize("T", [1, 16])
+@pytest.mark.parametrize("name", list(DIMS))
+def test_moe_gate_up_pipe_form_compiles_for_sm90(name, T, monkeypatch):
+    """Kernel 1's pipelined GEMV form (``CONFIG["gate_up_pipe"]``) under the same checks, masked and with PDL."""
+    from mla_compile.ops.triton import moe_experts
+
+    monkeypatch.setitem(moe_experts.CONFIG, "gate_up_pipe", True)
+    launches = _check_experts_kernels(name, T, True, True)
+    assert launches[0][0].fn.__name__ == "_moe_gate_up_pipe_kernel"
+
+
+def _check_experts_kernels(name, T, masked, pdl):
+    """The two kernels of ``moe_experts._launch`` at ``name``'s dims compile for sm_90 without spills, with PDL's
+    wait and trigger exactly when ``pdl`` and no global load before the wait; returns the launches."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts
 
@@ -56,6 +73,7 @@ def test_moe_experts_kernels_compile_for_sm90(name, T, masked, pdl):
             assert (instruction in ptx) is pdl, (kernel.fn.__name__, instruction)
         if pdl:
             assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait")], kernel.fn.__name__
+    return launches
 
 
 @pytest.mark.parametrize("E,k,G,TG,scoring,bias", [(64, 6, 1, 1, "softmax", False), (160, 6, 8, 3, "softmax", False),
