@@ -11,7 +11,12 @@ compile-time constants) with the slot's weight, in float32: no atomics, the same
 With a token mask (``HAS_MASK``) a program of a masked token returns before any weight load: kernel 1
 stores nothing (its rows of the activation stay unwritten), kernel 2 stores zeros.
 
-The tensor-core forms (``CONFIG["gate_up_dot"]``, the default for bf16 / fp16 x, and ``CONFIG["down_dot"]``): the
+Kernel 1's pipelined GEMV form (``CONFIG["gate_up_pipe"]``, the default for bf16 / fp16 x): the same grid with
+narrow tiles (16 outputs), each step's products kept element-wise in float32 and summed along H once at the end, the
+steps' loads software-pipelined (``tl.range``'s stages), so many small programs, several an SM, stream the weights.
+
+The tensor-core forms (``CONFIG["gate_up_dot"]``, kernel 1's for bf16 / fp16 x without ``gate_up_pipe``, and
+``CONFIG["down_dot"]``): the
 same grids and outputs, but each step multiplies the weight tiles by the activation broadcast to 16 columns with
 ``tl.dot`` (float32 accumulation; the columns are equal, column 0 is kept), so Triton's software pipeliner
 streams the weight tiles through shared memory (cp.async) several steps deep instead of one register load a
@@ -248,12 +253,13 @@ def _moe_down_dot_kernel(
 # two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
 # 64 outputs by 64 of H, 10 deep (``bench_moe --sweep dot`` at one and two tokens: the more bytes in flight a
 # program the faster, one program an SM then; narrower tiles with more programs an SM were slower).
-# ``gate_up_pipe`` (over ``gate_up_dot``, bf16 / fp16 x): kernel 1's pipelined GEMV form, ``pipe_n`` x ``pipe_k``
-# weight tiles ``pipe_stages`` deep, ``pipe_warps`` warps: many small programs, several an SM, as a plain streaming
-# read of the same bytes.
+# ``gate_up_pipe`` (over ``gate_up_dot``, bf16 / fp16 x; the default): kernel 1's pipelined GEMV form, ``pipe_n`` x
+# ``pipe_k`` weight tiles ``pipe_stages`` deep, ``pipe_warps`` warps: many small programs, several an SM, as a plain
+# streaming read of the same bytes; at one and two tokens it reads at the speed of such a read where the tensor-core
+# form's one program an SM does not (its 176 programs at V2-Lite's dims fill the 132 SMs once and a third).
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
               gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
-              down_stages=5, dot_warps=4, gate_up_pipe=False, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4)
+              down_stages=5, dot_warps=4, gate_up_pipe=True, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4)
 
 
 def _tile(name: str, block: int) -> int:
