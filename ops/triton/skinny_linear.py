@@ -5,8 +5,10 @@ weight's tiles, then the second's: base pointer, stride and output selected with
 ``M_BLOCK`` rows of x, loads the weight tile over the whole of K in one step where K allows (``BLOCK_K`` up to
 ``MAX_BLOCK_K``: the most bytes in flight, as the fused MoE kernels' measured best), and writes each row's
 ``BLOCK_N`` outputs from float32 sums. Rows of x past ``M_BLOCK`` go to another program, which reads the same
-weight rows again (from L2 for a few rows). On sm_90 it is launched with PDL (``_pdl.py``): the first weight tile
-is requested before the kernel waits for the one before it.
+weight rows again (from L2 for a few rows). Where the weights hold at least ``PIPE["min_bytes"]`` or K is past
+``MAX_BLOCK_K``, the pipelined form takes over: 16 weight rows and two rows of x a program, K in 256-wide steps
+whose loads ``tl.range`` pipelines, many programs an SM (a plain streaming read's speed). On sm_90 either is
+launched with PDL (``_pdl.py``): the first weight tile is requested before the kernel waits for the one before it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pd
 BLOCK_N = 4
 MAX_BLOCK_K = 2048
 M_BLOCK = 2  # rows of x a program (more rows: more programs over the same weight rows)
+# The pipelined form (``_skinny_linear_pipe_kernel``) for weights of at least ``min_bytes`` in all or K past
+# ``MAX_BLOCK_K``: ``n`` x ``k`` tiles, ``stages`` deep, ``warps`` warps (a plain streaming read's speed where there are
+# enough bytes; below, the one-step form's whole-K tiles in flight at once are faster). Timings: BENCHMARKS.md.
+PIPE = dict(min_bytes=12 << 20, n=16, k=256, stages=4, warps=4)
 
 
 @triton.jit
@@ -64,6 +70,50 @@ def _skinny_linear_kernel(
     tl.store(out, acc.to(y1_ptr.dtype.element_ty), mask=(m < M)[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _skinny_linear_pipe_kernel(
+    x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
+    M, N1, N2, K, TILES1,
+    s_x, s_w1, s_w2, s_y1, s_y2,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    """The pipelined form for two rows of x a program: ``BLOCK_N`` weight rows over K in ``BLOCK_K`` steps,
+    element-wise float32 products summed along K once at the end; the first step's weight tile is requested before
+    the PDL wait, the rest through ``tl.range``'s stages after it."""
+    tile = tl.program_id(0)
+    first = tile < TILES1
+    n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
+    n_max = tl.where(first, N1, N2)
+    w_base = tl.where(first, w1_ptr, w2_ptr)
+    w_stride = tl.where(first, s_w1, s_w2).to(tl.int64)
+    y_base = tl.where(first, y1_ptr, y2_ptr)
+    y_stride = tl.where(first, s_y1, s_y2).to(tl.int64)
+
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < n_max
+    m0 = tl.program_id(1) * 2
+    has1 = m0 + 1 < M
+    x0_row = x_ptr + m0.to(tl.int64) * s_x
+    x1_row = x0_row + s_x
+    w_rows = w_base + n.to(tl.int64) * w_stride
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    pdl_wait(PDL)  # the first weight tile is in flight before x, the previous kernel's output, is read
+    pdl_launch_dependents(PDL)
+    acc0 = w * tl.load(x0_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc1 = w * tl.load(x1_row + k, mask=k_ok & has1, other=0.0).to(tl.float32)[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc0 += w * tl.load(x0_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc1 += w * tl.load(x1_row + k, mask=k_ok & has1, other=0.0).to(tl.float32)[None, :]
+    out = y_base + m0.to(tl.int64) * y_stride + n
+    tl.store(out, tl.sum(acc0, axis=1).to(y1_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out + y_stride, tl.sum(acc1, axis=1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
+
+
 def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS`` rows."""
     M, K = x.shape
@@ -75,13 +125,22 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     w1, w2 = ws[0], ws[-1]
     y1, y2 = outs[0], outs[-1]
     n2 = w2.shape[0] if len(ws) == 2 else 0
+    args = (x, w1, w2, y1, y2, M, w1.shape[0], n2, K)
+    strides = (x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0))
+    pdl = launch_kwargs(x.device, K > 0)
+    if K > MAX_BLOCK_K or (w1.shape[0] + n2) * K * x.element_size() >= PIPE["min_bytes"]:
+        tiles1 = triton.cdiv(w1.shape[0], PIPE["n"])
+        grid = (tiles1 + triton.cdiv(n2, PIPE["n"]), triton.cdiv(M, 2))
+        wrap_triton(_skinny_linear_pipe_kernel)[grid](
+            *args, tiles1, *strides, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
+            num_warps=PIPE["warps"], **pdl,
+        )
+        return outs
     tiles1 = triton.cdiv(w1.shape[0], BLOCK_N)
     grid = (tiles1 + triton.cdiv(n2, BLOCK_N), triton.cdiv(M, M_BLOCK))
     wrap_triton(_skinny_linear_kernel)[grid](
-        x, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1,
-        x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
-        M_BLOCK=M_BLOCK, BLOCK_N=BLOCK_N, BLOCK_K=min(triton.next_power_of_2(K), MAX_BLOCK_K), num_warps=4,
-        **launch_kwargs(x.device, K > 0),
+        *args, tiles1, *strides, M_BLOCK=M_BLOCK, BLOCK_N=BLOCK_N,
+        BLOCK_K=min(triton.next_power_of_2(K), MAX_BLOCK_K), num_warps=4, **pdl,
     )
     return outs
 

@@ -17,6 +17,17 @@ def _case(M, K, Ns, dtype=torch.bfloat16, device="cpu", seed=0):
     return x, ws
 
 
+# the GEMV's forms, forced by ``PIPE["min_bytes"]``: the one-step form (a huge threshold; K past MAX_BLOCK_K still
+# takes the pipelined one) and the pipelined form (every weight)
+FORMS = {"one-step": 1 << 62, "pipelined": 0}
+
+
+def _form(monkeypatch, form):
+    from mla_compile.ops.triton import skinny_linear as tsl
+
+    monkeypatch.setitem(tsl.PIPE, "min_bytes", FORMS[form])
+
+
 def _check(outs, x, ws, tol):
     assert len(outs) == len(ws)
     for y, w in zip(outs, ws):
@@ -46,12 +57,16 @@ def test_bad_inputs_name_the_argument():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("M,K,Ns", [(1, 64, [12]), (2, 96, [9, 5]), (5, 4100, [7, 6]), (3, 32, [1, 13])])
-def test_interpreter_kernel_matches_float64(M, K, Ns, monkeypatch):
-    """Rows of x off the row block, K off the tile (and past one K step: 4100 > 2048), N off the 4-row tiles, two
-    weights in one launch; outputs poisoned with NaN beforehand (every element must be written)."""
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("M,K,Ns", [(1, 64, [12]), (2, 96, [9, 5]), (5, 4100, [7, 6]), (3, 32, [1, 13]),
+                                    (2, 600, [40, 3])])
+def test_interpreter_kernel_matches_float64(M, K, Ns, form, monkeypatch):
+    """Rows of x off the row block, K off the tile (and past one K step: 4100 > 2048; the pipelined form's 256-wide
+    steps: 600), N off the 4- and 16-row tiles, two weights in one launch; outputs poisoned with NaN beforehand
+    (every element must be written)."""
     from mla_compile.ops.triton import skinny_linear as tsl
 
+    _form(monkeypatch, form)
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     x, ws = _case(M, K, Ns, seed=M + K)
@@ -71,10 +86,12 @@ def test_opcheck():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("M", [1, 2, 5, 8, MAX_ROWS, MAX_ROWS + 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_triton_matches_float64_at_deepseek_dims(M, dtype):
+def test_cuda_triton_matches_float64_at_deepseek_dims(M, dtype, form, monkeypatch):
     """V2-Lite's q_proj + kv_a_proj_with_mqa (2048 -> 3072, 576) and V3's o_proj (16384 -> 7168) shapes."""
+    _form(monkeypatch, form)
     x, ws = _case(M, 2048, [3072, 576], dtype=dtype, device="cuda", seed=M)
     _check(skinny_linear(x, ws, backend="triton"), x, ws, 5e-3)
     x, ws = _case(M, 16384, [7168], dtype=dtype, device="cuda", seed=M + 1)
@@ -106,13 +123,15 @@ def test_cuda_compiled_and_graph_replay():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_pdl_chain_reads_each_previous_output():
+@pytest.mark.parametrize("form", list(FORMS))
+def test_cuda_pdl_chain_reads_each_previous_output(form, monkeypatch):
     """On sm_90 the kernel is launched with programmatic dependent launch (``ops/triton/_pdl.py``): it may start
     while the kernel before it runs and requests its weights before it waits. A chain of 24 calls, each reading
     the one before's output (and a torch op between some of them), eagerly and replayed from a CUDA graph on new
     inputs, equals the float64 chain of the same bf16 roundings: a missing wait would read a half-written x."""
     from mla_compile.ops.triton import _pdl
 
+    _form(monkeypatch, form)
     if torch.cuda.get_device_capability()[0] >= 9:
         assert _pdl.enabled(torch.device("cuda")) and _pdl.launch_kwargs(torch.device("cuda"))["launch_pdl"]
     gen = torch.Generator().manual_seed(11)

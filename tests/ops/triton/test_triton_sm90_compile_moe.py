@@ -138,15 +138,18 @@ def test_moe_grouped_kernels_compile_for_sm90(name, T, masked):
     _no_spills(launches)
 
 
-@pytest.mark.parametrize("M,K,Ns", [(2, 2048, (3072, 576)), (8, 2048, (2048,)), (1, 16384, (7168,)),
-                                    (16, 7168, (1536, 576))])
-def test_skinny_linear_kernel_compiles_for_sm90(M, K, Ns):
-    """``mla::skinny_linear``'s GEMV at the decode step's projections (V2-Lite q_proj + kv_a, o_proj; V3 o_proj,
-    q_a + kv_a), no register spills."""
+@pytest.mark.parametrize("M,K,Ns,form", [
+    (2, 2048, (3072, 576), "_skinny_linear_pipe_kernel"), (8, 2048, (2048,), "_skinny_linear_kernel"),
+    (1, 16384, (7168,), "_skinny_linear_pipe_kernel"), (16, 7168, (1536, 576), "_skinny_linear_pipe_kernel"),
+    (2, 2048, (2048,), "_skinny_linear_kernel"), (2, 10944, (2048,), "_skinny_linear_pipe_kernel")])
+def test_skinny_linear_kernel_compiles_for_sm90(M, K, Ns, form):
+    """``mla::skinny_linear``'s GEMV at the decode step's projections (V2-Lite q_proj + kv_a, o_proj, the dense
+    MLP's down; V3 o_proj, q_a + kv_a), each in the form its size takes, no register spills."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, skinny_linear
 
     meta = lambda *shape: torch.empty(*shape, dtype=torch.bfloat16, device="meta")  # noqa: E731
     launches = _sm90.record(skinny_linear, skinny_linear._launch, meta(M, K), [meta(N, K) for N in Ns], pdl=True)
     assert len(launches) == 1 and launches[0][3]["PDL"]  # as an sm_90 device launches it
+    assert launches[0][0].fn.__name__ == form
     _no_spills(launches)
