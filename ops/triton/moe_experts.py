@@ -257,9 +257,12 @@ def _moe_down_dot_kernel(
 # ``pipe_k`` weight tiles ``pipe_stages`` deep, ``pipe_warps`` warps: many small programs, several an SM, as a plain
 # streaming read of the same bytes; at one and two tokens it reads at the speed of such a read where the tensor-core
 # form's one program an SM does not (its 176 programs at V2-Lite's dims fill the 132 SMs once and a third).
+# ``gemv_down_h`` / ``gemv_down_k`` / ``gemv_down_warps``: the down GEMV's output rows, I step and warps a program
+# when set (0: from ``waves`` / ``down_tile`` / ``narrow_tile`` / ``num_warps`` as above).
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
               gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
-              down_stages=5, dot_warps=4, gate_up_pipe=True, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4)
+              down_stages=5, dot_warps=4, gate_up_pipe=True, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4,
+              gemv_down_h=0, gemv_down_k=0, gemv_down_warps=0)
 
 
 def _tile(name: str, block: int) -> int:
@@ -338,10 +341,11 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
             HAS_MASK=token_mask is not None, NUM_STAGES=CONFIG["down_stages"], num_warps=CONFIG["dot_warps"], **pdl,
         )
     else:
-        block_h = _blocks(T, H, x.device)
+        block_h = CONFIG["gemv_down_h"] or _blocks(T, H, x.device)
+        block_k = CONFIG["gemv_down_k"] or _tile("down_tile", block_h) // block_h // wide
         wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
-            *down_args, K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=_tile("down_tile", block_h) // block_h // wide,
-            HAS_MASK=token_mask is not None, num_warps=CONFIG["num_warps"], **pdl,
+            *down_args, K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=block_k, HAS_MASK=token_mask is not None,
+            num_warps=CONFIG["gemv_down_warps"] or CONFIG["num_warps"], **pdl,
         )
     return out
 
