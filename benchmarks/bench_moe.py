@@ -66,11 +66,12 @@ SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) fo
     (2048, 1024, 2, 4), (8192, 2048, 2, 4), (4096, 4096, 2, 4), (4096, 2048, 4, 4), (8192, 4096, 2, 8),
     (4096, 2048, 1, 4), (8192, 8192, 8, 8), (8192, 8192, 8, 4), (16384, 8192, 4, 8), (4096, 4096, 8, 4),
     (8192, 4096, 8, 8), (16384, 16384, 8, 8)))
-# the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8: the
-# gate-up form's tiles, depth and warps with the down kernel's GEMV (the default pair), then a few of the down
-# kernel's tensor-core form (it has too few programs at few tokens)
+# the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8 (with
+# kernel 1's pipelined GEMV form, the default, turned off): the gate-up form's tiles, depth and warps with the down
+# kernel's GEMV, then a few of the down kernel's tensor-core form (it has too few programs at few tokens); then the
+# pipelined form's tiles
 DOT = dict(gate_up_dot=True, down_dot=True)
-DOT_SWEEP = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=256, dot_stages=3),
+_DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=256, dot_stages=3),
              dict(dot_n=16, dot_k=256), dict(dot_n=16, dot_warps=2), dict(dot_n=16, dot_warps=8, dot_k=256),
              dict(dot_stages=3), dict(dot_stages=5), dict(dot_stages=6), dict(dot_k=256, dot_stages=3),
              dict(dot_k=64, dot_stages=8), dict(dot_warps=8), dict(dot_warps=2), dict(dot_n=64, dot_stages=3),
@@ -82,11 +83,11 @@ DOT_SWEEP = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=
              dict(dot_n=32, dot_k=128, dot_stages=3),
              # deeper rings a program (more bytes in flight; run 184: dot_k=64 with 8 stages 41.7 us against 43.9)
              dict(dot_stages=10), dict(dot_k=128, dot_stages=5), dict(dot_k=128, dot_stages=6),
-             dict(dot_k=64, dot_stages=8, dot_warps=8),
+             dict(dot_k=64, dot_stages=8, dot_warps=8), dict())
+DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS),
              # kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM)
-             dict(gate_up_pipe=True), dict(gate_up_pipe=True, pipe_k=128), dict(gate_up_pipe=True, pipe_k=128,
-                                                                              pipe_stages=2),
-             dict(gate_up_pipe=True, pipe_n=32, pipe_k=128, pipe_warps=8), dict(gate_up_pipe=False))
+             dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
+             dict(pipe_n=32, pipe_k=128, pipe_warps=8))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
