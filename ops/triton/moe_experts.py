@@ -55,12 +55,28 @@ def _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun,
 
 
 @triton.jit
+def _gate_up_row(I, SLOTS, BLOCK_N: tl.constexpr):
+    """Kernel 1's program: its row (token ``t``, slot ``j``) and ``BLOCK_N`` columns ``offs_n``, real where ``n_ok``.
+    Returns ``(row, t, j, offs_n, n_ok)``."""
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return row, row // SLOTS, row % SLOTS, offs_n, offs_n < I
+
+
+@triton.jit
 def _gate_up_prologue(mask_ptr, t, HAS_MASK: tl.constexpr, PDL: tl.constexpr):
     """Kernel 1's start: under ``PDL`` the wait (the picks, x and the mask may be the previous kernel's outputs) and
     the trigger; returns whether the token is real (a masked token's program then stores nothing)."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     return tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0
+
+
+@triton.jit
+def _store_activation(h_ptr, row, s_h, offs_n, n_ok, g, u):
+    """Kernel 1's end: ``silu(g) * u`` of the row's columns into ``h`` in its dtype."""
+    a = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -83,11 +99,7 @@ def _moe_gate_up_kernel(
     s_x, s_ids, s_gue, s_gun, s_sg, s_su, s_h,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    t = row // SLOTS
-    j = row % SLOTS
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    row, t, j, offs_n, n_ok = _gate_up_row(I, SLOTS, BLOCK_N)
     if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
@@ -101,8 +113,7 @@ def _moe_gate_up_kernel(
         m = n_ok[:, None] & k_ok[None, :]
         acc_g += tl.sum(tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk, axis=1)
         acc_u += tl.sum(tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk, axis=1)
-    a = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+    _store_activation(h_ptr, row, s_h, offs_n, n_ok, acc_g, acc_u)
 
 
 @triton.jit
@@ -113,11 +124,7 @@ def _moe_gate_up_dot_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    t = row // SLOTS
-    j = row % SLOTS
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    row, t, j, offs_n, n_ok = _gate_up_row(I, SLOTS, BLOCK_N)
     if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
@@ -133,10 +140,8 @@ def _moe_gate_up_dot_kernel(
         acc_g = tl.dot(tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0), xk, acc_g)
         acc_u = tl.dot(tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0), xk, acc_u)
     first = cols[None, :] == 0
-    g = tl.sum(tl.where(first, acc_g, 0.0), axis=1)
-    u = tl.sum(tl.where(first, acc_u, 0.0), axis=1)
-    a = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+    _store_activation(h_ptr, row, s_h, offs_n, n_ok, tl.sum(tl.where(first, acc_g, 0.0), axis=1),
+                      tl.sum(tl.where(first, acc_u, 0.0), axis=1))
 
 
 @triton.jit
@@ -147,11 +152,7 @@ def _moe_gate_up_pipe_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr, NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    t = row // SLOTS
-    j = row % SLOTS
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
+    row, t, j, offs_n, n_ok = _gate_up_row(I, SLOTS, BLOCK_N)
     if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
@@ -167,10 +168,7 @@ def _moe_gate_up_pipe_kernel(
         m = n_ok[:, None] & k_ok[None, :]
         acc_g += tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
         acc_u += tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
-    a = g / (1.0 + tl.exp(-g)) * u
-    tl.store(h_ptr + row.to(tl.int64) * s_h + offs_n, a.to(h_ptr.dtype.element_ty), mask=n_ok)
+    _store_activation(h_ptr, row, s_h, offs_n, n_ok, tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))
 
 
 @triton.jit

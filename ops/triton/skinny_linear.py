@@ -33,27 +33,30 @@ PIPE = dict(min_bytes=12 << 20, n=16, k=256, stages=4, warps=4)
 
 
 @triton.jit
+def _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1, s_y2, BLOCK_N: tl.constexpr):
+    """The program's ``BLOCK_N`` weight rows: the first weight's tiles, then the second's (base pointer, stride and
+    output selected with ``tl.where``, no branch). Returns ``(n, n_ok, w_rows, y_base, y_stride)``: the rows'
+    indices in their weight, which are real, their row pointers, and the output's base and row stride."""
+    tile = tl.program_id(0)
+    first = tile < TILES1
+    n = tl.where(first, tile, tile - TILES1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < tl.where(first, N1, N2)
+    w_rows = tl.where(first, w1_ptr, w2_ptr) + n.to(tl.int64) * tl.where(first, s_w1, s_w2).to(tl.int64)
+    return n, n_ok, w_rows, tl.where(first, y1_ptr, y2_ptr), tl.where(first, s_y1, s_y2).to(tl.int64)
+
+
+@triton.jit
 def _skinny_linear_kernel(
     x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
     M, N1, N2, K, TILES1,
     s_x, s_w1, s_w2, s_y1, s_y2,
     M_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    first = tile < TILES1
-    n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
-    n_max = tl.where(first, N1, N2)
-    w_base = tl.where(first, w1_ptr, w2_ptr)
-    w_stride = tl.where(first, s_w1, s_w2).to(tl.int64)
-    y_base = tl.where(first, y1_ptr, y2_ptr)
-    y_stride = tl.where(first, s_y1, s_y2).to(tl.int64)
-
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = n < n_max
+    n, n_ok, w_rows, y_base, y_stride = _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1,
+                                                      s_y2, BLOCK_N)
     m0 = tl.program_id(1) * M_BLOCK
     rows = tl.arange(0, M_BLOCK)
     acc = tl.zeros([M_BLOCK, BLOCK_N], dtype=tl.float32)
-    w_rows = w_base + n.to(tl.int64) * w_stride
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -80,22 +83,12 @@ def _skinny_linear_pipe_kernel(
     """The pipelined form for two rows of x a program: ``BLOCK_N`` weight rows over K in ``BLOCK_K`` steps,
     element-wise float32 products summed along K once at the end; the first step's weight tile is requested before
     the PDL wait, the rest through ``tl.range``'s stages after it."""
-    tile = tl.program_id(0)
-    first = tile < TILES1
-    n0 = tl.where(first, tile, tile - TILES1) * BLOCK_N
-    n_max = tl.where(first, N1, N2)
-    w_base = tl.where(first, w1_ptr, w2_ptr)
-    w_stride = tl.where(first, s_w1, s_w2).to(tl.int64)
-    y_base = tl.where(first, y1_ptr, y2_ptr)
-    y_stride = tl.where(first, s_y1, s_y2).to(tl.int64)
-
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = n < n_max
+    n, n_ok, w_rows, y_base, y_stride = _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1,
+                                                      s_y2, BLOCK_N)
     m0 = tl.program_id(1) * 2
     has1 = m0 + 1 < M
     x0_row = x_ptr + m0.to(tl.int64) * s_x
     x1_row = x0_row + s_x
-    w_rows = w_base + n.to(tl.int64) * w_stride
     k = tl.arange(0, BLOCK_K)
     k_ok = k < K
     w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
