@@ -76,5 +76,6 @@ def _triton(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.bfloat16, torch.float16),
-        package="triton", gpu_tested=True, kernels=("skinny_linear_triton", "_skinny_linear_kernel"),
+        package="triton", gpu_tested=True,
+        kernels=("skinny_linear_triton", "_skinny_linear_kernel", "_skinny_linear_pipe_kernel"),
         note=f"ours: a GEMV over the weights' rows, all weights in one launch, up to {MAX_ROWS} rows (F.linear above)")
