@@ -93,6 +93,52 @@ def _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H: tl.conste
 
 
 @triton.jit
+def _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh, s_sd,
+              K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+              H_CACHE: tl.constexpr):
+    """Kernel 2's float32 sums for token ``t``'s outputs ``offs_h``: every slot's down rows times the slot's
+    activation, weighted by its pick (1 for a shared slot). ``H_CACHE``: the activation loads' cache modifier."""
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
+    # together (memory-level parallelism); the sum order is fixed by the code, the same every run
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        m = h_ok[:, None] & k_ok[None, :]
+        for j in tl.static_range(SLOTS):
+            if j < K:
+                e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
+                weight = tl.load(w_ptr + t * s_w + j)
+                rows = dn_ptr + e * s_de + offs_h.to(tl.int64) * s_dh
+            else:
+                weight = 1.0
+                rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
+            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0,
+                        cache_modifier=H_CACHE).to(tl.float32)
+            w = tl.load(rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += weight * tl.sum(w * a[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _gate_up_pipe_sums(x_row, g_rows, u_rows, n_ok, H, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
+    """The pipelined GEMV form's ``(gate, up)`` float32 sums of one row's columns over all of H."""
+    # element-wise float32 products summed along K once at the end: no reduction a step, so the pipeliner's
+    # copies of the next steps' tiles are all that a step waits on
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+        acc_u += tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
+    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, ids_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
     H, I, K, SLOTS,
@@ -156,19 +202,8 @@ def _moe_gate_up_pipe_kernel(
     if not _gate_up_prologue(mask_ptr, t, HAS_MASK, PDL):
         return  # a padding token: no weight reads, its activation rows are never read
     g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, j, K, I, s_ids, s_gue, s_gun, s_sg, s_su, offs_n)
-    x_row = x_ptr + t.to(tl.int64) * s_x
-    # element-wise float32 products summed along K once at the end: no reduction a step, so the pipeliner's
-    # copies of the next steps' tiles are all that a step waits on
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
-        acc_u += tl.load(u_rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32) * xk
-    _store_activation(h_ptr, row, s_h, offs_n, n_ok, tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1))
+    g, u = _gate_up_pipe_sums(x_ptr + t.to(tl.int64) * s_x, g_rows, u_rows, n_ok, H, BLOCK_N, BLOCK_K, NUM_STAGES)
+    _store_activation(h_ptr, row, s_h, offs_n, n_ok, g, u)
 
 
 @triton.jit
@@ -184,25 +219,57 @@ def _moe_down_kernel(
     h_ok = offs_h < H
     if not _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H, HAS_MASK, PDL):
         return  # a padding token: output 0, no weight reads
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
-    # together (memory-level parallelism); the sum order is fixed by the code, the same every run
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < I
-        m = h_ok[:, None] & k_ok[None, :]
-        for j in tl.static_range(SLOTS):
-            if j < K:
-                e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
-                weight = tl.load(w_ptr + t * s_w + j)
-                rows = dn_ptr + e * s_de + offs_h.to(tl.int64) * s_dh
-            else:
-                weight = 1.0
-                rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
-            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += weight * tl.sum(w * a[None, :], axis=1)
+    acc = _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh, s_sd, K,
+                    SLOTS, BLOCK_H, BLOCK_K, "")
     tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+@triton.jit
+def _moe_one_launch_kernel(
+    x_ptr, w_ptr, ids_ptr, gu_ptr, dn_ptr, sg_ptr, su_ptr, sd_ptr, h_ptr, out_ptr, mask_ptr, sync_ptr,
+    H, I, K, N1,
+    s_x, s_w, s_ids, s_gue, s_gun, s_de, s_dh, s_sg, s_su, s_sd, s_h, s_out,
+    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_H: tl.constexpr, DOWN_K: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Both kernels in one launch (``CONFIG["one_launch"]``): a program takes a ticket from ``sync[0]`` as it starts;
+    the first ``N1`` tickets are kernel 1's tiles (the pipelined GEMV form), each adding 1 to its token's count
+    ``sync[1 + t]`` once its activation is stored (release), the rest kernel 2's, each waiting (acquire) for its token's
+    count to reach every tile of it before it reads the activation (past L1). A ticket is taken only by a running
+    program, so every kernel 1 tile is running or done when a kernel 2 program waits: no deadlock whatever order the
+    programs start in. ``sync`` is zero at the launch (the launcher's); a masked token's tiles count without
+    computing, its outputs are zeros."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
+    ticket = tl.atomic_add(sync_ptr, 1)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    if ticket < N1:
+        row = ticket // n_tiles
+        t = (row // SLOTS).to(tl.int64)
+        offs_n = (ticket % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < I
+        if tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0:
+            g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, row % SLOTS, K, I, s_ids, s_gue, s_gun,
+                                        s_sg, s_su, offs_n)
+            g, u = _gate_up_pipe_sums(x_ptr + t.to(tl.int64) * s_x, g_rows, u_rows, n_ok, H, BLOCK_N, BLOCK_K,
+                                      NUM_STAGES)
+            _store_activation(h_ptr, row, s_h, offs_n, n_ok, g, u)
+        tl.debug_barrier()  # every thread's stores before the count
+        tl.atomic_add(sync_ptr + 1 + t, 1, sem="release")
+    else:
+        h_tiles = tl.cdiv(H, BLOCK_H)
+        t = ((ticket - N1) // h_tiles).to(tl.int64)
+        offs_h = ((ticket - N1) % h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0:
+            seen = tl.atomic_add(sync_ptr + 1 + t, 0, sem="acquire")
+            while seen < SLOTS * n_tiles:
+                seen = tl.atomic_add(sync_ptr + 1 + t, 0, sem="acquire")
+            tl.debug_barrier()
+            acc = _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh,
+                            s_sd, K, SLOTS, BLOCK_H, DOWN_K, ".cg")
+        tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
@@ -257,10 +324,13 @@ def _moe_down_dot_kernel(
 # form's one program an SM does not (its 176 programs at V2-Lite's dims fill the 132 SMs once and a third).
 # ``gemv_down_h`` / ``gemv_down_k`` / ``gemv_down_warps``: the down GEMV's output rows, I step and warps a program
 # when set (0: from ``waves`` / ``down_tile`` / ``narrow_tile`` / ``num_warps`` as above).
+# ``one_launch`` (bf16 / fp16 x, off by default: not yet timed on a GPU): both kernels as one launch
+# (``_moe_one_launch_kernel``: the pipelined gate-up tiles, then the down GEMV's, ordered by tickets and per-token
+# counts instead of a kernel boundary), with ``pipe_*`` and the down GEMV's tiles; ``pipe_warps`` warps.
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
               gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
               down_stages=5, dot_warps=4, gate_up_pipe=True, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4,
-              gemv_down_h=0, gemv_down_k=0, gemv_down_warps=0)
+              gemv_down_h=0, gemv_down_k=0, gemv_down_warps=0, one_launch=False)
 
 
 def _tile(name: str, block: int) -> int:
@@ -315,6 +385,20 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     pdl = launch_kwargs(x.device, eager_only=True)
     gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
                     gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
+    block_h = CONFIG["gemv_down_h"] or _blocks(T, H, x.device)
+    block_k = CONFIG["gemv_down_k"] or _tile("down_tile", block_h) // block_h // wide
+    if CONFIG["one_launch"] and x.dtype != torch.float32:
+        sync = torch.zeros(1 + T, dtype=torch.int32, device=x.device)  # the tickets, then each token's count
+        n1 = T * slots * triton.cdiv(I, CONFIG["pipe_n"])
+        wrap_triton(_moe_one_launch_kernel)[(n1 + T * triton.cdiv(H, block_h),)](
+            x, weights, ids, gate_up, down, sg, su, sd, h, out, mask, sync, H, I, K, n1,
+            x.stride(0), weights.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0),
+            down.stride(1), sg.stride(0), su.stride(0), sd.stride(0), h.stride(0), out.stride(0),
+            SLOTS=slots, BLOCK_N=CONFIG["pipe_n"], BLOCK_K=CONFIG["pipe_k"], NUM_STAGES=CONFIG["pipe_stages"],
+            BLOCK_H=block_h, DOWN_K=block_k, HAS_MASK=token_mask is not None, num_warps=CONFIG["pipe_warps"],
+            **pdl,
+        )
+        return out
     if CONFIG["gate_up_pipe"] and x.dtype != torch.float32:
         wrap_triton(_moe_gate_up_pipe_kernel)[(T * slots, triton.cdiv(I, CONFIG["pipe_n"]))](
             *gate_up_args, BLOCK_N=CONFIG["pipe_n"], BLOCK_K=CONFIG["pipe_k"], HAS_MASK=token_mask is not None,
@@ -339,8 +423,6 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
             HAS_MASK=token_mask is not None, NUM_STAGES=CONFIG["down_stages"], num_warps=CONFIG["dot_warps"], **pdl,
         )
     else:
-        block_h = CONFIG["gemv_down_h"] or _blocks(T, H, x.device)
-        block_k = CONFIG["gemv_down_k"] or _tile("down_tile", block_h) // block_h // wide
         wrap_triton(_moe_down_kernel)[(T, triton.cdiv(H, block_h))](
             *down_args, K=K, SLOTS=slots, BLOCK_H=block_h, BLOCK_K=block_k, HAS_MASK=token_mask is not None,
             num_warps=CONFIG["gemv_down_warps"] or CONFIG["num_warps"], **pdl,
