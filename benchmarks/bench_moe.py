@@ -87,7 +87,9 @@ _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k
 DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS),
              # kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM)
              dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
-             dict(pipe_n=32, pipe_k=128, pipe_warps=8))
+             dict(pipe_n=32, pipe_k=128, pipe_warps=8),
+             # both kernels in one launch
+             dict(one_launch=True), dict(one_launch=True, gemv_down_h=8, gemv_down_k=1024))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
