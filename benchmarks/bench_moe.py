@@ -69,7 +69,7 @@ SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) fo
 # the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8 (with
 # kernel 1's pipelined GEMV form, the default, turned off): the gate-up form's tiles, depth and warps with the down
 # kernel's GEMV, then a few of the down kernel's tensor-core form (it has too few programs at few tokens); then the
-# pipelined form's tiles
+# pipelined form's tiles, and both kernels in one launch
 DOT = dict(gate_up_dot=True, down_dot=True)
 _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=256, dot_stages=3),
              dict(dot_n=16, dot_k=256), dict(dot_n=16, dot_warps=2), dict(dot_n=16, dot_warps=8, dot_k=256),
