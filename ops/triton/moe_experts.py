@@ -22,6 +22,9 @@ same grids and outputs, but each step multiplies the weight tiles by the activat
 streams the weight tiles through shared memory (cp.async) several steps deep instead of one register load a
 step; the down form walks every (slot, chunk) in one loop, weighting each chunk's product.
 
+Both kernels as one launch (``CONFIG["one_launch"]``, opt-in): ``_moe_one_launch_kernel``, kernel 1's tiles then
+kernel 2's, ordered by tickets and per-token counts instead of a kernel boundary.
+
 On sm_90, where the op runs eagerly (inside the opaque ``mla::moe_experts_split``, as the model's "auto" runs it),
 both kernels are launched with PDL (``_pdl.py``): every program waits before it reads anything a kernel of the step
 writes, then triggers; a masked token's too.
