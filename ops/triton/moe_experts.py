@@ -317,8 +317,8 @@ def _moe_down_dot_kernel(
 # wider tiles keep the smaller tiles, which do not spill). Timings: ``bench_moe --sweep``, BENCHMARKS.md.
 # ``gate_up_dot`` / ``down_dot``: the kernels' tensor-core forms for bf16 / fp16 x, ``dot_n`` x ``dot_k`` (``down_h`` x
 # ``down_k``) weight tiles ``dot_stages`` (``down_stages``) deep, ``dot_warps`` warps; float32 x always takes the
-# GEMV forms (tl.dot would round it to tf32). Kernel 1 takes its tensor-core form (as fast at one token, faster at
-# two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
+# GEMV forms (tl.dot would round it to tf32). Without ``gate_up_pipe``, kernel 1 takes its tensor-core form (as fast
+# as its GEMV at one token, faster at two and more); kernel 2 keeps the GEMV (its tensor-core form has too few programs at few tokens). Kernel 1's tiles:
 # 64 outputs by 64 of H, 10 deep (``bench_moe --sweep dot`` at one and two tokens: the more bytes in flight a
 # program the faster, one program an SM then; narrower tiles with more programs an SM were slower).
 # ``gate_up_pipe`` (over ``gate_up_dot``, bf16 / fp16 x; the default): kernel 1's pipelined GEMV form, ``pipe_n`` x
@@ -386,8 +386,6 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     wide = 2 if x.dtype == torch.float32 else 1  # float32 weights: half the elements per tile (registers)
     # PDL where the op runs eagerly (inside the opaque split op, or called directly), not while Inductor traces it
     pdl = launch_kwargs(x.device, eager_only=True)
-    gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
-                    gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
     block_h = CONFIG["gemv_down_h"] or _blocks(T, H, x.device)
     block_k = CONFIG["gemv_down_k"] or _tile("down_tile", block_h) // block_h // wide
     if CONFIG["one_launch"] and x.dtype != torch.float32:
@@ -402,6 +400,8 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
             **pdl,
         )
         return out
+    gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
+                    gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
     if CONFIG["gate_up_pipe"] and x.dtype != torch.float32:
         wrap_triton(_moe_gate_up_pipe_kernel)[(T * slots, triton.cdiv(I, CONFIG["pipe_n"]))](
             *gate_up_args, BLOCK_N=CONFIG["pipe_n"], BLOCK_K=CONFIG["pipe_k"], HAS_MASK=token_mask is not None,
