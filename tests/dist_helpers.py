@@ -9,11 +9,13 @@ at the deadline is killed (this launcher's own children only) and the call raise
 Calls reuse a pool of ``world`` worker processes kept for the session (spawning and importing torch,
 transformers and mla_compile costs seconds a call): each call gets a reset Dynamo and the RNG state of a fresh
 process. A pool's workers hold one default (gloo) process group for their life, made when the pool starts;
-a call's ``init`` reuses it and the ``destroy`` after the call destroys only the subgroups the call made
-(destroying and re-making the default group in one process once a call crashes gloo workers natively after
-some cycles: BENCHMARKS.md's CPU table). A call that fails or times out ends its pool (the next call starts a
-new one). ``fresh=True`` (and any call with ``env`` or
-``expect_dead``) spawns its own processes, for tests whose ranks exit, hang or need another environment.
+a call's ``init`` reuses it, and a subgroup a call makes (``parallel.init``'s, ``DPStepSync``'s) is kept, not
+destroyed, until the worker exits: destroying gloo groups in a long-lived process crashes it natively after
+some cycles (torch's bug, reproduced without this repo's code: BENCHMARKS.md's CPU table). A call that fails or
+times out ends its pool (the next call starts a new one); a call whose worker dies of a signal (a native crash)
+is run once more on a new pool, with a warning naming the signal, and fails if that run fails too.
+``fresh=True`` (and any call with ``env`` or ``expect_dead``) spawns its own processes, for tests whose ranks
+exit, hang or need another environment.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 
 import torch.multiprocessing as mp
 
@@ -58,10 +61,23 @@ def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple
             pass
 
 
+def _keep_subgroups(dist) -> None:
+    """Make ``dist.destroy_process_group(group)`` a no-op for every group but the default one (called with none,
+    it still ends them all): the group stays registered and alive until the process exits (see the module
+    docstring). Code calling ``torch.distributed.destroy_process_group`` by that name sees the change."""
+    destroy = dist.destroy_process_group
+
+    def keep(group=None):
+        if group is None or group is dist.group.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = keep
+
+
 def _serve(rank: int, world: int, port: int, jobs, results) -> None:
     """A pool worker: join the pool's default process group (rendezvous at ``port``), then run ``(seq, fn,
-    args)`` jobs until ``None``, each as a fresh process would but on that group. A crash (SIGSEGV, glibc's
-    abort) prints every thread's Python stack to stderr (``faulthandler``)."""
+    args)`` jobs until ``None``, each as a fresh process would but on that group, keeping the subgroups jobs
+    make. A crash (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr (``faulthandler``)."""
     import faulthandler
 
     faulthandler.enable()
@@ -77,6 +93,7 @@ def _serve(rank: int, world: int, port: int, jobs, results) -> None:
     from mla_compile.parallel.groups import DEFAULT_TIMEOUT
 
     torch.set_num_threads(1)
+    _keep_subgroups(dist)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT)
     torch_rng, py_rng = torch.get_rng_state(), random.getstate()
     while (job := jobs.get()) is not None:
@@ -91,7 +108,7 @@ def _serve(rank: int, world: int, port: int, jobs, results) -> None:
             results.put((seq, rank, False, traceback.format_exc()))
         finally:
             try:
-                destroy()  # the job's subgroups; the pool's default group stays
+                destroy()  # forgets the job's parallel state; its subgroups and the pool's default group stay
             except Exception:  # noqa: BLE001  (the result is already sent)
                 pass
     dist.destroy_process_group()
@@ -137,7 +154,13 @@ def _close_pools() -> None:
         _POOLS.popitem()[1].close()
 
 
+class _WorkerKilled(RuntimeError):
+    """A pool worker died of a signal during a call (a native crash)."""
+
+
 def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
+    """One call on the session's pool of ``world`` workers; raises :class:`_WorkerKilled` when a worker died of a
+    signal meanwhile."""
     pool = _POOLS.get(world)
     if pool is None or not pool.alive():
         if pool is not None:
@@ -157,7 +180,9 @@ def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
             except queue.Empty:
                 if not pool.alive():
                     codes = {r: p.exitcode for r, p in enumerate(pool.procs)}
-                    raise RuntimeError(f"a pool worker exited (exit codes {codes})") from None
+                    killed = any(c is not None and c < 0 for c in codes.values())
+                    raise (_WorkerKilled if killed else RuntimeError)(
+                        f"a pool worker exited (exit codes {codes}); ranks' errors before: {errors}") from None
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
                                        f"{timeout} s") from None
@@ -184,7 +209,11 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
     docstring. Ranks in ``expect_dead`` may exit without a result (their entry is None). ``fresh``: spawn new
     processes for this call instead of the session's pool."""
     if not (fresh or env or expect_dead):
-        return _run_pooled(fn, world, args, timeout)
+        try:
+            return _run_pooled(fn, world, args, timeout)
+        except _WorkerKilled as exc:  # once more on a new pool (see the module docstring)
+            warnings.warn(f"run_ranks({fn.__name__}): {exc}; running it again on new workers", stacklevel=2)
+            return _run_pooled(fn, world, args, timeout)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     start = ctx.Barrier(world)

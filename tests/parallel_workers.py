@@ -197,6 +197,38 @@ def lonely(rank, world, timeout_s):
     return None
 
 
+def crash_first(rank, world, marker, always):
+    """Rank 0 aborts (SIGABRT, as glibc does on a corrupted heap) unless ``marker`` exists, creating it first
+    (``always``: aborts every time); else every rank returns its rank and an all-reduced sum."""
+    import torch.distributed as dist
+
+    if rank == 0 and (always or not os.path.exists(marker)):
+        open(marker, "w").close()
+        os.abort()
+    x = torch.full((2,), float(rank + 1))
+    dist.all_reduce(x)
+    return rank, x.tolist()
+
+
+def subgroup_kept(rank, world):
+    """A subgroup made and destroyed by ``parallel.init`` / ``destroy`` (single-rank collectives: one group a
+    rank) in a pool worker: still registered after ``destroy``; a group of both ranks made here still sums after
+    ``torch.distributed.destroy_process_group``, and so does the default group."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from mla_compile.parallel import destroy
+
+    sub = init(ParallelConfig(tp=world), single_rank_collectives=True, timeout=60).dcp.group
+    destroy()
+    both = dist.new_group(list(range(world)))
+    dist.destroy_process_group(both)
+    x, y = torch.full((2,), float(rank + 1)), torch.full((2,), float(rank + 3))
+    dist.all_reduce(x, group=both)
+    dist.all_reduce(y)
+    return {"kept": sub in _world.pg_map and both in _world.pg_map, "sums": (x.tolist(), y.tolist())}
+
+
 def destroy_owns_what_init_made(rank, world, store_path):
     """``destroy`` after ``init`` on a default group the caller made (a FileStore at ``store_path``): the
     subgroups init made (tp=world, dcp=1 with single-rank collectives: one real group a rank) are gone, the

@@ -58,6 +58,23 @@ def test_destroy_ends_only_the_groups_init_made(tmp_path):
                      "made_default": True, "ended": True}, r
 
 
+def test_pool_runs_a_call_again_when_a_worker_dies_of_a_signal(tmp_path):
+    # tests/dist_helpers.py: a worker's native crash (here rank 0's abort on the first try) reruns the call once on
+    # new workers, with a warning; a crash on the second try too fails the call
+    with pytest.warns(UserWarning, match=r"exit codes .*-6.* running it again on new workers"):
+        assert run_ranks(w.crash_first, 2, str(tmp_path / "once"), False, timeout=60) == [(0, [3.0, 3.0]),
+                                                                                          (1, [3.0, 3.0])]
+    with pytest.warns(UserWarning, match="running it again"), pytest.raises(RuntimeError, match=r"exit codes .*-6"):
+        run_ranks(w.crash_first, 2, str(tmp_path / "always"), True, timeout=60)
+
+
+def test_pool_workers_keep_the_subgroups_calls_destroy():
+    # tests/dist_helpers.py: destroying gloo groups in a long-lived process crashes it natively after some cycles,
+    # so a pool worker keeps every subgroup until it exits; the groups and the default group still work
+    for r in run_ranks(w.subgroup_kept, 2):
+        assert r == {"kept": True, "sums": ([3.0, 3.0], [7.0, 7.0])}, r
+
+
 def test_groups_follow_the_rank_layout():
     # tp=2 with ep=2: one attention group of both ranks, EP over both, each expert whole (moe_tp groups of one)
     results = run_ranks(w.groups_layout, 2, dict(tp=2, ep=2, dcp=2))
