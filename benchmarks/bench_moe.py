@@ -1,6 +1,6 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep [dot]] [--fp8]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep [dot|pipe]] [--fp8]
         [--pad]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
@@ -26,8 +26,9 @@ Times are per call from a replayed CUDA graph (``bench_kernels.graph_ms``) over 
 experts are disjoint where the experts allow and whose shared weights are separate copies, so the weights
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``: the GEMV
-kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; ``--sweep dot`` the latter only; with
-``--fp8`` also ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
+kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; ``--sweep dot`` the latter only,
+``--sweep pipe`` only the pipelined and one-launch rows, ``PIPE_SWEEP``; with ``--fp8`` also
+``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
 graphs run one sequence (their smallest capture size is 2); such a group is named ``T=1+1pad``. Each group also
@@ -84,12 +85,13 @@ _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k
              # deeper rings a program (more bytes in flight; run 184: dot_k=64 with 8 stages 41.7 us against 43.9)
              dict(dot_stages=10), dict(dot_k=128, dot_stages=5), dict(dot_k=128, dot_stages=6),
              dict(dot_k=64, dot_stages=8, dot_warps=8), dict())
-DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS),
-             # kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM)
-             dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
-             dict(pipe_n=32, pipe_k=128, pipe_warps=8),
-             # both kernels in one launch
-             dict(one_launch=True), dict(one_launch=True, gemv_down_h=8, gemv_down_k=1024))
+# kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM), then both kernels in one launch:
+# timed by --sweep and --sweep dot after DOT_SWEEP, alone by --sweep pipe
+PIPE_SWEEP = (dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
+              dict(pipe_n=32, pipe_k=128, pipe_warps=8),
+              dict(one_launch=True), dict(one_launch=True, gemv_down_h=8, gemv_down_k=1024),
+              dict(one_launch=True, gemv_down_h=2))
+DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS), *PIPE_SWEEP)
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
@@ -304,9 +306,10 @@ def sweep(group, sets, shared, gate_up, down, flops, nbytes, mask):
             moe_experts(xs, ws, ids_s, gate_up, down, shared_gate=g, shared_up=u, shared_down=d, backend="triton",
                         token_mask=mask)
 
-    if SWEEP != "dot":
+    if SWEEP == "all":
         sweep_configs(group, tmoe.CONFIG, "fused", SWEEP_CONFIGS, call, all_sets, flops, nbytes, drop=("narrow_tile",))
-    sweep_configs(group, tmoe.CONFIG, "fused", DOT_SWEEP, call, all_sets, flops, nbytes)
+    sweep_configs(group, tmoe.CONFIG, "fused", PIPE_SWEEP if SWEEP == "pipe" else DOT_SWEEP, call, all_sets, flops,
+                  nbytes)
 
 
 def sweep_configs(group, config, label, changes, call, all_sets, flops, nbytes, drop=()):
@@ -348,9 +351,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
-    ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot"),
+    ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot", "pipe"),
                     help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64); "
-                         "'dot': the fused kernels' tensor-core forms only (DOT_SWEEP)")
+                         "'dot': the fused kernels' tensor-core forms (DOT_SWEEP); 'pipe': the pipelined and "
+                         "one-launch forms only (PIPE_SWEEP)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     ap.add_argument("--pad", action="store_true", help="one padding token (masked) added to every input set")
     args = ap.parse_args()
