@@ -759,6 +759,9 @@ def parse_args(argv=None):
     ap.add_argument("--moe-config", default="",
                     help="comma-separated key=int changes to ops/triton/moe_experts.CONFIG (the few-token MoE kernels' "
                          "launch parameters), e.g. dot_n=16")
+    ap.add_argument("--grouped-config", default="",
+                    help="comma-separated key=int changes to ops/triton/moe_grouped.CONFIG (the many-token MoE kernels' "
+                         "launch parameters), e.g. down_k=128")
     ap.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16",
                     help="ours' latent cache: bf16 = the model dtype (--dtype), fp8 = the 656-byte DeepSeek fp8 rows")
     args = ap.parse_args(argv)
@@ -796,14 +799,16 @@ def main(argv=None) -> None:
         from mla_compile.ops.triton import decode_gluon
         decode_gluon.EARLY_TILES = True
         INFO["decode_early"] = True
-    if args.moe_config:
-        from mla_compile.ops.triton import moe_experts
-        for item in args.moe_config.split(","):
-            key, value = item.split("=")
-            if key not in moe_experts.CONFIG:
-                raise SystemExit(f"--moe-config: unknown key {key!r}; known: {sorted(moe_experts.CONFIG)}")
-            moe_experts.CONFIG[key] = int(value)
-        INFO["moe_config"] = args.moe_config
+    if args.moe_config or args.grouped_config:
+        from mla_compile.ops.triton import moe_experts, moe_grouped
+        for flag, changes, config in (("--moe-config", args.moe_config, moe_experts.CONFIG),
+                                      ("--grouped-config", args.grouped_config, moe_grouped.CONFIG)):
+            for item in filter(None, changes.split(",")):
+                key, value = item.split("=")
+                if key not in config:
+                    raise SystemExit(f"{flag}: unknown key {key!r}; known: {sorted(config)}")
+                config[key] = int(value)
+        INFO["moe_config"] = ",".join(filter(None, (args.moe_config, args.grouped_config)))
     dev = torch.device(args.device)
     INFO.update(args={k: v for k, v in vars(args).items() if k != "torch_dtype"}, torch=torch.__version__,
                 transformers=transformers.__version__,

@@ -97,7 +97,14 @@ DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS), *PIPE
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
                  dict(gate_up_n=128, gate_up_k=64), dict(gate_up_k=64), dict(down_n=64, down_k=128), dict(down_n=64),
                  dict(down_k=128), dict(num_stages=2), dict(num_stages=4), dict(num_stages=5), dict(num_warps=8),
-                 dict(gate_up_k=256, down_k=128, num_stages=2), dict(block_m=64, num_warps=8, num_stages=4))
+                 dict(gate_up_k=256, down_k=128, num_stages=2), dict(block_m=64, num_warps=8, num_stages=4),
+                 # the down kernel alone (its weight rows read in longer runs, deeper, more warps) and the gate-up
+                 # kernel's longer K step
+                 dict(down_k=128, down_stages=4), dict(down_k=256, down_stages=2), dict(down_k=128, down_stages=3),
+                 dict(down_k=128, down_stages=5), dict(down_stages=5), dict(down_stages=6), dict(down_warps=8),
+                 dict(down_k=128, down_warps=8, down_stages=4), dict(down_n=64, down_k=256, down_stages=3),
+                 dict(down_n=256, down_stages=3), dict(down_n=256, down_k=32, down_stages=6),
+                 dict(gate_up_k=256), dict(gate_up_k=256, num_stages=2, down_stages=3))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)

@@ -59,14 +59,18 @@ def test_bench_decode_step_cpu_smoke(tmp_path, kind):
 def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config(tmp_path):
     """``--compile --only ours`` on the CPU: the compiled row runs, agrees with eager, and its first call's compile is
     broken down (Dynamo's tracing and the backend inside torch.compile's time, a cache miss of a fresh cache dir,
-    the Dynamo cache's miss with ``--dynamo-cache``); ``--moe-config`` is reported, and an unknown key is refused
-    before anything runs."""
+    the Dynamo cache's miss with ``--dynamo-cache``); ``--moe-config`` and ``--grouped-config`` are reported, and an
+    unknown key of either is refused before anything runs."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_step.py"), "--device", "cpu", "--tiny", "--compile",
            "--only", "ours", "--batches", "1", "--moe-config", "dot_n=16,down_pre_unused=1", "--dynamo-cache",
-           "--out", str(tmp_path)]
+           "--grouped-config", "down_k=128", "--out", str(tmp_path)]
     bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "unknown key 'down_pre_unused'" in bad.stderr + bad.stdout
+    assert bad.returncode != 0 and "--moe-config: unknown key 'down_pre_unused'" in bad.stderr + bad.stdout
     cmd[cmd.index("dot_n=16,down_pre_unused=1")] = "dot_n=16"
+    cmd[cmd.index("down_k=128")] = "down_k=128,gate_up_q=2"
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--grouped-config: unknown key 'gate_up_q'" in bad.stderr + bad.stdout
+    cmd[cmd.index("down_k=128,gate_up_q=2")] = "down_k=128"
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "bench_decode_step.json").read_text())
@@ -78,5 +82,5 @@ def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config
     assert ph["fx_cache_miss"] >= 1 and ph["fx_cache_hit"] == 0  # the benchmark's fresh cache dir
     assert info["dynamo_cache"] is True and ph["dynamo_cache_hit"] == 0 and ph["graphs_traced"] >= 1
     text = (tmp_path / "bench_decode_step.txt").read_text()
-    assert "ours' first compiled call: torch.compile" in text and "MoE kernels dot_n=16" in text
+    assert "ours' first compiled call: torch.compile" in text and "MoE kernels dot_n=16,down_k=128" in text
     assert "Dynamo cache 0 / " in text

@@ -262,8 +262,10 @@ def _moe_combine_kernel(y_ptr, out_ptr, mask_ptr, H, s_y, s_out, SLOTS: tl.const
 # so three stages keep ~100 KB in flight per SM within its 228 KB of shared memory. The token side of a tile
 # (x rows, h rows: BLOCK_M x K) comes from L2 once per column tile, so the column tiles are wide against
 # BLOCK_M (kernel 2: 128 columns, h traffic a quarter of the weights' at BLOCK_M 32). BLOCK_M 16/32 runs
-# mma.sync (wgmma wants 64 rows per warpgroup); the tensor cores idle either way.
-CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=128, down_k=64, num_warps=4, num_stages=3)
+# mma.sync (wgmma wants 64 rows per warpgroup); the tensor cores idle either way. ``down_stages`` /
+# ``down_warps``: kernel 2's own pipeline depth and warps (0: ``num_stages`` / ``num_warps``).
+CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=128, down_k=64, num_warps=4, num_stages=3,
+              down_stages=0, down_warps=0)
 COMBINE_BLOCK = 1024
 SORT_CHUNK = 256  # pairs a step of _moe_sort_kernel's two passes
 
@@ -341,8 +343,9 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     wrap_triton(_moe_grouped_down_kernel)[(blocks, triton.cdiv(H, cfg["down_n"]))](
         h, rows, bexp, bcnt, weights, down, sd, y, mask, T, H, I, E, K, sb, tb,
         h.stride(0), weights.stride(0), down.stride(0), down.stride(1), sd.stride(0), y.stride(0),
-        SLOTS=slots, BLOCK_M=bm, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"] // wide, NUM_STAGES=cfg["num_stages"],
-        IEEE=ieee, HAS_MASK=has_mask, num_warps=cfg["num_warps"],
+        SLOTS=slots, BLOCK_M=bm, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"] // wide,
+        NUM_STAGES=cfg["down_stages"] or cfg["num_stages"], IEEE=ieee, HAS_MASK=has_mask,
+        num_warps=cfg["down_warps"] or cfg["num_warps"],
     )
     wrap_triton(_moe_combine_kernel)[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, mask, H, y.stride(0), out.stride(0), SLOTS=slots, BLOCK=COMBINE_BLOCK, HAS_MASK=has_mask,
