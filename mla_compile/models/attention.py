@@ -32,13 +32,19 @@ from mla_compile.ops.context_attention import up_project
 from mla_compile.models.rope import apply_rope
 
 
+def plain_linears(modules: tuple[nn.Module, ...], dtype: torch.dtype) -> bool:
+    """Whether every module is exactly ``nn.Linear`` (no subclass), bias-free, with weights of ``dtype``. The type
+    is read as ``m.__class__``: Dynamo guards ``type(m)`` with a class guard on the module's type that torch 2.11's
+    Dynamo cache cannot save (the warm start then fails the compile)."""
+    return all(m.__class__ is nn.Linear and m.bias is None and m.weight.dtype == dtype for m in modules)
+
+
 def linears(x: Tensor, *modules: nn.Module) -> list[Tensor]:
     """``x`` through one or two linears that share it: ``[m(x) for m in modules]``. Plain bias-free ``nn.Linear``'s
-    of x's half-precision dtype on CUDA run as one ``mla::skinny_linear`` (one launch; its "auto" picks the GEMV
-    kernel for few rows where that backend is GPU-tested); anything else (quantized or sharded linears, CPU) runs
-    each module. A static choice for a compiled graph (device, dtype and module types)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and all(
-            type(m) is nn.Linear and m.bias is None and m.weight.dtype == x.dtype for m in modules):
+    of x's half-precision dtype on CUDA (:func:`plain_linears`) run as one ``mla::skinny_linear`` (one launch; its
+    "auto" picks the GEMV kernel for few rows where that backend is GPU-tested); anything else (quantized or
+    sharded linears, CPU) runs each module. A static choice for a compiled graph (device, dtype and module types)."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and plain_linears(modules, x.dtype):
         return ops.skinny_linear(x, [m.weight for m in modules])
     return [m(x) for m in modules]
 

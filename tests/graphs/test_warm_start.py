@@ -155,3 +155,47 @@ def test_forced_dynamo_cache_fails_loudly_when_torch_internals_moved(monkeypatch
             assert config.caching_precompile is False
     finally:
         config.caching_precompile = before
+
+
+def test_plain_linear_check_installs_no_class_guard_on_a_module_type(monkeypatch):
+    """``attention.plain_linears`` (the skinny-linear choice of the CUDA step) compiled: its answer for plain, biased,
+    subclassed and other-dtype linears, and no class guard on ``type(<module>)``, which torch 2.11's Dynamo cache
+    cannot save (``type(m) is nn.Linear`` made four a layer and failed the GPU step's warm start)."""
+    from torch import nn
+    from torch._dynamo.guards import GuardBuilder
+
+    from mla_compile.models.attention import plain_linears
+
+    names = []
+    original = GuardBuilder.CLASS_MATCH
+
+    def CLASS_MATCH(self, guard):  # the name the Dynamo cache's serializer checks
+        names.append(guard.name)
+        return original(self, guard)
+
+    monkeypatch.setattr(GuardBuilder, "CLASS_MATCH", CLASS_MATCH)
+
+    class Sub(nn.Linear):
+        pass
+
+    class Two(nn.Module):
+        def __init__(self, a, b):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x):
+            return x + 1 if plain_linears((self.a, self.b), torch.bfloat16) else x - 1
+
+    x = torch.randn(3)
+    cases = {(nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False)): True,
+             (nn.Linear(4, 4, bias=False), nn.Linear(4, 2)): False,
+             (nn.Linear(4, 4, bias=False), Sub(4, 2, bias=False)): False,
+             (nn.Linear(4, 4, bias=False), nn.Linear(4, 2, bias=False).float()): False}
+    for (a, b), want in cases.items():
+        a.bfloat16()
+        if want or b.bias is not None or isinstance(b, Sub):
+            b.bfloat16()
+        torch._dynamo.reset()
+        got = torch.compile(Two(a, b), backend="eager", fullgraph=True)(x)
+        assert torch.equal(got, x + 1 if want else x - 1), (type(b).__name__, b.bias is None, b.weight.dtype)
+    assert names and not [n for n in names if n.startswith("type(")], names
