@@ -9,8 +9,9 @@ once per layer (2.12+ stamps a traced region out instead), which is most of a wa
   the ``torch.compile`` calls that follow, when asked for (``dynamo=True``; by default on no torch version now,
   :func:`dynamo_cache_status` says why): a process then installs the saved bytecode, guards and compiled graphs at
   ``torch.compile`` time and its first steps run them without tracing. A step whose guards fail (another model, a
-  new shape) compiles as usual. On torch 2.11 it serves the CPU toy, but the GPU model's step holds a guard the
-  cache cannot save, and 2.11 then fails that compile (BENCHMARKS.md run 186).
+  new shape) compiles as usual. On torch 2.11 it serves the CPU toy and the GPU model's step (BENCHMARKS.md run
+  200); a step holding a guard the cache cannot save (a class guard on ``type(<module>)``, as that step held until
+  run 200) fails its compile there, so it stays opt-in.
 - :func:`save_warm_start`: after the warm-up steps, write the Dynamo cache entries into the local cache
   (what a later :func:`enable_warm_start` process loads) and return (or write to ``path``) torch's portable
   "mega-cache" of every compile artifact (``torch.compiler.save_cache_artifacts``).
@@ -46,10 +47,10 @@ import torch
 # torch versions whose Dynamo cache serves our compiled models across processes, so that enable_warm_start turns it on
 # by default: none (the reasons below)
 _DYNAMO_CACHE_VERSIONS: tuple[tuple[int, int], ...] = ()
-# why it stays off by default on a torch that has it (BENCHMARKS.md run 186 for 2.11); other versions: _OFF_ELSE
-_OFF_REASONS = {(2, 11): "a step with a guard the cache cannot save (CLASS_MATCH, as the GPU model's) fails to compile "
+# why it stays off by default on a torch that has it (BENCHMARKS.md runs 186 and 200 for 2.11); other versions: _OFF_ELSE
+_OFF_REASONS = {(2, 11): "a step with a guard the cache cannot save (CLASS_MATCH on a module's type) fails to compile "
                          "with it on (convert_frame asserts guards_state), so it is off unless asked for "
-                         "(enable_warm_start(True), for models it serves, e.g. on the CPU)"}
+                         "(enable_warm_start(True), for models it serves: this repo's, CPU and GPU)"}
 _OFF_ELSE = ("the saved guards of dynamic steps never pass on load (dim-marking guards), so a warm start uses the "
              "FX-graph / AOTAutograd caches only")
 _FIXED: set[str] = set()
