@@ -27,7 +27,7 @@ experts are disjoint where the experts allow and whose shared weights are separa
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``: the GEMV
 kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; ``--sweep dot`` the latter only,
-``--sweep pipe`` only the pipelined and one-launch rows, ``PIPE_SWEEP``; with ``--fp8`` also
+``--sweep pipe`` only the pipelined form's rows, ``PIPE_SWEEP``; with ``--fp8`` also
 ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
@@ -70,7 +70,7 @@ SWEEP_CONFIGS = tuple(dict(gate_up_tile=g, down_tile=d, waves=v, num_warps=w) fo
 # the fused kernels' tensor-core forms (ops/triton/moe_experts.CONFIG's dot keys), timed by --sweep at T <= 8 (with
 # kernel 1's pipelined GEMV form, the default, turned off): the gate-up form's tiles, depth and warps with the down
 # kernel's GEMV, then a few of the down kernel's tensor-core form (it has too few programs at few tokens); then the
-# pipelined form's tiles, and both kernels in one launch
+# pipelined form's tiles
 DOT = dict(gate_up_dot=True, down_dot=True)
 _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k=256, dot_stages=3),
              dict(dot_n=16, dot_k=256), dict(dot_n=16, dot_warps=2), dict(dot_n=16, dot_warps=8, dot_k=256),
@@ -85,12 +85,10 @@ _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k
              # deeper rings a program (more bytes in flight; run 184: dot_k=64 with 8 stages 41.7 us against 43.9)
              dict(dot_stages=10), dict(dot_k=128, dot_stages=5), dict(dot_k=128, dot_stages=6),
              dict(dot_k=64, dot_stages=8, dot_warps=8), dict())
-# kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM), then both kernels in one launch:
-# timed by --sweep and --sweep dot after DOT_SWEEP, alone by --sweep pipe
+# kernel 1's pipelined GEMV form (many 16- or 32-wide programs, several an SM): timed by --sweep and --sweep dot
+# after DOT_SWEEP, alone by --sweep pipe (both kernels as one launch, 2327a90, lost by 19-41 us: BENCHMARKS.md run 195)
 PIPE_SWEEP = (dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
-              dict(pipe_n=32, pipe_k=128, pipe_warps=8),
-              dict(one_launch=True), dict(one_launch=True, gemv_down_h=8, gemv_down_k=1024),
-              dict(one_launch=True, gemv_down_h=2))
+              dict(pipe_n=32, pipe_k=128, pipe_warps=8))
 DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS), *PIPE_SWEEP)
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
@@ -360,8 +358,8 @@ def main():
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
     ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot", "pipe"),
                     help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64); "
-                         "'dot': the fused kernels' tensor-core forms (DOT_SWEEP); 'pipe': the pipelined and "
-                         "one-launch forms only (PIPE_SWEEP)")
+                         "'dot': the fused kernels' tensor-core forms (DOT_SWEEP); 'pipe': kernel 1's pipelined "
+                         "form only (PIPE_SWEEP)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     ap.add_argument("--pad", action="store_true", help="one padding token (masked) added to every input set")
     args = ap.parse_args()

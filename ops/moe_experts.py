@@ -269,7 +269,7 @@ def _triton(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.float32, *HALF), package="triton",
         gpu_tested=True, kernels=("moe_experts_triton", "_moe_gate_up_kernel", "_moe_gate_up_dot_kernel",
-                                  "_moe_gate_up_pipe_kernel", "_moe_one_launch_kernel",
+                                  "_moe_gate_up_pipe_kernel",
                                   "_moe_down_kernel", "_moe_down_dot_kernel"),
         note="ours: reads only the routed experts; gate_up+SiLU*up, then down+weighted combine (small T)")
 

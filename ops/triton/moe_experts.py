@@ -22,9 +22,6 @@ same grids and outputs, but each step multiplies the weight tiles by the activat
 streams the weight tiles through shared memory (cp.async) several steps deep instead of one register load a
 step; the down form walks every (slot, chunk) in one loop, weighting each chunk's product.
 
-Both kernels as one launch (``CONFIG["one_launch"]``, opt-in): ``_moe_one_launch_kernel``, kernel 1's tiles then
-kernel 2's, ordered by tickets and per-token counts instead of a kernel boundary.
-
 On sm_90, where the op runs eagerly (inside the opaque ``mla::moe_experts_split``, as the model's "auto" runs it),
 both kernels are launched with PDL (``_pdl.py``): every program waits before it reads anything a kernel of the step
 writes, then triggers; a masked token's too.
@@ -97,10 +94,9 @@ def _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H: tl.conste
 
 @triton.jit
 def _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh, s_sd,
-              K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-              H_CACHE: tl.constexpr):
+              K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """Kernel 2's float32 sums for token ``t``'s outputs ``offs_h``: every slot's down rows times the slot's
-    activation, weighted by its pick (1 for a shared slot). ``H_CACHE``: the activation loads' cache modifier."""
+    activation, weighted by its pick (1 for a shared slot)."""
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     # K chunks outside, the slots unrolled inside: every slot's loads of a chunk are independent and issue
     # together (memory-level parallelism); the sum order is fixed by the code, the same every run
@@ -116,8 +112,7 @@ def _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_
             else:
                 weight = 1.0
                 rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
-            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0,
-                        cache_modifier=H_CACHE).to(tl.float32)
+            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(rows[:, None] + k[None, :], mask=m, other=0.0).to(tl.float32)
             acc += weight * tl.sum(w * a[None, :], axis=1)
     return acc
@@ -223,56 +218,8 @@ def _moe_down_kernel(
     if not _down_prologue(out_ptr, mask_ptr, t, s_out, offs_h, h_ok, BLOCK_H, HAS_MASK, PDL):
         return  # a padding token: output 0, no weight reads
     acc = _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh, s_sd, K,
-                    SLOTS, BLOCK_H, BLOCK_K, "")
+                    SLOTS, BLOCK_H, BLOCK_K)
     tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
-
-
-@triton.jit
-def _moe_one_launch_kernel(
-    x_ptr, w_ptr, ids_ptr, gu_ptr, dn_ptr, sg_ptr, su_ptr, sd_ptr, h_ptr, out_ptr, mask_ptr, sync_ptr,
-    H, I, K, N1,
-    s_x, s_w, s_ids, s_gue, s_gun, s_de, s_dh, s_sg, s_su, s_sd, s_h, s_out,
-    SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    BLOCK_H: tl.constexpr, DOWN_K: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr,
-):
-    """Both kernels in one launch (``CONFIG["one_launch"]``): a program takes a ticket from ``sync[0]`` as it starts;
-    the first ``N1`` tickets are kernel 1's tiles (the pipelined GEMV form), each adding 1 to its token's count
-    ``sync[1 + t]`` once its activation is stored (release), the rest kernel 2's, each waiting (acquire) for its token's
-    count to reach every tile of it before it reads the activation (past L1). A ticket is taken only by a running
-    program, so every kernel 1 tile is running or done when a kernel 2 program waits: no deadlock whatever order the
-    programs start in. ``sync`` is zero at the launch (the launcher's); a masked token's tiles count without
-    computing, its outputs are zeros."""
-    pdl_wait(PDL)
-    pdl_launch_dependents(PDL)
-    ticket = tl.atomic_add(sync_ptr, 1)
-    n_tiles = tl.cdiv(I, BLOCK_N)
-    if ticket < N1:
-        row = ticket // n_tiles
-        t = (row // SLOTS).to(tl.int64)
-        offs_n = (ticket % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < I
-        if tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0:
-            g_rows, u_rows = _slot_rows(ids_ptr, gu_ptr, sg_ptr, su_ptr, t, row % SLOTS, K, I, s_ids, s_gue, s_gun,
-                                        s_sg, s_su, offs_n)
-            g, u = _gate_up_pipe_sums(x_ptr + t.to(tl.int64) * s_x, g_rows, u_rows, n_ok, H, BLOCK_N, BLOCK_K,
-                                      NUM_STAGES)
-            _store_activation(h_ptr, row, s_h, offs_n, n_ok, g, u)
-        tl.debug_barrier()  # every thread's stores before the count
-        tl.atomic_add(sync_ptr + 1 + t, 1, sem="release")
-    else:
-        h_tiles = tl.cdiv(H, BLOCK_H)
-        t = ((ticket - N1) // h_tiles).to(tl.int64)
-        offs_h = ((ticket - N1) % h_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if tl.load(mask_ptr + t, mask=HAS_MASK, other=1) != 0:
-            seen = tl.atomic_add(sync_ptr + 1 + t, 0, sem="acquire")
-            while seen < SLOTS * n_tiles:
-                seen = tl.atomic_add(sync_ptr + 1 + t, 0, sem="acquire")
-            tl.debug_barrier()
-            acc = _down_sum(h_ptr, w_ptr, ids_ptr, dn_ptr, sd_ptr, t, offs_h, h_ok, I, s_h, s_w, s_ids, s_de, s_dh,
-                            s_sd, K, SLOTS, BLOCK_H, DOWN_K, ".cg")
-        tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
 @triton.jit
@@ -327,13 +274,10 @@ def _moe_down_dot_kernel(
 # form's one program an SM does not (its 176 programs at V2-Lite's dims fill the 132 SMs once and a third).
 # ``gemv_down_h`` / ``gemv_down_k`` / ``gemv_down_warps``: the down GEMV's output rows, I step and warps a program
 # when set (0: from ``waves`` / ``down_tile`` / ``narrow_tile`` / ``num_warps`` as above).
-# ``one_launch`` (bf16 / fp16 x, off by default: not yet timed on a GPU): both kernels as one launch
-# (``_moe_one_launch_kernel``: the pipelined gate-up tiles, then the down GEMV's, ordered by tickets and per-token
-# counts instead of a kernel boundary), with ``pipe_*`` and the down GEMV's tiles; ``pipe_warps`` warps.
 CONFIG = dict(gate_up_tile=4096, down_tile=2048, waves=8, num_warps=4, narrow_tile=8192,
               gate_up_dot=True, dot_n=64, dot_k=64, dot_stages=10, down_dot=False, down_h=16, down_k=256,
               down_stages=5, dot_warps=4, gate_up_pipe=True, pipe_n=16, pipe_k=256, pipe_stages=3, pipe_warps=4,
-              gemv_down_h=0, gemv_down_k=0, gemv_down_warps=0, one_launch=False)
+              gemv_down_h=0, gemv_down_k=0, gemv_down_warps=0)
 
 
 def _tile(name: str, block: int) -> int:
@@ -388,18 +332,6 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     pdl = launch_kwargs(x.device, eager_only=True)
     block_h = CONFIG["gemv_down_h"] or _blocks(T, H, x.device)
     block_k = CONFIG["gemv_down_k"] or _tile("down_tile", block_h) // block_h // wide
-    if CONFIG["one_launch"] and x.dtype != torch.float32:
-        sync = torch.zeros(1 + T, dtype=torch.int32, device=x.device)  # the tickets, then each token's count
-        n1 = T * slots * triton.cdiv(I, CONFIG["pipe_n"])
-        wrap_triton(_moe_one_launch_kernel)[(n1 + T * triton.cdiv(H, block_h),)](
-            x, weights, ids, gate_up, down, sg, su, sd, h, out, mask, sync, H, I, K, n1,
-            x.stride(0), weights.stride(0), ids.stride(0), gate_up.stride(0), gate_up.stride(1), down.stride(0),
-            down.stride(1), sg.stride(0), su.stride(0), sd.stride(0), h.stride(0), out.stride(0),
-            SLOTS=slots, BLOCK_N=CONFIG["pipe_n"], BLOCK_K=CONFIG["pipe_k"], NUM_STAGES=CONFIG["pipe_stages"],
-            BLOCK_H=block_h, DOWN_K=block_k, HAS_MASK=token_mask is not None, num_warps=CONFIG["pipe_warps"],
-            **pdl,
-        )
-        return out
     gate_up_args = (x, ids, gate_up, sg, su, h, mask, H, I, K, slots, x.stride(0), ids.stride(0), gate_up.stride(0),
                     gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
     if CONFIG["gate_up_pipe"] and x.dtype != torch.float32:

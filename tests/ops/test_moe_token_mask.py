@@ -50,8 +50,8 @@ def check(out: torch.Tensor, unmasked: torch.Tensor, want64: torch.Tensor, mask:
 
 
 def activations(module, monkeypatch, run) -> torch.Tensor:
-    """The activation buffer ``h [T * slots, I]`` that ``run()`` hands ``module``'s gate-up kernel (or the kernel
-    of both in one launch; launched as usual, under the interpreter)."""
+    """The activation buffer ``h [T * slots, I]`` that ``run()`` hands ``module``'s gate-up kernel (launched as
+    usual, under the interpreter)."""
     seen = []
     name = "_wrap" if hasattr(module, "_wrap") else "wrap_triton"  # what the module launches its kernels through
     real = getattr(module, name)
@@ -70,7 +70,7 @@ def activations(module, monkeypatch, run) -> torch.Tensor:
     monkeypatch.setattr(module, name, wrap)
     run()
     (h,) = [args[kernel.arg_names.index("h_ptr")] for kernel, args in seen
-            if "gate_up" in kernel.fn.__name__ or "one_launch" in kernel.fn.__name__]
+            if "gate_up" in kernel.fn.__name__]
     return h
 
 
@@ -107,18 +107,17 @@ def test_reference_masked_rows_are_zero_and_real_rows_unchanged(dtype, shared):
 @needs_interpreter
 @pytest.mark.parametrize("T,H,I,E,k,S,dtype", [  # each shape once, each dtype at least once
     (7, 40, 24, 6, 3, 2, torch.float32), (2, 64, 32, 8, 6, 0, torch.bfloat16), (4, 300, 20, 5, 2, 1, torch.bfloat16)])
-@pytest.mark.parametrize("form", ["gemv", "dot", "pipe", "one"])
+@pytest.mark.parametrize("form", ["gemv", "dot", "pipe"])
 def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype, form, monkeypatch):
     """``form``: the GEMV kernels, the tensor-core forms at 16-wide tiles, kernel 1's pipelined GEMV form at 8 x 16
-    tiles, or both kernels in one launch (float32 x always takes the GEMV kernels)."""
+    tiles (float32 x always takes the GEMV kernels)."""
     from mla_compile.ops.triton import moe_experts as kernels
     from mla_compile.ops.triton.moe_experts import _launch
     from tests.ops.test_moe_route import poison_empty
 
     forms = {"gemv": dict(gate_up_pipe=False, gate_up_dot=False, down_dot=False),
              "dot": dict(gate_up_pipe=False, gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16),
-             "pipe": dict(gate_up_pipe=True, pipe_n=8, pipe_k=16, pipe_stages=2, down_dot=False),
-             "one": dict(one_launch=True, pipe_n=8, pipe_k=16, pipe_stages=2)}[form]
+             "pipe": dict(gate_up_pipe=True, pipe_n=8, pipe_k=16, pipe_stages=2, down_dot=False)}[form]
     for key, value in forms.items():
         monkeypatch.setitem(kernels.CONFIG, key, value)
 

@@ -85,12 +85,6 @@ def main() -> None:
             torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf), torch.zeros(8, 64, 32, **bf),
             torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), False,
             torch.tensor([True, False, True]))),
-        # both kernels in one launch
-        lambda: _with_config(moe_experts.CONFIG, dict(one_launch=True), lambda: moe_experts._launch(
-            torch.randn(B, 64, generator=g).to(**bf), torch.rand(B, 3, generator=g),
-            torch.zeros(B, 3, dtype=torch.int32), torch.zeros(8, 64, 64, **bf), torch.zeros(8, 64, 32, **bf),
-            torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), torch.zeros(64, 64, **bf), False,
-            torch.tensor([True, False, True]))),
         # kernel 1's tensor-core form (its pipelined GEMV form is the default)
         lambda: _with_config(moe_experts.CONFIG, dict(gate_up_pipe=False), lambda: moe_experts._launch(
             torch.randn(B, 64, generator=g).to(**bf), torch.rand(B, 3, generator=g),

@@ -30,7 +30,6 @@ WRITES = {
     "_moe_gate_up_kernel": ["h_ptr"],
     "_moe_gate_up_dot_kernel": ["h_ptr"],
     "_moe_gate_up_pipe_kernel": ["h_ptr"],
-    "_moe_one_launch_kernel": ["h_ptr", "out_ptr", "sync_ptr"],
     "_moe_down_kernel": ["out_ptr"],
     "_moe_down_dot_kernel": ["out_ptr"],
     "_moe_align_kernel": ["bcnt_ptr", "bexp_ptr", "rows_ptr"],

@@ -44,15 +44,14 @@ def test_interpreter_nan_logits_still_give_expert_ids_in_range(scoring):
 # the experts kernels' forms: the GEMV kernels, the tensor-core (tl.dot) forms at their default tiles and at
 # 16-wide tiles (several steps along H and I, every slot's chunks in the down kernel's one loop), and kernel 1's
 # pipelined GEMV form at its default tiles and at 8 x 16 tiles (several steps along H, masked tails); the down GEMV at
-# 2 x 16 tiles (``gemv_down_*``: several I steps); both kernels as one launch (``one_launch``) at small tiles
+# 2 x 16 tiles (``gemv_down_*``: several I steps)
 VARIANTS = {"gemv": dict(gate_up_pipe=False, gate_up_dot=False, down_dot=False),
             "dot": dict(gate_up_pipe=False, gate_up_dot=True, down_dot=True),
             "dot16": dict(gate_up_pipe=False, gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16,
                           dot_stages=2),
             "pipe": dict(gate_up_pipe=True, down_dot=False),
             "pipe8": dict(gate_up_pipe=True, pipe_n=8, pipe_k=16, pipe_stages=2, down_dot=False),
-            "down2": dict(gate_up_pipe=True, down_dot=False, gemv_down_h=2, gemv_down_k=16, gemv_down_warps=2),
-            "one": dict(one_launch=True, pipe_n=8, pipe_k=16, pipe_stages=2, gemv_down_h=2, gemv_down_k=16)}
+            "down2": dict(gate_up_pipe=True, down_dot=False, gemv_down_h=2, gemv_down_k=16, gemv_down_warps=2)}
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")

@@ -49,29 +49,6 @@ def test_moe_gate_up_pipe_form_compiles_for_sm90(name, T, monkeypatch):
     assert launches[0][0].fn.__name__ == "_moe_gate_up_pipe_kernel"
 
 
-@pytest.mark.parametrize("T", [1, 2])
-def test_moe_one_launch_compiles_for_sm90(T, monkeypatch):
-    """Both kernels as one launch (``CONFIG["one_launch"]``) at V2-Lite's dims (the few-token path "auto" runs the
-    fused kernels at; V3's 9 slots spill a few bytes), masked and with PDL: it compiles without spills, waits before
-    any global load, counts with a release add and waits with acquire reads."""
-    name = "v2-lite"
-    import mla_compile  # noqa: F401
-    from mla_compile.ops.triton import _sm90, moe_experts
-
-    monkeypatch.setitem(moe_experts.CONFIG, "one_launch", True)
-    H, I, E, k, S = DIMS[name]
-    meta = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-    args = (meta(T, H), meta(T, k, dtype=torch.float32), meta(T, k, dtype=torch.int32), meta(E, 2 * I, H),
-            meta(E, H, I), meta(S * I, H), meta(S * I, H), meta(H, S * I), False, meta(T, dtype=torch.bool))
-    launches = _sm90.record(moe_experts, moe_experts._launch, *args, sms=132, pdl=True)
-    assert [kernel.fn.__name__ for kernel, *_ in launches] == ["_moe_one_launch_kernel"]
-    _no_spills(launches)
-    ptx = _sm90.compile_sm90(launches[0][0], launches[0][2], launches[0][3]).asm["ptx"]
-    assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait")]
-    assert "atom.global.gpu.release.add" in ptx  # a tile's count, after its stores
-    assert "ld.global.gpu.acquire" in ptx or "atom.global.gpu.acq" in ptx  # the wait for a token's counts
-
-
 def _check_experts_kernels(name, T, masked, pdl):
     """The two kernels of ``moe_experts._launch`` at ``name``'s dims compile for sm_90 without spills, with PDL's
     wait and trigger exactly when ``pdl`` and no global load before the wait; returns the launches."""
