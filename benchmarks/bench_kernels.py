@@ -26,6 +26,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from torch._library.triton import set_wrap_triton_enabled
 from triton.testing import do_bench
 
@@ -167,6 +168,42 @@ def ceilings():
           f"{props.name}, {props.multi_processor_count} SMs", flush=True)
 
 
+@triton.jit
+def _stream_read_kernel(x_ptr, out_ptr, n, steps, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums the ``BLOCK``-element chunks p, p + P, ..., p + (steps - 1) P of ``x [n]`` (P programs) into
+    ``out[p]``."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.range(0, steps, num_stages=STAGES):
+        offs = (pid + j * tl.num_programs(0)) * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+# (programs a SM, elements a chunk, stages, warps) of the streaming read; its row takes the fastest
+READ_CONFIGS = ((4, 4096, 3, 4), (8, 2048, 3, 4), (2, 8192, 3, 8), (4, 8192, 2, 8))
+
+
+def read_floor(group, buf, nbytes):
+    """A row "read floor": the fastest of ``READ_CONFIGS`` of a plain Triton streaming read of ``buf`` (contiguous,
+    the bytes an op must read; past L2), what one kernel reading that many bytes takes on this GPU."""
+    flat = buf.reshape(-1)
+    assert flat.numel() < 2**31, "int32 offsets"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    best, name = None, ""
+    for per_sm, block, stages, warps in READ_CONFIGS:
+        out = torch.empty(per_sm * sms, dtype=torch.float32, device=DEV)
+
+        def call(per_sm=per_sm, block=block, stages=stages, warps=warps, out=out):
+            _stream_read_kernel[(per_sm * sms,)](flat, out, flat.numel(),
+                                                 triton.cdiv(flat.numel(), per_sm * sms * block),
+                                                 BLOCK=block, STAGES=stages, num_warps=warps)
+        ms = graph_ms(call)
+        if best is None or ms < best:
+            best, name = ms, f"{per_sm} a SM, {block} a chunk, {stages} stages, {warps} warps"
+    record(group, "read floor", best, best, 0, nbytes, f"Triton streaming read of the {nbytes / 1e6:.0f} MB, {name}")
+
+
 def decode_case(B, H, L, sweep, budget_s):
     group = f"decode B={B} L={L} H={H}"
     print(group, flush=True)
@@ -180,6 +217,7 @@ def decode_case(B, H, L, sweep, budget_s):
     nbytes = B * L * D * 2 + q.numel() * 2 + B * H * DC * 2 + B * H * 4
     ours = lambda: decode(q, cache, table, lens, SCALE, backend="triton")
     cfg = tdecode._pick(H, B, nblk * PAGE, DC, q.device, None, block_size=PAGE, dr=D - DC)
+    read_floor(group, cache, B * L * D * 2)  # the cache bytes the call reads (the table holds every page once)
     attempt(group, "triton (ours)", ours, flops, nbytes,
             note=cfg_name(cfg)[5:])
     for c in sweep:
