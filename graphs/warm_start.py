@@ -10,8 +10,8 @@ once per layer (2.12+ stamps a traced region out instead), which is most of a wa
   :func:`dynamo_cache_status` says why): a process then installs the saved bytecode, guards and compiled graphs at
   ``torch.compile`` time and its first steps run them without tracing. A step whose guards fail (another model, a
   new shape) compiles as usual. On torch 2.11 it serves the CPU toy and the GPU model's step (BENCHMARKS.md run
-  200); a step holding a guard the cache cannot save (a class guard on ``type(<module>)``, as that step held until
-  run 200) fails its compile there, so it stays opt-in.
+  200); a step holding a guard the cache cannot save compiles and is left out of the cache; a model class defined
+  in a local scope fails its compile (torch's TypeError), one reason it stays opt-in.
 - :func:`save_warm_start`: after the warm-up steps, write the Dynamo cache entries into the local cache
   (what a later :func:`enable_warm_start` process loads) and return (or write to ``path``) torch's portable
   "mega-cache" of every compile artifact (``torch.compiler.save_cache_artifacts``).
@@ -24,10 +24,12 @@ No op, lowering or kernel of ours re-times anything at a warm start: the autotun
 (:mod:`mla_compile.lowerings`) run inside Inductor's compile, which an FX-graph cache hit skips, and our
 Triton kernels have no ``@triton.autotune``.
 
-The Dynamo cache is torch's (private, experimental) API. Two torch 2.11 defects in it are worked around here,
-each only where a probe finds it: a guard on a function's default argument does not unpickle
-(``DefaultsSource``'s pickling passes its derived fields), and a step that fails the loaded guards crashes
-Dynamo's next trace (the loaded package's globals take the names the new trace generates). On torch 2.13 the
+The Dynamo cache is torch's (private, experimental) API. Three defects in it are worked around here, each only
+where a probe finds it: on torch 2.11 a guard on a function's default argument does not unpickle
+(``DefaultsSource``'s pickling passes its derived fields) and a step that fails the loaded guards crashes
+Dynamo's next trace (the loaded package's globals take the names the new trace generates); on 2.11-2.13 a step
+holding a guard the cache cannot save (a class guard on ``type(<object>)``) fails its compile instead of being
+left out of the cache. On torch 2.13 the
 loaded guards never pass for steps marked dynamic (``greedy_generate``, the engine): they test dim-marking
 attributes that the saved guards lost, so :func:`enable_warm_start` leaves the Dynamo cache off there by
 default (2.13's Dynamo stamps regions out, so its warm start is mostly cache loads anyway).
@@ -36,6 +38,8 @@ default (2.13's Dynamo stamps regions out, so its warm start is mostly cache loa
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import os
 import pickle
@@ -48,9 +52,9 @@ import torch
 # by default: none (the reasons below)
 _DYNAMO_CACHE_VERSIONS: tuple[tuple[int, int], ...] = ()
 # why it stays off by default on a torch that has it (BENCHMARKS.md runs 186 and 200 for 2.11); other versions: _OFF_ELSE
-_OFF_REASONS = {(2, 11): "a step with a guard the cache cannot save (CLASS_MATCH on a module's type) fails to compile "
-                         "with it on (convert_frame asserts guards_state), so it is off unless asked for "
-                         "(enable_warm_start(True), for models it serves: this repo's, CPU and GPU)"}
+_OFF_REASONS = {(2, 11): "torch's Dynamo cache is experimental (a model class defined in a local scope fails its "
+                         "compile with it on), so it is off unless asked for (enable_warm_start(True), for models it "
+                         "serves: this repo's, CPU and GPU)"}
 _OFF_ELSE = ("the saved guards of dynamic steps never pass on load (dim-marking guards), so a warm start uses the "
              "FX-graph / AOTAutograd caches only")
 _FIXED: set[str] = set()
@@ -128,6 +132,35 @@ def _fix_global_names() -> None:
     _FIXED.add("names")
 
 
+def _fix_unsaveable_guards() -> None:
+    """torch 2.11-2.13: a step holding a guard the Dynamo cache cannot save (a class guard on ``type(<object>)``, a
+    closure guard) bypasses its cache entry, and then ``convert_frame`` fails the compile on the entry's missing
+    serialized guards. Give a bypassed entry empty bytes instead (a bypassed entry's guarded code is never saved),
+    so such a step compiles as usual and is only left out of the cache. Only where ``convert_frame`` checks them."""
+    if "bypass" in _FIXED:
+        return
+    from torch._dynamo import convert_frame, guards
+
+    manager = guards.CheckFunctionManager
+    init = manager.__init__
+    if "check_fn.guards_state" not in inspect.getsource(convert_frame) or getattr(init, "_mla_warm_start", False):
+        _FIXED.add("bypass")
+        return
+    params = inspect.signature(init)
+    if "save_guards" not in params.parameters:
+        raise AttributeError("torch._dynamo.guards.CheckFunctionManager takes no save_guards")
+
+    @functools.wraps(init)
+    def init_keeping_bypassed(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.guards_state is None and params.bind(self, *args, **kwargs).arguments.get("save_guards"):
+            self.guards_state = b""  # serialization failed and bypassed the entry (a strict save raises instead)
+
+    init_keeping_bypassed._mla_warm_start = True
+    manager.__init__ = init_keeping_bypassed
+    _FIXED.add("bypass")
+
+
 class _DroppedGuardNotes(logging.Filter):
     """Drops torch's per-guard "... guard on ... is dropped with caching_precompile=True." warnings (hundreds a
     compile of a deep model): the Dynamo cache drops identity guards (ID_MATCH, CLOSURE_MATCH, DICT_VERSION,
@@ -163,6 +196,7 @@ def enable_warm_start(dynamo: bool | None = None) -> bool:
         try:
             _fix_source_pickling()
             _fix_global_names()
+            _fix_unsaveable_guards()
         except (ImportError, AttributeError) as e:  # torch internals moved
             if dynamo:
                 raise NotImplementedError(f"enable_warm_start(dynamo=True): torch {torch.__version__}'s Dynamo "

@@ -199,3 +199,30 @@ def test_plain_linear_check_installs_no_class_guard_on_a_module_type(monkeypatch
         got = torch.compile(Two(a, b), backend="eager", fullgraph=True)(x)
         assert torch.equal(got, x + 1 if want else x - 1), (type(b).__name__, b.bias is None, b.weight.dtype)
     assert names and not [n for n in names if n.startswith("type(")], names
+
+
+class _Typed(torch.nn.Module):
+    """A module whose forward tests its linear's exact type (module level: the Dynamo cache refuses local classes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.q(x) * 2 if type(self.q) is torch.nn.Linear else x
+
+
+def test_a_step_with_an_unsaveable_guard_compiles_with_the_dynamo_cache_on(monkeypatch):
+    """A step whose guards the Dynamo cache cannot save (``type(module) is nn.Linear``: a class guard on a module's
+    type) compiles and runs with the cache on, left out of the cache (torch 2.11-2.13 failed such a compile with an
+    AssertionError on the entry's missing guards)."""
+    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", torch._dynamo.config.caching_precompile)
+    assert warm_start.enable_warm_start(True) is True
+    model = _Typed()
+    x = torch.randn(3, 4)
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(model, fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, model.q(x) * 2)
