@@ -1,6 +1,6 @@
 """Time one MoE layer's experts and routing on a GPU: ``mla::moe_experts`` fused (Triton) vs grouped vs dense.
 
-    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep [dot|pipe|persistent]] [--fp8]
+    python benchmarks/bench_moe.py --out OUT_DIR [--dims v2-lite,v3] [--tokens 1,8,64,256] [--sweep [dot|pipe]] [--fp8]
         [--pad]
 
 DeepSeek-V2-Lite dims (hidden 2048, moe_intermediate 1408, 64 experts top-6, 2 shared experts) and V3 dims
@@ -27,8 +27,7 @@ experts are disjoint where the experts allow and whose shared weights are separa
 come from memory as in a full-depth step (not from L2). GB/s counts the distinct expert weights each call
 must read. ``--sweep`` also times the fused kernels' launch configs (``ops/triton/moe_experts.CONFIG``: the GEMV
 kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; ``--sweep dot`` the latter only,
-``--sweep pipe`` only the pipelined form's rows, ``PIPE_SWEEP``, ``--sweep persistent`` only the grouped kernels'
-persistent forms, ``PERSISTENT_SWEEP``; with ``--fp8`` also
+``--sweep pipe`` only the pipelined form's rows, ``PIPE_SWEEP``; with ``--fp8`` also
 ``ops/triton/moe_experts_fp8.CONFIG``) for up to 8 tokens, each checked against the default
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
@@ -91,11 +90,6 @@ _DOT_FORMS = (dict(dot_n=16), dict(dot_n=16, dot_stages=6), dict(dot_n=16, dot_k
 PIPE_SWEEP = (dict(pipe_k=128), dict(pipe_k=128, pipe_stages=2), dict(pipe_stages=4),
               dict(pipe_n=32, pipe_k=128, pipe_warps=8))
 DOT_SWEEP = (*(dict(change, gate_up_pipe=False) for change in _DOT_FORMS), *PIPE_SWEEP)
-# the grouped kernels' persistent forms (programs an SM, tile order, depth): timed by --sweep, alone by --sweep
-# persistent
-PERSISTENT_SWEEP = (dict(persistent=1), dict(persistent=2), dict(persistent=1, cols_fastest=1),
-                    dict(persistent=2, cols_fastest=1), dict(persistent=1, num_stages=5),
-                    dict(persistent=2, down_stages=4), dict(persistent=2, cols_fastest=1, down_stages=4))
 # changes to ops/triton/moe_grouped.CONFIG, each timed by --sweep at T >= 64 (5 stages at BLOCK_M 64 may not fit
 # in shared memory: such a row records the failure)
 GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate_up_n=32),
@@ -108,7 +102,7 @@ GROUPED_SWEEP = (dict(block_m=16), dict(block_m=32), dict(block_m=64), dict(gate
                  dict(down_k=128, down_stages=5), dict(down_stages=5), dict(down_stages=6), dict(down_warps=8),
                  dict(down_k=128, down_warps=8, down_stages=4), dict(down_n=64, down_k=256, down_stages=3),
                  dict(down_n=256, down_stages=3), dict(down_n=256, down_k=32, down_stages=6),
-                 dict(gate_up_k=256), dict(gate_up_k=256, num_stages=2, down_stages=3), *PERSISTENT_SWEEP)
+                 dict(gate_up_k=256), dict(gate_up_k=256, num_stages=2, down_stages=3))
 
 DEV, SETS = "cuda", 4
 # name: (hidden, moe_intermediate, experts, top_k, shared experts, routing: num_group, topk_group, scoring)
@@ -194,7 +188,7 @@ def fp8_case(group, T, H, I, E, S, sets, hit, flops, note, mask):
         except Exception as exc:  # the timing attempt records the failure as its row
             check = f"check failed: {type(exc).__name__}"
         bk.attempt(group, impl, run(backend), flops, nbytes, f"{note}; {check}", rep_ms=100, sets=SETS)
-    if SWEEP and SWEEP != "persistent" and T <= 8:
+    if SWEEP and T <= 8:
         from mla_compile.ops.triton import moe_experts_fp8 as tfp8
 
         sweep_configs(group, tfp8.CONFIG, "fp8 fused", SWEEP_CONFIGS,
@@ -260,7 +254,7 @@ def case(name, T):
     bk.attempt(group, "read floor", read_floor, 0, nbytes, "torch.sum over the bytes to read", rep_ms=100, sets=SETS)
     del floor[:]
     bk.attempt(group, "fused triton", run("triton"), flops, nbytes, note, rep_ms=100, sets=SETS)
-    if SWEEP and SWEEP != "persistent" and T <= 8:
+    if SWEEP and T <= 8:
         sweep(group, sets, shared, gate_up, down, flops, nbytes, mask)
     bk.attempt(group, "grouped", run("grouped"), flops, nbytes, note, rep_ms=100, sets=SETS)
     x, w, ids = sets[0]
@@ -278,8 +272,7 @@ def case(name, T):
     bk.attempt(group, "triton grouped", run("triton-grouped"), flops, nbytes, f"{note}; {check}", rep_ms=100,
                sets=SETS)
     if SWEEP and T >= 64:
-        sweep_configs(group, tgrouped.CONFIG, "triton grouped",
-                      PERSISTENT_SWEEP if SWEEP == "persistent" else GROUPED_SWEEP, lambda: first_set("triton-grouped"),
+        sweep_configs(group, tgrouped.CONFIG, "triton grouped", GROUPED_SWEEP, lambda: first_set("triton-grouped"),
                       run("triton-grouped"), flops, nbytes)
     bk.attempt(group, "dense", dense, flops, nbytes, note, rep_ms=100, sets=SETS)
     bk.attempt(group, "auto", run(None), flops, nbytes, f"{note}; auto = {auto_backend(DEV, 'bfloat16', H)}",
@@ -363,11 +356,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--dims", default="v2-lite,v3", help=f"comma-separated, of {list(DIMS)}")
     ap.add_argument("--tokens", default="1,8,64,256", help="comma-separated token counts")
-    ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot", "pipe", "persistent"),
+    ap.add_argument("--sweep", nargs="?", const="all", default="", choices=("all", "dot", "pipe"),
                     help="also time the fused kernels' launch configs (T <= 8), the grouped Triton ones (T >= 64); "
                          "'dot': the fused kernels' tensor-core forms (DOT_SWEEP); 'pipe': kernel 1's pipelined "
-                         "form only (PIPE_SWEEP); 'persistent': the grouped kernels' persistent forms only "
-                         "(PERSISTENT_SWEEP)")
+                         "form only (PIPE_SWEEP)")
     ap.add_argument("--fp8", action="store_true", help="also time the layer with fp8 block-quantized experts")
     ap.add_argument("--pad", action="store_true", help="one padding token (masked) added to every input set")
     args = ap.parse_args()

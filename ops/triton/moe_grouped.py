@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.moe_experts import _out_dtype, validate
-from mla_compile.ops.triton._common import num_sms, pow2
+from mla_compile.ops.triton._common import pow2
 from mla_compile.ops.triton.moe_experts import launch_operands
 
 
@@ -81,14 +81,13 @@ def _moe_sort_kernel(
 
 @triton.jit
 def _moe_align_kernel(
-    sorted_e_ptr, order_ptr, offs_ptr, rows_ptr, bexp_ptr, bcnt_ptr, nused_ptr,
+    sorted_e_ptr, order_ptr, offs_ptr, rows_ptr, bexp_ptr, bcnt_ptr,
     P, E, NB,
     BLOCK_M: tl.constexpr, EP: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Program ``pid``: the sorted pairs ``[pid * CHUNK, +CHUNK)`` to their padded rows, and the blocks
-    ``[pid * CHUNK, +CHUNK)``'s expert and used-row count; program 0 also stores the number of used blocks
-    to ``nused [1]``. Each program recomputes the padded segment starts from ``offs`` (E cumulative ends: a
-    scan of E values); pairs of expert E (dropped) get no row."""
+    ``[pid * CHUNK, +CHUNK)``'s expert and used-row count. Each program recomputes the padded segment
+    starts from ``offs`` (E cumulative ends: a scan of E values); pairs of expert E (dropped) get no row."""
     pid = tl.program_id(0)
     g = tl.arange(0, EP)
     g_ok = g < E
@@ -98,8 +97,6 @@ def _moe_align_kernel(
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pend = tl.cumsum(padded, 0)
     pstart = pend - padded
-    if pid == 0:
-        tl.store(nused_ptr, tl.sum(padded, axis=0) // BLOCK_M)
 
     # sorted position r (expert e's rows are r in [starts[e], ends[e])) -> padded row pstart[e] + r - starts[e]
     r = pid * CHUNK + tl.arange(0, CHUNK)
@@ -124,47 +121,58 @@ def _moe_align_kernel(
 
 
 @triton.jit
-def _block_tokens(b, routed_e, routed_used, pair, T, E, K, SB, TB, BLOCK_M: tl.constexpr):
-    """Block ``b``'s ``(expert, shared index, token, slot, valid)`` from its loaded routed entries (``routed_e``,
-    ``routed_used``, the row pairs ``pair [BLOCK_M]``): shared expert ``s = b // TB`` (expert id ``E + s``, slot
-    ``K + s``, consecutive tokens) for ``b < SB``, else routed block ``b - SB`` (token ``pair // K``, slot ``pair %
-    K``). Takes loaded values, never pointers (see _common.py)."""
+def _block_layout(b, routed_e, routed_used, T, E, SB, TB, BLOCK_M: tl.constexpr):
+    """Block ``b``'s ``(expert, shared index, first token, used rows)`` from its loaded routed entries: shared
+    expert ``s = b // TB`` (expert id ``E + s``, tokens ``[first, first + used)``) for ``b < SB``, else routed
+    block ``b - SB`` (``routed_e``, ``routed_used``). Takes loaded values, never pointers (see _common.py)."""
     is_shared = b < SB
     s = tl.minimum(b // TB, tl.maximum(SB // TB - 1, 0))
     first_t = (b - s * TB) * BLOCK_M
     e = tl.where(is_shared, E + s, routed_e)
     used = tl.where(is_shared, tl.minimum(T - first_t, BLOCK_M), routed_used)
-    m = tl.arange(0, BLOCK_M)
-    t = tl.where(is_shared, first_t + m, pair // K)
-    slot = tl.where(is_shared, K + s, pair % K)
-    return e, s, t, slot, m < used
+    return e, s, first_t, used
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, b, n0, e, s, t, valid, live, H, I, E,
-                  s_x, s_gue, s_gun, s_sg, s_su, s_h,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """Kernel 1's tile: block ``b``'s rows (tokens ``t`` where ``valid``) times expert ``e``'s gate and up columns
-    ``[n0, n0 + BLOCK_N)`` (shared expert ``s``'s when ``e >= E``), ``silu(g) * u`` stored to h's rows of block
-    ``b``; ``live`` False: no weight read, nothing stored (a block of masked tokens). The loads' addresses are
-    formed inside the K loop from the kernel's pointer and stride arguments, so that their alignment stays
-    known where the persistent kernels' flattened loop carries the tile's values (LICM hoists them otherwise)."""
+def _moe_grouped_gate_up_kernel(
+    x_ptr, rows_ptr, bexp_ptr, bcnt_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
+    T, H, I, E, K, SB, TB,
+    s_x, s_gue, s_gun, s_sg, s_su, s_h,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    rb = tl.maximum(b - SB, 0)  # the routed block (when b >= SB)
+    e, s, first_t, used = _block_layout(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0),
+                                        tl.load(bcnt_ptr + rb, mask=b >= SB, other=0), T, E, SB, TB, BLOCK_M)
+    if used <= 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    valid = m < used
+    pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=valid & (b >= SB), other=0)
+    t = tl.where(b < SB, first_t + m, pair // K)
+    if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
+        valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
+        if tl.sum(valid.to(tl.int32), axis=0) == 0:
+            return
     routed = e < E
     e64 = e.to(tl.int64)
     shared_row = s.to(tl.int64) * I
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = (offs_n < I) & live
+    g_base = tl.where(routed, gu_ptr + e64 * s_gue, sg_ptr + shared_row * s_sg)
+    u_base = tl.where(routed, gu_ptr + e64 * s_gue + I * s_gun, su_ptr + shared_row * s_su)
+    g_stride = tl.where(routed, s_gun, s_sg).to(tl.int64)
+    u_stride = tl.where(routed, s_gun, s_su).to(tl.int64)
+
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    g_cols = g_base + offs_n.to(tl.int64) * g_stride
+    u_cols = u_base + offs_n.to(tl.int64) * u_stride
+    x_rows = x_ptr + tl.where(valid, t, 0).to(tl.int64) * s_x
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
-        g_base = tl.where(routed, gu_ptr + e64 * s_gue, sg_ptr + shared_row * s_sg)
-        u_base = tl.where(routed, gu_ptr + e64 * s_gue + I * s_gun, su_ptr + shared_row * s_su)
-        g_cols = g_base + offs_n.to(tl.int64) * tl.where(routed, s_gun, s_sg).to(tl.int64)
-        u_cols = u_base + offs_n.to(tl.int64) * tl.where(routed, s_gun, s_su).to(tl.int64)
-        x_rows = x_ptr + tl.where(valid, t, 0).to(tl.int64) * s_x
         xa = tl.load(x_rows[:, None] + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         wm = k_ok[:, None] & n_ok[None, :]
         wg = tl.load(g_cols[None, :] + k[:, None], mask=wm, other=0.0)
@@ -181,63 +189,6 @@ def _gate_up_tile(x_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, b, n0, e, s, t, valid, l
 
 
 @triton.jit
-def _down_tile(h_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, b, n0, e, s, t, slot, valid, H, I, E,
-               s_h, s_w, s_de, s_dh, s_sd, s_y,
-               SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """Kernel 2's tile: h's rows of block ``b`` times expert ``e``'s down columns ``[n0, n0 + BLOCK_N)`` (shared
-    expert ``s``'s when ``e >= E``), scaled by each row's routing weight (1 for shared slots), stored in float32
-    at the rows ``t * SLOTS + slot`` of y where ``valid`` (no weight read when no row is); addresses formed in
-    the K loop as in ``_gate_up_tile``."""
-    routed = e < E
-    live = tl.max(valid.to(tl.int32), axis=0) > 0
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < I
-        d_base = tl.where(routed, dn_ptr + e.to(tl.int64) * s_de, sd_ptr + s.to(tl.int64) * I)
-        d_cols = d_base + offs_n.to(tl.int64) * tl.where(routed, s_dh, s_sd).to(tl.int64)
-        h_rows = h_ptr + (b.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) * s_h
-        a = tl.load(h_rows[:, None] + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(d_cols[None, :] + k[:, None], mask=k_ok[:, None] & (n_ok & live)[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    t64 = tl.where(valid, t, 0).to(tl.int64)
-    weight = tl.load(w_ptr + t64 * s_w + slot, mask=valid & routed, other=1.0)
-    y_rows = y_ptr + (t64 * SLOTS + slot) * s_y
-    tl.store(y_rows[:, None] + offs_n[None, :], acc * weight[:, None], mask=valid[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _moe_grouped_gate_up_kernel(
-    x_ptr, rows_ptr, bexp_ptr, bcnt_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
-    T, H, I, E, K, SB, TB,
-    s_x, s_gue, s_gun, s_sg, s_su, s_h,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    rb = tl.maximum(b - SB, 0)  # the routed block (when b >= SB)
-    bc = tl.load(bcnt_ptr + rb, mask=b >= SB, other=0)
-    if (b >= SB) & (bc <= 0):
-        return
-    m = tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=(m < bc) & (b >= SB), other=0)
-    e, s, t, slot, valid = _block_tokens(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0), bc, pair, T, E, K,
-                                         SB, TB, BLOCK_M)
-    if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
-        valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
-        if tl.sum(valid.to(tl.int32), axis=0) == 0:
-            return
-    _gate_up_tile(x_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, b, tl.program_id(1) * BLOCK_N, e, s, t, valid, True,
-                  H, I, E, s_x, s_gue, s_gun, s_sg, s_su, s_h, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, IEEE)
-
-
-@triton.jit
 def _moe_grouped_down_kernel(
     h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, mask_ptr,
     T, H, I, E, K, SB, TB,
@@ -247,82 +198,41 @@ def _moe_grouped_down_kernel(
 ):
     b = tl.program_id(0)
     rb = tl.maximum(b - SB, 0)  # the routed block (when b >= SB)
-    bc = tl.load(bcnt_ptr + rb, mask=b >= SB, other=0)
-    if (b >= SB) & (bc <= 0):
+    e, s, first_t, used = _block_layout(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0),
+                                        tl.load(bcnt_ptr + rb, mask=b >= SB, other=0), T, E, SB, TB, BLOCK_M)
+    if used <= 0:
         return
     m = tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=(m < bc) & (b >= SB), other=0)
-    e, s, t, slot, valid = _block_tokens(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0), bc, pair, T, E, K,
-                                         SB, TB, BLOCK_M)
+    valid = m < used
+    pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=valid & (b >= SB), other=0)
+    t = tl.where(b < SB, first_t + m, pair // K)
+    slot = tl.where(b < SB, K + s, pair % K)
     if HAS_MASK:  # shared rows of masked tokens (their picks have no row): left out, a block of none exits
         valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
         if tl.sum(valid.to(tl.int32), axis=0) == 0:
             return
-    _down_tile(h_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, b, tl.program_id(1) * BLOCK_N, e, s, t, slot, valid, H, I, E,
-               s_h, s_w, s_de, s_dh, s_sd, s_y, SLOTS, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, IEEE)
+    routed = e < E
+    d_base = tl.where(routed, dn_ptr + e.to(tl.int64) * s_de, sd_ptr + s.to(tl.int64) * I)
+    d_stride = tl.where(routed, s_dh, s_sd).to(tl.int64)
 
-
-@triton.jit
-def _moe_grouped_gate_up_persistent_kernel(
-    x_ptr, rows_ptr, bexp_ptr, bcnt_ptr, nused_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, mask_ptr,
-    T, H, I, E, K, SB, TB,
-    s_x, s_gue, s_gun, s_sg, s_su, s_h,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS_FASTEST: tl.constexpr,
-    IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
-):
-    """Kernel 1 as a loop over the tiles ``(block, I tile)`` of the ``SB + nused`` used blocks, program p taking
-    tiles p, p + programs, ...; the loop is flattened into one software pipeline (the launch's ``num_stages``),
-    so the next tile's weights stream in while a tile ends."""
-    nc = tl.cdiv(I, BLOCK_N)
-    nb = SB + tl.load(nused_ptr)
-    m = tl.arange(0, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), nb * nc, tl.num_programs(0), flatten=True):
-        if COLS_FASTEST:
-            b = tile // nc
-            c = tile % nc
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    d_cols = d_base + offs_n.to(tl.int64) * d_stride
+    h_rows = h_ptr + (b.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) * s_h
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        a = tl.load(h_rows[:, None] + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(d_cols[None, :] + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
-            b = tile % nb
-            c = tile // nb
-        rb = tl.maximum(b - SB, 0)
-        bc = tl.load(bcnt_ptr + rb, mask=b >= SB, other=0)
-        pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=(m < bc) & (b >= SB), other=0)
-        e, s, t, slot, valid = _block_tokens(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0), bc, pair, T, E,
-                                             K, SB, TB, BLOCK_M)
-        if HAS_MASK:
-            valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
-        live = tl.max(valid.to(tl.int32), axis=0) > 0
-        _gate_up_tile(x_ptr, gu_ptr, sg_ptr, su_ptr, h_ptr, b, c * BLOCK_N, e, s, t, valid, live, H, I, E,
-                      s_x, s_gue, s_gun, s_sg, s_su, s_h, BLOCK_M, BLOCK_N, BLOCK_K, None, IEEE)
-
-
-@triton.jit
-def _moe_grouped_down_persistent_kernel(
-    h_ptr, rows_ptr, bexp_ptr, bcnt_ptr, nused_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, mask_ptr,
-    T, H, I, E, K, SB, TB,
-    s_h, s_w, s_de, s_dh, s_sd, s_y,
-    SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    COLS_FASTEST: tl.constexpr, IEEE: tl.constexpr, HAS_MASK: tl.constexpr,
-):
-    """Kernel 2 as ``_moe_grouped_gate_up_persistent_kernel``'s loop over ``(block, H tile)``."""
-    nc = tl.cdiv(H, BLOCK_N)
-    nb = SB + tl.load(nused_ptr)
-    m = tl.arange(0, BLOCK_M)
-    for tile in tl.range(tl.program_id(0), nb * nc, tl.num_programs(0), flatten=True):
-        if COLS_FASTEST:
-            b = tile // nc
-            c = tile % nc
-        else:
-            b = tile % nb
-            c = tile // nb
-        rb = tl.maximum(b - SB, 0)
-        bc = tl.load(bcnt_ptr + rb, mask=b >= SB, other=0)
-        pair = tl.load(rows_ptr + rb * BLOCK_M + m, mask=(m < bc) & (b >= SB), other=0)
-        e, s, t, slot, valid = _block_tokens(b, tl.load(bexp_ptr + rb, mask=b >= SB, other=0), bc, pair, T, E,
-                                             K, SB, TB, BLOCK_M)
-        if HAS_MASK:
-            valid = valid & (tl.load(mask_ptr + t, mask=valid, other=0) != 0)
-        _down_tile(h_ptr, w_ptr, dn_ptr, sd_ptr, y_ptr, b, c * BLOCK_N, e, s, t, slot, valid, H, I, E,
-                   s_h, s_w, s_de, s_dh, s_sd, s_y, SLOTS, BLOCK_M, BLOCK_N, BLOCK_K, None, IEEE)
+            acc = tl.dot(a, w, acc)
+    t64 = tl.where(valid, t, 0).to(tl.int64)
+    weight = tl.load(w_ptr + t64 * s_w + slot, mask=valid & routed, other=1.0)
+    y_rows = y_ptr + (t64 * SLOTS + slot) * s_y
+    tl.store(y_rows[:, None] + offs_n[None, :], acc * weight[:, None], mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -353,12 +263,9 @@ def _moe_combine_kernel(y_ptr, out_ptr, mask_ptr, H, s_y, s_out, SLOTS: tl.const
 # (x rows, h rows: BLOCK_M x K) comes from L2 once per column tile, so the column tiles are wide against
 # BLOCK_M (kernel 2: 128 columns, h traffic a quarter of the weights' at BLOCK_M 32). BLOCK_M 16/32 runs
 # mma.sync (wgmma wants 64 rows per warpgroup); the tensor cores idle either way. ``down_stages`` /
-# ``down_warps``: kernel 2's own pipeline depth and warps (0: ``num_stages`` / ``num_warps``). ``persistent``: 0
-# for a program a tile, else that many programs an SM, each looping over the tiles of the used blocks with one
-# software pipeline across tiles (``_moe_grouped_*_persistent_kernel``); ``cols_fastest``: their tile order, a
-# block's column tiles one after the other (else the blocks of a column tile).
+# ``down_warps``: kernel 2's own pipeline depth and warps (0: ``num_stages`` / ``num_warps``).
 CONFIG = dict(block_m=0, gate_up_n=64, gate_up_k=128, down_n=128, down_k=64, num_warps=4, num_stages=3,
-              down_stages=0, down_warps=0, persistent=0, cols_fastest=0)
+              down_stages=0, down_warps=0)
 COMBINE_BLOCK = 1024
 SORT_CHUNK = 256  # pairs a step of _moe_sort_kernel's two passes
 
@@ -373,12 +280,11 @@ def block_m(tokens: int, top_k: int, experts: int) -> int:
 
 
 def align_blocks(ids: Tensor, num_experts: int, bm: int,
-                 token_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 token_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The routed pairs of ``ids [T, k]`` in blocks of ``bm`` rows, one expert per block (device-side, no
-    host read): ``(rows [NB * bm] int32, block_expert [NB] int32, block_used [NB] int32, used_blocks [1]
-    int32)``. ``rows[b * bm + m]`` for ``m < block_used[b]`` is the pair ``t * k + j`` (the others are never
-    written nor read); the first ``used_blocks`` blocks hold rows, ``block_expert[b]`` is E for the unused
-    blocks past them. ``NB`` comes from shapes only.
+    host read): ``(rows [NB * bm] int32, block_expert [NB] int32, block_used [NB] int32)``. ``rows[b * bm +
+    m]`` for ``m < block_used[b]`` is the pair ``t * k + j`` (the others are never written nor read);
+    ``block_expert[b]`` is E for the unused blocks past the last expert. ``NB`` comes from shapes only.
     ``token_mask [T]`` bool: the picks of tokens where it is False get no row."""
     T, k = ids.shape
     pairs = T * k
@@ -395,13 +301,12 @@ def align_blocks(ids: Tensor, num_experts: int, bm: int,
     rows = torch.empty(nb * bm, dtype=torch.int32, device=dev)
     bexp = torch.empty(nb, dtype=torch.int32, device=dev)
     bcnt = torch.empty(nb, dtype=torch.int32, device=dev)
-    nused = torch.empty(1, dtype=torch.int32, device=dev)
     chunk = 32
     wrap_triton(_moe_align_kernel)[(triton.cdiv(max(pairs, nb), chunk),)](
-        sorted_e, order, offs, rows, bexp, bcnt, nused, pairs, num_experts, nb,
+        sorted_e, order, offs, rows, bexp, bcnt, pairs, num_experts, nb,
         BLOCK_M=bm, EP=pow2(num_experts), CHUNK=chunk, num_warps=4,
     )
-    return rows, bexp, bcnt, nused
+    return rows, bexp, bcnt
 
 
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,
@@ -418,7 +323,7 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
                                                                     shared_up, shared_down)
     slots = K + S
     bm = block_m(T, K, E)
-    rows, bexp, bcnt, nused = align_blocks(ids, E, bm, token_mask)
+    rows, bexp, bcnt = align_blocks(ids, E, bm, token_mask)
     has_mask = token_mask is not None
     mask = token_mask.contiguous() if has_mask else ids  # never read without a mask
     tb = triton.cdiv(T, bm)  # blocks per shared expert
@@ -428,29 +333,20 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tens
     ieee = x.dtype == torch.float32
     cfg = CONFIG
     h = torch.empty(blocks * bm, I, dtype=x.dtype, device=x.device)
+    wrap_triton(_moe_grouped_gate_up_kernel)[(blocks, triton.cdiv(I, cfg["gate_up_n"]))](
+        x, rows, bexp, bcnt, gate_up, sg, su, h, mask, T, H, I, E, K, sb, tb,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg["gate_up_n"], BLOCK_K=cfg["gate_up_k"] // wide, NUM_STAGES=cfg["num_stages"],
+        IEEE=ieee, HAS_MASK=has_mask, num_warps=cfg["num_warps"],
+    )
     y = torch.empty(T * slots, H, dtype=torch.float32, device=x.device)
-    up = dict(BLOCK_M=bm, BLOCK_N=cfg["gate_up_n"], BLOCK_K=cfg["gate_up_k"] // wide, IEEE=ieee, HAS_MASK=has_mask,
-              num_warps=cfg["num_warps"])
-    dn = dict(SLOTS=slots, BLOCK_M=bm, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"] // wide, IEEE=ieee,
-              HAS_MASK=has_mask, num_warps=cfg["down_warps"] or cfg["num_warps"])
-    up_stages, dn_stages = cfg["num_stages"], cfg["down_stages"] or cfg["num_stages"]
-    up_args = (x, rows, bexp, bcnt, gate_up, sg, su, h, mask, T, H, I, E, K, sb, tb,
-               x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0), su.stride(0), h.stride(0))
-    dn_args = (h, rows, bexp, bcnt, weights, down, sd, y, mask, T, H, I, E, K, sb, tb,
-               h.stride(0), weights.stride(0), down.stride(0), down.stride(1), sd.stride(0), y.stride(0))
-    if cfg["persistent"]:  # one loop of tiles a program over the used blocks only, pipelined across tiles
-        sms = num_sms(x.device)
-        up_tiles, dn_tiles = blocks * triton.cdiv(I, cfg["gate_up_n"]), blocks * triton.cdiv(H, cfg["down_n"])
-        cols = bool(cfg["cols_fastest"])
-        wrap_triton(_moe_grouped_gate_up_persistent_kernel)[(min(up_tiles, sms * cfg["persistent"]),)](
-            *up_args[:4], nused, *up_args[4:], COLS_FASTEST=cols, num_stages=up_stages, **up)
-        wrap_triton(_moe_grouped_down_persistent_kernel)[(min(dn_tiles, sms * cfg["persistent"]),)](
-            *dn_args[:4], nused, *dn_args[4:], COLS_FASTEST=cols, num_stages=dn_stages, **dn)
-    else:
-        wrap_triton(_moe_grouped_gate_up_kernel)[(blocks, triton.cdiv(I, cfg["gate_up_n"]))](
-            *up_args, NUM_STAGES=up_stages, **up)
-        wrap_triton(_moe_grouped_down_kernel)[(blocks, triton.cdiv(H, cfg["down_n"]))](
-            *dn_args, NUM_STAGES=dn_stages, **dn)
+    wrap_triton(_moe_grouped_down_kernel)[(blocks, triton.cdiv(H, cfg["down_n"]))](
+        h, rows, bexp, bcnt, weights, down, sd, y, mask, T, H, I, E, K, sb, tb,
+        h.stride(0), weights.stride(0), down.stride(0), down.stride(1), sd.stride(0), y.stride(0),
+        SLOTS=slots, BLOCK_M=bm, BLOCK_N=cfg["down_n"], BLOCK_K=cfg["down_k"] // wide,
+        NUM_STAGES=cfg["down_stages"] or cfg["num_stages"], IEEE=ieee, HAS_MASK=has_mask,
+        num_warps=cfg["down_warps"] or cfg["num_warps"],
+    )
     wrap_triton(_moe_combine_kernel)[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, mask, H, y.stride(0), out.stride(0), SLOTS=slots, BLOCK=COMBINE_BLOCK, HAS_MASK=has_mask,
         num_warps=4,

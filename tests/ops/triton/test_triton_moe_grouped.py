@@ -101,31 +101,3 @@ def test_compiled_and_captured_in_a_cuda_graph(masked):
         assert torch.equal(out, eager), seed
         want = torch.ops.mla.moe_experts_ref(x2, w2, ids2, gate_up, down, sg, su, sd, True, mask2)
         assert _rel(out, want) < 1e-2 * SLACK
-
-
-@pytest.mark.parametrize("persistent,cols", [(1, 0), (2, 0), (2, 1)])
-@pytest.mark.parametrize("T,masked", [(256, False), (201, True)])
-def test_persistent_kernels_match_the_grid_kernels(T, masked, persistent, cols, monkeypatch):
-    """``CONFIG["persistent"]`` (a loop of tiles a program over the used blocks, pipelined across tiles, either
-    tile order) at V2-Lite dims: the grid kernels' results (the same tiles in the same K order), the reference's
-    within bf16 tolerance, masked tokens 0; run-to-run equal."""
-    from mla_compile.ops.triton import moe_grouped
-
-    H, I, E, k, _ = DIMS["v2-lite"]
-    gate_up, down, sg, su, sd = _weights("v2-lite", seed=5)
-    w, ids = _routing(T, E, k, seed=T + persistent)
-    x = torch.randn(T, H, device=DEV).bfloat16()
-    mask = (torch.arange(T, device=DEV) % 7 != 3) if masked else None
-    grid = _call(x, w, ids, gate_up, down, sg, su, sd, token_mask=mask)
-    monkeypatch.setattr(moe_grouped, "CONFIG", dict(moe_grouped.CONFIG, persistent=persistent, cols_fastest=cols))
-    poison_allocator(device=DEV)
-    out = _call(x, w, ids, gate_up, down, sg, su, sd, token_mask=mask)
-    assert not out.isnan().any() and _rel(out, grid) < 1e-6, _rel(out, grid)
-    assert torch.equal(out, _call(x, w, ids, gate_up, down, sg, su, sd, token_mask=mask))
-    if masked:
-        assert (out[~mask] == 0).all()
-        real = mask.nonzero().squeeze(1)
-        want = _reference32(x[real], w[real], ids[real], gate_up, down, sg, su, sd)
-        assert _rel(out[real], want) < 8e-3 * SLACK
-    else:
-        assert _rel(out, _reference32(x, w, ids, gate_up, down, sg, su, sd)) < 8e-3 * SLACK
