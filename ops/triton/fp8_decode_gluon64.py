@@ -68,7 +68,8 @@ from mla_compile.ops.fp8_cache import gluon_eligible, validate_decode
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._gluon import finish_rows, pdl_start, split_range, tile_page
+from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 
@@ -309,6 +310,7 @@ def decode_fp8_gluon64_kernel(
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = False, MAX_XCHG: gl.constexpr = False, CVT_BF16: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the fp8
     cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks at ``stride_kb``); ``BLOCK_SIZE`` a
@@ -317,10 +319,11 @@ def decode_fp8_gluon64_kernel(
     fp32, base-2 LSE). Variants (each off unless set; :func:`launch` sets ``DEFAULTS``): ``RESCALE_SKIP`` keeps
     each row's running maximum until a tile's maximum passes it by more than ``TAU`` (a CTA-uniform test: O and
     the row sums are rescaled only on those tiles), ``CVT_BF16`` dequantizes with bf16x2 arithmetic
-    (``_store_tile_bf16``)."""
+    (``_store_tile_bf16``). ``PDL``: launched with PDL, every program waits for the kernel before it first."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
+    pdl_start(PDL)
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
@@ -490,7 +493,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
         **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **launch_kwargs(q.device),
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct, pdl=True)
     return out, lse

@@ -38,7 +38,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla_compile.ops.triton._fp8_tma import (BLOCK_H, BLOCK_N, CODE_BOX, CODE_SL, KL, ROPE_C, ROPE_SL, ROW_BYTES,
                                              SCALE_C, SCALE_SL, VL, column_of_m, cvt_k, cvt_v, issue_tile, load_scales,
                                              load_words, opaque_zero, score_k)
-from mla_compile.ops.triton._gluon import finish_rows, q_power, split_range, tile_page
+from mla_compile.ops.triton._gluon import finish_rows, pdl_start, q_power, split_range, tile_page
+from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton.decode import _LOG2E
 from mla_compile.ops.triton.fp8_decode_wgmma import split_setup
 
@@ -298,18 +299,19 @@ def decode_fp8_tma_kernel(
     stride_bt,
     M, H, S_Q, n_splits, DC: gl.constexpr, DR: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr = False,
 ):
     """Grid ``(cdiv(M, 16), n_splits, B)``, 4 warps plus a consumer warpgroup and a producer warp
     (``gl.warp_specialize``); bf16 q ``[B, S_Q, H, 576]``; the descriptors span the cache (``launch``);
     ``BLOCK_N = 64`` divides ``BLOCK_SIZE``. ``DIRECT`` (one split): the result into ``o_ptr`` / ``lse_ptr``;
     else each split's rows into the workspaces ``o_ptr`` / ``lse_ptr`` (as ``decode._decode_split_kernel``'s)
     and the last split of each row block merges them into ``out_ptr`` / ``lse_out_ptr`` (``cnt_ptr``: one
-    zeroed int32 a row block)."""
+    zeroed int32 a row block). ``PDL``: launched with PDL, every program waits for the kernel before it first."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_N == 64)
     gl.static_assert(STAGES == 4)
+    pdl_start(PDL)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], gl.float16)
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, BLOCK_N)
@@ -386,6 +388,6 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         q.stride(0), q.stride(1), q.stride(2),
         block_table.stride(0),
         M, H, s_q, splits, DC=dc, DR=D - dc, BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        DIRECT=direct, STAGES=STAGES, num_warps=4,
+        DIRECT=direct, STAGES=STAGES, num_warps=4, **launch_kwargs(q.device),
     )
     return out, lse
