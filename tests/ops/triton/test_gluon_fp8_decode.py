@@ -281,20 +281,29 @@ def test_wgmma_smem_formula_matches_the_sm90_compile():
 
 
 @sm90_compile
-@pytest.mark.parametrize("direct", [False, True])
-def test_tma_smem_formula_matches_the_sm90_compile(direct):
+@pytest.mark.parametrize("direct,pdl", [(False, True), (True, False)])
+def test_tma_smem_formula_matches_the_sm90_compile(direct, pdl):
     """The TMA kernel's shared memory (sm_90 compile) is its buffers' formula plus under 1 KB of the
     partitions' captured arguments, one program fits an SM where two do not (the split plan's
     ``PROGRAMS_PER_SM``), the consumers keep their registers (setmaxnreg 240: at most one 4-byte slot,
     outside the loop, where ptxas keeps the final row sums' predicate; the loop-invariant ``wgmma``
-    descriptors stay in the loop, ``_fp8_tma.opaque_zero``) and both consumers' dots are there."""
+    descriptors stay in the loop, ``_fp8_tma.opaque_zero``) and both consumers' dots are there; with ``PDL`` (the
+    launch an sm_90 device gets) every program waits for the kernel before it ahead of any global read (the
+    block table's, the TMA copies) and then lets the next kernel be scheduled, without it neither."""
     from mla_compile.ops.triton import _fp8_tma as t, fp8_decode_tma as m
     from mla_compile.ops.triton._sm90 import resources
 
-    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=t.BLOCK_H, BLOCK_N=t.BLOCK_N, DIRECT=direct, STAGES=m.STAGES)
+    consts = dict(DC=DC, DR=DR, BLOCK_SIZE=64, BLOCK_H=t.BLOCK_H, BLOCK_N=t.BLOCK_N, DIRECT=direct, STAGES=m.STAGES,
+                  PDL=pdl)
     extra = dict(desc_c=f"tensordesc<u8[4, 64, 128],{t.CODE_BOX!r}>", desc_r=f"tensordesc<bf16[64, 64],{t.ROPE_SL!r}>",
                  desc_s=f"tensordesc<u8[64, 16],{t.SCALE_SL!r}>", out_ptr="*bf16", lse_out_ptr="*fp32", cnt_ptr="*i32")
     compiled = _compile_sm90(m.decode_fp8_tma_kernel, consts, 4, extra)
+    ptx = compiled.asm["ptx"]
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (instruction in ptx) is pdl, instruction
+    if pdl:
+        first_read = min(ptx.index(i) for i in ("ld.global", "cp.async.bulk") if i in ptx)
+        assert ptx.index("griddepcontrol.wait") < first_read, "a global read before the PDL wait"
     shared = compiled.metadata.shared
     assert m.smem_bytes() <= shared < m.smem_bytes() + 1024
     assert m.PROGRAMS_PER_SM * (shared + 1024) <= 233472 < (m.PROGRAMS_PER_SM + 1) * (shared + 1024)

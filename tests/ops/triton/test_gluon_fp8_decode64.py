@@ -272,7 +272,8 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64():
 
 def _compile_sm90(consts):
     """The sm_90 compile of the kernel, its pointers, the q strides and the cache strides 16-byte divisible as
-    the JIT specializes them for a real launch (``consts``: every constexpr, the variants' flags included)."""
+    the JIT specializes them for a real launch (``consts``: every constexpr, the variants' flags included; ``PDL``
+    False unless given)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -280,6 +281,7 @@ def _compile_sm90(consts):
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
 
     kernel = g.decode_fp8_gluon64_kernel
+    consts = {"PDL": False, **consts}
     types = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
     sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
@@ -373,6 +375,26 @@ def test_sm90_compile_resources(direct, block_size, variant):
     if flags["CVT_BF16"]:
         assert loop.count("HFMA2.BF16") == 64 and loop.count("PRMT") >= 64, loop.count("HFMA2.BF16")
         assert "HADD2.F32" not in loop
+
+
+@sm90_compile
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sm90_compile_pdl(pdl):
+    """With ``PDL`` (the launch an sm_90 device gets) every program waits for the kernel before it ahead of its
+    first global load, then lets the next kernel be scheduled; without it, neither instruction is there; no more
+    spill either way than the resources test allows the default variant."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    from mla_compile.ops.triton._sm90 import cuobjdump, resources
+
+    compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=64, DIRECT=False, PDL=pdl, **g.DEFAULTS))
+    if cuobjdump() is not None:
+        assert resources(compiled)["stack"] <= 8, resources(compiled)  # as without PDL (the default variant)
+    ptx = compiled.asm["ptx"]
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (instruction in ptx) is pdl, instruction
+    if pdl:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), "a global load before the PDL wait"
 
 
 @sm90_compile
