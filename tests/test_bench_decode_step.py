@@ -84,3 +84,25 @@ def test_bench_decode_step_compiled_row_reports_its_compile_and_takes_moe_config
     text = (tmp_path / "bench_decode_step.txt").read_text()
     assert "ours' first compiled call: torch.compile" in text and "MoE kernels dot_n=16,down_k=128" in text
     assert "Dynamo cache 0 / " in text
+
+
+def test_goals_judge_issue_28s_targets_from_the_rows():
+    """``goals`` judges the full-depth step's targets from given rows (no timing here): 3x HF compiled at each batch,
+    B=1 <= 2.0 ms, B=256 <= 16 ms, compile <= 30 s, capture <= 10 s; a missing row says so."""
+    from types import SimpleNamespace
+
+    from tests import bench_module
+
+    m = bench_module.load("bench_decode_step")
+    rows = [("ours graph", 1, 2.1), ("hf compiled", 1, 6.5), ("ours graph", 256, 15.9), ("hf compiled", 256, 40.0),
+            ("ours graph", 64, 11.0)]
+    m.ROWS[:] = [dict(impl=i, batch=b, ctx=4096, ms=ms) for i, b, ms in rows]
+    m.INFO.update(ours_compile_s=31.5, ours_capture_s=0.7)
+    text = "\n".join(m.goals(SimpleNamespace(ctx_list=[4096], batch_list=[1, 64, 256], warm_cache=False)))
+    assert "over HF compiled (StaticCache) at B=1: 3.10x PASS" in text
+    assert "over HF compiled (StaticCache) at B=256: 2.52x MISSED" in text
+    assert "over HF compiled (StaticCache) at B=64: n/a (row missing)" in text
+    assert "whole step <= 2.0 ms at B=1: 2.100 ms MISSED" in text
+    assert "whole step <= 16.0 ms at B=256: 15.900 ms PASS" in text
+    assert "compile <= 30 s (cold): 31.5 s (fresh caches) MISSED" in text
+    assert "capture of every size <= 10 s: 0.7 s PASS" in text
