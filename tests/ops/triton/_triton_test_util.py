@@ -23,6 +23,19 @@ def sm90_compile(test):
         test = mark(test)
     return test
 
+def assert_pdl_order(ptx: str, pdl: bool, where: str = "") -> None:
+    """A kernel's sm_90 PTX under programmatic dependent launch: with ``pdl`` (the launch an sm_90 device gets) it
+    waits for the kernel before it (``griddepcontrol.wait``) ahead of every global read (``ld.global``,
+    ``cp.async``: plain loads, async and TMA copies) and then lets the next kernel be scheduled
+    (``griddepcontrol.launch_dependents``); without ``pdl`` neither instruction is there. ``where`` names the
+    kernel in the failure."""
+    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
+        assert (instruction in ptx) is pdl, (where, instruction)
+    if pdl:
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        assert "ld.global" not in before and "cp.async" not in before, (where, "a global read before the PDL wait")
+
+
 NAN = float("nan")
 DEVICE = "cuda"  # a CPU dry run of the test code (interpreter) sets this to "cpu"
 

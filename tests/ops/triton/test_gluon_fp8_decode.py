@@ -16,7 +16,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
-from _triton_test_util import sm90_compile
+from _triton_test_util import assert_pdl_order, sm90_compile
 from _sparse_test_util import fp8_paged, lens_with_empty
 from _triton_test_util import assert_attention_close, poison_allocator
 from mla_compile.ops import decode_fp8
@@ -298,12 +298,7 @@ def test_tma_smem_formula_matches_the_sm90_compile(direct, pdl):
     extra = dict(desc_c=f"tensordesc<u8[4, 64, 128],{t.CODE_BOX!r}>", desc_r=f"tensordesc<bf16[64, 64],{t.ROPE_SL!r}>",
                  desc_s=f"tensordesc<u8[64, 16],{t.SCALE_SL!r}>", out_ptr="*bf16", lse_out_ptr="*fp32", cnt_ptr="*i32")
     compiled = _compile_sm90(m.decode_fp8_tma_kernel, consts, 4, extra)
-    ptx = compiled.asm["ptx"]
-    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-        assert (instruction in ptx) is pdl, instruction
-    if pdl:
-        first_read = min(ptx.index(i) for i in ("ld.global", "cp.async.bulk") if i in ptx)
-        assert ptx.index("griddepcontrol.wait") < first_read, "a global read before the PDL wait"
+    assert_pdl_order(compiled.asm["ptx"], pdl)
     shared = compiled.metadata.shared
     assert m.smem_bytes() <= shared < m.smem_bytes() + 1024
     assert m.PROGRAMS_PER_SM * (shared + 1024) <= 233472 < (m.PROGRAMS_PER_SM + 1) * (shared + 1024)

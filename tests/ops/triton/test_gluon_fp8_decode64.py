@@ -26,7 +26,7 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import fp8_paged, lens_with_empty
-from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile, sm90_facts
+from _triton_test_util import assert_attention_close, assert_pdl_order, poison_allocator, sm90_compile, sm90_facts
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -390,11 +390,7 @@ def test_sm90_compile_pdl(pdl):
     compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=64, DIRECT=False, PDL=pdl, **g.DEFAULTS))
     if cuobjdump() is not None:
         assert resources(compiled)["stack"] <= 8, resources(compiled)  # as without PDL (the default variant)
-    ptx = compiled.asm["ptx"]
-    for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-        assert (instruction in ptx) is pdl, instruction
-    if pdl:
-        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), "a global load before the PDL wait"
+    assert_pdl_order(compiled.asm["ptx"], pdl)
 
 
 @sm90_compile

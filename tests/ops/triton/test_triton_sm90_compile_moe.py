@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_test_util import SM90_COMPILE
+from _triton_test_util import SM90_COMPILE, assert_pdl_order
 
 pytestmark = SM90_COMPILE
 
@@ -68,11 +68,7 @@ def _check_experts_kernels(name, T, masked, pdl):
     _no_spills(launches)
     for kernel, _, args, kwargs in launches:
         assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
-        ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
-        for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):
-            assert (instruction in ptx) is pdl, (kernel.fn.__name__, instruction)
-        if pdl:
-            assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait")], kernel.fn.__name__
+        assert_pdl_order(_sm90.compile_sm90(kernel, args, kwargs).asm["ptx"], pdl, kernel.fn.__name__)
     return launches
 
 
