@@ -439,13 +439,16 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
 REPLAYS = 5  # graph replays a kernel profile averages over
 
 
-def replay_profile(graph):
-    """``torch.profiler``'s per-name averages over :data:`REPLAYS` replays of a captured CUDA graph."""
+def replay_profile(graph, trace: str | None = None):
+    """``torch.profiler``'s per-name averages over :data:`REPLAYS` replays of a captured CUDA graph; ``trace``: also
+    the kernels' timeline as a Chrome trace at that path (each kernel's start and end: gaps and overlaps)."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
             graph.replay()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     return prof.key_averages()
 
 
@@ -463,9 +466,10 @@ def write_kernel_csv(path: str, averages, flag=None) -> None:
 def profile_replay(args, runner, wl: Workload, batch: int, ctx: int, suffix: str = "") -> None:
     """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
     to ``profile_replay{suffix}.txt`` / ``.csv``: where the replay time goes (run for the smallest and the
-    largest batch)."""
+    largest batch), and the replays' timeline to ``trace_replay{suffix}.json`` (Chrome trace)."""
     runner.decode(wl.chunks(batch, ctx, 0))  # stage this size's metadata (the arena layout is per size)
-    averages = replay_profile(runner.graphs[runner.graph_size(batch)][0])
+    averages = replay_profile(runner.graphs[runner.graph_size(batch)][0],
+                              os.path.join(args.out, f"trace_replay{suffix}.json"))
     table = averages.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
     kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA) / REPLAYS
     head = (f"graph replay of B={batch} (capture size {runner.graph_size(batch)}), {REPLAYS} replays: {kernels:.0f} "
