@@ -32,9 +32,9 @@ kernels' tiles, ``SWEEP_CONFIGS``, and their tensor-core forms, ``DOT_SWEEP``; `
 config's output, and the grouped Triton kernels' (``ops/triton/moe_grouped.CONFIG``, ``GROUPED_SWEEP``) for 64
 tokens and more. ``--pad`` adds one padding token to every input set (``token_mask`` False), as the decode
 graphs run one sequence (their smallest capture size is 2); such a group is named ``T=1+1pad``. Each group also
-times a "read floor": ``torch.sum`` over contiguous bf16 buffers of the bytes the call must read (one buffer a
-set), what a plain streaming read of that many bytes takes here. Writes ``bench_moe.json`` and ``bench_moe.txt``
-under ``--out``; a short table is printed last.
+times a "read floor": ``bench_kernels.read_floor``, the fastest plain Triton streaming read of one contiguous buffer
+of the bytes the call must read, what one kernel reading that many bytes takes here. Writes ``bench_moe.json`` and
+``bench_moe.txt`` under ``--out``; a short table is printed last.
 """
 
 from __future__ import annotations
@@ -240,19 +240,14 @@ def case(name, T):
                             token_mask=mask)
         return fn
 
-    floor = [torch.empty(int(nbytes) // 2, device=DEV, dtype=torch.bfloat16).normal_() for _ in range(SETS)]
-
-    def read_floor():
-        for buf in floor:
-            buf.sum(dtype=torch.float32)
-
     def dense():
         for (x, w, ids), (sg, su, sd) in zip(sets, shared):
             experts_dense(x, w, ids.long(), gate_up, down, F.silu).to(x.dtype) + F.linear(
                 F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
 
-    bk.attempt(group, "read floor", read_floor, 0, nbytes, "torch.sum over the bytes to read", rep_ms=100, sets=SETS)
-    del floor[:]
+    floor = torch.empty(int(nbytes) // 2, device=DEV, dtype=torch.bfloat16).normal_()
+    bk.read_floor(group, floor, nbytes)  # one kernel streaming the bytes the call reads (bench_kernels' floor)
+    del floor
     bk.attempt(group, "fused triton", run("triton"), flops, nbytes, note, rep_ms=100, sets=SETS)
     if SWEEP and T <= 8:
         sweep(group, sets, shared, gate_up, down, flops, nbytes, mask)
