@@ -91,10 +91,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
-                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+                          ONE_PASS: tl.constexpr = True):
     """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
     of the row's partial outputs (every program recomputes the row's weights from its base-2 LSEs; the first
-    column program stores the natural-log LSE). ``PDL``: launched with programmatic dependent launch (``_pdl.py``):
+    column program stores the natural-log LSE); ``ONE_PASS``: a row of at most ``CHUNK_S`` used splits loads its LSEs
+    and partials at once (else, as every longer row, the LSEs first). ``PDL``: launched with programmatic dependent launch (``_pdl.py``):
     everything it reads is the split kernel's, so it waits first."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
@@ -104,22 +106,34 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < DC
     n_used = split_count(n_splits, split_cap)  # the first n_used partials of the row's n_splits slots
-    mx = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, n_used, CHUNK_S):
-        s_ok = s0 + offs_s < n_used
-        mx = tl.maximum(mx, tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")))
-    m = tl.max(mx, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([CHUNK_S], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, n_used, CHUNK_S):
-        s_ok = s0 + offs_s < n_used
-        w = tl.math.exp2(tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
-        part = tl.load(ws_ptr + (row * n_splits + s0 + offs_s)[:, None] * DC + offs_c[None, :],
+    if ONE_PASS and n_used <= CHUNK_S:
+        # one chunk: its LSEs and partials are requested together (one round trip, not two); the same sums
+        s_ok = offs_s < n_used
+        lse_s = tl.load(wl_ptr + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
+        part = tl.load(ws_ptr + (row * n_splits + offs_s)[:, None] * DC + offs_c[None, :],
                        mask=s_ok[:, None] & c_ok[None, :], other=0.0)
-        total += w
-        acc += tl.sum(part * w[:, None], axis=0)
-    tot = tl.sum(total, axis=0)
+        m = tl.max(lse_s, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.math.exp2(lse_s - m_safe)
+        tot = tl.sum(w, axis=0)
+        acc = tl.sum(part * w[:, None], axis=0)
+    else:
+        mx = tl.full([CHUNK_S], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, n_used, CHUNK_S):
+            s_ok = s0 + offs_s < n_used
+            mx = tl.maximum(mx, tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")))
+        m = tl.max(mx, axis=0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([CHUNK_S], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for s0 in range(0, n_used, CHUNK_S):
+            s_ok = s0 + offs_s < n_used
+            w = tl.math.exp2(tl.load(wl_ptr + row * n_splits + s0 + offs_s, mask=s_ok, other=float("-inf")) - m_safe)
+            part = tl.load(ws_ptr + (row * n_splits + s0 + offs_s)[:, None] * DC + offs_c[None, :],
+                           mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+            total += w
+            acc += tl.sum(part * w[:, None], axis=0)
+        tot = tl.sum(total, axis=0)
     empty = tot == 0.0
     out = acc / tl.where(empty, 1.0, tot)
     lse = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
@@ -131,7 +145,7 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
 # A launch of at most ``max_rows`` rows (a concrete count) merges in programs of ``block_c`` columns (None: the whole
 # row in one program, as every larger or traced launch does); ``tile``: elements of a program's partial tile per
 # load step (its split chunk is ``tile // columns``, at most 64). A benchmark may swap them; timings in BENCHMARKS.md.
-REDUCE = dict(block_c=128, max_rows=128, tile=4096)
+REDUCE = dict(block_c=128, max_rows=128, tile=4096, one_pass=True)
 
 
 def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: dict | None,
@@ -242,7 +256,8 @@ def reduce_splits(wrap, o_buf: Tensor, l_buf: Tensor, out: Tensor, lse: Tensor, 
         block_c = min(block_dc, REDUCE["block_c"] or block_dc) if few else block_dc
         wrap(_decode_reduce_kernel)[(rows, triton.cdiv(dc, block_c))](
             o_buf, l_buf, out, lse, splits, split_cap, DC=dc, CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)),
-            BLOCK_C=block_c, num_warps=4, **(launch_kwargs(out.device) if pdl else dict(OFF)),
+            BLOCK_C=block_c, ONE_PASS=REDUCE["one_pass"], num_warps=4,
+            **(launch_kwargs(out.device) if pdl else dict(OFF)),
         )
 
 

@@ -100,14 +100,19 @@ def test_decode(dtype, s_q, bs, lens, splits):
     assert (out[empty] == 0).all()
 
 
-@pytest.mark.parametrize("block_c,splits,cap", [(None, 5, 5), (32, 5, 5), (32, 7, 3), (16, 70, 70)])
-def test_reduce_splits_merges_the_used_partials_in_column_programs(monkeypatch, block_c, splits, cap):
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("block_c,splits,cap,tile", [(None, 5, 5, 4096), (32, 5, 5, 4096), (32, 7, 3, 4096),
+                                                     (16, 70, 70, 4096), (32, 7, 7, 128), (None, 70, 70, 256)])
+def test_reduce_splits_merges_the_used_partials_in_column_programs(monkeypatch, block_c, splits, cap, tile, one_pass):
     """The split merge, in one program a row or in programs of ``block_c`` columns, against a float64 merge of
     random partials: splits with no key (-inf) weigh nothing, a row of only such splits gives 0 / -inf, and the
-    slots past the used count (``cap``, at most 64) hold NaN, never read."""
+    slots past the used count (``cap``, at most 64) hold NaN, never read. ``tile`` sets the split chunk (4 splits
+    at 128, with more used splits than that: several chunks, as without ``one_pass``)."""
     from mla_compile.ops.triton import decode as td
 
     monkeypatch.setitem(td.REDUCE, "block_c", block_c)
+    monkeypatch.setitem(td.REDUCE, "tile", tile)
+    monkeypatch.setitem(td.REDUCE, "one_pass", one_pass)
     gen = torch.Generator().manual_seed(splits + (block_c or 0))
     rows, dc = 6, 64
     used = min(splits, cap, 64)
