@@ -216,8 +216,8 @@ def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | No
 
 def _config(M: int, ieee: bool) -> dict:
     """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles. BLOCK_N 32:
-    twice the programs of 64 and the fastest bf16 tile at V4-Flash expert shapes on the H200 (M 64: 38 / 18 us
-    for gate / down against 63 / 33 us at 64)."""
+    twice the programs of 64 and the fastest bf16 tile at V4-Flash expert shapes on the H200 (BENCHMARKS.md,
+    run 110's FP4 section)."""
     block_m = 16 if M <= 16 else (32 if ieee else 64)
     block_n = 32
     num_warps, num_stages = (8, 1) if ieee else (4, 3)
