@@ -463,10 +463,54 @@ def write_kernel_csv(path: str, averages, flag=None) -> None:
                         + (f",{int(flag[1](a))}" if flag else "") + "\n")
 
 
+def critical_path(events: list[dict], replays: int) -> tuple[float, dict]:
+    """Where a replayed graph's time goes along its critical path, from the GPU events of ``replays`` identical
+    replays (Chrome-trace ``X`` events: ``name``, ``ts``, ``dur`` in us; kernels, copies and sets), returns ``(span,
+    per_name)``: the mean span of one replay (first start to last end) and, per name, ``(us, calls)`` a replay, its
+    kernels' increments to that span: a kernel adds how far its end passes the latest end of the kernels that started
+    before it (0 when it ends inside another's time: a kernel running beside the chain, or one whose wait under PDL
+    covered all of its work). The increments of a replay add up to its span less its first kernel's start gap."""
+    events = sorted(events, key=lambda e: e["ts"])
+    n = len(events) // replays
+    if n == 0 or n * replays != len(events):
+        raise ValueError(f"critical_path: {len(events)} GPU events do not split into {replays} equal replays")
+    per_name: dict = {}
+    span = 0.0
+    for r in range(replays):
+        rep = events[r * n:(r + 1) * n]
+        start = rep[0]["ts"]
+        latest = start
+        for e in rep:
+            end = e["ts"] + e["dur"]
+            us, calls = per_name.get(e["name"], (0.0, 0))
+            per_name[e["name"]] = (us + max(0.0, end - latest) / replays, calls + 1 / replays)
+            latest = max(latest, end)
+        span += (latest - start) / replays
+    return span, per_name
+
+
+def critical_path_text(trace: str, replays: int, layers: int) -> str:
+    """:func:`critical_path` of a ``torch.profiler`` Chrome trace as a table, by increment: name, calls and us a
+    replay and a layer (``layers``), and the share of the span."""
+    with open(trace) as f:
+        data = json.load(f)
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X"
+              and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    span, per_name = critical_path(events, replays)
+    lines = [f"critical path of one replay: {span:.1f} us ({sum(c for _, c in per_name.values()):.0f} GPU ops; "
+             f"{span / layers:.2f} us a layer over {layers} layers); a kernel's increment: how far its end passes "
+             "every earlier-started one's",
+             f"{'us a replay':>12s} {'us a layer':>11s} {'share':>6s} {'calls':>6s}  name"]
+    for name, (us, calls) in sorted(per_name.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{us:12.1f} {us / layers:11.2f} {us / span:6.1%} {calls:6.0f}  {name[:110]}")
+    return "\n".join(lines)
+
+
 def profile_replay(args, runner, wl: Workload, batch: int, ctx: int, suffix: str = "") -> None:
     """GPU kernels of one captured decode step at ``batch`` (torch.profiler over 5 replays), by CUDA time,
     to ``profile_replay{suffix}.txt`` / ``.csv``: where the replay time goes (run for the smallest and the
-    largest batch), and the replays' timeline to ``trace_replay{suffix}.json`` (Chrome trace)."""
+    largest batch), the replays' timeline to ``trace_replay{suffix}.json`` (Chrome trace) and its critical path by
+    kernel to ``critical_path{suffix}.txt`` (:func:`critical_path_text`)."""
     runner.decode(wl.chunks(batch, ctx, 0))  # stage this size's metadata (the arena layout is per size)
     averages = replay_profile(runner.graphs[runner.graph_size(batch)][0],
                               os.path.join(args.out, f"trace_replay{suffix}.json"))
@@ -477,6 +521,12 @@ def profile_replay(args, runner, wl: Workload, batch: int, ctx: int, suffix: str
     with open(os.path.join(args.out, f"profile_replay{suffix}.txt"), "w") as f:
         f.write(f"{head}\n{table}\n")
     write_kernel_csv(os.path.join(args.out, f"profile_replay{suffix}.csv"), averages)
+    try:
+        text = critical_path_text(os.path.join(args.out, f"trace_replay{suffix}.json"), REPLAYS, args.layers)
+    except (OSError, ValueError) as exc:  # a trace the profiler left incomplete: the tables above stand
+        text = f"critical path: not computed ({exc})"
+    with open(os.path.join(args.out, f"critical_path{suffix}.txt"), "w") as f:
+        f.write(text + "\n")
 
 
 def metadata_timing(args, dev, builder, wl: Workload, runner) -> None:

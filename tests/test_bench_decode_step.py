@@ -106,3 +106,29 @@ def test_goals_judge_issue_28s_targets_from_the_rows():
     assert "whole step <= 16.0 ms at B=256: 15.900 ms PASS" in text
     assert "compile <= 30 s (cold): 31.5 s (fresh caches) MISSED" in text
     assert "capture of every size <= 10 s: 0.7 s PASS" in text
+
+
+def test_critical_path_charges_each_kernel_what_its_end_adds(tmp_path):
+    """``critical_path`` over a Chrome trace of two equal replays: a kernel adds how far its end passes the latest end
+    before it (one running inside another's time adds 0), the increments add up to the span, the mean is taken
+    over the replays, and events that do not split into the replays are refused by name."""
+    from tests import bench_module
+
+    m = bench_module.load("bench_decode_step")
+    one = [("a", 0.0, 10.0), ("b", 8.0, 7.0), ("c", 9.0, 3.0), ("d", 15.0, 5.0), ("a", 21.0, 2.0)]
+    events = [dict(ph="X", cat="kernel", name=n, ts=t + base, dur=d * scale)
+              for base, scale in ((1000.0, 1.0), (5000.0, 2.0)) for n, t, d in one]
+    span, per_name = m.critical_path(events, 2)
+    # replay 1, ends a 10, b 15, c 12, d 20, a 23: a 10 + 3, b 5, c 0, d 5 (span 23); replay 2 (durations
+    # doubled), ends a 20, b 22, c 15, d 25, a 25: a 20 + 0 (ends with d), b 2, c 0, d 3 (span 25)
+    assert span == (23 + 25) / 2
+    assert per_name["a"] == ((13 + 20) / 2, 2.0) and per_name["b"] == ((5 + 2) / 2, 1.0)
+    assert per_name["c"] == (0.0, 1.0) and per_name["d"] == ((5 + 3) / 2, 1.0)
+    assert sum(us for us, _ in per_name.values()) == span
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events + [dict(ph="X", cat="cpu_op", name="host", ts=0, dur=1)]}))
+    text = m.critical_path_text(str(trace), 2, 2)
+    assert text.splitlines()[0].startswith("critical path of one replay: 24.0 us (5 GPU ops; 12.00 us a layer")
+    assert text.splitlines()[2].split() == ["16.5", "8.25", "68.8%", "2", "a"]
+    with pytest.raises(ValueError, match="do not split into 3 equal replays"):
+        m.critical_path(events, 3)
