@@ -7,6 +7,9 @@ natural log, from any strided ``[B, s_q, H]`` view times ``lse_scale``. ``out`` 
 adapter owns it: a fresh library output), rows that see keys are not touched. ``finish_prefill_triton`` is
 the same for token rows ``[T, H, Dv]`` of ``cu_seqlens`` sequences: the output is read nowhere and written only
 on rows that see no key (a ``torch.where`` over it would read and write all of it).
+
+Both run in an adapter's custom-op body, right after the library's kernel: on sm_90 they are launched with PDL
+(``_pdl.py``), every program waiting before it reads anything, so their launch overlaps that kernel's end.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from mla_compile.ops.triton._common import pow2
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -40,8 +45,10 @@ def _finish_rows(out_ptr, lse_in_ptr, lse_out_ptr, row, lse_row, stride_lh, vis,
 @triton.jit
 def _finish_decode_kernel(out_ptr, lse_in_ptr, lse_out_ptr, seq_lens_ptr, S_Q, H, ROW,
                           stride_lb, stride_lq, stride_lh, lse_scale,
-                          BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+                          BLOCK_H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program a query row ``b * S_Q + qi``: visible when ``seq_len - (S_Q - 1 - qi) > 0``."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * S_Q + qi
     b = row // S_Q
     qi = row % S_Q
@@ -54,9 +61,11 @@ def _finish_decode_kernel(out_ptr, lse_in_ptr, lse_out_ptr, seq_lens_ptr, S_Q, H
 @triton.jit
 def _finish_prefill_kernel(out_ptr, lse_in_ptr, lse_out_ptr, cu_q_ptr, cu_k_ptr, n_seq, H, ROW, stride_lt,
                            stride_lh, lse_scale, CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
-                           CHUNK: tl.constexpr):
+                           CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """One program a token row ``t``: its sequence found in ``cu_q`` (padding rows past ``cu_q[n_seq]`` have
     none), live when it sees a key (bottom-right causal: ``min(len_k, loc + len_k - len_q + 1) > 0``)."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     seq = 0
     for c in range(0, n_seq, CHUNK):  # seq = entries of cu_q[1:] at or below t
@@ -86,9 +95,9 @@ def finish_decode_triton(out: Tensor, lse: Tensor, seq_lens: Tensor, lse_scale: 
     lse_out = torch.empty(B, s_q, H, dtype=torch.float32, device=out.device)
     if B * s_q == 0:
         return out, lse_out
-    _finish_decode_kernel[(B * s_q,)](
+    wrap_triton(_finish_decode_kernel)[(B * s_q,)](
         out, lse, lse_out, seq_lens, s_q, H, H * D, lse.stride(0), lse.stride(1), lse.stride(2), float(lse_scale),
-        BLOCK_H=min(pow2(H), 256), BLOCK=1024, num_warps=4)
+        BLOCK_H=min(pow2(H), 256), BLOCK=1024, num_warps=4, **launch_kwargs(out.device))
     return out, lse_out
 
 
@@ -104,7 +113,8 @@ def finish_prefill_triton(out: Tensor, lse: Tensor, cu_seqlens_q: Tensor, cu_seq
     if T == 0 or H == 0:
         return out, lse_out
     n_seq = cu_seqlens_q.shape[0] - 1
-    _finish_prefill_kernel[(T,)](
+    wrap_triton(_finish_prefill_kernel)[(T,)](
         out, lse, lse_out, cu_seqlens_q, cu_seqlens_k, n_seq, H, H * D, lse.stride(0), lse.stride(1),
-        float(lse_scale), CAUSAL=bool(causal), BLOCK_H=min(pow2(H), 256), BLOCK=1024, CHUNK=128, num_warps=4)
+        float(lse_scale), CAUSAL=bool(causal), BLOCK_H=min(pow2(H), 256), BLOCK=1024, CHUNK=128, num_warps=4,
+        **launch_kwargs(out.device))
     return out, lse_out

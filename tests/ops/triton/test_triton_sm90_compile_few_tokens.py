@@ -1,5 +1,5 @@
 """The few-token kernels (``mla::moe_gate_route``'s fused router + routing, ``mla::skinny_absorb_q`` / ``_out``'s
-per-head GEMVs) compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and
+per-head GEMVs) and the adapters' boundary kernels (``ops/triton/finish.py``) compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and
 V3 dims: they compile, and where cuobjdump is bundled, without register spills.
 Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (run by
 test_sm90_compile_subprocess.py in CI)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_test_util import SM90_COMPILE
+from _triton_test_util import SM90_COMPILE, assert_pdl_order
 
 pytestmark = SM90_COMPILE
 
@@ -56,3 +56,26 @@ def test_skinny_absorb_kernels_compile_for_sm90(T, H):
     launches += _sm90.record(skinny_absorb, skinny_absorb.launch_out, _meta(T, H, 512), w[:, N:], pdl=True)
     assert len(launches) == 2 and all(launch[3]["PDL"] for launch in launches)  # as an sm_90 device launches them
     _no_spills(launches)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("which", ["decode", "prefill"])
+def test_adapter_boundary_kernels_compile_for_sm90_with_pdl(which, pdl):
+    """The FlashMLA / FlashInfer boundary kernels at V3's 128 heads: on an sm_90 device they are launched with PDL
+    and wait for the library's kernel before any global read; without PDL neither instruction is there."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, finish
+
+    if which == "decode":
+        launches = _sm90.record(finish, finish.finish_decode_triton, _meta(4, 2, 128, 512),
+                                _meta(4, 128, 2, dtype=torch.float32).transpose(1, 2),
+                                _meta(4, dtype=torch.int32), 0.69, pdl=pdl)
+    else:
+        launches = _sm90.record(finish, finish.finish_prefill_triton, _meta(40, 128, 128),
+                                _meta(40, 128, dtype=torch.float32), _meta(3, dtype=torch.int32),
+                                _meta(3, dtype=torch.int32), True, 1.0, pdl=pdl)
+    assert len(launches) == 1
+    _no_spills(launches)
+    kernel, _, args, kwargs = launches[0]
+    assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
+    assert_pdl_order(_sm90.compile_sm90(kernel, args, kwargs).asm["ptx"], pdl, kernel.fn.__name__)
