@@ -96,8 +96,8 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
     """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
     of the row's partial outputs (every program recomputes the row's weights from its base-2 LSEs; the first
     column program stores the natural-log LSE); ``ONE_PASS``: a row of at most ``CHUNK_S`` used splits loads its LSEs
-    and partials at once (else, as every longer row, the LSEs first). ``PDL``: launched with programmatic dependent launch (``_pdl.py``):
-    everything it reads is the split kernel's, so it waits first."""
+    and partials at once (else, as every longer row, the LSEs first). ``PDL``: launched with programmatic dependent
+    launch (``_pdl.py``): everything it reads is the split kernel's, so it waits first."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
