@@ -1,6 +1,7 @@
 """The few-token kernels (``mla::moe_gate_route``'s fused router + routing, ``mla::skinny_absorb_q`` / ``_out``'s
-per-head GEMVs) and the adapters' boundary kernels (``ops/triton/finish.py``) compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and
-V3 dims: they compile, and where cuobjdump is bundled, without register spills.
+per-head GEMVs) and the adapters' boundary kernels (``ops/triton/finish.py``) compiled for sm_90 on the CPU (Triton's
+front end and bundled ptxas, no GPU) at DeepSeek-V2-Lite and V3 dims: they compile, and where cuobjdump is bundled,
+without register spills.
 Marked ``sm90_compile``: skipped without Triton or under ``TRITON_INTERPRET=1`` (run by
 test_sm90_compile_subprocess.py in CI)."""
 
