@@ -469,7 +469,7 @@ def critical_path(events: list[dict], replays: int) -> tuple[float, dict]:
     per_name)``: the mean span of one replay (first start to last end) and, per name, ``(us, calls)`` a replay, its
     kernels' increments to that span: a kernel adds how far its end passes the latest end of the kernels that started
     before it (0 when it ends inside another's time: a kernel running beside the chain, or one whose wait under PDL
-    covered all of its work). The increments of a replay add up to its span less its first kernel's start gap."""
+    covered all of its work). The increments of a replay add up to its span."""
     events = sorted(events, key=lambda e: e["ts"])
     n = len(events) // replays
     if n == 0 or n * replays != len(events):
