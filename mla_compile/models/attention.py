@@ -98,10 +98,11 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.config = config
         self._scale = freeze(config.softmax_scale)  # a constant of every graph (models/consts.py says why)
+        self._norm_eps = freeze(config.rms_norm_eps)  # the decoder layer's input norm's (HF builds it from the config)
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
         op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
-                    "cache_write_fp8", "gather_fp8")
+                    "cache_write_fp8", "gather_fp8", "skinny_norm_linear")
         self._requested = {op: requested_for(op, spec) for op in op_names}
         self._choice_token, self._backend_choices = new_choice_cache()
         self.cuda_graph = False
@@ -186,7 +187,6 @@ class MLAAttention(nn.Module):
                     ) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa``
         output ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`)."""
-        c = self.config
         if self.q_proj is not None:
             q, kv = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
         else:
@@ -196,9 +196,41 @@ class MLAAttention(nn.Module):
             else:
                 kv, = linears(x, self.kv_a_proj_with_mqa)
             q, = linears(q_resid, self.q_b_proj)
+        return self._split_q(q, kv, cos, sin)
+
+    def _split_q(self, q: Tensor, kv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [T, H * qk_head_dim]`` as ``(q_nope, rotated q_pe)``, then ``kv`` as it is."""
+        c = self.config
         q = q.unflatten(-1, (c.num_heads, c.qk_head_dim))
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
+
+    def project_raw_normed(self, h: Tensor, residual: Tensor, norm: nn.Module, cos: Tensor, sin: Tensor
+                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`project_raw` of ``norm(h + residual)`` (``norm``: the decoder layer's input RMSNorm, of eps
+        ``config.rms_norm_eps``), the sum first: ``(h + residual, q_nope, q_pe, kv)``. Where ``mla::skinny_norm_linear``
+        serves (:meth:`_norm_linear_serves`) the add, the norm and the first projections are one launch; elsewhere
+        the add, ``norm`` and :meth:`project_raw`."""
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        if self._norm_linear_serves(h, norm, first):
+            h, (q, kv) = ops.skinny_norm_linear(h, residual, norm.weight, thaw(self._norm_eps),
+                                                [first.weight, self.kv_a_proj_with_mqa.weight], backend="triton")
+            if self.q_proj is None:
+                q, = linears(self.q_a_layernorm(q), self.q_b_proj)
+            return (h, *self._split_q(q, kv, cos, sin))
+        h = h + residual
+        return (h, *self.project_raw(norm(h), cos, sin))
+
+    def _norm_linear_serves(self, h: Tensor, norm: nn.Module, first: nn.Module) -> bool:
+        """A static choice for a compiled graph: CUDA half-precision ``h``, plain linears, a norm weight of h's dtype
+        and ``mla::skinny_norm_linear``'s backend resolving to "triton" (its "auto" once the kernel is GPU-tested;
+        ``backend="skinny_norm_linear=triton"`` or ``MLA_COMPILE_BACKEND`` asks for it by name)."""
+        weight = getattr(norm, "weight", None)
+        if not (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and isinstance(weight, Tensor)
+                and weight.dtype == h.dtype and plain_linears((first, self.kv_a_proj_with_mqa), h.dtype)):
+            return False
+        return ops.resolve("skinny_norm_linear", h.device, self._requested["skinny_norm_linear"],
+                           dtype=h.dtype).name == "triton"
 
     def real_tokens(self, meta: MLAMetadata) -> Tensor | None:
         """``[T]`` bool, True for the step's real tokens: padding tokens (to a captured size, a ``min_batch``, a

@@ -175,9 +175,9 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) ->
 def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor
                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here so that the add
-    and the input norm are one kernel); also returns that sum."""
-    h = h + mlp_out
-    return (h, *layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin))
+    and the input norm are one kernel, or with the first projections one launch: ``MLAAttention.project_raw_normed``);
+    also returns that sum."""
+    return layer.self_attn.project_raw_normed(h, mlp_out, layer.input_layernorm, cos, sin)
 
 
 @_region

@@ -80,3 +80,22 @@ def test_adapter_boundary_kernels_compile_for_sm90_with_pdl(which, pdl):
     kernel, _, args, kwargs = launches[0]
     assert kwargs["PDL"] is pdl and kwargs.get("launch_pdl", False) is pdl
     assert_pdl_order(_sm90.compile_sm90(kernel, args, kwargs).asm["ptx"], pdl, kernel.fn.__name__)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("M,K,Ns", [(1, 2048, (3072, 576)), (2, 7168, (1536, 576))])
+def test_skinny_norm_linear_kernel_compiles_for_sm90(M, K, Ns, residual):
+    """``mla::skinny_norm_linear``'s kernel at V2-Lite's and V3's input norm + first projections: no spills, the
+    weight loads streamed through cp.async, and under PDL the wait before the trigger (the first weight tile and the
+    norm's weight, which no kernel of a step writes, are requested before the wait, as ``mla::skinny_linear``'s)."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, skinny_norm_linear
+
+    launches = _sm90.record(skinny_norm_linear, skinny_norm_linear._launch, _meta(M, K),
+                            _meta(M, K) if residual else None, _meta(K), 1e-6, [_meta(n, K) for n in Ns], pdl=True)
+    assert len(launches) == 1
+    _no_spills(launches)
+    kernel, _, args, kwargs = launches[0]
+    ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
+    assert "cp.async" in ptx and kwargs["PDL"] and kwargs["launch_pdl"]
+    assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")

@@ -1,0 +1,121 @@
+"""Triton ``mla::skinny_norm_linear``: ``mla::skinny_linear``'s pipelined GEMV with the residual add and the RMSNorm
+in its K loop, for up to ``MAX_ROWS`` rows.
+
+Grid (row tiles of all weights, pairs of rows of x), as ``_skinny_linear_pipe_kernel``: a program takes ``BLOCK_N``
+rows of one weight and two rows of x over K in ``BLOCK_K`` steps. Each step forms the rows' hidden values ``h = x +
+residual`` (rounded to x's dtype, as the eager add), adds ``h^2`` to the row's float32 sum of squares and ``W * (g * h)``
+to its element-wise float32 products; at the end a row's dots are summed along K and scaled by ``rsqrt(sum / K +
+eps)``: the norm of the whole row, which every program reads anyway. The programs of the first weight tile also
+store ``h``. On sm_90 it is launched with PDL (``_pdl.py``): the first weight tile and the norm's weight are requested
+before the kernel waits for the one before it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from mla_compile.ops.skinny_norm_linear import MAX_ROWS, fake, reference, validate
+from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
+from mla_compile.ops.triton.skinny_linear import PIPE, _weight_tile
+
+
+@triton.jit
+def _hidden(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
+    """One row's hidden values at ``k`` as float32 (``x + residual`` rounded to x's dtype), stored to ``h_row`` when
+    ``write`` (a scalar) holds."""
+    x = tl.load(x_row + k, mask=ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_row + k, mask=ok, other=0.0).to(tl.float32)).to(x_row.dtype.element_ty)
+    tl.store(h_row + k, x, mask=ok & write)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _skinny_norm_linear_kernel(
+    x_ptr, r_ptr, g_ptr, h_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
+    M, N1, N2, K, TILES1, eps,
+    s_x, s_r, s_h, s_w1, s_w2, s_y1, s_y2,
+    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+):
+    n, n_ok, w_rows, y_base, y_stride = _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1,
+                                                      s_y2, BLOCK_N)
+    m0 = tl.program_id(1) * 2
+    has1 = m0 + 1 < M
+    writes = tl.program_id(0) == 0  # the first weight tile's programs store h
+    x0, r0, h0 = x_ptr + m0.to(tl.int64) * s_x, r_ptr + m0.to(tl.int64) * s_r, h_ptr + m0.to(tl.int64) * s_h
+    x1, r1, h1 = x0 + s_x, r0 + s_r, h0 + s_h
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+    pdl_wait(PDL)  # the first weight tile is in flight before x, the previous kernel's output, is read
+    pdl_launch_dependents(PDL)
+    a0 = _hidden(x0, r0, h0, k, k_ok, HAS_RES, writes)
+    a1 = _hidden(x1, r1, h1, k, k_ok & has1, HAS_RES, writes)
+    ss0 = a0 * a0
+    ss1 = a1 * a1
+    acc0 = w * (a0 * g)[None, :]
+    acc1 = w * (a1 * g)[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        a0 = _hidden(x0, r0, h0, k, k_ok, HAS_RES, writes)
+        a1 = _hidden(x1, r1, h1, k, k_ok & has1, HAS_RES, writes)
+        ss0 += a0 * a0
+        ss1 += a1 * a1
+        acc0 += w * (a0 * g)[None, :]
+        acc1 += w * (a1 * g)[None, :]
+    inv0 = tl.math.rsqrt(tl.sum(ss0, axis=0) / K + eps)
+    inv1 = tl.math.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+    out = y_base + m0.to(tl.int64) * y_stride + n
+    tl.store(out, (tl.sum(acc0, axis=1) * inv0).to(y1_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out + y_stride, (tl.sum(acc1, axis=1) * inv1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
+
+
+def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+            weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS`` rows."""
+    M, K = x.shape
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    outs = [torch.empty(M, w.shape[0], dtype=x.dtype, device=x.device) for w in weights]
+    if M == 0:
+        return h, outs
+    if K == 0:  # no column: h is empty and every output row is 0 (an empty sum)
+        return h, [o.zero_() for o in outs]
+    x = last_dim_contiguous(x)
+    r = last_dim_contiguous(residual) if residual is not None else x  # never read without a residual
+    g = norm_weight.contiguous()
+    ws = [last_dim_contiguous(w) for w in weights]
+    w1, w2 = ws[0], ws[-1]
+    y1, y2 = outs[0], outs[-1]
+    n2 = w2.shape[0] if len(ws) == 2 else 0
+    tiles1 = triton.cdiv(w1.shape[0], PIPE["n"])
+    grid = (tiles1 + triton.cdiv(n2, PIPE["n"]), triton.cdiv(M, 2))
+    wrap_triton(_skinny_norm_linear_kernel)[grid](
+        x, r, g, h, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1, float(eps),
+        x.stride(0), r.stride(0), h.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
+        HAS_RES=residual is not None, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
+        num_warps=PIPE["warps"], **launch_kwargs(x.device),
+    )
+    return h, outs
+
+
+@torch.library.custom_op("mla::skinny_norm_linear_triton", mutates_args=())
+def skinny_norm_linear_triton(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+                              weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Triton ``mla::skinny_norm_linear`` (contract of the ``_ref`` op): the kernel up to ``MAX_ROWS`` rows of x;
+    more rows, non-CUDA tensors or float32/float64 run the reference."""
+    validate(x, residual, norm_weight, eps, weights)
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
+        return reference(x, residual, norm_weight, eps, weights)
+    return _launch(x, residual, norm_weight, eps, weights)
+
+
+skinny_norm_linear_triton.register_fake(fake)
