@@ -226,7 +226,7 @@ class MLAAttention(nn.Module):
         and ``mla::skinny_norm_linear``'s backend resolving to "triton" (its "auto" once the kernel is GPU-tested;
         ``backend="skinny_norm_linear=triton"`` or ``MLA_COMPILE_BACKEND`` asks for it by name)."""
         weight = getattr(norm, "weight", None)
-        if not (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and isinstance(weight, Tensor)
+        if not (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and weight is not None
                 and weight.dtype == h.dtype and plain_linears((first, self.kv_a_proj_with_mqa), h.dtype)):
             return False
         return ops.resolve("skinny_norm_linear", h.device, self._requested["skinny_norm_linear"],
