@@ -11,8 +11,8 @@ add, the input norm and the projections that read the normed hidden state (``q_p
 Backends: "reference" (torch: the add, the norm and ``F.linear`` per weight, any device), "triton" (ours, CUDA, up
 to :data:`MAX_ROWS` rows: ``mla::skinny_linear``'s pipelined GEMV whose programs also add the residual, sum the row's
 squares along their K loop and scale their float32 dots once at the end, ``(g * h) . W * rsqrt(mean(h^2) + eps)``, so
-the norm costs no launch of its own; more rows run the reference inside the op). Not GPU-tested yet: "auto" takes
-the reference.
+the norm costs no launch of its own; more rows: one launch for the add and the norm, then ``F.linear``, inside the
+op). Not GPU-tested yet: "auto" takes the reference.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 in its K loop, for up to ``MAX_ROWS`` rows.
 
 Grid (row tiles of all weights, pairs of rows of x), as ``_skinny_linear_pipe_kernel``: a program takes ``BLOCK_N``
-rows of one weight and two rows of x over K in ``BLOCK_K`` steps. Each step forms the rows' hidden values ``h = x +
-residual`` (rounded to x's dtype, as the eager add), adds ``h^2`` to the row's float32 sum of squares and ``W * (g * h)``
-to its element-wise float32 products; at the end a row's dots are summed along K and scaled by ``rsqrt(sum / K +
+rows of one weight and two rows of x over K in ``BLOCK_K`` steps. Each step forms the rows' hidden values
+``h = x + residual`` (rounded to x's dtype, as the eager add), adds ``h^2`` to the row's float32 sum of squares and
+``W * (g * h)`` to its element-wise float32 products; at the end a row's dots are summed along K and scaled by ``rsqrt(sum / K +
 eps)``: the norm of the whole row, which every program reads anyway. The programs of the first weight tile also
-store ``h``. On sm_90 it is launched with PDL (``_pdl.py``): the first weight tile and the norm's weight are requested
-before the kernel waits for the one before it.
+store ``h``. More rows: ``_add_norm_kernel`` (the add and the norm, one launch) and ``F.linear``. On sm_90 both are
+launched with PDL (``_pdl.py``): the GEMV requests its first weight tile and the norm's weight
+before it waits for the kernel before it.
 """
 
 from __future__ import annotations
@@ -79,6 +80,49 @@ def _skinny_norm_linear_kernel(
     tl.store(out + y_stride, (tl.sum(acc1, axis=1) * inv1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
 
 
+@triton.jit
+def _add_norm_kernel(x_ptr, r_ptr, g_ptr, h_ptr, n_ptr, K, eps, s_x, s_r, s_h, s_n,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: ``h = x + residual`` (stored) and its sum of squares, then ``norm(h)`` as HF's RMSNorm
+    rounds it (``(h * rsqrt(mean(h^2) + eps))`` to x's dtype, times the norm's weight), stored to ``n_ptr``; the
+    second pass forms ``h`` again from x and the residual (no read of this program's own stores)."""
+    pdl_wait(PDL)  # x and the residual may be the previous kernel's outputs
+    pdl_launch_dependents(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x_row, r_row, h_row, n_row = x_ptr + row * s_x, r_ptr + row * s_r, h_ptr + row * s_h, n_ptr + row * s_n
+    ss = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        a = _hidden(x_row, r_row, h_row, k, k < K, HAS_RES, True)
+        ss += a * a
+    inv = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    ty = x_ptr.dtype.element_ty
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        ok = k < K
+        a = _hidden(x_row, r_row, h_row, k, ok, HAS_RES, False)
+        g = tl.load(g_ptr + k, mask=ok, other=0.0).to(tl.float32)
+        tl.store(n_row + k, ((a * inv).to(ty).to(tl.float32) * g).to(ty), mask=ok)  # as torch: each product rounded
+
+
+def _many_rows(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+               weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """More rows than the GEMV serves: the add and the norm in one launch (:func:`_add_norm_kernel`, as Inductor's
+    fused kernel would be), then ``F.linear`` per weight (the interpreter on CPU tensors too)."""
+    M, K = x.shape
+    h = torch.empty_like(x, memory_format=torch.contiguous_format)
+    normed = torch.empty_like(h)
+    if M and K:
+        x = last_dim_contiguous(x)
+        r = last_dim_contiguous(residual) if residual is not None else x  # never read without a residual
+        wrap_triton(_add_norm_kernel)[(M,)](
+            x, r, norm_weight.contiguous(), h, normed, K, float(eps), x.stride(0), r.stride(0), h.stride(0),
+            normed.stride(0), HAS_RES=residual is not None, BLOCK=min(triton.next_power_of_2(K), 2048), num_warps=4,
+            **launch_kwargs(x.device),
+        )
+    return h, [torch.nn.functional.linear(normed, w) for w in weights]
+
+
 def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
             weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS`` rows."""
@@ -110,11 +154,13 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
 @torch.library.custom_op("mla::skinny_norm_linear_triton", mutates_args=())
 def skinny_norm_linear_triton(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
                               weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    """Triton ``mla::skinny_norm_linear`` (contract of the ``_ref`` op): the kernel up to ``MAX_ROWS`` rows of x;
-    more rows, non-CUDA tensors or float32/float64 run the reference."""
+    """Triton ``mla::skinny_norm_linear`` (contract of the ``_ref`` op): the GEMV kernel up to ``MAX_ROWS`` rows of x,
+    the add + norm kernel and ``F.linear`` above; non-CUDA tensors or float32/float64 run the reference."""
     validate(x, residual, norm_weight, eps, weights)
-    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or x.shape[0] > MAX_ROWS:
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
         return reference(x, residual, norm_weight, eps, weights)
+    if x.shape[0] > MAX_ROWS:
+        return _many_rows(x, residual, norm_weight, eps, weights)
     return _launch(x, residual, norm_weight, eps, weights)
 
 

@@ -99,6 +99,22 @@ def test_interpreter_kernel_matches_float64(M, K, Ns, residual, monkeypatch):
     assert torch.equal(got[0], again[0]) and all(torch.equal(a, b) for a, b in zip(got[1], again[1]))
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("M,K", [(5, 300), (3, 4100)])
+def test_interpreter_many_rows_path_matches_float64(M, K, residual, monkeypatch):
+    """More rows than the GEMV serves: the add + norm kernel (K past one 2048-wide block: 4100; a masked tail: 300)
+    and ``F.linear``, outputs poisoned with NaN beforehand."""
+    from mla_compile.ops.triton import skinny_norm_linear as tsnl
+
+    real_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_like(*a, **k).fill_(float("nan")))
+    x, r, g, ws = _case(M, K, [24, 7], residual, seed=M + K)
+    got = tsnl._many_rows(x, r, g, EPS, ws)
+    monkeypatch.setattr(torch, "empty_like", real_like)
+    _check(got, x, r, g, ws, 1e-2, h_ulps=1)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 2, MAX_ROWS + 3])
@@ -113,4 +129,5 @@ def test_cuda_triton_matches_float64_at_deepseek_dims(M, dtype):
             _check(got, x, r, g, ws, 5e-3, h_ulps=0)
             assert torch.equal(got[0], x + r if residual else x)
             ref = reference(x, r, g, EPS, ws)
-            assert all(float((a.double() - b.double()).norm() / b.double().norm()) < 5e-3 for a, b in zip(got[1], ref[1]))
+            rel = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got[1], ref[1])]
+            assert max(rel) < 5e-3, rel

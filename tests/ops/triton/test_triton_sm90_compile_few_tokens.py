@@ -99,3 +99,19 @@ def test_skinny_norm_linear_kernel_compiles_for_sm90(M, K, Ns, residual):
     ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
     assert "cp.async" in ptx and kwargs["PDL"] and kwargs["launch_pdl"]
     assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("K", [2048, 7168])
+def test_skinny_norm_linear_many_rows_kernel_compiles_for_sm90(K, residual):
+    """Its add + norm kernel for more rows than the GEMV serves: no spills, and under PDL the wait before any global
+    read (x and the residual may be the kernel before's outputs)."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, skinny_norm_linear
+
+    launches = _sm90.record(skinny_norm_linear, skinny_norm_linear._many_rows, _meta(8, K),
+                            _meta(8, K) if residual else None, _meta(K), 1e-6, [_meta(576, K)], pdl=True)
+    assert len(launches) == 1 and launches[0][0].fn.__name__ == "_add_norm_kernel"
+    _no_spills(launches)
+    kernel, _, args, kwargs = launches[0]
+    assert_pdl_order(_sm90.compile_sm90(kernel, args, kwargs).asm["ptx"], True, kernel.fn.__name__)
