@@ -150,6 +150,22 @@ def test_compiled_step_passes_the_mask_without_breaks_or_recompiles(regional):
         assert isinstance(mask, torch.fx.Node), n.format_node()
 
 
+def _padded_steps_match(model, ref):
+    """Both models prefilled on CUDA; a B=1 decode padded to 2 and B=3 padded to 8 by the builder give, through
+    ``model`` eagerly and compiled, ``ref``'s logits of the unpadded steps for the real rows (bf16 tolerance)."""
+    chunks = _prefilled(model, device="cuda")
+    _prefilled(ref, device="cuda")
+    compiled = torch.compile(model, fullgraph=True)
+    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS,
+                              device="cuda")
+    for n, capture in ((1, 2), (3, 8)):
+        want = _run(ref, plan_step(chunks[:n], [], BS, max_blocks=MAX_BLOCKS, min_batch=1).to("cuda"))
+        padded = builder.build(chunks[:n], decode_batch=capture)
+        torch.testing.assert_close(_run(model, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
+        mark_dynamic(padded.input_ids, padded.positions, padded.meta)
+        torch.testing.assert_close(_run(compiled, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("regional", [False, True])
 @pytest.mark.parametrize("kind", toy.KINDS)
@@ -161,25 +177,16 @@ def test_padded_decode_logits_on_gpu(kind, regional):
     model = _model(kind, device="cuda", dtype=torch.bfloat16, regional=regional)
     ref = copy.deepcopy(model)
     ref.regional_compile = False
-    chunks = _prefilled(model, device="cuda")
-    _prefilled(ref, device="cuda")
-    compiled = torch.compile(model, fullgraph=True)
-    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS,
-                              device="cuda")
-    for n, capture in ((1, 2), (3, 8)):
-        want = _run(ref, plan_step(chunks[:n], [], BS, max_blocks=MAX_BLOCKS, min_batch=1).to("cuda"))
-        padded = builder.build(chunks[:n], decode_batch=capture)
-        torch.testing.assert_close(_run(model, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
-        mark_dynamic(padded.input_ids, padded.positions, padded.meta)
-        torch.testing.assert_close(_run(compiled, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
+    _padded_steps_match(model, ref)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", toy.KINDS)
 def test_regional_step_with_the_fused_norm_linear_on_gpu(kind):
     """``backend="skinny_norm_linear=triton"``: each layer's first region takes ``mla::skinny_norm_linear`` (the MLP
-    residual add, the input norm and the first projections in one launch) where the step has at most its two rows;
-    a B=1 decode padded to 2 and B=3 padded to 8 give the logits of the model without it, eager and compiled."""
+    residual add, the input norm and the first projections: one launch at two rows, the add + norm launch and
+    ``F.linear`` at eight); a B=1 decode padded to 2 and B=3 padded to 8 give the logits of the model without it,
+    eager and compiled."""
     hf = toy.toy_hf_model(kind, seed=7, num_hidden_layers=3, first_k_dense_replace=1, dtype=torch.bfloat16).cuda()
     ref = patch(copy.deepcopy(hf), moe_impl="fused", regional_compile=True)
     model = patch(hf, moe_impl="fused", regional_compile=True, backend="skinny_norm_linear=triton")
@@ -189,14 +196,4 @@ def test_regional_step_with_the_fused_norm_linear_on_gpu(kind):
     h = torch.empty(2, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert attn._norm_linear_serves(h, layer.input_layernorm, first)
     assert not ref.model.layers[1].self_attn._norm_linear_serves(h, layer.input_layernorm, first)  # "auto": not yet
-    chunks = _prefilled(model, device="cuda")
-    _prefilled(ref, device="cuda")
-    compiled = torch.compile(model, fullgraph=True)
-    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS,
-                              device="cuda")
-    for n, capture in ((1, 2), (3, 8)):
-        want = _run(ref, plan_step(chunks[:n], [], BS, max_blocks=MAX_BLOCKS, min_batch=1).to("cuda"))
-        padded = builder.build(chunks[:n], decode_batch=capture)
-        torch.testing.assert_close(_run(model, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
-        mark_dynamic(padded.input_ids, padded.positions, padded.meta)
-        torch.testing.assert_close(_run(compiled, padded).float(), want.float(), atol=5e-2, rtol=5e-2)
+    _padded_steps_match(model, ref)
