@@ -107,6 +107,20 @@ def _skinny_linear_pipe_kernel(
     tl.store(out + y_stride, tl.sum(acc1, axis=1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
 
 
+def weight_pair(weights: list[Tensor], outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """``_weight_tile``'s operands for one or two weights and their outputs: ``(w1, w2, y1, y2, n2)``, the weights
+    with contiguous last dims; a single weight stands in as its own second with ``n2 = 0`` (no tile of it)."""
+    ws = [last_dim_contiguous(w) for w in weights]
+    return ws[0], ws[-1], outs[0], outs[-1], ws[-1].shape[0] if len(ws) == 2 else 0
+
+
+def pipe_grid(n1: int, n2: int, M: int) -> tuple[int, tuple[int, int]]:
+    """``(tiles of the first weight, grid)`` of a pipelined-form launch (``PIPE["n"]`` weight rows, two rows of x a
+    program) over weights of ``n1`` and ``n2`` rows and ``M`` rows of x."""
+    tiles1 = triton.cdiv(n1, PIPE["n"])
+    return tiles1, (tiles1 + triton.cdiv(n2, PIPE["n"]), triton.cdiv(M, 2))
+
+
 def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS`` rows."""
     M, K = x.shape
@@ -114,16 +128,12 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     if M == 0:
         return outs
     x = last_dim_contiguous(x)
-    ws = [last_dim_contiguous(w) for w in weights]
-    w1, w2 = ws[0], ws[-1]
-    y1, y2 = outs[0], outs[-1]
-    n2 = w2.shape[0] if len(ws) == 2 else 0
+    w1, w2, y1, y2, n2 = weight_pair(weights, outs)
     args = (x, w1, w2, y1, y2, M, w1.shape[0], n2, K)
     strides = (x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0))
     pdl = launch_kwargs(x.device, K > 0)
     if K > MAX_BLOCK_K or (w1.shape[0] + n2) * K * x.element_size() >= PIPE["min_bytes"]:
-        tiles1 = triton.cdiv(w1.shape[0], PIPE["n"])
-        grid = (tiles1 + triton.cdiv(n2, PIPE["n"]), triton.cdiv(M, 2))
+        tiles1, grid = pipe_grid(w1.shape[0], n2, M)
         wrap_triton(_skinny_linear_pipe_kernel)[grid](
             *args, tiles1, *strides, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
             num_warps=PIPE["warps"], **pdl,

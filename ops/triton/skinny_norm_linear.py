@@ -22,7 +22,7 @@ from torch.library import wrap_triton
 from mla_compile.ops.skinny_norm_linear import MAX_ROWS, fake, reference, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
-from mla_compile.ops.triton.skinny_linear import PIPE, _weight_tile
+from mla_compile.ops.triton.skinny_linear import PIPE, _weight_tile, pipe_grid, weight_pair
 
 
 @triton.jit
@@ -136,12 +136,8 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
     x = last_dim_contiguous(x)
     r = last_dim_contiguous(residual) if residual is not None else x  # never read without a residual
     g = norm_weight.contiguous()
-    ws = [last_dim_contiguous(w) for w in weights]
-    w1, w2 = ws[0], ws[-1]
-    y1, y2 = outs[0], outs[-1]
-    n2 = w2.shape[0] if len(ws) == 2 else 0
-    tiles1 = triton.cdiv(w1.shape[0], PIPE["n"])
-    grid = (tiles1 + triton.cdiv(n2, PIPE["n"]), triton.cdiv(M, 2))
+    w1, w2, y1, y2, n2 = weight_pair(weights, outs)
+    tiles1, grid = pipe_grid(w1.shape[0], n2, M)
     wrap_triton(_skinny_norm_linear_kernel)[grid](
         x, r, g, h, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1, float(eps),
         x.stride(0), r.stride(0), h.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
