@@ -22,6 +22,7 @@ from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.moe_experts import moe_experts
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.moe_gate_route import moe_gate_route
+from mla_compile.ops.moe_norm_gate_route import moe_norm_gate_route
 from mla_compile.ops.moe_route import moe_route
 from mla_compile.ops.prefill import prefill
 from mla_compile.ops.skinny_absorb import skinny_absorb_out, skinny_absorb_q
@@ -40,7 +41,8 @@ __all__ = [
     "adapters", "backends_for", "checked_mode", "context_attention", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
-    "moe_experts", "moe_experts_fp8", "moe_gate_route", "moe_route", "skinny_linear", "skinny_norm_linear",
+    "moe_experts", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",
+    "skinny_norm_linear",
     "skinny_absorb_out", "skinny_absorb_q",
     "lightning_index", "sink_window_indices", "sink_window_query_indices", "sparse_decode", "to_csr", "write_index_cache",
     "v4_attention", "v4_compress_write", "v4_index_topk",

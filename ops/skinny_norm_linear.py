@@ -51,12 +51,19 @@ def validate(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float
             raise ValueError(f"{OP}: {name} is on {t.device}, x on {x.device}")
 
 
+def rms_norm(h: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """HF DeepSeek's RMSNorm of ``h [..., K]``: the mean of squares and the scaling in float32 (float64 for float64
+    ``h``), the scaled row rounded to h's dtype, then times ``norm_weight [K]``."""
+    hf = h.float() if h.dtype != torch.float64 else h
+    return norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
 def reference(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
               weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    """The contract in plain torch (no validation): the add, HF's RMSNorm, ``F.linear`` per weight."""
+    """The contract in plain torch (no validation): the add, HF's RMSNorm (:func:`rms_norm`), ``F.linear`` per
+    weight."""
     h = x + residual if residual is not None else x.clone()
-    hf = h.float() if h.dtype != torch.float64 else h
-    normed = norm_weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    normed = rms_norm(h, norm_weight, eps)
     return h, [F.linear(normed, w) for w in weights]
 
 

@@ -193,7 +193,16 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: T
         latent = k_pe = None
     else:
         latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
-    h = h + layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta)
+    return _residual_mlp(layer, h, layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta), token_mask)
+
+
+def _residual_mlp(layer: nn.Module, h: Tensor, residual: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(h + residual, the layer's MLP of its post-attention norm of that sum)``: an :class:`MLAMoE`'s
+    :meth:`~MLAMoE.forward_residual` (the add, the norm and the router one launch where
+    ``mla::moe_norm_gate_route`` serves), else the add, the norm and :func:`_mlp`."""
+    if isinstance(layer.mlp, MLAMoE):
+        return layer.mlp.forward_residual(h, residual, layer.post_attention_layernorm, token_mask)
+    h = h + residual
     return h, _mlp(layer, layer.post_attention_layernorm(h), token_mask)
 
 
@@ -275,7 +284,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
             layer.self_attn = MLAAttention(config, layer.self_attn, backend=backend)
         mlp = layer.mlp
         if hasattr(mlp, "gate") and hasattr(mlp, "experts") and not isinstance(mlp, MLAMoE):
-            layer.mlp = MLAMoE(mlp, impl=moe_impl)
+            layer.mlp = MLAMoE(mlp, impl=moe_impl, backend=backend,
+                               norm_eps=getattr(layer.post_attention_layernorm, "variance_epsilon", None))
     model = MLAForCausalLM(hf_model, config)
     model.regional_compile = bool(regional_compile)
     model.set_sink_window(*(sink_window or (None,)))

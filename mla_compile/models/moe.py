@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.backends import requested_for
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.ops.moe_experts import auto_backend, moe_experts
 from mla_compile.ops.moe_experts import combine_sorted, sort_by_expert  # noqa: F401  (their home is ops)
@@ -23,6 +24,8 @@ from mla_compile.ops.moe_experts_fp8 import auto_backend as auto_backend_fp8
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.moe_gate_route import OP as GATE_ROUTE_OP
 from mla_compile.ops.moe_gate_route import moe_gate_route
+from mla_compile.ops.moe_norm_gate_route import OP as NORM_ROUTE_OP
+from mla_compile.ops.moe_norm_gate_route import moe_norm_gate_route
 from mla_compile.ops.moe_route import moe_route, route_math
 from mla_compile.ops.registry import SPLIT_PREFIX
 from mla_compile.ops.select import resolve
@@ -142,9 +145,14 @@ class MLAMoE(nn.Module):
     cannot serve these experts (None when they can): fp4 experts, activation-quantized fp8 experts, experts
     with an ``fp8_block_linear`` backend of their own, a non-SiLU activation. It, ``fusable`` and ``fold_shared``
     are decided at construction.
+
+    ``backend``: a backend spec as ``patch`` takes it (None: ``MLA_COMPILE_BACKEND``); its
+    ``moe_norm_gate_route=NAME`` entry picks that op's backend for :meth:`forward_residual`. ``norm_eps``: the
+    epsilon of the decoder layer's ``post_attention_layernorm`` (None: :meth:`forward_residual` never folds the norm).
     """
 
-    def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
+    def __init__(self, hf_moe: nn.Module, impl: str = "auto", backend: str | None = None,
+                 norm_eps: float | None = None) -> None:
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -177,6 +185,8 @@ class MLAMoE(nn.Module):
             self.fold_shared = _foldable_shared(self.shared_experts, width)
         self.impl = impl
         self._scaling = freeze(self.gate.routed_scaling_factor)  # a constant of every graph (models/consts.py)
+        self._norm_eps = None if norm_eps is None else freeze(norm_eps)
+        self._norm_route = requested_for("moe_norm_gate_route", backend)
 
     def _use_fused(self, x: Tensor) -> bool:
         if self.impl != "auto":
@@ -210,19 +220,28 @@ class MLAMoE(nn.Module):
             return self.impl == "grouped"
         return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
+    def _route_kw(self) -> tuple[int, dict]:
+        """The gate's ``top_k`` and the other routing arguments of the routing ops, by name."""
+        bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate, thaw(self._scaling))
+        return top_k, dict(bias=bias, num_group=num_group, topk_group=topk_group, scoring=scoring,
+                           renormalize=renorm, scaling=scaling)
+
     def _fused(self, x: Tensor, token_mask: Tensor | None) -> Tensor:
         """Routing and experts through the ``mla::moe_gate_route`` (where :meth:`_gate_route`) or router GEMM +
         ``mla::moe_route``, then the ``mla::moe_experts`` ops."""
-        explicit = self.impl == "fused"
-        bias, top_k, num_group, topk_group, scoring, renorm, scaling = route_args(self.gate, thaw(self._scaling))
-        route_kw = dict(bias=bias, num_group=num_group, topk_group=topk_group, scoring=scoring, renormalize=renorm,
-                        scaling=scaling)
+        top_k, route_kw = self._route_kw()
         if self._gate_route(x):
             weights, ids = moe_gate_route(x, self.gate.weight, top_k, backend="triton", **route_kw)
         else:
             logits = router_logits(x, self.gate.weight)
-            weights, ids = moe_route(logits, top_k, backend=("triton" if x.is_cuda else "reference") if explicit
-                                     else None, **route_kw)
+            weights, ids = moe_route(logits, top_k, backend=("triton" if x.is_cuda else "reference")
+                                     if self.impl == "fused" else None, **route_kw)
+        return self._fused_experts(x, weights, ids, token_mask)
+
+    def _fused_experts(self, x: Tensor, weights: Tensor, ids: Tensor, token_mask: Tensor | None) -> Tensor:
+        """The routed experts of ``x`` (``weights``, ``ids`` from the routing) and the shared experts through the
+        ``mla::moe_experts`` ops (the shared ones inside them where they fold)."""
+        explicit = self.impl == "fused"
         se = self.shared_experts
         backend = ("triton" if x.is_cuda else "reference") if explicit else None
         if self.fp8_experts:
@@ -233,6 +252,33 @@ class MLAMoE(nn.Module):
                               shared_gate=shared[0], shared_up=shared[1], shared_down=shared[2], backend=backend,
                               token_mask=token_mask)
         return out if self.fold_shared else out + se(x)
+
+    def norm_route_serves(self, h: Tensor, norm: nn.Module) -> bool:
+        """Whether :meth:`forward_residual` folds the add and ``norm`` into ``mla::moe_norm_gate_route`` (a constant
+        of the graph): the fused ops run this MoE, ``h`` is CUDA half precision as the gate's and the norm's weights,
+        ``norm_eps`` was given, and that op's backend resolves to "triton" (its "auto" once the kernel is
+        GPU-tested; ``backend="moe_norm_gate_route=triton"`` asks for it by name)."""
+        norm_weight = getattr(norm, "weight", None)
+        if not (self._norm_eps is not None and h.is_cuda and h.dtype in (torch.bfloat16, torch.float16)
+                and norm_weight is not None and norm_weight.dtype == h.dtype and self.gate.weight.dtype == h.dtype):
+            return False
+        if not (self.fusable and self._use_fused(h)):
+            return False
+        return resolve(NORM_ROUTE_OP, h.device, self._norm_route, dtype=h.dtype).name == "triton"
+
+    def forward_residual(self, h: Tensor, residual: Tensor, norm: nn.Module,
+                         token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A decoder layer's step after its attention: ``(h + residual, self(norm(h + residual), token_mask))``
+        (``norm``: its ``post_attention_layernorm``, of epsilon ``norm_eps``). Where :meth:`norm_route_serves`, the
+        add, the norm and the router are ``mla::moe_norm_gate_route`` (one launch for few tokens), then the fused
+        experts."""
+        if self.norm_route_serves(h, norm):
+            top_k, route_kw = self._route_kw()
+            h, x, weights, ids = moe_norm_gate_route(h, residual, norm.weight, thaw(self._norm_eps), self.gate.weight,
+                                                     top_k, backend="triton", **route_kw)
+            return h, self._fused_experts(x, weights, ids, token_mask)
+        h = h + residual
+        return h, self(norm(h), token_mask=token_mask)
 
     def _fused_fp8(self, x: Tensor, weights: Tensor, ids: Tensor, backend: str | None,
                    token_mask: Tensor | None) -> Tensor:

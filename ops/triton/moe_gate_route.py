@@ -12,6 +12,12 @@ counter is a persistent zeroed buffer per device (:func:`~mla_compile.ops._works
 the first call (a warm-up before any CUDA-graph capture), so calls on one device must not run concurrently on two
 streams. More tokens, more experts than the routing holds, non-CUDA tensors or float32/float64 run the unfused
 path inside the op.
+
+``mla::moe_norm_gate_route`` launches the same kernel with ``NORM``: in the loop over the hidden columns each row is
+formed as ``x + residual`` (rounded to x's dtype), its squares summed and its values times the norm's weight dotted
+with the gate; the dots are scaled by the row's ``rsqrt(mean + eps)`` at the end, and program p stores columns
+``[p * CHUNK, (p + 1) * CHUNK)`` of ``h`` and of the normed rows (HF's RMSNorm rounding) for the experts after it.
+Without ``NORM`` its sm_90 code is the kernel's before the flag was added (the same PTX but for parameter numbers).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from torch.library import wrap_triton
 
 from mla_compile.ops._workspace import workspace
 from mla_compile.ops.moe_gate_route import MAX_ROWS, OP, fake, validate
+from mla_compile.ops.moe_norm_gate_route import fake as norm_fake
+from mla_compile.ops.moe_norm_gate_route import validate as norm_validate
 from mla_compile.ops.moe_route import MAX_EXPERTS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
@@ -40,28 +48,40 @@ CONFIG = dict(tile=8192, max_slice=1, num_warps=4, few_experts=64, few_tile=2048
 
 @triton.jit
 def _moe_gate_route_kernel(
-    x_ptr, g_ptr, bias_ptr, w_ptr, ids_ptr, logits_ptr, count_ptr,
-    T, H, E, GROUP_SIZE, s_x, s_g, s_w, s_i, scaling,
+    x_ptr, g_ptr, bias_ptr, w_ptr, ids_ptr, logits_ptr, count_ptr, r_ptr, nw_ptr, h_ptr, n_ptr,
+    T, H, E, GROUP_SIZE, s_x, s_g, s_w, s_i, s_r, s_h, s_n, scaling, eps, CHUNK,
     ROWS: tl.constexpr, SLICE_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
     NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORM: tl.constexpr, PDL: tl.constexpr,
+    RENORM: tl.constexpr, NORM: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     es = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
     es_ok = es < E
     r_idx = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, SLICE_E], dtype=tl.float32)
+    ss = tl.zeros([ROWS], dtype=tl.float32)  # NORM: the rows' sums of squares
     g_rows = g_ptr + es.to(tl.int64) * s_g
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = h < H
         g = tl.load(g_rows[:, None] + h[None, :], mask=es_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
         pdl_wait(PDL)  # the gate's tile is in flight before x, the previous kernel's output, is read
         pdl_launch_dependents(PDL)
         for r in tl.static_range(ROWS):
-            xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0).to(tl.float32)
-            part = tl.sum(g * xr[None, :], axis=1)
+            xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0)
+            if NORM:  # the row's hidden values x + residual, rounded to x's dtype as the eager add; the dot of g * h
+                xr = _add_rounded(xr, r_ptr + r * s_r + h, h_ok & (r < T))
+                ss += tl.where(r_idx == r, tl.sum(xr * xr, axis=0), 0.0)
+                xr = xr * nw
+            part = tl.sum(g * xr.to(tl.float32)[None, :], axis=1)
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
+    if NORM:  # the dots scaled by the rows' rsqrt; this program's slice of h and of the normed rows stored
+        inv = tl.math.rsqrt(ss / H + eps)
+        acc = acc * inv[:, None]
+        _store_norm_slice(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, inv, r_idx, T, H, s_x, s_r, s_h, s_n, CHUNK, ROWS,
+                          BLOCK_C)
     tl.store(logits_ptr + r_idx[:, None] * E + es[None, :], acc, mask=es_ok[None, :])
     tl.debug_barrier()  # every thread's logits stored before the program counts itself in (release, GPU scope)
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
@@ -78,6 +98,29 @@ def _moe_gate_route_kernel(
         tl.store(ids_ptr + r_idx[:, None] * s_i + k_idx, ids, mask=live)
 
 
+@triton.jit
+def _add_rounded(x, r_ptrs, mask):
+    """``x + residual`` (loaded from ``r_ptrs``) in float32, rounded to x's dtype (as the eager add), as float32."""
+    return (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_norm_slice(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, inv, r_idx, T, H, s_x, s_r, s_h, s_n, CHUNK,
+                      ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program p's columns ``[p * CHUNK, (p + 1) * CHUNK)`` of every row: ``h = x + residual`` and ``normed`` (HF's
+    RMSNorm rounding: ``h * inv`` to x's dtype, times the norm's weight, rounded), ``inv [ROWS]`` the rows' rsqrt."""
+    c = tl.program_id(0) * CHUNK + tl.arange(0, BLOCK_C)
+    c_ok = (c < H) & (tl.arange(0, BLOCK_C) < CHUNK)
+    nw = tl.load(nw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+    ty = x_ptr.dtype.element_ty
+    for r in tl.static_range(ROWS):
+        ok = c_ok & (r < T)
+        a = _add_rounded(tl.load(x_ptr + r * s_x + c, mask=ok, other=0.0), r_ptr + r * s_r + c, ok)
+        inv_r = tl.sum(tl.where(r_idx == r, inv, 0.0), axis=0)
+        tl.store(h_ptr + r * s_h + c, a.to(ty), mask=ok)
+        tl.store(n_ptr + r * s_n + c, ((a * inv_r).to(ty).to(tl.float32) * nw).to(ty), mask=ok)
+
+
 def fusable(x: Tensor, weight: Tensor) -> bool:
     """Whether the fused kernel serves this call (static facts: tokens, experts)."""
     return x.shape[0] <= MAX_ROWS and weight.shape[0] <= MAX_EXPERTS
@@ -91,8 +134,24 @@ def slice_experts(E: int, device: torch.device) -> int:
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int,
             scoring: str, renormalize: bool, scaling: float) -> tuple[Tensor, Tensor]:
-    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract, at most ``MAX_ROWS``
-    tokens and ``MAX_EXPERTS`` experts."""
+    """Kernel path of ``mla::moe_gate_route`` (the interpreter on CPU tensors too); shapes as the op's contract, at
+    most ``MAX_ROWS`` tokens and ``MAX_EXPERTS`` experts."""
+    return _kernel(x, weight, bias, top_k, num_group, topk_group, scoring, renormalize, scaling, None)
+
+
+def _launch_norm(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None,
+                 top_k: int, num_group: int, topk_group: int, scoring: str, renormalize: bool,
+                 scaling: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Kernel path of ``mla::moe_norm_gate_route`` (the interpreter on CPU tensors too): ``(h, normed, weights,
+    ids)``; shapes as that op's contract, at most ``MAX_ROWS`` tokens and ``MAX_EXPERTS`` experts."""
+    return _kernel(x, weight, bias, top_k, num_group, topk_group, scoring, renormalize, scaling,
+                   (residual, norm_weight, float(eps)))
+
+
+def _kernel(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int,
+            scoring: str, renormalize: bool, scaling: float, norm: tuple[Tensor, Tensor, float] | None) -> tuple:
+    """One launch of :func:`_moe_gate_route_kernel`; ``norm``: ``(residual, norm_weight, eps)`` to add and norm x
+    first (then ``h`` and ``normed`` lead the outputs)."""
     T, H = x.shape
     E = weight.shape[0]
     if not fusable(x, weight):
@@ -100,23 +159,33 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, num_grou
                          f"got {T} tokens and {E} experts")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    normed_out = () if norm is None else tuple(torch.empty_like(x, memory_format=torch.contiguous_format)
+                                               for _ in range(2))
     if T == 0:
-        return weights, ids
+        return *normed_out, weights, ids
     x = last_dim_contiguous(x)
     weight = last_dim_contiguous(weight)
     bias_arg = weight if bias is None else bias.contiguous()
     meta = route_meta(E, top_k, num_group, topk_group, scoring, bias is not None, renormalize)
     slice_e = slice_experts(E, x.device)
+    programs = triton.cdiv(E, slice_e)
     few = E <= CONFIG["few_experts"]
     block_h = min(triton.next_power_of_2(H), max(16, CONFIG["few_tile" if few else "tile"] // slice_e))
     logits = torch.empty(MAX_ROWS, E, dtype=torch.float32, device=x.device)
     count = workspace("moe_gate_route-arrivals", x.device, 4, zero=True).view(torch.int32)
-    wrap_triton(_moe_gate_route_kernel)[(triton.cdiv(E, slice_e),)](
-        x, weight, bias_arg, weights, ids, logits, count, T, H, E, E // num_group, x.stride(0), weight.stride(0),
-        weights.stride(0), ids.stride(0), float(scaling), ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta,
-        num_warps=CONFIG["few_warps" if few else "num_warps"], **launch_kwargs(x.device, H > 0),
+    if norm is None:  # the norm's arguments are never read
+        r, nw, h, n, eps, chunk = x, x, x, x, 1.0, 1
+    else:
+        (r, nw, eps), (h, n) = norm, normed_out
+        r, nw, chunk = last_dim_contiguous(r), nw.contiguous(), triton.cdiv(H, programs)
+    wrap_triton(_moe_gate_route_kernel)[(programs,)](
+        x, weight, bias_arg, weights, ids, logits, count, r, nw, h, n, T, H, E, E // num_group, x.stride(0),
+        weight.stride(0), weights.stride(0), ids.stride(0), r.stride(0), h.stride(0), n.stride(0), float(scaling),
+        float(eps), chunk, ROWS=MAX_ROWS, SLICE_E=slice_e, BLOCK_H=block_h, **meta, NORM=norm is not None,
+        BLOCK_C=max(1, triton.next_power_of_2(chunk)), num_warps=CONFIG["few_warps" if few else "num_warps"],
+        **launch_kwargs(x.device, H > 0),
     )
-    return weights, ids
+    return *normed_out, weights, ids
 
 
 @torch.library.custom_op("mla::moe_gate_route_triton", mutates_args=())
@@ -138,3 +207,27 @@ def moe_gate_route_triton(x: Tensor, weight: Tensor, bias: Tensor | None, top_k:
 
 
 moe_gate_route_triton.register_fake(fake)
+
+
+@torch.library.custom_op("mla::moe_norm_gate_route_triton", mutates_args=())
+def moe_norm_gate_route_triton(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                               bias: Tensor | None, top_k: int, num_group: int, topk_group: int, scoring: str,
+                               renormalize: bool, scaling: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Triton ``mla::moe_norm_gate_route`` (contract of the ``_ref`` op): the fused kernel with the add and the norm
+    where :func:`fusable`; else on CUDA half one add + norm launch (``mla::skinny_norm_linear``'s) and
+    ``mla::moe_gate_route_triton``'s path; elsewhere the reference."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return torch.ops.mla.moe_norm_gate_route_ref(x, residual, norm_weight, eps, weight, bias, top_k, num_group,
+                                                     topk_group, scoring, renormalize, scaling)
+    norm_validate(x, residual, norm_weight, eps, weight, bias, top_k, num_group, topk_group, scoring)
+    if fusable(x, weight):
+        return _launch_norm(x, residual, norm_weight, eps, weight, bias, top_k, num_group, topk_group, scoring,
+                            renormalize, scaling)
+    from mla_compile.ops.triton.skinny_norm_linear import add_norm
+
+    h, normed = add_norm(x, residual, norm_weight, eps)
+    return h, normed, *moe_gate_route_triton(normed, weight, bias, top_k, num_group, topk_group, scoring,
+                                             renormalize, scaling)
+
+
+moe_norm_gate_route_triton.register_fake(norm_fake)

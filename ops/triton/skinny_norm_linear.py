@@ -105,10 +105,10 @@ def _add_norm_kernel(x_ptr, r_ptr, g_ptr, h_ptr, n_ptr, K, eps, s_x, s_r, s_h, s
         tl.store(n_row + k, ((a * inv).to(ty).to(tl.float32) * g).to(ty), mask=ok)  # as torch: each product rounded
 
 
-def _many_rows(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
-               weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    """More rows than the GEMV serves: the add and the norm in one launch (:func:`_add_norm_kernel`, as Inductor's
-    fused kernel would be), then ``F.linear`` per weight (the interpreter on CPU tensors too)."""
+def add_norm(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(h, normed)``: ``h = x + residual`` (a copy of x without a residual) and HF's RMSNorm of it, both
+    ``[M, K]`` of x's dtype, in one launch (:func:`_add_norm_kernel`, as Inductor's fused kernel would be; the
+    interpreter on CPU tensors too). Shapes as ``mla::skinny_norm_linear``'s contract, any number of rows."""
     M, K = x.shape
     h = torch.empty_like(x, memory_format=torch.contiguous_format)
     normed = torch.empty_like(h)
@@ -120,6 +120,13 @@ def _many_rows(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: flo
             normed.stride(0), HAS_RES=residual is not None, BLOCK=min(triton.next_power_of_2(K), 2048), num_warps=4,
             **launch_kwargs(x.device),
         )
+    return h, normed
+
+
+def _many_rows(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
+               weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """More rows than the GEMV serves: :func:`add_norm`, then ``F.linear`` per weight."""
+    h, normed = add_norm(x, residual, norm_weight, eps)
     return h, [torch.nn.functional.linear(normed, w) for w in weights]
 
 

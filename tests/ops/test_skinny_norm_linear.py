@@ -126,7 +126,7 @@ def test_cuda_triton_matches_float64_at_deepseek_dims(M, dtype):
         for residual in (True, False):
             x, r, g, ws = _case(M, K, Ns, residual, dtype=dtype, device="cuda", seed=M + K)
             got = skinny_norm_linear(x, r, g, EPS, ws, backend="triton")
-            _check(got, x, r, g, ws, 5e-3, h_ulps=0)
+            _check(got, x, r, g, ws, 5e-3, h_ulps=1)  # x + r rounded once; exactly as torch: the next line
             assert torch.equal(got[0], x + r if residual else x)
             ref = reference(x, r, g, EPS, ws)
             rel = [float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got[1], ref[1])]

@@ -115,3 +115,22 @@ def test_skinny_norm_linear_many_rows_kernel_compiles_for_sm90(K, residual):
     _no_spills(launches)
     kernel, _, args, kwargs = launches[0]
     assert_pdl_order(_sm90.compile_sm90(kernel, args, kwargs).asm["ptx"], True, kernel.fn.__name__)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("E,H,k,G,TG,scoring,bias,renorm,scaling", [ROUTINGS[0], (256, 7168, *ROUTINGS[1][2:])])
+def test_moe_norm_gate_route_kernel_compiles_for_sm90(T, E, H, k, G, TG, scoring, bias, renorm, scaling):
+    """``mla::moe_norm_gate_route``'s launch (the gate route kernel with ``NORM``) at V2-Lite's gate and V3's: no
+    spills, and under PDL the wait before the trigger (the gate's first tile and the norm's weight are requested
+    before it; x and the residual, the kernels before's outputs, after)."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_gate_route
+
+    launches = _sm90.record(moe_gate_route, moe_gate_route._launch_norm, _meta(T, H), _meta(T, H), _meta(H), 1e-6,
+                            _meta(E, H), _meta(E, dtype=torch.float32) if bias else None, k, G, TG, scoring, renorm,
+                            scaling, pdl=True)
+    assert len(launches) == 1 and launches[0][3]["PDL"] and launches[0][3]["NORM"]
+    _no_spills(launches)
+    kernel, _, args, kwargs = launches[0]
+    ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
+    assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
