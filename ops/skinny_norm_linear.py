@@ -108,5 +108,5 @@ def _triton(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(torch.bfloat16, torch.float16),
         package="triton", gpu_tested=False,
-        kernels=("skinny_norm_linear_triton", "_skinny_norm_linear_kernel"),
+        kernels=("skinny_norm_linear_triton", "_add_norm_kernel"),
         note=f"ours: skinny_linear's pipelined GEMV with the add and the norm in its K loop, up to {MAX_ROWS} rows")

@@ -74,37 +74,86 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
+def _hidden(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
+    """One row's hidden values at ``k`` as float32 (``x + residual`` rounded to x's dtype), stored to ``h_row`` when
+    ``write`` (a scalar) holds."""
+    x = tl.load(x_row + k, mask=ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_row + k, mask=ok, other=0.0).to(tl.float32)).to(x_row.dtype.element_ty)
+    tl.store(h_row + k, x, mask=ok & write)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _pipe_term(w, x_row, r_row, h_row, g, k, ok, write, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """One K step's element-wise products of the weight tile ``w`` with one row of x at ``k``, and (``NORM``) that
+    row's squares: without ``NORM`` ``w * x``; with it ``w * (g * h)``, ``h`` = :func:`_hidden` (stored when
+    ``write``) and ``g`` the norm's weight at ``k``. Without ``NORM`` the second value is x, for no use."""
+    if NORM:
+        a = _hidden(x_row, r_row, h_row, k, ok, HAS_RES, write)
+        return w * (a * g)[None, :], a * a
+    else:
+        a = tl.load(x_row + k, mask=ok, other=0.0).to(tl.float32)
+        return w * a[None, :], a
+
+
+@triton.jit
 def _skinny_linear_pipe_kernel(
     x_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
     M, N1, N2, K, TILES1,
     s_x, s_w1, s_w2, s_y1, s_y2,
+    r_ptr, g_ptr, h_ptr, s_r, s_h, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     """The pipelined form for two rows of x a program: ``BLOCK_N`` weight rows over K in ``BLOCK_K`` steps,
     element-wise float32 products summed along K once at the end; the first step's weight tile is requested before
-    the PDL wait, the rest through ``tl.range``'s stages after it."""
+    the PDL wait, the rest through ``tl.range``'s stages after it.
+
+    ``NORM`` (``mla::skinny_norm_linear``): the rows are ``h = x + residual`` (``HAS_RES``; rounded to x's dtype, the
+    first weight tile's programs store them to ``h_ptr``) times the norm's weight ``g_ptr`` (requested before the
+    wait too), their squares summed along K, and the dots scaled by ``rsqrt(sum / K + eps)`` at the end: the norm of
+    the whole row, which every program reads anyway. Without ``NORM`` those arguments are not read."""
     n, n_ok, w_rows, y_base, y_stride = _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1,
                                                       s_y2, BLOCK_N)
     m0 = tl.program_id(1) * 2
     has1 = m0 + 1 < M
+    writes = tl.program_id(0) == 0  # NORM: the first weight tile's programs store h
     x0_row = x_ptr + m0.to(tl.int64) * s_x
     x1_row = x0_row + s_x
+    r0, h0 = r_ptr + m0.to(tl.int64) * s_r, h_ptr + m0.to(tl.int64) * s_h
+    r1, h1 = r0 + s_r, h0 + s_h
     k = tl.arange(0, BLOCK_K)
     k_ok = k < K
     w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32) if NORM else 0.0
     pdl_wait(PDL)  # the first weight tile is in flight before x, the previous kernel's output, is read
     pdl_launch_dependents(PDL)
-    acc0 = w * tl.load(x0_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    acc1 = w * tl.load(x1_row + k, mask=k_ok & has1, other=0.0).to(tl.float32)[None, :]
+    acc0, ss0 = _pipe_term(w, x0_row, r0, h0, g, k, k_ok, writes, NORM, HAS_RES)
+    acc1, ss1 = _pipe_term(w, x1_row, r1, h1, g, k, k_ok & has1, writes, NORM, HAS_RES)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc0 += w * tl.load(x0_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc1 += w * tl.load(x1_row + k, mask=k_ok & has1, other=0.0).to(tl.float32)[None, :]
+        if NORM:
+            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        t0, q0 = _pipe_term(w, x0_row, r0, h0, g, k, k_ok, writes, NORM, HAS_RES)
+        acc0 += t0
+        t1, q1 = _pipe_term(w, x1_row, r1, h1, g, k, k_ok & has1, writes, NORM, HAS_RES)
+        acc1 += t1
+        if NORM:
+            ss0 += q0
+            ss1 += q1
     out = y_base + m0.to(tl.int64) * y_stride + n
-    tl.store(out, tl.sum(acc0, axis=1).to(y1_ptr.dtype.element_ty), mask=n_ok)
-    tl.store(out + y_stride, tl.sum(acc1, axis=1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
+    y = tl.sum(acc0, axis=1)
+    if NORM:
+        y = y * tl.math.rsqrt(tl.sum(ss0, axis=0) / K + eps)
+    tl.store(out, y.to(y1_ptr.dtype.element_ty), mask=n_ok)
+    ok, out = n_ok & has1, out + y_stride
+    y = tl.sum(acc1, axis=1)
+    if NORM:
+        y = y * tl.math.rsqrt(tl.sum(ss1, axis=0) / K + eps)
+    tl.store(out, y.to(y1_ptr.dtype.element_ty), mask=ok)
 
 
 def weight_pair(weights: list[Tensor], outs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
@@ -135,8 +184,8 @@ def _launch(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     if K > MAX_BLOCK_K or (w1.shape[0] + n2) * K * x.element_size() >= PIPE["min_bytes"]:
         tiles1, grid = pipe_grid(w1.shape[0], n2, M)
         wrap_triton(_skinny_linear_pipe_kernel)[grid](
-            *args, tiles1, *strides, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
-            num_warps=PIPE["warps"], **pdl,
+            *args, tiles1, *strides, x, x, x, 0, 0, 1.0, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
+            NORM=False, HAS_RES=False, num_warps=PIPE["warps"], **pdl,
         )
         return outs
     tiles1 = triton.cdiv(w1.shape[0], BLOCK_N)

@@ -1,14 +1,13 @@
 """Triton ``mla::skinny_norm_linear``: ``mla::skinny_linear``'s pipelined GEMV with the residual add and the RMSNorm
 in its K loop, for up to ``MAX_ROWS`` rows.
 
-Grid (row tiles of all weights, pairs of rows of x), as ``_skinny_linear_pipe_kernel``: a program takes ``BLOCK_N``
-rows of one weight and two rows of x over K in ``BLOCK_K`` steps. Each step forms the rows' hidden values
-``h = x + residual`` (rounded to x's dtype, as the eager add), adds ``h^2`` to the row's float32 sum of squares and
-``W * (g * h)`` to its element-wise float32 products; at the end a row's dots are summed along K and scaled by ``rsqrt(sum / K +
-eps)``: the norm of the whole row, which every program reads anyway. The programs of the first weight tile also
-store ``h``. More rows: ``_add_norm_kernel`` (the add and the norm, one launch) and ``F.linear``. On sm_90 both are
-launched with PDL (``_pdl.py``): the GEMV requests its first weight tile and the norm's weight
-before it waits for the kernel before it.
+Up to ``MAX_ROWS`` rows: ``_skinny_linear_pipe_kernel`` (``ops/triton/skinny_linear.py``) launched with ``NORM``: its
+grid and tiles, and in each K step the rows' hidden values ``h = x + residual`` (rounded to x's dtype, as the eager
+add) times the norm's weight in place of x, their squares summed; at the end a row's dots are scaled by
+``rsqrt(sum / K + eps)``: the norm of the whole row, which every program reads anyway. The programs of the first
+weight tile also store ``h``. More rows: ``_add_norm_kernel`` (the add and the norm, one launch; also
+``mla::moe_norm_gate_route``'s for more tokens) and ``F.linear``. On sm_90 both are launched with PDL (``_pdl.py``):
+the GEMV requests its first weight tile and the norm's weight before it waits for the kernel before it.
 """
 
 from __future__ import annotations
@@ -22,62 +21,7 @@ from torch.library import wrap_triton
 from mla_compile.ops.skinny_norm_linear import MAX_ROWS, fake, reference, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
-from mla_compile.ops.triton.skinny_linear import PIPE, _weight_tile, pipe_grid, weight_pair
-
-
-@triton.jit
-def _hidden(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
-    """One row's hidden values at ``k`` as float32 (``x + residual`` rounded to x's dtype), stored to ``h_row`` when
-    ``write`` (a scalar) holds."""
-    x = tl.load(x_row + k, mask=ok, other=0.0)
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(r_row + k, mask=ok, other=0.0).to(tl.float32)).to(x_row.dtype.element_ty)
-    tl.store(h_row + k, x, mask=ok & write)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _skinny_norm_linear_kernel(
-    x_ptr, r_ptr, g_ptr, h_ptr, w1_ptr, w2_ptr, y1_ptr, y2_ptr,
-    M, N1, N2, K, TILES1, eps,
-    s_x, s_r, s_h, s_w1, s_w2, s_y1, s_y2,
-    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-):
-    n, n_ok, w_rows, y_base, y_stride = _weight_tile(w1_ptr, w2_ptr, y1_ptr, y2_ptr, N1, N2, TILES1, s_w1, s_w2, s_y1,
-                                                      s_y2, BLOCK_N)
-    m0 = tl.program_id(1) * 2
-    has1 = m0 + 1 < M
-    writes = tl.program_id(0) == 0  # the first weight tile's programs store h
-    x0, r0, h0 = x_ptr + m0.to(tl.int64) * s_x, r_ptr + m0.to(tl.int64) * s_r, h_ptr + m0.to(tl.int64) * s_h
-    x1, r1, h1 = x0 + s_x, r0 + s_r, h0 + s_h
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < K
-    w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-    pdl_wait(PDL)  # the first weight tile is in flight before x, the previous kernel's output, is read
-    pdl_launch_dependents(PDL)
-    a0 = _hidden(x0, r0, h0, k, k_ok, HAS_RES, writes)
-    a1 = _hidden(x1, r1, h1, k, k_ok & has1, HAS_RES, writes)
-    ss0 = a0 * a0
-    ss1 = a1 * a1
-    acc0 = w * (a0 * g)[None, :]
-    acc1 = w * (a1 * g)[None, :]
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        a0 = _hidden(x0, r0, h0, k, k_ok, HAS_RES, writes)
-        a1 = _hidden(x1, r1, h1, k, k_ok & has1, HAS_RES, writes)
-        ss0 += a0 * a0
-        ss1 += a1 * a1
-        acc0 += w * (a0 * g)[None, :]
-        acc1 += w * (a1 * g)[None, :]
-    inv0 = tl.math.rsqrt(tl.sum(ss0, axis=0) / K + eps)
-    inv1 = tl.math.rsqrt(tl.sum(ss1, axis=0) / K + eps)
-    out = y_base + m0.to(tl.int64) * y_stride + n
-    tl.store(out, (tl.sum(acc0, axis=1) * inv0).to(y1_ptr.dtype.element_ty), mask=n_ok)
-    tl.store(out + y_stride, (tl.sum(acc1, axis=1) * inv1).to(y1_ptr.dtype.element_ty), mask=n_ok & has1)
+from mla_compile.ops.triton.skinny_linear import PIPE, _hidden, _skinny_linear_pipe_kernel, pipe_grid, weight_pair
 
 
 @triton.jit
@@ -145,11 +89,11 @@ def _launch(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float,
     g = norm_weight.contiguous()
     w1, w2, y1, y2, n2 = weight_pair(weights, outs)
     tiles1, grid = pipe_grid(w1.shape[0], n2, M)
-    wrap_triton(_skinny_norm_linear_kernel)[grid](
-        x, r, g, h, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1, float(eps),
-        x.stride(0), r.stride(0), h.stride(0), w1.stride(0), w2.stride(0), y1.stride(0), y2.stride(0),
-        HAS_RES=residual is not None, BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"], STAGES=PIPE["stages"],
-        num_warps=PIPE["warps"], **launch_kwargs(x.device),
+    wrap_triton(_skinny_linear_pipe_kernel)[grid](
+        x, w1, w2, y1, y2, M, w1.shape[0], n2, K, tiles1, x.stride(0), w1.stride(0), w2.stride(0), y1.stride(0),
+        y2.stride(0), r, g, h, r.stride(0), h.stride(0), float(eps), BLOCK_N=PIPE["n"], BLOCK_K=PIPE["k"],
+        STAGES=PIPE["stages"], NORM=True, HAS_RES=residual is not None, num_warps=PIPE["warps"],
+        **launch_kwargs(x.device),
     )
     return h, outs
 
