@@ -10,6 +10,7 @@ from mla_compile.ops.select import resolve
 from mla_compile.ops.cache_write import write_latent_cache
 from mla_compile.ops.context_attention import context_attention
 from mla_compile.ops.decode import decode
+from mla_compile.ops.decode_absorb_out import decode_absorb_out
 from mla_compile.ops import decode_autotune as _decode_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401  (registers mla::write_latent_cache_fused)
 from mla_compile.ops import absorb as _absorb  # noqa: E402,F401  (registers mla::absorb_q, mla::absorb_out)
@@ -38,7 +39,8 @@ from mla_compile.ops.v4_index import v4_index_topk
 from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-library backends; imports no peer)
 
 __all__ = [
-    "adapters", "backends_for", "checked_mode", "context_attention", "decode", "gather_latent_cache", "merge_attn_states", "prefill",
+    "adapters", "backends_for", "checked_mode", "context_attention", "decode", "decode_absorb_out",
+    "gather_latent_cache", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
     "moe_experts", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",

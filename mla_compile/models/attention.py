@@ -102,7 +102,7 @@ class MLAAttention(nn.Module):
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
         op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
-                    "cache_write_fp8", "gather_fp8", "skinny_norm_linear")
+                    "cache_write_fp8", "gather_fp8", "skinny_norm_linear", "decode_absorb_out")
         self._requested = {op: requested_for(op, spec) for op in op_names}
         self._choice_token, self._backend_choices = new_choice_cache()
         self.cuda_graph = False
@@ -314,6 +314,11 @@ class MLAAttention(nn.Module):
                                         kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
             plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
+            fused = self._decode_absorb_backend(q_abs, w_uv, plan)
+            if fused is not None:  # the decode, its split merge and W_UV: mla::decode_absorb_out
+                out = ops.decode_absorb_out(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
+                                            kv_lora_rank=c.kv_lora_rank, w_uv=w_uv, backend=fused)
+                return out.unflatten(-1, (c.num_heads, c.v_head_dim))
             name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                                  query_len=d.query_len, need_lse=False, planned=plan is not None, capacity=capacity)
             out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
@@ -321,6 +326,18 @@ class MLAAttention(nn.Module):
                                     plan=plan if takes_plan("decode", name) else None)
         out_lat = out_lat.flatten(0, 1)  # [B * s_q, H, kv_lora_rank]
         return absorb_out(out_lat, w_uv)
+
+    def _decode_absorb_backend(self, q_abs: Tensor, w_uv: Tensor, plan) -> str | None:
+        """``mla::decode_absorb_out``'s backend for this decode (a static choice), or None to run ``mla::decode``
+        and ``absorb_out`` apart: CUDA half-precision q and W_UV of its dtype, no host plan, and that op's backend
+        resolving to "triton" or "gluon" (asked by name, ``backend="decode_absorb_out=gluon"``, until the kernel is
+        GPU-tested; its "auto" is the reference, which this path never takes)."""
+        if plan is not None or not (q_abs.is_cuda and q_abs.dtype in (torch.bfloat16, torch.float16)
+                                    and w_uv.dtype == q_abs.dtype):
+            return None
+        name = ops.resolve("decode_absorb_out", q_abs.device, self._requested["decode_absorb_out"],
+                           dtype=q_abs.dtype).name
+        return name if name in ("triton", "gluon") else None
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
         """``int32 [T, sink + window]``: each token's sink and window slots over its causal prefix (-1 padded)."""

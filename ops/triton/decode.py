@@ -12,6 +12,8 @@ second kernel merges them. The split count comes from shapes and the multiproces
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -90,22 +92,14 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
-                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
-                          ONE_PASS: tl.constexpr = True):
-    """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
-    of the row's partial outputs (every program recomputes the row's weights from its base-2 LSEs; the first
-    column program stores the natural-log LSE); ``ONE_PASS``: a row of at most ``CHUNK_S`` used splits loads its LSEs
-    and partials at once (else, as every longer row, the LSEs first). ``PDL``: launched with programmatic dependent
-    launch (``_pdl.py``): everything it reads is the split kernel's, so it waits first."""
-    pdl_wait(PDL)
-    pdl_launch_dependents(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1)
-    offs_s = tl.arange(0, CHUNK_S)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < DC
-    n_used = split_count(n_splits, split_cap)  # the first n_used partials of the row's n_splits slots
+def merge_splits(ws_ptr, wl_ptr, row, n_splits, n_used, offs_s, offs_c, c_ok, DC: tl.constexpr,
+                 CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Row ``row``'s first ``n_used`` partial outputs (columns ``offs_c`` of ``ws_ptr``'s row-major ``[rows, n_splits,
+    DC]`` float32) weighted by their base-2 LSEs (``wl_ptr``'s ``[rows, n_splits]``): ``(acc [BLOCK_C], tot, m)``, the
+    weighted sum, the sum of the weights (0: no key) and the largest LSE (0 where every one is -inf); the merged row
+    is ``acc / tot``, its base-2 LSE ``m + log2(tot)``. ``ONE_PASS``: a row of at most ``CHUNK_S`` used splits loads
+    its LSEs and partials at once (else, as every longer row, the LSEs first). ``offs_s``: ``tl.arange(0,
+    CHUNK_S)``."""
     if ONE_PASS and n_used <= CHUNK_S:
         # one chunk: its LSEs and partials are requested together (one round trip, not two); the same sums
         s_ok = offs_s < n_used
@@ -134,6 +128,27 @@ def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
             total += w
             acc += tl.sum(part * w[:, None], axis=0)
         tot = tl.sum(total, axis=0)
+    return acc, tot, m_safe
+
+
+@triton.jit
+def _decode_reduce_kernel(ws_ptr, wl_ptr, out_ptr, lse_ptr, n_splits, split_cap,
+                          DC: tl.constexpr, CHUNK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+                          ONE_PASS: tl.constexpr = True):
+    """Grid ``(rows, cdiv(DC, BLOCK_C))``: program ``(row, c)`` merges columns ``[c * BLOCK_C, (c + 1) * BLOCK_C)``
+    of the row's partial outputs (:func:`merge_splits`; every program recomputes the row's weights from its base-2
+    LSEs; the first column program stores the natural-log LSE). ``PDL``: launched with programmatic dependent
+    launch (``_pdl.py``): everything it reads is the split kernel's, so it waits first."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    offs_s = tl.arange(0, CHUNK_S)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < DC
+    n_used = split_count(n_splits, split_cap)  # the first n_used partials of the row's n_splits slots
+    acc, tot, m_safe = merge_splits(ws_ptr, wl_ptr, row, n_splits, n_used, offs_s, offs_c, c_ok, DC, CHUNK_S,
+                                    BLOCK_C, ONE_PASS)
     empty = tot == 0.0
     out = acc / tl.where(empty, 1.0, tot)
     lse = tl.where(empty, float("-inf"), (m_safe + tl.math.log2(tl.where(empty, 1.0, tot))) * 0.6931471805599453)
@@ -192,9 +207,35 @@ def _pick(M: int, B: int, capacity: int, dc: int, device: torch.device, config: 
     return cfg
 
 
+class Split(NamedTuple):
+    """What a split-KV launch leaves: ``out [B, s_q, H, dc]`` / ``lse [B, s_q, H]`` (the result itself when
+    ``direct``: one split), else the float32 partials ``o_buf`` (row-major ``[B * s_q * H, splits, dc]``) and their
+    base-2 LSEs ``l_buf`` (``[B * s_q * H, splits]``), of which each row's first ``split_count(splits, split_cap)``
+    are used (:func:`reduce_splits` or ``ops/triton/decode_absorb.py`` merge them); ``rows``: ``B * s_q * H``."""
+
+    out: Tensor
+    lse: Tensor
+    o_buf: Tensor
+    l_buf: Tensor
+    splits: int
+    split_cap: int
+    direct: bool
+    rows: int
+
+
 def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
             kv_lora_rank: int, config: dict | None = None, fp8: bool = False) -> tuple[Tensor, Tensor]:
-    """Kernel path (any device the Triton runtime accepts; the interpreter on CPU tensors).
+    """Kernel path (any device the Triton runtime accepts; the interpreter on CPU tensors): :func:`split_launch`, then
+    :func:`reduce_splits`."""
+    part = split_launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config, fp8)
+    reduce_splits(wrap_triton, part.o_buf, part.l_buf, part.out, part.lse, part.rows, part.splits, part.split_cap,
+                  kv_lora_rank, pow2(kv_lora_rank, 128 if fp8 else 16), part.direct)
+    return part.out, part.lse
+
+
+def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                 kv_lora_rank: int, config: dict | None = None, fp8: bool = False) -> Split:
+    """The split kernel of :func:`_launch` alone: its :class:`Split` (nothing merged).
 
     ``config`` overrides the heuristics: BLOCK_H, BLOCK_N, num_warps, num_stages, SPLITS. The split
     count is a runtime kernel argument, so batch sizes that change it reuse the compiled kernels.
@@ -206,7 +247,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
     M = s_q * H
     out, lse = decode_outputs(q, dc)
     if B == 0 or M == 0:
-        return out, lse
+        return Split(out, lse, out, lse, 1, 1, True, B * M)
     q = last_dim_contiguous(q)
     kv_cache = last_dim_contiguous(kv_cache)
     block_size = kv_cache.shape[1]
@@ -233,8 +274,7 @@ def _launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, 
         **tile,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, cfg["SPLIT_CAP"], dc, block_dc, direct)
-    return out, lse
+    return Split(out, lse, o_buf, l_buf, splits, cfg["SPLIT_CAP"], direct, B * M)
 
 
 def decode_outputs(q: Tensor, dc: int) -> tuple[Tensor, Tensor]:

@@ -69,7 +69,7 @@ from mla_compile.ops.triton._common import check_config, last_dim_contiguous, nu
 from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
-from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 
@@ -250,18 +250,27 @@ def swap_by_default(batch: int, rows: int) -> bool:
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`split_launch`, then ``decode.reduce_splits``: ``(out, lse)``."""
+    part = split_launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config)
+    reduce_splits(wrap_triton, part.o_buf, part.l_buf, part.out, part.lse, part.rows, part.splits, part.split_cap,
+                  DC, DC, part.direct, pdl=True)
+    return part.out, part.lse
+
+
+def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
+                 config: dict | None = None) -> Split:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
     or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule,
     default False: the first one), EARLY (the swapped kernel under PDL starts its first copies of older keys before
     its wait, ``decode_gluon_swap_kernel``'s contract; default :data:`EARLY_TILES`); several splits are merged by
-    ``decode.reduce_splits``."""
+    ``decode.reduce_splits`` (:func:`launch`); this function leaves them: its ``decode.Split``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
     if B == 0 or M == 0:
-        return out, lse
+        return Split(out, lse, out, lse, 1, 1, True, B * M)
     config = check_config("mla.decode (gluon)", config, CONFIG_KEYS)
     ws = bool(config.get("WS", False))
     swap = not ws and bool(config.get("SWAP", swap_by_default(B, M)))
@@ -291,8 +300,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, **extra,
         num_warps=warps,
     )
-    reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct, pdl=True)
-    return out, lse
+    return Split(out, lse, o_buf, l_buf, splits, splits, direct, B * M)
 
 
 def _run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,

@@ -181,15 +181,18 @@ def test_padded_decode_logits_on_gpu(kind, regional):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("spec", ["skinny_norm_linear=triton", "moe_norm_gate_route=triton",
-                                  "skinny_norm_linear=triton,moe_norm_gate_route=triton"])
+@pytest.mark.parametrize("spec", ["skinny_norm_linear=triton", "moe_norm_gate_route=triton", "decode_absorb_out=gluon",
+                                  "decode_absorb_out=triton",
+                                  "skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon"])
 @pytest.mark.parametrize("kind", toy.KINDS)
-def test_regional_step_with_the_folded_norms_on_gpu(kind, spec):
+def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
     """``backend="skinny_norm_linear=triton"``: each layer's first region takes ``mla::skinny_norm_linear`` (the MLP
     residual add, the input norm and the first projections: one launch at two rows, the add + norm launch and
     ``F.linear`` at eight); ``"moe_norm_gate_route=triton"``: each MoE layer's attention residual add, its
-    post-attention norm and its router are ``mla::moe_norm_gate_route`` (one launch at two rows); a B=1 decode padded
-    to 2 and B=3 padded to 8 give the logits of the model without them, eager and compiled."""
+    post-attention norm and its router are ``mla::moe_norm_gate_route`` (one launch at two rows);
+    ``"decode_absorb_out=<split kernel>"``: the decode, its split merge and W_UV are ``mla::decode_absorb_out`` (the
+    merge and W_UV one launch at two rows); a B=1 decode padded to 2 and B=3 padded to 8 give the logits of the model
+    without them, eager and compiled."""
     hf = toy.toy_hf_model(kind, seed=7, num_hidden_layers=3, first_k_dense_replace=1, dtype=torch.bfloat16).cuda()
     ref = patch(copy.deepcopy(hf), moe_impl="fused", regional_compile=True)
     model = patch(hf, moe_impl="fused", regional_compile=True, backend=spec)
@@ -201,24 +204,39 @@ def test_regional_step_with_the_folded_norms_on_gpu(kind, spec):
             ("skinny_norm_linear", attn._norm_linear_serves(h, layer.input_layernorm, first),
              ref.model.layers[1].self_attn._norm_linear_serves(h, layer.input_layernorm, first)),
             ("moe_norm_gate_route", layer.mlp.norm_route_serves(h, layer.post_attention_layernorm),
-             ref.model.layers[1].mlp.norm_route_serves(h, layer.post_attention_layernorm))):
+             ref.model.layers[1].mlp.norm_route_serves(h, layer.post_attention_layernorm)),
+            ("decode_absorb_out", attn._decode_absorb_backend(h, attn._w_uk_uv()[1], None) is not None,
+             ref.model.layers[1].self_attn._decode_absorb_backend(h, attn._w_uk_uv()[1], None) is not None)):
         assert serves == (name in spec) and not unasked  # "auto": not yet
     _padded_steps_match(model, ref)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_regional_step_with_the_folded_post_attention_norm(monkeypatch):
-    """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route`` (forced
-    on CPU, through its reference): the regional model eager and compiled (fullgraph, no Inductor) give the unfolded
-    model's logits of a padded decode at two batch sizes, with the op in the compiled graph."""
+@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out"])
+def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
+    """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route``, or each
+    layer's decode, split merge and W_UV as ``mla::decode_absorb_out`` (forced on CPU, through the op's reference):
+    the regional model eager and compiled (fullgraph, no Inductor) give the unfused model's logits of a padded decode
+    at two batch sizes, with the op in the compiled graph."""
     from torch._dynamo.backends.debugging import aot_eager
+
+    from mla_compile.models.attention import MLAAttention
 
     eager = _model()
     model = _model(regional=True)
     model.load_state_dict(eager.state_dict())
-    real = moe_module.moe_norm_gate_route
-    monkeypatch.setattr(moe_module, "moe_norm_gate_route", lambda *a, **kw: real(*a, **{**kw, "backend": "reference"}))
-    monkeypatch.setattr(moe_module.MLAMoE, "norm_route_serves", lambda self, h, norm: True)
+    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS, device="cpu")
+    chunks = _prefilled(eager)
+    _prefilled(model)
+    sizes = ((1, 2), (3, 8))
+    wants = [_run(eager, builder.build(chunks[:n], decode_batch=capture)).clone() for n, capture in sizes]
+    if fused == "moe_norm_gate_route":  # the unfused model's logits are known: from here on the op is taken
+        real = moe_module.moe_norm_gate_route
+        monkeypatch.setattr(moe_module, "moe_norm_gate_route",
+                            lambda *a, **kw: real(*a, **{**kw, "backend": "reference"}))
+        monkeypatch.setattr(moe_module.MLAMoE, "norm_route_serves", lambda self, h, norm: True)
+    else:
+        monkeypatch.setattr(MLAAttention, "_decode_absorb_backend", lambda self, q, w_uv, plan: "reference")
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm, example_inputs):
@@ -226,16 +244,12 @@ def test_regional_step_with_the_folded_post_attention_norm(monkeypatch):
         return aot_eager(gm, example_inputs)
 
     compiled = torch.compile(model, fullgraph=True, backend=backend)
-    builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS, device="cpu")
-    chunks = _prefilled(eager)
-    _prefilled(model)
-    for n, capture in ((1, 2), (3, 8)):
+    for (n, capture), want in zip(sizes, wants):
         step = builder.build(chunks[:n], decode_batch=capture)
-        want = _run(eager, step)
         torch.testing.assert_close(_run(model, step), want, atol=1e-5, rtol=1e-5)
         mark_dynamic(step.input_ids, step.positions, step.meta)
         torch.testing.assert_close(_run(compiled, step), want, atol=1e-5, rtol=1e-5)
     assert dict(counters["graph_break"]) == {}
     targets = [str(n.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
                for n in sub.graph.nodes if n.op == "call_function"]
-    assert any("moe_norm_gate_route" in t for t in targets), "no mla::moe_norm_gate_route call in the compiled graph"
+    assert any(fused in t for t in targets), f"no mla::{fused} call in the compiled graph"
