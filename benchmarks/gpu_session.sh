@@ -4,12 +4,13 @@
 #   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
+#   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
 # TEST_TIMEOUT=450 pass PHASES=none, or a smaller TEST_PATHS, to leave time for a benchmark). Raw files in
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus"
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
 # TEST_PATHS: the CUDA tests to run first (default: all of them). -v: one line per finished test, so a run cut by
@@ -33,6 +34,7 @@ fi
 [[ $PHASES == *,kernels,* ]] && timeout 180 python3 benchmarks/bench_kernels.py --out "$O/ker" --quick --budget-s 150 \
     > "$O/ker.log" 2>&1
 [[ $PHASES == *,fp8,* ]] && timeout 90 python3 benchmarks/bench_fp8_sparse.py --out "$O/fp8" --quick > "$O/fp8.log" 2>&1
+[[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
 if [[ $PHASES == *,step,* ]]; then
     grep -E "^ours|replay only" "$O/tri/bench_decode_step.txt"
     head -n 22 "$O/auto/profile_replay.txt"
@@ -41,7 +43,8 @@ fi
 [[ $PHASES == *,lowered,* ]] && tail -n 6 "$O/low/bench_lowered_step.txt"
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
 [[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
+[[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus)
