@@ -10,7 +10,9 @@ and caches come from memory, as ``bench_kernels.py``):
 - ``mla::moe_norm_gate_route`` ("triton") against the add + norm launch (``skinny_norm_linear.add_norm``) +
   ``mla::moe_gate_route`` ("triton");
 - ``mla::skinny_norm_linear`` ("triton") over the first projections against the add + norm launch +
-  ``mla::skinny_linear`` ("triton").
+  ``mla::skinny_linear`` ("triton");
+- ``mla::write_latent_cache_absorb_q`` ("triton") against ``mla::write_latent_cache_fused`` + ``mla::skinny_absorb_q``
+  (q_pe's RoPE, which the fused op also does, not counted on the unfused side).
 Every fused output is compared with its unfused pair on the first set (max relative error in the note; the
 routings' ids, sorted). Writes ``bench_fusions.json`` / ``.txt`` and prints the table.
 """
@@ -156,6 +158,36 @@ def norm_linear_case(name: str, d: dict) -> None:
                note=note, sets=len(sets))
 
 
+def write_absorb_case(name: str, d: dict) -> None:
+    """``mla::write_latent_cache_absorb_q`` against the fused cache write + ``mla::skinny_absorb_q`` of a q_pe rotated
+    beforehand (its RoPE kernel not counted: the comparison is conservative); two tokens, one a padding (slot -1)."""
+    H, N, Dr = d["H"], 128, DR
+    nbytes = H * N * DC * 2  # W_UK
+    sets = []
+    for _ in range(bk._rotation(nbytes)):
+        kv = torch.randn(2, DC + Dr, device=DEV, dtype=torch.bfloat16)
+        ang = torch.rand(2, Dr // 2, device=DEV) * 6
+        cache = torch.zeros(64, PAGE, DC + Dr, device=DEV, dtype=torch.bfloat16)
+        q = torch.randn(2, H, N + Dr, device=DEV, dtype=torch.bfloat16)
+        w_uk = (torch.randn(H, 2 * N, DC, device=DEV, dtype=torch.bfloat16) / N ** 0.5)[:, :N]
+        sets.append((kv[:, :DC], kv[:, DC:], torch.ones(DC, device=DEV, dtype=torch.bfloat16), ang.cos(), ang.sin(),
+                     torch.tensor([7, -1], device=DEV), cache, q[..., :N], w_uk, q[..., N:]))
+
+    def unfused(s):
+        torch.ops.mla.write_latent_cache_fused(*s[:7], 1e-6, True)
+        return ops.skinny_absorb_q(s[7], s[8], s[9], backend="triton")
+
+    def fused(s):
+        return ops.write_latent_cache_absorb_q(*s[:7], 1e-6, True, *s[7:], backend="triton")
+
+    group = f"cache write + absorb_q {name} H={H} T=2"
+    print(group, flush=True)
+    bk.attempt(group, "write_latent_cache_fused + skinny_absorb_q", lambda: [unfused(s) for s in sets], 0, nbytes,
+               note="q_pe's RoPE not counted", sets=len(sets))
+    bk.attempt(group, "write_latent_cache_absorb_q triton (ours)", lambda: [fused(s) for s in sets], 0, nbytes,
+               note="q_pe rotated inside", sets=len(sets))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for bench_fusions.{json,txt}")
@@ -170,7 +202,7 @@ def main() -> None:
     sections = []
     for n in names:
         sections += [lambda n=n: decode_absorb_case(n, DIMS[n], args.quick), lambda n=n: norm_route_case(n, DIMS[n]),
-                     lambda n=n: norm_linear_case(n, DIMS[n])]
+                     lambda n=n: norm_linear_case(n, DIMS[n]), lambda n=n: write_absorb_case(n, DIMS[n])]
     bk.run_sections(sections, os.path.join(args.out, "bench_fusions.json"))
     text = bk.table_text()
     with open(os.path.join(args.out, "bench_fusions.txt"), "w") as f:

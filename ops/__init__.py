@@ -36,6 +36,7 @@ from mla_compile.ops.sparse_index import (lightning_index, sink_window_indices, 
 from mla_compile.ops.v4_attention import v4_attention
 from mla_compile.ops.v4_compress import v4_compress_write
 from mla_compile.ops.v4_index import v4_index_topk
+from mla_compile.ops.write_absorb_q import write_latent_cache_absorb_q
 from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-library backends; imports no peer)
 
 __all__ = [
@@ -47,5 +48,5 @@ __all__ = [
     "skinny_norm_linear",
     "skinny_absorb_out", "skinny_absorb_q",
     "lightning_index", "sink_window_indices", "sink_window_query_indices", "sparse_decode", "to_csr", "write_index_cache",
-    "v4_attention", "v4_compress_write", "v4_index_topk",
+    "v4_attention", "v4_compress_write", "v4_index_topk", "write_latent_cache_absorb_q",
 ]

@@ -102,7 +102,8 @@ class MLAAttention(nn.Module):
         self.backend = backend
         spec = parse_backend_spec(backend if backend is not None else envs.backend())
         op_names = ("decode", "prefill", "merge", "cache_write", "gather", "decode_fp8", "sparse_decode",
-                    "cache_write_fp8", "gather_fp8", "skinny_norm_linear", "decode_absorb_out")
+                    "cache_write_fp8", "gather_fp8", "skinny_norm_linear", "decode_absorb_out",
+                    "write_latent_cache_absorb_q")
         self._requested = {op: requested_for(op, spec) for op in op_names}
         self._choice_token, self._backend_choices = new_choice_cache()
         self.cuda_graph = False
@@ -183,10 +184,12 @@ class MLAAttention(nn.Module):
         latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, c.rope_interleave)
 
-    def project_raw(self, x: Tensor, cos: Tensor, sin: Tensor, q_resid: Tensor | None = None
-                    ) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa``
-        output ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`)."""
+    def project_raw(self, x: Tensor, cos: Tensor, sin: Tensor, q_resid: Tensor | None = None,
+                    rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`project` up to the latent: ``q_nope``, ``q_pe`` (rotated) and the raw ``kv_a_proj_with_mqa`` output
+        ``kv [T, kv_lora_rank + rope]`` (neither normed nor rotated: :meth:`finish_kv`). Without ``rotate_q_pe``:
+        ``(q [T, H, qk_head_dim], None, kv)``, the heads' whole query rows with q_pe raw in them (for
+        :meth:`write_cache_absorb_q`; a compile region may not return two views of one tensor)."""
         if self.q_proj is not None:
             q, kv = linears(x, self.q_proj, self.kv_a_proj_with_mqa)
         else:
@@ -196,30 +199,34 @@ class MLAAttention(nn.Module):
             else:
                 kv, = linears(x, self.kv_a_proj_with_mqa)
             q, = linears(q_resid, self.q_b_proj)
-        return self._split_q(q, kv, cos, sin)
+        return self._split_q(q, kv, cos, sin, rotate_q_pe)
 
-    def _split_q(self, q: Tensor, kv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``q [T, H * qk_head_dim]`` as ``(q_nope, rotated q_pe)``, then ``kv`` as it is."""
+    def _split_q(self, q: Tensor, kv: Tensor, cos: Tensor, sin: Tensor, rotate_q_pe: bool = True
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [T, H * qk_head_dim]`` as ``(q_nope, rotated q_pe)``, then ``kv`` as it is; without ``rotate_q_pe``
+        ``(q [T, H, qk_head_dim], None, kv)`` (:meth:`project_raw`)."""
         c = self.config
         q = q.unflatten(-1, (c.num_heads, c.qk_head_dim))
+        if not rotate_q_pe:
+            return q, None, kv
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
 
-    def project_raw_normed(self, h: Tensor, residual: Tensor, norm: nn.Module, cos: Tensor, sin: Tensor
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def project_raw_normed(self, h: Tensor, residual: Tensor, norm: nn.Module, cos: Tensor, sin: Tensor,
+                           rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """:meth:`project_raw` of ``norm(h + residual)`` (``norm``: the decoder layer's input RMSNorm, of eps
         ``config.rms_norm_eps``), the sum first: ``(h + residual, q_nope, q_pe, kv)``. Where ``mla::skinny_norm_linear``
         serves (:meth:`_norm_linear_serves`) the add, the norm and the first projections are one launch; elsewhere
-        the add, ``norm`` and :meth:`project_raw`."""
+        the add, ``norm`` and :meth:`project_raw` (``rotate_q_pe`` as there)."""
         first = self.q_proj if self.q_proj is not None else self.q_a_proj
         if self._norm_linear_serves(h, norm, first):
             h, (q, kv) = ops.skinny_norm_linear(h, residual, norm.weight, thaw(self._norm_eps),
                                                 [first.weight, self.kv_a_proj_with_mqa.weight], backend="triton")
             if self.q_proj is None:
                 q, = linears(self.q_a_layernorm(q), self.q_b_proj)
-            return (h, *self._split_q(q, kv, cos, sin))
+            return (h, *self._split_q(q, kv, cos, sin, rotate_q_pe))
         h = h + residual
-        return (h, *self.project_raw(norm(h), cos, sin))
+        return (h, *self.project_raw(norm(h), cos, sin, rotate_q_pe=rotate_q_pe))
 
     def _norm_linear_serves(self, h: Tensor, norm: nn.Module, first: nn.Module) -> bool:
         """A static choice for a compiled graph: CUDA half-precision ``h``, plain linears, a norm weight of h's dtype
@@ -273,6 +280,36 @@ class MLAAttention(nn.Module):
         torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
                                                self._require_cache(), thaw(self._latent_eps), c.rope_interleave)
 
+    def write_absorb_serves(self, x: Tensor, meta: MLAMetadata) -> bool:
+        """Whether a regional step takes :meth:`write_cache_absorb_q` between its regions (a static choice): a
+        decode-only step of a dense layer, the cache write's backend "auto" (the fused write), CUDA half-precision
+        hidden states ``x`` (the queries' device and dtype) with W_UK of their dtype, and ``mla::write_latent_cache_absorb_q``'s backend resolving to "triton" (its "auto"
+        once the kernel is GPU-tested; ``backend="write_latent_cache_absorb_q=triton"`` asks for it by name)."""
+        if self.indexer is not None or self.sink_window is not None or meta.prefill is not None or meta.decode is None:
+            return False
+        if self._write_backend() != "auto" or not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+                                                   and self.kv_b_proj.weight.dtype == x.dtype):
+            return False
+        return ops.resolve("write_latent_cache_absorb_q", x.device, self._requested["write_latent_cache_absorb_q"],
+                           dtype=x.dtype).name == "triton"
+
+    def write_cache_absorb_q(self, kv: Tensor, q: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> Tensor:
+        """:meth:`write_cache_raw` of ``kv`` and the absorbed queries ``q_abs [T, H, kv_lora_rank + rope]`` of the
+        query rows ``q [T, H, qk_head_dim]`` (q_pe raw: rotated here; :meth:`project_raw` without ``rotate_q_pe``) in
+        one ``mla::write_latent_cache_absorb_q`` call (where :meth:`write_absorb_serves`; the step then attends with
+        :meth:`attend_absorbed`)."""
+        c, norm = self.config, self.kv_a_layernorm
+        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        return ops.write_latent_cache_absorb_q(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
+                                               self._require_cache(), thaw(self._latent_eps), c.rope_interleave,
+                                               q_nope, self._w_uk_uv()[0], q_pe, backend="triton")
+
+    def attend_absorbed(self, q_abs: Tensor, meta: MLAMetadata) -> Tensor:
+        """:meth:`attend` of a decode-only step from its absorbed queries ``q_abs [T, H, kv_lora_rank + rope]``
+        (:meth:`write_cache_absorb_q`): the decode over the cache, the up-projection and ``o_proj``: ``[T, hidden]``."""
+        return linears(self._decode_absorbed(q_abs, meta).flatten(1), self.o_proj)[0]
+
     def attend(self, x: Tensor, q_nope: Tensor, q_pe: Tensor, latent: Tensor, k_pe: Tensor, cos: Tensor, sin: Tensor,
                meta: MLAMetadata, positions: Tensor | None = None, q_resid: Tensor | None = None) -> Tensor:
         """Attention of this step's queries over the cache (written by :meth:`write_cache`) and ``o_proj``:
@@ -299,9 +336,12 @@ class MLAAttention(nn.Module):
 
     def _decode(self, q_nope: Tensor, q_pe: Tensor, meta: MLAMetadata) -> Tensor:
         """Absorbed path: ``[n_dec, H, v_head_dim]``."""
+        return self._decode_absorbed(absorb_q(q_nope, self._w_uk_uv()[0], q_pe), meta)
+
+    def _decode_absorbed(self, q_abs: Tensor, meta: MLAMetadata) -> Tensor:
+        """:meth:`_decode` from the absorbed queries ``q_abs [n_dec, H, kv_lora_rank + rope]``."""
         c, d = self.config, meta.decode
-        w_uk, w_uv = self._w_uk_uv()
-        q_abs = absorb_q(q_nope, w_uk, q_pe)
+        w_uv = self._w_uk_uv()[1]
         if d.query_len == 1:  # [B, 1, H, D]: an unsqueeze, no symbolic size for Dynamo to trace
             q_abs = q_abs.unsqueeze(1)
         else:

@@ -132,10 +132,17 @@ class MLAForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn = layer.self_attn
             if self.regional_compile and attn.indexer is None and attn.sink_window is None:
+                # a decode step may write the cache and absorb q (q_pe rotated there) in one op between the regions
+                fold = attn.write_absorb_serves(h, meta)
+                raw = (False,) if fold else ()  # the regions' rotate_q_pe (their default where not folded)
                 if mlp_out is None:
-                    q_nope, q_pe, kv = _layer_projections(layer, h, cos, sin)
+                    q_nope, q_pe, kv = _layer_projections(layer, h, cos, sin, *raw)
                 else:
-                    h, q_nope, q_pe, kv = _layer_add_projections(layer, h, mlp_out, cos, sin)
+                    h, q_nope, q_pe, kv = _layer_add_projections(layer, h, mlp_out, cos, sin, *raw)
+                if fold:  # q_nope holds the whole query rows here (q_pe raw in them)
+                    q_abs = attn.write_cache_absorb_q(kv, q_nope, cos, sin, meta)
+                    h, mlp_out = _layer_rest_absorbed(layer, h, q_abs, token_mask, *flat)
+                    continue
                 attn.write_cache_raw(kv, cos, sin, meta)
                 h, mlp_out = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, token_mask, *flat)
                 continue
@@ -165,19 +172,22 @@ def _region(fn):
 
 
 @_region
-def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, rotate_q_pe: bool = True
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """The first region of a layer: input norm and the attention projections (no cache access), the latent left
-    raw (``MLAAttention.project_raw``): the cache write after the region norms and rotates it in its own launch."""
-    return layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin)
+    raw (``MLAAttention.project_raw``): the cache write after the region norms and rotates it in its own launch.
+    ``rotate_q_pe=False``: ``(q, None, kv)``, the query rows with q_pe raw (``MLAAttention.write_cache_absorb_q``
+    rotates it)."""
+    return layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin, rotate_q_pe=rotate_q_pe)
 
 
 @_region
-def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor
-                           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor,
+                           rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here so that the add
     and the input norm are one kernel, or with the first projections one launch: ``MLAAttention.project_raw_normed``);
     also returns that sum."""
-    return layer.self_attn.project_raw_normed(h, mlp_out, layer.input_layernorm, cos, sin)
+    return layer.self_attn.project_raw_normed(h, mlp_out, layer.input_layernorm, cos, sin, rotate_q_pe)
 
 
 @_region
@@ -194,6 +204,15 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: T
     else:
         latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
     return _residual_mlp(layer, h, layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta), token_mask)
+
+
+@_region
+def _layer_rest_absorbed(layer: nn.Module, h: Tensor, q_abs: Tensor, token_mask: Tensor | None, *flat_meta
+                         ) -> tuple[Tensor, Tensor]:
+    """:func:`_layer_rest` of a decode-only step whose absorbed queries ``q_abs`` came with the cache write
+    (``MLAAttention.write_cache_absorb_q``): the decode, ``o_proj``, the attention residual and the MLP."""
+    meta = MLAMetadata.from_flat(*flat_meta)
+    return _residual_mlp(layer, h, layer.self_attn.attend_absorbed(q_abs, meta), token_mask)
 
 
 def _residual_mlp(layer: nn.Module, h: Tensor, residual: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:

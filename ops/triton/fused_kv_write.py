@@ -33,7 +33,20 @@ def _fused_kv_write_kernel(
 ):
     pdl_wait(PDL)  # every operand but the norm weight comes from the step's kernels
     pdl_launch_dependents(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    kv_write_row(tl.program_id(0).to(tl.int64), lat_ptr, kpe_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
+                 n_slots, block_size, eps, s_lat, s_kpe, s_cos, s_sin, s_cb, s_ct, DC, HALF, BLOCK_DC, BLOCK_HALF,
+                 INTERLEAVE, ROUND_NORM, FP8)
+
+
+@triton.jit
+def kv_write_row(
+    t, lat_ptr, kpe_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, cache_ptr,
+    n_slots, block_size, eps,
+    s_lat, s_kpe, s_cos, s_sin, s_cb, s_ct,
+    DC: tl.constexpr, HALF: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr, ROUND_NORM: tl.constexpr, FP8: tl.constexpr,
+):
+    """Token ``t``'s row (a ``_fused_kv_write_kernel`` program, after its PDL wait): see the module docstring."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     ok = (slot >= 0) & (slot < n_slots)
     dst = cache_ptr + (slot // block_size) * s_cb + (slot % block_size) * s_ct

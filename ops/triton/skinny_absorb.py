@@ -29,14 +29,19 @@ OUT_MAX_BLOCK_C = 512
 
 
 @triton.jit
-def _skinny_absorb_q_kernel(
-    q_ptr, w_ptr, pe_ptr, out_ptr,
+def absorb_q_tile(
+    q_ptr, w_ptr, pe_ptr, out_ptr, hd, cb,
     T, N, C, R,
     s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh,
+    cos_ptr, sin_ptr, s_cos, s_sin,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
-    hd = tl.program_id(0).to(tl.int64)
-    cb = tl.program_id(1)
+    """Head ``hd``'s latent columns ``[cb * BLOCK_C, (cb + 1) * BLOCK_C)`` of every token (at most ``ROWS``): the
+    ``_skinny_absorb_q_kernel`` program ``(hd, cb)``; the ``cb == 0`` program also copies the tokens' q_pe into the last
+    ``R`` columns, with ``ROPE`` rotated by the token's ``cos`` / ``sin`` rows (``R / 2`` float32 each) as
+    ``models.rope.apply_rope`` (``INTERLEAVE``: pairs, written de-interleaved; else rotate-half), rounded to the
+    output's dtype."""
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     r_idx = tl.arange(0, ROWS)
@@ -56,11 +61,42 @@ def _skinny_absorb_q_kernel(
     out = out_ptr + r_idx[:, None].to(tl.int64) * s_ot + hd * s_oh + c[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(r_idx < T)[:, None] & c_ok[None, :])
     if cb == 0:
-        d = tl.arange(0, BLOCK_R)
-        d_ok = d < R
-        for r in tl.static_range(ROWS):
-            pe = tl.load(pe_ptr + r * s_pt + hd * s_ph + d, mask=d_ok & (r < T), other=0.0)
-            tl.store(out_ptr + r * s_ot + hd * s_oh + C + d, pe.to(out_ptr.dtype.element_ty), mask=d_ok & (r < T))
+        if ROPE:
+            j = tl.arange(0, BLOCK_R // 2)
+            j_ok = j < R // 2
+            for r in tl.static_range(ROWS):
+                ok = j_ok & (r < T)
+                pe_row = pe_ptr + r * s_pt + hd * s_ph
+                if INTERLEAVE:
+                    x1 = tl.load(pe_row + 2 * j, mask=ok, other=0.0).to(tl.float32)
+                    x2 = tl.load(pe_row + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+                else:
+                    x1 = tl.load(pe_row + j, mask=ok, other=0.0).to(tl.float32)
+                    x2 = tl.load(pe_row + R // 2 + j, mask=ok, other=0.0).to(tl.float32)
+                cs = tl.load(cos_ptr + r * s_cos + j, mask=ok, other=0.0).to(tl.float32)
+                sn = tl.load(sin_ptr + r * s_sin + j, mask=ok, other=0.0).to(tl.float32)
+                dst = out_ptr + r * s_ot + hd * s_oh + C
+                tl.store(dst + j, (x1 * cs - x2 * sn).to(out_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + R // 2 + j, (x2 * cs + x1 * sn).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            d = tl.arange(0, BLOCK_R)
+            d_ok = d < R
+            for r in tl.static_range(ROWS):
+                pe = tl.load(pe_ptr + r * s_pt + hd * s_ph + d, mask=d_ok & (r < T), other=0.0)
+                tl.store(out_ptr + r * s_ot + hd * s_oh + C + d, pe.to(out_ptr.dtype.element_ty),
+                         mask=d_ok & (r < T))
+
+
+@triton.jit
+def _skinny_absorb_q_kernel(
+    q_ptr, w_ptr, pe_ptr, out_ptr,
+    T, N, C, R,
+    s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+):
+    absorb_q_tile(q_ptr, w_ptr, pe_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), T, N, C, R,
+                  s_qt, s_qh, s_wh, s_wn, s_pt, s_ph, s_ot, s_oh, q_ptr, q_ptr, 0, 0, ROWS, BLOCK_N, BLOCK_C, BLOCK_R,
+                  PDL, False, False)
 
 
 @triton.jit

@@ -8,6 +8,7 @@ compiled with a mask) and :func:`test_padded_decode_logits_on_gpu` here."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,8 +183,9 @@ def test_padded_decode_logits_on_gpu(kind, regional):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("spec", ["skinny_norm_linear=triton", "moe_norm_gate_route=triton", "decode_absorb_out=gluon",
-                                  "decode_absorb_out=triton",
-                                  "skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon"])
+                                  "decode_absorb_out=triton", "write_latent_cache_absorb_q=triton",
+                                  "skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon,"
+                                  "write_latent_cache_absorb_q=triton"])
 @pytest.mark.parametrize("kind", toy.KINDS)
 def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
     """``backend="skinny_norm_linear=triton"``: each layer's first region takes ``mla::skinny_norm_linear`` (the MLP
@@ -191,8 +193,9 @@ def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
     ``F.linear`` at eight); ``"moe_norm_gate_route=triton"``: each MoE layer's attention residual add, its
     post-attention norm and its router are ``mla::moe_norm_gate_route`` (one launch at two rows);
     ``"decode_absorb_out=<split kernel>"``: the decode, its split merge and W_UV are ``mla::decode_absorb_out`` (the
-    merge and W_UV one launch at two rows); a B=1 decode padded to 2 and B=3 padded to 8 give the logits of the model
-    without them, eager and compiled."""
+    merge and W_UV one launch at two rows); ``"write_latent_cache_absorb_q=triton"``: a decode step's cache write and
+    absorbed queries (with q_pe's RoPE) are one launch between the regions; a B=1 decode padded to 2 and B=3 padded
+    to 8 give the logits of the model without them, eager and compiled."""
     hf = toy.toy_hf_model(kind, seed=7, num_hidden_layers=3, first_k_dense_replace=1, dtype=torch.bfloat16).cuda()
     ref = patch(copy.deepcopy(hf), moe_impl="fused", regional_compile=True)
     model = patch(hf, moe_impl="fused", regional_compile=True, backend=spec)
@@ -200,24 +203,29 @@ def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
     attn = layer.self_attn
     first = attn.q_proj if attn.q_proj is not None else attn.q_a_proj
     h = torch.empty(2, hf.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    decode_only = SimpleNamespace(prefill=None, decode=object())  # what write_absorb_serves reads of a step
     for name, serves, unasked in (
             ("skinny_norm_linear", attn._norm_linear_serves(h, layer.input_layernorm, first),
              ref.model.layers[1].self_attn._norm_linear_serves(h, layer.input_layernorm, first)),
             ("moe_norm_gate_route", layer.mlp.norm_route_serves(h, layer.post_attention_layernorm),
              ref.model.layers[1].mlp.norm_route_serves(h, layer.post_attention_layernorm)),
             ("decode_absorb_out", attn._decode_absorb_backend(h, attn._w_uk_uv()[1], None) is not None,
-             ref.model.layers[1].self_attn._decode_absorb_backend(h, attn._w_uk_uv()[1], None) is not None)):
+             ref.model.layers[1].self_attn._decode_absorb_backend(h, attn._w_uk_uv()[1], None) is not None),
+            ("write_latent_cache_absorb_q", attn.write_absorb_serves(h, decode_only),
+             ref.model.layers[1].self_attn.write_absorb_serves(h, decode_only))):
         assert serves == (name in spec) and not unasked  # "auto": not yet
     _padded_steps_match(model, ref)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out"])
+@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q"])
 def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
-    """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route``, or each
-    layer's decode, split merge and W_UV as ``mla::decode_absorb_out`` (forced on CPU, through the op's reference):
-    the regional model eager and compiled (fullgraph, no Inductor) give the unfused model's logits of a padded decode
-    at two batch sizes, with the op in the compiled graph."""
+    """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route``, each
+    layer's decode, split merge and W_UV as ``mla::decode_absorb_out``, or each layer's cache write and absorbed
+    queries (q_pe rotated there, left raw by the first region) as ``mla::write_latent_cache_absorb_q`` between the
+    regions (forced on CPU, through the op's reference): the regional model eager and compiled (fullgraph, no
+    Inductor) give the unfused model's logits of a padded decode at two batch sizes, with the op in the compiled
+    graph."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from mla_compile.models.attention import MLAAttention
@@ -235,8 +243,16 @@ def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
         monkeypatch.setattr(moe_module, "moe_norm_gate_route",
                             lambda *a, **kw: real(*a, **{**kw, "backend": "reference"}))
         monkeypatch.setattr(moe_module.MLAMoE, "norm_route_serves", lambda self, h, norm: True)
-    else:
+    elif fused == "decode_absorb_out":
         monkeypatch.setattr(MLAAttention, "_decode_absorb_backend", lambda self, q, w_uv, plan: "reference")
+    else:  # the decode steps only (the prefills above wrote the cache as before)
+        from mla_compile import ops
+
+        real_serves, real_op = MLAAttention.write_absorb_serves, ops.write_latent_cache_absorb_q
+        monkeypatch.setattr(MLAAttention, "write_absorb_serves",
+                            lambda self, x, meta: meta.prefill is None or real_serves(self, x, meta))
+        monkeypatch.setattr(ops, "write_latent_cache_absorb_q",
+                            lambda *a, **kw: real_op(*a, **{**kw, "backend": "reference"}))
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm, example_inputs):

@@ -134,3 +134,26 @@ def test_moe_norm_gate_route_kernel_compiles_for_sm90(T, E, H, k, G, TG, scoring
     kernel, _, args, kwargs = launches[0]
     ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
     assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("T,H", [(1, 16), (2, 16), (2, 128)])
+def test_write_absorb_q_kernel_compiles_for_sm90(T, H, fp8):
+    """``mla::write_latent_cache_absorb_q``'s one launch (the absorb programs rotating q_pe, the fused write's rows,
+    a float or fp8 cache) at V2-Lite's and V3's widths: no spills; under PDL the wait before the trigger."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, write_absorb_q
+
+    w = _meta(H * 256, 512).view(H, 256, 512)
+    q = _meta(T, H, 192)
+    cache = _meta(64, 64, 656, dtype=torch.uint8) if fp8 else _meta(64, 64, 576)
+    kv = _meta(T, 576)
+    launches = _sm90.record(write_absorb_q, write_absorb_q.launch, kv[:, :512], kv[:, 512:], _meta(512),
+                            _meta(T, 32, dtype=torch.float32), _meta(T, 32, dtype=torch.float32),
+                            _meta(T, dtype=torch.int64), cache, 1e-6, True, q[..., :128], w[:, :128], q[..., 128:],
+                            pdl=True)
+    assert len(launches) == 1 and launches[0][3]["PDL"] and launches[0][3]["FP8"] == fp8
+    _no_spills(launches)
+    kernel, _, args, kwargs = launches[0]
+    ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
+    assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
