@@ -29,7 +29,7 @@ from mla_compile.ops.moe_gate_route import validate as validate_gate_route
 from mla_compile.ops.moe_route import route_math
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
-from mla_compile.ops.skinny_norm_linear import rms_norm
+from mla_compile.ops.skinny_norm_linear import rms_norm, validate_add_norm
 
 OP = declare_op("moe_norm_gate_route", "mla.moe_norm_gate_route")
 
@@ -38,13 +38,9 @@ def validate(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weigh
              top_k: int, num_group: int, topk_group: int, scoring: str) -> None:
     """Shape/dtype/argument checks (metadata only, no sync)."""
     check_tensor(OP, "x", x, ndim=2, dtypes=FLOATS, expected="[T, hidden] float hidden states")
-    T, H = x.shape
-    check_tensor(OP, "residual", residual, ndim=2, dtypes=(x.dtype,), shape=(T, H),
-                 expected=f"[{T}, {H}] of x's dtype {x.dtype}")
-    check_tensor(OP, "norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), shape=(H,),
-                 expected=f"[{H}] of x's dtype {x.dtype}")
-    if not eps > 0:
-        raise ValueError(f"{OP}: eps must be positive, got {eps}")
+    if residual is None:
+        raise TypeError(f"{OP}: residual must be a [T, hidden] tensor of x's dtype, got None")
+    validate_add_norm(OP, x, residual, norm_weight, eps)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
         if t.device != x.device:
             raise ValueError(f"{OP}: {name} is on {t.device}, x on {x.device}")

@@ -32,14 +32,8 @@ OP = declare_op("skinny_norm_linear", "mla.skinny_norm_linear")
 def validate(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weights: list[Tensor]) -> None:
     """Shape/dtype checks (metadata only, no sync)."""
     check_tensor(OP, "x", x, ndim=2, dtypes=FLOATS, expected="[M, K]")
-    M, K = x.shape
-    if residual is not None:
-        check_tensor(OP, "residual", residual, ndim=2, dtypes=(x.dtype,), shape=(M, K),
-                     expected=f"[{M}, {K}] of x's dtype {x.dtype}")
-    check_tensor(OP, "norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), shape=(K,),
-                 expected=f"[{K}] of x's dtype {x.dtype}")
-    if not eps > 0:
-        raise ValueError(f"{OP}: eps must be positive, got {eps}")
+    validate_add_norm(OP, x, residual, norm_weight, eps)
+    K = x.shape[1]
     if not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"{OP}: weights must be a list of 1 to {MAX_WEIGHTS} matrices [N_i, K], got {len(weights)}")
     for i, w in enumerate(weights):
@@ -49,6 +43,19 @@ def validate(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float
                                                                           for i, w in enumerate(weights))):
         if t is not None and t.device != x.device:
             raise ValueError(f"{OP}: {name} is on {t.device}, x on {x.device}")
+
+
+def validate_add_norm(op: str, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float) -> None:
+    """``op``'s checks of a residual add and RMSNorm of the 2-D ``x``: ``residual`` (None, or x's shape and dtype),
+    ``norm_weight [K]`` of x's dtype, a positive ``eps`` (metadata only, no sync)."""
+    M, K = x.shape
+    if residual is not None:
+        check_tensor(op, "residual", residual, ndim=2, dtypes=(x.dtype,), shape=(M, K),
+                     expected=f"[{M}, {K}] of x's dtype {x.dtype}")
+    check_tensor(op, "norm_weight", norm_weight, ndim=1, dtypes=(x.dtype,), shape=(K,),
+                 expected=f"[{K}] of x's dtype {x.dtype}")
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be positive, got {eps}")
 
 
 def rms_norm(h: Tensor, norm_weight: Tensor, eps: float) -> Tensor:

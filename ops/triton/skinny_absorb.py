@@ -127,12 +127,18 @@ def _skinny_absorb_out_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(r_idx < T)[:, None] & v_ok[None, :])
 
 
+def q_abs_output(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
+    """An uninitialized ``q_abs [T, H, Dc + Dr]`` of q_nope's dtype for a launch of at most ``MAX_ROWS`` tokens."""
+    T, H, _ = q_nope.shape
+    assert T <= MAX_ROWS, T
+    return torch.empty(T, H, w_uk.shape[2] + q_pe.shape[2], dtype=q_nope.dtype, device=q_nope.device)
+
+
 def launch_q(q_nope: Tensor, w_uk: Tensor, q_pe: Tensor) -> Tensor:
     """absorb_q's kernel path (the interpreter on CPU tensors too): at most ``MAX_ROWS`` tokens."""
     T, H, N = q_nope.shape
     C, R = w_uk.shape[2], q_pe.shape[2]
-    assert T <= MAX_ROWS, T
-    out = torch.empty(T, H, C + R, dtype=q_nope.dtype, device=q_nope.device)
+    out = q_abs_output(q_nope, w_uk, q_pe)
     if T == 0 or H == 0:
         return out
     q_nope, q_pe, w_uk = last_dim_contiguous(q_nope), last_dim_contiguous(q_pe), last_dim_contiguous(w_uk)

@@ -22,7 +22,7 @@ from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton.fused_kv_write import kv_write_row
-from mla_compile.ops.triton.skinny_absorb import Q_BLOCK_C, Q_MAX_BLOCK_N, absorb_q_tile
+from mla_compile.ops.triton.skinny_absorb import Q_BLOCK_C, Q_MAX_BLOCK_N, absorb_q_tile, q_abs_output
 from mla_compile.ops.write_absorb_q import MAX_ROWS, fake, validate
 
 
@@ -54,8 +54,7 @@ def launch(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: 
     returns ``q_abs``. The cache's layout requirements are ``mla::write_latent_cache_fused``'s kernel's."""
     T, H, N = q_nope.shape
     C, R = w_uk.shape[2], q_pe.shape[2]
-    assert T <= MAX_ROWS, T
-    out = torch.empty(T, H, C + R, dtype=q_nope.dtype, device=q_nope.device)
+    out = q_abs_output(q_nope, w_uk, q_pe)
     if T == 0 or H == 0:
         return out
     fp8 = kv_cache.dtype == torch.uint8

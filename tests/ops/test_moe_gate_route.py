@@ -195,11 +195,17 @@ def test_moe_layer_wiring_passes_the_gates_routing(kind, monkeypatch):
 CUDA_CASES = [("v2-lite", 2048), ("v3", 2048), ("v3", 7168)]
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("routing,H", CUDA_CASES)
-@pytest.mark.parametrize("T", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def cuda_grid(test):
+    """The CUDA marks and the grid of the router tests' GPU runs: ``routing, H`` of :data:`CUDA_CASES`, one, two
+    (the fused kernel) and five tokens, bf16 and fp16 (also ``mla::moe_norm_gate_route``'s)."""
+    for mark in (pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16]),
+                 pytest.mark.parametrize("T", [1, 2, 5]), pytest.mark.parametrize("routing,H", CUDA_CASES),
+                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.cuda):
+        test = mark(test)
+    return test
+
+
+@cuda_grid
 def test_cuda_triton_matches_float64(routing, H, T, dtype):
     x, weight, b = _inputs(routing, T, H, dtype=dtype, device="cuda", seed=T + H)
     w, ids = _route(x, weight, b, routing, "triton")

@@ -12,7 +12,7 @@ import torch
 
 from mla_compile import ops
 from mla_compile.ops.moe_gate_route import MAX_ROWS
-from tests.ops.test_moe_gate_route import ROUTINGS, _check
+from tests.ops.test_moe_gate_route import CUDA_CASES, ROUTINGS, _check, cuda_grid
 from tests.ops.test_moe_route import poison_empty
 from tests.ops.triton.conftest import INTERPRET
 
@@ -217,16 +217,10 @@ def test_patch_hands_the_norm_eps_and_the_backend_to_the_moe():
     assert patch(hf, moe_impl="fused").model.layers[1].mlp._norm_route == "auto"
 
 
-# --- CUDA (the lead's H200 run) ---
-
-CUDA_CASES = [("v2-lite", 2048), ("v3", 2048), ("v3", 7168)]
+# --- CUDA (the lead's H200 run; mla::moe_gate_route's grid) ---
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("routing,H", CUDA_CASES)
-@pytest.mark.parametrize("T", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@cuda_grid
 def test_cuda_triton_matches_float64(routing, H, T, dtype):
     """The fused kernel (1, 2 tokens) and, for 5, the add + norm launch and ``mla::moe_gate_route``'s path; h exact
     (as torch's add), normed within one rounding of float64 math, the routing against float64 logits."""
