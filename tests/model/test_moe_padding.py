@@ -218,14 +218,14 @@ def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q"])
+@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q", "all"])
 def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
     """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route``, each
     layer's decode, split merge and W_UV as ``mla::decode_absorb_out``, or each layer's cache write and absorbed
     queries (q_pe rotated there, left raw by the first region) as ``mla::write_latent_cache_absorb_q`` between the
     regions (forced on CPU, through the op's reference): the regional model eager and compiled (fullgraph, no
     Inductor) give the unfused model's logits of a padded decode at two batch sizes, with the op in the compiled
-    graph."""
+    graph ("all": the three at once, each op in the graph)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from mla_compile.models.attention import MLAAttention
@@ -238,14 +238,15 @@ def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
     _prefilled(model)
     sizes = ((1, 2), (3, 8))
     wants = [_run(eager, builder.build(chunks[:n], decode_batch=capture)).clone() for n, capture in sizes]
-    if fused == "moe_norm_gate_route":  # the unfused model's logits are known: from here on the op is taken
+    # the unfused model's logits are known: from here on the ops are taken
+    if fused in ("moe_norm_gate_route", "all"):
         real = moe_module.moe_norm_gate_route
         monkeypatch.setattr(moe_module, "moe_norm_gate_route",
                             lambda *a, **kw: real(*a, **{**kw, "backend": "reference"}))
         monkeypatch.setattr(moe_module.MLAMoE, "norm_route_serves", lambda self, h, norm: True)
-    elif fused == "decode_absorb_out":
+    if fused in ("decode_absorb_out", "all"):
         monkeypatch.setattr(MLAAttention, "_decode_absorb_backend", lambda self, q, w_uv, plan: "reference")
-    else:  # the decode steps only (the prefills above wrote the cache as before)
+    if fused in ("write_latent_cache_absorb_q", "all"):  # the decode steps only (the prefills above wrote the cache)
         from mla_compile import ops
 
         real_serves, real_op = MLAAttention.write_absorb_serves, ops.write_latent_cache_absorb_q
@@ -268,4 +269,6 @@ def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
     assert dict(counters["graph_break"]) == {}
     targets = [str(n.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
                for n in sub.graph.nodes if n.op == "call_function"]
-    assert any(fused in t for t in targets), f"no mla::{fused} call in the compiled graph"
+    names = ("moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q") if fused == "all" else (fused,)
+    for name in names:
+        assert any(name in t for t in targets), f"no mla::{name} call in the compiled graph"
