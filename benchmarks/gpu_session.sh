@@ -5,12 +5,15 @@
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
+#   fusedstep the full-depth B=1 row (V2-Lite, 27 layers, regional + lowerings) without, then with the four opt-in
+#            fusions (FUSIONS: their backend spec); one machine, so the two rows compare
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
 # TEST_TIMEOUT=450 pass PHASES=none, or a smaller TEST_PATHS, to leave time for a benchmark). Raw files in
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused"
+FUSIONS=${FUSIONS:-skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon,write_latent_cache_absorb_q=triton}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
 # TEST_PATHS: the CUDA tests to run first (default: all of them). -v: one line per finished test, so a run cut by
@@ -35,6 +38,12 @@ fi
     > "$O/ker.log" 2>&1
 [[ $PHASES == *,fp8,* ]] && timeout 90 python3 benchmarks/bench_fp8_sparse.py --out "$O/fp8" --quick > "$O/fp8.log" 2>&1
 [[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
+if [[ $PHASES == *,fusedstep,* ]]; then
+    step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1
+          --budget-s 110)
+    timeout 130 python3 "${step[@]}" --out "$O/base" > "$O/base.log" 2>&1
+    timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
+fi
 if [[ $PHASES == *,step,* ]]; then
     grep -E "^ours|replay only" "$O/tri/bench_decode_step.txt"
     head -n 22 "$O/auto/profile_replay.txt"
@@ -44,7 +53,11 @@ fi
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
 [[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
 [[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"
+if [[ $PHASES == *,fusedstep,* ]]; then
+    echo "full depth B=1 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
+    echo "with $FUSIONS:"; grep -E "^ours|replay only" "$O/fused/bench_decode_step.txt"
+fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused)
