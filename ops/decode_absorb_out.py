@@ -87,7 +87,7 @@ declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF
         kernels=("decode_absorb_out_triton", "_reduce_absorb_kernel"),
         note=f"ours: mla::decode's Triton split kernel, then the split merge and W_UV in one launch (up to "
              f"{MAX_ROWS} query rows)")
-declare(OP, "gluon", _gluon, rank=40, available=_triton_available, dtypes=(torch.bfloat16,), package="triton",
+declare(OP, "gluon", _gluon, rank=40, available=_triton_available, dtypes=HALF, package="triton",
         gpu_tested=False, kernels=("decode_absorb_out_gluon",),
-        note=f"ours: mla::decode's Gluon split kernel (sm_90; else the Triton one), then the split merge and W_UV "
+        note=f"ours: mla::decode's Gluon split kernel (sm_90 bf16; else the Triton one), then the split merge and W_UV "
              f"in one launch (up to {MAX_ROWS} query rows)")

@@ -230,8 +230,8 @@ def test_cuda_triton_matches_float64(routing, H, T, dtype):
     assert torch.equal(got[0], x + r)
     near = 1e-5 if T <= MAX_ROWS else 2e-2  # more tokens: logits of the rounded normed rows
     _check_all(got, x, r, nw, weight, b, routing, 1, 1, 1e-4 if T <= MAX_ROWS else 2e-2, near)
-    ref = _call(x, r, nw, weight, b, routing, "reference")
-    assert ((got[1].double() - ref[1].double()).abs() <= ref[1].double().abs() * 2.0 ** -7 + 1e-30).all()
+    ref = _call(x, r, nw, weight, b, routing, "reference")  # two roundings of values whose sums differ in order
+    assert ((got[1].double() - ref[1].double()).abs() <= ref[1].double().abs() * 2.0 ** -6 + 1e-30).all()
 
 
 @pytest.mark.cuda
