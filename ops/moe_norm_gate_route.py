@@ -2,8 +2,9 @@
 
 Contract. ``x [T, H]``, ``residual [T, H]``, ``norm_weight [H]`` (all of one float dtype), ``eps`` and the gate's
 ``weight [E, H]`` of that dtype give ``(h, normed, weights, ids)``: ``h = x + residual`` in x's dtype, ``normed =
-norm_weight * (h * rsqrt(mean(h^2) + eps))`` as HF DeepSeek's RMSNorm rounds it (the mean and the scaling in float32,
-the scaled row rounded to x's dtype before the weight), and ``mla::moe_gate_route``'s routing of the logits
+norm_weight * (h * rsqrt(mean(h^2) + eps))`` with HF DeepSeek's RMSNorm's rounding steps (the mean and the scaling in
+float32, the scaled row rounded to x's dtype before the weight; a backend sums the squares in its own order, so an
+element may round the other way), and ``mla::moe_gate_route``'s routing of the logits
 ``normed @ weight.T`` (:mod:`mla_compile.ops.moe_gate_route`: the same arguments after ``weight``, the same
 ``(weights [T, top_k] float32, ids [T, top_k] int32)``). A decoder layer's step after its attention is this: the
 attention's residual add, ``post_attention_layernorm`` and the MoE's router. A backend may form the logits from the

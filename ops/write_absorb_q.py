@@ -28,9 +28,9 @@ from mla_compile.ops.fused_kv_write import rope, validate as validate_write
 from mla_compile.ops.fused_kv_write import write_latent_cache_fused_reference
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
+from mla_compile.ops.skinny_absorb import MAX_ROWS  # tokens the one launch serves: mla::skinny_absorb_q's
 
 OP = declare_op("write_latent_cache_absorb_q", "mla.write_latent_cache_absorb_q")
-MAX_ROWS = 2  # tokens the one launch serves (mla::skinny_absorb_q's)
 
 
 def validate(latent: Tensor, k_pe: Tensor, norm_weight: Tensor, cos: Tensor, sin: Tensor, slot_mapping: Tensor,

@@ -105,6 +105,8 @@ class MLAAttention(nn.Module):
                     "cache_write_fp8", "gather_fp8", "skinny_norm_linear", "decode_absorb_out",
                     "write_latent_cache_absorb_q")
         self._requested = {op: requested_for(op, spec) for op in op_names}
+        # a subclass that attends its own way (the DCP attention) never takes the decode-step fold of this class
+        self._own_decode = type(self).attend is MLAAttention.attend and type(self)._decode is MLAAttention._decode
         self._choice_token, self._backend_choices = new_choice_cache()
         self.cuda_graph = False
         self.q_proj = getattr(hf_attn, "q_proj", None)
@@ -282,10 +284,11 @@ class MLAAttention(nn.Module):
 
     def write_absorb_serves(self, x: Tensor, meta: MLAMetadata) -> bool:
         """Whether a regional step takes :meth:`write_cache_absorb_q` between its regions (a static choice): a
-        decode-only step of a dense layer, the cache write's backend "auto" (the fused write), CUDA half-precision
+        decode-only step of a dense layer of this class (not a subclass with its own ``attend`` / ``_decode``), the cache write's backend "auto" (the fused write), CUDA half-precision
         hidden states ``x`` (the queries' device and dtype) with W_UK of their dtype, and ``mla::write_latent_cache_absorb_q``'s backend resolving to "triton" (its "auto"
         once the kernel is GPU-tested; ``backend="write_latent_cache_absorb_q=triton"`` asks for it by name)."""
-        if self.indexer is not None or self.sink_window is not None or meta.prefill is not None or meta.decode is None:
+        if (not self._own_decode or self.indexer is not None or self.sink_window is not None
+                or meta.prefill is not None or meta.decode is None):
             return False
         if self._write_backend() != "auto" or not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
                                                    and self.kv_b_proj.weight.dtype == x.dtype):

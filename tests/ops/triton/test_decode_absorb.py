@@ -170,3 +170,18 @@ def test_cuda_compiled_and_graph_replay(backend, fresh_dynamo):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out, _want64(sq, cache, table, sl, w_uv, 0.0625, 512)) < 1e-2
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("split", ["triton", "gluon"])
+@pytest.mark.parametrize("splits", [1, 2, 24, 64])
+def test_cuda_split_counts_take_every_merge_branch(split, splits):
+    """The fused launch after 1 split (the split kernel's own rows), 2 (one chunk of the merge: its one-pass loads)
+    and 24 / 64 (several chunks of 8 at DeepSeek's 512 columns: the two-pass branch, which the interpreter cannot
+    run) against float64."""
+    from mla_compile.ops.triton import decode_absorb as da
+
+    q, cache, table, seq_lens, w_uv = _case([4096, 3000], 1, 16, 512, 64, 128, 64, device="cuda", seed=splits)
+    got = da.launch(q, cache, table, seq_lens, 0.0625, 512, w_uv, split, {"SPLITS": splits})
+    assert not got.isnan().any() and _rel(got, _want64(q, cache, table, seq_lens, w_uv, 0.0625, 512)) < 1e-2
