@@ -48,13 +48,13 @@ def _reduce_absorb_kernel(ws_ptr, wl_ptr, w_ptr, out_ptr, T, H, V, n_splits, spl
     offs_s = tl.arange(0, CHUNK_S)
     n_used = split_count(n_splits, split_cap)
     for t in tl.static_range(ROWS):
-        row = (t * H + h).to(tl.int64)
         live = t < T
+        row = tl.where(live, t * H + h, h).to(tl.int64)  # a token past T merges token 0's row again, never stored
         if DIRECT:
-            lat = tl.load(ws_ptr + row * DC + offs_c, mask=c_ok & live, other=0.0).to(tl.float32)
+            lat = tl.load(ws_ptr + row * DC + offs_c, mask=c_ok, other=0.0).to(tl.float32)
         else:
-            acc, tot, _ = merge_splits(ws_ptr, wl_ptr, row, n_splits, tl.where(live, n_used, 0), offs_s, offs_c,
-                                       c_ok, DC, CHUNK_S, BLOCK_C, ONE_PASS)
+            acc, tot, _ = merge_splits(ws_ptr, wl_ptr, row, n_splits, n_used, offs_s, offs_c, c_ok, DC, CHUNK_S,
+                                       BLOCK_C, ONE_PASS)
             lat = acc / tl.where(tot == 0.0, 1.0, tot)  # no key: acc is 0, so is the row
         y = tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
         tl.store(out_ptr + t * s_o + h * V + v, y.to(out_ptr.dtype.element_ty), mask=v_ok & live)

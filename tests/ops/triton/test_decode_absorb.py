@@ -34,13 +34,16 @@ def _case(lens, s_q, H, dc, dr, V, bs, device="cpu", seed=0, dtype=torch.bfloat1
 
 
 @interpret
-@pytest.mark.parametrize("direct", [False, True])
-def test_reduce_absorb_merges_random_partials(direct, monkeypatch):
+@pytest.mark.parametrize("direct,tile", [(False, 4096), (False, 128), (True, 4096)])
+def test_reduce_absorb_merges_random_partials(direct, tile, monkeypatch):
     """Random partials (a row of one live split, a row with no key, NaN past the used slots) or, ``direct``, the
-    split kernel's own output rows: each token's head rows merged in float64 and multiplied by W_UV; a token past T
-    (the second of a one-token call) writes nothing; the output poisoned beforehand."""
+    split kernel's own output rows: each token's head rows merged in float64 and multiplied by W_UV (``tile`` 128:
+    chunks of 2 splits, the merge's two-pass branch); a token past T (the second of a one-token call) writes
+    nothing; the output poisoned beforehand."""
     from mla_compile.ops.triton import decode_absorb as da
-    from mla_compile.ops.triton.decode import Split
+    from mla_compile.ops.triton.decode import REDUCE, Split
+
+    monkeypatch.setitem(REDUCE, "tile", tile)
 
     gen = torch.Generator().manual_seed(int(direct))
     T, H, V, dc, splits, cap = 2, 3, 20, 64, 6, 4
@@ -57,7 +60,7 @@ def test_reduce_absorb_merges_random_partials(direct, monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(NAN))
     got = da.reduce_absorb(part, w_uv, T)
-    monkeypatch.undo()
+    monkeypatch.setattr(torch, "empty", real_empty)
     if direct:
         lat = out_rows.double()
     else:
