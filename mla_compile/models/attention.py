@@ -116,6 +116,8 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = hf_attn.kv_a_proj_with_mqa
         self.kv_a_layernorm = hf_attn.kv_a_layernorm
         self._latent_eps = freeze(self.kv_a_layernorm.variance_epsilon)  # a constant (models/consts.py)
+        eps_q = getattr(self.q_a_layernorm, "variance_epsilon", None)
+        self._q_a_eps = None if eps_q is None else freeze(eps_q)  # q-LoRA layers' q_a_layernorm (a constant too)
         self.kv_b_proj = hf_attn.kv_b_proj
         self.o_proj = hf_attn.o_proj
         if self.q_proj is None and self.q_b_proj is None:
@@ -218,17 +220,30 @@ class MLAAttention(nn.Module):
                            rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """:meth:`project_raw` of ``norm(h + residual)`` (``norm``: the decoder layer's input RMSNorm, of eps
         ``config.rms_norm_eps``), the sum first: ``(h + residual, q_nope, q_pe, kv)``. Where ``mla::skinny_norm_linear``
-        serves (:meth:`_norm_linear_serves`) the add, the norm and the first projections are one launch; elsewhere
-        the add, ``norm`` and :meth:`project_raw` (``rotate_q_pe`` as there)."""
+        serves (:meth:`_norm_linear_serves`) the add, the norm and the first projections are one launch (and a q-LoRA
+        layer's ``q_a_layernorm`` and ``q_b_proj`` another); elsewhere the add, ``norm`` and :meth:`project_raw`
+        (``rotate_q_pe`` as there)."""
         first = self.q_proj if self.q_proj is not None else self.q_a_proj
         if self._norm_linear_serves(h, norm, first):
             h, (q, kv) = ops.skinny_norm_linear(h, residual, norm.weight, thaw(self._norm_eps),
                                                 [first.weight, self.kv_a_proj_with_mqa.weight], backend="triton")
             if self.q_proj is None:
-                q, = linears(self.q_a_layernorm(q), self.q_b_proj)
+                q = self._q_b(q)
             return (h, *self._split_q(q, kv, cos, sin, rotate_q_pe))
         h = h + residual
         return (h, *self.project_raw(norm(h), cos, sin, rotate_q_pe=rotate_q_pe))
+
+    def _q_b(self, q_a: Tensor) -> Tensor:
+        """``q_b_proj(q_a_layernorm(q_a))`` of a q-LoRA layer where :meth:`_norm_linear_serves`: one
+        ``mla::skinny_norm_linear`` launch (no residual) when the norm and ``q_b_proj`` are plain and of q_a's dtype,
+        else the norm and :func:`linears`."""
+        weight = getattr(self.q_a_layernorm, "weight", None)
+        if (self._q_a_eps is not None and weight is not None and weight.dtype == q_a.dtype
+                and plain_linears((self.q_b_proj,), q_a.dtype)):
+            _, (q,) = ops.skinny_norm_linear(q_a, None, weight, thaw(self._q_a_eps), [self.q_b_proj.weight],
+                                             backend="triton")
+            return q
+        return linears(self.q_a_layernorm(q_a), self.q_b_proj)[0]
 
     def _norm_linear_serves(self, h: Tensor, norm: nn.Module, first: nn.Module) -> bool:
         """A static choice for a compiled graph: CUDA half-precision ``h``, plain linears, a norm weight of h's dtype

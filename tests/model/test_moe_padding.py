@@ -218,20 +218,23 @@ def test_regional_step_with_the_opt_in_fusions_on_gpu(kind, spec):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("fused", ["moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q", "all"])
-def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
+@pytest.mark.parametrize("fused,kind", [("moe_norm_gate_route", "v2-lite"), ("decode_absorb_out", "v2-lite"),
+                                        ("write_latent_cache_absorb_q", "v2-lite"), ("skinny_norm_linear", "v2-lite"),
+                                        ("skinny_norm_linear", "v3"), ("all", "v3")])
+def test_regional_step_with_an_opt_in_fusion(fused, kind, monkeypatch):
     """Each MoE layer's attention residual add, post-attention norm and router as ``mla::moe_norm_gate_route``, each
-    layer's decode, split merge and W_UV as ``mla::decode_absorb_out``, or each layer's cache write and absorbed
+    layer's decode, split merge and W_UV as ``mla::decode_absorb_out``, each layer's cache write and absorbed
     queries (q_pe rotated there, left raw by the first region) as ``mla::write_latent_cache_absorb_q`` between the
-    regions (forced on CPU, through the op's reference): the regional model eager and compiled (fullgraph, no
-    Inductor) give the unfused model's logits of a padded decode at two batch sizes, with the op in the compiled
-    graph ("all": the three at once, each op in the graph)."""
+    regions, or each layer's MLP residual add, input norm and first projections (and a q-LoRA layer's q_a norm and
+    q_b_proj) as ``mla::skinny_norm_linear`` (forced on CPU, through the op's reference): the regional model eager
+    and compiled (fullgraph, no Inductor) give the unfused model's logits of a padded decode at two batch sizes, with
+    the op in the compiled graph ("all": the four at once, each op in the graph)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     from mla_compile.models.attention import MLAAttention
 
-    eager = _model()
-    model = _model(regional=True)
+    eager = _model(kind)
+    model = _model(kind, regional=True)
     model.load_state_dict(eager.state_dict())
     builder = MetadataBuilder(max_batch=8, max_blocks_per_seq=MAX_BLOCKS, max_tokens=64, block_size=BS, device="cpu")
     chunks = _prefilled(eager)
@@ -246,8 +249,14 @@ def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
         monkeypatch.setattr(moe_module.MLAMoE, "norm_route_serves", lambda self, h, norm: True)
     if fused in ("decode_absorb_out", "all"):
         monkeypatch.setattr(MLAAttention, "_decode_absorb_backend", lambda self, q, w_uv, plan: "reference")
+    from mla_compile import ops
+
+    if fused in ("skinny_norm_linear", "all"):
+        real_norm_linear = ops.skinny_norm_linear
+        monkeypatch.setattr(MLAAttention, "_norm_linear_serves", lambda self, h, norm, first: True)
+        monkeypatch.setattr(ops, "skinny_norm_linear",
+                            lambda *a, **kw: real_norm_linear(*a, **{**kw, "backend": "reference"}))
     if fused in ("write_latent_cache_absorb_q", "all"):  # the decode steps only (the prefills above wrote the cache)
-        from mla_compile import ops
 
         real_serves, real_op = MLAAttention.write_absorb_serves, ops.write_latent_cache_absorb_q
         monkeypatch.setattr(MLAAttention, "write_absorb_serves",
@@ -269,6 +278,9 @@ def test_regional_step_with_an_opt_in_fusion(fused, monkeypatch):
     assert dict(counters["graph_break"]) == {}
     targets = [str(n.target) for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
                for n in sub.graph.nodes if n.op == "call_function"]
-    names = ("moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q") if fused == "all" else (fused,)
+    names = (("moe_norm_gate_route", "decode_absorb_out", "write_latent_cache_absorb_q", "skinny_norm_linear")
+             if fused == "all" else (fused,))
     for name in names:
         assert any(name in t for t in targets), f"no mla::{name} call in the compiled graph"
+    if "skinny_norm_linear" in names and kind == "v3":  # the q-LoRA layers' q_b fold: two calls a layer's region
+        assert sum("skinny_norm_linear" in t for t in targets) >= 2
