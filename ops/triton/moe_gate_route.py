@@ -36,6 +36,7 @@ from mla_compile.ops.moe_route import MAX_EXPERTS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton.moe_route import _route_rows, route_meta
+from mla_compile.ops.triton.skinny_linear import hf_normed, hidden_values
 
 # Launch parameters (a benchmark may swap them): ``tile``, gate elements a program loads per step
 # (SLICE_E * BLOCK_H); ``max_slice``, the most experts one program reads; ``num_warps``; for gates of at most
@@ -70,11 +71,12 @@ def _moe_gate_route_kernel(
         pdl_wait(PDL)  # the gate's tile is in flight before x, the previous kernel's output, is read
         pdl_launch_dependents(PDL)
         for r in tl.static_range(ROWS):
-            xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0)
-            if NORM:  # the row's hidden values x + residual, rounded to x's dtype as the eager add; the dot of g * h
-                xr = _add_rounded(xr, r_ptr + r * s_r + h, h_ok & (r < T))
+            if NORM:  # the row's hidden values x + residual (rounded as the eager add); the dot of g * h
+                xr = hidden_values(x_ptr + r * s_x, r_ptr + r * s_r, h_ptr, h, h_ok & (r < T), True, False)
                 ss += tl.where(r_idx == r, tl.sum(xr * xr, axis=0), 0.0)
                 xr = xr * nw
+            else:
+                xr = tl.load(x_ptr + r * s_x + h, mask=h_ok & (r < T), other=0.0)
             part = tl.sum(g * xr.to(tl.float32)[None, :], axis=1)
             acc += tl.where(r_idx[:, None] == r, part[None, :], 0.0)
     if NORM:  # the dots scaled by the rows' rsqrt; this program's slice of h and of the normed rows stored
@@ -99,12 +101,6 @@ def _moe_gate_route_kernel(
 
 
 @triton.jit
-def _add_rounded(x, r_ptrs, mask):
-    """``x + residual`` (loaded from ``r_ptrs``) in float32, rounded to x's dtype (as the eager add), as float32."""
-    return (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype).to(tl.float32)
-
-
-@triton.jit
 def _store_norm_slice(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, inv, r_idx, T, H, s_x, s_r, s_h, s_n, CHUNK,
                       ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program p's columns ``[p * CHUNK, (p + 1) * CHUNK)`` of every row: ``h = x + residual`` and ``normed`` (HF's
@@ -115,10 +111,9 @@ def _store_norm_slice(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, inv, r_idx, T, H, s_x,
     ty = x_ptr.dtype.element_ty
     for r in tl.static_range(ROWS):
         ok = c_ok & (r < T)
-        a = _add_rounded(tl.load(x_ptr + r * s_x + c, mask=ok, other=0.0), r_ptr + r * s_r + c, ok)
+        a = hidden_values(x_ptr + r * s_x, r_ptr + r * s_r, h_ptr + r * s_h, c, ok, True, True)  # h stored
         inv_r = tl.sum(tl.where(r_idx == r, inv, 0.0), axis=0)
-        tl.store(h_ptr + r * s_h + c, a.to(ty), mask=ok)
-        tl.store(n_ptr + r * s_n + c, ((a * inv_r).to(ty).to(tl.float32) * nw).to(ty), mask=ok)
+        tl.store(n_ptr + r * s_n + c, hf_normed(a, inv_r, nw, ty), mask=ok)
 
 
 def fusable(x: Tensor, weight: Tensor) -> bool:

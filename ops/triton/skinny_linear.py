@@ -74,9 +74,9 @@ def _skinny_linear_kernel(
 
 
 @triton.jit
-def _hidden(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
-    """One row's hidden values at ``k`` as float32 (``x + residual`` rounded to x's dtype), stored to ``h_row`` when
-    ``write`` (a scalar) holds."""
+def hidden_values(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
+    """One row's hidden values at ``k`` as float32 (``x + residual`` rounded to x's dtype, as the eager add), stored
+    to ``h_row`` when ``write`` (a scalar) holds. Shared by the kernels that fold a residual add and an RMSNorm."""
     x = tl.load(x_row + k, mask=ok, other=0.0)
     if HAS_RES:
         x = (x.to(tl.float32) + tl.load(r_row + k, mask=ok, other=0.0).to(tl.float32)).to(x_row.dtype.element_ty)
@@ -85,12 +85,19 @@ def _hidden(x_row, r_row, h_row, k, ok, HAS_RES: tl.constexpr, write):
 
 
 @triton.jit
+def hf_normed(h, inv, g, ty):
+    """HF DeepSeek's RMSNorm rounding of float32 hidden values ``h`` with their row's ``inv = rsqrt(mean + eps)`` and
+    the norm's float32 weight ``g``: ``h * inv`` rounded to ``ty``, times ``g``, rounded to ``ty`` (as torch)."""
+    return ((h * inv).to(ty).to(tl.float32) * g).to(ty)
+
+
+@triton.jit
 def _pipe_term(w, x_row, r_row, h_row, g, k, ok, write, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """One K step's element-wise products of the weight tile ``w`` with one row of x at ``k``, and (``NORM``) that
-    row's squares: without ``NORM`` ``w * x``; with it ``w * (g * h)``, ``h`` = :func:`_hidden` (stored when
+    row's squares: without ``NORM`` ``w * x``; with it ``w * (g * h)``, ``h`` = :func:`hidden_values` (stored when
     ``write``) and ``g`` the norm's weight at ``k``. Without ``NORM`` the second value is x, for no use."""
     if NORM:
-        a = _hidden(x_row, r_row, h_row, k, ok, HAS_RES, write)
+        a = hidden_values(x_row, r_row, h_row, k, ok, HAS_RES, write)
         return w * (a * g)[None, :], a * a
     else:
         a = tl.load(x_row + k, mask=ok, other=0.0).to(tl.float32)

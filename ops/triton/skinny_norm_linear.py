@@ -21,7 +21,8 @@ from torch.library import wrap_triton
 from mla_compile.ops.skinny_norm_linear import MAX_ROWS, fake, reference, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
-from mla_compile.ops.triton.skinny_linear import PIPE, _hidden, _skinny_linear_pipe_kernel, pipe_grid, weight_pair
+from mla_compile.ops.triton.skinny_linear import (PIPE, _skinny_linear_pipe_kernel, hf_normed, hidden_values,
+                                                  pipe_grid, weight_pair)
 
 
 @triton.jit
@@ -37,16 +38,16 @@ def _add_norm_kernel(x_ptr, r_ptr, g_ptr, h_ptr, n_ptr, K, eps, s_x, s_r, s_h, s
     ss = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
-        a = _hidden(x_row, r_row, h_row, k, k < K, HAS_RES, True)
+        a = hidden_values(x_row, r_row, h_row, k, k < K, HAS_RES, True)
         ss += a * a
     inv = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
     ty = x_ptr.dtype.element_ty
     for k0 in range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         ok = k < K
-        a = _hidden(x_row, r_row, h_row, k, ok, HAS_RES, False)
+        a = hidden_values(x_row, r_row, h_row, k, ok, HAS_RES, False)
         g = tl.load(g_ptr + k, mask=ok, other=0.0).to(tl.float32)
-        tl.store(n_row + k, ((a * inv).to(ty).to(tl.float32) * g).to(ty), mask=ok)  # as torch: each product rounded
+        tl.store(n_row + k, hf_normed(a, inv, g, ty), mask=ok)
 
 
 def add_norm(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
