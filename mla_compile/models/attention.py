@@ -39,12 +39,27 @@ def plain_linears(modules: tuple[nn.Module, ...], dtype: torch.dtype) -> bool:
     return all(m.__class__ is nn.Linear and m.bias is None and m.weight.dtype == dtype for m in modules)
 
 
+def cuda_half(x: Tensor, *like: Tensor | None) -> bool:
+    """Whether ``x`` is a CUDA bf16 / fp16 tensor and every tensor of ``like`` has its dtype (a None never does): the
+    static fact our few-row kernels need of a call."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and all(t is not None and t.dtype == x.dtype for t in like))
+
+
+def half_kernel(op: str, x: Tensor, requested: str | None, *like: Tensor | None) -> str | None:
+    """The backend ``op`` resolves to for ``x`` (``requested``: a name, "auto" or None) where :func:`cuda_half` holds
+    of ``x`` and ``like``, else None. A static choice for a compiled graph."""
+    if not cuda_half(x, *like):
+        return None
+    return ops.resolve(op, x.device, requested, dtype=x.dtype).name
+
+
 def linears(x: Tensor, *modules: nn.Module) -> list[Tensor]:
     """``x`` through one or two linears that share it: ``[m(x) for m in modules]``. Plain bias-free ``nn.Linear``'s
     of x's half-precision dtype on CUDA (:func:`plain_linears`) run as one ``mla::skinny_linear`` (one launch; its
     "auto" picks the GEMV kernel for few rows where that backend is GPU-tested); anything else (quantized or
     sharded linears, CPU) runs each module. A static choice for a compiled graph (device, dtype and module types)."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and plain_linears(modules, x.dtype):
+    if cuda_half(x) and plain_linears(modules, x.dtype):
         return ops.skinny_linear(x, [m.weight for m in modules])
     return [m(x) for m in modules]
 
@@ -69,9 +84,7 @@ def absorb_out(out_lat: Tensor, w_uv: Tensor) -> Tensor:
 
 
 def _skinny_absorb(x: Tensor, w: Tensor, op: str) -> bool:
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype):
-        return False
-    return ops.resolve(op, x.device, None, dtype=x.dtype).name == "triton"
+    return half_kernel(op, x, None, w) == "triton"
 
 
 class MLAAttention(nn.Module):
@@ -249,12 +262,10 @@ class MLAAttention(nn.Module):
         """A static choice for a compiled graph: CUDA half-precision ``h``, plain linears, a norm weight of h's dtype
         and ``mla::skinny_norm_linear``'s backend resolving to "triton" (its "auto" once the kernel is GPU-tested;
         ``backend="skinny_norm_linear=triton"`` or ``MLA_COMPILE_BACKEND`` asks for it by name)."""
-        weight = getattr(norm, "weight", None)
-        if not (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and weight is not None
-                and weight.dtype == h.dtype and plain_linears((first, self.kv_a_proj_with_mqa), h.dtype)):
+        if not plain_linears((first, self.kv_a_proj_with_mqa), h.dtype):
             return False
-        return ops.resolve("skinny_norm_linear", h.device, self._requested["skinny_norm_linear"],
-                           dtype=h.dtype).name == "triton"
+        return half_kernel("skinny_norm_linear", h, self._requested["skinny_norm_linear"],
+                           getattr(norm, "weight", None)) == "triton"
 
     def real_tokens(self, meta: MLAMetadata) -> Tensor | None:
         """``[T]`` bool, True for the step's real tokens: padding tokens (to a captured size, a ``min_batch``, a
@@ -299,17 +310,16 @@ class MLAAttention(nn.Module):
 
     def write_absorb_serves(self, x: Tensor, meta: MLAMetadata) -> bool:
         """Whether a regional step takes :meth:`write_cache_absorb_q` between its regions (a static choice): a
-        decode-only step of a dense layer of this class (not a subclass with its own ``attend`` / ``_decode``), the cache write's backend "auto" (the fused write), CUDA half-precision
-        hidden states ``x`` (the queries' device and dtype) with W_UK of their dtype, and ``mla::write_latent_cache_absorb_q``'s backend resolving to "triton" (its "auto"
-        once the kernel is GPU-tested; ``backend="write_latent_cache_absorb_q=triton"`` asks for it by name)."""
+        decode-only step of a dense layer of this class (not a subclass with its own ``attend`` / ``_decode``), the
+        cache write's backend "auto" (the fused write), CUDA half-precision hidden states ``x`` (the queries' device
+        and dtype) with W_UK of their dtype, and ``mla::write_latent_cache_absorb_q``'s backend resolving to "triton"
+        (its "auto" once the kernel is GPU-tested; ``backend="write_latent_cache_absorb_q=triton"`` asks for it by
+        name)."""
         if (not self._own_decode or self.indexer is not None or self.sink_window is not None
-                or meta.prefill is not None or meta.decode is None):
+                or meta.prefill is not None or meta.decode is None or self._write_backend() != "auto"):
             return False
-        if self._write_backend() != "auto" or not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-                                                   and self.kv_b_proj.weight.dtype == x.dtype):
-            return False
-        return ops.resolve("write_latent_cache_absorb_q", x.device, self._requested["write_latent_cache_absorb_q"],
-                           dtype=x.dtype).name == "triton"
+        return half_kernel("write_latent_cache_absorb_q", x, self._requested["write_latent_cache_absorb_q"],
+                           self.kv_b_proj.weight) == "triton"
 
     def write_cache_absorb_q(self, kv: Tensor, q: Tensor, cos: Tensor, sin: Tensor, meta: MLAMetadata) -> Tensor:
         """:meth:`write_cache_raw` of ``kv`` and the absorbed queries ``q_abs [T, H, kv_lora_rank + rope]`` of the
@@ -390,11 +400,9 @@ class MLAAttention(nn.Module):
         and ``absorb_out`` apart: CUDA half-precision q and W_UV of its dtype, no host plan, and that op's backend
         resolving to "triton" or "gluon" (asked by name, ``backend="decode_absorb_out=gluon"``, until the kernel is
         GPU-tested; its "auto" is the reference, which this path never takes)."""
-        if plan is not None or not (q_abs.is_cuda and q_abs.dtype in (torch.bfloat16, torch.float16)
-                                    and w_uv.dtype == q_abs.dtype):
+        if plan is not None:
             return None
-        name = ops.resolve("decode_absorb_out", q_abs.device, self._requested["decode_absorb_out"],
-                           dtype=q_abs.dtype).name
+        name = half_kernel("decode_absorb_out", q_abs, self._requested["decode_absorb_out"], w_uv)
         return name if name in ("triton", "gluon") else None
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mla_compile.backends import requested_for
+from mla_compile.models.attention import cuda_half, half_kernel
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.ops.moe_experts import auto_backend, moe_experts
 from mla_compile.ops.moe_experts import combine_sorted, sort_by_expert  # noqa: F401  (their home is ops)
@@ -28,7 +29,6 @@ from mla_compile.ops.moe_norm_gate_route import OP as NORM_ROUTE_OP
 from mla_compile.ops.moe_norm_gate_route import moe_norm_gate_route
 from mla_compile.ops.moe_route import moe_route, route_math
 from mla_compile.ops.registry import SPLIT_PREFIX
-from mla_compile.ops.select import resolve
 
 IMPLS = ("auto", "dense", "grouped", "fused")
 
@@ -39,7 +39,7 @@ def router_logits(x: Tensor, weight: Tensor) -> Tensor:
     half-precision GEMM with float32 accumulation and output (``torch.mm(..., out_dtype=torch.float32)``). The
     products of half-precision values are exact in float32, so only the summation order differs, and there is no
     per-step float32 copy of the weight and no SIMT float32 GEMM."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+    if cuda_half(x, weight):
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 
@@ -210,10 +210,7 @@ class MLAMoE(nn.Module):
         """Whether the router GEMV and the routing run as one ``mla::moe_gate_route`` (its Triton kernel for few
         tokens, the unfused pair inside the op above): CUDA, x and the gate weight of one half-precision dtype,
         and that op's "auto" picking "triton". A constant of the graph."""
-        weight = self.gate.weight
-        if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
-            return False
-        return resolve(GATE_ROUTE_OP, x.device, None, dtype=x.dtype).name == "triton"
+        return half_kernel(GATE_ROUTE_OP, x, None, self.gate.weight) == "triton"
 
     def _use_grouped(self, x: Tensor) -> bool:
         if self.impl != "auto":
@@ -258,13 +255,10 @@ class MLAMoE(nn.Module):
         of the graph): the fused ops run this MoE, ``h`` is CUDA half precision as the gate's and the norm's weights,
         ``norm_eps`` was given, and that op's backend resolves to "triton" (its "auto" once the kernel is
         GPU-tested; ``backend="moe_norm_gate_route=triton"`` asks for it by name)."""
-        norm_weight = getattr(norm, "weight", None)
-        if not (self._norm_eps is not None and h.is_cuda and h.dtype in (torch.bfloat16, torch.float16)
-                and norm_weight is not None and norm_weight.dtype == h.dtype and self.gate.weight.dtype == h.dtype):
+        if self._norm_eps is None or not (self.fusable and self._use_fused(h)):
             return False
-        if not (self.fusable and self._use_fused(h)):
-            return False
-        return resolve(NORM_ROUTE_OP, h.device, self._norm_route, dtype=h.dtype).name == "triton"
+        return half_kernel(NORM_ROUTE_OP, h, self._norm_route, getattr(norm, "weight", None),
+                           self.gate.weight) == "triton"
 
     def forward_residual(self, h: Tensor, residual: Tensor, norm: nn.Module,
                          token_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
