@@ -15,7 +15,8 @@ and caches come from memory, as ``bench_kernels.py``):
   (q_pe's RoPE, which the fused op also does, not counted on the unfused side).
 The decode, norm + route and norm + linear rows compare the fused output with the unfused pair's on the first set
 (relative error in the note; the routings' ids, sorted); the cache write + absorb_q row compares the written cache
-rows and q_abs's latent columns (its unfused side leaves q_pe unrotated). Writes ``bench_fusions.json`` / ``.txt`` and prints the table.
+rows and q_abs's latent columns (its unfused side leaves q_pe unrotated). Writes ``bench_fusions.json`` /
+``.txt`` and prints the table.
 """
 
 from __future__ import annotations
