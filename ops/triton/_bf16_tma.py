@@ -15,8 +15,6 @@ D = DC + DR
 CHUNK = 64  # columns a TMA copy (128 bytes: the swizzle width)
 STAGES = 2  # tile slots
 TILE_BYTES = BLOCK_N * D * 2
-SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-SMEM_C = gl.constexpr(SMEM_SL)
 BOX_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)  # the latent copy's box
 BOX_C = gl.constexpr(BOX_SL)
 

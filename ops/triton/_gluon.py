@@ -1,6 +1,6 @@
-"""Gluon pieces of the fp8 decode kernels: a program's key range, its tiles' pages and its final LSE /
-output rows (``fp8_decode_gluon``, ``fp8_decode_wgmma``, ``fp8_decode_tma``), and the ``wgmma`` kernel's
-float16 dequantization of code words and staging of the query rows (the float16 range limits are in its
+"""Gluon pieces of the decode kernels (bf16 and fp8, paged and sparse): a program's key range, its tiles' pages,
+its query rows staged in shared memory, their causal limits, its final LSE / output rows, and the ``wgmma`` fp8
+kernel's float16 dequantization of code words and staging of the query rows (the float16 range limits are in its
 docstring). Imports Triton's Gluon, so only the kernels import it."""
 
 from __future__ import annotations
@@ -8,6 +8,16 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+# bf16 tiles in shared memory as wgmma reads them (128-byte swizzle)
+SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+SMEM_C = gl.constexpr(SMEM_SL)
+# the 64-row, 8-warp kernels' layouts (decode_gluon, fp8_decode_gluon64, sparse_decode_gluon64): the scores
+# [64, 64] and the output [64, 512] as wgmma accumulators of two warpgroups (32 keys / 256 columns each), and the
+# query rows' loads
+S64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+O64 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
+Q64 = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 
 
 @gluon.jit
@@ -57,6 +67,145 @@ def finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC: gl.c
         lse = lse2
     gl.store(lse_ptr + slot, lse, mask=row_ok)
     return inv, slot * DC
+
+
+@gluon.jit
+def alloc_tiles(ROWS: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr):
+    """A program's bf16 shared buffers: its ``ROWS`` query rows (``q_s [ROWS, DC]``, ``qr_s [ROWS, DR]``), two
+    tile slots (``kc_s [2, 64, DC]``, ``kr_s [2, 64, DR]``) and ``P`` (``p_s [ROWS, 64]``), in that order."""
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, DC], SMEM_C)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, DR], SMEM_C)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], SMEM_C)
+    return q_s, qr_s, kc_s, kr_s, p_s
+
+
+@gluon.jit
+def store_query_rows(q_s, qr_s, q_row, m_q, M, DC: gl.constexpr, q_l: gl.constexpr):
+    """Store the query rows ``q_row`` (their first elements, ``[rows]`` in ``SliceLayout(1, q_l)``) into ``q_s``
+    (latent part, ``[rows, DC]``) and ``qr_s`` (rope part, ``[rows, 64]``) as bf16, 64 columns at a time; rows
+    whose ``m_q`` is not below ``M`` are zeros."""
+    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    for c in gl.static_range(DC // 64):
+        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+
+
+@gluon.jit
+def stage_query_rows(q_ptr, q_s, qr_s, b, pid_h, M, H, stride_qb, stride_qs, stride_qh, ROWS: gl.constexpr,
+                     DC: gl.constexpr, q_l: gl.constexpr):
+    """:func:`store_query_rows` of the paged kernels' program: rows ``pid_h * ROWS ...`` of sequence ``b``'s
+    ``M = S_Q * H`` rows (row r: query ``r // H``, head ``r % H``; rows past M: zeros, never stored)."""
+    m_q = pid_h * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    store_query_rows(q_s, qr_s, q_row, m_q, M, DC, q_l)
+
+
+@gluon.jit
+def causal_rows(pid_h, ROWS: gl.constexpr, M, H, S_Q, seq_len, layout: gl.constexpr):
+    """``(rows, row_ok, limit, lim_min)`` of a paged kernel's program (``layout``: its rows' slice layout): row r
+    (query ``r // H``) sees positions ``< limit = seq_len - (S_Q - 1 - r // H)``; ``lim_min`` is the least limit
+    of its real rows (``seq_len`` where it has none)."""
+    rows = pid_h * ROWS + gl.arange(0, ROWS, layout)
+    row_ok = rows < M
+    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
+    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    return rows, row_ok, limit, lim_min
+
+
+@gluon.jit
+def store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC: gl.constexpr,
+               DIRECT: gl.constexpr, o_l: gl.constexpr):
+    """:func:`finish_rows`, then the rows' outputs ``o / l`` (``o [rows, DC]`` fp32 in ``o_l``) into ``o_ptr`` in its
+    dtype (rows past ``row_ok`` not stored)."""
+    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    inv_o = gl.convert_layout(inv, row_o)
+    first = gl.convert_layout(o_first, row_o)
+    ok = gl.convert_layout(row_ok, row_o)
+    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
+    ty: gl.constexpr = o_ptr.dtype.element_ty
+    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+
+
+@gluon.jit
+def mask_scores(s, n0, end, lim_min, limit, offs_n, scale_log2):
+    """The tile at ``n0``'s scores ``s [rows, 64]`` in base 2 (times ``scale_log2``), keys at or past ``end`` or a
+    row's causal ``limit`` set to -inf (checked only on a tile that reaches ``min(end, lim_min)``)."""
+    s = s * scale_log2
+    if n0 + 64 > gl.minimum(end, lim_min):
+        pos = n0 + offs_n
+        s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+    return s
+
+
+# variant RESCALE_SKIP: a row's running maximum is raised (and O rescaled) only once a tile's maximum passes it
+# by more than this (base 2): P stays within 2**TAU, exact in bf16's exponent range and fp32's sums
+TAU = gl.constexpr(8.0)
+
+
+def _rescale_asm(n: int) -> str:
+    """PTX of ``_rescale_voted`` for ``n`` accumulator registers a thread (operands: ``n`` outputs, the ``n``
+    accumulators tied to them, then ``n`` alphas from ``$2n``; a thread's first four registers cover both its
+    rows, r and r + 8, in wgmma's layout: the vote reads all four)."""
+    muls = "\n".join(f"        mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
+    return f"""{{
+        .reg .pred p;
+        setp.neu.f32 p, ${2 * n}, 0f3F800000;
+        setp.neu.or.f32 p, ${2 * n + 1}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 2}, 0f3F800000, p;
+        setp.neu.or.f32 p, ${2 * n + 3}, 0f3F800000, p;
+        vote.sync.any.pred p, p, 0xffffffff;
+        @!p bra.uni SKIP;
+{muls}
+SKIP:
+        }}"""
+
+
+_RESCALE_N = gl.constexpr(64 * 512 // (32 * 8))  # O's accumulators a thread ([64, 512] fp32 over 8 warps)
+_RESCALE_ASM = gl.constexpr(_rescale_asm(_RESCALE_N.value))
+_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _RESCALE_N.value + [str(i) for i in range(_RESCALE_N.value)]
+                                             + ["f"] * _RESCALE_N.value))
+
+
+@gluon.jit
+def _rescale_voted(o, alpha):
+    """``o * alpha[:, None]`` (``o`` the ``[64, 512]`` accumulator, ``alpha`` its rows' factors), skipped by a
+    warp (a warp-uniform branch) when every alpha of its rows is 1."""
+    a = gl.broadcast(o, alpha[:, None])[1]
+    return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [o, a], dtype=gl.float32, is_pure=True,
+                                     pack=_RESCALE_N)
+
+
+@gluon.jit
+def online_softmax(s, m_i, m_new, l_part, o, scale_log2, row_o: gl.constexpr, FOLD_SCALE: gl.constexpr,
+                   RESCALE_SKIP: gl.constexpr):
+    """One tile's online-softmax step of a 64-row program: from the base-2 scores ``s [64, 64]`` (raw scores
+    under ``FOLD_SCALE``: ``scale_log2`` folded into the exponent's FMA), the rows' running max ``m_i`` and the
+    tile's ``m_new = max(m_i, row max)``, returns ``(P, new running max, l_part, o)`` with the element-wise row
+    sums ``l_part [64, 64]`` and the accumulator ``o [64, 512]`` (rows in ``row_o``) rescaled. Rows that have seen
+    nothing keep 0 (no NaN). ``RESCALE_SKIP``: a row raises its maximum only when the tile's passes it by more than
+    ``TAU`` (always on its first seen key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none
+    of whose rows moved skips its O rescale (a warp vote: no CTA barrier)."""
+    if RESCALE_SKIP:
+        m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))  # exactly 1 where kept (-inf rows too)
+    else:
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+        alpha = gl.exp2(m_i - m_shift)
+    if FOLD_SCALE:
+        p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]))
+    else:
+        p = gl.exp2(s - m_shift[:, None])
+    l_part = l_part * alpha[:, None] + p
+    if RESCALE_SKIP:
+        o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
+    else:
+        o = o * gl.convert_layout(alpha, row_o)[:, None]
+    return p, m_new, l_part, o
 
 
 @gluon.jit

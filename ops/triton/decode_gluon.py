@@ -63,11 +63,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, SMEM_C, SMEM_SL, STAGES,
-                                              TILE_BYTES, D, issue_tile, zero_tail)
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, STAGES, TILE_BYTES, D, issue_tile,
+                                              zero_tail)
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs
-from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, causal_rows, mask_scores, online_softmax,
+                                           split_range, stage_query_rows, store_rows, tile_page)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
@@ -107,21 +108,17 @@ def decode_gluon_kernel(
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    s_l: gl.constexpr = S64
+    o_l: gl.constexpr = O64
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    q_l: gl.constexpr = Q64
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, DC], SMEM_C)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, DR], SMEM_C)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(64, DC, DR)
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(ready.index(0), count=1)
     mbarrier.init(ready.index(1), count=1)
@@ -132,20 +129,11 @@ def decode_gluon_kernel(
                     n_tiles, start, BLOCK_SIZE)
 
     # the query rows, 64 columns at a time (rows past M: zeros, never stored)
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(8):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+    stage_query_rows(q_ptr, q_s, qr_s, b, pid_h, M, H, stride_qb, stride_qs, stride_qh, 64, DC, q_l)
     fence_async_shared()
     gl.thread_barrier()
 
-    rows = pid_h * 64 + gl.arange(0, 64, row_s)
-    row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
-    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
     offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
     zero_s = gl.zeros([64, 64], gl.float32, s_l)
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
@@ -163,17 +151,9 @@ def decode_gluon_kernel(
         k_cur = kc_s.index(slot)
         page_next = tile_page(bt_row, j + 2, n_tiles, start, BLOCK_SIZE, 64)  # read early, used after P V
         # online softmax of S_j (base 2)
-        s = s * scale_log2
-        if n0 + 64 > gl.minimum(end, lim_min):
-            pos = n0 + offs_n
-            s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+        s = mask_scores(s, n0, end, lim_min, limit, offs_n, scale_log2)
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - m_shift[:, None])
-        l_part = l_part * alpha[:, None] + p
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_new
+        p, m_i, l_part, o = online_softmax(s, m_i, m_new, l_part, o, scale_log2, row_o, False, False)
         if n0 + 64 > end:
             zero_tail(k_cur, end - n0, q_l)
         p_s.store(p.to(gl.bfloat16))
@@ -200,13 +180,7 @@ def decode_gluon_kernel(
             s = warpgroup_mma_wait(0, deps=[qk])
 
     l_i = gl.sum(l_part, axis=1)
-    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
-    inv_o = gl.convert_layout(inv, row_o)
-    first = gl.convert_layout(o_first, row_o)
-    ok = gl.convert_layout(row_ok, row_o)
-    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
-    ty: gl.constexpr = o_ptr.dtype.element_ty
-    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def smem_bytes(ws: bool = False, swap: bool = False) -> int:

@@ -19,8 +19,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import SMEM_C, issue_tile, issue_tile_if, zero_tail
-from mla_compile.ops.triton._gluon import finish_rows, pdl_start, split_range, tile_page
+from mla_compile.ops.triton._bf16_tma import issue_tile, issue_tile_if, zero_tail
+from mla_compile.ops.triton._gluon import (alloc_tiles, causal_rows, finish_rows, pdl_start, split_range,
+                                           stage_query_rows, tile_page)
 
 SWAP_ROWS = 16  # query rows a program (BLOCK_R; 32 compiles with a few bytes of spills), and the most a
 # sequence may have for "gluon" to take this kernel by default
@@ -61,11 +62,7 @@ def decode_gluon_swap_kernel(
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DC], SMEM_C)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, DR], SMEM_C)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_R, 64], SMEM_C)  # P (rows x keys): P^T's K-major store
+    q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(BLOCK_R, DC, DR)  # P (rows x keys): P^T's K-major store
     ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(ready.index(0), count=1)
     mbarrier.init(ready.index(1), count=1)
@@ -86,20 +83,11 @@ def decode_gluon_swap_kernel(
                        n_tiles, start, BLOCK_SIZE)
 
     # the query rows, 64 columns at a time (rows past M: zeros, never stored)
-    m_q = pid_h * BLOCK_R + gl.arange(0, BLOCK_R, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(8):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+    stage_query_rows(q_ptr, q_s, qr_s, b, pid_h, M, H, stride_qb, stride_qs, stride_qh, BLOCK_R, DC, q_l)
     fence_async_shared()
     gl.thread_barrier()
 
-    rows = pid_h * BLOCK_R + gl.arange(0, BLOCK_R, col_s)
-    row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
-    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    rows, row_ok, limit, lim_min = causal_rows(pid_h, BLOCK_R, M, H, S_Q, seq_len, col_s)
     offs_n = gl.arange(0, 64, gl.SliceLayout(1, s_l))  # key positions along the dots' M
     zero_s = gl.zeros([64, BLOCK_R], gl.float32, s_l)
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_s)

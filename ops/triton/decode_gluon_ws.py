@@ -8,9 +8,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import SMEM_C, issue_tile, zero_tail
+from mla_compile.ops.triton._bf16_tma import issue_tile, zero_tail
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import finish_rows, split_range, tile_page
+from mla_compile.ops.triton._gluon import (SMEM_C, causal_rows, finish_rows, mask_scores, split_range, stage_query_rows,
+                                           tile_page)
 
 
 @gluon.jit
@@ -29,10 +30,7 @@ def _ws_produce(desc_c, desc_r, kc_s, kr_s, full, empty, bt_row, n_tiles, start,
 def _ws_softmax(s, m_prev, n0, end, lim_min, limit, offs_n, scale_log2):
     """Scores ``S`` of the tile at ``n0`` to ``(P, m, alpha)``: masked base-2 scores, the rows' new running max
     after ``m_prev`` and the factor ``alpha`` that takes sums relative to ``m_prev`` to sums relative to ``m``."""
-    s = s * scale_log2
-    if n0 + 64 > gl.minimum(end, lim_min):
-        pos = n0 + offs_n
-        s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+    s = mask_scores(s, n0, end, lim_min, limit, offs_n, scale_log2)
     m_new = gl.maximum(m_prev, gl.max(s, axis=1))
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
     return gl.exp2(s - m_shift[:, None]), m_new, gl.exp2(m_prev - m_shift)
@@ -70,10 +68,7 @@ def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full
     zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    rows = pid_h * 64 + gl.arange(0, 64, row_s)
-    row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
-    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
     offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
     zero_s = gl.zeros([64, 64], gl.float32, s_l)
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
@@ -205,14 +200,7 @@ def decode_gluon_ws_kernel(
         mbarrier.init(pready.index(i), count=1)
         mbarrier.init(done.index(i), count=1)
 
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(8):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.index(0).slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.index(0).store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None],
-                                other=0.0).to(gl.bfloat16))
+    stage_query_rows(q_ptr, q_s.index(0), qr_s.index(0), b, pid_h, M, H, stride_qb, stride_qs, stride_qh, 64, DC, q_l)
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([

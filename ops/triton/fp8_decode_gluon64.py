@@ -68,7 +68,9 @@ from mla_compile.ops.fp8_cache import gluon_eligible, validate_decode
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import finish_rows, pdl_start, split_range, tile_page
+from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, causal_rows, mask_scores,
+                                           online_softmax, pdl_start, split_range, stage_query_rows, store_rows,
+                                           tile_page)
 from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
@@ -83,7 +85,6 @@ PROGRAMS_PER_SM = 1
 # the kernel's variants (constexpr flags; ``launch``'s config keys) and the ones on unless the config says otherwise
 VARIANTS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
 DEFAULTS = {"RESCALE_SKIP": True, "MAX_XCHG": True, "CVT_BF16": False}
-SMEM_C = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 # the codes [64 keys, 512]: 16 bytes a thread a repetition (columns 16 t + 64 r), 8 keys x 64 bytes a warp
 # instruction, one key a thread
 CODE_L = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0]))
@@ -100,9 +101,6 @@ XCH_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[8, 0], [0, 1]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0], [0, 0]], block_bases=[], shape=[64, 2]))
 XCH_S = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-# variant RESCALE_SKIP: a row's running maximum is raised (and O rescaled) only once a tile's maximum passes it
-# by more than this (base 2): P stays within 2**TAU, exact in bf16's exponent range and fp32's sums
-TAU = gl.constexpr(8.0)
 # variant CVT_BF16: four e4m3 codes (one word) to bf16 times a scale given as two bf16 halves (hi + lo, each
 # times 2**120). prmt puts each code's byte in the low byte of a bf16 lane and its sign in the high byte; shifted
 # left by 4 and masked, a lane holds the sign and the code's 7 magnitude bits under bf16's exponent and mantissa:
@@ -245,39 +243,6 @@ def _store_tile_bf16(kc, kr, words, sc, rope):
     kr.store(rope)
 
 
-def _rescale_asm(n: int) -> str:
-    """PTX of ``_rescale_voted`` for ``n`` accumulator registers a thread (operands: ``n`` outputs, the ``n``
-    accumulators tied to them, then ``n`` alphas from ``$2n``; a thread's first four registers cover both its
-    rows, r and r + 8, in wgmma's layout: the vote reads all four)."""
-    muls = "\n".join(f"        mul.f32 ${i}, ${i}, ${2 * n + i};" for i in range(n))
-    return f"""{{
-        .reg .pred p;
-        setp.neu.f32 p, ${2 * n}, 0f3F800000;
-        setp.neu.or.f32 p, ${2 * n + 1}, 0f3F800000, p;
-        setp.neu.or.f32 p, ${2 * n + 2}, 0f3F800000, p;
-        setp.neu.or.f32 p, ${2 * n + 3}, 0f3F800000, p;
-        vote.sync.any.pred p, p, 0xffffffff;
-        @!p bra.uni SKIP;
-{muls}
-SKIP:
-        }}"""
-
-
-_RESCALE_N = gl.constexpr(64 * DC // (32 * NUM_WARPS))  # O's accumulators a thread
-_RESCALE_ASM = gl.constexpr(_rescale_asm(_RESCALE_N.value))
-_RESCALE_CONSTRAINTS = gl.constexpr(",".join(["=f"] * _RESCALE_N.value + [str(i) for i in range(_RESCALE_N.value)]
-                                             + ["f"] * _RESCALE_N.value))
-
-
-@gluon.jit
-def _rescale_voted(o, alpha):
-    """``o * alpha[:, None]`` (``o`` the ``[64, 512]`` accumulator, ``alpha`` its rows' factors), skipped by a
-    warp (a warp-uniform branch) when every alpha of its rows is 1."""
-    a = gl.broadcast(o, alpha[:, None])[1]
-    return gl.inline_asm_elementwise(_RESCALE_ASM, _RESCALE_CONSTRAINTS, [o, a], dtype=gl.float32, is_pure=True,
-                                     pack=_RESCALE_N)
-
-
 @gluon.jit
 def _row_max_xchg(s, mx_s, row_l: gl.constexpr):
     """The row maxima of the scores ``s [64, 64]`` (``row_l``: its row slice) with one CTA barrier: each warpgroup
@@ -324,21 +289,17 @@ def decode_fp8_gluon64_kernel(
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
     pdl_start(PDL)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    s_l: gl.constexpr = S64
+    o_l: gl.constexpr = O64
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    q_l: gl.constexpr = Q64
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, DC], SMEM_C)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, DR], SMEM_C)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(64, DC, DR)
     if MAX_XCHG:
         mx_s = gl.allocate_shared_memory(gl.float32, [64, 2], XCH_S)
 
@@ -355,20 +316,11 @@ def decode_fp8_gluon64_kernel(
     _prefetch_tile(kv_ptr, page3, 3, n_tiles, start, stride_kb, stride_kt, BLOCK_SIZE)
 
     # the query rows, 64 columns at a time (rows past M: zeros, never stored)
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(8):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+    stage_query_rows(q_ptr, q_s, qr_s, b, pid_h, M, H, stride_qb, stride_qs, stride_qh, 64, DC, q_l)
     fence_async_shared()
     gl.thread_barrier()  # the query rows and tiles 0 and 1 stored (every warp) before any wgmma reads them
 
-    rows = pid_h * 64 + gl.arange(0, 64, row_s)
-    row_ok = rows < M
-    limit = seq_len - (S_Q - 1 - rows // H)  # causal: a row sees positions < limit
-    lim_min = gl.min(gl.where(row_ok, limit, seq_len), axis=0)
+    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
     offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
     zero_s = gl.zeros([64, 64], gl.float32, s_l)
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
@@ -384,32 +336,12 @@ def decode_fp8_gluon64_kernel(
         n0 = start + j * 64
         k_cur = kc_s.index(slot)
         # online softmax of S_j (base 2)
-        s = s * scale_log2
-        if n0 + 64 > gl.minimum(end, lim_min):
-            pos = n0 + offs_n
-            s = gl.where((pos < end)[None, :] & (pos[None, :] < limit[:, None]), s, float("-inf"))
+        s = mask_scores(s, n0, end, lim_min, limit, offs_n, scale_log2)
         if MAX_XCHG:
             m_new = gl.maximum(m_i, _row_max_xchg(s, mx_s, row_s))
         else:
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        if RESCALE_SKIP:
-            # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
-            # seen key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
-            # moved skips its O rescale (a warp vote: no CTA barrier)
-            m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))  # exactly 1 where kept (-inf rows too)
-            p = gl.exp2(s - m_shift[:, None])
-            l_part = l_part * alpha[:, None] + p
-            o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
-            m_i = m_new
-        else:
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-            alpha = gl.exp2(m_i - m_shift)
-            p = gl.exp2(s - m_shift[:, None])
-            l_part = l_part * alpha[:, None] + p
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
-            m_i = m_new
+        p, m_i, l_part, o = online_softmax(s, m_i, m_new, l_part, o, scale_log2, row_o, False, RESCALE_SKIP)
         p_s.store(p.to(gl.bfloat16))
         fence_async_shared()  # P_j and (from the last step) the dequantized tile j + 1, for the async proxy
         gl.thread_barrier()  # every warp's P rows (and tile j + 1's rows) before either warpgroup's dots
@@ -438,13 +370,7 @@ def decode_fp8_gluon64_kernel(
     row_ok = rows < M
     b = gl.program_id(2).to(gl.int64) + z
     pid_s = gl.program_id(1) + z
-    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
-    inv_o = gl.convert_layout(inv, row_o)
-    first = gl.convert_layout(o_first, row_o)
-    ok = gl.convert_layout(row_ok, row_o)
-    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
-    ty: gl.constexpr = o_ptr.dtype.element_ty
-    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def smem_bytes() -> int:

@@ -62,6 +62,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla_compile.ops.prefill import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import causal_bounds, check_config, num_sms, prefill_outputs
+from mla_compile.ops.triton._gluon import SMEM_C, SMEM_SL
 from mla_compile.ops.triton.prefill_tma import _view2d, split_dims
 from mla_compile.ops.triton.prefill_tma import eligible as tma_eligible
 
@@ -70,7 +71,6 @@ BLOCK_M = 128
 NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
-SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 # :func:`launch`'s config keys
 CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE", "PINGPONG"})
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
@@ -224,7 +224,7 @@ def prefill_gluon_kernel(
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sm: gl.constexpr = SMEM_C
     dt: gl.constexpr = o_ptr.dtype.element_ty
 
     h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
@@ -487,7 +487,7 @@ def prefill_gluon_ws_kernel(
     while the other's dots do."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
-    sm: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sm: gl.constexpr = SMEM_C
     dt: gl.constexpr = o_ptr.dtype.element_ty
     h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
         cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)

@@ -58,12 +58,12 @@ from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.sparse_decode import validate
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import finish_rows
+from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, online_softmax, store_query_rows,
+                                           store_rows)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
-from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, SMEM_C, TAU, XCH_S, _rescale_voted,
-                                                       WORD_L, _CVT_BF16, _halves, _row_max_xchg, _store_tile,
-                                                       _store_tile_bf16)
+from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, XCH_S, WORD_L, _CVT_BF16,
+                                                       _halves, _row_max_xchg, _store_tile, _store_tile_bf16)
 from mla_compile.ops.triton.fp8_decode_gluon64 import smem_bytes  # noqa: F401  (the same buffers: Q, 2 slots, P)
 
 BLOCK_M = 64  # heads a program (wgmma's M)
@@ -239,13 +239,13 @@ def sparse_decode_gluon64_kernel(
     positive scale): the row maximum taken on the raw scores, the scale folded into ``exp2(s * c - m)``."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+    s_l: gl.constexpr = S64
+    o_l: gl.constexpr = O64
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)
     key_l: gl.constexpr = gl.SliceLayout(1, CODE_L)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    q_l: gl.constexpr = Q64
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)
@@ -259,11 +259,7 @@ def sparse_decode_gluon64_kernel(
     n_tiles = gl.maximum(gl.cdiv(end - start, 64), 0)
     idx_row = idx_ptr + b * stride_ib + i * stride_is
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [64, DC], SMEM_C)
-    qr_s = gl.allocate_shared_memory(gl.bfloat16, [64, DR], SMEM_C)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], SMEM_C)
+    q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(64, DC, DR)
     if MAX_XCHG:
         mx_s = gl.allocate_shared_memory(gl.float32, [64, 2], XCH_S)
 
@@ -285,11 +281,7 @@ def sparse_decode_gluon64_kernel(
     # the query rows (heads pid_h * 64 ...), 64 columns at a time (heads past H: zeros, never stored)
     h_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
     q_row = q_ptr + b * stride_qb + i * stride_qs + h_q.to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(8):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(h_q < H)[:, None], other=0.0)
-        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(h_q < H)[:, None], other=0.0).to(gl.bfloat16))
+    store_query_rows(q_s, qr_s, q_row, h_q, H, DC, q_l)
     if not FP8:
         async_copy.wait_group(0)  # tiles 0 and 1 landed (this thread's copies; the barrier: every thread's)
     fence_async_shared()
@@ -317,23 +309,7 @@ def sparse_decode_gluon64_kernel(
         else:
             row_max = gl.max(s, axis=1)
         m_new = gl.maximum(m_i, row_max * scale_log2 if FOLD_SCALE else row_max)
-        if RESCALE_SKIP:
-            # a row raises its maximum only when the tile's passes it by more than TAU (always on its first
-            # valid key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none of whose rows
-            # moved skips its O rescale (a warp vote: no CTA barrier)
-            m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.where(m_new == m_i, 1.0, gl.exp2(m_i - m_shift))
-            p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]) if FOLD_SCALE else s - m_shift[:, None])
-            l_part = l_part * alpha[:, None] + p
-            o = _rescale_voted(o, gl.convert_layout(alpha, row_o))
-        else:
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-            alpha = gl.exp2(m_i - m_shift)
-            p = gl.exp2(gl.fma(s, scale_log2, -m_shift[:, None]) if FOLD_SCALE else s - m_shift[:, None])
-            l_part = l_part * alpha[:, None] + p
-            o = o * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_new
+        p, m_i, l_part, o = online_softmax(s, m_i, m_new, l_part, o, scale_log2, row_o, FOLD_SCALE, RESCALE_SKIP)
         p_s.store(p.to(gl.bfloat16))
         if (not FP8) or ROPE_ASYNC:
             async_copy.wait_group(0)  # tile j + 1's copies (issued last step) landed
@@ -379,13 +355,7 @@ def sparse_decode_gluon64_kernel(
     row_ok = rows < H
     bq = gl.program_id(2).to(gl.int64) + z
     pid_s = gl.program_id(1) + z
-    inv, o_first = finish_rows(l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, DC, DIRECT)
-    inv_o = gl.convert_layout(inv, row_o)
-    first = gl.convert_layout(o_first, row_o)
-    ok = gl.convert_layout(row_ok, row_o)
-    cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
-    ty: gl.constexpr = o_ptr.dtype.element_ty
-    gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def eligible(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> bool:

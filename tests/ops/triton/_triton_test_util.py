@@ -23,6 +23,21 @@ def sm90_compile(test):
         test = mark(test)
     return test
 
+def gluon_sm90(kernel, consts: dict, warps: int, types: dict, divisible: tuple[str, ...] = ()):
+    """The sm_90 compile of a Gluon kernel (Triton's compiler, no GPU): ``consts`` its constexprs, ``types`` the
+    signature types of its other arguments ("i32" where absent); pointers and the arguments whose names start
+    with one of ``divisible`` 16-byte divisible, as the JIT specializes them for a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if sig[p.name].startswith("*") or (divisible and p.name.startswith(divisible))}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+
+
 def assert_pdl_order(ptx: str, pdl: bool, where: str = "") -> None:
     """A kernel's sm_90 PTX under programmatic dependent launch: with ``pdl`` (the launch an sm_90 device gets) it
     waits for the kernel before it (``griddepcontrol.wait``) ahead of every global read (``ld.global``,

@@ -24,7 +24,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import lens_with_empty
-from _triton_test_util import assert_attention_close, paged_cache, poison_allocator, sm90_compile, sm90_facts
+from _triton_test_util import (assert_attention_close, gluon_sm90, paged_cache, poison_allocator, sm90_compile,
+                               sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -254,20 +255,12 @@ def test_declaration_serves_only_sm90_bf16_deepseek_pages_of_64(backend):
 def _compile_sm90(kernel, consts, warps):
     """The sm_90 compile of one of the module's kernels, its pointers and the q strides 16-byte divisible as the
     JIT specializes them for a real launch."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_compile.ops.triton import decode_gluon as g
 
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32",
                  desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
-    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if sig[p.name].startswith("*") or p.name.startswith("stride_q")}
-    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return gluon_sm90(kernel, consts, warps, types, ("stride_q",))
 
 
 @sm90_compile

@@ -16,7 +16,7 @@ from torch.library import opcheck
 
 import mla_compile  # noqa: F401
 from tests.cuda_capture import capture
-from _triton_test_util import assert_pdl_order, sm90_compile
+from _triton_test_util import assert_pdl_order, gluon_sm90, sm90_compile
 from _sparse_test_util import fp8_paged, lens_with_empty
 from _triton_test_util import assert_attention_close, poison_allocator
 from mla_compile.ops import decode_fp8
@@ -241,19 +241,10 @@ def test_compiled_dynamic_batch_and_graph_replay():
 def _compile_sm90(kernel, consts, warps, extra=None):
     """The sm_90 compile of a decode kernel (its pointer arguments 16-byte aligned, as CUDA allocations are);
     ``extra``: signature types of further or other arguments (tensor descriptors, more pointers)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    ptrs = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
-                o_ptr="*bf16" if consts.get("DIRECT") else "*fp32")
-    ptrs.update(extra or {})
-    sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name == "scale_log2" else "i32")
-           for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if sig[p.name].startswith("*") or p.name in ("stride_kb", "stride_kt")}
-    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    types = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
+                 o_ptr="*bf16" if consts.get("DIRECT") else "*fp32", scale_log2="fp32")
+    types.update(extra or {})
+    return gluon_sm90(kernel, consts, warps, types, ("stride_kb", "stride_kt"))
 
 
 @sm90_compile

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import mla_compile  # noqa: F401
-from _triton_test_util import assert_attention_close, cu_from_lens, poison_allocator, prefill_ref64, sm90_compile
+from _triton_test_util import (assert_attention_close, cu_from_lens, gluon_sm90, poison_allocator, prefill_ref64,
+                               sm90_compile)
 
 SCALE = 1 / math.sqrt(192)
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -175,10 +176,6 @@ def test_launch_refuses_pingpong_without_two_slots():
 
 
 def _compile_sm90(kernel, consts, q_rows, warps):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_compile.ops.triton import prefill_gluon as g
 
     bn, sl = consts["BLOCK_N"], repr(g.SMEM_SL)
@@ -189,11 +186,7 @@ def _compile_sm90(kernel, consts, q_rows, warps):
     types = dict(qa_desc=desc(q_rows, 128), qb_desc=desc(q_rows, 64), ka_desc=desc(bn, 128), kb_desc=desc(bn, 64),
                  v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
                  scale_log2="fp32")
-    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if sig[p.name].startswith("*") or p.name.startswith("stride")}
-    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    return gluon_sm90(kernel, consts, warps, types, ("stride",))
 
 
 @sm90_compile

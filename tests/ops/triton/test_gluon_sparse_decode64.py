@@ -26,7 +26,7 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import float_paged, fp8_paged, lens_with_empty, topk_indices
-from _triton_test_util import assert_attention_close, poison_allocator, sm90_compile, sm90_facts
+from _triton_test_util import assert_attention_close, gluon_sm90, poison_allocator, sm90_compile, sm90_facts
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -259,20 +259,11 @@ def test_declaration_serves_only_sm90_bf16_q_fp8_or_bf16_deepseek_rows():
 def _compile_sm90(consts, idx_type="*i32"):
     """The sm_90 compile of the kernel, its pointers, the q strides and the cache strides 16-byte divisible as
     the JIT specializes them for a real launch (``consts``: every constexpr, the flags included)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from mla_compile.ops.triton import sparse_decode_gluon64 as g
 
-    kernel = g.sparse_decode_gluon64_kernel
     types = dict(q_ptr="*bf16", kv_ptr="*u8" if consts["FP8"] else "*bf16", idx_ptr=idx_type, lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
-    sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
-             if sig[p.name].startswith("*") or p.name.startswith(("stride_q", "stride_k"))}
-    return triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=g.NUM_WARPS))
+    return gluon_sm90(g.sparse_decode_gluon64_kernel, consts, g.NUM_WARPS, types, ("stride_q", "stride_k"))
 
 
 _FP8_ONLY = ("CVT_BF16", "ROPE_ASYNC")  # flags a bf16 cache ignores: its compile with them is the plain one
