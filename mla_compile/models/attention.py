@@ -194,12 +194,19 @@ class MLAAttention(nn.Module):
         q_nope, q_pe, kv = self.project_raw(x, cos, sin, q_resid)
         return (q_nope, q_pe, *self.finish_kv(kv, cos, sin))
 
+    def _kv_parts(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """``(latent, k_pe)``: views of the raw ``kv_a_proj_with_mqa`` output ``kv [T, kv_lora_rank + rope]``."""
+        return kv.split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], dim=-1)
+
+    def _q_parts(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """``(q_nope, q_pe)``: views of the heads' query rows ``q [T, H, qk_head_dim]``."""
+        return q.split([self.config.qk_nope_head_dim, self.config.qk_rope_head_dim], dim=-1)
+
     def finish_kv(self, kv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``latent [T, kv_lora_rank]`` (normed) and ``k_pe [T, rope]`` (rotated) of the raw ``kv_a_proj_with_mqa``
         output ``kv [T, kv_lora_rank + rope]``."""
-        c = self.config
-        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, c.rope_interleave)
+        latent, k_pe = self._kv_parts(kv)
+        return self.kv_a_layernorm(latent), apply_rope(k_pe, cos, sin, self.config.rope_interleave)
 
     def project_raw(self, x: Tensor, cos: Tensor, sin: Tensor, q_resid: Tensor | None = None,
                     rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor]:
@@ -226,7 +233,7 @@ class MLAAttention(nn.Module):
         q = q.unflatten(-1, (c.num_heads, c.qk_head_dim))
         if not rotate_q_pe:
             return q, None, kv
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = self._q_parts(q)
         return q_nope, apply_rope(q_pe, cos, sin, c.rope_interleave), kv
 
     def project_raw_normed(self, h: Tensor, residual: Tensor, norm: nn.Module, cos: Tensor, sin: Tensor,
@@ -304,7 +311,7 @@ class MLAAttention(nn.Module):
             self.write_cache(*self.finish_kv(kv, cos, sin), meta)
             return
         c, norm = self.config, self.kv_a_layernorm
-        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self._kv_parts(kv)
         torch.ops.mla.write_latent_cache_fused(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
                                                self._require_cache(), thaw(self._latent_eps), c.rope_interleave)
 
@@ -327,8 +334,8 @@ class MLAAttention(nn.Module):
         one ``mla::write_latent_cache_absorb_q`` call (where :meth:`write_absorb_serves`; the step then attends with
         :meth:`attend_absorbed`)."""
         c, norm = self.config, self.kv_a_layernorm
-        latent, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self._kv_parts(kv)
+        q_nope, q_pe = self._q_parts(q)
         return ops.write_latent_cache_absorb_q(latent, k_pe, norm.weight, cos, sin, meta.slot_mapping,
                                                self._require_cache(), thaw(self._latent_eps), c.rope_interleave,
                                                q_nope, self._w_uk_uv()[0], q_pe, backend="triton")
