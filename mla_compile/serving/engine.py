@@ -26,45 +26,36 @@ without ``dp_sync``.
 ``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
 every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no
 work runs padding-only steps while others have some; a step failing before its model runs a padding-only step in
-its place. The lines marked ``[dp]`` do this.
+its place. The lines marked ``[dp]`` do this, with :class:`~mla_compile.serving.engine_dp.DPSteps`; the overlap
+steps are :class:`~mla_compile.serving.engine_overlap.OverlapSteps`, the row bookkeeping
+:mod:`mla_compile.serving.engine_rows`, the request types :mod:`mla_compile.serving.requests`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import random
 from collections import deque
-from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_
-from typing import Any, Iterator, NamedTuple, Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
-import numpy as np
-import torch
 from torch import Tensor
 
 from mla_compile.serving.admission import RequestLimits, model_limits, validate_request
 from mla_compile.serving.builder import MetadataBuilder
 from mla_compile.serving.decode_rows import DecodeRows, RowState
-from mla_compile.serving.block_manager import Allocation, BlockManager, sink_window_of
-from mla_compile.models.metadata import SeqChunk, step_size
-from mla_compile.serving.dp_sync import DPStepFatal, DPStepSync, StepDemand, StepShape
+from mla_compile.serving.block_manager import BlockManager, sink_window_of
+from mla_compile.models.metadata import SeqChunk
+from mla_compile.serving.dp_sync import DPStepFatal, DPStepSync
+from mla_compile.serving.engine_dp import DPSteps
+from mla_compile.serving.engine_overlap import HostTokens, InFlight, OverlapSteps
+from mla_compile.serving.engine_rows import DecodeView, RunningList, decode_view, take_rows
+from mla_compile.serving.requests import FINISH_REASONS, Request, StepFailed, StepOutput
 from mla_compile.serving.sampling import SamplingParams, sample_rows
 from mla_compile.serving.v4_blocks import V4BlockManager
 from mla_compile.serving.v4_builder import V4DecodeBuilder
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-@dataclass
-class StepOutput:
-    """What one step of :meth:`Engine.stream` produced: ``tokens`` (request id -> the tokens it generated in the
-    step, in order; requests still prefilling are absent) and the requests it ``finished``."""
-
-    tokens: dict[int, list[int]]
-    finished: list["Request"]
+__all__ = ["Engine", "FINISH_REASONS", "Request", "StepFailed", "StepOutput", "StepRunner"]
 
 
 class StepRunner(Protocol):
@@ -86,56 +77,7 @@ class StepRunner(Protocol):
     def run(self, decode: Sequence[SeqChunk], prefill: Sequence[SeqChunk] = ()) -> Tensor: ...
 
 
-class StepFailed(RuntimeError):
-    """A step's runner raised. ``request_ids``: the requests of that step, now finished with
-    ``finish_reason == "error"``; ``__cause__``: the runner's exception."""
-
-    def __init__(self, message: str, request_ids: list[int]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
-
-
-@dataclass
-class Request:
-    """One generation request and its state (``computed``: prompt tokens already in the cache;
-    ``finish_reason``: None while waiting or running, then one of ``FINISH_REASONS``)."""
-
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    params: SamplingParams = field(default_factory=SamplingParams)
-    output: list[int] = field(default_factory=list)
-    alloc: Allocation = field(default_factory=Allocation)
-    computed: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def blocks(self) -> list[int]:
-        """The request's cache blocks."""
-        return self.alloc.blocks
-
-    @property
-    def prefilling(self) -> bool:
-        """Whether prompt tokens remain to be computed."""
-        return self.computed < len(self.prompt)
-
-    @property
-    def length(self) -> int:
-        """Tokens in the cache before the next decode step (prompt plus generated, minus the last)."""
-        return len(self.prompt) + max(len(self.output) - 1, 0)
-
-    @property
-    def done(self) -> bool:
-        """Whether it has produced ``max_new_tokens`` tokens."""
-        return len(self.output) >= self.max_new_tokens
-
-    @property
-    def stopped(self) -> bool:
-        """Whether its last token is one of its ``stop_token_ids``."""
-        return bool(self.output) and self.output[-1] in self.params.stop_token_ids
-
-
-class Engine:
+class Engine(OverlapSteps, DPSteps):
     """Serving over a patched model's paged cache, driven one step at a time.
 
     Each request samples under its :class:`~mla_compile.serving.sampling.SamplingParams` (greedy by default): its
@@ -264,8 +206,8 @@ class Engine:
                 raise ValueError(f"overlap=True needs a runner with {' and '.join(missing)} (DecodeGraphRunner); "
                                  f"{type(runner).__name__} has none")
             runner.enable_token_feed()
-        self._inflight: _InFlight | None = None  # overlap: the launched step whose tokens are not read yet
-        self._host_tokens = _HostTokens(2 * self.max_batch)
+        self._inflight: InFlight | None = None  # overlap: the launched step whose tokens are not read yet
+        self._host_tokens = HostTokens(2 * self.max_batch)
         self._learned: dict[int, list[int]] = {}  # overlap: tokens read since the last step() returned
         self._done: list[Request] = []  # overlap: requests finished since the last step() returned
         self.dp_sync = dp_sync  # [dp]
@@ -281,7 +223,7 @@ class Engine:
             and isinstance(b, MetadataBuilder) and b.query_len == 1
         self._rows = DecodeRows(b.max_batch, b.max_blocks, b.block_size) if takes_rows else None
         self._rows_at: int | None = None
-        self._view: _DecodeView | None = None  # see _decode_view
+        self._view: DecodeView | None = None  # see _decode_view
         self._finishes = 0  # requests finished so far (_finish calls): a step read notes if any finished since launch
 
     @property
@@ -291,7 +233,7 @@ class Engine:
 
     @running.setter
     def running(self, requests: list[Request]) -> None:
-        self._running = _Running(requests)  # a version no list had before
+        self._running = RunningList(requests)  # a version no list had before
 
     def _cache_manager(self, num_blocks: int, prefix_caching: bool | None,
                        num_entry_blocks: int | dict[int, int] | None) -> BlockManager | V4BlockManager:
@@ -307,95 +249,6 @@ class Engine:
         return BlockManager(num_blocks, self.block_size, enable_prefix_caching=prefix_caching is not False,
                             sink_window=sink_window_of(self.runner))
 
-    def _check_dp_runner(self) -> None:
-        """[dp] The runner pads to an agreed shape, and every rank's engine and runner are built alike (collective)."""
-        methods = ["run", "decode", "sample_step"] if self.overlap else ["run", "decode"]
-        if callable(getattr(self.runner, "decode_sampled", None)):
-            methods.append("decode_sampled")
-        for m in methods:
-            if "shape" not in inspect.signature(getattr(self.runner, m)).parameters:
-                raise ValueError(f"dp_sync needs a runner whose {m}() takes shape= (DecodeGraphRunner); "
-                                 f"{type(self.runner).__name__}.{m} does not")
-        b = self.runner.builder
-        if not {"tokens", "rows"} <= inspect.signature(b.build).parameters.keys():
-            raise ValueError(f"dp_sync needs a builder whose build() pads to tokens= and rows= (MetadataBuilder); "
-                             f"{type(b).__name__}.build does not")
-        sizes = tuple(getattr(self.runner, "capture_sizes", ()))
-        self.dp_sync.check_same("engine sizes (max_batch, max_tokens, min_batch, query_len, capture sizes)",
-                                [b.max_batch, self.max_tokens, b.min_batch, b.query_len, hash(sizes) % (1 << 62)])
-
-    def _has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._inflight is not None or self._learned or self._done)
-
-    def _dp_agree(self, decoding: list[Request], chunks: list[tuple[Request, int]]) -> StepShape | None:
-        """[dp] This step's shape, agreed with every other group (None: no group runs a step); runs this rank's
-        padding-only step when only other groups have something to run."""
-        if self._dp_fatal is not None:
-            raise DPStepFatal(f"this engine stopped at an earlier fatal data-parallel step failure: {self._dp_fatal}"
-                              ) from self._dp_fatal
-        b = self.runner.builder
-        tokens, rows = step_size(len(decoding), sum(n for _, n in chunks), len(chunks), query_len=b.query_len,
-                                 min_batch=b.min_batch)
-        try:
-            agreed = self.dp_sync.agree(StepDemand(self._has_work(), len(decoding), bool(chunks), tokens, rows))
-        except DPStepFatal as exc:
-            raise self._dp_stop([], exc, "the step agreement failed") from exc
-        self.dp_active = agreed.active
-        if agreed.shape is not None and not decoding and not chunks:
-            self._dp_padding(agreed.shape, [])  # nothing here while other groups step
-        self._returned = False
-        return agreed.shape
-
-    def _model_calls(self) -> int | None:
-        """[dp] The runner's count of the model runs it started (None: it does not count them)."""
-        calls = getattr(self.runner, "model_calls", None)
-        return calls if isinstance(calls, int) else None
-
-    def _dp_padding(self, shape: StepShape, requests: list[Request], failed: Exception | None = None) -> None:
-        """[dp] A padding-only step of ``shape``: this rank's part of the collectives every other rank runs in
-        this step. If it raises, the ranks cannot go on (``requests``: the step's, ``failed``: the error it
-        stands in for)."""
-        try:
-            self.runner.run((), (), shape=shape)
-        except Exception as exc:
-            why = "its padding-only step raised" if failed is None else \
-                f"its step raised before its model ({type(failed).__name__}: {failed}) and the padding-only " \
-                "step run in its place raised too"
-            raise self._dp_stop(requests, exc, why) from exc
-
-    def _dp_recover(self, calls: int | None, shape: StepShape, requests: list[Request], exc: Exception) -> None:
-        """[dp] After this rank's step (of ``requests``) raised ``exc``: make sure this rank ran the step's
-        collectives as every other rank did, or stop (raises :class:`DPStepFatal`). ``calls``: the runner's
-        ``model_calls`` before the step."""
-        if self._returned:  # the runner returned: the model ran every collective of the step
-            return
-        now = self._model_calls()
-        if calls is None or now is None:
-            raise self._dp_stop(requests, exc, f"its step raised and its runner ({type(self.runner).__name__}) has "
-                                "no model_calls counter, so whether its model's collectives started is unknown")
-        if now != calls:
-            raise self._dp_stop(requests, exc, "its step raised inside the model (its collectives may have run on "
-                                "some ranks and not on others)")
-        self._dp_padding(shape, requests, exc)  # before its model: the padding step runs its collectives
-
-    def _dp_stop(self, requests: list[Request], exc: Exception, why: str) -> DPStepFatal:
-        """[dp] Stop this engine for good: every request not finished yet (``requests``: the failed step's, those
-        in flight, running and waiting) is finished with ``"error"``; returns the error to raise (and raised again
-        by every later step)."""
-        pending = [*requests, *(self._inflight.requests if self._inflight is not None else ()), *self.running,
-                   *self.waiting]
-        failed = list({r.id: r for r in pending if r.finish_reason is None}.values())
-        self.running, self._inflight, self.dp_active = [], None, False
-        self.waiting.clear()
-        for r in failed:
-            self._finish(r, "error")
-        ids = [r.id for r in failed]
-        self._dp_fatal = DPStepFatal(
-            f"data-parallel step {self.dp_sync.steps} on this rank: {why} ({type(exc).__name__}: {exc}); "
-            f"the ranks cannot go on in lockstep, so this engine stops: its requests {ids} are finished with "
-            "finish_reason 'error' (the other ranks raise DPStepFatal too, at the latest at their process group's "
-            "timeout)", ids)
-        return self._dp_fatal
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
@@ -535,7 +388,7 @@ class Engine:
         self._release_windows()  # [window]
         return done
 
-    def _release_windows(self, in_flight: _InFlight | None = None) -> None:
+    def _release_windows(self, in_flight: InFlight | None = None) -> None:
         """[window] Give back the blocks no later query of a running request reads (a no-op for dense models).
         ``in_flight``: the launched step whose tokens the host has not read yet (overlap)."""
         if type(self.blocks) is BlockManager and self.blocks.sink_window is None:
@@ -599,50 +452,14 @@ class Engine:
             self.blocks.grow(r.alloc, int(batch.positions[i]) + 1)
             batch.set_blocks(i, r.alloc.blocks)
 
-    def _decode_view(self, decoding: list[Request]) -> _DecodeView:
-        """What reading the tokens of a decode-only step of ``decoding`` (the decode rows, in row order) needs, made
-        once per ``decoding`` list (:meth:`_schedule` makes a new one whenever the running requests change)."""
-        view = self._view
-        if view is not None and view.requests is decoding:
-            return view
-        n = len(decoding)
-        stop_sets = list(map(_STOPS, decoding))
-        width = max(map(len, stop_sets), default=0)
-        stops = None
-        if width:  # -1 pads (token ids are >= 0)
-            stops = np.full((n, width), -1, dtype=np.int64)
-            if min(map(len, stop_sets)) == width:
-                stops[:] = stop_sets
-            else:
-                for i, ids in enumerate(stop_sets):
-                    stops[i, :len(ids)] = ids
-        view = self._view = _DecodeView(decoding, list(enumerate(decoding)), list(map(_OUTPUT, decoding)),
-                                        list(map(_ID, decoding)),
-                                        np.fromiter(map(_MAX_NEW, decoding), np.int64, n) - 1, stops)
-        return view
+    def _decode_view(self, decoding: list[Request]) -> DecodeView:
+        """:func:`~mla_compile.serving.engine_rows.decode_view` of ``decoding``, made once per ``decoding`` list
+        (:meth:`_schedule` makes a new one whenever the running requests change)."""
+        if self._view is None or self._view.requests is not decoding:
+            self._view = decode_view(decoding)
+        return self._view
 
-    @staticmethod
-    def _take_rows(view: _DecodeView, tokens: np.ndarray, last: list[int], learned: dict[int, list[int]]
-                   ) -> list[Request]:
-        """Take a decode-only step's tokens in one pass: row ``i``'s token ``tokens[i]`` goes to the end of its
-        request's output and of ``learned[request id]``, in row order; returns the requests those tokens finished (a
-        stop token, or ``max_new_tokens`` reached: among the rows ``last``, see :meth:`_DecodeView.last_rows`), in
-        row order, without finishing them. Every request of ``view`` must be unfinished."""
-        n = len(view.ids)
-        toks = tokens[:n]
-        deque(map(list.append, view.outputs, toks.tolist()), 0)
-        singles = toks.reshape(n, 1).tolist()  # [[t], ...]: each request's new tokens
-        if learned:
-            for key, new in zip(view.ids, singles):
-                learned.setdefault(key, []).extend(new)
-        else:
-            learned.update(zip(view.ids, singles))
-        ends = last
-        if view.stops is not None:
-            hit = (view.stops == toks[:, None]).any(1).nonzero()[0].tolist()
-            if hit:
-                ends = sorted({*last, *hit})
-        return [r for r in map(view.requests.__getitem__, ends) if r.stopped or r.done]
+    _take_rows = staticmethod(take_rows)
 
     @staticmethod
     def _sample(logits: Tensor, rows: list[Request]) -> Tensor:
@@ -688,292 +505,3 @@ class Engine:
         for _ in self.stream():
             pass
         return sorted(self.finished, key=lambda r: r.id)
-
-    # ------------------------------------------------------------------ overlap (see the class docstring)
-
-    def _step_overlap(self, keep_logits: bool) -> list[Request]:
-        """Plan and launch the next step while the device runs the one in flight, then read that one's tokens;
-        returns the requests it finished."""
-        self._admit()
-        decoding, chunks = self._schedule()
-        shape = None if self.dp_sync is None else self._dp_agree(decoding, chunks)  # [dp]
-        if decoding or chunks:
-            calls = None if shape is None else self._model_calls()  # [dp]
-            try:
-                step = self._launch(decoding, chunks, self._inflight, keep_logits, shape)
-            except Exception as exc:
-                launched = [*decoding, *(r for r, _ in chunks)]
-                if shape is not None:  # [dp] run this step's collectives on padding, or stop
-                    self._dp_recover(calls, shape, launched, exc)
-                previous, self._inflight = self._inflight, None
-                try:
-                    self._read(previous)  # the previous step's tokens are kept
-                except StepFailed as earlier:  # it failed too (an asynchronous device error): report both
-                    failed = self._fail([r for r in launched if r.finish_reason is None], exc)
-                    raise StepFailed(f"{earlier}; and then: {failed}", earlier.request_ids + failed.request_ids
-                                     ) from exc
-                raise self._fail([r for r in launched if r.finish_reason is None], exc) from exc
-            previous, self._inflight = self._inflight, step
-        else:
-            previous, self._inflight = self._inflight, None
-        self._read(previous)
-        self._retire()
-        self._release_windows(self._inflight)  # [window]
-        if not self.running:
-            self._sync()  # only finished requests are left in flight: wait, so an idle engine has nothing pending
-        self.new_tokens, self._learned = self._learned, {}
-        done, self._done = self._done, []
-        return done
-
-    def _launch(self, decoding: list[Request], chunks: list[tuple[Request, int]], previous: _InFlight | None,
-                keep_logits: bool, shape: StepShape | None = None) -> _InFlight:
-        """Launch a step whose decode rows take the previous step's tokens on the device where the host has
-        not read them yet; register the prompt blocks it completes."""
-        batch = self._rows
-        if batch is not None and previous is None:  # every input id from the host: the kept rows are stale
-            batch.clear()
-            self._rows_at = None
-        fed = {} if previous is None else _Fed(previous.yields)
-        kw = {} if shape is None else {"shape": shape}  # [dp]
-        rows = [*decoding, *(r for r, _ in chunks)]
-        if batch is not None and not chunks:  # the decode rows kept between steps: only what changed is written
-            self._arrange_rows(decoding, fed)
-            self._grow_rows(decoding)  # [window]
-            logits, tokens = self.runner.sample_step(batch, (), None, None, batch.fed[:len(batch)], **kw)
-        else:
-            if batch is not None:
-                self._arrange_rows(decoding, fed)
-                self._grow_rows(decoding)  # [window]
-                dec, feed = batch.chunks(), batch.fed[:len(batch)].tolist()
-            else:
-                feed = [fed.get(r.id, -1) for r in decoding]
-                dec = []
-                for r, row in zip(decoding, feed):
-                    pending = int(row >= 0)  # its last token is still on the device (0: a placeholder id)
-                    token = 0 if pending else r.output[-1]
-                    pos = len(r.prompt) + len(r.output) + pending - 1
-                    self.blocks.grow(r.alloc, pos + 1)  # [window] a no-op unless a windowed allocation needs a block
-                    dec.append(self.blocks.chunk(r.alloc, [token], pos, key=r.id))
-            pre = [self.blocks.chunk(r.alloc, r.prompt[r.computed:r.computed + n], r.computed) for r, n in chunks]
-            steps = [len(r.output) + (r.id in fed) for r in rows]  # the index of the token each row draws
-            logits, tokens = self.runner.sample_step(dec, pre, [r.params for r in rows], steps, feed, **kw)
-        self._returned = True  # [dp] the runner returned: every collective of its model step ran
-        view = last = None
-        if batch is not None and not chunks:  # its tokens are read in one vectorised pass (see _take_rows)
-            view = self._decode_view(decoding)
-            last = view.last_rows(batch.steps)
-        if batch is not None:
-            batch.advance(None, fed=True)  # the next step feeds each row this step's token, on the device
-        host, ready = self._host_tokens.copy(tokens)
-        kept = logits.detach().to(torch.float32, copy=True) if keep_logits else None
-        if view is not None:
-            return _InFlight(rows, view.yields, host, ready, kept, [], view, last, self._finishes)
-        yields = list(enumerate(decoding))
-        registered = []  # findable before the step is known to succeed: forgotten again if it fails (_read)
-        for i, (r, n) in enumerate(chunks):
-            r.computed += n
-            registered.append(self.blocks.register(r.alloc, r.prompt[:r.computed]))
-            if not r.prefilling:  # the chunk that completes the prompt yields the first token
-                self.running.touch()  # it decodes from the next step on
-                yields.append((len(decoding) + i, r))
-        return _InFlight(rows, yields, host, ready, kept, registered)
-
-    def _read(self, step: _InFlight | None) -> None:
-        """Take a launched step's tokens (waiting for its copy): append them, finish the requests they end."""
-        if step is None:
-            return
-        try:
-            if step.ready is not None:
-                step.ready.synchronize()  # an asynchronous device error of the step shows here
-            sampled = step.tokens.tolist()
-            if step.logits is not None:
-                self.step_logits.append(step.logits.cpu())
-        except Exception as exc:
-            failed = [r for r in step.requests if r.finish_reason is None]
-            made = list(step.registered)  # its prompt blocks may hold garbage
-            later, self._inflight = self._inflight, None
-            if later is not None and later is not step:  # launched on top of it (its tokens, its blocks): fail too
-                made += later.registered
-                failed += [r for r in later.requests if r.finish_reason is None and r not in failed]
-            # and every request admitted on a prefix hit of those blocks (or snapshots), scheduled yet or not
-            failed += [r for r in self.running if r not in failed and self.blocks.uses(r.alloc, made)]
-            for m in made:  # no later prompt matches them
-                self.blocks.forget(m)
-            raise self._fail(failed, exc) from exc
-        view = step.view
-        if view is not None and (step.finishes == self._finishes or not any(map(_FINISH_REASON, view.requests))):
-            # every request of this decode-only step is still unfinished: one vectorised pass
-            for r in self._take_rows(view, step.tokens.numpy(), step.last, self._learned):
-                self.running.drop(r)  # absent when it reached max_new_tokens (retired at the launch)
-                self._finish(r, "stop" if r.stopped else "length")
-                self._done.append(r)
-            return
-        for row, r in step.yields:
-            if r.finish_reason is not None:
-                continue  # it stopped in the step before (or failed) after this one was launched: drop the token
-            r.output.append(sampled[row])
-            self._learned.setdefault(r.id, []).append(sampled[row])
-            if r.stopped or r.done:
-                self.running.drop(r)
-                self._finish(r, "stop" if r.stopped else "length")
-                self._done.append(r)
-
-    def _retire(self) -> None:
-        """Requests whose last token (``max_new_tokens``) the step in flight draws leave the batch and free their
-        blocks now, as they would after that step without overlap: any step that reuses the blocks is launched
-        later, so the device runs it after this one."""
-        step = self._inflight
-        if step is None:
-            return
-        if step.view is not None:  # a decode-only step: the rows drawing their last token are known
-            retiring = [r for r in map(step.view.requests.__getitem__, step.last)
-                        if len(r.output) + 1 >= r.max_new_tokens and self.running.index_of(r) >= 0]
-        else:
-            yielding = {r.id for _, r in step.yields}
-            retiring = [r for r in self.running if r.id in yielding and len(r.output) + 1 >= r.max_new_tokens]
-        for r in retiring:
-            self.running.drop(r)
-            self.blocks.free(r.alloc)
-
-    def _sync(self) -> None:
-        """Overlap: wait for the step in flight and take its tokens (nothing to do without one)."""
-        step, self._inflight = self._inflight, None
-        self._read(step)
-
-
-_VERSIONS = itertools.count()
-
-
-class _Running(list):
-    """The engine's running requests: a list whose :attr:`version` changes with every change of it (and with every
-    request that starts decoding: :meth:`touch`, called by the engine), to a value no list of any engine had
-    before, so work that depends only on it is redone only then."""
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.version = next(_VERSIONS)
-
-    def touch(self) -> None:
-        """Mark a change the list cannot see (a request's prefilling state)."""
-        self.version = next(_VERSIONS)
-
-    def index_of(self, item: Any) -> int:
-        """The index of ``item`` itself, or -1: compared by identity (``in`` and ``remove`` compare by ``==``, which for
-        a dataclass builds and compares the field tuples of every request before it)."""
-        try:
-            return list(map(is_, self, repeat(item))).index(True)
-        except ValueError:
-            return -1
-
-    def drop(self, item: Any) -> bool:
-        """Remove ``item`` itself (see :meth:`index_of`); returns whether it was there."""
-        i = self.index_of(item)
-        if i < 0:
-            return False
-        del self[i]
-        return True
-
-    def _changed(method):  # noqa: N805 - a decorator of the methods below
-        def changed(self, *args, **kwargs):
-            out = method(self, *args, **kwargs)
-            self.version = next(_VERSIONS)
-            return out
-        changed.__name__ = method.__name__
-        return changed
-
-    append, remove, insert, pop, extend, clear = map(_changed, (list.append, list.remove, list.insert, list.pop,
-                                                               list.extend, list.clear))
-    sort, reverse = _changed(list.sort), _changed(list.reverse)
-    __setitem__, __delitem__, __iadd__ = _changed(list.__setitem__), _changed(list.__delitem__), \
-        _changed(list.__iadd__)
-    del _changed
-
-
-class _Fed(dict):
-    """Request id -> the logits row of a launched step whose token is that request's next input, made from the
-    step's ``yields`` on first use (most steps never look one up)."""
-
-    def __init__(self, yields: list[tuple[int, Request]]) -> None:
-        super().__init__()
-        self._yields = yields
-
-    def _fill(self) -> None:
-        if self._yields is not None:
-            self.update((r.id, row) for row, r in self._yields)
-            self._yields = None
-
-    def get(self, key, default=None):
-        self._fill()
-        return super().get(key, default)
-
-    def __contains__(self, key) -> bool:
-        self._fill()
-        return super().__contains__(key)
-
-
-_ID, _OUTPUT, _MAX_NEW = attrgetter("id"), attrgetter("output"), attrgetter("max_new_tokens")
-_STOPS, _FINISH_REASON = attrgetter("params.stop_token_ids"), attrgetter("finish_reason")
-
-
-class _DecodeView(NamedTuple):
-    """The decode rows of one ``decoding`` list (see ``Engine._decode_view``): the ``requests`` in row order, their
-    ``(row, request)`` pairs, output lists and ids, the index of each one's last token (``max_new_tokens - 1``,
-    int64 ``[n]``) and its stop token ids (int64 ``[n, k]``, -1 padded; None: no row has any)."""
-
-    requests: list[Request]
-    yields: list[tuple[int, Request]]
-    outputs: list[list[int]]
-    ids: list[int]
-    final: np.ndarray
-    stops: np.ndarray | None
-
-    def last_rows(self, steps: np.ndarray) -> list[int]:
-        """The rows that draw their request's last token (``max_new_tokens``) in a step where row ``i`` draws the
-        token of index ``steps[i]`` (``DecodeRows.steps`` before the step's advance), ascending."""
-        return (steps[:len(self.ids)] >= self.final).nonzero()[0].tolist()
-
-
-@dataclass
-class _InFlight:
-    """An overlap step launched but not read: its ``requests`` (one per logits row), the ``(row, request)``
-    pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
-    already there), a device copy of its float32 logits (``keep_logits``) or None, and the prompt blocks its
-    launch made findable (what each ``blocks.register`` call returned; given to ``blocks.forget`` if it fails).
-    A decode-only step of the engine's decode rows also has its ``view`` (``Engine._decode_view``), the rows that
-    draw their request's last token (``last``) and the engine's count of finished requests at its launch, so its
-    tokens are read in one pass (``Engine._take_rows``) when no request finished since."""
-
-    requests: list[Request]
-    yields: list[tuple[int, Request]]
-    tokens: Tensor
-    ready: Any
-    logits: Tensor | None
-    registered: list[Any]
-    view: _DecodeView | None = None
-    last: list[int] | None = None
-    finishes: int = 0
-
-
-class _HostTokens:
-    """Host memory for the tokens of the last two steps (pinned for a CUDA device), used in turn: step n's
-    tokens are read before step n+2 is launched, so a buffer is never overwritten before it was read."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-        self._buffers: list[Tensor] = []
-        self._turn = 0
-
-    def copy(self, tokens: Tensor) -> tuple[Tensor, Any]:
-        """Start copying int64 ``tokens`` ``[n]`` to the host (non-blocking); returns the host view and the CUDA
-        event to wait on (None: the copy is done)."""
-        cuda = tokens.device.type == "cuda"
-        if not self._buffers:
-            self._buffers = [torch.empty(self.rows, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        host = self._buffers[self._turn][:tokens.shape[0]]
-        self._turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        if not cuda:
-            return host, None
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
