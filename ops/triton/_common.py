@@ -75,32 +75,6 @@ def prefill_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @triton.jit
-def sorted_group_tile(cu_ptr, y_ptr, R, N, E, s_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CHUNK: tl.constexpr):
-    """The output tile of program ``(slot, pid_n)`` of a GEMM over rows sorted by group (``cu [E + 1]`` =
-    ``[0, offs...]``, ``R`` rows, ``N`` columns): the slot's group and row tile by :func:`tiles_started`, as the
-    varlen prefill finds its sequence. Returns ``(pid_n, e, row0, offs_m, y, n_ok)``: the group ``e`` (``E`` for a
-    slot past ``cu[E]``, whose rows of ``y`` are zeroed here), its first row ``row0`` and rows ``offs_m``, their
-    output pointers ``y`` and the columns' mask ``n_ok [1, BLOCK_N]``. The caller returns where ``e == E`` and
-    where ``row0`` is at or past its group's end (an unused slot between two groups' tiles)."""
-    slot = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e = -1
-    for c in range(0, E + 1, CHUNK):
-        idx = c + tl.arange(0, CHUNK)
-        e += tiles_started(tl.load(cu_ptr + idx, mask=idx <= E, other=0), idx, E, slot, BLOCK_M)
-    start = tl.load(cu_ptr + e).to(tl.int32)
-    m0 = (slot - (start // BLOCK_M + e)) * BLOCK_M
-    offs_m = start + m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
-    n_ok = (offs_n < N)[None, :]
-    if e == E:  # rows past cu[E]
-        tl.store(y, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_ok)
-    return pid_n, e, start + m0, offs_m, y, n_ok
-
-
-@triton.jit
 def tiles_started(cu, idx, n_seq, slot, BLOCK: tl.constexpr):
     """How many of the segments ``idx`` (a chunk of ``[0, n_seq]``, ``cu`` their loaded ``cu_seqlens``
     entries) start at or before tile ``slot`` of a ragged layout: summed over all chunks, minus one, it is

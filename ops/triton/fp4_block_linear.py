@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.fp4_block_linear import as_bytes, validate
-from mla_compile.ops.triton._common import last_dim_contiguous, sorted_group_tile
+from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
 
 BLOCK_K = 128  # K values per loop step: 64 packed bytes, 4 scales per weight row
 
@@ -74,13 +74,25 @@ def _fp4_sorted_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``: program slot -> (group, row tile) by
-    ``sorted_group_tile``; slots past ``cu[E]`` write zeros."""
-    pid_n, e, row0, offs_m, y, n_ok = sorted_group_tile(cu_ptr, y_ptr, R, N, E, s_ym, BLOCK_M, BLOCK_N, CHUNK)
-    if e == E:  # rows past cu[E] (zeroed)
+    """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
+    ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = -1
+    for c in range(0, E + 1, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        e += tiles_started(tl.load(cu_ptr + idx, mask=idx <= E, other=0), idx, E, slot, BLOCK_M)
+    start = tl.load(cu_ptr + e).to(tl.int32)
+    m0 = (slot - (start // BLOCK_M + e)) * BLOCK_M
+    offs_m = start + m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = y_ptr + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    n_ok = (offs_n < N)[None, :]
+    if e == E:  # rows past cu[E]
+        tl.store(y, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_ok)
         return
     end = tl.load(cu_ptr + e + 1).to(tl.int32)
-    if row0 >= end:  # an unused slot between two groups' tiles
+    if start + m0 >= end:  # an unused slot between two groups' tiles
         return
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
