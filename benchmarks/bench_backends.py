@@ -266,6 +266,7 @@ def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
                 return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE,
                                                         causal=False, use_legacy=True)
             out.append((s, "flashmla", us["flashmla"], round(bk.graph_ms(direct) * 1e3, 1)))
+            out.extend(_flashmla_step_schedule(s, q, k_cache, table, lens, bk))
         except Exception as exc:
             print(f"  {s} FlashMLA direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
     if "flashinfer" in us:
@@ -286,6 +287,28 @@ def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
         except Exception as exc:
             print(f"  {s} FlashInfer direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
     return out
+
+
+def _flashmla_step_schedule(s: Shape, q, k_cache, table, lens, bk) -> list[tuple]:
+    """(shape, "flashmla (step schedule)", ours us, direct us): both sides with the step's split schedule made once
+    before the timed call, as a model's layers share it (``flashmla_decode_schedule`` and ``ops.decode(...,
+    schedule=)``; FlashMLA's ``get_mla_decoding_metadata`` assigned onto its ``FlashMLASchedMeta``)."""
+    import flash_mla
+
+    from mla_compile import ops
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+
+    cache, lens = k_cache.squeeze(2), lens.to(torch.int32)
+    sched = flashmla_decode_schedule(lens, s.heads)
+    ours = bk.graph_ms(lambda: ops.decode(q, cache, table, lens, SCALE, backend="flashmla", schedule=sched))
+    tiles, splits = flash_mla.get_mla_decoding_metadata(lens, s.heads, 1, h_q=s.heads, use_legacy=True)
+
+    def direct():
+        meta, _ = flash_mla.get_mla_metadata()
+        meta.tile_scheduler_metadata, meta.num_splits = tiles, splits
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE, causal=False,
+                                                use_legacy=True)
+    return [(s, "flashmla (step schedule)", round(ours * 1e3, 1), round(bk.graph_ms(direct) * 1e3, 1))]
 
 
 def _prefill_overhead(s: Shape, us: dict, bk) -> list[tuple]:

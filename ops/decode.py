@@ -71,21 +71,24 @@ declare(OP, "reference", torch.ops.mla.decode_ref, rank=100, devices=("any",), d
 
 
 def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, *,
-           kv_lora_rank: int = 512, backend: str | None = None, plan: object | None = None
-           ) -> tuple[Tensor, Tensor]:
+           kv_lora_rank: int = 512, backend: str | None = None, plan: object | None = None,
+           schedule: tuple[Tensor, ...] | None = None) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode; see the module docstring for the contract.
 
     ``q`` is ``[B, s_q, H, D]`` or ``[B, H, D]`` (s_q = 1; then ``out`` is ``[B, H, kv_lora_rank]`` and
     ``lse`` is ``[B, H]``). ``backend``: None/"auto" (the selector's choice for these shapes,
     ``mla_compile.ops.select``), or a declared backend name ("reference", "triton", "flashmla", ...).
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
-    ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step).
+    ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step). ``schedule``: a step schedule
+    shared by every layer's call of the step, for backends that take one (``"flashmla"``: made by
+    ``mla_compile.ops.adapters.flashmla.flashmla_decode_schedule`` from the step's ``seq_lens``; without it the
+    backend schedules inside each call).
     """
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
     impl = resolve(OP, q.device, backend, dtype=q4.dtype, cache=kv_cache, planned=plan is not None,
                    shape=lambda: decode_shape(q4, kv_cache, block_table, kv_lora_rank))
-    out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan)
+    out, lse = call_impl(OP, impl, (q4, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan, schedule)
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 

@@ -74,6 +74,8 @@ class Backend:
     ``"name"`` or ``"name=label"``. ``plan_id_fn``: for a backend that needs a plan, the op that runs it
     given the plan's static id as a last argument (what a split calls). ``derived``: a split made by the
     selector (:func:`declare_split`), not declared by a kernel file: left out of :func:`priority`.
+    ``schedule_fn``: for a backend that can take a step schedule made once for every layer of a step (FlashMLA's
+    split schedule), the op that runs it given the op's arguments and then the schedule's tensors.
     """
 
     name: str
@@ -112,6 +114,7 @@ class Backend:
     note: str = ""
     plan_id_fn: Callable | None = None
     derived: bool = False
+    schedule_fn: Callable | None = None
 
     @property
     def backend(self) -> str:
@@ -327,8 +330,17 @@ def device_capability(device: torch.device | str | None = None) -> tuple[int, in
     return cap
 
 
-def call_impl(op: str, impl: Backend, args: tuple, plan: object | None):
-    """Run ``impl.fn(*args)``, passing ``plan=`` when given; a plan for a backend that takes none is an error."""
+def call_impl(op: str, impl: Backend, args: tuple, plan: object | None, schedule: tuple | None = None):
+    """Run ``impl.fn(*args)``, passing ``plan=`` when given; with a step ``schedule`` (a tuple of tensors),
+    ``impl.schedule_fn(*args, *schedule)``. A plan or a schedule for a backend that takes none is an error."""
+    if schedule is not None:
+        if impl.schedule_fn is None or plan is not None:
+            takers = sorted(b for b, i in backends_for(op).items() if i.schedule_fn is not None)
+            raise ValueError(f"{OPS[op_name(op)].key}: schedule= is a step schedule of the backends that take one "
+                             f"({takers}), without plan=; backend {impl.name!r}"
+                             f"{' got plan= too' if impl.schedule_fn is not None else ' takes none'}: drop schedule= "
+                             "or pick one of those")
+        return impl.schedule_fn(*args, *schedule)
     if plan is None:
         return impl.fn(*args)
     if not impl.needs_plan:

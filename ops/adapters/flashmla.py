@@ -11,9 +11,12 @@ softmax_scale=s, causal=..., use_legacy=True)`` with ``q [B, s_q, H, 576]`` bf16
 Dense bf16, block size 64, kv_lora_rank 512 + rope 64 only. The split-KV schedule depends on the
 values of ``cache_seqlens``, so a fresh ``meta`` is made on every call and FlashMLA computes the
 schedule on the GPU inside the call: nothing is read on the host, and a captured graph recomputes
-it on every replay with the new lengths. (Sharing one schedule across the layers of a step, kept in
-persistent buffers by the metadata builder, is a later optimisation.) At our boundary the LSE goes
-``[B, H, s_q] -> [B, s_q, H]`` and queries that see no row get ``out = 0``, ``lse = -inf``.
+it on every replay with the new lengths. A step's layers can share one schedule instead (one scheduler
+launch a step, not one a layer): :func:`flashmla_decode_schedule` makes it from the step's lengths
+(``get_mla_decoding_metadata(seq_lens, s_q * H, 1, h_q=H, use_legacy=True)``, on the GPU: inside a captured
+step it is made again at every replay), and ``ops.decode(..., backend="flashmla", schedule=)`` hands it to the
+call (``mla::decode_flashmla_scheduled``; FlashMLA checks its shapes against the call's batch and heads). At our
+boundary the LSE goes ``[B, H, s_q] -> [B, s_q, H]`` and queries that see no row get ``out = 0``, ``lse = -inf``.
 
 fp8 (``mla::decode_fp8``, ``mla::sparse_decode`` on a uint8 cache): our 656-byte rows are FlashMLA's
 V3.2 sparse layout byte for byte, passed as ``k_cache.view(float8_e4m3fn)`` ``[blocks, 64, 1, 656]`` to the
@@ -34,9 +37,11 @@ cover the calls; ``tests/ops/adapters`` has the CUDA tests.
 from __future__ import annotations
 
 import torch
+from typing import NamedTuple
+
 from torch import Tensor
 
-from mla_compile.ops.registry import DEEPSEEK_DECODE, LAYOUT_TAGS, SM90, backends_for, declare
+from mla_compile.ops.registry import DEEPSEEK_DECODE, LAYOUT_TAGS, SM90, backends_for, declare, declare_kernels
 from mla_compile.ops import fp8_cache
 from mla_compile.ops.adapters._common import (check_dtype, check_value, finish_decode, importable,
                                               require_capability)
@@ -51,9 +56,61 @@ BLOCK_SIZE = 64
 DTYPES = (torch.bfloat16,)
 
 
+class FlashMLASchedule(NamedTuple):
+    """FlashMLA's split-KV schedule of one decode step (:func:`flashmla_decode_schedule`): ``tile_scheduler_metadata
+    [num_sm_parts, 8]`` and ``num_splits [B + 1]``, int32 on the step's device. It follows the lengths: made once a
+    step, it serves every layer's ``ops.decode(..., backend="flashmla", schedule=)`` of that step."""
+
+    tile_scheduler_metadata: Tensor
+    num_splits: Tensor
+
+
+@torch.library.custom_op("mla::flashmla_decode_schedule", mutates_args=())
+def _decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int) -> tuple[Tensor, Tensor]:
+    """FlashMLA's schedule of a dense decode step of ``num_heads`` query heads and ``query_len`` queries per
+    sequence over the lengths ``seq_lens [B]`` (one KV head: MLA)."""
+    require_capability(OP, BACKEND, seq_lens.device, (9, 0), (9, 0))
+    import flash_mla
+
+    tiles, splits = flash_mla.get_mla_decoding_metadata(seq_lens.to(torch.int32), query_len * num_heads, 1,
+                                                        h_q=num_heads, use_legacy=True)
+    return tiles, splits
+
+
+@_decode_schedule.register_fake
+def _(seq_lens, num_heads, query_len):
+    parts = torch.library.get_ctx().new_dynamic_size()  # FlashMLA's SM partition count (the GPU's)
+    return (seq_lens.new_empty(parts, 8, dtype=torch.int32),
+            seq_lens.new_empty(seq_lens.shape[0] + 1, dtype=torch.int32))
+
+
+def flashmla_decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int = 1) -> FlashMLASchedule:
+    """The split-KV schedule FlashMLA's decode would make inside each call, made once for a step's ``seq_lens [B]``
+    (int, on the GPU) for calls of ``num_heads`` query heads and ``query_len`` queries per sequence: pass it as
+    ``ops.decode(..., backend="flashmla", schedule=)`` to every layer of the step. Capturable (a captured step makes
+    it again at every replay, from the new lengths); nothing is read on the host."""
+    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"flashmla_decode_schedule: seq_lens must be int32/int64 [B], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    return FlashMLASchedule(*torch.ops.mla.flashmla_decode_schedule(seq_lens, num_heads, query_len))
+
+
+def _check_schedule(q: Tensor, schedule: FlashMLASchedule) -> None:
+    """The schedule's tensors as FlashMLA takes them: int32 on q's device, ``num_splits [B + 1]``."""
+    tiles, splits = schedule
+    for name, t, shape in (("schedule.tile_scheduler_metadata", tiles, (None, 8)),
+                           ("schedule.num_splits", splits, (q.shape[0] + 1,))):
+        if t.dtype != torch.int32 or t.device != q.device or t.dim() != len(shape) or any(
+                want is not None and got != want for got, want in zip(t.shape, shape)):
+            raise ValueError(f"{OP} (flashmla): {name} must be int32 {['*' if w is None else w for w in shape]} on "
+                             f"{q.device} (flashmla_decode_schedule of this step's seq_lens), got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+
+
 def flashmla_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
-                         kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """The adapter on any tensors (CPU with a fake ``flash_mla`` in tests).
+                         kv_lora_rank: int, schedule: FlashMLASchedule | None = None) -> tuple[Tensor, Tensor]:
+    """The adapter on any tensors (CPU with a fake ``flash_mla`` in tests); ``schedule``: the step's
+    (:func:`flashmla_decode_schedule`), else FlashMLA schedules inside the call.
 
     Returns ``(out [B, s_q, H, Dc], lse [B, s_q, H])`` under our contract.
     """
@@ -67,6 +124,9 @@ def flashmla_decode_core(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_l
 
     s_q = q.shape[1]
     meta, _ = flash_mla.get_mla_metadata()
+    if schedule is not None:
+        _check_schedule(q, schedule)
+        meta.tile_scheduler_metadata, meta.num_splits = schedule
     out, lse = flash_mla.flash_mla_with_kvcache(
         q, kv_cache.unsqueeze(2), block_table.to(torch.int32), seq_lens.to(torch.int32), kv_lora_rank, meta,
         softmax_scale=scale, causal=s_q > 1, use_legacy=True)
@@ -84,6 +144,21 @@ def decode_flashmla(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: 
 decode_flashmla.register_fake(decode_fake)
 
 
+@torch.library.custom_op("mla::decode_flashmla_scheduled", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_flashmla_scheduled(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                              kv_lora_rank: int, tile_scheduler_metadata: Tensor,
+                              num_splits: Tensor) -> tuple[Tensor, Tensor]:
+    """``mla::decode_flashmla`` with the step's schedule (:class:`FlashMLASchedule`'s tensors) instead of one made
+    inside the call."""
+    require_capability(OP, BACKEND, q.device, (9, 0), (9, 0))
+    return flashmla_decode_core(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank,
+                                FlashMLASchedule(tile_scheduler_metadata, num_splits))
+
+
+decode_flashmla_scheduled.register_fake(decode_fake)
+declare_kernels(BACKEND, "mla::flashmla_decode_schedule", "mla::decode_flashmla_scheduled")
+
+
 def available() -> bool:
     """Whether ``flash_mla`` is installed (found without importing it)."""
     return importable(MODULE)
@@ -92,7 +167,8 @@ def available() -> bool:
 HOPPER = dict(dtypes=DTYPES, block_sizes=(BLOCK_SIZE,), head_dims=DEEPSEEK_DECODE, min_capability=SM90,
               max_capability=SM90, package="sgl-flash-mla", gpu_tested=True)
 declare(OP, BACKEND, torch.ops.mla.decode_flashmla, rank=20, available=available, autotune=True, **HOPPER,
-        note="dense bf16, Hopper kernels (use_legacy=True)")
+        schedule_fn=torch.ops.mla.decode_flashmla_scheduled,
+        note="dense bf16, Hopper kernels (use_legacy=True); takes a step schedule (flashmla_decode_schedule)")
 
 # Query rows (B * s_q) at or below which "flashmla-tiered" runs our Triton kernel: at small batches the
 # decode is short and FlashMLA's per-call scheduler and combine launches cost more than they save

@@ -102,7 +102,10 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
                       dict(h_q=h_q, is_fp8_kvcache=is_fp8_kvcache, topk=topk, use_legacy=use_legacy)))
         if is_fp8_kvcache and topk is None:
             assert use_legacy, "dense fp8 decoding exists only on the legacy side"
-        return torch.zeros(8, 8, dtype=torch.int32), torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32)
+        assert seqlens_k.dtype == torch.int32 and seqlens_k.dim() == 1
+        dev = seqlens_k.device
+        return (torch.zeros(8, 8, dtype=torch.int32, device=dev),
+                torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32, device=dev))
 
     def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None, indices=None,
@@ -133,6 +136,10 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
                 raise NotImplementedError("fake flash_mla: the per-tensor-scale dense fp8 format is not modelled")
         assert not meta.have_initialized, "a fresh schedule per call"
         meta.have_initialized = True
+        if indices is None and meta.tile_scheduler_metadata is not None:  # a schedule made before the call
+            tiles, splits = meta.tile_scheduler_metadata, meta.num_splits
+            assert tiles.dtype == splits.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 8
+            assert splits.shape == (B + 1,), "num_splits must have shape (batch_size+1)"
         if is_fp8_kvcache:  # the 656-byte V3.2 layout, viewed as float8_e4m3fn
             assert k_cache.dtype == torch.float8_e4m3fn and k_cache.shape[3] == 656 and k_cache.is_contiguous()
             rows = dequantize64(k_cache.view(torch.uint8)[:, :, 0], head_dim_v)  # [nb, 64, 576] float64

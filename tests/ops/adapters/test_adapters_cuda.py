@@ -109,6 +109,35 @@ def test_flashmla_matches_reference_and_triton(H, s_q, lens):
     _close_to(got, ops.decode(q, cache, table, seq, SCALE, backend="triton"))
 
 
+@pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (128, 2)])
+def test_flashmla_with_a_step_schedule_equals_its_own_scheduling(H, s_q):
+    """A schedule made once (``flashmla_decode_schedule``) and shared by two calls: the same outputs as the calls
+    that schedule inside (bit for bit: the same split schedule), against float64 too; then made inside a compiled,
+    captured step and replayed with new lengths."""
+    pytest.importorskip("flash_mla")
+    _need_sm((9, 0), (9, 0))
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+
+    q, cache, table, seq = _paged(DECODE_LENS[0], 64, H, s_q)
+    sched = flashmla_decode_schedule(seq, H, s_q)
+    want = ops.decode(q, cache, table, seq, SCALE, backend="flashmla")
+    for _ in range(2):
+        got = ops.decode(q, cache, table, seq, SCALE, backend="flashmla", schedule=sched)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check(*got, *_decode_ref(q, cache, table, seq))
+
+    def step(q, t, s):
+        one = flashmla_decode_schedule(s, H, s_q)
+        return ops.decode(q, cache, t, s, SCALE, backend="flashmla", schedule=one)
+
+    fn = torch.compile(step, fullgraph=True)
+    _check(*fn(q, table, seq), *_decode_ref(q, cache, table, seq))
+    graph, outs = capture(fn, q, table, seq)
+    seq.copy_(torch.flip(seq, [0]).clamp(max=table.shape[1] * 64))
+    graph.replay()
+    _check(*[o.clone() for o in outs], *_decode_ref(q, cache, table, seq))
+
+
 def test_flashmla_compiled_and_replayed_with_new_lengths():
     pytest.importorskip("flash_mla")
     _need_sm((9, 0), (9, 0))

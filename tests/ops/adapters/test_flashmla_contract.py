@@ -73,3 +73,81 @@ def test_refuses_what_flashmla_cannot_take(fake_flash_mla, change, message):
     with pytest.raises((TypeError, ValueError), match=message):
         flashmla_decode_core(q, cache, table, lens, 0.1, 512)
     assert not fake_flash_mla
+
+
+def test_a_step_schedule_is_made_once_and_shared_by_the_layers(fake_flash_mla):
+    """``flashmla_decode_schedule`` asks FlashMLA for the dense legacy schedule of the step (int32 lengths, s_q * H
+    query rows on one KV head); two layers' calls with it take its tensors and schedule nothing themselves, with
+    the same results as the calls that schedule inside."""
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+
+    q, cache, table, lens = _inputs(2, heads=3, seed=5)
+    sched = flashmla_decode_schedule(lens, 3, 2)
+    [(args, kw)] = fake_flash_mla.named("get_mla_decoding_metadata")
+    assert args[0].dtype == torch.int32 and torch.equal(args[0].long(), lens) and args[1:] == (6, 1)
+    assert kw == dict(h_q=3, is_fp8_kvcache=False, topk=None, use_legacy=True)
+    want = flashmla_decode_core(q, cache, table, lens, 0.1, 512)
+    fake_flash_mla.clear()
+    for _ in range(2):  # two layers
+        got = torch.ops.mla.decode_flashmla_scheduled(q, cache, table, lens, 0.1, 512, *sched)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    calls = fake_flash_mla.named("flash_mla_with_kvcache")
+    assert len(calls) == 2 and not fake_flash_mla.named("get_mla_decoding_metadata")
+    for args, _ in calls:
+        meta = args[5]
+        assert meta.tile_scheduler_metadata is sched.tile_scheduler_metadata and meta.num_splits is sched.num_splits
+
+
+def test_schedule_reaches_only_the_backends_that_take_one(fake_flash_mla):
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+    from mla_compile.ops.registry import backends_for, call_impl
+
+    q, cache, table, lens = _inputs(1)
+    sched = flashmla_decode_schedule(lens, 2)
+    args = (q, cache, table, lens, 0.1, 512)
+    out, lse = call_impl("decode", backends_for("decode")["flashmla"], args, None, sched)
+    assert fake_flash_mla.named("flash_mla_with_kvcache")[-1][0][5].num_splits is sched.num_splits
+    want = flashmla_decode_core(*args)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match=r"schedule= is a step schedule of the backends that take one \(\['flashmla'\]\)"
+                                         r".*backend 'reference' takes none"):
+        call_impl("decode", backends_for("decode")["reference"], args, None, sched)
+    with pytest.raises(ValueError, match="backend 'flashmla' got plan= too"):
+        call_impl("decode", backends_for("decode")["flashmla"], args, object(), sched)
+
+
+@pytest.mark.parametrize("which,bad,message", [
+    (1, lambda t: t[:-1], r"schedule.num_splits must be int32 \[5\]"),
+    (1, lambda t: t.long(), r"schedule.num_splits must be int32"),
+    (0, lambda t: t[:, :4], r"schedule.tile_scheduler_metadata must be int32 \['\*', 8\]"),
+])
+def test_a_schedule_of_another_step_is_refused_before_flashmla_runs(fake_flash_mla, which, bad, message):
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+
+    q, cache, table, lens = _inputs(1)
+    sched = list(flashmla_decode_schedule(lens, 2))
+    sched[which] = bad(sched[which])
+    with pytest.raises(ValueError, match=message):
+        torch.ops.mla.decode_flashmla_scheduled(q, cache, table, lens, 0.1, 512, *sched)
+    assert not fake_flash_mla.named("flash_mla_with_kvcache")
+
+
+def test_a_scheduled_step_compiles_fullgraph(fake_flash_mla):
+    """The schedule op and two scheduled calls in one graph (the schedule's row count is FlashMLA's: an unbacked
+    size in the fake); outputs equal eager."""
+    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
+
+    q, cache, table, lens = _inputs(1, seed=4)
+
+    def step(q, cache, table, lens):
+        sched = flashmla_decode_schedule(lens, 2)
+        a = torch.ops.mla.decode_flashmla_scheduled(q, cache, table, lens, 0.1, 512, *sched)
+        b = torch.ops.mla.decode_flashmla_scheduled(q * 2, cache, table, lens, 0.1, 512, *sched)
+        return a[0], b[1]
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, cache, table, lens)
+    want = step(q, cache, table, lens)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.library.opcheck(torch.ops.mla.decode_flashmla_scheduled.default,
+                          (q, cache, table, lens, 0.1, 512, *flashmla_decode_schedule(lens, 2)),
+                          test_utils=("test_schema", "test_faketensor"))
