@@ -249,7 +249,6 @@ class Engine(OverlapSteps, DPSteps):
         return BlockManager(num_blocks, self.block_size, enable_prefix_caching=prefix_caching is not False,
                             sink_window=sink_window_of(self.runner))
 
-
     def add_request(self, prompt: Sequence[int], params: SamplingParams | int) -> int:
         """Validate and queue a request; returns its id.
 

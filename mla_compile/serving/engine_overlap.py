@@ -175,9 +175,10 @@ class InFlight:
     pairs whose token is a new output token, its tokens in host memory once ``ready`` (a CUDA event; None:
     already there), a device copy of its float32 logits (``keep_logits``) or None, and the prompt blocks its
     launch made findable (what each ``blocks.register`` call returned; given to ``blocks.forget`` if it fails).
-    A decode-only step of the engine's decode rows also has its ``view`` (:func:`~mla_compile.serving.engine_rows.decode_view`), the rows that
-    draw their request's last token (``last``) and the engine's count of finished requests at its launch, so its
-    tokens are read in one pass (:func:`~mla_compile.serving.engine_rows.take_rows`) when no request finished since."""
+    A decode-only step of the engine's decode rows also has its ``view``
+    (:func:`~mla_compile.serving.engine_rows.decode_view`), the rows that draw their request's last token
+    (``last``) and the engine's count of finished requests at its launch, so its tokens are read in one pass
+    (:func:`~mla_compile.serving.engine_rows.take_rows`) when no request finished since."""
 
     requests: list[Request]
     yields: list[tuple[int, Request]]

@@ -63,12 +63,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, STAGES, TILE_BYTES, D, issue_tile,
-                                              zero_tail)
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, STAGES, TILE_BYTES, D,
+                                              issue_tile, zero_tail)
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs
-from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, causal_rows, mask_scores, online_softmax,
-                                           split_range, stage_query_rows, store_rows, tile_page)
+from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, causal_rows, mask_scores,
+                                           online_softmax, split_range, stage_query_rows, store_rows, tile_page)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel

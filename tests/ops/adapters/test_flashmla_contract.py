@@ -109,8 +109,8 @@ def test_schedule_reaches_only_the_backends_that_take_one(fake_flash_mla):
     assert fake_flash_mla.named("flash_mla_with_kvcache")[-1][0][5].num_splits is sched.num_splits
     want = flashmla_decode_core(*args)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    with pytest.raises(ValueError, match=r"schedule= is a step schedule of the backends that take one \(\['flashmla'\]\)"
-                                         r".*backend 'reference' takes none"):
+    with pytest.raises(ValueError, match=r"schedule= is a step schedule of the backends that take one "
+                                         r"\(\['flashmla'\]\).*backend 'reference' takes none"):
         call_impl("decode", backends_for("decode")["reference"], args, None, sched)
     with pytest.raises(ValueError, match="backend 'flashmla' got plan= too"):
         call_impl("decode", backends_for("decode")["flashmla"], args, object(), sched)

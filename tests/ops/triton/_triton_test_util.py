@@ -23,6 +23,7 @@ def sm90_compile(test):
         test = mark(test)
     return test
 
+
 def gluon_sm90(kernel, consts: dict, warps: int, types: dict, divisible: tuple[str, ...] = ()):
     """The sm_90 compile of a Gluon kernel (Triton's compiler, no GPU): ``consts`` its constexprs, ``types`` the
     signature types of its other arguments ("i32" where absent); pointers and the arguments whose names start
