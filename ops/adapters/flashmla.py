@@ -65,7 +65,7 @@ class FlashMLASchedule(NamedTuple):
     num_splits: Tensor
 
 
-@torch.library.custom_op("mla::flashmla_decode_schedule", mutates_args=())
+@torch.library.custom_op("mla::flashmla_decode_schedule", mutates_args=(), tags=LAYOUT_TAGS)
 def _decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int) -> tuple[Tensor, Tensor]:
     """FlashMLA's schedule of a dense decode step of ``num_heads`` query heads and ``query_len`` queries per
     sequence over the lengths ``seq_lens [B]`` (one KV head: MLA)."""
