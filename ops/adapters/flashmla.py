@@ -36,9 +36,9 @@ cover the calls; ``tests/ops/adapters`` has the CUDA tests.
 
 from __future__ import annotations
 
-import torch
 from typing import NamedTuple
 
+import torch
 from torch import Tensor
 
 from mla_compile.ops.registry import DEEPSEEK_DECODE, LAYOUT_TAGS, SM90, backends_for, declare, declare_kernels
