@@ -5,6 +5,8 @@
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
+#   backends bench_backends --only decode into a copy of the shipped timing file ("auto" against the fastest, the
+#            adapters against the peers' direct calls, FlashMLA's step schedule against its per-call one)
 #   fusedstep the full-depth B=1 row (V2-Lite, 27 layers, regional + lowerings) without, then with the four opt-in
 #            fusions (FUSIONS: their backend spec); one machine, so the two rows compare
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
@@ -12,7 +14,7 @@
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk"
 FUSIONS=${FUSIONS:-skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon,write_latent_cache_absorb_q=triton}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
@@ -38,6 +40,10 @@ fi
     > "$O/ker.log" 2>&1
 [[ $PHASES == *,fp8,* ]] && timeout 90 python3 benchmarks/bench_fp8_sparse.py --out "$O/fp8" --quick > "$O/fp8.log" 2>&1
 [[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
+if [[ $PHASES == *,backends,* ]]; then
+    cp ops/backend_timings/h200.json "$O/bk/h200.json"
+    timeout 240 python3 benchmarks/bench_backends.py --only decode --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
+fi
 if [[ $PHASES == *,fusedstep,* ]]; then
     step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1
           --budget-s 110)
@@ -53,6 +59,7 @@ fi
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
 [[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
 [[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"
+[[ $PHASES == *,backends,* ]] && grep -E "^  auto|auto within|^  flashmla|^  flashinfer|adapters within" "$O/bk.log"
 if [[ $PHASES == *,fusedstep,* ]]; then
     echo "full depth B=1 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
     echo "with $FUSIONS:"; grep -E "^ours|replay only" "$O/fused/bench_decode_step.txt"
