@@ -216,6 +216,19 @@ def _fp8_k_cache(op: str, kv_cache: Tensor) -> Tensor:
     return kv_cache.view(torch.float8_e4m3fn).unsqueeze(2)
 
 
+# FlashMLA's sparse decode schedule follows the call's shapes only (batch, queries, heads, index-list width: neither
+# lengths nor a topk_length enter it here), so the one an eager call made serves every later call of the same shapes
+# instead of a scheduler launch a call (a call being captured schedules itself and is not kept: its schedule is
+# written only when the graph replays). Off until its first GPU run (test_flashmla_sparse_schedule_reuse_*).
+REUSE_SPARSE_SCHEDULE = False
+_SPARSE_SCHEDULES: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def _capturing(t: Tensor) -> bool:
+    """Whether ``t``'s device stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _head_groups(H: int) -> tuple[int, list[tuple[int, int]]]:
     """FlashMLA's sparse kernels take ``h_q`` 64 or 128 only ("Unsupported h_q" otherwise): the padded
     head count and the ``(start, stop)`` head ranges, one sparse call each (a single call for H <= 128)."""
@@ -231,15 +244,21 @@ def _sparse_call(q: Tensor, k_cache: Tensor, idx: Tensor, scale: float, kv_lora_
 
     B, s_q, H, D = q.shape
     width, groups = _head_groups(H)
+    key = (q.device, B, s_q, width, idx.shape[-1])
     outs, lses = [], []
     for h0, h1 in groups:
         qg = q[:, :, h0:h1]
         if h1 - h0 != width:
             qg = torch.cat([qg, qg.new_zeros(B, s_q, width - (h1 - h0), D)], dim=2)
         meta, _ = flash_mla.get_mla_metadata()
+        kept = _SPARSE_SCHEDULES.get(key) if REUSE_SPARSE_SCHEDULE else None
+        if kept is not None:
+            meta.tile_scheduler_metadata, meta.num_splits = kept
         out, lse = flash_mla.flash_mla_with_kvcache(
             qg.contiguous(), k_cache, None, None, kv_lora_rank, meta, softmax_scale=scale, causal=False,
             is_fp8_kvcache=True, indices=idx, use_legacy=True)
+        if REUSE_SPARSE_SCHEDULE and kept is None and meta.tile_scheduler_metadata is not None and not _capturing(q):
+            _SPARSE_SCHEDULES[key] = (meta.tile_scheduler_metadata, meta.num_splits)
         outs.append(out[:, :, :h1 - h0])
         lses.append(lse[:, :h1 - h0].transpose(1, 2))  # [B, h, s_q] -> [B, s_q, h]
     if len(groups) == 1:

@@ -118,7 +118,8 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
                                                  tile_scheduler_metadata),
                       dict(num_splits=num_splits, softmax_scale=softmax_scale, causal=causal,
                            is_fp8_kvcache=is_fp8_kvcache, indices=indices, use_legacy=use_legacy,
-                           descale_q=descale_q, descale_k=descale_k, topk_length=topk_length)))
+                           descale_q=descale_q, descale_k=descale_k, topk_length=topk_length,
+                           schedule=getattr(tile_scheduler_metadata, "tile_scheduler_metadata", None))))
         meta = tile_scheduler_metadata
         assert isinstance(meta, FakeSchedMeta), "tile_scheduler_metadata must be of type FlashMLASchedMeta"
         assert num_splits is None, "num_splits must be None"
@@ -134,9 +135,12 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
                 assert k_cache.shape[3] == 576, "Only head_size_k == 576 is supported"
                 assert descale_q is not None and descale_k is not None, "descale is required when input dtype is fp8"
                 raise NotImplementedError("fake flash_mla: the per-tensor-scale dense fp8 format is not modelled")
+        if meta.tile_scheduler_metadata is None:  # the library schedules and hands its schedule back on the meta
+            meta.tile_scheduler_metadata = torch.zeros(8, 8, dtype=torch.int32, device=q.device)
+            meta.num_splits = torch.zeros(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         assert not meta.have_initialized, "a fresh schedule per call"
         meta.have_initialized = True
-        if indices is None and meta.tile_scheduler_metadata is not None:  # a schedule made before the call
+        if meta.tile_scheduler_metadata is not None:  # the schedule the call runs with
             tiles, splits = meta.tile_scheduler_metadata, meta.num_splits
             assert tiles.dtype == splits.dtype == torch.int32 and tiles.dim() == 2 and tiles.shape[1] == 8
             assert splits.shape == (B + 1,), "num_splits must have shape (batch_size+1)"

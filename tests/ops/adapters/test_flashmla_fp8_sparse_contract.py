@@ -197,3 +197,38 @@ def test_refuses_what_flashmla_cannot_take(fake_flash_mla):
     with pytest.raises(TypeError, match="backend 'flashmla' needs kv_cache in"):
         flashmla_sparse_decode_core(q, bf16_cache, idx, SCALE, 512)
     assert not fake_flash_mla
+
+
+def test_a_sparse_schedule_is_kept_for_the_calls_of_its_shapes(fake_flash_mla, monkeypatch):
+    """With ``REUSE_SPARSE_SCHEDULE``: the schedule FlashMLA handed back after the first eager call of some shapes
+    (batch, queries, padded heads, index-list width) goes to every later call of those shapes, the second head group
+    of a 130-head call included; other shapes schedule themselves; a call being captured keeps nothing; the results
+    are those of the calls that schedule themselves."""
+    import mla_compile.ops.adapters.flashmla as fm
+
+    q, cache, _, _, gen = _inputs(1, heads=130, seed=7)
+    rows = dequantize64(cache, 512).reshape(-1, 576)
+    live = torch.nonzero(~rows.isnan().any(dim=1)).flatten()
+    indices = _sparse_indices(gen, 4, 1, 70, rows.shape[0], live)
+    want = flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)
+    monkeypatch.setattr(fm, "REUSE_SPARSE_SCHEDULE", True)
+    monkeypatch.setattr(fm, "_SPARSE_SCHEDULES", {})
+    monkeypatch.setattr(fm, "_capturing", lambda t: True)
+    flashmla_sparse_decode_core(q, cache, indices, SCALE, 512)  # captured: nothing kept
+    assert fm._SPARSE_SCHEDULES == {}
+    monkeypatch.setattr(fm, "_capturing", lambda t: False)
+    fake_flash_mla.clear()
+    got = [flashmla_sparse_decode_core(q, cache, indices, SCALE, 512) for _ in range(2)]
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    sent = fake_flash_mla.named("flash_mla_with_kvcache")
+    assert len(sent) == 4  # two head groups a call
+    first = sent[0][0][5]  # the meta FlashMLA filled on the first group of the first call
+    assert sent[0][1]["schedule"] is None
+    assert all(kw["schedule"] is first.tile_scheduler_metadata for _, kw in sent[1:])
+    fake_flash_mla.clear()
+    flashmla_sparse_decode_core(q, cache, indices[..., :60], SCALE, 512)  # width 64, not 128: its own schedule
+    flashmla_sparse_decode_core(q[:3], cache, indices[:3], SCALE, 512)  # batch 3: its own schedule
+    scheduled = [kw["schedule"] is None for _, kw in fake_flash_mla.named("flash_mla_with_kvcache")]
+    assert scheduled == [True, False, True, False]
+    assert len(fm._SPARSE_SCHEDULES) == 3

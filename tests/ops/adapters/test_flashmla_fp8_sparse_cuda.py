@@ -129,3 +129,28 @@ def test_fp8_decode_graph_replay_with_new_lengths():
         torch.cuda.synchronize()
         ref, ref_lse = torch.ops.mla.decode_fp8_ref(st["q"].double(), cache, table, st["lens"], SCALE, 512)
         _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (130, 2)])
+def test_flashmla_sparse_schedule_reuse_equals_calls_that_schedule_themselves(H, s_q, monkeypatch):
+    """``REUSE_SPARSE_SCHEDULE`` (off until this passes on the H200): decode_fp8 through FlashMLA with the schedule
+    of the first eager call kept for the later ones gives the same outputs, bit for bit, as calls that schedule
+    themselves; a captured step replays with it and new lengths."""
+    import mla_compile.ops.adapters.flashmla as fm
+
+    q, cache, table, seq, _ = _fp8_paged([700, 64, 1, 2000, 130], seed=H + s_q, H=H, s_q=s_q)
+    want = decode_fp8(q, cache, table, seq, SCALE, backend="flashmla")
+    monkeypatch.setattr(fm, "REUSE_SPARSE_SCHEDULE", True)
+    monkeypatch.setattr(fm, "_SPARSE_SCHEDULES", {})
+    for _ in range(3):
+        got = decode_fp8(q, cache, table, seq, SCALE, backend="flashmla")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(fm._SPARSE_SCHEDULES) == 1
+    graph, outs = capture(lambda *a: decode_fp8(*a, SCALE, backend="flashmla"), q, cache, table, seq)
+    seq.copy_(torch.tensor([1, 2000, 64, 700, 0], dtype=torch.int32))
+    graph.replay()
+    fresh = decode_fp8(q, cache, table, seq, SCALE, backend="flashmla")
+    monkeypatch.setattr(fm, "REUSE_SPARSE_SCHEDULE", False)
+    alone = decode_fp8(q, cache, table, seq, SCALE, backend="flashmla")
+    for a, b, c in zip(outs, fresh, alone):
+        assert torch.equal(a, c) and torch.equal(b, c)
