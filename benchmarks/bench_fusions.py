@@ -207,6 +207,7 @@ def main() -> None:
     if unknown:
         ap.error(f"--dims: unknown {unknown}; expected names of {sorted(DIMS)}")
     os.makedirs(args.out, exist_ok=True)
+    bk.ceilings()  # the copy bandwidth and matmul rate the table's fractions divide by
     sections = []
     for n in names:
         sections += [lambda n=n: decode_absorb_case(n, DIMS[n], args.quick), lambda n=n: norm_route_case(n, DIMS[n]),

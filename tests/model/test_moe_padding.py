@@ -182,6 +182,7 @@ def test_padded_decode_logits_on_gpu(kind, regional):
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("fresh_dynamo")  # each case compiles new models: earlier cases' recompiles must not count
 @pytest.mark.parametrize("spec", ["skinny_norm_linear=triton", "moe_norm_gate_route=triton", "decode_absorb_out=gluon",
                                   "decode_absorb_out=triton", "write_latent_cache_absorb_q=triton",
                                   "skinny_norm_linear=triton,moe_norm_gate_route=triton,decode_absorb_out=gluon,"
