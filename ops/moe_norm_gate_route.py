@@ -102,6 +102,6 @@ def _triton(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight
                                                     topk_group, scoring, renormalize, scaling)
 
 
-declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=False,
+declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=True,
         kernels=("moe_norm_gate_route_triton", "_moe_gate_route_kernel"),
         note="ours: mla::moe_gate_route's kernel with the add and the norm in its loop, one launch for few tokens")

@@ -97,7 +97,7 @@ def _triton(*args):
     return torch.ops.mla.write_latent_cache_absorb_q_triton(*args)
 
 
-declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=False,
+declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=True,
         kernels=("write_latent_cache_absorb_q_triton", "_write_absorb_q_kernel"),
         note=f"ours: mla::skinny_absorb_q's programs (q_pe rotated as copied) and the fused cache write's in one "
              f"launch, up to {MAX_ROWS} tokens")

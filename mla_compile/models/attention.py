@@ -320,8 +320,8 @@ class MLAAttention(nn.Module):
         decode-only step of a dense layer of this class (not a subclass with its own ``attend`` / ``_decode``), the
         cache write's backend "auto" (the fused write), CUDA half-precision hidden states ``x`` (the queries' device
         and dtype) with W_UK of their dtype, and ``mla::write_latent_cache_absorb_q``'s backend resolving to "triton"
-        (its "auto" once the kernel is GPU-tested; ``backend="write_latent_cache_absorb_q=triton"`` asks for it by
-        name)."""
+        (its "auto" on a GPU; ``backend="write_latent_cache_absorb_q=reference"`` keeps the write and absorb_q
+        apart)."""
         if (not self._own_decode or self.indexer is not None or self.sink_window is not None
                 or meta.prefill is not None or meta.decode is None or self._write_backend() != "auto"):
             return False

@@ -253,8 +253,8 @@ class MLAMoE(nn.Module):
     def norm_route_serves(self, h: Tensor, norm: nn.Module) -> bool:
         """Whether :meth:`forward_residual` folds the add and ``norm`` into ``mla::moe_norm_gate_route`` (a constant
         of the graph): the fused ops run this MoE, ``h`` is CUDA half precision as the gate's and the norm's weights,
-        ``norm_eps`` was given, and that op's backend resolves to "triton" (its "auto" once the kernel is
-        GPU-tested; ``backend="moe_norm_gate_route=triton"`` asks for it by name)."""
+        ``norm_eps`` was given, and that op's backend resolves to "triton" (its "auto" on a GPU;
+        ``backend="moe_norm_gate_route=reference"`` keeps the add, the norm and the router apart)."""
         if self._norm_eps is None or not (self.fusable and self._use_fused(h)):
             return False
         return half_kernel(NORM_ROUTE_OP, h, self._norm_route, getattr(norm, "weight", None),

@@ -161,8 +161,12 @@ def test_errors_name_the_argument(change, match):
         ops.moe_norm_gate_route(*pos, backend="reference", **args)
 
 
-def test_auto_takes_the_reference_until_the_kernel_is_gpu_tested():
-    assert ops.resolve("moe_norm_gate_route", torch.device("cuda"), None, dtype=torch.bfloat16).name == "reference"
+def test_auto_takes_the_kernel_on_a_gpu():
+    """GPU-tested (BENCHMARKS.md run 216): "auto" takes the kernel for CUDA half tensors, the reference elsewhere."""
+    from mla_compile.ops.select import Facts, select
+
+    assert select("moe_norm_gate_route", Facts(torch.device("cuda"), torch.bfloat16, cap=(9, 0))).name == "triton"
+    assert ops.resolve("moe_norm_gate_route", torch.device("cpu"), None, dtype=torch.bfloat16).name == "reference"
 
 
 @pytest.mark.parametrize("kind", ["v2-lite", "v3"])

@@ -138,9 +138,12 @@ def test_errors_name_the_argument_before_any_write(which, match):
     assert torch.equal(before.isnan(), args[6].isnan())
 
 
-def test_auto_takes_the_reference_until_the_kernel_is_gpu_tested():
-    assert ops.resolve("write_latent_cache_absorb_q", torch.device("cuda"), None,
-                       dtype=torch.bfloat16).name == "reference"
+def test_auto_takes_the_kernel_on_a_gpu():
+    """GPU-tested (BENCHMARKS.md run 216): "auto" takes the kernel for CUDA half tensors, the reference elsewhere."""
+    from mla_compile.ops.select import Facts, select
+
+    assert select("write_latent_cache_absorb_q", Facts(torch.device("cuda"), torch.bfloat16, cap=(9, 0))).name == "triton"
+    assert ops.resolve("write_latent_cache_absorb_q", torch.device("cpu"), None, dtype=torch.bfloat16).name == "reference"
 
 
 @pytest.mark.cuda
