@@ -193,6 +193,8 @@ def measure(only: tuple[str, ...] | None = None) -> dict:
             overheads.extend(_adapter_overhead(s, us, bk))
         if s.op == "prefill":
             overheads.extend(_prefill_overhead(s, us, bk))
+        if s.op in ("decode_fp8", "sparse_decode") and "flashmla" in us:
+            overheads.extend(_flashmla_kept_schedule(s, call, bk))
         torch.cuda.empty_cache()
     _report_auto(autos)
     _report_overhead(overheads)
@@ -309,6 +311,31 @@ def _flashmla_step_schedule(s: Shape, q, k_cache, table, lens, bk) -> list[tuple
         return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE, causal=False,
                                                 use_legacy=True)
     return [(s, "flashmla (step schedule)", round(ours * 1e3, 1), round(bk.graph_ms(direct) * 1e3, 1))]
+
+
+def _flashmla_kept_schedule(s: Shape, call, bk) -> list[tuple]:
+    """(shape, "flashmla kept schedule", us with ``REUSE_SPARSE_SCHEDULE`` on, us with it off): the fp8 / sparse
+    adapter given the schedule its eager warm-up call got back (the graph then holds no scheduler kernel), against
+    the same adapter scheduling itself in every call; the flag is restored after."""
+    from mla_compile.ops.adapters import flashmla as fm
+
+    was = fm.REUSE_SPARSE_SCHEDULE
+    fn = lambda: call("flashmla", None)  # noqa: E731
+    us = {}
+    try:
+        for reuse in (False, True):
+            fm.REUSE_SPARSE_SCHEDULE = reuse
+            fm._SPARSE_SCHEDULES.clear()
+            fn()
+            torch.cuda.synchronize()
+            us[reuse] = round(bk.graph_ms(fn) * 1e3, 1)
+    except Exception as exc:
+        print(f"  {s} flashmla kept schedule: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
+        return []
+    finally:
+        fm.REUSE_SPARSE_SCHEDULE = was
+        fm._SPARSE_SCHEDULES.clear()
+    return [(s, "flashmla kept schedule", us[True], us[False])]
 
 
 def _prefill_overhead(s: Shape, us: dict, bk) -> list[tuple]:

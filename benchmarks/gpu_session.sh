@@ -5,7 +5,7 @@
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
-#   backends bench_backends --only decode into a copy of the shipped timing file ("auto" against the fastest, the
+#   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto" against the fastest, the
 #            adapters against the peers' direct calls, FlashMLA's step schedule against its per-call one)
 #   fusedstep the full-depth B=1 row (V2-Lite, 27 layers, regional + lowerings) without, then with the four opt-in
 #            fusions (FUSIONS: their backend spec); one machine, so the two rows compare
@@ -42,7 +42,7 @@ fi
 [[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
 if [[ $PHASES == *,backends,* ]]; then
     cp ops/backend_timings/h200.json "$O/bk/h200.json"
-    timeout 240 python3 benchmarks/bench_backends.py --only decode --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
+    timeout 240 python3 benchmarks/bench_backends.py --only "${BK_ONLY:-decode}" --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
 fi
 if [[ $PHASES == *,fusedstep,* ]]; then
     step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1

@@ -219,8 +219,8 @@ def _fp8_k_cache(op: str, kv_cache: Tensor) -> Tensor:
 # FlashMLA's sparse decode schedule follows the call's shapes only (batch, queries, heads, index-list width: neither
 # lengths nor a topk_length enter it here), so the one an eager call made serves every later call of the same shapes
 # instead of a scheduler launch a call (a call being captured schedules itself and is not kept: its schedule is
-# written only when the graph replays). Off until its first GPU run (test_flashmla_sparse_schedule_reuse_*).
-REUSE_SPARSE_SCHEDULE = False
+# written only when the graph replays).
+REUSE_SPARSE_SCHEDULE = True
 _SPARSE_SCHEDULES: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 

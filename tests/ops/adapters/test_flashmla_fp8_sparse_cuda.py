@@ -133,7 +133,7 @@ def test_fp8_decode_graph_replay_with_new_lengths():
 
 @pytest.mark.parametrize("H, s_q", [(16, 1), (128, 1), (130, 2)])
 def test_flashmla_sparse_schedule_reuse_equals_calls_that_schedule_themselves(H, s_q, monkeypatch):
-    """``REUSE_SPARSE_SCHEDULE`` (off until this passes on the H200): decode_fp8 through FlashMLA with the schedule
+    """``REUSE_SPARSE_SCHEDULE`` (on by default): decode_fp8 through FlashMLA with the schedule
     of the first eager call kept for the later ones gives the same outputs, bit for bit, as calls that schedule
     themselves; a captured step replays with it and new lengths."""
     import mla_compile.ops.adapters.flashmla as fm
