@@ -333,13 +333,15 @@ def phase_ours(args, dev, dtype, wl: Workload) -> None:
         INFO["weights_bytes"] = torch.cuda.memory_allocated()
         INFO["free_bytes_after_weights"] = torch.cuda.mem_get_info()[0]
     model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
+    model.step_schedule = not args.no_step_schedule
     from mla_compile.backends import select_backend
     c = model.config
     picks = {op: select_backend(op, device=dev, dtype=dtype, block_size=wl.bs if op == "decode" else None,
                                 num_heads=c.num_heads, head_dims=dims, requested=args.backend, need_lse=op != "decode",
                                 cuda_graph=op == "decode" and dev.type == "cuda").name
              for op, dims in (("decode", (c.kv_lora_rank, c.qk_rope_head_dim)), ("prefill", (c.qk_head_dim, c.v_head_dim)))}
-    INFO["ours_backend"] = f"{args.backend} -> decode {picks['decode']}, prefill {picks['prefill']}"
+    INFO["ours_backend"] = f"{args.backend} -> decode {picks['decode']}, prefill {picks['prefill']}" + (
+        "; decode step schedule off" if args.no_step_schedule else "")
     fp8 = args.kv_cache == "fp8"
     if fp8:
         INFO["ours_backend"] += "; fp8 latent cache: write and decode by the fp8 ops' defaults (triton on CUDA)"
@@ -815,6 +817,9 @@ def parse_args(argv=None):
                          "the first compiled step: with --warm-cache, a second run skips Dynamo's tracing")
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
     ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel tables of the smallest and the largest batch's graph replays")
+    ap.add_argument("--no-step-schedule", action="store_true",
+                    help="model.step_schedule = False: a FlashMLA decode schedules itself in every layer's call instead "
+                         "of once a step")
     ap.add_argument("--regional-compile", action="store_true",
                     help="patch(..., regional_compile=True): each decoder layer compiled once, reused for every layer")
     ap.add_argument("--lowerings", action="store_true",

@@ -167,6 +167,11 @@ def takes_plan(op: str, name: str) -> bool:
     return spec is not None and spec.needs_plan
 
 
+def takes_schedule(op: str, name: str) -> bool:
+    """Whether backend ``name`` of ``op`` takes a step schedule passed as ``schedule=``."""
+    return registry.takes_schedule(op, name)
+
+
 def describe(device: torch.device | str | None = None, capability=AUTO_CAP) -> list[dict]:
     """Every backend of every op with ``available`` (installed, right device and GPU) and ``why`` not."""
     return _describe(device, capability)

@@ -9,7 +9,7 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import resolve
 from mla_compile.ops.cache_write import write_latent_cache
 from mla_compile.ops.context_attention import context_attention
-from mla_compile.ops.decode import decode
+from mla_compile.ops.decode import decode, decode_step_schedule
 from mla_compile.ops.decode_absorb_out import decode_absorb_out
 from mla_compile.ops import decode_autotune as _decode_autotune  # noqa: E402,F401  (registers backend "autotune")
 from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401  (registers mla::write_latent_cache_fused)

@@ -17,7 +17,7 @@ from torch import Tensor
 from mla_compile.ops._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_same_device, check_tensor,
                                      data_checks_enabled)
 from mla_compile.ops.registry import (FLOATS, LAYOUT_TAGS, SM90, call_impl, declare, declare_op, declare_split_op,
-                                      run_split_part)
+                                      run_split_part, step_schedule)
 from mla_compile.ops.select import resolve
 from mla_compile.ops._paged import attend, check_paged_data, decode_shape, sequence_slots
 
@@ -80,9 +80,9 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     ``mla_compile.ops.select``), or a declared backend name ("reference", "triton", "flashmla", ...).
     ``plan``: the host-side plan of backends that need one (``"flashinfer"``: made by
     ``mla_compile.ops.adapters.flashinfer.plan_flashinfer_decode`` before the step). ``schedule``: a step schedule
-    shared by every layer's call of the step, for backends that take one (``"flashmla"``: made by
-    ``mla_compile.ops.adapters.flashmla.flashmla_decode_schedule`` from the step's ``seq_lens``; without it the
-    backend schedules inside each call).
+    shared by every layer's call of the step, for backends that take one (``"flashmla"``, and the splits and
+    tiers that run it: made by :func:`decode_step_schedule` from the step's ``seq_lens``; without it the backend
+    schedules inside each call).
     """
     squeeze = q.dim() == 3
     q4 = q.unsqueeze(1) if squeeze else q
@@ -92,18 +92,30 @@ def decode(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     return (out.squeeze(1), lse.squeeze(1)) if squeeze else (out, lse)
 
 
+def decode_step_schedule(seq_lens: Tensor, num_heads: int, backend: str, query_len: int = 1) -> tuple | None:
+    """The step schedule ``decode(..., backend=backend, schedule=)`` takes, made once from the step's ``seq_lens``
+    for every layer's call of ``num_heads`` heads and ``query_len`` queries a sequence (FlashMLA's split schedule:
+    one scheduler launch a step instead of one a layer); None when ``backend`` (a resolved name, not "auto")
+    takes none. Capturable: make it inside the compiled or captured step, before its layers."""
+    return step_schedule(OP, backend, seq_lens, num_heads, query_len)
+
+
 @torch.library.custom_op("mla::decode_split", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_split(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
-                 kv_lora_rank: int, tiers: str, plan_id: int) -> tuple[Tensor, Tensor]:
+                 kv_lora_rank: int, tiers: str, plan_id: int, schedule_tiles: Tensor | None = None,
+                 schedule_splits: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``mla::decode`` through the part of ``tiers`` (``"triton:2/flashinfer"``: see
     :func:`~mla_compile.ops.registry.split_name`) whose row bound covers this call's ``B * s_q`` query rows.
-    ``plan_id``: the host plan's static id for a part that needs one (-1: none given)."""
+    ``plan_id``: the host plan's static id for a part that needs one (-1: none given); ``schedule_tiles`` /
+    ``schedule_splits``: the step schedule (:func:`decode_step_schedule`) for a part that takes one (None: the
+    part schedules itself)."""
     return run_split_part(OP, tiers, q.shape[0] * q.shape[1],
-                          (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan_id)
+                          (q, kv_cache, block_table, seq_lens, scale, kv_lora_rank), plan_id,
+                          (schedule_tiles, schedule_splits))
 
 
 decode_split.register_fake(fake)
-declare_split_op(OP, torch.ops.mla.decode_split, "batch")
+declare_split_op(OP, torch.ops.mla.decode_split, "batch", schedule_tensors=2)
 
 
 # Triton backend: its module (and Triton) is imported on the first call, never at import time.

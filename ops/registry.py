@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import Tensor
 
 # Every ``mla::`` custom op declares its layout constraint instead of relying on the global default
 # (``torch._functorch.config.custom_op_default_layout_constraint``, which a user may change): Inductor
@@ -75,7 +76,11 @@ class Backend:
     given the plan's static id as a last argument (what a split calls). ``derived``: a split made by the
     selector (:func:`declare_split`), not declared by a kernel file: left out of :func:`priority`.
     ``schedule_fn``: for a backend that can take a step schedule made once for every layer of a step (FlashMLA's
-    split schedule), the op that runs it given the op's arguments and then the schedule's tensors.
+    split schedule), the op that runs it given the op's arguments and then the schedule's tensors (a split, or a
+    declared composite with ``tiers``, whose one scheduling part takes it, has one too). ``make_schedule``: the
+    function making that schedule, ``(seq_lens, num_heads, query_len, min_rows, max_rows) -> tuple of tensors``
+    (a step of query rows outside ``(min_rows, max_rows]``, -1 unbounded, may get it unmade): see
+    :func:`step_schedule`.
     """
 
     name: str
@@ -115,6 +120,7 @@ class Backend:
     plan_id_fn: Callable | None = None
     derived: bool = False
     schedule_fn: Callable | None = None
+    make_schedule: Callable | None = None
 
     @property
     def backend(self) -> str:
@@ -200,18 +206,23 @@ def priority(op: str) -> tuple[str, ...]:
 # shape at run time, so nothing is read on the host and each CUDA-graph size records its own part).
 SPLIT_PREFIX = "split:"
 _SPLIT_OPS: dict[str, tuple[Callable, str, str]] = {}
+_SPLIT_SCHEDULES: dict[str, int] = {}  # ops whose split op takes a step schedule: its tensor count
 SPLIT_ROWS = ("batch", "tokens")  # what a split's row bound counts: query rows B * s_q, or tokens T
 
 
-def declare_split_op(op: str, split_op: Callable, rows: str) -> None:
+def declare_split_op(op: str, split_op: Callable, rows: str, schedule_tensors: int = 0) -> None:
     """Let ``op`` be split: ``split_op`` is the custom op taking the op's arguments, then the split's text
     (:func:`split_name` without the prefix) and a plan id (-1: none), that runs :func:`run_split_part`.
     ``rows``: "batch" (a timing row's batch bound is the split bound; the op counts ``B * s_q`` query rows) or
-    "tokens" (batch bound times context bound; the op counts its tokens)."""
+    "tokens" (batch bound times context bound; the op counts its tokens). ``schedule_tensors``: when > 0, the
+    split op also takes a step schedule of that many tensors after the plan id (optional, None: none), handed to
+    a part that takes one."""
     if rows not in SPLIT_ROWS:
         raise ValueError(f"declare_split_op: rows must be one of {SPLIT_ROWS}, got {rows!r}")
     kernel = split_op._qualified_op_name if hasattr(split_op, "_qualified_op_name") else split_op._opoverload.name()
     _SPLIT_OPS[op_name(op)] = (split_op, _kernel_base(kernel), rows)
+    if schedule_tensors:
+        _SPLIT_SCHEDULES[op_name(op)] = schedule_tensors
     declare_kernels("split", kernel)
 
 
@@ -221,14 +232,17 @@ def split_rows(op: str) -> str | None:
     return entry[2] if entry else None
 
 
-def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int):
+def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int, schedule: tuple | None = None):
     """Run the part of split ``tiers`` that serves ``rows`` on the op's ``args`` (the body of a split op);
-    a part that needs a plan gets ``plan_id`` (ValueError when it is -1)."""
+    a part that needs a plan gets ``plan_id`` (ValueError when it is -1); a part that takes a step schedule gets
+    ``schedule`` when given (tensors, or None each where the call gave none)."""
     name = split_part(parse_split(tiers), rows)
     spec = backends_for(op).get(name)
     if spec is None:
         raise ValueError(f"{OPS[op_name(op)].key}: split {tiers!r} runs {name!r} for {rows} rows, which is not a "
                          f"declared backend; declared: {priority(op)}")
+    if schedule is not None and all(t is not None for t in schedule) and spec.schedule_fn is not None:
+        return spec.schedule_fn(*args, *schedule)
     if not spec.needs_plan:
         return spec.fn(*args)
     if plan_id < 0 or spec.plan_id_fn is None:
@@ -237,8 +251,10 @@ def run_split_part(op: str, tiers: str, rows: int, args: tuple, plan_id: int):
     return spec.plan_id_fn(*args, plan_id)
 
 
-def _split_fn(op: str, split_op: Callable, tiers: str, needs_plan: bool) -> Callable:
-    """The backend function of a split: the op's arguments (and ``plan=`` when a part needs one)."""
+def _split_fn(op: str, split_op: Callable, tiers: str, needs_plan: bool, schedule_tensors: int = 0) -> Callable:
+    """The backend function of a split: the op's arguments (and ``plan=`` when a part needs one); with
+    ``schedule_tensors``, the same taking a step schedule of that many tensors after the op's arguments (the
+    split's ``schedule_fn``)."""
     key = OPS[op_name(op)].key
 
     def run(*args, plan: object | None = None):
@@ -246,8 +262,48 @@ def _split_fn(op: str, split_op: Callable, tiers: str, needs_plan: bool) -> Call
         if needs_plan and not isinstance(plan_id, int):
             raise ValueError(f"{key}: split {tiers!r} needs plan= (a host plan with a plan_id, made before the "
                              f"step), got {type(plan).__name__}")
+        if schedule_tensors:
+            return split_op(*args[:-schedule_tensors], tiers, plan_id if needs_plan else -1,
+                            *args[-schedule_tensors:])
         return split_op(*args, tiers, plan_id if needs_plan else -1)
     return run
+
+
+def _schedule_part(tiers: tuple[tuple[int | None, str], ...], table: dict[str, Backend]
+                   ) -> tuple[Backend, int, int] | None:
+    """The one part of ``tiers`` that makes a step schedule, with the rows it serves ``(min_rows, max_rows]``
+    (-1: unbounded); None when no part or more than one does."""
+    found, low = [], 0
+    for bound, name in tiers:
+        part = table.get(name)
+        if part is not None and part.make_schedule is not None and part.schedule_fn is not None:
+            found.append((part, low, -1 if bound is None else bound))
+        low = bound if bound is not None else low
+    return found[0] if len(found) == 1 else None
+
+
+def step_schedule(op: str, name: str, seq_lens: Tensor, num_heads: int, query_len: int = 1) -> tuple | None:
+    """The step schedule backend ``name`` of ``op`` takes (``schedule=`` of every layer's call of the step), made
+    from the step's ``seq_lens`` for calls of ``num_heads`` heads and ``query_len`` queries a sequence; None when
+    it takes none. A split's is made for the rows its scheduling part serves (other steps get no scheduler
+    launch). On the step's device, capturable: made inside a compiled or captured step, before its layers."""
+    table = backends_for(op)
+    spec = table.get(name)
+    if spec is None or spec.schedule_fn is None:
+        return None
+    if spec.make_schedule is not None and not spec.tiers:
+        return tuple(spec.make_schedule(seq_lens, num_heads, query_len, 0, -1))
+    found = _schedule_part(spec.tiers, table)
+    if found is None:
+        return None
+    part, low, high = found
+    return tuple(part.make_schedule(seq_lens, num_heads, query_len, low, high))
+
+
+def takes_schedule(op: str, name: str) -> bool:
+    """Whether backend ``name`` of ``op`` takes a step schedule (``schedule=``; see :func:`step_schedule`)."""
+    spec = backends_for(op).get(name)
+    return spec is not None and spec.schedule_fn is not None
 
 
 def split_name(tiers: tuple[tuple[int | None, str], ...]) -> str:
@@ -296,7 +352,11 @@ def declare_split(op: str, tiers: tuple[tuple[int | None, str], ...]) -> Backend
     level = GRAPH_LEVELS[max(GRAPH_LEVELS.index(p.cuda_graph) for p in parts)]
     devices = tuple(d for d in parts[0].devices if all(d in p.devices or "any" in p.devices for p in parts))
     split_op, kernel, _ = _SPLIT_OPS[opn]
+    arity = _SPLIT_SCHEDULES.get(opn, 0)
+    scheduled = arity and _schedule_part(tiers, table) is not None
     spec = Backend(name, opn, _split_fn(opn, split_op, name[len(SPLIT_PREFIX):], needs_plan), rank=0,
+                   schedule_fn=_split_fn(opn, split_op, name[len(SPLIT_PREFIX):], needs_plan, arity) if scheduled
+                   else None,
                    kernels=(f"{kernel}=split",),
                    devices=devices or parts[0].devices, available=lambda: all(p.available() for p in parts),
                    lse=all(p.lse for p in parts), needs_plan=needs_plan, host_sync=any(p.host_sync for p in parts),
@@ -334,12 +394,14 @@ def call_impl(op: str, impl: Backend, args: tuple, plan: object | None, schedule
     """Run ``impl.fn(*args)``, passing ``plan=`` when given; with a step ``schedule`` (a tuple of tensors),
     ``impl.schedule_fn(*args, *schedule)``. A plan or a schedule for a backend that takes none is an error."""
     if schedule is not None:
-        if impl.schedule_fn is None or plan is not None:
-            takers = sorted(b for b, i in backends_for(op).items() if i.schedule_fn is not None)
+        if impl.schedule_fn is None or (plan is not None and not impl.needs_plan):
+            takers = [b for b in priority(op) if backends_for(op)[b].schedule_fn is not None]
             raise ValueError(f"{OPS[op_name(op)].key}: schedule= is a step schedule of the backends that take one "
-                             f"({takers}), without plan=; backend {impl.name!r}"
+                             f"({takers}, and the splits that run them), plan= only beside it for those that also plan; backend {impl.name!r}"
                              f"{' got plan= too' if impl.schedule_fn is not None else ' takes none'}: drop schedule= "
                              "or pick one of those")
+        if impl.needs_plan:
+            return impl.schedule_fn(*args, *schedule, plan=plan)
         return impl.schedule_fn(*args, *schedule)
     if plan is None:
         return impl.fn(*args)

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import envs, ops
-from mla_compile.backends import cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan
+from mla_compile.backends import (cached_backend, new_choice_cache, parse_backend_spec, requested_for, takes_plan,
+                                  takes_schedule)
 from mla_compile.models.cache import fp8_row_bytes
 from mla_compile.models.config import MLAConfig
 from mla_compile.models.consts import freeze, thaw
@@ -381,8 +382,8 @@ class MLAAttention(nn.Module):
             q_abs = q_abs.unsqueeze(1)
         else:
             q_abs = q_abs.view(d.block_table.shape[0], d.query_len, c.num_heads, c.latent_dim)
-        capacity = d.block_table.shape[1] * self.kv_cache.shape[1]  # the most tokens a sequence's table holds
         if self.fp8_cache:
+            capacity = d.block_table.shape[1] * self.kv_cache.shape[1]  # the most tokens a sequence's table holds
             name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
                                  query_len=d.query_len, need_lse=False, capacity=capacity)
             out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
@@ -394,13 +395,35 @@ class MLAAttention(nn.Module):
                 out = ops.decode_absorb_out(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                             kv_lora_rank=c.kv_lora_rank, w_uv=w_uv, backend=fused)
                 return out.unflatten(-1, (c.num_heads, c.v_head_dim))
-            name = self._backend("decode", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
-                                 query_len=d.query_len, need_lse=False, planned=plan is not None, capacity=capacity)
+            name = self._decode_name(q_abs.dtype, d)
+            schedule = getattr(d, "schedule", None)
+            schedule = schedule if schedule is not None and takes_schedule("decode", name) else None
             out_lat, _ = ops.decode(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                     kv_lora_rank=c.kv_lora_rank, backend=name,
-                                    plan=plan if takes_plan("decode", name) else None)
+                                    plan=plan if takes_plan("decode", name) else None, schedule=schedule)
         out_lat = out_lat.flatten(0, 1)  # [B * s_q, H, kv_lora_rank]
         return absorb_out(out_lat, w_uv)
+
+    def _decode_name(self, dtype: torch.dtype, d) -> str:
+        """The backend of this layer's bf16 / fp16 cache decode of ``d`` (a :class:`DecodeMetadata`)."""
+        c = self.config
+        return self._backend("decode", dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim), query_len=d.query_len,
+                             need_lse=False, planned=getattr(d, "plan", None) is not None,
+                             capacity=d.block_table.shape[1] * self.kv_cache.shape[1])
+
+    def decode_step_schedule(self, meta: MLAMetadata) -> tuple[Tensor, ...] | None:
+        """The step schedule this layer's decode backend takes (``ops.decode_step_schedule``: FlashMLA's split
+        schedule, made from the step's lengths), to be made once before the layers and shared by all of them as
+        ``meta.decode.schedule``; None when its decode takes none (no decode part, an fp8 cache, sparse attention,
+        or a backend without one)."""
+        d = meta.decode
+        if d is None or self.kv_cache is None or self.fp8_cache or self.indexer is not None or \
+                self.sink_window is not None or not self._own_decode:
+            return None
+        name = self._decode_name(self.kv_cache.dtype, d)
+        if not takes_schedule("decode", name):
+            return None
+        return ops.decode_step_schedule(d.seq_lens, self.config.num_heads, name, d.query_len)
 
     def _decode_absorb_backend(self, q_abs: Tensor, w_uv: Tensor, plan) -> str | None:
         """``mla::decode_absorb_out``'s backend for this decode (a static choice), or None to run ``mla::decode``

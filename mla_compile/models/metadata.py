@@ -27,6 +27,9 @@ def _moved(device: torch.device | str) -> Callable[[Tensor], Tensor]:
     return lambda t: t.to(device, non_blocking=True)
 
 
+SCHEDULE_SLOTS = 2  # tensors a decode step schedule may hold in the flat form (FlashMLA's: tiles, splits)
+
+
 @dataclass
 class DecodeMetadata:
     """Decode part: ``block_table [B, max_blocks]`` int32, ``seq_lens [B]`` int32 (context incl. new tokens).
@@ -38,6 +41,10 @@ class DecodeMetadata:
     seq_lens: Tensor
     query_len: int = 1
     plan: Any = None  # a host-side planner object (FlashInfer), the same object every step: static, not a tensor
+    # the decode backend's step schedule (FlashMLA's split schedule: ops.decode_step_schedule), made from seq_lens
+    # inside the step before its layers (the model's forward), shared by every layer's call; None: each call
+    # schedules itself
+    schedule: tuple[Tensor, ...] | None = None
 
     @property
     def num_tokens(self):
@@ -125,26 +132,34 @@ class MLAMetadata:
         nested compile region takes, so Dynamo can reuse one traced region for every layer."""
         d, p = self.decode, self.prefill
         c = p.context if p is not None else None
+        if d is not None and d.schedule is not None and len(d.schedule) > SCHEDULE_SLOTS:
+            raise ValueError(f"MLAMetadata.flat: decode.schedule holds {len(d.schedule)} tensors, the flat form "
+                             f"has {SCHEDULE_SLOTS} slots")
+        sched = tuple(d.schedule or ()) if d is not None else ()
+        sched += (None,) * (SCHEDULE_SLOTS - len(sched))
         return (self.slot_mapping, self.logits_indices,
-                d is not None, *(d and (d.block_table, d.seq_lens, d.query_len, d.plan) or (None,) * 4),
+                d is not None, *(d and (d.block_table, d.seq_lens, d.query_len, d.plan) or (None,) * 4), *sched,
                 p is not None, *(p and (p.cu_seqlens_q, p.cu_seqlens_k, p.block_table, p.plan) or (None,) * 4),
                 c is not None, *(c and (c.cu_seqlens, c.starts, c.rows) or (None,) * 3))
 
     @staticmethod
-    def from_flat(slot_mapping, logits_indices, has_decode, block_table, seq_lens, query_len, decode_plan,
-                  has_prefill, cu_seqlens_q, cu_seqlens_k, prefill_table, prefill_plan,
-                  has_context, cu_seqlens, starts, rows) -> "MLAMetadata":
+    def from_flat(slot_mapping, logits_indices, has_decode, block_table, seq_lens, query_len, decode_plan, *rest
+                  ) -> "MLAMetadata":
         """The metadata :meth:`flat` gave."""
+        sched, rest = tuple(t for t in rest[:SCHEDULE_SLOTS] if t is not None), rest[SCHEDULE_SLOTS:]
+        (has_prefill, cu_seqlens_q, cu_seqlens_k, prefill_table, prefill_plan, has_context, cu_seqlens, starts,
+         rows) = rest
         ctx = ContextSlices(cu_seqlens, starts, rows) if has_context else None
-        dec = DecodeMetadata(block_table, seq_lens, query_len, decode_plan) if has_decode else None
+        dec = DecodeMetadata(block_table, seq_lens, query_len, decode_plan, sched or None) if has_decode else None
         pre = PrefillMetadata(cu_seqlens_q, cu_seqlens_k, prefill_table, ctx, prefill_plan) if has_prefill else None
         return MLAMetadata(slot_mapping, dec, pre, logits_indices)
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> "MLAMetadata":
         """A copy with ``fn`` applied to every tensor but ``prefill.context.rows`` (host sizes, kept as is)."""
         mv = _mapped(fn)
-        dec = self.decode and DecodeMetadata(mv(self.decode.block_table), mv(self.decode.seq_lens), self.decode.query_len,
-                                             self.decode.plan)
+        d = self.decode
+        dec = d and DecodeMetadata(mv(d.block_table), mv(d.seq_lens), d.query_len, d.plan,
+                                   d.schedule and tuple(mv(t) for t in d.schedule))
         pre = self.prefill and self.prefill.map_tensors(fn)
         return MLAMetadata(mv(self.slot_mapping), dec, pre, mv(self.logits_indices))
 

@@ -6,6 +6,8 @@ The patched model runs flat token batches (``input_ids [T]``, ``positions [T]``)
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -43,6 +45,7 @@ class MLAForCausalLM(nn.Module):
         self.attention_scaling = scaling
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
         self.regional_compile = False  # see forward
+        self.step_schedule = True  # see forward: the decode backend's step schedule made once a step
         self.sink_window: tuple[int, int] | None = None  # (sink, window) when patched with sparse="sink_window"
         # one backend-choice cache for every layer: a choice depends only on the call's static configuration, and
         # layers that share the cache's token trace to the same graph (a nested compile region is then reused
@@ -119,13 +122,20 @@ class MLAForCausalLM(nn.Module):
         residual), then its attention over the cache and its MLP / MoE, with the cache write between them
         (Inductor takes no mutating op inside a region).
         ``torch.compile`` then compiles each region once and stamps it out for every layer of the same shape,
-        so compile time hardly grows with depth; eager runs are unchanged."""
+        so compile time hardly grows with depth; eager runs are unchanged.
+
+        With ``step_schedule`` (on unless set False) and a decode backend that takes a step schedule (FlashMLA and
+        the splits that run it: ``ops.decode_step_schedule``), the schedule is made once here from the step's
+        lengths and every layer's decode takes it (``meta.decode.schedule``) instead of scheduling itself."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
-        if self.regional_compile and any(a.indexer is None and a.sink_window is None for a in self.attentions):
+        regional = self.regional_compile and any(a.indexer is None and a.sink_window is None for a in self.attentions)
+        if regional:
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
+        meta = self._with_step_schedule(meta)
+        if regional:
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
         token_mask = self.model.layers[0].self_attn.real_tokens(meta)  # the MoE skips the padding tokens' experts
         mlp_out = None  # a region's MLP output, added to h by the next layer's first region (one launch with its norm)
@@ -156,6 +166,21 @@ class MLAForCausalLM(nn.Module):
         if meta.logits_indices is not None:
             h = h[meta.logits_indices]
         return self.lm_head(h)
+
+    def _with_step_schedule(self, meta: MLAMetadata) -> MLAMetadata:
+        """``meta`` with ``decode.schedule`` made by the first layer whose decode takes one
+        (:meth:`MLAAttention.decode_step_schedule`: every dense layer shares the choice), where ``step_schedule`` is
+        on and the step has a decode part without one; else ``meta`` itself."""
+        d = meta.decode
+        if not self.step_schedule or d is None or d.schedule is not None:
+            return meta
+        for attn in self.attentions:
+            schedule = attn.decode_step_schedule(meta)
+            if schedule is not None:
+                return dataclasses.replace(meta, decode=dataclasses.replace(d, schedule=schedule))
+            if attn.kv_cache is not None and not attn.fp8_cache and attn.indexer is None and attn.sink_window is None:
+                return meta  # the first dense layer's backend takes none: nor does any other's
+        return meta
 
 
 def _mlp(layer: nn.Module, x: Tensor, token_mask: Tensor | None) -> Tensor:

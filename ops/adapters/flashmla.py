@@ -65,34 +65,71 @@ class FlashMLASchedule(NamedTuple):
     num_splits: Tensor
 
 
+# FlashMLA's dense decode scheduler (legacy sm90) splits the GPU's SMs into parts of ceil(s_q * H / 64) SMs each (one
+# part a 64-row head tile): its schedule holds one 8-int row per part. Off CUDA, where FlashMLA runs only as a test
+# double, the SM count is taken to be HOST_SM_COUNT.
+SCHEDULE_ROW_TILE = 64
+HOST_SM_COUNT = 8
+
+
+def schedule_parts(device: torch.device | str, num_heads: int, query_len: int = 1) -> int:
+    """Rows of FlashMLA's dense decode schedule (``tile_scheduler_metadata [parts, 8]``) on ``device`` for calls of
+    ``num_heads`` heads and ``query_len`` queries a sequence: the device's SMs over the SMs a head tile takes. A
+    host-side shape, so a compiled graph knows it (no data-dependent size)."""
+    device = torch.device(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else HOST_SM_COUNT
+    return max(1, sms // -(-query_len * num_heads // SCHEDULE_ROW_TILE))
+
+
+def _schedule_skipped(seq_lens: Tensor, query_len: int, min_rows: int, max_rows: int) -> bool:
+    """Whether a step of these shapes runs no FlashMLA part (its rows outside ``(min_rows, max_rows]``)."""
+    rows = seq_lens.shape[0] * query_len
+    return rows <= min_rows or 0 <= max_rows < rows
+
+
 @torch.library.custom_op("mla::flashmla_decode_schedule", mutates_args=(), tags=LAYOUT_TAGS)
-def _decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int) -> tuple[Tensor, Tensor]:
+def _decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int, min_rows: int = 0,
+                     max_rows: int = -1) -> tuple[Tensor, Tensor]:
     """FlashMLA's schedule of a dense decode step of ``num_heads`` query heads and ``query_len`` queries per
-    sequence over the lengths ``seq_lens [B]`` (one KV head: MLA)."""
+    sequence over the lengths ``seq_lens [B]`` (one KV head: MLA). A step of at most ``min_rows`` or more than
+    ``max_rows`` (-1: no bound) query rows gets the tensors unwritten and no scheduler launch: a split that runs
+    FlashMLA only between those bounds never reads them."""
+    parts = schedule_parts(seq_lens.device, num_heads, query_len)
+    if _schedule_skipped(seq_lens, query_len, min_rows, max_rows):
+        return (seq_lens.new_empty(parts, 8, dtype=torch.int32),
+                seq_lens.new_empty(seq_lens.shape[0] + 1, dtype=torch.int32))
     require_capability(OP, BACKEND, seq_lens.device, (9, 0), (9, 0))
     import flash_mla
 
     tiles, splits = flash_mla.get_mla_decoding_metadata(seq_lens.to(torch.int32), query_len * num_heads, 1,
                                                         h_q=num_heads, use_legacy=True)
+    if tuple(tiles.shape) != (parts, 8):
+        raise RuntimeError(f"flashmla_decode_schedule: FlashMLA made a schedule of {list(tiles.shape)} rows, "
+                           f"schedule_parts expects [{parts}, 8] ({num_heads} heads, query_len {query_len}): this "
+                           f"flash_mla sizes its schedule differently; call ops.decode without schedule=")
     return tiles, splits
 
 
 @_decode_schedule.register_fake
-def _(seq_lens, num_heads, query_len):
-    parts = torch.library.get_ctx().new_dynamic_size()  # FlashMLA's SM partition count (the GPU's)
+def _(seq_lens, num_heads, query_len, min_rows=0, max_rows=-1):
+    parts = schedule_parts(seq_lens.device, num_heads, query_len)
     return (seq_lens.new_empty(parts, 8, dtype=torch.int32),
             seq_lens.new_empty(seq_lens.shape[0] + 1, dtype=torch.int32))
 
 
-def flashmla_decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int = 1) -> FlashMLASchedule:
+def flashmla_decode_schedule(seq_lens: Tensor, num_heads: int, query_len: int = 1, *, min_rows: int = 0,
+                             max_rows: int = -1) -> FlashMLASchedule:
     """The split-KV schedule FlashMLA's decode would make inside each call, made once for a step's ``seq_lens [B]``
     (int, on the GPU) for calls of ``num_heads`` query heads and ``query_len`` queries per sequence: pass it as
     ``ops.decode(..., backend="flashmla", schedule=)`` to every layer of the step. Capturable (a captured step makes
-    it again at every replay, from the new lengths); nothing is read on the host."""
+    it again at every replay, from the new lengths); nothing is read on the host. ``min_rows`` / ``max_rows``: a
+    step whose ``B * query_len`` rows are outside ``(min_rows, max_rows]`` (-1: unbounded) gets no scheduler launch
+    and a schedule that must not be used (what a split serving only those rows through FlashMLA asks)."""
     if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"flashmla_decode_schedule: seq_lens must be int32/int64 [B], got {seq_lens.dtype} "
                          f"{tuple(seq_lens.shape)}")
-    return FlashMLASchedule(*torch.ops.mla.flashmla_decode_schedule(seq_lens, num_heads, query_len))
+    return FlashMLASchedule(*torch.ops.mla.flashmla_decode_schedule(seq_lens, num_heads, query_len, min_rows,
+                                                                    max_rows))
 
 
 def _check_schedule(q: Tensor, schedule: FlashMLASchedule) -> None:
@@ -167,7 +204,7 @@ def available() -> bool:
 HOPPER = dict(dtypes=DTYPES, block_sizes=(BLOCK_SIZE,), head_dims=DEEPSEEK_DECODE, min_capability=SM90,
               max_capability=SM90, package="sgl-flash-mla", gpu_tested=True)
 declare(OP, BACKEND, torch.ops.mla.decode_flashmla, rank=20, available=available, autotune=True, **HOPPER,
-        schedule_fn=torch.ops.mla.decode_flashmla_scheduled,
+        schedule_fn=torch.ops.mla.decode_flashmla_scheduled, make_schedule=torch.ops.mla.flashmla_decode_schedule,
         note="dense bf16, Hopper kernels (use_legacy=True); takes a step schedule (flashmla_decode_schedule)")
 
 # Query rows (B * s_q) at or below which "flashmla-tiered" runs our Triton kernel: at small batches the
@@ -190,6 +227,21 @@ def decode_flashmla_tiered(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq
 decode_flashmla_tiered.register_fake(decode_fake)
 
 
+@torch.library.custom_op("mla::decode_flashmla_tiered_scheduled", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_flashmla_tiered_scheduled(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                                     kv_lora_rank: int, tile_scheduler_metadata: Tensor,
+                                     num_splits: Tensor) -> tuple[Tensor, Tensor]:
+    """``mla::decode_flashmla_tiered`` with the step's schedule for its FlashMLA part (made for steps of more than
+    ``SMALL_ROWS`` query rows: the Triton part never reads it)."""
+    if q.shape[0] * q.shape[1] <= SMALL_ROWS:
+        return backends_for(OP)["triton"].fn(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    return decode_flashmla_scheduled(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank,
+                                     tile_scheduler_metadata, num_splits)
+
+
+decode_flashmla_tiered_scheduled.register_fake(decode_fake)
+
+
 def _tiered_available() -> bool:
     from mla_compile.ops.triton import available as triton_available
     return available() and triton_available()
@@ -197,7 +249,9 @@ def _tiered_available() -> bool:
 
 declare(OP, "flashmla-tiered", torch.ops.mla.decode_flashmla_tiered, rank=10, available=_tiered_available,
         tiers=((SMALL_ROWS, "triton"), (None, BACKEND)), **HOPPER,
+        schedule_fn=torch.ops.mla.decode_flashmla_tiered_scheduled,
         note=f"FlashMLA, with steps of <= {SMALL_ROWS} query rows (B * s_q) on our Triton kernel")
+declare_kernels("flashmla-tiered", "mla::decode_flashmla_tiered_scheduled")
 
 
 # ------------------------------------------------------------------------------------------ fp8 / sparse

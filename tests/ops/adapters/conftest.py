@@ -104,7 +104,11 @@ def make_flash_mla(calls: Calls) -> types.ModuleType:
             assert use_legacy, "dense fp8 decoding exists only on the legacy side"
         assert seqlens_k.dtype == torch.int32 and seqlens_k.dim() == 1
         dev = seqlens_k.device
-        return (torch.zeros(8, 8, dtype=torch.int32, device=dev),
+        # the legacy dense scheduler's row count: the SMs (off CUDA: the adapter's HOST_SM_COUNT) over the SMs
+        # of a 64-row head tile, per KV head
+        from mla_compile.ops.adapters.flashmla import HOST_SM_COUNT
+        parts = HOST_SM_COUNT // h_k // -(-num_q_tokens_per_head_k // 64)
+        return (torch.zeros(parts, 8, dtype=torch.int32, device=dev),
                 torch.zeros(seqlens_k.shape[0] + 1, dtype=torch.int32, device=dev))
 
     def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,

@@ -110,7 +110,7 @@ def test_schedule_reaches_only_the_backends_that_take_one(fake_flash_mla):
     want = flashmla_decode_core(*args)
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     with pytest.raises(ValueError, match=r"schedule= is a step schedule of the backends that take one "
-                                         r"\(\['flashmla'\]\).*backend 'reference' takes none"):
+                                         r"\(\['flashmla-tiered', 'flashmla'\], and the splits that run them\).*backend 'reference' takes none"):
         call_impl("decode", backends_for("decode")["reference"], args, None, sched)
     with pytest.raises(ValueError, match="backend 'flashmla' got plan= too"):
         call_impl("decode", backends_for("decode")["flashmla"], args, object(), sched)
@@ -133,8 +133,8 @@ def test_a_schedule_of_another_step_is_refused_before_flashmla_runs(fake_flash_m
 
 
 def test_a_scheduled_step_compiles_fullgraph(fake_flash_mla):
-    """The schedule op and two scheduled calls in one graph (the schedule's row count is FlashMLA's: an unbacked
-    size in the fake); outputs equal eager."""
+    """The schedule op and two scheduled calls in one graph (the schedule's row count known on the host:
+    ``schedule_parts``); outputs equal eager."""
     from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
 
     q, cache, table, lens = _inputs(1, seed=4)
