@@ -10,7 +10,8 @@ ones whose public functions pass their heads), each shape of :data:`GRID` and ea
 for the op, the backend is timed through our op (``ops.<op>(..., backend=name)``) when the selector says
 it serves the shape: the median GPU time of one call in a replayed CUDA graph (``bench_kernels.graph_ms``),
 or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans
-are made before timing. "autotune" is left out (it is a compile-time choice among the others). The file
+are made before timing, and so is the step schedule of a decode backend that takes one (FlashMLA and what runs it:
+``ops.decode_step_schedule``), as the model makes it once a step for all its layers. "autotune" is left out (it is a compile-time choice among the others). The file
 (format: :mod:`mla_compile.ops.timings`) records the GPU, its compute capability and the package versions.
 ``--only OP,...`` times those ops alone; with ``--out`` naming an existing file of the same GPU, that file's
 rows of the other ops are kept (its rows of these ops are replaced).
@@ -157,7 +158,15 @@ def _inputs(s: Shape):
         from mla_compile.ops.adapters.flashinfer import plan_flashinfer_decode
         return plan_flashinfer_decode(table.cpu(), lens.cpu(), num_heads=s.heads, block_size=PAGE, scale=SCALE,
                                       dtype=torch.bfloat16, use_cuda_graph=True)
-    return (lambda name, p: ops.decode(q, cache, table, lens, SCALE, backend=name, plan=p)), plan
+    schedules: dict[str, tuple | None] = {}
+
+    def decode(name, p):
+        # a backend that takes a step schedule runs as in the model: on the schedule made once a step (here once,
+        # before the first call, outside the timed graph: a step's one scheduler launch is shared by its layers)
+        if name not in schedules:
+            schedules[name] = ops.decode_step_schedule(lens, s.heads, name)
+        return ops.decode(q, cache, table, lens, SCALE, backend=name, plan=p, schedule=schedules[name])
+    return decode, plan
 
 
 def measure(only: tuple[str, ...] | None = None) -> dict:
@@ -249,7 +258,8 @@ def _report_auto(autos: list[tuple]) -> None:
 
 
 def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
-    """(shape, peer, ours us, direct us) for FlashMLA and FlashInfer bf16 decode: the peer called directly
+    """(shape, peer, ours us, direct us) for FlashMLA (on a step schedule and scheduling per call:
+    :func:`_flashmla_rows`) and FlashInfer bf16 decode: the peer called directly
     (its documented call, inputs already in its layout, FlashInfer planned once) against our adapter's time
     in this run, both as CUDA-graph replays."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -260,15 +270,7 @@ def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
     out = []
     if "flashmla" in us:
         try:
-            import flash_mla
-            k_cache = bf16.unsqueeze(2)
-
-            def direct():
-                meta, _ = flash_mla.get_mla_metadata()
-                return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE,
-                                                        causal=False, use_legacy=True)
-            out.append((s, "flashmla", us["flashmla"], round(bk.graph_ms(direct) * 1e3, 1)))
-            out.extend(_flashmla_step_schedule(s, q, k_cache, table, lens, bk))
+            out.extend(_flashmla_rows(s, us["flashmla"], q, bf16.unsqueeze(2), table, lens, bk))
         except Exception as exc:
             print(f"  {s} FlashMLA direct: failed ({type(exc).__name__}: {str(exc)[:160]})", flush=True)
     if "flashinfer" in us:
@@ -291,26 +293,31 @@ def _adapter_overhead(s: Shape, us: dict, bk) -> list[tuple]:
     return out
 
 
-def _flashmla_step_schedule(s: Shape, q, k_cache, table, lens, bk) -> list[tuple]:
-    """(shape, "flashmla (step schedule)", ours us, direct us): both sides with the step's split schedule made once
-    before the timed call, as a model's layers share it (``flashmla_decode_schedule`` and ``ops.decode(...,
-    schedule=)``; FlashMLA's ``get_mla_decoding_metadata`` assigned onto its ``FlashMLASchedMeta``)."""
+def _flashmla_rows(s: Shape, scheduled_us: float, q, k_cache, table, lens, bk) -> list[tuple]:
+    """FlashMLA's adapter rows: (shape, "flashmla", our op on the step's schedule (this run's "flashmla" row, as the
+    model runs it), FlashMLA called directly with ``get_mla_decoding_metadata``'s schedule assigned onto its
+    ``FlashMLASchedMeta``), and (shape, "flashmla (per-call schedule)", our op scheduling inside the call, FlashMLA
+    called directly with a fresh meta): both sides of each row alike."""
     import flash_mla
 
     from mla_compile import ops
-    from mla_compile.ops.adapters.flashmla import flashmla_decode_schedule
 
     cache, lens = k_cache.squeeze(2), lens.to(torch.int32)
-    sched = flashmla_decode_schedule(lens, s.heads)
-    ours = bk.graph_ms(lambda: ops.decode(q, cache, table, lens, SCALE, backend="flashmla", schedule=sched))
     tiles, splits = flash_mla.get_mla_decoding_metadata(lens, s.heads, 1, h_q=s.heads, use_legacy=True)
 
-    def direct():
+    def scheduled():
         meta, _ = flash_mla.get_mla_metadata()
         meta.tile_scheduler_metadata, meta.num_splits = tiles, splits
         return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE, causal=False,
                                                 use_legacy=True)
-    return [(s, "flashmla (step schedule)", round(ours * 1e3, 1), round(bk.graph_ms(direct) * 1e3, 1))]
+
+    def per_call():
+        meta, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, table, lens, DC, meta, softmax_scale=SCALE, causal=False,
+                                                use_legacy=True)
+    ours = bk.graph_ms(lambda: ops.decode(q, cache, table, lens, SCALE, backend="flashmla"))
+    return [(s, "flashmla", scheduled_us, round(bk.graph_ms(scheduled) * 1e3, 1)),
+            (s, "flashmla (per-call schedule)", round(ours * 1e3, 1), round(bk.graph_ms(per_call) * 1e3, 1))]
 
 
 def _flashmla_kept_schedule(s: Shape, call, bk) -> list[tuple]:
