@@ -40,7 +40,7 @@ def test_the_model_s_step_schedule_equals_per_call_scheduling(backend):
     hf = toy.toy_hf_model("v3", seed=3, device="cuda", dtype=torch.bfloat16, num_hidden_layers=3,
                           num_attention_heads=16, num_key_value_heads=16)
     kw = dict(block_size=64, num_blocks=96, device="cuda", keep_logits=True)
-    per_call = patch(copy.deepcopy(hf), backend=f"decode={backend}")
+    per_call = patch(copy.deepcopy(hf), backend=f"decode={backend}", regional_compile=True)  # the same kernels
     per_call.step_schedule = False
     per_call.allocate_cache(96, 64, fill=float("nan"))
     want = greedy_generate(per_call, prompts, 3, **kw)
