@@ -1,6 +1,7 @@
-"""GPU (sm_90, FlashMLA installed): the model making FlashMLA's split schedule once a step gives the same logits as
-every layer scheduling in its own call, eagerly, regionally compiled and replayed in CUDA graphs
-(``mode="reduce-overhead"``), through FlashMLA, a split that runs it above 2 rows and ``flashmla-tiered``."""
+"""GPU (sm_90, FlashMLA installed): the model making FlashMLA's split schedule once a step gives the logits of every
+layer scheduling in its own call: bit for bit eagerly; compiled, and compiled and replayed in CUDA graphs
+(``mode="reduce-overhead"``), against the same compile scheduling per call; through FlashMLA, a split that runs it
+above 2 rows and ``flashmla-tiered``."""
 
 from __future__ import annotations
 
@@ -50,11 +51,13 @@ def test_the_model_s_step_schedule_equals_per_call_scheduling(backend):
     assert got.tokens == want.tokens
     for a, b in zip(got.step_logits, want.step_logits, strict=True):
         assert torch.equal(a, b)  # one schedule: the same splits, bit for bit
-    for mode in (None, "reduce-overhead"):
-        torch._dynamo.reset()
-        model.allocate_cache(96, 64, fill=float("nan"))
-        compiled = torch.compile(model, fullgraph=True, mode=mode)
-        got = greedy_generate(compiled, prompts, 3, **kw)
-        for a, b in zip(got.step_logits, want.step_logits, strict=True):
-            assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2, mode
+    for mode in (None, "reduce-overhead"):  # compiled (and replayed in CUDA graphs): on the schedule as per call
+        runs = []
+        for m in (per_call, model):
+            torch._dynamo.reset()
+            m.allocate_cache(96, 64, fill=float("nan"))
+            runs.append(greedy_generate(torch.compile(m, fullgraph=True, mode=mode), prompts, 3, **kw))
+        assert runs[1].tokens == runs[0].tokens, mode
+        for a, b in zip(runs[1].step_logits, runs[0].step_logits, strict=True):
+            assert (a.float() - b.float()).norm() / b.float().norm() < 1e-3, mode
     torch._dynamo.reset()
