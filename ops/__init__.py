@@ -4,6 +4,7 @@ that run on any device, and per-backend implementations chosen at trace time.
 Importing this package registers every op. Public functions pick a backend and call its op.
 """
 
+from mla_compile.ops._cache_tag import tag_compile_caches
 from mla_compile.ops._checks import checked_mode, set_checked_mode
 from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import resolve
@@ -50,3 +51,5 @@ __all__ = [
     "lightning_index", "sink_window_indices", "sink_window_query_indices", "sparse_decode", "to_csr", "write_index_cache",
     "v4_attention", "v4_compress_write", "v4_index_topk", "write_latent_cache_absorb_q",
 ]
+
+tag_compile_caches()  # compile caches follow these ops' sources (schemas included): see _cache_tag
