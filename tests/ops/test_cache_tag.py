@@ -36,14 +36,11 @@ def test_the_digest_follows_every_source_byte_and_name(tmp_path):
     assert ops_digest([a, c]) != first
 
 
-def test_another_tag_misses_the_fx_graph_cache(monkeypatch):
+def test_another_tag_misses_the_fx_graph_cache():
     """The tag is part of Inductor's FX graph cache key: the same graph compiled again hits the cache, and misses it
-    under another ops digest."""
+    under another ops digest (configs changed through their own ``patch``, which restores them)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import fresh_cache
-
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
 
     def f(x):
         return (x * 3).sin() + 1
@@ -52,13 +49,12 @@ def test_another_tag_misses_the_fx_graph_cache(monkeypatch):
         torch._dynamo.reset()
         torch.compile(f, backend="inductor")(torch.randn(8))
 
-    with fresh_cache():
+    with fresh_cache(), inductor_config.patch(fx_graph_cache=True):
         counters.clear()
         compile_once()
         compile_once()
         assert counters["inductor"]["fxgraph_cache_miss"] == 1 and counters["inductor"]["fxgraph_cache_hit"] == 1
-        monkeypatch.setattr(torch.compiler.config, "cache_key_tag",
-                            tagged(torch.compiler.config.cache_key_tag, "0" * 16))
-        compile_once()
+        with torch.compiler.config.patch(cache_key_tag=tagged(torch.compiler.config.cache_key_tag, "0" * 16)):
+            compile_once()
         assert counters["inductor"]["fxgraph_cache_miss"] == 2
     torch._dynamo.reset()
