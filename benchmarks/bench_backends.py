@@ -9,10 +9,11 @@ For each op the selector ranks by time (decode, decode_fp8, sparse_decode, prefi
 ones whose public functions pass their heads), each shape of :data:`GRID` and each backend the registry declares
 for the op, the backend is timed through our op (``ops.<op>(..., backend=name)``) when the selector says
 it serves the shape: the median GPU time of one call in a replayed CUDA graph (``bench_kernels.graph_ms``),
-or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans
-are made before timing, and so is the step schedule of a decode backend that takes one (FlashMLA and what runs it:
-``ops.decode_step_schedule``), as the model makes it once a step for all its layers. "autotune" is left out (it is a compile-time choice among the others). The file
-(format: :mod:`mla_compile.ops.timings`) records the GPU, its compute capability and the package versions.
+or the eager time (``bench_kernels.bench``) for backends that cannot be captured. FlashInfer's host plans are made
+before timing, and so is the step schedule of a decode backend that takes one (FlashMLA and what runs it:
+``ops.decode_step_schedule``), as the model makes it once a step for all its layers. "autotune" is left out (it is a
+compile-time choice among the others). The file (format: :mod:`mla_compile.ops.timings`) records the GPU, its compute
+capability and the package versions.
 ``--only OP,...`` times those ops alone; with ``--out`` naming an existing file of the same GPU, that file's
 rows of the other ops are kept (its rows of these ops are replaced).
 

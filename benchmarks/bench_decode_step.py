@@ -818,8 +818,8 @@ def parse_args(argv=None):
     ap.add_argument("--only", default="ours,hf", help="phases to run: ours, hf or both")
     ap.add_argument("--profile-replay", action="store_true", help="CUDA: kernel tables of the smallest and the largest batch's graph replays")
     ap.add_argument("--no-step-schedule", action="store_true",
-                    help="model.step_schedule = False: a FlashMLA decode schedules itself in every layer's call instead "
-                         "of once a step")
+                    help="model.step_schedule = False: a FlashMLA decode schedules itself in every layer's call "
+                         "instead of once a step")
     ap.add_argument("--regional-compile", action="store_true",
                     help="patch(..., regional_compile=True): each decoder layer compiled once, reused for every layer")
     ap.add_argument("--lowerings", action="store_true",

@@ -5,8 +5,9 @@
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
-#   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto" against the fastest, the
-#            adapters against the peers' direct calls, FlashMLA on the step schedule and scheduling per call)
+#   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto"
+#            against the fastest, the adapters against the peers' direct calls, FlashMLA on the step schedule and
+#            scheduling per call)
 #   fusedstep the full-depth B=1 row (V2-Lite, 27 layers, regional + lowerings) without, then with the four opt-in
 #            fusions (FUSIONS: their backend spec); one machine, so the two rows compare
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default

@@ -397,7 +397,8 @@ def call_impl(op: str, impl: Backend, args: tuple, plan: object | None, schedule
         if impl.schedule_fn is None or (plan is not None and not impl.needs_plan):
             takers = [b for b in priority(op) if backends_for(op)[b].schedule_fn is not None]
             raise ValueError(f"{OPS[op_name(op)].key}: schedule= is a step schedule of the backends that take one "
-                             f"({takers}, and the splits that run them), plan= only beside it for those that also plan; backend {impl.name!r}"
+                             f"({takers}, and the splits that run them), plan= only beside it for those that also "
+                             f"plan; backend {impl.name!r}"
                              f"{' got plan= too' if impl.schedule_fn is not None else ' takes none'}: drop schedule= "
                              "or pick one of those")
         if impl.needs_plan:

@@ -383,9 +383,8 @@ class MLAAttention(nn.Module):
         else:
             q_abs = q_abs.view(d.block_table.shape[0], d.query_len, c.num_heads, c.latent_dim)
         if self.fp8_cache:
-            capacity = d.block_table.shape[1] * self.kv_cache.shape[1]  # the most tokens a sequence's table holds
             name = self._backend("decode_fp8", q_abs.dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim),
-                                 query_len=d.query_len, need_lse=False, capacity=capacity)
+                                 query_len=d.query_len, need_lse=False, capacity=self._capacity(d))
             out_lat, _ = ops.decode_fp8(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                         kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
@@ -404,12 +403,15 @@ class MLAAttention(nn.Module):
         out_lat = out_lat.flatten(0, 1)  # [B * s_q, H, kv_lora_rank]
         return absorb_out(out_lat, w_uv)
 
+    def _capacity(self, d) -> int:
+        """The most tokens a sequence's block table holds in decode ``d`` (its width times the cache's page size)."""
+        return d.block_table.shape[1] * self.kv_cache.shape[1]
+
     def _decode_name(self, dtype: torch.dtype, d) -> str:
         """The backend of this layer's bf16 / fp16 cache decode of ``d`` (a :class:`DecodeMetadata`)."""
         c = self.config
         return self._backend("decode", dtype, head_dims=(c.kv_lora_rank, c.qk_rope_head_dim), query_len=d.query_len,
-                             need_lse=False, planned=getattr(d, "plan", None) is not None,
-                             capacity=d.block_table.shape[1] * self.kv_cache.shape[1])
+                             need_lse=False, planned=getattr(d, "plan", None) is not None, capacity=self._capacity(d))
 
     def decode_step_schedule(self, meta: MLAMetadata) -> tuple[Tensor, ...] | None:
         """The step schedule this layer's decode backend takes (``ops.decode_step_schedule``: FlashMLA's split

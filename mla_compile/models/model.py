@@ -168,19 +168,15 @@ class MLAForCausalLM(nn.Module):
         return self.lm_head(h)
 
     def _with_step_schedule(self, meta: MLAMetadata) -> MLAMetadata:
-        """``meta`` with ``decode.schedule`` made by the first layer whose decode takes one
-        (:meth:`MLAAttention.decode_step_schedule`: every dense layer shares the choice), where ``step_schedule`` is
-        on and the step has a decode part without one; else ``meta`` itself."""
+        """``meta`` with ``decode.schedule`` made by the first dense layer (:meth:`MLAAttention.decode_step_schedule`:
+        every dense layer shares its decode backend), where ``step_schedule`` is on, the step has a decode part
+        without one and that backend takes one; else ``meta`` itself."""
         d = meta.decode
         if not self.step_schedule or d is None or d.schedule is not None:
             return meta
-        for attn in self.attentions:
-            schedule = attn.decode_step_schedule(meta)
-            if schedule is not None:
-                return dataclasses.replace(meta, decode=dataclasses.replace(d, schedule=schedule))
-            if attn.kv_cache is not None and not attn.fp8_cache and attn.indexer is None and attn.sink_window is None:
-                return meta  # the first dense layer's backend takes none: nor does any other's
-        return meta
+        dense = next((a for a in self.attentions if a.indexer is None and a.sink_window is None), None)
+        schedule = dense.decode_step_schedule(meta) if dense is not None else None
+        return meta if schedule is None else dataclasses.replace(meta, decode=dataclasses.replace(d, schedule=schedule))
 
 
 def _mlp(layer: nn.Module, x: Tensor, token_mask: Tensor | None) -> Tensor:

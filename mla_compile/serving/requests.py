@@ -14,8 +14,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 @dataclass
 class StepOutput:
-    """What one step of :meth:`~mla_compile.serving.engine.Engine.stream` produced: ``tokens`` (request id -> the tokens it generated in the
-    step, in order; requests still prefilling are absent) and the requests it ``finished``."""
+    """What one step of :meth:`~mla_compile.serving.engine.Engine.stream` produced: ``tokens`` (request id -> the
+    tokens it generated in the step, in order; requests still prefilling are absent) and the requests it
+    ``finished``."""
 
     tokens: dict[int, list[int]]
     finished: list["Request"]

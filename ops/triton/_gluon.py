@@ -182,14 +182,14 @@ def _rescale_voted(o, alpha):
 @gluon.jit
 def online_softmax(s, m_i, m_new, l_part, o, scale_log2, row_o: gl.constexpr, FOLD_SCALE: gl.constexpr,
                    RESCALE_SKIP: gl.constexpr):
-    """One tile's online-softmax step of a 64-row, 8-warp program (``o [64, 512]`` fp32: ``_rescale_voted``'s
-    register count): from the base-2 scores ``s [64, 64]`` (raw scores under ``FOLD_SCALE``: ``scale_log2`` folded
-    into the exponent's FMA), the rows' running max ``m_i`` and the tile's ``m_new = max(m_i, row max)`` (the
-    row max of the base-2 scores: under ``FOLD_SCALE`` the raw maximum times ``scale_log2``), returns ``(P, new running max, l_part, o)`` with the element-wise row
-    sums ``l_part [64, 64]`` and the accumulator ``o [64, 512]`` (rows in ``row_o``) rescaled. Rows that have seen
-    nothing keep 0 (no NaN). ``RESCALE_SKIP``: a row raises its maximum only when the tile's passes it by more than
-    ``TAU`` (always on its first seen key: -inf + TAU is -inf); its alpha is exactly 1 otherwise, and a warp none
-    of whose rows moved skips its O rescale (a warp vote: no CTA barrier)."""
+    """One tile's online-softmax step of a 64-row, 8-warp program (``o [64, 512]`` fp32: ``_rescale_voted``'s register
+    count): from the base-2 scores ``s [64, 64]`` (raw scores under ``FOLD_SCALE``: ``scale_log2`` folded into the
+    exponent's FMA), the rows' running max ``m_i`` and the tile's ``m_new = max(m_i, row max)`` (the row max of the
+    base-2 scores: under ``FOLD_SCALE`` the raw maximum times ``scale_log2``), returns ``(P, new running max, l_part,
+    o)`` with the element-wise row sums ``l_part [64, 64]`` and the accumulator ``o [64, 512]`` (rows in ``row_o``)
+    rescaled. Rows that have seen nothing keep 0 (no NaN). ``RESCALE_SKIP``: a row raises its maximum only when the
+    tile's passes it by more than ``TAU`` (always on its first seen key: -inf + TAU is -inf); its alpha is exactly 1
+    otherwise, and a warp none of whose rows moved skips its O rescale (a warp vote: no CTA barrier)."""
     if RESCALE_SKIP:
         m_new = gl.where(m_new > m_i + TAU, m_new, m_i)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
