@@ -89,9 +89,9 @@ def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096) -> None
     if quick:
         return
     default = dict(decode_absorb.ABSORB)
-    for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 8)):  # (128, 8) spills on sm_90
-        decode_absorb.ABSORB.update(block_v=block_v, num_warps=warps)
-        bk.attempt(group, f"decode_absorb_out gluon BV{block_v} w{warps}",
+    for block_c, warps in ((32, 4), (64, 8), (128, 4), (128, 8)):  # (128, 2) spills on sm_90
+        decode_absorb.ABSORB.update(block_c=block_c, num_warps=warps)
+        bk.attempt(group, f"decode_absorb_out gluon BC{block_c} w{warps}",
                    lambda: [fused(s, "gluon") for s in sets], 0, nbytes, sets=len(sets))
     decode_absorb.ABSORB.update(default)
 

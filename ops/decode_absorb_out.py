@@ -9,7 +9,8 @@ latent output in float32 between the two (no rounding to q's dtype); the LSE is 
 
 Backends: "reference" (``mla::decode_ref``, then ``mla::absorb_out``, any device), "triton" and "gluon" (ours, CUDA
 half precision, for up to :data:`MAX_ROWS` query rows ``B * s_q``: ``mla::decode``'s split-KV kernel of that name
-writes its partials, then one launch merges each row's splits and multiplies the merged row by its head's ``W_UV``
+writes its partials, then one launch merges each row's splits and multiplies the merged row by its head's ``W_UV``,
+its programs split over heads and latent columns, the head's last program adding the column slices' shares
 (``ops/triton/decode_absorb.py``): the split merge's launch and the latent row's round trip through memory gone;
 more rows: the two ops inside). Not GPU-tested yet: "auto" takes the reference, and the model asks for one by name
 (``patch(..., backend="decode_absorb_out=gluon")``).

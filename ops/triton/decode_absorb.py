@@ -3,12 +3,18 @@
 The split kernel is ``mla::decode``'s own (``decode.split_launch``: the Triton one; ``decode_gluon.split_launch``: the
 sm_90 Gluon one), unchanged: it leaves each query row's normalized partial outputs and base-2 LSEs
 (``decode.Split``). ``_reduce_absorb_kernel`` then takes the place of the split merge (``decode._decode_reduce_kernel``)
-and of ``mla::absorb_out``'s GEMV: grid ``(H, cdiv(V, BLOCK_V))``, program ``(h, j)`` holds ``W_UV[h, j * BLOCK_V :
-(j + 1) * BLOCK_V, :]`` (requested before its PDL wait: no kernel of the step writes it) and, for each of the call's
-(at most ``ROWS``) tokens, merges that token's head-``h`` row from the partials (``decode.merge_splits``, all of its
-``DC`` columns, in float32) and stores the row times the tile: ``BLOCK_V`` outputs. Each program merges its rows
-again (``cdiv(V, BLOCK_V)`` times a row in all, from L2), so the merged latent row is never written; where the split
-kernel ran one split (``DIRECT``) the row is read from its output. Launched with PDL on sm_90 (``_pdl.py``).
+and of ``mla::absorb_out``'s GEMV, split over the latent columns: grid ``(H, cdiv(DC, BLOCK_C))``, program ``(h, c)``
+holds ``W_UV[h, :, c * BLOCK_C : (c + 1) * BLOCK_C]`` (requested before its PDL wait: no kernel of the step writes
+it) and, for each of the call's (at most ``ROWS``) tokens, merges columns ``c`` of that token's head-``h`` row from
+the partials (``decode.merge_splits``, in float32; where the split kernel ran one split, ``DIRECT``, it reads the
+split kernel's output row) and stores the column slice's share of the row times ``W_UV[h]``: ``V`` float32 sums in a
+scratch ``[cdiv(DC, BLOCK_C), ROWS, H, BLOCK_V]``. So every partial is read once, by one program. Each program then
+counts itself in on head ``h``'s arrival counter (a barrier of its threads, then one acquire-release atomic at GPU
+scope, as ``mla::moe_gate_route``'s kernel does); the head's last program adds the column slices' shares in a fixed
+order (the result does not depend on which program came last), stores the head's ``V`` outputs of each token and
+puts the counter back to 0 for the next call. The counters are a persistent zeroed buffer per device
+(:func:`~mla_compile.ops._workspace.workspace`, allocated by the first call: a warm-up before any CUDA-graph capture),
+so calls on one device must not run concurrently on two streams. Launched with PDL on sm_90 (``_pdl.py``).
 """
 
 from __future__ import annotations
@@ -19,70 +25,91 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
+from mla_compile.ops._workspace import workspace
 from mla_compile.ops.decode_absorb_out import MAX_ROWS, fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2, split_count
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton.decode import REDUCE, Split, merge_splits
 
-# ``block_v``: value rows of W_UV a program (its tile ``[block_v, DC]`` stays in registers); ``num_warps``. A
+# ``block_c``: latent columns a program merges (its W_UV tile is ``[V, block_c]``, in registers); ``num_warps``. A
 # benchmark may swap them; timings in BENCHMARKS.md.
-ABSORB = dict(block_v=32, num_warps=8)
+ABSORB = dict(block_c=64, num_warps=4)
+MAX_HEADS = 1024  # heads the arrival counters cover (one int32 each; a fixed size, so the buffer is never replaced)
 
 
 @triton.jit
-def _reduce_absorb_kernel(ws_ptr, wl_ptr, w_ptr, out_ptr, T, H, V, n_splits, split_cap, s_wh, s_wv, s_o,
-                          DC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK_S: tl.constexpr,
-                          ROWS: tl.constexpr, DIRECT: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+def _reduce_absorb_kernel(ws_ptr, wl_ptr, w_ptr, y_ptr, count_ptr, out_ptr, T, H, V, n_splits, split_cap, s_wh,
+                          s_wv, s_o, DC: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_V: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CHUNK_S: tl.constexpr, ROWS: tl.constexpr, DIRECT: tl.constexpr,
+                          ONE_PASS: tl.constexpr, PDL: tl.constexpr):
     """See the module docstring. ``ws_ptr``/``wl_ptr``: the partials and base-2 LSEs (``DIRECT``: the split kernel's
-    output rows ``[T * H, DC]`` of out's dtype, no LSE read); token ``t``'s head-``h`` row is ``t * H + h``."""
+    output rows ``[T * H, DC]`` of out's dtype, no LSE read); token ``t``'s head-``h`` row is ``t * H + h``.
+    ``y_ptr``: the float32 scratch ``[n_c, ROWS, H, BLOCK_V]`` (``n_c`` the grid's column slices, at most
+    ``BLOCK_N``); ``count_ptr``: ``[H]`` int32 counters, 0 on entry and on exit."""
     h = tl.program_id(0)
-    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = v < V
-    offs_c = tl.arange(0, BLOCK_C)
+    c = tl.program_id(1)
+    n_c = tl.num_programs(1)
+    offs_v = tl.arange(0, BLOCK_V)
+    v_ok = offs_v < V
+    offs_c = c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < DC
-    w = tl.load(w_ptr + h.to(tl.int64) * s_wh + v[:, None].to(tl.int64) * s_wv + offs_c[None, :],
+    w = tl.load(w_ptr + h.to(tl.int64) * s_wh + offs_v[:, None].to(tl.int64) * s_wv + offs_c[None, :],
                 mask=v_ok[:, None] & c_ok[None, :], other=0.0)
     pdl_wait(PDL)  # W_UV's tile is in flight before the partials, the split kernel's outputs, are read
     pdl_launch_dependents(PDL)
     offs_s = tl.arange(0, CHUNK_S)
     n_used = split_count(n_splits, split_cap)
     for t in tl.static_range(ROWS):
-        live = t < T
-        row = tl.where(live, t * H + h, h).to(tl.int64)  # a token past T merges token 0's row again, never stored
-        if DIRECT:
-            lat = tl.load(ws_ptr + row * DC + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-        else:
-            acc, tot, _ = merge_splits(ws_ptr, wl_ptr, row, n_splits, n_used, offs_s, offs_c, c_ok, DC, CHUNK_S,
-                                       BLOCK_C, ONE_PASS)
-            lat = acc / tl.where(tot == 0.0, 1.0, tot)  # no key: acc is 0, so is the row
-        y = tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
-        tl.store(out_ptr + t * s_o + h * V + v, y.to(out_ptr.dtype.element_ty), mask=v_ok & live)
+        if t < T:
+            row = (t * H + h).to(tl.int64)
+            if DIRECT:
+                lat = tl.load(ws_ptr + row * DC + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+            else:
+                acc, tot, _ = merge_splits(ws_ptr, wl_ptr, row, n_splits, n_used, offs_s, offs_c, c_ok, DC, CHUNK_S,
+                                           BLOCK_C, ONE_PASS)
+                lat = acc / tl.where(tot == 0.0, 1.0, tot)  # no key: acc is 0, so is the row
+            share = tl.sum(w.to(tl.float32) * lat[None, :], axis=1)
+            tl.store(y_ptr + ((c * ROWS + t) * H + h).to(tl.int64) * BLOCK_V + offs_v, share)
+    tl.debug_barrier()  # every thread's shares stored before the program counts itself in (release, GPU scope)
+    arrived = tl.atomic_add(count_ptr + h, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_c - 1:  # the head's last program: every slice's shares are visible
+        tl.atomic_xchg(count_ptr + h, 0, sem="relaxed", scope="gpu")  # zero again for the next call (stream order)
+        offs_n = tl.arange(0, BLOCK_N)
+        for t in tl.static_range(ROWS):
+            if t < T:
+                parts = tl.load(y_ptr + ((offs_n[:, None] * ROWS + t) * H + h).to(tl.int64) * BLOCK_V
+                                + offs_v[None, :], mask=(offs_n < n_c)[:, None], other=0.0, volatile=True)
+                tl.store(out_ptr + t * s_o + h * V + offs_v, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty),
+                         mask=v_ok)
 
 
 def reduce_absorb(part: Split, w_uv: Tensor, T: int) -> Tensor:
-    """``[T, H * V]`` of the split launch ``part``'s rows (``T`` tokens of ``H`` heads, at most ``MAX_ROWS``)
-    merged and multiplied by ``w_uv [H, V, DC]`` (the interpreter on CPU tensors too)."""
+    """``[T, H * V]`` of the split launch ``part``'s rows (``T`` tokens of ``H`` heads, at most ``MAX_ROWS`` tokens
+    and ``MAX_HEADS`` heads) merged and multiplied by ``w_uv [H, V, DC]`` (the interpreter on CPU tensors too)."""
     H, V, DC = w_uv.shape
-    assert T <= MAX_ROWS, T
+    assert T <= MAX_ROWS and H <= MAX_HEADS, (T, H)
     out = torch.empty(T, H * V, dtype=part.out.dtype, device=part.out.device)
     if T == 0 or H * V == 0:
         return out
     w_uv = last_dim_contiguous(w_uv)
-    block_c = pow2(DC)
+    block_c = min(ABSORB["block_c"], pow2(DC))
+    n_c, block_v = triton.cdiv(DC, block_c), pow2(V)
+    shares = torch.empty(n_c * MAX_ROWS * H * block_v, dtype=torch.float32, device=out.device)
+    count = workspace("decode_absorb-arrivals", out.device, 4 * MAX_HEADS, zero=True).view(torch.int32)
     ws, wl = (part.out, part.lse) if part.direct else (part.o_buf, part.l_buf)
-    wrap_triton(_reduce_absorb_kernel)[(H, triton.cdiv(V, ABSORB["block_v"]))](
-        ws, wl, w_uv, out, T, H, V, part.splits, part.split_cap, w_uv.stride(0), w_uv.stride(1), out.stride(0),
-        DC=DC, BLOCK_C=block_c, BLOCK_V=ABSORB["block_v"], CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)),
-        ROWS=MAX_ROWS, DIRECT=part.direct, ONE_PASS=REDUCE["one_pass"], num_warps=ABSORB["num_warps"],
-        **launch_kwargs(out.device, DC > 0),
+    wrap_triton(_reduce_absorb_kernel)[(H, n_c)](
+        ws, wl, w_uv, shares, count, out, T, H, V, part.splits, part.split_cap, w_uv.stride(0), w_uv.stride(1),
+        out.stride(0), DC=DC, BLOCK_C=block_c, BLOCK_V=block_v, BLOCK_N=pow2(n_c),
+        CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)), ROWS=MAX_ROWS, DIRECT=part.direct,
+        ONE_PASS=REDUCE["one_pass"], num_warps=ABSORB["num_warps"], **launch_kwargs(out.device, DC > 0),
     )
     return out
 
 
 def _kernel_serves(q: Tensor) -> bool:
     return (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[0] * q.shape[1] <= MAX_ROWS)
+            and q.shape[0] * q.shape[1] <= MAX_ROWS and q.shape[2] <= MAX_HEADS)
 
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,

@@ -34,16 +34,20 @@ def _case(lens, s_q, H, dc, dr, V, bs, device="cpu", seed=0, dtype=torch.bfloat1
 
 
 @interpret
-@pytest.mark.parametrize("direct,tile", [(False, 4096), (False, 128), (True, 4096)])
-def test_reduce_absorb_merges_random_partials(direct, tile, monkeypatch):
+@pytest.mark.parametrize("direct,tile,block_c", [(False, 4096, 64), (False, 128, 64), (True, 4096, 64),
+                                                 (False, 4096, 16), (False, 64, 32), (True, 4096, 16)])
+def test_reduce_absorb_merges_random_partials(direct, tile, block_c, monkeypatch):
     """Random partials (a row of one live split, a row with no key, NaN past the used slots) or, ``direct``, the
-    split kernel's own output rows: each token's head rows merged in float64 and multiplied by W_UV (``tile`` 128:
-    chunks of 2 splits, the merge's two-pass branch); a token past T (the second of a one-token call) writes
-    nothing; the output poisoned beforehand."""
+    split kernel's own output rows: each token's head rows merged in float64 and multiplied by W_UV (``tile`` 128 or
+    64: chunks of 2 splits, the merge's two-pass branch; ``block_c`` 16 / 32: the 64 columns in 4 / 2 slices whose
+    shares the head's last program adds); a token past T (the second of a one-token call) writes nothing; the output
+    and the shares' scratch poisoned beforehand; the heads' arrival counters 0 after every call."""
+    from mla_compile.ops._workspace import workspace
     from mla_compile.ops.triton import decode_absorb as da
     from mla_compile.ops.triton.decode import REDUCE, Split
 
     monkeypatch.setitem(REDUCE, "tile", tile)
+    monkeypatch.setitem(da.ABSORB, "block_c", block_c)
 
     gen = torch.Generator().manual_seed(int(direct))
     T, H, V, dc, splits, cap = 2, 3, 20, 64, 6, 4
@@ -75,6 +79,8 @@ def test_reduce_absorb_merges_random_partials(direct, tile, monkeypatch):
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     one = da.reduce_absorb(part._replace(rows=H), w_uv, 1)
     assert one.shape == (1, H * V) and torch.equal(one, got[:1])
+    count = workspace("decode_absorb-arrivals", got.device, 4 * da.MAX_HEADS, zero=True).view(torch.int32)
+    assert not count.any()  # every head's last program put its counter back
 
 
 @interpret
@@ -103,8 +109,9 @@ def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config,
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("direct", [False, True])
 def test_reduce_absorb_kernel_compiles_for_sm90(T, direct):
-    """V2-Lite / V3's W_UV (128 value rows of 512) after 32 splits or one: no spills; under PDL the wait before the
-    trigger (W_UV's tile is requested before the wait)."""
+    """V2-Lite / V3's W_UV (128 value rows of 512) after 32 splits or one: one launch of 16 heads x 8 column
+    slices, no spills; under PDL the wait before the trigger (W_UV's tile is requested before the wait); the arrival
+    count one acquire-release atomic at GPU scope after the barrier."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, decode_absorb
     from mla_compile.ops.triton.decode import Split
@@ -117,12 +124,14 @@ def test_reduce_absorb_kernel_compiles_for_sm90(T, direct):
     w_uv = torch.empty(H, 2 * V, dc, dtype=torch.bfloat16, **meta)[:, V:]
     launches = _sm90.record(decode_absorb, decode_absorb.reduce_absorb, part, w_uv, T, pdl=True)
     assert len(launches) == 1
-    kernel, _, args, kwargs = launches[0]
+    kernel, grid, args, kwargs = launches[0]
+    assert tuple(grid) == (H, dc // decode_absorb.ABSORB["block_c"])
     compiled = _sm90.compile_sm90(kernel, args, kwargs)
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
     ptx = compiled.asm["ptx"]
     assert kwargs["PDL"] and -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1 and "bar.sync" in ptx
 
 
 # --- CUDA (the lead's H200 run) ---
@@ -179,12 +188,20 @@ def test_cuda_compiled_and_graph_replay(backend, fresh_dynamo):
 @needs_gpu
 @pytest.mark.parametrize("split", ["triton", "gluon"])
 @pytest.mark.parametrize("splits", [1, 2, 24, 64])
-def test_cuda_split_counts_take_every_merge_branch(split, splits):
-    """The fused launch after 1 split (the split kernel's own rows), 2 (one chunk of the merge: its one-pass loads)
-    and 24 / 64 (several chunks of 8 at DeepSeek's 512 columns: the two-pass branch, which the interpreter cannot
-    run) against float64."""
+@pytest.mark.parametrize("tile", [4096, 512])
+def test_cuda_split_counts_take_every_merge_branch(split, splits, tile, monkeypatch):
+    """The fused launch after 1 split (the split kernel's own rows), 2, 24 and 64 (at the default tile one chunk of
+    the merge: its one-pass loads; at ``tile`` 512, chunks of 8 splits of a 64-column slice: the two-pass branch)
+    against float64; 20 more calls bit for bit the first, the arrival counters 0 after."""
     from mla_compile.ops.triton import decode_absorb as da
+    from mla_compile.ops.triton.decode import REDUCE
+
+    monkeypatch.setitem(REDUCE, "tile", tile)
 
     q, cache, table, seq_lens, w_uv = _case([4096, 3000], 1, 16, 512, 64, 128, 64, device="cuda", seed=splits)
     got = da.launch(q, cache, table, seq_lens, 0.0625, 512, w_uv, split, {"SPLITS": splits})
     assert not got.isnan().any() and _rel(got, _want64(q, cache, table, seq_lens, w_uv, 0.0625, 512)) < 1e-2
+    for _ in range(20):  # whichever column slice of a head comes last, the same sum; the counters back at 0
+        assert torch.equal(da.launch(q, cache, table, seq_lens, 0.0625, 512, w_uv, split, {"SPLITS": splits}), got)
+    from mla_compile.ops._workspace import workspace
+    assert not workspace("decode_absorb-arrivals", got.device, 4 * da.MAX_HEADS, zero=True).any()
