@@ -5,7 +5,8 @@ and the CUDA graph's padding row), on the GPU.
 
 For each DeepSeek dims set, times (median per call of a replayed CUDA graph over enough input sets that the weights
 and caches come from memory, as ``bench_kernels.py``):
-- ``mla::decode_absorb_out`` ("gluon", "triton"; without ``--quick`` also each ``decode_absorb.ABSORB`` setting)
+- ``mla::decode_absorb_out`` ("gluon", "triton"; without ``--quick`` also ``decode_absorb.ABSORB``'s settings: column
+  slices and warps, the split count)
   against ``mla::decode`` ("gluon") + ``mla::skinny_absorb_out``: context 4096 and a padding sequence of length 0;
 - ``mla::moe_norm_gate_route`` ("triton") against the add + norm launch (``skinny_norm_linear.add_norm``) +
   ``mla::moe_gate_route`` ("triton");
@@ -92,6 +93,11 @@ def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096) -> None
     for block_c, warps in ((32, 4), (64, 8), (128, 4), (128, 8)):  # (128, 2) spills on sm_90
         decode_absorb.ABSORB.update(block_c=block_c, num_warps=warps)
         bk.attempt(group, f"decode_absorb_out gluon BC{block_c} w{warps}",
+                   lambda: [fused(s, "gluon") for s in sets], 0, nbytes, sets=len(sets))
+    decode_absorb.ABSORB.update(default)
+    for splits in (16, 48, 64):  # the split kernel's count (its own plan: up to 32 at 4096 keys)
+        decode_absorb.ABSORB.update(splits=splits)
+        bk.attempt(group, f"decode_absorb_out gluon {splits} splits",
                    lambda: [fused(s, "gluon") for s in sets], 0, nbytes, sets=len(sets))
     decode_absorb.ABSORB.update(default)
 

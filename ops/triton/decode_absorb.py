@@ -32,9 +32,9 @@ from mla_compile.ops.triton._common import last_dim_contiguous, pow2, split_coun
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 from mla_compile.ops.triton.decode import REDUCE, Split, merge_splits
 
-# ``block_c``: latent columns a program merges (its W_UV tile is ``[V, block_c]``, in registers); ``num_warps``. A
-# benchmark may swap them; timings in BENCHMARKS.md.
-ABSORB = dict(block_c=64, num_warps=4)
+# ``block_c``: latent columns a program merges (its W_UV tile is ``[V, block_c]``, in registers); ``num_warps``;
+# ``splits``: the split kernel's split count (None: its own plan). A benchmark may swap them; timings in BENCHMARKS.md.
+ABSORB = dict(block_c=64, num_warps=4, splits=None)
 MAX_HEADS = 1024  # heads the arrival counters cover (one int32 each; a fixed size, so the buffer is never replaced)
 
 
@@ -142,7 +142,8 @@ def _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, w_uv, split: s
         if not decode_gluon.eligible(q, kv_cache, kv_lora_rank):
             split = "triton"
     if _kernel_serves(q):
-        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, w_uv, split)
+        config = None if ABSORB["splits"] is None else {"SPLITS": ABSORB["splits"]}
+        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, w_uv, split, config)
     import mla_compile.ops.triton.skinny_absorb  # noqa: F401  (registers mla::skinny_absorb_out_triton)
     decode_op = torch.ops.mla.decode_gluon if split == "gluon" else torch.ops.mla.decode_triton
     out, _ = decode_op(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
