@@ -389,7 +389,7 @@ class MLAAttention(nn.Module):
                                         kv_lora_rank=c.kv_lora_rank, backend=name)
         else:
             plan = getattr(d, "plan", None)  # a host-side plan (FlashInfer) made by the metadata builder, if any
-            fused = self._decode_absorb_backend(q_abs, w_uv, plan)
+            fused = self._decode_absorb_backend(q_abs, w_uv, d)
             if fused is not None:  # the decode, its split merge and W_UV: mla::decode_absorb_out
                 out = ops.decode_absorb_out(q_abs, self.kv_cache, d.block_table, d.seq_lens, self.softmax_scale,
                                             kv_lora_rank=c.kv_lora_rank, w_uv=w_uv, backend=fused)
@@ -427,15 +427,22 @@ class MLAAttention(nn.Module):
             return None
         return ops.decode_step_schedule(d.seq_lens, self.config.num_heads, name, d.query_len)
 
-    def _decode_absorb_backend(self, q_abs: Tensor, w_uv: Tensor, plan) -> str | None:
-        """``mla::decode_absorb_out``'s backend for this decode (a static choice), or None to run ``mla::decode``
-        and ``absorb_out`` apart: CUDA half-precision q and W_UV of its dtype, no host plan, and that op's backend
-        resolving to "triton" or "gluon" (asked by name, ``backend="decode_absorb_out=gluon"``, until the kernel is
-        GPU-tested; its "auto" is the reference, which this path never takes)."""
-        if plan is not None:
+    def _decode_absorb_backend(self, q_abs: Tensor, w_uv: Tensor, d) -> str | None:
+        """``mla::decode_absorb_out``'s backend for decode ``d`` (a :class:`DecodeMetadata`, or None; a static
+        choice), or None to run ``mla::decode`` and ``absorb_out`` apart: CUDA half-precision q and W_UV of its
+        dtype, no host plan, and that op's backend resolving to "triton" or "gluon". Asked by name
+        (``backend="decode_absorb_out=gluon"``) it is taken; under "auto" (the reference until the kernels are
+        GPU-tested, never taken here) only where this layer's own decode choice for ``d`` is that same split
+        kernel, since the op runs that kernel's decode at every size."""
+        if getattr(d, "plan", None) is not None:
             return None
-        name = half_kernel("decode_absorb_out", q_abs, self._requested["decode_absorb_out"], w_uv)
-        return name if name in ("triton", "gluon") else None
+        requested = self._requested["decode_absorb_out"]
+        name = half_kernel("decode_absorb_out", q_abs, requested, w_uv)
+        if name not in ("triton", "gluon"):
+            return None
+        if requested in (None, "auto") and (d is None or self._decode_name(q_abs.dtype, d) != name):
+            return None
+        return name
 
     def _sink_window_indices(self, meta: MLAMetadata, positions: Tensor) -> Tensor:
         """``int32 [T, sink + window]``: each token's sink and window slots over its causal prefix (-1 padded)."""

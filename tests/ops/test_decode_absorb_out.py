@@ -4,6 +4,8 @@ static choice of it. The kernels: tests/ops/triton/test_decode_absorb.py."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -102,6 +104,36 @@ def test_the_attention_asks_for_it_only_by_name():
     with FakeTensorMode():  # CUDA tensors without a GPU: only their device and dtype are read
         qc = torch.empty(2, 1, 4, 8, dtype=torch.bfloat16, device="cuda")
         assert asked._decode_absorb_backend(qc, qc, None) == "gluon"
-        assert asked._decode_absorb_backend(qc, qc, object()) is None  # a FlashInfer plan: the decode op takes it
+        planned = types.SimpleNamespace(plan=object())
+        assert asked._decode_absorb_backend(qc, qc, planned) is None  # a FlashInfer plan: the decode op takes it
         assert asked._decode_absorb_backend(qc, qc.float(), None) is None  # W_UV of another dtype
         assert plain._decode_absorb_backend(qc, qc, None) is None  # "auto": the reference, never taken here
+
+
+def test_auto_folds_only_where_the_layers_decode_is_the_same_kernel(monkeypatch):
+    """Once "auto" resolves the op to a kernel (faked here: ``ops.resolve`` answering "gluon"), the attention takes
+    it only where its own decode choice for the step is that kernel (the op runs that kernel's decode at every size):
+    not beside another decode backend (e.g. FlashMLA at 128 heads), not without the decode's metadata; by name it
+    is taken whatever the decode's choice."""
+    pytest.importorskip("transformers")
+    from mla_compile.app import toy
+    from mla_compile.models import attention
+    from mla_compile.models.model import patch
+
+    hf = toy.toy_hf_model("v2-lite", seed=1, num_hidden_layers=1)
+    plain = patch(hf).model.layers[0].self_attn
+    asked = patch(toy.toy_hf_model("v2-lite", seed=1, num_hidden_layers=1),
+                  backend="decode_absorb_out=triton").model.layers[0].self_attn
+    monkeypatch.setattr(attention.ops, "resolve", lambda op, device, requested, dtype=None: types.SimpleNamespace(
+        name="gluon" if requested in (None, "auto") else requested))
+    d = types.SimpleNamespace(plan=None)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        qc = torch.empty(2, 1, 4, 8, dtype=torch.bfloat16, device="cuda")
+        for layer_decode, want in (("gluon", "gluon"), ("flashmla", None), ("triton", None)):
+            monkeypatch.setattr(plain, "_decode_name", lambda dtype, step, n=layer_decode: n)
+            assert plain._decode_absorb_backend(qc, qc, d) == want, layer_decode
+            monkeypatch.setattr(asked, "_decode_name", lambda dtype, step, n=layer_decode: n)
+            assert asked._decode_absorb_backend(qc, qc, d) == "triton", layer_decode  # by name: taken
+        assert plain._decode_absorb_backend(qc, qc, None) is None  # no decode metadata to compare with
