@@ -12,7 +12,9 @@ Backends: "reference" (torch: the add, the norm and ``F.linear`` per weight, any
 to :data:`MAX_ROWS` rows: ``mla::skinny_linear``'s pipelined GEMV whose programs also add the residual, sum the row's
 squares along their K loop and scale their float32 dots once at the end, ``(g * h) . W * rsqrt(mean(h^2) + eps)``, so
 the norm costs no launch of its own; more rows: one launch for the add and the norm, then ``F.linear``, inside the
-op). Not GPU-tested yet: "auto" takes the reference.
+op). Its CUDA tests pass (BENCHMARKS.md run 216), but it is slower than the two launches it replaces at V2-Lite's
+dims (run 217; the full step +68 us, run 218) and faster at V3's, so it stays unmarked as GPU-tested: "auto" takes
+the reference, and the model takes it only by name (``backend="skinny_norm_linear=triton"``).
 """
 
 from __future__ import annotations
