@@ -19,8 +19,11 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
 - the steps of tile j: softmax of ``S_j``, ``P_j`` stored, ``P_j V_j``; once it is done (both warpgroups, a
   CTA barrier) slot j takes the copy of tile j + 2, then ``Q K_{j+1}^T`` once tile j + 1 is there, so a copy
   runs while the program works through the next tile, and two while it waits for one (``PIPE``); the default
-  (``PIPE=False``, the first schedule, faster on the H200 at 128 heads: BENCHMARKS.md run 128) issues
-  ``P_j V_j`` and ``Q K_{j+1}^T`` back to back and copies tile j + 2 after the wait for tile j + 1.
+  (``PIPE=False``, the first schedule; the two within ~2% of each other on the H200 at 128 heads, either way
+  round: BENCHMARKS.md runs 128 and 202) issues ``P_j V_j`` and ``Q K_{j+1}^T`` back to back and copies tile
+  j + 2 after the wait for tile j + 1. At 128 heads both leave the tensor cores idle while the two warpgroups
+  run their softmax together (FlashMLA's sm_90 kernel alternates tiles between its warpgroups so that one's
+  softmax runs under the other's ``wgmma``), the main part of the gap to FlashMLA there (#27).
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
