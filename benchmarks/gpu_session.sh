@@ -12,26 +12,37 @@
 #            fusions named in FUSIONS (a backend spec; default decode_absorb_out=gluon, the one not yet timed in
 #            the step: skinny_norm_linear=triton lost there in run 218, "auto" takes the other two); one machine,
 #            so the two rows compare
+#   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL), then bench_parallel
+#            (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the machine holds; needs a
+#            multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
 # TEST_TIMEOUT=450 pass PHASES=none, or a smaller TEST_PATHS, to leave time for a benchmark). Raw files in
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
-# TEST_PATHS: the CUDA tests to run first (default: all of them). -v: one line per finished test, so a run cut by
-# its timeout still names its failures (grep FAILED pytest.log)
+# TEST_PATHS: the CUDA tests to run first (default: all of them; "none": no CUDA tests). -v: one line per finished
+# test, so a run cut by its timeout still names its failures (grep FAILED pytest.log)
 read -r -a tests <<< "${TEST_PATHS:-tests}"
-timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -m cuda "${tests[@]}" -v -n 8 -p no:cacheprovider --timeout 180 \
-    -rfE > "$O/pytest.log" 2>&1
+if [[ ${TEST_PATHS:-tests} == none ]]; then
+    echo "no CUDA tests (TEST_PATHS=none)" > "$O/pytest.log"
+else
+    timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -m cuda "${tests[@]}" -v -n 8 -p no:cacheprovider --timeout 180 \
+        -rfE > "$O/pytest.log" 2>&1
+fi
 tail -n 6 "$O/pytest.log"
 # the sm_90 compile checks (shared memory formulas, no spills): Triton's compiler, no GPU, no interpreter. CI
 # runs them too (tests/ops/triton/test_sm90_compile_subprocess.py); CI also runs every test that is neither
-# cuda nor sm90_compile, the Triton kernels in Triton's interpreter.
-TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m sm90_compile -rs tests \
-    > "$O/sm90_compile.log" 2>&1
+# cuda nor sm90_compile, the Triton kernels in Triton's interpreter. SM90=0 skips them.
+if [[ ${SM90:-1} == 0 ]]; then
+    echo "sm_90 compile checks skipped (SM90=0)" > "$O/sm90_compile.log"
+else
+    TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider -m sm90_compile -rs tests \
+        > "$O/sm90_compile.log" 2>&1
+fi
 tail -n 1 "$O/sm90_compile.log"
 if [[ $PHASES == *,step,* ]]; then
     timeout 200 python3 benchmarks/bench_decode_step.py --out "$O/auto" --budget-s 150 --profile-replay > "$O/auto.log" 2>&1
@@ -53,6 +64,14 @@ if [[ $PHASES == *,fusedstep,* ]]; then
     timeout 130 python3 "${step[@]}" --out "$O/base" > "$O/base.log" 2>&1
     timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
 fi
+if [[ $PHASES == *,parallel,* ]]; then
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
+    timeout 170 python3 -m pytest -m cuda -v -p no:cacheprovider --timeout 160 -rfE tests/test_dp_serving.py \
+        tests/test_parallel_cuda.py -k two_gpus > "$O/par_tests.log" 2>&1
+    timeout 400 python3 benchmarks/bench_parallel.py --out "$O/par" --tp "$sizes" --modes tp,dp_ep,tp_dcp \
+        --batches 1,64,256 --ctx 4096 --iters 10 --warmup 2 --budget-s 330 > "$O/par.log" 2>&1
+fi
 if [[ $PHASES == *,step,* ]]; then
     grep -E "^ours|replay only" "$O/tri/bench_decode_step.txt"
     head -n 22 "$O/auto/profile_replay.txt"
@@ -67,7 +86,11 @@ if [[ $PHASES == *,fusedstep,* ]]; then
     echo "full depth B=1 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
     echo "with $FUSIONS:"; grep -E "^ours|replay only" "$O/fused/bench_decode_step.txt"
 fi
+if [[ $PHASES == *,parallel,* ]]; then
+    echo "GPUs: $gpus; two-GPU tests: $(tail -n 1 "$O/par_tests.log")"
+    tail -n 30 "$O/par/bench_parallel.txt"
+fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par)
