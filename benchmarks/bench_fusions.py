@@ -7,7 +7,8 @@ For each DeepSeek dims set, times (median per call of a replayed CUDA graph over
 and caches come from memory, as ``bench_kernels.py``):
 - ``mla::decode_absorb_out`` ("gluon", "triton"; without ``--quick`` also ``decode_absorb.ABSORB``'s settings: column
   slices and warps, the split count)
-  against ``mla::decode`` ("gluon") + ``mla::skinny_absorb_out``: context 4096 and a padding sequence of length 0;
+  against ``mla::decode`` ("gluon") + ``mla::skinny_absorb_out``: context 4096 and a padding sequence of length 0,
+  and 8 sequences of 4096 (the fused launch serves up to 8 query rows);
 - ``mla::moe_norm_gate_route`` ("triton") against the add + norm launch (``skinny_norm_linear.add_norm``) +
   ``mla::moe_gate_route`` ("triton");
 - ``mla::skinny_norm_linear`` ("triton") over the first projections against the add + norm launch +
@@ -51,21 +52,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096) -> None:
-    """``mla::decode_absorb_out`` against the decode + the absorb GEMV (one real sequence of ``ctx`` keys and a
-    padding sequence of 0)."""
+def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096, batch: int = 1) -> None:
+    """``mla::decode_absorb_out`` against the decode + the absorb GEMV: one real sequence of ``ctx`` keys and a
+    padding sequence of 0 (``batch`` 1, with ``ABSORB``'s sweep unless ``quick``), or ``batch`` sequences of
+    ``ctx`` keys."""
     from mla_compile.ops.triton import decode_absorb
 
     H, V = d["H"], d["V"]
     blocks = ctx // PAGE
-    per_set = H * 2 * V * DC * 2 + ctx * (DC + DR) * 2  # kv_b_proj's value rows and the cache read
+    rows = 2 if batch == 1 else batch
+    per_set = H * 2 * V * DC * 2 + batch * ctx * (DC + DR) * 2  # kv_b_proj's value rows and the cache read
     sets = []
     for _ in range(bk._rotation(per_set, cap=32)):
-        cache = torch.randn(blocks + 1, PAGE, DC + DR, device=DEV, dtype=torch.bfloat16) * 0.5
-        table = torch.zeros(2, blocks, dtype=torch.int32, device=DEV)
-        table[0] = torch.randperm(blocks, device=DEV).to(torch.int32)
-        lens = torch.tensor([ctx, 0], dtype=torch.int32, device=DEV)
-        q = torch.randn(2, 1, H, DC + DR, device=DEV, dtype=torch.bfloat16)
+        cache = torch.randn(batch * blocks + 1, PAGE, DC + DR, device=DEV, dtype=torch.bfloat16) * 0.5
+        table = torch.zeros(rows, blocks, dtype=torch.int32, device=DEV)
+        table[:batch] = torch.randperm(batch * blocks, device=DEV).to(torch.int32).view(batch, blocks)
+        lens = torch.tensor([ctx] * batch + [0] * (rows - batch), dtype=torch.int32, device=DEV)
+        q = torch.randn(rows, 1, H, DC + DR, device=DEV, dtype=torch.bfloat16)
         w_uv = (torch.randn(H, 2 * V, DC, device=DEV, dtype=torch.bfloat16) / DC ** 0.5)[:, V:]
         sets.append((q, cache, table, lens, w_uv))
     scale = 1 / math.sqrt(192)
@@ -77,7 +80,7 @@ def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096) -> None
     def fused(s, backend):
         return ops.decode_absorb_out(*s[:4], scale, kv_lora_rank=DC, w_uv=s[4], backend=backend)
 
-    group = f"decode + absorb_out {name} H={H} B=1 (+1 empty) L={ctx}"
+    group = f"decode + absorb_out {name} H={H} B={batch}{' (+1 empty)' if batch == 1 else ''} L={ctx}"
     print(group, flush=True)
     nbytes = per_set
     want = unfused(sets[0])
@@ -87,7 +90,7 @@ def decode_absorb_case(name: str, d: dict, quick: bool, ctx: int = 4096) -> None
         err = _rel(fused(sets[0], backend), want)
         bk.attempt(group, f"decode_absorb_out {backend} (ours)", lambda b=backend: [fused(s, b) for s in sets], 0,
                    nbytes, note=f"rel err to unfused {err:.1e}", sets=len(sets))
-    if quick:
+    if quick or batch > 1:
         return
     default = dict(decode_absorb.ABSORB)
     for block_c, warps in ((32, 4), (64, 8), (128, 4), (128, 8)):  # (128, 2) spills on sm_90
@@ -216,7 +219,8 @@ def main() -> None:
     bk.ceilings()  # the copy bandwidth and matmul rate the table's fractions divide by
     sections = []
     for n in names:
-        sections += [lambda n=n: decode_absorb_case(n, DIMS[n], args.quick), lambda n=n: norm_route_case(n, DIMS[n]),
+        sections += [lambda n=n: decode_absorb_case(n, DIMS[n], args.quick),
+                     lambda n=n: decode_absorb_case(n, DIMS[n], True, batch=8), lambda n=n: norm_route_case(n, DIMS[n]),
                      lambda n=n: norm_linear_case(n, DIMS[n]), lambda n=n: write_absorb_case(n, DIMS[n])]
     bk.run_sections(sections, os.path.join(args.out, "bench_fusions.json"))
     text = bk.table_text()

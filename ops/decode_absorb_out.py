@@ -27,7 +27,7 @@ from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare
 from mla_compile.ops.select import resolve
 
 OP = declare_op("decode_absorb_out", "mla.decode_absorb_out")
-MAX_ROWS = 2  # query rows (B * s_q) the fused launch serves: a decode step of one sequence padded to 2
+MAX_ROWS = 8  # query rows (B * s_q) the fused launch serves: decode steps of up to 8 sequences (1 padded to 2)
 
 
 def validate(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, kv_lora_rank: int,

@@ -5,10 +5,10 @@ sm_90 Gluon one), unchanged: it leaves each query row's normalized partial outpu
 (``decode.Split``). ``_reduce_absorb_kernel`` then takes the place of the split merge (``decode._decode_reduce_kernel``)
 and of ``mla::absorb_out``'s GEMV, split over the latent columns: grid ``(H, cdiv(DC, BLOCK_C))``, program ``(h, c)``
 holds ``W_UV[h, :, c * BLOCK_C : (c + 1) * BLOCK_C]`` (requested before its PDL wait: no kernel of the step writes
-it) and, for each of the call's (at most ``ROWS``) tokens, merges columns ``c`` of that token's head-``h`` row from
-the partials (``decode.merge_splits``, in float32; where the split kernel ran one split, ``DIRECT``, it reads the
-split kernel's output row) and stores the column slice's share of the row times ``W_UV[h]``: ``V`` float32 sums in a
-scratch ``[cdiv(DC, BLOCK_C), ROWS, H, BLOCK_V]``. So every partial is read once, by one program. Each program then
+it) and, for each of the call's ``T`` tokens (an unrolled loop of ``ROWS``, T rounded up to a power of two), merges
+columns ``c`` of that token's head-``h`` row from the partials (``decode.merge_splits``, in float32; where the split
+kernel ran one split, ``DIRECT``, it reads the split kernel's output row) and stores the column slice's share of the
+row times ``W_UV[h]``: ``V`` float32 sums in a scratch ``[cdiv(DC, BLOCK_C), ROWS, H, BLOCK_V]``. So every partial is read once, by one program. Each program then
 counts itself in on head ``h``'s arrival counter (a barrier of its threads, then one acquire-release atomic at GPU
 scope, as ``mla::moe_gate_route``'s kernel does); the head's last program adds the column slices' shares in a fixed
 order (the result does not depend on which program came last), stores the head's ``V`` outputs of each token and
@@ -95,13 +95,14 @@ def reduce_absorb(part: Split, w_uv: Tensor, T: int) -> Tensor:
     w_uv = last_dim_contiguous(w_uv)
     block_c = min(ABSORB["block_c"], pow2(DC))
     n_c, block_v = triton.cdiv(DC, block_c), pow2(V)
-    shares = torch.empty(n_c * MAX_ROWS * H * block_v, dtype=torch.float32, device=out.device)
+    rows = triton.next_power_of_2(T)  # the kernel's unrolled row loop: 1, 2, 4 or 8 (T <= MAX_ROWS)
+    shares = torch.empty(n_c * rows * H * block_v, dtype=torch.float32, device=out.device)
     count = workspace("decode_absorb-arrivals", out.device, 4 * MAX_HEADS, zero=True).view(torch.int32)
     ws, wl = (part.out, part.lse) if part.direct else (part.o_buf, part.l_buf)
     wrap_triton(_reduce_absorb_kernel)[(H, n_c)](
         ws, wl, w_uv, shares, count, out, T, H, V, part.splits, part.split_cap, w_uv.stride(0), w_uv.stride(1),
         out.stride(0), DC=DC, BLOCK_C=block_c, BLOCK_V=block_v, BLOCK_N=pow2(n_c),
-        CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)), ROWS=MAX_ROWS, DIRECT=part.direct,
+        CHUNK_S=max(1, min(64, REDUCE["tile"] // block_c)), ROWS=rows, DIRECT=part.direct,
         ONE_PASS=REDUCE["one_pass"], num_warps=ABSORB["num_warps"], **launch_kwargs(out.device, DC > 0),
     )
     return out

@@ -34,14 +34,16 @@ def _case(lens, s_q, H, dc, dr, V, bs, device="cpu", seed=0, dtype=torch.bfloat1
 
 
 @interpret
-@pytest.mark.parametrize("direct,tile,block_c", [(False, 4096, 64), (False, 128, 64), (True, 4096, 64),
-                                                 (False, 4096, 16), (False, 64, 32), (True, 4096, 16)])
-def test_reduce_absorb_merges_random_partials(direct, tile, block_c, monkeypatch):
+@pytest.mark.parametrize("direct,tile,block_c,T", [(False, 4096, 64, 2), (False, 128, 64, 2), (True, 4096, 64, 2),
+                                                   (False, 4096, 16, 2), (False, 64, 32, 2), (True, 4096, 16, 2),
+                                                   (False, 128, 16, 5), (True, 4096, 32, 8)])
+def test_reduce_absorb_merges_random_partials(direct, tile, block_c, T, monkeypatch):
     """Random partials (a row of one live split, a row with no key, NaN past the used slots) or, ``direct``, the
     split kernel's own output rows: each token's head rows merged in float64 and multiplied by W_UV (``tile`` 128 or
     64: chunks of 2 splits, the merge's two-pass branch; ``block_c`` 16 / 32: the 64 columns in 4 / 2 slices whose
-    shares the head's last program adds); a token past T (the second of a one-token call) writes nothing; the output
-    and the shares' scratch poisoned beforehand; the heads' arrival counters 0 after every call."""
+    shares the head's last program adds; ``T`` 2, 5 or 8 tokens: the kernel's row loop unrolled 2 or 8 times, a
+    loop of 8 guarding 3 rows past T); a token past T (the second of a one-token call) writes nothing; the output and
+    the shares' scratch poisoned beforehand; the heads' arrival counters 0 after every call."""
     from mla_compile.ops._workspace import workspace
     from mla_compile.ops.triton import decode_absorb as da
     from mla_compile.ops.triton.decode import REDUCE, Split
@@ -49,8 +51,8 @@ def test_reduce_absorb_merges_random_partials(direct, tile, block_c, monkeypatch
     monkeypatch.setitem(REDUCE, "tile", tile)
     monkeypatch.setitem(da.ABSORB, "block_c", block_c)
 
-    gen = torch.Generator().manual_seed(int(direct))
-    T, H, V, dc, splits, cap = 2, 3, 20, 64, 6, 4
+    gen = torch.Generator().manual_seed(int(direct) + T)
+    H, V, dc, splits, cap = 3, 20, 64, 6, 4
     rows = T * H
     o = torch.randn(rows, splits, dc, generator=gen)
     lse2 = torch.randn(rows, splits, generator=gen) * 3
@@ -85,10 +87,12 @@ def test_reduce_absorb_merges_random_partials(direct, tile, block_c, monkeypatch
 
 @interpret
 @pytest.mark.parametrize("lens,s_q,config", [([37], 1, {"SPLITS": 3}), ([37, 0], 1, {"SPLITS": 3}),
-                                             ([50], 2, {"SPLITS": 1}), ([20, 9], 1, None), ([0], 2, {"SPLITS": 2})])
+                                             ([50], 2, {"SPLITS": 1}), ([20, 9], 1, None), ([0], 2, {"SPLITS": 2}),
+                                             ([30, 0, 17, 64, 3], 1, None), ([41, 5, 0], 2, {"SPLITS": 2})])
 def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config, monkeypatch):
     """The Triton split kernel and the merge + W_UV launch: split (3), direct (1) and planned splits, an empty
-    sequence (its rows 0), two queries of one sequence; outputs poisoned beforehand; W_UV strided."""
+    sequence (its rows 0), two queries of one sequence, 5 and 6 query rows (loops of 8); outputs poisoned
+    beforehand; W_UV strided."""
     from mla_compile.ops.triton import decode_absorb as da
 
     H, dc, dr, V, bs = 4, 64, 16, 24, 16
@@ -106,7 +110,7 @@ def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config,
 
 
 @sm90_compile
-@pytest.mark.parametrize("T", [1, 2])
+@pytest.mark.parametrize("T", [1, 2, 8])
 @pytest.mark.parametrize("direct", [False, True])
 def test_reduce_absorb_kernel_compiles_for_sm90(T, direct):
     """V2-Lite / V3's W_UV (128 value rows of 512) after 32 splits or one: one launch of 16 heads x 8 column
@@ -140,12 +144,12 @@ def test_reduce_absorb_kernel_compiles_for_sm90(T, direct):
 @needs_gpu
 @pytest.mark.parametrize("backend", ["triton", "gluon"])
 @pytest.mark.parametrize("lens,s_q", [([4096], 1), ([4096, 0], 1), ([777, 4000], 1), ([3000], 2),
-                                      ([100, 200, 4096, 5, 60], 1)])
+                                      ([100, 200, 4096, 5, 60], 1), ([100, 200, 4096, 5, 60, 1, 0, 3000, 7], 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_matches_float64_at_deepseek_dims(backend, lens, s_q, dtype):
-    """V2-Lite's 16 heads (512 + 64, W_UV 128 x 512), pages of 64: one and two query rows (the fused launch, a
-    padding sequence of length 0 among them), and five (the decode and the absorb GEMV inside the op); float16
-    runs the Triton split kernel under either name."""
+    """V2-Lite's 16 heads (512 + 64, W_UV 128 x 512), pages of 64: one, two and five query rows (the fused launch,
+    a padding sequence of length 0 among them), and nine (past ``MAX_ROWS``: the decode and the absorb GEMV inside
+    the op); float16 runs the Triton split kernel under either name."""
     from mla_compile import ops
 
     q, cache, table, seq_lens, w_uv = _case(lens, s_q, 16, 512, 64, 128, 64, device="cuda", seed=len(lens),
