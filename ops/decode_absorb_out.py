@@ -13,7 +13,8 @@ writes its partials, then one launch merges each row's splits and multiplies the
 its programs split over heads and latent columns, the head's last program adding the column slices' shares
 (``ops/triton/decode_absorb.py``): the split merge's launch and the latent row's round trip through memory gone;
 more rows: the two ops inside). Not GPU-tested yet: "auto" takes the reference, and the model asks for one by name
-(``patch(..., backend="decode_absorb_out=gluon")``).
+(``patch(..., backend="decode_absorb_out=gluon")``); once "auto" takes a kernel, the model folds its decode into this
+op only where the layer's own decode choice is that kernel (``MLAAttention._decode_absorb_backend``).
 """
 
 from __future__ import annotations
