@@ -8,7 +8,7 @@
 #   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto"
 #            against the fastest, the adapters against the peers' direct calls, FlashMLA on the step schedule and
 #            scheduling per call)
-#   fusedstep the full-depth B=1 row (V2-Lite, 27 layers, regional + lowerings) without, then with the opt-in
+#   fusedstep the full-depth B=1 and B=8 rows (V2-Lite, 27 layers, regional + lowerings) without, then with the opt-in
 #            fusions named in FUSIONS (a backend spec; default decode_absorb_out=gluon, the one not yet timed in
 #            the step: skinny_norm_linear=triton lost there in run 218, "auto" takes the other two); one machine,
 #            so the two rows compare
@@ -59,7 +59,7 @@ if [[ $PHASES == *,backends,* ]]; then
     timeout 240 python3 benchmarks/bench_backends.py --only "${BK_ONLY:-decode}" --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
 fi
 if [[ $PHASES == *,fusedstep,* ]]; then
-    step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1
+    step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1,8
           --budget-s 110)
     timeout 130 python3 "${step[@]}" --out "$O/base" > "$O/base.log" 2>&1
     timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
@@ -83,7 +83,7 @@ fi
 [[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"
 [[ $PHASES == *,backends,* ]] && grep -E "^  auto|auto within|^  flashmla|^  flashinfer|adapters within" "$O/bk.log"
 if [[ $PHASES == *,fusedstep,* ]]; then
-    echo "full depth B=1 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
+    echo "full depth B=1, 8 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
     echo "with $FUSIONS:"; grep -E "^ours|replay only" "$O/fused/bench_decode_step.txt"
 fi
 if [[ $PHASES == *,parallel,* ]]; then
