@@ -59,8 +59,8 @@ if [[ $PHASES == *,backends,* ]]; then
     timeout 240 python3 benchmarks/bench_backends.py --only "${BK_ONLY:-decode}" --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
 fi
 if [[ $PHASES == *,fusedstep,* ]]; then
-    step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache --batches 1,8
-          --budget-s 110)
+    step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache
+          --batches 1,8 --budget-s 110)
     timeout 130 python3 "${step[@]}" --out "$O/base" > "$O/base.log" 2>&1
     timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
 fi
