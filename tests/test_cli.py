@@ -65,6 +65,11 @@ def test_doctor_lists_every_op_of_the_registry_including_fp8_and_sparse(capsys):
     for label in ("DeepSeek-V2-Lite (16 heads)", "DeepSeek-V3 (128 heads)"):
         for op in ("decode", "prefill", "merge", "decode_fp8 (fp8 cache)", "sparse_decode (fp8 cache)"):
             assert f"{label} {op}" in out
+    # a backend not yet tested on a GPU is marked as "auto" passes it over; a tested one is not
+    lines = out.split("\ndecode_absorb_out:\n")[1].splitlines()
+    body = lines[:next(i for i, line in enumerate(lines) if not line.startswith("  "))]
+    marks = {line.split()[0]: line.endswith("[not yet tested on a GPU: 'auto' skips it]") for line in body}
+    assert marks == {"gluon": True, "triton": True, "reference": False}, body
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
