@@ -24,6 +24,8 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   j + 2 after the wait for tile j + 1. At 128 heads both leave the tensor cores idle while the two warpgroups
   run their softmax together (FlashMLA's sm_90 kernel alternates tiles between its warpgroups so that one's
   softmax runs under the other's ``wgmma``), the main part of the gap to FlashMLA there (#27).
+  ``decode_gluon_seesaw.decode_gluon_seesaw_kernel`` (``config={"SEESAW": True}``) is that alternating schedule
+  (its docstring); it has not run on a GPU yet.
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
@@ -74,6 +76,8 @@ from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, 
                                            online_softmax, split_range, stage_query_rows, store_rows, tile_page)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
+from mla_compile.ops.triton.decode_gluon_seesaw import WARPS as SEESAW_WARPS
+from mla_compile.ops.triton.decode_gluon_seesaw import decode_gluon_seesaw_kernel
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 
@@ -84,7 +88,7 @@ PROGRAMS_PER_SM = 1
 # programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SWAP", "PIPE", "EARLY"})  # what :func:`launch`'s config may name
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "SWAP", "PIPE", "EARLY"})  # what :func:`launch`'s config may name
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
@@ -237,9 +241,10 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
 def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
                  config: dict | None = None) -> Split:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
-    ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SWAP
-    (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows,
-    or the call has at most ``SWAP_CALL_ROWS`` rows in all, WS not set), PIPE (``decode_gluon_kernel``'s schedule,
+    ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
+    ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``, not yet run on a GPU), SWAP (``decode_gluon_swap_kernel``,
+    16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows, or the call has at most
+    ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE (``decode_gluon_kernel``'s schedule,
     default False: the first one), EARLY (the swapped kernel under PDL starts its first copies of older keys before
     its wait, ``decode_gluon_swap_kernel``'s contract; default :data:`EARLY_TILES`); several splits are merged by
     ``decode.reduce_splits`` (:func:`launch`); this function leaves them: its ``decode.Split``."""
@@ -250,7 +255,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         return Split(out, lse, out, lse, 1, 1, True, B * M)
     config = check_config("mla.decode (gluon)", config, CONFIG_KEYS)
     ws = bool(config.get("WS", False))
-    swap = not ws and bool(config.get("SWAP", swap_by_default(B, M)))
+    seesaw = not ws and bool(config.get("SEESAW", False))
+    swap = not ws and not seesaw and bool(config.get("SWAP", swap_by_default(B, M)))
     rows_per_program = SWAP_ROWS if swap else BLOCK_M
     hb = triton.cdiv(M, rows_per_program)
     splits, direct = opaque_splits(config, B * hb, num_sms(q.device) * PROGRAMS_PER_SM,
@@ -263,6 +269,9 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
+    elif seesaw:  # copies of half a tile's latent columns
+        desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_N, CHUNK], BOX_SL)
+        kernel, warps, extra = decode_gluon_seesaw_kernel, SEESAW_WARPS, {}
     elif swap:
         pdl = launch_kwargs(q.device)
         early = bool(config.get("EARLY", EARLY_TILES)) and pdl["PDL"]

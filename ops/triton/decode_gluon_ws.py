@@ -123,15 +123,39 @@ def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's
         slot = last % 2
         mbarrier.wait(full.index(slot), (last // 2) & 1)
-        mbarrier.wait(pready.index(slot), (last // 2) & 1)
-        alpha_o = a_s.load(row_s)
-        m_i = m_s.load(row_s)
-        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
-        l_i = l_i * alpha_o
-        o = warpgroup_mma(p_s.index(0), kc_s.index(slot).slice(C * 256, 256, dim=1), o)
-        gl.thread_barrier()
+        o, l_i, m_i = _ws_fold(C, o, l_i, p_s.index(0), m_s, a_s, kc_s, slot, pready.index(slot), (last // 2) & 1,
+                               row_s, row_o)
         mbarrier.arrive(empty.index(slot), count=1)
 
+    _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
+               o_l)
+
+
+@gluon.jit
+def _ws_fold(C: gl.constexpr, o, l_i, p_s, m_s, a_s, kc_s, slot, ready, phase, row_s: gl.constexpr,
+             row_o: gl.constexpr):
+    """Fold the other consumer's tile (in slot ``slot`` of ``kc_s``) into consumer ``C``'s columns: wait for its
+    hand-over (``ready`` at ``phase``), take its running max (``m_s``) and factor (``a_s``), rescale ``o`` / ``l_i``
+    by it and add ``P V`` (P from ``p_s``); returns ``(o, l_i, m_i)`` once the dot is done (every warp of the
+    consumer)."""
+    mbarrier.wait(ready, phase)
+    alpha_o = a_s.load(row_s)
+    m_i = m_s.load(row_s)
+    o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+    l_i = l_i * alpha_o
+    o = warpgroup_mma(p_s, kc_s.index(slot).slice(C * 256, 256, dim=1), o)
+    gl.thread_barrier()
+    return o, l_i, m_i
+
+
+@gluon.jit
+def _ws_finish(C: gl.constexpr, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr,
+               DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, o_l: gl.constexpr):
+    """The end of consumer ``C`` (both with the same running max ``m_i``, each with the row sums ``l_i`` of its
+    own tiles): consumer 1 hands its sums to consumer 0 (``x_s[0]``, ``done[0]``), which adds its own, stores the
+    LSE (``_gluon.finish_rows``) and hands the total back (``x_s[1]``, ``done[1]``); each stores its 256 output
+    columns ``o / l``."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     # row sums: consumer 1's into x_s[0]; consumer 0 adds its own, stores the LSE and the total into x_s[1]
     if C == 1:
         x_s.index(0).store(l_i)

@@ -4,7 +4,7 @@
 On any machine with Triton: their sm_90 compiles (shared memory within an SM's 227 KB, spills, warps, the
 dots and TMA copies there) and their declarations (what the selector lets them serve; "auto" never picks them
 before their GPU run). On an sm_90 GPU, for each kernel (64 rows a program in its two schedules, the swapped
-16-row one, the warp-specialized one): shapes against a float64 softmax written here
+16-row one, the warp-specialized one, the alternating one): shapes against a float64 softmax written here
 (NaN-poisoned cache rows and outputs, empty sequences, lengths off the tile size, several splits and one, MTP
 rows, pages of 64 and 128), the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph
 replay through ``mla_compile.ops.decode(..., backend="gluon" | "gluon-ws")``."""
@@ -103,13 +103,15 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 
 # "plain": decode_gluon_kernel (8 warps in step, its default schedule PIPE=False); "pipe": the same kernel with
 # the PIPE schedule; "swap": decode_gluon_swap_kernel (16 rows a program, operands swapped: forced
-# here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized).
-# Run "plain" first on a new GPU (-k plain), then "swap", "pipe", "ws": a hang in one would stop the session.
+# here for every shape, "gluon"'s default for at most 16 rows); "ws": decode_gluon_ws_kernel (warp-specialized);
+# "seesaw": decode_gluon_seesaw_kernel (two alternating warpgroups, no producer).
+# Run "plain" first on a new GPU (-k plain), then "swap", "pipe", "ws", "seesaw": a hang in one would stop the
+# session (run a kernel's first GPU tests under a timeout).
 KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "SWAP": False, "PIPE": True},
                  "swap": {"WS": False, "SWAP": True}, "swap-early": {"WS": False, "SWAP": True, "EARLY": True},
-                 "ws": {"WS": True}}
+                 "ws": {"WS": True}, "seesaw": {"SEESAW": True}}
 # "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
-KERNELS = ["plain", "swap", "swap-early", "ws"]  # "pipe" (the PIPE schedule, not the default): the shape table only
+KERNELS = ["plain", "swap", "swap-early", "ws", "seesaw"]  # "pipe" (the PIPE schedule, not the default): the shape table only
 
 
 @pytest.mark.cuda

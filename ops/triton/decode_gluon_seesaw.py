@@ -1,0 +1,271 @@
+"""The alternating ("seesaw") sm_90 Gluon bf16 decode (``decode_gluon.launch`` with ``config={"SEESAW": True}``):
+``decode_gluon_kernel``'s contract and 64-row programs, for the many-heads case (#27's 128-head gap).
+
+Two 4-warp partitions (``gl.warp_specialize``: the kernel's 4 warps and one 4-warp worker), no producer, so
+neither partition's registers are capped for a third. Warpgroup ``C`` owns
+
+- the scores and softmax of the tiles t = C, C + 2, ... (every tile's S by one warpgroup: no N=32 halves),
+  and tile slot ``C`` (tile t lives in slot t % 2: a warpgroup's own tiles in its own slot);
+- output columns ``[256 C, 256 C + 256)`` of every tile: its own tiles' ``P V`` with P from registers, the
+  other's with P from the other's shared ``P`` buffer.
+
+The running max passes between the warpgroups with each tile's P (max, rescale factor and P in shared
+memory, buffer t % 2: two P buffers, so a warpgroup publishes P_t without waiting for the other's read of
+P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
+
+1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then the two latent
+   halves, each as its part of the tile arrives);
+2. the other's tile t - 1: its max and factor read, ``O *= alpha``, ``O += P_{t-1} V_{t-1}`` issued;
+3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed, P_t
+   published;
+4. step 2's ``P V`` awaited: the other's P buffer released, this warpgroup's half of the other's slot
+   re-filled with tile t + 1's;
+5. ``O *= alpha_t``, ``O += P_t V_t`` (P from registers), then slot C's rope columns and this warpgroup's half
+   of it re-filled with tile t + 2's (the block-table entries were read at the tile's start).
+
+Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5.
+
+So one warpgroup's softmax (step 3) runs while the other's dots do, and each tile's copies are started in
+three parts (the rope columns and the two 256-column halves, one mbarrier each) as soon as their last reader
+is done. Shared memory: the latent query rows ``[64, 512]``, two tile slots, two P buffers, the hand-over rows
+(:func:`smem_bytes`: within an SM's 227 KB because the query's rope part stays in registers).
+
+Both warpgroups end with the same running max; warpgroup 1 hands its row sums to warpgroup 0, which stores
+the LSE (``decode_gluon_ws._ws_finish``). Keys of a partial tile past the split's end are masked and their
+value rows zeroed; a row that sees no key has LSE -inf and output 0 (``decode_gluon_kernel``'s contract).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from mla_compile.ops.triton._bf16_tma import BLOCK_M, BLOCK_N, BOX_C, DC, DR, STAGES, TILE_BYTES, zero_tail
+from mla_compile.ops.triton._fp8_tma import opaque_zero
+from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, split_range, tile_page
+from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_publish, _ws_softmax
+
+WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
+WORKER_REGS = gl.constexpr(248)  # the worker's registers a thread (the kernel's own warps get the rest of the file)
+HALF_BYTES = gl.constexpr(BLOCK_N * (DC // 2) * 2)  # a half tile's latent columns
+ROPE_BYTES = gl.constexpr(BLOCK_N * DR * 2)
+
+
+def smem_bytes() -> int:
+    """Shared memory of one program's buffers: the latent query rows, the two tile slots, two P buffers, the
+    hand-over rows (max and factor per P buffer, the row sums' two) and 12 mbarriers (the compile adds a little
+    scratch and the partitions' captured arguments; checked by a test)."""
+    return BLOCK_M * DC * 2 + STAGES * TILE_BYTES + 2 * BLOCK_M * BLOCK_N * 2 + 6 * BLOCK_M * 4 + 12 * 8
+
+
+@gluon.jit
+def _issue_half(desc_h, kc_s, kb, page, tile, n_tiles, start, H_: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Start the copy of tile ``tile``'s latent columns ``[256 H_, 256 H_ + 256)`` (four ``[64, 64]`` blocks,
+    ``desc_h``'s box) into slot ``tile % 2`` on that slot's half-``H_`` barrier (none past ``n_tiles``)."""
+    live = tile < n_tiles
+    row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+    slot = tile % 2
+    bar = kb.index(slot * 3 + H_)
+    mbarrier.expect(bar, HALF_BYTES, pred=live)
+    dst = kc_s.index(slot)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
+    tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar, dst, pred=live)
+
+
+@gluon.jit
+def _issue_rope(desc_r, kr_s, kb, page, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
+    """Start the copy of tile ``tile``'s rope columns into slot ``tile % 2`` on that slot's rope barrier."""
+    live = tile < n_tiles
+    row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+    slot = tile % 2
+    bar = kb.index(slot * 3 + 2)
+    mbarrier.expect(bar, ROPE_BYTES, pred=live)
+    tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr_s.index(slot), pred=live)
+
+
+@gluon.jit
+def _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C: gl.constexpr, t, z):
+    """Step 1: issue ``S_t = Q K_t^T`` on slot ``C`` (the rope part from ``qr`` in registers, then the latent
+    halves), each part once its copy has landed; returns the pending accumulator (three ``wgmma`` groups).
+    ``z``: ``_fp8_tma.opaque_zero``, which indexes the buffers so that their descriptors are made here, not held
+    in registers across the loop."""
+    use = (t // 2) & 1
+    q = q_s.index(z)
+    k_own = kc_s.index(C + z)
+    mbarrier.wait(kb.index(C * 3 + 2), use)
+    sa = warpgroup_mma(qr, kr_s.index(C + z).permute([1, 0]), zero_s, is_async=True)
+    mbarrier.wait(kb.index(C * 3), use)
+    sa = warpgroup_mma(q.slice(0, 256, dim=1), k_own.slice(0, 256, dim=1).permute([1, 0]), sa, is_async=True)
+    mbarrier.wait(kb.index(C * 3 + 1), use)
+    return warpgroup_mma(q.slice(256, 256, dim=1), k_own.slice(256, 256, dim=1).permute([1, 0]), sa,
+                         is_async=True)
+
+
+@gluon.jit
+def _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min, limit, offs_n,
+                 C: gl.constexpr, t, z, zl: gl.constexpr):
+    """Step 3 on the finished scores ``s`` of tile ``t``: the softmax from the running max ``m_i`` after tile
+    t - 1, a partial tile's value rows zeroed, then P_t, its max and factor published in P buffer ``C`` once the
+    other warpgroup's read of P_{t-2} is done; returns ``(P, max, alpha)``."""
+    n0 = start + t * 64
+    p, m_i, alpha = _ws_softmax(s, m_i, n0, end, lim_min, limit, offs_n, scale_log2)
+    if n0 + 64 > end:
+        zero_tail(kc_s.index(C), end - n0, zl)
+    mbarrier.wait(pfree.index(C), ((t - 2) // 2) & 1, pred=t >= 2)
+    _ws_publish(p, m_i, alpha, p_s.index(C + z), m_s.index(C), a_s.index(C), pready.index(C))
+    return p, m_i, alpha
+
+
+@gluon.jit
+def _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page, start, n_tiles, C: gl.constexpr, t, z,
+            BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
+    """Step 5: ``O *= alpha``, ``O += P_t V_t`` on this warpgroup's columns with P from registers, then slot
+    ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile t + 2's (``page``:
+    its block-table entry); returns ``(o, l_i)``."""
+    o = o * gl.convert_layout(alpha, row_o)[:, None]
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc_s.index(C + z).slice(C * 256, 256, dim=1), o)
+    gl.thread_barrier()
+    _issue_rope(desc_r, kr_s, kb, page, t + 2, n_tiles, start, BLOCK_SIZE)
+    _issue_half(desc_h, kc_s, kb, page, t + 2, n_tiles, start, C, BLOCK_SIZE)
+    return o, l_i
+
+
+@gluon.jit
+def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done,
+            bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
+            stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
+            DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr):
+    """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile), then the fold of the other's
+    last tile and the stores (``_ws_finish``)."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+
+    # the query rows' rope part, held in registers as the S dot's A operand (rows past M: zeros)
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_a))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
+    qr = gl.load(q_row[:, None] + DC + d_r[None, :], mask=(m_q < M)[:, None], other=0.0)
+
+    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
+    zero_s = gl.zeros([64, 64], gl.float32, s_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    o = gl.zeros([64, 256], gl.float32, o_l)
+
+    if C == 0:  # tile 0: no tile of the other's before it
+        if n_tiles > 0:
+            z = opaque_zero(n_tiles)
+            page2 = tile_page(bt_row, 2, n_tiles, start, BLOCK_SIZE, 64)
+            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, 0, z)
+            s = warpgroup_mma_wait(0, deps=[sa])
+            p, m_i, alpha = _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
+                                         limit, offs_n, C, 0, z, zl)
+            o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, 0, z,
+                             BLOCK_SIZE, row_o, p_a)
+    for t in range(2 - C, n_tiles, 2):
+        # 1. S_t, each part as it arrives
+        z = opaque_zero(t)
+        page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
+        page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
+        sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
+        # 2. the other's tile t - 1: its max and factor, O rescaled, its P V issued
+        mbarrier.wait(pready.index(1 - C), ((t - 1) // 2) & 1)
+        alpha_o = a_s.index(1 - C).load(row_s)
+        m_i = m_s.index(1 - C).load(row_s)
+        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+        l_i = l_i * alpha_o
+        pv = warpgroup_mma(p_s.index(1 - C + z), kc_s.index(1 - C + z).slice(C * 256, 256, dim=1), o, is_async=True)
+        # 3. S_t done (P V still in flight): the softmax, P_t published
+        s = warpgroup_mma_wait(1, deps=[sa])
+        p, m_i, alpha = _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
+                                     limit, offs_n, C, t, z, zl)
+        # 4. the other's tile folded: its P buffer free, this warpgroup's half of its slot takes tile t + 1's
+        o = warpgroup_mma_wait(0, deps=[pv])
+        gl.thread_barrier()
+        mbarrier.arrive(pfree.index(1 - C), count=1)
+        _issue_half(desc_h, kc_s, kb, page1, t + 1, n_tiles, start, C, BLOCK_SIZE)
+        # 5. this warpgroup's own P V, then its half of slot C takes tile t + 2's
+        o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, t, z, BLOCK_SIZE,
+                         row_o, p_a)
+
+    last = n_tiles - 1
+    if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
+        o, l_i, m_i = _ws_fold(C, o, l_i, p_s.index(1 - C), m_s.index(1 - C), a_s.index(1 - C), kc_s, 1 - C,
+                               pready.index(1 - C), (last // 2) & 1, row_s, row_o)
+    _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
+               o_l)
+
+
+@gluon.jit
+def decode_gluon_seesaw_kernel(
+    q_ptr, desc_h, desc_r, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    scale_log2,
+    stride_qb, stride_qs, stride_qh,
+    stride_bt,
+    M, H, S_Q, n_splits,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+):
+    """``decode_gluon_kernel``'s contract with :data:`WARPS` warps plus a 4-warp worker; ``desc_h`` spans the
+    cache's latent columns as ``[8, rows, 64]`` with a box of half a tile (``[4, 64, 64]``), ``desc_r`` its rows
+    ``[rows, 576]`` (box ``[64, 64]``, the rope columns). The kernel's warps stage the latent query rows and
+    start tiles 0 and 1; the module docstring has the schedule."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_SIZE % 64 == 0)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+    pid_h = gl.program_id(0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
+    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SMEM_C)
+    m_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    a_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    kb = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # slot s: half 0, half 1, rope
+    pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(6):
+        mbarrier.init(kb.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(pready.index(i), count=1)
+        mbarrier.init(pfree.index(i), count=1)
+        mbarrier.init(done.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+    for t in gl.static_range(2):
+        page = tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64)
+        _issue_rope(desc_r, kr_s, kb, page, t, n_tiles, start, BLOCK_SIZE)
+        for h in gl.static_range(2):
+            _issue_half(desc_h, kc_s, kb, page, t, n_tiles, start, h, BLOCK_SIZE)
+
+    # the latent query rows, 64 columns at a time (rows past M: zeros, never stored)
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    for c in gl.static_range(DC // 64):
+        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+        q_s.index(0).slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    gl.warp_specialize([
+        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+                   scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT)),
+        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+                   scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT)),
+    ], [4], [WORKER_REGS])  # WARPS

@@ -1,0 +1,104 @@
+"""The alternating ("seesaw") sm_90 Gluon bf16 decode (``ops/triton/decode_gluon_seesaw.py``) on any machine with
+Triton: its sm_90 compile (two 4-warp partitions, registers, spills, shared memory within an SM's 227 KB, the
+dots and copies its schedule has) and ``decode_gluon.launch``'s call of it with ``SEESAW`` (every argument
+bound, the half-tile copy box, the grid). Its float64 tests on an sm_90 GPU are the "seesaw" rows of
+``test_gluon_decode.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _triton_test_util import gluon_sm90, paged_cache, sm90_compile
+
+DC, DR = 512, 64
+BF = torch.bfloat16
+SCALE = 0.07
+
+
+def _desc_type(block_shape, layout) -> str:
+    return f"tensordesc<bf16[{', '.join(str(n) for n in block_shape)}],{layout!r}>"
+
+
+@sm90_compile
+@pytest.mark.parametrize("block_size,direct", [(64, False), (128, True)])
+def test_sm90_compile_resources(block_size, direct):
+    """8 warps in all (the kernel's 4 and a 4-warp worker), no spill or stack at the register file's 255, shared
+    memory of :func:`smem_bytes` plus under 1 KB and within 227 KB; the dots: warpgroup 0's tile 0 (S: the rope
+    part's 4 k-steps and two latent halves of 16; its P V, 4), each warpgroup's loop (S, the other's P V, its own
+    P V) and fold of the other's last tile (4); the TMA copies: tiles 0 and 1 in three parts each, then each
+    warpgroup's rope and own half after its P V (warpgroup 0 also after tile 0) and its half of the other's slot."""
+    from mla_compile.ops.triton import decode_gluon_seesaw as sw
+    from mla_compile.ops.triton._bf16_tma import BOX_SL
+    from mla_compile.ops.triton._gluon import SMEM_SL
+    from mla_compile.ops.triton._sm90 import resources
+
+    types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
+                 o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32",
+                 desc_h=_desc_type([4, 64, 64], BOX_SL), desc_r=_desc_type([64, 64], SMEM_SL))
+    compiled = gluon_sm90(sw.decode_gluon_seesaw_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
+                          sw.WARPS, types, ("stride_q",))
+    assert compiled.metadata.num_warps == 8
+    shared = compiled.metadata.shared
+    assert sw.smem_bytes() <= shared < sw.smem_bytes() + 1024
+    assert shared <= 227 * 1024
+    res = resources(compiled)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
+    assert res["regs"] <= 255, res
+    s_dot, pv = DR // 16 + 2 * (DC // 2) // 16, 64 // 16
+    loop = s_dot + 2 * pv
+    assert res["HGMMA"] == (s_dot + pv + loop + pv) + (loop + pv), res
+    assert res["UTMALDG"] == 2 * 3 + (2 + 1) * 2 + 2, res
+    ptx = compiled.asm["ptx"]
+    assert "setmaxnreg" in ptx  # the worker's register count set, the kernel's warps raised to the rest
+
+
+@sm90_compile
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sm90_compile_of_the_launch(monkeypatch, splits):
+    """``decode_gluon.launch(..., config={"SEESAW": True, ...})`` on CPU tensors (128 heads, MTP rows, pages of
+    128): it calls the seesaw kernel on grid ``(2 s_q, splits, B)`` with 4 warps, the latent copies' box half a
+    tile (``[4, 64, 64]``) over the cache's ``[8, rows, 64]`` column blocks and the rope box ``[64, 64]``; every
+    argument binds and the call compiles for sm_90; with several splits the fp32 workspaces and the reduce."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton._sm90 import signature
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
+
+    seesaw = g.decode_gluon_seesaw_kernel
+    monkeypatch.setattr(g, "decode_gluon_seesaw_kernel", Recorder(seesaw))
+    monkeypatch.setattr(g, "wrap_triton", Recorder)
+    monkeypatch.setattr(g, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(3)
+    cache, table, seq_lens = paged_cache([300, 0, 129], 128, DC + DR, BF, device="cpu", gen=gen)
+    q = torch.randn(3, 2, 128, DC + DR, generator=gen).to(BF)
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config={"SEESAW": True, "SPLITS": splits})
+    assert out.shape == (3, 2, 128, DC) and lse.shape == (3, 2, 128)
+    assert len(launches) == (1 if splits == 1 else 2)
+    kernel, grid, args, kwargs = launches[0]
+    assert kernel is seesaw
+    assert grid == (4, splits, 3) and kwargs["num_warps"] == 4
+    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128
+    desc_h, desc_r = args[1], args[2]
+    assert isinstance(desc_h, TensorDescriptor) and list(desc_h.block_shape) == [4, 64, 64]
+    assert list(desc_h.shape) == [8, cache.shape[0] * 128, 64]
+    assert list(desc_r.block_shape) == [64, 64]
+    plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
+    sig, consts, attrs = signature(kernel, plain, kwargs)
+    for name, d in (("desc_h", desc_h), ("desc_r", desc_r)):
+        sig[name] = _desc_type(d.block_shape, d.layout)
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
+    assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024
