@@ -417,10 +417,12 @@ class MLAAttention(nn.Module):
         """The step schedule this layer's decode backend takes (``ops.decode_step_schedule``: FlashMLA's split
         schedule, made from the step's lengths), to be made once before the layers and shared by all of them as
         ``meta.decode.schedule``; None when its decode takes none (no decode part, an fp8 cache, sparse attention,
-        or a backend without one)."""
+        a backend without one, or ``mla::decode_absorb_out`` in its place: that op reads no schedule)."""
         d = meta.decode
         if d is None or self.kv_cache is None or self.fp8_cache or self.indexer is not None or \
                 self.sink_window is not None or not self._own_decode:
+            return None
+        if self._decode_absorb_backend(self.kv_cache, self._w_uk_uv()[1], d) is not None:  # (the cache: q's dtype)
             return None
         name = self._decode_name(self.kv_cache.dtype, d)
         if not takes_schedule("decode", name):

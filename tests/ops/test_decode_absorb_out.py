@@ -137,3 +137,32 @@ def test_auto_folds_only_where_the_layers_decode_is_the_same_kernel(monkeypatch)
             monkeypatch.setattr(asked, "_decode_name", lambda dtype, step, n=layer_decode: n)
             assert asked._decode_absorb_backend(qc, qc, d) == "triton", layer_decode  # by name: taken
         assert plain._decode_absorb_backend(qc, qc, None) is None  # no decode metadata to compare with
+
+
+def test_no_step_schedule_where_the_fused_op_replaces_the_decode(monkeypatch):
+    """``MLAAttention.decode_step_schedule``: a layer whose decode would take FlashMLA's step schedule makes none
+    when ``mla::decode_absorb_out`` runs in its place (asked by name; the op reads no schedule), and still makes it
+    under "auto" (the reference: the fused op not taken). CUDA tensors faked: only device and dtype are read."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mla_compile.app import toy
+    from mla_compile.models import attention
+    from mla_compile.models.model import patch
+
+    made = []
+    monkeypatch.setattr(attention.ops, "decode_step_schedule",
+                        lambda seq_lens, heads, name, query_len=1: made.append(name) or ("schedule",))
+    meta = types.SimpleNamespace(decode=types.SimpleNamespace(plan=None, seq_lens=None, query_len=1))
+    layers = {requested: patch(toy.toy_hf_model("v2-lite", seed=1, num_hidden_layers=1),
+                               backend=requested).model.layers[0].self_attn
+              for requested in (None, "decode_absorb_out=gluon")}
+    with FakeTensorMode():
+        cache = torch.empty(4, 64, 576, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(4, 8, 512, dtype=torch.bfloat16, device="cuda")
+        for attn in layers.values():
+            monkeypatch.setattr(attn, "kv_cache", cache)
+            monkeypatch.setattr(attn, "_w_uk_uv", lambda w=w: (w, w))
+            monkeypatch.setattr(attn, "_decode_name", lambda dtype, step: "flashmla")
+        assert layers[None].decode_step_schedule(meta) == ("schedule",) and made == ["flashmla"]
+        assert layers["decode_absorb_out=gluon"].decode_step_schedule(meta) is None and made == ["flashmla"]
