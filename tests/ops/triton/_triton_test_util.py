@@ -39,6 +39,24 @@ def gluon_sm90(kernel, consts: dict, warps: int, types: dict, divisible: tuple[s
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
 
 
+def record_gluon_launches(monkeypatch, module, kernel_name: str) -> list[tuple]:
+    """Record instead of run: ``module``'s Gluon kernel ``kernel_name`` (called as ``kernel[grid](...)``) and its
+    ``wrap_triton`` launches (the split reduce) append ``(kernel, grid, args, kwargs)`` to the returned list, so a
+    CPU test can check a launch's arguments and compile it for sm_90 (``_sm90.signature``)."""
+    launches: list[tuple] = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
+
+    monkeypatch.setattr(module, kernel_name, Recorder(getattr(module, kernel_name)))
+    monkeypatch.setattr(module, "wrap_triton", Recorder)
+    return launches
+
+
 def assert_pdl_order(ptx: str, pdl: bool, where: str = "") -> None:
     """A kernel's sm_90 PTX under programmatic dependent launch: with ``pdl`` (the launch an sm_90 device gets) it
     waits for the kernel before it (``griddepcontrol.wait``) ahead of every global read (``ld.global``,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _triton_test_util import gluon_sm90, paged_cache, sm90_compile
+from _triton_test_util import gluon_sm90, paged_cache, record_gluon_launches, sm90_compile
 
 DC, DR = 512, 64
 BF = torch.bfloat16
@@ -68,18 +68,8 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits):
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import signature
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
-
     seesaw = g.decode_gluon_seesaw_kernel
-    monkeypatch.setattr(g, "decode_gluon_seesaw_kernel", Recorder(seesaw))
-    monkeypatch.setattr(g, "wrap_triton", Recorder)
+    launches = record_gluon_launches(monkeypatch, g, "decode_gluon_seesaw_kernel")
     monkeypatch.setattr(g, "num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(3)
     cache, table, seq_lens = paged_cache([300, 0, 129], 128, DC + DR, BF, device="cpu", gen=gen)

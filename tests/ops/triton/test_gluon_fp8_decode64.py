@@ -26,8 +26,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import fp8_paged, lens_with_empty
-from _triton_test_util import (assert_attention_close, assert_pdl_order, gluon_sm90, poison_allocator, sm90_compile,
-                               sm90_facts)
+from _triton_test_util import (assert_attention_close, assert_pdl_order, gluon_sm90, poison_allocator,
+                               record_gluon_launches, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -400,17 +400,7 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, variant):
     from mla_compile.ops.triton import fp8_decode_gluon64 as g
     from mla_compile.ops.triton._sm90 import signature
 
-    launches = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
-
-    monkeypatch.setattr(g, "decode_fp8_gluon64_kernel", Recorder(g.decode_fp8_gluon64_kernel))
-    monkeypatch.setattr(g, "wrap_triton", Recorder)
+    launches = record_gluon_launches(monkeypatch, g, "decode_fp8_gluon64_kernel")
     gen = torch.Generator().manual_seed(2)
     cache, table, seq_lens, _ = fp8_paged([300, 0, 129], 128, DC, DR, "cpu", gen)
     wide = torch.zeros(cache.shape[0], 256, cache.shape[2], dtype=torch.uint8)
