@@ -88,7 +88,8 @@ PROGRAMS_PER_SM = 1
 # programs each read their sequence's cache, which L2 serves at so few sequences (BENCHMARKS.md runs 133-134: faster
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "SWAP", "PIPE", "EARLY"})  # what :func:`launch`'s config may name
+# what :func:`launch`'s config may name
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "SWAP", "PIPE", "EARLY"})
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
@@ -242,12 +243,13 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
                  config: dict | None = None) -> Split:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
-    ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``, not yet run on a GPU), SWAP (``decode_gluon_swap_kernel``,
-    16 query rows a program; default: where a sequence has at most ``SWAP_ROWS`` rows, or the call has at most
-    ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE (``decode_gluon_kernel``'s schedule,
-    default False: the first one), EARLY (the swapped kernel under PDL starts its first copies of older keys before
-    its wait, ``decode_gluon_swap_kernel``'s contract; default :data:`EARLY_TILES`); several splits are merged by
-    ``decode.reduce_splits`` (:func:`launch`); this function leaves them: its ``decode.Split``."""
+    ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``, not yet run on a GPU; FOLD_FIRST: its variant), SWAP
+    (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS``
+    rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE
+    (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
+    first copies of older keys before its wait, ``decode_gluon_swap_kernel``'s contract; default
+    :data:`EARLY_TILES`); several splits are merged by ``decode.reduce_splits`` (:func:`launch`); this function
+    leaves them: its ``decode.Split``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -271,7 +273,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:  # copies of half a tile's latent columns
         desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_N, CHUNK], BOX_SL)
-        kernel, warps, extra = decode_gluon_seesaw_kernel, SEESAW_WARPS, {}
+        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", False))}
+        kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
     elif swap:
         pdl = launch_kwargs(q.device)
         early = bool(config.get("EARLY", EARLY_TILES)) and pdl["PDL"]

@@ -23,7 +23,9 @@ P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
 5. ``O *= alpha_t``, ``O += P_t V_t`` (P from registers), then slot C's rope columns and this warpgroup's half
    of it re-filled with tile t + 2's (the block-table entries were read at the tile's start).
 
-Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5.
+Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5. ``FOLD_FIRST`` (a variant to
+time) takes the other's tile first: steps 2 and 1 issued, both awaited, step 4 (so the other's slot is re-filled
+before the softmax, not after), then 3 and 5; each warpgroup's softmax then overlaps the other's dots only.
 
 So one warpgroup's softmax (step 3) runs while the other's dots do, and each tile's copies are started in
 three parts (the rope columns and the two 256-column halves, one mbarrier each) as soon as their last reader
@@ -133,12 +135,36 @@ def _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page, start, n_til
 
 
 @gluon.jit
+def _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C: gl.constexpr, t, z, row_s: gl.constexpr,
+                row_o: gl.constexpr):
+    """Step 2: once the other warpgroup has published tile t - 1, take its running max and factor, rescale
+    ``O`` and the row sums, and issue ``O += P_{t-1} V_{t-1}`` on this warpgroup's columns (P from the other's
+    buffer); returns ``(pending O, l_i, m_i)``."""
+    mbarrier.wait(pready.index(1 - C), ((t - 1) // 2) & 1)
+    alpha_o = a_s.index(1 - C).load(row_s)
+    m_i = m_s.index(1 - C).load(row_s)
+    o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+    pv = warpgroup_mma(p_s.index(1 - C + z), kc_s.index(1 - C + z).slice(C * 256, 256, dim=1), o, is_async=True)
+    return pv, l_i * alpha_o, m_i
+
+
+@gluon.jit
+def _release_other(desc_h, kc_s, kb, pfree, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
+    """Step 4, once step 2's ``P V`` is done (every warp): the other's P buffer is free again, and this
+    warpgroup's half of the other's slot takes tile t + 1's (``page``: its block-table entry)."""
+    gl.thread_barrier()
+    mbarrier.arrive(pfree.index(1 - C), count=1)
+    _issue_half(desc_h, kc_s, kb, page, t + 1, n_tiles, start, C, BLOCK_SIZE)
+
+
+@gluon.jit
 def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done,
             bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
             stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
-            DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr):
-    """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile), then the fold of the other's
-    last tile and the stores (``_ws_finish``)."""
+            DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+            FOLD_FIRST: gl.constexpr):
+    """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile; ``FOLD_FIRST``: 2, 1, 4, 3, 5),
+    then the fold of the other's last tile and the stores (``_ws_finish``)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -171,27 +197,26 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a
             o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, 0, z,
                              BLOCK_SIZE, row_o, p_a)
     for t in range(2 - C, n_tiles, 2):
-        # 1. S_t, each part as it arrives
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
         page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
-        sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
-        # 2. the other's tile t - 1: its max and factor, O rescaled, its P V issued
-        mbarrier.wait(pready.index(1 - C), ((t - 1) // 2) & 1)
-        alpha_o = a_s.index(1 - C).load(row_s)
-        m_i = m_s.index(1 - C).load(row_s)
-        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
-        l_i = l_i * alpha_o
-        pv = warpgroup_mma(p_s.index(1 - C + z), kc_s.index(1 - C + z).slice(C * 256, 256, dim=1), o, is_async=True)
-        # 3. S_t done (P V still in flight): the softmax, P_t published
-        s = warpgroup_mma_wait(1, deps=[sa])
+        if FOLD_FIRST:  # 2, 1, then both awaited and 4 before the softmax
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C, t, z, row_s, row_o)
+            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
+            s = warpgroup_mma_wait(0, deps=[sa])
+            o = warpgroup_mma_wait(0, deps=[pv])
+            _release_other(desc_h, kc_s, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+        else:
+            # 1. S_t, each part as it arrives; 2. the other's tile t - 1 (its P V in flight with S_t)
+            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C, t, z, row_s, row_o)
+            s = warpgroup_mma_wait(1, deps=[sa])
+        # 3. S_t done: the softmax, P_t published
         p, m_i, alpha = _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
                                      limit, offs_n, C, t, z, zl)
-        # 4. the other's tile folded: its P buffer free, this warpgroup's half of its slot takes tile t + 1's
-        o = warpgroup_mma_wait(0, deps=[pv])
-        gl.thread_barrier()
-        mbarrier.arrive(pfree.index(1 - C), count=1)
-        _issue_half(desc_h, kc_s, kb, page1, t + 1, n_tiles, start, C, BLOCK_SIZE)
+        if not FOLD_FIRST:  # 4. the other's tile folded
+            o = warpgroup_mma_wait(0, deps=[pv])
+            _release_other(desc_h, kc_s, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
         # 5. this warpgroup's own P V, then its half of slot C takes tile t + 2's
         o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, t, z, BLOCK_SIZE,
                          row_o, p_a)
@@ -212,11 +237,12 @@ def decode_gluon_seesaw_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
+    FOLD_FIRST: gl.constexpr = False,
 ):
     """``decode_gluon_kernel``'s contract with :data:`WARPS` warps plus a 4-warp worker; ``desc_h`` spans the
     cache's latent columns as ``[8, rows, 64]`` with a box of half a tile (``[4, 64, 64]``), ``desc_r`` its rows
     ``[rows, 576]`` (box ``[64, 64]``, the rope columns). The kernel's warps stage the latent query rows and
-    start tiles 0 and 1; the module docstring has the schedule."""
+    start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -264,8 +290,8 @@ def decode_gluon_seesaw_kernel(
     gl.warp_specialize([
         (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT)),
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
         (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT)),
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
     ], [4], [WORKER_REGS])  # WARPS

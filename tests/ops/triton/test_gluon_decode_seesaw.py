@@ -21,13 +21,14 @@ def _desc_type(block_shape, layout) -> str:
 
 
 @sm90_compile
-@pytest.mark.parametrize("block_size,direct", [(64, False), (128, True)])
-def test_sm90_compile_resources(block_size, direct):
+@pytest.mark.parametrize("block_size,direct,fold_first", [(64, False, False), (128, True, False), (64, True, True)])
+def test_sm90_compile_resources(block_size, direct, fold_first):
     """8 warps in all (the kernel's 4 and a 4-warp worker), no spill or stack at the register file's 255, shared
     memory of :func:`smem_bytes` plus under 1 KB and within 227 KB; the dots: warpgroup 0's tile 0 (S: the rope
     part's 4 k-steps and two latent halves of 16; its P V, 4), each warpgroup's loop (S, the other's P V, its own
     P V) and fold of the other's last tile (4); the TMA copies: tiles 0 and 1 in three parts each, then each
-    warpgroup's rope and own half after its P V (warpgroup 0 also after tile 0) and its half of the other's slot."""
+    warpgroup's rope and own half after its P V (warpgroup 0 also after tile 0) and its half of the other's slot;
+    the same counts with ``FOLD_FIRST`` (the loop's steps reordered)."""
     from mla_compile.ops.triton import decode_gluon_seesaw as sw
     from mla_compile.ops.triton._bf16_tma import BOX_SL
     from mla_compile.ops.triton._gluon import SMEM_SL
@@ -36,7 +37,8 @@ def test_sm90_compile_resources(block_size, direct):
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32",
                  desc_h=_desc_type([4, 64, 64], BOX_SL), desc_r=_desc_type([64, 64], SMEM_SL))
-    compiled = gluon_sm90(sw.decode_gluon_seesaw_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct),
+    compiled = gluon_sm90(sw.decode_gluon_seesaw_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
+                                                                         FOLD_FIRST=fold_first),
                           sw.WARPS, types, ("stride_q",))
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
@@ -54,12 +56,13 @@ def test_sm90_compile_resources(block_size, direct):
 
 
 @sm90_compile
-@pytest.mark.parametrize("splits", [1, 3])
-def test_sm90_compile_of_the_launch(monkeypatch, splits):
+@pytest.mark.parametrize("splits,fold_first", [(1, False), (3, True)])
+def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first):
     """``decode_gluon.launch(..., config={"SEESAW": True, ...})`` on CPU tensors (128 heads, MTP rows, pages of
     128): it calls the seesaw kernel on grid ``(2 s_q, splits, B)`` with 4 warps, the latent copies' box half a
     tile (``[4, 64, 64]``) over the cache's ``[8, rows, 64]`` column blocks and the rope box ``[64, 64]``; every
-    argument binds and the call compiles for sm_90; with several splits the fp32 workspaces and the reduce."""
+    argument binds and the call compiles for sm_90; with several splits the fp32 workspaces and the reduce; the
+    config's ``FOLD_FIRST`` reaches the kernel (False where it names none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -74,13 +77,14 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits):
     gen = torch.Generator().manual_seed(3)
     cache, table, seq_lens = paged_cache([300, 0, 129], 128, DC + DR, BF, device="cpu", gen=gen)
     q = torch.randn(3, 2, 128, DC + DR, generator=gen).to(BF)
-    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config={"SEESAW": True, "SPLITS": splits})
+    out, lse = g.launch(q, cache, table, seq_lens, SCALE, DC, config={"SEESAW": True, "SPLITS": splits,
+                                                                        **({"FOLD_FIRST": True} if fold_first else {})})
     assert out.shape == (3, 2, 128, DC) and lse.shape == (3, 2, 128)
     assert len(launches) == (1 if splits == 1 else 2)
     kernel, grid, args, kwargs = launches[0]
     assert kernel is seesaw
     assert grid == (4, splits, 3) and kwargs["num_warps"] == 4
-    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128
+    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128 and kwargs["FOLD_FIRST"] is fold_first
     desc_h, desc_r = args[1], args[2]
     assert isinstance(desc_h, TensorDescriptor) and list(desc_h.block_shape) == [4, 64, 64]
     assert list(desc_h.shape) == [8, cache.shape[0] * 128, 64]
