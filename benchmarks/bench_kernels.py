@@ -327,7 +327,9 @@ GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=T
                # schedule (keys and values on barriers of their own) and on 64-key tiles in 3 slots
                dict(WS=True, HEADS_FIRST=False, PINGPONG=True),
                dict(WS=True, PIPE=False, HEADS_FIRST=False, PINGPONG=True),
-               dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False, PINGPONG=True)]
+               dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False, PINGPONG=True),
+               # persistent programs (one an SM looping over the work items), in both item orders
+               dict(WS=True, PERSIST=True, HEADS_FIRST=False), dict(WS=True, PERSIST=True, HEADS_FIRST=True)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):

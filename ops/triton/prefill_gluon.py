@@ -42,6 +42,14 @@ over after every turn (one nobody waits for completes a phase no wait reads; tur
 barrier two phases on). Turns follow the tile order: with two or more slots, every slot a turn waits for was
 released by the other consumer before its last hand-over, so no turn waits on the other's next turn.
 
+``PERSIST`` (off by default, not with ``PINGPONG``; FA3's persistent scheduling) launches at most one program an
+SM; each takes the non-persistent grid's work items (a head and a 128-row block) ``pid``, ``pid + programs``,
+... in its launch order, longest causal blocks first. The producer loads an item's query rows once both
+consumers released the last item's (``qempty``: each consumer arrives once its dots are done, before its
+stores), then streams its key tiles into the same ring, whose uses count on across items; so an item's first
+copies overlap the last item's final tiles and stores, which a program an item leaves exposed. Not yet run on a
+GPU.
+
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
 aligned rows (the TMA kernel's conditions); elsewhere the op runs ``mla::prefill_triton_tma`` (which runs the
@@ -72,7 +80,8 @@ NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
 SMEM_LIMIT = 227 * 1024
 # :func:`launch`'s config keys
-CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE", "PINGPONG"})
+CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE", "PINGPONG",
+                         "PERSIST"})
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -84,22 +93,23 @@ def heads_first(programs: int, sms: int) -> bool:
 
 
 def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2, kv_split: bool = False,
-               pingpong: bool = False) -> int:
+               pingpong: bool = False, persist: bool = False) -> int:
     """Shared memory of one program's buffers: Q, the key/value slots and the barriers (three; the
-    warp-specialized kernel's: two a slot, four with ``kv_split``, Q's, and the two turns with ``pingpong``)."""
-    bars = (2 * stages * (2 if kv_split else 1) + 1 + (2 if pingpong else 0)) * 8 if ws else 3 * 8
+    warp-specialized kernel's: two a slot, four with ``kv_split``, Q's, the two turns with ``pingpong``, and
+    the query tile's release with ``persist``)."""
+    bars = (2 * stages * (2 if kv_split else 1) + 1 + (2 if pingpong else 0) + int(persist)) * 8 if ws else 3 * 8
     return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars
 
 
 def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = False, stages: int = 2,
-             pingpong: bool = False) -> bool:
+             pingpong: bool = False, persist: bool = False) -> bool:
     """Whether :func:`launch` serves these tensors (see the module docstring); reads no data."""
     if not tma_eligible(q, k, v) or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     da, db = split_dims(q.shape[-1])
     dims = (da, db, v.shape[-1])
     return (64 <= min(dims) and max(dims) <= 256
-            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages, ws, pingpong) <= SMEM_LIMIT)
+            and smem_bytes(q.shape[-1], v.shape[-1], block_n, ws, stages, ws, pingpong, persist) <= SMEM_LIMIT)
 
 
 @gluon.jit
@@ -111,12 +121,14 @@ def _key_row(t, k_start, len_k, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, bars, t, n_tiles, k_start, len_k, col_k, col_v,
-           DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr = 2):
-    """Start the TMA copies of key tile ``t`` (none past ``n_tiles``) into slot ``t % STAGES`` on its barrier: rows
-    ``kr + [0, BLOCK_N)`` with ``kr`` from :func:`_key_row`."""
+           DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr = 2,
+           base=0):
+    """Start the TMA copies of key tile ``t`` (none past ``n_tiles``) into slot ``(base + t) % STAGES`` on its
+    barrier (``base``: the ring's uses before this work item, the persistent kernel's): rows ``kr + [0, BLOCK_N)``
+    with ``kr`` from :func:`_key_row`."""
     live = t < n_tiles
     kr = _key_row(t, k_start, len_k, BLOCK_N)
-    slot = t % STAGES
+    slot = (base + t) % STAGES
     bar = bars.index(slot)
     mbarrier.expect(bar, BLOCK_N * (DA + DB + DV) * 2, pred=live)
     tma.async_copy_global_to_shared(ka_desc, [kr, col_k], bar, ka_s.index(slot), pred=live)
@@ -132,13 +144,35 @@ def _program(cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: g
     head ``h``, query rows ``q_start + m0 + [0, BM)`` (``len_q`` the sequence's; a padding program owns rows up to
     ``T`` and no key, a slot past its sequence's rows no key), key tiles ``[0, n_tiles)`` of ``BLOCK_N``, those
     from ``full_end`` on masked, ``off`` the causal offset (query j sees keys <= j + off)."""
-    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     if HEADS_FIRST:
         h = gl.program_id(0)
         slot_id = n_slots - 1 - gl.program_id(1)  # the longest causal blocks sit last in each sequence
     else:
         h = gl.program_id(1)
         slot_id = n_slots - 1 - gl.program_id(0)
+    return _program_of(h, slot_id, cu_q_ptr, cu_k_ptr, n_seq, T, BM, BLOCK_N, CAUSAL, CHUNK)
+
+
+@gluon.jit
+def _item(w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+          CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr):
+    """:func:`_program`'s tuple for work item ``w`` of the persistent kernel: the program of linear index ``w`` in
+    the non-persistent grid's launch order (its first axis fastest), so items go longest causal blocks first."""
+    if HEADS_FIRST:
+        h = w % H
+        slot_id = n_slots - 1 - w // H
+    else:
+        h = w // n_slots
+        slot_id = n_slots - 1 - w % n_slots
+    return _program_of(h, slot_id, cu_q_ptr, cu_k_ptr, n_seq, T, BM, BLOCK_N, CAUSAL, CHUNK)
+
+
+@gluon.jit
+def _program_of(h, slot_id, cu_q_ptr, cu_k_ptr, n_seq, T, BM: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, CHUNK: gl.constexpr):
+    """:func:`_program`'s tuple for head ``h`` and row-block slot ``slot_id`` (of ``_common.tiles_started``'s
+    enumeration of the sequences' 128-row blocks)."""
+    c_l: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     seq = -1  # the segment owning slot ``slot_id`` (``_common.tiles_started``); n_seq: padding rows
     for c in range(0, n_seq + 1, CHUNK):
         idx = c + gl.arange(0, CHUNK, c_l)
@@ -279,27 +313,29 @@ def prefill_gluon_kernel(
 @gluon.jit
 def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                 DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr):
-    """The producer (the default 4 warps): tile t into slot t % STAGES (``full``) once both consumers released
-    tile t - STAGES from it (``empty``, two arrivals a use). ``KV_SPLIT``: keys and values of a slot on barriers
-    of their own (``full`` / ``empty`` ``[slot]`` the keys', ``[STAGES + slot]`` the values'): tile t's keys are
-    copied once tile t - STAGES's scores are done, before its ``P V`` is."""
+                KV_SPLIT: gl.constexpr, base=0):
+    """The producer (the default 4 warps): tile t into slot r % STAGES (``full``; r = ``base`` + t, ``base`` the
+    ring's uses before this work item) once both consumers released ring use r - STAGES from it (``empty``, two
+    arrivals a use). ``KV_SPLIT``: keys and values of a slot on barriers of their own (``full`` / ``empty``
+    ``[slot]`` the keys', ``[STAGES + slot]`` the values'): tile t's keys are copied once the scores of the slot's
+    use before are done, before its ``P V`` is."""
     for t in range(n_tiles):
+        r = base + t
         if KV_SPLIT:
-            slot = t % STAGES
-            phase = ((t // STAGES) - 1) & 1
+            slot = r % STAGES
+            phase = ((r // STAGES) - 1) & 1
             kr = _key_row(t, k_start, len_k, BLOCK_N)
-            mbarrier.wait(empty.index(slot), phase, pred=t >= STAGES)
+            mbarrier.wait(empty.index(slot), phase, pred=r >= STAGES)
             mbarrier.expect(full.index(slot), BLOCK_N * (DA + DB) * 2)
             tma.async_copy_global_to_shared(ka_desc, [kr, col_k], full.index(slot), ka_s.index(slot))
             tma.async_copy_global_to_shared(kb_desc, [kr, col_k + DA], full.index(slot), kb_s.index(slot))
-            mbarrier.wait(empty.index(STAGES + slot), phase, pred=t >= STAGES)
+            mbarrier.wait(empty.index(STAGES + slot), phase, pred=r >= STAGES)
             mbarrier.expect(full.index(STAGES + slot), BLOCK_N * DV * 2)
             tma.async_copy_global_to_shared(v_desc, [kr, col_v], full.index(STAGES + slot), v_s.index(slot))
         else:
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) - 1) & 1, pred=t >= STAGES)
+            mbarrier.wait(empty.index(r % STAGES), ((r // STAGES) - 1) & 1, pred=r >= STAGES)
             _issue(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, t, n_tiles, k_start, len_k, col_k, col_v,
-                   DA, DB, DV, BLOCK_N, STAGES)
+                   DA, DB, DV, BLOCK_N, STAGES, base)
 
 
 @gluon.jit
@@ -336,13 +372,16 @@ def _turn_pass(turn, C: gl.constexpr):
 def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn, scale_log2, q_start, len_q,
                 len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
                 DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr):
+                KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
+                base=0, qphase=0, qempty=None):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
     k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
     ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it;
     ``PIPE``: :func:`_ws_pipelined_tiles`). Causal tiles past this warpgroup's last visible key are released
     without work. ``PINGPONG``: the dots issued in turns with the other consumer (``turn``, the module
-    docstring). Stores its rows at the end."""
+    docstring). Stores its rows at the end. The persistent kernel's work items: ``base`` the ring's uses before
+    this item, ``qphase`` the query tile's (``qbar``) phase, and ``qempty`` (not None) signalled once this
+    consumer's dots are done, before its stores, so the producer may load the next item's query rows."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -358,17 +397,17 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([64], gl.float32, row_s)
     o = gl.zeros([64, DV], gl.float32, o_l)
-    mbarrier.wait(qbar, 0)
+    mbarrier.wait(qbar, qphase)
     qa = qa_s.index(C)
     qb = qb_s.index(C)
     if PIPE:
         o, m_i, l_i = _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, turn, zero_s, o, m_i, l_i, scale_log2,
                                           n_mine, other_turns, full_end, len_k, lim, n_tiles, C, BLOCK_N, CAUSAL,
-                                          STAGES, KV_SPLIT, PINGPONG, p_a, row_o, col_s, dt, FOLD)
+                                          STAGES, KV_SPLIT, PINGPONG, p_a, row_o, col_s, dt, FOLD, base)
     else:
         for j in range(n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
+            slot = (base + j) % STAGES
+            phase = ((base + j) // STAGES) & 1
             n0 = j * BLOCK_N
             mbarrier.wait(full.index(slot), phase)
             if j < n_mine:
@@ -403,6 +442,9 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
                 mbarrier.arrive(empty.index(STAGES + slot), count=1)
             else:
                 mbarrier.arrive(empty.index(slot), count=1)
+    if qempty is not None:
+        gl.thread_barrier()  # (this consumer's warps) every dot reading the query rows done
+        mbarrier.arrive(qempty, count=1)
     _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
 
 
@@ -411,36 +453,38 @@ def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, turn, zero_s, o, m
                         other_turns, full_end, len_k, lim, n_tiles, C: gl.constexpr, BLOCK_N: gl.constexpr,
                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                         p_a: gl.constexpr, row_o: gl.constexpr, col_s: gl.constexpr, dt: gl.constexpr,
-                        FOLD: gl.constexpr):
+                        FOLD: gl.constexpr, base=0):
     """The tiles of :func:`_ws_consume` software-pipelined inside the warpgroup (``PIPE``; FA3's intra-warpgroup
     overlap): tile j's ``S`` dots and tile j - 1's ``P V`` are in flight together, tile j's softmax runs while
     ``P V`` does, and ``O`` takes tile j's rescale once ``P V`` is done (it then holds tile j - 1's sum at tile j's
     maximum). Tile j - 1's values (its whole slot without ``KV_SPLIT``) are released after its ``P V``; with
     ``KV_SPLIT`` tile j's keys right after its ``S``. The ``n_mine`` tiles this warpgroup sees are a prefix of the
     producer's; the rest are released without work. ``PINGPONG``: step j (j >= 1) is turn j - 1, its two dots
-    issued between :func:`_turn_wait` and :func:`_turn_pass`. Returns ``(o, m_i, l_i)``."""
+    issued between :func:`_turn_wait` and :func:`_turn_pass`. ``base``: the ring's uses before this work item
+    (tile j is ring use ``base + j``). Returns ``(o, m_i, l_i)``."""
     VB: gl.constexpr = STAGES if KV_SPLIT else 0  # the values' barriers: [VB + slot]
     if n_mine > 0:
-        mbarrier.wait(full.index(0), 0)
-        qk = warpgroup_mma(qa, ka_s.index(0).permute([1, 0]), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma(qb, kb_s.index(0).permute([1, 0]), qk, is_async=True)
+        first = base % STAGES
+        mbarrier.wait(full.index(first), (base // STAGES) & 1)
+        qk = warpgroup_mma(qa, ka_s.index(first).permute([1, 0]), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma(qb, kb_s.index(first).permute([1, 0]), qk, is_async=True)
         s = warpgroup_mma_wait(0, deps=[qk])
         if KV_SPLIT:
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(0), count=1)
+            mbarrier.arrive(empty.index(first), count=1)
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, full_end, len_k, lim, scale_log2, BLOCK_N, CAUSAL, col_s,
                                            FOLD)
         p_op = gl.convert_layout(p.to(dt), p_a)
         for j in range(1, n_mine):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+            slot = (base + j) % STAGES
+            prev = (base + j - 1) % STAGES
+            mbarrier.wait(full.index(slot), ((base + j) // STAGES) & 1)
             if PINGPONG:
                 _turn_wait(turn, C, j - 1, other_turns)
             qk = warpgroup_mma(qa, ka_s.index(slot).permute([1, 0]), zero_s, use_acc=False, is_async=True)
             qk = warpgroup_mma(qb, kb_s.index(slot).permute([1, 0]), qk, is_async=True)
             if KV_SPLIT:
-                mbarrier.wait(full.index(VB + prev), ((j - 1) // STAGES) & 1)
+                mbarrier.wait(full.index(VB + prev), ((base + j - 1) // STAGES) & 1)
             pv = warpgroup_mma(p_op, v_s.index(prev), o, is_async=True)
             if PINGPONG:
                 _turn_pass(turn, C)
@@ -455,21 +499,73 @@ def _ws_pipelined_tiles(qa, qb, ka_s, kb_s, v_s, full, empty, turn, zero_s, o, m
             mbarrier.arrive(empty.index(VB + prev), count=1)
             o = o * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dt), p_a)
-        last = (n_mine - 1) % STAGES
+        last = (base + n_mine - 1) % STAGES
         if KV_SPLIT:
-            mbarrier.wait(full.index(VB + last), ((n_mine - 1) // STAGES) & 1)
+            mbarrier.wait(full.index(VB + last), ((base + n_mine - 1) // STAGES) & 1)
         pv = warpgroup_mma(p_op, v_s.index(last), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=[pv])
         gl.thread_barrier()
         mbarrier.arrive(empty.index(VB + last), count=1)
     for j in range(gl.maximum(n_mine, 0), n_tiles):
-        slot = j % STAGES
-        mbarrier.wait(full.index(slot), (j // STAGES) & 1)
+        slot = (base + j) % STAGES
+        mbarrier.wait(full.index(slot), ((base + j) // STAGES) & 1)
         mbarrier.arrive(empty.index(slot), count=1)
         if KV_SPLIT:
-            mbarrier.wait(full.index(VB + slot), (j // STAGES) & 1)
+            mbarrier.wait(full.index(VB + slot), ((base + j) // STAGES) & 1)
             mbarrier.arrive(empty.index(VB + slot), count=1)
     return o, m_i, l_i
+
+
+@gluon.jit
+def _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA: gl.constexpr, DB: gl.constexpr):
+    """Start the copies of the 128 query rows from ``q_start + m0`` (head ``h``'s columns) into the two consumers'
+    halves ``qa_s`` / ``qb_s [2, 64, .]`` on ``qbar``."""
+    q_row = q_start + m0
+    mbarrier.expect(qbar, 128 * (DA + DB) * 2)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(qa_desc, [q_row + 64 * c, h * stride_qh], qbar, qa_s.index(c))
+        tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar, qb_s.index(c))
+
+
+@gluon.jit
+def _ws_produce_items(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
+                      qempty, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
+                      DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr, STAGES: gl.constexpr,
+                      KV_SPLIT: gl.constexpr):
+    """The persistent kernel's producer: for each of this program's work items (``_item``: items ``pid``,
+    ``pid + programs``, ...), the item's query rows once both consumers released the last item's (``qempty``,
+    two arrivals), then its key tiles (:func:`_ws_produce`), the ring's uses counted on across items."""
+    base = 0
+    k = 0
+    for w in range(gl.program_id(0), H * n_slots, gl.num_programs(0)):
+        h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
+            w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
+        mbarrier.wait(qempty, (k - 1) & 1, pred=k > 0)
+        _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA, DB)
+        _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, h * stride_kh,
+                    h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base)
+        base += n_tiles
+        k += 1
+
+
+@gluon.jit
+def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qempty, scale_log2, cu_q_ptr,
+                      cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr, STAGES: gl.constexpr,
+                      KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
+    """The persistent kernel's consumer ``C``: :func:`_ws_consume` for each of the program's work items (the
+    producer's order), its query tile at the item's phase of ``qbar``, released on ``qempty`` before the stores."""
+    base = 0
+    k = 0
+    for w in range(gl.program_id(0), H * n_slots, gl.num_programs(0)):
+        h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
+            w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
+        _ws_consume(C, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qbar, scale_log2, q_start, len_q, len_k, m0,
+                    off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE, FOLD,
+                    False, base, k & 1, qempty)
+        base += n_tiles
+        k += 1
 
 
 @gluon.jit
@@ -479,20 +575,24 @@ def prefill_gluon_ws_kernel(
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
     PIPE: gl.constexpr = False, FOLD: gl.constexpr = True, PINGPONG: gl.constexpr = False,
+    PERSIST: gl.constexpr = False,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
     the 128 query rows (q boxes ``[64, DA]`` / ``[64, DB]``), independent of each other but for releasing
     slots (and, with ``PINGPONG``, taking turns to issue their dots; ``STAGES >= 2``), so one's softmax can run
-    while the other's dots do."""
+    while the other's dots do. ``PERSIST`` (not with ``PINGPONG``): a grid of at most one program an SM, each
+    looping over the work items of the non-persistent grid (``_item``) with the ring's and the query tile's
+    barriers running on, so an item's first copies start while the one before it finishes and stores."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     sm: gl.constexpr = SMEM_C
     dt: gl.constexpr = o_ptr.dtype.element_ty
-    h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
-        cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
-    col_k = h * stride_kh
-    col_v = h * stride_vh
+    if not PERSIST:
+        h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _program(
+            cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, BM, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
+        col_k = h * stride_kh
+        col_v = h * stride_vh
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
 
     qa_s = gl.allocate_shared_memory(dt, [2, 64, DA], sm)
@@ -515,16 +615,41 @@ def prefill_gluon_ws_kernel(
             mbarrier.init(turn.index(i), count=1)
     else:
         turn = qbar  # not read
+    if PERSIST:
+        gl.static_assert(not PINGPONG)  # its turns count from 0 in each item
+        qempty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qempty.index(0), count=2)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
     if PINGPONG:
         mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
+    if PERSIST:
+        gl.warp_specialize([
+            (_ws_produce_items, (qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
+                                 qbar.index(0), qempty.index(0), cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh,
+                                 stride_kh, stride_vh, DA, DB, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES,
+                                 KV_SPLIT)),
+            (_ws_consume_items, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0),
+                                 scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV, BLOCK_N,
+                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+            (_ws_consume_items, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0),
+                                 scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV, BLOCK_N,
+                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+        ], [4, 4], [240, 240])
+    else:
+        _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn,
+                     scale_log2, q_start, len_q, k_start, len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
+                     col_k, col_v, stride_qh, DA, DB, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE, FOLD, PINGPONG)
 
-    q_row = q_start + m0
-    mbarrier.expect(qbar.index(0), BM * (DA + DB) * 2)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(qa_desc, [q_row + 64 * c, h * stride_qh], qbar.index(0), qa_s.index(c))
-        tma.async_copy_global_to_shared(qb_desc, [q_row + 64 * c, h * stride_qh + DA], qbar.index(0), qb_s.index(c))
+
+@gluon.jit
+def _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn,
+                 scale_log2, q_start, len_q, k_start, len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, col_k,
+                 col_v, stride_qh, DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr,
+                 FOLD: gl.constexpr, PINGPONG: gl.constexpr):
+    """The non-persistent kernel's program: its query rows, then the producer and the two consumers."""
+    _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar.index(0), q_start, m0, h, stride_qh, DA, DB)
     gl.warp_specialize([
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                        DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
@@ -544,9 +669,11 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     ``KV_SPLIT`` (warp-specialized: keys and values on barriers of their own, default True), ``PIPE``
     (warp-specialized: the consumers software-pipelined, :func:`_ws_pipelined_tiles`, default True),
     ``PINGPONG`` (warp-specialized: the consumers issue their dots in turns, the module docstring; needs
-    ``STAGES >= 2``; default False), ``HEADS_FIRST`` (True: grid ``(H, n_slots)``; False: ``(n_slots, H)``; default
-    :func:`heads_first`), ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, :func:`_softmax_tile`;
-    default True, taken only for a positive ``scale``)."""
+    ``STAGES >= 2``; default False), ``PERSIST`` (warp-specialized, not with ``PINGPONG``: at most one program an
+    SM, each looping over the work items, ``prefill_gluon_ws_kernel``; default False), ``HEADS_FIRST`` (True: grid
+    ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`; with ``PERSIST`` the work items' order),
+    ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, :func:`_softmax_tile`; default True, taken
+    only for a positive ``scale``)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
@@ -557,6 +684,10 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     if pingpong and not (ws and stages >= 2):
         raise ValueError(f"mla.prefill (gluon): PINGPONG needs WS=True and STAGES >= 2, got WS={ws}, "
                          f"STAGES={stages}; drop PINGPONG or set both")
+    persist = bool(cfg.get("PERSIST", False))
+    if persist and (pingpong or not ws):
+        raise ValueError(f"mla.prefill (gluon): PERSIST needs WS=True and no PINGPONG, got WS={ws}, "
+                         f"PINGPONG={pingpong}")
     fold = bool(cfg.get("FOLD_SCALE", True)) and scale > 0
     T, H, dqk = q.shape
     dv = v.shape[-1]
@@ -580,10 +711,12 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
             q.stride(1), k.stride(1), v.stride(1))
     grid = (H, n_slots) if first else (n_slots, H)
+    if persist:  # the same work items, each program taking every programs-th
+        grid = (min(H * n_slots, num_sms(q.device)),)
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
-                                      FOLD=fold, PINGPONG=pingpong, num_warps=WS_WARPS)
+                                      FOLD=fold, PINGPONG=pingpong, PERSIST=persist, num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                    CHUNK=256, HEADS_FIRST=first, FOLD=fold, num_warps=NUM_WARPS)

@@ -12,7 +12,7 @@ import torch
 
 import mla_compile  # noqa: F401
 from _triton_test_util import (assert_attention_close, cu_from_lens, gluon_sm90, poison_allocator, prefill_ref64,
-                               sm90_compile)
+                               record_gluon_launches, sm90_compile)
 
 SCALE = 1 / math.sqrt(192)
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -29,7 +29,11 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "ws_pingpong_kv_split_only": dict(WS=True, PIPE=False, PINGPONG=True),
            "ws_pingpong_pipe_only": dict(WS=True, KV_SPLIT=False, PINGPONG=True),
            "ws_pingpong_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3, PINGPONG=True),
-           "ws_pingpong_unpiped_n64": dict(_UNPIPED, BLOCK_N=64, PINGPONG=True)}
+           "ws_pingpong_unpiped_n64": dict(_UNPIPED, BLOCK_N=64, PINGPONG=True),
+           "ws_persist": dict(WS=True, PERSIST=True), "ws_persist_unpiped": dict(_UNPIPED, PERSIST=True),
+           "ws_persist_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3, PERSIST=True),
+           "ws_persist_heads_last": dict(WS=True, HEADS_FIRST=False, PERSIST=True)}
+PERSIST = [c for c in CONFIGS if "persist" in c]
 PINGPONG = [c for c in CONFIGS if "pingpong" in c]
 # Sequences whose two consumer warpgroups (64 query rows each of a 128-row block) see different tile counts at
 # BLOCK_N 64 / 128: 100 and 65 (causal: 1 tile for rows 0-63, 2 for rows 64-99 at 64-key tiles), 64 and 1
@@ -144,7 +148,7 @@ def test_cuda_gluon_prefill_backends(backend):
 @pytest.mark.cuda
 @pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("cfg", PINGPONG + ["ws_n128_s2", "ws_n64_s2", "ws_unpiped"])
+@pytest.mark.parametrize("cfg", PINGPONG + PERSIST + ["ws_n128_s2", "ws_n64_s2", "ws_unpiped"])
 def test_cuda_gluon_prefill_uneven_consumers(causal, cfg):
     """The warp-specialized kernel where its two consumers see different numbers of key tiles (or none): with
     ``PINGPONG`` each takes its own count of turns, and neither waits for a hand-over the other never makes (a
@@ -175,6 +179,52 @@ def test_launch_refuses_pingpong_without_two_slots():
             g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config=cfg)
 
 
+def test_launch_refuses_persist_without_ws_or_with_pingpong():
+    """``PERSIST`` needs the warp-specialized kernel and no ``PINGPONG`` (whose turns count from 0 in each work
+    item): an error before any launch."""
+    from mla_compile.ops.triton import prefill_gluon as g
+
+    q = torch.randn(4, 2, 192, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for cfg in (dict(PERSIST=True), dict(WS=True, PINGPONG=True, PERSIST=True)):
+        with pytest.raises(ValueError, match="PERSIST needs WS=True and no PINGPONG"):
+            g.launch(q, q, q[..., :128], cu, cu, SCALE, True, config=cfg)
+
+
+@sm90_compile
+@pytest.mark.parametrize("H,sms", [(16, 132), (1, 132)])
+def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
+    """``launch(..., {"WS": True, "PERSIST": True})`` on CPU tensors (recorded, not run): one axis of
+    ``min(H * n_slots, SMs)`` programs (fewer work items than SMs: one program an item), ``PERSIST`` on, every
+    argument bound; the call compiles for sm_90 with 12 warps within 227 KB."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mla_compile.ops.triton import prefill_gluon as g
+    from mla_compile.ops.triton._sm90 import signature
+
+    launches = record_gluon_launches(monkeypatch, g, "prefill_gluon_ws_kernel")
+    monkeypatch.setattr(g, "num_sms", lambda device: sms)
+    lens = [300, 0, 129]
+    T = sum(lens)
+    q, k = torch.randn(T, H, 192, dtype=torch.bfloat16), torch.randn(T, H, 192, dtype=torch.bfloat16)
+    v = torch.randn(T, H, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 300, 300, T], dtype=torch.int32)
+    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True})
+    kernel, grid, args, kwargs = launches[0]
+    n_slots = -(-T // g.BLOCK_M) + 3
+    assert grid == (min(H * n_slots, sms),) and kwargs["PERSIST"] is True and kwargs["PINGPONG"] is False
+    plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
+    sig, consts, attrs = signature(kernel, plain, kwargs)
+    for name, d in zip(("qa_desc", "qb_desc", "ka_desc", "kb_desc", "v_desc"), args[:5]):
+        sig[name] = f"tensordesc<bf16[{', '.join(str(n) for n in d.block_shape)}],{d.layout!r}>"
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
+    assert compiled.metadata.num_warps == 12 and compiled.metadata.shared <= 227 * 1024
+
+
 def _compile_sm90(kernel, consts, q_rows, warps):
     from mla_compile.ops.triton import prefill_gluon as g
 
@@ -201,17 +251,17 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
 
     c = CONFIGS[cfg]
     ws, bn, stages = c.get("WS", False), c.get("BLOCK_N", 128 if c.get("WS") else 64), c.get("STAGES", 2)
-    kv, pingpong = c.get("KV_SPLIT", ws), c.get("PINGPONG", False)
+    kv, pingpong, persist = c.get("KV_SPLIT", ws), c.get("PINGPONG", False), c.get("PERSIST", False)
     consts = dict(DA=128, DB=64, DV=128, BLOCK_N=bn, CAUSAL=True, CHUNK=128 if ws else 256,
                   HEADS_FIRST=c.get("HEADS_FIRST", True), FOLD=c.get("FOLD_SCALE", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
-                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong), 64, g.WS_WARPS)
+                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong, PERSIST=persist), 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
     shared = compiled.metadata.shared
-    formula = g.smem_bytes(192, 128, bn, ws, stages, kv, pingpong)
+    formula = g.smem_bytes(192, 128, bn, ws, stages, kv, pingpong, persist)
     assert formula <= shared < formula + 1024 and shared <= 227 * 1024, (shared, formula)
     res = resources(compiled)
     assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0, res
