@@ -332,11 +332,13 @@ GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=T
                dict(WS=True, PERSIST=True, HEADS_FIRST=False), dict(WS=True, PERSIST=True, HEADS_FIRST=True)]
 
 
-def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):
+def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True, gluon_sweep=None):
     """Causal prefill of ``NS`` sequences of ``LQ`` tokens at ``H`` heads: ours (and the ``sweep`` configs), the
-    TMA kernel in each ``tma_sweep`` config and, on sm_90 with ``gluon``, the Gluon kernels in ``GLUON_SWEEP``
-    (each with its largest difference from ours), then the peers (SDPA, FlashInfer; through our op unless
-    sweeping)."""
+    TMA kernel in each ``tma_sweep`` config and, on sm_90 with ``gluon``, the Gluon kernels in ``gluon_sweep``
+    (default ``GLUON_SWEEP`` where ``tma_sweep`` is given, none otherwise; each with its largest difference from
+    ours), then the peers (SDPA, FlashInfer; through our op unless sweeping)."""
+    if gluon_sweep is None:
+        gluon_sweep = GLUON_SWEEP if tma_sweep else ()
     group = f"prefill causal {NS}x{LQ} H={H} qk192/v128"
     print(group, flush=True)
     T = NS * LQ
@@ -351,7 +353,7 @@ def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):
     for c in sweep:
         attempt(group, cfg_name(c), direct(lambda c=c: tprefill._launch(q, k, v, cu, cu, SCALE, True, config=c)),
                 flops, nbytes)
-    if tma_sweep:
+    if tma_sweep or gluon_sweep:
         from mla_compile.ops.triton import prefill_tma
 
         want = prefill(q, k, v, cu, cu, SCALE, causal=True, backend="triton")[0].float()
@@ -361,7 +363,7 @@ def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True):
             from mla_compile.ops.triton import prefill_gluon
 
             cands += [("gluon " + " ".join(f"{a}={b}" for a, b in c.items()),
-                       lambda c=c: prefill_gluon.launch(q, k, v, cu, cu, SCALE, True, config=c)) for c in GLUON_SWEEP]
+                       lambda c=c: prefill_gluon.launch(q, k, v, cu, cu, SCALE, True, config=c)) for c in gluon_sweep]
         for name, fn in cands:
             try:
                 got = fn()[0].float()
@@ -630,6 +632,9 @@ def main():
                     help="only causal prefill (8 x 4096 and 2 x 1024 tokens, 128 and 16 heads): our pointer, TMA and "
                          "(sm_90) Gluon kernels in each candidate configuration against FlashInfer and cuDNN SDPA")
     ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
+    ap.add_argument("--prefill-persist", action="store_true",
+                    help="only causal prefill (8 x 4096 at 128 and 16 heads, 2 x 1024 at 128): the warp-specialized "
+                         "Gluon kernel per program and persistent (PERSIST, both item orders) against FlashInfer")
     ap.add_argument("--swap-sweep", action="store_true",
                     help="only decode at 128 heads and few sequences (B = 2 / 4 / 8 / 16, L = 4096; B = 1, L = 8192): the "
                          "Gluon kernel's 16-row (SWAP) and 64-row programs against the peers")
@@ -658,6 +663,10 @@ def main():
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, psweep, args.budget_s, tsweep,
                                                                           not args.no_gluon)
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
+    elif args.prefill_persist:
+        persist = [dict(WS=True), dict(WS=True, PERSIST=True, HEADS_FIRST=False), dict(WS=True, PERSIST=True)]
+        sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, [], args.budget_s, gluon_sweep=persist)
+                    for ns, lq, h in ((8, 4096, 128), (8, 4096, 16), (2, 1024, 128))]
     elif args.skinny:
         sections = [skinny_cases]
     elif args.few_tokens:

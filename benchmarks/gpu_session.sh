@@ -3,6 +3,10 @@
 #   step     bench_decode_step two ways (default backends with the HF rows and the goals; Triton decode)
 #   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
+#   decode   bench_kernels --decode --quick (the decode sections alone: H=128 B=128 with the Gluon variants, the
+#            alternating SEESAW kernel and its FOLD_FIRST among them; H=16 B=128 L=8192; H=128 B=1)
+#   prefill  bench_kernels --prefill-persist (causal prefill: the warp-specialized Gluon kernel per program and
+#            PERSIST, against FlashInfer)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
 #   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto"
@@ -20,13 +24,15 @@
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
-# TEST_PATHS: the CUDA tests to run first (default: all of them; "none": no CUDA tests). -v: one line per finished
-# test, so a run cut by its timeout still names its failures (grep FAILED pytest.log)
+# TEST_PATHS: the CUDA tests to run first (default: all of them; "none": no CUDA tests); TEST_K: their -k
+# expression (spaces allowed, e.g. "seesaw or persist"). -v: one line per finished test, so a run cut by its
+# timeout still names its failures (grep FAILED pytest.log)
 read -r -a tests <<< "${TEST_PATHS:-tests}"
+[[ -n ${TEST_K:-} ]] && tests+=(-k "$TEST_K")
 if [[ ${TEST_PATHS:-tests} == none ]]; then
     echo "no CUDA tests (TEST_PATHS=none)" > "$O/pytest.log"
 else
@@ -52,6 +58,10 @@ fi
 [[ $PHASES == *,lowered,* ]] && timeout 130 python3 benchmarks/bench_lowered_step.py --out "$O/low" --iters 30 > "$O/low.log" 2>&1
 [[ $PHASES == *,kernels,* ]] && timeout 180 python3 benchmarks/bench_kernels.py --out "$O/ker" --quick --budget-s 150 \
     > "$O/ker.log" 2>&1
+[[ $PHASES == *,decode,* ]] && timeout 200 python3 benchmarks/bench_kernels.py --out "$O/dec" --decode --quick \
+    --budget-s 170 > "$O/dec.log" 2>&1
+[[ $PHASES == *,prefill,* ]] && timeout 200 python3 benchmarks/bench_kernels.py --out "$O/pre" --prefill-persist \
+    --budget-s 170 > "$O/pre.log" 2>&1
 [[ $PHASES == *,fp8,* ]] && timeout 90 python3 benchmarks/bench_fp8_sparse.py --out "$O/fp8" --quick > "$O/fp8.log" 2>&1
 [[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
 if [[ $PHASES == *,backends,* ]]; then
@@ -79,6 +89,8 @@ if [[ $PHASES == *,step,* ]]; then
 fi
 [[ $PHASES == *,lowered,* ]] && tail -n 6 "$O/low/bench_lowered_step.txt"
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
+[[ $PHASES == *,decode,* ]] && grep -E "^decode|ours\)|FlashMLA |FlashInfer " "$O/dec/bench_kernels.txt"
+[[ $PHASES == *,prefill,* ]] && grep -E "^prefill|ours\)|gluon|FlashInfer " "$O/pre/bench_kernels.txt"
 [[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
 [[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"
 [[ $PHASES == *,backends,* ]] && grep -E "^  auto|auto within|^  flashmla|^  flashinfer|adapters within" "$O/bk.log"
