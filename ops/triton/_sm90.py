@@ -18,11 +18,9 @@ OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 COUNTED = ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "LDG")
 
 
-def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwargs) -> list[tuple]:
-    """Run ``fn(*args, **kwargs)`` with ``module.wrap_triton`` replaced by a recorder (and ``module.num_sms``
-    returning ``sms`` when given, e.g. an H200's 132; with ``pdl``, ``module.launch_kwargs`` giving the launch an
-    sm_90 device gets: PDL on); returns ``(kernel, grid, args, kwargs)`` per launch."""
-    launches: list[tuple] = []
+def recorder(launches: list) -> type:
+    """A stand-in for ``wrap_triton`` / a kernel object: ``recorder(launches)(kernel)[grid](*args, **kwargs)``
+    appends ``(kernel, grid, args, kwargs)`` to ``launches`` instead of launching."""
 
     class Recorder:
         def __init__(self, kernel):
@@ -31,6 +29,15 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
         def __getitem__(self, grid):
             return lambda *a, **k: launches.append((self.kernel, grid, a, k))
 
+    return Recorder
+
+
+def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwargs) -> list[tuple]:
+    """Run ``fn(*args, **kwargs)`` with ``module.wrap_triton`` replaced by a :func:`recorder` (and ``module.num_sms``
+    returning ``sms`` when given, e.g. an H200's 132; with ``pdl``, ``module.launch_kwargs`` giving the launch an
+    sm_90 device gets: PDL on); returns ``(kernel, grid, args, kwargs)`` per launch."""
+    launches: list[tuple] = []
+    Recorder = recorder(launches)
     saved = module.wrap_triton, getattr(module, "num_sms", None), getattr(module, "launch_kwargs", None)
     module.wrap_triton = Recorder
     if sms is not None:

@@ -43,15 +43,10 @@ def record_gluon_launches(monkeypatch, module, kernel_name: str) -> list[tuple]:
     """Record instead of run: ``module``'s Gluon kernel ``kernel_name`` (called as ``kernel[grid](...)``) and its
     ``wrap_triton`` launches (the split reduce) append ``(kernel, grid, args, kwargs)`` to the returned list, so a
     CPU test can check a launch's arguments and compile it for sm_90 (``_sm90.signature``)."""
+    from mla_compile.ops.triton._sm90 import recorder
+
     launches: list[tuple] = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **k: launches.append((self.kernel, grid, a, k))
-
+    Recorder = recorder(launches)
     monkeypatch.setattr(module, kernel_name, Recorder(getattr(module, kernel_name)))
     if hasattr(module, "wrap_triton"):
         monkeypatch.setattr(module, "wrap_triton", Recorder)
