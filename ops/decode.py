@@ -146,6 +146,12 @@ def _gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor
     return torch.ops.mla.decode_gluon_ws(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
+def _gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                  scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_seesaw)
+    return torch.ops.mla.decode_gluon_seesaw(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
 # Gluon sm_90 kernels (ops/triton/decode_gluon.py): ranked after "triton", so without timings "auto" keeps
 # the Triton kernel; the measured timings (ops/backend_timings) decide.
 _GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16,), cache_dtypes=(torch.bfloat16,), block_multiple=64,
@@ -158,3 +164,7 @@ declare(OP, "gluon", _gluon, rank=60, **_GLUON,
 declare(OP, "gluon-ws", _gluon_ws, rank=61, **_GLUON,
         kernels=("decode_gluon_ws=gluon-ws (opaque kernel)", "decode_gluon_ws_kernel"),
         note="as 'gluon', warp-specialized (a TMA producer, two consumer warpgroups alternating tiles)")
+declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **dict(_GLUON, gpu_tested=False),
+        kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
+        note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
+             "dots); not yet run on a GPU")

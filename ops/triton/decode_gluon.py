@@ -293,10 +293,10 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
 
 
 def _run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
-         ws: bool) -> tuple[Tensor, Tensor]:
+         config: dict) -> tuple[Tensor, Tensor]:
     validate(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     if eligible(q, kv_cache, kv_lora_rank):
-        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config={"WS": ws})
+        return launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config=config)
     return torch.ops.mla.decode_triton(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
@@ -306,14 +306,22 @@ def decode_gluon(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     """Gluon ``mla::decode`` (same contract as ``mla::decode_ref``; an opaque call to Inductor): :func:`launch`
     (``decode_gluon_kernel``) where :func:`eligible`, else ``mla::decode_triton`` (a strided cache, a cache
     base off 16 bytes, another GPU or dtype; the reference off CUDA)."""
-    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, False)
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"WS": False})
 
 
 @torch.library.custom_op("mla::decode_gluon_ws", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_gluon_ws(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                     kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     """``mla::decode_gluon`` with the warp-specialized kernel (``decode_gluon_ws_kernel``)."""
-    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, True)
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"WS": True})
+
+
+@torch.library.custom_op("mla::decode_gluon_seesaw", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                        kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_gluon`` with the alternating kernel (``decode_gluon_seesaw_kernel``, 64 query rows a program
+    at every size)."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"SEESAW": True})
 
 
 def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
@@ -322,3 +330,4 @@ def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
 
 decode_gluon.register_fake(_fake)
 decode_gluon_ws.register_fake(_fake)
+decode_gluon_seesaw.register_fake(_fake)
