@@ -7,9 +7,11 @@ function, so importing ``mla_compile`` never imports Triton. One exception to th
 ``fp8_decode_gluon``, ``fp8_decode_tma`` and ``fp8_decode_wgmma`` (sm_90) are Gluon kernels (Triton's
 lower-level dialect, which Inductor cannot re-emit) behind a plain ``torch.library.custom_op``,
 ``mla::decode_fp8_gluon`` (backend "gluon" of ``decode_fp8``); likewise ``fp8_decode_gluon64``
-(``mla::decode_fp8_gluon64``, backend "gluon64" of ``decode_fp8``) and the sm_90 bf16 decodes ``decode_gluon``,
-``decode_gluon_swap`` and ``decode_gluon_ws`` (``mla::decode_gluon`` / ``mla::decode_gluon_ws``, backends "gluon" /
-"gluon-ws" of ``decode``). ``skinny_linear``, ``skinny_absorb`` and ``moe_gate_route`` sit behind plain custom ops
+(``mla::decode_fp8_gluon64``, backend "gluon64" of ``decode_fp8``), the sm_90 bf16 decodes ``decode_gluon``,
+``decode_gluon_swap``, ``decode_gluon_ws`` and ``decode_gluon_seesaw`` (``mla::decode_gluon`` /
+``mla::decode_gluon_ws`` / ``mla::decode_gluon_seesaw``, backends "gluon" / "gluon-ws" / "gluon-seesaw" of
+``decode``) and the sm_90 prefills ``prefill_gluon`` / ``prefill_gluon_ws`` (backends "gluon" / "gluon-ws" of
+``prefill``). ``skinny_linear``, ``skinny_absorb`` and ``moe_gate_route`` sit behind plain custom ops
 too: their kernels serve a few rows, and the op chooses between the kernel and torch by the row count at run time
 (inside a ``triton_op`` that branch would be traced, and a dynamic-shape graph would guard on the row count).
 """
