@@ -328,8 +328,8 @@ GLUON_SWEEP = [dict(BLOCK_N=128, HEADS_FIRST=False), dict(WS=True, HEADS_FIRST=T
                dict(WS=True, HEADS_FIRST=False, PINGPONG=True),
                dict(WS=True, PIPE=False, HEADS_FIRST=False, PINGPONG=True),
                dict(WS=True, BLOCK_N=64, STAGES=3, HEADS_FIRST=False, PINGPONG=True),
-               # persistent programs (one an SM looping over the work items), in both item orders
-               dict(WS=True, PERSIST=True, HEADS_FIRST=False), dict(WS=True, PERSIST=True, HEADS_FIRST=True)]
+               # persistent programs (one an SM looping over the work items, heads-fastest)
+               dict(WS=True, PERSIST=True)]
 
 
 def prefill_case(NS, LQ, H, sweep, budget_s, tma_sweep=(), gluon=True, gluon_sweep=None):
@@ -634,7 +634,8 @@ def main():
     ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
     ap.add_argument("--prefill-persist", action="store_true",
                     help="only causal prefill (8 x 4096 at 128 and 16 heads, 2 x 1024 at 128): the warp-specialized "
-                         "Gluon kernel per program and persistent (PERSIST, both item orders) against FlashInfer")
+                         "Gluon kernel per program and persistent (PERSIST, 128-key tiles in 2 slots and 64 in 3) "
+                         "against FlashInfer")
     ap.add_argument("--swap-sweep", action="store_true",
                     help="only decode at 128 heads and few sequences (B = 2 / 4 / 8 / 16, L = 4096; B = 1, L = 8192): the "
                          "Gluon kernel's 16-row (SWAP) and 64-row programs against the peers")
@@ -664,7 +665,7 @@ def main():
                                                                           not args.no_gluon)
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
     elif args.prefill_persist:
-        persist = [dict(WS=True), dict(WS=True, PERSIST=True, HEADS_FIRST=False), dict(WS=True, PERSIST=True)]
+        persist = [dict(WS=True), dict(WS=True, PERSIST=True), dict(WS=True, PERSIST=True, STAGES=3, BLOCK_N=64)]
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, [], args.budget_s, gluon_sweep=persist)
                     for ns, lq, h in ((8, 4096, 128), (8, 4096, 16), (2, 1024, 128))]
     elif args.skinny:

@@ -44,8 +44,12 @@ barrier two phases on). Turns follow the tile order: with two or more slots, eve
 released by the other consumer before its last hand-over, so no turn waits on the other's next turn.
 
 ``PERSIST`` (off by default, not with ``PINGPONG``; FA3's persistent scheduling) launches at most one program an
-SM; each takes the non-persistent grid's work items (a head and a 128-row block) ``pid``, ``pid + programs``,
-... in its launch order, longest causal blocks first. The producer loads an item's query rows once both
+SM; each takes the non-persistent grid's work items (a head and a 128-row block, in that grid's launch order:
+longest causal blocks first within a sequence) one at a time from a counter of the launch (an atomic add by the
+producer, which hands the item to its consumers through shared memory), as the hardware hands the non-persistent
+grid's programs to free SMs. (A static round-robin would not balance: with query blocks fastest at 8 x 4096
+tokens, 264 slots for 132 programs, each program would run two fixed block positions of every head, the busiest
+about twice the mean.) The producer loads an item's query rows once both
 consumers released the last item's (``qempty``: each consumer arrives once its dots are done, before its
 stores), then streams its key tiles into the same ring, whose uses count on across items; so an item's first
 copies overlap the last item's final tiles and stores, which a program an item leaves exposed. Not yet run on a
@@ -98,10 +102,11 @@ def heads_first(programs: int, sms: int) -> bool:
 def smem_bytes(dqk: int, dv: int, block_n: int, ws: bool = False, stages: int = 2, kv_split: bool = False,
                pingpong: bool = False, persist: bool = False) -> int:
     """Shared memory of one program's buffers: Q, the key/value slots and the barriers (three; the
-    warp-specialized kernel's: two a slot, four with ``kv_split``, Q's, the two turns with ``pingpong``, and
-    the query tile's release with ``persist``)."""
-    bars = (2 * stages * (2 if kv_split else 1) + 1 + (2 if pingpong else 0) + int(persist)) * 8 if ws else 3 * 8
-    return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars
+    warp-specialized kernel's: two a slot, four with ``kv_split``, Q's, the two turns with ``pingpong``, and with
+    ``persist`` the query tile's release, the work item's hand-over and the item's two 4-byte slots)."""
+    bars = (2 * stages * (2 if kv_split else 1) + 1 + (2 if pingpong else 0) + (2 if persist else 0)) * 8 if ws \
+        else 3 * 8
+    return BLOCK_M * dqk * 2 + stages * block_n * (dqk + dv) * 2 + bars + (8 if ws and persist else 0)
 
 
 def eligible(q: Tensor, k: Tensor, v: Tensor, block_n: int = 64, ws: bool = False, stages: int = 2,
@@ -233,12 +238,15 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     args = (qa, qb, ka, kb, vd, cu_seqlens_q, cu_seqlens_k, out, lse, scale * _LOG2E, n_seq, T, H, n_slots,
             q.stride(1), k.stride(1), v.stride(1))
     grid = (H, n_slots) if first else (n_slots, H)
-    if persist:  # the same work items, each program taking every programs-th
+    counter = cu_seqlens_q  # the persistent programs' work-item counter (not read without PERSIST)
+    if persist:  # the same work items, taken one at a time from the counter
         grid = (min(H * n_slots, num_sms(q.device)),)
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if ws:
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
-                                      FOLD=fold, PINGPONG=pingpong, PERSIST=persist, num_warps=WS_WARPS)
+                                      FOLD=fold, PINGPONG=pingpong, PERSIST=persist, counter_ptr=counter,
+                                      num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                    CHUNK=256, HEADS_FIRST=first, FOLD=fold, num_warps=NUM_WARPS)

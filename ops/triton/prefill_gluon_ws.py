@@ -231,37 +231,63 @@ def _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA: 
 
 
 @gluon.jit
+def _grab_item(counter_ptr, wbuf, itembar, k):
+    """(``PERSIST``) The producer takes the program's k-th work item, the next of the launch's counter (one atomic
+    add), and hands it to the consumers: ``wbuf[k % 2]``, then an arrival on ``itembar`` (its k-th phase)."""
+    wl: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    w = gl.atomic_add(counter_ptr, 1)
+    wbuf.index(k % 2).store(gl.full([1], w, gl.int32, wl))
+    gl.thread_barrier()  # (the producer's warps) the item stored before the arrival
+    mbarrier.arrive(itembar, count=1)
+    return w
+
+
+@gluon.jit
+def _next_item(wbuf, itembar, k):
+    """(``PERSIST``) A consumer's k-th work item: once ``itembar``'s k-th phase completed, ``wbuf[k % 2]``."""
+    wl: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    mbarrier.wait(itembar, k & 1)
+    return gl.max(wbuf.index(k % 2).load(wl), axis=0)
+
+
+@gluon.jit
 def _ws_produce_items(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
-                      qempty, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
-                      DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr, STAGES: gl.constexpr,
-                      KV_SPLIT: gl.constexpr):
-    """The persistent kernel's producer: for each of this program's work items (``_item``: items ``pid``,
-    ``pid + programs``, ...), the item's query rows once both consumers released the last item's (``qempty``,
-    two arrivals), then its key tiles (:func:`_ws_produce`), the ring's uses counted on across items."""
+                      qempty, wbuf, itembar, counter_ptr, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh,
+                      stride_kh, stride_vh, DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr):
+    """The persistent kernel's producer: work items taken one at a time from the launch's counter
+    (:func:`_grab_item`; a taken index past the last item ends the program), each once both consumers released
+    the last one's query rows (``qempty``, two arrivals; so no item is handed over before the consumers took the
+    last), then the item's query rows and key tiles (:func:`_ws_produce`), the ring's uses counted on across
+    items."""
     base = 0
     k = 0
-    for w in range(gl.program_id(0), H * n_slots, gl.num_programs(0)):
+    w = _grab_item(counter_ptr, wbuf, itembar, k)
+    while w < H * n_slots:
         h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
             w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
-        mbarrier.wait(qempty, (k - 1) & 1, pred=k > 0)
         _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA, DB)
         _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, h * stride_kh,
                     h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base)
         base += n_tiles
         k += 1
+        mbarrier.wait(qempty, (k - 1) & 1)
+        w = _grab_item(counter_ptr, wbuf, itembar, k)
 
 
 @gluon.jit
-def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qempty, scale_log2, cu_q_ptr,
-                      cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr, STAGES: gl.constexpr,
-                      KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
-    """The persistent kernel's consumer ``C``: :func:`_ws_consume` for each of the program's work items (the
-    producer's order), its query tile at the item's phase of ``qbar``, released on ``qempty`` before the stores."""
+def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qempty, wbuf, itembar,
+                      scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr,
+                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
+    """The persistent kernel's consumer ``C``: :func:`_ws_consume` for each work item the producer hands over
+    (:func:`_next_item`), its query tile at the item's phase of ``qbar``, released on ``qempty`` before the
+    stores; a handed-over index past the last item ends it."""
     base = 0
     k = 0
-    for w in range(gl.program_id(0), H * n_slots, gl.num_programs(0)):
+    w = _next_item(wbuf, itembar, k)
+    while w < H * n_slots:
         h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
             w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
         _ws_consume(C, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qbar, scale_log2, q_start, len_q, len_k, m0,
@@ -269,12 +295,13 @@ def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
                     False, base, k & 1, qempty)
         base += n_tiles
         k += 1
+        w = _next_item(wbuf, itembar, k)
 
 
 @gluon.jit
 def prefill_gluon_ws_kernel(
     qa_desc, qb_desc, ka_desc, kb_desc, v_desc, cu_q_ptr, cu_k_ptr, o_ptr, lse_ptr,
-    scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh,
+    scale_log2, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh, counter_ptr,
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
     PIPE: gl.constexpr = False, FOLD: gl.constexpr = True, PINGPONG: gl.constexpr = False,
@@ -285,8 +312,9 @@ def prefill_gluon_ws_kernel(
     the 128 query rows (q boxes ``[64, DA]`` / ``[64, DB]``), independent of each other but for releasing
     slots (and, with ``PINGPONG``, taking turns to issue their dots; ``STAGES >= 2``), so one's softmax can run
     while the other's dots do. ``PERSIST`` (not with ``PINGPONG``): a grid of at most one program an SM, each
-    looping over the work items of the non-persistent grid (``_item``) with the ring's and the query tile's
-    barriers running on, so an item's first copies start while the one before it finishes and stores."""
+    taking the work items of the non-persistent grid (``_item``) one at a time from ``counter_ptr`` (an int32 at 0
+    when the launch starts; unread without ``PERSIST``), with the ring's and the query tile's barriers running on,
+    so an item's first copies start while the one before it finishes and stores."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     sm: gl.constexpr = SMEM_C
@@ -322,6 +350,9 @@ def prefill_gluon_ws_kernel(
         gl.static_assert(not PINGPONG)  # its turns count from 0 in each item
         qempty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qempty.index(0), count=2)
+        itembar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(itembar.index(0), count=1)
+        wbuf = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
     if PINGPONG:
@@ -329,15 +360,15 @@ def prefill_gluon_ws_kernel(
     if PERSIST:
         gl.warp_specialize([
             (_ws_produce_items, (qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
-                                 qbar.index(0), qempty.index(0), cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh,
-                                 stride_kh, stride_vh, DA, DB, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES,
-                                 KV_SPLIT)),
-            (_ws_consume_items, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0),
-                                 scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV, BLOCK_N,
-                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
-            (_ws_consume_items, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0),
-                                 scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV, BLOCK_N,
-                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+                                 qbar.index(0), qempty.index(0), wbuf, itembar.index(0), counter_ptr, cu_q_ptr,
+                                 cu_k_ptr, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh, DA, DB, DV, BLOCK_N,
+                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT)),
+            (_ws_consume_items, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
+                                 itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
+                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+            (_ws_consume_items, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
+                                 itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
+                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
         ], [4, 4], [240, 240])
     else:
         _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn,

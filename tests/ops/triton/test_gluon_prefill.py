@@ -195,8 +195,10 @@ def test_launch_refuses_persist_without_ws_or_with_pingpong():
 @pytest.mark.parametrize("H,sms", [(16, 132), (1, 132)])
 def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     """``launch(..., {"WS": True, "PERSIST": True})`` on CPU tensors (recorded, not run): one axis of
-    ``min(H * n_slots, SMs)`` programs (fewer work items than SMs: one program an item), ``PERSIST`` on, every
-    argument bound; the call compiles for sm_90 with 12 warps within 227 KB."""
+    ``min(H * n_slots, SMs)`` programs (fewer work items than SMs: one program an item), ``PERSIST`` on, the work
+    items' counter a fresh int32 zero, every argument bound; the call compiles for sm_90 with 12 warps within 227
+    KB, its producer taking each item with one atomic add. Without ``PERSIST`` the counter argument is only a
+    placeholder (``cu_seqlens_q``, never read)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -216,6 +218,8 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     kernel, grid, args, kwargs = launches[0]
     n_slots = -(-T // g.BLOCK_M) + 3
     assert grid == (min(H * n_slots, sms),) and kwargs["PERSIST"] is True and kwargs["PINGPONG"] is False
+    counter = kwargs["counter_ptr"]
+    assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter[0]) == 0
     plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
     sig, consts, attrs = signature(kernel, plain, kwargs)
     for name, d in zip(("qa_desc", "qb_desc", "ka_desc", "kb_desc", "v_desc"), args[:5]):
@@ -223,6 +227,9 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 12 and compiled.metadata.shared <= 227 * 1024
+    assert compiled.asm["ptx"].count("atom.global.gpu.acq_rel.add.u32") == 2  # the first item, then each next one
+    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True})
+    assert launches[1][1] != grid and launches[1][3]["counter_ptr"] is cu
 
 
 def _compile_sm90(kernel, consts, q_rows, warps):
@@ -235,7 +242,7 @@ def _compile_sm90(kernel, consts, q_rows, warps):
 
     types = dict(qa_desc=desc(q_rows, 128), qb_desc=desc(q_rows, 64), ka_desc=desc(bn, 128), kb_desc=desc(bn, 64),
                  v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
-                 scale_log2="fp32")
+                 scale_log2="fp32", counter_ptr="*i32")
     return gluon_sm90(kernel, consts, warps, types, ("stride",))
 
 
