@@ -164,7 +164,7 @@ declare(OP, "gluon", _gluon, rank=60, **_GLUON,
 declare(OP, "gluon-ws", _gluon_ws, rank=61, **_GLUON,
         kernels=("decode_gluon_ws=gluon-ws (opaque kernel)", "decode_gluon_ws_kernel"),
         note="as 'gluon', warp-specialized (a TMA producer, two consumer warpgroups alternating tiles)")
-declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **dict(_GLUON, gpu_tested=False),
+declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **_GLUON,
         kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
         note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
-             "dots); not yet run on a GPU")
+             "dots; 64 query rows a program at every size)")

@@ -12,9 +12,10 @@ half precision, for up to :data:`MAX_ROWS` query rows ``B * s_q``: ``mla::decode
 writes its partials, then one launch merges each row's splits and multiplies the merged row by its head's ``W_UV``,
 its programs split over heads and latent columns, the head's last program adding the column slices' shares
 (``ops/triton/decode_absorb.py``): the split merge's launch and the latent row's round trip through memory gone;
-more rows: the two ops inside). Not GPU-tested yet: "auto" takes the reference, and the model asks for one by name
-(``patch(..., backend="decode_absorb_out=gluon")``); once "auto" takes a kernel, the model folds its decode into this
-op only where the layer's own decode choice is that kernel (``MLAAttention._decode_absorb_backend``).
+more rows: the two ops inside). GPU-tested, but slower than the two ops apart (BENCHMARKS.md run 228), so "auto"
+skips the kernels (:data:`SLOWER`) and takes the reference, and the model takes one only by name
+(``patch(..., backend="decode_absorb_out=gluon")``); were "auto" to take a kernel, the model would fold its decode into
+this op only where the layer's own decode choice is that kernel (``MLAAttention._decode_absorb_backend``).
 """
 
 from __future__ import annotations
@@ -85,11 +86,15 @@ def _gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, w_uv):
     return torch.ops.mla.decode_absorb_out_gluon(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, w_uv)
 
 
-declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=False,
+# why "auto" passes over the kernels: measured slower than mla::decode and mla::absorb_out apart
+SLOWER = ("slower than mla::decode and absorb_out apart (BENCHMARKS.md run 228): 'auto' skips it, ask for it by "
+          "name")
+declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=HALF, package="triton", gpu_tested=True,
+        auto_skip=SLOWER,
         kernels=("decode_absorb_out_triton", "_reduce_absorb_kernel"),
         note=f"ours: mla::decode's Triton split kernel, then the split merge and W_UV in one launch (up to "
              f"{MAX_ROWS} query rows)")
 declare(OP, "gluon", _gluon, rank=40, available=_triton_available, dtypes=HALF, package="triton",
-        gpu_tested=False, kernels=("decode_absorb_out_gluon",),
+        gpu_tested=True, auto_skip=SLOWER, kernels=("decode_absorb_out_gluon",),
         note=f"ours: mla::decode's Gluon split kernel (sm_90 bf16; else the Triton one), then the split merge and W_UV "
              f"in one launch (up to {MAX_ROWS} query rows)")

@@ -348,7 +348,8 @@ def _explicit(op: str, device: torch.device, backend: str) -> Backend:
 
 
 def describe(device: torch.device | str | None = None, capability=AUTO_CAP) -> list[dict]:
-    """Every backend of every op with ``available`` (installed, right device and GPU) and ``why`` not.
+    """Every backend of every op with ``available`` (installed, right device and GPU) and ``why`` not, and
+    ``auto_skip``: why "auto" passes over it wherever it serves (:func:`auto_skip`; "" where "auto" may take it).
 
     Shape-independent: dtype, block size and heads are left to :func:`select`. Peer backends are judged
     as on a CUDA device when ``device`` is the CPU.
@@ -366,7 +367,8 @@ def describe(device: torch.device | str | None = None, capability=AUTO_CAP) -> l
                       planned=True, cap=cap)
             why = why_not(spec, f)
             rows.append(dict(op=op, backend=name, available=why is None, why=why or "", cuda_graph=spec.cuda_graph,
-                             lse=spec.lse, gpu_tested=spec.gpu_tested, note=spec.note))
+                             lse=spec.lse, gpu_tested=spec.gpu_tested, auto_skip=auto_skip(spec) or "",
+                             note=spec.note))
     return rows
 
 

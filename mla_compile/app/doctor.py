@@ -112,7 +112,7 @@ def doctor_report() -> str:
         lines.append(f"{op}:")
         for row in (r for r in backends.describe() if r["op"] == op):
             state = "available" if row["available"] else "unavailable"
-            tested = "" if row["gpu_tested"] else " [not yet tested on a GPU: 'auto' skips it]"
+            tested = f" [{row['auto_skip']}]" if row["auto_skip"] else ""  # the selector's own reason
             lse = "" if row["lse"] else ", no LSE"
             why = f": {row['why']}" if row["why"] else ""
             lines.append(f"  {row['backend']:19s} {state}{why} (graphs {row['cuda_graph']}{lse}){tested}")

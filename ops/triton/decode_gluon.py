@@ -25,7 +25,7 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   run their softmax together (FlashMLA's sm_90 kernel alternates tiles between its warpgroups so that one's
   softmax runs under the other's ``wgmma``), the main part of the gap to FlashMLA there (#27).
   ``decode_gluon_seesaw.decode_gluon_seesaw_kernel`` (``config={"SEESAW": True}``) is that alternating schedule
-  (its docstring); it has not run on a GPU yet.
+  (its docstring).
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
@@ -93,6 +93,8 @@ CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "SWAP", "PIPE",
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
+# the seesaw kernel's ``FOLD_FIRST`` order where the config does not say: on (faster in BENCHMARKS.md run 226)
+SEESAW_FOLD_FIRST = True
 
 
 @gluon.jit
@@ -243,7 +245,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
                  config: dict | None = None) -> Split:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
-    ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``, not yet run on a GPU; FOLD_FIRST: its variant), SWAP
+    ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``; FOLD_FIRST: its step order, default
+    :data:`SEESAW_FOLD_FIRST`), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS``
     rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE
     (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
@@ -273,7 +276,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:  # copies of half a tile's latent columns
         desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_N, CHUNK], BOX_SL)
-        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", False))}
+        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST))}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
     elif swap:
         pdl = launch_kwargs(q.device)

@@ -52,8 +52,7 @@ tokens, 264 slots for 132 programs, each program would run two fixed block posit
 about twice the mean.) The producer loads an item's query rows once both
 consumers released the last item's (``qempty``: each consumer arrives once its dots are done, before its
 stores), then streams its key tiles into the same ring, whose uses count on across items; so an item's first
-copies overlap the last item's final tiles and stores, which a program an item leaves exposed. Not yet run on a
-GPU.
+copies overlap the last item's final tiles and stores, which a program an item leaves exposed.
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),

@@ -82,9 +82,17 @@ def test_errors_name_the_argument(change, match):
         ops.decode_absorb_out(args.pop("q"), cache, table, seq_lens, 0.1, backend="reference", **args)
 
 
-def test_auto_takes_the_reference_until_the_kernels_are_gpu_tested():
+def test_auto_takes_the_reference_the_kernels_being_slower():
+    """The kernels passed their GPU tests but lost to the two ops apart: "auto" passes over them, saying why."""
+    from mla_compile.ops.decode_absorb_out import SLOWER
+    from mla_compile.ops.registry import backends_for
+    from mla_compile.ops.select import auto_skip
+
     for dtype in (torch.bfloat16, torch.float16):
         assert ops.resolve("decode_absorb_out", torch.device("cuda"), None, dtype=dtype).name == "reference"
+    for name in ("triton", "gluon"):
+        spec = backends_for("decode_absorb_out")[name]
+        assert spec.gpu_tested and auto_skip(spec) == SLOWER
 
 
 def test_the_attention_asks_for_it_only_by_name():
@@ -107,7 +115,7 @@ def test_the_attention_asks_for_it_only_by_name():
         planned = types.SimpleNamespace(plan=object())
         assert asked._decode_absorb_backend(qc, qc, planned) is None  # a FlashInfer plan: the decode op takes it
         assert asked._decode_absorb_backend(qc, qc.float(), None) is None  # W_UV of another dtype
-        assert plain._decode_absorb_backend(qc, qc, None) is None  # "auto": the reference, never taken here
+        assert plain._decode_absorb_backend(qc, qc, None) is None  # "auto": the reference (the kernels skipped)
 
 
 def test_auto_folds_only_where_the_layers_decode_is_the_same_kernel(monkeypatch):

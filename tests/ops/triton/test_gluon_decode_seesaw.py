@@ -62,7 +62,7 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first):
     128): it calls the seesaw kernel on grid ``(2 s_q, splits, B)`` with 4 warps, the latent copies' box half a
     tile (``[4, 64, 64]``) over the cache's ``[8, rows, 64]`` column blocks and the rope box ``[64, 64]``; every
     argument binds and the call compiles for sm_90; with several splits the fp32 workspaces and the reduce; the
-    config's ``FOLD_FIRST`` reaches the kernel (False where it names none)."""
+    config's ``FOLD_FIRST`` reaches the kernel (``SEESAW_FOLD_FIRST`` where it names none)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -84,7 +84,8 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first):
     kernel, grid, args, kwargs = launches[0]
     assert kernel is seesaw
     assert grid == (4, splits, 3) and kwargs["num_warps"] == 4
-    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128 and kwargs["FOLD_FIRST"] is fold_first
+    assert kwargs["DIRECT"] == (splits == 1) and kwargs["BLOCK_SIZE"] == 128
+    assert kwargs["FOLD_FIRST"] is (fold_first or g.SEESAW_FOLD_FIRST)
     desc_h, desc_r = args[1], args[2]
     assert isinstance(desc_h, TensorDescriptor) and list(desc_h.block_shape) == [4, 64, 64]
     assert list(desc_h.shape) == [8, cache.shape[0] * 128, 64]
