@@ -29,9 +29,16 @@ def issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page, tile, n_tiles, start, BL
 
 
 @gluon.jit
+def tile_row(page, tile, start, BLOCK_SIZE: gl.constexpr):
+    """The first cache row (of the cache viewed as ``[rows, 576]``) of tile ``tile`` of a program whose key range
+    starts at ``start``: row ``(start + 64 tile) % BLOCK_SIZE`` of page ``page`` (its block-table entry)."""
+    return (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+
+
+@gluon.jit
 def issue_tile_if(desc_c, desc_r, kc_s, kr_s, ready, page, tile, live, start, BLOCK_SIZE: gl.constexpr):
     """:func:`issue_tile` of tile ``tile`` where ``live`` (a scalar predicate) holds."""
-    row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+    row = tile_row(page, tile, start, BLOCK_SIZE)
     slot = tile % 2
     bar = ready.index(slot)
     mbarrier.expect(bar, 64 * 576 * 2, pred=live)

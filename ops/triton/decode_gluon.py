@@ -270,12 +270,12 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     q = last_dim_contiguous(q)
     rows = kv_cache.view(-1, D)
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
-    desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
+    # the latent copies' box: a tile's eight [64, 64] column blocks (the seesaw kernel: half of them a copy)
+    desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // (2 if seesaw else 1), BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
-    elif seesaw:  # copies of half a tile's latent columns
-        desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_N, CHUNK], BOX_SL)
+    elif seesaw:
         extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST))}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
     elif swap:

@@ -44,10 +44,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import BLOCK_M, BLOCK_N, BOX_C, DC, DR, STAGES, TILE_BYTES, zero_tail
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_C, DC, DR, STAGES, TILE_BYTES, tile_row,
+                                              zero_tail)
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, split_range, tile_page
-from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_publish, _ws_softmax
+from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_publish, _ws_softmax, _ws_take
 
 WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
 WORKER_REGS = gl.constexpr(248)  # the worker's registers a thread (the kernel's own warps get the rest of the file)
@@ -67,7 +68,7 @@ def _issue_half(desc_h, kc_s, kb, page, tile, n_tiles, start, H_: gl.constexpr, 
     """Start the copy of tile ``tile``'s latent columns ``[256 H_, 256 H_ + 256)`` (four ``[64, 64]`` blocks,
     ``desc_h``'s box) into slot ``tile % 2`` on that slot's half-``H_`` barrier (none past ``n_tiles``)."""
     live = tile < n_tiles
-    row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+    row = tile_row(page, tile, start, BLOCK_SIZE)
     slot = tile % 2
     bar = kb.index(slot * 3 + H_)
     mbarrier.expect(bar, HALF_BYTES, pred=live)
@@ -79,7 +80,7 @@ def _issue_half(desc_h, kc_s, kb, page, tile, n_tiles, start, H_: gl.constexpr, 
 def _issue_rope(desc_r, kr_s, kb, page, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
     """Start the copy of tile ``tile``'s rope columns into slot ``tile % 2`` on that slot's rope barrier."""
     live = tile < n_tiles
-    row = (page * BLOCK_SIZE + (start + tile * 64) % BLOCK_SIZE).to(gl.int32)
+    row = tile_row(page, tile, start, BLOCK_SIZE)
     slot = tile % 2
     bar = kb.index(slot * 3 + 2)
     mbarrier.expect(bar, ROPE_BYTES, pred=live)
@@ -140,12 +141,10 @@ def _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C: gl.constexpr, t, z, row_
     """Step 2: once the other warpgroup has published tile t - 1, take its running max and factor, rescale
     ``O`` and the row sums, and issue ``O += P_{t-1} V_{t-1}`` on this warpgroup's columns (P from the other's
     buffer); returns ``(pending O, l_i, m_i)``."""
-    mbarrier.wait(pready.index(1 - C), ((t - 1) // 2) & 1)
-    alpha_o = a_s.index(1 - C).load(row_s)
-    m_i = m_s.index(1 - C).load(row_s)
-    o = o * gl.convert_layout(alpha_o, row_o)[:, None]
+    o, l_i, m_i = _ws_take(o, l_i, m_s.index(1 - C), a_s.index(1 - C), pready.index(1 - C), ((t - 1) // 2) & 1,
+                           row_s, row_o)
     pv = warpgroup_mma(p_s.index(1 - C + z), kc_s.index(1 - C + z).slice(C * 256, 256, dim=1), o, is_async=True)
-    return pv, l_i * alpha_o, m_i
+    return pv, l_i, m_i
 
 
 @gluon.jit

@@ -99,11 +99,7 @@ def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full
         sa = warpgroup_mma(q_s.index(z), kc_s.index(slot).permute([1, 0]), sa, is_async=True)
         # the other's tile t - 1
         mbarrier.wait(full.index(prev), ((t - 1) // 2) & 1)  # (long complete: its P came after it)
-        mbarrier.wait(pready.index(prev), ((t - 1) // 2) & 1)
-        alpha_o = a_s.load(row_s)
-        m_i = m_s.load(row_s)
-        o = o * gl.convert_layout(alpha_o, row_o)[:, None]
-        l_i = l_i * alpha_o
+        o, l_i, m_i = _ws_take(o, l_i, m_s, a_s, pready.index(prev), ((t - 1) // 2) & 1, row_s, row_o)
         pv = warpgroup_mma(p_s.index(z), kc_s.index(prev).slice(C * 256, 256, dim=1), o, is_async=True)
         # this consumer's tile t
         s = warpgroup_mma_wait(1, deps=[sa])
@@ -132,17 +128,24 @@ def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full
 
 
 @gluon.jit
-def _ws_fold(C: gl.constexpr, o, l_i, p_s, m_s, a_s, kc_s, slot, ready, phase, row_s: gl.constexpr,
-             row_o: gl.constexpr):
-    """Fold the other consumer's tile (in slot ``slot`` of ``kc_s``) into consumer ``C``'s columns: wait for its
-    hand-over (``ready`` at ``phase``), take its running max (``m_s``) and factor (``a_s``), rescale ``o`` / ``l_i``
-    by it and add ``P V`` (P from ``p_s``); returns ``(o, l_i, m_i)`` once the dot is done (every warp of the
-    consumer)."""
+def _ws_take(o, l_i, m_s, a_s, ready, phase, row_s: gl.constexpr, row_o: gl.constexpr):
+    """Take the other consumer's hand-over of a tile: wait for it (``ready`` at ``phase``), read its running max
+    (``m_s``) and factor (``a_s``) and rescale ``o`` / ``l_i`` by the factor; returns ``(o, l_i, m_i)``, ready for
+    that tile's ``P V``."""
     mbarrier.wait(ready, phase)
     alpha_o = a_s.load(row_s)
     m_i = m_s.load(row_s)
     o = o * gl.convert_layout(alpha_o, row_o)[:, None]
-    l_i = l_i * alpha_o
+    return o, l_i * alpha_o, m_i
+
+
+@gluon.jit
+def _ws_fold(C: gl.constexpr, o, l_i, p_s, m_s, a_s, kc_s, slot, ready, phase, row_s: gl.constexpr,
+             row_o: gl.constexpr):
+    """Fold the other consumer's tile (in slot ``slot`` of ``kc_s``) into consumer ``C``'s columns: its hand-over
+    (:func:`_ws_take`), then ``P V`` (P from ``p_s``); returns ``(o, l_i, m_i)`` once the dot is done (every warp
+    of the consumer)."""
+    o, l_i, m_i = _ws_take(o, l_i, m_s, a_s, ready, phase, row_s, row_o)
     o = warpgroup_mma(p_s, kc_s.index(slot).slice(C * 256, 256, dim=1), o)
     gl.thread_barrier()
     return o, l_i, m_i
