@@ -84,13 +84,16 @@ def alloc_tiles(ROWS: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr):
 @gluon.jit
 def store_query_rows(q_s, qr_s, q_row, m_q, M, DC: gl.constexpr, q_l: gl.constexpr):
     """Store the query rows ``q_row`` (their first elements, ``[rows]`` in ``SliceLayout(1, q_l)``) into ``q_s``
-    (latent part, ``[rows, DC]``) and ``qr_s`` (rope part, ``[rows, 64]``) as bf16, 64 columns at a time; rows
-    whose ``m_q`` is not below ``M`` are zeros."""
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(DC // 64):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
-    qr_s.store(gl.load(q_row[:, None] + DC + d_q[None, :], mask=(m_q < M)[:, None], other=0.0).to(gl.bfloat16))
+    (latent part, ``[rows, DC]``) and ``qr_s`` (rope part, ``[rows, 64]``) as bf16; rows whose ``m_q`` is not
+    below ``M`` are zeros. Both loads are issued before either store: one memory round trip, where a store per
+    64 columns (each after a shared-memory barrier the compiler places) would wait for one load at a time."""
+    ok = (m_q < M)[:, None]
+    d_c = gl.arange(0, DC, gl.SliceLayout(0, q_l))
+    d_r = gl.arange(0, 64, gl.SliceLayout(0, q_l))
+    qc = gl.load(q_row[:, None] + d_c[None, :], mask=ok, other=0.0)
+    qr = gl.load(q_row[:, None] + DC + d_r[None, :], mask=ok, other=0.0)
+    q_s.store(qc.to(gl.bfloat16))
+    qr_s.store(qr.to(gl.bfloat16))
 
 
 @gluon.jit

@@ -64,49 +64,45 @@ def smem_bytes() -> int:
 
 
 @gluon.jit
-def _issue_half(desc_h, kc_s, kb, page, tile, n_tiles, start, H_: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+def _issue_half(desc_h, kc, bar, page, tile, n_tiles, start, H_: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Start the copy of tile ``tile``'s latent columns ``[256 H_, 256 H_ + 256)`` (four ``[64, 64]`` blocks,
-    ``desc_h``'s box) into slot ``tile % 2`` on that slot's half-``H_`` barrier (none past ``n_tiles``)."""
+    ``desc_h``'s box) into its slot ``kc`` on that slot's half-``H_`` barrier ``bar`` (none past ``n_tiles``)."""
     live = tile < n_tiles
     row = tile_row(page, tile, start, BLOCK_SIZE)
-    slot = tile % 2
-    bar = kb.index(slot * 3 + H_)
     mbarrier.expect(bar, HALF_BYTES, pred=live)
-    dst = kc_s.index(slot)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
+    dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
     tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar, dst, pred=live)
 
 
 @gluon.jit
-def _issue_rope(desc_r, kr_s, kb, page, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
-    """Start the copy of tile ``tile``'s rope columns into slot ``tile % 2`` on that slot's rope barrier."""
+def _issue_rope(desc_r, kr, bar, page, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
+    """Start the copy of tile ``tile``'s rope columns into its slot ``kr`` on that slot's rope barrier ``bar``."""
     live = tile < n_tiles
     row = tile_row(page, tile, start, BLOCK_SIZE)
-    slot = tile % 2
-    bar = kb.index(slot * 3 + 2)
     mbarrier.expect(bar, ROPE_BYTES, pred=live)
-    tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr_s.index(slot), pred=live)
+    tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr.index(0), pred=live)
 
 
 @gluon.jit
-def _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C: gl.constexpr, t, z):
+def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, t, z):
     """Step 1: issue ``S_t = Q K_t^T`` on slot ``C`` (the rope part from ``qr`` in registers, then the latent
     halves), each part once its copy has landed; returns the pending accumulator (three ``wgmma`` groups).
     ``z``: ``_fp8_tma.opaque_zero``, which indexes the buffers so that their descriptors are made here, not held
     in registers across the loop."""
     use = (t // 2) & 1
     q = q_s.index(z)
-    k_own = kc_s.index(C + z)
-    mbarrier.wait(kb.index(C * 3 + 2), use)
-    sa = warpgroup_mma(qr, kr_s.index(C + z).permute([1, 0]), zero_s, is_async=True)
-    mbarrier.wait(kb.index(C * 3), use)
+    k_own = kc[C].index(z)
+    mbarrier.wait(kb[C * 3 + 2], use)
+    sa = warpgroup_mma(qr, kr[C].index(z).permute([1, 0]), zero_s, is_async=True)
+    mbarrier.wait(kb[C * 3], use)
     sa = warpgroup_mma(q.slice(0, 256, dim=1), k_own.slice(0, 256, dim=1).permute([1, 0]), sa, is_async=True)
-    mbarrier.wait(kb.index(C * 3 + 1), use)
+    mbarrier.wait(kb[C * 3 + 1], use)
     return warpgroup_mma(q.slice(256, 256, dim=1), k_own.slice(256, 256, dim=1).permute([1, 0]), sa,
                          is_async=True)
 
 
 @gluon.jit
-def _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min, limit, offs_n,
+def _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min, limit, offs_n,
                  C: gl.constexpr, t, z, zl: gl.constexpr):
     """Step 3 on the finished scores ``s`` of tile ``t``: the softmax from the running max ``m_i`` after tile
     t - 1, a partial tile's value rows zeroed, then P_t, its max and factor published in P buffer ``C`` once the
@@ -114,50 +110,49 @@ def _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, 
     n0 = start + t * 64
     p, m_i, alpha = _ws_softmax(s, m_i, n0, end, lim_min, limit, offs_n, scale_log2)
     if n0 + 64 > end:
-        zero_tail(kc_s.index(C), end - n0, zl)
-    mbarrier.wait(pfree.index(C), ((t - 2) // 2) & 1, pred=t >= 2)
-    _ws_publish(p, m_i, alpha, p_s.index(C + z), m_s.index(C), a_s.index(C), pready.index(C))
+        zero_tail(kc[C].index(0), end - n0, zl)
+    mbarrier.wait(pfree[C], ((t - 2) // 2) & 1, pred=t >= 2)
+    _ws_publish(p, m_i, alpha, p_s[C].index(z), m_s[C], a_s[C], pready[C])
     return p, m_i, alpha
 
 
 @gluon.jit
-def _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page, start, n_tiles, C: gl.constexpr, t, z,
+def _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page, start, n_tiles, C: gl.constexpr, t, z,
             BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
     """Step 5: ``O *= alpha``, ``O += P_t V_t`` on this warpgroup's columns with P from registers, then slot
     ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile t + 2's (``page``:
     its block-table entry); returns ``(o, l_i)``."""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc_s.index(C + z).slice(C * 256, 256, dim=1), o)
+    o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc[C].index(z).slice(C * 256, 256, dim=1), o)
     gl.thread_barrier()
-    _issue_rope(desc_r, kr_s, kb, page, t + 2, n_tiles, start, BLOCK_SIZE)
-    _issue_half(desc_h, kc_s, kb, page, t + 2, n_tiles, start, C, BLOCK_SIZE)
+    _issue_rope(desc_r, kr[C], kb[C * 3 + 2], page, t + 2, n_tiles, start, BLOCK_SIZE)
+    _issue_half(desc_h, kc[C], kb[C * 3 + C], page, t + 2, n_tiles, start, C, BLOCK_SIZE)
     return o, l_i
 
 
 @gluon.jit
-def _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C: gl.constexpr, t, z, row_s: gl.constexpr,
+def _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C: gl.constexpr, t, z, row_s: gl.constexpr,
                 row_o: gl.constexpr):
     """Step 2: once the other warpgroup has published tile t - 1, take its running max and factor, rescale
     ``O`` and the row sums, and issue ``O += P_{t-1} V_{t-1}`` on this warpgroup's columns (P from the other's
     buffer); returns ``(pending O, l_i, m_i)``."""
-    o, l_i, m_i = _ws_take(o, l_i, m_s.index(1 - C), a_s.index(1 - C), pready.index(1 - C), ((t - 1) // 2) & 1,
-                           row_s, row_o)
-    pv = warpgroup_mma(p_s.index(1 - C + z), kc_s.index(1 - C + z).slice(C * 256, 256, dim=1), o, is_async=True)
+    o, l_i, m_i = _ws_take(o, l_i, m_s[1 - C], a_s[1 - C], pready[1 - C], ((t - 1) // 2) & 1, row_s, row_o)
+    pv = warpgroup_mma(p_s[1 - C].index(z), kc[1 - C].index(z).slice(C * 256, 256, dim=1), o, is_async=True)
     return pv, l_i, m_i
 
 
 @gluon.jit
-def _release_other(desc_h, kc_s, kb, pfree, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
+def _release_other(desc_h, kc, kb, pfree, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
     """Step 4, once step 2's ``P V`` is done (every warp): the other's P buffer is free again, and this
     warpgroup's half of the other's slot takes tile t + 1's (``page``: its block-table entry)."""
     gl.thread_barrier()
-    mbarrier.arrive(pfree.index(1 - C), count=1)
-    _issue_half(desc_h, kc_s, kb, page, t + 1, n_tiles, start, C, BLOCK_SIZE)
+    mbarrier.arrive(pfree[1 - C], count=1)
+    _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], page, t + 1, n_tiles, start, C, BLOCK_SIZE)
 
 
 @gluon.jit
-def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done,
+def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done,
             bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
             stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
             DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
@@ -189,41 +184,41 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a
         if n_tiles > 0:
             z = opaque_zero(n_tiles)
             page2 = tile_page(bt_row, 2, n_tiles, start, BLOCK_SIZE, 64)
-            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, 0, z)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, 0, z)
             s = warpgroup_mma_wait(0, deps=[sa])
-            p, m_i, alpha = _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
+            p, m_i, alpha = _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
                                          limit, offs_n, C, 0, z, zl)
-            o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, 0, z,
+            o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page2, start, n_tiles, C, 0, z,
                              BLOCK_SIZE, row_o, p_a)
     for t in range(2 - C, n_tiles, 2):
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
         page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
         if FOLD_FIRST:  # 2, 1, then both awaited and 4 before the softmax
-            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C, t, z, row_s, row_o)
-            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             s = warpgroup_mma_wait(0, deps=[sa])
             o = warpgroup_mma_wait(0, deps=[pv])
-            _release_other(desc_h, kc_s, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
         else:
             # 1. S_t, each part as it arrives; 2. the other's tile t - 1 (its P V in flight with S_t)
-            sa = _scores(qr, q_s, kr_s, kc_s, kb, zero_s, C, t, z)
-            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc_s, pready, C, t, z, row_s, row_o)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
             s = warpgroup_mma_wait(1, deps=[sa])
         # 3. S_t done: the softmax, P_t published
-        p, m_i, alpha = _own_softmax(s, m_i, kc_s, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
+        p, m_i, alpha = _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
                                      limit, offs_n, C, t, z, zl)
         if not FOLD_FIRST:  # 4. the other's tile folded
             o = warpgroup_mma_wait(0, deps=[pv])
-            _release_other(desc_h, kc_s, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
         # 5. this warpgroup's own P V, then its half of slot C takes tile t + 2's
-        o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc_s, kr_s, kb, page2, start, n_tiles, C, t, z, BLOCK_SIZE,
+        o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page2, start, n_tiles, C, t, z, BLOCK_SIZE,
                          row_o, p_a)
 
     last = n_tiles - 1
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
-        o, l_i, m_i = _ws_fold(C, o, l_i, p_s.index(1 - C), m_s.index(1 - C), a_s.index(1 - C), kc_s, 1 - C,
-                               pready.index(1 - C), (last // 2) & 1, row_s, row_o)
+        o, l_i, m_i = _ws_fold(C, o, l_i, p_s[1 - C].index(0), m_s[1 - C], a_s[1 - C], kc[1 - C], 0, pready[1 - C],
+                               (last // 2) & 1, row_s, row_o)
     _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
                o_l)
 
@@ -252,45 +247,55 @@ def decode_gluon_seesaw_kernel(
     pid_h = gl.program_id(0)
     pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
 
+    # the loads of the prologue issued together, ahead of its barriers: the block-table entries of tiles 0 and 1
+    # and the latent query rows in one load (rows past M: zeros, never stored)
+    pages = (tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64),
+             tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, 64))
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_q = gl.arange(0, DC, gl.SliceLayout(0, q_l))
+    q = gl.load(q_row[:, None] + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+
+    # one allocation per slot, P buffer, hand-over row and barrier: the compiler's shared-memory hazard analysis
+    # sees views of one allocation as one buffer and would put a barrier between any two of their accesses
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
     q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
-    kc_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DC], SMEM_C)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, DR], SMEM_C)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SMEM_C)
-    m_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
-    a_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    kc = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C))
+    kr = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C))
+    p_s = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C),
+           gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C))
+    m_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
+    a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
     x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
-    kb = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())  # slot s: half 0, half 1, rope
-    pready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # kb[3 s + h]: slot s's latent half h (h = 2: its rope columns)
+    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    pfree = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     for i in gl.static_range(6):
-        mbarrier.init(kb.index(i), count=1)
+        mbarrier.init(kb[i], count=1)
     for i in gl.static_range(2):
-        mbarrier.init(pready.index(i), count=1)
-        mbarrier.init(pfree.index(i), count=1)
+        mbarrier.init(pready[i], count=1)
+        mbarrier.init(pfree[i], count=1)
         mbarrier.init(done.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
     for t in gl.static_range(2):
-        page = tile_page(bt_row, t, n_tiles, start, BLOCK_SIZE, 64)
-        _issue_rope(desc_r, kr_s, kb, page, t, n_tiles, start, BLOCK_SIZE)
+        _issue_rope(desc_r, kr[t], kb[t * 3 + 2], pages[t], t, n_tiles, start, BLOCK_SIZE)
         for h in gl.static_range(2):
-            _issue_half(desc_h, kc_s, kb, page, t, n_tiles, start, h, BLOCK_SIZE)
-
-    # the latent query rows, 64 columns at a time (rows past M: zeros, never stored)
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, 64, gl.SliceLayout(0, q_l))
-    for c in gl.static_range(DC // 64):
-        qc = gl.load(q_row[:, None] + c * 64 + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
-        q_s.index(0).slice(c * 64, 64, dim=1).store(qc.to(gl.bfloat16))
+            _issue_half(desc_h, kc[t], kb[t * 3 + h], pages[t], t, n_tiles, start, h, BLOCK_SIZE)
+    q_s.index(0).store(q.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
                    stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
-        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc_s, kr_s, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
                    stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
     ], [4], [WORKER_REGS])  # WARPS
