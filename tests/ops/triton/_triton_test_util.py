@@ -53,6 +53,20 @@ def record_gluon_launches(monkeypatch, module, kernel_name: str) -> list[tuple]:
     return launches
 
 
+def longest_load_run(ptx: str) -> int:
+    """The most vector global loads (``ld.global.v4``) a kernel's PTX issues with no barrier (``bar.sync`` /
+    ``barrier.sync``) between them: a tile staged through registers in one load is one run, one staged a slice at a
+    time with a store and a compiler-placed barrier after each is one run per slice (a round trip each)."""
+    best = run = 0
+    for line in ptx.splitlines():
+        if "ld.global.v4" in line:
+            run += 1
+            best = max(best, run)
+        elif "bar.sync" in line or "barrier.sync" in line:
+            run = 0
+    return best
+
+
 def assert_pdl_order(ptx: str, pdl: bool, where: str = "") -> None:
     """A kernel's sm_90 PTX under programmatic dependent launch: with ``pdl`` (the launch an sm_90 device gets) it
     waits for the kernel before it (``griddepcontrol.wait``) ahead of every global read (``ld.global``,

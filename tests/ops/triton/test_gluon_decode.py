@@ -24,8 +24,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import lens_with_empty
-from _triton_test_util import (assert_attention_close, gluon_sm90, paged_cache, poison_allocator, sm90_compile,
-                               sm90_facts)
+from _triton_test_util import (assert_attention_close, gluon_sm90, longest_load_run, paged_cache, poison_allocator,
+                               sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -294,6 +294,8 @@ def test_sm90_compile_resources(direct, block_size, pipe):
     assert res["regs"] <= 255, res
     assert res["HGMMA"] == 2 * (DC + DR) // 16 + 64 // 16, res
     assert res["UTMALDG"] == 6, res
+    # the query rows' latent and rope parts loaded in one round trip (16 bytes a load, every thread's share)
+    assert longest_load_run(compiled.asm["ptx"]) >= 64 * (DC + DR) * 2 // 16 // (32 * g.NUM_WARPS)
 
 
 @sm90_compile

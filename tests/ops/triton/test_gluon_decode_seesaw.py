@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _triton_test_util import gluon_sm90, paged_cache, record_gluon_launches, sm90_compile
+from _triton_test_util import gluon_sm90, longest_load_run, paged_cache, record_gluon_launches, sm90_compile
 
 DC, DR = 512, 64
+BARRIERS = 96  # the most partition barriers the seesaw kernel's PTX may hold (Triton 3.6)
 BF = torch.bfloat16
 SCALE = 0.07
 
@@ -53,6 +54,12 @@ def test_sm90_compile_resources(block_size, direct, fold_first):
     assert res["UTMALDG"] == 2 * 3 + (2 + 1) * 2 + 2, res
     ptx = compiled.asm["ptx"]
     assert "setmaxnreg" in ptx  # the worker's register count set, the kernel's warps raised to the rest
+    # the prologue's latent query rows loaded in one round trip (16 bytes a load, the kernel's 4 warps' share)
+    assert longest_load_run(ptx) >= 64 * DC * 2 // 16 // (32 * sw.WARPS)
+    # one shared-memory allocation per slot, P buffer, hand-over row and barrier: the compiler's hazard analysis
+    # places a partition barrier between accesses to two views of one allocation (126 of them with one allocation
+    # for each kind of buffer, Triton 3.6)
+    assert ptx.count("bar.sync") + ptx.count("barrier.sync") <= BARRIERS, ptx.count("bar.sync")
 
 
 @sm90_compile

@@ -26,7 +26,7 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import fp8_paged, lens_with_empty
-from _triton_test_util import (assert_attention_close, assert_pdl_order, gluon_sm90, poison_allocator,
+from _triton_test_util import (assert_attention_close, assert_pdl_order, gluon_sm90, longest_load_run, poison_allocator,
                                record_gluon_launches, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -344,6 +344,8 @@ def test_sm90_compile_resources(direct, block_size, variant):
     flags = {k: VARIANTS[variant].get(k, False) for k in g.VARIANTS}
     compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, **flags))
     assert compiled.metadata.num_warps == 8
+    # the query rows' latent and rope parts loaded in one round trip (16 bytes a load, every thread's share)
+    assert longest_load_run(compiled.asm["ptx"]) >= 64 * (DC + DR) * 2 // 16 // (32 * 8)
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
     assert shared <= 227 * 1024

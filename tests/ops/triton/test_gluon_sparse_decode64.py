@@ -26,8 +26,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import float_paged, fp8_paged, lens_with_empty, topk_indices
-from _triton_test_util import (assert_attention_close, gluon_sm90, poison_allocator, record_gluon_launches, sm90_compile,
-                               sm90_facts)
+from _triton_test_util import (assert_attention_close, gluon_sm90, longest_load_run, poison_allocator,
+                               record_gluon_launches, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -300,6 +300,8 @@ def _check_resources(flags, direct, block_size, idx_type, fp8):
     flags = {k: flags.get(k, g.DEFAULTS[k]) for k in g.VARIANTS}
     compiled = _compile_sm90(dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, FP8=fp8, **flags), idx_type)
     assert compiled.metadata.num_warps == 8
+    # the query rows' latent and rope parts loaded in one round trip (16 bytes a load, every thread's share)
+    assert longest_load_run(compiled.asm["ptx"]) >= 64 * (DC + DR) * 2 // 16 // (32 * 8)
     shared = compiled.metadata.shared
     assert g.smem_bytes() <= shared < g.smem_bytes() + 1024
     assert shared <= 227 * 1024
