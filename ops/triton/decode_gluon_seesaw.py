@@ -13,8 +13,8 @@ The running max passes between the warpgroups with each tile's P (max, rescale f
 memory, buffer t % 2: two P buffers, so a warpgroup publishes P_t without waiting for the other's read of
 P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
 
-1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then the two latent
-   halves, each as its part of the tile arrives);
+1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then this warpgroup's
+   latent half, then the other's: the order in which they are re-filled, each as its part of the tile arrives);
 2. the other's tile t - 1: its max and factor read, ``O *= alpha``, ``O += P_{t-1} V_{t-1}`` issued;
 3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed, P_t
    published;
@@ -23,9 +23,10 @@ P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
 5. ``O *= alpha_t``, ``O += P_t V_t`` (P from registers), then slot C's rope columns and this warpgroup's half
    of it re-filled with tile t + 2's (the block-table entries were read at the tile's start).
 
-Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5. ``FOLD_FIRST`` (a variant to
-time) takes the other's tile first: steps 2 and 1 issued, both awaited, step 4 (so the other's slot is re-filled
-before the softmax, not after), then 3 and 5; each warpgroup's softmax then overlaps the other's dots only.
+Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5. ``FOLD_FIRST`` (the default
+order) takes the other's tile first: steps 2 and 1 issued, step 4 as soon as step 2's ``P V`` is done (``S_t``
+may still run: the other's slot is re-filled before this warpgroup's softmax, not after), ``S_t`` awaited, then 3
+and 5; each warpgroup's softmax then overlaps the other's dots only.
 
 So one warpgroup's softmax (step 3) runs while the other's dots do, and each tile's copies are started in
 three parts (the rope columns and the two 256-column halves, one mbarrier each) as soon as their last reader
@@ -85,20 +86,22 @@ def _issue_rope(desc_r, kr, bar, page, tile, n_tiles, start, BLOCK_SIZE: gl.cons
 
 @gluon.jit
 def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, t, z):
-    """Step 1: issue ``S_t = Q K_t^T`` on slot ``C`` (the rope part from ``qr`` in registers, then the latent
-    halves), each part once its copy has landed; returns the pending accumulator (three ``wgmma`` groups).
-    ``z``: ``_fp8_tma.opaque_zero``, which indexes the buffers so that their descriptors are made here, not held
-    in registers across the loop."""
+    """Step 1: issue ``S_t = Q K_t^T`` on slot ``C`` (the rope part from ``qr`` in registers, then this
+    warpgroup's latent half, re-filled after its own ``P V`` of tile t - 2, then the other's, re-filled after the
+    other's fold of that tile), each part once its copy has landed; returns the pending accumulator (three
+    ``wgmma`` groups). ``z``: ``_fp8_tma.opaque_zero``, which indexes the buffers so that their descriptors are
+    made here, not held in registers across the loop."""
     use = (t // 2) & 1
     q = q_s.index(z)
     k_own = kc[C].index(z)
     mbarrier.wait(kb[C * 3 + 2], use)
     sa = warpgroup_mma(qr, kr[C].index(z).permute([1, 0]), zero_s, is_async=True)
-    mbarrier.wait(kb[C * 3], use)
-    sa = warpgroup_mma(q.slice(0, 256, dim=1), k_own.slice(0, 256, dim=1).permute([1, 0]), sa, is_async=True)
-    mbarrier.wait(kb[C * 3 + 1], use)
-    return warpgroup_mma(q.slice(256, 256, dim=1), k_own.slice(256, 256, dim=1).permute([1, 0]), sa,
-                         is_async=True)
+    mbarrier.wait(kb[C * 3 + C], use)
+    sa = warpgroup_mma(q.slice(C * 256, 256, dim=1), k_own.slice(C * 256, 256, dim=1).permute([1, 0]), sa,
+                       is_async=True)
+    mbarrier.wait(kb[C * 3 + 1 - C], use)
+    return warpgroup_mma(q.slice((1 - C) * 256, 256, dim=1), k_own.slice((1 - C) * 256, 256, dim=1).permute([1, 0]),
+                         sa, is_async=True)
 
 
 @gluon.jit
@@ -194,12 +197,12 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
         page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
-        if FOLD_FIRST:  # 2, 1, then both awaited and 4 before the softmax
+        if FOLD_FIRST:  # 2, 1, 4 once the fold is done (S_t's three groups may still run), then S_t awaited
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
-            s = warpgroup_mma_wait(0, deps=[sa])
-            o = warpgroup_mma_wait(0, deps=[pv])
+            o = warpgroup_mma_wait(3, deps=[pv])
             _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            s = warpgroup_mma_wait(0, deps=[sa])
         else:
             # 1. S_t, each part as it arrives; 2. the other's tile t - 1 (its P V in flight with S_t)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
