@@ -16,12 +16,12 @@ P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
 1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then this warpgroup's
    latent half, then the other's: the order in which they are re-filled, each as its part of the tile arrives);
 2. the other's tile t - 1: its max and factor read, ``O *= alpha``, ``O += P_{t-1} V_{t-1}`` issued;
-3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed, P_t
-   published;
+3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed;
 4. step 2's ``P V`` awaited: the other's P buffer released, this warpgroup's half of the other's slot
    re-filled with tile t + 1's;
-5. ``O *= alpha_t``, ``O += P_t V_t`` (P from registers), then slot C's rope columns and this warpgroup's half
-   of it re-filled with tile t + 2's (the block-table entries were read at the tile's start).
+5. ``O *= alpha_t``, ``O += P_t V_t`` issued (P from registers), P_t published while it runs, then slot C's rope
+   columns and this warpgroup's half of it re-filled with tile t + 2's (the block-table entries were read at the
+   tile's start).
 
 Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5. ``FOLD_FIRST`` (the default
 order) takes the other's tile first: steps 2 and 1 issued, step 4 as soon as step 2's ``P V`` is done (``S_t``
@@ -105,29 +105,35 @@ def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, t, z):
 
 
 @gluon.jit
-def _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min, limit, offs_n,
-                 C: gl.constexpr, t, z, zl: gl.constexpr):
+def _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C: gl.constexpr, t,
+                 zl: gl.constexpr):
     """Step 3 on the finished scores ``s`` of tile ``t``: the softmax from the running max ``m_i`` after tile
-    t - 1, a partial tile's value rows zeroed, then P_t, its max and factor published in P buffer ``C`` once the
-    other warpgroup's read of P_{t-2} is done; returns ``(P, max, alpha)``."""
+    t - 1 and a partial tile's value rows zeroed (visible to both warpgroups' ``P V`` before P_t is published);
+    returns ``(P, max, alpha)``."""
     n0 = start + t * 64
     p, m_i, alpha = _ws_softmax(s, m_i, n0, end, lim_min, limit, offs_n, scale_log2)
     if n0 + 64 > end:
         zero_tail(kc[C].index(0), end - n0, zl)
-    mbarrier.wait(pfree[C], ((t - 2) // 2) & 1, pred=t >= 2)
-    _ws_publish(p, m_i, alpha, p_s[C].index(z), m_s[C], a_s[C], pready[C])
+        fence_async_shared()
+        gl.thread_barrier()
     return p, m_i, alpha
 
 
 @gluon.jit
-def _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page, start, n_tiles, C: gl.constexpr, t, z,
-            BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
-    """Step 5: ``O *= alpha``, ``O += P_t V_t`` on this warpgroup's columns with P from registers, then slot
-    ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile t + 2's (``page``:
-    its block-table entry); returns ``(o, l_i)``."""
+def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page, start, n_tiles,
+            C: gl.constexpr, t, z, BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
+    """Step 5: ``O *= alpha``, ``O += P_t V_t`` issued on this warpgroup's columns with P from registers; while
+    it runs, P_t, its max and factor published in P buffer ``C`` once the other warpgroup's read of P_{t-2} is
+    done; then, the dot done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's
+    half take tile t + 2's (``page``: its block-table entry); returns ``(o, l_i)``. (The dot is issued before
+    the P stores: no shared-memory access between the publication's barrier and its arrival.)"""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_a), kc[C].index(z).slice(C * 256, 256, dim=1), o)
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)
+    o = warpgroup_mma(p_op, kc[C].index(z).slice(C * 256, 256, dim=1), o, is_async=True)
+    mbarrier.wait(pfree[C], ((t - 2) // 2) & 1, pred=t >= 2)
+    _ws_publish(p, m_i, alpha, p_s[C].index(z), m_s[C], a_s[C], pready[C])
+    o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])  # P's registers kept until the dot is done
     gl.thread_barrier()
     _issue_rope(desc_r, kr[C], kb[C * 3 + 2], page, t + 2, n_tiles, start, BLOCK_SIZE)
     _issue_half(desc_h, kc[C], kb[C * 3 + C], page, t + 2, n_tiles, start, C, BLOCK_SIZE)
@@ -189,10 +195,9 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             page2 = tile_page(bt_row, 2, n_tiles, start, BLOCK_SIZE, 64)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, 0, z)
             s = warpgroup_mma_wait(0, deps=[sa])
-            p, m_i, alpha = _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
-                                         limit, offs_n, C, 0, z, zl)
-            o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page2, start, n_tiles, C, 0, z,
-                             BLOCK_SIZE, row_o, p_a)
+            p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
+            o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page2,
+                             start, n_tiles, C, 0, z, BLOCK_SIZE, row_o, p_a)
     for t in range(2 - C, n_tiles, 2):
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
@@ -208,15 +213,14 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
             s = warpgroup_mma_wait(1, deps=[sa])
-        # 3. S_t done: the softmax, P_t published
-        p, m_i, alpha = _own_softmax(s, m_i, kc, p_s, m_s, a_s, pready, pfree, scale_log2, start, end, lim_min,
-                                     limit, offs_n, C, t, z, zl)
+        # 3. S_t done: the softmax
+        p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
         if not FOLD_FIRST:  # 4. the other's tile folded
             o = warpgroup_mma_wait(0, deps=[pv])
             _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
-        # 5. this warpgroup's own P V, then its half of slot C takes tile t + 2's
-        o, l_i = _own_pv(o, l_i, p, alpha, desc_h, desc_r, kc, kr, kb, page2, start, n_tiles, C, t, z, BLOCK_SIZE,
-                         row_o, p_a)
+        # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
+        o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page2, start,
+                         n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
 
     last = n_tiles - 1
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
