@@ -10,15 +10,15 @@ neither partition's registers are capped for a third. Warpgroup ``C`` owns
   other's with P from the other's shared ``P`` buffer.
 
 The running max passes between the warpgroups with each tile's P (max, rescale factor and P in shared
-memory, buffer t % 2: two P buffers, so a warpgroup publishes P_t without waiting for the other's read of
-P_{t-2} to be done in the common case). A warpgroup's order for its tile t:
+memory, buffer t % 2: two P buffers. A warpgroup publishes P_t only after its fold of P_{t-1} is done, and the
+other writes P_{t+1} into buffer t + 1 only after taking P_t, so each publication also tells the other that its
+P buffer is free: no wait before a publication). A warpgroup's order for its tile t:
 
 1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then this warpgroup's
    latent half, then the other's: the order in which they are re-filled, each as its part of the tile arrives);
 2. the other's tile t - 1: its max and factor read, ``O *= alpha``, ``O += P_{t-1} V_{t-1}`` issued;
 3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed;
-4. step 2's ``P V`` awaited: the other's P buffer released, this warpgroup's half of the other's slot
-   re-filled with tile t + 1's;
+4. step 2's ``P V`` awaited: this warpgroup's half of the other's slot re-filled with tile t + 1's;
 5. ``O *= alpha_t``, ``O += P_t V_t`` issued (P from registers), P_t published while it runs, then slot C's rope
    columns and this warpgroup's half of it re-filled with tile t + 2's (the block-table entries were read at the
    tile's start).
@@ -59,9 +59,9 @@ ROPE_BYTES = gl.constexpr(BLOCK_N * DR * 2)
 
 def smem_bytes() -> int:
     """Shared memory of one program's buffers: the latent query rows, the two tile slots, two P buffers, the
-    hand-over rows (max and factor per P buffer, the row sums' two) and 12 mbarriers (the compile adds a little
+    hand-over rows (max and factor per P buffer, the row sums' two) and 10 mbarriers (the compile adds a little
     scratch and the partitions' captured arguments; checked by a test)."""
-    return BLOCK_M * DC * 2 + STAGES * TILE_BYTES + 2 * BLOCK_M * BLOCK_N * 2 + 6 * BLOCK_M * 4 + 12 * 8
+    return BLOCK_M * DC * 2 + STAGES * TILE_BYTES + 2 * BLOCK_M * BLOCK_N * 2 + 6 * BLOCK_M * 4 + 10 * 8
 
 
 @gluon.jit
@@ -82,6 +82,20 @@ def _issue_rope(desc_r, kr, bar, page, tile, n_tiles, start, BLOCK_SIZE: gl.cons
     row = tile_row(page, tile, start, BLOCK_SIZE)
     mbarrier.expect(bar, ROPE_BYTES, pred=live)
     tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr.index(0), pred=live)
+
+
+@gluon.jit
+def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, start, H_: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr):
+    """:func:`_issue_rope` and :func:`_issue_half` of one tile, both expectations set before either copy starts
+    (one compiler-placed barrier between them, not one before each copy)."""
+    live = tile < n_tiles
+    row = tile_row(page, tile, start, BLOCK_SIZE)
+    mbarrier.expect(bar_r, ROPE_BYTES, pred=live)
+    mbarrier.expect(bar_h, HALF_BYTES, pred=live)
+    tma.async_copy_global_to_shared(desc_r, [row, 512], bar_r, kr.index(0), pred=live)
+    dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
+    tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar_h, dst, pred=live)
 
 
 @gluon.jit
@@ -120,23 +134,22 @@ def _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C: 
 
 
 @gluon.jit
-def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page, start, n_tiles,
+def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page, start, n_tiles,
             C: gl.constexpr, t, z, BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
     """Step 5: ``O *= alpha``, ``O += P_t V_t`` issued on this warpgroup's columns with P from registers; while
-    it runs, P_t, its max and factor published in P buffer ``C`` once the other warpgroup's read of P_{t-2} is
-    done; then, the dot done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's
+    it runs, P_t, its max and factor published in P buffer ``C`` (free: the module docstring); then, the dot
+    done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's
     half take tile t + 2's (``page``: its block-table entry); returns ``(o, l_i)``. (The dot is issued before
     the P stores: no shared-memory access between the publication's barrier and its arrival.)"""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)
     o = warpgroup_mma(p_op, kc[C].index(z).slice(C * 256, 256, dim=1), o, is_async=True)
-    mbarrier.wait(pfree[C], ((t - 2) // 2) & 1, pred=t >= 2)
     _ws_publish(p, m_i, alpha, p_s[C].index(z), m_s[C], a_s[C], pready[C])
     o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])  # P's registers kept until the dot is done
     gl.thread_barrier()
-    _issue_rope(desc_r, kr[C], kb[C * 3 + 2], page, t + 2, n_tiles, start, BLOCK_SIZE)
-    _issue_half(desc_h, kc[C], kb[C * 3 + C], page, t + 2, n_tiles, start, C, BLOCK_SIZE)
+    _issue_rope_half(desc_r, desc_h, kr[C], kc[C], kb[C * 3 + 2], kb[C * 3 + C], page, t + 2, n_tiles, start, C,
+                     BLOCK_SIZE)
     return o, l_i
 
 
@@ -152,16 +165,15 @@ def _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C: gl.constexpr, t, z, row_s:
 
 
 @gluon.jit
-def _release_other(desc_h, kc, kb, pfree, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
-    """Step 4, once step 2's ``P V`` is done (every warp): the other's P buffer is free again, and this
-    warpgroup's half of the other's slot takes tile t + 1's (``page``: its block-table entry)."""
+def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
+    """Step 4, once step 2's ``P V`` is done (every warp): this warpgroup's half of the other's slot takes tile
+    t + 1's (``page``: its block-table entry)."""
     gl.thread_barrier()
-    mbarrier.arrive(pfree[1 - C], count=1)
     _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], page, t + 1, n_tiles, start, C, BLOCK_SIZE)
 
 
 @gluon.jit
-def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done,
+def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
             bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
             stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
             DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
@@ -196,7 +208,7 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, 0, z)
             s = warpgroup_mma_wait(0, deps=[sa])
             p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
-            o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page2,
+            o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2,
                              start, n_tiles, C, 0, z, BLOCK_SIZE, row_o, p_a)
     for t in range(2 - C, n_tiles, 2):
         z = opaque_zero(t)
@@ -206,7 +218,7 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             o = warpgroup_mma_wait(3, deps=[pv])
-            _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
             s = warpgroup_mma_wait(0, deps=[sa])
         else:
             # 1. S_t, each part as it arrives; 2. the other's tile t - 1 (its P V in flight with S_t)
@@ -217,9 +229,9 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
         p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
         if not FOLD_FIRST:  # 4. the other's tile folded
             o = warpgroup_mma_wait(0, deps=[pv])
-            _release_other(desc_h, kc, kb, pfree, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
         # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
-        o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pfree, page2, start,
+        o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2, start,
                          n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
 
     last = n_tiles - 1
@@ -281,13 +293,11 @@ def decode_gluon_seesaw_kernel(
           gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
           gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-    pfree = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
     for i in gl.static_range(6):
         mbarrier.init(kb[i], count=1)
     for i in gl.static_range(2):
         mbarrier.init(pready[i], count=1)
-        mbarrier.init(pfree[i], count=1)
         mbarrier.init(done.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
@@ -299,10 +309,10 @@ def decode_gluon_seesaw_kernel(
     fence_async_shared()
     gl.thread_barrier()
     gl.warp_specialize([
-        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
                    stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
-        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, pfree, done, bt_row,
+        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
                    stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
     ], [4], [WORKER_REGS])  # WARPS
