@@ -17,18 +17,20 @@ P buffer is free: no wait before a publication). A warpgroup's order for its til
 1. ``S_t`` issued (rope part first, from the query's rope columns held in registers, then this warpgroup's
    latent half, then the other's: the order in which they are re-filled, each as its part of the tile arrives);
 2. the other's tile t - 1: its max and factor read, ``O *= alpha``, ``O += P_{t-1} V_{t-1}`` issued;
-3. ``S_t`` awaited (``P V`` of step 2 still in flight), the softmax, a partial tile's value rows zeroed;
-4. step 2's ``P V`` awaited: this warpgroup's half of the other's slot re-filled with tile t + 1's;
+3. both awaited: this warpgroup's half of the other's slot re-filled with tile t + 1's (before the softmax, so
+   the other's next S finds it sooner);
+4. the softmax, a partial tile's value rows zeroed;
 5. ``O *= alpha_t``, ``O += P_t V_t`` issued (P from registers), P_t published while it runs, then slot C's rope
    columns and this warpgroup's half of it re-filled with tile t + 2's (the block-table entries were read at the
    tile's start).
 
-Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 3 and 5. ``FOLD_FIRST`` (the default
-order) takes the other's tile first: steps 2 and 1 issued, step 4 as soon as step 2's ``P V`` is done (``S_t``
-may still run: the other's slot is re-filled before this warpgroup's softmax, not after), ``S_t`` awaited, then 3
-and 5; each warpgroup's softmax then overlaps the other's dots only.
+Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 4 and 5. ``FOLD_FIRST`` (the default
+order) takes the other's tile first: steps 2 and 1 issued (S_t only once the other has published tile t - 1),
+step 3 as soon as step 2's ``P V`` is done (``S_t`` may still run), ``S_t`` awaited, then 4 and 5; each
+warpgroup's softmax then overlaps the other's dots only. Without it, ``S_t`` starts as soon as its parts have
+landed, before the other's publication.
 
-So one warpgroup's softmax (step 3) runs while the other's dots do, and each tile's copies are started in
+So one warpgroup's softmax (step 4) runs while the other's dots do, and each tile's copies are started in
 three parts (the rope columns and the two 256-column halves, one mbarrier each) as soon as their last reader
 is done. Shared memory: the latent query rows ``[64, 512]``, two tile slots, two P buffers, the hand-over rows
 (:func:`smem_bytes`: within an SM's 227 KB because the query's rope part stays in registers).
@@ -121,7 +123,7 @@ def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, t, z):
 @gluon.jit
 def _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C: gl.constexpr, t,
                  zl: gl.constexpr):
-    """Step 3 on the finished scores ``s`` of tile ``t``: the softmax from the running max ``m_i`` after tile
+    """Step 4 on the finished scores ``s`` of tile ``t``: the softmax from the running max ``m_i`` after tile
     t - 1 and a partial tile's value rows zeroed (visible to both warpgroups' ``P V`` before P_t is published);
     returns ``(P, max, alpha)``."""
     n0 = start + t * 64
@@ -166,7 +168,7 @@ def _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C: gl.constexpr, t, z, row_s:
 
 @gluon.jit
 def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
-    """Step 4, once step 2's ``P V`` is done (every warp): this warpgroup's half of the other's slot takes tile
+    """Step 3, once step 2's ``P V`` is done (every warp): this warpgroup's half of the other's slot takes tile
     t + 1's (``page``: its block-table entry)."""
     gl.thread_barrier()
     _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], page, t + 1, n_tiles, start, C, BLOCK_SIZE)
@@ -214,22 +216,19 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
         page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
-        if FOLD_FIRST:  # 2, 1, 4 once the fold is done (S_t's three groups may still run), then S_t awaited
+        if FOLD_FIRST:  # 2, 1, 3 once the fold is done (S_t's three groups may still run), then S_t awaited
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             o = warpgroup_mma_wait(3, deps=[pv])
             _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
             s = warpgroup_mma_wait(0, deps=[sa])
-        else:
-            # 1. S_t, each part as it arrives; 2. the other's tile t - 1 (its P V in flight with S_t)
+        else:  # 1. S_t, each part as it arrives; 2. the other's tile t - 1; both awaited, 3
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
-            s = warpgroup_mma_wait(1, deps=[sa])
-        # 3. S_t done: the softmax
-        p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
-        if not FOLD_FIRST:  # 4. the other's tile folded
-            o = warpgroup_mma_wait(0, deps=[pv])
+            s, o = warpgroup_mma_wait(0, deps=[sa, pv])
             _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
+        # 4. S_t done: the softmax
+        p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
         # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
         o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2, start,
                          n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
