@@ -203,9 +203,10 @@ def test_mla_attention_selects_once_per_configuration_and_rejects_bad_specs():
 @pytest.mark.parametrize("timed", [False, True], ids=["static order", "shipped H200 timings"])
 def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, timed):
     """With the real gpu_tested flags and the H200's packages (no flash-attn); without timings (the static
-    order) and with the shipped H200 table (bench_backends.py; its decode rows from BENCHMARKS run 224, FlashMLA
+    order) and with the shipped H200 table (bench_backends.py; its decode rows from BENCHMARKS run 231, FlashMLA
     timed on the step schedule the model makes): at 16 heads on pages of 64 our Gluon decode wins, planned or not;
-    at 128 heads FlashMLA, and with a plan FlashInfer to batch 2 then FlashMLA; on pages of 16 (no Gluon, no FlashMLA) Triton, and with a plan Triton to batch 2 then FlashInfer;
+    at 128 heads our 64-row Gluon kernel to batch 2 then FlashMLA, and with a plan FlashInfer to batch 2 then
+    FlashMLA; on pages of 16 (no Gluon, no FlashMLA) Triton, and with a plan Triton to batch 2 then FlashInfer;
     prefill without a plan: our warp-specialized Gluon kernel; with FlashInfer's plan: at 16 heads Gluon-ws to 2048
     tokens then FlashInfer (7% faster at 8 x 4096 once its adapter's eager host time fell), at 128 heads FlashInfer
     (static order: Triton, or FlashInfer with a plan)."""
@@ -221,7 +222,8 @@ def test_h200_tested_flags_and_timings_pick_the_measured_fastest(monkeypatch, ti
         assert _pick("decode", block_size=64, planned=True).name == ("gluon" if timed else "flashmla-tiered")
         assert _pick("decode", block_size=64, planned=True, batch=16).name == (
             "gluon" if timed else "flashmla-tiered")
-        assert _pick("decode", block_size=64, num_heads=128).name == ("flashmla" if timed else "flashmla-tiered")
+        assert _pick("decode", block_size=64, num_heads=128).name == (
+            "split:gluon:2/flashmla" if timed else "flashmla-tiered")
         assert _pick("decode", block_size=64, num_heads=128, planned=True).name == (
             "split:flashinfer:2/flashmla" if timed else "flashmla-tiered")
         assert _pick("decode", block_size=16).name == "triton"

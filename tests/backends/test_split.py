@@ -161,10 +161,11 @@ def test_a_split_passes_the_plan_id_to_the_part_that_plans_and_refuses_a_missing
 
 
 def test_the_shipped_h200_table_splits_where_one_backend_loses_a_batch_class(everything_installed):
-    """The picks "auto" makes from the H200 file (its decode rows from BENCHMARKS run 224: FlashMLA timed on the
+    """The picks "auto" makes from the H200 file (its decode rows from BENCHMARKS run 231: FlashMLA timed on the
     step schedule the model makes) for the model's decode (batch unknown): one Gluon kernel at 16 heads; at 128
-    heads FlashMLA, and with FlashInfer's plan a split (FlashInfer to 2 sequences); a block-table capacity narrows
-    the class to the contexts it can hold."""
+    heads our 64-row Gluon kernel to 2 sequences (17.4 + 27.8 us against FlashMLA's 21.9 + 26.3) then FlashMLA,
+    and with FlashInfer's plan FlashInfer to 2 sequences (19.6 + 22.8); a block-table capacity narrows the class
+    to the contexts it can hold."""
     picks = {}
     for heads in (16, 128):
         for planned in (False, True):
@@ -173,7 +174,7 @@ def test_the_shipped_h200_table_splits_where_one_backend_loses_a_batch_class(eve
             picks[heads, planned] = select("decode", f).name
     assert picks[16, False] == "gluon"
     assert picks[16, True] == "gluon"
-    assert picks[128, False] == "flashmla"
+    assert picks[128, False] == "split:gluon:2/flashmla"
     assert picks[128, True] == "split:flashinfer:2/flashmla"
 
     def planned_128(capacity):
@@ -222,18 +223,20 @@ def test_prefill_splits_by_tokens_and_runs_the_part_of_each_call_s_token_count(m
 
 def test_fp8_decode_picks_from_the_shipped_h200_table_and_its_split_runs_each_part(
         everything_installed, monkeypatch):
-    """fp8 decode (BENCHMARKS run 154): gluon64 at 128 heads (FlashMLA's fp8 adapter, faster at batch 128 in the
-    table, is passed over by "auto" unless the call names its block tables' capacity: its cost follows it); at 16 heads gluon64 to 2 sequences
-    (two key tiles a split since run 154), the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``)
+    """fp8 decode (BENCHMARKS run 232): at 128 heads the 16-row Gluon kernel to 2 sequences (28.1 + 38.2 us
+    against gluon64's 30.3 + 38.6), gluon64 above (FlashMLA's fp8 adapter, faster at batch 128 in the table, is
+    passed over by "auto" unless the call names its block tables' capacity: its cost follows it); at 16 heads
+    gluon64 to 2 sequences, the 16-row Gluon kernel above. The split op (``mla::decode_fp8_split``)
     runs the part of each call's query rows, here with CPU spies for both parts."""
     def pick(heads, capacity=None):
         f = facts_for("cuda", torch.bfloat16, cache_dtype=torch.uint8, block_size=64, num_heads=heads,
                       head_dims=(512, 64), cache_align=16, packed_rows=True, cap=SM90, capacity=capacity)
         return select("decode_fp8", f).name
-    assert pick(128) == "gluon64" and pick(16) == "split:gluon64:2/gluon"
-    # a named capacity prices FlashMLA at it: with tables of 4096 tokens it takes 128 sequences (429.0 against
-    # gluon64's 447.5 us in the file); at 8192 its 744.6 us for every length loses to gluon64's 447.5 + 876.0
-    assert pick(128, 4096) == "split:gluon64:16/flashmla" and pick(128, 8192) == pick(128, 163840) == "gluon64"
+    assert pick(128) == "split:gluon:2/gluon64" and pick(16) == "split:gluon64:2/gluon"
+    # a named capacity prices FlashMLA at it: with tables of 4096 tokens it takes 128 sequences (411.9 against
+    # gluon64's 446.8 us in the file); at 8192 its 727.9 us for every length loses to gluon64's 446.8 + 871.1
+    assert pick(128, 4096) == "split:gluon:2/gluon64:16/flashmla"
+    assert pick(128, 8192) == pick(128, 163840) == "split:gluon:2/gluon64"
 
     from mla_compile.ops import fp8_cache
     monkeypatch.setitem(registry._TABLE, "decode_fp8", dict(registry._TABLE["decode_fp8"]))
