@@ -67,14 +67,21 @@ def smem_bytes() -> int:
 
 
 @gluon.jit
+def _copy_half(desc_h, kc, bar, row, live, H_: gl.constexpr):
+    """The copy of latent columns ``[256 H_, 256 H_ + 256)`` (four ``[64, 64]`` blocks, ``desc_h``'s box) of the
+    tile at cache row ``row`` into its slot ``kc`` on barrier ``bar`` (its expectation set by the caller)."""
+    dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
+    tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar, dst, pred=live)
+
+
+@gluon.jit
 def _issue_half(desc_h, kc, bar, page, tile, n_tiles, start, H_: gl.constexpr, BLOCK_SIZE: gl.constexpr):
-    """Start the copy of tile ``tile``'s latent columns ``[256 H_, 256 H_ + 256)`` (four ``[64, 64]`` blocks,
-    ``desc_h``'s box) into its slot ``kc`` on that slot's half-``H_`` barrier ``bar`` (none past ``n_tiles``)."""
+    """Start the copy of tile ``tile``'s latent half ``H_`` (:func:`_copy_half`) into its slot ``kc`` on that slot's
+    half-``H_`` barrier ``bar`` (none past ``n_tiles``)."""
     live = tile < n_tiles
     row = tile_row(page, tile, start, BLOCK_SIZE)
     mbarrier.expect(bar, HALF_BYTES, pred=live)
-    dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
-    tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar, dst, pred=live)
+    _copy_half(desc_h, kc, bar, row, live, H_)
 
 
 @gluon.jit
@@ -96,8 +103,7 @@ def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, 
     mbarrier.expect(bar_r, ROPE_BYTES, pred=live)
     mbarrier.expect(bar_h, HALF_BYTES, pred=live)
     tma.async_copy_global_to_shared(desc_r, [row, 512], bar_r, kr.index(0), pred=live)
-    dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * H_, 4, dim=0)
-    tma.async_copy_global_to_shared(desc_h, [4 * H_, row, 0], bar_h, dst, pred=live)
+    _copy_half(desc_h, kc, bar_h, row, live, H_)
 
 
 @gluon.jit
@@ -140,9 +146,9 @@ def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pr
             C: gl.constexpr, t, z, BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
     """Step 5: ``O *= alpha``, ``O += P_t V_t`` issued on this warpgroup's columns with P from registers; while
     it runs, P_t, its max and factor published in P buffer ``C`` (free: the module docstring); then, the dot
-    done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's
-    half take tile t + 2's (``page``: its block-table entry); returns ``(o, l_i)``. (The dot is issued before
-    the P stores: no shared-memory access between the publication's barrier and its arrival.)"""
+    done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile t + 2's
+    (``page``: its block-table entry); returns ``(o, l_i)``. (The dot is issued before the P stores: no
+    shared-memory access between the publication's barrier and its arrival.)"""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)
