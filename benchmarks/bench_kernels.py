@@ -182,26 +182,33 @@ def _stream_read_kernel(x_ptr, out_ptr, n, steps, BLOCK: tl.constexpr, STAGES: t
 
 # (programs a SM, elements a chunk, stages, warps) of the streaming read; its row takes the fastest
 READ_CONFIGS = ((4, 4096, 3, 4), (8, 2048, 3, 4), (2, 8192, 3, 8), (4, 8192, 2, 8))
+# (elements a chunk, stages, warps) of the streaming read on a given number of programs, one an SM
+READ_CONFIGS_FIXED = ((8192, 3, 8), (8192, 4, 8), (16384, 3, 8), (4096, 6, 4))
 
 
-def read_floor(group, buf, nbytes):
+def read_floor(group, buf, nbytes, programs: int | None = None):
     """A row "read floor": the fastest of ``READ_CONFIGS`` of a plain Triton streaming read of ``buf`` (contiguous,
-    the bytes an op must read; past L2), what one kernel reading that many bytes takes on this GPU."""
+    the bytes an op must read; past L2), what one kernel reading that many bytes takes on this GPU. ``programs``
+    (at most the SMs): the read on that many programs instead (``READ_CONFIGS_FIXED``), what a kernel of one
+    program a sequence can take at best when the sequences are fewer than the SMs."""
     flat = buf.reshape(-1)
     assert flat.numel() < 2**31, "int32 offsets"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = READ_CONFIGS if programs is None else tuple((None, *c) for c in READ_CONFIGS_FIXED)
     best, name = None, ""
-    for per_sm, block, stages, warps in READ_CONFIGS:
-        out = torch.empty(per_sm * sms, dtype=torch.float32, device=DEV)
+    for per_sm, block, stages, warps in configs:
+        grid = per_sm * sms if programs is None else programs
+        out = torch.empty(grid, dtype=torch.float32, device=DEV)
 
-        def call(per_sm=per_sm, block=block, stages=stages, warps=warps, out=out):
-            _stream_read_kernel[(per_sm * sms,)](flat, out, flat.numel(),
-                                                 triton.cdiv(flat.numel(), per_sm * sms * block),
-                                                 BLOCK=block, STAGES=stages, num_warps=warps)
+        def call(grid=grid, block=block, stages=stages, warps=warps, out=out):
+            _stream_read_kernel[(grid,)](flat, out, flat.numel(), triton.cdiv(flat.numel(), grid * block),
+                                         BLOCK=block, STAGES=stages, num_warps=warps)
         ms = graph_ms(call)
         if best is None or ms < best:
-            best, name = ms, f"{per_sm} a SM, {block} a chunk, {stages} stages, {warps} warps"
-    record(group, "read floor", best, best, 0, nbytes, f"Triton streaming read of the {nbytes / 1e6:.0f} MB, {name}")
+            best, name = ms, (f"{per_sm} a SM" if programs is None else f"{programs} programs") + \
+                f", {block} a chunk, {stages} stages, {warps} warps"
+    label = "read floor" if programs is None else f"read floor, {programs} programs"
+    record(group, label, best, best, 0, nbytes, f"Triton streaming read of the {nbytes / 1e6:.0f} MB, {name}")
 
 
 def decode_case(B, H, L, sweep, budget_s):
@@ -218,6 +225,8 @@ def decode_case(B, H, L, sweep, budget_s):
     ours = lambda: decode(q, cache, table, lens, SCALE, backend="triton")
     cfg = tdecode._pick(H, B, nblk * PAGE, DC, q.device, None, block_size=PAGE, dr=D - DC)
     read_floor(group, cache, B * L * D * 2)  # the cache bytes the call reads (the table holds every page once)
+    if B < torch.cuda.get_device_properties(0).multi_processor_count:  # one program a sequence, unsplit: B SMs
+        read_floor(group, cache, B * L * D * 2, programs=B)
     attempt(group, "triton (ours)", ours, flops, nbytes,
             note=cfg_name(cfg)[5:])
     for c in sweep:

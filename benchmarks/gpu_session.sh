@@ -89,7 +89,7 @@ if [[ $PHASES == *,step,* ]]; then
 fi
 [[ $PHASES == *,lowered,* ]] && tail -n 6 "$O/low/bench_lowered_step.txt"
 [[ $PHASES == *,kernels,* ]] && grep -E "^decode|^prefill|ours\)|FlashMLA |FlashInfer " "$O/ker/bench_kernels.txt"
-[[ $PHASES == *,decode,* ]] && grep -E "^decode|ours\)|FlashMLA |FlashInfer " "$O/dec/bench_kernels.txt"
+[[ $PHASES == *,decode,* ]] && grep -E "^decode|ours\)|FlashMLA |FlashInfer |read floor" "$O/dec/bench_kernels.txt"
 [[ $PHASES == *,prefill,* ]] && grep -E "^prefill|ours\)|gluon|FlashInfer " "$O/pre/bench_kernels.txt"
 [[ $PHASES == *,fp8,* ]] && grep -E "speedup|triton fp8|gluon fp8|FlashMLA fp8" "$O/fp8/bench_fp8_sparse.txt"
 [[ $PHASES == *,fusions,* ]] && cat "$O/fus/bench_fusions.txt"

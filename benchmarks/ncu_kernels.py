@@ -5,6 +5,10 @@
         python benchmarks/ncu_kernels.py [--cases decode16,decode128,fp8,sparse,prefill,b1] > ncu.csv
     python benchmarks/ncu_kernels.py --summarize ncu.csv        # the short table (no GPU needed)
 
+    ncu ... -k regex:seesaw -c 1 --section SourceCounters --section WarpStateStats -o rep python benchmarks/ncu_kernels.py
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv
+    python benchmarks/ncu_kernels.py --source src.csv            # where one kernel's warps stall, per instruction
+
 The first form runs each case's calls once between ``cudaProfilerStart`` / ``Stop`` (after one call outside
 them, so the JIT compiles and the peers' plans happen before): ncu profiles every launch in there of a kernel
 whose name matches ``-k``. ``--print-regex`` prints a regex of every kernel of the cases (ours and the peers'). The
@@ -152,17 +156,57 @@ def summarize(path: str) -> str:
     return "\n".join(out)
 
 
+def source_summary(path: str, top: int = 40) -> str:
+    """The instructions of an ncu ``--page source --print-source sass --csv`` file (one kernel, ``SourceCounters``)
+    with the most warp stall samples: address, share of all samples, the two largest stall reasons among the
+    per-reason sample columns, and the SASS; then the samples summed per opcode."""
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    table = list(csv.reader(lines))
+    if len(table) < 2:
+        return "no source rows in " + path
+    head, rows = table[0], table[1:]
+    col = {name: i for i, name in enumerate(head)}
+    total_col = next((i for i, n in enumerate(head) if n.startswith("Warp Stall Sampling (All")), None)
+    src_col = col.get("Source", 1)
+    addr_col = col.get("Address", 0)
+    if total_col is None:
+        return "no 'Warp Stall Sampling (All Samples)' column in " + path + ": " + ", ".join(head[:30])
+    reasons = [(i, n) for i, n in enumerate(head) if n.startswith("stall_") or n.startswith("smsp__pcsamp_warps_issue_stalled_")]
+    total = sum(_num(r[total_col]) for r in rows if len(r) > total_col) or 1.0
+    ranked = sorted((r for r in rows if len(r) > total_col), key=lambda r: -_num(r[total_col]))[:top]
+    out = [f"{'address':>8s} {'share':>6s}  {'reasons':34s} sass"]
+    for r in ranked:
+        why = sorted(((_num(r[i]), n.replace("smsp__pcsamp_warps_issue_stalled_", "")) for i, n in reasons),
+                     reverse=True)[:2]
+        out.append(f"{r[addr_col]:>8s} {100 * _num(r[total_col]) / total:5.1f}%  "
+                   f"{', '.join(f'{n} {v:.0f}' for v, n in why if v > 0):34s} {r[src_col].strip()[:90]}")
+    per_op: dict[str, float] = {}
+    for r in rows:
+        if len(r) > total_col and r[src_col].strip():
+            op = r[src_col].strip().split()[0]
+            if op.startswith("@"):
+                op = r[src_col].strip().split()[1]
+            per_op[op] = per_op.get(op, 0.0) + _num(r[total_col])
+    out.append("samples per opcode: " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in
+                                                  sorted(per_op.items(), key=lambda kv: -kv[1])[:12]))
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line (the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="decode16,decode128,fp8,sparse,prefill,b1")
     ap.add_argument("--summarize", metavar="CSV", help="print the short table of an ncu CSV (no GPU)")
     ap.add_argument("--print-regex", action="store_true", help="print the kernel-name regex for ncu's -k")
+    ap.add_argument("--source", metavar="CSV", help="print the stall samples per instruction of an ncu source-page CSV")
     args = ap.parse_args(argv)
     if args.print_regex:
         print(KERNELS)
     elif args.summarize:
         print(summarize(args.summarize))
+    elif args.source:
+        print(source_summary(args.source))
     else:
         run(args.cases.split(","))
     return 0

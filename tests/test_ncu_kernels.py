@@ -44,3 +44,32 @@ def test_summary_without_kernel_rows(tmp_path):
     path = tmp_path / "empty.csv"
     path.write_text("==PROF== nothing profiled\n")
     assert _module().summarize(str(path)).startswith("no kernel rows")
+
+
+def test_source_summary_ranks_instructions_by_stall_samples(tmp_path):
+    """``--source``: the instructions with the most warp stall samples first, each with its share of all samples
+    and its largest stall reasons, then the samples summed per opcode (a predicate is not the opcode)."""
+    rng = random.Random(11)
+    rows = [("0x0010", "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24", 0),
+            ("0x0020", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR40+0x387f0], R154", 0),
+            ("0x0030", "@!P1 LDG.E R23, desc[UR42][R22.64]", 0),
+            ("0x0040", "MUFU.EX2 R26, R26", 0)]
+    samples = [rng.randint(10, 99) for _ in rows]
+    samples[2] = 1000 + rng.randint(0, 99)  # the LDG stalls most
+    long_sb = [rng.randint(0, 9) for _ in rows]
+    long_sb[2] = samples[2] - 5
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+            "stall_long_sb", "stall_barrier"]
+    lines = ["==PROF== report", ",".join(f'"{c}"' for c in head)]
+    for (addr, sass, _), n, lsb in zip(rows, samples, long_sb):
+        lines.append(",".join(f'"{c}"' for c in (addr, sass, n, n // 2, lsb, n - lsb)))
+    path = tmp_path / "src.csv"
+    path.write_text("\n".join(lines) + "\n")
+    out = _module().source_summary(str(path)).splitlines()
+    assert out[1].split()[0] == "0x0030" and "LDG.E" in out[1]
+    share = float(out[1].split()[1].rstrip("%"))
+    assert abs(share - 100 * samples[2] / sum(samples)) < 0.1
+    assert "stall_long_sb" in out[1].split("%", 1)[1].split("LDG")[0]  # its largest reason named
+    assert [ln.split()[0] for ln in out[1:5]] == [rows[i][0] for i in sorted(range(4), key=lambda i: -samples[i])]
+    per_op = out[-1]
+    assert per_op.startswith("samples per opcode: LDG.E ")  # "@!P1" is the predicate, not the opcode
