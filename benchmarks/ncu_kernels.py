@@ -163,9 +163,10 @@ def source_summary(path: str, top: int = 40) -> str:
     with open(path, newline="") as f:
         lines = [ln for ln in f if ln.startswith('"')]
     table = list(csv.reader(lines))
-    if len(table) < 2:
+    start = next((i for i, r in enumerate(table) if "Address" in r and "Source" in r), None)  # after the kernel line
+    if start is None or len(table) < start + 2:
         return "no source rows in " + path
-    head, rows = table[0], table[1:]
+    head, rows = table[start], table[start + 1:]
     col = {name: i for i, name in enumerate(head)}
     total_col = next((i for i, n in enumerate(head) if n.startswith("Warp Stall Sampling (All")), None)
     src_col = col.get("Source", 1)

@@ -60,7 +60,8 @@ def test_source_summary_ranks_instructions_by_stall_samples(tmp_path):
     long_sb[2] = samples[2] - 5
     head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
             "stall_long_sb", "stall_barrier"]
-    lines = ["==PROF== report", ",".join(f'"{c}"' for c in head)]
+    # ncu's file: its log lines, the kernel's name line, then the header and a row per instruction
+    lines = ["==PROF== report", '"Kernel Name","decode_gluon_seesaw_kernel",', ",".join(f'"{c}"' for c in head)]
     for (addr, sass, _), n, lsb in zip(rows, samples, long_sb):
         lines.append(",".join(f'"{c}"' for c in (addr, sass, n, n // 2, lsb, n - lsb)))
     path = tmp_path / "src.csv"
