@@ -99,17 +99,6 @@ def cuobjdump() -> str | None:
     return tool if os.path.exists(tool) else None
 
 
-def sass(compiled) -> str:
-    """The SASS of a compiled kernel (``cuobjdump -sass`` of its cubin)."""
-    tool = cuobjdump()
-    if tool is None:
-        raise FileNotFoundError("no cuobjdump in the Triton wheel")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
 def resources(compiled) -> dict[str, int]:
     """``regs``, ``stack`` (spill bytes), ``smem`` and the count of each ``COUNTED`` SASS instruction."""
     tool = cuobjdump()
@@ -119,8 +108,8 @@ def resources(compiled) -> dict[str, int]:
         f.write(compiled.asm["cubin"])
         f.flush()
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    code = sass(compiled)
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     out = {"regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
            "smem": int(compiled.metadata.shared)}
-    out.update({op: len(re.findall(rf"\b{op}\b", code)) for op in COUNTED})
+    out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in COUNTED})
     return out

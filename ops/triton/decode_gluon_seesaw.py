@@ -28,8 +28,7 @@ Tile 0 (warpgroup 0's, nothing of the other's before it) takes steps 1, 4 and 5.
 order) takes the other's tile first: steps 2 and 1 issued (S_t only once the other has published tile t - 1),
 step 3 as soon as step 2's ``P V`` is done (``S_t`` may still run), ``S_t`` awaited, then 4 and 5; each
 warpgroup's softmax then overlaps the other's dots only. Without it, ``S_t`` starts as soon as its parts have
-landed, before the other's publication, and step 4 runs once ``S_t`` is done, while step 2's ``P V`` may still
-run (step 3 after it).
+landed, before the other's publication.
 
 So one warpgroup's softmax (step 4) runs while the other's dots do, and each tile's copies are started in
 three parts (the rope columns and the two 256-column halves, one mbarrier each) as soon as their last reader
@@ -105,18 +104,6 @@ def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, 
     mbarrier.expect(bar_h, HALF_BYTES, pred=live)
     tma.async_copy_global_to_shared(desc_r, [row, 512], bar_r, kr.index(0), pred=live)
     _copy_half(desc_h, kc, bar_h, row, live, H_)
-
-
-@gluon.jit
-def _redefine(o):
-    """``o`` (float32) through one ``add.f32 x, x, +0.0`` each: the same values (ptxas may not fold it away, as it
-    is no identity for -0.0), in registers a ``wgmma`` did not write. Without it, in the loop of the first order
-    (``FOLD_FIRST`` off), ptxas injects a wait for every dot in flight (its info C7517, "warpgroup.wait is
-    injected ... to allow use of registers defined by GMMA") before the fold's rescale of ``O``, which was last
-    written by the previous tile's awaited ``P V``: that wait would hold the rescale until ``S_t`` is done. (A
-    ``mov`` does not do: ptxas sees through it.)"""
-    return gl.inline_asm_elementwise("add.f32 $0, $1, 0f00000000;", "=r,r", [o], dtype=gl.float32, is_pure=False,
-                                     pack=1)
 
 
 @gluon.jit
@@ -241,16 +228,13 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             o = warpgroup_mma_wait(3, deps=[pv])
             _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
             s = warpgroup_mma_wait(0, deps=[sa])
-            # 4. S_t done: the softmax
-            p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
-        else:  # 1. S_t, each part as it arrives; 2. the other's tile t - 1; S_t awaited, 4 while that P V runs, 3
-            o = _redefine(o)  # else ptxas waits for S_t's dots before the fold's rescale of O
+        else:  # 1. S_t, each part as it arrives; 2. the other's tile t - 1; both awaited, 3
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
-            s = warpgroup_mma_wait(1, deps=[sa])  # S_t's groups were issued first: done; the fold may still run
-            p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
-            o = warpgroup_mma_wait(0, deps=[pv])
+            s, o = warpgroup_mma_wait(0, deps=[sa, pv])
             _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
+        # 4. S_t done: the softmax
+        p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
         # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
         o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2, start,
                          n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
