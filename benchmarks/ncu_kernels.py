@@ -5,7 +5,8 @@
         python benchmarks/ncu_kernels.py [--cases decode16,decode128,fp8,sparse,prefill,b1] > ncu.csv
     python benchmarks/ncu_kernels.py --summarize ncu.csv        # the short table (no GPU needed)
 
-    ncu ... -k regex:seesaw -c 1 --section SourceCounters --section WarpStateStats -o rep python benchmarks/ncu_kernels.py
+    ncu ... -k regex:seesaw -c 1 --section SourceCounters --section WarpStateStats -o rep \
+        python benchmarks/ncu_kernels.py --cases decode128
     ncu --import rep.ncu-rep --page source --csv --print-source sass > src.csv
     python benchmarks/ncu_kernels.py --source src.csv            # where one kernel's warps stall, per instruction
 
@@ -173,7 +174,8 @@ def source_summary(path: str, top: int = 40) -> str:
     addr_col = col.get("Address", 0)
     if total_col is None:
         return "no 'Warp Stall Sampling (All Samples)' column in " + path + ": " + ", ".join(head[:30])
-    reasons = [(i, n) for i, n in enumerate(head) if n.startswith("stall_") or n.startswith("smsp__pcsamp_warps_issue_stalled_")]
+    reasons = [(i, n) for i, n in enumerate(head)
+               if n.startswith("stall_") or n.startswith("smsp__pcsamp_warps_issue_stalled_")]
     total = sum(_num(r[total_col]) for r in rows if len(r) > total_col) or 1.0
     ranked = sorted((r for r in rows if len(r) > total_col), key=lambda r: -_num(r[total_col]))[:top]
     out = [f"{'address':>8s} {'share':>6s}  {'reasons':34s} sass"]
