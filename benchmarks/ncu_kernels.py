@@ -170,8 +170,7 @@ def source_summary(path: str, top: int = 40) -> str:
     head, rows = table[start], table[start + 1:]
     col = {name: i for i, name in enumerate(head)}
     total_col = next((i for i, n in enumerate(head) if n.startswith("Warp Stall Sampling (All")), None)
-    src_col = col.get("Source", 1)
-    addr_col = col.get("Address", 0)
+    src_col, addr_col = col["Source"], col["Address"]  # both in the header row found above
     if total_col is None:
         return "no 'Warp Stall Sampling (All Samples)' column in " + path + ": " + ", ".join(head[:30])
     reasons = [(i, n) for i, n in enumerate(head)
@@ -186,10 +185,9 @@ def source_summary(path: str, top: int = 40) -> str:
                    f"{', '.join(f'{n} {v:.0f}' for v, n in why if v > 0):34s} {r[src_col].strip()[:90]}")
     per_op: dict[str, float] = {}
     for r in rows:
-        if len(r) > total_col and r[src_col].strip():
-            op = r[src_col].strip().split()[0]
-            if op.startswith("@"):
-                op = r[src_col].strip().split()[1]
+        words = r[src_col].split() if len(r) > total_col else []
+        if words:
+            op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]  # past a predicate
             per_op[op] = per_op.get(op, 0.0) + _num(r[total_col])
     out.append("samples per opcode: " + ", ".join(f"{op} {100 * v / total:.1f}%" for op, v in
                                                   sorted(per_op.items(), key=lambda kv: -kv[1])[:12]))

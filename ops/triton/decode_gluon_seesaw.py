@@ -75,6 +75,13 @@ def _copy_half(desc_h, kc, bar, row, live, H_: gl.constexpr):
 
 
 @gluon.jit
+def _copy_rope(desc_r, kr, bar, row, live):
+    """The copy of the rope columns (from column 512, ``desc_r``'s box) of the tile at cache row ``row`` into its
+    slot ``kr`` on barrier ``bar`` (its expectation set by the caller)."""
+    tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr.index(0), pred=live)
+
+
+@gluon.jit
 def _issue_half(desc_h, kc, bar, page, tile, n_tiles, start, H_: gl.constexpr, BLOCK_SIZE: gl.constexpr):
     """Start the copy of tile ``tile``'s latent half ``H_`` (:func:`_copy_half`) into its slot ``kc`` on that slot's
     half-``H_`` barrier ``bar`` (none past ``n_tiles``)."""
@@ -90,7 +97,7 @@ def _issue_rope(desc_r, kr, bar, page, tile, n_tiles, start, BLOCK_SIZE: gl.cons
     live = tile < n_tiles
     row = tile_row(page, tile, start, BLOCK_SIZE)
     mbarrier.expect(bar, ROPE_BYTES, pred=live)
-    tma.async_copy_global_to_shared(desc_r, [row, 512], bar, kr.index(0), pred=live)
+    _copy_rope(desc_r, kr, bar, row, live)
 
 
 @gluon.jit
@@ -102,7 +109,7 @@ def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, 
     row = tile_row(page, tile, start, BLOCK_SIZE)
     mbarrier.expect(bar_r, ROPE_BYTES, pred=live)
     mbarrier.expect(bar_h, HALF_BYTES, pred=live)
-    tma.async_copy_global_to_shared(desc_r, [row, 512], bar_r, kr.index(0), pred=live)
+    _copy_rope(desc_r, kr, bar_r, row, live)
     _copy_half(desc_h, kc, bar_h, row, live, H_)
 
 
