@@ -254,9 +254,7 @@ def decode_case(B, H, L, sweep, budget_s):
         if H > decode_gluon.SWAP_ROWS and B <= 16:  # the 16-row kernel at 128 heads: each row block reads the cache
             variants += [swap]
         if H > decode_gluon.SWAP_ROWS:  # the alternating warpgroups (decode_gluon_seesaw), 64 rows a program
-            variants += [{"SEESAW": True}, {"SEESAW": True, "FOLD_FIRST": False}, {"SEESAW": True, "PAIRS": True}]
-            variants += [{"SEESAW": True, "PREFETCH": 2}, {"SEESAW": True, "FOLD_FIRST": False, "PREFETCH": 2},
-                         {"SEESAW": True, "PAIRS": True, "PREFETCH": 2}, {"SEESAW": True, "PAIRS": True, "PREFETCH": 4}]
+            variants += [{"SEESAW": True}, {"SEESAW": True, "FOLD_FIRST": False}]
         if B <= 2:  # latency-bound: the swapped kernel at fixed split counts
             variants += [dict(swap, SPLITS=sp) for sp in (8, 32)]
         for cfg in variants:

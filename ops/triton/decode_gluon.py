@@ -89,7 +89,7 @@ PROGRAMS_PER_SM = 1
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
 # what :func:`launch`'s config may name
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "PAIRS", "PREFETCH", "SWAP", "PIPE", "EARLY"})
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "SWAP", "PIPE", "EARLY"})
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
@@ -271,15 +271,12 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     rows = kv_cache.view(-1, D)
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
     # the latent copies' box: a tile's eight [64, 64] column blocks (the seesaw kernel: half of them a copy)
-    pairs = seesaw and bool(config.get("PAIRS", False))  # the seesaw's PAIRS schedule: one column block a copy
-    box = 1 if pairs else DC // CHUNK // (2 if seesaw else 1)
-    desc_c = TensorDescriptor.from_tensor(blocks, [box, BLOCK_N, CHUNK], BOX_SL)
+    desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // (2 if seesaw else 1), BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:
-        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST)), "PAIRS": pairs,
-                 "PREFETCH": int(config.get("PREFETCH", 0)), "kv_ptr": rows}
+        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST))}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
     elif swap:
         pdl = launch_kwargs(q.device)

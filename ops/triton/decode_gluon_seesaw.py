@@ -50,19 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_C, DC, DR, STAGES, TILE_BYTES, tile_row,
                                               zero_tail)
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, mask_scores, split_range, tile_page
+from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, split_range, tile_page
 from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_publish, _ws_softmax, _ws_take
 
 WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
 WORKER_REGS = gl.constexpr(248)  # the worker's registers a thread (the kernel's own warps get the rest of the file)
 HALF_BYTES = gl.constexpr(BLOCK_N * (DC // 2) * 2)  # a half tile's latent columns
 ROPE_BYTES = gl.constexpr(BLOCK_N * DR * 2)
-BLOCK_BYTES = gl.constexpr(BLOCK_N * 64 * 2)  # one [64, 64] latent column block (the PAIRS schedule's copies)
-ROW = gl.constexpr(DC + DR)  # a cache row's elements
-# one tile's rows asked of L2 by the warpgroup's first thread where operand 2 (the tile exists) is not 0
-PREFETCH_ASM = gl.constexpr(
-    "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0; "
-    f"setp.ne.and.u32 p, $2, 0, p; @p cp.async.bulk.prefetch.L2.global [$1], {TILE_BYTES}; mov.u32 $0, 0; }}")
 
 
 def smem_bytes() -> int:
@@ -117,17 +111,6 @@ def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, 
     mbarrier.expect(bar_h, HALF_BYTES, pred=live)
     _copy_rope(desc_r, kr, bar_r, row, live)
     _copy_half(desc_h, kc, bar_h, row, live, H_)
-
-
-@gluon.jit
-def _prefetch(kv_ptr, bt_row, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
-    """Ask L2 for tile ``tile``'s 64 cache rows (contiguous: one ``cp.async.bulk.prefetch.L2`` of 64 x 1152 bytes by
-    the calling warpgroup's first thread; none past ``n_tiles``), so that its TMA copy into a slot later finds them
-    there (``PREFETCH``)."""
-    page = tile_page(bt_row, tile, n_tiles, start, BLOCK_SIZE, 64)
-    addr = kv_ptr + tile_row(page, tile, start, BLOCK_SIZE).to(gl.int64) * ROW
-    live = (tile < n_tiles).to(gl.int32)
-    gl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [addr, live], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -205,290 +188,27 @@ def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLO
 
 
 @gluon.jit
-def _query_rope(q_ptr, pid_h, b, M, H, stride_qb, stride_qs, stride_qh, DC: gl.constexpr, DR: gl.constexpr,
-                s_l: gl.constexpr):
-    """The program's query rows' rope part ``[64, DR]``, held in registers as the S dot's A operand (``s_l``: the
-    scores' layout; rows past ``M``: zeros)."""
-    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_a))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
-    return gl.load(q_row[:, None] + DC + d_r[None, :], mask=(m_q < M)[:, None], other=0.0)
-
-
-@gluon.jit
-def _slot_bars(bar_l: gl.constexpr):
-    """A slot's nine barriers (``PAIRS``): latent column blocks 0-7, then the rope columns; one allocation each."""
-    return (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-            gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-            gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-            gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-            gl.allocate_shared_memory(gl.int64, [1], bar_l))
-
-
-@gluon.jit
-def _issue_blocks(desc_b, desc_r, kc, kr, bars, FIRST: gl.constexpr, ROPE: gl.constexpr, page, tile, n_tiles, start,
-                  BLOCK_SIZE: gl.constexpr):
-    """Start the copies of tile ``tile``'s latent column blocks ``FIRST`` ... ``FIRST + 3`` (``desc_b``'s box: one
-    ``[64, 64]`` block) and, where ``ROPE``, its rope columns into slot ``kc`` / ``kr``, each on its own barrier of
-    ``bars`` (:func:`_slot_bars`; every expectation set before the first copy; none past ``n_tiles``)."""
-    live = tile < n_tiles
-    row = tile_row(page, tile, start, BLOCK_SIZE)
-    if ROPE:
-        mbarrier.expect(bars[8], ROPE_BYTES, pred=live)
-    for c in gl.static_range(4):
-        mbarrier.expect(bars[FIRST + c], BLOCK_BYTES, pred=live)
-    if ROPE:
-        _copy_rope(desc_r, kr, bars[8], row, live)
-    for c in gl.static_range(4):
-        dst = kc.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(FIRST + c, 1, dim=0)
-        tma.async_copy_global_to_shared(desc_b, [FIRST + c, row, 0], bars[FIRST + c], dst, pred=live)
-
-
-@gluon.jit
-def _scores_blocks(sa, q_s, kc, bars, FIRST: gl.constexpr, use, z):
-    """Add latent column blocks ``FIRST`` ... ``FIRST + 3`` of the slot ``kc`` to the pending scores ``sa``, each
-    block's ``wgmma`` issued once its copy has landed (``bars``, phase ``use``); returns the pending scores."""
-    for c in gl.static_range(4):
-        mbarrier.wait(bars[FIRST + c], use)
-        sa = warpgroup_mma(q_s.index(z).slice((FIRST + c) * 64, 64, dim=1),
-                           kc.index(z).slice((FIRST + c) * 64, 64, dim=1).permute([1, 0]), sa, is_async=True)
-    return sa
-
-
-@gluon.jit
-def _scores_rope(qr, kr, bars, zero_s, use, z):
-    """Issue the rope part of a tile's scores (``qr`` in registers against the slot's rope columns ``kr``) once its
-    copy has landed; returns the pending scores."""
-    mbarrier.wait(bars[8], use)
-    return warpgroup_mma(qr, kr.index(z).permute([1, 0]), zero_s, is_async=True)
-
-
-@gluon.jit
-def _pair_max(s, n0, end, lim_min, limit, offs_n, scale_log2):
-    """The masked base-2 scores of the tile at ``n0`` (``_gluon.mask_scores``) and their row max."""
-    s = mask_scores(s, n0, end, lim_min, limit, offs_n, scale_log2)
-    return s, gl.max(s, axis=1)
-
-
-@gluon.jit
-def _pair_hand(m_new, factor, m_s, a_s, bar):
-    """Publish a running max and its factor (``m_s``, ``a_s``) to the other warpgroup: one arrival on ``bar``
-    once every warp of this one has stored."""
-    m_s.store(m_new)
-    a_s.store(factor)
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _pair_p_store(p, p_s, bar):
-    """Store ``p`` (bf16) for the other warpgroup's ``P V`` and signal ``bar`` (after every warp's store)."""
-    p_s.store(p.to(gl.bfloat16))
-    fence_async_shared()  # read by the other warpgroup's wgmma
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _pair_zero(kc, n0, end, zl: gl.constexpr):
-    """A partial tile's value rows past ``end`` zeroed in its slot ``kc`` (before either warpgroup's ``P V``)."""
-    if n0 + 64 > end:
-        zero_tail(kc.index(0), end - n0, zl)
-        fence_async_shared()
-        gl.thread_barrier()
-
-
-@gluon.jit
-def _pairs_lead(q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, mready, done,
-                bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
-                stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
-                DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-                PREFETCH: gl.constexpr):
-    """Warpgroup 0 of the ``PAIRS`` schedule (the module docstring): tiles 0, 2, ... in slot 0, output columns
-    ``[0, 256)``."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    qr = _query_rope(q_ptr, pid_h, b, M, H, stride_qb, stride_qs, stride_qh, DC, DR, s_l)
-    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
-    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
-    zero_s = gl.zeros([64, 64], gl.float32, s_l)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([64], gl.float32, row_s)
-    o = gl.zeros([64, 256], gl.float32, o_l)
-    s = zero_s
-    if n_tiles > 0:  # S of tile 0
-        z = opaque_zero(n_tiles)
-        sa = _scores_rope(qr, kr[0], kb[0], zero_s, 0, z)
-        sa = _scores_blocks(sa, q_s, kc[0], kb[0], 0, 0, z)
-        sa = _scores_blocks(sa, q_s, kc[0], kb[0], 4, 0, z)
-        s = warpgroup_mma_wait(0, deps=[sa])
-    for t in range(0, n_tiles - 1, 2):  # the pairs (t, t + 1)
-        z = opaque_zero(t)
-        ph = (t // 2) & 1
-        page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
-        page3 = tile_page(bt_row, t + 3, n_tiles, start, BLOCK_SIZE, 64)
-        # a. the max after tile t, handed over at once
-        n0 = start + t * 64
-        s, r = _pair_max(s, n0, end, lim_min, limit, offs_n, scale_log2)
-        m0 = gl.maximum(m_i, r)
-        m0_shift = gl.where(m0 == float("-inf"), 0.0, m0)
-        alpha0 = gl.exp2(m_i - m0_shift)
-        _pair_hand(m0, alpha0, m_s[0], a_s[0], mready[0])
-        # b. P_t and this warpgroup's P V on it
-        p = gl.exp2(s - m0_shift[:, None])
-        o = o * gl.convert_layout(alpha0, row_o)[:, None]
-        l_i = l_i * alpha0 + gl.sum(p, axis=1)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)  # (tile t is not the last: whole)
-        o = warpgroup_mma(p_op, kc[0].index(z).slice(0, 256, dim=1), o, is_async=True)
-        o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
-        # c. tile t + 1's max from the other; slot 0's rope columns and first half take tile t + 2
-        mbarrier.wait(mready[1], ph)
-        m_i = m_s[1].load(row_s)
-        alpha1 = a_s[1].load(row_s)
-        gl.thread_barrier()
-        _issue_blocks(desc_h, desc_r, kc[0], kr[0], kb[0], 0, True, page2, t + 2, n_tiles, start, BLOCK_SIZE)
-        if PREFETCH > 0:  # the pair PREFETCH tiles past the next one asked of L2
-            _prefetch(kv_ptr, bt_row, t + 2 + PREFETCH, n_tiles, start, BLOCK_SIZE)
-            _prefetch(kv_ptr, bt_row, t + 3 + PREFETCH, n_tiles, start, BLOCK_SIZE)
-        # d. P_t relative to the max after tile t + 1, for the other's P V
-        _pair_p_store(p * alpha1[:, None], p_s[0].index(z), pready[0])
-        # e. the other's tile t + 1 on this warpgroup's columns
-        mbarrier.wait(pready[1], ph)
-        o = o * gl.convert_layout(alpha1, row_o)[:, None]
-        l_i = l_i * alpha1
-        pv = warpgroup_mma(p_s[1].index(z), kc[1].index(z).slice(0, 256, dim=1), o, is_async=True)
-        # f. - h. S of tile t + 2 (its second half last: re-filled by the other after its P V of tile t), slot 1's
-        # first half re-filled with tile t + 3 once this P V is done
-        if t + 2 < n_tiles:
-            use = ((t + 2) // 2) & 1
-            sa = _scores_rope(qr, kr[0], kb[0], zero_s, use, z)
-            sa = _scores_blocks(sa, q_s, kc[0], kb[0], 0, use, z)
-            o = warpgroup_mma_wait(5, deps=[pv])
-            gl.thread_barrier()
-            _issue_blocks(desc_h, desc_r, kc[1], kr[1], kb[1], 0, False, page3, t + 3, n_tiles, start, BLOCK_SIZE)
-            sa = _scores_blocks(sa, q_s, kc[0], kb[0], 4, use, z)
-            s = warpgroup_mma_wait(0, deps=[sa])
-        else:
-            o = warpgroup_mma_wait(0, deps=[pv])
-    if n_tiles % 2 == 1:  # the last tile is this warpgroup's, alone: P_t relative to its own max
-        last = n_tiles - 1
-        z = opaque_zero(last)
-        n0 = start + last * 64
-        s, r = _pair_max(s, n0, end, lim_min, limit, offs_n, scale_log2)
-        m0 = gl.maximum(m_i, r)
-        m0_shift = gl.where(m0 == float("-inf"), 0.0, m0)
-        alpha0 = gl.exp2(m_i - m0_shift)
-        m_i = m0
-        _pair_hand(m0, alpha0, m_s[0], a_s[0], mready[0])
-        p = gl.exp2(s - m0_shift[:, None])
-        o = o * gl.convert_layout(alpha0, row_o)[:, None]
-        l_i = l_i * alpha0 + gl.sum(p, axis=1)
-        _pair_zero(kc[0], n0, end, zl)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)
-        o = warpgroup_mma(p_op, kc[0].index(z).slice(0, 256, dim=1), o, is_async=True)
-        # in P buffer 1 (this warpgroup's read of it is done; the other's P V of tile t - 2 may still read buffer 0)
-        _pair_p_store(p, p_s[1].index(z), pready[0])
-        o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
-    _ws_finish(0, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
-               o_l)
-
-
-@gluon.jit
-def _pairs_follow(q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, mready, done,
-                  bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
-                  stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
-                  DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-                  PREFETCH: gl.constexpr):
-    """Warpgroup 1 of the ``PAIRS`` schedule (the module docstring): tiles 1, 3, ... in slot 1, output columns
-    ``[256, 512)``."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    qr = _query_rope(q_ptr, pid_h, b, M, H, stride_qb, stride_qs, stride_qh, DC, DR, s_l)
-    rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
-    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
-    zero_s = gl.zeros([64, 64], gl.float32, s_l)
-    m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([64], gl.float32, row_s)
-    o = gl.zeros([64, 256], gl.float32, o_l)
-    for t in range(0, n_tiles - 1, 2):  # the pairs (t, t + 1)
-        z = opaque_zero(t)
-        ph = (t // 2) & 1
-        page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
-        page3 = tile_page(bt_row, t + 3, n_tiles, start, BLOCK_SIZE, 64)
-        # a. S of tile t + 1, the max after it from the other's after tile t, handed back at once
-        use = ((t + 1) // 2) & 1
-        sa = _scores_rope(qr, kr[1], kb[1], zero_s, use, z)
-        sa = _scores_blocks(sa, q_s, kc[1], kb[1], 4, use, z)
-        sa = _scores_blocks(sa, q_s, kc[1], kb[1], 0, use, z)
-        s = warpgroup_mma_wait(0, deps=[sa])
-        n1 = start + (t + 1) * 64
-        s, r = _pair_max(s, n1, end, lim_min, limit, offs_n, scale_log2)
-        mbarrier.wait(mready[0], ph)
-        m0 = m_s[0].load(row_s)
-        alpha0 = a_s[0].load(row_s)
-        m_i = gl.maximum(m0, r)
-        m1_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
-        alpha1 = gl.exp2(m0 - m1_shift)
-        _pair_hand(m_i, alpha1, m_s[1], a_s[1], mready[1])
-        # b. P_{t+1}, stored for the other, and this warpgroup's P V on it (one rescale of O for both tiles)
-        p = gl.exp2(s - m1_shift[:, None])
-        alpha = alpha0 * alpha1
-        o = o * gl.convert_layout(alpha, row_o)[:, None]
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        _pair_zero(kc[1], n1, end, zl)
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)
-        _pair_p_store(p, p_s[1].index(z), pready[1])
-        o = warpgroup_mma(p_op, kc[1].index(z).slice(256, 256, dim=1), o, is_async=True)
-        # c. the other's tile t (P relative to the max after tile t + 1)
-        mbarrier.wait(pready[0], ph)
-        o = warpgroup_mma(p_s[0].index(z), kc[0].index(z).slice(256, 256, dim=1), o, is_async=True)
-        # d. own P V done: slot 1's rope columns and second half take tile t + 3
-        p_op = warpgroup_mma_wait(1, deps=[p_op])
-        gl.thread_barrier()
-        _issue_blocks(desc_h, desc_r, kc[1], kr[1], kb[1], 4, True, page3, t + 3, n_tiles, start, BLOCK_SIZE)
-        # e. the other's tile done: slot 0's second half takes tile t + 2
-        o = warpgroup_mma_wait(0, deps=[o])
-        gl.thread_barrier()
-        _issue_blocks(desc_h, desc_r, kc[0], kr[0], kb[0], 4, False, page2, t + 2, n_tiles, start, BLOCK_SIZE)
-    if n_tiles % 2 == 1:  # the last tile is the other's, alone
-        last = n_tiles - 1
-        z = opaque_zero(last)
-        ph = (last // 2) & 1
-        mbarrier.wait(mready[0], ph)
-        m_i = m_s[0].load(row_s)
-        alpha0 = a_s[0].load(row_s)
-        o = o * gl.convert_layout(alpha0, row_o)[:, None]
-        l_i = l_i * alpha0
-        mbarrier.wait(pready[0], ph)
-        o = warpgroup_mma(p_s[1].index(z), kc[0].index(z).slice(256, 256, dim=1), o)
-    _ws_finish(1, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
-               o_l)
-
-
-@gluon.jit
-def _seesaw(C: gl.constexpr, q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
+def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
             bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
             stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
             DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-            FOLD_FIRST: gl.constexpr, PREFETCH: gl.constexpr):
+            FOLD_FIRST: gl.constexpr):
     """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile; ``FOLD_FIRST``: 2, 1, 4, 3, 5),
     then the fold of the other's last tile and the stores (``_ws_finish``)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
     zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    qr = _query_rope(q_ptr, pid_h, b, M, H, stride_qb, stride_qs, stride_qh, DC, DR, s_l)
+
+    # the query rows' rope part, held in registers as the S dot's A operand (rows past M: zeros)
+    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_a))
+    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
+    d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
+    qr = gl.load(q_row[:, None] + DC + d_r[None, :], mask=(m_q < M)[:, None], other=0.0)
+
     rows, row_ok, limit, lim_min = causal_rows(pid_h, 64, M, H, S_Q, seq_len, row_s)
     offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
     zero_s = gl.zeros([64, 64], gl.float32, s_l)
@@ -505,8 +225,6 @@ def _seesaw(C: gl.constexpr, q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_
             p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
             o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2,
                              start, n_tiles, C, 0, z, BLOCK_SIZE, row_o, p_a)
-            if PREFETCH > 0:
-                _prefetch(kv_ptr, bt_row, 2 + PREFETCH, n_tiles, start, BLOCK_SIZE)
     for t in range(2 - C, n_tiles, 2):
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
@@ -527,8 +245,6 @@ def _seesaw(C: gl.constexpr, q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_
         # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
         o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2, start,
                          n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
-        if PREFETCH > 0:  # the tile PREFETCH past the one just asked for, asked of L2
-            _prefetch(kv_ptr, bt_row, t + 2 + PREFETCH, n_tiles, start, BLOCK_SIZE)
 
     last = n_tiles - 1
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
@@ -544,9 +260,9 @@ def decode_gluon_seesaw_kernel(
     scale_log2,
     stride_qb, stride_qs, stride_qh,
     stride_bt,
-    M, H, S_Q, n_splits, kv_ptr,
+    M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-    FOLD_FIRST: gl.constexpr = False, PAIRS: gl.constexpr = False, PREFETCH: gl.constexpr = 0,
+    FOLD_FIRST: gl.constexpr = False,
 ):
     """``decode_gluon_kernel``'s contract with :data:`WARPS` warps plus a 4-warp worker; ``desc_h`` spans the
     cache's latent columns as ``[8, rows, 64]`` with a box of half a tile (``[4, 64, 64]``), ``desc_r`` its rows
@@ -585,59 +301,30 @@ def decode_gluon_seesaw_kernel(
     a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
     x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
     # kb[3 s + h]: slot s's latent half h (h = 2: its rope columns)
-    if PAIRS:  # kb[s][j]: slot s's latent column block j (j = 8: its rope columns)
-        kb = (_slot_bars(bar_l), _slot_bars(bar_l))
-    else:
-        kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-              gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-              gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    if PAIRS:
-        for i in gl.static_range(9):
-            mbarrier.init(kb[0][i], count=1)
-            mbarrier.init(kb[1][i], count=1)
-    else:
-        for i in gl.static_range(6):
-            mbarrier.init(kb[i], count=1)
+    for i in gl.static_range(6):
+        mbarrier.init(kb[i], count=1)
     for i in gl.static_range(2):
         mbarrier.init(pready[i], count=1)
         mbarrier.init(done.index(i), count=1)
-    if PAIRS:  # the running maxes' hand-over, one barrier a warpgroup
-        mready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-        for i in gl.static_range(2):
-            mbarrier.init(mready[i], count=1)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
     for t in gl.static_range(2):
-        if PAIRS:
-            for h in gl.static_range(2):
-                _issue_blocks(desc_h, desc_r, kc[t], kr[t], kb[t], 4 * h, h == 0, pages[t], t, n_tiles, start,
-                              BLOCK_SIZE)
-        else:
-            _issue_rope(desc_r, kr[t], kb[t * 3 + 2], pages[t], t, n_tiles, start, BLOCK_SIZE)
-            for h in gl.static_range(2):
-                _issue_half(desc_h, kc[t], kb[t * 3 + h], pages[t], t, n_tiles, start, h, BLOCK_SIZE)
-    for i in gl.static_range(PREFETCH):  # tiles 2 ... PREFETCH + 1 asked of L2 (the partitions ask for the rest)
-        _prefetch(kv_ptr, bt_row, 2 + i, n_tiles, start, BLOCK_SIZE)
+        _issue_rope(desc_r, kr[t], kb[t * 3 + 2], pages[t], t, n_tiles, start, BLOCK_SIZE)
+        for h in gl.static_range(2):
+            _issue_half(desc_h, kc[t], kb[t * 3 + h], pages[t], t, n_tiles, start, h, BLOCK_SIZE)
     q_s.index(0).store(q.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
-    if PAIRS:
-        gl.warp_specialize([
-            (_pairs_lead, (q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, mready, done, bt_row,
-                           scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                           stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, PREFETCH)),
-            (_pairs_follow, (q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, mready, done, bt_row,
-                             scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
-                             stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, PREFETCH)),
-        ], [4], [WORKER_REGS])
-    else:
-        gl.warp_specialize([
-            (_seesaw, (0, q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
-                       scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                       stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST, PREFETCH)),
-            (_seesaw, (1, q_ptr, kv_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
-                       scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                       stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST, PREFETCH)),
-        ], [4], [WORKER_REGS])  # WARPS
+    gl.warp_specialize([
+        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
+                   scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
+        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
+                   scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
+                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
+    ], [4], [WORKER_REGS])  # WARPS

@@ -111,13 +111,10 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "SWAP": False, "PIPE": True},
                  "swap": {"WS": False, "SWAP": True}, "swap-early": {"WS": False, "SWAP": True, "EARLY": True},
                  "ws": {"WS": True}, "seesaw": {"SEESAW": True},
-                 "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False},
-                 "seesaw-pairs": {"SEESAW": True, "PAIRS": True},
-                 "seesaw-pf": {"SEESAW": True, "PREFETCH": 2},
-                 "seesaw-pairs-pf": {"SEESAW": True, "PAIRS": True, "PREFETCH": 2}}
+                 "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False}}
 # "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
 # "pipe" (the PIPE schedule, not the default) and "seesaw-steps": the shape table only
-KERNELS = ["plain", "swap", "swap-early", "ws", "seesaw", "seesaw-pairs", "seesaw-pf", "seesaw-pairs-pf"]
+KERNELS = ["plain", "swap", "swap-early", "ws", "seesaw"]
 
 
 @pytest.mark.cuda

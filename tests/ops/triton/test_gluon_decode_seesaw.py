@@ -36,10 +36,10 @@ def test_sm90_compile_resources(block_size, direct, fold_first):
     from mla_compile.ops.triton._sm90 import resources
 
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
-                 o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32", kv_ptr="*bf16",
+                 o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32",
                  desc_h=_desc_type([4, 64, 64], BOX_SL), desc_r=_desc_type([64, 64], SMEM_SL))
     compiled = gluon_sm90(sw.decode_gluon_seesaw_kernel, dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct,
-                                                                         FOLD_FIRST=fold_first, PAIRS=False, PREFETCH=0),
+                                                                         FOLD_FIRST=fold_first),
                           sw.WARPS, types, ("stride_q",))
     assert compiled.metadata.num_warps == 8
     shared = compiled.metadata.shared
