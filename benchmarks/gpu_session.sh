@@ -4,7 +4,8 @@
 #   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   decode   bench_kernels --decode --quick (the decode sections alone: H=128 B=128 with the Gluon variants, the
-#            alternating SEESAW kernel and its FOLD_FIRST among them; H=16 B=128 L=8192; H=128 B=1)
+#            alternating SEESAW kernel and its FOLD_FIRST among them; H=16 B=128 L=8192; H=128 B=1; H=128 B=66
+#            L=512 with the cache resident in L2)
 #   prefill  bench_kernels --prefill-persist (causal prefill: the warp-specialized Gluon kernel per program and
 #            PERSIST, against FlashInfer)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
