@@ -167,16 +167,17 @@ def source_summary(path: str, top: int = 40) -> str:
     start = next((i for i, r in enumerate(table) if "Address" in r and "Source" in r), None)  # after the kernel line
     if start is None or len(table) < start + 2:
         return "no source rows in " + path
-    head, rows = table[start], table[start + 1:]
+    head = table[start]
     col = {name: i for i, name in enumerate(head)}
     total_col = next((i for i, n in enumerate(head) if n.startswith("Warp Stall Sampling (All")), None)
     src_col, addr_col = col["Source"], col["Address"]  # both in the header row found above
     if total_col is None:
         return "no 'Warp Stall Sampling (All Samples)' column in " + path + ": " + ", ".join(head[:30])
+    rows = [r for r in table[start + 1:] if len(r) > total_col]  # the instruction rows (complete ones)
     reasons = [(i, n) for i, n in enumerate(head)
                if n.startswith("stall_") or n.startswith("smsp__pcsamp_warps_issue_stalled_")]
-    total = sum(_num(r[total_col]) for r in rows if len(r) > total_col) or 1.0
-    ranked = sorted((r for r in rows if len(r) > total_col), key=lambda r: -_num(r[total_col]))[:top]
+    total = sum(_num(r[total_col]) for r in rows) or 1.0
+    ranked = sorted(rows, key=lambda r: -_num(r[total_col]))[:top]
     out = [f"{'address':>8s} {'share':>6s}  {'reasons':34s} sass"]
     for r in ranked:
         why = sorted(((_num(r[i]), n.replace("smsp__pcsamp_warps_issue_stalled_", "")) for i, n in reasons),
@@ -185,7 +186,7 @@ def source_summary(path: str, top: int = 40) -> str:
                    f"{', '.join(f'{n} {v:.0f}' for v, n in why if v > 0):34s} {r[src_col].strip()[:90]}")
     per_op: dict[str, float] = {}
     for r in rows:
-        words = r[src_col].split() if len(r) > total_col else []
+        words = r[src_col].split()
         if words:
             op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]  # past a predicate
             per_op[op] = per_op.get(op, 0.0) + _num(r[total_col])
