@@ -188,7 +188,8 @@ READ_CONFIGS_FIXED = ((8192, 3, 8), (8192, 4, 8), (16384, 3, 8), (4096, 6, 4))
 
 def read_floor(group, buf, nbytes, programs: int | None = None):
     """A row "read floor": the fastest of ``READ_CONFIGS`` of a plain Triton streaming read of ``buf`` (contiguous,
-    the bytes an op must read; past L2), what one kernel reading that many bytes takes on this GPU. ``programs``
+    the bytes an op must read; from memory where ``buf`` is larger than L2, from L2 where it fits, as the op's own
+    replays read it), what one kernel reading that many bytes takes on this GPU. ``programs``
     (at most the SMs): the read on that many programs instead (``READ_CONFIGS_FIXED``), what a kernel of one
     program a sequence can take at best when the sequences are fewer than the SMs."""
     flat = buf.reshape(-1)
