@@ -255,7 +255,8 @@ def decode_case(B, H, L, sweep, budget_s):
         if H > decode_gluon.SWAP_ROWS and B <= 16:  # the 16-row kernel at 128 heads: each row block reads the cache
             variants += [swap]
         if H > decode_gluon.SWAP_ROWS:  # the alternating warpgroups (decode_gluon_seesaw), 64 rows a program
-            variants += [{"SEESAW": True}, {"SEESAW": True, "FOLD_FIRST": False}]
+            variants += [{"SEESAW": True}, {"SEESAW": True, "FOLD_FIRST": False}, {"SEESAW": True, "TMA_OUT": False},
+                         {"SEESAW": True, "TMA_OUT": False, "TMA_Q": False}]
         if B <= 2:  # latency-bound: the swapped kernel at fixed split counts
             variants += [dict(swap, SPLITS=sp) for sp in (8, 32)]
         for cfg in variants:

@@ -16,7 +16,8 @@ whose name matches ``-k``. ``--print-regex`` prints a regex of every kernel of t
 second form reads ncu's CSV and prints, per kernel launch: duration, DRAM throughput (% of peak), SM
 throughput, tensor-pipe utilization, and the top three warp stall reasons (warps stalled per issued instruction).
 Shapes: ``decode16`` bf16 decode B=128 L=8192 H=16 (ours Gluon, FlashMLA); ``decode128`` bf16 B=128 L=4096
-H=128 (ours Gluon 64-row, Gluon-ws, Gluon-seesaw, FlashMLA); ``fp8`` fp8 decode B=128 L=4096 H=128 (gluon64, FlashMLA's fp8
+H=128 (ours Gluon 64-row, Gluon-ws, Gluon-seesaw, FlashMLA); ``short128`` B=66 L=64 H=128, one tile a program
+(Gluon-seesaw, FlashMLA); ``fp8`` fp8 decode B=128 L=4096 H=128 (gluon64, FlashMLA's fp8
 sparse kernel over the whole table); ``sparse`` top-2048 B=128 H=128 fp8 cache (gluon64, FlashMLA); ``prefill``
 causal 8 x 4096 H=128 qk192/v128 (Triton, TMA, Gluon, Gluon-ws, Gluon-ws ``PERSIST``); ``b1`` bf16 decode B=1 L=4096 H=16 (Gluon).
 """
@@ -67,6 +68,10 @@ def cases(names: list[str], dev: str = "cuda") -> list[tuple[str, object]]:
         q, c, t, n = _dense(128, 4096, 128, dev)
         out += [(f"decode128 {b}", lambda b=b, a=(q, c, t, n): decode(*a, SCALE, backend=b))
                 for b in ("gluon", "gluon-ws", "gluon-seesaw", "flashmla")]
+    if "short128" in names:  # one 64-key tile a program: what a program costs besides its tiles
+        q, c, t, n = _dense(66, 64, 128, dev)
+        out += [(f"short128 {b}", lambda b=b, a=(q, c, t, n): decode(*a, SCALE, backend=b))
+                for b in ("gluon-seesaw", "flashmla")]
     if "fp8" in names:
         q, c, t, n = _dense(128, 4096, 128, dev, fp8=True)
         out += [(f"fp8 {b}", lambda b=b, a=(q, c, t, n): decode_fp8(*a, SCALE, backend=b)) for b in ("gluon64", "flashmla")]

@@ -89,7 +89,7 @@ PROGRAMS_PER_SM = 1
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
 # what :func:`launch`'s config may name
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "SWAP", "PIPE", "EARLY"})
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "TMA_OUT", "TMA_Q", "SWAP", "PIPE", "EARLY"})
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
@@ -246,7 +246,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
     ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``; FOLD_FIRST: its step order, default
-    :data:`SEESAW_FOLD_FIRST`), SWAP
+    :data:`SEESAW_FOLD_FIRST`; TMA_OUT, default True: one split and whole 64-row programs store the output through
+    shared memory and TMA; TMA_Q, default True: whole 64-row programs over q's dense rows load them by TMA), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS``
     rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE
     (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
@@ -276,7 +277,17 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:
-        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST))}
+        tma_out = direct and M % BLOCK_M == 0 and bool(config.get("TMA_OUT", True))  # a program's rows all out's
+        flat = out.view(-1, DC)
+        desc_o = TensorDescriptor.from_tensor(flat.as_strided([DC // CHUNK, flat.shape[0], CHUNK], [CHUNK, DC, 1]),
+                                              [DC // CHUNK // 2, BLOCK_M, CHUNK], BOX_SL) if tma_out else None
+        # the latent query rows by TMA where q's rows are dense (row b * M + m of q viewed as [rows, 576])
+        tma_q = (M % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
+                 and bool(config.get("TMA_Q", True)))
+        q_rows = q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1])
+        desc_q = TensorDescriptor.from_tensor(q_rows, [DC // CHUNK, BLOCK_M, CHUNK], BOX_SL) if tma_q else None
+        extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST)), "TMA_OUT": tma_out, "desc_o": desc_o,
+                 "TMA_Q": tma_q, "desc_q": desc_q}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
     elif swap:
         pdl = launch_kwargs(q.device)
@@ -293,6 +304,14 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         num_warps=warps,
     )
     return Split(out, lse, o_buf, l_buf, splits, splits, direct, B * M)
+
+
+def _dense_rows(q: Tensor) -> bool:
+    """Whether q ``[B, s_q, H, 576]`` is rows of 576 one after the other (a ``[B * s_q * H, 576]`` view)."""
+    try:
+        return q.view(-1, D).stride(0) == D
+    except RuntimeError:
+        return False
 
 
 def _run(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,

@@ -36,7 +36,9 @@ is done. Shared memory: the latent query rows ``[64, 512]``, two tile slots, two
 (:func:`smem_bytes`: within an SM's 227 KB because the query's rope part stays in registers).
 
 Both warpgroups end with the same running max; warpgroup 1 hands its row sums to warpgroup 0, which stores
-the LSE (``decode_gluon_ws._ws_finish``). Keys of a partial tile past the split's end are masked and their
+the LSE (``decode_gluon_ws._ws_rows_done``). Each stores its output columns: with one split and whole 64-row
+programs (``TMA_OUT``) staged in its half of the latent query rows' buffer (free once both are done) and written by
+one TMA copy, else with plain stores (``_ws_finish``). Keys of a partial tile past the split's end are masked and their
 value rows zeroed; a row that sees no key has LSE -inf and output 0 (``decode_gluon_kernel``'s contract).
 """
 
@@ -51,7 +53,8 @@ from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_C, DC, DR, S
                                               zero_tail)
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, split_range, tile_page
-from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_publish, _ws_softmax, _ws_take
+from mla_compile.ops.triton.decode_gluon_ws import (_ws_finish, _ws_fold, _ws_publish, _ws_rows_done, _ws_softmax,
+                                                     _ws_take)
 
 WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
 WORKER_REGS = gl.constexpr(248)  # the worker's registers a thread (the kernel's own warps get the rest of the file)
@@ -61,9 +64,9 @@ ROPE_BYTES = gl.constexpr(BLOCK_N * DR * 2)
 
 def smem_bytes() -> int:
     """Shared memory of one program's buffers: the latent query rows, the two tile slots, two P buffers, the
-    hand-over rows (max and factor per P buffer, the row sums' two) and 10 mbarriers (the compile adds a little
+    hand-over rows (max and factor per P buffer, the row sums' two) and 11 mbarriers (the compile adds a little
     scratch and the partitions' captured arguments; checked by a test)."""
-    return BLOCK_M * DC * 2 + STAGES * TILE_BYTES + 2 * BLOCK_M * BLOCK_N * 2 + 6 * BLOCK_M * 4 + 10 * 8
+    return BLOCK_M * DC * 2 + STAGES * TILE_BYTES + 2 * BLOCK_M * BLOCK_N * 2 + 6 * BLOCK_M * 4 + 11 * 8
 
 
 @gluon.jit
@@ -188,13 +191,28 @@ def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLO
 
 
 @gluon.jit
-def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
+def _store_out_tma(C: gl.constexpr, o, inv, q_s, desc_o, row0, o_l: gl.constexpr):
+    """Store this warpgroup's 256 output columns ``o / l`` of the program's 64 rows (output rows ``row0`` on) through
+    shared memory: its half of the latent query rows' buffer (free: both warpgroups' dots are done, ``_ws_rows_done``),
+    then one TMA copy of that half (``desc_o``: the output's ``[8, rows, 64]`` column blocks, box ``[4, 64, 64]``),
+    awaited before the warps exit. Coalesced, against the scattered 4-byte stores of the accumulator layout."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    q_s.index(0).slice(C * 256, 256, dim=1).store((o * gl.convert_layout(inv, row_o)[:, None]).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    src = q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * C, 4, dim=0)
+    tma.async_copy_shared_to_global(desc_o, [4 * C, row0, 0], src)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar,
             bt_row, scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits,
-            stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr,
+            stride_qb, stride_qs, stride_qh, o_ptr, lse_ptr, desc_o,
             DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-            FOLD_FIRST: gl.constexpr):
+            FOLD_FIRST: gl.constexpr, TMA_OUT: gl.constexpr, TMA_Q: gl.constexpr):
     """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile; ``FOLD_FIRST``: 2, 1, 4, 3, 5),
-    then the fold of the other's last tile and the stores (``_ws_finish``)."""
+    then the fold of the other's last tile and the stores (``_ws_finish``; ``TMA_OUT``: :func:`_store_out_tma`)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -215,6 +233,8 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
     m_i = gl.full([64], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([64], gl.float32, row_s)
     o = gl.zeros([64, 256], gl.float32, o_l)
+    if TMA_Q:
+        mbarrier.wait(q_bar, 0)  # the latent query rows' copy (the kernel's prologue) landed
 
     if C == 0:  # tile 0: no tile of the other's before it
         if n_tiles > 0:
@@ -250,8 +270,13 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
         o, l_i, m_i = _ws_fold(C, o, l_i, p_s[1 - C].index(0), m_s[1 - C], a_s[1 - C], kc[1 - C], 0, pready[1 - C],
                                (last // 2) & 1, row_s, row_o)
-    _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
-               o_l)
+    if TMA_OUT:
+        inv, _ = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT,
+                               row_s)
+        _store_out_tma(C, o, inv, q_s, desc_o, (b * M + pid_h * 64).to(gl.int32), o_l)
+    else:
+        _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
+                   o_l)
 
 
 @gluon.jit
@@ -262,12 +287,17 @@ def decode_gluon_seesaw_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
-    FOLD_FIRST: gl.constexpr = False,
+    FOLD_FIRST: gl.constexpr = False, TMA_OUT: gl.constexpr = False, desc_o=None, TMA_Q: gl.constexpr = False,
+    desc_q=None,
 ):
     """``decode_gluon_kernel``'s contract with :data:`WARPS` warps plus a 4-warp worker; ``desc_h`` spans the
     cache's latent columns as ``[8, rows, 64]`` with a box of half a tile (``[4, 64, 64]``), ``desc_r`` its rows
     ``[rows, 576]`` (box ``[64, 64]``, the rope columns). The kernel's warps stage the latent query rows and
-    start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant)."""
+    start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant). ``TMA_OUT`` (one split,
+    ``M`` a multiple of 64): ``desc_o`` spans ``o_ptr``'s rows as ``[8, rows, 64]`` column blocks (box ``[4, 64, 64]``)
+    and each warpgroup stores its output columns through shared memory with one TMA copy. ``TMA_Q`` (``M`` a multiple
+    of 64, q's rows dense): ``desc_q`` spans q's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and the
+    program's rows come by one TMA copy started before the prologue's loads, awaited by each warpgroup."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -276,16 +306,6 @@ def decode_gluon_seesaw_kernel(
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)
-    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
-
-    # the loads of the prologue issued together, ahead of its barriers: the block-table entries of tiles 0 and 1
-    # and the latent query rows in one load (rows past M: zeros, never stored)
-    pages = (tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64),
-             tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, 64))
-    m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
-    q_row = q_ptr + b * stride_qb + (m_q // H).to(gl.int64) * stride_qs + (m_q % H).to(gl.int64) * stride_qh
-    d_q = gl.arange(0, DC, gl.SliceLayout(0, q_l))
-    q = gl.load(q_row[:, None] + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
 
     # one allocation per slot, P buffer, hand-over row and barrier: the compiler's shared-memory hazard analysis
     # sees views of one allocation as one buffer and would put a barrier between any two of their accesses
@@ -306,25 +326,43 @@ def decode_gluon_seesaw_kernel(
           gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
     done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_l)
     for i in gl.static_range(6):
         mbarrier.init(kb[i], count=1)
     for i in gl.static_range(2):
         mbarrier.init(pready[i], count=1)
         mbarrier.init(done.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
+    if TMA_Q:  # the latent query rows first: their copy needs no load of the prologue's
+        mbarrier.expect(q_bar, 64 * DC * 2)
+        tma.async_copy_global_to_shared(desc_q, [0, (gl.program_id(2) * M + pid_h * 64).to(gl.int32), 0], q_bar,
+                                        q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C))
+    else:  # one load (rows past M: zeros, never stored), stored to shared memory below
+        m_q = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(1, q_l))
+        q_row = (q_ptr + gl.program_id(2).to(gl.int64) * stride_qb + (m_q // H).to(gl.int64) * stride_qs
+                 + (m_q % H).to(gl.int64) * stride_qh)
+        d_q = gl.arange(0, DC, gl.SliceLayout(0, q_l))
+        q = gl.load(q_row[:, None] + d_q[None, :], mask=(m_q < M)[:, None], other=0.0)
+    pid_s, b, seq_len, start, end, n_tiles, bt_row = split_range(seq_lens_ptr, bt_ptr, stride_bt, n_splits, 64)
+    pages = (tile_page(bt_row, 0, n_tiles, start, BLOCK_SIZE, 64),  # the block-table entries of tiles 0 and 1
+             tile_page(bt_row, 1, n_tiles, start, BLOCK_SIZE, 64))
     for t in gl.static_range(2):
         _issue_rope(desc_r, kr[t], kb[t * 3 + 2], pages[t], t, n_tiles, start, BLOCK_SIZE)
         for h in gl.static_range(2):
             _issue_half(desc_h, kc[t], kb[t * 3 + h], pages[t], t, n_tiles, start, h, BLOCK_SIZE)
-    q_s.index(0).store(q.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
+    if not TMA_Q:
+        q_s.index(0).store(q.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
     gl.warp_specialize([
-        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
+        (_seesaw, (0, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
-        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, bt_row,
+                   stride_qs, stride_qh, o_ptr, lse_ptr, desc_o, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST, TMA_OUT,
+                   TMA_Q)),
+        (_seesaw, (1, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar, bt_row,
                    scale_log2, start, end, n_tiles, seq_len, pid_h, b, pid_s, M, H, S_Q, n_splits, stride_qb,
-                   stride_qs, stride_qh, o_ptr, lse_ptr, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST)),
+                   stride_qs, stride_qh, o_ptr, lse_ptr, desc_o, DC, DR, BLOCK_SIZE, DIRECT, FOLD_FIRST, TMA_OUT,
+                   TMA_Q)),
     ], [4], [WORKER_REGS])  # WARPS

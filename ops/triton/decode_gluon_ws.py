@@ -152,14 +152,12 @@ def _ws_fold(C: gl.constexpr, o, l_i, p_s, m_s, a_s, kc_s, slot, ready, phase, r
 
 
 @gluon.jit
-def _ws_finish(C: gl.constexpr, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr,
-               DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, o_l: gl.constexpr):
-    """The end of consumer ``C`` (both with the same running max ``m_i``, each with the row sums ``l_i`` of its
-    own tiles): consumer 1 hands its sums to consumer 0 (``x_s[0]``, ``done[0]``), which adds its own, stores the
-    LSE (``_gluon.finish_rows``) and hands the total back (``x_s[1]``, ``done[1]``); each stores its 256 output
-    columns ``o / l``."""
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    # row sums: consumer 1's into x_s[0]; consumer 0 adds its own, stores the LSE and the total into x_s[1]
+def _ws_rows_done(C: gl.constexpr, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr,
+                  DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr):
+    """The rows' end for consumer ``C`` (both with the same running max ``m_i``, each with the row sums ``l_i`` of
+    its own tiles): consumer 1 hands its sums to consumer 0 (``x_s[0]``, ``done[0]``), which adds its own, stores
+    the LSE (``_gluon.finish_rows``) and hands the total back (``x_s[1]``, ``done[1]``); returns ``(1 / l, first
+    output element)`` per row. On return the other consumer has finished its tiles (every dot of it done)."""
     if C == 1:
         x_s.index(0).store(l_i)
         gl.thread_barrier()
@@ -179,6 +177,16 @@ def _ws_finish(C: gl.constexpr, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_
         gl.thread_barrier()
         mbarrier.arrive(done.index(1), count=1)
         inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT)
+    return inv, o_first
+
+
+@gluon.jit
+def _ws_finish(C: gl.constexpr, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr,
+               DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, o_l: gl.constexpr):
+    """The end of consumer ``C``: :func:`_ws_rows_done`, then its 256 output columns ``o / l`` stored."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    inv, o_first = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT,
+                                 row_s)
     cols = C * 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
     first = gl.convert_layout(o_first, row_o)
     ok = gl.convert_layout(row_ok, row_o)

@@ -95,6 +95,8 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
     (4, 128, 1, 2000, 64, 1),
     (5, 16, 2, 1000, 64, None),     # MTP: 32 rows, queries of the last position see one key more
     (3, 128, 2, 1500, 128, None),   # MTP with 256 rows, pages of 128
+    (3, 128, 2, 1500, 128, 1),      # the same in one split (the seesaw's output through TMA)
+    (70, 128, 1, 300, 64, None),    # 140 programs, one split (the seesaw's TMA output), empty sequences among them
     (2, 40, 2, 900, 64, 2),         # 80 rows: a full and a partial program, both query positions in one
     (7, 16, 1, 3000, 128, None),    # pages of 128
     (4, 16, 1, 63, 64, None),       # sequences shorter than one tile
@@ -183,21 +185,24 @@ def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend)
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("op", ["decode_gluon", "decode_gluon_ws", "decode_gluon_seesaw"])
-def test_gluon_decode_opcheck(op):
+@pytest.mark.parametrize("op,H", [("decode_gluon", 16), ("decode_gluon_ws", 16), ("decode_gluon_seesaw", 16),
+                                  ("decode_gluon_seesaw", 128)])
+def test_gluon_decode_opcheck(op, H):
+    """opcheck of the ops; the seesaw at 128 heads over 70 sequences runs one split (its output's TMA store)."""
     import mla_compile.ops.triton.decode_gluon  # noqa: F401
 
-    q, cache, table, seq_lens = _inputs([70, 0, 130], 16, 2, 64, seed=1)
+    lens = [70, 0, 130] if H == 16 else lens_with_empty(70, 200, torch.Generator().manual_seed(1))
+    q, cache, table, seq_lens = _inputs(lens, H, 2 if H == 16 else 1, 64, seed=1)
     opcheck(getattr(torch.ops.mla, op).default, (q, cache, table, seq_lens, SCALE, DC))
 
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_compiled_and_graph_replay_through_the_op(backend):
+@pytest.mark.parametrize("backend,B,H", [(b, 12, 16) for b in BACKENDS] + [("gluon-seesaw", 70, 128)])
+def test_compiled_and_graph_replay_through_the_op(backend, B, H):
     """``decode(..., backend=...)`` under torch.compile(fullgraph) and captured in a CUDA graph: replays take
-    new lengths and queries (nothing read on the host)."""
-    B, H = 12, 16
+    new lengths and queries (nothing read on the host); the seesaw at 128 heads over 70 sequences in one split (its
+    output's TMA store into the captured output)."""
     gen = torch.Generator().manual_seed(8)
     q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=8)
     step = torch.compile(lambda q, t, s: decode(q, cache, t, s, SCALE, backend=backend), fullgraph=True)
