@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from mla_compile.ops.triton._common import causal_bounds
 
@@ -138,3 +138,22 @@ def _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV: g
     out = o * gl.convert_layout(inv, row_o)[:, None]
     gl.store(o_ptr + (rows_o * H + h)[:, None] * DV + cols[None, :], out.to(o_ptr.dtype.element_ty),
              mask=ok_o[:, None])
+
+
+
+@gluon.jit
+def _store_rows_tma(o, m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr, o_desc, o_s, row0, DV: gl.constexpr,
+                    row_o: gl.constexpr):
+    """:func:`_store_rows` for 64 rows all inside the sequence: the LSE as there, the output ``o / l`` through
+    ``o_s`` (a free ``[64, DV]`` shared buffer of the output's dtype) and one TMA copy to rows ``row0 + [0, 64)``,
+    head ``h``'s columns (``o_desc``: the output as ``[T, H * DV]``, box ``[64, DV]``), awaited before returning."""
+    empty = l_i == 0.0
+    inv = 1.0 / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    rows = (q_start + offs_m).to(gl.int64)
+    gl.store(lse_ptr + rows * H + h, lse, mask=offs_m < len_q)
+    o_s.store((o * gl.convert_layout(inv, row_o)[:, None]).to(o_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # (the calling warpgroup) every row stored before the copy reads them
+    tma.async_copy_shared_to_global(o_desc, [row0, h * DV], o_s)
+    tma.store_wait(0)

@@ -87,7 +87,7 @@ WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); 
 SMEM_LIMIT = 227 * 1024
 # :func:`launch`'s config keys
 CONFIG_KEYS = frozenset({"WS", "BLOCK_N", "STAGES", "HEADS_FIRST", "KV_SPLIT", "PIPE", "FOLD_SCALE", "PINGPONG",
-                         "PERSIST"})
+                         "PERSIST", "TMA_OUT"})
 HEADS_FIRST_WAVES = 4  # default grid order: heads-fastest up to this many waves of one program an SM
 
 
@@ -199,7 +199,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     SM, each looping over the work items, ``prefill_gluon_ws_kernel``; default False), ``HEADS_FIRST`` (True: grid
     ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`; with ``PERSIST`` the work items' order),
     ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, ``_prefill_gluon._softmax_tile``; default
-    True, taken only for a positive ``scale``)."""
+    True, taken only for a positive ``scale``), ``TMA_OUT`` (warp-specialized, not ``PERSIST``, values as wide as the
+    query's first part: 64-row blocks inside a sequence stored through shared memory and TMA; default True)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
@@ -242,10 +243,13 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
         grid = (min(H * n_slots, num_sms(q.device)),)
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if ws:
+        # the output's full 64-row blocks through shared memory and TMA (a consumer's [64, da] query buffer holds them)
+        tma_out = not persist and dv == da and bool(cfg.get("TMA_OUT", True))
+        o_desc = TensorDescriptor.from_tensor(out.view(T, H * dv), [64, dv], SMEM_SL) if tma_out else None
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,
                                       FOLD=fold, PINGPONG=pingpong, PERSIST=persist, counter_ptr=counter,
-                                      num_warps=WS_WARPS)
+                                      TMA_OUT=tma_out, o_desc=o_desc, num_warps=WS_WARPS)
     else:
         prefill_gluon_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                    CHUNK=256, HEADS_FIRST=first, FOLD=fold, num_warps=NUM_WARPS)

@@ -10,7 +10,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from mla_compile.ops.triton._gluon import SMEM_C
-from mla_compile.ops.triton._prefill_gluon import _issue, _item, _key_row, _program, _softmax_tile, _store_rows
+from mla_compile.ops.triton._prefill_gluon import (_issue, _item, _key_row, _program, _softmax_tile, _store_rows,
+                                                   _store_rows_tma)
 
 
 @gluon.jit
@@ -76,7 +77,7 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
                 len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
                 DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                 KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr, PINGPONG: gl.constexpr,
-                base=0, qphase=0, qempty=None):
+                base=0, qphase=0, qempty=None, o_desc=None, TMA_OUT: gl.constexpr = False):
     """Consumer warpgroup ``C``: query rows ``m0 + 64 C + [0, 64)``; every tile: ``S`` (two async ``wgmma``
     k-groups), the online softmax, ``O += P V`` with P from registers, then the slot released (``empty``;
     ``KV_SPLIT``: the keys released after ``S``, the values waited for before ``P V`` and released after it;
@@ -84,7 +85,10 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     without work. ``PINGPONG``: the dots issued in turns with the other consumer (``turn``, the module
     docstring). Stores its rows at the end. The persistent kernel's work items: ``base`` the ring's uses before
     this item, ``qphase`` the query tile's (``qbar``) phase, and ``qempty`` (not None) signalled once this
-    consumer's dots are done, before its stores, so the producer may load the next item's query rows."""
+    consumer's dots are done, before its stores, so the producer may load the next item's query rows. ``TMA_OUT``
+    (not with ``qempty``; ``DV`` the query tile's first part's width): 64 rows all inside the sequence are stored
+    through this consumer's query buffer ``qa_s[C]`` (free once its dots are done) and one TMA copy
+    (``o_desc``), others as before."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -148,7 +152,15 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     if qempty is not None:
         gl.thread_barrier()  # (this consumer's warps) every dot reading the query rows done
         mbarrier.arrive(qempty, count=1)
-    _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+    if TMA_OUT:
+        gl.static_assert(qempty is None)  # the persistent kernel's next query rows land in qa_s
+        if m0 + C * 64 + 64 <= len_q:
+            _store_rows_tma(o, m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr, o_desc, qa, q_start + m0 + C * 64, DV,
+                            row_o)
+        else:
+            _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+    else:
+        _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
 
 
 @gluon.jit
@@ -305,7 +317,7 @@ def prefill_gluon_ws_kernel(
     DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     CHUNK: gl.constexpr, STAGES: gl.constexpr, HEADS_FIRST: gl.constexpr = True, KV_SPLIT: gl.constexpr = False,
     PIPE: gl.constexpr = False, FOLD: gl.constexpr = True, PINGPONG: gl.constexpr = False,
-    PERSIST: gl.constexpr = False,
+    PERSIST: gl.constexpr = False, TMA_OUT: gl.constexpr = False, o_desc=None,
 ):
     """As :func:`prefill_gluon_kernel`, warp-specialized after FA3's sm_90 forward: 4 default warps (a TMA
     producer over a ring of ``STAGES`` key/value slots) and two 4-warp consumer warpgroups, each owning 64 of
@@ -314,7 +326,9 @@ def prefill_gluon_ws_kernel(
     while the other's dots do. ``PERSIST`` (not with ``PINGPONG``): a grid of at most one program an SM, each
     taking the work items of the non-persistent grid (``_item``) one at a time from ``counter_ptr`` (an int32 at 0
     when the launch starts; unread without ``PERSIST``), with the ring's and the query tile's barriers running on,
-    so an item's first copies start while the one before it finishes and stores."""
+    so an item's first copies start while the one before it finishes and stores. ``TMA_OUT`` (not with
+    ``PERSIST``; ``DV == DA``): ``o_desc`` spans the output as ``[T, H * DV]`` (box ``[64, DV]``) and each consumer
+    stores 64 rows inside its sequence by TMA (``_ws_consume``)."""
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     sm: gl.constexpr = SMEM_C
@@ -373,7 +387,8 @@ def prefill_gluon_ws_kernel(
     else:
         _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn,
                      scale_log2, q_start, len_q, k_start, len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr,
-                     col_k, col_v, stride_qh, DA, DB, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE, FOLD, PINGPONG)
+                     col_k, col_v, stride_qh, DA, DB, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE, FOLD, PINGPONG,
+                     TMA_OUT, o_desc)
 
 
 @gluon.jit
@@ -381,16 +396,18 @@ def _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, k
                  scale_log2, q_start, len_q, k_start, len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, col_k,
                  col_v, stride_qh, DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr,
-                 FOLD: gl.constexpr, PINGPONG: gl.constexpr):
+                 FOLD: gl.constexpr, PINGPONG: gl.constexpr, TMA_OUT: gl.constexpr, o_desc):
     """The non-persistent kernel's program: its query rows, then the producer and the two consumers."""
+    if TMA_OUT:
+        gl.static_assert(DV == DA)  # the output's rows staged in a consumer's [64, DA] query buffer
     _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar.index(0), q_start, m0, h, stride_qh, DA, DB)
     gl.warp_specialize([
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                        DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT)),
         (_ws_consume, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), turn, scale_log2, q_start, len_q,
                        len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
-                       KV_SPLIT, PIPE, FOLD, PINGPONG)),
+                       KV_SPLIT, PIPE, FOLD, PINGPONG, 0, 0, None, o_desc, TMA_OUT)),
         (_ws_consume, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), turn, scale_log2, q_start, len_q,
                        len_k, m0, off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES,
-                       KV_SPLIT, PIPE, FOLD, PINGPONG)),
+                       KV_SPLIT, PIPE, FOLD, PINGPONG, 0, 0, None, o_desc, TMA_OUT)),
     ], [4, 4], [240, 240])  # the producer in the 4 default warps (the registers left), the consumers as workers

@@ -242,7 +242,9 @@ def _compile_sm90(kernel, consts, q_rows, warps):
 
     types = dict(qa_desc=desc(q_rows, 128), qb_desc=desc(q_rows, 64), ka_desc=desc(bn, 128), kb_desc=desc(bn, 64),
                  v_desc=desc(bn, 128), cu_q_ptr="*i32", cu_k_ptr="*i32", o_ptr="*bf16", lse_ptr="*fp32",
-                 scale_log2="fp32", counter_ptr="*i32")
+                 scale_log2="fp32", counter_ptr="*i32", o_desc=desc(64, 128))
+    if not consts.get("TMA_OUT", True):
+        consts = dict(consts, o_desc=None)  # None: a constexpr, as the JIT binds it
     return gluon_sm90(kernel, consts, warps, types, ("stride",))
 
 
@@ -252,7 +254,9 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     """Each configuration compiles for sm_90 at qk 192 / v 128: no spills, at most 255 registers; shared memory
     of its formula plus under 1 KB (the warp-specialized partitions' captured arguments), within 227 KB; the
     dots (per 128 rows: S in 12 k-steps of 16, P V in BLOCK_N / 16) and the TMA copies (Q's two or four, three a
-    tile: the issue points of the prologue and the loop, or the producer's one); warp-specialized: 12 warps."""
+    tile: the issue points of the prologue and the loop, or the producer's one); warp-specialized: 12 warps; the
+    per-program warp-specialized kernel (``TMA_OUT``, the launch's default) also stores by TMA, each consumer its
+    64 rows (with plain stores beside, for a block that ends past its sequence)."""
     from mla_compile.ops.triton import prefill_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
@@ -263,7 +267,8 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
                   HEADS_FIRST=c.get("HEADS_FIRST", True), FOLD=c.get("FOLD_SCALE", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
-                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong, PERSIST=persist), 64, g.WS_WARPS)
+                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong, PERSIST=persist, TMA_OUT=not persist),
+                                 64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
     assert compiled.metadata.num_warps == (12 if ws else 8)
@@ -276,3 +281,6 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     dots = 12 + bn // 16  # PIPE: each consumer's dots in its loop and again in its prologue / epilogue
     assert res["HGMMA"] == ((4 if c.get("PIPE", ws) else 2) * dots if ws else dots), res
     assert res["UTMALDG"] == (4 + 3 if ws else 2 + 3 * 3), res
+    tma_out = ws and not persist
+    stores = compiled.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")
+    assert (stores > 0) if tma_out else (stores == 0), stores
