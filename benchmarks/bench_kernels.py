@@ -646,8 +646,8 @@ def main():
     ap.add_argument("--no-gluon", action="store_true", help="--prefill-sweep without the Gluon kernels")
     ap.add_argument("--prefill-persist", action="store_true",
                     help="only causal prefill (8 x 4096 at 128 and 16 heads, 2 x 1024 at 128): the warp-specialized "
-                         "Gluon kernel per program (its output by TMA and without) and persistent (PERSIST, 128-key "
-                         "tiles in 2 slots and 64 in 3) against FlashInfer")
+                         "Gluon kernel per program and persistent (PERSIST), each with its output by TMA and "
+                         "without, against FlashInfer")
     ap.add_argument("--swap-sweep", action="store_true",
                     help="only decode at 128 heads and few sequences (B = 2 / 4 / 8 / 16, L = 4096; B = 1, L = 8192): the "
                          "Gluon kernel's 16-row (SWAP) and 64-row programs against the peers")
@@ -678,7 +678,7 @@ def main():
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
     elif args.prefill_persist:
         persist = [dict(WS=True), dict(WS=True, TMA_OUT=False), dict(WS=True, PERSIST=True),
-                   dict(WS=True, PERSIST=True, STAGES=3, BLOCK_N=64)]
+                   dict(WS=True, PERSIST=True, TMA_OUT=False)]
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, [], args.budget_s, gluon_sweep=persist)
                     for ns, lq, h in ((8, 4096, 128), (8, 4096, 16), (2, 1024, 128))]
     elif args.skinny:

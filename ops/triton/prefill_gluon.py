@@ -199,8 +199,9 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     SM, each looping over the work items, ``prefill_gluon_ws_kernel``; default False), ``HEADS_FIRST`` (True: grid
     ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`; with ``PERSIST`` the work items' order),
     ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, ``_prefill_gluon._softmax_tile``; default
-    True, taken only for a positive ``scale``), ``TMA_OUT`` (warp-specialized, not ``PERSIST``, values as wide as the
-    query's first part: 64-row blocks inside a sequence stored through shared memory and TMA; default True)."""
+    True, taken only for a positive ``scale``), ``TMA_OUT`` (warp-specialized, values as wide as the query's first
+    part: 64-row blocks inside a sequence stored through shared memory and TMA; default True, but False with
+    ``PERSIST``: there the query buffer's release, and with it the next item's copies, waits for the copy)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
@@ -244,7 +245,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if ws:
         # the output's full 64-row blocks through shared memory and TMA (a consumer's [64, da] query buffer holds them)
-        tma_out = not persist and dv == da and bool(cfg.get("TMA_OUT", True))
+        tma_out = dv == da and bool(cfg.get("TMA_OUT", not persist))
         o_desc = TensorDescriptor.from_tensor(out.view(T, H * dv), [64, dv], SMEM_SL) if tma_out else None
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,

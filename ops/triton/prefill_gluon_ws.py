@@ -86,9 +86,9 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
     docstring). Stores its rows at the end. The persistent kernel's work items: ``base`` the ring's uses before
     this item, ``qphase`` the query tile's (``qbar``) phase, and ``qempty`` (not None) signalled once this
     consumer's dots are done, before its stores, so the producer may load the next item's query rows. ``TMA_OUT``
-    (not with ``qempty``; ``DV`` the query tile's first part's width): 64 rows all inside the sequence are stored
-    through this consumer's query buffer ``qa_s[C]`` (free once its dots are done) and one TMA copy
-    (``o_desc``), others as before."""
+    (``DV`` the query tile's first part's width): 64 rows all inside the sequence are stored through this
+    consumer's query buffer ``qa_s[C]`` (free once its dots are done) and one TMA copy (``o_desc``), ``qempty``
+    signalled once the copy has read the buffer; others as before."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
     p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -149,17 +149,16 @@ def _ws_consume(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
                 mbarrier.arrive(empty.index(STAGES + slot), count=1)
             else:
                 mbarrier.arrive(empty.index(slot), count=1)
-    if qempty is not None:
-        gl.thread_barrier()  # (this consumer's warps) every dot reading the query rows done
-        mbarrier.arrive(qempty, count=1)
-    if TMA_OUT:
-        gl.static_assert(qempty is None)  # the persistent kernel's next query rows land in qa_s
-        if m0 + C * 64 + 64 <= len_q:
-            _store_rows_tma(o, m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr, o_desc, qa, q_start + m0 + C * 64, DV,
-                            row_o)
-        else:
-            _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
+    if TMA_OUT and (m0 + C * 64 + 64 <= len_q):
+        _store_rows_tma(o, m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr, o_desc, qa, q_start + m0 + C * 64, DV,
+                        row_o)
+        if qempty is not None:  # the query buffer free again once the copy has read it
+            gl.thread_barrier()  # (this consumer's warps) past the copy's wait
+            mbarrier.arrive(qempty, count=1)
     else:
+        if qempty is not None:
+            gl.thread_barrier()  # (this consumer's warps) every dot reading the query rows done
+            mbarrier.arrive(qempty, count=1)
         _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV, row_o, o_l)
 
 
@@ -292,10 +291,11 @@ def _ws_produce_items(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka
 def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qempty, wbuf, itembar,
                       scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr, lse_ptr, DV: gl.constexpr,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr):
+                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr,
+                      TMA_OUT: gl.constexpr, o_desc):
     """The persistent kernel's consumer ``C``: :func:`_ws_consume` for each work item the producer hands over
     (:func:`_next_item`), its query tile at the item's phase of ``qbar``, released on ``qempty`` before the
-    stores; a handed-over index past the last item ends it."""
+    plain stores (after a TMA store's read of it); a handed-over index past the last item ends it."""
     base = 0
     k = 0
     w = _next_item(wbuf, itembar, k)
@@ -304,7 +304,7 @@ def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
             w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
         _ws_consume(C, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, qbar, scale_log2, q_start, len_q, len_k, m0,
                     off, full_end, n_tiles, h, H, o_ptr, lse_ptr, DV, BLOCK_N, CAUSAL, STAGES, KV_SPLIT, PIPE, FOLD,
-                    False, base, k & 1, qempty)
+                    False, base, k & 1, qempty, o_desc, TMA_OUT)
         base += n_tiles
         k += 1
         w = _next_item(wbuf, itembar, k)
@@ -326,9 +326,11 @@ def prefill_gluon_ws_kernel(
     while the other's dots do. ``PERSIST`` (not with ``PINGPONG``): a grid of at most one program an SM, each
     taking the work items of the non-persistent grid (``_item``) one at a time from ``counter_ptr`` (an int32 at 0
     when the launch starts; unread without ``PERSIST``), with the ring's and the query tile's barriers running on,
-    so an item's first copies start while the one before it finishes and stores. ``TMA_OUT`` (not with
-    ``PERSIST``; ``DV == DA``): ``o_desc`` spans the output as ``[T, H * DV]`` (box ``[64, DV]``) and each consumer
-    stores 64 rows inside its sequence by TMA (``_ws_consume``)."""
+    so an item's first copies start while the one before it finishes and stores. ``TMA_OUT`` (``DV == DA``):
+    ``o_desc`` spans the output as ``[T, H * DV]`` (box ``[64, DV]``) and each consumer stores 64 rows inside its
+    sequence by TMA (``_ws_consume``)."""
+    if TMA_OUT:
+        gl.static_assert(DV == DA)  # the output's rows staged in a consumer's [64, DA] query buffer
     gl.static_assert(DB >= 64)
     BM: gl.constexpr = 128
     sm: gl.constexpr = SMEM_C
@@ -379,10 +381,12 @@ def prefill_gluon_ws_kernel(
                                  CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT)),
             (_ws_consume_items, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
                                  itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
-                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD,
+                                 TMA_OUT, o_desc)),
             (_ws_consume_items, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
                                  itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
-                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD)),
+                                 lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD,
+                                 TMA_OUT, o_desc)),
         ], [4, 4], [240, 240])
     else:
         _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar, turn,
@@ -398,8 +402,6 @@ def _ws_one_item(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, k
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr,
                  FOLD: gl.constexpr, PINGPONG: gl.constexpr, TMA_OUT: gl.constexpr, o_desc):
     """The non-persistent kernel's program: its query rows, then the producer and the two consumers."""
-    if TMA_OUT:
-        gl.static_assert(DV == DA)  # the output's rows staged in a consumer's [64, DA] query buffer
     _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar.index(0), q_start, m0, h, stride_qh, DA, DB)
     gl.warp_specialize([
         (_ws_produce, (ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,

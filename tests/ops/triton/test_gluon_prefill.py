@@ -32,7 +32,9 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "ws_pingpong_unpiped_n64": dict(_UNPIPED, BLOCK_N=64, PINGPONG=True),
            "ws_persist": dict(WS=True, PERSIST=True), "ws_persist_unpiped": dict(_UNPIPED, PERSIST=True),
            "ws_persist_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3, PERSIST=True),
-           "ws_persist_heads_last": dict(WS=True, HEADS_FIRST=False, PERSIST=True)}
+           "ws_persist_heads_last": dict(WS=True, HEADS_FIRST=False, PERSIST=True),
+           # the output's TMA store: off (per program; on by default), on (persistent; off by default)
+           "ws_plain_out": dict(WS=True, TMA_OUT=False), "ws_persist_tma_out": dict(WS=True, PERSIST=True, TMA_OUT=True)}
 PERSIST = [c for c in CONFIGS if "persist" in c]
 PINGPONG = [c for c in CONFIGS if "pingpong" in c]
 # Sequences whose two consumer warpgroups (64 query rows each of a 128-row block) see different tile counts at
@@ -197,8 +199,9 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     """``launch(..., {"WS": True, "PERSIST": True})`` on CPU tensors (recorded, not run): one axis of
     ``min(H * n_slots, SMs)`` programs (fewer work items than SMs: one program an item), ``PERSIST`` on, the work
     items' counter a fresh int32 zero, every argument bound; the call compiles for sm_90 with 12 warps within 227
-    KB, its producer taking each item with one atomic add. Without ``PERSIST`` the counter argument is only a
-    placeholder (``cu_seqlens_q``, never read)."""
+    KB, its producer taking each item with one atomic add, each consumer storing its rows with one TMA copy where
+    the config asks for ``TMA_OUT`` (the output's descriptor bound; off by default with ``PERSIST``, on without).
+    Without ``PERSIST`` the counter argument is only a placeholder (``cu_seqlens_q``, never read)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -214,22 +217,30 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     q, k = torch.randn(T, H, 192, dtype=torch.bfloat16), torch.randn(T, H, 192, dtype=torch.bfloat16)
     v = torch.randn(T, H, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 300, 300, T], dtype=torch.int32)
-    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True})
+    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True, "TMA_OUT": True})
     kernel, grid, args, kwargs = launches[0]
     n_slots = -(-T // g.BLOCK_M) + 3
     assert grid == (min(H * n_slots, sms),) and kwargs["PERSIST"] is True and kwargs["PINGPONG"] is False
     counter = kwargs["counter_ptr"]
     assert counter.dtype == torch.int32 and counter.shape == (1,) and int(counter[0]) == 0
+    # the output by TMA (values as wide as the query's first part): a [64, 128] box over out as [T, H * 128]
+    o_desc = kwargs["o_desc"]
+    assert kwargs["TMA_OUT"] is True and list(o_desc.block_shape) == [64, 128] and list(o_desc.shape) == [T, H * 128]
     plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
     sig, consts, attrs = signature(kernel, plain, kwargs)
-    for name, d in zip(("qa_desc", "qb_desc", "ka_desc", "kb_desc", "v_desc"), args[:5]):
+    descs = dict(zip(("qa_desc", "qb_desc", "ka_desc", "kb_desc", "v_desc"), args[:5]), o_desc=o_desc)
+    for name, d in descs.items():
         sig[name] = f"tensordesc<bf16[{', '.join(str(n) for n in d.block_shape)}],{d.layout!r}>"
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 12 and compiled.metadata.shared <= 227 * 1024
     assert compiled.asm["ptx"].count("atom.global.gpu.acq_rel.add.u32") == 2  # the first item, then each next one
+    assert compiled.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared") == 2  # a consumer's rows, one copy
     g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True})
     assert launches[1][1] != grid and launches[1][3]["counter_ptr"] is cu
+    assert launches[1][3]["TMA_OUT"] is True  # per program the output goes by TMA by default, persistent not
+    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True})
+    assert launches[2][3]["TMA_OUT"] is False and launches[2][3]["o_desc"] is None
 
 
 def _compile_sm90(kernel, consts, q_rows, warps):
@@ -255,8 +266,8 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     of its formula plus under 1 KB (the warp-specialized partitions' captured arguments), within 227 KB; the
     dots (per 128 rows: S in 12 k-steps of 16, P V in BLOCK_N / 16) and the TMA copies (Q's two or four, three a
     tile: the issue points of the prologue and the loop, or the producer's one); warp-specialized: 12 warps; the
-    per-program warp-specialized kernel (``TMA_OUT``, the launch's default) also stores by TMA, each consumer its
-    64 rows (with plain stores beside, for a block that ends past its sequence)."""
+    warp-specialized kernel (``TMA_OUT``, the launch's default) also stores by TMA, each consumer its 64 rows (with
+    plain stores beside, for a block that ends past its sequence)."""
     from mla_compile.ops.triton import prefill_gluon as g
     from mla_compile.ops.triton._sm90 import resources
 
@@ -267,7 +278,7 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
                   HEADS_FIRST=c.get("HEADS_FIRST", True), FOLD=c.get("FOLD_SCALE", True))
     if ws:
         compiled = _compile_sm90(g.prefill_gluon_ws_kernel, dict(consts, STAGES=stages, KV_SPLIT=kv,
-                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong, PERSIST=persist, TMA_OUT=not persist),
+                                 PIPE=c.get("PIPE", ws), PINGPONG=pingpong, PERSIST=persist, TMA_OUT=True),
                                  64, g.WS_WARPS)
     else:
         compiled = _compile_sm90(g.prefill_gluon_kernel, consts, 128, g.NUM_WARPS)
@@ -281,6 +292,6 @@ def test_sm90_compile_gluon_prefill_resources(cfg):
     dots = 12 + bn // 16  # PIPE: each consumer's dots in its loop and again in its prologue / epilogue
     assert res["HGMMA"] == ((4 if c.get("PIPE", ws) else 2) * dots if ws else dots), res
     assert res["UTMALDG"] == (4 + 3 if ws else 2 + 3 * 3), res
-    tma_out = ws and not persist
+    tma_out = ws
     stores = compiled.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared")
     assert (stores > 0) if tma_out else (stores == 0), stores
