@@ -54,6 +54,13 @@ consumers released the last item's (``qempty``: each consumer arrives once its d
 stores), then streams its key tiles into the same ring, whose uses count on across items; so an item's first
 copies overlap the last item's final tiles and stores, which a program an item leaves exposed.
 
+``TMA_OUT`` (the warp-specialized kernel; on by default per program, off with ``PERSIST``): a consumer whose 64
+rows all lie inside its sequence stages its output in its own ``[64, DA]`` query buffer (free once its dots are
+done; ``DV == DA``) and writes it with one TMA copy, instead of the accumulator layout's plain stores (16 bytes of
+eight rows a warp instruction); a block that ends past its sequence keeps the plain stores (a copy would write the
+next sequence's rows). With ``PERSIST`` the buffer's release (``qempty``), and so the next item's copies, would
+wait for the copy.
+
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
 aligned rows (the TMA kernel's conditions); elsewhere the op runs ``mla::prefill_triton_tma`` (which runs the
