@@ -58,8 +58,9 @@ copies overlap the last item's final tiles and stores, which a program an item l
 rows all lie inside its sequence stages its output in its own ``[64, DA]`` query buffer (free once its dots are
 done; ``DV == DA``) and writes it with one TMA copy, instead of the accumulator layout's plain stores (16 bytes of
 eight rows a warp instruction); a block that ends past its sequence keeps the plain stores (a copy would write the
-next sequence's rows). With ``PERSIST`` the buffer's release (``qempty``), and so the next item's copies, would
-wait for the copy.
+next sequence's rows). With ``PERSIST`` the buffer's release (``qempty``) waits for the copy, so there the
+producer copies the next item's first ``STAGES`` tiles as their slots come free and its query rows after the
+release (``prefill_gluon_ws._ws_produce_items``' ``EARLY_KV``; this order has not run on a GPU yet).
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
@@ -208,7 +209,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, ``_prefill_gluon._softmax_tile``; default
     True, taken only for a positive ``scale``), ``TMA_OUT`` (warp-specialized, values as wide as the query's first
     part: 64-row blocks inside a sequence stored through shared memory and TMA; default True, but False with
-    ``PERSIST``: there the query buffer's release, and with it the next item's copies, waits for the copy)."""
+    ``PERSIST``: there the query buffer's release, and with it the next item's query rows, waits for the copy)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))

@@ -17,13 +17,14 @@ from mla_compile.ops.triton._prefill_gluon import (_issue, _item, _key_row, _pro
 @gluon.jit
 def _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, col_k, col_v,
                 DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                KV_SPLIT: gl.constexpr, base=0):
+                KV_SPLIT: gl.constexpr, base=0, t_lo=0, t_hi=None):
     """The producer (the default 4 warps): tile t into slot r % STAGES (``full``; r = ``base`` + t, ``base`` the
     ring's uses before this work item) once both consumers released ring use r - STAGES from it (``empty``, two
     arrivals a use). ``KV_SPLIT``: keys and values of a slot on barriers of their own (``full`` / ``empty``
     ``[slot]`` the keys', ``[STAGES + slot]`` the values'): tile t's keys are copied once the scores of the slot's
-    use before are done, before its ``P V`` is."""
-    for t in range(n_tiles):
+    use before are done, before its ``P V`` is. Tiles ``[t_lo, t_hi)`` (default: all ``n_tiles``)."""
+    hi = n_tiles if t_hi is None else t_hi
+    for t in range(t_lo, hi):
         r = base + t
         if KV_SPLIT:
             slot = r % STAGES
@@ -262,29 +263,57 @@ def _next_item(wbuf, itembar, k):
 
 
 @gluon.jit
+def _take_item(wbuf, itembar, k, RECEIPT: gl.constexpr):
+    """(``PERSIST``) :func:`_next_item` on ``itembar[0]``; with ``RECEIPT`` (the producer's ``EARLY_KV``) an arrival
+    on ``itembar[1]`` once every warp of this consumer has read it."""
+    w = _next_item(wbuf, itembar.index(0), k)
+    if RECEIPT:
+        gl.thread_barrier()  # (this consumer's warps) the item read
+        mbarrier.arrive(itembar.index(1), count=1)
+    return w
+
+
+@gluon.jit
 def _ws_produce_items(qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar,
                       qempty, wbuf, itembar, counter_ptr, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, stride_qh,
                       stride_kh, stride_vh, DA: gl.constexpr, DB: gl.constexpr, DV: gl.constexpr,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, CHUNK: gl.constexpr, HEADS_FIRST: gl.constexpr,
-                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr):
+                      STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, EARLY_KV: gl.constexpr):
     """The persistent kernel's producer: work items taken one at a time from the launch's counter
     (:func:`_grab_item`; a taken index past the last item ends the program), each once both consumers released
     the last one's query rows (``qempty``, two arrivals; so no item is handed over before the consumers took the
     last), then the item's query rows and key tiles (:func:`_ws_produce`), the ring's uses counted on across
-    items."""
+    items. ``EARLY_KV`` (the consumers' TMA store, which releases the query rows only once its copy has read
+    them): the next item is taken as soon as the last one's tiles are issued, and its first ``STAGES`` tiles
+    are copied as their slots come free, before the wait for ``qempty`` and the query rows' copy (the consumers
+    have taken the last item: its tiles are being used); and each item is handed over only once both consumers
+    took the one before (``itembar[1]``, two arrivals: ``itembar[0]`` never two phases ahead of a consumer's wait).
+    ``itembar``: ``[2, 1]``, the hand-over's barrier and the consumers' receipts."""
     base = 0
     k = 0
-    w = _grab_item(counter_ptr, wbuf, itembar, k)
+    w = _grab_item(counter_ptr, wbuf, itembar.index(0), k)
     while w < H * n_slots:
         h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
             w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
-        _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA, DB)
-        _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k, h * stride_kh,
-                    h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base)
+        if EARLY_KV:
+            first = gl.minimum(n_tiles, STAGES) if k > 0 else 0
+            _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k,
+                        h * stride_kh, h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base, 0, first)
+            mbarrier.wait(qempty, (k - 1) & 1, pred=k > 0)
+            _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA, DB)
+            _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k,
+                        h * stride_kh, h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base, first, n_tiles)
+        else:
+            _issue_q(qa_desc, qb_desc, qa_s, qb_s, qbar, q_start, m0, h, stride_qh, DA, DB)
+            _ws_produce(ka_desc, kb_desc, v_desc, ka_s, kb_s, v_s, full, empty, n_tiles, k_start, len_k,
+                        h * stride_kh, h * stride_vh, DA, DB, DV, BLOCK_N, STAGES, KV_SPLIT, base)
         base += n_tiles
         k += 1
-        mbarrier.wait(qempty, (k - 1) & 1)
-        w = _grab_item(counter_ptr, wbuf, itembar, k)
+        if EARLY_KV:
+            mbarrier.wait(itembar.index(1), (k - 1) & 1)  # both consumers took item k - 1
+        else:
+            mbarrier.wait(qempty, (k - 1) & 1)  # (so both took it)
+        w = _grab_item(counter_ptr, wbuf, itembar.index(0), k)
 
 
 @gluon.jit
@@ -294,11 +323,12 @@ def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
                       STAGES: gl.constexpr, KV_SPLIT: gl.constexpr, PIPE: gl.constexpr, FOLD: gl.constexpr,
                       TMA_OUT: gl.constexpr, o_desc):
     """The persistent kernel's consumer ``C``: :func:`_ws_consume` for each work item the producer hands over
-    (:func:`_next_item`), its query tile at the item's phase of ``qbar``, released on ``qempty`` before the
-    plain stores (after a TMA store's read of it); a handed-over index past the last item ends it."""
+    (:func:`_take_item`; with ``TMA_OUT`` a receipt for the producer's ``EARLY_KV``), its query tile at the item's
+    phase of ``qbar``, released on ``qempty`` before the plain stores (after a TMA store's read of it); a
+    handed-over index past the last item ends it."""
     base = 0
     k = 0
-    w = _next_item(wbuf, itembar, k)
+    w = _take_item(wbuf, itembar, k, TMA_OUT)
     while w < H * n_slots:
         h, q_start, len_q, k_start, len_k, m0, off, hi, full_end, n_tiles = _item(
             w, H, cu_q_ptr, cu_k_ptr, n_seq, T, n_slots, 128, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST)
@@ -307,7 +337,7 @@ def _ws_consume_items(C: gl.constexpr, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
                     False, base, k & 1, qempty, o_desc, TMA_OUT)
         base += n_tiles
         k += 1
-        w = _next_item(wbuf, itembar, k)
+        w = _take_item(wbuf, itembar, k, TMA_OUT)
 
 
 @gluon.jit
@@ -366,8 +396,9 @@ def prefill_gluon_ws_kernel(
         gl.static_assert(not PINGPONG)  # its turns count from 0 in each item
         qempty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qempty.index(0), count=2)
-        itembar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        itembar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(itembar.index(0), count=1)
+        mbarrier.init(itembar.index(1), count=2)
         wbuf = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
@@ -376,15 +407,15 @@ def prefill_gluon_ws_kernel(
     if PERSIST:
         gl.warp_specialize([
             (_ws_produce_items, (qa_desc, qb_desc, ka_desc, kb_desc, v_desc, qa_s, qb_s, ka_s, kb_s, v_s, full, empty,
-                                 qbar.index(0), qempty.index(0), wbuf, itembar.index(0), counter_ptr, cu_q_ptr,
+                                 qbar.index(0), qempty.index(0), wbuf, itembar, counter_ptr, cu_q_ptr,
                                  cu_k_ptr, n_seq, T, H, n_slots, stride_qh, stride_kh, stride_vh, DA, DB, DV, BLOCK_N,
-                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT)),
+                                 CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, TMA_OUT)),
             (_ws_consume_items, (0, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
-                                 itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
+                                 itembar, scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
                                  lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD,
                                  TMA_OUT, o_desc)),
             (_ws_consume_items, (1, qa_s, qb_s, ka_s, kb_s, v_s, full, empty, qbar.index(0), qempty.index(0), wbuf,
-                                 itembar.index(0), scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
+                                 itembar, scale_log2, cu_q_ptr, cu_k_ptr, n_seq, T, H, n_slots, o_ptr,
                                  lse_ptr, DV, BLOCK_N, CAUSAL, CHUNK, HEADS_FIRST, STAGES, KV_SPLIT, PIPE, FOLD,
                                  TMA_OUT, o_desc)),
         ], [4, 4], [240, 240])
