@@ -257,6 +257,8 @@ def decode_case(B, H, L, sweep, budget_s):
         if H > decode_gluon.SWAP_ROWS:  # the alternating warpgroups (decode_gluon_seesaw), 64 rows a program
             variants += [{"SEESAW": True}, {"SEESAW": True, "FOLD_FIRST": False}, {"SEESAW": True, "TMA_OUT": False},
                          {"SEESAW": True, "TMA_OUT": False, "TMA_Q": False}]
+            if B < torch.cuda.get_device_properties(0).multi_processor_count // 2:  # split: the partial rows by TMA
+                variants += [{"SEESAW": True, "TMA_OUT": True}]
         if B <= 2:  # latency-bound: the swapped kernel at fixed split counts
             variants += [dict(swap, SPLITS=sp) for sp in (8, 32)]
         for cfg in variants:

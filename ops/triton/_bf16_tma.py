@@ -17,6 +17,11 @@ STAGES = 2  # tile slots
 TILE_BYTES = BLOCK_N * D * 2
 BOX_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)  # the latent copy's box
 BOX_C = gl.constexpr(BOX_SL)
+# the splits' float32 partial rows: a [64, 256] block as eight [64, 32] column blocks (128 bytes: the swizzle width)
+F32_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+F32_C = gl.constexpr(F32_SL)
+F32_BOX_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)  # [1 split, 8, 64, 32]
+F32_BOX_C = gl.constexpr(F32_BOX_SL)
 
 
 @gluon.jit

@@ -68,8 +68,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, STAGES, TILE_BYTES, D,
-                                              issue_tile, zero_tail)
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, F32_BOX_SL, STAGES, TILE_BYTES,
+                                              D, issue_tile, zero_tail)
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, causal_rows, mask_scores,
@@ -246,8 +246,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole waves,
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
     ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``; FOLD_FIRST: its step order, default
-    :data:`SEESAW_FOLD_FIRST`; TMA_OUT, default True: one split and whole 64-row programs store the output through
-    shared memory and TMA; TMA_Q, default True: whole 64-row programs over q's dense rows load them by TMA), SWAP
+    :data:`SEESAW_FOLD_FIRST`; TMA_OUT: whole 64-row programs store the output, or with several splits their
+    float32 partial rows, through shared memory and TMA; default True with one split, False with several; TMA_Q, default True: whole 64-row programs over q's dense rows load them by TMA), SWAP
     (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS``
     rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE
     (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
@@ -277,10 +277,9 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:
-        tma_out = direct and M % BLOCK_M == 0 and bool(config.get("TMA_OUT", True))  # a program's rows all out's
-        flat = out.view(-1, DC)
-        desc_o = TensorDescriptor.from_tensor(flat.as_strided([DC // CHUNK, flat.shape[0], CHUNK], [CHUNK, DC, 1]),
-                                              [DC // CHUNK // 2, BLOCK_M, CHUNK], BOX_SL) if tma_out else None
+        # a program's rows all its own; with several splits only by name (their copies not yet run on a GPU)
+        tma_out = M % BLOCK_M == 0 and bool(config.get("TMA_OUT", direct))
+        desc_o = _out_descriptor(out if direct else o_buf, B * M, splits, direct) if tma_out else None
         # the latent query rows by TMA where q's rows are dense (row b * M + m of q viewed as [rows, 576])
         tma_q = (M % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
                  and bool(config.get("TMA_Q", True)))
@@ -304,6 +303,18 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         num_warps=warps,
     )
     return Split(out, lse, o_buf, l_buf, splits, splits, direct, B * M)
+
+
+def _out_descriptor(buf: Tensor, rows: int, splits: int, direct: bool) -> TensorDescriptor:
+    """The seesaw kernel's output copies (``TMA_OUT``): one split, ``out [rows, 512]`` bf16 as ``[8, rows, 64]``
+    column blocks, box ``[4, 64, 64]`` (a warpgroup's half of a program's rows); several, the float32 workspace
+    ``[rows, splits, 512]`` as ``[splits, 16, rows, 32]``, box ``[1, 8, 64, 32]`` (the same half at one split)."""
+    if direct:
+        blocks = buf.view(rows, DC).as_strided([DC // CHUNK, rows, CHUNK], [CHUNK, DC, 1])
+        return TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_M, CHUNK], BOX_SL)
+    f32 = CHUNK // 2  # float32 columns in 128 bytes
+    blocks = buf.as_strided([splits, DC // f32, rows, f32], [DC, f32, splits * DC, 1])
+    return TensorDescriptor.from_tensor(blocks, [1, DC // f32 // 2, BLOCK_M, f32], F32_BOX_SL)
 
 
 def _dense_rows(q: Tensor) -> bool:

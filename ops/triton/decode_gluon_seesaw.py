@@ -36,9 +36,10 @@ is done. Shared memory: the latent query rows ``[64, 512]``, two tile slots, two
 (:func:`smem_bytes`: within an SM's 227 KB because the query's rope part stays in registers).
 
 Both warpgroups end with the same running max; warpgroup 1 hands its row sums to warpgroup 0, which stores
-the LSE (``decode_gluon_ws._ws_rows_done``). Each stores its output columns: with one split and whole 64-row
-programs (``TMA_OUT``) staged in its half of the latent query rows' buffer (free once both are done) and written by
-one TMA copy, else with plain stores (``_ws_finish``). Keys of a partial tile past the split's end are masked and their
+the LSE (``decode_gluon_ws._ws_rows_done``). Each stores its output columns: with whole 64-row programs
+(``TMA_OUT``) staged in shared memory (free once both are done: with one split, bf16 in its half of the latent query
+rows' buffer; with several, the float32 partial rows in its own tile slot) and written by one TMA copy, else with
+plain stores (``_ws_finish``). Keys of a partial tile past the split's end are masked and their
 value rows zeroed; a row that sees no key has LSE -inf and output 0 (``decode_gluon_kernel``'s contract).
 """
 
@@ -49,8 +50,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_C, DC, DR, STAGES, TILE_BYTES, tile_row,
-                                              zero_tail)
+from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_C, DC, DR, F32_BOX_C, F32_C, STAGES, TILE_BYTES,
+                                              tile_row, zero_tail)
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, split_range, tile_page
 from mla_compile.ops.triton.decode_gluon_ws import (_ws_finish, _ws_fold, _ws_publish, _ws_rows_done, _ws_softmax,
@@ -191,17 +192,27 @@ def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLO
 
 
 @gluon.jit
-def _store_out_tma(C: gl.constexpr, o, inv, q_s, desc_o, row0, o_l: gl.constexpr):
+def _store_out_tma(C: gl.constexpr, o, inv, q_s, kc, desc_o, row0, pid_s, o_l: gl.constexpr, DIRECT: gl.constexpr):
     """Store this warpgroup's 256 output columns ``o / l`` of the program's 64 rows (output rows ``row0`` on) through
-    shared memory: its half of the latent query rows' buffer (free: both warpgroups' dots are done, ``_ws_rows_done``),
-    then one TMA copy of that half (``desc_o``: the output's ``[8, rows, 64]`` column blocks, box ``[4, 64, 64]``),
-    awaited before the warps exit. Coalesced, against the scattered 4-byte stores of the accumulator layout."""
+    shared memory and one TMA copy, awaited before the warps exit (both warpgroups' dots are done,
+    ``_ws_rows_done``, so the buffers are free). ``DIRECT``: bf16 into its half of the latent query rows' buffer,
+    ``desc_o`` the output's ``[8, rows, 64]`` column blocks (box ``[4, 64, 64]``); else float32 into its own tile
+    slot's latent part, ``desc_o`` the split workspace's ``[splits, 16, rows, 32]`` column blocks (box ``[1, 8, 64,
+    32]``) at split ``pid_s``. Coalesced, against the scattered stores of the accumulator layout."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    q_s.index(0).slice(C * 256, 256, dim=1).store((o * gl.convert_layout(inv, row_o)[:, None]).to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-    src = q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * C, 4, dim=0)
-    tma.async_copy_shared_to_global(desc_o, [4 * C, row0, 0], src)
+    out = o * gl.convert_layout(inv, row_o)[:, None]
+    if DIRECT:
+        q_s.index(0).slice(C * 256, 256, dim=1).store(out.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        src = q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * C, 4, dim=0)
+        tma.async_copy_shared_to_global(desc_o, [4 * C, row0, 0], src)
+    else:
+        kc[C].index(0)._reinterpret(gl.float32, [64, 256], F32_C).store(out)
+        fence_async_shared()
+        gl.thread_barrier()
+        src = kc[C].index(0)._reinterpret(gl.float32, [1, 8, 64, 32], F32_BOX_C)
+        tma.async_copy_shared_to_global(desc_o, [pid_s, 8 * C, row0, 0], src)
     tma.store_wait(0)
 
 
@@ -273,7 +284,7 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
     if TMA_OUT:
         inv, _ = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT,
                                row_s)
-        _store_out_tma(C, o, inv, q_s, desc_o, (b * M + pid_h * 64).to(gl.int32), o_l)
+        _store_out_tma(C, o, inv, q_s, kc, desc_o, (b * M + pid_h * 64).to(gl.int32), pid_s, o_l, DIRECT)
     else:
         _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
                    o_l)
@@ -293,9 +304,10 @@ def decode_gluon_seesaw_kernel(
     """``decode_gluon_kernel``'s contract with :data:`WARPS` warps plus a 4-warp worker; ``desc_h`` spans the
     cache's latent columns as ``[8, rows, 64]`` with a box of half a tile (``[4, 64, 64]``), ``desc_r`` its rows
     ``[rows, 576]`` (box ``[64, 64]``, the rope columns). The kernel's warps stage the latent query rows and
-    start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant). ``TMA_OUT`` (one split,
-    ``M`` a multiple of 64): ``desc_o`` spans ``o_ptr``'s rows as ``[8, rows, 64]`` column blocks (box ``[4, 64, 64]``)
-    and each warpgroup stores its output columns through shared memory with one TMA copy. ``TMA_Q`` (``M`` a multiple
+    start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant). ``TMA_OUT`` (``M`` a
+    multiple of 64): each warpgroup stores its output columns through shared memory with one TMA copy; ``desc_o``
+    spans ``o_ptr``'s rows as ``[8, rows, 64]`` column blocks (box ``[4, 64, 64]``) with one split (``DIRECT``), else
+    the float32 workspace ``[rows, splits, 512]`` as ``[splits, 16, rows, 32]`` (box ``[1, 8, 64, 32]``). ``TMA_Q`` (``M`` a multiple
     of 64, q's rows dense): ``desc_q`` spans q's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and the
     program's rows come by one TMA copy started before the prologue's loads, awaited by each warpgroup."""
     gl.static_assert(DC == 512)

@@ -17,14 +17,14 @@ BF = torch.bfloat16
 SCALE = 0.07
 
 
-def _desc_type(block_shape, layout) -> str:
-    return f"tensordesc<bf16[{', '.join(str(n) for n in block_shape)}],{layout!r}>"
+def _desc_type(block_shape, layout, dtype: str = "bf16") -> str:
+    return f"tensordesc<{dtype}[{', '.join(str(n) for n in block_shape)}],{layout!r}>"
 
 
 @sm90_compile
 @pytest.mark.parametrize("block_size,direct,fold_first,tma_out,tma_q", [
     (64, False, False, False, False), (128, True, False, False, True), (64, True, True, True, True),
-    (128, True, False, True, False), (64, False, True, False, True)])
+    (128, True, False, True, False), (64, False, True, False, True), (64, False, True, True, True)])
 def test_sm90_compile_resources(block_size, direct, fold_first, tma_out, tma_q):
     """8 warps in all (the kernel's 4 and a 4-warp worker), no spill or stack at the register file's 255, shared
     memory of :func:`smem_bytes` plus under 1 KB and within 227 KB; the dots: warpgroup 0's tile 0 (S: the rope
@@ -32,17 +32,18 @@ def test_sm90_compile_resources(block_size, direct, fold_first, tma_out, tma_q):
     P V) and fold of the other's last tile (4); the TMA copies: tiles 0 and 1 in three parts each, then each
     warpgroup's rope and own half after its P V (warpgroup 0 also after tile 0) and its half of the other's slot;
     the same counts with ``FOLD_FIRST`` (the loop's steps reordered); with ``TMA_OUT`` one TMA store a warpgroup and
-    no plain store of the output (only the LSE's); with ``TMA_Q`` the latent query rows by one more TMA copy, no plain
-    load of them."""
+    no plain store of the output (only the LSE's; several splits: their float32 rows by TMA too); with ``TMA_Q`` the
+    latent query rows by one more TMA copy, no plain load of them."""
     from mla_compile.ops.triton import decode_gluon_seesaw as sw
-    from mla_compile.ops.triton._bf16_tma import BOX_SL
+    from mla_compile.ops.triton._bf16_tma import BOX_SL, F32_BOX_SL
     from mla_compile.ops.triton._gluon import SMEM_SL
     from mla_compile.ops.triton._sm90 import resources
 
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if direct else "*fp32", scale_log2="fp32",
                  desc_h=_desc_type([4, 64, 64], BOX_SL), desc_r=_desc_type([64, 64], SMEM_SL),
-                 desc_o=_desc_type([4, 64, 64], BOX_SL), desc_q=_desc_type([8, 64, 64], BOX_SL))
+                 desc_o=_desc_type([4, 64, 64], BOX_SL) if direct else _desc_type([1, 8, 64, 32], F32_BOX_SL, "fp32"),
+                 desc_q=_desc_type([8, 64, 64], BOX_SL))
     consts = dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, DIRECT=direct, FOLD_FIRST=fold_first, TMA_OUT=tma_out,
                   TMA_Q=tma_q)
     if not tma_out:
@@ -62,7 +63,7 @@ def test_sm90_compile_resources(block_size, direct, fold_first, tma_out, tma_q):
     assert res["HGMMA"] == (s_dot + pv + loop + pv) + (loop + pv), res
     assert res["UTMALDG"] == 2 * 3 + (2 + 1) * 2 + 2 + (1 if tma_q else 0), res
     ptx = compiled.asm["ptx"]
-    stores = ptx.count("cp.async.bulk.tensor.3d.global.shared")
+    stores = ptx.count(".global.shared::cta.bulk_group")  # TMA stores (3d: the bf16 output; 4d: the splits')
     assert stores == (2 if tma_out else 0), stores
     # the output's plain stores (bf16 pairs, or float32 into the splits' workspace) gone with TMA_OUT: the LSE's remain
     plain = ptx.count("st.global")
@@ -80,7 +81,8 @@ def test_sm90_compile_resources(block_size, direct, fold_first, tma_out, tma_q):
 
 
 @sm90_compile
-@pytest.mark.parametrize("splits,fold_first,tma_out", [(1, False, None), (1, True, False), (3, True, None)])
+@pytest.mark.parametrize("splits,fold_first,tma_out", [(1, False, None), (1, True, False), (3, True, None),
+                                                       (3, False, True)])
 def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     """``decode_gluon.launch(..., config={"SEESAW": True, ...})`` on CPU tensors (128 heads, MTP rows, pages of
     128): it calls the seesaw kernel on grid ``(2 s_q, splits, B)`` with 4 warps, the latent copies' box half a
@@ -88,7 +90,8 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     argument binds and the call compiles for sm_90; with several splits the fp32 workspaces and the reduce; the
     config's ``FOLD_FIRST`` reaches the kernel (``SEESAW_FOLD_FIRST`` where it names none); with one split (whole
     64-row programs) the output's TMA store (``TMA_OUT``, a ``[4, 64, 64]`` box over ``out``'s ``[8, rows, 64]`` column
-    blocks) unless the config turns it off."""
+    blocks) unless the config turns it off; with several splits, where the config asks for it, the float32 workspace's
+    (a ``[1, 8, 64, 32]`` box over ``[splits, 16, rows, 32]`` column blocks)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -117,14 +120,18 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     assert isinstance(desc_h, TensorDescriptor) and list(desc_h.block_shape) == [4, 64, 64]
     assert list(desc_h.shape) == [8, cache.shape[0] * 128, 64]
     assert list(desc_r.block_shape) == [64, 64]
-    tma = splits == 1 and tma_out is not False
+    tma = tma_out if tma_out is not None else splits == 1  # by default with one split only
     assert kwargs["TMA_OUT"] is tma and (isinstance(kwargs["desc_o"], TensorDescriptor) if tma else
                                          kwargs["desc_o"] is None)
     descs = {"desc_h": desc_h, "desc_r": desc_r}
     if tma:
         desc_o = descs["desc_o"] = kwargs["desc_o"]
-        assert list(desc_o.block_shape) == [4, 64, 64] and list(desc_o.shape) == [8, 3 * 2 * 128, 64]
-        assert desc_o.base.data_ptr() == out.data_ptr() and list(desc_o.strides) == [64, DC, 1]
+        if splits == 1:  # the bf16 output
+            assert list(desc_o.block_shape) == [4, 64, 64] and list(desc_o.shape) == [8, 3 * 2 * 128, 64]
+            assert desc_o.base.data_ptr() == out.data_ptr() and list(desc_o.strides) == [64, DC, 1]
+        else:  # the float32 workspace [rows, splits, 512] the reduce reads (o_ptr)
+            assert list(desc_o.block_shape) == [1, 8, 64, 32] and list(desc_o.shape) == [splits, 16, 3 * 2 * 128, 32]
+            assert desc_o.base.data_ptr() == args[5].data_ptr() and list(desc_o.strides) == [DC, 32, splits * DC, 1]
     # q's rows are dense (contiguous, 256 rows a sequence): its latent columns by TMA, box [8, 64, 64]
     desc_q = descs["desc_q"] = kwargs["desc_q"]
     assert kwargs["TMA_Q"] is True and list(desc_q.block_shape) == [8, 64, 64]
@@ -134,7 +141,7 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     if not tma:  # None: a constexpr, as the JIT binds it
         sig["desc_o"], consts["desc_o"] = "constexpr", None
     for name, d in descs.items():
-        sig[name] = _desc_type(d.block_shape, d.layout)
+        sig[name] = _desc_type(d.block_shape, d.layout, "fp32" if d.base.dtype == torch.float32 else "bf16")
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024
