@@ -24,6 +24,15 @@ F32_BOX_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, r
 F32_BOX_C = gl.constexpr(F32_BOX_SL)
 
 
+def row_blocks_descriptor(out, rows: int, box_blocks: int):
+    """A TMA descriptor of ``out``'s ``rows`` bf16 rows of ``DC`` as ``[8, rows, 64]`` column blocks (``BOX_SL``), box
+    ``[box_blocks, 64, 64]``: where the 64-row kernels store their output rows (``TMA_OUT``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    blocks = out.view(rows, DC).as_strided([DC // CHUNK, rows, CHUNK], [CHUNK, DC, 1])
+    return TensorDescriptor.from_tensor(blocks, [box_blocks, BLOCK_M, CHUNK], BOX_SL)
+
+
 @gluon.jit
 def issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page, tile, n_tiles, start, BLOCK_SIZE: gl.constexpr):
     """Start the two TMA copies of tile ``tile`` (none past ``n_tiles``; ``page``: its block-table entry,

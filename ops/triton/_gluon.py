@@ -8,6 +8,9 @@ from __future__ import annotations
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+
+from mla_compile.ops.triton._bf16_tma import BOX_C
 
 # bf16 tiles in shared memory as wgmma reads them (128-byte swizzle)
 SMEM_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -131,6 +134,23 @@ def store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr,
     cols = gl.arange(0, DC, gl.SliceLayout(0, o_l))
     ty: gl.constexpr = o_ptr.dtype.element_ty
     gl.store(o_ptr + first[:, None] + cols[None, :], (o * inv_o[:, None]).to(ty), mask=ok[:, None])
+
+
+@gluon.jit
+def store_rows_tma(o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, q_s, desc_o, row0, DC: gl.constexpr,
+                   o_l: gl.constexpr):
+    """:func:`store_rows` of a one-split (direct) 64-row program whose rows are all the output's (``M`` a multiple
+    of 64): the LSE as there, the rows ``o / l`` through the query rows' buffer ``q_s [64, DC]`` (free once every
+    warp's last dot is done: a CTA barrier first) and one TMA copy (``desc_o``: the output's ``[8, rows, 64]``
+    column blocks, box ``[8, 64, 64]``, from row ``row0``), awaited before the warps exit."""
+    inv, _ = finish_rows(l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, True)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    gl.thread_barrier()  # every warpgroup's dots reading the query rows done
+    q_s.store((o * gl.convert_layout(inv, row_o)[:, None]).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows stored before the copy reads them
+    tma.async_copy_shared_to_global(desc_o, [0, row0, 0], q_s._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C))
+    tma.store_wait(0)
 
 
 @gluon.jit

@@ -63,7 +63,7 @@ def signature(kernel, args, kwargs) -> tuple[dict, dict, dict]:
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = bound[p.name]
-        if p.is_constexpr:
+        if p.is_constexpr or v is None:  # None: a constexpr, as the JIT binds it
             sig[p.name], consts[p.name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[p.name] = "*" + TYPES[v.dtype]

@@ -69,11 +69,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mla_compile.ops.decode import validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._bf16_tma import (BLOCK_M, BLOCK_N, BOX_SL, CHUNK, DC, DR, F32_BOX_SL, STAGES, TILE_BYTES,
-                                              D, issue_tile, zero_tail)
+                                              D, issue_tile, row_blocks_descriptor, zero_tail)
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, SMEM_SL, alloc_tiles, causal_rows, mask_scores,
-                                           online_softmax, split_range, stage_query_rows, store_rows, tile_page)
+                                           online_softmax, split_range, stage_query_rows, store_rows, store_rows_tma,
+                                           tile_page)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_seesaw import WARPS as SEESAW_WARPS
@@ -105,6 +106,7 @@ def decode_gluon_kernel(
     stride_bt,
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, PIPE: gl.constexpr = True,
+    TMA_OUT: gl.constexpr = False, desc_o=None,
 ):
     """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); ``desc_c``
     / ``desc_r`` span the cache's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and its rows
@@ -114,7 +116,10 @@ def decode_gluon_kernel(
     (the default): once ``P_j V_j`` is done the copy of tile j + 2 starts, then the wait for tile j + 1 and
     ``S_{j+1}``, so a late tile j + 1 no longer holds back the copy of tile j + 2 (two tiles in flight while
     the program waits); ``PIPE=False``: ``P_j V_j`` and ``S_{j+1}`` issued back to back, the copy after the wait
-    for tile j + 1 (the first schedule, kept to time against)."""
+    for tile j + 1 (the first schedule, kept to time against).
+    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; not yet run on a GPU): ``desc_o`` spans the
+    output's rows as ``[8, rows, 64]`` column blocks (box ``[8, 64, 64]``), and the rows go through the query rows'
+    buffer and one TMA copy (``_gluon.store_rows_tma``)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -190,7 +195,11 @@ def decode_gluon_kernel(
             s = warpgroup_mma_wait(0, deps=[qk])
 
     l_i = gl.sum(l_part, axis=1)
-    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
+    if TMA_OUT:
+        store_rows_tma(o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, q_s, desc_o,
+                       (b * M + pid_h * 64).to(gl.int32), DC, o_l)
+    else:
+        store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def smem_bytes(ws: bool = False, swap: bool = False) -> int:
@@ -247,9 +256,11 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     ``_plan.opaque_splits``), WS (True: ``decode_gluon_ws_kernel``, else ``decode_gluon_kernel``), SEESAW (True:
     ``decode_gluon_seesaw.decode_gluon_seesaw_kernel``; FOLD_FIRST: its step order, default
     :data:`SEESAW_FOLD_FIRST`; TMA_OUT: whole 64-row programs store the output, or with several splits their
-    float32 partial rows, through shared memory and TMA; default True with one split, False with several; TMA_Q, default True: whole 64-row programs over q's dense rows load them by TMA), SWAP
-    (``decode_gluon_swap_kernel``, 16 query rows a program; default: where a sequence has at most ``SWAP_ROWS``
-    rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all, neither WS nor SEESAW set), PIPE
+    float32 partial rows, through shared memory and TMA, default True with one split, False with several;
+    TMA_Q, default True: whole 64-row programs over q's dense rows load them by TMA; the 64-row kernel's TMA_OUT,
+    default False: one split stores by TMA), SWAP (``decode_gluon_swap_kernel``, 16 query rows a program; default:
+    where a sequence has at most ``SWAP_ROWS`` rows, or the call has at most ``SWAP_CALL_ROWS`` rows in all,
+    neither WS nor SEESAW set), PIPE
     (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
     first copies of older keys before its wait, ``decode_gluon_swap_kernel``'s contract; default
     :data:`EARLY_TILES`); several splits are merged by ``decode.reduce_splits`` (:func:`launch`); this function
@@ -293,7 +304,11 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         early = bool(config.get("EARLY", EARLY_TILES)) and pdl["PDL"]
         kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS, "EARLY": early, **pdl}
     else:
-        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {"PIPE": bool(config.get("PIPE", False))}
+        # TMA_OUT by name only (not yet run on a GPU): one split, every row of a program the output's
+        tma_out = direct and M % BLOCK_M == 0 and bool(config.get("TMA_OUT", False))
+        kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {
+            "PIPE": bool(config.get("PIPE", False)), "TMA_OUT": tma_out,
+            "desc_o": row_blocks_descriptor(out, B * M, DC // CHUNK) if tma_out else None}
     kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
@@ -310,8 +325,7 @@ def _out_descriptor(buf: Tensor, rows: int, splits: int, direct: bool) -> Tensor
     column blocks, box ``[4, 64, 64]`` (a warpgroup's half of a program's rows); several, the float32 workspace
     ``[rows, splits, 512]`` as ``[splits, 16, rows, 32]``, box ``[1, 8, 64, 32]`` (the same half at one split)."""
     if direct:
-        blocks = buf.view(rows, DC).as_strided([DC // CHUNK, rows, CHUNK], [CHUNK, DC, 1])
-        return TensorDescriptor.from_tensor(blocks, [DC // CHUNK // 2, BLOCK_M, CHUNK], BOX_SL)
+        return row_blocks_descriptor(buf, rows, DC // CHUNK // 2)
     f32 = CHUNK // 2  # float32 columns in 128 bytes
     blocks = buf.as_strided([splits, DC // f32, rows, f32], [DC, f32, splits * DC, 1])
     return TensorDescriptor.from_tensor(blocks, [1, DC // f32 // 2, BLOCK_M, f32], F32_BOX_SL)

@@ -307,9 +307,10 @@ def decode_gluon_seesaw_kernel(
     start tiles 0 and 1; the module docstring has the schedule (``FOLD_FIRST``: its variant). ``TMA_OUT`` (``M`` a
     multiple of 64): each warpgroup stores its output columns through shared memory with one TMA copy; ``desc_o``
     spans ``o_ptr``'s rows as ``[8, rows, 64]`` column blocks (box ``[4, 64, 64]``) with one split (``DIRECT``), else
-    the float32 workspace ``[rows, splits, 512]`` as ``[splits, 16, rows, 32]`` (box ``[1, 8, 64, 32]``). ``TMA_Q`` (``M`` a multiple
-    of 64, q's rows dense): ``desc_q`` spans q's latent columns as ``[8, rows, 64]`` (box ``[8, 64, 64]``) and the
-    program's rows come by one TMA copy started before the prologue's loads, awaited by each warpgroup."""
+    the float32 workspace ``[rows, splits, 512]`` as ``[splits, 16, rows, 32]`` (box ``[1, 8, 64, 32]``). ``TMA_Q``
+    (``M`` a multiple of 64, q's rows dense): ``desc_q`` spans q's latent columns as ``[8, rows, 64]`` (box ``[8, 64,
+    64]``) and the program's rows come by one TMA copy started before the prologue's loads, awaited by each
+    warpgroup."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)

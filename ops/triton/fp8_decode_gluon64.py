@@ -67,10 +67,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mla_compile.ops.fp8_cache import gluon_eligible, validate_decode
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._bf16_tma import row_blocks_descriptor
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, causal_rows, mask_scores,
                                            online_softmax, pdl_start, split_range, stage_query_rows, store_rows,
-                                           tile_page)
+                                           store_rows_tma, tile_page)
 from mla_compile.ops.triton._pdl import launch_kwargs
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
@@ -275,7 +276,7 @@ def decode_fp8_gluon64_kernel(
     M, H, S_Q, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = False, MAX_XCHG: gl.constexpr = False, CVT_BF16: gl.constexpr = False,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, TMA_OUT: gl.constexpr = False, desc_o=None,
 ):
     """Grid ``(cdiv(M, 64), n_splits, B)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the fp8
     cache ``kv_ptr`` (uint8, rows of 656 bytes at ``stride_kt``, blocks at ``stride_kb``); ``BLOCK_SIZE`` a
@@ -284,7 +285,10 @@ def decode_fp8_gluon64_kernel(
     fp32, base-2 LSE). Variants (each off unless set; :func:`launch` sets ``DEFAULTS``): ``RESCALE_SKIP`` keeps
     each row's running maximum until a tile's maximum passes it by more than ``TAU`` (a CTA-uniform test: O and
     the row sums are rescaled only on those tiles), ``CVT_BF16`` dequantizes with bf16x2 arithmetic
-    (``_store_tile_bf16``). ``PDL``: launched with PDL, every program waits for the kernel before it first."""
+    (``_store_tile_bf16``). ``PDL``: launched with PDL, every program waits for the kernel before it first.
+    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; not yet run on a GPU): ``desc_o`` spans the
+    output's rows as ``[8, rows, 64]`` column blocks (box ``[8, 64, 64]``), and the rows go through the query rows'
+    buffer and one TMA copy (``_gluon.store_rows_tma``)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
@@ -370,7 +374,11 @@ def decode_fp8_gluon64_kernel(
     row_ok = rows < M
     b = gl.program_id(2).to(gl.int64) + z
     pid_s = gl.program_id(1) + z
-    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
+    if TMA_OUT:
+        store_rows_tma(o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, q_s, desc_o,
+                       (b * M + (gl.program_id(0) + z) * 64).to(gl.int32), DC, o_l)
+    else:
+        store_rows(o_ptr, o, l_i, m_i, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def smem_bytes() -> int:
@@ -400,7 +408,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
            config: dict | None = None) -> tuple[Tensor, Tensor]:
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
     waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's
-    variants ``VARIANTS`` (each a bool, ``DEFAULTS`` where absent: ``{"CVT_BF16": True}``)."""
+    variants ``VARIANTS`` (each a bool, ``DEFAULTS`` where absent: ``{"CVT_BF16": True}``); TMA_OUT (default False;
+    not yet run on a GPU): one split and whole 64-row programs store the output by TMA."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -411,6 +420,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
                                    block_table.shape[1] * kv_cache.shape[1], BLOCK_N, "fp8_decode_gluon64")
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
     q = last_dim_contiguous(q)
+    tma_out = direct and M % BLOCK_M == 0 and bool((config or {}).get("TMA_OUT", False))
     decode_fp8_gluon64_kernel[(hb, splits, B)](
         q, kv_cache, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,
@@ -419,6 +429,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
         **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
+        TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * M, DC // 64) if tma_out else None,
         num_warps=NUM_WARPS, **launch_kwargs(q.device),
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct, pdl=True)

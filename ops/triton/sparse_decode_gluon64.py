@@ -57,9 +57,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.sparse_decode import validate
 from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
+from mla_compile.ops.triton._bf16_tma import row_blocks_descriptor
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, online_softmax, store_query_rows,
-                                           store_rows)
+                                           store_rows, store_rows_tma)
 from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, decode_outputs, reduce_splits
 from mla_compile.ops.triton.fp8_decode_gluon64 import (CODE_L, ROPE_L, SCALE_L, XCH_S, WORD_L, _CVT_BF16,
@@ -226,7 +227,7 @@ def sparse_decode_gluon64_kernel(
     H, S_Q, topk, n_slots, n_splits,
     DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr, DIRECT: gl.constexpr, FP8: gl.constexpr,
     RESCALE_SKIP: gl.constexpr = True, MAX_XCHG: gl.constexpr = True, CVT_BF16: gl.constexpr = False,
-    ROPE_ASYNC: gl.constexpr = False, FOLD_SCALE: gl.constexpr = False,
+    ROPE_ASYNC: gl.constexpr = False, FOLD_SCALE: gl.constexpr = False, TMA_OUT: gl.constexpr = False, desc_o=None,
 ):
     """Grid ``(cdiv(H, 64), n_splits, B * S_Q)``, 8 warps; bf16 q ``[B, S_Q, H, 576]`` (last dim contiguous); the
     cache ``kv_ptr`` (``FP8``: uint8 rows of 656 bytes, else bf16 rows of 576; rows at ``stride_kt``, blocks of
@@ -236,7 +237,10 @@ def sparse_decode_gluon64_kernel(
     ``o_ptr`` / ``lse_ptr`` (``[B * S_Q * H, n_splits, 512]`` fp32, base-2 LSE). ``RESCALE_SKIP`` / ``MAX_XCHG`` /
     ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants; ``ROPE_ASYNC`` (fp8): a tile's rope copied into its slot
     with ``cp.async`` right after the CTA barrier that follows P (no register load after P V); ``FOLD_SCALE`` (a
-    positive scale): the row maximum taken on the raw scores, the scale folded into ``exp2(s * c - m)``."""
+    positive scale): the row maximum taken on the raw scores, the scale folded into ``exp2(s * c - m)``.
+    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; not yet run on a GPU): ``desc_o`` spans the
+    output's rows as ``[8, rows, 64]`` column blocks (box ``[8, 64, 64]``), and the rows go through the query rows'
+    buffer and one TMA copy (``_gluon.store_rows_tma``)."""
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     s_l: gl.constexpr = S64
@@ -355,7 +359,11 @@ def sparse_decode_gluon64_kernel(
     row_ok = rows < H
     bq = gl.program_id(2).to(gl.int64) + z
     pid_s = gl.program_id(1) + z
-    store_rows(o_ptr, o, l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
+    if TMA_OUT:
+        store_rows_tma(o, l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, q_s, desc_o,
+                       (bq * H + (gl.program_id(0) + z) * 64).to(gl.int32), DC, o_l)
+    else:
+        store_rows(o_ptr, o, l_i, m_i, rows, row_ok, bq, H, pid_s, n_splits, lse_ptr, DC, DIRECT, o_l)
 
 
 def eligible(q: Tensor, kv_cache: Tensor, indices: Tensor, kv_lora_rank: int) -> bool:
@@ -384,8 +392,9 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
     (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only;
-    ``FOLD_SCALE`` to a positive ``scale`` only)."""
-    config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS"})
+    ``FOLD_SCALE`` to a positive ``scale`` only); TMA_OUT (default False; not yet run on a GPU): one split and
+    whole 64-row programs store the output by TMA."""
+    config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS", "TMA_OUT"})
     cfg = {k: bool(config.get(k, DEFAULTS[k])) for k in VARIANTS}
     cfg["FOLD_SCALE"] = cfg["FOLD_SCALE"] and scale > 0  # the raw scores' maximum is the scaled one's only then
     B, s_q, H, _ = q.shape
@@ -398,6 +407,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     o_buf, l_buf = split_buffers(out, lse, B * s_q * H, splits, DC, direct)
     q = last_dim_contiguous(q)
     indices = last_dim_contiguous(indices)
+    tma_out = direct and H % BLOCK_M == 0 and bool(config.get("TMA_OUT", False))
     sparse_decode_gluon64_kernel[(hb, splits, B * s_q)](
         q, kv_cache, indices, o_buf, l_buf,
         scale * _LOG2E,
@@ -406,7 +416,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
         indices.stride(0), indices.stride(1),
         H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits,
         DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, FP8=kv_cache.dtype == torch.uint8,
-        **cfg,
+        **cfg, TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * s_q * H, DC // 64) if tma_out else None,
         num_warps=NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct, pdl=True)

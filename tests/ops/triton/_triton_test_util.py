@@ -25,13 +25,17 @@ def sm90_compile(test):
 
 
 def gluon_sm90(kernel, consts: dict, warps: int, types: dict, divisible: tuple[str, ...] = ()):
-    """The sm_90 compile of a Gluon kernel (Triton's compiler, no GPU): ``consts`` its constexprs, ``types`` the
-    signature types of its other arguments ("i32" where absent); pointers and the arguments whose names start
+    """The sm_90 compile of a Gluon kernel (Triton's compiler, no GPU): ``consts`` its constexprs (a parameter named
+    in neither, with a constexpr or None default, takes that default), ``types`` the signature types of its other
+    arguments ("i32" where absent); pointers and the arguments whose names start
     with one of ``divisible`` 16-byte divisible, as the JIT specializes them for a real launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    # parameters left out take their defaults where the kernel declares one (a constexpr's, or None), as the JIT binds
+    consts = dict(consts, **{p.name: p.default for p in kernel.params if p.name not in consts and p.name not in types
+                             and p.has_default and (p.is_constexpr or p.default is None)})
     sig = {p.name: "constexpr" if p.name in consts else types.get(p.name, "i32") for p in kernel.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
              if sig[p.name].startswith("*") or (divisible and p.name.startswith(divisible))}
@@ -216,3 +220,17 @@ def sm90_facts(**kw):
     base.update(kw)
     dtype = base.pop("dtype", torch.bfloat16)
     return facts_for("cuda", dtype, **base)
+
+
+def check_tma_out(plain, tma) -> None:
+    """A 64-row Gluon decode's sm_90 compiles without and with ``TMA_OUT``: with it, one TMA store (the ``[8, 64, 64]``
+    box of the output rows) and fewer plain global stores (the output's gone, the LSE's left), the same shared
+    memory, no spills, at most 255 registers; without it, no TMA store."""
+    from mla_compile.ops.triton._sm90 import resources
+
+    bulk = ".global.shared::cta.bulk_group"
+    assert plain.asm["ptx"].count(bulk) == 0 and tma.asm["ptx"].count(bulk) == 1
+    assert tma.asm["ptx"].count("st.global") < plain.asm["ptx"].count("st.global")
+    assert tma.metadata.shared == plain.metadata.shared
+    res = resources(tma)
+    assert res["stack"] == 0 and res["LDL"] == 0 and res["STL"] == 0 and res["regs"] <= 255, res

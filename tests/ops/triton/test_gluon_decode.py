@@ -24,8 +24,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import lens_with_empty
-from _triton_test_util import (assert_attention_close, gluon_sm90, longest_load_run, paged_cache, poison_allocator,
-                               sm90_compile, sm90_facts)
+from _triton_test_util import (assert_attention_close, check_tma_out, gluon_sm90, longest_load_run, paged_cache,
+                               poison_allocator, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -273,8 +273,21 @@ def _compile_sm90(kernel, consts, warps):
 
     types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32",
-                 desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>")
+                 desc_c=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>", desc_r=f"tensordesc<bf16[64, 64],{g.SMEM_SL!r}>",
+                 desc_o=f"tensordesc<bf16[8, 64, 64],{g.BOX_SL!r}>")
+    if not consts.get("TMA_OUT"):
+        types.pop("desc_o")
     return gluon_sm90(kernel, consts, warps, types, ("stride_q",))
+
+
+@sm90_compile
+def test_sm90_compile_tma_out():
+    """``decode_gluon_kernel`` with ``TMA_OUT`` (one split): its output rows by one TMA copy (``check_tma_out``)."""
+    from mla_compile.ops.triton import decode_gluon as g
+
+    base = dict(DC=DC, DR=DR, BLOCK_SIZE=64, DIRECT=True, PIPE=False)
+    check_tma_out(_compile_sm90(g.decode_gluon_kernel, base, g.NUM_WARPS),
+                  _compile_sm90(g.decode_gluon_kernel, dict(base, TMA_OUT=True), g.NUM_WARPS))
 
 
 @sm90_compile

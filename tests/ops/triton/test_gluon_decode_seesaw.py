@@ -137,11 +137,10 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     assert kwargs["TMA_Q"] is True and list(desc_q.block_shape) == [8, 64, 64]
     assert list(desc_q.shape) == [8, 3 * 2 * 128, 64] and list(desc_q.strides) == [64, DC + DR, 1]
     plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
-    sig, consts, attrs = signature(kernel, plain, kwargs)
-    if not tma:  # None: a constexpr, as the JIT binds it
-        sig["desc_o"], consts["desc_o"] = "constexpr", None
+    sig, consts, attrs = signature(kernel, plain, kwargs)  # (a None: a constexpr, as the JIT binds it)
     for name, d in descs.items():
         sig[name] = _desc_type(d.block_shape, d.layout, "fp32" if d.base.dtype == torch.float32 else "bf16")
+        consts.pop(name, None)
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024

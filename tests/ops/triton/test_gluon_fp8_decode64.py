@@ -26,8 +26,8 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import fp8_paged, lens_with_empty
-from _triton_test_util import (assert_attention_close, assert_pdl_order, gluon_sm90, longest_load_run, poison_allocator,
-                               record_gluon_launches, sm90_compile, sm90_facts)
+from _triton_test_util import (assert_attention_close, assert_pdl_order, check_tma_out, gluon_sm90, longest_load_run,
+                               poison_allocator, record_gluon_launches, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 SCALE = 1 / math.sqrt(192)
@@ -280,7 +280,21 @@ def _compile_sm90(consts):
     consts = {"PDL": False, **consts}
     types = dict(q_ptr="*bf16", kv_ptr="*u8", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
+    if consts.get("TMA_OUT"):
+        from mla_compile.ops.triton._bf16_tma import BOX_SL
+
+        types["desc_o"] = f"tensordesc<bf16[8, 64, 64],{BOX_SL!r}>"
     return gluon_sm90(g.decode_fp8_gluon64_kernel, consts, g.NUM_WARPS, types, ("stride_q", "stride_k"))
+
+
+@sm90_compile
+def test_sm90_compile_tma_out():
+    """The kernel with ``TMA_OUT`` (one split, its default variants): the output rows by one TMA copy
+    (``check_tma_out``)."""
+    from mla_compile.ops.triton import fp8_decode_gluon64 as g
+
+    base = dict(DC=512, DR=64, BLOCK_SIZE=64, DIRECT=True, **g.DEFAULTS)
+    check_tma_out(_compile_sm90(base), _compile_sm90(dict(base, TMA_OUT=True)))
 
 
 def _loop_sass(compiled) -> str:

@@ -26,7 +26,7 @@ from mla_compile.ops.registry import backends_for
 from mla_compile.ops.select import select, why_not
 from tests.cuda_capture import capture
 from _sparse_test_util import float_paged, fp8_paged, lens_with_empty, topk_indices
-from _triton_test_util import (assert_attention_close, gluon_sm90, longest_load_run, poison_allocator,
+from _triton_test_util import (assert_attention_close, check_tma_out, gluon_sm90, longest_load_run, poison_allocator,
                                record_gluon_launches, sm90_compile, sm90_facts)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -264,7 +264,21 @@ def _compile_sm90(consts, idx_type="*i32"):
 
     types = dict(q_ptr="*bf16", kv_ptr="*u8" if consts["FP8"] else "*bf16", idx_ptr=idx_type, lse_ptr="*fp32",
                  o_ptr="*bf16" if consts["DIRECT"] else "*fp32", scale_log2="fp32")
+    if consts.get("TMA_OUT"):
+        from mla_compile.ops.triton._bf16_tma import BOX_SL
+
+        types["desc_o"] = f"tensordesc<bf16[8, 64, 64],{BOX_SL!r}>"
     return gluon_sm90(g.sparse_decode_gluon64_kernel, consts, g.NUM_WARPS, types, ("stride_q", "stride_k"))
+
+
+@sm90_compile
+def test_sm90_compile_tma_out():
+    """The kernel with ``TMA_OUT`` (one split, an fp8 cache, its default flags): the output rows by one TMA copy
+    (``check_tma_out``)."""
+    from mla_compile.ops.triton import sparse_decode_gluon64 as g
+
+    base = dict(DC=512, DR=64, BLOCK_SIZE=64, DIRECT=True, FP8=True, **g.DEFAULTS)
+    check_tma_out(_compile_sm90(base), _compile_sm90(dict(base, TMA_OUT=True)))
 
 
 _FP8_ONLY = ("CVT_BF16", "ROPE_ASYNC")  # flags a bf16 cache ignores: its compile with them is the plain one
