@@ -7,12 +7,13 @@ Sections (all with kv_lora_rank 512 + rope 64, page 64, scale 1/sqrt(192), bf16 
   goal: fp8 >= 1.7x faster than bf16), FlashMLA bf16 and FlashMLA fp8 (its sparse V3.2 kernel over
   causal slot lists, heads padded to 64: its dense fp8 kernel reads another format), our Gluon fp8 kernels
   ("gluon", and "gluon64" with 64 query rows a program, on sm_90, then one row per opt-in variant of its
-  kernel: ``fp8_decode_gluon64.VARIANTS`` each alone, RESCALE_SKIP+MAX_XCHG and all together); also H=128
+  kernel: ``fp8_decode_gluon64.VARIANTS`` each alone, RESCALE_SKIP+MAX_XCHG and all together, and the
+  defaults with the output's TMA store); also H=128
   at L=4096 and B=1 H=128 at L=8192;
 - fp8 cache write of 4096 tokens (Triton vs the torch reference);
 - sparse decode B=128, topk 2048 over L=8192 contexts, H=16 and 128: Triton on bf16 and fp8 caches, our
-  Gluon sparse kernel ("gluon64", on sm_90, fp8 and bf16 caches; then on fp8 each of its flags flipped and
-  2 / 4 splits), FlashMLA fp8 sparse;
+  Gluon sparse kernel ("gluon64", on sm_90, fp8 and bf16 caches; then on fp8 each of its flags flipped,
+  2 / 4 splits and the output's TMA store), FlashMLA fp8 sparse;
 - the V3.2 lightning indexer (64 index heads x 128, top 2048) for a decode step (B=128 queries over
   L=8192 contexts) and a prefill chunk (2048 queries of one 8192-token sequence), bf16 and fp8 index-key
   caches, Triton vs the torch reference; and the index-key cache write of 4096 tokens.
@@ -130,6 +131,7 @@ def _gluon64_row(group, q, fp8, table, lens, o_f8, flops, nbytes):
     flags = fp8_decode_gluon64.VARIANTS
     sets = [(), *((k,) for k in flags), ("RESCALE_SKIP", "MAX_XCHG"), flags]  # RESCALE_SKIP+MAX_XCHG: any scale
     configs = [("+".join(on) or "no variant", {k: k in on for k in flags}) for on in sets]
+    configs += [("defaults + TMA_OUT (one split's rows by TMA)", {"TMA_OUT": True})]
     for name, config in configs:
         rows.append((f"gluon64 fp8 cache {name}", lambda config=config: fp8_decode_gluon64.launch(
             q, fp8, table, lens, SCALE, DC, config=config)))
@@ -185,7 +187,7 @@ def _sparse_gluon64_rows(group, q, cache, idx, flops, nbytes, kind="fp8"):
     o_ref, _ = sparse_decode(q, cache, idx, SCALE, backend="triton")
     rows = [(f"gluon64 {kind} sparse", lambda: sparse_decode(q, cache, idx, SCALE, backend="gluon64"))]
     configs = [(f"{k}={not g.DEFAULTS[k]}", {k: not g.DEFAULTS[k]}) for k in g.VARIANTS]  # each flag flipped alone
-    configs += [(f"SPLITS={n}", {"SPLITS": n}) for n in (2, 4)]
+    configs += [(f"SPLITS={n}", {"SPLITS": n}) for n in (2, 4)] + [("TMA_OUT=True", {"TMA_OUT": True})]
     for name, config in configs if kind == "fp8" else ():
         rows.append((f"gluon64 {kind} sparse {name}", lambda config=config: g.launch(q, cache, idx, SCALE, DC,
                                                                                       config=config)))

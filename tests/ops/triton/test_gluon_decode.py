@@ -113,12 +113,13 @@ _SHAPES = [  # B, H, s_q, max_len, bs, SPLITS (None: the plan's)
 KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "SWAP": False, "PIPE": True},
                  "swap": {"WS": False, "SWAP": True}, "swap-early": {"WS": False, "SWAP": True, "EARLY": True},
                  "ws": {"WS": True}, "seesaw": {"SEESAW": True}, "seesaw-tma": {"SEESAW": True, "TMA_OUT": True},
+                 "plain-tma": {"WS": False, "SWAP": False, "TMA_OUT": True},
                  "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False}}
 # "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
 # "pipe" (the PIPE schedule, not the default) and "seesaw-steps": the shape table only
 # "seesaw-tma": the seesaw's output copies by TMA with several splits too (the float32 partial rows; by default only
-# with one split)
-KERNELS = ["plain", "swap", "swap-early", "ws", "seesaw", "seesaw-tma"]
+# with one split); "plain-tma": the 64-row kernel's one-split rows by TMA (not a default yet)
+KERNELS = ["plain", "plain-tma", "swap", "swap-early", "ws", "seesaw", "seesaw-tma"]
 
 
 @pytest.mark.cuda

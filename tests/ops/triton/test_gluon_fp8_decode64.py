@@ -45,6 +45,7 @@ _FLAGS = ("RESCALE_SKIP", "MAX_XCHG", "CVT_BF16")
 VARIANTS = {name: {k: k in on for k in _FLAGS} for name, on in {
     "PLAIN": (), "RESCALE_SKIP": ("RESCALE_SKIP",), "MAX_XCHG": ("MAX_XCHG",), "CVT_BF16": ("CVT_BF16",),
     "default": ("RESCALE_SKIP", "MAX_XCHG"), "ALL_VARIANTS": _FLAGS}.items()}
+VARIANTS["TMA_OUT"] = {**VARIANTS["default"], "TMA_OUT": True}  # one split's rows by TMA (not a default yet)
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 
 

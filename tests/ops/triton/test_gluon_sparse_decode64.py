@@ -118,10 +118,11 @@ def test_gluon64_sparse_decode_shapes(B, H, s_q, max_len, topk, bs, splits, kind
                                     {"ROPE_ASYNC": True, "CVT_BF16": True},
                                     {"RESCALE_SKIP": False, "MAX_XCHG": False, "CVT_BF16": True},
                                     {"FOLD_SCALE": False}, {"FOLD_SCALE": True, "RESCALE_SKIP": False,
-                                                            "MAX_XCHG": False}])
+                                                            "MAX_XCHG": False},
+                                    {"TMA_OUT": True, "SPLITS": 1}])
 def test_gluon64_sparse_decode_flags(config, kind):
     """Each flag away from its default (``CVT_BF16``: the fp8 cache's bf16x2 dequantization; ``ROPE_ASYNC`` on: the
-    fp8 rope by ``cp.async``; a bf16 cache ignores both)."""
+    fp8 rope by ``cp.async``; a bf16 cache ignores both; ``TMA_OUT`` in one split: the rows by TMA)."""
     q, cache, idx = _inputs(6, 128, 1, 5000, 2048, 64, seed=11, kind=kind)
     _check(q, cache, idx, config)
 
