@@ -294,8 +294,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         # the latent query rows by TMA where q's rows are dense (row b * M + m of q viewed as [rows, 576])
         tma_q = (M % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
                  and bool(config.get("TMA_Q", True)))
-        q_rows = q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1])
-        desc_q = TensorDescriptor.from_tensor(q_rows, [DC // CHUNK, BLOCK_M, CHUNK], BOX_SL) if tma_q else None
+        desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
+                                              [DC // CHUNK, BLOCK_M, CHUNK], BOX_SL) if tma_q else None
         extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST)), "TMA_OUT": tma_out, "desc_o": desc_o,
                  "TMA_Q": tma_q, "desc_q": desc_q}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
