@@ -6,6 +6,8 @@ bound, the half-tile copy box, the grid). Its float64 tests on an sm_90 GPU are 
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -144,3 +146,25 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_the_query_rows_by_tma_only_where_they_are_dense(monkeypatch):
+    """``TMA_Q``: a contiguous q (rows of 576 one after the other) gets the query rows' TMA descriptor; q as a column
+    slice of a wider buffer (rows 640 apart), 40 heads x 2 positions (80 rows a sequence: not whole programs) and q
+    expanded over the batch get none and load them plainly (recorded launches on CPU tensors: no view is made past
+    q's storage)."""
+    from mla_compile.ops.triton import decode_gluon as g
+
+    launches = record_gluon_launches(monkeypatch, g, "decode_gluon_seesaw_kernel")
+    monkeypatch.setattr(g, "num_sms", lambda device: 132)
+    gen = torch.Generator().manual_seed(5)
+    cache, table, seq_lens = paged_cache([300, 0, 129], 64, DC + DR, BF, device="cpu", gen=gen)
+    dense = torch.randn(3, 1, 128, DC + DR, generator=gen).to(BF)
+    wide = torch.randn(3, 1, 128, 640, generator=gen).to(BF)[..., :DC + DR]
+    few = torch.randn(3, 2, 40, DC + DR, generator=gen).to(BF)
+    shared = torch.randn(1, 1, 128, DC + DR, generator=gen).to(BF).expand(3, 1, 128, DC + DR)  # a third stored
+    for q in (dense, wide, few, shared):
+        g.launch(q, cache, table, seq_lens, SCALE, DC, config={"SEESAW": True})
+    flags = [(kw["TMA_Q"], kw["desc_q"] is None) for _, _, _, kw in launches if "TMA_Q" in kw]
+    assert flags == [(True, False)] + [(False, True)] * 3, flags
