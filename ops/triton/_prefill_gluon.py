@@ -123,15 +123,23 @@ def _softmax_tile(s, m_i, l_i, n0, full_end, len_k, lim, scale_log2, BLOCK_N: gl
 
 
 @gluon.jit
-def _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV: gl.constexpr, row_o: gl.constexpr,
-                o_l: gl.constexpr):
-    """Store the rows' output ``o / l`` (0 where a row saw no key) and natural-log LSE (-inf there)."""
+def _store_lse(m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr):
+    """Store the rows' natural-log LSE (-inf where a row saw no key); returns ``(1 / l, rows, rows' mask)``, the
+    factor 1 on those rows (their output 0)."""
     empty = l_i == 0.0
     inv = 1.0 / gl.where(empty, 1.0, l_i)
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     rows = (q_start + offs_m).to(gl.int64)
     m_ok = offs_m < len_q
     gl.store(lse_ptr + rows * H + h, lse, mask=m_ok)
+    return inv, rows, m_ok
+
+
+@gluon.jit
+def _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV: gl.constexpr, row_o: gl.constexpr,
+                o_l: gl.constexpr):
+    """Store the rows' output ``o / l`` (0 where a row saw no key) and natural-log LSE (-inf there)."""
+    inv, rows, m_ok = _store_lse(m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr)
     rows_o = gl.convert_layout(rows, row_o)
     ok_o = gl.convert_layout(m_ok, row_o)
     cols = gl.arange(0, DV, gl.SliceLayout(0, o_l))
@@ -140,18 +148,13 @@ def _store_rows(o, m_i, l_i, q_start, offs_m, len_q, h, H, o_ptr, lse_ptr, DV: g
              mask=ok_o[:, None])
 
 
-
 @gluon.jit
 def _store_rows_tma(o, m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr, o_desc, o_s, row0, DV: gl.constexpr,
                     row_o: gl.constexpr):
     """:func:`_store_rows` for 64 rows all inside the sequence: the LSE as there, the output ``o / l`` through
     ``o_s`` (a free ``[64, DV]`` shared buffer of the output's dtype) and one TMA copy to rows ``row0 + [0, 64)``,
     head ``h``'s columns (``o_desc``: the output as ``[T, H * DV]``, box ``[64, DV]``), awaited before returning."""
-    empty = l_i == 0.0
-    inv = 1.0 / gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    rows = (q_start + offs_m).to(gl.int64)
-    gl.store(lse_ptr + rows * H + h, lse, mask=offs_m < len_q)
+    inv, _, _ = _store_lse(m_i, l_i, q_start, offs_m, len_q, h, H, lse_ptr)
     o_s.store((o * gl.convert_layout(inv, row_o)[:, None]).to(o_s.dtype))
     fence_async_shared()
     gl.thread_barrier()  # (the calling warpgroup) every row stored before the copy reads them
