@@ -24,9 +24,9 @@ F32_BOX_SL = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, r
 F32_BOX_C = gl.constexpr(F32_BOX_SL)
 
 
-def row_blocks_descriptor(out, rows: int, box_blocks: int):
+def row_blocks_descriptor(out, rows: int, box_blocks: int = DC // CHUNK):
     """A TMA descriptor of ``out``'s ``rows`` bf16 rows of ``DC`` as ``[8, rows, 64]`` column blocks (``BOX_SL``), box
-    ``[box_blocks, 64, 64]``: where the 64-row kernels store their output rows (``TMA_OUT``)."""
+    ``[box_blocks, 64, 64]`` (default: whole rows): where the 64-row kernels store their output rows (``TMA_OUT``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     blocks = out.view(rows, DC).as_strided([DC // CHUNK, rows, CHUNK], [CHUNK, DC, 1])

@@ -308,7 +308,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         tma_out = direct and M % BLOCK_M == 0 and bool(config.get("TMA_OUT", False))
         kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {
             "PIPE": bool(config.get("PIPE", False)), "TMA_OUT": tma_out,
-            "desc_o": row_blocks_descriptor(out, B * M, DC // CHUNK) if tma_out else None}
+            "desc_o": row_blocks_descriptor(out, B * M) if tma_out else None}
     kernel[(hb, splits, B)](
         q, desc_c, desc_r, block_table, seq_lens, o_buf, l_buf,
         scale * _LOG2E,

@@ -66,8 +66,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from mla_compile.ops.fp8_cache import gluon_eligible, validate_decode
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._bf16_tma import row_blocks_descriptor
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, causal_rows, mask_scores,
                                            online_softmax, pdl_start, split_range, stage_query_rows, store_rows,
@@ -429,7 +429,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
         block_table.stride(0),
         M, H, s_q, splits, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct,
         **{k: bool((config or {}).get(k, DEFAULTS[k])) for k in VARIANTS},
-        TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * M, DC // 64) if tma_out else None,
+        TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * M) if tma_out else None,
         num_warps=NUM_WARPS, **launch_kwargs(q.device),
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * M, splits, splits, DC, DC, direct, pdl=True)

@@ -56,8 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.sparse_decode import validate
-from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._bf16_tma import row_blocks_descriptor
+from mla_compile.ops.triton._common import check_config, last_dim_contiguous, num_sms
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import (O64, Q64, S64, alloc_tiles, online_softmax, store_query_rows,
                                            store_rows, store_rows_tma)
@@ -416,7 +416,7 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
         indices.stride(0), indices.stride(1),
         H, s_q, topk, kv_cache.shape[0] * kv_cache.shape[1], splits,
         DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], DIRECT=direct, FP8=kv_cache.dtype == torch.uint8,
-        **cfg, TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * s_q * H, DC // 64) if tma_out else None,
+        **cfg, TMA_OUT=tma_out, desc_o=row_blocks_descriptor(out, B * s_q * H) if tma_out else None,
         num_warps=NUM_WARPS,
     )
     reduce_splits(wrap_triton, o_buf, l_buf, out, lse, B * s_q * H, splits, splits, DC, DC, direct, pdl=True)
