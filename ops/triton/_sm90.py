@@ -57,14 +57,18 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
 
 
 def signature(kernel, args, kwargs) -> tuple[dict, dict, dict]:
-    """Triton's ``(signature, constexprs, attrs)`` of one launch (16-byte divisibility where it holds)."""
+    """Triton's ``(signature, constexprs, attrs)`` of one launch (16-byte divisibility where it holds; a host TMA
+    descriptor typed by its tensor's dtype, box and shared layout; None a constexpr, as the JIT binds it)."""
     bound = dict(zip(kernel.arg_names, args))
     bound.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
     sig, consts, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         v = bound[p.name]
-        if p.is_constexpr or v is None:  # None: a constexpr, as the JIT binds it
+        if p.is_constexpr or v is None:
             sig[p.name], consts[p.name] = "constexpr", v
+        elif hasattr(v, "block_shape") and hasattr(v, "layout"):  # a Gluon host TensorDescriptor
+            sig[p.name] = (f"tensordesc<{TYPES[v.base.dtype]}[{', '.join(str(n) for n in v.block_shape)}],"
+                           f"{v.layout!r}>")
         elif isinstance(v, torch.Tensor):
             sig[p.name] = "*" + TYPES[v.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]  # CUDA allocations are 256-byte aligned

@@ -125,9 +125,8 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
     tma = tma_out if tma_out is not None else splits == 1  # by default with one split only
     assert kwargs["TMA_OUT"] is tma and (isinstance(kwargs["desc_o"], TensorDescriptor) if tma else
                                          kwargs["desc_o"] is None)
-    descs = {"desc_h": desc_h, "desc_r": desc_r}
     if tma:
-        desc_o = descs["desc_o"] = kwargs["desc_o"]
+        desc_o = kwargs["desc_o"]
         if splits == 1:  # the bf16 output
             assert list(desc_o.block_shape) == [4, 64, 64] and list(desc_o.shape) == [8, 3 * 2 * 128, 64]
             assert desc_o.base.data_ptr() == out.data_ptr() and list(desc_o.strides) == [64, DC, 1]
@@ -135,14 +134,10 @@ def test_sm90_compile_of_the_launch(monkeypatch, splits, fold_first, tma_out):
             assert list(desc_o.block_shape) == [1, 8, 64, 32] and list(desc_o.shape) == [splits, 16, 3 * 2 * 128, 32]
             assert desc_o.base.data_ptr() == args[5].data_ptr() and list(desc_o.strides) == [DC, 32, splits * DC, 1]
     # q's rows are dense (contiguous, 256 rows a sequence): its latent columns by TMA, box [8, 64, 64]
-    desc_q = descs["desc_q"] = kwargs["desc_q"]
+    desc_q = kwargs["desc_q"]
     assert kwargs["TMA_Q"] is True and list(desc_q.block_shape) == [8, 64, 64]
     assert list(desc_q.shape) == [8, 3 * 2 * 128, 64] and list(desc_q.strides) == [64, DC + DR, 1]
-    plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
-    sig, consts, attrs = signature(kernel, plain, kwargs)  # (a None: a constexpr, as the JIT binds it)
-    for name, d in descs.items():
-        sig[name] = _desc_type(d.block_shape, d.layout, "fp32" if d.base.dtype == torch.float32 else "bf16")
-        consts.pop(name, None)
+    sig, consts, attrs = signature(kernel, args, kwargs)  # (the descriptors typed from their tensors and boxes)
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 8 and compiled.metadata.shared <= 227 * 1024

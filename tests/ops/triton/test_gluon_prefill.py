@@ -206,7 +206,6 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from mla_compile.ops.triton import prefill_gluon as g
     from mla_compile.ops.triton._sm90 import signature
@@ -227,12 +226,7 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     # the output by TMA (values as wide as the query's first part): a [64, 128] box over out as [T, H * 128]
     o_desc = kwargs["o_desc"]
     assert kwargs["TMA_OUT"] is True and list(o_desc.block_shape) == [64, 128] and list(o_desc.shape) == [T, H * 128]
-    plain = [None if isinstance(a, TensorDescriptor) else a for a in args]
-    sig, consts, attrs = signature(kernel, plain, kwargs)
-    descs = dict(zip(("qa_desc", "qb_desc", "ka_desc", "kb_desc", "v_desc"), args[:5]), o_desc=o_desc)
-    for name, d in descs.items():
-        sig[name] = f"tensordesc<bf16[{', '.join(str(n) for n in d.block_shape)}],{d.layout!r}>"
-        consts.pop(name, None)  # (signature's constexpr None for the descriptors left out of ``plain``)
+    sig, consts, attrs = signature(kernel, args, kwargs)  # (the descriptors typed from their tensors and boxes)
     compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kwargs["num_warps"]))
     assert compiled.metadata.num_warps == 12 and compiled.metadata.shared <= 227 * 1024
