@@ -259,6 +259,8 @@ def decode_case(B, H, L, sweep, budget_s):
                          {"SEESAW": True, "TMA_OUT": False, "TMA_Q": False}]
             if B < torch.cuda.get_device_properties(0).multi_processor_count // 2:  # split: the partial rows by TMA
                 variants += [{"SEESAW": True, "TMA_OUT": True}]
+            # one program an SM over balanced runs of tiles, then the merge (decode_gluon_seesaw_persist)
+            variants += [{"SEESAW": True, "PERSIST": True}]
         if B <= 2:  # latency-bound: the swapped kernel at fixed split counts
             variants += [dict(swap, SPLITS=sp) for sp in (8, 32)]
         for cfg in variants:

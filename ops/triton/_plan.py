@@ -78,3 +78,48 @@ def split_buffers(out: torch.Tensor, lse: torch.Tensor, rows: int, splits, dc: i
         return out, lse
     return (torch.empty(rows * splits * dc, dtype=torch.float32, device=out.device),
             torch.empty(rows * splits, dtype=torch.float32, device=out.device))
+
+
+# ---- the persistent kernels' balanced tile ranges (host reference; the kernels and the merge compute the same) ----
+# Work items are (head block, sequence) pairs in head-block-major order, each the cdiv(length, 64) key tiles of its
+# sequence; laid end to end they form T = head_blocks * sum(tiles) global tiles, and program c of n takes tiles
+# [c T // n, (c + 1) T // n). A program's run of tiles crosses items: its pieces. Only a program's first and last
+# pieces can cover part of an item; such a piece writes float32 partial rows (and base-2 LSEs) to the program's
+# workspace slot 0 (its first piece) or 1 (its last), a piece covering a whole item writes the result. The merge
+# folds the partial pieces of each item that more than one program covers.
+
+
+def range_start(c: int, total: int, ctas: int) -> int:
+    """The first global tile of program ``c``'s range: ``c * total // ctas``."""
+    return c * total // ctas
+
+
+def cta_of_tile(g: int, total: int, ctas: int) -> int:
+    """The program whose range holds global tile ``g`` (``0 <= g < total``): the largest ``c`` with
+    ``c * total // ctas <= g``, that is ``((g + 1) * ctas - 1) // total``."""
+    return ((g + 1) * ctas - 1) // total
+
+
+def tile_pieces(lens, head_blocks: int, ctas: int, block_n: int = 64) -> list[list[tuple]]:
+    """Each program's pieces, in order: ``(head_block, seq, first_tile, n_tiles, whole, ws_slot)`` for sequence
+    lengths ``lens`` (a list of ints), ``head_blocks`` 64-row blocks of query rows a sequence, ``ctas`` programs;
+    ``ws_slot`` is None for a whole item, else the program's workspace slot (0: its first piece, 1: its last)."""
+    tiles = [-(-int(n) // block_n) for n in lens]
+    per_head, starts = sum(tiles), []
+    for h in range(head_blocks):
+        acc = h * per_head
+        for b, t in enumerate(tiles):
+            starts.append((h, b, acc, t))
+            acc += t
+    total = head_blocks * per_head
+    pieces = []
+    for c in range(ctas):
+        g0, g1 = range_start(c, total, ctas), range_start(c + 1, total, ctas)
+        mine = []
+        for h, b, s, t in starts:
+            lo, hi = max(s, g0), min(s + t, g1)
+            if lo < hi:
+                whole = lo == s and hi == s + t
+                mine.append((h, b, lo - s, hi - lo, whole, None if whole else (0 if not mine else 1)))
+        pieces.append(mine)
+    return pieces

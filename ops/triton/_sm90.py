@@ -117,3 +117,38 @@ def resources(compiled) -> dict[str, int]:
            "smem": int(compiled.metadata.shared)}
     out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in COUNTED})
     return out
+
+
+def ptxas_infos(compiled) -> list[str]:
+    """ptxas's numbered infos on the compile's PTX (``ptxas -arch=sm_90a -v``, Triton's bundled ptxas), e.g.
+    ``C7517`` (a ``wgmma`` wait it injects) or ``C7511`` (``wgmma`` serialized for want of registers)."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([tool, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    return re.findall(r"\((C\d{4})\)", out.stdout + out.stderr)
+
+
+def spills_in_mma_loops(compiled) -> int:
+    """Spill instructions (``LDL`` / ``STL``) inside the innermost SASS loops that hold a ``wgmma`` (a backward
+    branch's range with an ``HGMMA`` and no such loop inside it): the hot loops, where a spill costs each iteration."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for at, text in ins:
+        m = re.search(r"\bBRA\s+(?:\.U\.ANY\s+)?0x([0-9a-f]+)\s*$", text)
+        if m and int(m.group(1), 16) < at:
+            lo = int(m.group(1), 16)
+            if any("HGMMA" in t for a, t in ins if lo <= a <= at):
+                loops.append((lo, at))
+    inner = [(lo, hi) for lo, hi in loops if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
+    return sum(1 for at, text in ins if re.match(r"\s*(LDL|STL)\b", text)
+               and any(lo <= at <= hi for lo, hi in inner))

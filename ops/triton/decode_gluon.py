@@ -79,8 +79,10 @@ from mla_compile.ops.triton._plan import opaque_splits, split_buffers
 from mla_compile.ops.triton.decode import _LOG2E, Split, decode_outputs, reduce_splits
 from mla_compile.ops.triton.decode_gluon_seesaw import WARPS as SEESAW_WARPS
 from mla_compile.ops.triton.decode_gluon_seesaw import decode_gluon_seesaw_kernel
+from mla_compile.ops.triton.decode_gluon_seesaw_persist import decode_gluon_seesaw_persist_kernel
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
+from mla_compile.ops.triton.tile_merge import merge_tile_pieces, tile_workspace
 
 NUM_WARPS = 8
 WS_WARPS = 4  # the warp-specialized kernel's default partition (the producer); two 4-warp consumers besides
@@ -90,7 +92,8 @@ PROGRAMS_PER_SM = 1
 # at B = 1 and 2 with 128 heads, slower from B = 4)
 SWAP_CALL_ROWS = 256
 # what :func:`launch`'s config may name
-CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "TMA_OUT", "TMA_Q", "SWAP", "PIPE", "EARLY"})
+CONFIG_KEYS = frozenset({"SPLITS", "WS", "SEESAW", "FOLD_FIRST", "TMA_OUT", "TMA_Q", "SWAP", "PIPE", "EARLY",
+                         "PERSIST"})
 # the swapped kernel's ``EARLY`` copies (its docstring) where the config does not say: off (no measurable gain at
 # full depth, BENCHMARKS.md run 186; its caller promise is the kernel's docstring)
 EARLY_TILES = False
@@ -243,7 +246,10 @@ def swap_by_default(batch: int, rows: int) -> bool:
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`split_launch`, then ``decode.reduce_splits``: ``(out, lse)``."""
+    """:func:`split_launch`, then ``decode.reduce_splits``: ``(out, lse)``; with ``SEESAW`` and ``PERSIST`` where
+    :func:`persists` allows, :func:`persist_launch`."""
+    if persists(q, block_table, config):
+        return persist_launch(q, kv_cache, block_table, seq_lens, scale)
     part = split_launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config)
     reduce_splits(wrap_triton, part.o_buf, part.l_buf, part.out, part.lse, part.rows, part.splits, part.split_cap,
                   DC, DC, part.direct, pdl=True)
@@ -318,6 +324,49 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         num_warps=warps,
     )
     return Split(out, lse, o_buf, l_buf, splits, splits, direct, B * M)
+
+
+def persists(q: Tensor, block_table: Tensor, config: dict | None) -> bool:
+    """Whether :func:`launch` takes the persistent seesaw (``decode_gluon_seesaw_persist``): the config asks for
+    ``SEESAW`` and ``PERSIST`` (opt-in, not yet run on a GPU) in the seesaw's ``FOLD_FIRST`` order, and the call
+    has whole 64-row blocks of query rows a sequence over q's dense, 16-byte aligned rows (its query copies), fewer
+    than 2^31 elements of q and of the block table (its 32-bit offsets); other calls run the seesaw as without it."""
+    config = check_config("mla.decode (gluon)", config, CONFIG_KEYS)
+    if not (config.get("SEESAW") and config.get("PERSIST")) or config.get("WS"):
+        return False
+    if not config.get("FOLD_FIRST", SEESAW_FOLD_FIRST):
+        return False
+    B, s_q, H, _ = q.shape
+    return (B > 0 and (s_q * H) % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
+            and q.numel() < 2 ** 31 and block_table.numel() < 2 ** 31)
+
+
+def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """The persistent seesaw on a call :func:`persists` accepts: one program an SM over balanced runs of key tiles
+    (``decode_gluon_seesaw_persist``), then ``tile_merge.merge_tile_pieces`` (items split between programs, empty
+    sequences); ``(out, lse)``."""
+    B, s_q, H, _ = q.shape
+    M = s_q * H
+    out, lse = decode_outputs(q, DC)
+    ctas = num_sms(q.device)
+    ws, wl = tile_workspace(ctas, DC, q.device)
+    rows = kv_cache.view(-1, D)
+    blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
+    half = DC // CHUNK // 2  # a warpgroup's share of a tile's or a piece's latent columns, in blocks
+    desc_h = TensorDescriptor.from_tensor(blocks, [half, BLOCK_N, CHUNK], BOX_SL)
+    desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
+    desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
+                                          [half, BLOCK_M, CHUNK], BOX_SL)
+    decode_gluon_seesaw_persist_kernel[(ctas,)](
+        q, desc_h, desc_r, desc_q, _out_descriptor(out, B * M, 1, True), block_table, seq_lens, ws, wl, lse,
+        scale * _LOG2E,
+        block_table.stride(0),
+        B, M, H, s_q, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1],
+        num_warps=SEESAW_WARPS,
+    )
+    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, pdl=True)
+    return out, lse
 
 
 def _out_descriptor(buf: Tensor, rows: int, splits: int, direct: bool) -> TensorDescriptor:

@@ -118,13 +118,12 @@ def _issue_rope_half(desc_r, desc_h, kr, kc, bar_r, bar_h, page, tile, n_tiles, 
 
 
 @gluon.jit
-def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, t, z):
+def _scores(qr, q_s, kr, kc, kb, zero_s, C: gl.constexpr, use, z):
     """Step 1: issue ``S_t = Q K_t^T`` on slot ``C`` (the rope part from ``qr`` in registers, then this
     warpgroup's latent half, re-filled after its own ``P V`` of tile t - 2, then the other's, re-filled after the
-    other's fold of that tile), each part once its copy has landed; returns the pending accumulator (three
-    ``wgmma`` groups). ``z``: ``_fp8_tma.opaque_zero``, which indexes the buffers so that their descriptors are
-    made here, not held in registers across the loop."""
-    use = (t // 2) & 1
+    other's fold of that tile), each part once its copy has landed (``use``: the slot's barrier phase of tile t);
+    returns the pending accumulator (three ``wgmma`` groups). ``z``: ``_fp8_tma.opaque_zero``, which indexes the
+    buffers so that their descriptors are made here, not held in registers across the loop."""
     q = q_s.index(z)
     k_own = kc[C].index(z)
     mbarrier.wait(kb[C * 3 + 2], use)
@@ -154,11 +153,11 @@ def _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C: 
 
 @gluon.jit
 def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page, start, n_tiles,
-            C: gl.constexpr, t, z, BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
+            C: gl.constexpr, fill, z, BLOCK_SIZE: gl.constexpr, row_o: gl.constexpr, p_a: gl.constexpr):
     """Step 5: ``O *= alpha``, ``O += P_t V_t`` issued on this warpgroup's columns with P from registers; while
     it runs, P_t, its max and factor published in P buffer ``C`` (free: the module docstring); then, the dot
-    done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile t + 2's
-    (``page``: its block-table entry); returns ``(o, l_i)``. (The dot is issued before the P stores: no
+    done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile
+    ``fill``'s (t + 2; ``page``: its block-table entry, ``start`` / ``n_tiles``: its range's); returns ``(o, l_i)``. (The dot is issued before the P stores: no
     shared-memory access between the publication's barrier and its arrival.)"""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -167,28 +166,28 @@ def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pr
     _ws_publish(p, m_i, alpha, p_s[C].index(z), m_s[C], a_s[C], pready[C])
     o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])  # P's registers kept until the dot is done
     gl.thread_barrier()
-    _issue_rope_half(desc_r, desc_h, kr[C], kc[C], kb[C * 3 + 2], kb[C * 3 + C], page, t + 2, n_tiles, start, C,
+    _issue_rope_half(desc_r, desc_h, kr[C], kc[C], kb[C * 3 + 2], kb[C * 3 + C], page, fill, n_tiles, start, C,
                      BLOCK_SIZE)
     return o, l_i
 
 
 @gluon.jit
-def _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C: gl.constexpr, t, z, row_s: gl.constexpr,
+def _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C: gl.constexpr, phase, z, row_s: gl.constexpr,
                 row_o: gl.constexpr):
-    """Step 2: once the other warpgroup has published tile t - 1, take its running max and factor, rescale
-    ``O`` and the row sums, and issue ``O += P_{t-1} V_{t-1}`` on this warpgroup's columns (P from the other's
-    buffer); returns ``(pending O, l_i, m_i)``."""
-    o, l_i, m_i = _ws_take(o, l_i, m_s[1 - C], a_s[1 - C], pready[1 - C], ((t - 1) // 2) & 1, row_s, row_o)
+    """Step 2: once the other warpgroup has published tile t - 1 (its ``pready`` barrier at ``phase``), take its
+    running max and factor, rescale ``O`` and the row sums, and issue ``O += P_{t-1} V_{t-1}`` on this warpgroup's
+    columns (P from the other's buffer); returns ``(pending O, l_i, m_i)``."""
+    o, l_i, m_i = _ws_take(o, l_i, m_s[1 - C], a_s[1 - C], pready[1 - C], phase, row_s, row_o)
     pv = warpgroup_mma(p_s[1 - C].index(z), kc[1 - C].index(z).slice(C * 256, 256, dim=1), o, is_async=True)
     return pv, l_i, m_i
 
 
 @gluon.jit
-def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, t, BLOCK_SIZE: gl.constexpr):
+def _release_other(desc_h, kc, kb, page, start, n_tiles, C: gl.constexpr, fill, BLOCK_SIZE: gl.constexpr):
     """Step 3, once step 2's ``P V`` is done (every warp): this warpgroup's half of the other's slot takes tile
-    t + 1's (``page``: its block-table entry)."""
+    ``fill``'s (t + 1; ``page``: its block-table entry, ``start`` / ``n_tiles``: its range's)."""
     gl.thread_barrier()
-    _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], page, t + 1, n_tiles, start, C, BLOCK_SIZE)
+    _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], page, fill, n_tiles, start, C, BLOCK_SIZE)
 
 
 @gluon.jit
@@ -255,27 +254,27 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             s = warpgroup_mma_wait(0, deps=[sa])
             p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
             o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2,
-                             start, n_tiles, C, 0, z, BLOCK_SIZE, row_o, p_a)
+                             start, n_tiles, C, 2, z, BLOCK_SIZE, row_o, p_a)
     for t in range(2 - C, n_tiles, 2):
         z = opaque_zero(t)
         page1 = tile_page(bt_row, t + 1, n_tiles, start, BLOCK_SIZE, 64)  # block-table entries read ahead of use
         page2 = tile_page(bt_row, t + 2, n_tiles, start, BLOCK_SIZE, 64)
         if FOLD_FIRST:  # 2, 1, 3 once the fold is done (S_t's three groups may still run), then S_t awaited
-            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
-            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, ((t - 1) // 2) & 1, z, row_s, row_o)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, (t // 2) & 1, z)
             o = warpgroup_mma_wait(3, deps=[pv])
-            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t + 1, BLOCK_SIZE)
             s = warpgroup_mma_wait(0, deps=[sa])
         else:  # 1. S_t, each part as it arrives; 2. the other's tile t - 1; both awaited, 3
-            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, t, z)
-            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, t, z, row_s, row_o)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, (t // 2) & 1, z)
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, ((t - 1) // 2) & 1, z, row_s, row_o)
             s, o = warpgroup_mma_wait(0, deps=[sa, pv])
-            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t, BLOCK_SIZE)
+            _release_other(desc_h, kc, kb, page1, start, n_tiles, C, t + 1, BLOCK_SIZE)
         # 4. S_t done: the softmax
         p, m_i, alpha = _own_softmax(s, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
         # 5. this warpgroup's own P V, P_t published meanwhile, then its half of slot C takes tile t + 2's
         o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, page2, start,
-                         n_tiles, C, t, z, BLOCK_SIZE, row_o, p_a)
+                         n_tiles, C, t + 2, z, BLOCK_SIZE, row_o, p_a)
 
     last = n_tiles - 1
     if (n_tiles > 0) & (last % 2 != C):  # the last tile is the other's: fold it
@@ -283,11 +282,11 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
                                (last // 2) & 1, row_s, row_o)
     if TMA_OUT:
         inv, _ = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT,
-                               row_s)
+                               row_s, 0)
         _store_out_tma(C, o, inv, q_s, kc, desc_o, (b * M + pid_h * 64).to(gl.int32), pid_s, o_l, DIRECT)
     else:
         _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
-                   o_l)
+                   o_l, 0)
 
 
 @gluon.jit

@@ -124,7 +124,7 @@ def _ws_consume(C: gl.constexpr, q_s, qr_s, kc_s, kr_s, p_s, m_s, a_s, x_s, full
         mbarrier.arrive(empty.index(slot), count=1)
 
     _ws_finish(C, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr, DC, DIRECT, row_s,
-               o_l)
+               o_l, 0)
 
 
 @gluon.jit
@@ -153,16 +153,17 @@ def _ws_fold(C: gl.constexpr, o, l_i, p_s, m_s, a_s, kc_s, slot, ready, phase, r
 
 @gluon.jit
 def _ws_rows_done(C: gl.constexpr, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr,
-                  DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr):
+                  DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, phase):
     """The rows' end for consumer ``C`` (both with the same running max ``m_i``, each with the row sums ``l_i`` of
     its own tiles): consumer 1 hands its sums to consumer 0 (``x_s[0]``, ``done[0]``), which adds its own, stores
     the LSE (``_gluon.finish_rows``) and hands the total back (``x_s[1]``, ``done[1]``); returns ``(1 / l, first
-    output element)`` per row. On return the other consumer has finished its tiles (every dot of it done)."""
+    output element)`` per row. On return the other consumer has finished its tiles (every dot of it done).
+    ``phase``: the ``done`` barriers' (0 for a program's only rows; a persistent program's count of rows ends)."""
     if C == 1:
         x_s.index(0).store(l_i)
         gl.thread_barrier()
         mbarrier.arrive(done.index(0), count=1)
-        mbarrier.wait(done.index(1), 0)
+        mbarrier.wait(done.index(1), phase)
         l_i = x_s.index(1).load(row_s)
         empty_row = l_i == 0.0
         inv = 1.0 / gl.where(empty_row, 1.0, l_i)
@@ -171,7 +172,7 @@ def _ws_rows_done(C: gl.constexpr, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_
         else:
             o_first = ((b * M + rows) * n_splits + pid_s) * DC
     else:
-        mbarrier.wait(done.index(0), 0)
+        mbarrier.wait(done.index(0), phase)
         l_i = l_i + x_s.index(0).load(row_s)
         x_s.index(1).store(l_i)
         gl.thread_barrier()
@@ -182,11 +183,12 @@ def _ws_rows_done(C: gl.constexpr, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_
 
 @gluon.jit
 def _ws_finish(C: gl.constexpr, o, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, o_ptr, lse_ptr,
-               DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, o_l: gl.constexpr):
-    """The end of consumer ``C``: :func:`_ws_rows_done`, then its 256 output columns ``o / l`` stored."""
+               DC: gl.constexpr, DIRECT: gl.constexpr, row_s: gl.constexpr, o_l: gl.constexpr, phase):
+    """The end of consumer ``C``: :func:`_ws_rows_done` (``done`` at ``phase``), then its 256 output columns
+    ``o / l`` stored."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     inv, o_first = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, pid_s, n_splits, lse_ptr, DC, DIRECT,
-                                 row_s)
+                                 row_s, phase)
     cols = C * 256 + gl.arange(0, 256, gl.SliceLayout(0, o_l))
     first = gl.convert_layout(o_first, row_o)
     ok = gl.convert_layout(row_ok, row_o)

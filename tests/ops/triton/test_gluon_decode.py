@@ -114,7 +114,8 @@ KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "S
                  "swap": {"WS": False, "SWAP": True}, "swap-early": {"WS": False, "SWAP": True, "EARLY": True},
                  "ws": {"WS": True}, "seesaw": {"SEESAW": True}, "seesaw-tma": {"SEESAW": True, "TMA_OUT": True},
                  "plain-tma": {"WS": False, "SWAP": False, "TMA_OUT": True},
-                 "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False}}
+                 "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False},
+                 "seesaw-persist": {"SEESAW": True, "PERSIST": True}}
 # "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
 # "pipe" (the PIPE schedule, not the default) and "seesaw-steps": the shape table only
 # "seesaw-tma": the seesaw's output copies by TMA with several splits too (the float32 partial rows; by default only
@@ -220,6 +221,55 @@ def test_compiled_and_graph_replay_through_the_op(backend, B, H):
         st["lens"].copy_(torch.minimum(new, seq_lens))  # within each sequence's written positions
         st["q"].copy_(torch.randn(B, 1, H, DC + DR, generator=gen).to("cuda", BF))
         out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = _softmax64(st["q"], cache, table, st["lens"], SCALE)
+        assert_attention_close(out, lse, ref, ref_lse, BF)
+
+
+# "seesaw-persist": decode_gluon_seesaw_persist (one program an SM over balanced runs of tiles, then the merge);
+# only for whole 64-row blocks of query rows, so its own shapes. Its first GPU run: run these under a timeout first.
+_PERSIST_SHAPES = [  # lens (a list, or (B, max_len): drawn with empty sequences among them), H, s_q, page size
+    ([16384], 128, 1, 64),              # one sequence over every program: each piece part of it, all merged
+    ((5, 2500), 128, 1, 64),            # a few sequences, each split between programs
+    ((128, 1100), 128, 1, 64),          # 256 items over the SMs: whole items and split ones
+    ((400, 64), 64, 1, 64),             # items of one tile: the next piece's tile 1 started when a piece starts
+    ((300, 200), 128, 1, 128),          # items of 1-4 tiles, pages of 128
+    ((3, 1500), 128, 2, 128),           # MTP rows (256 a sequence)
+    ([0, 0, 0], 128, 1, 64),            # no tile at all: every row 0 / -inf, written by the merge
+    ([1, 0, 65, 64, 128, 129], 64, 4, 64),  # MTP over short sequences: rows that see no key in a piece
+]
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("lens,H,s_q,bs", _PERSIST_SHAPES)
+def test_persistent_seesaw_shapes(lens, H, s_q, bs):
+    gen = torch.Generator().manual_seed(H + s_q + bs)
+    if isinstance(lens, tuple):
+        lens = lens_with_empty(lens[0], lens[1], gen)
+    _check(lens, H, s_q, bs, seed=len(lens) + H, kernel="seesaw-persist")
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_persistent_seesaw_graph_replay():
+    """``decode_gluon.launch(..., PERSIST)`` captured in a CUDA graph: replays take new lengths and queries (the
+    schedule is found from the lengths on the device, nothing read on the host; the workspaces are the graph's)."""
+    from mla_compile.ops.triton import decode_gluon
+
+    gen = torch.Generator().manual_seed(9)
+    B, H = 70, 128
+    q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=9)
+    st = {"q": q.clone(), "lens": seq_lens.clone()}
+    graph, (out, lse) = capture(lambda: decode_gluon.launch(st["q"], cache, table, st["lens"], SCALE, DC,
+                                                            config=KERNEL_CONFIG["seesaw-persist"]))
+    for _ in range(3):
+        new = torch.tensor(lens_with_empty(B, 1500, gen), dtype=torch.int32, device="cuda")
+        st["lens"].copy_(torch.minimum(new, seq_lens))  # within each sequence's written positions
+        st["q"].copy_(torch.randn(B, 1, H, DC + DR, generator=gen).to("cuda", BF))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         ref, ref_lse = _softmax64(st["q"], cache, table, st["lens"], SCALE)

@@ -1,0 +1,292 @@
+"""The persistent seesaw decode (``decode_gluon.launch`` with ``config={"SEESAW": True, "PERSIST": True}``):
+``decode_gluon_seesaw``'s two alternating warpgroups, one program an SM, each over a balanced run of key tiles.
+
+The work: the (head block, sequence) items, head-block-major, each the ``cdiv(len, 64)`` tiles of its sequence, laid
+end to end (``T`` tiles); program c of the grid takes tiles ``[c T // grid, (c + 1) T // grid)``, found from the
+lengths on the device (``_plan.tile_pieces`` is the host reference, :func:`_first_item` and :func:`_next_item` the
+kernel's). A program's run crosses items: its pieces, each run as one seesaw program over keys ``[64 t0, 64 (t0 +
+n))`` of its item, one after the other with the same buffers. A piece covering its whole item stores the result
+(bf16 by TMA through the query rows' buffer, natural-log LSE); the others (only a program's first and last can be
+partial) store float32 partial rows and base-2 LSEs in the program's workspace slot 0 (first piece) or 1 (last),
+which ``tile_merge.merge_tile_pieces`` folds afterwards (it also writes the rows of empty sequences).
+
+Across pieces:
+- barrier phases continue: a slot's ``u``-th tile (counted over the program's pieces) waits at phase ``u & 1``,
+  ``pready`` likewise (one publication per tile), ``done`` and the query barrier once per piece;
+- the next piece's first tiles stream in while this one ends: a slot's refill after this piece's last tile in it
+  takes the next piece's tile of that slot (tile 0 into slot 0, tile 1 into slot 1); a piece of one tile leaves
+  slot 1 unused, so warpgroup 0 fills it with the next piece's tile 1 when the piece starts;
+- each warpgroup loads its half of the next piece's latent query rows by TMA once its own output copy has read its
+  half of that buffer (the other's last scores were done before: ``_ws_rows_done``), and the rope part into
+  registers.
+
+``M`` (query rows a sequence) is a multiple of 64 and q's rows are dense (the query copies), as
+``decode_gluon.launch`` checks before it takes this kernel.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+
+from mla_compile.ops.triton._bf16_tma import BOX_C
+from mla_compile.ops.triton._fp8_tma import opaque_zero
+from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, tile_page
+from mla_compile.ops.triton.decode_gluon_seesaw import (_fold_issue, _issue_half, _issue_rope,
+                                                        _issue_rope_half, _own_pv, _own_softmax, _release_other,
+                                                        _scores, _store_out_tma)
+from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_rows_done
+
+WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
+# the worker's registers a thread: the whole 256 (one program an SM; the kernel's own warps keep theirs). At the
+# seesaw's 248 ptxas keeps twice as many values in local memory across the partitions (sm_90 compile).
+WORKER_REGS = gl.constexpr(256)
+CH = gl.constexpr(256)  # sequence lengths read a step by the schedule's search
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _first_item(seq_lens_ptr, B, HB, CH: gl.constexpr):
+    """Program ``program_id(0)``'s range ``[g0, g1)`` of the ``HB * sum(tiles)`` global tiles over
+    ``num_programs(0)`` programs and the item holding tile ``g0``: ``(g0, g1, h, b, s, nt, len)``, its head block,
+    sequence, first global tile, tiles and length (an empty range: ``b`` clamped to a real sequence)."""
+    l1: gl.constexpr = gl.BlockedLayout([CH // 128], [32], [4], [0])
+    acc = gl.zeros([CH], gl.int64, l1)
+    for j0 in range(0, B, CH):
+        offs = j0 + gl.arange(0, CH, l1)
+        acc += gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < B, other=0), 64).to(gl.int64)
+    per_head = gl.sum(acc, axis=0)
+    total = HB * per_head
+    c = gl.program_id(0).to(gl.int64)
+    g0 = c * total // gl.num_programs(0)  # the product in 64 bits; the tiles themselves fit 32
+    g1 = (c + 1) * total // gl.num_programs(0)
+    h = g0 // gl.maximum(per_head, 1)
+    r = g0 - h * per_head
+    # the sequence: the number of inclusive tile sums <= r; its first tile: their tiles' sum
+    n_before = gl.zeros([CH], gl.int32, l1)
+    before = gl.zeros([CH], gl.int64, l1)
+    carry = per_head * 0
+    for j0 in range(0, B, CH):
+        offs = j0 + gl.arange(0, CH, l1)
+        nt = gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < B, other=0), 64).to(gl.int64)
+        sel = ((gl.associative_scan(nt, 0, _add) + carry) <= r) & (offs < B)
+        n_before += sel.to(gl.int32)
+        before += gl.where(sel, nt, 0)
+        carry += gl.sum(nt, axis=0)
+    b = gl.minimum(gl.sum(n_before, axis=0), B - 1)
+    seq_len = gl.load(seq_lens_ptr + b)
+    s = h * per_head + gl.sum(before, axis=0)
+    return (g0.to(gl.int32), g1.to(gl.int32), h.to(gl.int32), b, s.to(gl.int32), gl.cdiv(seq_len, 64), seq_len)
+
+
+@gluon.jit
+def _next_item(seq_lens_ptr, B, h, b, s, nt, g1):
+    """The item after ``(h, b)`` (first global tile ``s``, ``nt`` tiles) that has tiles, or any item once past
+    ``g1``: ``(h, b, s, nt, len)``."""
+    s = s + nt
+    wrap = (b + 1 == B).to(gl.int32)
+    h = h + wrap
+    b = b + 1 - B * wrap
+    seq_len = gl.load(seq_lens_ptr + b)
+    nt = gl.cdiv(seq_len, 64)
+    while (nt == 0) & (s < g1):  # an empty sequence holds no tile: the next (one exists: s < g1 <= T)
+        wrap = (b + 1 == B).to(gl.int32)
+        h = h + wrap
+        b = b + 1 - B * wrap
+        seq_len = gl.load(seq_lens_ptr + b)
+        nt = gl.cdiv(seq_len, 64)
+    return h, b, s, nt, seq_len
+
+
+@gluon.jit
+def _piece_tiles(s, nt, g0, g1):
+    """Tiles of the item at global tile ``s`` (``nt`` tiles) inside ``[g0, g1)`` (0 past it)."""
+    return gl.maximum(gl.minimum(s + nt, g1) - gl.maximum(s, g0), 0)
+
+
+@gluon.jit
+def _fill(u, slot: gl.constexpr, n, start, bt_row, n2, bt_row2, BLOCK_SIZE: gl.constexpr):
+    """The refill of slot ``slot`` after this piece's tile u - 2: ``(page, tile, n_tiles, start)`` of this piece's
+    tile ``u`` while it has one, else of the next piece's tile ``slot`` (``n2`` tiles from key 0)."""
+    if u < n:
+        page = tile_page(bt_row, u, n, start, BLOCK_SIZE, 64)
+        tile = u
+        n_t = n
+        st = start
+    else:
+        page = tile_page(bt_row2, slot, n2, 0, BLOCK_SIZE, 64)
+        tile = u * 0 + slot
+        n_t = n2
+        st = start * 0
+    return page, tile, n_t, st
+
+
+@gluon.jit
+def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready,
+             done, q_bar, bt_ptr, stride_bt, seq_lens_ptr, ws_ptr, wl_ptr, lse_ptr, scale_log2, B, M, H, S_Q,
+             g0, g1, h, b, s, nt, seq_len, DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr):
+    """Warpgroup ``C`` over the program's pieces (the module docstring), each as ``decode_gluon_seesaw._seesaw``'s
+    schedule in its ``FOLD_FIRST`` order (the other order's compile has a ``wgmma`` wait that ptxas injects, its
+    C7517); the first piece's tiles 0 and 1 were started by the kernel's prologue. What a piece needs of the next
+    (its sequence's block-table row and its tiles) is found when the piece starts, the next item itself again when
+    it ends (fewer values live across the tile loop, where the register file is full)."""
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
+    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
+    zero_s = gl.zeros([64, 64], gl.float32, s_l)
+    d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
+
+    n = _piece_tiles(s, nt, g0, g1)
+    t0 = gl.maximum(g0, s) - s
+    # phase bits: 1 the pieces', 2 this warpgroup's slot tiles', 4 the other's (their counts' parities); 8 after the
+    # program's first piece (its partial rows go to workspace slot 1)
+    bits = n * 0
+    while n > 0:
+        _h2, b2, s2, nt2, _len2 = _next_item(seq_lens_ptr, B, h, b, s, nt, g1)
+        n2 = _piece_tiles(s2, nt2, g0, g1)
+        start = t0 * 64
+        end = gl.minimum(seq_len, start + n * 64)
+        bt_row = bt_ptr + b * stride_bt  # the table's elements < 2^31 (decode_gluon.persists)
+        bt_row2 = bt_ptr + b2 * stride_bt
+        row0 = b * M + h * 64
+        u_own = (bits >> 1) & 1
+        u_oth = (bits >> 2) & 1
+        if C == 0:
+            if n == 1:  # slot 1 stays unused by this piece: the next piece's tile 1 now
+                pg = tile_page(bt_row2, 1, n2, 0, BLOCK_SIZE, 64)
+                _issue_rope_half(desc_r, desc_h, kr[1], kc[1], kb[5], kb[3], pg, 1, n2, 0, 0, BLOCK_SIZE)
+                _issue_half(desc_h, kc[1], kb[4], pg, 1, n2, 0, 1, BLOCK_SIZE)
+        # the piece's query rows: this warpgroup's latent half by TMA, the rope part into registers
+        mbarrier.expect(q_bar, 64 * (DC // 2) * 2)
+        tma.async_copy_global_to_shared(desc_q, [4 * C, row0, 0], q_bar,
+                                        q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * C, 4,
+                                                                                                         dim=0))
+        q_row = q_ptr + (row0 + gl.arange(0, 64, gl.SliceLayout(1, q_a))) * (DC + DR)  # dense rows, < 2^31 elements
+        qr = gl.load(q_row[:, None] + DC + d_r[None, :])
+        rows, row_ok, limit, lim_min = causal_rows(h, 64, M, H, S_Q, seq_len, row_s)
+        m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([64], gl.float32, row_s)
+        o = gl.zeros([64, 256], gl.float32, o_l)
+        mbarrier.wait(q_bar, bits & 1)
+
+        if C == 0:  # tile 0: nothing of the other's before it
+            z = opaque_zero(n)
+            pg2, f2, n_f2, st2 = _fill(2, 0, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, u_own, z)
+            st = warpgroup_mma_wait(0, deps=[sa])
+            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
+            o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pg2, st2,
+                             n_f2, C, f2, z, BLOCK_SIZE, row_o, p_a)
+        for t in range(2 - C, n, 2):
+            z = opaque_zero(t)
+            pg1, f1, n_f1, st1 = _fill(t + 1, 1 - C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            pg2, f2, n_f2, st2 = _fill(t + 2, C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            # the seesaw's FOLD_FIRST order: 2, 1, 3 once the fold is done, then S_t awaited
+            pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, (u_oth + (t - 1) // 2) & 1, z, row_s,
+                                       row_o)
+            sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, (u_own + t // 2) & 1, z)
+            o = warpgroup_mma_wait(3, deps=[pv])
+            _release_other(desc_h, kc, kb, pg1, st1, n_f1, C, f1, BLOCK_SIZE)
+            st = warpgroup_mma_wait(0, deps=[sa])
+            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
+            o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pg2, st2,
+                             n_f2, C, f2, z, BLOCK_SIZE, row_o, p_a)
+
+        last = n - 1
+        if last % 2 != C:  # the last tile is the other's: fold it, then this warpgroup's half of its slot refills
+            o, l_i, m_i = _ws_fold(C, o, l_i, p_s[1 - C].index(0), m_s[1 - C], a_s[1 - C], kc[1 - C], 0,
+                                   pready[1 - C], (u_oth + last // 2) & 1, row_s, row_o)
+            pg = tile_page(bt_row2, 1 - C, n2, 0, BLOCK_SIZE, 64)
+            _issue_half(desc_h, kc[1 - C], kb[(1 - C) * 3 + C], pg, 1 - C, n2, 0, C, BLOCK_SIZE)
+        if (t0 == 0) & (n == nt):  # the whole item: the result, by TMA through this warpgroup's half of q_s
+            inv, _ = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, 0, 1, lse_ptr, DC, True, row_s,
+                                   bits & 1)
+            _store_out_tma(C, o, inv, q_s, kc, desc_o, row0, 0, o_l, True)
+        else:  # part of it: float32 rows in the program's slot (0: its first piece, 1: its last)
+            _ws_finish(C, o, l_i, m_i, x_s, done, rows - h * 64, row_ok, 2 * gl.program_id(0) + (bits >> 3), 64, 0,
+                       1, ws_ptr, wl_ptr, DC, False, row_s, o_l, bits & 1)
+        own = (u_own + (n + 1 - C) // 2) & 1
+        oth = (u_oth + (n + C) // 2) & 1
+        bits = ((bits & 1) ^ 1) | (own << 1) | (oth << 2) | 8
+        h, b, s, nt, seq_len = _next_item(seq_lens_ptr, B, h, b, s, nt, g1)
+        t0 = t0 * 0
+        n = _piece_tiles(s, nt, g0, g1)
+
+
+@gluon.jit
+def decode_gluon_seesaw_persist_kernel(
+    q_ptr, desc_h, desc_r, desc_q, desc_o, bt_ptr, seq_lens_ptr, ws_ptr, wl_ptr, lse_ptr,
+    scale_log2,
+    stride_bt,
+    B, M, H, S_Q,
+    DC: gl.constexpr, DR: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+):
+    """``decode_gluon_kernel``'s contract over ``B`` sequences of ``M`` query rows (a multiple of 64; ``S_Q`` query
+    positions of ``H`` heads) with :data:`WARPS` warps plus a 4-warp worker, on a grid of ``(programs,)``, followed by
+    ``tile_merge.merge_tile_pieces`` over the same programs. ``desc_h``: the cache's latent columns as ``[8, rows,
+    64]``, box ``[4, 64, 64]``; ``desc_r``: its rows ``[rows, 576]``, box ``[64, 64]`` (the rope columns);
+    ``desc_q``: q's latent columns as ``[8, B M, 64]``, box ``[4, 64, 64]`` (a warpgroup's half of a piece's rows);
+    ``desc_o``: the bf16 output's ``[8, B M, 64]``, box ``[4, 64, 64]``; ``ws_ptr`` / ``wl_ptr``: float32 ``[2
+    programs 64, 512]`` / ``[2 programs 64]`` (``tile_merge.tile_workspace``); ``lse_ptr``: the natural-log LSE of the
+    whole items' rows."""
+    gl.static_assert(DC == 512)
+    gl.static_assert(DR == 64)
+    gl.static_assert(BLOCK_SIZE % 64 == 0)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
+
+    # one allocation per slot, P buffer, hand-over row and barrier (decode_gluon_seesaw_kernel's reason)
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
+    kc = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C))
+    kr = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C))
+    p_s = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C),
+           gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C))
+    m_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
+    a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
+    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    for i in gl.static_range(6):
+        mbarrier.init(kb[i], count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(pready[i], count=1)
+        mbarrier.init(done.index(i), count=1)
+    mbarrier.init(q_bar, count=2)  # each warpgroup's half of a piece's query rows
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+
+    g0, g1, h, b, s, nt, seq_len = _first_item(seq_lens_ptr, B, M // 64, CH)
+    n = _piece_tiles(s, nt, g0, g1)
+    start = (gl.maximum(g0, s) - s) * 64
+    bt_row = bt_ptr + b * stride_bt
+    pages = (tile_page(bt_row, 0, n, start, BLOCK_SIZE, 64),  # the first piece's tiles 0 and 1
+             tile_page(bt_row, 1, n, start, BLOCK_SIZE, 64))
+    for t in gl.static_range(2):
+        _issue_rope(desc_r, kr[t], kb[t * 3 + 2], pages[t], t, n, start, BLOCK_SIZE)
+        for hh in gl.static_range(2):
+            _issue_half(desc_h, kc[t], kb[t * 3 + hh], pages[t], t, n, start, hh, BLOCK_SIZE)
+    gl.warp_specialize([
+        (_persist, (0, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
+                    q_bar, bt_ptr, stride_bt, seq_lens_ptr, ws_ptr, wl_ptr, lse_ptr, scale_log2, B, M, H, S_Q,
+                    g0, g1, h, b, s, nt, seq_len, DC, DR, BLOCK_SIZE)),
+        (_persist, (1, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done,
+                    q_bar, bt_ptr, stride_bt, seq_lens_ptr, ws_ptr, wl_ptr, lse_ptr, scale_log2, B, M, H, S_Q,
+                    g0, g1, h, b, s, nt, seq_len, DC, DR, BLOCK_SIZE)),
+    ], [4], [WORKER_REGS])  # WARPS

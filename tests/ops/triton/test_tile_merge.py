@@ -1,0 +1,136 @@
+"""The balanced tile ranges of the persistent decodes (``ops/triton/_plan.tile_pieces``, CPU) and their merge
+(``ops/triton/tile_merge.py``, run by Triton's interpreter): the schedule covers every item's tiles once, in
+order, with only a program's first and last pieces partial; the merge of pieces written as the persistent kernel
+writes them (whole items as the result, partial ones as float32 rows and base-2 LSEs in the program's workspace
+slots, computed here in float64) equals the float64 attention over whole sequences, and writes the rows of empty
+sequences (output 0, LSE -inf)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from mla_compile.ops.triton._plan import cta_of_tile, range_start, tile_pieces
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
+def _cases():
+    rng = random.Random(5)
+    cases = [([0, 0, 0], 2, 7), ([1], 1, 132), ([4096] * 4, 2, 132), ([64, 65, 0, 1, 700], 2, 5),
+             ([300, 0, 129, 4000], 3, 16), ([128] * 128, 2, 132)]
+    for _ in range(30):
+        cases.append(([rng.choice([0, 1, 63, 64, 65, rng.randrange(1, 3000)]) for _ in range(rng.randrange(1, 12))],
+                      rng.randrange(1, 4), rng.randrange(1, 40)))
+    return cases
+
+
+@pytest.mark.parametrize("lens,hb,ctas", _cases())
+def test_pieces_cover_every_item_once_in_order(lens, hb, ctas):
+    tiles = [-(-n // 64) for n in lens]
+    total = hb * sum(tiles)
+    pieces = tile_pieces(lens, hb, ctas)
+    assert len(pieces) == ctas
+    seen = {(h, b): [] for h in range(hb) for b in range(len(lens))}
+    for c, mine in enumerate(pieces):
+        g0, g1 = range_start(c, total, ctas), range_start(c + 1, total, ctas)
+        assert sum(n for *_, n, _w, _s in mine) == g1 - g0  # the program's whole range, no more
+        for i, (h, b, t0, n, whole, slot) in enumerate(mine):
+            assert n > 0 and 0 <= t0 and t0 + n <= tiles[b]
+            assert whole == (t0 == 0 and n == tiles[b])
+            if 0 < i < len(mine) - 1:
+                assert whole  # only a program's first and last pieces can be partial
+            if not whole:
+                assert slot == (0 if i == 0 else 1)
+            seen[(h, b)].append((t0, n, c))
+            # every tile of the piece lies in program c's range (the merge's arithmetic)
+            s = h * sum(tiles) + sum(tiles[:b])
+            assert cta_of_tile(s + t0, total, ctas) == c == cta_of_tile(s + t0 + n - 1, total, ctas)
+    for (h, b), got in seen.items():
+        at = 0
+        for t0, n, _ in got:  # the item's pieces in order, back to back
+            assert t0 == at
+            at += n
+        assert at == tiles[b]
+
+
+def _emulate(q, keys, lens, s_q, H, ctas, out_dtype):
+    """What a persistent decode writes (float64 math): ``out`` / ``lse`` for whole items (NaN elsewhere), the
+    workspaces for partial pieces (NaN where unused), and the float64 reference over whole sequences."""
+    B, M, dc = len(lens), s_q * H, keys.shape[-1] - 64
+    hb = M // 64
+    out = torch.full((B * M, dc), float("nan"), dtype=out_dtype)
+    lse = torch.full((B * M,), float("nan"))
+    ws = torch.full((2 * ctas * 64, dc), float("nan"))
+    wl = torch.full((2 * ctas * 64,), float("nan"))
+    ref = torch.zeros(B * M, dc, dtype=torch.float64)
+    ref_lse = torch.full((B * M,), float("-inf"), dtype=torch.float64)
+
+    def attend(b, rows, lo, hi):  # rows of sequence b over positions [lo, hi): (o / l, natural-log LSE)
+        qpos = rows // H
+        limit = lens[b] - (s_q - 1 - qpos)
+        pos = torch.arange(lo, hi)
+        s = q[b * M + rows].double() @ keys[b, lo:hi].double().T
+        s = s.masked_fill(pos[None, :] >= limit[:, None], float("-inf"))
+        m = torch.logsumexp(s, dim=1) if hi > lo else torch.full((len(rows),), float("-inf"), dtype=torch.float64)
+        p = torch.where(m.isfinite()[:, None], torch.exp(s - m[:, None]), 0.0)
+        return p @ keys[b, lo:hi, :dc].double(), m
+
+    for b in range(B):
+        rows = torch.arange(M)
+        ref[b * M + rows], ref_lse[b * M + rows] = attend(b, rows, 0, lens[b])
+    for c, mine in enumerate(tile_pieces(lens, hb, ctas)):
+        for h, b, t0, n, whole, slot in mine:
+            rows = h * 64 + torch.arange(64)
+            o, m = attend(b, rows, t0 * 64, min(lens[b], (t0 + n) * 64))
+            if whole:
+                out[b * M + rows] = o.to(out_dtype)
+                lse[b * M + rows] = m.float()
+            else:
+                at = (2 * c + slot) * 64 + torch.arange(64)
+                ws[at] = o.float()
+                wl[at] = (m / math.log(2)).float()
+    return out, lse, ws, wl, ref, ref_lse
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("lens,s_q,H,ctas,dtype", [
+    ([300, 0, 129, 700, 1, 64], 1, 128, 5, torch.float32),   # 12 items over 5 programs: splits, whole items, empty
+    ([900], 2, 64, 7, torch.float32),                          # one long sequence over 7 programs; MTP rows
+    ([0, 0], 1, 64, 3, torch.float32),                         # nothing to attend: every row written 0 / -inf
+    ([200, 130, 250, 65], 1, 128, 3, torch.bfloat16),          # bf16 output
+    ([63, 1, 2], 4, 16, 2, torch.float32),                     # MTP: rows that see no key in some pieces
+])
+def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtype):
+    from torch.library import wrap_triton
+
+    from mla_compile.ops.triton.tile_merge import merge_tile_pieces
+
+    gen = torch.Generator().manual_seed(sum(lens) + ctas)
+    B, M, dc = len(lens), s_q * H, 128
+    q = torch.randn(B * M, dc + 64, generator=gen) * 0.2
+    keys = torch.randn(B, max(1, max(lens)), dc + 64, generator=gen)
+    out, lse, ws, wl, ref, ref_lse = _emulate(q, keys, lens, s_q, H, ctas, dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, block_c=64)
+    assert not out.isnan().any() and not lse.isnan().any(), "rows left unwritten"
+    assert torch.equal(lse.isinf(), ref_lse.isinf())
+    fin = ref_lse.isfinite()
+    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    assert (out[~fin] == 0).all()
+
+
+def test_the_merge_refuses_rows_that_are_not_whole_blocks():
+    pytest.importorskip("triton")
+    from mla_compile.ops.triton.tile_merge import merge_tile_pieces
+
+    with pytest.raises(ValueError, match="multiple of 64"):
+        merge_tile_pieces(None, torch.zeros(1, dtype=torch.int32), torch.empty(0), torch.empty(0),
+                          torch.empty(1, 80, 512), torch.empty(1, 80), 1, 80, 4)
