@@ -152,6 +152,12 @@ def _gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
     return torch.ops.mla.decode_gluon_seesaw(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
+def _gluon_seesaw_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                          scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_seesaw_persist)
+    return torch.ops.mla.decode_gluon_seesaw_persist(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
 # Gluon sm_90 kernels (ops/triton/decode_gluon.py): ranked after "triton", so without timings "auto" keeps
 # the Triton kernel; the measured timings (ops/backend_timings) decide.
 _GLUON = dict(available=_triton_available, dtypes=(torch.bfloat16,), cache_dtypes=(torch.bfloat16,), block_multiple=64,
@@ -168,3 +174,8 @@ declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **_GLUON,
         kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
         note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
              "dots; 64 query rows a program at every size)")
+declare(OP, "gluon-seesaw-persist", _gluon_seesaw_persist, rank=63, **dict(_GLUON, gpu_tested=False),
+        kernels=("decode_gluon_seesaw_persist=gluon-seesaw-persist (opaque kernel)",
+                 "decode_gluon_seesaw_persist_kernel", "_tile_merge_kernel"),
+        note="as 'gluon-seesaw', one program an SM over balanced runs of key tiles, then a merge (whole 64-row "
+             "blocks of query rows a sequence; other calls run 'gluon-seesaw'); not yet run on a GPU")

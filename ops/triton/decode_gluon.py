@@ -25,7 +25,8 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
   run their softmax together (FlashMLA's sm_90 kernel alternates tiles between its warpgroups so that one's
   softmax runs under the other's ``wgmma``), the main part of the gap to FlashMLA there (#27).
   ``decode_gluon_seesaw.decode_gluon_seesaw_kernel`` (``config={"SEESAW": True}``) is that alternating schedule
-  (its docstring).
+  (its docstring); ``decode_gluon_seesaw_persist`` (``PERSIST`` too, :func:`persist_launch`) runs it persistent, one
+  program an SM over balanced runs of key tiles, followed by ``tile_merge.merge_tile_pieces``.
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
@@ -420,6 +421,14 @@ def decode_gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"SEESAW": True})
 
 
+@torch.library.custom_op("mla::decode_gluon_seesaw_persist", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon_seesaw_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                                kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_gluon_seesaw`` persistent (:func:`persist_launch`) where :func:`persists` allows, else the
+    seesaw as ``mla::decode_gluon_seesaw``."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"SEESAW": True, "PERSIST": True})
+
+
 def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
     return decode_outputs(q, kv_lora_rank)
 
@@ -427,3 +436,4 @@ def _fake(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
 decode_gluon.register_fake(_fake)
 decode_gluon_ws.register_fake(_fake)
 decode_gluon_seesaw.register_fake(_fake)
+decode_gluon_seesaw_persist.register_fake(_fake)

@@ -159,7 +159,8 @@ def test_gluon_decode_any_scale(kernel, scale):
     assert_attention_close(out, lse, ref, ref_lse, BF, lse_atol=2e-2 * max(1.0, abs(scale) / SCALE))
 
 
-BACKENDS = {"gluon": {}, "gluon-ws": {"WS": True}, "gluon-seesaw": {"SEESAW": True}}  # backend -> its launch config
+BACKENDS = {"gluon": {}, "gluon-ws": {"WS": True}, "gluon-seesaw": {"SEESAW": True},  # backend -> its launch config
+            "gluon-seesaw-persist": {"SEESAW": True, "PERSIST": True}}
 
 
 @pytest.mark.cuda
@@ -190,9 +191,10 @@ def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend)
 @pytest.mark.cuda
 @needs_sm90
 @pytest.mark.parametrize("op,H", [("decode_gluon", 16), ("decode_gluon_ws", 16), ("decode_gluon_seesaw", 16),
-                                  ("decode_gluon_seesaw", 128)])
+                                  ("decode_gluon_seesaw", 128), ("decode_gluon_seesaw_persist", 128)])
 def test_gluon_decode_opcheck(op, H):
-    """opcheck of the ops; the seesaw at 128 heads over 70 sequences runs one split (its output's TMA store)."""
+    """opcheck of the ops; the seesaw at 128 heads over 70 sequences runs one split (its output's TMA store), the
+    persistent one its pieces and merge."""
     import mla_compile.ops.triton.decode_gluon  # noqa: F401
 
     lens = [70, 0, 130] if H == 16 else lens_with_empty(70, 200, torch.Generator().manual_seed(1))
@@ -202,7 +204,8 @@ def test_gluon_decode_opcheck(op, H):
 
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("backend,B,H", [(b, 12, 16) for b in BACKENDS] + [("gluon-seesaw", 70, 128)])
+@pytest.mark.parametrize("backend,B,H", [(b, 12, 16) for b in BACKENDS] + [("gluon-seesaw", 70, 128),
+                                                                          ("gluon-seesaw-persist", 70, 128)])
 def test_compiled_and_graph_replay_through_the_op(backend, B, H):
     """``decode(..., backend=...)`` under torch.compile(fullgraph) and captured in a CUDA graph: replays take
     new lengths and queries (nothing read on the host); the seesaw at 128 heads over 70 sequences in one split (its

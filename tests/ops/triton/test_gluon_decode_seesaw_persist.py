@@ -144,3 +144,22 @@ def test_calls_it_cannot_serve_run_the_seesaw(monkeypatch, case):
 
     launches, *_ = _launch(monkeypatch, [300, 0, 129], s_q, H, config, q=q)
     assert launches[0][0] is seesaw and launches[0][1][0] == -(-s_q * H // 64)  # grid (row blocks, splits, B)
+
+
+def test_the_backend_serves_what_the_seesaw_serves_and_auto_skips_it():
+    """Backend "gluon-seesaw-persist" of ``mla::decode`` is declared with the seesaw's capabilities (calls it cannot
+    run persistent run the seesaw), its kernels named for ``inspect``; not yet GPU-tested, so "auto" passes over it
+    (by name only)."""
+    from mla_compile.ops.registry import backends_for, kernel_backend
+    from mla_compile.ops.select import auto_skip, why_not
+    from _triton_test_util import sm90_facts
+
+    table = backends_for("decode")
+    spec, seesaw = table["gluon-seesaw-persist"], table["gluon-seesaw"]
+    assert not spec.gpu_tested and "GPU" in auto_skip(spec)
+    for kw in ({}, dict(block_size=128, query_len=2), dict(cap=(10, 0)), dict(cache_dtype=torch.float16),
+               dict(block_size=32), dict(packed_rows=False)):
+        facts = sm90_facts(**{"cache_dtype": BF, "cache_align": 128, **kw})
+        assert (why_not(spec, facts) is None) == (why_not(seesaw, facts) is None), kw
+    assert kernel_backend("decode_gluon_seesaw_persist_kernel") == "gluon-seesaw-persist"
+    assert kernel_backend("_tile_merge_kernel") == "gluon-seesaw-persist"
