@@ -251,6 +251,8 @@ def decode_case(B, H, L, sweep, budget_s):
     if torch.cuda.get_device_capability() == (9, 0):  # "gluon"'s other kernels: the PIPE schedule, 64 rows
         from mla_compile.ops.triton import decode_gluon
         variants = [{"PIPE": True, "SWAP": False}] + ([{"SWAP": False}] if H <= decode_gluon.SWAP_ROWS else [])
+        if H <= decode_gluon.SWAP_ROWS:  # the swapped kernel persistent (decode_gluon_swap_persist), then the merge
+            variants += [{"PERSIST": True}]
         swap = {"SWAP": True}
         if H > decode_gluon.SWAP_ROWS and B <= 16:  # the 16-row kernel at 128 heads: each row block reads the cache
             variants += [swap]

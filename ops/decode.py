@@ -152,6 +152,12 @@ def _gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Te
     return torch.ops.mla.decode_gluon_seesaw(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
+def _gluon_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                   scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_persist)
+    return torch.ops.mla.decode_gluon_persist(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+
+
 def _gluon_seesaw_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                           scale: float, kv_lora_rank: int) -> tuple[Tensor, Tensor]:
     import mla_compile.ops.triton.decode_gluon  # noqa: F401  (registers mla::decode_gluon_seesaw_persist)
@@ -174,6 +180,10 @@ declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **_GLUON,
         kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
         note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
              "dots; 64 query rows a program at every size)")
+declare(OP, "gluon-persist", _gluon_persist, rank=64, **dict(_GLUON, gpu_tested=False),
+        kernels=("decode_gluon_persist=gluon-persist (opaque kernel)", "decode_gluon_swap_persist_kernel"),
+        note="as 'gluon', its swapped kernel (at most 16 query rows a sequence) persistent: one program an SM over "
+             "balanced runs of key tiles, then a merge; not yet run on a GPU")
 declare(OP, "gluon-seesaw-persist", _gluon_seesaw_persist, rank=63, **dict(_GLUON, gpu_tested=False),
         kernels=("decode_gluon_seesaw_persist=gluon-seesaw-persist (opaque kernel)",
                  "decode_gluon_seesaw_persist_kernel", "_tile_merge_kernel"),

@@ -30,7 +30,7 @@ One program an SM, 8 warps (two warpgroups), no warp specialization:
 
 ``decode_gluon_swap.decode_gluon_swap_kernel`` (``config={"SWAP": True}``, the default where a sequence has at
 most 16 query rows) is the same schedule with the dots' operands swapped, 16 query rows a program (its
-docstring).
+docstring); with ``PERSIST`` ``decode_gluon_swap_persist`` runs it persistent as the seesaw's.
 
 ``decode_gluon_ws.decode_gluon_ws_kernel`` (``config={"WS": True}``) is the same work warp-specialized, after FlashMLA's
 sm_90 decode: a producer (the 4 default warps) streams tiles into the two slots (``full`` / ``empty``
@@ -82,6 +82,8 @@ from mla_compile.ops.triton.decode_gluon_seesaw import WARPS as SEESAW_WARPS
 from mla_compile.ops.triton.decode_gluon_seesaw import decode_gluon_seesaw_kernel
 from mla_compile.ops.triton.decode_gluon_seesaw_persist import decode_gluon_seesaw_persist_kernel
 from mla_compile.ops.triton.decode_gluon_swap import SWAP_ROWS, SWAP_WARPS, decode_gluon_swap_kernel
+from mla_compile.ops.triton.decode_gluon_swap_persist import WARPS as SWAP_PERSIST_WARPS
+from mla_compile.ops.triton.decode_gluon_swap_persist import decode_gluon_swap_persist_kernel
 from mla_compile.ops.triton.decode_gluon_ws import decode_gluon_ws_kernel
 from mla_compile.ops.triton.tile_merge import merge_tile_pieces, tile_workspace
 
@@ -247,10 +249,11 @@ def swap_by_default(batch: int, rows: int) -> bool:
 
 def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float, kv_lora_rank: int,
            config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`split_launch`, then ``decode.reduce_splits``: ``(out, lse)``; with ``SEESAW`` and ``PERSIST`` where
-    :func:`persists` allows, :func:`persist_launch`."""
-    if persists(q, block_table, config):
-        return persist_launch(q, kv_cache, block_table, seq_lens, scale)
+    """:func:`split_launch`, then ``decode.reduce_splits``: ``(out, lse)``; with ``PERSIST`` where
+    :func:`persist_kind` allows, :func:`persist_launch`."""
+    kind = persist_kind(q, block_table, config)
+    if kind:
+        return persist_launch(q, kv_cache, block_table, seq_lens, scale, kind)
     part = split_launch(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, config)
     reduce_splits(wrap_triton, part.o_buf, part.l_buf, part.out, part.lse, part.rows, part.splits, part.split_cap,
                   DC, DC, part.direct, pdl=True)
@@ -271,7 +274,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     (``decode_gluon_kernel``'s schedule, default False: the first one), EARLY (the swapped kernel under PDL starts its
     first copies of older keys before its wait, ``decode_gluon_swap_kernel``'s contract; default
     :data:`EARLY_TILES`); several splits are merged by ``decode.reduce_splits`` (:func:`launch`); this function
-    leaves them: its ``decode.Split``."""
+    leaves them: its ``decode.Split``. (``PERSIST``, the persistent kernels, is :func:`launch`'s: ignored here.)"""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)
@@ -327,46 +330,67 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     return Split(out, lse, o_buf, l_buf, splits, splits, direct, B * M)
 
 
-def persists(q: Tensor, block_table: Tensor, config: dict | None) -> bool:
-    """Whether :func:`launch` takes the persistent seesaw (``decode_gluon_seesaw_persist``): the config asks for
-    ``SEESAW`` and ``PERSIST`` (opt-in, not yet run on a GPU) in the seesaw's ``FOLD_FIRST`` order, and the call
-    has whole 64-row blocks of query rows a sequence over q's dense, 16-byte aligned rows (its query copies), fewer
-    than 2^31 elements of q and of the block table (its 32-bit offsets); other calls run the seesaw as without it."""
+def persist_kind(q: Tensor, block_table: Tensor, config: dict | None) -> str | None:
+    """Which persistent kernel :func:`launch` takes (opt-in ``PERSIST``, not yet run on a GPU), or None:
+
+    - "seesaw" (``decode_gluon_seesaw_persist``): the config asks for ``SEESAW`` in its ``FOLD_FIRST`` order, and the
+      call has whole 64-row blocks of query rows a sequence over q's dense, 16-byte aligned rows (its query copies);
+    - "swap" (``decode_gluon_swap_persist``): the call takes the swapped kernel (``SWAP``, or by default).
+
+    Both need fewer than 2^31 elements of q and of the block table (32-bit offsets); other calls run as without
+    ``PERSIST``."""
     config = check_config("mla.decode (gluon)", config, CONFIG_KEYS)
-    if not (config.get("SEESAW") and config.get("PERSIST")) or config.get("WS"):
-        return False
-    if not config.get("FOLD_FIRST", SEESAW_FOLD_FIRST):
-        return False
     B, s_q, H, _ = q.shape
-    return (B > 0 and (s_q * H) % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
-            and q.numel() < 2 ** 31 and block_table.numel() < 2 ** 31)
+    M = s_q * H
+    if not config.get("PERSIST") or config.get("WS") or B == 0 or M == 0:
+        return None
+    if q.numel() >= 2 ** 31 or block_table.numel() >= 2 ** 31:
+        return None
+    if config.get("SEESAW"):
+        ok = (config.get("FOLD_FIRST", SEESAW_FOLD_FIRST) and M % BLOCK_M == 0 and _dense_rows(q)
+              and q.data_ptr() % 16 == 0)
+        return "seesaw" if ok else None
+    return "swap" if config.get("SWAP", swap_by_default(B, M)) else None
 
 
-def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                   scale: float) -> tuple[Tensor, Tensor]:
-    """The persistent seesaw on a call :func:`persists` accepts: one program an SM over balanced runs of key tiles
-    (``decode_gluon_seesaw_persist``), then ``tile_merge.merge_tile_pieces`` (items split between programs, empty
-    sequences); ``(out, lse)``."""
+def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                   kind: str) -> tuple[Tensor, Tensor]:
+    """A persistent kernel (:func:`persist_kind`'s ``kind``) on a call it accepts: one program an SM over balanced
+    runs of key tiles, then ``tile_merge.merge_tile_pieces`` (items split between programs, empty sequences);
+    ``(out, lse)``."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, DC)
     ctas = num_sms(q.device)
-    ws, wl = tile_workspace(ctas, DC, q.device)
+    item_rows = BLOCK_M if kind == "seesaw" else SWAP_ROWS
+    ws, wl = tile_workspace(ctas, DC, q.device, item_rows)
     rows = kv_cache.view(-1, D)
     blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
-    half = DC // CHUNK // 2  # a warpgroup's share of a tile's or a piece's latent columns, in blocks
-    desc_h = TensorDescriptor.from_tensor(blocks, [half, BLOCK_N, CHUNK], BOX_SL)
     desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
-    desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
-                                          [half, BLOCK_M, CHUNK], BOX_SL)
-    decode_gluon_seesaw_persist_kernel[(ctas,)](
-        q, desc_h, desc_r, desc_q, _out_descriptor(out, B * M, 1, True), block_table, seq_lens, ws, wl, lse,
-        scale * _LOG2E,
-        block_table.stride(0),
-        B, M, H, s_q, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1],
-        num_warps=SEESAW_WARPS,
-    )
-    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, pdl=True)
+    if kind == "seesaw":
+        half = DC // CHUNK // 2  # a warpgroup's share of a tile's or a piece's latent columns, in blocks
+        desc_h = TensorDescriptor.from_tensor(blocks, [half, BLOCK_N, CHUNK], BOX_SL)
+        desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
+                                              [half, BLOCK_M, CHUNK], BOX_SL)
+        decode_gluon_seesaw_persist_kernel[(ctas,)](
+            q, desc_h, desc_r, desc_q, _out_descriptor(out, B * M, 1, True), block_table, seq_lens, ws, wl, lse,
+            scale * _LOG2E,
+            block_table.stride(0),
+            B, M, H, s_q, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1],
+            num_warps=SEESAW_WARPS,
+        )
+    else:
+        q = last_dim_contiguous(q)
+        desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
+        decode_gluon_swap_persist_kernel[(ctas,)](
+            q, desc_c, desc_r, block_table, seq_lens, ws, wl, out, lse,
+            scale * _LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            block_table.stride(0),
+            B, M, H, s_q, DC=DC, DR=DR, BLOCK_SIZE=kv_cache.shape[1], BLOCK_R=SWAP_ROWS,
+            **launch_kwargs(q.device), num_warps=SWAP_PERSIST_WARPS,
+        )
+    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, pdl=True, item_rows=item_rows)
     return out, lse
 
 
@@ -421,10 +445,18 @@ def decode_gluon_seesaw(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_le
     return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"SEESAW": True})
 
 
+@torch.library.custom_op("mla::decode_gluon_persist", mutates_args=(), tags=LAYOUT_TAGS)
+def decode_gluon_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
+                         kv_lora_rank: int) -> tuple[Tensor, Tensor]:
+    """``mla::decode_gluon`` with its swapped kernel persistent (:func:`persist_launch`) where it takes that kernel,
+    else as ``mla::decode_gluon``."""
+    return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"WS": False, "PERSIST": True})
+
+
 @torch.library.custom_op("mla::decode_gluon_seesaw_persist", mutates_args=(), tags=LAYOUT_TAGS)
 def decode_gluon_seesaw_persist(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float,
                                 kv_lora_rank: int) -> tuple[Tensor, Tensor]:
-    """``mla::decode_gluon_seesaw`` persistent (:func:`persist_launch`) where :func:`persists` allows, else the
+    """``mla::decode_gluon_seesaw`` persistent (:func:`persist_launch`) where :func:`persist_kind` allows, else the
     seesaw as ``mla::decode_gluon_seesaw``."""
     return _run(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, {"SEESAW": True, "PERSIST": True})
 
@@ -437,3 +469,4 @@ decode_gluon.register_fake(_fake)
 decode_gluon_ws.register_fake(_fake)
 decode_gluon_seesaw.register_fake(_fake)
 decode_gluon_seesaw_persist.register_fake(_fake)
+decode_gluon_persist.register_fake(_fake)

@@ -157,8 +157,9 @@ def _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pr
     """Step 5: ``O *= alpha``, ``O += P_t V_t`` issued on this warpgroup's columns with P from registers; while
     it runs, P_t, its max and factor published in P buffer ``C`` (free: the module docstring); then, the dot
     done, slot ``C``'s rope columns (S_t, their only reader, is done) and this warpgroup's half take tile
-    ``fill``'s (t + 2; ``page``: its block-table entry, ``start`` / ``n_tiles``: its range's); returns ``(o, l_i)``. (The dot is issued before the P stores: no
-    shared-memory access between the publication's barrier and its arrival.)"""
+    ``fill``'s (t + 2; ``page``: its block-table entry, ``start`` / ``n_tiles``: its range's); returns ``(o, l_i)``.
+    (The dot is issued before the P stores: no shared-memory access between the publication's barrier and its
+    arrival.)"""
     o = o * gl.convert_layout(alpha, row_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
     p_op = gl.convert_layout(p.to(gl.bfloat16), p_a)

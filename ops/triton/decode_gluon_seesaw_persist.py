@@ -1,11 +1,10 @@
 """The persistent seesaw decode (``decode_gluon.launch`` with ``config={"SEESAW": True, "PERSIST": True}``):
 ``decode_gluon_seesaw``'s two alternating warpgroups, one program an SM, each over a balanced run of key tiles.
 
-The work: the (head block, sequence) items, head-block-major, each the ``cdiv(len, 64)`` tiles of its sequence, laid
-end to end (``T`` tiles); program c of the grid takes tiles ``[c T // grid, (c + 1) T // grid)``, found from the
-lengths on the device (``_plan.tile_pieces`` is the host reference, :func:`_first_item` and :func:`_next_item` the
-kernel's). A program's run crosses items: its pieces, each run as one seesaw program over keys ``[64 t0, 64 (t0 +
-n))`` of its item, one after the other with the same buffers. A piece covering its whole item stores the result
+The work (``_tile_ranges``): the (64-row block, sequence) items, each the ``cdiv(len, 64)`` tiles of its sequence,
+laid end to end; program c of the grid takes its balanced share of them, found from the lengths on the device. A
+program's run crosses items: its pieces, each run as one seesaw program over keys ``[64 t0, 64 (t0 + n))`` of its
+item, one after the other with the same buffers. A piece covering its whole item stores the result
 (bf16 by TMA through the query rows' buffer, natural-log LSE); the others (only a program's first and last can be
 partial) store float32 partial rows and base-2 LSEs in the program's workspace slot 0 (first piece) or 1 (last),
 which ``tile_merge.merge_tile_pieces`` folds afterwards (it also writes the rows of empty sequences).
@@ -13,9 +12,8 @@ which ``tile_merge.merge_tile_pieces`` folds afterwards (it also writes the rows
 Across pieces:
 - barrier phases continue: a slot's ``u``-th tile (counted over the program's pieces) waits at phase ``u & 1``,
   ``pready`` likewise (one publication per tile), ``done`` and the query barrier once per piece;
-- the next piece's first tiles stream in while this one ends: a slot's refill after this piece's last tile in it
-  takes the next piece's tile of that slot (tile 0 into slot 0, tile 1 into slot 1); a piece of one tile leaves
-  slot 1 unused, so warpgroup 0 fills it with the next piece's tile 1 when the piece starts;
+- the next piece's first tiles stream in while this one ends (``_tile_ranges``' slot rule; warpgroup 0 fills the slot
+  a one-tile piece leaves unused);
 - each warpgroup loads its half of the next piece's latent query rows by TMA once its own output copy has read its
   half of that buffer (the other's last scores were done before: ``_ws_rows_done``), and the rope part into
   registers.
@@ -33,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from mla_compile.ops.triton._bf16_tma import BOX_C
 from mla_compile.ops.triton._fp8_tma import opaque_zero
 from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, tile_page
+from mla_compile.ops.triton._tile_ranges import CH, fill_target, first_item, next_item, piece_tiles
 from mla_compile.ops.triton.decode_gluon_seesaw import (_fold_issue, _issue_half, _issue_rope,
                                                         _issue_rope_half, _own_pv, _own_softmax, _release_other,
                                                         _scores, _store_out_tma)
@@ -42,88 +41,6 @@ WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
 # the worker's registers a thread: the whole 256 (one program an SM; the kernel's own warps keep theirs). At the
 # seesaw's 248 ptxas keeps twice as many values in local memory across the partitions (sm_90 compile).
 WORKER_REGS = gl.constexpr(256)
-CH = gl.constexpr(256)  # sequence lengths read a step by the schedule's search
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _first_item(seq_lens_ptr, B, HB, CH: gl.constexpr):
-    """Program ``program_id(0)``'s range ``[g0, g1)`` of the ``HB * sum(tiles)`` global tiles over
-    ``num_programs(0)`` programs and the item holding tile ``g0``: ``(g0, g1, h, b, s, nt, len)``, its head block,
-    sequence, first global tile, tiles and length (an empty range: ``b`` clamped to a real sequence)."""
-    l1: gl.constexpr = gl.BlockedLayout([CH // 128], [32], [4], [0])
-    acc = gl.zeros([CH], gl.int64, l1)
-    for j0 in range(0, B, CH):
-        offs = j0 + gl.arange(0, CH, l1)
-        acc += gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < B, other=0), 64).to(gl.int64)
-    per_head = gl.sum(acc, axis=0)
-    total = HB * per_head
-    c = gl.program_id(0).to(gl.int64)
-    g0 = c * total // gl.num_programs(0)  # the product in 64 bits; the tiles themselves fit 32
-    g1 = (c + 1) * total // gl.num_programs(0)
-    h = g0 // gl.maximum(per_head, 1)
-    r = g0 - h * per_head
-    # the sequence: the number of inclusive tile sums <= r; its first tile: their tiles' sum
-    n_before = gl.zeros([CH], gl.int32, l1)
-    before = gl.zeros([CH], gl.int64, l1)
-    carry = per_head * 0
-    for j0 in range(0, B, CH):
-        offs = j0 + gl.arange(0, CH, l1)
-        nt = gl.cdiv(gl.load(seq_lens_ptr + offs, mask=offs < B, other=0), 64).to(gl.int64)
-        sel = ((gl.associative_scan(nt, 0, _add) + carry) <= r) & (offs < B)
-        n_before += sel.to(gl.int32)
-        before += gl.where(sel, nt, 0)
-        carry += gl.sum(nt, axis=0)
-    b = gl.minimum(gl.sum(n_before, axis=0), B - 1)
-    seq_len = gl.load(seq_lens_ptr + b)
-    s = h * per_head + gl.sum(before, axis=0)
-    return (g0.to(gl.int32), g1.to(gl.int32), h.to(gl.int32), b, s.to(gl.int32), gl.cdiv(seq_len, 64), seq_len)
-
-
-@gluon.jit
-def _next_item(seq_lens_ptr, B, h, b, s, nt, g1):
-    """The item after ``(h, b)`` (first global tile ``s``, ``nt`` tiles) that has tiles, or any item once past
-    ``g1``: ``(h, b, s, nt, len)``."""
-    s = s + nt
-    wrap = (b + 1 == B).to(gl.int32)
-    h = h + wrap
-    b = b + 1 - B * wrap
-    seq_len = gl.load(seq_lens_ptr + b)
-    nt = gl.cdiv(seq_len, 64)
-    while (nt == 0) & (s < g1):  # an empty sequence holds no tile: the next (one exists: s < g1 <= T)
-        wrap = (b + 1 == B).to(gl.int32)
-        h = h + wrap
-        b = b + 1 - B * wrap
-        seq_len = gl.load(seq_lens_ptr + b)
-        nt = gl.cdiv(seq_len, 64)
-    return h, b, s, nt, seq_len
-
-
-@gluon.jit
-def _piece_tiles(s, nt, g0, g1):
-    """Tiles of the item at global tile ``s`` (``nt`` tiles) inside ``[g0, g1)`` (0 past it)."""
-    return gl.maximum(gl.minimum(s + nt, g1) - gl.maximum(s, g0), 0)
-
-
-@gluon.jit
-def _fill(u, slot: gl.constexpr, n, start, bt_row, n2, bt_row2, BLOCK_SIZE: gl.constexpr):
-    """The refill of slot ``slot`` after this piece's tile u - 2: ``(page, tile, n_tiles, start)`` of this piece's
-    tile ``u`` while it has one, else of the next piece's tile ``slot`` (``n2`` tiles from key 0)."""
-    if u < n:
-        page = tile_page(bt_row, u, n, start, BLOCK_SIZE, 64)
-        tile = u
-        n_t = n
-        st = start
-    else:
-        page = tile_page(bt_row2, slot, n2, 0, BLOCK_SIZE, 64)
-        tile = u * 0 + slot
-        n_t = n2
-        st = start * 0
-    return page, tile, n_t, st
 
 
 @gluon.jit
@@ -146,14 +63,14 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
     zero_s = gl.zeros([64, 64], gl.float32, s_l)
     d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
 
-    n = _piece_tiles(s, nt, g0, g1)
+    n = piece_tiles(s, nt, g0, g1)
     t0 = gl.maximum(g0, s) - s
     # phase bits: 1 the pieces', 2 this warpgroup's slot tiles', 4 the other's (their counts' parities); 8 after the
     # program's first piece (its partial rows go to workspace slot 1)
     bits = n * 0
     while n > 0:
-        _h2, b2, s2, nt2, _len2 = _next_item(seq_lens_ptr, B, h, b, s, nt, g1)
-        n2 = _piece_tiles(s2, nt2, g0, g1)
+        _h2, b2, s2, nt2, _len2 = next_item(seq_lens_ptr, B, h, b, s, nt, g1)
+        n2 = piece_tiles(s2, nt2, g0, g1)
         start = t0 * 64
         end = gl.minimum(seq_len, start + n * 64)
         bt_row = bt_ptr + b * stride_bt  # the table's elements < 2^31 (decode_gluon.persists)
@@ -181,7 +98,7 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
 
         if C == 0:  # tile 0: nothing of the other's before it
             z = opaque_zero(n)
-            pg2, f2, n_f2, st2 = _fill(2, 0, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            pg2, f2, n_f2, st2 = fill_target(2, 0, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, u_own, z)
             st = warpgroup_mma_wait(0, deps=[sa])
             p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
@@ -189,8 +106,8 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
                              n_f2, C, f2, z, BLOCK_SIZE, row_o, p_a)
         for t in range(2 - C, n, 2):
             z = opaque_zero(t)
-            pg1, f1, n_f1, st1 = _fill(t + 1, 1 - C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
-            pg2, f2, n_f2, st2 = _fill(t + 2, C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            pg1, f1, n_f1, st1 = fill_target(t + 1, 1 - C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
+            pg2, f2, n_f2, st2 = fill_target(t + 2, C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
             # the seesaw's FOLD_FIRST order: 2, 1, 3 once the fold is done, then S_t awaited
             pv, l_i, m_i = _fold_issue(o, l_i, p_s, m_s, a_s, kc, pready, C, (u_oth + (t - 1) // 2) & 1, z, row_s,
                                        row_o)
@@ -218,9 +135,9 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
         own = (u_own + (n + 1 - C) // 2) & 1
         oth = (u_oth + (n + C) // 2) & 1
         bits = ((bits & 1) ^ 1) | (own << 1) | (oth << 2) | 8
-        h, b, s, nt, seq_len = _next_item(seq_lens_ptr, B, h, b, s, nt, g1)
+        h, b, s, nt, seq_len = next_item(seq_lens_ptr, B, h, b, s, nt, g1)
         t0 = t0 * 0
-        n = _piece_tiles(s, nt, g0, g1)
+        n = piece_tiles(s, nt, g0, g1)
 
 
 @gluon.jit
@@ -272,8 +189,8 @@ def decode_gluon_seesaw_persist_kernel(
     fence_async_shared()
     gl.thread_barrier()  # the barriers initialized before any copy signals them
 
-    g0, g1, h, b, s, nt, seq_len = _first_item(seq_lens_ptr, B, M // 64, CH)
-    n = _piece_tiles(s, nt, g0, g1)
+    g0, g1, h, b, s, nt, seq_len = first_item(seq_lens_ptr, B, M // 64, CH)
+    n = piece_tiles(s, nt, g0, g1)
     start = (gl.maximum(g0, s) - s) * 64
     bt_row = bt_ptr + b * stride_bt
     pages = (tile_page(bt_row, 0, n, start, BLOCK_SIZE, 64),  # the first piece's tiles 0 and 1

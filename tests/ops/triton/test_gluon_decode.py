@@ -115,12 +115,15 @@ KERNEL_CONFIG = {"plain": {"WS": False, "SWAP": False}, "pipe": {"WS": False, "S
                  "ws": {"WS": True}, "seesaw": {"SEESAW": True}, "seesaw-tma": {"SEESAW": True, "TMA_OUT": True},
                  "plain-tma": {"WS": False, "SWAP": False, "TMA_OUT": True},
                  "seesaw-steps": {"SEESAW": True, "FOLD_FIRST": False},
-                 "seesaw-persist": {"SEESAW": True, "PERSIST": True}}
+                 "seesaw-persist": {"SEESAW": True, "PERSIST": True},
+                 "swap-persist": {"WS": False, "SWAP": True, "PERSIST": True}}
 # "swap-early": the swapped kernel's copies of older keys started before its PDL wait (on sm_90 every launch has PDL)
 # "pipe" (the PIPE schedule, not the default) and "seesaw-steps": the shape table only
 # "seesaw-tma": the seesaw's output copies by TMA with several splits too (the float32 partial rows; by default only
 # with one split); "plain-tma": the 64-row kernel's one-split rows by TMA (not a default yet)
-KERNELS = ["plain", "plain-tma", "swap", "swap-early", "ws", "seesaw", "seesaw-tma"]
+# "swap-persist": the swapped kernel persistent (decode_gluon_swap_persist: one program an SM over balanced runs of
+# tiles, then the merge), at every shape of the tables (any rows a sequence, in 16-row items)
+KERNELS = ["plain", "plain-tma", "swap", "swap-early", "ws", "seesaw", "seesaw-tma", "swap-persist"]
 
 
 @pytest.mark.cuda
@@ -160,7 +163,7 @@ def test_gluon_decode_any_scale(kernel, scale):
 
 
 BACKENDS = {"gluon": {}, "gluon-ws": {"WS": True}, "gluon-seesaw": {"SEESAW": True},  # backend -> its launch config
-            "gluon-seesaw-persist": {"SEESAW": True, "PERSIST": True}}
+            "gluon-seesaw-persist": {"SEESAW": True, "PERSIST": True}, "gluon-persist": {"WS": False, "PERSIST": True}}
 
 
 @pytest.mark.cuda
@@ -191,7 +194,8 @@ def test_the_backend_runs_the_kernel_and_falls_back_for_a_strided_cache(backend)
 @pytest.mark.cuda
 @needs_sm90
 @pytest.mark.parametrize("op,H", [("decode_gluon", 16), ("decode_gluon_ws", 16), ("decode_gluon_seesaw", 16),
-                                  ("decode_gluon_seesaw", 128), ("decode_gluon_seesaw_persist", 128)])
+                                  ("decode_gluon_seesaw", 128), ("decode_gluon_seesaw_persist", 128),
+                                  ("decode_gluon_persist", 16)])
 def test_gluon_decode_opcheck(op, H):
     """opcheck of the ops; the seesaw at 128 heads over 70 sequences runs one split (its output's TMA store), the
     persistent one its pieces and merge."""
@@ -244,29 +248,40 @@ _PERSIST_SHAPES = [  # lens (a list, or (B, max_len): drawn with empty sequences
 ]
 
 
+_SWAP_PERSIST_SHAPES = [  # as _PERSIST_SHAPES, for the persistent swapped kernel (16-row items)
+    ([16384], 16, 1, 64),               # one sequence over every program
+    ((128, 2000), 16, 1, 64),           # #27's H=16 row's batch: 128 items over the SMs
+    ((256, 1100), 16, 1, 64),           # #28's batch: one balanced pass instead of two waves
+    ((400, 64), 16, 1, 64),             # items of one tile
+    ((50, 300), 16, 1, 128),            # pages of 128
+    ((3, 700), 20, 2, 64),              # 40 rows a sequence: row blocks of 16, 16 and 8
+]
+
+
 @pytest.mark.cuda
 @needs_sm90
-@pytest.mark.parametrize("lens,H,s_q,bs", _PERSIST_SHAPES)
-def test_persistent_seesaw_shapes(lens, H, s_q, bs):
+@pytest.mark.parametrize("kernel,lens,H,s_q,bs", [("seesaw-persist", *c) for c in _PERSIST_SHAPES]
+                         + [("swap-persist", *c) for c in _SWAP_PERSIST_SHAPES])
+def test_persistent_shapes(kernel, lens, H, s_q, bs):
     gen = torch.Generator().manual_seed(H + s_q + bs)
     if isinstance(lens, tuple):
         lens = lens_with_empty(lens[0], lens[1], gen)
-    _check(lens, H, s_q, bs, seed=len(lens) + H, kernel="seesaw-persist")
+    _check(lens, H, s_q, bs, seed=len(lens) + H, kernel=kernel)
 
 
 @pytest.mark.cuda
 @needs_sm90
-def test_persistent_seesaw_graph_replay():
+@pytest.mark.parametrize("kernel,B,H", [("seesaw-persist", 70, 128), ("swap-persist", 200, 16)])
+def test_persistent_graph_replay(kernel, B, H):
     """``decode_gluon.launch(..., PERSIST)`` captured in a CUDA graph: replays take new lengths and queries (the
     schedule is found from the lengths on the device, nothing read on the host; the workspaces are the graph's)."""
     from mla_compile.ops.triton import decode_gluon
 
     gen = torch.Generator().manual_seed(9)
-    B, H = 70, 128
     q, cache, table, seq_lens = _inputs(lens_with_empty(B, 1500, gen), H, 1, 64, seed=9)
     st = {"q": q.clone(), "lens": seq_lens.clone()}
     graph, (out, lse) = capture(lambda: decode_gluon.launch(st["q"], cache, table, st["lens"], SCALE, DC,
-                                                            config=KERNEL_CONFIG["seesaw-persist"]))
+                                                            config=KERNEL_CONFIG[kernel]))
     for _ in range(3):
         new = torch.tensor(lens_with_empty(B, 1500, gen), dtype=torch.int32, device="cuda")
         st["lens"].copy_(torch.minimum(new, seq_lens))  # within each sequence's written positions

@@ -1,9 +1,9 @@
 """The balanced tile ranges of the persistent decodes (``ops/triton/_plan.tile_pieces``, CPU) and their merge
 (``ops/triton/tile_merge.py``, run by Triton's interpreter): the schedule covers every item's tiles once, in
-order, with only a program's first and last pieces partial; the merge of pieces written as the persistent kernel
-writes them (whole items as the result, partial ones as float32 rows and base-2 LSEs in the program's workspace
-slots, computed here in float64) equals the float64 attention over whole sequences, and writes the rows of empty
-sequences (output 0, LSE -inf)."""
+order, with only a program's first and last pieces partial; the merge of pieces written as the persistent kernels
+write them (whole items as the result, partial ones as float32 rows and base-2 LSEs in the program's workspace
+slots, computed here in float64; items of 64 rows, or 16 as the swapped kernel's) equals the float64 attention over
+whole sequences, and writes the rows of empty sequences (output 0, LSE -inf)."""
 
 from __future__ import annotations
 
@@ -59,15 +59,15 @@ def test_pieces_cover_every_item_once_in_order(lens, hb, ctas):
         assert at == tiles[b]
 
 
-def _emulate(q, keys, lens, s_q, H, ctas, out_dtype):
+def _emulate(q, keys, lens, s_q, H, ctas, out_dtype, rows_per_item):
     """What a persistent decode writes (float64 math): ``out`` / ``lse`` for whole items (NaN elsewhere), the
     workspaces for partial pieces (NaN where unused), and the float64 reference over whole sequences."""
-    B, M, dc = len(lens), s_q * H, keys.shape[-1] - 64
-    hb = M // 64
+    B, M, dc, R = len(lens), s_q * H, keys.shape[-1] - 64, rows_per_item
+    hb = -(-M // R)
     out = torch.full((B * M, dc), float("nan"), dtype=out_dtype)
     lse = torch.full((B * M,), float("nan"))
-    ws = torch.full((2 * ctas * 64, dc), float("nan"))
-    wl = torch.full((2 * ctas * 64,), float("nan"))
+    ws = torch.full((2 * ctas * R, dc), float("nan"))
+    wl = torch.full((2 * ctas * R,), float("nan"))
     ref = torch.zeros(B * M, dc, dtype=torch.float64)
     ref_lse = torch.full((B * M,), float("-inf"), dtype=torch.float64)
 
@@ -86,27 +86,30 @@ def _emulate(q, keys, lens, s_q, H, ctas, out_dtype):
         ref[b * M + rows], ref_lse[b * M + rows] = attend(b, rows, 0, lens[b])
     for c, mine in enumerate(tile_pieces(lens, hb, ctas)):
         for h, b, t0, n, whole, slot in mine:
-            rows = h * 64 + torch.arange(64)
+            local = torch.arange(min(R, M - h * R))  # the item's rows below M
+            rows = h * R + local
             o, m = attend(b, rows, t0 * 64, min(lens[b], (t0 + n) * 64))
             if whole:
                 out[b * M + rows] = o.to(out_dtype)
                 lse[b * M + rows] = m.float()
             else:
-                at = (2 * c + slot) * 64 + torch.arange(64)
+                at = (2 * c + slot) * R + local
                 ws[at] = o.float()
                 wl[at] = (m / math.log(2)).float()
     return out, lse, ws, wl, ref, ref_lse
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("lens,s_q,H,ctas,dtype", [
-    ([300, 0, 129, 700, 1, 64], 1, 128, 5, torch.float32),   # 12 items over 5 programs: splits, whole items, empty
-    ([900], 2, 64, 7, torch.float32),                          # one long sequence over 7 programs; MTP rows
-    ([0, 0], 1, 64, 3, torch.float32),                         # nothing to attend: every row written 0 / -inf
-    ([200, 130, 250, 65], 1, 128, 3, torch.bfloat16),          # bf16 output
-    ([63, 1, 2], 4, 16, 2, torch.float32),                     # MTP: rows that see no key in some pieces
+@pytest.mark.parametrize("lens,s_q,H,ctas,dtype,rows", [
+    ([300, 0, 129, 700, 1, 64], 1, 128, 5, torch.float32, 64),   # 12 items over 5 programs: splits, whole, empty
+    ([900], 2, 64, 7, torch.float32, 64),                          # one long sequence over 7 programs; MTP rows
+    ([0, 0], 1, 64, 3, torch.float32, 64),                         # nothing to attend: every row written 0 / -inf
+    ([200, 130, 250, 65], 1, 128, 3, torch.bfloat16, 64),          # bf16 output
+    ([63, 1, 2], 4, 16, 2, torch.float32, 64),                     # MTP: rows that see no key in some pieces
+    ([700, 0, 300, 1], 1, 16, 6, torch.float32, 16),               # 16-row items (the swapped kernel's)
+    ([500, 64, 0], 1, 40, 4, torch.bfloat16, 16),                  # 40 rows: row blocks of 16, 16 and 8
 ])
-def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtype):
+def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtype, rows):
     from torch.library import wrap_triton
 
     from mla_compile.ops.triton.tile_merge import merge_tile_pieces
@@ -115,9 +118,9 @@ def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtyp
     B, M, dc = len(lens), s_q * H, 128
     q = torch.randn(B * M, dc + 64, generator=gen) * 0.2
     keys = torch.randn(B, max(1, max(lens)), dc + 64, generator=gen)
-    out, lse, ws, wl, ref, ref_lse = _emulate(q, keys, lens, s_q, H, ctas, dtype)
+    out, lse, ws, wl, ref, ref_lse = _emulate(q, keys, lens, s_q, H, ctas, dtype, rows)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, block_c=64)
+    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, block_c=64, item_rows=rows)
     assert not out.isnan().any() and not lse.isnan().any(), "rows left unwritten"
     assert torch.equal(lse.isinf(), ref_lse.isinf())
     fin = ref_lse.isfinite()
@@ -127,10 +130,10 @@ def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtyp
     assert (out[~fin] == 0).all()
 
 
-def test_the_merge_refuses_rows_that_are_not_whole_blocks():
+def test_the_merge_refuses_items_of_other_sizes():
     pytest.importorskip("triton")
     from mla_compile.ops.triton.tile_merge import merge_tile_pieces
 
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="item_rows must be 16 or 64"):
         merge_tile_pieces(None, torch.zeros(1, dtype=torch.int32), torch.empty(0), torch.empty(0),
-                          torch.empty(1, 80, 512), torch.empty(1, 80), 1, 80, 4)
+                          torch.empty(1, 80, 512), torch.empty(1, 80), 1, 80, 4, item_rows=32)

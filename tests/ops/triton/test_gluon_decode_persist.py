@@ -1,8 +1,9 @@
-"""The persistent seesaw sm_90 Gluon bf16 decode (``ops/triton/decode_gluon_seesaw_persist.py``) on any machine with
-Triton: its sm_90 compile (two 4-warp partitions, shared memory within an SM's 227 KB, no spill in the tile loops,
-no ``wgmma`` ptxas serializes or waits on by itself, the dots and copies of its schedule) and ``decode_gluon.launch``'s
-call of it with ``{"SEESAW": True, "PERSIST": True}`` (one program an SM, every argument bound, the copy boxes, the
-merge after it; the calls it leaves to the seesaw). Its float64 tests on an sm_90 GPU are the "seesaw-persist" rows of
+"""The persistent sm_90 Gluon bf16 decodes (``ops/triton/decode_gluon_seesaw_persist.py``,
+``ops/triton/decode_gluon_swap_persist.py``) on any machine with Triton: their sm_90 compiles (warps, shared memory
+within an SM's 227 KB, spills kept out of the tile loops, no ``wgmma`` ptxas serializes or waits on by itself, the
+dots and copies of their schedules) and ``decode_gluon.launch``'s calls of them with ``PERSIST`` (one program an SM,
+every argument bound, the copy boxes, the merge after them; the calls they leave to the other kernels); backends
+"gluon-seesaw-persist" and "gluon-persist". Their float64 tests on an sm_90 GPU are the persistent rows of
 ``test_gluon_decode.py``; the schedule and the merge run on CPU in ``test_tile_merge.py``."""
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def test_sm90_compile_resources(block_size):
 
 
 def _launch(monkeypatch, lens, s_q, H, config, q=None):
-    """``decode_gluon.launch`` on CPU tensors with its launches recorded (both seesaw kernels' and the merges')."""
+    """``decode_gluon.launch`` on CPU tensors with its launches recorded (every kernel it may take, the merges)."""
     from mla_compile.ops.triton import decode_gluon as g
     from mla_compile.ops.triton._sm90 import recorder
 
     launches = record_gluon_launches(monkeypatch, g, "decode_gluon_seesaw_persist_kernel")
-    monkeypatch.setattr(g, "decode_gluon_seesaw_kernel", recorder(launches)(g.decode_gluon_seesaw_kernel))
+    for name in ("decode_gluon_seesaw_kernel", "decode_gluon_swap_persist_kernel", "decode_gluon_swap_kernel",
+                 "decode_gluon_kernel"):
+        monkeypatch.setattr(g, name, recorder(launches)(getattr(g, name)))
     monkeypatch.setattr(g, "num_sms", lambda device: 132)
     gen = torch.Generator().manual_seed(len(lens) + H)
     cache, table, seq_lens = paged_cache(lens, 128, DC + DR, BF, device="cpu", gen=gen)
@@ -146,20 +149,109 @@ def test_calls_it_cannot_serve_run_the_seesaw(monkeypatch, case):
     assert launches[0][0] is seesaw and launches[0][1][0] == -(-s_q * H // 64)  # grid (row blocks, splits, B)
 
 
-def test_the_backend_serves_what_the_seesaw_serves_and_auto_skips_it():
-    """Backend "gluon-seesaw-persist" of ``mla::decode`` is declared with the seesaw's capabilities (calls it cannot
-    run persistent run the seesaw), its kernels named for ``inspect``; not yet GPU-tested, so "auto" passes over it
-    (by name only)."""
+@pytest.mark.parametrize("name,like,kernel", [
+    ("gluon-seesaw-persist", "gluon-seesaw", "decode_gluon_seesaw_persist_kernel"),
+    ("gluon-persist", "gluon", "decode_gluon_swap_persist_kernel")])
+def test_the_backend_serves_what_its_kernel_serves_and_auto_skips_it(name, like, kernel):
+    """Backends "gluon-seesaw-persist" / "gluon-persist" of ``mla::decode`` are declared with the capabilities of
+    "gluon-seesaw" / "gluon" (calls their persistent kernel cannot run take the other kernels), their kernels named
+    for ``inspect``; not yet GPU-tested, so "auto" passes over them (by name only)."""
     from mla_compile.ops.registry import backends_for, kernel_backend
     from mla_compile.ops.select import auto_skip, why_not
     from _triton_test_util import sm90_facts
 
     table = backends_for("decode")
-    spec, seesaw = table["gluon-seesaw-persist"], table["gluon-seesaw"]
+    spec, other = table[name], table[like]
     assert not spec.gpu_tested and "GPU" in auto_skip(spec)
     for kw in ({}, dict(block_size=128, query_len=2), dict(cap=(10, 0)), dict(cache_dtype=torch.float16),
                dict(block_size=32), dict(packed_rows=False)):
         facts = sm90_facts(**{"cache_dtype": BF, "cache_align": 128, **kw})
-        assert (why_not(spec, facts) is None) == (why_not(seesaw, facts) is None), kw
-    assert kernel_backend("decode_gluon_seesaw_persist_kernel") == "gluon-seesaw-persist"
-    assert kernel_backend("_tile_merge_kernel") == "gluon-seesaw-persist"
+        assert (why_not(spec, facts) is None) == (why_not(other, facts) is None), kw
+    assert kernel_backend(kernel) == name
+
+
+@sm90_compile
+@pytest.mark.parametrize("block_size,pdl", [(64, True), (128, False)])
+def test_sm90_compile_resources_swapped(block_size, pdl):
+    """4 warps, the swapped kernel's shared memory (16 query rows, two tile slots, P^T) plus under 1 KB; spills out of
+    the tile loop but one value (ptxas keeps a shared-memory address of the softmax's row maxima in local memory at
+    the register file's 255: its two loads there, against a tile's copy and dots), no ptxas info C7511 / C7517; the
+    dots as the swapped kernel's (each piece's first S, the loop's S and P V); the TMA copies: the first piece's tiles
+    0 and 1 (latent and rope each), the one-tile piece's next tile 1, the loop's refill; with ``PDL`` the wait before
+    any global read."""
+    from _triton_test_util import assert_pdl_order
+
+    from mla_compile.ops.triton import decode_gluon as g
+    from mla_compile.ops.triton import decode_gluon_swap_persist as sp
+    from mla_compile.ops.triton._bf16_tma import BOX_SL
+    from mla_compile.ops.triton._gluon import SMEM_SL
+    from mla_compile.ops.triton._sm90 import ptxas_infos, resources, spills_in_mma_loops
+
+    types = dict(q_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", lse_ptr="*fp32", ws_ptr="*fp32", wl_ptr="*fp32",
+                 o_ptr="*bf16", scale_log2="fp32", desc_c=_desc_type([8, 64, 64], BOX_SL),
+                 desc_r=_desc_type([64, 64], SMEM_SL))
+    compiled = gluon_sm90(sp.decode_gluon_swap_persist_kernel,
+                          dict(DC=DC, DR=DR, BLOCK_SIZE=block_size, BLOCK_R=16, PDL=pdl), sp.WARPS, types,
+                          ("stride_q",))
+    assert compiled.metadata.num_warps == 4
+    shared = compiled.metadata.shared
+    assert g.smem_bytes(swap=True) <= shared < g.smem_bytes(swap=True) + 1024
+    res = resources(compiled)
+    assert res["regs"] <= 255 and res["stack"] <= 32, res
+    assert spills_in_mma_loops(compiled) <= 2
+    assert not {"C7511", "C7517"} & set(ptxas_infos(compiled))
+    s_dot, pv = DR // 16 + DC // 16, (DC // 64) * (64 // 16)
+    assert res["HGMMA"] == s_dot + (s_dot + pv), res
+    assert res["UTMALDG"] == 2 * 2 + 2 + 2, res
+    assert_pdl_order(compiled.asm["ptx"], pdl, "decode_gluon_swap_persist_kernel")
+
+
+@sm90_compile
+def test_sm90_compile_of_the_swapped_launch(monkeypatch):
+    """``decode_gluon.launch(..., config={"PERSIST": True})`` at 16 heads (the swapped kernel's calls): the persistent
+    swapped kernel on grid ``(132,)`` with 4 warps and PDL, the tile copies' box a whole tile's latent columns
+    (``[8, 64, 64]``) and the rope's ``[64, 64]``, float32 workspaces of two 16-row slots a program, then the merge
+    of 16-row items; every argument binds and the call compiles for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from mla_compile.ops.triton import decode_gluon_swap_persist as sp
+    from mla_compile.ops.triton._sm90 import signature
+    from mla_compile.ops.triton.tile_merge import _tile_merge_kernel
+
+    launches, q, cache, _, seq_lens, out, lse = _launch(monkeypatch, [300, 0, 129, 4000], 1, 16, {"PERSIST": True})
+    assert len(launches) == 2
+    kernel, grid, args, kwargs = launches[0]
+    assert kernel is sp.decode_gluon_swap_persist_kernel and grid == (132,) and kwargs["num_warps"] == 4
+    assert kwargs["BLOCK_R"] == 16 and kwargs["BLOCK_SIZE"] == 128 and "PDL" in kwargs
+    desc_c, desc_r = args[1], args[2]
+    assert isinstance(desc_c, TensorDescriptor) and list(desc_c.block_shape) == [8, 64, 64]
+    assert list(desc_r.block_shape) == [64, 64]
+    ws, wl = args[5], args[6]
+    assert ws.shape == (2 * 132 * 16, DC) and wl.shape == (2 * 132 * 16,)
+    assert args[7].data_ptr() == out.data_ptr() and args[8].data_ptr() == lse.data_ptr()
+    merge, m_grid, m_args, m_kwargs = launches[1]
+    assert merge is _tile_merge_kernel and m_grid[0] == 4 and m_kwargs["ROWS"] == 16
+    assert m_args[1] is ws and m_args[2] is wl and tuple(m_args[5:8]) == (4, 16, 132)
+    sig, consts, attrs = signature(kernel, args, kwargs)
+    opts = dict(num_warps=kwargs["num_warps"])
+    compiled = triton.compile(GluonASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=opts)
+    assert compiled.metadata.num_warps == 4 and compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("H,s_q,config,persistent", [(16, 1, {"PERSIST": True}, True),
+                                                     (40, 2, {"PERSIST": True, "SWAP": True}, True),
+                                                     (16, 1, {"PERSIST": True, "SWAP": False}, False)])
+def test_the_swapped_kernel_is_persistent_only_where_it_would_run(monkeypatch, H, s_q, config, persistent):
+    """``PERSIST`` without ``SEESAW`` makes the swapped kernel persistent where the call takes it (16 heads, or
+    ``SWAP`` asked for at 40 heads x 2 positions); where the call takes the 64-row kernel (``SWAP`` off) it runs that
+    (recorded launches on CPU tensors)."""
+    from mla_compile.ops.triton import decode_gluon_swap_persist as sp
+    from mla_compile.ops.triton.decode_gluon import decode_gluon_kernel as plain
+
+    launches, *_ = _launch(monkeypatch, [300, 0, 129], s_q, H, config)
+    assert launches[0][0] is (sp.decode_gluon_swap_persist_kernel if persistent else plain)
