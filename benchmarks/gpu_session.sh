@@ -4,8 +4,9 @@
 #   lowered  bench_lowered_step (static vs autotuned decode + fusion passes, one process, interleaved replays)
 #   kernels  bench_kernels --quick (our kernels beside FlashMLA / FlashInfer / torch, one table)
 #   decode   bench_kernels --decode --quick (the decode sections alone: H=128 B=128 with the Gluon variants, the
-#            alternating SEESAW kernel, its FOLD_FIRST and its output / query copies without TMA among them; H=16
-#            B=128 L=8192; H=128 B=1; H=128 B=66 L=512 with the cache resident in L2)
+#            alternating SEESAW kernel, its FOLD_FIRST and its output / query copies without TMA among them, and its
+#            PERSIST form; H=16 B=128 L=8192 with the swapped kernel's PERSIST form; H=128 B=1; H=128 B=66 L=512
+#            with the cache resident in L2)
 #   prefill  bench_kernels --prefill-persist (causal prefill: the warp-specialized Gluon kernel per program and
 #            PERSIST, each with its output's TMA store and without, against FlashInfer)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
