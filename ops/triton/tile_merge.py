@@ -46,7 +46,8 @@ def _tile_merge_kernel(seq_lens_ptr, ws_ptr, wl_ptr, out_ptr, lse_ptr, B, M, cta
     DC]`` below ``M``).
     An item of no tile: output 0, LSE -inf; an item one program covered: nothing (written there); else the pieces
     of programs ``cta_of(s) .. cta_of(s + tiles - 1)`` merged by their base-2 LSEs, the natural-log LSE stored by
-    column block 0. ``PDL``: everything it reads is the decode's, so it waits first."""
+    column block 0 (programs of no tile among them skipped: they wrote nothing). ``PDL``: everything it reads is the
+    decode's, so it waits first."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     item = tl.program_id(0)
@@ -75,10 +76,13 @@ def _tile_merge_kernel(seq_lens_ptr, ws_ptr, wl_ptr, out_ptr, lse_ptr, B, M, cta
             tot = tl.zeros([ROWS], dtype=tl.float32)
             acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
             for c in range(c_first, c_last + 1):
-                slot = tl.where(c * total // ctas >= s, 0, 1)  # the item is program c's first piece, or its last
+                g_c = c * total // ctas
+                slot = tl.where(g_c >= s, 0, 1)  # the item is program c's first piece, or its last
+                # a program with no tile (fewer tiles than programs) between the item's first and last wrote nothing
+                mine = r_ok & ((c + 1) * total // ctas > g_c)
                 wrow = (2 * c + slot) * ROWS + r
-                l2 = tl.load(wl_ptr + wrow, mask=r_ok, other=float("-inf"))
-                part = tl.load(ws_ptr + wrow[:, None] * DC + cols[None, :], mask=ok, other=0.0)
+                l2 = tl.load(wl_ptr + wrow, mask=mine, other=float("-inf"))
+                part = tl.load(ws_ptr + wrow[:, None] * DC + cols[None, :], mask=mine[:, None] & ok, other=0.0)
                 m_new = tl.maximum(m, l2)
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.math.exp2(m - m_safe)

@@ -108,6 +108,8 @@ def _emulate(q, keys, lens, s_q, H, ctas, out_dtype, rows_per_item):
     ([63, 1, 2], 4, 16, 2, torch.float32, 64),                     # MTP: rows that see no key in some pieces
     ([700, 0, 300, 1], 1, 16, 6, torch.float32, 16),               # 16-row items (the swapped kernel's)
     ([500, 64, 0], 1, 40, 4, torch.bfloat16, 16),                  # 40 rows: row blocks of 16, 16 and 8
+    ([130], 1, 64, 7, torch.float32, 64),                          # 3 tiles, 7 programs: programs of no tile between
+    ([1000, 0], 1, 16, 40, torch.float32, 16),                     # 16 tiles over 40 programs
 ])
 def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtype, rows):
     from torch.library import wrap_triton
