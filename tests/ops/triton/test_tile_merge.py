@@ -23,7 +23,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_sp
 def _cases():
     rng = random.Random(5)
     cases = [([0, 0, 0], 2, 7), ([1], 1, 132), ([4096] * 4, 2, 132), ([64, 65, 0, 1, 700], 2, 5),
-             ([300, 0, 129, 4000], 3, 16), ([128] * 128, 2, 132)]
+             ([300, 0, 129, 4000], 3, 16), ([128] * 128, 2, 132), ([0, 5, 0, 0], 3, 4), ([64, 0, 0], 2, 5),
+             ([0] * 10 + [200], 2, 3), ([4096], 2, 132)]
     for _ in range(30):
         cases.append(([rng.choice([0, 1, 63, 64, 65, rng.randrange(1, 3000)]) for _ in range(rng.randrange(1, 12))],
                       rng.randrange(1, 4), rng.randrange(1, 40)))
@@ -139,3 +140,50 @@ def test_the_merge_refuses_items_of_other_sizes():
     with pytest.raises(ValueError, match="item_rows must be 16 or 64"):
         merge_tile_pieces(None, torch.zeros(1, dtype=torch.int32), torch.empty(0), torch.empty(0),
                           torch.empty(1, 80, 512), torch.empty(1, 80), 1, 80, 4, item_rows=32)
+
+
+def _kernel_pieces(lens, hb, ctas):
+    """Each program's pieces as the persistent kernels enumerate them: ``_tile_ranges.first_item`` (the inclusive
+    tile sums' search), then ``next_item`` / ``piece_tiles`` until a piece has no tile, written out line for line in
+    Python; ``(h, b, t0, n, whole, slot)`` as :func:`tile_pieces` gives them."""
+    B = len(lens)
+    tiles = [-(-n // 64) for n in lens]
+    per_head = sum(tiles)
+    total = hb * per_head
+    out = []
+    for c in range(ctas):
+        g0, g1 = c * total // ctas, (c + 1) * total // ctas
+        h = g0 // max(per_head, 1)
+        r = g0 - h * per_head
+        incl, acc = [], 0
+        for t in tiles:
+            acc += t
+            incl.append(acc)
+        sel = [v <= r for v in incl]
+        b = min(sum(sel), B - 1)
+        s = h * per_head + sum(t for t, k in zip(tiles, sel) if k)
+        nt = tiles[b]
+        n = max(min(s + nt, g1) - max(s, g0), 0)
+        t0 = max(g0, s) - s
+        mine, k = [], 0
+        while n > 0:
+            whole = t0 == 0 and n == nt
+            mine.append((h, b, t0, n, whole, None if whole else min(k, 1)))
+            k += 1
+            s += nt  # next_item
+            wrap = int(b + 1 == B)
+            h, b = h + wrap, b + 1 - B * wrap
+            nt = tiles[b]
+            while nt == 0 and s < g1:
+                wrap = int(b + 1 == B)
+                h, b = h + wrap, b + 1 - B * wrap
+                nt = tiles[b]
+            t0 = 0
+            n = max(min(s + nt, g1) - s, 0)
+        out.append(mine)
+    return out
+
+
+@pytest.mark.parametrize("lens,hb,ctas", _cases())
+def test_the_kernels_enumerate_the_host_pieces(lens, hb, ctas):
+    assert _kernel_pieces(lens, hb, ctas) == tile_pieces(lens, hb, ctas)
