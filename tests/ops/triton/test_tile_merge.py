@@ -1,6 +1,8 @@
 """The balanced tile ranges of the persistent decodes (``ops/triton/_plan.tile_pieces``, CPU) and their merge
 (``ops/triton/tile_merge.py``, run by Triton's interpreter): the schedule covers every item's tiles once, in
-order, with only a program's first and last pieces partial; the merge of pieces written as the persistent kernels
+order, with only a program's first and last pieces partial; the kernels' own enumeration of it and their copies
+across pieces (each written out in Python from the Gluon code: every barrier wait meets the copy of the tile it
+expects, at its phase, and no copy is left in flight); the merge of pieces written as the persistent kernels
 write them (whole items as the result, partial ones as float32 rows and base-2 LSEs in the program's workspace
 slots, computed here in float64; items of 64 rows, or 16 as the swapped kernel's) equals the float64 attention over
 whole sequences, and writes the rows of empty sequences (output 0, LSE -inf)."""
@@ -187,3 +189,101 @@ def _kernel_pieces(lens, hb, ctas):
 @pytest.mark.parametrize("lens,hb,ctas", _cases())
 def test_the_kernels_enumerate_the_host_pieces(lens, hb, ctas):
     assert _kernel_pieces(lens, hb, ctas) == tile_pieces(lens, hb, ctas)
+
+
+def _ring_check(fills: dict, waits: list) -> None:
+    """Match each wait ``(barrier, phase, tile)`` (in program order per barrier) with the barrier's next live fill: its
+    count's parity must be the wait's phase and its tile the one the wait expects; every fill is consumed."""
+    used = {k: 0 for k in fills}
+    for bar, phase, want in waits:
+        assert used[bar] < len(fills[bar]), f"wait on {bar} for {want}: no fill left"
+        got = fills[bar][used[bar]]
+        assert used[bar] % 2 == phase, f"{bar}: fill {used[bar]} ({got}) waited at phase {phase}"
+        assert got == want, f"{bar}: waited for {want}, the fill brought {got}"
+        used[bar] += 1
+    assert all(used[k] == len(v) for k, v in fills.items()), "fills never waited for (copies in flight at the end)"
+
+
+def _swap_protocol(pieces):
+    """The persistent swapped kernel's copies and waits over one program's pieces, in its order
+    (``decode_gluon_swap_persist``): ``(fills per slot, waits)``, tiles named ``(piece, tile)``."""
+    fills, waits = {0: [], 1: []}, []
+
+    def fill(slot, k, tile, n):
+        if tile < n:  # issue_tile's predicate
+            fills[slot].append((k, tile))
+
+    u = [0, 0]
+    n0 = pieces[0][3] if pieces else 0
+    for t in range(2):  # the prologue
+        fill(t, 0, t, n0)
+    for k, (*_, n, _w, _s) in enumerate(pieces):
+        n2 = pieces[k + 1][3] if k + 1 < len(pieces) else 0
+        if n == 1:
+            fill(1, k + 1, 1, n2)
+        waits.append((0, u[0] & 1, (k, 0)))
+        for j in range(n):
+            slot = j % 2
+            if j + 2 < n:
+                fill(slot, k, j + 2, n)
+            else:
+                fill(slot, k + 1, slot, n2)
+            if j + 1 < n:
+                nslot = 1 - slot
+                waits.append((nslot, (u[nslot] + (j + 1) // 2) & 1, (k, j + 1)))
+        u = [u[0] + (n + 1) // 2, u[1] + n // 2]
+    return fills, waits
+
+
+@pytest.mark.parametrize("lens,hb,ctas", _cases())
+def test_the_swapped_kernels_copies_meet_its_waits(lens, hb, ctas):
+    for mine in tile_pieces(lens, hb, ctas):
+        _ring_check(*_swap_protocol(mine))
+
+
+def _seesaw_protocol(pieces):
+    """The persistent seesaw's copies and waits over one program's pieces (``decode_gluon_seesaw_persist``): each
+    slot's three parts (rope, latent half 0, half 1) on barriers of their own, filled by the warpgroups as its code
+    does (warpgroup C's rope and half C of slot C after its own P V, its half C of the other's slot after folding the
+    other's tile, the prologue's and the one-tile piece's whole tiles), waited for by the slot owner's S; ``(fills per
+    (slot, part), waits)``."""
+    parts = [(s, p) for s in (0, 1) for p in ("rope", 0, 1)]
+    fills, waits = {k: [] for k in parts}, []
+
+    def fill(slot, part, k, tile, n):
+        if tile < n:
+            fills[(slot, part)].append((k, tile))
+
+    def target(u, slot, k, n, n2):  # fill_target: this piece's tile u while it has one, else the next piece's
+        return (k, u, n) if u < n else (k + 1, slot, n2)
+
+    u = [0, 0]
+    n0 = pieces[0][3] if pieces else 0
+    for t in range(2):
+        for part in ("rope", 0, 1):
+            fill(t, part, 0, t, n0)
+    for k, (*_, n, _w, _s) in enumerate(pieces):
+        n2 = pieces[k + 1][3] if k + 1 < len(pieces) else 0
+        if n == 1:  # warpgroup 0, the one-tile piece's rule
+            for part in ("rope", 0, 1):
+                fill(1, part, k + 1, 1, n2)
+        for t in range(n):
+            c = t % 2
+            for part in ("rope", 0, 1):  # _scores: this warpgroup's slot, its three parts
+                waits.append(((c, part), (u[c] + t // 2) & 1, (k, t)))
+            if t > 0:  # _release_other after folding tile t - 1: half c of the other's slot
+                fill(1 - c, c, *target(t + 1, 1 - c, k, n, n2))
+            kk, tt, nn = target(t + 2, c, k, n, n2)  # _own_pv: rope and half c of its own slot
+            fill(c, "rope", kk, tt, nn)
+            fill(c, c, kk, tt, nn)
+        last = n - 1
+        c = 1 - last % 2  # the warpgroup that folds the other's last tile, then fills its half of that slot
+        fill(1 - c, c, k + 1, 1 - c, n2)
+        u = [u[0] + (n + 1) // 2, u[1] + n // 2]
+    return fills, waits
+
+
+@pytest.mark.parametrize("lens,hb,ctas", _cases())
+def test_the_seesaw_kernels_copies_meet_its_waits(lens, hb, ctas):
+    for mine in tile_pieces(lens, hb, ctas):
+        _ring_check(*_seesaw_protocol(mine))
