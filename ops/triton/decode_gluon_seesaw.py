@@ -61,6 +61,13 @@ WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
 WORKER_REGS = gl.constexpr(248)  # the worker's registers a thread (the kernel's own warps get the rest of the file)
 HALF_BYTES = gl.constexpr(BLOCK_N * (DC // 2) * 2)  # a half tile's latent columns
 ROPE_BYTES = gl.constexpr(BLOCK_N * DR * 2)
+# a warpgroup's layouts: S [64, 64] and O [64, 256] accumulators, P and the query's rope part as A operands, the
+# zeroing of a partial tile's value rows
+S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
+O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+P_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_L.value, k_width=2))
+Q_A = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=S_L.value, k_width=2))
+ZL = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
 
 
 def smem_bytes() -> int:
@@ -224,11 +231,11 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
             FOLD_FIRST: gl.constexpr, TMA_OUT: gl.constexpr, TMA_Q: gl.constexpr):
     """Warpgroup ``C`` of the module's schedule (its docstring: steps 1-5 a tile; ``FOLD_FIRST``: 2, 1, 4, 3, 5),
     then the fold of the other's last tile and the stores (``_ws_finish``; ``TMA_OUT``: :func:`_store_out_tma`)."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = S_L
+    o_l: gl.constexpr = O_L
+    p_a: gl.constexpr = P_A
+    q_a: gl.constexpr = Q_A
+    zl: gl.constexpr = ZL
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
 
@@ -291,6 +298,42 @@ def _seesaw(C: gl.constexpr, q_ptr, desc_h, desc_r, q_s, kc, kr, p_s, m_s, a_s, 
 
 
 @gluon.jit
+def alloc_buffers(DC: gl.constexpr, DR: gl.constexpr, Q_ARRIVALS: gl.constexpr):
+    """The seesaw's shared buffers (:func:`smem_bytes`) and barriers, initialized and fenced before any copy signals
+    them: ``(q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar)``; ``kb[3 s + h]`` is slot s's latent half h
+    (h = 2: its rope columns); ``q_bar`` completes after ``Q_ARRIVALS`` arrivals. One allocation per slot, P buffer,
+    hand-over row and barrier: the compiler's shared-memory hazard analysis sees views of one allocation as one
+    buffer and would put a barrier between any two of their accesses."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
+    kc = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C))
+    kr = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C),
+          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C))
+    p_s = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C),
+           gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C))
+    m_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
+    a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
+    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
+    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
+          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_l)
+    for i in gl.static_range(6):
+        mbarrier.init(kb[i], count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(pready[i], count=1)
+        mbarrier.init(done.index(i), count=1)
+    mbarrier.init(q_bar, count=Q_ARRIVALS)
+    fence_async_shared()
+    gl.thread_barrier()  # the barriers initialized before any copy signals them
+    return q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar
+
+
+@gluon.jit
 def decode_gluon_seesaw_kernel(
     q_ptr, desc_h, desc_r, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     scale_log2,
@@ -315,39 +358,11 @@ def decode_gluon_seesaw_kernel(
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
     q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)
 
-    # one allocation per slot, P buffer, hand-over row and barrier: the compiler's shared-memory hazard analysis
-    # sees views of one allocation as one buffer and would put a barrier between any two of their accesses
-    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
-    kc = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C),
-          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C))
-    kr = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C),
-          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C))
-    p_s = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C),
-           gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C))
-    m_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
-    a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
-    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
-    # kb[3 s + h]: slot s's latent half h (h = 2: its rope columns)
-    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-    pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-    done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    for i in gl.static_range(6):
-        mbarrier.init(kb[i], count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(pready[i], count=1)
-        mbarrier.init(done.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
-    fence_async_shared()
-    gl.thread_barrier()  # the barriers initialized before any copy signals them
+    q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar = alloc_buffers(DC, DR, 1)
     if TMA_Q:  # the latent query rows first: their copy needs no load of the prologue's
         mbarrier.expect(q_bar, 64 * DC * 2)
         tma.async_copy_global_to_shared(desc_q, [0, (gl.program_id(2) * M + pid_h * 64).to(gl.int32), 0], q_bar,

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from mla_compile.ops.triton._bf16_tma import BOX_C
 from mla_compile.ops.triton._fp8_tma import opaque_zero
-from mla_compile.ops.triton._gluon import SMEM_C, causal_rows, tile_page
+from mla_compile.ops.triton._gluon import causal_rows, tile_page
 from mla_compile.ops.triton._tile_ranges import CH, fill_target, first_item, next_item, piece_tiles
-from mla_compile.ops.triton.decode_gluon_seesaw import (_fold_issue, _issue_half, _issue_rope,
+from mla_compile.ops.triton.decode_gluon_seesaw import (O_L, P_A, Q_A, S_L, ZL, _fold_issue, _issue_half, _issue_rope,
                                                         _issue_rope_half, _own_pv, _own_softmax, _release_other,
-                                                        _scores, _store_out_tma)
+                                                        _scores, _store_out_tma, alloc_buffers)
 from mla_compile.ops.triton.decode_gluon_ws import _ws_finish, _ws_fold, _ws_rows_done
 
 WARPS = 4  # each partition's warps (the kernel's own 4 and one 4-warp worker)
@@ -52,11 +52,11 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
     C7517); the first piece's tiles 0 and 1 were started by the kernel's prologue. What a piece needs of the next
     (its sequence's block-table row and its tiles) is found when the piece starts, the next item itself again when
     it ends (fewer values live across the tile loop, where the register file is full)."""
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
-    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=2)
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = S_L
+    o_l: gl.constexpr = O_L
+    p_a: gl.constexpr = P_A
+    q_a: gl.constexpr = Q_A
+    zl: gl.constexpr = ZL
     row_s: gl.constexpr = gl.SliceLayout(1, s_l)
     row_o: gl.constexpr = gl.SliceLayout(1, o_l)
     offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
@@ -159,35 +159,9 @@ def decode_gluon_seesaw_persist_kernel(
     gl.static_assert(DC == 512)
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
-
-    # one allocation per slot, P buffer, hand-over row and barrier (decode_gluon_seesaw_kernel's reason)
-    bar_l: gl.constexpr = mbarrier.MBarrierLayout()
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C)
-    kc = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C),
-          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DC], SMEM_C))
-    kr = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C),
-          gl.allocate_shared_memory(gl.bfloat16, [1, 64, DR], SMEM_C))
-    p_s = (gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C),
-           gl.allocate_shared_memory(gl.bfloat16, [1, 64, 64], SMEM_C))
-    m_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
-    a_s = (gl.allocate_shared_memory(gl.float32, [64], plain), gl.allocate_shared_memory(gl.float32, [64], plain))
-    x_s = gl.allocate_shared_memory(gl.float32, [2, 64], plain)
-    kb = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l),
-          gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-    pready = (gl.allocate_shared_memory(gl.int64, [1], bar_l), gl.allocate_shared_memory(gl.int64, [1], bar_l))
-    done = gl.allocate_shared_memory(gl.int64, [2, 1], bar_l)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_l)
-    for i in gl.static_range(6):
-        mbarrier.init(kb[i], count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(pready[i], count=1)
-        mbarrier.init(done.index(i), count=1)
-    mbarrier.init(q_bar, count=2)  # each warpgroup's half of a piece's query rows
-    fence_async_shared()
-    gl.thread_barrier()  # the barriers initialized before any copy signals them
+    # the seesaw's buffers; the query barrier takes each warpgroup's half of a piece's query rows
+    q_s, kc, kr, p_s, m_s, a_s, x_s, kb, pready, done, q_bar = alloc_buffers(DC, DR, 2)
 
     g0, g1, h, b, s, nt, seq_len = first_item(seq_lens_ptr, B, M // 64, CH)
     n = piece_tiles(s, nt, g0, g1)

@@ -29,6 +29,34 @@ SWAP_WARPS = 4
 
 
 @gluon.jit
+def softmax_pv(s, m_i, l_part, o, k_cur, p_s, n0, end, lim_min, limit, offs_n, scale_log2, col_o: gl.constexpr,
+               q_l: gl.constexpr):
+    """One tile of the swapped schedule after its ``S^T`` (``s``, keys ``n0 ...`` of slot ``k_cur``): the online
+    softmax in base 2 along the keys (axis 0; keys at or past ``end`` or a row's causal ``limit`` masked, a partial
+    tile's value rows zeroed), ``P^T`` through ``p_s``, ``O^T += V^T P^T``; returns ``(o, m_i, l_part)`` once the
+    dot is done (every warp: the slot and P are free)."""
+    s = s * scale_log2
+    if n0 + 64 > gl.minimum(end, lim_min):
+        pos = n0 + offs_n
+        s = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
+    alpha = gl.exp2(m_i - m_shift)
+    p = gl.exp2(s - m_shift[None, :])
+    l_part = l_part * alpha[None, :] + p
+    o = o * gl.convert_layout(alpha, col_o)[None, :]
+    if n0 + 64 > end:
+        zero_tail(k_cur, end - n0, q_l)
+    p_s.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's P columns (and zeroed value rows) before P V
+    pv = warpgroup_mma(k_cur.permute([1, 0]), p_s.permute([1, 0]), o, is_async=True)
+    o = warpgroup_mma_wait(0, deps=[pv])
+    gl.thread_barrier()  # every warp done with slot j and P
+    return o, m_new, l_part
+
+
+@gluon.jit
 def decode_gluon_swap_kernel(
     q_ptr, desc_c, desc_r, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     scale_log2,
@@ -104,26 +132,8 @@ def decode_gluon_swap_kernel(
         n0 = start + j * 64
         k_cur = kc_s.index(slot)
         page_next = tile_page(bt_row, j + 2, n_tiles, start, BLOCK_SIZE, 64)  # read early, used after P V
-        # online softmax of S_j^T (base 2) along the keys (axis 0)
-        s = s * scale_log2
-        if n0 + 64 > gl.minimum(end, lim_min):
-            pos = n0 + offs_n
-            s = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - m_shift[None, :])
-        l_part = l_part * alpha[None, :] + p
-        o = o * gl.convert_layout(alpha, col_o)[None, :]
-        m_i = m_new
-        if n0 + 64 > end:
-            zero_tail(k_cur, end - n0, q_l)
-        p_s.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's P columns (and zeroed value rows) before P V
-        pv = warpgroup_mma(k_cur.permute([1, 0]), p_s.permute([1, 0]), o, is_async=True)
-        o = warpgroup_mma_wait(0, deps=[pv])
-        gl.thread_barrier()  # every warp done with slot j and P
+        o, m_i, l_part = softmax_pv(s, m_i, l_part, o, k_cur, p_s, n0, end, lim_min, limit, offs_n, scale_log2, col_o,
+                                    q_l)
         issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_next, j + 2, n_tiles, start, BLOCK_SIZE)
         # S_{j+1} from the other slot (a dead product past the last tile: its slot holds an older tile)
         mbarrier.wait(ready.index(1 - slot), ((j + 1) // 2) & 1, pred=j + 1 < n_tiles)

@@ -24,10 +24,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from mla_compile.ops.triton._bf16_tma import issue_tile, zero_tail
+from mla_compile.ops.triton._bf16_tma import issue_tile
 from mla_compile.ops.triton._gluon import (alloc_tiles, causal_rows, finish_rows, pdl_start, stage_query_rows,
                                            tile_page)
 from mla_compile.ops.triton._tile_ranges import CH, first_item, next_item, piece_tiles
+from mla_compile.ops.triton.decode_gluon_swap import softmax_pv
 
 WARPS = 4
 
@@ -115,26 +116,8 @@ def decode_gluon_swap_persist_kernel(
             here = j + 2 < n
             at = gl.where(here, b * stride_bt + (start + (j + 2) * 64) // BLOCK_SIZE, bt2 + slot * 64 // BLOCK_SIZE)
             page_f = gl.load(bt_ptr + at, mask=here | (slot < n2), other=0).to(gl.int64)
-            # online softmax of S_j^T (base 2) along the keys (axis 0), as decode_gluon_swap_kernel's
-            s_t = s_t * scale_log2
-            if n0 + 64 > gl.minimum(end, lim_min):
-                pos = n0 + offs_n
-                s_t = gl.where((pos < end)[:, None] & (pos[:, None] < limit[None, :]), s_t, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s_t, axis=0))
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing: no NaN
-            alpha = gl.exp2(m_i - m_shift)
-            p = gl.exp2(s_t - m_shift[None, :])
-            l_part = l_part * alpha[None, :] + p
-            o = o * gl.convert_layout(alpha, col_o)[None, :]
-            m_i = m_new
-            if n0 + 64 > end:
-                zero_tail(k_cur, end - n0, q_l)
-            p_s.store(gl.permute(p.to(gl.bfloat16), [1, 0]))
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's P columns (and zeroed value rows) before P V
-            pv = warpgroup_mma(k_cur.permute([1, 0]), p_s.permute([1, 0]), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=[pv])
-            gl.thread_barrier()  # every warp done with slot j and P
+            o, m_i, l_part = softmax_pv(s_t, m_i, l_part, o, k_cur, p_s, n0, end, lim_min, limit, offs_n, scale_log2,
+                                        col_o, q_l)
             tile_f = gl.where(here, j + 2, slot)
             issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_f, tile_f, gl.where(here, n, n2),
                        gl.where(here, start, 0), BLOCK_SIZE)
