@@ -52,16 +52,11 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
     C7517); the first piece's tiles 0 and 1 were started by the kernel's prologue. What a piece needs of the next
     (its sequence's block-table row and its tiles) is found when the piece starts, the next item itself again when
     it ends (fewer values live across the tile loop, where the register file is full)."""
-    s_l: gl.constexpr = S_L
-    o_l: gl.constexpr = O_L
-    p_a: gl.constexpr = P_A
-    q_a: gl.constexpr = Q_A
-    zl: gl.constexpr = ZL
-    row_s: gl.constexpr = gl.SliceLayout(1, s_l)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    offs_n = gl.arange(0, 64, gl.SliceLayout(0, s_l))
-    zero_s = gl.zeros([64, 64], gl.float32, s_l)
-    d_r = gl.arange(0, DR, gl.SliceLayout(0, q_a))
+    row_s: gl.constexpr = gl.SliceLayout(1, S_L)
+    row_o: gl.constexpr = gl.SliceLayout(1, O_L)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(0, S_L))
+    zero_s = gl.zeros([64, 64], gl.float32, S_L)
+    d_r = gl.arange(0, DR, gl.SliceLayout(0, Q_A))
 
     n = piece_tiles(s, nt, g0, g1)
     t0 = gl.maximum(g0, s) - s
@@ -88,12 +83,12 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
         tma.async_copy_global_to_shared(desc_q, [4 * C, row0, 0], q_bar,
                                         q_s.index(0)._reinterpret(gl.bfloat16, [8, 64, 64], BOX_C).slice(4 * C, 4,
                                                                                                          dim=0))
-        q_row = q_ptr + (row0 + gl.arange(0, 64, gl.SliceLayout(1, q_a))) * (DC + DR)  # dense rows, < 2^31 elements
+        q_row = q_ptr + (row0 + gl.arange(0, 64, gl.SliceLayout(1, Q_A))) * (DC + DR)  # dense rows, < 2^31 elements
         qr = gl.load(q_row[:, None] + DC + d_r[None, :])
         rows, row_ok, limit, lim_min = causal_rows(h, 64, M, H, S_Q, seq_len, row_s)
         m_i = gl.full([64], float("-inf"), gl.float32, row_s)
         l_i = gl.zeros([64], gl.float32, row_s)
-        o = gl.zeros([64, 256], gl.float32, o_l)
+        o = gl.zeros([64, 256], gl.float32, O_L)
         mbarrier.wait(q_bar, bits & 1)
 
         if C == 0:  # tile 0: nothing of the other's before it
@@ -101,9 +96,9 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
             pg2, f2, n_f2, st2 = fill_target(2, 0, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
             sa = _scores(qr, q_s, kr, kc, kb, zero_s, C, u_own, z)
             st = warpgroup_mma_wait(0, deps=[sa])
-            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, zl)
+            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, 0, ZL)
             o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pg2, st2,
-                             n_f2, C, f2, z, BLOCK_SIZE, row_o, p_a)
+                             n_f2, C, f2, z, BLOCK_SIZE, row_o, P_A)
         for t in range(2 - C, n, 2):
             z = opaque_zero(t)
             pg1, f1, n_f1, st1 = fill_target(t + 1, 1 - C, n, start, bt_row, n2, bt_row2, BLOCK_SIZE)
@@ -115,9 +110,9 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
             o = warpgroup_mma_wait(3, deps=[pv])
             _release_other(desc_h, kc, kb, pg1, st1, n_f1, C, f1, BLOCK_SIZE)
             st = warpgroup_mma_wait(0, deps=[sa])
-            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, zl)
+            p, m_i, alpha = _own_softmax(st, m_i, kc, scale_log2, start, end, lim_min, limit, offs_n, C, t, ZL)
             o, l_i = _own_pv(o, l_i, p, m_i, alpha, desc_h, desc_r, kc, kr, kb, p_s, m_s, a_s, pready, pg2, st2,
-                             n_f2, C, f2, z, BLOCK_SIZE, row_o, p_a)
+                             n_f2, C, f2, z, BLOCK_SIZE, row_o, P_A)
 
         last = n - 1
         if last % 2 != C:  # the last tile is the other's: fold it, then this warpgroup's half of its slot refills
@@ -128,10 +123,10 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
         if (t0 == 0) & (n == nt):  # the whole item: the result, by TMA through this warpgroup's half of q_s
             inv, _ = _ws_rows_done(C, l_i, m_i, x_s, done, rows, row_ok, b, M, 0, 1, lse_ptr, DC, True, row_s,
                                    bits & 1)
-            _store_out_tma(C, o, inv, q_s, kc, desc_o, row0, 0, o_l, True)
+            _store_out_tma(C, o, inv, q_s, kc, desc_o, row0, 0, O_L, True)
         else:  # part of it: float32 rows in the program's slot (0: its first piece, 1: its last)
             _ws_finish(C, o, l_i, m_i, x_s, done, rows - h * 64, row_ok, 2 * gl.program_id(0) + (bits >> 3), 64, 0,
-                       1, ws_ptr, wl_ptr, DC, False, row_s, o_l, bits & 1)
+                       1, ws_ptr, wl_ptr, DC, False, row_s, O_L, bits & 1)
         own = (u_own + (n + 1 - C) // 2) & 1
         oth = (u_oth + (n + C) // 2) & 1
         bits = ((bits & 1) ^ 1) | (own << 1) | (oth << 2) | 8
