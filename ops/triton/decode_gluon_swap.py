@@ -26,6 +26,13 @@ from mla_compile.ops.triton._gluon import (alloc_tiles, causal_rows, finish_rows
 SWAP_ROWS = 16  # query rows a program (BLOCK_R; 32 compiles with a few bytes of spills), and the most a
 # sequence may have for "gluon" to take this kernel by default
 SWAP_WARPS = 4
+Q_L = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # the query rows' staging, a tile's zeroing
+
+
+@gluon.constexpr_function
+def acc_layout(BLOCK_R):
+    """The layout of the swapped dots' accumulators (``S^T [64, R]``, ``O^T [512, R]``), ``R = BLOCK_R`` rows."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 16])
 
 
 @gluon.jit
@@ -78,13 +85,11 @@ def decode_gluon_swap_kernel(
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
     gl.static_assert((BLOCK_R == 16) | (BLOCK_R == 32))
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_R, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_R, 16])
+    s_l: gl.constexpr = acc_layout(BLOCK_R)
+    o_l: gl.constexpr = acc_layout(BLOCK_R)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)  # along the query rows (the dots' N)
     col_o: gl.constexpr = gl.SliceLayout(0, o_l)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    q_l: gl.constexpr = Q_L
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     pid_h = gl.program_id(0)

@@ -28,7 +28,7 @@ from mla_compile.ops.triton._bf16_tma import issue_tile
 from mla_compile.ops.triton._gluon import (alloc_tiles, causal_rows, finish_rows, pdl_start, stage_query_rows,
                                            tile_page)
 from mla_compile.ops.triton._tile_ranges import CH, first_item, next_item, piece_tiles
-from mla_compile.ops.triton.decode_gluon_swap import softmax_pv
+from mla_compile.ops.triton.decode_gluon_swap import Q_L, acc_layout, softmax_pv
 
 WARPS = 4
 
@@ -54,13 +54,11 @@ def decode_gluon_swap_persist_kernel(
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
     gl.static_assert(BLOCK_R == 16)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_R, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_R, 16])
+    s_l: gl.constexpr = acc_layout(BLOCK_R)
+    o_l: gl.constexpr = acc_layout(BLOCK_R)
     col_s: gl.constexpr = gl.SliceLayout(0, s_l)  # along the query rows (the dots' N)
     col_o: gl.constexpr = gl.SliceLayout(0, o_l)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    q_l: gl.constexpr = Q_L
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(BLOCK_R, DC, DR)
