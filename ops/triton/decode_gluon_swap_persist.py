@@ -54,11 +54,8 @@ def decode_gluon_swap_persist_kernel(
     gl.static_assert(DR == 64)
     gl.static_assert(BLOCK_SIZE % 64 == 0)
     gl.static_assert(BLOCK_R == 16)
-    s_l: gl.constexpr = acc_layout(BLOCK_R)
-    o_l: gl.constexpr = acc_layout(BLOCK_R)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_l)  # along the query rows (the dots' N)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_l)
-    q_l: gl.constexpr = Q_L
+    acc_l: gl.constexpr = acc_layout(BLOCK_R)  # S^T's and O^T's
+    col: gl.constexpr = gl.SliceLayout(0, acc_l)  # along the query rows (the dots' N)
 
     scale_log2 = gl.full([], scale_log2, gl.float32)  # Inductor may pass Python floats as fp64
     q_s, qr_s, kc_s, kr_s, p_s = alloc_tiles(BLOCK_R, DC, DR)
@@ -75,8 +72,8 @@ def decode_gluon_swap_persist_kernel(
     for t in gl.static_range(2):  # the first piece's tiles 0 and 1
         issue_tile(desc_c, desc_r, kc_s, kr_s, ready, tile_page(bt_row, t, n, t0 * 64, BLOCK_SIZE, 64), t, n,
                    t0 * 64, BLOCK_SIZE)
-    offs_n = gl.arange(0, 64, gl.SliceLayout(1, s_l))  # key positions along the dots' M
-    zero_s = gl.zeros([64, BLOCK_R], gl.float32, s_l)
+    offs_n = gl.arange(0, 64, gl.SliceLayout(1, acc_l))  # key positions along the dots' M
+    zero_s = gl.zeros([64, BLOCK_R], gl.float32, acc_l)
 
     # phase bits: 1 / 2 the parity of slot 0's / slot 1's tiles in the program's earlier pieces; 4 after its first
     # piece (its partial rows go to workspace slot 1)
@@ -94,13 +91,13 @@ def decode_gluon_swap_persist_kernel(
             issue_tile(desc_c, desc_r, kc_s, kr_s, ready, tile_page(bt_ptr + bt2, 1, n2, 0, BLOCK_SIZE, 64), 1, n2, 0,
                        BLOCK_SIZE)
         # the piece's query rows (rows past M: zeros, never stored); the last piece's dots that read them are done
-        stage_query_rows(q_ptr, q_s, qr_s, b, h, M, H, stride_qb, stride_qs, stride_qh, BLOCK_R, DC, q_l)
+        stage_query_rows(q_ptr, q_s, qr_s, b, h, M, H, stride_qb, stride_qs, stride_qh, BLOCK_R, DC, Q_L)
         fence_async_shared()
         gl.thread_barrier()
-        rows, row_ok, limit, lim_min = causal_rows(h, BLOCK_R, M, H, S_Q, seq_len, col_s)
-        m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col_s)
-        l_part = gl.zeros([64, BLOCK_R], gl.float32, s_l)
-        o = gl.zeros([DC, BLOCK_R], gl.float32, o_l)  # O^T
+        rows, row_ok, limit, lim_min = causal_rows(h, BLOCK_R, M, H, S_Q, seq_len, col)
+        m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, col)
+        l_part = gl.zeros([64, BLOCK_R], gl.float32, acc_l)
+        o = gl.zeros([DC, BLOCK_R], gl.float32, acc_l)  # O^T
 
         mbarrier.wait(ready.index(0), u0)
         s_t = warpgroup_mma(kr_s.index(0), qr_s.permute([1, 0]), zero_s)
@@ -115,7 +112,7 @@ def decode_gluon_swap_persist_kernel(
             at = gl.where(here, b * stride_bt + (start + (j + 2) * 64) // BLOCK_SIZE, bt2 + slot * 64 // BLOCK_SIZE)
             page_f = gl.load(bt_ptr + at, mask=here | (slot < n2), other=0).to(gl.int64)
             o, m_i, l_part = softmax_pv(s_t, m_i, l_part, o, k_cur, p_s, n0, end, lim_min, limit, offs_n, scale_log2,
-                                        col_o, q_l)
+                                        col, Q_L)
             tile_f = gl.where(here, j + 2, slot)
             issue_tile(desc_c, desc_r, kc_s, kr_s, ready, page_f, tile_f, gl.where(here, n, n2),
                        gl.where(here, start, 0), BLOCK_SIZE)
@@ -127,18 +124,18 @@ def decode_gluon_swap_persist_kernel(
                 s_t = warpgroup_mma_wait(0, deps=[qk])
 
         l_i = gl.sum(l_part, axis=0)
-        ok = gl.convert_layout(row_ok, col_o)
-        cols = gl.arange(0, DC, gl.SliceLayout(1, o_l))
+        ok = gl.convert_layout(row_ok, col)
+        cols = gl.arange(0, DC, gl.SliceLayout(1, acc_l))
         if (t0 == 0) & (n == nt):  # the whole item: the result
             inv, o_first = finish_rows(l_i, m_i, rows, row_ok, b, M, 0, 1, lse_ptr, DC, True)
             ty: gl.constexpr = o_ptr.dtype.element_ty
-            gl.store(o_ptr + gl.convert_layout(o_first, col_o)[None, :] + cols[:, None],
-                     (o * gl.convert_layout(inv, col_o)[None, :]).to(ty), mask=ok[None, :])
+            gl.store(o_ptr + gl.convert_layout(o_first, col)[None, :] + cols[:, None],
+                     (o * gl.convert_layout(inv, col)[None, :]).to(ty), mask=ok[None, :])
         else:  # part of it: float32 rows in the program's slot (0: its first piece, 1: its last)
             inv, o_first = finish_rows(l_i, m_i, rows - h * BLOCK_R, row_ok, 2 * gl.program_id(0) + (bits >> 2),
                                        BLOCK_R, 0, 1, wl_ptr, DC, False)
-            gl.store(ws_ptr + gl.convert_layout(o_first, col_o)[None, :] + cols[:, None],
-                     o * gl.convert_layout(inv, col_o)[None, :], mask=ok[None, :])
+            gl.store(ws_ptr + gl.convert_layout(o_first, col)[None, :] + cols[:, None],
+                     o * gl.convert_layout(inv, col)[None, :], mask=ok[None, :])
         bits = (u0 ^ (((n + 1) // 2) & 1)) | ((u1 ^ ((n // 2) & 1)) << 1) | 4
         h, b, s, nt, seq_len = next_item(seq_lens_ptr, B, h, b, s, nt, g1)
         t0 = t0 * 0
