@@ -68,7 +68,7 @@ def _persist(C: gl.constexpr, q_ptr, desc_h, desc_r, desc_q, desc_o, q_s, kc, kr
         n2 = piece_tiles(s2, nt2, g0, g1)
         start = t0 * 64
         end = gl.minimum(seq_len, start + n * 64)
-        bt_row = bt_ptr + b * stride_bt  # the table's elements < 2^31 (decode_gluon.persists)
+        bt_row = bt_ptr + b * stride_bt  # the table's elements < 2^31 (decode_gluon.persist_kind)
         bt_row2 = bt_ptr + b2 * stride_bt
         row0 = b * M + h * 64
         u_own = (bits >> 1) & 1
