@@ -4,10 +4,10 @@
 On any machine with Triton: their sm_90 compiles (shared memory within an SM's 227 KB, spills, warps, the
 dots and TMA copies there) and their declarations (what the selector lets them serve; "auto" never picks them
 before their GPU run). On an sm_90 GPU, for each kernel (64 rows a program in its two schedules, the swapped
-16-row one, the warp-specialized one, the alternating one, the persistent forms of the swapped and alternating ones): shapes against a float64 softmax written here
-(NaN-poisoned cache rows and outputs, empty sequences, lengths off the tile size, several splits and one, MTP
-rows, pages of 64 and 128), the op's fallback for a strided cache, opcheck, torch.compile and CUDA-graph
-replay through ``mla_compile.ops.decode(..., backend="gluon" | "gluon-ws")``."""
+16-row one, the warp-specialized one, the alternating one, the persistent forms of the swapped and alternating
+ones): shapes against a float64 softmax written here (NaN-poisoned cache rows and outputs, empty sequences, lengths
+off the tile size, several splits and one, MTP rows, pages of 64 and 128), the op's fallback for a strided cache,
+opcheck, torch.compile and CUDA-graph replay through ``mla_compile.ops.decode(..., backend=...)``."""
 
 from __future__ import annotations
 
