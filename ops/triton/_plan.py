@@ -80,13 +80,8 @@ def split_buffers(out: torch.Tensor, lse: torch.Tensor, rows: int, splits, dc: i
             torch.empty(rows * splits, dtype=torch.float32, device=out.device))
 
 
-# ---- the persistent kernels' balanced tile ranges (host reference; the kernels and the merge compute the same) ----
-# Work items are (head block, sequence) pairs in head-block-major order, each the cdiv(length, 64) key tiles of its
-# sequence; laid end to end they form T = head_blocks * sum(tiles) global tiles, and program c of n takes tiles
-# [c T // n, (c + 1) T // n). A program's run of tiles crosses items: its pieces. Only a program's first and last
-# pieces can cover part of an item; such a piece writes float32 partial rows (and base-2 LSEs) to the program's
-# workspace slot 0 (its first piece) or 1 (its last), a piece covering a whole item writes the result. The merge
-# folds the partial pieces of each item that more than one program covers.
+# The persistent decodes' balanced tile ranges, on the host: the reference the kernels (``_tile_ranges``, whose
+# docstring has the scheme) and the merge (``tile_merge``) are tested against.
 
 
 def range_start(c: int, total: int, ctas: int) -> int:
@@ -101,9 +96,10 @@ def cta_of_tile(g: int, total: int, ctas: int) -> int:
 
 
 def tile_pieces(lens, head_blocks: int, ctas: int, block_n: int = 64) -> list[list[tuple]]:
-    """Each program's pieces, in order: ``(head_block, seq, first_tile, n_tiles, whole, ws_slot)`` for sequence
-    lengths ``lens`` (a list of ints), ``head_blocks`` 64-row blocks of query rows a sequence, ``ctas`` programs;
-    ``ws_slot`` is None for a whole item, else the program's workspace slot (0: its first piece, 1: its last)."""
+    """Each program's pieces, in order: ``(row_block, seq, first_tile, n_tiles, whole, ws_slot)`` for sequence
+    lengths ``lens`` (a list of ints), ``head_blocks`` row blocks of query rows a sequence (items row-block-major),
+    ``ctas`` programs; ``ws_slot`` is None for a whole item, else the program's workspace slot (0: its first piece,
+    1: its last)."""
     tiles = [-(-int(n) // block_n) for n in lens]
     per_head, starts = sum(tiles), []
     for h in range(head_blocks):

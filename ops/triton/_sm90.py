@@ -95,24 +95,34 @@ def compile_sm90(kernel, args, kwargs):
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def cuobjdump() -> str | None:
-    """Path of the cuobjdump bundled with Triton (None when the wheel has none)."""
+def bundled_tool(name: str) -> str | None:
+    """Path of the CUDA tool ``name`` (cuobjdump, ptxas) bundled with Triton (None when the wheel has none)."""
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return tool if os.path.exists(tool) else None
 
 
-def resources(compiled) -> dict[str, int]:
-    """``regs``, ``stack`` (spill bytes), ``smem`` and the count of each ``COUNTED`` SASS instruction."""
+def cuobjdump() -> str | None:
+    """Path of the cuobjdump bundled with Triton (None when the wheel has none)."""
+    return bundled_tool("cuobjdump")
+
+
+def _cuobjdump(compiled, *flags: str) -> list[str]:
+    """cuobjdump's output for each of ``flags`` on the compile's cubin."""
     tool = cuobjdump()
     if tool is None:
         raise FileNotFoundError("no cuobjdump in the Triton wheel")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return [subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+                for flag in flags]
+
+
+def resources(compiled) -> dict[str, int]:
+    """``regs``, ``stack`` (spill bytes), ``smem`` and the count of each ``COUNTED`` SASS instruction."""
+    res, sass = _cuobjdump(compiled, "-res-usage", "-sass")
     out = {"regs": int(re.search(r"REG:(\d+)", res).group(1)), "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
            "smem": int(compiled.metadata.shared)}
     out.update({op: len(re.findall(rf"\b{op}\b", sass)) for op in COUNTED})
@@ -122,9 +132,9 @@ def resources(compiled) -> dict[str, int]:
 def ptxas_infos(compiled) -> list[str]:
     """ptxas's numbered infos on the compile's PTX (``ptxas -arch=sm_90a -v``, Triton's bundled ptxas), e.g.
     ``C7517`` (a ``wgmma`` wait it injects) or ``C7511`` (``wgmma`` serialized for want of registers)."""
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    tool = bundled_tool("ptxas")
+    if tool is None:
+        raise FileNotFoundError("no ptxas in the Triton wheel")
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
@@ -137,10 +147,7 @@ def ptxas_infos(compiled) -> list[str]:
 def spills_in_mma_loops(compiled) -> int:
     """Spill instructions (``LDL`` / ``STL``) inside the innermost SASS loops that hold a ``wgmma`` (a backward
     branch's range with an ``HGMMA`` and no such loop inside it): the hot loops, where a spill costs each iteration."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    (sass,) = _cuobjdump(compiled, "-sass")
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for at, text in ins:
