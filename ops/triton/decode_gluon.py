@@ -290,11 +290,8 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
                                    block_table.shape[1] * kv_cache.shape[1], BLOCK_N, "decode_gluon")
     o_buf, l_buf = split_buffers(out, lse, B * M, splits, DC, direct)
     q = last_dim_contiguous(q)
-    rows = kv_cache.view(-1, D)
-    blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
     # the latent copies' box: a tile's eight [64, 64] column blocks (the seesaw kernel: half of them a copy)
-    desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK // (2 if seesaw else 1), BLOCK_N, CHUNK], BOX_SL)
-    desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
+    desc_c, desc_r = _cache_descriptors(kv_cache, DC // CHUNK // (2 if seesaw else 1))
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:
@@ -304,8 +301,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         # the latent query rows by TMA where q's rows are dense (row b * M + m of q viewed as [rows, 576])
         tma_q = (M % BLOCK_M == 0 and _dense_rows(q) and q.data_ptr() % 16 == 0
                  and bool(config.get("TMA_Q", True)))
-        desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
-                                              [DC // CHUNK, BLOCK_M, CHUNK], BOX_SL) if tma_q else None
+        desc_q = _q_descriptor(q, B * M, DC // CHUNK) if tma_q else None
         extra = {"FOLD_FIRST": bool(config.get("FOLD_FIRST", SEESAW_FOLD_FIRST)), "TMA_OUT": tma_out, "desc_o": desc_o,
                  "TMA_Q": tma_q, "desc_q": desc_q}
         kernel, warps = decode_gluon_seesaw_kernel, SEESAW_WARPS
@@ -364,14 +360,10 @@ def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
     ctas = num_sms(q.device)
     item_rows = BLOCK_M if kind == "seesaw" else SWAP_ROWS
     ws, wl = tile_workspace(ctas, DC, q.device, item_rows)
-    rows = kv_cache.view(-1, D)
-    blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])  # [8 column blocks, rows, 64]
-    desc_r = TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL)
     if kind == "seesaw":
         half = DC // CHUNK // 2  # a warpgroup's share of a tile's or a piece's latent columns, in blocks
-        desc_h = TensorDescriptor.from_tensor(blocks, [half, BLOCK_N, CHUNK], BOX_SL)
-        desc_q = TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, B * M, CHUNK], [CHUNK, D, 1]),
-                                              [half, BLOCK_M, CHUNK], BOX_SL)
+        desc_h, desc_r = _cache_descriptors(kv_cache, half)
+        desc_q = _q_descriptor(q, B * M, half)
         decode_gluon_seesaw_persist_kernel[(ctas,)](
             q, desc_h, desc_r, desc_q, _out_descriptor(out, B * M, 1, True), block_table, seq_lens, ws, wl, lse,
             scale * _LOG2E,
@@ -381,7 +373,7 @@ def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
         )
     else:
         q = last_dim_contiguous(q)
-        desc_c = TensorDescriptor.from_tensor(blocks, [DC // CHUNK, BLOCK_N, CHUNK], BOX_SL)
+        desc_c, desc_r = _cache_descriptors(kv_cache, DC // CHUNK)
         decode_gluon_swap_persist_kernel[(ctas,)](
             q, desc_c, desc_r, block_table, seq_lens, ws, wl, out, lse,
             scale * _LOG2E,
@@ -392,6 +384,23 @@ def persist_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: T
         )
     merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, pdl=True, item_rows=item_rows)
     return out, lse
+
+
+def _cache_descriptors(kv_cache: Tensor, box_blocks: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors over the cache's rows ``[rows, 576]``: its latent columns as ``[8, rows, 64]`` column blocks,
+    box ``[box_blocks, 64, 64]`` (a tile's eight, or the seesaw kernels' half), and its rope columns, box ``[64,
+    64]``."""
+    rows = kv_cache.view(-1, D)
+    blocks = rows.as_strided([DC // CHUNK, rows.shape[0], CHUNK], [CHUNK, D, 1])
+    return (TensorDescriptor.from_tensor(blocks, [box_blocks, BLOCK_N, CHUNK], BOX_SL),
+            TensorDescriptor.from_tensor(rows, [BLOCK_N, DR], SMEM_SL))
+
+
+def _q_descriptor(q: Tensor, rows: int, box_blocks: int) -> TensorDescriptor:
+    """A TMA descriptor over q's ``rows`` dense rows of 576 (:func:`_dense_rows`): their latent columns as ``[8, rows,
+    64]`` column blocks, box ``[box_blocks, 64, 64]`` (a 64-row program's, or a warpgroup's half)."""
+    return TensorDescriptor.from_tensor(q.as_strided([DC // CHUNK, rows, CHUNK], [CHUNK, D, 1]),
+                                        [box_blocks, BLOCK_M, CHUNK], BOX_SL)
 
 
 def _out_descriptor(buf: Tensor, rows: int, splits: int, direct: bool) -> TensorDescriptor:

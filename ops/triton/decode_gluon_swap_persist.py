@@ -106,8 +106,8 @@ def decode_gluon_swap_persist_kernel(
             slot = j % 2
             n0 = start + j * 64
             k_cur = kc_s.index(slot)
-            # the slot's next tile (read early, used after P V): this piece's j + 2, else the next piece's tile of
-            # this slot
+            # the slot's next tile (_tile_ranges.fill_target's rule: this piece's j + 2, else the next piece's tile
+            # of this slot), its page read early and the rest formed after P V: fewer values held across the softmax
             here = j + 2 < n
             at = gl.where(here, b * stride_bt + (start + (j + 2) * 64) // BLOCK_SIZE, bt2 + slot * 64 // BLOCK_SIZE)
             page_f = gl.load(bt_ptr + at, mask=here | (slot < n2), other=0).to(gl.int64)
