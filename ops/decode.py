@@ -180,12 +180,16 @@ declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **_GLUON,
         kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
         note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
              "dots; 64 query rows a program at every size)")
-declare(OP, "gluon-persist", _gluon_persist, rank=64, **dict(_GLUON, gpu_tested=False),
+# the persistent forms: GPU-tested, but slower than the kernels they come from at every timed shape (BENCHMARKS.md
+# run 254), so "auto" passes over them
+_PERSIST = dict(_GLUON, auto_skip="slower than its non-persistent kernel where timed: 'auto' skips it, ask for it by "
+                                  "name")
+declare(OP, "gluon-persist", _gluon_persist, rank=64, **_PERSIST,
         kernels=("decode_gluon_persist=gluon-persist (opaque kernel)", "decode_gluon_swap_persist_kernel"),
         note="as 'gluon', its swapped kernel (at most 16 query rows a sequence) persistent: one program an SM over "
-             "balanced runs of key tiles, then a merge; not yet run on a GPU")
-declare(OP, "gluon-seesaw-persist", _gluon_seesaw_persist, rank=63, **dict(_GLUON, gpu_tested=False),
+             "balanced runs of key tiles, then a merge")
+declare(OP, "gluon-seesaw-persist", _gluon_seesaw_persist, rank=63, **_PERSIST,
         kernels=("decode_gluon_seesaw_persist=gluon-seesaw-persist (opaque kernel)",
                  "decode_gluon_seesaw_persist_kernel", "_tile_merge_kernel"),
         note="as 'gluon-seesaw', one program an SM over balanced runs of key tiles, then a merge (whole 64-row "
-             "blocks of query rows a sequence; other calls run 'gluon-seesaw'); not yet run on a GPU")
+             "blocks of query rows a sequence; other calls run 'gluon-seesaw')")

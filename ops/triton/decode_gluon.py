@@ -327,7 +327,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
 
 
 def persist_kind(q: Tensor, block_table: Tensor, config: dict | None) -> str | None:
-    """Which persistent kernel :func:`launch` takes (opt-in ``PERSIST``, not yet run on a GPU), or None:
+    """Which persistent kernel :func:`launch` takes (opt-in ``PERSIST``), or None:
 
     - "seesaw" (``decode_gluon_seesaw_persist``): the config asks for ``SEESAW`` in its ``FOLD_FIRST`` order, and the
       call has whole 64-row blocks of query rows a sequence over q's dense, 16-byte aligned rows (its query copies);
