@@ -40,14 +40,15 @@ def _tiles_before(seq_lens_ptr, B, b, CH: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _tile_merge_kernel(seq_lens_ptr, ws_ptr, wl_ptr, out_ptr, lse_ptr, B, M, ctas,
                        DC: tl.constexpr, BLOCK_C: tl.constexpr, CH: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ROWS: tl.constexpr, PDL: tl.constexpr):
+                       ROWS: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(row blocks * B, cdiv(DC, BLOCK_C))``: program ``(item, c)`` takes columns ``[c BLOCK_C, (c + 1)
     BLOCK_C)`` of item ``item`` (row block ``item // B`` of sequence ``item % B``: its ``ROWS`` rows of ``out [B M,
     DC]`` below ``M``).
     An item of no tile: output 0, LSE -inf; an item one program covered: nothing (written there); else the pieces
-    of programs ``cta_of(s) .. cta_of(s + tiles - 1)`` merged by their base-2 LSEs, the natural-log LSE stored by
-    column block 0 (programs of no tile among them skipped: they wrote nothing). ``PDL``: everything it reads is the
-    decode's, so it waits first."""
+    of programs ``cta_of(s) .. cta_of(s + tiles - 1)`` merged by their base-2 LSEs, ``P`` pieces a step (their loads
+    issued together: an item over many programs is not walked one piece after another), the natural-log LSE stored
+    by column block 0 (programs of no tile among them skipped: they wrote nothing). ``PDL``: everything it reads is
+    the decode's, so it waits first."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     item = tl.program_id(0)
@@ -75,20 +76,23 @@ def _tile_merge_kernel(seq_lens_ptr, ws_ptr, wl_ptr, out_ptr, lse_ptr, B, M, cta
             m = tl.full([ROWS], float("-inf"), tl.float32)
             tot = tl.zeros([ROWS], dtype=tl.float32)
             acc = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-            for c in range(c_first, c_last + 1):
+            p = tl.arange(0, P)
+            for c0 in range(c_first, c_last + 1, P):  # P pieces a step, their loads side by side
+                c = c0 + p
                 g_c = c * total // ctas
                 slot = tl.where(g_c >= s, 0, 1)  # the item is program c's first piece, or its last
                 # a program with no tile (fewer tiles than programs) between the item's first and last wrote nothing
-                mine = r_ok & ((c + 1) * total // ctas > g_c)
-                wrow = (2 * c + slot) * ROWS + r
+                mine = (c <= c_last)[:, None] & ((c + 1) * total // ctas > g_c)[:, None] & r_ok[None, :]
+                wrow = (2 * c + slot)[:, None] * ROWS + r[None, :]
                 l2 = tl.load(wl_ptr + wrow, mask=mine, other=float("-inf"))
-                part = tl.load(ws_ptr + wrow[:, None] * DC + cols[None, :], mask=mine[:, None] & ok, other=0.0)
-                m_new = tl.maximum(m, l2)
+                part = tl.load(ws_ptr + wrow[:, :, None] * DC + cols[None, None, :],
+                               mask=mine[:, :, None] & ok[None, :, :], other=0.0)
+                m_new = tl.maximum(m, tl.max(l2, axis=0))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.math.exp2(m - m_safe)
-                w = tl.math.exp2(l2 - m_safe)
-                acc = acc * alpha[:, None] + part * w[:, None]
-                tot = tot * alpha + w
+                w = tl.math.exp2(l2 - m_safe[None, :])
+                acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=0)
+                tot = tot * alpha + tl.sum(w, axis=0)
                 m = m_new
             empty = tot == 0.0
             out = acc / tl.where(empty, 1.0, tot)[:, None]
@@ -108,16 +112,29 @@ def tile_workspace(ctas: int, dc: int, device: torch.device, rows: int = 64) -> 
             torch.empty(2 * ctas * rows, dtype=torch.float32, device=device))
 
 
+def merge_shape(items: int, ctas: int, item_rows: int) -> tuple[int, int]:
+    """``(P, BLOCK_C)`` of :func:`merge_tile_pieces` from shapes alone: ``P`` pieces a step (a power of two, 2 to 16:
+    about the programs an item spans when there are fewer items than programs, else 2) and ``BLOCK_C`` columns a
+    program (a power of two, 8 to 128) so that one step loads ``P * item_rows * BLOCK_C = 8192`` values."""
+    p = 2 if items >= ctas else min(16, triton.next_power_of_2(-(-ctas // max(items, 1)) + 1))
+    return p, max(8, min(128, 8192 // (p * item_rows)))
+
+
 def merge_tile_pieces(wrap, seq_lens: Tensor, ws: Tensor, wl: Tensor, out: Tensor, lse: Tensor, batch: int,
-                      rows: int, ctas: int, pdl: bool = False, block_c: int = 128, item_rows: int = 64) -> None:
+                      rows: int, ctas: int, pdl: bool = False, block_c: int | None = None, item_rows: int = 64,
+                      pieces: int | None = None) -> None:
     """Merge a persistent decode's pieces into ``out [batch, ..., dc]`` (``batch * rows`` rows) and ``lse`` (natural
     log) and write the rows of empty sequences (the module docstring); items of ``item_rows`` (16 or 64) of a
     sequence's ``rows`` query rows. ``wrap``: the caller module's ``wrap_triton`` (tests record launches through it).
-    ``pdl``: launched with PDL (a custom op's body)."""
+    ``pdl``: launched with PDL (a custom op's body). ``pieces`` / ``block_c``: pieces a step and columns a program
+    (default :func:`merge_shape`'s)."""
     if item_rows not in (16, 64):
         raise ValueError(f"merge_tile_pieces: item_rows must be 16 or 64, got {item_rows}")
     dc = out.shape[-1]
-    wrap(_tile_merge_kernel)[(triton.cdiv(rows, item_rows) * batch, triton.cdiv(dc, block_c))](
-        seq_lens, ws, wl, out, lse, batch, rows, ctas, DC=dc, BLOCK_C=block_c, CH=CH, BLOCK_N=BLOCK_N,
-        ROWS=item_rows, num_warps=4, **(launch_kwargs(out.device) if pdl else dict(OFF)),
+    items = triton.cdiv(rows, item_rows) * batch
+    p, bc = merge_shape(items, ctas, item_rows)
+    p, bc = pieces or p, block_c or bc
+    wrap(_tile_merge_kernel)[(items, triton.cdiv(dc, bc))](
+        seq_lens, ws, wl, out, lse, batch, rows, ctas, DC=dc, BLOCK_C=bc, CH=CH, BLOCK_N=BLOCK_N,
+        ROWS=item_rows, P=p, num_warps=8, **(launch_kwargs(out.device) if pdl else dict(OFF)),
     )

@@ -17,6 +17,8 @@ import random
 import pytest
 import torch
 
+from _triton_test_util import sm90_compile
+
 from mla_compile.ops.triton._plan import cta_of_tile, range_start, tile_pieces
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
@@ -125,14 +127,18 @@ def test_the_merge_of_the_pieces_is_the_whole_attention(lens, s_q, H, ctas, dtyp
     keys = torch.randn(B, max(1, max(lens)), dc + 64, generator=gen)
     out, lse, ws, wl, ref, ref_lse = _emulate(q, keys, lens, s_q, H, ctas, dtype, rows)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    merge_tile_pieces(wrap_triton, seq_lens, ws, wl, out, lse, B, M, ctas, block_c=64, item_rows=rows)
-    assert not out.isnan().any() and not lse.isnan().any(), "rows left unwritten"
-    assert torch.equal(lse.isinf(), ref_lse.isinf())
-    fin = ref_lse.isfinite()
-    torch.testing.assert_close(lse[fin].double(), ref_lse[fin], atol=1e-5, rtol=1e-5)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    assert (out[~fin] == 0).all()
+    # the shapes' own step (merge_shape), one piece a step, and 4 pieces a step over 32 columns
+    for pieces, block_c in [(None, None), (1, 64), (4, 32)]:
+        got, got_lse = out.clone(), lse.clone()
+        merge_tile_pieces(wrap_triton, seq_lens, ws, wl, got, got_lse, B, M, ctas, block_c=block_c, item_rows=rows,
+                          pieces=pieces)
+        assert not got.isnan().any() and not got_lse.isnan().any(), "rows left unwritten"
+        assert torch.equal(got_lse.isinf(), ref_lse.isinf())
+        fin = ref_lse.isfinite()
+        torch.testing.assert_close(got_lse[fin].double(), ref_lse[fin], atol=1e-5, rtol=1e-5)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), ref, atol=tol, rtol=tol)
+        assert (got[~fin] == 0).all()
 
 
 def test_the_merge_refuses_items_of_other_sizes():
@@ -287,3 +293,47 @@ def _seesaw_protocol(pieces):
 def test_the_seesaw_kernels_copies_meet_its_waits(lens, hb, ctas):
     for mine in tile_pieces(lens, hb, ctas):
         _ring_check(*_seesaw_protocol(mine))
+
+
+@pytest.mark.parametrize("items,ctas,rows", [(2, 132, 64), (1, 132, 16), (256, 132, 64), (100, 132, 64),
+                                             (1024, 132, 16), (7, 5, 64)])
+def test_merge_shape_loads_8192_values_a_step_and_covers_an_average_item(items, ctas, rows):
+    """``merge_shape``: powers of two, one step's load of ``P * rows * BLOCK_C`` values at most 8192, and with fewer
+    items than programs ``P`` at least the programs an item spans on average (so such an item takes one or two
+    steps, not one step a piece)."""
+    pytest.importorskip("triton")
+    from mla_compile.ops.triton.tile_merge import merge_shape
+
+    p, bc = merge_shape(items, ctas, rows)
+    assert p & (p - 1) == 0 and bc & (bc - 1) == 0 and 2 <= p <= 16 and 8 <= bc <= 128
+    assert p * rows * bc <= 8192
+    if items < ctas:
+        assert p >= min(16, -(-ctas // items) + 1)
+
+
+@sm90_compile
+@pytest.mark.parametrize("B,M,rows,ctas", [(1, 128, 64, 132), (1, 16, 16, 132), (128, 128, 64, 132)])
+def test_the_merge_compiles_for_sm90_without_spills(monkeypatch, B, M, rows, ctas):
+    """The merge kernel at the steps :func:`merge_shape` picks (16 pieces of 8 columns for one sequence at 128
+    heads, 16 of 32 at 16 heads, 2 of 64 at 128 sequences) over 512 latent columns: it compiles for sm_90 with PDL's
+    wait first, and keeps its ``[P, rows, BLOCK_C]`` step in registers (no spills where cuobjdump is bundled)."""
+    from mla_compile.ops.triton import _sm90, tile_merge
+    from mla_compile.ops.triton._pdl import ON
+
+    from _triton_test_util import assert_pdl_order
+
+    monkeypatch.setattr(tile_merge, "launch_kwargs", lambda device: dict(ON))  # as an sm_90 device launches it
+    dc, items, meta = 512, -(-M // rows) * B, torch.device("meta")
+    ws, wl = tile_merge.tile_workspace(ctas, dc, meta, rows)
+    launches: list = []
+    tile_merge.merge_tile_pieces(_sm90.recorder(launches), torch.empty(B, dtype=torch.int32, device=meta), ws, wl,
+                                 torch.empty(B, M, dc, dtype=torch.bfloat16, device=meta),
+                                 torch.empty(B, M, dtype=torch.float32, device=meta), B, M, ctas, pdl=True,
+                                 item_rows=rows)
+    (kernel, grid, args, kwargs), = launches
+    p, bc = tile_merge.merge_shape(items, ctas, rows)
+    assert (kwargs["P"], kwargs["BLOCK_C"]) == (p, bc) and grid == (items, dc // bc)
+    compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    assert_pdl_order(compiled.asm["ptx"], True, "the merge")
+    if _sm90.cuobjdump() is not None:
+        assert _sm90.resources(compiled)["stack"] == 0, "register spills in the merge"
