@@ -75,7 +75,8 @@ def test_reference_matches_float64(routing, dtype):
 @pytest.mark.parametrize("T,H", [(1, 200), (2, 1100), (2, 24)])
 def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     """One and two tokens; H past one gate tile and off it, and fewer columns than programs (24 < 64 experts: some
-    programs store no column); every output poisoned beforehand (each element must be written); run-to-run equal."""
+    programs store no column); every output poisoned beforehand (each element must be written); run-to-run equal
+    (checked at H = 24 only: each interpreted call at 256 experts takes ~25 s of CI)."""
     from mla_compile.ops.triton import moe_gate_route as tmg
 
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]
@@ -87,8 +88,9 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     monkeypatch.undo()
     # the interpreter truncates float32 -> bf16 casts: h within 1 ulp, normed (two casts) within 2
     _check_all(got, x, r, nw, weight, b, routing, 1, 2, 2e-6, 1e-5)
-    again = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
-    assert all(torch.equal(a, c) for a, c in zip(got, again))
+    if H == 24:
+        again = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
+        assert all(torch.equal(a, c) for a, c in zip(got, again))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
