@@ -286,7 +286,7 @@ def decode_fp8_gluon64_kernel(
     each row's running maximum until a tile's maximum passes it by more than ``TAU`` (a CTA-uniform test: O and
     the row sums are rescaled only on those tiles), ``CVT_BF16`` dequantizes with bf16x2 arithmetic
     (``_store_tile_bf16``). ``PDL``: launched with PDL, every program waits for the kernel before it first.
-    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; not yet run on a GPU): ``desc_o`` spans the
+    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; GPU-tested, not timed): ``desc_o`` spans the
     output's rows as ``[8, rows, 64]`` column blocks (box ``[8, 64, 64]``), and the rows go through the query rows'
     buffer and one TMA copy (``_gluon.store_rows_tma``)."""
     gl.static_assert(DC == 512)
@@ -409,7 +409,8 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
     waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's
     variants ``VARIANTS`` (each a bool, ``DEFAULTS`` where absent: ``{"CVT_BF16": True}``); TMA_OUT (default False;
-    not yet run on a GPU): one split and whole 64-row programs store the output by TMA."""
+    GPU-tested, BENCHMARKS.md run 256, not timed yet): one split and whole 64-row programs store the output by
+    TMA."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)

@@ -54,13 +54,14 @@ consumers released the last item's (``qempty``: each consumer arrives once its d
 stores), then streams its key tiles into the same ring, whose uses count on across items; so an item's first
 copies overlap the last item's final tiles and stores, which a program an item leaves exposed.
 
-``TMA_OUT`` (the warp-specialized kernel; on by default per program, off with ``PERSIST``): a consumer whose 64
+``TMA_OUT`` (the warp-specialized kernel; on by default): a consumer whose 64
 rows all lie inside its sequence stages its output in its own ``[64, DA]`` query buffer (free once its dots are
 done; ``DV == DA``) and writes it with one TMA copy, instead of the accumulator layout's plain stores (16 bytes of
 eight rows a warp instruction); a block that ends past its sequence keeps the plain stores (a copy would write the
 next sequence's rows). With ``PERSIST`` the buffer's release (``qempty``) waits for the copy, so there the
 producer copies the next item's first ``STAGES`` tiles as their slots come free and its query rows after the
-release (``prefill_gluon_ws._ws_produce_items``' ``EARLY_KV``; this order has not run on a GPU yet).
+release (``prefill_gluon_ws._ws_produce_items``' ``EARLY_KV``; GPU-tested, and faster than the persistent form's
+plain stores at 128 heads, BENCHMARKS.md run 256).
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),
@@ -208,8 +209,8 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
     ``(H, n_slots)``; False: ``(n_slots, H)``; default :func:`heads_first`; with ``PERSIST`` the work items' order),
     ``FOLD_SCALE`` (the softmax scale folded into the exponent's FMA, ``_prefill_gluon._softmax_tile``; default
     True, taken only for a positive ``scale``), ``TMA_OUT`` (warp-specialized, values as wide as the query's first
-    part: 64-row blocks inside a sequence stored through shared memory and TMA; default True, but False with
-    ``PERSIST``: there the query buffer's release, and with it the next item's query rows, waits for the copy)."""
+    part: 64-row blocks inside a sequence stored through shared memory and TMA; default True; with ``PERSIST`` the
+    query buffer's release, and with it the next item's query rows, waits for the copy: the module docstring)."""
     cfg = check_config("mla.prefill (gluon)", config, CONFIG_KEYS)
     ws = bool(cfg.get("WS", False))
     block_n = int(cfg.get("BLOCK_N", 128 if ws else 64))
@@ -253,7 +254,7 @@ def launch(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: 
         counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     if ws:
         # the output's full 64-row blocks through shared memory and TMA (a consumer's [64, da] query buffer holds them)
-        tma_out = dv == da and bool(cfg.get("TMA_OUT", not persist))
+        tma_out = dv == da and bool(cfg.get("TMA_OUT", True))
         o_desc = TensorDescriptor.from_tensor(out.view(T, H * dv), [64, dv], SMEM_SL) if tma_out else None
         prefill_gluon_ws_kernel[grid](*args, DA=da, DB=db, DV=dv, BLOCK_N=block_n, CAUSAL=bool(causal),
                                       CHUNK=128, STAGES=stages, HEADS_FIRST=first, KV_SPLIT=kv_split, PIPE=pipe,

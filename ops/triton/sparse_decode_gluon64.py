@@ -238,7 +238,7 @@ def sparse_decode_gluon64_kernel(
     ``CVT_BF16``: as ``fp8_decode_gluon64``'s variants; ``ROPE_ASYNC`` (fp8): a tile's rope copied into its slot
     with ``cp.async`` right after the CTA barrier that follows P (no register load after P V); ``FOLD_SCALE`` (a
     positive scale): the row maximum taken on the raw scores, the scale folded into ``exp2(s * c - m)``.
-    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; not yet run on a GPU): ``desc_o`` spans the
+    ``TMA_OUT`` (``DIRECT``, every row of a program the output's; GPU-tested, not timed): ``desc_o`` spans the
     output's rows as ``[8, rows, 64]`` column blocks (box ``[8, 64, 64]``), and the rows go through the query rows'
     buffer and one TMA copy (``_gluon.store_rows_tma``)."""
     gl.static_assert(DC == 512)
@@ -392,8 +392,8 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
     (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only;
-    ``FOLD_SCALE`` to a positive ``scale`` only); TMA_OUT (default False; not yet run on a GPU): one split and
-    whole 64-row programs store the output by TMA."""
+    ``FOLD_SCALE`` to a positive ``scale`` only); TMA_OUT (default False; GPU-tested, BENCHMARKS.md run 256, not
+    timed yet): one split and whole 64-row programs store the output by TMA."""
     config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS", "TMA_OUT"})
     cfg = {k: bool(config.get(k, DEFAULTS[k])) for k in VARIANTS}
     cfg["FOLD_SCALE"] = cfg["FOLD_SCALE"] and scale > 0  # the raw scores' maximum is the scaled one's only then

@@ -33,9 +33,9 @@ CONFIGS = {"plain_n64": dict(BLOCK_N=64), "plain_n128": dict(BLOCK_N=128), "ws_n
            "ws_persist": dict(WS=True, PERSIST=True), "ws_persist_unpiped": dict(_UNPIPED, PERSIST=True),
            "ws_persist_n64_s3": dict(WS=True, BLOCK_N=64, STAGES=3, PERSIST=True),
            "ws_persist_heads_last": dict(WS=True, HEADS_FIRST=False, PERSIST=True),
-           # the output's TMA store: off (per program; on by default), on (persistent; off by default)
+           # the output's TMA store off (on by default, per program and persistent)
            "ws_plain_out": dict(WS=True, TMA_OUT=False),
-           "ws_persist_tma_out": dict(WS=True, PERSIST=True, TMA_OUT=True)}
+           "ws_persist_plain_out": dict(WS=True, PERSIST=True, TMA_OUT=False)}
 PERSIST = [c for c in CONFIGS if "persist" in c]
 PINGPONG = [c for c in CONFIGS if "pingpong" in c]
 # Sequences whose two consumer warpgroups (64 query rows each of a 128-row block) see different tile counts at
@@ -201,7 +201,7 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     ``min(H * n_slots, SMs)`` programs (fewer work items than SMs: one program an item), ``PERSIST`` on, the work
     items' counter a fresh int32 zero, every argument bound; the call compiles for sm_90 with 12 warps within 227
     KB, its producer taking each item with one atomic add, each consumer storing its rows with one TMA copy where
-    the config asks for ``TMA_OUT`` (the output's descriptor bound; off by default with ``PERSIST``, on without).
+    the config asks for ``TMA_OUT`` (the output's descriptor bound; on by default, with ``PERSIST`` too).
     Without ``PERSIST`` the counter argument is only a placeholder (``cu_seqlens_q``, never read)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -234,9 +234,11 @@ def test_sm90_compile_of_the_persistent_launch(monkeypatch, H, sms):
     assert compiled.asm["ptx"].count("cp.async.bulk.tensor.2d.global.shared") == 2  # a consumer's rows, one copy
     g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True})
     assert launches[1][1] != grid and launches[1][3]["counter_ptr"] is cu
-    assert launches[1][3]["TMA_OUT"] is True  # per program the output goes by TMA by default, persistent not
+    assert launches[1][3]["TMA_OUT"] is True  # the output goes by TMA by default, per program and persistent
     g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True})
-    assert launches[2][3]["TMA_OUT"] is False and launches[2][3]["o_desc"] is None
+    assert launches[2][3]["TMA_OUT"] is True and launches[2][3]["o_desc"] is not None
+    g.launch(q, k, v, cu, cu, SCALE, True, config={"WS": True, "PERSIST": True, "TMA_OUT": False})
+    assert launches[3][3]["TMA_OUT"] is False and launches[3][3]["o_desc"] is None
 
 
 def _compile_sm90(kernel, consts, q_rows, warps):
