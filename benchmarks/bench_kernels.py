@@ -684,7 +684,7 @@ def main():
                     for ns, lq in ((8, 4096), (2, 1024)) for h in (128, 16)]
     elif args.prefill_persist:
         persist = [dict(WS=True), dict(WS=True, TMA_OUT=False), dict(WS=True, PERSIST=True),
-                   dict(WS=True, PERSIST=True, TMA_OUT=True)]
+                   dict(WS=True, PERSIST=True, TMA_OUT=False)]
         sections = [lambda ns=ns, lq=lq, h=h: prefill_case(ns, lq, h, [], args.budget_s, gluon_sweep=persist)
                     for ns, lq, h in ((8, 4096, 128), (8, 4096, 16), (2, 1024, 128))]
     elif args.skinny:
