@@ -295,7 +295,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
     if ws:
         kernel, warps, extra = decode_gluon_ws_kernel, WS_WARPS, {}
     elif seesaw:
-        # a program's rows all its own; with several splits by name only (GPU-tested in run 256, not timed)
+        # a program's rows all its own; with several splits by name only (GPU-tested, not timed)
         tma_out = M % BLOCK_M == 0 and bool(config.get("TMA_OUT", direct))
         desc_o = _out_descriptor(out if direct else o_buf, B * M, splits, direct) if tma_out else None
         # the latent query rows by TMA where q's rows are dense (row b * M + m of q viewed as [rows, 576])
@@ -310,7 +310,7 @@ def split_launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Ten
         early = bool(config.get("EARLY", EARLY_TILES)) and pdl["PDL"]
         kernel, warps, extra = decode_gluon_swap_kernel, SWAP_WARPS, {"BLOCK_R": SWAP_ROWS, "EARLY": early, **pdl}
     else:
-        # TMA_OUT by name only (GPU-tested in run 256, not timed): one split, every row of a program the output's
+        # TMA_OUT by name only (GPU-tested, not timed): one split, every row of a program the output's
         tma_out = direct and M % BLOCK_M == 0 and bool(config.get("TMA_OUT", False))
         kernel, warps, extra = decode_gluon_kernel, NUM_WARPS, {
             "PIPE": bool(config.get("PIPE", False)), "TMA_OUT": tma_out,

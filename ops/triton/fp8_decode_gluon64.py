@@ -409,8 +409,7 @@ def launch(q: Tensor, kv_cache: Tensor, block_table: Tensor, seq_lens: Tensor, s
     """Run the kernel on a call :func:`eligible` accepts. ``config``: SPLITS (else the SMs filled in whole
     waves, ``_plan.opaque_splits``); several splits are merged by ``decode.reduce_splits``; the kernel's
     variants ``VARIANTS`` (each a bool, ``DEFAULTS`` where absent: ``{"CVT_BF16": True}``); TMA_OUT (default False;
-    GPU-tested, BENCHMARKS.md run 256, not timed yet): one split and whole 64-row programs store the output by
-    TMA."""
+    GPU-tested, not timed yet): one split and whole 64-row programs store the output by TMA."""
     B, s_q, H, _ = q.shape
     M = s_q * H
     out, lse = decode_outputs(q, kv_lora_rank)

@@ -61,7 +61,7 @@ eight rows a warp instruction); a block that ends past its sequence keeps the pl
 next sequence's rows). With ``PERSIST`` the buffer's release (``qempty``) waits for the copy, so there the
 producer copies the next item's first ``STAGES`` tiles as their slots come free and its query rows after the
 release (``prefill_gluon_ws._ws_produce_items``' ``EARLY_KV``; GPU-tested, and faster than the persistent form's
-plain stores at 128 heads, BENCHMARKS.md run 256).
+plain stores at 128 heads: BENCHMARKS.md).
 
 Served where :func:`eligible`: an sm_90 GPU, bf16/fp16, qk = a power of two plus a power of two, v a power of
 two, each from 64 (a 128-byte swizzled row) to 256, shared memory within an SM's (:func:`smem_bytes`),

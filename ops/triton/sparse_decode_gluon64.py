@@ -392,8 +392,8 @@ def launch(q: Tensor, kv_cache: Tensor, indices: Tensor, scale: float, kv_lora_r
     ``config``: SPLITS (else the SMs filled in whole waves, ``_plan.opaque_splits``, at most one split per 4
     tiles of the list); several splits are merged by ``decode.reduce_splits``; the kernel's flags ``VARIANTS``
     (each a bool, ``DEFAULTS`` where absent; ``CVT_BF16`` and ``ROPE_ASYNC`` apply to an fp8 cache only;
-    ``FOLD_SCALE`` to a positive ``scale`` only); TMA_OUT (default False; GPU-tested, BENCHMARKS.md run 256, not
-    timed yet): one split and whole 64-row programs store the output by TMA."""
+    ``FOLD_SCALE`` to a positive ``scale`` only); TMA_OUT (default False; GPU-tested, not timed
+    yet): one split and whole 64-row programs store the output by TMA."""
     config = check_config("mla.sparse_decode (gluon64)", config, set(VARIANTS) | {"SPLITS", "TMA_OUT"})
     cfg = {k: bool(config.get(k, DEFAULTS[k])) for k in VARIANTS}
     cfg["FOLD_SCALE"] = cfg["FOLD_SCALE"] and scale > 0  # the raw scores' maximum is the scaled one's only then
