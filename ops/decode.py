@@ -180,8 +180,8 @@ declare(OP, "gluon-seesaw", _gluon_seesaw, rank=62, **_GLUON,
         kernels=("decode_gluon_seesaw=gluon-seesaw (opaque kernel)", "decode_gluon_seesaw_kernel"),
         note="as 'gluon', two warpgroups alternating tiles without a producer (one's softmax under the other's "
              "dots; 64 query rows a program at every size)")
-# the persistent forms: GPU-tested, but slower than the kernels they come from at every timed shape (BENCHMARKS.md
-# run 254), so "auto" passes over them
+# the persistent forms: GPU-tested, but slower than the kernels they come from at every timed shape (BENCHMARKS.md),
+# so "auto" passes over them
 _PERSIST = dict(_GLUON, auto_skip="slower than its non-persistent kernel where timed: 'auto' skips it, ask for it by "
                                   "name")
 declare(OP, "gluon-persist", _gluon_persist, rank=64, **_PERSIST,

@@ -155,8 +155,8 @@ def test_calls_it_cannot_serve_run_the_seesaw(monkeypatch, case):
 def test_the_backend_serves_what_its_kernel_serves_and_auto_skips_it(name, like, kernel):
     """Backends "gluon-seesaw-persist" / "gluon-persist" of ``mla::decode`` are declared with the capabilities of
     "gluon-seesaw" / "gluon" (calls their persistent kernel cannot run take the other kernels), their kernels named
-    for ``inspect``; GPU-tested but slower than the kernels they come from (BENCHMARKS.md run 254), so "auto" passes
-    over them (by name only)."""
+    for ``inspect``; GPU-tested but slower than the kernels they come from (BENCHMARKS.md), so "auto" passes over
+    them (by name only)."""
     from mla_compile.ops.registry import backends_for, kernel_backend
     from mla_compile.ops.select import auto_skip, why_not
     from _triton_test_util import sm90_facts
