@@ -1,10 +1,10 @@
 """Cold compile time against depth, with and without ``patch(..., regional_compile=True)``.
 
-    python benchmarks/bench_regional_compile.py [--layers 6 24] [--kind v2-lite] [--device cpu] [--backend eager]
+    python benchmarks/bench_regional_compile.py [--layers 6 24] [--kind v2-lite|v3|v4] [--device cpu] [--backend eager]
         [--warm [--dynamo-cache auto|0|1]] [--regional 0|1]
 
 Each configuration runs in a fresh process with an empty Inductor / Triton cache: build a toy of ``kind`` with N
-layers, compile it (``fullgraph=True``, ``--backend``: inductor by default; ``eager`` times Dynamo's tracing alone)
+layers (v4: DeepSeek-V4's three attention kinds in turn), compile it (``fullgraph=True``, ``--backend``: inductor by default; ``eager`` times Dynamo's tracing alone)
 and run a 3-prompt prefill and 3 decode steps; prints the wall and process CPU time of that (mostly compile) and
 whether the tokens equal the eager model's, then where the compile time went
 (:func:`mla_compile.graphs.warm_start.compile_breakdown`: Dynamo tracing, guards, AOTAutograd + Inductor or their
@@ -37,23 +37,60 @@ def _one(kind: str, layers: int, regional: bool, device: str, backend: str, warm
     from mla_compile.serving.generate import greedy_generate
     from mla_compile.models.model import patch
 
-    hf = toy.toy_hf_model(kind, seed=1, num_hidden_layers=layers, first_k_dense_replace=1, device=device)
     prompts = toy.random_prompts(2, [9, 13, 5])
-    eager = patch(hf, regional_compile=regional)
-    eager.allocate_cache(64, 16)
-    want = greedy_generate(eager, prompts, 4, block_size=16, num_blocks=64, device=device).tokens
+    if kind == "v4":
+        hf = _v4_toy(layers).to(device)
+        prompts = toy.random_prompts(2, [9, 13, 5], vocab_size=hf.config.vocab_size)
+        eager = patch(hf, regional_compile=regional)
+        generate = lambda step_fn: _v4_greedy(eager, step_fn, prompts)  # noqa: E731
+    else:
+        hf = toy.toy_hf_model(kind, seed=1, num_hidden_layers=layers, first_k_dense_replace=1, device=device)
+        eager = patch(hf, regional_compile=regional)
+
+        def generate(step_fn):
+            eager.allocate_cache(64, 16)
+            return greedy_generate(step_fn, prompts, 4, block_size=16, num_blocks=64, device=device).tokens
+    want = generate(eager)
     start, _, choice = warm.partition(":")
     t0, c0 = time.perf_counter(), time.process_time()
     dynamo_cache = enable_warm_start({"auto": None, "0": False, "1": True}[choice]) if start else False
     compiled = torch.compile(eager, fullgraph=True, backend=backend)
-    eager.allocate_cache(64, 16)
-    got = greedy_generate(compiled, prompts, 4, block_size=16, num_blocks=64, device=device).tokens
+    got = generate(compiled)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     if start == "cold":
         save_warm_start()
     return dict(kind=kind, layers=layers, regional=regional, seconds=round(seconds, 1),
                 cpu_seconds=round(cpu_seconds, 1), tokens_equal=got == want, dynamo_cache=dynamo_cache,
                 torch=torch.__version__, breakdown=compile_breakdown())
+
+
+def _v4_toy(layers: int):
+    """A DeepSeek-V4 toy of ``layers`` layers: the three attention kinds in turn, the first layer hash-routed."""
+    from mla_compile.app.v4_toy import toy_v4_model
+
+    kinds = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
+    return toy_v4_model(1, num_hidden_layers=layers, layer_types=[kinds[i % 3] for i in range(layers)],
+                        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
+
+
+def _v4_greedy(model, step_fn, prompts: list[list[int]], steps: int = 4) -> list[list[int]]:
+    """Greedy tokens of a V4 model through ``step_fn``: a batched prefill of ``prompts``, then ``steps`` - 1 decode
+    steps, over fresh caches (:class:`~mla_compile.models.v4_model.V4Sequences`)."""
+    import torch
+
+    from mla_compile.models.v4_model import V4Sequences
+
+    seqs = V4Sequences(model, len(prompts), 64, 16)
+    batch = list(range(len(prompts)))
+    tokens = [[] for _ in prompts]
+    with torch.no_grad():
+        chunks = prompts
+        for _ in range(steps):
+            nxt = seqs.step(step_fn, batch, chunks).argmax(-1).tolist()
+            for toks, t in zip(tokens, nxt):
+                toks.append(t)
+            chunks = [[t] for t in nxt]
+    return tokens
 
 
 def _breakdown_line(r: dict) -> str:

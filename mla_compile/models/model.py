@@ -19,7 +19,7 @@ from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
 from mla_compile.models.fp8_linear import apply_backend_spec
 from mla_compile.models.metadata import MLAMetadata
 from mla_compile.models.moe import MLAMoE
-from mla_compile.models.region_schema import cache_region_schemas
+from mla_compile.models.region_schema import cache_region_schemas, compile_region
 from mla_compile.models.rope import default_inv_freq, rope_cos_sin
 from mla_compile.models.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
@@ -186,13 +186,7 @@ def _mlp(layer: nn.Module, x: Tensor, token_mask: Tensor | None) -> Tensor:
     return layer.mlp(x)
 
 
-def _region(fn):
-    """``fn`` as a nested compile region (a no-op outside ``torch.compile``, and on a torch without the API)."""
-    region = getattr(torch.compiler, "nested_compile_region", None)
-    return region(fn) if region is not None else fn
-
-
-@_region
+@compile_region
 def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, rotate_q_pe: bool = True
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """The first region of a layer: input norm and the attention projections (no cache access), the latent left
@@ -202,7 +196,7 @@ def _layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor, ro
     return layer.self_attn.project_raw(layer.input_layernorm(h), cos, sin, rotate_q_pe=rotate_q_pe)
 
 
-@_region
+@compile_region
 def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor,
                            rotate_q_pe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here so that the add
@@ -211,7 +205,7 @@ def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Te
     return layer.self_attn.project_raw_normed(h, mlp_out, layer.input_layernorm, cos, sin, rotate_q_pe)
 
 
-@_region
+@compile_region
 def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, cos: Tensor, sin: Tensor,
                 token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
     """The second region: attention over the (already written) cache, ``o_proj``, the attention residual and the
@@ -227,7 +221,7 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: T
     return _residual_mlp(layer, h, layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta), token_mask)
 
 
-@_region
+@compile_region
 def _layer_rest_absorbed(layer: nn.Module, h: Tensor, q_abs: Tensor, token_mask: Tensor | None, *flat_meta
                          ) -> tuple[Tensor, Tensor]:
     """:func:`_layer_rest` of a decode-only step whose absorbed queries ``q_abs`` came with the cache write
@@ -261,8 +255,9 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     (default: ``MLA_COMPILE_BACKEND`` or "auto"); its ``fp8_block_linear=NAME`` entry also sets the fp8 linears'
     (``FP8BlockLinear`` / ``FP8Experts`` without a backend of their own; e.g. ``"fp8_block_linear=autotune"``).
 
-    ``regional_compile``: run each dense-attention layer as nested compile regions, so ``torch.compile`` compiles
-    a layer once for all layers of its shape (see :meth:`MLAForCausalLM.forward`; V2/V3 models, unsharded).
+    ``regional_compile``: run each layer as nested compile regions, so ``torch.compile`` compiles a layer once for
+    all layers of its shape (unsharded models: :meth:`MLAForCausalLM.forward`, V2/V3 dense-attention layers;
+    :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
 
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
@@ -292,9 +287,9 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         if hf_config is not None and is_mla_model(hf_config) and MLAConfig.from_hf(hf_config).is_sparse:  # first
             raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
                                       "model already selects its tokens with its indexer: pass sparse=None")
-    if regional_compile and (parallel is not None or is_v4_model(getattr(hf_model, "config", None))):
-        raise NotImplementedError("patch(regional_compile=True) serves unsharded V2/V3/V3.2 models so far: pass "
-                                  "parallel=None, or regional_compile=False")
+    if regional_compile and parallel is not None:
+        raise NotImplementedError("patch(regional_compile=True) serves unsharded models so far: pass parallel=None, "
+                                  "or regional_compile=False")
     apply_backend_spec(hf_model, backend)  # fp8 linears: "fp8_block_linear=NAME" (sharding copies it)
     if parallel is not None:
         if is_v4_model(getattr(hf_model, "config", None)):
@@ -310,7 +305,9 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         raise TypeError(f"patch() got {sorted(parallel_options)}: these options need parallel=")
     hf_config = getattr(hf_model, "config", None)
     if is_v4_model(hf_config):  # DeepSeek-V4: sliding / compressed attention with sinks, mHC (mla_compile.models.v4_model)
-        return patch_v4(hf_model, backend=backend or envs.backend(), moe_impl=moe_impl)
+        model = patch_v4(hf_model, backend=backend or envs.backend(), moe_impl=moe_impl)
+        model.regional_compile = bool(regional_compile)
+        return model
     if hf_config is None or not is_mla_model(hf_config):
         raise ValueError(f"patch() needs an HF DeepSeek V2/V3 causal LM with an MLA config, got {type(hf_model).__name__}")
     if not (hasattr(hf_model, "model") and hasattr(hf_model, "lm_head") and hasattr(hf_model.model, "layers")):

@@ -1,4 +1,5 @@
-"""One schema per nested compile region, not one per call, on torches that do not cache it (2.11 at least).
+"""Nested compile regions: :func:`compile_region` marks a function as one, and one schema per region, not one per
+call, on torches that do not cache it (2.11 at least).
 
 AOTAutograd functionalizes every ``invoke_subgraph`` call of a regionally compiled model, and torch 2.11's rule
 for it asks the HOP for the call's schema each time (``InvokeSubgraphHOP.gen_schema``), which re-traces the whole
@@ -53,3 +54,11 @@ def cache_region_schemas() -> bool:
     gen_schema.__doc__ = generate.__doc__
     hop_type.gen_schema = gen_schema
     return True
+
+
+def compile_region(fn):
+    """``fn`` as a nested compile region (``torch.compiler.nested_compile_region``: ``torch.compile`` traces and
+    compiles it once and calls the same subgraph wherever it is called with inputs of the same kind); a no-op outside
+    ``torch.compile`` and on a torch without the API."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return region(fn) if region is not None else fn

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
+from mla_compile.models.region_schema import cache_region_schemas, compile_region
 from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -65,12 +66,31 @@ class V4Metadata:
         """:func:`mark_dynamic` of a step with this metadata (what the CUDA-graph runner calls)."""
         mark_dynamic(input_ids, positions, self)
 
-    def to(self, device) -> "V4Metadata":
-        """A copy with every tensor on ``device`` (host planning builds on CPU, then moves once)."""
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    def map_tensors(self, fn) -> "V4Metadata":
+        """A copy with ``fn`` applied to every tensor."""
+        mv = lambda t: None if t is None else fn(t)  # noqa: E731
         return V4Metadata(mv(self.query_seq), mv(self.seq_lens), mv(self.block_table), mv(self.slot_mapping),
                           mv(self.state_slot), {r: mv(t) for r, t in self.entry_tables.items()},
                           mv(self.logits_indices))
+
+    def to(self, device) -> "V4Metadata":
+        """A copy with every tensor on ``device`` (host planning builds on CPU, then moves once)."""
+        return self.map_tensors(lambda t: t.to(device))
+
+    def flat(self) -> tuple:
+        """The metadata as a flat tuple (:meth:`from_flat` rebuilds it): the compression rates in order, then the
+        tensors, the entry tables in that order. What a nested compile region takes, so that Dynamo can reuse one
+        traced region for every layer (a dataclass argument is traced anew per call)."""
+        rates = tuple(sorted(self.entry_tables))
+        return (rates, self.query_seq, self.seq_lens, self.block_table, self.slot_mapping, self.state_slot,
+                self.logits_indices, *(self.entry_tables[r] for r in rates))
+
+    @staticmethod
+    def from_flat(rates, query_seq, seq_lens, block_table, slot_mapping, state_slot, logits_indices, *tables
+                  ) -> "V4Metadata":
+        """The metadata :meth:`flat` gave."""
+        return V4Metadata(query_seq, seq_lens, block_table, slot_mapping, state_slot, dict(zip(rates, tables)),
+                          logits_indices)
 
 
 def mark_dynamic(input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> None:
@@ -153,14 +173,60 @@ class V4Attention(nn.Module):
         self.state: dict[str, tuple[Tensor, Tensor]] = {}
 
     def forward(self, x: Tensor, positions: Tensor, freqs: Tensor, inv_freq: Tensor, meta: V4Metadata) -> Tensor:
-        """``x [T, hidden]`` (after the input norm) -> ``[T, hidden]``."""
+        """``x [T, hidden]`` (after the input norm) -> ``[T, hidden]``: :meth:`project`, :meth:`write`, then
+        :meth:`attend`."""
+        q, kv, comp_in, q_idx, w_idx = self.project(x, freqs)
+        self.write(kv, comp_in, positions, inv_freq, meta)
+        return self.attend(q, q_idx, w_idx, positions, inv_freq, meta)
+
+    def project(self, x: Tensor, freqs: Tensor) -> tuple:
+        """Every projection of ``x [T, hidden]`` (after the input norm) that the cache writes and the attention
+        read, no cache access: ``(q [T, heads, head_dim] (normed, rotated), kv [T, head_dim] (normed, rotated),
+        comp_in, q_idx, w_idx)``. ``comp_in``: the compressor's ``(kv, gate)`` projections, then (CSA) the indexer
+        compressor's (an empty tuple in a sliding layer); ``q_idx [T, index_heads, index_head_dim]`` (rotated) and
+        ``w_idx [T, index_heads]``: the indexer's query and head weights (CSA; None elsewhere)."""
         a = self.hf
         T = x.shape[0]
         q_res = a.q_a_norm(a.q_a_proj(x))
         q = _rms(a.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), thaw(self._eps))
         q = rope_interleaved(q, freqs)
         kv = rope_interleaved(a.kv_norm(a.kv_proj(x)), freqs)
+        if self.layer_type == SLIDING:
+            return q, kv, (), None, None
+        c = a.compressor
+        if self.layer_type == HCA:
+            return q, kv, (c.kv_proj(x), c.gate_proj(x)), None, None
+        ix = c.indexer
+        q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
+        return q, kv, (c.kv_proj(x), c.gate_proj(x), ix.kv_proj(x), ix.gate_proj(x)), q_idx, ix.scorer.weights_proj(x)
+
+    def write(self, kv: Tensor, comp_in: tuple, positions: Tensor, inv_freq: Tensor, meta: V4Metadata) -> None:
+        """The layer's cache writes from :meth:`project`'s ``kv`` and ``comp_in``: the token rows, then (compressed
+        layers) the compressor's entries and partial-window state, then (CSA) the indexer's keys and state."""
         write_index_cache(kv, meta.slot_mapping, self.kv_cache)  # a plain row write: [T, D] at token slots
+        if self.layer_type == SLIDING:
+            return
+        a = self.hf
+        table = meta.entry_tables[self.rate]
+        c = a.compressor
+        skv, sg = self.state["compressor"]
+        v4_compress_write(comp_in[0], comp_in[1], meta.query_seq, positions, meta.state_slot, skv, sg,
+                          c.position_bias, c.kv_norm.weight, inv_freq, self.comp_cache, table, rate=self.rate,
+                          eps=thaw(self._comp_eps), overlap=self.layer_type == CSA, backend=self.compress_backend)
+        if self.layer_type == CSA:
+            ix = c.indexer
+            ikv, ig = self.state["indexer"]
+            v4_compress_write(comp_in[2], comp_in[3], meta.query_seq, positions, meta.state_slot, ikv, ig,
+                              ix.position_bias, ix.kv_norm.weight, inv_freq, self.index_cache, table,
+                              rate=self.rate, eps=thaw(self._index_eps), overlap=True, backend=self.compress_backend)
+
+    def attend(self, q: Tensor, q_idx: Tensor | None, w_idx: Tensor | None, positions: Tensor, inv_freq: Tensor,
+               meta: V4Metadata) -> Tensor:
+        """The attention of :meth:`project`'s queries over the written caches (the window's token rows; the
+        compressed entries the indexer picks (CSA) or every visible one (HCA)) and the output projections:
+        ``[T, hidden]``. Reads the caches, writes nothing."""
+        a = self.hf
+        T = q.shape[0]
         bs = self.kv_cache.shape[1]
         ws = window_slots(meta.block_table, meta.query_seq, positions, block_size=bs, window=self.window)
         if self.layer_type == SLIDING:
@@ -168,24 +234,11 @@ class V4Attention(nn.Module):
         else:
             comp = self.comp_cache
             table = meta.entry_tables[self.rate]
-            c = a.compressor
-            skv, sg = self.state["compressor"]
-            v4_compress_write(c.kv_proj(x), c.gate_proj(x), meta.query_seq, positions, meta.state_slot, skv, sg,
-                              c.position_bias, c.kv_norm.weight, inv_freq, comp, table, rate=self.rate,
-                              eps=thaw(self._comp_eps), overlap=self.layer_type == CSA,
-                              backend=self.compress_backend)
             if self.layer_type == HCA:
                 cs = compressed_slots(table, meta.query_seq, positions, block_size=comp.shape[1], rate=self.rate)
             else:
-                ix = c.indexer
-                ikv, ig = self.state["indexer"]
-                v4_compress_write(ix.kv_proj(x), ix.gate_proj(x), meta.query_seq, positions, meta.state_slot, ikv,
-                                  ig, ix.position_bias, ix.kv_norm.weight, inv_freq, self.index_cache, table,
-                                  rate=self.rate, eps=thaw(self._index_eps), overlap=True,
-                                  backend=self.compress_backend)
-                q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
-                cs = v4_index_topk(q_idx, ix.scorer.weights_proj(x), self.index_cache, table, meta.seq_lens,
-                                   meta.query_seq, positions, rate=self.rate, topk=self.index_topk)
+                cs = v4_index_topk(q_idx, w_idx, self.index_cache, table, meta.seq_lens, meta.query_seq, positions,
+                                   rate=self.rate, topk=self.index_topk)
         out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, thaw(self._scale),
                               backend=self.backend, slots=self.slots)
         grouped = a.o_a_proj(out.reshape(T, self.o_groups, -1)).flatten(1)
@@ -311,6 +364,20 @@ class V4ForCausalLM(nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
+        self.regional_compile = False  # see forward
+
+    @property
+    def regional_compile(self) -> bool:
+        """Whether :meth:`forward` runs each layer as two nested compile regions (set by ``patch``). Turning it on
+        also makes a torch that re-traces a region for every call's schema reuse the first one
+        (:func:`~mla_compile.models.region_schema.cache_region_schemas`; torch 2.11)."""
+        return self._regional_compile
+
+    @regional_compile.setter
+    def regional_compile(self, on: bool) -> None:
+        if on:
+            cache_region_schemas()
+        self._regional_compile = bool(on)
 
     @property
     def rates(self) -> list[int]:
@@ -372,23 +439,67 @@ class V4ForCausalLM(nn.Module):
         return first.shape[0], first.shape[1], entries, min(rows, default=0)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: V4Metadata) -> Tensor:
-        """One step over ``T`` flat tokens; returns logits of ``meta.logits_indices`` (or every token)."""
+        """One step over ``T`` flat tokens; returns logits of ``meta.logits_indices`` (or every token).
+
+        With ``regional_compile`` each layer runs as two nested compile regions with its cache writes between them
+        (Inductor takes no mutating op inside a region): the attention's mHC collapse, input norm and projections
+        (:meth:`V4Attention.project`), then :meth:`V4Attention.write`, then the attention over the caches, its mHC
+        mix and the whole MoE block. ``torch.compile`` then compiles each region once per layer kind (attention
+        type, hash or top-k routing) and calls it for every layer of that kind, so compile time hardly grows with
+        depth; eager runs are unchanged."""
         m = self.model
         h = m.embed_tokens(input_ids)
         x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         pos = positions.float()[:, None]
         freqs = {"main": pos * self.main_inv_freq[None, :], "compress": pos * self.compress_inv_freq[None, :]}
         inv = {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
+        if self.regional_compile:
+            # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it) and a builder's
+            # tensors may be views of one arena: the regions read copies (a few small copies a step)
+            meta = meta.map_tensors(torch.clone)
+            flat, ids, positions = meta.flat(), input_ids.clone(), positions.clone()
+            for layer, attn, moe in zip(m.layers, self.attn, self.moe):
+                post, comb, q, kv, q_idx, w_idx, *comp_in = _attention_in(layer, attn, x, freqs[attn.rope_kind])
+                attn.write(kv, tuple(comp_in), positions, inv[attn.rope_kind], meta)
+                x = _attention_out_and_moe(layer, attn, moe, x, post, comb, q, q_idx, w_idx, positions,
+                                           inv[attn.rope_kind], ids, *flat)
+            return self._head(x, meta)
         for layer, attn, moe in zip(m.layers, self.attn, self.moe):
             post, comb, collapsed = hyper_connection(layer.attn_hc, x)
             out = attn(layer.input_layernorm(collapsed), positions, freqs[attn.rope_kind], inv[attn.rope_kind], meta)
             x = hyper_mix(post, comb, out, x)
             post, comb, collapsed = hyper_connection(layer.ffn_hc, x)
             x = hyper_mix(post, comb, moe(layer.post_attention_layernorm(collapsed), input_ids), x)
-        h = m.norm(hyper_head(m.hc_head, x))
+        return self._head(x, meta)
+
+    def _head(self, x: Tensor, meta: V4Metadata) -> Tensor:
+        """The logits of the streams ``x [T, hc_mult, hidden]`` after the last layer (at ``meta.logits_indices``)."""
+        h = self.model.norm(hyper_head(self.model.hc_head, x))
         if meta.logits_indices is not None:
             h = h[meta.logits_indices]
         return self.lm_head(h)
+
+
+@compile_region
+def _attention_in(layer: nn.Module, attn: V4Attention, x: Tensor, freqs: Tensor) -> tuple:
+    """A layer's first region: the attention's mHC weights and collapse of the streams ``x``, the input norm and
+    :meth:`V4Attention.project`: ``(post, comb, q, kv, q_idx, w_idx, *comp_in)`` (no cache access)."""
+    post, comb, collapsed = hyper_connection(layer.attn_hc, x)
+    q, kv, comp_in, q_idx, w_idx = attn.project(layer.input_layernorm(collapsed), freqs)
+    return (post, comb, q, kv, q_idx, w_idx, *comp_in)
+
+
+@compile_region
+def _attention_out_and_moe(layer: nn.Module, attn: V4Attention, moe: "V4MoE", x: Tensor, post: Tensor, comb: Tensor,
+                           q: Tensor, q_idx: Tensor | None, w_idx: Tensor | None, positions: Tensor, inv_freq: Tensor,
+                           input_ids: Tensor, *flat_meta) -> Tensor:
+    """A layer's second region, after its cache writes: :meth:`V4Attention.attend`, the attention's mHC mix into the
+    streams ``x``, then the MoE block (its mHC collapse, norm, routing, experts and mix): the layer's output streams.
+    ``flat_meta``: the step's :meth:`V4Metadata.flat`."""
+    meta = V4Metadata.from_flat(*flat_meta)
+    x = hyper_mix(post, comb, attn.attend(q, q_idx, w_idx, positions, inv_freq, meta), x)
+    post, comb, collapsed = hyper_connection(layer.ffn_hc, x)
+    return hyper_mix(post, comb, moe(layer.post_attention_layernorm(collapsed), input_ids), x)
 
 
 def patch_v4(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "auto") -> V4ForCausalLM:

@@ -23,11 +23,12 @@ from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
 from test_v4_model import hf_greedy, prompts  # noqa: E402
 
 
-def _run(device: str, enabled: bool, compile_backend: str | None, tol: float) -> DecodeGraphRunner:
+def _run(device: str, enabled: bool, compile_backend: str | None, tol: float, regional: bool = False
+         ) -> DecodeGraphRunner:
     hf = toy_v4_model(9)
     ps = prompts(9, [14, 5, 23])
     refs = [hf_greedy(hf, p, 10) for p in ps]
-    model = patch(hf.to(device))
+    model = patch(hf.to(device), regional_compile=regional)
     seqs = V4Sequences(model, 4, 48, 4, fill=float("nan"))  # block lists and caches (on the model's device)
     builder = V4DecodeBuilder(max_batch=4, max_blocks_per_seq=seqs.tables.shape[1],
                               max_entry_blocks=max(t.shape[1] for t in seqs.entry.values()), rates=model.rates,
@@ -57,7 +58,15 @@ def test_v4_padded_decode_steps_through_the_runner_match_hf():
     assert runner.replays == 0 and runner.fallbacks == 0
 
 
+def test_v4_regional_padded_decode_steps_through_the_runner_match_hf():
+    """The regional model's split layers (eager: the regions are plain calls) through the runner's padded steps."""
+    runner = _run("cpu", enabled=False, compile_backend=None, tol=1e-4, regional=True)
+    assert runner.replays == 0 and runner.fallbacks == 0
+
+
 @pytest.mark.cuda
-def test_v4_decode_cuda_graphs_match_hf():
-    runner = _run("cuda", enabled=True, compile_backend="inductor", tol=1e-3)
+@pytest.mark.parametrize("regional", [False, True])
+def test_v4_decode_cuda_graphs_match_hf(regional):
+    """Compiled by Inductor (``regional``: each layer as two nested compile regions) and captured in CUDA graphs."""
+    runner = _run("cuda", enabled=True, compile_backend="inductor", tol=1e-3, regional=regional)
     assert runner.replays == 10 and set(runner.graphs) == {2, 4}
