@@ -1,7 +1,7 @@
 """Decode-step latency of a DeepSeek-V4-Flash-dims slice through mla_compile (random weights), one run.
 
     python benchmarks/bench_v4_decode.py --out OUT_DIR [--batches 1,64,256] [--ctx 8192,131072] [--backend triton]
-        [--impls "ours eager,ours compiled,ours graph,hf eager,hf compiled"] [--budget-s S]
+        [--impls "ours eager,ours compiled,ours graph,hf eager,hf compiled"] [--budget-s S] [--regional-compile]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
     python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
 
@@ -461,6 +461,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and caches (auto: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--regional-compile", action="store_true",
+                   help="compile each layer as nested compile regions (patch(..., regional_compile=True))")
     p.add_argument("--budget-s", type=float, default=1e9)
     p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
     p.add_argument("--attn-backends", default="triton,flashmla", help="backends --attention compares on CUDA")
@@ -484,7 +486,7 @@ def main(argv=None) -> int:
     from mla_compile.models.v4_cache import V4CacheLayout, V4Dims
 
     hf = build_model(args, dev, dtype)
-    model = patch(hf, backend=args.backend)
+    model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
     layout = V4CacheLayout(V4Dims.from_hf(hf.config), "bf16")
     batches = [int(x) for x in args.batches.split(",")]
     ctxs = [int(x) for x in args.ctx.split(",")]

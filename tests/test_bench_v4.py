@@ -50,6 +50,17 @@ def test_bench_v4_decode_cpu_smoke(tmp_path):
     assert last[:2] == ["2", "47"] and last[3] == "-" and last[-3].endswith("x") and last[-1].endswith("x"), last
 
 
+@pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
+def test_bench_v4_decode_regional_compile_flag(tmp_path):
+    """``--regional-compile`` patches the model with ``regional_compile=True``: its compiled row runs (one graph for
+    the step) and the run's arguments record the flag."""
+    data = run_decode(tmp_path, "--ctx", "43", "--batches", "2", "--impls", "ours eager,ours compiled",
+                      "--regional-compile")
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert rows["ours eager"]["ms"] > 0 and rows["ours compiled"]["ms"] > 0, rows
+    assert data["info"]["args"]["regional_compile"] is True
+
+
 # Tiny dims: window 8, CSA rate 4 (top-8 of ctx / 4 entries: sparse from ctx 36), HCA rate 16. ctx 40: no window
 # closes at the step; 43: a CSA window closes (its overlap state is read); 47: CSA and HCA windows close.
 @pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
