@@ -254,6 +254,21 @@ class MLAAttention(nn.Module):
         h = h + residual
         return (h, *self.project_raw(norm(h), cos, sin, rotate_q_pe=rotate_q_pe))
 
+    def project_sparse(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        """A sparse (V3.2) layer's projections of ``x [T, hidden]`` (after the input norm), no cache access:
+        ``(q_nope, q_pe, kv, q_idx, k_idx, w_idx)``, :meth:`project_raw`'s (``kv`` raw) then the indexer's
+        (:meth:`~mla_compile.models.indexer.MLAIndexer.project`), both from one ``q_a_proj`` output."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        return (*self.project_raw(x, cos, sin, q_resid), *self.indexer.project(x, q_resid, cos, sin))
+
+    def attend_sparse(self, q_nope: Tensor, q_pe: Tensor, q_idx: Tensor, w_idx: Tensor, positions: Tensor,
+                      meta: MLAMetadata) -> Tensor:
+        """A sparse (V3.2) layer's attention after its cache and index-key writes: the indexer's top-k over the
+        index cache (:meth:`~mla_compile.models.indexer.MLAIndexer.select`), the attention over those slots and
+        ``o_proj``: ``[T, hidden]``. Reads the caches, writes nothing."""
+        indices = self.indexer.select(q_idx, w_idx, positions, meta)
+        return linears(self._sparse(q_nope, q_pe, indices).flatten(1), self.o_proj)[0]
+
     def _q_b(self, q_a: Tensor) -> Tensor:
         """``q_b_proj(q_a_layernorm(q_a))`` of a q-LoRA layer where :meth:`_norm_linear_serves`: one
         ``mla::skinny_norm_linear`` launch (no residual) when the norm and ``q_b_proj`` are plain and of q_a's dtype,

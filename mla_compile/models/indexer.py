@@ -62,19 +62,36 @@ class MLAIndexer(nn.Module):
     def forward(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
                 meta: MLAMetadata) -> Tensor:
         """Write this step's index keys; return ``indices int32 [T, index_topk]`` (physical slots of the
-        selected tokens, -1 padded) for ``x [T, hidden]``, ``q_resid [T, q_lora_rank]``, ``positions [T]``."""
+        selected tokens, -1 padded) for ``x [T, hidden]``, ``q_resid [T, q_lora_rank]``, ``positions [T]``:
+        :meth:`project`, :meth:`write`, then :meth:`select` (the model's regional compilation calls them apart,
+        the write between regions)."""
+        q, k, w = self.project(x, q_resid, cos, sin)
+        self.write(k, meta)
+        return self.select(q, w, positions, meta)
+
+    def project(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The indexer's projections, no cache access: ``(q [T, index_heads, index_head_dim], k [T, index_head_dim]``
+        (both rotated on their first ``qk_rope_head_dim`` dims), ``w [T, index_heads]`` (scaled head weights, float32;
+        float64 for float64 x))."""
         c = self.config
-        if self.k_cache is None:
-            raise RuntimeError("MLAIndexer has no index cache: call MLAForCausalLM.allocate_cache(...) first")
         T, Hi, d, r = x.shape[0], c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
         q = self.wq_b(q_resid).view(T, Hi, d)
         q = torch.cat([apply_rope(q[..., :r], cos, sin, False), q[..., r:]], dim=-1)
         k = self.k_norm(self.wk(x))
         k = torch.cat([apply_rope(k[:, :r], cos, sin, False), k[:, r:]], dim=-1)
-        ops.write_index_cache(k, meta.slot_mapping, self.k_cache)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # HF scores in float32
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(acc) * (Hi ** -0.5 * d ** -0.5)
+        return q, k, w
 
+    def write(self, k: Tensor, meta: MLAMetadata) -> None:
+        """Write this step's index keys ``k [T, index_head_dim]`` at ``meta.slot_mapping`` (quantized into fp8 rows)."""
+        if self.k_cache is None:
+            raise RuntimeError("MLAIndexer has no index cache: call MLAForCausalLM.allocate_cache(...) first")
+        ops.write_index_cache(k, meta.slot_mapping, self.k_cache)
+
+    def select(self, q: Tensor, w: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:
+        """The top ``index_topk`` slots of every query over the written index cache: ``indices int32 [T, index_topk]``
+        (-1 padded). Reads the cache, writes nothing."""
         parts, at = [], 0
         for block_table, seq_lens, query_seq, query_pos in self._query_parts(meta, positions):
             n = query_seq.shape[0]

@@ -117,10 +117,12 @@ class MLAForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: MLAMetadata) -> Tensor:
         """One step over ``T`` flat tokens (decode tokens first, then prefill); returns logits.
 
-        With ``regional_compile`` (set by :func:`patch`), each dense-attention layer runs as two nested compile
-        regions (``torch.compiler.nested_compile_region``): its projections (after the previous layer's MLP
+        With ``regional_compile`` (set by :func:`patch`), each layer but a sink + window one runs as two nested
+        compile regions (``torch.compiler.nested_compile_region``): its projections (after the previous layer's MLP
         residual), then its attention over the cache and its MLP / MoE, with the cache write between them
-        (Inductor takes no mutating op inside a region).
+        (Inductor takes no mutating op inside a region); a sparse (V3.2) layer's first region also makes its
+        indexer's projections, its index keys are written between the regions and its second region selects the
+        top-k and attends over it.
         ``torch.compile`` then compiles each region once and stamps it out for every layer of the same shape,
         so compile time hardly grows with depth; eager runs are unchanged.
 
@@ -129,11 +131,12 @@ class MLAForCausalLM(nn.Module):
         lengths and every layer's decode takes it (``meta.decode.schedule``) instead of scheduling itself."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
-        regional = self.regional_compile and any(a.indexer is None and a.sink_window is None for a in self.attentions)
+        regional = self.regional_compile and any(a.sink_window is None for a in self.attentions)
         if regional:
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
+            region_positions = positions.clone()  # (the sparse layers' second region reads them)
         meta = self._with_step_schedule(meta)
         if regional:
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
@@ -141,7 +144,19 @@ class MLAForCausalLM(nn.Module):
         mlp_out = None  # a region's MLP output, added to h by the next layer's first region (one launch with its norm)
         for layer in self.model.layers:
             attn = layer.self_attn
-            if self.regional_compile and attn.indexer is None and attn.sink_window is None:
+            if self.regional_compile and attn.indexer is not None:
+                # a sparse (V3.2) layer: the latent cache and the index keys written between the regions
+                if mlp_out is None:
+                    q_nope, q_pe, kv, q_idx, k_idx, w_idx = _sparse_layer_projections(layer, h, cos, sin)
+                else:
+                    h, q_nope, q_pe, kv, q_idx, k_idx, w_idx = _sparse_layer_add_projections(layer, h, mlp_out, cos,
+                                                                                             sin)
+                attn.write_cache_raw(kv, cos, sin, meta)
+                attn.indexer.write(k_idx, meta)
+                h, mlp_out = _sparse_layer_rest(layer, h, q_nope, q_pe, q_idx, w_idx, region_positions, token_mask,
+                                                *flat)
+                continue
+            if self.regional_compile and attn.sink_window is None:
                 # a decode step may write the cache and absorb q (q_pe rotated there) in one op between the regions
                 fold = attn.write_absorb_serves(h, meta)
                 raw = (False,) if fold else ()  # the regions' rotate_q_pe (their default where not folded)
@@ -230,6 +245,33 @@ def _layer_rest_absorbed(layer: nn.Module, h: Tensor, q_abs: Tensor, token_mask:
     return _residual_mlp(layer, h, layer.self_attn.attend_absorbed(q_abs, meta), token_mask)
 
 
+@compile_region
+def _sparse_layer_projections(layer: nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+    """A sparse (V3.2) layer's first region: the input norm, the attention's and the indexer's projections
+    (``MLAAttention.project_sparse``; no cache access)."""
+    return layer.self_attn.project_sparse(layer.input_layernorm(h), cos, sin)
+
+
+@compile_region
+def _sparse_layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Tensor, sin: Tensor
+                                  ) -> tuple[Tensor, ...]:
+    """:func:`_sparse_layer_projections` of ``h + mlp_out`` (the previous layer's MLP residual, added here with the
+    input norm); also returns that sum first."""
+    h = h + mlp_out
+    return (h, *layer.self_attn.project_sparse(layer.input_layernorm(h), cos, sin))
+
+
+@compile_region
+def _sparse_layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, q_idx: Tensor, w_idx: Tensor,
+                       positions: Tensor, token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
+    """A sparse layer's second region, after its writes: the indexer's top-k, the attention over it and ``o_proj``
+    (``MLAAttention.attend_sparse``), the attention residual and the MLP: ``(h + attention, mlp output)`` as
+    :func:`_layer_rest`."""
+    meta = MLAMetadata.from_flat(*flat_meta)
+    attention = layer.self_attn.attend_sparse(q_nope, q_pe, q_idx, w_idx, positions, meta)
+    return _residual_mlp(layer, h, attention, token_mask)
+
+
 def _residual_mlp(layer: nn.Module, h: Tensor, residual: Tensor, token_mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(h + residual, the layer's MLP of its post-attention norm of that sum)``: an :class:`MLAMoE`'s
     :meth:`~MLAMoE.forward_residual` (the add, the norm and the router one launch where
@@ -256,8 +298,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     (``FP8BlockLinear`` / ``FP8Experts`` without a backend of their own; e.g. ``"fp8_block_linear=autotune"``).
 
     ``regional_compile``: run each layer as nested compile regions, so ``torch.compile`` compiles a layer once for
-    all layers of its shape (unsharded models: :meth:`MLAForCausalLM.forward`, V2/V3 dense-attention layers;
-    :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
+    all layers of its shape (unsharded models: :meth:`MLAForCausalLM.forward`, V2/V3/V3.2 layers but sink + window
+    ones; :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
 
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:

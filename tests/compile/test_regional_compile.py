@@ -23,11 +23,14 @@ def _subgraph_calls(gm: torch.fx.GraphModule) -> list[str]:
             if n.op == "call_function" and n.target is torch.ops.higher_order.invoke_subgraph]
 
 
-@pytest.mark.parametrize("kind,cache", [("v2-lite", None), ("v3", None), ("v2-lite", "fp8")])
+@pytest.mark.parametrize("kind,cache", [
+    ("v2-lite", None), ("v3", None), ("v2-lite", "fp8"),
+    pytest.param("v3.2", None, marks=pytest.mark.skipif(not toy.has_sparse_kinds(), reason="no DeepseekV32ForCausalLM"))])
 def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shape(kind, cache):
     """Also: between the regions each layer writes its cache rows from the raw latent in one
     ``mla::write_latent_cache_fused`` call (norm + RoPE + write; quantizing into the fp8 cache), and the tokens,
-    logits and cache equal the unregional eager model's, whose norm, RoPE and write are separate ops."""
+    logits and cache equal the unregional eager model's, whose norm, RoPE and write are separate ops. A V3.2
+    (sparse) layer also writes its indexer's keys between its regions and selects its top-k in the second one."""
     torch._dynamo.reset()
     counters.clear()
     layers = 5
@@ -57,6 +60,8 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
     for gm in graphs:  # prefill and decode graphs: the MoE layers' two regions are traced once, called per layer
         writes = [n for n in gm.graph.nodes if n.op == "call_function" and "write_latent_cache" in str(n.target)]
         assert len(writes) == layers and all("write_latent_cache_fused" in str(n.target) for n in writes), writes
+        index_writes = [n for n in gm.graph.nodes if n.op == "call_function" and "write_index_cache" in str(n.target)]
+        assert len(index_writes) == (layers if kind == "v3.2" else 0), index_writes  # V3.2: between the regions too
         calls = _subgraph_calls(gm)
         assert len(calls) >= 2 * (layers - 1), calls  # (Dynamo may inline the one dense layer's second region)
         # torch 2.11 keeps the first MoE layer's first region (after the dense layer) as one more subgraph; from
