@@ -169,7 +169,7 @@ def _padded_steps_match(model, ref):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("regional", [False, True])
-@pytest.mark.parametrize("kind", toy.KINDS)
+@pytest.mark.parametrize("kind", toy.KINDS + (toy.SPARSE_KINDS if toy.has_sparse_kinds() else ()))
 def test_padded_decode_logits_on_gpu(kind, regional):
     """The GPU twin: bf16 on CUDA, "fused" MoE (the Triton kernels skip the padding): a B=1 decode padded to 2 and
     B=3 padded to 8 by the builder give the unpadded step's logits for the real rows, eager and compiled; with
