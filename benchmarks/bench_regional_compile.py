@@ -78,15 +78,19 @@ def _v4_greedy(model, step_fn, prompts: list[list[int]], steps: int = 4) -> list
     steps, over fresh caches (:class:`~mla_compile.models.v4_model.V4Sequences`)."""
     import torch
 
-    from mla_compile.models.v4_model import V4Sequences
+    from mla_compile.models.v4_model import V4Sequences, mark_dynamic
 
     seqs = V4Sequences(model, len(prompts), 64, 16)
+    device = model.lm_head.weight.device
     batch = list(range(len(prompts)))
     tokens = [[] for _ in prompts]
     with torch.no_grad():
         chunks = prompts
         for _ in range(steps):
-            nxt = seqs.step(step_fn, batch, chunks).argmax(-1).tolist()
+            ids, pos, meta = seqs.metadata(batch, chunks)  # planned on the host, then moved once
+            ids, pos, meta = ids.to(device), pos.to(device), meta.to(device)
+            mark_dynamic(ids, pos, meta)
+            nxt = step_fn(ids, pos, meta).argmax(-1).tolist()
             for toks, t in zip(tokens, nxt):
                 toks.append(t)
             chunks = [[t] for t in nxt]
@@ -126,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=os.path.join(cache, "triton"))
                 for start in ("cold", "warm")[:1 + args.warm]:  # warm: a new process over the cold one's caches
                     warm = f"{start}:{args.dynamo_cache}" if args.warm else ""
-                    out = subprocess.run([sys.executable, __file__, "--device", args.device, "--backend", args.backend,
-                                          "--one", f"{args.kind},{layers},{int(regional)}", "--start", warm],
-                                         env=env, check=True, capture_output=True, text=True).stdout
-                    r = json.loads(out.strip().splitlines()[-1])
+                    proc = subprocess.run([sys.executable, __file__, "--device", args.device, "--backend", args.backend,
+                                           "--one", f"{args.kind},{layers},{int(regional)}", "--start", warm],
+                                          env=env, capture_output=True, text=True)
+                    if proc.returncode != 0:  # the child's own error, not only its exit status
+                        raise SystemExit(f"{args.kind} layers {layers} regional {regional} {start} failed:\n"
+                                         f"{proc.stderr[-6000:]}")
+                    r = json.loads(proc.stdout.strip().splitlines()[-1])
                     print(f"{r['kind']:8s} layers {r['layers']:3d} regional {str(r['regional']):5s} {start} "
                           f"{r['seconds']:6.1f} s (CPU {r['cpu_seconds']:6.1f} s)  tokens equal to eager: "
                           f"{r['tokens_equal']}  torch {r['torch']}", flush=True)
