@@ -89,17 +89,18 @@ def _max_err(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overrides=None):
+def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overrides=None, regional=False):
     """Logits of the sharded model vs the single-process patched model over the step script; shard sizes;
     with ``compile_too`` also the fullgraph-compiled sharded model, its graph breaks and its collectives.
-    ``overrides``: toy config changes."""
+    ``overrides``: toy config changes; ``regional``: the sharded model patched with ``regional_compile=True`` (the
+    compiled graph's ``invoke_subgraph`` calls counted in ``region_calls``)."""
     state = init(ParallelConfig(**pconf), timeout=60)
     hf = toy.toy_hf_model(kind, seed=7, **(overrides or {}))
     ref = patch(copy.deepcopy(hf))
     steps = _steps(hf.config.vocab_size, seed=11)
     want = _run(ref, steps)
     full_params = sum(p.numel() for p in ref.parameters())
-    model = patch(hf, parallel=state, ep_dispatch=dispatch)
+    model = patch(hf, parallel=state, ep_dispatch=dispatch, regional_compile=regional)
     got = _run(model, steps)
     res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
            "params": sum(p.numel() for p in model.parameters()), "full_params": full_params,
@@ -116,11 +117,17 @@ def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overr
         counters.clear()
         seen: set[str] = set()
 
+        region_calls = []
+
         def record(gm, example_inputs):
             from torch._functorch.aot_autograd import aot_module_simplified
 
-            def fw(g, _):
-                seen.update(str(n.target) for n in g.graph.nodes if n.op == "call_function")
+            region_calls.extend(str(n.args[1]) for n in gm.graph.nodes if n.op == "call_function"
+                                and n.target is torch.ops.higher_order.invoke_subgraph)
+
+            def fw(g, _):  # the collectives, in the graph or inside its regions' subgraphs
+                seen.update(str(n.target) for m in g.modules() if isinstance(m, torch.fx.GraphModule)
+                            for n in m.graph.nodes if n.op == "call_function")
                 return g.forward
             return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
 
@@ -135,6 +142,7 @@ def sharded_equals_single(rank, world, kind, pconf, dispatch, compile_too, overr
         res["recompiled"] = counters["stats"]["unique_graphs"] - graphs
         res["graph_breaks"] = dict(counters["graph_break"])
         res["collectives"] = sorted(t for t in seen if "c10d" in t)
+        res["region_calls"] = region_calls
     return res
 
 
@@ -368,10 +376,10 @@ def _dp_steps(vocab: int, group: int):
     return steps
 
 
-def dp_attention_equals_single(rank, world, kind, pconf, compile_too, overrides=None):
+def dp_attention_equals_single(rank, world, kind, pconf, compile_too, overrides=None, regional=False):
     """Data-parallel attention: each attention group runs its own requests; its logits equal the single-process
     model on those requests. Also the per-rank cache copies and, compiled, breaks and collectives.
-    ``overrides``: toy config changes."""
+    ``overrides``: toy config changes; ``regional``: the sharded model patched with ``regional_compile=True``."""
     from mla_compile.models.cache import CacheLayout
 
     state = init(ParallelConfig(**pconf), timeout=60)
@@ -379,7 +387,7 @@ def dp_attention_equals_single(rank, world, kind, pconf, compile_too, overrides=
     ref = patch(copy.deepcopy(hf))
     steps = _dp_steps(hf.config.vocab_size, rank // state.config.attn_tp)
     want = _run(ref, steps)
-    model = patch(hf, parallel=state)
+    model = patch(hf, parallel=state, regional_compile=regional)
     res = {"err": _max_err(_run(model, steps), want), "heads": model.attentions[0].config.num_heads,
            "copies": CacheLayout(model.config, "bf16", model.parallel_state.config).copies}
     if compile_too:

@@ -62,6 +62,25 @@ def test_compiled_fullgraph_with_collectives_in_the_graph(kind, pconf):
         assert want <= set(r["collectives"]), r["collectives"]
 
 
+@pytest.mark.parametrize("kind,pconf", [("v3", dict(tp=2, ep=2))])
+def test_regional_compile_of_a_sharded_model_equals_single_process(kind, pconf):
+    """``patch(..., parallel=state, regional_compile=True)``: each layer's two compile regions hold its collectives
+    (the attention's ``o_proj`` reduce, the experts' all-to-all and reduce); compiled fullgraph, the logits equal the
+    single-process model's, no graph break or recompile, and the last MoE layer calls the one before's regions
+    (torch 2.11 keeps the first MoE layer's first region, after the dense layer, as a subgraph of its own)."""
+    overrides = dict(num_hidden_layers=4, first_k_dense_replace=1)
+    results = run_ranks(w.sharded_equals_single, 2, kind, pconf, "all_to_all", True, overrides, True, timeout=300)
+    for r in results:
+        assert r["err"] <= TOL and r["compiled_err"] <= TOL and r["other_batch_err"] <= TOL, r
+        assert r["graph_breaks"] == {} and r["recompiled"] == 0, r
+        calls = r["region_calls"]
+        assert len(calls) >= 2 * 4 - 1, calls  # two regions a layer (Dynamo may inline a region called once)
+        assert calls[-2:] == calls[-4:-2], calls  # the last two MoE layers call the same pair of subgraphs
+        want = {"_c10d_functional.all_reduce.default", "_c10d_functional.all_to_all_single.default",
+                "_c10d_functional.wait_tensor.default"}
+        assert want <= set(r["collectives"]), r["collectives"]
+
+
 def test_meta_model_sharded_from_a_state_dict():
     results = run_ranks(w.sharded_from_meta, 2, "v3", dict(tp=2, ep=2))
     for r in results:
@@ -76,11 +95,15 @@ def test_sparse_v32_tp2_ep2_equals_single_process():
     _check_equal(results, max_fraction=0.65)
 
 
-@pytest.mark.parametrize("kind,pconf,compile_too", [("v3", dict(tp=2, dp_attention=2), False),
-                                                    ("v2-lite", dict(tp=2, dp_attention=2, ep=2), True)])
-def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pconf, compile_too):
+@pytest.mark.parametrize("kind,pconf,compile_too,regional", [("v3", dict(tp=2, dp_attention=2), False, False),
+                                                             ("v2-lite", dict(tp=2, dp_attention=2, ep=2), True, False),
+                                                             ("v2-lite", dict(tp=2, dp_attention=2, ep=2), True, True)])
+def test_dp_attention2_each_group_equals_single_process_on_its_requests(kind, pconf, compile_too, regional):
+    """``regional``: the model patched with ``regional_compile=True`` (its gathers inside the MLP regions)."""
     overrides = w.ONE_MOE_LAYER if compile_too else None  # compiled: one layer, as above
-    results = run_ranks(w.dp_attention_equals_single, 2, kind, pconf, compile_too, overrides, timeout=240)
+    if regional:
+        overrides = dict(num_hidden_layers=2, first_k_dense_replace=1)  # the dense and the MoE layer's regions
+    results = run_ranks(w.dp_attention_equals_single, 2, kind, pconf, compile_too, overrides, regional, timeout=240)
     for r in results:
         assert r["err"] <= TOL, r
         assert r["heads"] == 4 and r["copies"] == 1  # all heads per rank, own cache: no duplicated latent

@@ -298,8 +298,9 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     (``FP8BlockLinear`` / ``FP8Experts`` without a backend of their own; e.g. ``"fp8_block_linear=autotune"``).
 
     ``regional_compile``: run each layer as nested compile regions, so ``torch.compile`` compiles a layer once for
-    all layers of its shape (unsharded models: :meth:`MLAForCausalLM.forward`, V2/V3/V3.2 layers but sink + window
-    ones; :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
+    all layers of its shape (:meth:`MLAForCausalLM.forward`, V2/V3/V3.2 layers but sink + window ones, unsharded or
+    sharded by ``parallel`` without DCP, the collectives inside the regions;
+    :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
 
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
@@ -329,17 +330,18 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
         if hf_config is not None and is_mla_model(hf_config) and MLAConfig.from_hf(hf_config).is_sparse:  # first
             raise NotImplementedError("patch(sparse='sink_window') needs a dense-attention (V2/V3) model; a V3.2 "
                                       "model already selects its tokens with its indexer: pass sparse=None")
-    if regional_compile and parallel is not None:
-        raise NotImplementedError("patch(regional_compile=True) serves unsharded models so far: pass parallel=None, "
-                                  "or regional_compile=False")
     apply_backend_spec(hf_model, backend)  # fp8 linears: "fp8_block_linear=NAME" (sharding copies it)
     if parallel is not None:
         if is_v4_model(getattr(hf_model, "config", None)):
             raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "
                                       "is not built yet: pass parallel=None")
         from mla_compile.parallel import ParallelConfig, current, shard_model
+        if regional_compile and (parallel if isinstance(parallel, ParallelConfig) else parallel.config).dcp > 1:
+            raise NotImplementedError("patch(regional_compile=True) with parallel= serves dcp == 1 so far (a DCP "
+                                      "layer's attention merges every rank's part): pass regional_compile=False")
         state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
         model = shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
+        model.regional_compile = bool(regional_compile)
         if sparse is not None:
             model.set_sink_window(*sink_window)
         return model

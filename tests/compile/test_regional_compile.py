@@ -75,7 +75,8 @@ def test_regional_compile_is_refused_where_it_is_not_built():
     from mla_compile.parallel import ParallelConfig
 
     with pytest.raises(NotImplementedError, match="regional_compile"):
-        patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), regional_compile=True, parallel=ParallelConfig(tp=1))
+        patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), regional_compile=True,
+              parallel=ParallelConfig(tp=2, dcp=2))
 
 
 def test_metadata_flat_round_trip_and_one_choice_cache_per_model():
