@@ -30,8 +30,7 @@ above the rank's shards. The model flags of ``bench_decode_step.py`` (``--layers
 Per mode and batch (the global batch: every sequence of the step, over all ranks): each sequence decodes one token
 over ``--ctx`` tokens of random context (``bench_decode_step.Workload``'s latents; under DCP each rank's cache holds
 its tokens of them). ``--step graph`` (CUDA default): the sharded model compiled (``torch.compile(fullgraph=True)``;
-with ``--regional-compile`` each layer as nested compile regions, but in the DCP mode, where it is not built yet) and
-its decode steps captured in CUDA graphs by
+with ``--regional-compile`` each layer as nested compile regions) and its decode steps captured in CUDA graphs by
 ``DecodeGraphRunner``; ``compiled`` (compiled, no graphs) and ``eager`` (CPU default) otherwise. Reported: the step
 latency (``bench_decode_step.measure``: the median of CUDA events around one whole step, host planning included;
 the slowest rank), tokens/s (batch / latency), the GPU time of a graph replay, the share of the replay's GPU time in
@@ -316,7 +315,7 @@ def run_mode(args, mode: str, world: int, rank: int, dev, dtype, wl, weights, re
     hf = meta_model(args, dtype)
     try:
         model = patch(hf, parallel=state, backend=args.backend, ep_dispatch=args.ep_dispatch, weights=weights,
-                      regional_compile=args.regional_compile and pconf.dcp == 1)  # (DCP: not regional yet)
+                      regional_compile=args.regional_compile)
     except ValueError as exc:  # the model does not split this way (every rank raises alike)
         return skip_all(f"{type(exc).__name__}: {exc}"[:300])
     info = {"parallel": str(pconf), "build_s": time.perf_counter() - t0,

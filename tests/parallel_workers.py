@@ -667,7 +667,7 @@ def _other_batch(vocab: int, q: int):
 
 
 def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, compile_too, sink_window=None,
-                                  dcp_size=None, layers=None, other_batch=False):
+                                  dcp_size=None, layers=None, other_batch=False, regional=False):
     """DCP over the ranks (tp=world, dcp=``dcp_size``, default world; 1: TP alone, whole cache rows on every rank)
     on steps with cached context and multi-token decode: a prefill of a prefix and a prompt; chunked prefill over
     the cached prefix mixed with a ``query_len``-token decode; two ``query_len``-token decode steps (every token's
@@ -676,7 +676,8 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
     picks top-k slots over contexts longer than its ``index_topk``. ``sink_window=(sink, window)``: both models
     patched with sink + window attention (contexts run past it), and how far the dense model is (the window must
     matter). ``layers``: the toy's layer count (default the toy's). (``compile_too``) fullgraph compile: breaks,
-    collectives, and (``other_batch``) other batch sizes without a recompile."""
+    collectives, and (``other_batch``) other batch sizes without a recompile. ``regional``: the sharded model patched
+    with ``regional_compile=True`` (its eager run too)."""
     from mla_compile.models.metadata import mark_dynamic
     from mla_compile.parallel.dcp import localize, plan_dcp_step
 
@@ -687,7 +688,7 @@ def dcp_multi_token_equals_single(rank, world, kind, interleave, query_len, comp
     sparse = {} if sink_window is None else dict(sparse="sink_window", sink=sink_window[0], window=sink_window[1])
     dense = patch(copy.deepcopy(hf)) if sink_window is not None else None
     ref = patch(copy.deepcopy(hf), **sparse)
-    model = patch(hf, parallel=state, **sparse)
+    model = patch(hf, parallel=state, regional_compile=regional, **sparse)
     for a in model.attentions:
         a.interleave = interleave
     script, ends = _dcp_script(vocab, query_len)

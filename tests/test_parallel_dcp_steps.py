@@ -27,14 +27,17 @@ ONE = Group(None, (0,), 0)  # a group of one: merge_topk then merges the candida
 SPARSE = pytest.mark.skipif(not toy.has_sparse_kinds(), reason="needs transformers with DeepseekV32ForCausalLM")
 
 
-@pytest.mark.parametrize("kind,interleave,query_len,compile_too", [
-    ("v3", 4, 3, False), ("v2-lite", 1, 2, True), pytest.param("v3.2", 2, 2, True, marks=SPARSE)])
-def test_dcp2_context_and_multi_token_decode_equal_single_process(kind, interleave, query_len, compile_too):
+@pytest.mark.parametrize("kind,interleave,query_len,compile_too,regional", [
+    ("v3", 4, 3, False, False), ("v2-lite", 1, 2, True, False), pytest.param("v3.2", 2, 2, True, False, marks=SPARSE),
+    ("v2-lite", 1, 2, True, True), pytest.param("v3.2", 2, 2, False, True, marks=SPARSE)])
+def test_dcp2_context_and_multi_token_decode_equal_single_process(kind, interleave, query_len, compile_too, regional):
+    """``regional``: the DCP model patched with ``regional_compile=True`` (each layer's split-cache attention, its
+    query gather and LSE merge inside its second region), eager and (``compile_too``) compiled."""
     pytest.importorskip("transformers")
     # compiled: a one-layer toy (Dynamo's tracing time grows with the layers); the two-layer one runs in the v3 case
-    layers = 1 if compile_too else None
+    layers = 1 if compile_too and not regional else None
     results = run_ranks(w.dcp_multi_token_equals_single, 2, kind, interleave, query_len, compile_too, None, None,
-                        layers, timeout=300)
+                        layers, False, regional, timeout=300)
     for r in results:
         assert r["type"] == "DCPAttention" and r["finite"], r
         assert r["err"] <= TOL and r["err_localize"] <= TOL, r

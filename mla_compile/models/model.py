@@ -136,7 +136,7 @@ class MLAForCausalLM(nn.Module):
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
-            region_positions = positions.clone()  # (the sparse layers' second region reads them)
+            region_positions = positions.clone()  # (sparse and DCP layers' second regions read them)
         meta = self._with_step_schedule(meta)
         if regional:
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
@@ -169,7 +169,7 @@ class MLAForCausalLM(nn.Module):
                     h, mlp_out = _layer_rest_absorbed(layer, h, q_abs, token_mask, *flat)
                     continue
                 attn.write_cache_raw(kv, cos, sin, meta)
-                h, mlp_out = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, token_mask, *flat)
+                h, mlp_out = _layer_rest(layer, h, q_nope, q_pe, kv, cos, sin, region_positions, token_mask, *flat)
                 continue
             if mlp_out is not None:
                 h, mlp_out = h + mlp_out, None
@@ -222,18 +222,20 @@ def _layer_add_projections(layer: nn.Module, h: Tensor, mlp_out: Tensor, cos: Te
 
 @compile_region
 def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: Tensor, cos: Tensor, sin: Tensor,
-                token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
+                positions: Tensor, token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
     """The second region: attention over the (already written) cache, ``o_proj``, the attention residual and the
     MLP: returns ``(h + attention, mlp output)``, the MLP's residual left to the next layer's first region (or the
-    model's end). ``token_mask``: the step's real tokens, for the MoE; ``flat_meta``: the step's
-    :meth:`MLAMetadata.flat`. The normed latent and rotated k_pe (of the raw ``kv``) feed only a prefill: a
-    decode-only step does not make them (nor does Dynamo trace them, at every layer on torch 2.11)."""
+    model's end). ``positions``: the step's (a DCP layer's multi-token decode reads them); ``token_mask``: the
+    step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`. The normed latent and
+    rotated k_pe (of the raw ``kv``) feed only a prefill: a decode-only step does not make them (nor does Dynamo
+    trace them, at every layer on torch 2.11)."""
     meta = MLAMetadata.from_flat(*flat_meta)
     if meta.prefill is None:
         latent = k_pe = None
     else:
         latent, k_pe = layer.self_attn.finish_kv(kv, cos, sin)
-    return _residual_mlp(layer, h, layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta), token_mask)
+    attention = layer.self_attn.attend(h, q_nope, q_pe, latent, k_pe, cos, sin, meta, positions)
+    return _residual_mlp(layer, h, attention, token_mask)
 
 
 @compile_region
@@ -299,7 +301,7 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
 
     ``regional_compile``: run each layer as nested compile regions, so ``torch.compile`` compiles a layer once for
     all layers of its shape (:meth:`MLAForCausalLM.forward`, V2/V3/V3.2 layers but sink + window ones, unsharded or
-    sharded by ``parallel`` without DCP, the collectives inside the regions;
+    sharded by ``parallel``, the collectives inside the regions;
     :meth:`~mla_compile.models.v4_model.V4ForCausalLM.forward`, every DeepSeek-V4 layer).
 
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
@@ -336,9 +338,6 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
             raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "
                                       "is not built yet: pass parallel=None")
         from mla_compile.parallel import ParallelConfig, current, shard_model
-        if regional_compile and (parallel if isinstance(parallel, ParallelConfig) else parallel.config).dcp > 1:
-            raise NotImplementedError("patch(regional_compile=True) with parallel= serves dcp == 1 so far (a DCP "
-                                      "layer's attention merges every rank's part): pass regional_compile=False")
         state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
         model = shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
         model.regional_compile = bool(regional_compile)

@@ -71,14 +71,6 @@ def test_regional_compile_equals_eager_and_reuses_one_region_pair_per_layer_shap
     torch._dynamo.reset()
 
 
-def test_regional_compile_is_refused_where_it_is_not_built():
-    from mla_compile.parallel import ParallelConfig
-
-    with pytest.raises(NotImplementedError, match="regional_compile"):
-        patch(toy.toy_hf_model("v2-lite", num_hidden_layers=1), regional_compile=True,
-              parallel=ParallelConfig(tp=2, dcp=2))
-
-
 def test_metadata_flat_round_trip_and_one_choice_cache_per_model():
     """What lets Dynamo (torch >= 2.13) trace the second region once and reuse it for every layer: the region
     takes the metadata as plain arguments (:meth:`MLAMetadata.flat`, rebuilt by ``from_flat``), and every layer
