@@ -57,11 +57,28 @@ def test_cli_generate_no_compile_chat_and_fp8_cache(ckpt, capsys):
 
 
 def test_cli_generate_compiled_matches_eager(ckpt, capsys):
+    """Compiled regionally (the default) and as one whole graph (``--no-regional-compile``): the eager text."""
     argv = ["generate", "--model", str(ckpt), "--prompt", PROMPT, "--max-new-tokens", "4", "--dtype", "float32"]
     assert main(argv + ["--no-compile"]) == 0
     eager = capsys.readouterr().out
     assert main(argv + ["--compile"]) == 0
     assert capsys.readouterr().out == eager
+    assert main(argv + ["--compile", "--no-regional-compile"]) == 0
+    assert capsys.readouterr().out == eager
+
+
+def test_from_pretrained_regional_compile_reaches_the_model(ckpt, monkeypatch):
+    """``from_pretrained(regional_compile=...)`` sets the loaded model's flag (off by default); ``generate_text``
+    asks for it only when it compiles."""
+    import mla_compile.models.loader as loader
+
+    assert from_pretrained(ckpt, dtype=torch.float32, regional_compile=True).regional_compile
+    assert not from_pretrained(ckpt, dtype=torch.float32).regional_compile
+    asked = []
+    real = loader.from_pretrained
+    monkeypatch.setattr(loader, "from_pretrained", lambda *a, **kw: asked.append(kw["regional_compile"]) or real(*a, **kw))
+    generate_text(ckpt, PROMPT, max_new_tokens=1, dtype=torch.float32, compile=False, stream=None)
+    assert asked == [False]
 
 
 def test_cli_generate_broken_checkpoint_is_a_usage_error(tmp_path, capsys):

@@ -160,6 +160,9 @@ def _add_generate(sub) -> None:
                      help="latent cache: the weights' dtype, or DeepSeek's fp8 rows (default: %(default)s)")
     gen.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                      help="torch.compile(model, fullgraph=True) (default: on)")
+    gen.add_argument("--regional-compile", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --compile: each layer as nested compile regions, so the compile time hardly grows "
+                          "with depth (default: on)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     gen.add_argument("--block-size", type=_positive, default=16, help="tokens per cache block (default: %(default)s)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
@@ -175,7 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
                         dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
                         compile=args.compile, chat=args.chat, block_size=args.block_size, stream=sys.stdout,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, log=_log)
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                        regional_compile=args.regional_compile, log=_log)
     _log(f"{len(res.tokens)} tokens in {res.prefill_s + res.decode_s:.2f} s: {res.tokens_per_s:.1f} tokens/s "
          f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s"
          f"{'; the first prefill and decode steps include compiling them' if args.compile else ''})")

@@ -60,7 +60,7 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> list[int]:
 def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, device: str = "cpu",
                   dtype: torch.dtype | None = None, kv_cache: str = "bf16", compile: bool = True, chat: bool = False,
                   block_size: int = 16, stream: TextIO | None = sys.stdout, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0, seed: int | None = None,
+                  top_p: float = 1.0, seed: int | None = None, regional_compile: bool = True,
                   log: Callable[[str], None] = lambda s: None) -> TextResult:
     """Generate up to ``max_new_tokens`` after ``prompt`` with the checkpoint at ``path``; stops at the tokenizer's
     eos token. The new text is written to ``stream`` as each token arrives (``Engine.stream``).
@@ -68,7 +68,8 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     ``temperature`` / ``top_k`` / ``top_p`` / ``seed``: :class:`~mla_compile.serving.sampling.SamplingParams` (default:
     greedy). ``kv_cache``: "bf16" (the cache in the weights' dtype) or "fp8" (DeepSeek's 656-byte rows).
     ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph); on CUDA the decode
-    steps are then replayed as CUDA graphs.
+    steps are then replayed as CUDA graphs. ``regional_compile`` (with ``compile``): each layer as nested compile
+    regions, so a deep checkpoint compiles one layer of each kind instead of every layer (``from_pretrained``).
     """
     from mla_compile.models.checkpoint import read_config
     from mla_compile.models.loader import from_pretrained
@@ -83,7 +84,8 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
-    model = from_pretrained(path, device=device, dtype=dtype, kv_cache_dtype="fp8" if kv_cache == "fp8" else None)
+    model = from_pretrained(path, device=device, dtype=dtype, kv_cache_dtype="fp8" if kv_cache == "fp8" else None,
+                            regional_compile=compile and regional_compile)
     load_s = time.perf_counter() - t0
     layers = getattr(model.config, "num_layers", None) or model.config.num_hidden_layers
     log(f"loaded {path} in {load_s:.1f} s ({layers} layers, {device})")

@@ -33,7 +33,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def from_pretrained(path: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                     parallel: object | None = None, kv_cache_dtype: torch.dtype | str | None = None,
-                    backend: str | None = None, moe_impl: str = "auto") -> MLAForCausalLM:
+                    backend: str | None = None, moe_impl: str = "auto", regional_compile: bool = False) -> MLAForCausalLM:
     """Load the DeepSeek checkpoint directory ``path`` (config.json, model.safetensors.index.json + shards) as an
     :class:`MLAForCausalLM` on ``device`` (default cpu).
 
@@ -44,22 +44,27 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     (``device`` is then the parallel state's). fp8 and fp4 weights stay quantized: a rank reads its rows /
     columns of the codes with the matching rows / columns of the block scales and only its experts' codes and
     scales, and its heads of ``kv_b_proj`` dequantized; a split through a quantization block raises ValueError
-    (see :func:`mla_compile.parallel.shard.block_split`). ``backend`` / ``moe_impl``: passed to :func:`patch`.
+    (see :func:`mla_compile.parallel.shard.block_split`). ``backend`` / ``moe_impl`` / ``regional_compile``: as for
+    :func:`patch` (``regional_compile``: ``torch.compile`` compiles one layer of each kind, not the whole depth).
     MTP layers (``num_nextn_predict_layers``) are skipped. A DeepSeek-V4 checkpoint (``model_type: "deepseek_v4"``)
     loads as a :class:`~mla_compile.models.v4_model.V4ForCausalLM` (:func:`mla_compile.models.v4_loader.load_v4`).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     root = Path(path)
     if is_v4_checkpoint(root):  # DeepSeek-V4: its own loader
-        return load_v4(root, device=device, dtype=dtype, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
-                       backend=backend, moe_impl=moe_impl)
+        model = load_v4(root, device=device, dtype=dtype, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
+                        backend=backend, moe_impl=moe_impl)
+        model.regional_compile = regional_compile
+        return model
     config = read_config(root)
     fp8 = read_fp8_format(config, root)
     fp4_experts = expert_dtype(config, root) == "fp4"
     index = read_index(root)
     dtype = dtype or config_dtype(config)
     if parallel is not None:
-        return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts)
+        model = _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts)
+        model.regional_compile = regional_compile
+        return model
     device = torch.device(device or "cpu")
     hf = _meta_model(config)
     kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)
@@ -70,7 +75,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     with torch.device(device):  # rotary buffers are computed at init, not stored: make them for real
         hf.model.rotary_emb = type(hf.model.rotary_emb)(config)
     loader.check_complete()
-    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl)
+    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl, regional_compile=regional_compile)
     model.kv_cache_dtype = kv_cache_dtype
     return model
 

@@ -378,3 +378,21 @@ def test_cli_generate_v4(v4_checkpoint, capsys):
     assert "tokens/s" in err and "3 layers" in err
     assert main(argv + ["--no-compile", "--temperature", "1.0", "--seed", "3"]) == 0
     assert capsys.readouterr().out.endswith("\n")
+
+
+def test_from_pretrained_v4_regional_compile(v4_checkpoint):
+    """``from_pretrained(regional_compile=True)`` on a V4 checkpoint: a regional ``V4ForCausalLM``, whose eager
+    steps (the split layers) give HF's greedy tokens."""
+    from mla_compile.models.loader import from_pretrained
+
+    hf, root = v4_checkpoint
+    model = from_pretrained(root, dtype=torch.float32, regional_compile=True)
+    assert model.regional_compile
+    p = prompts(5, [9])[0]
+    seqs = V4Sequences(model, 1, 32, 4, fill=float("nan"))
+    with torch.no_grad():
+        out = seqs.step(model, [0], [p])
+        tokens = [int(out[0].argmax())]
+        for _ in range(3):
+            tokens.append(int(seqs.step(model, [0], [[tokens[-1]]])[0].argmax()))
+    assert tokens == hf_greedy(hf, p, 3)[2]
