@@ -19,12 +19,12 @@ from mla_compile.models.config import MLAConfig, check_sink_window, is_mla_model
 from mla_compile.models.fp8_linear import apply_backend_spec
 from mla_compile.models.metadata import MLAMetadata
 from mla_compile.models.moe import MLAMoE
-from mla_compile.models.region_schema import cache_region_schemas, compile_region
+from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.models.rope import default_inv_freq, rope_cos_sin
 from mla_compile.models.v4_model import V4ForCausalLM, is_v4_model, patch_v4
 
 
-class MLAForCausalLM(nn.Module):
+class MLAForCausalLM(RegionalCompile, nn.Module):
     """A DeepSeek causal LM over a paged latent cache; parameter names match the HF model's.
 
     ``forward(input_ids [T], positions [T], meta) -> logits [R, vocab]`` where R is
@@ -44,7 +44,7 @@ class MLAForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = scaling
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
-        self.regional_compile = False  # see forward
+        self.regional_compile = False  # see forward (RegionalCompile)
         self.step_schedule = True  # see forward: the decode backend's step schedule made once a step
         self.sink_window: tuple[int, int] | None = None  # (sink, window) when patched with sparse="sink_window"
         # one backend-choice cache for every layer: a choice depends only on the call's static configuration, and
@@ -53,19 +53,6 @@ class MLAForCausalLM(nn.Module):
         token, choices = new_choice_cache()
         for attn in self.attentions:
             attn._choice_token, attn._backend_choices = token, choices
-
-    @property
-    def regional_compile(self) -> bool:
-        """Whether :meth:`forward` runs each dense-attention layer as nested compile regions (set by :func:`patch`).
-        Turning it on also makes a torch that re-traces a region for every call's schema reuse the first one
-        (:func:`~mla_compile.models.region_schema.cache_region_schemas`; torch 2.11)."""
-        return self._regional_compile
-
-    @regional_compile.setter
-    def regional_compile(self, on: bool) -> None:
-        if on:
-            cache_region_schemas()
-        self._regional_compile = bool(on)
 
     @property
     def attentions(self) -> list[MLAAttention]:

@@ -62,3 +62,22 @@ def compile_region(fn):
     ``torch.compile`` and on a torch without the API."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     return region(fn) if region is not None else fn
+
+
+class RegionalCompile:
+    """A model's ``regional_compile`` flag (a mixin of the model classes: what their ``forward`` does with it is
+    theirs). Turning it on also makes a torch that re-traces a region for every call's schema reuse the first one
+    (:func:`cache_region_schemas`; torch 2.11)."""
+
+    _regional_compile = False
+
+    @property
+    def regional_compile(self) -> bool:
+        """Whether ``forward`` runs the layers as nested compile regions (set by ``patch``)."""
+        return self._regional_compile
+
+    @regional_compile.setter
+    def regional_compile(self, on: bool) -> None:
+        if on:
+            cache_region_schemas()
+        self._regional_compile = bool(on)

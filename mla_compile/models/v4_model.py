@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
-from mla_compile.models.region_schema import cache_region_schemas, compile_region
+from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -345,7 +345,7 @@ class V4MoE(nn.Module):
         return routed.to(x.dtype) + self.hf.shared_experts(x)
 
 
-class V4ForCausalLM(nn.Module):
+class V4ForCausalLM(RegionalCompile, nn.Module):
     """DeepSeek-V4 causal LM over paged caches; parameter names match the HF model's.
 
     ``forward(input_ids [T], positions [T], meta) -> logits [R, vocab]``.
@@ -364,20 +364,7 @@ class V4ForCausalLM(nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
-        self.regional_compile = False  # see forward
-
-    @property
-    def regional_compile(self) -> bool:
-        """Whether :meth:`forward` runs each layer as two nested compile regions (set by ``patch``). Turning it on
-        also makes a torch that re-traces a region for every call's schema reuse the first one
-        (:func:`~mla_compile.models.region_schema.cache_region_schemas`; torch 2.11)."""
-        return self._regional_compile
-
-    @regional_compile.setter
-    def regional_compile(self, on: bool) -> None:
-        if on:
-            cache_region_schemas()
-        self._regional_compile = bool(on)
+        self.regional_compile = False  # see forward (RegionalCompile)
 
     @property
     def rates(self) -> list[int]:
