@@ -123,7 +123,9 @@ class MLAForCausalLM(RegionalCompile, nn.Module):
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it), and the
             # builder's tensors are views of one arena: the regions read copies (a few small copies a step)
             meta = meta.map_tensors(torch.clone)
-            region_positions = positions.clone()  # (sparse and DCP layers' second regions read them)
+            # the positions, for the second regions that read them (sparse layers', a DCP layer's multi-token decode)
+            region_positions = (positions.clone() if any(a.indexer is not None or not a._own_decode
+                                                         for a in self.attentions) else None)
         meta = self._with_step_schedule(meta)
         if regional:
             flat = meta.flat()  # plain arguments: Dynamo traces the region once and reuses it for every layer
@@ -212,7 +214,8 @@ def _layer_rest(layer: nn.Module, h: Tensor, q_nope: Tensor, q_pe: Tensor, kv: T
                 positions: Tensor, token_mask: Tensor | None, *flat_meta) -> tuple[Tensor, Tensor]:
     """The second region: attention over the (already written) cache, ``o_proj``, the attention residual and the
     MLP: returns ``(h + attention, mlp output)``, the MLP's residual left to the next layer's first region (or the
-    model's end). ``positions``: the step's (a DCP layer's multi-token decode reads them); ``token_mask``: the
+    model's end). ``positions``: the step's (a DCP layer's multi-token decode reads them; None where no layer
+    does); ``token_mask``: the
     step's real tokens, for the MoE; ``flat_meta``: the step's :meth:`MLAMetadata.flat`. The normed latent and
     rotated k_pe (of the raw ``kv``) feed only a prefill: a decode-only step does not make them (nor does Dynamo
     trace them, at every layer on torch 2.11)."""
