@@ -39,7 +39,9 @@ def _one(kind: str, layers: int, regional: bool, device: str, backend: str, warm
 
     prompts = toy.random_prompts(2, [9, 13, 5])
     if kind == "v4":
-        hf = _v4_toy(layers).to(device)
+        from mla_compile.app.v4_toy import depth_overrides, toy_v4_model
+
+        hf = toy_v4_model(1, **depth_overrides(layers)).to(device)
         prompts = toy.random_prompts(2, [9, 13, 5], vocab_size=hf.config.vocab_size)
         eager = patch(hf, regional_compile=regional)
         generate = lambda step_fn: _v4_greedy(eager, step_fn, prompts)  # noqa: E731
@@ -64,33 +66,20 @@ def _one(kind: str, layers: int, regional: bool, device: str, backend: str, warm
                 torch=torch.__version__, breakdown=compile_breakdown())
 
 
-def _v4_toy(layers: int):
-    """A DeepSeek-V4 toy of ``layers`` layers: the three attention kinds in turn, the first layer hash-routed."""
-    from mla_compile.app.v4_toy import toy_v4_model
-
-    kinds = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
-    return toy_v4_model(1, num_hidden_layers=layers, layer_types=[kinds[i % 3] for i in range(layers)],
-                        mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
-
-
 def _v4_greedy(model, step_fn, prompts: list[list[int]], steps: int = 4) -> list[list[int]]:
     """Greedy tokens of a V4 model through ``step_fn``: a batched prefill of ``prompts``, then ``steps`` - 1 decode
     steps, over fresh caches (:class:`~mla_compile.models.v4_model.V4Sequences`)."""
     import torch
 
-    from mla_compile.models.v4_model import V4Sequences, mark_dynamic
+    from mla_compile.models.v4_model import V4Sequences
 
     seqs = V4Sequences(model, len(prompts), 64, 16)
-    device = model.lm_head.weight.device
     batch = list(range(len(prompts)))
     tokens = [[] for _ in prompts]
     with torch.no_grad():
         chunks = prompts
         for _ in range(steps):
-            ids, pos, meta = seqs.metadata(batch, chunks)  # planned on the host, then moved once
-            ids, pos, meta = ids.to(device), pos.to(device), meta.to(device)
-            mark_dynamic(ids, pos, meta)
-            nxt = step_fn(ids, pos, meta).argmax(-1).tolist()
+            nxt = seqs.step(step_fn, batch, chunks).argmax(-1).tolist()
             for toks, t in zip(tokens, nxt):
                 toks.append(t)
             chunks = [[t] for t in nxt]

@@ -25,6 +25,16 @@ def toy_v4_config(**overrides: Any):
     return DeepseekV4Config(**cfg)
 
 
+V4_LAYER_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
+
+
+def depth_overrides(layers: int) -> dict[str, Any]:
+    """:func:`toy_v4_config` overrides for a toy of ``layers`` layers: the three attention kinds in turn
+    (``V4_LAYER_KINDS``), the first layer hash-routed and the others top-k routed."""
+    return dict(num_hidden_layers=layers, layer_types=[V4_LAYER_KINDS[i % 3] for i in range(layers)],
+                mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
+
+
 def toy_v4_model(seed: int = 0, **overrides: Any):
     """A float32 eval-mode ``DeepseekV4ForCausalLM`` of :func:`toy_v4_config` with random weights."""
     from transformers import DeepseekV4ForCausalLM

@@ -52,19 +52,16 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
     """
     root = Path(path)
     if is_v4_checkpoint(root):  # DeepSeek-V4: its own loader
-        model = load_v4(root, device=device, dtype=dtype, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
-                        backend=backend, moe_impl=moe_impl)
-        model.regional_compile = regional_compile
-        return model
+        return load_v4(root, device=device, dtype=dtype, parallel=parallel, kv_cache_dtype=kv_cache_dtype,
+                       backend=backend, moe_impl=moe_impl, regional_compile=regional_compile)
     config = read_config(root)
     fp8 = read_fp8_format(config, root)
     fp4_experts = expert_dtype(config, root) == "fp4"
     index = read_index(root)
     dtype = dtype or config_dtype(config)
     if parallel is not None:
-        model = _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts)
-        model.regional_compile = regional_compile
-        return model
+        return _sharded(root, config, index, parallel, dtype, kv_cache_dtype, backend, moe_impl, fp4_experts,
+                        regional_compile)
     device = torch.device(device or "cpu")
     hf = _meta_model(config)
     kv_b = _swap_fp8_modules(hf, config, index, fp4_experts)
@@ -81,7 +78,7 @@ def from_pretrained(path: str | Path, *, device: torch.device | str | None = Non
 
 
 def _sharded(root: Path, config, index: ShardIndex, parallel, dtype: torch.dtype, kv_cache_dtype, backend,
-             moe_impl: str, fp4_experts: bool) -> MLAForCausalLM:
+             moe_impl: str, fp4_experts: bool, regional_compile: bool) -> MLAForCausalLM:
     """``from_pretrained(parallel=...)``: a meta model (fp8 / fp4 modules swapped in as for one process)
     sharded by :func:`patch` from lazily sliced shard tensors."""
     from mla_compile.parallel import ParallelState, init
@@ -92,7 +89,8 @@ def _sharded(root: Path, config, index: ShardIndex, parallel, dtype: torch.dtype
     fp32 = tuple(getattr(hf, "_keep_in_fp32_modules", None) or ()) + tuple(
         getattr(hf, "_keep_in_fp32_modules_strict", None) or ())
     source = _SliceSource(index, dtype, fp32, kv_b)
-    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl, parallel=state, weights=source)
+    model = patch(hf.eval(), backend=backend, moe_impl=moe_impl, parallel=state, weights=source,
+                  regional_compile=regional_compile)
     model.kv_cache_dtype = kv_cache_dtype
     return model
 

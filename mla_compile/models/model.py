@@ -44,7 +44,6 @@ class MLAForCausalLM(RegionalCompile, nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = scaling
         self.kv_cache_dtype: torch.dtype | str | None = None  # allocate_cache's default (None: the weights')
-        self.regional_compile = False  # see forward (RegionalCompile)
         self.step_schedule = True  # see forward: the decode backend's step schedule made once a step
         self.sink_window: tuple[int, int] | None = None  # (sink, window) when patched with sparse="sink_window"
         # one backend-choice cache for every layer: a choice depends only on the call's static configuration, and

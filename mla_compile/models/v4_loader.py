@@ -111,14 +111,14 @@ class _Entry:
 
 def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
             parallel: object | None = None, kv_cache_dtype: torch.dtype | str | None = None,
-            backend: str | None = None, moe_impl: str = "auto") -> V4ForCausalLM:
+            backend: str | None = None, moe_impl: str = "auto", regional_compile: bool = False) -> V4ForCausalLM:
     """Load the DeepSeek-V4 checkpoint directory ``root`` as a :class:`V4ForCausalLM` on ``device`` (default cpu);
     what :func:`mla_compile.from_pretrained` does for a ``model_type: "deepseek_v4"`` config.
 
     ``dtype``: of the float weights (default: the config's dtype, else bfloat16; transformers'
     ``_keep_in_fp32_modules_strict`` parameters stay float32 for half dtypes); fp8 weights stay float8_e4m3fn with
-    float32 block scales, fp4 experts packed uint8 with ue8m0 bytes. ``backend`` / ``moe_impl``: passed to
-    :func:`~mla_compile.models.model.patch`. ``parallel`` and ``kv_cache_dtype`` are not supported for V4
+    float32 block scales, fp4 experts packed uint8 with ue8m0 bytes. ``backend`` / ``moe_impl`` / ``regional_compile``:
+    passed to :func:`~mla_compile.models.model.patch`. ``parallel`` and ``kv_cache_dtype`` are not supported for V4
     (NotImplementedError: V4's caches are in the model's dtype; its sharding is not built).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
@@ -153,7 +153,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     if skipped:
         log.info("skipped %d MTP tensors (mtp.* / layers >= num_hidden_layers=%d): generation does not use them",
                  skipped, config.num_hidden_layers)
-    return patch(hf.eval(), backend=backend, moe_impl=moe_impl)
+    return patch(hf.eval(), backend=backend, moe_impl=moe_impl, regional_compile=regional_compile)
 
 
 def _read_config(root: Path):

@@ -364,7 +364,6 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
-        self.regional_compile = False  # see forward (RegionalCompile)
 
     @property
     def rates(self) -> list[int]:
@@ -567,7 +566,10 @@ class V4Sequences:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.int32), meta
 
     def step(self, model, seqs: list[int], chunks: list[list[int]]) -> Tensor:
-        """Run one step through ``model`` (the V4ForCausalLM or a compiled one); logits ``[len(seqs), vocab]``."""
+        """Run one step through ``model`` (the V4ForCausalLM or a compiled one); logits ``[len(seqs), vocab]``. The
+        step is planned on the host (:meth:`metadata`) and moved once to the device of the planner's model."""
+        device = self.model.lm_head.weight.device
         ids, pos, meta = self.metadata(seqs, chunks)
+        ids, pos, meta = ids.to(device), pos.to(device), meta.to(device)
         mark_dynamic(ids, pos, meta)
         return model(ids, pos, meta)

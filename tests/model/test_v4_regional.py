@@ -13,21 +13,19 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("transformers has no DeepseekV4ForCausalLM", allow_module_level=True)
 
-from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
+from mla_compile.app.v4_toy import V4_LAYER_KINDS as KINDS, depth_overrides, toy_v4_model  # noqa: E402
 from mla_compile.models.model import patch  # noqa: E402
 from mla_compile.models.v4_model import V4Sequences  # noqa: E402
 
 from test_v4_model import hf_greedy, prompts  # noqa: E402
 
 NAN = float("nan")
-KINDS = ("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention")
 
 
 def _model_pair(layers: int, seed: int):
     """An HF V4 toy of ``layers`` layers (the three attention kinds in turn, the first layer hash-routed) patched
     twice on copies of the same weights: unregional and regional."""
-    hf = toy_v4_model(seed, num_hidden_layers=layers, layer_types=[KINDS[i % 3] for i in range(layers)],
-                      mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1))
+    hf = toy_v4_model(seed, **depth_overrides(layers))
     return hf, patch(copy.deepcopy(hf)), patch(hf, regional_compile=True)
 
 
