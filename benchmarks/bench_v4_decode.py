@@ -2,6 +2,7 @@
 
     python benchmarks/bench_v4_decode.py --out OUT_DIR [--batches 1,64,256] [--ctx 8192,131072] [--backend triton]
         [--impls "ours eager,ours compiled,ours graph,hf eager,hf compiled"] [--budget-s S] [--regional-compile]
+        [--profile-replay]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
     python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
 
@@ -135,6 +136,30 @@ HF_IMPLS = ("hf eager", "hf compiled")
 HF_FIRST_CALL_GUESS_S = {("hf eager", "cuda"): 5.0, ("hf compiled", "cuda"): 90.0,
                          ("hf eager", "cpu"): 1.0, ("hf compiled", "cpu"): 30.0}
 _HF_STATE = ("buffer_kv", "buffer_gate", "compressed_kv", "entry_count", "overlap_kv", "overlap_gate")
+
+
+def profile_graph(args, graph, suffix: str) -> None:
+    """Kernels of one captured step by GPU time (``torch.profiler`` over replays) to ``profile_replay{suffix}.txt``
+    and ``.csv``, and their critical path to ``critical_path{suffix}.txt``: ``bench_decode_step``'s tables, per layer
+    over ``3 * --layers`` layers."""
+    import bench_decode_step as bds
+
+    trace = os.path.join(args.out, f"trace_replay{suffix}.json")
+    averages = bds.replay_profile(graph, trace)
+    kernels = sum(a.count for a in averages if a.device_type == torch.autograd.DeviceType.CUDA) / bds.REPLAYS
+    layers = 3 * args.layers
+    with open(os.path.join(args.out, f"profile_replay{suffix}.txt"), "w") as f:
+        f.write(f"graph replay, {bds.REPLAYS} replays: {kernels:.0f} GPU ops a replay, {kernels / layers:.1f} a layer "
+                f"({layers} layers)\n")
+        f.write(averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70) + "\n")
+    bds.write_kernel_csv(os.path.join(args.out, f"profile_replay{suffix}.csv"), averages)
+    try:
+        text = bds.critical_path_text(trace, bds.REPLAYS, layers)
+    except (OSError, ValueError) as exc:  # a trace the profiler left incomplete: the tables above stand
+        text = f"critical path: not computed ({exc})"
+    with open(os.path.join(args.out, f"critical_path{suffix}.txt"), "w") as f:
+        f.write(text + "\n")
+    os.remove(trace)  # tens of MB; the critical path above is what it was for
 
 
 def hf_cache_kw(hf) -> str:
@@ -464,6 +489,9 @@ def main(argv=None) -> int:
     p.add_argument("--regional-compile", action="store_true",
                    help="compile each layer as nested compile regions (patch(..., regional_compile=True))")
     p.add_argument("--budget-s", type=float, default=1e9)
+    p.add_argument("--profile-replay", action="store_true",
+                   help="profile each 'ours graph' row's replays (kernels by GPU time and the critical path, as "
+                        "bench_decode_step --profile-replay) to profile_replay_b{B}_c{ctx}.txt / critical_path_...")
     p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
     p.add_argument("--attn-backends", default="triton,flashmla", help="backends --attention compares on CUDA")
     args = p.parse_args(argv)
@@ -554,6 +582,8 @@ def main(argv=None) -> int:
                                 with torch.cuda.graph(graph):
                                     compiled(*step_in)
                                 row.update(timed(graph.replay, dev, args.warmup, args.iters))
+                                if args.profile_replay:
+                                    profile_graph(args, graph, f"_b{b}_c{ctx}")
                             else:
                                 if ref is None:
                                     ref = model(*step_in)

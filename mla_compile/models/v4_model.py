@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.models.region_schema import RegionalCompile, compile_region
-from mla_compile.ops import v4_attention, v4_compress_write, v4_index_topk, write_index_cache
+from mla_compile.ops import hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -245,9 +245,17 @@ class V4Attention(nn.Module):
         return a.o_b_proj(grouped)
 
 
+def _hc_eps(hc: nn.Module) -> float:
+    """The hyper-connection's ``hc_eps`` as a graph constant: the text :class:`V4ForCausalLM` keeps beside it (a float
+    handed to an op must not become a graph input: ``consts.py``), else the float itself (an unpatched module)."""
+    text = getattr(hc, "mla_hc_eps", None)
+    return thaw(text) if text is not None else float(hc.hc_eps)
+
+
 def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """mHC weights of ``x [T, n, hidden]`` (HF ``DeepseekV4HyperConnection``'s parameters ``fn``, ``base``,
-    ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn, collapsed [T, hidden])``."""
+    ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn (``mla::hc_sinkhorn``), collapsed
+    [T, hidden])``."""
     n = hc.hc_mult
     flat = _rms(x.reshape(x.shape[0], -1).float(), _norm_eps(hc.input_norm))
     mixes = F.linear(flat, hc.fn.float())
@@ -256,11 +264,7 @@ def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     s_pre, s_post, s_comb = hc.scale.unbind(0)
     pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc.hc_eps
     post = 2 * torch.sigmoid(post_w * s_post + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc.hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
-    for _ in range(hc.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+    comb = hc_sinkhorn(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), hc.hc_sinkhorn_iters, _hc_eps(hc))
     collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
     return post, comb, collapsed
 
@@ -364,6 +368,9 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
+        for layer in self.model.layers:  # the Sinkhorn op's eps as a graph constant (see _hc_eps)
+            for hc in (layer.attn_hc, layer.ffn_hc):
+                hc.mla_hc_eps = freeze(hc.hc_eps)
 
     @property
     def rates(self) -> list[int]:
