@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.models.region_schema import RegionalCompile, compile_region
@@ -187,18 +188,21 @@ class V4Attention(nn.Module):
         ``w_idx [T, index_heads]``: the indexer's query and head weights (CSA; None elsewhere)."""
         a = self.hf
         T = x.shape[0]
-        q_res = a.q_a_norm(a.q_a_proj(x))
-        q = _rms(a.q_b_proj(q_res).view(T, self.num_heads, self.head_dim), thaw(self._eps))
-        q = rope_interleaved(q, freqs)
-        kv = rope_interleaved(a.kv_norm(a.kv_proj(x)), freqs)
+        q_a, kv = linears(x, a.q_a_proj, a.kv_proj)
+        q_res = a.q_a_norm(q_a)
+        ix = a.compressor.indexer if self.layer_type == CSA else None
+        q, *q_ix = linears(q_res, a.q_b_proj, *(() if ix is None else (ix.q_b_proj,)))
+        q = rope_interleaved(_rms(q.view(T, self.num_heads, self.head_dim), thaw(self._eps)), freqs)
+        kv = rope_interleaved(a.kv_norm(kv), freqs)
         if self.layer_type == SLIDING:
             return q, kv, (), None, None
         c = a.compressor
+        comp_in = tuple(linears(x, c.kv_proj, c.gate_proj))
         if self.layer_type == HCA:
-            return q, kv, (c.kv_proj(x), c.gate_proj(x)), None, None
-        ix = c.indexer
-        q_idx = rope_interleaved(ix.q_b_proj(q_res).view(T, ix.num_heads, ix.head_dim), freqs)
-        return q, kv, (c.kv_proj(x), c.gate_proj(x), ix.kv_proj(x), ix.gate_proj(x)), q_idx, ix.scorer.weights_proj(x)
+            return q, kv, comp_in, None, None
+        q_idx = rope_interleaved(q_ix[0].view(T, ix.num_heads, ix.head_dim), freqs)
+        return (q, kv, comp_in + tuple(linears(x, ix.kv_proj, ix.gate_proj)), q_idx,
+                linears(x, ix.scorer.weights_proj)[0])
 
     def write(self, kv: Tensor, comp_in: tuple, positions: Tensor, inv_freq: Tensor, meta: V4Metadata) -> None:
         """The layer's cache writes from :meth:`project`'s ``kv`` and ``comp_in``: the token rows, then (compressed
@@ -242,7 +246,7 @@ class V4Attention(nn.Module):
         out, _ = v4_attention(q, self.kv_cache, ws, comp, cs, a.sinks, positions, inv_freq, thaw(self._scale),
                               backend=self.backend, slots=self.slots)
         grouped = a.o_a_proj(out.reshape(T, self.o_groups, -1)).flatten(1)
-        return a.o_b_proj(grouped)
+        return linears(grouped, a.o_b_proj)[0]
 
 
 def _hc_eps(hc: nn.Module) -> float:
@@ -286,6 +290,14 @@ def _swiglu(h: Tensor, act, limit: float) -> Tensor:
     """V4's clamped SwiGLU of the fused ``[gate | up]`` projection: ``act(min(gate, l)) * clamp(up, -l, l)``."""
     gate, up = h.chunk(2, dim=-1)
     return act(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def shared_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
+    """HF ``DeepseekV4MLP`` (the shared expert) on ``x [T, hidden]``: its gate and up projections in one
+    :func:`~mla_compile.models.attention.linears` call (one GEMV launch for few rows on CUDA), the clamped SwiGLU,
+    then the down projection through it too."""
+    gate, up = linears(x, mlp.gate_proj, mlp.up_proj)
+    return linears(mlp.act_fn(gate.clamp(max=mlp.limit)) * up.clamp(min=-mlp.limit, max=mlp.limit), mlp.down_proj)[0]
 
 
 def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
@@ -346,7 +358,7 @@ class V4MoE(nn.Module):
             routed = experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
         else:
             routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)
-        return routed.to(x.dtype) + self.hf.shared_experts(x)
+        return routed.to(x.dtype) + shared_mlp(self.hf.shared_experts, x)
 
 
 class V4ForCausalLM(RegionalCompile, nn.Module):
