@@ -56,9 +56,11 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
     return launches
 
 
-def signature(kernel, args, kwargs) -> tuple[dict, dict, dict]:
+def signature(kernel, args, kwargs, floats: str = "fp32") -> tuple[dict, dict, dict]:
     """Triton's ``(signature, constexprs, attrs)`` of one launch (16-byte divisibility where it holds; a host TMA
-    descriptor typed by its tensor's dtype, box and shared layout; None a constexpr, as the JIT binds it)."""
+    descriptor typed by its tensor's dtype, box and shared layout; None a constexpr, as the JIT binds it). ``floats``:
+    the type of Python float arguments, "fp32" as Triton's launcher binds them, or "fp64" as Inductor's launch of a
+    ``triton_op``'s kernel does (torch's ``_use_fp64_for_unbacked_floats``)."""
     bound = dict(zip(kernel.arg_names, args))
     bound.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
     sig, consts, attrs = {}, {}, {}
@@ -79,17 +81,18 @@ def signature(kernel, args, kwargs) -> tuple[dict, dict, dict]:
             if v % 16 == 0 and v != 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[p.name] = "fp32"
+            sig[p.name] = floats
     return sig, consts, attrs
 
 
-def compile_sm90(kernel, args, kwargs):
-    """The sm_90 compile of one recorded launch (its constexprs, warps and stages)."""
+def compile_sm90(kernel, args, kwargs, floats: str = "fp32"):
+    """The sm_90 compile of one recorded launch (its constexprs, warps and stages; ``floats``: see
+    :func:`signature`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, consts, attrs = signature(kernel, args, kwargs)
+    sig, consts, attrs = signature(kernel, args, kwargs, floats)
     opts = {k: kwargs[k] for k in OPTIONS if k in kwargs}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)

@@ -25,6 +25,7 @@ BLOCK_T = 32  # tokens a program: one a lane of its one warp
 @triton.jit
 def _hc_sinkhorn_kernel(x_ptr, out_ptr, T, ITERS, eps, s_x, s_o, N: tl.constexpr, NP: tl.constexpr,
                         BLOCK_T: tl.constexpr):
+    eps = tl.full([], eps, tl.float32)  # Inductor passes Python floats as fp64: every round would run in fp64
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, NP)
     ok = (t < T)[:, None, None] & (i < N)[None, :, None] & (i < N)[None, None, :]
@@ -62,8 +63,8 @@ def _launch(logits: Tensor, iters: int, eps: float) -> Tensor:
 @torch.library.custom_op("mla::hc_sinkhorn_triton", mutates_args=())
 def hc_sinkhorn_triton(logits: Tensor, iters: int, eps: float) -> Tensor:
     """Triton ``mla::hc_sinkhorn`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference. An opaque
-    custom op: compiled graphs call this launch as is (as a ``triton_op``, Inductor's own launch of the same kernel was
-    many times slower: BENCHMARKS.md, run 265)."""
+    custom op: compiled graphs call this launch as is (GPU-timed so; as a ``triton_op`` before its fp32 ``eps``,
+    Inductor's launch typed ``eps`` fp64 and the kernel ran many times slower: BENCHMARKS.md, runs 263-265)."""
     if logits.device.type != "cuda" or logits.dtype == torch.float64:
         return torch.ops.mla.hc_sinkhorn_ref(logits, iters, eps)
     validate(logits, iters, eps)

@@ -32,6 +32,7 @@ def _moe_fp8_gate_up_kernel(
     s_x, s_ids, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_sg, s_su, s_sgs, s_sus, s_h,
     LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
+    limit = tl.full([], limit, tl.float32)  # Inductor passes Python floats as fp64: the clamps would make acc fp64
     row = tl.program_id(0)
     t = row // SLOTS
     j = row % SLOTS

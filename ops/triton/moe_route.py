@@ -92,6 +92,7 @@ def _moe_route_kernel(
     NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
 ):
+    scaling = tl.full([], scaling, tl.float32)  # Inductor passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E

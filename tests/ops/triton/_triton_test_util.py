@@ -88,6 +88,18 @@ NAN = float("nan")
 DEVICE = "cuda"  # a CPU dry run of the test code (interpreter) sets this to "cpu"
 
 
+def assert_fp32_under_fp64_floats(kernel, args, kwargs) -> None:
+    """Compile a recorded launch for sm_90 with its Python float arguments typed fp64, as Inductor's launch of a
+    ``triton_op``'s kernel types them (torch's ``_use_fp64_for_unbacked_floats``), and assert that no fp64 arithmetic
+    follows from them (a float used as is would make every tile it touches fp64: the kernel must cast it first)."""
+    from mla_compile.ops.triton import _sm90
+
+    ptx = _sm90.compile_sm90(kernel, args, kwargs, floats="fp64").asm["ptx"]
+    f64 = [line.strip() for line in ptx.splitlines()
+           if ".f64" in line and not any(ok in line for ok in ("cvt.", ".param", "ld.param"))]
+    assert not f64, f"fp64 arithmetic in {kernel.fn.__name__}: {f64[:3]}"
+
+
 def poison_allocator(nbytes: int = 1 << 30, device: str | None = None) -> None:
     """Fill a large block of the caching allocator with NaN and free it: the op's next ``torch.empty``
     outputs and workspaces are carved from it, so an element the kernel never writes stays NaN."""

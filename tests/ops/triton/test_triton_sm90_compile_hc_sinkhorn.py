@@ -1,12 +1,13 @@
 """The ``mla::hc_sinkhorn`` kernel compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU): at
-V4's 4 streams a token's matrix is one thread's (no shared memory: no cross-warp sums in the rounds), and no matrix
-width it takes spills. Marked ``sm90_compile``."""
+V4's 4 streams a token's matrix is one thread's (no shared memory: no cross-warp sums in the rounds), no matrix
+width it takes spills, and with ``eps`` typed fp64 (as Inductor's launches of user kernels type Python floats) the
+rounds still run in fp32. Marked ``sm90_compile``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _triton_test_util import SM90_COMPILE
+from _triton_test_util import SM90_COMPILE, assert_fp32_under_fp64_floats
 
 pytestmark = SM90_COMPILE
 
@@ -20,6 +21,7 @@ def test_hc_sinkhorn_compiles_for_sm90(n):
     assert len(launches) == 1
     kernel, _, args, kwargs = launches[0]
     compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    assert_fp32_under_fp64_floats(kernel, args, kwargs)
     if n == 4:
         assert compiled.metadata.shared == 0, "the rounds' sums leave the thread"
     if _sm90.cuobjdump() is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_test_util import SM90_COMPILE, assert_pdl_order
+from _triton_test_util import SM90_COMPILE, assert_fp32_under_fp64_floats, assert_pdl_order
 
 pytestmark = SM90_COMPILE
 
@@ -82,14 +82,17 @@ def test_moe_route_kernel_compiles_for_sm90(E, k, G, TG, scoring, bias):
                             k, G, TG, scoring, scoring == "sigmoid", 2.5)
     assert len(launches) == 1
     _no_spills(launches)
+    assert_fp32_under_fp64_floats(*(launches[0][i] for i in (0, 2, 3)))  # the scaling, as Inductor launches it
 
 
+@pytest.mark.parametrize("limit", [None, 10.0])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("T", [1, 8])
 @pytest.mark.parametrize("name", list(DIMS))
-def test_moe_experts_fp8_kernels_compile_for_sm90(name, T, masked):
+def test_moe_experts_fp8_kernels_compile_for_sm90(name, T, masked, limit):
     """The two ``mla::moe_experts_fp8`` kernels (e4m3 codes, float32 block scales), shared experts folded in;
-    with ``masked``, a token mask."""
+    with ``masked``, a token mask; with ``limit``, V4's clamped SwiGLU, which stays fp32 with the limit typed fp64
+    (Inductor's launch)."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts_fp8
 
@@ -105,9 +108,11 @@ def test_moe_experts_fp8_kernels_compile_for_sm90(name, T, masked):
     shared = (meta(S * I, H), scales(S * I, H), meta(S * I, H), scales(S * I, H), meta(H, S * I), scales(H, S * I))
     launches = _sm90.record(moe_experts_fp8, moe_experts_fp8._launch, meta(T, H, dtype=torch.bfloat16),
                             meta(T, k, dtype=torch.float32), meta(T, k, dtype=torch.int32), *routed, *shared, False,
-                            None, meta(T, dtype=torch.bool) if masked else None, sms=132)
+                            limit, meta(T, dtype=torch.bool) if masked else None, sms=132)
     assert len(launches) == 2
     _no_spills(launches)
+    for kernel, _, args, kwargs in launches:
+        assert_fp32_under_fp64_floats(kernel, args, kwargs)
 
 
 @pytest.mark.parametrize("T,masked", [(64, False), (256, False), (256, True)])
