@@ -18,6 +18,8 @@
 #            fusions named in FUSIONS (a backend spec; default decode_absorb_out=gluon, the one not yet timed in
 #            the step: skinny_norm_linear=triton lost there in run 218, "auto" takes the other two); one machine,
 #            so the two rows compare
+#   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
+#            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path)
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL), then bench_parallel
 #            (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the machine holds; needs a
 #            multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
@@ -26,7 +28,8 @@
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
 set -u -o pipefail
 O=${OUT:-out}
-mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par"
+mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par" \
+    "$O/v4"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
@@ -76,6 +79,8 @@ if [[ $PHASES == *,fusedstep,* ]]; then
     timeout 130 python3 "${step[@]}" --out "$O/base" > "$O/base.log" 2>&1
     timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
 fi
+[[ $PHASES == *,v4,* ]] && timeout 200 python3 benchmarks/bench_v4_decode.py --out "$O/v4" --regional-compile \
+    --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 > "$O/v4.log" 2>&1
 if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
@@ -100,6 +105,10 @@ if [[ $PHASES == *,fusedstep,* ]]; then
     echo "full depth B=1, 8 without the fusions:"; grep -E "^ours|replay only" "$O/base/bench_decode_step.txt"
     echo "with $FUSIONS:"; grep -E "^ours|replay only" "$O/fused/bench_decode_step.txt"
 fi
+if [[ $PHASES == *,v4,* ]]; then
+    grep -E "^ours graph" "$O/v4/bench_v4_decode.txt"
+    head -n 8 "$O/v4/critical_path_b1_c8192.txt"
+fi
 if [[ $PHASES == *,parallel,* ]]; then
     echo "GPUs: $gpus; two-GPU tests: $(tail -n 1 "$O/par_tests.log")"
     tail -n 30 "$O/par/bench_parallel.txt"
@@ -107,4 +116,4 @@ fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4)

@@ -26,6 +26,7 @@ from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.moe_gate_route import moe_gate_route
 from mla_compile.ops.moe_norm_gate_route import moe_norm_gate_route
 from mla_compile.ops.moe_route import moe_route
+from mla_compile.ops.hc_pre import hc_pre
 from mla_compile.ops.hc_sinkhorn import hc_sinkhorn
 from mla_compile.ops.prefill import prefill
 from mla_compile.ops.skinny_absorb import skinny_absorb_out, skinny_absorb_q
@@ -43,7 +44,7 @@ from mla_compile.ops import adapters  # noqa: E402,F401  (registers the peer-lib
 
 __all__ = [
     "adapters", "backends_for", "checked_mode", "context_attention", "decode", "decode_absorb_out",
-    "gather_latent_cache", "hc_sinkhorn", "merge_attn_states", "prefill",
+    "gather_latent_cache", "hc_pre", "hc_sinkhorn", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
     "moe_experts", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",

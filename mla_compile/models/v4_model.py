@@ -26,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mla_compile import ops
 from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.models.region_schema import RegionalCompile, compile_region
-from mla_compile.ops import hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
+from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
+from mla_compile.ops.hc_pre import hc_pre_math
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -249,28 +251,26 @@ class V4Attention(nn.Module):
         return linears(grouped, a.o_b_proj)[0]
 
 
-def _hc_eps(hc: nn.Module) -> float:
-    """The hyper-connection's ``hc_eps`` as a graph constant: the text :class:`V4ForCausalLM` keeps beside it (a float
-    handed to an op must not become a graph input: ``consts.py``), else the float itself (an unpatched module)."""
-    text = getattr(hc, "mla_hc_eps", None)
-    return thaw(text) if text is not None else float(hc.hc_eps)
+def _hc_consts(hc: nn.Module) -> tuple[float, float]:
+    """The hyper-connection's ``(input norm eps, hc_eps)`` as graph constants: the texts :class:`V4ForCausalLM` keeps
+    beside them (a float handed to an op must not become a graph input: ``consts.py``), else the floats themselves
+    (an unpatched module)."""
+    texts = getattr(hc, "mla_eps", None)
+    if texts is not None:
+        return thaw(texts[0]), thaw(texts[1])
+    return float(_norm_eps(hc.input_norm)), float(hc.hc_eps)
 
 
 def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """mHC weights of ``x [T, n, hidden]`` (HF ``DeepseekV4HyperConnection``'s parameters ``fn``, ``base``,
-    ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn (``mla::hc_sinkhorn``), collapsed
-    [T, hidden])``."""
-    n = hc.hc_mult
-    flat = _rms(x.reshape(x.shape[0], -1).float(), _norm_eps(hc.input_norm))
-    mixes = F.linear(flat, hc.fn.float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
-    s_pre, s_post, s_comb = hc.scale.unbind(0)
-    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc.hc_eps
-    post = 2 * torch.sigmoid(post_w * s_post + post_b)
-    comb = hc_sinkhorn(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), hc.hc_sinkhorn_iters, _hc_eps(hc))
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return post, comb, collapsed
+    ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn, collapsed [T, hidden])``:
+    ``mla::hc_pre`` where its "auto" picks the Triton kernels (few tokens on CUDA), else the same math traced (its
+    Sinkhorn rounds through ``mla::hc_sinkhorn``)."""
+    norm_eps, eps = _hc_consts(hc)
+    iters = hc.hc_sinkhorn_iters
+    if ops.resolve("hc_pre", x.device, None, dtype=x.dtype).name != "reference":
+        return hc_pre(x, hc.fn, hc.base, hc.scale, iters, norm_eps, eps)
+    return hc_pre_math(x, hc.fn, hc.base, hc.scale, iters, norm_eps, eps, sinkhorn=hc_sinkhorn)
 
 
 def hyper_mix(post: Tensor, comb: Tensor, block_out: Tensor, x: Tensor) -> Tensor:
@@ -380,9 +380,9 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
-        for layer in self.model.layers:  # the Sinkhorn op's eps as a graph constant (see _hc_eps)
+        for layer in self.model.layers:  # the mHC ops' epsilons as graph constants (see _hc_consts)
             for hc in (layer.attn_hc, layer.ffn_hc):
-                hc.mla_hc_eps = freeze(hc.hc_eps)
+                hc.mla_eps = (freeze(_norm_eps(hc.input_norm)), freeze(hc.hc_eps))
 
     @property
     def rates(self) -> list[int]:
