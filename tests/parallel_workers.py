@@ -830,3 +830,126 @@ def dcp_engine_per_rank(rank, world, kind):
     got, got_steps = run_workload(engine(model, counting(_dcp_step(model, BS, state))), **load)
     return {"same": got == want, "steps": steps, "got_steps": got_steps, "tokens": sum(len(t) for t in got),
             "context_steps": sum(chunked)}
+
+
+def _v4_steps(group: int, vocab: int) -> list[list[list[int]]]:
+    """Attention group ``group``'s own V4 requests: a batched prefill of two prompts (19 tokens either group, other
+    lengths and tokens per group), then decode steps of one token each (the same token count on every group)."""
+    gen = torch.Generator().manual_seed(200 + group)
+    lens = [(12, 7), (5, 14)][group % 2]
+    prefill = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    return [prefill] + [[[int(t)] for t in torch.randint(0, vocab, (2,), generator=gen)] for _ in range(4)]
+
+
+def _v4_run(model, run, steps) -> list[torch.Tensor]:
+    """Logits of each step through ``run`` over a NaN-filled V4 cache (two sequences)."""
+    from mla_compile.models.v4_model import V4Sequences
+
+    seqs = V4Sequences(model, 2, 40, 4, fill=float("nan"))
+    with torch.no_grad():
+        return [seqs.step(run, [0, 1], chunks).clone() for chunks in steps]
+
+
+def v4_dp_ep_equals_single(rank, world, compile_backend=None, regional=False):
+    """DeepSeek-V4 under data-parallel attention + EP (``ParallelConfig(tp=world, dp_attention=world, ep=world)``):
+    each rank's logits on its own requests equal the unsharded model's on them; each rank keeps 1 / world of the
+    routed experts. ``compile_backend``: also the model compiled fullgraph (its breaks)."""
+    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.parallel.v4 import ParallelV4MoE
+
+    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
+    hf = toy_v4_model(5)
+    ref = patch(copy.deepcopy(hf))
+    steps = _v4_steps(rank, hf.config.vocab_size)
+    want = _v4_run(ref, ref, steps)
+    model = patch(hf, parallel=state, regional_compile=regional)
+    got = _v4_run(model, model, steps)
+    moe = model.moe[-1]
+    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+           "moe": type(moe).__name__, "local_experts": moe.local.num_experts if hasattr(moe.local, "num_experts")
+           else moe.local.num_local, "experts": hf.config.n_routed_experts,
+           "all_parallel": all(isinstance(m, ParallelV4MoE) for m in model.moe)}
+    if compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+        res["compiled_err"] = _max_err(_v4_run(model, compiled, steps), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res
+
+
+def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
+    """As :func:`v4_dp_ep_equals_single` with the routed experts of a quantized V4 checkpoint ("fp8": e4m3 blocks,
+    "fp4": packed e2m1 + ue8m0; fp8 linears elsewhere; written by rank 0 under ``where``), loaded by
+    ``from_pretrained(parallel=...)``: each rank keeps its experts quantized (``FP8Experts`` / ``FP4Experts`` of half
+    the experts)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from mla_compile import from_pretrained
+    from mla_compile.models.fp4_linear import FP4Experts
+    from mla_compile.models.fp8_linear import FP8Experts
+    from tests.model.test_v4_checkpoint import _quantized_checkpoint
+
+    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
+    root = Path(where) / "q"
+    if rank == 0:  # one writer (transformers' save_pretrained writes on the main process only)
+        _quantized_checkpoint(root, kind, **({"moe_intermediate_size": 32} if kind == "fp4" else {}))
+    dist.barrier()
+    ref = from_pretrained(root, dtype=torch.float32)
+    steps = _v4_steps(rank, ref.config.vocab_size)
+    want = _v4_run(ref, ref, steps)
+    model = from_pretrained(root, dtype=torch.float32, parallel=state)
+    got = _v4_run(model, model, steps)
+    local = model.moe[-1].local.local
+    return {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+            "local_type": type(local).__name__, "local_experts": local.num_experts,
+            "experts": ref.config.n_routed_experts,
+            "quantized": isinstance(local, FP4Experts if kind == "fp4" else FP8Experts)}
+
+
+def v4_dp_ep_on_device(rank, world):
+    """DeepSeek-V4 sharded (DP attention + EP) over NCCL, one GPU per rank (world size 1: real single-rank process
+    groups): each rank's logits equal the unsharded model's on its requests eagerly (float32), and the model compiled
+    by Inductor and its decode step captured in a CUDA graph and replayed give them again."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.models.v4_model import V4Sequences
+
+    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), single_rank_collectives=world == 1,
+                 timeout=120)
+    dev = state.device
+    hf = toy_v4_model(5).to(dev)
+    ref = patch(copy.deepcopy(hf))
+    steps = _v4_steps(rank, hf.config.vocab_size)
+    want = _v4_run(ref, ref, steps)
+    model = patch(hf, parallel=state)
+    res = {"backend": dist.get_backend(), "real_group": model.moe[0].ep.group is not None,
+           "eager_err": _max_err(_v4_run(model, model, steps), want)}
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    res["compiled_err"] = _max_err(_v4_run(model, compiled, steps), want)
+    res["graph_breaks"] = dict(counters["graph_break"])
+    # the last decode step captured and replayed: its cache writes repeat the same rows, so the logits repeat
+    seqs = V4Sequences(model, 2, 40, 4, fill=float("nan"))
+    with torch.no_grad():
+        for chunks in steps[:-1]:
+            seqs.step(compiled, [0, 1], chunks)
+        ids, pos, meta = seqs.metadata([0, 1], steps[-1])
+        ids, pos, meta = ids.to(dev), pos.to(dev), meta.to(dev)
+        eager_last = compiled(ids, pos, meta).clone()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(ids, pos, meta)
+        graph.replay()
+        torch.cuda.synchronize()
+    res["replay_err"] = float((out - want[-1]).abs().max())
+    res["eager_last_err"] = float((eager_last - want[-1]).abs().max())
+    return res

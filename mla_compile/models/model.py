@@ -295,7 +295,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
 
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
-    :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``).
+    :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``); a
+    DeepSeek-V4 model: :func:`mla_compile.parallel.v4.shard_v4` (data-parallel attention with expert parallelism).
 
     ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded or sharded: under DCP each rank attends over
     the sink + window tokens it holds, :class:`~mla_compile.parallel.attention.DCPAttention`) makes every layer's
@@ -323,11 +324,14 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
                                       "model already selects its tokens with its indexer: pass sparse=None")
     apply_backend_spec(hf_model, backend)  # fp8 linears: "fp8_block_linear=NAME" (sharding copies it)
     if parallel is not None:
-        if is_v4_model(getattr(hf_model, "config", None)):
-            raise NotImplementedError("patch(parallel=...) shards DeepSeek V2/V3/V3.2 models; DeepSeek-V4's sharding "
-                                      "is not built yet: pass parallel=None")
         from mla_compile.parallel import ParallelConfig, current, shard_model
         state = current(parallel) if isinstance(parallel, ParallelConfig) else parallel
+        if is_v4_model(getattr(hf_model, "config", None)):  # data-parallel attention + EP (mla_compile.parallel.v4)
+            from mla_compile.parallel.v4 import shard_v4
+            model = shard_v4(hf_model, state, backend=backend or envs.backend(), moe_impl=moe_impl,
+                             **parallel_options)
+            model.regional_compile = bool(regional_compile)
+            return model
         model = shard_model(hf_model, state, backend=backend, moe_impl=moe_impl, **parallel_options)
         model.regional_compile = bool(regional_compile)
         if sparse is not None:

@@ -118,14 +118,19 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     ``dtype``: of the float weights (default: the config's dtype, else bfloat16; transformers'
     ``_keep_in_fp32_modules_strict`` parameters stay float32 for half dtypes); fp8 weights stay float8_e4m3fn with
     float32 block scales, fp4 experts packed uint8 with ue8m0 bytes. ``backend`` / ``moe_impl`` / ``regional_compile``:
-    passed to :func:`~mla_compile.models.model.patch`. ``parallel`` and ``kv_cache_dtype`` are not supported for V4
-    (NotImplementedError: V4's caches are in the model's dtype; its sharding is not built).
+    passed to :func:`~mla_compile.models.model.patch`. ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig`
+    or the state :func:`mla_compile.parallel.init` returned): the checkpoint is read whole into host memory, then
+    sharded for this rank (:func:`mla_compile.parallel.v4.shard_v4`: data-parallel attention with expert
+    parallelism; each rank keeps its experts, on the state's device). ``kv_cache_dtype`` is not supported for V4
+    (NotImplementedError: V4's caches are in the model's dtype).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     root = Path(root)
+    state = None
     if parallel is not None:
-        raise NotImplementedError(f"{root}: from_pretrained(parallel=...) shards DeepSeek V2/V3/V3.2 checkpoints; "
-                                  "DeepSeek-V4's sharding is not built: load it with parallel=None")
+        from mla_compile.parallel import ParallelState, init
+        state = parallel if isinstance(parallel, ParallelState) else init(parallel)
+        device = "cpu"  # read whole on the host; shard_v4 moves this rank's part to the state's device
     if kv_cache_dtype is not None:
         raise NotImplementedError(f"{root}: kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's paged caches are in the "
                                   "model's dtype (V4ForCausalLM.allocate_cache(dtype=...)); pass kv_cache_dtype=None")
@@ -153,7 +158,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     if skipped:
         log.info("skipped %d MTP tensors (mtp.* / layers >= num_hidden_layers=%d): generation does not use them",
                  skipped, config.num_hidden_layers)
-    return patch(hf.eval(), backend=backend, moe_impl=moe_impl, regional_compile=regional_compile)
+    return patch(hf.eval(), backend=backend, moe_impl=moe_impl, regional_compile=regional_compile, parallel=state)
 
 
 def _read_config(root: Path):

@@ -2,8 +2,9 @@
 
 :class:`ParallelConfig` (the degrees and their validation), :func:`init` (process groups from the ``torchrun``
 environment or an explicit rank / world size), :func:`shard_model` (what ``mla_compile.patch(hf_model,
-parallel=...)`` runs: tensor-parallel attention, MLPs, vocabulary; expert-parallel MoE) and decode context
-parallelism at the op level (:mod:`mla_compile.parallel.dcp`). Collectives are functional collectives, so a
+parallel=...)`` runs: tensor-parallel attention, MLPs, vocabulary; expert-parallel MoE), DeepSeek-V4's data-parallel
+attention with expert parallelism (:mod:`mla_compile.parallel.v4`) and decode context parallelism at the op level
+(:mod:`mla_compile.parallel.dcp`). Collectives are functional collectives, so a
 sharded model compiles with ``torch.compile(fullgraph=True)`` with the collectives as graph nodes.
 """
 

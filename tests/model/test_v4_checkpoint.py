@@ -543,9 +543,8 @@ def test_packed_experts_without_expert_dtype(tmp_path):
 
 
 def test_unsupported_options(saved):
+    """(``parallel=`` works: tests/test_parallel_v4.py.)"""
     _, root = saved
-    with pytest.raises(NotImplementedError, match="DeepSeek-V4's sharding is not built"):
-        from_pretrained(root, parallel=object())
     with pytest.raises(NotImplementedError, match="kv_cache_dtype"):
         from_pretrained(root, kv_cache_dtype="fp8")
 
