@@ -20,9 +20,9 @@
 #            so the two rows compare
 #   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
 #            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path)
-#   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL), then bench_parallel
-#            (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the machine holds; needs a
-#            multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
+#   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
+#            then bench_parallel (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the
+#            machine holds; needs a multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
 # Default PHASES=lowered,kernels (the whole CUDA suite first needs ~400 s of the 600: with the default
 # TEST_TIMEOUT=450 pass PHASES=none, or a smaller TEST_PATHS, to leave time for a benchmark). Raw files in
 # $OUT/all.tgz; the short tables come last.   source .whl/env.sh && bash benchmarks/gpu_session.sh
@@ -85,7 +85,7 @@ if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
     timeout 170 python3 -m pytest -m cuda -v -p no:cacheprovider --timeout 160 -rfE tests/test_dp_serving.py \
-        tests/test_parallel_cuda.py -k two_gpus > "$O/par_tests.log" 2>&1
+        tests/test_parallel_cuda.py tests/test_parallel_v4.py -k two_gpus > "$O/par_tests.log" 2>&1
     timeout 400 python3 benchmarks/bench_parallel.py --out "$O/par" --tp "$sizes" --modes tp,dp_ep,tp_dcp \
         --batches 1,64,256 --ctx 4096 --iters 10 --warmup 2 --budget-s 330 > "$O/par.log" 2>&1
 fi
