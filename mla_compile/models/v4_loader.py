@@ -126,14 +126,14 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
     root = Path(root)
+    if kv_cache_dtype is not None:
+        raise NotImplementedError(f"{root}: kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's paged caches are in the "
+                                  "model's dtype (V4ForCausalLM.allocate_cache(dtype=...)); pass kv_cache_dtype=None")
     state = None
     if parallel is not None:
         from mla_compile.parallel import ParallelState, init
         state = parallel if isinstance(parallel, ParallelState) else init(parallel)
         device = "cpu"  # read whole on the host; shard_v4 moves this rank's part to the state's device
-    if kv_cache_dtype is not None:
-        raise NotImplementedError(f"{root}: kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's paged caches are in the "
-                                  "model's dtype (V4ForCausalLM.allocate_cache(dtype=...)); pass kv_cache_dtype=None")
     config = _read_config(root)
     read_fp8_format(config, root)  # only DeepSeek's fp8 e4m3 128 x 128 blocks (or no quantization_config)
     declared = expert_dtype(config, root)
