@@ -63,8 +63,8 @@ def _launch(logits: Tensor, iters: int, eps: float) -> Tensor:
 @torch.library.custom_op("mla::hc_sinkhorn_triton", mutates_args=())
 def hc_sinkhorn_triton(logits: Tensor, iters: int, eps: float) -> Tensor:
     """Triton ``mla::hc_sinkhorn`` (contract of the ``_ref`` op); non-CUDA or float64 runs the reference. An opaque
-    custom op: compiled graphs call this launch as is (GPU-timed so; as a ``triton_op`` before its fp32 ``eps``,
-    Inductor's launch typed ``eps`` fp64 and the kernel ran many times slower: BENCHMARKS.md, runs 263-265)."""
+    custom op: compiled graphs call this launch as is, the form GPU-timed in the model (the kernel casts ``eps`` to
+    fp32 anyway: Inductor's own launch of a ``triton_op``'s kernel passes Python floats as fp64)."""
     if logits.device.type != "cuda" or logits.dtype == torch.float64:
         return torch.ops.mla.hc_sinkhorn_ref(logits, iters, eps)
     validate(logits, iters, eps)
