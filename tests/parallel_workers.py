@@ -864,10 +864,8 @@ def v4_dp_ep_equals_single(rank, world, compile_backend=None, regional=False):
     want = _v4_run(ref, ref, steps)
     model = patch(hf, parallel=state, regional_compile=regional)
     got = _v4_run(model, model, steps)
-    moe = model.moe[-1]
     res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
-           "moe": type(moe).__name__, "local_experts": moe.local.num_experts if hasattr(moe.local, "num_experts")
-           else moe.local.num_local, "experts": hf.config.n_routed_experts,
+           "local_experts": model.moe[-1].hf.experts.num_experts, "experts": hf.config.n_routed_experts,
            "all_parallel": all(isinstance(m, ParallelV4MoE) for m in model.moe)}
     if compile_backend is not None:
         from torch._dynamo.utils import counters
@@ -904,7 +902,7 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
     want = _v4_run(ref, ref, steps)
     model = from_pretrained(root, dtype=torch.float32, parallel=state)
     got = _v4_run(model, model, steps)
-    local = model.moe[-1].local.local
+    local = model.moe[-1].hf.experts
     return {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
             "local_type": type(local).__name__, "local_experts": local.num_experts,
             "experts": ref.config.n_routed_experts,
@@ -920,6 +918,7 @@ def v4_dp_ep_on_device(rank, world):
 
     from mla_compile.app.v4_toy import toy_v4_model
     from mla_compile.models.v4_model import V4Sequences
+    from tests.cuda_capture import capture
 
     state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), single_rank_collectives=world == 1,
                  timeout=120)
@@ -944,10 +943,7 @@ def v4_dp_ep_on_device(rank, world):
         ids, pos, meta = seqs.metadata([0, 1], steps[-1])
         ids, pos, meta = ids.to(dev), pos.to(dev), meta.to(dev)
         eager_last = compiled(ids, pos, meta).clone()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = compiled(ids, pos, meta)
+        graph, out = capture(compiled, ids, pos, meta)
         graph.replay()
         torch.cuda.synchronize()
     res["replay_err"] = float((out - want[-1]).abs().max())

@@ -349,16 +349,19 @@ class V4MoE(nn.Module):
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * g.routed_scaling_factor, ids
 
-    def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
-        weights, ids = self.route(x, input_ids)
+    def routed(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])`` over the HF block's experts (``impl``'s form): ``[T,
+        hidden]``, float32 sums for float experts."""
         grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
                                              and hasattr(torch, "_grouped_mm"))
         experts = self.hf.experts
         if getattr(experts, "is_fp8_block", False) or getattr(experts, "is_fp4_block", False):
-            routed = experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
-        else:
-            routed = (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)
-        return routed.to(x.dtype) + shared_mlp(self.hf.shared_experts, x)
+            return experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
+        return (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)
+
+    def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
+        weights, ids = self.route(x, input_ids)
+        return self.routed(x, weights, ids).to(x.dtype) + shared_mlp(self.hf.shared_experts, x)
 
 
 class V4ForCausalLM(RegionalCompile, nn.Module):

@@ -72,13 +72,14 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def gathered(fn, x: Tensor, dp: Group | None) -> Tensor:
-    """``fn`` over every data-parallel attention group's tokens: ``x [T, ...]`` (``T`` equal on every group) is
-    all-gathered over ``dp``, ``fn`` applied, and this group's ``T`` rows returned (``fn(x)`` without ``dp``)."""
+def gathered(fn, x: Tensor, dp: Group | None, *more: Tensor) -> Tensor:
+    """``fn`` over every data-parallel attention group's tokens: ``x [T, ...]`` (``T`` equal on every group) and each
+    per-token tensor of ``more`` (``[T, ...]`` too) are all-gathered over ``dp``, ``fn(x, *more)`` applied, and this
+    group's ``T`` rows returned (``fn(x, *more)`` without ``dp``)."""
     if dp is None or dp.group is None:
-        return fn(x)
+        return fn(x, *more)
     T = x.shape[0]
-    return fn(all_gather(x, 0, dp)).narrow(0, dp.rank * T, T)
+    return fn(all_gather(x, 0, dp), *(all_gather(t, 0, dp) for t in more)).narrow(0, dp.rank * T, T)
 
 
 class ParallelMLP(nn.Module):

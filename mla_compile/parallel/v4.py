@@ -18,48 +18,35 @@ HF model must hold its weights, and each rank keeps only its experts after.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8Experts
-from mla_compile.models.v4_model import V4ForCausalLM, V4MoE, experts_dense, experts_grouped, shared_mlp
+from mla_compile.models.v4_model import V4ForCausalLM, V4MoE, shared_mlp
 from mla_compile.parallel.groups import ParallelState
-from mla_compile.parallel.layers import all_gather, all_reduce, shard_range
-from mla_compile.parallel.moe import ParallelBlockExperts, local_routing
+from mla_compile.parallel.layers import all_reduce, gathered, shard_range
+from mla_compile.parallel.moe import local_routing
 from mla_compile.parallel.shard import _materialise_rest, _shard_block_experts, _Source
 
 
 class ParallelV4MoE(V4MoE):
     """A V4 MoE block on one rank of :func:`shard_v4`'s layout: ``forward(x [T, hidden], input_ids [T])`` as
-    :class:`~mla_compile.models.v4_model.V4MoE`'s, over every rank's tokens gathered (see the module docstring).
-    ``local``: this rank's experts, the sliced HF experts module (``num_experts`` of them from global expert
-    ``first``) or a :class:`~mla_compile.parallel.moe.ParallelBlockExperts` of a quantized checkpoint's."""
+    :class:`~mla_compile.models.v4_model.V4MoE`'s, over every rank's tokens gathered (see the module docstring). The
+    HF block's ``experts`` hold this rank's experts only (float, or a quantized checkpoint's ``FP8Experts`` /
+    ``FP4Experts``), global experts ``first`` on."""
 
-    def __init__(self, hf_moe: nn.Module, local: nn.Module, first: int, state: ParallelState, impl: str = "auto"):
+    def __init__(self, hf_moe: nn.Module, first: int, state: ParallelState, impl: str = "auto"):
         super().__init__(hf_moe, impl)
-        self.local = local
         self.first = first
         self.ep, self.dp = state.ep, state.dp
 
     def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
-        dp = self.dp
-        if dp is None or dp.group is None:
-            return self._moe(x, input_ids)
-        T = x.shape[0]
-        return self._moe(all_gather(x, 0, dp), all_gather(input_ids, 0, dp)).narrow(0, dp.rank * T, T)
+        return gathered(self._moe, x, self.dp, input_ids)
 
     def _moe(self, x: Tensor, input_ids: Tensor) -> Tensor:
         weights, ids = self.route(x, input_ids)  # global expert ids: the router is replicated
-        grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and hasattr(torch, "_grouped_mm")
-                                             and (isinstance(self.local, ParallelBlockExperts)
-                                                  or x.dtype == torch.bfloat16))
-        if isinstance(self.local, ParallelBlockExperts):  # quantized: it takes the global ids itself
-            routed = self.local(x, weights, ids, grouped)
-        else:
-            w, local = local_routing(weights, ids, self.first, self.local.num_experts)
-            routed = (experts_grouped if grouped else experts_dense)(x, w, local, self.local)
-        routed = all_reduce(routed.float(), self.ep)  # every rank's experts' share of every token
+        weights, local = local_routing(weights, ids, self.first, self.hf.experts.num_experts)
+        routed = all_reduce(self.routed(x, weights, local).float(), self.ep)  # every rank's experts' share
         return routed.to(x.dtype) + shared_mlp(self.hf.shared_experts, x)
 
 
@@ -81,28 +68,23 @@ def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None =
     E = hf_model.config.n_routed_experts
     if E % p.ep:
         raise ValueError(f"ep={p.ep} does not divide n_routed_experts={E}; pick a degree that divides {E}")
+    e0, e1 = shard_range(E, state.ep)
     src = _Source(hf_model, None, state.device)
-    locals_ = []
     for i, layer in enumerate(hf_model.model.layers):
-        pre = f"model.layers.{i}.mlp."
+        pre = f"model.layers.{i}.mlp.experts."
         experts = layer.mlp.experts
-        e0, e1 = shard_range(E, state.ep)
-        if isinstance(experts, (FP8Experts, FP4Experts)):
-            local = _shard_block_experts(experts, pre + "experts.", state, src)
-            layer.mlp.experts = local.local  # only this rank's experts stay referenced
-        else:
-            if not hasattr(experts, "gate_up_proj"):
-                raise NotImplementedError(f"{type(experts).__name__}: only the fused float experts (gate_up_proj "
-                                          "[E, 2I, H], down_proj [E, H, I]), FP8Experts and FP4Experts are sharded")
-            experts.gate_up_proj = src.take(pre + "experts.gate_up_proj", lambda f: f[e0:e1])
-            experts.down_proj = src.take(pre + "experts.down_proj", lambda f: f[e0:e1])
+        if isinstance(experts, (FP8Experts, FP4Experts)):  # only this rank's experts stay referenced
+            layer.mlp.experts = _shard_block_experts(experts, pre, state, src).local
+        elif hasattr(experts, "gate_up_proj"):
+            experts.gate_up_proj = src.take(pre + "gate_up_proj", lambda f: f[e0:e1])
+            experts.down_proj = src.take(pre + "down_proj", lambda f: f[e0:e1])
             experts.num_experts = e1 - e0
-            local = experts
-        locals_.append((local, e0))
+        else:
+            raise NotImplementedError(f"{type(experts).__name__}: only the fused float experts (gate_up_proj "
+                                      "[E, 2I, H], down_proj [E, H, I]), FP8Experts and FP4Experts are sharded")
     del src  # its references to the full expert tensors
     _materialise_rest(hf_model, _Source(hf_model, None, state.device), state.device)
     model = V4ForCausalLM(hf_model, backend=backend, moe_impl=moe_impl)
-    model.moe = nn.ModuleList(ParallelV4MoE(layer.mlp, local, e0, state, moe_impl)
-                              for layer, (local, e0) in zip(hf_model.model.layers, locals_))
+    model.moe = nn.ModuleList(ParallelV4MoE(layer.mlp, e0, state, moe_impl) for layer in hf_model.model.layers)
     model.parallel_state = state
     return model

@@ -10,6 +10,7 @@ import torch
 
 from mla_compile import ops
 from tests.ops.test_hc_sinkhorn import sinkhorn64
+from tests.cuda_capture import capture
 from tests.ops.test_moe_route import poison_empty
 from tests.ops.triton.conftest import INTERPRET
 
@@ -156,11 +157,7 @@ def test_cuda_compiled_and_graph_replay(fresh_dynamo):
     for t in (2, 40):
         _check(f(x[:t]), (x[:t], fn, base, scale), 20, 1e-6, 1e-6, 8e-3)
     static = x[:4].clone()
-    f(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = f(static)
+    graph, outs = capture(f, static)
     static.copy_(x[30:34])
     graph.replay()
     torch.cuda.synchronize()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mla_compile import ops
+from tests.cuda_capture import capture
 from tests.ops.test_moe_route import poison_empty
 from tests.ops.triton.conftest import INTERPRET
 
@@ -144,11 +145,7 @@ def test_cuda_compiled_and_graph_replay(fresh_dynamo):
     for t in (3, 50):
         _check(fn(logits[:t]), logits[:t], 20, 1e-6, 2e-6)
     static = logits[:8].clone()
-    fn(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(static)
+    graph, out = capture(fn, static)
     static.copy_(logits[20:28])
     graph.replay()
     torch.cuda.synchronize()
