@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mla_compile import ops
+from mla_compile.backends import requested_for
+from mla_compile.ops.select import parse_backend_spec
 from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
@@ -133,16 +135,16 @@ def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
 
 
 def _own_backend(op: str, backend: str | None) -> str:
-    """The backend a V4 op runs with: ``backend`` when the op has one of that name; for None/"auto", "auto"
-    once the op's reference is declared GPU-tested, else "reference".
-
-    "auto" picks only GPU-tested backends; until the V4 ops pass their CUDA tests (``pytest -m cuda
-    tests/ops/test_v4_ops.py tests/ops/triton/test_triton_interpret_v4.py``) the reference is named."""
+    """The backend a V4 op runs with, from ``backend`` (a name or a per-op spec, ``"v4_attention=triton,hc_pre=triton"``;
+    None: not read from ``MLA_COMPILE_BACKEND`` here): the name it gives ``op`` (a single name: every V4 op; one the
+    op lacks: "reference"), else "auto" once the op's reference is declared GPU-tested, else "reference"."""
     from mla_compile.ops.registry import backends_for
 
     table = backends_for(op)
-    if backend not in (None, "auto"):
-        return backend if backend in table else "reference"
+    parsed = parse_backend_spec(backend)
+    name = parsed.get(op, parsed.get("*", "auto"))
+    if name != "auto":
+        return name if name in table else "reference"
     return "auto" if table["reference"].gpu_tested else "reference"
 
 
@@ -264,12 +266,13 @@ def _hc_consts(hc: nn.Module) -> tuple[float, float]:
 def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """mHC weights of ``x [T, n, hidden]`` (HF ``DeepseekV4HyperConnection``'s parameters ``fn``, ``base``,
     ``scale``): ``(post [T, n], comb [T, n, n] doubly stochastic by Sinkhorn, collapsed [T, hidden])``:
-    ``mla::hc_pre`` where its "auto" picks the Triton kernels (few tokens on CUDA), else the same math traced (its
-    Sinkhorn rounds through ``mla::hc_sinkhorn``)."""
+    ``mla::hc_pre`` where the backend the model was patched with (``hc.mla_backend``, "auto" when unset) resolves to
+    its Triton kernels, else the same math traced (its Sinkhorn rounds through ``mla::hc_sinkhorn``)."""
     norm_eps, eps = _hc_consts(hc)
     iters = hc.hc_sinkhorn_iters
-    if ops.resolve("hc_pre", x.device, None, dtype=x.dtype).name != "reference":
-        return hc_pre(x, hc.fn, hc.base, hc.scale, iters, norm_eps, eps)
+    backend = getattr(hc, "mla_backend", "auto")
+    if ops.resolve("hc_pre", x.device, backend, dtype=x.dtype).name != "reference":
+        return hc_pre(x, hc.fn, hc.base, hc.scale, iters, norm_eps, eps, backend=backend)
     return hc_pre_math(x, hc.fn, hc.base, hc.scale, iters, norm_eps, eps, sinkhorn=hc_sinkhorn)
 
 
@@ -383,9 +386,11 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
         self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
+        hc_backend = requested_for("hc_pre", backend)  # "hc_pre=triton" asks for the kernels by name
         for layer in self.model.layers:  # the mHC ops' epsilons as graph constants (see _hc_consts)
             for hc in (layer.attn_hc, layer.ffn_hc):
                 hc.mla_eps = (freeze(_norm_eps(hc.input_norm)), freeze(hc.hc_eps))
+                hc.mla_backend = hc_backend
 
     @property
     def rates(self) -> list[int]:

@@ -72,6 +72,21 @@ def test_patch_dispatches_v4():
     assert isinstance(patch(hf), V4ForCausalLM)
 
 
+def test_backend_spec_reaches_each_v4_op():
+    """A per-op spec names each V4 op's backend on its own (and the mHC's through ``mla::hc_pre``); a name the
+    CPU cannot run is refused by name at the first step, before anything is written."""
+    hf = toy_v4_model(0)
+    model = patch(hf, backend="v4_attention=reference,hc_pre=triton")
+    assert {a.backend for a in model.attn} == {"reference"}
+    assert {a.compress_backend for a in model.attn} == {patch(toy_v4_model(0)).attn[0].compress_backend}
+    assert {hc.mla_backend for l in model.model.layers for hc in (l.attn_hc, l.ffn_hc)} == {"triton"}
+    seqs = V4Sequences(model, 1, 16, 4, fill=NAN)
+    ids, pos, meta = seqs.metadata([0], prompts(0, [5]))
+    with pytest.raises(ValueError, match=r"mla\.hc_pre: backend 'triton' runs on \['cuda'\], not on cpu"):
+        model(ids, pos, meta)
+    assert all(torch.isnan(a.kv_cache).all() for a in model.attn)  # refused before the first cache write
+
+
 YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
 
 
