@@ -7,8 +7,9 @@ channels of the trailing rope slice, so the final back-rotation of the output's 
 per-pair update of two accumulators. Online softmax in base 2 (float32), then the sink factor
 ``sigmoid(lse - sink)`` and the rotation by ``-pos * inv_freq``. A row with no valid slot gets
 ``out = 0``, ``lse = -inf``. Long slot lists are split over up to 16 programs (the count comes from the
-lists' widths, shapes only), whose partial (max, sum, accumulator) a second kernel merges before the
-sink and the rotation; nothing is read on the host, so a captured CUDA graph replays with any slot values.
+lists' widths, shapes only; up to 32 of a tile or two each for a static handful of rows), whose partial (max, sum,
+accumulator) a second kernel merges before the sink and the rotation; nothing is read on the host, so a captured
+CUDA graph replays with any slot values.
 """
 
 from __future__ import annotations
@@ -207,12 +208,17 @@ def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
     dn = D - 2 * r2
     cfg = dict(config or {})
     block_h = cfg.get("BLOCK_H", min(16, pow2(H)))
-    block_n = cfg.get("BLOCK_N", 32 if D >= 256 else 16)
     W, K = window_slots.shape[1], comp_slots.shape[1]
-    # splits of the slot lists (from shapes only): enough programs for short batches over long lists
-    splits = cfg.get("SPLITS", max(1, min(16, triton.cdiv(W + K, 8 * block_n))))
-    direct = splits == 1
     hb = triton.cdiv(H, block_h)
+    few = few_rows(T, hb)
+    block_n = cfg.get("BLOCK_N", 16 if few or D < 256 else 32)
+    # splits of the slot lists: a static handful of rows (a decode step of one or two sequences) spreads its lists
+    # over up to 32 programs a head block, a tile or two each; otherwise (T may be symbolic) from the lists' widths
+    # only: enough programs for short batches over long lists
+    splits = cfg.get("SPLITS", min(32, triton.cdiv(W + K, block_n)) if few
+                     else max(1, min(16, triton.cdiv(W + K, 8 * block_n))))
+    splits = max(1, splits)
+    direct = splits == 1
     ws_acc = out if direct else torch.empty(T * H * splits, D, dtype=torch.float32, device=q.device)
     ws_ml = lse if direct else torch.empty(T * H * splits, 2, dtype=torch.float32, device=q.device)
     wrap_triton(_v4_attention_kernel)[(hb, T, splits)](
@@ -226,10 +232,19 @@ def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
         num_warps=cfg.get("num_warps", 8 if D >= 256 else 4),
     )
     if not direct:
-        wrap_triton(_v4_merge_kernel)[(hb, T)](
-            ws_acc, ws_ml, sinks, query_pos, inv_freq, out, lse, H, splits, D=D, DN=dn, R2=r2, BLOCK_H=block_h,
-            BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), num_warps=cfg.get("num_warps", 8 if D >= 256 else 4))
+        # the merge has no dot: with few rows one head a program (H programs a row), else the kernel's head blocks
+        merge_h = cfg.get("MERGE_BLOCK_H", 1 if few else block_h)
+        wrap_triton(_v4_merge_kernel)[(triton.cdiv(H, merge_h), T)](
+            ws_acc, ws_ml, sinks, query_pos, inv_freq, out, lse, H, splits, D=D, DN=dn, R2=r2, BLOCK_H=merge_h,
+            BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), num_warps=4 if merge_h == 1 else cfg.get("num_warps",
+                                                                                           8 if D >= 256 else 4))
     return out, lse
+
+
+def few_rows(T, head_blocks: int) -> bool:
+    """True when ``T`` query rows are a plain int (static in the graph being traced: Dynamo specializes 1) and
+    ``T * head_blocks`` programs would leave most SMs idle; a symbolic T is never read (no guard)."""
+    return isinstance(T, int) and T * head_blocks <= 16
 
 
 @triton_op("mla::v4_attention_triton", mutates_args=())

@@ -73,6 +73,32 @@ def test_v4_attention_kernel_matches_reference(dtype, sink, splits):
                                else 1e-5, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v4_attention_few_rows_default_and_one_head_merge(dtype):
+    """A single query row at the default config takes the few-rows split (16-slot tiles, many splits, a one-head
+    merge); six rows with ``MERGE_BLOCK_H=1`` and uneven splits: both against the float64 reference."""
+    from mla_compile.ops.triton.v4_attention import _launch, few_rows
+
+    q, kv, ws, comp, cs, sinks, pos, inv_freq = _case(2, dtype, W=40)
+    scale = q.shape[-1] ** -0.5
+    ref, ref_lse = torch.ops.mla.v4_attention_ref(q.double(), kv.double(), ws, comp.double(), cs, sinks.double(),
+                                                  pos, inv_freq.double(), scale)
+    assert few_rows(1, 1) and few_rows(2, 8) and not few_rows(3, 8)  # one row here: min(32, cdiv(40 + K, 16)) splits
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    scale_out = ref.abs().max().clamp_min(1e-30)
+    rows = [_launch(q[t:t + 1], kv, ws[t:t + 1], comp, cs[t:t + 1], sinks, pos[t:t + 1], inv_freq, scale)
+            for t in range(q.shape[0])]
+    many = _launch(q, kv, ws, comp, cs, sinks, pos, inv_freq, scale,
+                   config=dict(BLOCK_H=2, BLOCK_N=4, SPLITS=7, MERGE_BLOCK_H=1))
+    for out, lse in (tuple(torch.cat(x) for x in zip(*rows)), many):
+        assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
+        empty = torch.isinf(ref_lse)
+        assert empty[3].all() and torch.equal(torch.isinf(lse), empty) and (out[3] == 0).all()
+        torch.testing.assert_close(out.double() / scale_out, ref / scale_out, **tol)
+        torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].double(),
+                                   atol=1e-3 if dtype != torch.float32 else 1e-5, rtol=1e-3)
+
+
 def _compress_steps(seed, overlap, rate, C=24, rope=8):
     """A schedule of calls (3 sequences, uneven chunks crossing window boundaries, padding rows)."""
     g = torch.Generator().manual_seed(seed)
