@@ -336,6 +336,10 @@ def attention_main(a, dev: torch.device) -> int:
                     row = dict(backend=name, kind=kind, batch=b, ctx=ctx, heads=a.heads, head_dim=a.head_dim,
                                slots=args[2].shape[1] + args[4].shape[1])
                     call = lambda: v4_attention(*args, a.head_dim ** -0.5, backend=name)  # noqa: E731
+                    if name == "triton-widths":  # the Triton kernel split as for a symbolic row count
+                        from mla_compile.ops.triton.v4_attention import _launch
+
+                        call = lambda: _launch(*args, a.head_dim ** -0.5, config=dict(FEW=False))  # noqa: E731
                     try:
                         if time.time() - start > a.budget_s:
                             row["skipped"] = "time budget"
@@ -493,7 +497,9 @@ def main(argv=None) -> int:
                    help="profile each 'ours graph' row's replays (kernels by GPU time and the critical path, as "
                         "bench_decode_step --profile-replay) to profile_replay_b{B}_c{ctx}.txt / critical_path_...")
     p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
-    p.add_argument("--attn-backends", default="triton,flashmla", help="backends --attention compares on CUDA")
+    p.add_argument("--attn-backends", default="triton,flashmla",
+                   help="backends --attention compares on CUDA (and 'triton-widths': the Triton kernel split from "
+                        "the lists' widths only, as a symbolic row count gets it)")
     args = p.parse_args(argv)
     if args.attention and args.ctx is None and not args.tiny:
         args.ctx = "8192"  # the op alone: V4-Flash at 8k unless asked

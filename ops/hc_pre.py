@@ -12,7 +12,8 @@ sum_i pre_i * x[:, i]`` (float32 sums, x's dtype). Returns ``(post [T, n] float3
 
 Backends: "reference" (plain torch, any device: :func:`hc_pre_math`, the numerical ground truth), "triton" (CUDA: a
 split-K pass over ``fn`` for up to ``MAX_TOKENS`` tokens, then one kernel for the norm, the weights, the Sinkhorn
-rounds and the collapse; more tokens run the reference, whose GEMM suits them).
+rounds and the collapse; more tokens (a prefill chunk) the reference's math, whose GEMM suits them, with the Sinkhorn
+rounds through ``mla::hc_sinkhorn``'s kernel). "auto" takes "triton" on CUDA.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _triton(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available,
-        dtypes=(torch.bfloat16, torch.float16, torch.float32), package="triton", gpu_tested=False,
+        dtypes=(torch.bfloat16, torch.float16, torch.float32), package="triton", gpu_tested=True,
         kernels=("hc_pre_triton", "_hc_mix_kernel", "_hc_finish_kernel"),
         note=f"ours: a split-K pass over fn, then norm, weights, Sinkhorn and collapse in one kernel (<= {MAX_TOKENS} "
              "tokens; the reference above)")

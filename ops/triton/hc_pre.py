@@ -1,4 +1,5 @@
-"""Triton ``mla::hc_pre``: a V4 hyper-connection before its block in two launches, for few tokens.
+"""Triton ``mla::hc_pre``: a V4 hyper-connection before its block in two launches, for few tokens (more: the
+reference's math with ``mla::hc_sinkhorn``'s kernel, see :func:`hc_pre_triton`).
 
 ``_hc_mix_kernel``, grid ``(splits, T)``: program ``(s, t)`` reads ``BLOCK_K`` of token t's ``n*D`` stream values and
 the same columns of all ``2n + n*n`` rows of ``fn`` (in fn's dtype, converted in registers: no float32 copy of fn),
@@ -20,7 +21,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from mla_compile.ops.hc_pre import MAX_N, MAX_TOKENS, OP, fake, validate
+from mla_compile.ops.hc_pre import MAX_N, MAX_TOKENS, OP, fake, hc_pre_math, validate
+from mla_compile.ops.hc_sinkhorn import hc_sinkhorn
 
 BLOCK_K = 512  # stream values a split-K program reads (fn: (2n + n*n) x BLOCK_K)
 BLOCK_D = 512  # columns of the collapse a finishing program writes
@@ -120,9 +122,13 @@ def _launch(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm
 def hc_pre_triton(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm_eps: float,
                   hc_eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Triton ``mla::hc_pre`` (contract of the ``_ref`` op): the two kernels up to ``MAX_TOKENS`` tokens and
-    ``MAX_N`` streams on CUDA; more, non-CUDA tensors or float64 run the reference."""
-    if (x.device.type != "cuda" or x.dtype == torch.float64 or x.shape[0] > MAX_TOKENS or x.shape[1] > MAX_N):
+    ``MAX_N`` streams on CUDA; more tokens (a prefill chunk) the reference's math with its GEMM and the Sinkhorn
+    rounds through ``mla::hc_sinkhorn`` (one kernel); non-CUDA tensors, float64 or more streams the reference."""
+    if x.device.type != "cuda" or x.dtype == torch.float64 or x.shape[1] > MAX_N:
         return torch.ops.mla.hc_pre_ref(x, fn, base, scale, iters, norm_eps, hc_eps)
+    if x.shape[0] > MAX_TOKENS:
+        out = hc_pre_math(x, fn, base, scale, iters, norm_eps, hc_eps, sinkhorn=hc_sinkhorn)
+        return tuple(t.contiguous() for t in out)
     validate(x, fn, base, scale, iters)
     return _launch(x, fn, base, scale, iters, norm_eps, hc_eps)
 

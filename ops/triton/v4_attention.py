@@ -152,10 +152,11 @@ def _v4_attention_kernel(
 
 
 @triton.jit
-def _v4_merge_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, lse_ptr, H, n_splits,
-                     D: tl.constexpr, DN: tl.constexpr, R2: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_DN: tl.constexpr, BLOCK_R2: tl.constexpr):
-    """Merge the splits of one (row, head block) by their base-2 (m, l), then :func:`_finish`."""
+def _v4_merge_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, lse_ptr, H,
+                     N_SPLITS: tl.constexpr, D: tl.constexpr, DN: tl.constexpr, R2: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_DN: tl.constexpr, BLOCK_R2: tl.constexpr):
+    """Merge the splits of one (row, head block) by their base-2 (m, l), then :func:`_finish`. The split count is a
+    constant (the launch's, from shapes): the loops unroll, so every split's loads are in flight at once."""
     pid_h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -164,16 +165,16 @@ def _v4_merge_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, 
     offs_r = tl.arange(0, BLOCK_R2)
     n_ok = offs_n < DN
     r_ok = offs_r < R2
-    base = (t * H + heads.to(tl.int64)) * n_splits
+    base = (t * H + heads.to(tl.int64)) * N_SPLITS
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for sp in range(0, n_splits):
+    for sp in tl.static_range(N_SPLITS):
         m = tl.maximum(m, tl.load(ws_ml_ptr + 2 * (base + sp), mask=h_ok, other=float("-inf")))
     shift = tl.where(m == float("-inf"), 0.0, m)
     l_tot = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc_n = tl.zeros([BLOCK_H, BLOCK_DN], dtype=tl.float32)
     acc_e = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
     acc_o = tl.zeros([BLOCK_H, BLOCK_R2], dtype=tl.float32)
-    for sp in range(0, n_splits):
+    for sp in tl.static_range(N_SPLITS):
         m_s = tl.load(ws_ml_ptr + 2 * (base + sp), mask=h_ok, other=float("-inf"))
         l_s = tl.load(ws_ml_ptr + 2 * (base + sp) + 1, mask=h_ok, other=0.0)
         wgt = tl.where(l_s > 0.0, tl.math.exp2(m_s - shift), 0.0)
@@ -192,7 +193,8 @@ def _v4_merge_kernel(ws_acc_ptr, ws_ml_ptr, sink_ptr, pos_ptr, freq_ptr, o_ptr, 
 def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tensor, comp_slots: Tensor,
             sinks: Tensor, query_pos: Tensor, inv_freq: Tensor, scale: float,
             config: dict | None = None) -> tuple[Tensor, Tensor]:
-    """Kernel path (the interpreter on CPU tensors too). ``config`` overrides BLOCK_H, BLOCK_N, SPLITS, num_warps."""
+    """Kernel path (the interpreter on CPU tensors too). ``config`` overrides BLOCK_H, BLOCK_N, SPLITS, num_warps,
+    MERGE_BLOCK_H and FEW (whether the few-rows split applies: :func:`few_rows`)."""
     T, H, D = q.shape
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -210,7 +212,7 @@ def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
     block_h = cfg.get("BLOCK_H", min(16, pow2(H)))
     W, K = window_slots.shape[1], comp_slots.shape[1]
     hb = triton.cdiv(H, block_h)
-    few = few_rows(T, hb)
+    few = cfg.get("FEW", few_rows(T, hb))  # FEW=False: the split a symbolic row count gets (benchmarks)
     block_n = cfg.get("BLOCK_N", 16 if few or D < 256 else 32)
     # splits of the slot lists: a static handful of rows (a decode step of one or two sequences) spreads its lists
     # over up to 32 programs a head block, a tile or two each; otherwise (T may be symbolic) from the lists' widths
@@ -234,10 +236,10 @@ def _launch(q: Tensor, kv_cache: Tensor, window_slots: Tensor, comp_cache: Tenso
     if not direct:
         # the merge has no dot: with few rows one head a program (H programs a row), else the kernel's head blocks
         merge_h = cfg.get("MERGE_BLOCK_H", 1 if few else block_h)
+        merge_warps = 4 if merge_h == 1 else cfg.get("num_warps", 8 if D >= 256 else 4)
         wrap_triton(_v4_merge_kernel)[(triton.cdiv(H, merge_h), T)](
-            ws_acc, ws_ml, sinks, query_pos, inv_freq, out, lse, H, splits, D=D, DN=dn, R2=r2, BLOCK_H=merge_h,
-            BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), num_warps=4 if merge_h == 1 else cfg.get("num_warps",
-                                                                                           8 if D >= 256 else 4))
+            ws_acc, ws_ml, sinks, query_pos, inv_freq, out, lse, H, N_SPLITS=splits, D=D, DN=dn, R2=r2,
+            BLOCK_H=merge_h, BLOCK_DN=pow2(dn), BLOCK_R2=pow2(r2), num_warps=merge_warps)
     return out, lse
 
 
