@@ -10,8 +10,11 @@ its column afterwards (scales are positive, so relu commutes).
 Half-precision queries over a half cache of the same dtype (or fp8) use the tensor cores with float32
 accumulation; everything else runs an IEEE float32 dot.
 
-The top-k and the slot translation are the reference's own helpers (``select_topk``,
-``positions_to_slots`` in ``mla_compile.ops.sparse_index``), so equal scores resolve exactly as there.
+The slot translation is the reference's own helper (``positions_to_slots`` in ``mla_compile.ops.sparse_index``).
+The top-k: for a static ``L <= TOPK_MAX_L`` one program a query sorts the row's ``select_topk`` keys (the score's
+order-preserving bits above the reversed position: unique, so equal scores resolve exactly as there) with
+Triton's bitonic top-k in registers (``torch.topk``'s radix select plus its sort of the k winners cost ~40 us a
+call at L = 2048, k = 512); longer or symbolic rows use ``select_topk`` itself.
 """
 
 from __future__ import annotations
@@ -26,6 +29,38 @@ from mla_compile.ops.sparse_index import positions_to_slots, select_topk, valida
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 
 _HALF = (torch.float16, torch.bfloat16)
+TOPK_MAX_L = 4096  # the longest static row the in-register top-k sorts (int64 keys: 16 a thread at 8 warps)
+
+
+@triton.jit
+def _topk_positions_kernel(s_ptr, o_ptr, L, K, s_s, s_o, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row t's top-K positions of ``scores`` by ``select_topk``'s keys, in its order (descending key)."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.arange(0, BLOCK_L)
+    ok = pos < L
+    s = tl.load(s_ptr + t * s_s + pos, mask=ok, other=0.0)
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)  # -0.0 -> +0.0: they tie
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # monotone in the float value
+    ordered = tl.where(ok, ordered, -2147483648).to(tl.int64)  # past L: below every real key
+    low = tl.where(ok, L - 1 - pos, 0).to(tl.int64)  # equal scores: the lower position has the larger key
+    top = tl.topk(ordered * 4294967296 + low, BLOCK_K)
+    offs = tl.arange(0, BLOCK_K)
+    tl.store(o_ptr + t * s_o + offs, (L - 1) - (top & 0xFFFFFFFF), mask=offs < K)
+
+
+def topk_positions(scores: Tensor, topk: int) -> Tensor:
+    """:func:`~mla_compile.ops.sparse_index.select_topk` of float32 ``scores [T, L]``: the kernel above for a static
+    ``L <= TOPK_MAX_L`` (the interpreter on CPU tensors too), else ``select_topk`` (a symbolic L is never read)."""
+    T, L = scores.shape
+    if not isinstance(L, int) or L > TOPK_MAX_L or scores.dtype != torch.float32 or L == 0:
+        return select_topk(scores, topk)
+    k = min(topk, L)
+    out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
+    if T == 0:
+        return out
+    wrap_triton(_topk_positions_kernel)[(T,)](scores, out, L, k, scores.stride(0), out.stride(0),
+                                             BLOCK_L=pow2(L), BLOCK_K=pow2(k), num_warps=8 if L > 1024 else 4)
+    return out
 
 
 @triton.jit
@@ -130,7 +165,7 @@ def _launch(q_idx: Tensor, weights: Tensor, k_idx_cache: Tensor, block_table: Te
     if block_table.shape[0] == 0:  # no sequences: every token is padding
         return torch.full((T, topk), -1, dtype=torch.int32, device=q_idx.device)
     scores = lightning_scores(q_idx, weights, k_idx_cache, block_table, seq_lens, query_seq, query_pos, block_n)
-    return positions_to_slots(select_topk(scores, topk), block_table, seq_lens, query_seq, query_pos,
+    return positions_to_slots(topk_positions(scores, topk), block_table, seq_lens, query_seq, query_pos,
                               k_idx_cache.shape[1], topk)
 
 

@@ -153,3 +153,24 @@ def test_lightning_index_empty_batch_and_tokens():
     table, lens = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
     empty = tli._launch(q[:0], w[:0], cache, table, lens, seq[:0], seq[:0], 5)
     assert empty.shape == (0, 5) and empty.dtype == torch.int32
+
+
+@pytest.mark.parametrize("L,k", [(300, 7), (300, 300), (1000, 64), (37, 1), (64, 100)])
+def test_topk_positions_kernel_equals_select_topk(L, k):
+    """The in-register top-k gives exactly ``select_topk``'s positions in its order: random scores with runs of equal
+    values, -inf (invisible) entries, -0.0 against 0.0, and k past the row (then k = L); rows of zero length fall back."""
+    from mla_compile.ops.sparse_index import select_topk
+    from mla_compile.ops.triton.lightning_index import topk_positions
+
+    gen = torch.Generator().manual_seed(L * 31 + k)
+    scores = torch.randn(5, L, generator=gen)
+    scores[0] = torch.randint(-3, 4, (L,), generator=gen).float()  # many ties
+    scores[1, ::3] = float("-inf")
+    scores[2] = float("-inf")  # a padding token: every position invisible
+    scores[3, : L // 2] = 0.0
+    scores[3, L // 2:] = -0.0
+    want = select_topk(scores, k)
+    got = topk_positions(scores, k)
+    assert got.dtype == torch.int64 and got.shape == want.shape == (5, min(k, L))
+    assert torch.equal(got, want)
+    assert topk_positions(scores[:0], k).shape == (0, min(k, L))

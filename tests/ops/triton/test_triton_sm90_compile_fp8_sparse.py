@@ -106,3 +106,18 @@ def test_index_kernels_compile_for_sm90_without_spills(which):
     for launch in launches:
         report = _sass_report(*launch)
         assert report["stack"] == 0 and report["regs"] <= 168, (which, report)  # sm_90 compile here: 74-128
+
+
+@pytest.mark.parametrize("L,k", [(2048, 512), (4096, 2048), (1000, 64)])
+def test_topk_positions_compiles_for_sm90_without_spills(L, k):
+    """The lightning indexer's in-register top-k at V4-Flash's CSA row (2048 entries, top-512), V3.2's top-2048 at
+    the longest row it sorts, and off pow2: one launch, no register spills."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, lightning_index
+
+    launches = _sm90.record(lightning_index, lightning_index.topk_positions, torch.zeros(3, L), k)
+    assert len(launches) == 1
+    kernel, _, args, kwargs = launches[0]
+    compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    if _sm90.cuobjdump() is not None:
+        assert _sm90.resources(compiled)["stack"] == 0, "register spills"
