@@ -176,3 +176,20 @@ def test_lightning_compiles_fullgraph_and_replays_in_cuda_graph(fresh_dynamo):
         graph.replay()
         want = torch.ops.mla.lightning_index_ref(*static, TOPK)
         assert torch.equal(out, want), f"replay with seq_lens shrunk by {shrink}"
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("T,L,k", [(1, 2048, 512), (7, 4096, 2048), (64, 2048, 512), (3, 3000, 2048)])
+def test_topk_positions_equal_select_topk_on_cuda(T, L, k):
+    """The in-register top-k on the GPU: exactly ``select_topk``'s positions and order (ties, -inf rows and -0.0)."""
+    from mla_compile.ops.sparse_index import select_topk
+    from mla_compile.ops.triton.lightning_index import topk_positions
+
+    gen = torch.Generator().manual_seed(T * L + k)
+    scores = torch.randn(T, L, generator=gen)
+    scores[0, ::5] = torch.randint(-2, 3, (len(range(0, L, 5)),), generator=gen).float()  # ties with -0.0 / 0.0
+    scores[0, 1::7] = -0.0
+    scores[-1, L // 3:] = float("-inf")
+    scores = scores.to(DEVICE)
+    torch.testing.assert_close(topk_positions(scores, k), select_topk(scores, k), rtol=0, atol=0)
