@@ -1,4 +1,4 @@
-"""Triton ``mla::lightning_index``: the V3.2 indexer scores in one kernel, then the reference's selection.
+"""Triton ``mla::lightning_index``: the V3.2 indexer scores in one kernel, then the top-k and the slot translation.
 
 The kernel writes ``scores float32 [T, L]`` (L = max_blocks * block_size): ``score(t, j) = sum_h
 weights[t, h] * relu(q_idx[t, h] . k_idx[j])`` for the positions ``j <= query_pos[t]``, ``j < seq_len``
@@ -11,10 +11,10 @@ Half-precision queries over a half cache of the same dtype (or fp8) use the tens
 accumulation; everything else runs an IEEE float32 dot.
 
 The slot translation is the reference's own helper (``positions_to_slots`` in ``mla_compile.ops.sparse_index``).
-The top-k: for a static ``L <= TOPK_MAX_L`` one program a query sorts the row's ``select_topk`` keys (the score's
-order-preserving bits above the reversed position: unique, so equal scores resolve exactly as there) with
-Triton's bitonic top-k in registers (``torch.topk``'s radix select plus its sort of the k winners cost ~40 us a
-call at L = 2048, k = 512); longer or symbolic rows use ``select_topk`` itself.
+The top-k: for a static ``L <= TOPK_MAX_L`` and a few static rows, one program a query sorts the row's
+``select_topk`` keys (the score's order-preserving bits above the reversed position: unique, so equal scores resolve
+exactly as there) with Triton's bitonic top-k in registers, in place of ``torch.topk``'s radix select and its sort of
+the k winners; longer, more or symbolic rows use ``select_topk`` itself.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from mla_compile.ops.sparse_index import positions_to_slots, select_topk, valida
 from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 
 _HALF = (torch.float16, torch.bfloat16)
-TOPK_MAX_L = 4096  # the longest static row the in-register top-k sorts (int64 keys: 16 a thread at 8 warps)
+TOPK_MAX_L = 4096  # the longest static row the in-register top-k sorts (int64 keys: 8 a thread at 16 warps)
+TOPK_MAX_T = 8  # the most static rows it takes (a row costs a program ~torch.topk's whole call at L = 2048; BENCHMARKS)
 
 
 @triton.jit
@@ -48,18 +49,21 @@ def _topk_positions_kernel(s_ptr, o_ptr, L, K, s_s, s_o, BLOCK_L: tl.constexpr, 
     tl.store(o_ptr + t * s_o + offs, (L - 1) - (top & 0xFFFFFFFF), mask=offs < K)
 
 
-def topk_positions(scores: Tensor, topk: int) -> Tensor:
+def topk_positions(scores: Tensor, topk: int, *, num_warps: int | None = None) -> Tensor:
     """:func:`~mla_compile.ops.sparse_index.select_topk` of float32 ``scores [T, L]``: the kernel above for a static
-    ``L <= TOPK_MAX_L`` (the interpreter on CPU tensors too), else ``select_topk`` (a symbolic L is never read)."""
+    ``L <= TOPK_MAX_L`` and a static ``T <= TOPK_MAX_T`` (the interpreter on CPU tensors too), else ``select_topk``
+    (a symbolic size is never read: no guard). One program sorts a row, so many rows are torch.topk's."""
     T, L = scores.shape
-    if not isinstance(L, int) or L > TOPK_MAX_L or scores.dtype != torch.float32 or L == 0:
+    static = isinstance(L, int) and isinstance(T, int)
+    if not static or L > TOPK_MAX_L or T > TOPK_MAX_T or scores.dtype != torch.float32 or L == 0:
         return select_topk(scores, topk)
     k = min(topk, L)
     out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     if T == 0:
         return out
     wrap_triton(_topk_positions_kernel)[(T,)](scores, out, L, k, scores.stride(0), out.stride(0),
-                                             BLOCK_L=pow2(L), BLOCK_K=pow2(k), num_warps=8 if L > 1024 else 4)
+                                             BLOCK_L=pow2(L), BLOCK_K=pow2(k),
+                                             num_warps=num_warps or (16 if L > 1024 else 4))
     return out
 
 
