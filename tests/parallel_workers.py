@@ -5,8 +5,10 @@ Each returns plain Python data (max errors, shapes, op names) for the parent tes
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import re
 import time
 
 import torch
@@ -895,18 +897,77 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
     state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
     root = Path(where) / "q"
     if rank == 0:  # one writer (transformers' save_pretrained writes on the main process only)
-        _quantized_checkpoint(root, kind, **({"moe_intermediate_size": 32} if kind == "fp4" else {}))
+        if kind in ("float", "stacked"):  # save_pretrained's per-expert keys, or the modules' stacked [E, ...] tensors
+            from mla_compile.app.v4_toy import toy_v4_model
+            from tests.model.test_v4_checkpoint import _write
+
+            hf = toy_v4_model(22)
+            hf.save_pretrained(str(root if kind == "float" else root.parent / "src"), max_shard_size="20KB")
+            if kind == "stacked":
+                _write(root, {k: v.clone() for k, v in hf.state_dict().items()}, root.parent / "src")
+        else:
+            _quantized_checkpoint(root, kind, **({"moe_intermediate_size": 32} if kind == "fp4" else {}))
     dist.barrier()
     ref = from_pretrained(root, dtype=torch.float32)
     steps = _v4_steps(rank, ref.config.vocab_size)
     want = _v4_run(ref, ref, steps)
-    model = from_pretrained(root, dtype=torch.float32, parallel=state)
+    with _safetensors_reads() as reads:
+        model = from_pretrained(root, dtype=torch.float32, parallel=state)
     got = _v4_run(model, model, steps)
     local = model.moe[-1].hf.experts
+    picked = {int(m[1]) for key, _ in reads for m in [re.search(r"\.experts\.(\d+)\.", key)] if m}
+    stacked = [how for key, how in reads if re.search(r"\.experts\.(gate_up_proj|down_proj)$", key)]
     return {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
             "local_type": type(local).__name__, "local_experts": local.num_experts,
-            "experts": ref.config.n_routed_experts,
-            "quantized": isinstance(local, FP4Experts if kind == "fp4" else FP8Experts)}
+            "experts": ref.config.n_routed_experts, "first": model.moe[-1].first, "experts_read": sorted(picked),
+            "stacked_reads": stacked,
+            "quantized": isinstance(local, {"fp4": FP4Experts, "fp8": FP8Experts}.get(kind, torch.nn.Module))}
+
+
+@contextlib.contextmanager
+def _safetensors_reads():
+    """Record ``(key, "tensor" | "slice")`` for every tensor (or part of one) read through ``safetensors.safe_open``
+    inside."""
+    import safetensors
+
+    reads, real = [], safetensors.safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            reads.append((key, "tensor"))
+            return self.f.get_tensor(key)
+
+        def get_slice(self, key):  # a read when indexed (its header alone, get_dtype / get_shape, reads no data)
+            part = self.f.get_slice(key)
+
+            class Slice:
+                def __getattr__(self, name):
+                    return getattr(part, name)
+
+                def __getitem__(self, index):
+                    reads.append((key, "slice"))
+                    return part[index]
+
+            return Slice()
+
+    safetensors.safe_open = Spy
+    try:
+        yield reads
+    finally:
+        safetensors.safe_open = real
 
 
 def v4_dp_ep_on_device(rank, world):

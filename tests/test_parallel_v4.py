@@ -1,7 +1,7 @@
 """DeepSeek-V4 sharded on 2 gloo processes (data-parallel attention + expert parallelism,
 ``mla_compile.parallel.v4``): each rank's logits on its own requests equal the single-process model's (float32,
-<= 1e-5), eager, regional and compiled, float / fp8 / fp4 experts (the last two through ``from_pretrained(parallel=)``);
-each rank keeps half the routed experts; the layouts V4 does not shard yet are refused by name. On GPUs (``cuda``):
+<= 1e-5), eager, regional and compiled, float / fp8 / fp4 experts (through ``patch`` and ``from_pretrained(parallel=)``,
+which reads only the rank's experts); each rank keeps half the routed experts; the layouts V4 does not shard yet are refused by name. On GPUs (``cuda``):
 over NCCL at world size 1 (and 2 where two GPUs are present), compiled by Inductor and replayed in a CUDA graph."""
 
 import pytest
@@ -27,14 +27,21 @@ def test_v4_dp_attention_ep2_each_rank_equals_single_process(compile_backend, re
             assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
-@pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_v4_quantized_experts_dp_attention_ep2_equal_single_process(kind, tmp_path):
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "float", "stacked"])
+def test_v4_checkpoint_dp_attention_ep2_reads_only_own_experts_and_equals_single_process(kind, tmp_path):
+    """``from_pretrained(parallel=)``: each rank reads only its experts' tensors (DeepSeek's per-expert keys; a slice
+    of transformers' stacked float experts) and its logits equal the single-process model's."""
     if getattr(torch, "float8_e8m0fnu", None) is None:
         pytest.skip("torch without float8_e8m0fnu")
     results = run_ranks(w.v4_dp_ep_quantized_equals_single, 2, kind, str(tmp_path), timeout=300)
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
         assert r["quantized"] and r["local_experts"] * 2 == r["experts"], r
+        if kind == "stacked":
+            assert r["experts_read"] == [] and r["stacked_reads"] and set(r["stacked_reads"]) == {"slice"}, r
+        else:
+            assert r["experts_read"] == list(range(r["first"], r["first"] + r["local_experts"])), r
+    assert sorted(r["first"] for r in results) == [0, results[0]["local_experts"]]
 
 
 def _check_device(results):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +71,7 @@ _RENAMES = [(re.compile(p), r) for p, r in (
     (r"^\.hc_head_(fn|base|scale)\.", r".hc_head.hc_\1."),
 )]
 _MTP = re.compile(r"^(model\.)?mtp\.")
+_STACKED = re.compile(r"^.+\.experts\.(gate_up_proj|down_proj)$")  # transformers' stacked float experts [E, ...]
 _EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
                      r"(?P<name>weight|weight_scale_inv)$")
 
@@ -119,9 +120,10 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     ``_keep_in_fp32_modules_strict`` parameters stay float32 for half dtypes); fp8 weights stay float8_e4m3fn with
     float32 block scales, fp4 experts packed uint8 with ue8m0 bytes. ``backend`` / ``moe_impl`` / ``regional_compile``:
     passed to :func:`~mla_compile.models.model.patch`. ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig`
-    or the state :func:`mla_compile.parallel.init` returned): the checkpoint is read whole into host memory, then
-    sharded for this rank (:func:`mla_compile.parallel.v4.shard_v4`: data-parallel attention with expert
-    parallelism; each rank keeps its experts, on the state's device). ``kv_cache_dtype`` is not supported for V4
+    or the state :func:`mla_compile.parallel.init` returned): this rank reads only its routed experts' tensors (the
+    replicated weights whole; a stacked float experts tensor by its slice) straight onto the state's device, and
+    :func:`mla_compile.parallel.v4.shard_v4` wraps the model for data-parallel attention with expert parallelism.
+    ``kv_cache_dtype`` is not supported for V4
     (NotImplementedError: V4's caches are in the model's dtype).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
     """
@@ -129,12 +131,14 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     if kv_cache_dtype is not None:
         raise NotImplementedError(f"{root}: kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4's paged caches are in the "
                                   "model's dtype (V4ForCausalLM.allocate_cache(dtype=...)); pass kv_cache_dtype=None")
-    state = None
+    state, keep = None, None
+    config = _read_config(root)
     if parallel is not None:
         from mla_compile.parallel import ParallelState, init
+        from mla_compile.parallel.v4 import local_experts
         state = parallel if isinstance(parallel, ParallelState) else init(parallel)
-        device = "cpu"  # read whole on the host; shard_v4 moves this rank's part to the state's device
-    config = _read_config(root)
+        keep = local_experts(state, config.n_routed_experts)  # refuses another layout before anything is read
+        device = state.device  # this rank's part only, straight onto its device
     read_fp8_format(config, root)  # only DeepSeek's fp8 e4m3 128 x 128 blocks (or no quantization_config)
     declared = expert_dtype(config, root)
     index = read_index(root)
@@ -151,7 +155,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
                  "(e2m1 + ue8m0), as DeepSeek-V4 ships them", packed.key)
     with torch.device("meta"):
         hf = _hf_class()(config)
-    loader = _V4Loader(hf, config, index, entries, device, dtype, fp4)
+    loader = _V4Loader(hf, config, index, entries, device, dtype, fp4, keep)
     loader.run()
     _rebuild_nonpersistent(hf, config, device)
     loader.check_complete()
@@ -236,9 +240,12 @@ class _V4Loader:
     one tensor in host memory at a time (plus the halves of a weight waiting for its scale to be dequantized)."""
 
     def __init__(self, hf: nn.Module, config, index: ShardIndex, entries: list[_Entry], device: torch.device,
-                 dtype: torch.dtype, fp4: bool) -> None:
+                 dtype: torch.dtype, fp4: bool, keep: tuple[int, int] | None = None) -> None:
         self.hf, self.config, self.index, self.entries = hf, config, index, entries
         self.device, self.dtype, self.fp4 = device, dtype, fp4
+        self.total = config.n_routed_experts
+        self.keep = keep or (0, self.total)  # the routed experts [e0, e1) this process holds (all but under EP)
+        self.skipped_experts = 0  # expert tensors of other ranks, never read
         self.fp32 = tuple(getattr(hf, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (
             torch.float16, torch.bfloat16) else ()
         self.names = {e.name: e for e in entries}
@@ -274,9 +281,11 @@ class _V4Loader:
                                       f"{type(module).__name__} without a 2-D weight; fp8 blocks need one")
             self.dequant.add(prefix)
         limit = getattr(self.config, "swiglu_limit", None)
+        local = self.keep[1] - self.keep[0]
         for prefix, (first, scaled) in experts.items():
             old = self._module(prefix, first)
-            num, hidden, inter = old.down_proj.shape  # transformers' stacked experts: [E, H, I]
+            _, hidden, inter = old.down_proj.shape  # transformers' stacked experts: [E, H, I]
+            num = local
             if self.fp4:
                 try:
                     new = FP4Experts(num, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta")
@@ -286,6 +295,15 @@ class _V4Loader:
                 self._set(prefix, new)
             elif scaled:
                 self._set(prefix, FP8Experts(num, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta"))
+        if local != self.total:  # the float experts left: this rank's slice of the stacked tensors
+            for name, m in self.hf.named_modules():
+                if (name.endswith(".experts") and not isinstance(m, (FP8Experts, FP4Experts))
+                        and isinstance(getattr(m, "gate_up_proj", None), nn.Parameter)):
+                    for attr in ("gate_up_proj", "down_proj"):
+                        full = getattr(m, attr)
+                        setattr(m, attr, nn.Parameter(torch.empty((local, *full.shape[1:]), dtype=full.dtype,
+                                                                  device="meta"), requires_grad=False))
+                    m.num_experts = local
 
     def _module(self, prefix: str, e: _Entry) -> nn.Module:
         try:
@@ -311,6 +329,13 @@ class _V4Loader:
                     if e.key not in present:
                         raise CheckpointError(f"{self.index.root / file}: tensor {e.key} is listed in the index "
                                               "but not in this shard")
+                    m = _EXPERT.match(e.name)
+                    if m and not self.keep[0] <= int(m["index"]) < self.keep[1] and int(m["index"]) < self.total:
+                        self.skipped_experts += 1  # another rank's expert
+                        continue
+                    if self.keep != (0, self.total) and _STACKED.match(e.name):
+                        self._place(e, f.get_slice(e.key)[self.keep[0]:self.keep[1]])
+                        continue
                     self._place(e, f.get_tensor(e.key))
         if self.unexpected:
             log.warning("ignored %d checkpoint tensors the model has no place for, e.g. %s", len(self.unexpected),
@@ -354,7 +379,7 @@ class _V4Loader:
         else:
             module._buffers[attr] = value
         if prefix.endswith(".experts") and attr in ("gate_up_proj", "down_proj"):  # transformers' stacked experts
-            for j in range(t.shape[0]):
+            for j in range(self.keep[0], self.keep[0] + t.shape[0]):
                 for proj in (("gate_proj", "up_proj") if attr == "gate_up_proj" else ("down_proj",)):
                     self.filled.add((prefix, j, proj, "weight"))
 
@@ -393,16 +418,18 @@ class _V4Loader:
         experts = self.hf.get_submodule(m["module"])
         j, proj, name = int(m["index"]), m["proj"], m["name"]
         kind = "weight" if name == "weight" else "scale"
+        if j >= self.total:
+            raise CheckpointError(f"{e.file}: tensor {e.key}: expert {j} out of range (the model has "
+                                  f"{self.total} routed experts)")
+        local = j - self.keep[0]  # its row in this process's stacked tensors
         if isinstance(experts, FP4Experts):  # packed bytes copied as they are, never dequantized
-            place_fp4_expert(experts, parse_expert_key(e.name), e.key, t, e.file, device=self.device)
+            place_fp4_expert(experts, replace(parse_expert_key(e.name), index=local), e.key, t, e.file,
+                             device=self.device)
             self.filled.add((m["module"], j, proj, kind))
             return
         if t.dtype in (torch.int8, torch.uint8) and kind == "weight":
             raise CheckpointError(f"{e.file}: tensor {e.key} is {t.dtype}, packed fp4 bytes, but config.json says "
                                   "expert_dtype 'fp8': set it to 'fp4' (or remove it) for DeepSeek-V4's fp4 experts")
-        if j >= experts.down_proj.shape[0]:
-            raise CheckpointError(f"{e.file}: tensor {e.key}: expert {j} out of range (the model has "
-                                  f"{experts.down_proj.shape[0]} routed experts)")
         if isinstance(experts, FP8Experts):
             param, rows = proj + (SCALE_SUFFIX if kind == "scale" else ""), slice(None)
             if kind == "scale":
@@ -418,10 +445,10 @@ class _V4Loader:
             dtype = stacked.dtype if stacked.dtype == FP8 or kind == "scale" else self.dtype
             stacked = nn.Parameter(torch.empty(stacked.shape, dtype=dtype, device=self.device), requires_grad=False)
             setattr(experts, param, stacked)
-        _check_shape(e, t, stacked[j, rows].shape)
+        _check_shape(e, t, stacked[local, rows].shape)
         _check_fp8(e, t, stacked)
         with torch.no_grad():
-            stacked[j, rows].copy_(t.to(stacked.dtype))
+            stacked[local, rows].copy_(t.to(stacked.dtype))
         self.filled.add((m["module"], j, proj, kind))
 
     def check_complete(self) -> None:
@@ -435,9 +462,11 @@ class _V4Loader:
                 continue
             quantized = isinstance(experts, (FP8Experts, FP4Experts))
             kinds = ("weight", "scale") if quantized else ("weight",)
+            first = self.keep[0]
             missing += [f"{name}.{j}.{p}.{'weight' if k == 'weight' else 'weight' + SCALE_SUFFIX}"
-                        for j in range(experts.down_proj.shape[0]) for p in ("gate_proj", "up_proj", "down_proj")
-                        for k in kinds if (name, j, p, k) not in self.filled]
+                        for j in range(first, first + experts.down_proj.shape[0])
+                        for p in ("gate_proj", "up_proj", "down_proj") for k in kinds
+                        if (name, j, p, k) not in self.filled]
         if missing:
             listed = "; ".join(missing[:10])
             more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""

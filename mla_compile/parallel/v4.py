@@ -12,8 +12,9 @@ own rows. Every rank's step must therefore have the same token count (the schedu
 ``down_proj [E, H, I]``) and the fp8 / fp4 experts of a quantized checkpoint are split alike (whole experts;
 ``mla_compile.parallel.shard``'s block split).
 
-Not yet: tensor-parallel attention, decode context parallelism, a model on the meta device (``weights=``): the
-HF model must hold its weights, and each rank keeps only its experts after.
+``from_pretrained(v4_dir, parallel=...)`` reads only the rank's experts from the checkpoint (straight onto its device).
+Not yet: tensor-parallel attention, decode context parallelism, a model on the meta device (``weights=``) for
+``patch``: the HF model handed to it must hold its weights, and each rank keeps only its experts after.
 """
 
 from __future__ import annotations
@@ -50,29 +51,40 @@ class ParallelV4MoE(V4MoE):
         return routed.to(x.dtype) + shared_mlp(self.hf.shared_experts, x)
 
 
-def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None = None, moe_impl: str = "auto",
-             weights=None) -> V4ForCausalLM:
-    """Shard an HF ``DeepseekV4ForCausalLM`` (holding its weights) in place for this rank of ``state`` (the layout of
-    the module docstring) and return the :class:`~mla_compile.models.v4_model.V4ForCausalLM` to run on
-    ``state.device``. Raises ``NotImplementedError`` for another layout or a model on the meta device, and
-    ``ValueError`` when the routed experts do not split evenly over ``ep``."""
+def local_experts(state: ParallelState, num_experts: int) -> tuple[int, int]:
+    """The routed experts ``[e0, e1)`` this rank of ``state`` holds in :func:`shard_v4`'s layout. Raises
+    ``NotImplementedError`` for another layout and ``ValueError`` when ``num_experts`` does not split over ``ep``."""
     p = state.config
     if p.world_size > 1 and not (p.dp_attention == p.tp and p.ep == p.tp and p.dcp == 1):
         raise NotImplementedError(
             f"DeepSeek-V4 shards as data-parallel attention with expert parallelism: ParallelConfig(tp={p.tp}, "
             f"dp_attention={p.tp}, ep={p.tp}); got dp_attention={p.dp_attention}, ep={p.ep}, dcp={p.dcp} "
             "(tensor-parallel attention and DCP are not built for V4 yet)")
+    if num_experts % p.ep:
+        raise ValueError(f"ep={p.ep} does not divide n_routed_experts={num_experts}; pick a degree that divides "
+                         f"{num_experts}")
+    return shard_range(num_experts, state.ep)
+
+
+def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None = None, moe_impl: str = "auto",
+             weights=None) -> V4ForCausalLM:
+    """Shard an HF ``DeepseekV4ForCausalLM`` (holding its weights) in place for this rank of ``state`` (the layout of
+    the module docstring) and return the :class:`~mla_compile.models.v4_model.V4ForCausalLM` to run on
+    ``state.device``. Experts modules that already hold only this rank's experts (what
+    :func:`~mla_compile.models.v4_loader.load_v4` reads under ``parallel=``) are kept as they are. Raises
+    ``NotImplementedError`` for another layout or a model on the meta device, and ``ValueError`` when the routed
+    experts do not split evenly over ``ep``."""
+    E = hf_model.config.n_routed_experts
+    e0, e1 = local_experts(state, E)
     if weights is not None or any(t.is_meta for t in hf_model.parameters()):
         raise NotImplementedError("shard_v4 takes an HF V4 model that holds its weights (weights= and meta-device "
                                   "models are not built for V4 yet)")
-    E = hf_model.config.n_routed_experts
-    if E % p.ep:
-        raise ValueError(f"ep={p.ep} does not divide n_routed_experts={E}; pick a degree that divides {E}")
-    e0, e1 = shard_range(E, state.ep)
     src = _Source(hf_model, None, state.device)
     for i, layer in enumerate(hf_model.model.layers):
         pre = f"model.layers.{i}.mlp.experts."
         experts = layer.mlp.experts
+        if e1 - e0 < E and getattr(experts, "num_experts", None) == e1 - e0:
+            continue  # this rank's experts already (a per-rank load)
         if isinstance(experts, (FP8Experts, FP4Experts)):  # only this rank's experts stay referenced
             layer.mlp.experts = _shard_block_experts(experts, pre, state, src).local
         elif hasattr(experts, "gate_up_proj"):
