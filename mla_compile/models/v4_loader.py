@@ -157,6 +157,9 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
         hf = _hf_class()(config)
     loader = _V4Loader(hf, config, index, entries, device, dtype, fp4, keep)
     loader.run()
+    if keep is not None:
+        log.info("rank %d: routed experts [%d, %d) of %d read, %d expert tensors of other ranks skipped unread",
+                 state.rank, keep[0], keep[1], config.n_routed_experts, loader.skipped_experts)
     _rebuild_nonpersistent(hf, config, device)
     loader.check_complete()
     if skipped:
@@ -285,16 +288,15 @@ class _V4Loader:
         for prefix, (first, scaled) in experts.items():
             old = self._module(prefix, first)
             _, hidden, inter = old.down_proj.shape  # transformers' stacked experts: [E, H, I]
-            num = local
             if self.fp4:
                 try:
-                    new = FP4Experts(num, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta")
+                    new = FP4Experts(local, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta")
                 except ValueError as err:
                     raise CheckpointError(f"{self.index.root / CONFIG_FILE}: expert_dtype 'fp4' for {prefix}: "
                                           f"{err}") from None
                 self._set(prefix, new)
             elif scaled:
-                self._set(prefix, FP8Experts(num, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta"))
+                self._set(prefix, FP8Experts(local, hidden, inter, old.act_fn, swiglu_limit=limit, device="meta"))
         if local != self.total:  # the float experts left: this rank's slice of the stacked tensors
             for name, m in self.hf.named_modules():
                 if (name.endswith(".experts") and not isinstance(m, (FP8Experts, FP4Experts))
