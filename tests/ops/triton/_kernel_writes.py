@@ -46,6 +46,16 @@ def _with_config(config: dict, change: dict, run) -> None:
         config.update(saved)
 
 
+def _with_attr(module, name: str, value, run) -> None:
+    """``run()`` with ``module.name`` set to ``value``, restored after."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        run()
+    finally:
+        setattr(module, name, saved)
+
+
 def _triton_op_runs(g: torch.Generator) -> list:
     """Launches of the other ``triton_op`` kernels: fp8 / fp4 block linear, lightning index, sparse decode, V4
     attention and compressor, fp8 experts. Inputs from the interpreter tests' builders (imported from the
@@ -89,10 +99,12 @@ def _triton_op_runs(g: torch.Generator) -> list:
     # lightning index: bf16 and fp8 (uint8 rows of d + 4 bytes) index caches
     T, Hi, d, bs = 5, 4, 32, 16
     for cache in (torch.zeros(6, bs, d, **bf), torch.zeros(6, bs, d + 4, dtype=torch.uint8)):
-        runs.append(lambda c=cache: lightning_index._launch(
+        # torch.topk's selection here: the in-register top-k's output (recorded, never written) feeds torch indexing
+        runs.append(lambda c=cache: _with_attr(lightning_index, "TOPK_MAX_L", 0, lambda: lightning_index._launch(
             torch.randn(T, Hi, d, generator=g).to(**bf), torch.rand(T, Hi, generator=g), c,
             torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=i32), torch.tensor([20, 40], dtype=i32),
-            torch.tensor([0, 0, 1, 1, -1], dtype=i32), torch.tensor([18, 19, 38, 39, 0], dtype=i32), 8))
+            torch.tensor([0, 0, 1, 1, -1], dtype=i32), torch.tensor([18, 19, 38, 39, 0], dtype=i32), 8)))
+    runs.append(lambda: lightning_index.topk_positions(torch.randn(3, 48, generator=g), 8))
     # sparse decode: bf16 and fp8 caches, one split (direct) and three (workspace + the reduce kernel)
     DC, DR, H = 128, 16, 16
     lens = [3, 40, 21]

@@ -45,6 +45,7 @@ WRITES = {
     "_fp4_linear_kernel": ["y_ptr"],
     "_fp4_gemv_kernel": ["y_ptr"],
     "_lightning_score_kernel": ["out_ptr"],
+    "_topk_positions_kernel": ["o_ptr"],
     "_sparse_split_kernel": ["lse_ptr", "o_ptr"],
     "_v4_attention_kernel": ["lse_ptr", "o_ptr", "ws_acc_ptr", "ws_ml_ptr"],  # direct launch / split workspaces
     "_v4_merge_kernel": ["lse_ptr", "o_ptr"],
