@@ -291,3 +291,52 @@ def dp_fail_inside_model(rank, world, pconf, overlap, timeout_s, linger_s=0.0):
     if rank == 0:
         time.sleep(linger_s)
     return out
+
+
+def dp_v4_engine_equals_alone(rank, world, overlap):
+    """DeepSeek-V4 (the toy, float64) sharded as DP attention + EP over gloo: one Engine per attention group with
+    ``dp_sync``, each on its own trace of requests (greedy and seeded sampling, prompts longer than a step's budget,
+    one group idle at first): every request's tokens equal those of the unsharded model serving it alone; the ranks'
+    model calls match one for one (the MoE's all-gather needs the same token count everywhere)."""
+    import random
+
+    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.serving.dp_sync import DPStepSync
+    from mla_compile.serving.sampling import SamplingParams
+    from tests.model.test_v4_engine import alone as v4_alone
+    from tests.model.test_v4_engine import v4_engine
+    from tests.model.test_v4_model import prompts
+
+    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60, device="cpu")
+    group = rank
+    hf = toy_v4_model(31).double()
+    ref = patch(copy.deepcopy(hf))
+    rng = random.Random(200 + group)
+    n, first = [(5, 0), (3, 6)][group % 2]
+    lens = [rng.randint(2, 26 if group % 2 == 0 else 9) for _ in range(n)]
+    trace, at = [], first
+    for i, p in enumerate(prompts(300 + group, lens)):
+        params = SamplingParams(max_new_tokens=rng.randint(2, 8),
+                                **(dict(temperature=0.9, seed=rng.randrange(1 << 30)) if i % 3 == 2 else {}))
+        trace.append((at, p, params))
+        at += rng.randint(0, 3)
+    want = [v4_alone(ref, p, params) for _, p, params in trace]
+
+    model = patch(hf, parallel=state)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args: calls.append(int(args[0].shape[0])))
+    sync = DPStepSync()
+    eng = v4_engine(model, num_blocks=60, num_entry=30, max_seqs=4, overlap=overlap, dp_sync=sync)
+    pending, ids, steps = list(trace), [], 0
+    while True:
+        while pending and pending[0][0] <= steps:
+            _, prompt, params = pending.pop(0)
+            ids.append(eng.add_request(prompt, params))
+        eng.step()
+        steps += 1
+        if not eng.dp_active and not sync.any(bool(pending)):
+            break
+        assert steps < 300, "the engines did not finish"
+    got = [eng.requests[i].output for i in ids]
+    return {"group": group, "same": got == want, "got": got, "want": want, "steps": steps, "calls": calls,
+            "finished": len(eng.finished), "requests": len(trace), "local_experts": model.moe[0].hf.experts.num_experts}

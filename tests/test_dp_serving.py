@@ -118,6 +118,49 @@ def test_padded_steps_give_the_same_logits_and_cache_on_a_toy_model():
     assert all(bool(torch.isnan(c).all()) for c in empty_cache)
 
 
+def test_v4_builder_pads_to_tokens_and_rows_and_the_real_rows_do_not_change():
+    """``V4DecodeBuilder.build(tokens=, rows=)``: the chunks' tokens first, padding tokens of no sequence after
+    (token 0, position 0, sequence -1, slot -1), the extra logits rows repeating the last; the DeepSeek-V4 toy over
+    NaN-filled caches gives the unpadded step's logits on the real rows and writes the same cache rows; a
+    padding-only step writes nothing; sizes below the step's own, or past max_tokens, are refused."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("transformers has no DeepseekV4ForCausalLM")
+    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.models.model import patch
+    from mla_compile.serving.v4_builder import V4Chunk, V4DecodeBuilder
+
+    model = patch(toy_v4_model(3))
+    builder = V4DecodeBuilder(max_batch=4, max_blocks_per_seq=8, max_entry_blocks=4, rates=model.rates,
+                              block_size=BS, device="cpu", max_tokens=32)
+    gen = torch.Generator().manual_seed(9)
+    toks = torch.randint(0, model.config.vocab_size, (20,), generator=gen).tolist()
+    entries = {r: [2 * i, 2 * i + 1] for i, r in enumerate(model.rates)}
+    chunks = [V4Chunk(toks[:7], 0, [0, 1], entries, 0), V4Chunk(toks[7:12], 0, [2, 3], {r: [b + 4 for b in e]
+                                                                                       for r, e in entries.items()}, 1)]
+
+    def run(chunks, **kw):
+        model.allocate_cache(16, BS, 16, 4, fill=float("nan"))
+        step = builder.build([], chunks, **kw)
+        with torch.no_grad():
+            logits = model(step.input_ids, step.positions, step.meta)
+        return step, logits, [a.kv_cache.clone() for a in model.attn]
+
+    base, want, base_cache = run(chunks)
+    step, got, cache = run(chunks, tokens=17, rows=5)
+    assert step.input_ids.shape == (17,) and step.meta.logits_indices.tolist() == [6, 11, 11, 11, 11]
+    assert step.meta.query_seq[12:].tolist() == [-1] * 5 and step.meta.slot_mapping[12:].tolist() == [-1] * 5
+    assert step.num_rows == 2 and torch.isfinite(want).all()
+    torch.testing.assert_close(got[:2], want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(cache, base_cache):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+    _, _, empty = run([], tokens=6, rows=3)
+    assert all(bool(torch.isnan(c).all()) for c in empty)
+    for kw in (dict(tokens=11, rows=2), dict(tokens=12, rows=1), dict(tokens=40, rows=2)):
+        with pytest.raises(ValueError, match="tokens="):
+            builder.build([], chunks, **kw)
+
+
 def _prefill_inputs(chunk, gen, vocab):
     """A plain prefill of ``chunk``'s first ``start`` positions (its context), seeded tokens."""
     toks = torch.randint(0, vocab, (chunk.start,), generator=gen).tolist()
@@ -174,6 +217,22 @@ def test_two_attention_groups_serve_their_own_traces_with_the_tokens_of_each_req
     idle_first = res[[r["group"] for r in res].index(1)]
     assert len(idle_first["padding"]) >= 3 and idle_first["padding"][0] == 0  # group 1 pads before its arrivals
     assert any(r["mixed_padded"] for r in res)  # a decode-only group padded into another group's prefill step
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_deepseek_v4_two_attention_groups_serve_their_own_traces_as_each_request_alone(overlap):
+    """DeepSeek-V4 sharded (DP attention + EP) under ``dp_sync``: each group's requests get the tokens the unsharded
+    model gives each alone, and both ranks run the same model calls with the same token counts."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("transformers has no DeepseekV4ForCausalLM")
+    res = run_ranks(w.dp_v4_engine_equals_alone, 2, overlap, timeout=300)
+    for r in res:
+        assert r["same"], (r["got"], r["want"])
+        assert r["finished"] == r["requests"]
+    a, b = res
+    assert {a["group"], b["group"]} == {0, 1} and a["local_experts"] * 2 == b["local_experts"] * 2 > 0
+    assert a["steps"] == b["steps"] and a["calls"] == b["calls"] and len(a["calls"]) >= 10
 
 
 def test_two_attention_groups_of_two_ranks_each_four_processes():

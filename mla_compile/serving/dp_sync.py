@@ -60,7 +60,7 @@ class StepShape:
 
     ``decode_only``: a decode step whose decode part holds at least ``decode_rows`` sequences (a runner pads it
     to its capture size of that, the same on every rank). Otherwise a mixed step of exactly ``tokens`` tokens and
-    ``rows`` logits rows (``MetadataBuilder.build(..., tokens=, rows=)``)."""
+    ``rows`` logits rows (``MetadataBuilder.build(..., tokens=, rows=)``, ``V4DecodeBuilder.build`` alike)."""
 
     decode_only: bool
     decode_rows: int = 0

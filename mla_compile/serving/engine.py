@@ -21,7 +21,7 @@ DeepSeek-V4 (a runner over :class:`~mla_compile.models.v4_model.V4ForCausalLM` w
 :class:`~mla_compile.serving.v4_builder.V4DecodeBuilder`) is served by the same engine: its caches go through a
 :class:`~mla_compile.serving.v4_blocks.V4BlockManager` (token rows released as the window moves, compressed
 entries per rate, a compressor-state row per request; prefix hits rounded down to a compressor-state snapshot),
-without ``dp_sync``.
+with ``dp_sync`` too (its builder pads a step to the agreed tokens and rows).
 
 ``Engine(dp_sync=DPStepSync(...))`` serves one data-parallel attention group (:mod:`mla_compile.serving.dp_sync`):
 every step's shape is agreed with the other groups' engines first and the step padded to it; a group with no

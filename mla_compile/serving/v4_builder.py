@@ -63,8 +63,11 @@ class V4DecodeBuilder:
         for r in self.rates:
             self._buf[f"entry_{r}"] = torch.zeros(max_batch, max_entry_blocks, **i32)
 
-    def _host(self, chunks: Sequence[V4Chunk], n_seq: int) -> dict[str, Tensor]:
-        """The step's tensors on the host (CPU), ``n_seq`` batch rows (the chunks, then padding rows)."""
+    def _host(self, chunks: Sequence[V4Chunk], n_seq: int, tokens: int | None = None,
+              rows: int | None = None) -> dict[str, Tensor]:
+        """The step's tensors on the host (CPU), ``n_seq`` batch rows (the chunks, then padding rows: one padding
+        token each); ``tokens`` / ``rows``: then padding tokens up to that many tokens, and logits rows up to that
+        many repeating the last one (a padding token's when there is no chunk)."""
         bs = self.block_size
         ids, pos, qseq, slots, last = [], [], [], [], []
         table = torch.zeros(n_seq, self.max_blocks, dtype=torch.int32)
@@ -90,6 +93,9 @@ class V4DecodeBuilder:
             last.append(len(ids) - 1)
         for _ in range(n_seq - len(chunks)):  # padding rows: one token each, reads and writes nothing
             ids.append(0), pos.append(0), qseq.append(-1), slots.append(-1), last.append(len(ids) - 1)
+        for _ in range((tokens or 0) - len(ids)):  # padding tokens of no sequence: read and write nothing
+            ids.append(0), pos.append(0), qseq.append(-1), slots.append(-1)
+        last += [last[-1] if last else 0] * ((rows or 0) - len(last))
         out = dict(input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.int32),
                    query_seq=torch.tensor(qseq, dtype=torch.int32), seq_lens=lens, block_table=table,
                    slot_mapping=torch.tensor(slots, dtype=torch.long), state_slot=state,
@@ -104,13 +110,27 @@ class V4DecodeBuilder:
         return StepInputs(v["input_ids"], v["positions"], meta, num_rows)
 
     def build(self, decode: Sequence[V4Chunk], prefill: Sequence[V4Chunk] = (), *,
-              decode_batch: int | None = None) -> StepInputs:
+              decode_batch: int | None = None, tokens: int | None = None, rows: int | None = None) -> StepInputs:
         """A step of ``decode`` chunks (one token each) then ``prefill`` chunks. With ``decode_batch`` (decode
-        only) it is padded to that many rows and written into the persistent buffers."""
+        only) it is padded to that many rows and written into the persistent buffers. ``tokens`` / ``rows`` (not
+        with ``decode_batch``) pad a fresh step to exactly that many tokens and logits rows, as data-parallel
+        attention groups pad their steps to one shape (:mod:`mla_compile.serving.dp_sync`): padding tokens of no
+        sequence at the end, the extra logits rows repeating the last one; a step of no chunk keeps one padding
+        sequence row."""
         chunks = list(decode) + list(prefill)
         n_tokens = sum(len(c.tokens) for c in chunks)
         if n_tokens > self.max_tokens:
             raise ValueError(f"a step of {n_tokens} tokens exceeds the builder's max_tokens={self.max_tokens}")
+        if tokens is not None or rows is not None:
+            if decode_batch is not None:
+                raise ValueError("tokens= / rows= pad a fresh step; a decode_batch step pads its rows itself")
+            n_seq = max(len(chunks), 1)
+            need = (n_tokens + n_seq - len(chunks), n_seq)
+            if (tokens or need[0]) < need[0] or (rows or need[1]) < need[1] or (tokens or 0) > self.max_tokens:
+                raise ValueError(f"tokens={tokens} / rows={rows}: a step of these chunks needs at least {need[0]} "
+                                 f"tokens and {need[1]} rows, at most max_tokens={self.max_tokens} tokens")
+            host = self._host(chunks, n_seq, tokens, rows)
+            return self._step({k: t.to(self.device) for k, t in host.items()}, self.rates, len(chunks))
         if decode_batch is None or prefill:
             return self._step({k: t.to(self.device) for k, t in self._host(chunks, len(chunks)).items()},
                               self.rates, len(chunks))
