@@ -169,17 +169,33 @@ def _add_generate(sub) -> None:
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: off (default: %(default)s)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1: off (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="the sampling stream (default: drawn once, seed 0)")
+    for flag in ("--tp", "--dp-attention", "--ep"):
+        gen.add_argument(flag, type=_positive, default=1,
+                         help="parallel degree; run under torchrun --nproc-per-node TP -m mla_compile.app.cli generate "
+                         "(each rank reads its shard of the checkpoint; every attention group serves the prompt, rank "
+                         "0 prints; default: %(default)s)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """``mla-compile generate``: stream the text, then report tokens/s on stderr."""
     from mla_compile.app.textgen import generate_text
 
-    res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
-                        dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
-                        compile=args.compile, chat=args.chat, block_size=args.block_size, stream=sys.stdout,
-                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                        regional_compile=args.regional_compile, log=_log)
+    state = _init_parallel(args)
+    quiet = state is not None and state.rank != 0  # rank 0 prints; every rank runs the same steps
+    try:
+        res = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, device=args.device,
+                            dtype=_dtype(args.dtype) if args.dtype else None, kv_cache=args.kv_cache,
+                            compile=args.compile, chat=args.chat, block_size=args.block_size,
+                            stream=None if quiet else sys.stdout, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, regional_compile=args.regional_compile,
+                            log=(lambda s: None) if quiet else _log, parallel=state)
+    finally:
+        if state is not None:
+            from mla_compile.parallel import destroy
+
+            destroy()
+    if quiet:
+        return 0
     _log(f"{len(res.tokens)} tokens in {res.prefill_s + res.decode_s:.2f} s: {res.tokens_per_s:.1f} tokens/s "
          f"(prompt {len(res.prompt_ids)} tokens, prefill {res.prefill_s:.2f} s, load {res.load_s:.1f} s"
          f"{'; the first prefill and decode steps include compiling them' if args.compile else ''})")
@@ -232,7 +248,7 @@ def _init_parallel(args: argparse.Namespace):
 
     from mla_compile.parallel import ParallelConfig, init
 
-    config = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, ep=args.ep, dcp=args.dcp)
+    config = ParallelConfig(tp=args.tp, dp_attention=args.dp_attention, ep=args.ep, dcp=getattr(args, "dcp", 1))
     if config.world_size == 1 and "WORLD_SIZE" not in os.environ:
         return None
     device = None

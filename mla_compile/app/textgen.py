@@ -61,7 +61,7 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
                   dtype: torch.dtype | None = None, kv_cache: str = "bf16", compile: bool = True, chat: bool = False,
                   block_size: int = 16, stream: TextIO | None = sys.stdout, temperature: float = 0.0, top_k: int = 0,
                   top_p: float = 1.0, seed: int | None = None, regional_compile: bool = True,
-                  log: Callable[[str], None] = lambda s: None) -> TextResult:
+                  log: Callable[[str], None] = lambda s: None, parallel=None) -> TextResult:
     """Generate up to ``max_new_tokens`` after ``prompt`` with the checkpoint at ``path``; stops at the tokenizer's
     eos token. The new text is written to ``stream`` as each token arrives (``Engine.stream``).
 
@@ -70,6 +70,9 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     ``compile``: ``torch.compile(model, fullgraph=True)`` (one prefill and one decode graph); on CUDA the decode
     steps are then replayed as CUDA graphs. ``regional_compile`` (with ``compile``): each layer as nested compile
     regions, so a deep checkpoint compiles one layer of each kind instead of every layer (``from_pretrained``).
+    ``parallel``: a :class:`~mla_compile.parallel.ParallelState` (from ``mla_compile.parallel.init``): this rank's
+    shard of the checkpoint on ``parallel.device``; every rank runs the same request (so every attention group's
+    steps have the same shape; pass ``stream=None`` on all ranks but one).
     """
     from mla_compile.models.checkpoint import read_config
     from mla_compile.models.loader import from_pretrained
@@ -84,11 +87,15 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
     prompt_ids = encode_prompt(tokenizer, prompt, chat)
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
+    if parallel is not None:
+        device = str(parallel.device)
     model = from_pretrained(path, device=device, dtype=dtype, kv_cache_dtype="fp8" if kv_cache == "fp8" else None,
-                            regional_compile=compile and regional_compile)
+                            regional_compile=compile and regional_compile, parallel=parallel)
     load_s = time.perf_counter() - t0
     layers = getattr(model.config, "num_layers", None) or model.config.num_hidden_layers
-    log(f"loaded {path} in {load_s:.1f} s ({layers} layers, {device})")
+    where = device if parallel is None else (f"{device}, rank {parallel.rank} of {parallel.world_size}: "
+                                             f"{parallel.config}")
+    log(f"loaded {path} in {load_s:.1f} s ({layers} layers, {where})")
     stop = (eos,) if isinstance(eos, int) and 0 <= eos < model.config.vocab_size else ()
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_token_ids=stop,
                             max_new_tokens=max_new_tokens)
