@@ -92,16 +92,7 @@ def dp_engine_equals_alone(rank, world, pconf, overlap, cuda=False):
         return build(decode, prefill, **kw)
 
     eng.runner.builder.build = counted
-    pending, ids, steps = list(trace), [], 0
-    while True:
-        while pending and pending[0][0] <= steps:
-            _, prompt, n = pending.pop(0)
-            ids.append(eng.add_request(prompt, n))
-        eng.step()
-        steps += 1
-        if not eng.dp_active and not sync.any(bool(pending)):
-            break
-        assert steps < 400, "the engines did not finish"
+    ids, steps = _serve_in_lockstep(eng, sync, trace, 400)
     # run() on an engine with nothing anywhere returns at once (one agreement, no model call)
     before = len(calls)
     eng.run()
@@ -110,6 +101,21 @@ def dp_engine_equals_alone(rank, world, pconf, overlap, cuda=False):
             "padding": padding, "mixed_padded": mixed_padded, "after_run": len(calls) - before,
             "agreements": sync.steps, "finished": len(eng.finished), "requests": len(trace),
             "replays": eng.runner.replays}
+
+
+def _serve_in_lockstep(eng, sync, trace, max_steps: int) -> tuple[list[int], int]:
+    """Step ``eng`` (a ``dp_sync`` engine), adding ``trace``'s ``(arrival step, prompt, max_new_tokens or
+    SamplingParams)`` requests as they arrive, until no group has work; returns (request ids, steps)."""
+    pending, ids, steps = list(trace), [], 0
+    while True:
+        while pending and pending[0][0] <= steps:
+            _, prompt, params = pending.pop(0)
+            ids.append(eng.add_request(prompt, params))
+        eng.step()
+        steps += 1
+        if not eng.dp_active and not sync.any(bool(pending)):
+            return ids, steps
+        assert steps < max_steps, "the engines did not finish"
 
 
 def sync_agreements(rank, world, demands):
@@ -327,16 +333,7 @@ def dp_v4_engine_equals_alone(rank, world, overlap):
     model.register_forward_pre_hook(lambda m, args: calls.append(int(args[0].shape[0])))
     sync = DPStepSync()
     eng = v4_engine(model, num_blocks=60, num_entry=30, max_seqs=4, overlap=overlap, dp_sync=sync)
-    pending, ids, steps = list(trace), [], 0
-    while True:
-        while pending and pending[0][0] <= steps:
-            _, prompt, params = pending.pop(0)
-            ids.append(eng.add_request(prompt, params))
-        eng.step()
-        steps += 1
-        if not eng.dp_active and not sync.any(bool(pending)):
-            break
-        assert steps < 300, "the engines did not finish"
+    ids, steps = _serve_in_lockstep(eng, sync, trace, 300)
     got = [eng.requests[i].output for i in ids]
     return {"group": group, "same": got == want, "got": got, "want": want, "steps": steps, "calls": calls,
             "finished": len(eng.finished), "requests": len(trace), "local_experts": model.moe[0].hf.experts.num_experts}
