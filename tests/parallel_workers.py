@@ -880,6 +880,27 @@ def v4_dp_ep_equals_single(rank, world, compile_backend=None, regional=False):
     return res
 
 
+def v4_sharded_from_meta(rank, world):
+    """DeepSeek-V4 built on the meta device and sharded (DP attention + EP) from a state dict: each rank's logits on
+    its requests equal the single-process model's; nothing is left on meta; each rank holds half the experts."""
+    import transformers
+
+    from mla_compile.app.v4_toy import toy_v4_model
+
+    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
+    hf = toy_v4_model(5)
+    ref = patch(copy.deepcopy(hf))
+    steps = _v4_steps(rank, hf.config.vocab_size)
+    want = _v4_run(ref, ref, steps)
+    with torch.device("meta"):
+        empty = transformers.DeepseekV4ForCausalLM(hf.config).eval()
+    model = patch(empty, parallel=state, weights=hf.state_dict())
+    meta_left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    got = _v4_run(model, model, steps)
+    return {"err": _max_err(got, want), "meta_left": meta_left,
+            "local_experts": model.moe[0].hf.experts.num_experts, "experts": hf.config.n_routed_experts}
+
+
 def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
     """As :func:`v4_dp_ep_equals_single` with the routed experts of a quantized V4 checkpoint ("fp8": e4m3 blocks,
     "fp4": packed e2m1 + ue8m0; fp8 linears elsewhere; written by rank 0 under ``where``), loaded by

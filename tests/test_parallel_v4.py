@@ -44,6 +44,13 @@ def test_v4_checkpoint_dp_attention_ep2_reads_only_own_experts_and_equals_single
     assert sorted(r["first"] for r in results) == [0, results[0]["local_experts"]]
 
 
+def test_v4_meta_model_sharded_from_a_state_dict_equals_single_process():
+    results = run_ranks(w.v4_sharded_from_meta, 2, timeout=300)
+    for r in results:
+        assert r["err"] <= TOL and r["meta_left"] == [], r
+        assert r["local_experts"] * 2 == r["experts"], r
+
+
 def _check_device(results):
     for r in results:
         assert r["backend"] == "nccl" and r["real_group"], r
@@ -74,3 +81,10 @@ def test_v4_other_layouts_are_refused():
         state = ParallelState(conf, 0, 2, torch.device("cpu"), *([group] * 6))
         with pytest.raises(NotImplementedError, match="data-parallel attention with expert parallelism"):
             patch(toy_v4_model(0), parallel=state)
+    import transformers
+
+    state = ParallelState(ParallelConfig(tp=2, dp_attention=2, ep=2), 0, 2, torch.device("cpu"), *([group] * 6))
+    with torch.device("meta"):
+        empty = transformers.DeepseekV4ForCausalLM(toy_v4_model(0).config)
+    with pytest.raises(ValueError, match="meta device: pass weights="):
+        patch(empty, parallel=state)

@@ -160,7 +160,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     if keep is not None:
         log.info("rank %d: routed experts [%d, %d) of %d read, %d expert tensors of other ranks skipped unread",
                  state.rank, keep[0], keep[1], config.n_routed_experts, loader.skipped_experts)
-    _rebuild_nonpersistent(hf, config, device)
+    rebuild_nonpersistent(hf, config, device)
     loader.check_complete()
     if skipped:
         log.info("skipped %d MTP tensors (mtp.* / layers >= num_hidden_layers=%d): generation does not use them",
@@ -227,7 +227,7 @@ def _packed_experts(index: ShardIndex, entries: list[_Entry]) -> _Entry | None:
     return first if stored in ("I8", "U8", "F4") else None
 
 
-def _rebuild_nonpersistent(hf: nn.Module, config, device: torch.device) -> None:
+def rebuild_nonpersistent(hf: nn.Module, config, device: torch.device) -> None:
     """Modules whose non-persistent buffers (rotary frequencies, computed at init, not stored) are still on the
     meta device are built again for real on ``device``."""
     for name, module in list(hf.named_modules()):

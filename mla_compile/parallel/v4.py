@@ -12,9 +12,9 @@ own rows. Every rank's step must therefore have the same token count (the schedu
 ``down_proj [E, H, I]``) and the fp8 / fp4 experts of a quantized checkpoint are split alike (whole experts;
 ``mla_compile.parallel.shard``'s block split).
 
-``from_pretrained(v4_dir, parallel=...)`` reads only the rank's experts from the checkpoint (straight onto its device).
-Not yet: tensor-parallel attention, decode context parallelism, a model on the meta device (``weights=``) for
-``patch``: the HF model handed to it must hold its weights, and each rank keeps only its experts after.
+``from_pretrained(v4_dir, parallel=...)`` reads only the rank's experts from the checkpoint (straight onto its device);
+``patch(meta_model, parallel=..., weights=state_dict)`` reads the rank's part of a state dict. Not yet: tensor-parallel
+attention, decode context parallelism.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from mla_compile.models.fp4_linear import FP4Experts
 from mla_compile.models.fp8_linear import FP8Experts
+from mla_compile.models.v4_loader import rebuild_nonpersistent
 from mla_compile.models.v4_model import V4ForCausalLM, V4MoE, shared_mlp
 from mla_compile.parallel.groups import ParallelState
 from mla_compile.parallel.layers import all_reduce, gathered, shard_range
@@ -71,15 +72,18 @@ def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None =
     """Shard an HF ``DeepseekV4ForCausalLM`` (holding its weights) in place for this rank of ``state`` (the layout of
     the module docstring) and return the :class:`~mla_compile.models.v4_model.V4ForCausalLM` to run on
     ``state.device``. Experts modules that already hold only this rank's experts (what
-    :func:`~mla_compile.models.v4_loader.load_v4` reads under ``parallel=``) are kept as they are. Raises
-    ``NotImplementedError`` for another layout or a model on the meta device, and ``ValueError`` when the routed
-    experts do not split evenly over ``ep``."""
+    :func:`~mla_compile.models.v4_loader.load_v4` reads under ``parallel=``) are kept as they are. A model on the
+    meta device reads its part from ``weights`` (a state dict, or a function from an HF parameter name to its
+    tensor): this rank's experts and the replicated weights only. Raises ``NotImplementedError`` for another layout,
+    and ``ValueError`` when the routed experts do not split evenly over ``ep`` or a meta model comes without
+    ``weights``."""
     E = hf_model.config.n_routed_experts
     e0, e1 = local_experts(state, E)
-    if weights is not None or any(t.is_meta for t in hf_model.parameters()):
-        raise NotImplementedError("shard_v4 takes an HF V4 model that holds its weights (weights= and meta-device "
-                                  "models are not built for V4 yet)")
-    src = _Source(hf_model, None, state.device)
+    if weights is None and any(t.is_meta for t in hf_model.parameters()):
+        raise ValueError("shard_v4: the HF model is on the meta device: pass weights= (a state dict, or a function "
+                         "from an HF parameter name to its tensor) to read this rank's part from")
+    rebuild_nonpersistent(hf_model, hf_model.config, state.device)  # a meta model's rotary tables, built for real
+    src = _Source(hf_model, weights, state.device)
     for i, layer in enumerate(hf_model.model.layers):
         pre = f"model.layers.{i}.mlp.experts."
         experts = layer.mlp.experts
@@ -95,7 +99,7 @@ def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None =
             raise NotImplementedError(f"{type(experts).__name__}: only the fused float experts (gate_up_proj "
                                       "[E, 2I, H], down_proj [E, H, I]), FP8Experts and FP4Experts are sharded")
     del src  # its references to the full expert tensors
-    _materialise_rest(hf_model, _Source(hf_model, None, state.device), state.device)
+    _materialise_rest(hf_model, _Source(hf_model, weights, state.device), state.device)
     model = V4ForCausalLM(hf_model, backend=backend, moe_impl=moe_impl)
     model.moe = nn.ModuleList(ParallelV4MoE(layer.mlp, e0, state, moe_impl) for layer in hf_model.model.layers)
     model.parallel_state = state
