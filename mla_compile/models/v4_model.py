@@ -28,13 +28,13 @@ from torch import Tensor, nn
 
 from mla_compile import ops
 from mla_compile.backends import requested_for
-from mla_compile.ops.select import parse_backend_spec
 from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, sort_by_expert
 from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
+from mla_compile.ops.select import parse_backend_spec
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
