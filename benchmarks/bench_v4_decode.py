@@ -2,14 +2,15 @@
 
     python benchmarks/bench_v4_decode.py --out OUT_DIR [--batches 1,64,256] [--ctx 8192,131072] [--backend triton]
         [--impls "ours eager,ours compiled,ours graph,hf eager,hf compiled"] [--budget-s S] [--regional-compile]
-        [--profile-replay]
+        [--profile-replay] [--weights float|fp8|fp4]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
     python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
 
 The slice: hidden 4096, 64 heads of 512 (rope 64), q_lora 1024, o_groups 8 x 1024, 256 experts top-6
 (moe 2048, sqrtsoftplus; the first layer hash-routed), mHC 4 streams, window 128, CSA rate 4 with the
 indexer (64 heads x 128, top-512), HCA rate 128; ``--layers`` repeats of (sliding, CSA, HCA), bf16 on CUDA
-(``--dtype``).
+(``--dtype``). ``--weights fp8`` / ``fp4``: the formats V4-Flash ships (:func:`quantize_like_release`: fp8 block
+projections and shared expert, fp8 or fp4 routed experts; ours' rows only).
 Every sequence decodes one token at position ``ctx`` over a context already in the caches (random rows:
 the window's token rows, every compressed entry and indexer key, the compressors' ring state). Only the
 window's token blocks are real: older positions map to one shared block that the step never reads.
@@ -89,6 +90,70 @@ def build_model(a, dev: torch.device, dtype: torch.dtype):
             if name.endswith("position_bias"):
                 prm.normal_(generator=gen)
     return hf
+
+
+FP8_PROJECTIONS = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_a_proj",
+                   "self_attn.o_b_proj", "self_attn.compressor.indexer.q_b_proj", "mlp.shared_experts.gate_proj",
+                   "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")  # fp8 in V4-Flash's release
+
+
+def quantize_like_release(hf, weights: str, seed: int) -> int:
+    """``--weights fp8|fp4``: the layers' projections V4-Flash ships in fp8 (:data:`FP8_PROJECTIONS`) become
+    ``FP8BlockLinear`` / ``FP8GroupedLinear`` (e4m3 codes, 128 x 128 block scales) and the routed experts
+    ``FP8Experts`` or ``FP4Experts`` (e2m1 + ue8m0 per 32), with random codes of the float weights' spread (a timing
+    model, as the float weights are random), on the model's device; the float ones are freed. Returns the bytes of
+    the quantized tensors."""
+    from mla_compile.models.fp4_linear import FP4Experts
+    from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear
+
+    dev = hf.lm_head.weight.device
+    gen = torch.Generator(dev).manual_seed(seed + 7)
+
+    def fp8_fill(module):  # codes ~ N(0, 8) in e4m3, block scales 0.0025: weights ~ N(0, 0.02)
+        for name, p in module.named_parameters():
+            if p.dtype == torch.float8_e4m3fn:
+                p.copy_((torch.randn(p.shape, generator=gen, device=dev) * 8).to(p.dtype))
+            else:
+                p.fill_(0.0025)
+        return module
+
+    total = 0
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for name in FP8_PROJECTIONS:
+                parent_name, _, attr = name.rpartition(".")
+                try:
+                    parent = layer.get_submodule(parent_name)
+                except AttributeError:
+                    continue  # a layer kind without it (the indexer: CSA only)
+                old = getattr(parent, attr)
+                groups = getattr(old, "n_groups", None)
+                if groups is None:
+                    new = FP8BlockLinear(old.in_features, old.out_features, device=dev)
+                elif (old.out_features // groups) % 128 == 0:
+                    new = FP8GroupedLinear(old.in_features, old.out_features, groups, device=dev)
+                else:
+                    continue  # groups of partial blocks stay float (the loader dequantizes them)
+                setattr(parent, attr, fp8_fill(new))
+            old = layer.mlp.experts
+            E, H, I = old.down_proj.shape
+            limit = getattr(hf.config, "swiglu_limit", None)
+            if weights == "fp4":
+                new = FP4Experts(E, H, I, old.act_fn, swiglu_limit=limit, device=dev)
+                for name, p in new.named_parameters():  # random e2m1 nibbles; scales 2^-7: |w| <= 6 * 2^-7
+                    if name.endswith("_scale_inv"):
+                        p.fill_(120)
+                    else:
+                        p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=dev, dtype=torch.uint8))
+            else:
+                new = fp8_fill(FP8Experts(E, H, I, old.act_fn, swiglu_limit=limit, device=dev))
+            layer.mlp.experts = new
+        for m in hf.modules():
+            if isinstance(m, (FP8BlockLinear, FP8Experts, FP4Experts)):
+                total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return total
 
 
 class Contexts:
@@ -490,6 +555,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="weights and caches (auto: bf16 on CUDA, float32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", choices=("float", "fp8", "fp4"), default="float",
+                   help="float: every weight in --dtype; fp8 / fp4: V4-Flash's release formats (fp8 projections, fp8 "
+                        "or fp4 routed experts; random codes)")
     p.add_argument("--regional-compile", action="store_true",
                    help="compile each layer as nested compile regions (patch(..., regional_compile=True))")
     p.add_argument("--budget-s", type=float, default=1e9)
@@ -510,6 +578,8 @@ def main(argv=None) -> int:
     bad = [x for x in impls if x not in OURS_IMPLS + HF_IMPLS]
     if bad:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(OURS_IMPLS + HF_IMPLS)}")
+    if args.weights != "float" and any(i in HF_IMPLS for i in impls):
+        p.error(f"--weights {args.weights}: HF's model runs float weights only; pass --impls with ours' rows")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
     if args.attention:
@@ -520,6 +590,7 @@ def main(argv=None) -> int:
     from mla_compile.models.v4_cache import V4CacheLayout, V4Dims
 
     hf = build_model(args, dev, dtype)
+    quantized_bytes = quantize_like_release(hf, args.weights, args.seed) if args.weights != "float" else 0
     model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
     layout = V4CacheLayout(V4Dims.from_hf(hf.config), "bf16")
     batches = [int(x) for x in args.batches.split(",")]
@@ -527,7 +598,8 @@ def main(argv=None) -> int:
     ids = torch.randint(0, args.vocab, (max(batches),), generator=torch.Generator().manual_seed(args.seed))
     rows = []
     info = dict(args=vars(args), device=str(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
-                torch=torch.__version__, bytes_per_seq_1m=layout.sequence_bytes(1 << 20),
+                torch=torch.__version__, weights=args.weights, quantized_bytes=quantized_bytes,
+                bytes_per_seq_1m=layout.sequence_bytes(1 << 20),
                 bytes_per_token=layout.model_bytes_per_token)
     backend = "inductor" if dev.type == "cuda" else "aot_eager"
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -578,6 +650,7 @@ def main(argv=None) -> int:
                         with torch.no_grad():
                             if impl == "ours eager":
                                 row.update(timed(lambda: model(*step_in), dev, args.warmup, args.iters))
+                                row["finite"] = bool(torch.isfinite(model(*step_in)).all())
                             elif impl == "ours compiled":
                                 row.update(timed(lambda: compiled(*step_in), dev, args.warmup, args.iters))
                             elif impl == "ours graph":
@@ -613,7 +686,8 @@ def main(argv=None) -> int:
                     json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
             del ref
         del contexts
-    lines = [f"V4 decode step ({info['device']}, {args.layers} x (sliding, CSA, HCA), backend {args.backend or 'default'})",
+    lines = [f"V4 decode step ({info['device']}, {args.layers} x (sliding, CSA, HCA), backend {args.backend or 'default'}, "
+             f"weights {args.weights})",
              f"cache bytes per token of context {layout.model_bytes_per_token:.0f}; "
              f"per sequence at 1M tokens {layout.sequence_bytes(1 << 20) / 2**30:.3f} GiB (bf16)"]
     if hf_compiled is not None:

@@ -51,6 +51,22 @@ def test_bench_v4_decode_cpu_smoke(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
+@pytest.mark.parametrize("weights", ["fp8", "fp4"])
+def test_bench_v4_decode_release_weight_formats(tmp_path, weights):
+    """``--weights fp8|fp4``: the projections and experts in V4-Flash's release formats (random codes); our eager and
+    compiled rows run with finite logits; HF's rows are refused with them."""
+    data = run_decode(tmp_path, "--ctx", "43", "--batches", "2", "--impls", "ours eager,ours compiled",
+                      "--weights", weights)
+    rows = {r["impl"]: r for r in data["rows"]}
+    assert rows["ours eager"]["ms"] > 0 and rows["ours eager"]["finite"] and rows["ours compiled"]["ms"] > 0, rows
+    assert data["info"]["weights"] == weights and data["info"]["quantized_bytes"] > 0
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_v4_decode.py"), "--device", "cpu", "--tiny", "--out",
+           str(tmp_path / "hf"), "--weights", weights, "--impls", "hf eager"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "HF's model runs float weights only" in proc.stderr
+
+
+@pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
 def test_bench_v4_decode_regional_compile_flag(tmp_path):
     """``--regional-compile`` patches the model with ``regional_compile=True``: its compiled row runs (one graph for
     the step) and the run's arguments record the flag."""
