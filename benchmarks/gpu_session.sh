@@ -19,7 +19,8 @@
 #            the step: skinny_norm_linear=triton lost there in run 218, "auto" takes the other two); one machine,
 #            so the two rows compare
 #   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
-#            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path)
+#            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path);
+#            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
 #            then bench_parallel (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the
 #            machine holds; needs a multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
@@ -80,7 +81,8 @@ if [[ $PHASES == *,fusedstep,* ]]; then
     timeout 130 python3 "${step[@]}" --out "$O/fused" --backend "$FUSIONS" > "$O/fused.log" 2>&1
 fi
 [[ $PHASES == *,v4,* ]] && timeout 200 python3 benchmarks/bench_v4_decode.py --out "$O/v4" --regional-compile \
-    --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 > "$O/v4.log" 2>&1
+    --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 --weights "${V4_WEIGHTS:-float}" \
+    > "$O/v4.log" 2>&1
 if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
