@@ -57,6 +57,13 @@ def test_torchrun_generate_v4_dp_attention_ep_two_processes(tmp_path):
     assert proc.stdout == want + "\n" and want  # rank 0's text alone: rank 1 prints nothing
     assert proc.stderr.count("tokens/s") == 1
     assert "rank 0 of 2: ParallelConfig(tp=2, dp_attention=2, dcp=1, ep=2)" in proc.stderr
+    # a layout V4 does not shard (tensor-parallel attention): both ranks stop with the error named, no traceback
+    i = cmd.index("--dp-attention")
+    bad = cmd[:i] + cmd[i + 4:]  # --tp 2 alone: no --dp-attention 2 --ep 2
+    assert "--ep" not in bad and "--tp" in bad
+    proc = subprocess.run(bad, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode != 0 and proc.stderr.count("generate: error: DeepSeek-V4 shards as data-parallel") == 2
+    assert "NotImplementedError" not in proc.stderr  # reported, not raised (torchrun then reports the exit codes)
 
 
 def test_torchrun_generate_v3_fp8_tensor_parallel_two_processes(tmp_path):

@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         commands = {"generate": cmd_generate, "demo": cmd_demo, "inspect": cmd_inspect}
         return commands[args.command](args)
-    except ValueError as e:  # the package's errors for bad inputs name the argument and the fix
+    except (ValueError, NotImplementedError) as e:  # bad inputs, or what is not built (e.g. a V4 layout): named
         print(f"mla-compile {args.command}: error: {e}", file=sys.stderr)
         return 2
 
