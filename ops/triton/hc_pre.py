@@ -23,6 +23,7 @@ from torch.library import wrap_triton
 
 from mla_compile.ops.hc_pre import MAX_N, MAX_TOKENS, OP, fake, hc_pre_math, validate
 from mla_compile.ops.hc_sinkhorn import hc_sinkhorn
+from mla_compile.ops.triton.hc_sinkhorn import sinkhorn_rounds
 
 BLOCK_K = 512  # stream values a split-K program reads (fn: (2n + n*n) x BLOCK_K)
 BLOCK_D = 512  # columns of the collapse a finishing program writes
@@ -67,15 +68,7 @@ def _hc_finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, co
     cell = 2 * N + i[:, None] * N + i[None, :]
     ok = (i < N)[:, None] & (i < N)[None, :]
     zc = tl.sum(tl.where(cell[:, :, None] == m[None, None, :], z[None, None, :], 0.0), axis=2)
-    zc = tl.where(ok, zc, float("-inf"))
-    mx = tl.max(zc, axis=1)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    e = tl.exp(zc - mx[:, None])
-    c = tl.where(ok, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
-    c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-    for _ in range(ITERS - 1):
-        c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+    c = sinkhorn_rounds(tl.where(ok, zc, float("-inf")), ok, ITERS, hc_eps, 1, 0)
     if blk == 0:
         post = 2.0 / (1.0 + tl.exp(-z))
         tl.store(post_ptr + t * N + (m - N), post, mask=(m >= N) & (m < 2 * N))

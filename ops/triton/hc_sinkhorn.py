@@ -23,6 +23,23 @@ BLOCK_T = 32  # tokens a program: one a lane of its one warp
 
 
 @triton.jit
+def sinkhorn_rounds(z, ok, ITERS, eps, ROW: tl.constexpr, COL: tl.constexpr):
+    """The Sinkhorn normalisation of logits ``z`` (-inf outside ``ok``) whose matrices' rows run along axis ``ROW``
+    and columns along ``COL``: a softmax along each row plus ``eps``, a column normalisation, then ``ITERS - 1``
+    rounds of row and column normalisation (each sum plus ``eps``); 0 outside ``ok``. Shared by this op's kernel
+    and ``mla::hc_pre``'s finishing kernel."""
+    m = tl.max(z, axis=ROW)
+    m = tl.where(m == float("-inf"), 0.0, m)  # rows of padding only: exp(-inf) = 0, no NaN
+    e = tl.exp(z - tl.expand_dims(m, ROW))
+    c = tl.where(ok, e / tl.expand_dims(tl.sum(e, axis=ROW), ROW) + eps, 0.0)
+    c = c / (tl.expand_dims(tl.sum(c, axis=COL), COL) + eps)
+    for _ in range(ITERS - 1):
+        c = c / (tl.expand_dims(tl.sum(c, axis=ROW), ROW) + eps)
+        c = c / (tl.expand_dims(tl.sum(c, axis=COL), COL) + eps)
+    return c
+
+
+@triton.jit
 def _hc_sinkhorn_kernel(x_ptr, out_ptr, T, ITERS, eps, s_x, s_o, N: tl.constexpr, NP: tl.constexpr,
                         BLOCK_T: tl.constexpr):
     eps = tl.full([], eps, tl.float32)  # Inductor passes Python floats as fp64: every round would run in fp64
@@ -32,14 +49,7 @@ def _hc_sinkhorn_kernel(x_ptr, out_ptr, T, ITERS, eps, s_x, s_o, N: tl.constexpr
     cell = i[None, :, None] * N + i[None, None, :]
     t64 = t.to(tl.int64)[:, None, None]
     z = tl.load(x_ptr + t64 * s_x + cell, mask=ok, other=float("-inf"))
-    m = tl.max(z, axis=2)
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows of padding only: exp(-inf) = 0, no NaN
-    e = tl.exp(z - m[:, :, None])
-    c = tl.where(ok, e / tl.sum(e, axis=2)[:, :, None] + eps, 0.0)
-    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
-    for _ in range(ITERS - 1):
-        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
-        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    c = sinkhorn_rounds(z, ok, ITERS, eps, 2, 1)
     tl.store(out_ptr + t64 * s_o + cell, c, mask=ok)
 
 
