@@ -104,7 +104,7 @@ def quantize_like_release(hf, weights: str, seed: int) -> int:
     model, as the float weights are random), on the model's device; the float ones are freed. Returns the bytes of
     the quantized tensors."""
     from mla_compile.models.fp4_linear import FP4Experts
-    from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear
+    from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, fp8_form
 
     dev = hf.lm_head.weight.device
     gen = torch.Generator(dev).manual_seed(seed + 7)
@@ -126,15 +126,9 @@ def quantize_like_release(hf, weights: str, seed: int) -> int:
                     parent = layer.get_submodule(parent_name)
                 except AttributeError:
                     continue  # a layer kind without it (the indexer: CSA only)
-                old = getattr(parent, attr)
-                groups = getattr(old, "n_groups", None)
-                if groups is None:
-                    new = FP8BlockLinear(old.in_features, old.out_features, device=dev)
-                elif (old.out_features // groups) % 128 == 0:
-                    new = FP8GroupedLinear(old.in_features, old.out_features, groups, device=dev)
-                else:
-                    continue  # groups of partial blocks stay float (the loader dequantizes them)
-                setattr(parent, attr, fp8_fill(new))
+                new = fp8_form(getattr(parent, attr), dev)
+                if new is not None:  # groups of partial blocks stay float (the loader dequantizes them)
+                    setattr(parent, attr, fp8_fill(new))
             old = layer.mlp.experts
             E, H, I = old.down_proj.shape
             limit = getattr(hf.config, "swiglu_limit", None)

@@ -156,3 +156,18 @@ class FP8GroupedLinear(FP8BlockLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", n_groups={self.n_groups}"
+
+
+def fp8_form(linear: nn.Module, device: torch.device | str | None = None) -> FP8BlockLinear | None:
+    """The fp8 module (empty, on ``device``) that takes the place of the bias-free float linear ``linear``:
+    :class:`FP8BlockLinear`, or :class:`FP8GroupedLinear` for a grouped one (an ``n_groups`` attribute, DeepSeek-V4's
+    ``o_a_proj``) whose groups are whole 128-row blocks; None where it has no fp8 form (a bias, not a linear, or
+    groups of partial blocks: such a weight is dequantized instead)."""
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        return None
+    n_groups = getattr(linear, "n_groups", None)
+    if n_groups is None:
+        return FP8BlockLinear(linear.in_features, linear.out_features, device=device)
+    if (linear.out_features // n_groups) % BLOCK == 0:
+        return FP8GroupedLinear(linear.in_features, linear.out_features, n_groups, device=device)
+    return None

@@ -40,7 +40,7 @@ from mla_compile.models.checkpoint import (CONFIG_FILE, SCALE_SUFFIX, Checkpoint
                                            layer_index, read_fp8_format, read_index)
 from mla_compile.models.fp4_checkpoint import expert_dtype, parse_expert_key, place_fp4_expert
 from mla_compile.models.fp4_linear import FP4Experts
-from mla_compile.models.fp8_linear import FP8BlockLinear, FP8Experts, FP8GroupedLinear
+from mla_compile.models.fp8_linear import FP8Experts, fp8_form
 from mla_compile.models.model import patch
 from mla_compile.models.v4_model import V4ForCausalLM, is_v4_model
 from mla_compile.ops.fp4_block_linear import scale_values
@@ -270,15 +270,10 @@ class _V4Loader:
                 continue
             prefix = e.name[: -len(".weight" + SCALE_SUFFIX)]
             module = self._module(prefix, e)
-            if isinstance(module, nn.Linear) and module.bias is None and prefix != "lm_head":
-                n_groups = getattr(module, "n_groups", None)
-                if n_groups is None:
-                    self._set(prefix, FP8BlockLinear(module.in_features, module.out_features, device="meta"))
-                    continue
-                if (module.out_features // n_groups) % BLOCK == 0:
-                    self._set(prefix, FP8GroupedLinear(module.in_features, module.out_features, n_groups,
-                                                       device="meta"))
-                    continue
+            fp8 = fp8_form(module, "meta") if prefix != "lm_head" else None
+            if fp8 is not None:
+                self._set(prefix, fp8)
+                continue
             if not isinstance(getattr(module, "weight", None), nn.Parameter) or module.weight.dim() != 2:
                 raise CheckpointError(f"{e.file}: tensor {e.key} ({e.name}) scales {prefix}, a "
                                       f"{type(module).__name__} without a 2-D weight; fp8 blocks need one")
