@@ -902,10 +902,11 @@ def v4_sharded_from_meta(rank, world):
 
 
 def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
-    """As :func:`v4_dp_ep_equals_single` with the routed experts of a quantized V4 checkpoint ("fp8": e4m3 blocks,
-    "fp4": packed e2m1 + ue8m0; fp8 linears elsewhere; written by rank 0 under ``where``), loaded by
-    ``from_pretrained(parallel=...)``: each rank keeps its experts quantized (``FP8Experts`` / ``FP4Experts`` of half
-    the experts)."""
+    """As :func:`v4_dp_ep_equals_single` with the model loaded from a V4 checkpoint written by rank 0 under ``where``
+    by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or "fp4" (packed e2m1 + ue8m0; fp8
+    linears elsewhere: each rank keeps its experts quantized, ``FP8Experts`` / ``FP4Experts`` of half the experts),
+    "float" (save_pretrained's per-expert keys) or "stacked" (the modules' ``[E, ...]`` expert tensors). Also which
+    experts' tensors the rank read (``experts_read``) and how the stacked ones were read (``stacked_reads``)."""
     from pathlib import Path
 
     import torch.distributed as dist
