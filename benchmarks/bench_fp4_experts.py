@@ -5,9 +5,10 @@
 V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1, 4 and 64, bf16 activations:
 - one expert's GEMV / GEMM, gate (N 2048, K 4096) and down (N 4096, K 2048): fp4 Triton vs bf16 ``F.linear``
   and the fp8 block Triton kernel on the same weight;
-- the routed experts of one MoE layer, 256 experts top-6 (tokens sorted by expert: each hit expert's weights
-  read once): :class:`~mla_compile.models.fp4_linear.FP4Experts` grouped vs bf16 ``torch._grouped_mm``
-  (``moe.experts_grouped``).
+- the routed experts of one MoE layer, 256 experts top-6 (``--tokens``, default 1, 8, 64, 256):
+  ``mla::moe_experts_fp4`` fused ("triton": the picks' weights per (token, pick)), "grouped" (tokens sorted by
+  expert, each hit expert read once, through ``mla::fp4_block_linear``'s sorted groups) and "auto", against bf16
+  ``torch._grouped_mm`` (``moe.experts_grouped``); ``--sweep`` adds the fused kernels' launch parameters.
 Times per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s counts the weight bytes read
 (fp4: half a byte per weight plus a scale byte per 32). Writes ``bench_fp4_experts.json`` and ``.txt``.
 """
@@ -28,7 +29,9 @@ import mla_compile  # noqa: E402,F401
 from mla_compile.models.fp4_linear import FP4Experts  # noqa: E402
 from mla_compile.models.moe import experts_grouped  # noqa: E402
 from mla_compile.ops import fp4_block_linear, fp8_block_linear  # noqa: E402
+from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4  # noqa: E402
 from mla_compile.ops.triton import fp4_block_linear as tfp4  # noqa: E402
+from mla_compile.ops.triton import moe_experts_fp4 as tmoe  # noqa: E402
 
 DEV, HIDDEN, INTER, TOPK = "cuda", 4096, 2048, 6
 SWEEP = False
@@ -105,9 +108,31 @@ def moe_case(T, E):
         packed, scale = _fp4(E, rows, cols)
         setattr(fp4, proj, torch.nn.Parameter(packed, requires_grad=False))
         setattr(fp4, proj + "_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
-    bk.attempt(group, "fp4 FP4Experts grouped", lambda: fp4(x, weights, ids, grouped=True), flops,
-               hit * (2 * fp4_bytes(INTER, HIDDEN) + fp4_bytes(HIDDEN, INTER)), note=f"{hit} experts hit")
-    del fp4
+    hit_bytes = hit * (2 * fp4_bytes(INTER, HIDDEN) + fp4_bytes(HIDDEN, INTER))
+    bk.attempt(group, "fp4 fp4_block_linear sorted", lambda: fp4(x, weights, ids, grouped=True), flops, hit_bytes,
+               note=f"{hit} experts hit")
+    w = [getattr(fp4, p + s) for p in ("gate_proj", "up_proj", "down_proj") for s in ("", "_scale_inv")]
+    picks = T * TOPK * (2 * fp4_bytes(INTER, HIDDEN) + fp4_bytes(HIDDEN, INTER))
+    for name in ("triton", "grouped", None):
+        bk.attempt(group, f"fp4 moe_experts_fp4 {name or 'auto'}",
+                   lambda name=name: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=name), flops,
+                   picks if name == "triton" else hit_bytes, note=f"{hit} experts hit")
+    if SWEEP:  # the fused kernels' launch parameters, each checked against the reference op
+        want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
+        default = dict(tmoe.CONFIG)
+        for gk, dk, waves, warps in ((512, 512, 2, 4), (1024, 512, 2, 4), (256, 256, 2, 4), (512, 512, 4, 4),
+                                     (512, 1024, 1, 4), (512, 512, 2, 8)):
+            tmoe.CONFIG.update(gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps)
+            try:
+                y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="triton")
+                err = float((y.double() - want.double()).norm() / want.double().norm())
+                bk.attempt(group, f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps}",
+                           bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
+                                                             backend="triton")),
+                           flops, picks, note=f"rel err {err:.1e}")
+            finally:
+                tmoe.CONFIG.update(default)
+    fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()
     gate_up = torch.empty(E, 2 * INTER, HIDDEN, device=DEV, dtype=torch.bfloat16)
     down = torch.empty(E, HIDDEN, INTER, device=DEV, dtype=torch.bfloat16)
@@ -123,14 +148,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--sweep", action="store_true", help="also time the fp4 kernels' tile configs")
+    ap.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1, 8, 64, 256],
+                    help="token counts of the routed-experts rows")
+    ap.add_argument("--linears", type=int, default=1, help="0: skip the one-expert linear rows")
     args = ap.parse_args()
     global SWEEP
     SWEEP = args.sweep
     os.makedirs(args.out, exist_ok=True)
     bk.ceilings()
-    sections = [lambda m=m, c=c: linear_case(m, *c) for m in (1, 4, 64)
+    sections = [lambda m=m, c=c: linear_case(m, *c) for m in ((1, 4, 64) if args.linears else ())
                 for c in (("gate", INTER, HIDDEN), ("down", HIDDEN, INTER))]
-    sections += [lambda t=t: moe_case(t, args.experts) for t in (1, 64)]
+    sections += [lambda t=t: moe_case(t, args.experts) for t in args.tokens]
     bk.run_sections(sections, os.path.join(args.out, "bench_fp4_experts.json"))
     text = "\n".join(f"{r.get('group', '')}: {bk._fmt(r)}" for r in bk.ROWS)
     with open(os.path.join(args.out, "bench_fp4_experts.txt"), "w") as f:

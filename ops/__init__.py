@@ -22,6 +22,7 @@ from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write
 from mla_compile.ops.gather import gather_latent_cache
 from mla_compile.ops.merge import merge_attn_states
 from mla_compile.ops.moe_experts import moe_experts
+from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.moe_gate_route import moe_gate_route
 from mla_compile.ops.moe_norm_gate_route import moe_norm_gate_route
@@ -47,7 +48,7 @@ __all__ = [
     "gather_latent_cache", "hc_pre", "hc_sinkhorn", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
     "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
-    "moe_experts", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",
+    "moe_experts", "moe_experts_fp4", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",
     "skinny_norm_linear",
     "skinny_absorb_out", "skinny_absorb_q",
     "lightning_index", "sink_window_indices", "sink_window_query_indices", "sparse_decode", "to_csr", "write_index_cache",

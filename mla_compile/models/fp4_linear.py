@@ -1,10 +1,11 @@
-"""The routed experts of one MoE layer over DeepSeek-V4's FP4 weights; they run through ``mla::fp4_block_linear``.
+"""The routed experts of one MoE layer over DeepSeek-V4's FP4 weights.
 
 :class:`FP4Experts` replaces the fused MoE experts module when the checkpoint's expert weights are FP4
 (``expert_dtype: "fp4"``): packed e2m1 codes (two per byte) with one ue8m0 scale per 32 weights of a row, kept
 packed in memory (a quarter of bf16's bytes, plus 1/32 byte per weight of scales). It keeps the checkpoint's
 per-projection names (``gate_proj`` / ``up_proj`` / ``down_proj``, DeepSeek's ``w1`` / ``w3`` / ``w2``) so the
-loader (:mod:`mla_compile.models.fp4_checkpoint`) assigns tensors expert by expert.
+loader (:mod:`mla_compile.models.fp4_checkpoint`) assigns tensors expert by expert; they run in
+``mla::moe_experts_fp4``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.models.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import _is_silu, combine_sorted, sort_by_expert
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, as_bytes
+from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SCALE_SUFFIX = "_scale_inv"  # ``gate_proj_scale_inv`` beside ``gate_proj``, as FP8Experts and HF name them
@@ -103,7 +105,17 @@ class FP4Experts(nn.Module):
         return self.act_fn(gate) * up
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool = False) -> Tensor:
-        """``x [T, H]``, routing ``weights [T, k]`` and expert ``ids [T, k]`` -> ``[T, H]`` float32."""
+        """``x [T, H]``, routing ``weights [T, k]`` (any float dtype: V4's router gives x's) and expert ``ids [T, k]``
+        -> ``[T, H]`` float32.
+
+        SiLU experts that ask for no ``fp4_block_linear`` backend of their own run in ``mla::moe_experts_fp4``
+        (its "auto": the fused kernels for few tokens and the grouped form above on a GPU, the reference
+        elsewhere; ``grouped`` is then not consulted); otherwise ``grouped`` picks the sorted-groups or the dense
+        form over ``mla::fp4_block_linear`` with ``backend``."""
+        if self.backend is None and _is_silu(self.act_fn):
+            return moe_experts_fp4(x, weights.float(), ids, self.gate_proj, self.gate_proj_scale_inv, self.up_proj,
+                                   self.up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+                                   swiglu_limit=self.swiglu_limit, out_float32=True)
         if grouped:
             order, offs = sort_by_expert(ids, self.num_experts)
             xs = x[order // ids.shape[1]]

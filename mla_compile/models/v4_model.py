@@ -30,10 +30,11 @@ from mla_compile import ops
 from mla_compile.backends import requested_for
 from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
-from mla_compile.models.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert
 from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
+from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from mla_compile.ops.select import parse_backend_spec
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -327,8 +328,10 @@ class V4MoE(nn.Module):
     correction bias, normalised and scaled weights, experts with the ``swiglu_limit`` clamp (``impl``
     "dense": every expert on every token; "grouped": ``torch._grouped_mm`` over tokens sorted by expert;
     "auto": grouped for CUDA bf16), plus the shared expert. Shares the HF block's modules; experts that a
-    quantized checkpoint loaded as :class:`~mla_compile.models.fp8_linear.FP8Experts` or
-    :class:`~mla_compile.models.fp4_linear.FP4Experts` (with the clamp) run through their own forward."""
+    quantized checkpoint loaded as :class:`~mla_compile.models.fp8_linear.FP8Experts` run in
+    ``mla::moe_experts_fp8`` where it serves them (weight-only SiLU, no backend of their own), else through their
+    own forward, as :class:`~mla_compile.models.fp4_linear.FP4Experts` do (``mla::moe_experts_fp4``), clamp
+    included."""
 
     def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
         super().__init__()
@@ -358,6 +361,11 @@ class V4MoE(nn.Module):
         grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
                                              and hasattr(torch, "_grouped_mm"))
         experts = self.hf.experts
+        if getattr(experts, "is_fp8_block", False) and fp8_fused_refusal(experts) is None:
+            ex = experts  # weight-only SiLU fp8 experts: mla::moe_experts_fp8 (fused for few tokens, grouped above)
+            return moe_experts_fp8(x, weights.float(), ids, ex.gate_proj, ex.gate_proj_scale_inv, ex.up_proj,
+                                   ex.up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv,
+                                   swiglu_limit=ex.swiglu_limit, out_float32=True)
         if getattr(experts, "is_fp8_block", False) or getattr(experts, "is_fp4_block", False):
             return experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
         return (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)

@@ -11,8 +11,10 @@ and float16 ``x`` in IEEE float32; the accumulator is float32.
 
 Few rows per weight (decode: one token per expert, or a handful) take the GEMV kernel instead: one program per
 row and ``BLOCK_N`` output columns, no ``tl.dot`` (whose 16-row minimum and operand shuffles cost more than the
-math), ``BLOCK_K`` values a step as ``[BLOCK_N, BLOCK_K / 32, 16]`` packed bytes: each 32-block's products are
-summed in float32, then scaled by its ue8m0 power of two and accumulated. Sorted groups map rows to groups with
+math). There the decode, not memory, bounds the time, so it reads the packed codes as int32 words (8 codes each,
+a 32-block is 4 words, one 16-byte load) and decodes two codes per 32-bit operation (:func:`fp4_block_sums`:
+each code's bits moved into float16's, the word's two halves at once); each 32-block's products are summed in
+float32 in one thread, then scaled by its ue8m0 power of two. Sorted groups map rows to groups with
 ``torch.searchsorted`` on the device (no host sync).
 """
 
@@ -47,6 +49,101 @@ def _ue8m0(s):
     bits = tl.where(s == 0, 1 << 22, s << 23)
     bits = tl.where(s == 255, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
+
+
+F16_UNIT = tl.constexpr(16384.0)  # 2^14: a code's bits placed in float16's fields give its value / 2^14 (see e2m1_pair)
+SIGN_BITS = tl.constexpr(-2147450880)  # 0x80008000 as int32: the sign bit of both float16 halves
+
+
+@triton.jit
+def _f16_bits(bits):
+    """The low 16 bits of int32 ``bits`` as a float16's bit pattern, widened to float32 (exact)."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_pair(w, I: tl.constexpr):
+    """Codes ``I`` and ``I + 4`` (``I`` in 0..3) of int32 words ``w`` holding 8 e2m1 codes each (code i in bits
+    4i..4i+3, i.e. the word's 8 consecutive weights) -> two float32 tensors shaped like ``w``: each code's value
+    / 2^14. The code's exponent and mantissa bits land in float16's lowest exponent bits and top mantissa bit and
+    its sign bit in float16's sign: ``2^(e - 15) * (1 + m/2)``, and for e = 0 float16's subnormal ``m * 2^-15``,
+    both exactly the e2m1 value / 2^14. Codes I and I + 4 sit 16 bits apart, so one shift-and-mask places both
+    halves of the word."""
+    if I == 0:
+        both = ((w << 9) & 0x0E000E00) | ((w << 12) & SIGN_BITS)
+    elif I == 1:
+        both = ((w << 5) & 0x0E000E00) | ((w << 8) & SIGN_BITS)
+    elif I == 2:
+        both = ((w << 1) & 0x0E000E00) | ((w << 4) & SIGN_BITS)
+    else:
+        both = ((w >> 3) & 0x0E000E00) | (w & SIGN_BITS)
+    return _f16_bits(both), _f16_bits(both >> 16)
+
+
+@triton.jit
+def columns8(x):
+    """The 8 columns of ``x [..., 8]``, each shaped ``x.shape[:-1]`` (register renames where the 8 are in one
+    thread)."""
+    even, odd = tl.split(tl.reshape(x, x.shape[:-1] + (4, 2)))  # columns 0 2 4 6, 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, even.shape[:-1] + (2, 2)))
+    o15, o37 = tl.split(tl.reshape(odd, odd.shape[:-1] + (2, 2)))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def fp4_block_sums(w, s, x):
+    """One step of a packed-fp4 GEMV: int32 words ``w [R, G, 4]`` (rows' 32-blocks g, 8 codes a word), their ue8m0
+    bytes ``s [R, G]`` and float32 ``x [G, 4, 8]`` (the same columns: word j's code i is column 8j + i) -> float32
+    ``[R, G]``, each block's ``sum(W * x)``: the products summed in float32 within the thread, then times 2^14 and
+    the block's power of two."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = columns8(x)
+    v0, v4 = e2m1_pair(w, 0)
+    p = v0 * x0[None, :, :]
+    p += v4 * x4[None, :, :]
+    v1, v5 = e2m1_pair(w, 1)
+    p += v1 * x1[None, :, :]
+    p += v5 * x5[None, :, :]
+    v2, v6 = e2m1_pair(w, 2)
+    p += v2 * x2[None, :, :]
+    p += v6 * x6[None, :, :]
+    v3, v7 = e2m1_pair(w, 3)
+    p += v3 * x3[None, :, :]
+    p += v7 * x7[None, :, :]
+    return tl.sum(p, axis=2) * F16_UNIT * _ue8m0(s.to(tl.uint32))
+
+
+@triton.jit
+def load_x_blocks(x_row, k0, n_blocks, G: tl.constexpr):
+    """float32 ``[G, 4, 8]``: columns ``k0 + [0, 32 G)`` of the row at ``x_row`` (any float dtype) as ``G`` 32-blocks
+    of 4 words of 8 (the layout :func:`fp4_block_sums` takes); blocks past ``n_blocks`` read 0."""
+    g = k0 // 32 + tl.arange(0, G)
+    col = (g[:, None] * 32 + tl.arange(0, 4)[None, :] * 8)[:, :, None] + tl.arange(0, 8)[None, None, :]
+    return tl.load(x_row + col, mask=(g < n_blocks)[:, None, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_blocks(w_rows, s_rows, n_ok, k0, n_blocks, G: tl.constexpr):
+    """The same ``G`` 32-blocks of rows ``w_rows [R]`` (int32 word pointers) and their ue8m0 bytes at ``s_rows
+    [R]``: ``(words [R, G, 4], bytes [R, G])``; rows off ``n_ok`` and blocks past ``n_blocks`` read code 0."""
+    g = k0 // 32 + tl.arange(0, G)
+    g_ok = g < n_blocks
+    word = g[:, None] * 4 + tl.arange(0, 4)[None, :]
+    w = tl.load(w_rows[:, None, None] + word[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+    s = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
+    return w, s
+
+
+def as_words(t: Tensor) -> Tensor:
+    """Packed codes ``[..., K/2]`` (bytes, last dim contiguous) viewed as int32 words ``[..., K/8]`` (copied first
+    where a stride or the offset is not a whole number of words)."""
+    t = as_bytes(t)
+    if t.storage_offset() % 4 or any(st % 4 for st in t.stride()[:-1]):
+        t = t.contiguous()
+    return t.view(torch.int32)
 
 
 @triton.jit
@@ -148,7 +245,8 @@ def _fp4_gemv_kernel(
     SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """``y[row, n-tile]`` for one row: dense (group = program_id 2; ``s_xe`` 0 shares x) or sorted (the row's
-    group read from ``grp``; group E = past ``offs[-1]``, written as zeros)."""
+    group read from ``grp``; group E = past ``offs[-1]``, written as zeros). ``w_ptr``: int32 words, ``s_we`` and
+    ``s_wn`` in words."""
     r = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,24 +263,13 @@ def _fp4_gemv_kernel(
         x_row = x_ptr + e * s_xe + r * s_xm
         y_row = y_ptr + e * s_ye + r * s_ym
     G: tl.constexpr = BLOCK_K // 32
-    offs_g = tl.arange(0, G)
-    offs_i = tl.arange(0, 16)
     w_rows = w_ptr + e * s_we + offs_n.to(tl.int64) * s_wn
     s_rows = s_ptr + e * s_se + offs_n.to(tl.int64) * s_sn
-    n_blocks = K // 32
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // 32 + offs_g  # the 32-blocks of this step
-        g_ok = g < n_blocks
-        byte = g[:, None] * 16 + offs_i[None, :]  # [G, 16] packed bytes = value pairs
-        x_even = tl.load(x_row + 2 * byte, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + 2 * byte + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        wm = n_ok[:, None, None] & g_ok[None, :, None]
-        packed = tl.load(w_rows[:, None, None] + byte[None, :, :], mask=wm, other=0).to(tl.uint32)
-        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=127)
-        part = tl.sum(_e2m1(packed & 15) * x_even[None, :, :] + _e2m1(packed >> 4) * x_odd[None, :, :], axis=2)
-        acc += tl.sum(part * _ue8m0(sbyte.to(tl.uint32)), axis=1)
-    tl.store(y_row + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+        w, s = load_blocks(w_rows, s_rows, n_ok, k0, K // 32, G)
+        acc += fp4_block_sums(w, s, load_x_blocks(x_row, k0, K // 32, G))
+    tl.store(y_row + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 # At most GEMV_ROWS rows per weight take the GEMV kernel (sorted groups: at most GEMV_ROWS_SORTED per group on
@@ -199,19 +286,21 @@ def _gemv_config() -> dict:
 
 def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | None) -> None:
     """GEMV path into ``y``: ``x3 [E or 1, M, K]`` / ``y [E, M, N]`` dense, or ``x3 [R, K]`` / ``y [R, N]`` with
-    ``grp [R]`` the group of each row (sorted)."""
+    ``grp [R]`` the group of each row (sorted); ``w3`` packed bytes (read as int32 words)."""
     E, N, half = w3.shape
+    words = as_words(w3)
     cfg = _gemv_config()
     sorted_rows = grp is not None
     if grp is None:
         s_xe = x3.stride(0) if x3.shape[0] == E else 0
         grid = (x3.shape[1], triton.cdiv(N, cfg["BLOCK_N"]), E)
-        args = (s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1))
+        args = (s_xe, x3.stride(1), words.stride(0), words.stride(1), s3.stride(0), s3.stride(1), y.stride(0),
+                y.stride(1))
         grp = y  # unused
     else:
         grid = (x3.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
-        args = (0, x3.stride(0), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), 0, y.stride(0))
-    wrap_triton(_fp4_gemv_kernel)[grid](x3, w3, s3, grp, y, N, 2 * half, E, *args, SORTED=sorted_rows, **cfg)
+        args = (0, x3.stride(0), words.stride(0), words.stride(1), s3.stride(0), s3.stride(1), 0, y.stride(0))
+    wrap_triton(_fp4_gemv_kernel)[grid](x3, words, s3, grp, y, N, 2 * half, E, *args, SORTED=sorted_rows, **cfg)
 
 
 def _config(M: int, ieee: bool) -> dict:
@@ -240,7 +329,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
         _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
         return y
     cu = torch.cat([offs.new_zeros(1), offs])
-    cfg = _config(R, x.dtype != torch.bfloat16)
+    cfg = _config(R // E, x.dtype != torch.bfloat16)  # tiles sized by the rows a group has on average
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
     wrap_triton(_fp4_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, 2 * half, E,

@@ -66,6 +66,17 @@ def test_fp4_experts_match_float64(grouped, limit):
         assert float((_moe64(x, weights, ids, real) - want).norm() / want.norm()) > 1e-3
 
 
+def test_fp4_experts_take_bf16_activations_and_routing_weights():
+    """V4's router gives its weights in x's dtype (bf16 in a bf16 model): the experts take them as they come."""
+    module, real = _random_experts(swiglu_limit=0.3)
+    x = torch.randn(4, H).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:3] for _ in range(4)])
+    weights = torch.rand(4, 3).bfloat16()
+    y = module(x, weights, ids)
+    want = _moe64(x.float(), weights.float(), ids, real, 0.3)
+    assert y.dtype == torch.float32 and float((y.double() - want).norm() / want.norm()) < 1e-2
+
+
 def test_fp4_experts_hold_packed_bytes():
     module = FP4Experts(E, H, I, torch.nn.SiLU())
     assert module.gate_proj.dtype == torch.uint8 and module.gate_proj.shape == (E, I, H // 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _triton_test_util import SM90_COMPILE
+from _triton_test_util import SM90_COMPILE, assert_fp32_under_fp64_floats
 
 pytestmark = SM90_COMPILE
 
@@ -43,3 +43,24 @@ def test_fp4_sorted_groups_compile_for_sm90(dtype):
     compiled = _sm90.compile_sm90(kernel, args, kwargs)
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 64])
+def test_fp4_experts_kernels_compile_for_sm90(T, dtype):
+    """``mla::moe_experts_fp4``'s two kernels at V4-Flash dims (hidden 4096, expert width 2048, top-6) on an
+    H200's 132 SMs (the tile width follows the program count): they compile without spills."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, moe_experts_fp4
+
+    H, I, E, k = 4096, 2048, 8, 6
+    b = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
+    launches = _sm90.record(moe_experts_fp4, moe_experts_fp4._launch, torch.zeros(T, H, dtype=dtype),
+                            torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32), b(E, I, H // 2), b(E, I, H // 32),
+                            b(E, I, H // 2), b(E, I, H // 32), b(E, H, I // 2), b(E, H, I // 32), True, 10.0, sms=132)
+    assert len(launches) == 2
+    for kernel, _, args, kwargs in launches:
+        compiled = _sm90.compile_sm90(kernel, args, kwargs)
+        if _sm90.cuobjdump() is not None:
+            assert _sm90.resources(compiled)["stack"] == 0, "register spills"
+    assert_fp32_under_fp64_floats(*[launches[0][i] for i in (0, 2, 3)])  # the clamp's limit
