@@ -66,7 +66,7 @@ def linear_case(M, name, N, K):
         want = fp4_block_linear(x.float(), packed, scale, backend="reference").double()
         for bn, bkk, warps in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 4), (16, 512, 8),
                                (32, 256, 4), (32, 512, 8)):
-            tfp4.GEMV_CONFIG = dict(BLOCK_N=bn, BLOCK_K=bkk, num_warps=warps, num_stages=3)
+            tfp4.GEMV_CONFIG = dict(BLOCK_N=bn, BLOCK_K=bkk, STAGES=3, num_warps=warps)
             try:
                 y = tfp4._launch(x, packed, scale).double()
                 err = float((y - want).norm() / want.norm())
@@ -120,13 +120,15 @@ def moe_case(T, E):
     if SWEEP:  # the fused kernels' launch parameters, each checked against the reference op
         want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
         default = dict(tmoe.CONFIG)
-        for gk, dk, waves, warps in ((512, 512, 2, 4), (1024, 512, 2, 4), (256, 256, 2, 4), (512, 512, 4, 4),
-                                     (512, 1024, 1, 4), (512, 512, 2, 8)):
-            tmoe.CONFIG.update(gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps)
+        for gk, dk, waves, warps, stages in ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4),
+                                             (256, 256, 2, 4, 4), (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2),
+                                             (512, 512, 1, 8, 3)):
+            tmoe.CONFIG.update(gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
+                               pipelined_tokens=1 << 30)
             try:
                 y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="triton")
                 err = float((y.double() - want.double()).norm() / want.double().norm())
-                bk.attempt(group, f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps}",
+                bk.attempt(group, f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}",
                            bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
                                                              backend="triton")),
                            flops, picks, note=f"rel err {err:.1e}")

@@ -242,7 +242,7 @@ def _fp4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, grp_ptr, y_ptr,
     N, K, E,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
-    SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SORTED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``y[row, n-tile]`` for one row: dense (group = program_id 2; ``s_xe`` 0 shares x) or sorted (the row's
     group read from ``grp``; group E = past ``offs[-1]``, written as zeros). ``w_ptr``: int32 words, ``s_we`` and
@@ -266,7 +266,7 @@ def _fp4_gemv_kernel(
     w_rows = w_ptr + e * s_we + offs_n.to(tl.int64) * s_wn
     s_rows = s_ptr + e * s_se + offs_n.to(tl.int64) * s_sn
     acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # the loads pipelined STAGES deep
         w, s = load_blocks(w_rows, s_rows, n_ok, k0, K // 32, G)
         acc += fp4_block_sums(w, s, load_x_blocks(x_row, k0, K // 32, G))
     tl.store(y_row + offs_n, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -277,7 +277,7 @@ def _fp4_gemv_kernel(
 # from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
 GEMV_ROWS = 4
 GEMV_ROWS_SORTED = 1
-GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, STAGES=3, num_warps=4)
 
 
 def _gemv_config() -> dict:

@@ -4,7 +4,7 @@ Two kernels, as :mod:`mla_compile.ops.triton.moe_experts_fp8`'s: kernel 1 takes 
 ``BLOCK_N`` rows of its expert's gate and up projections, the clamp and ``silu(g) * u`` fused, and stores the
 activation (x's dtype); kernel 2 takes one token and ``BLOCK_H`` output columns and runs its picks' down rows, each
 weighted by its routing weight, the picks unrolled in a fixed order (deterministic). The packed codes are read as
-int32 words and decoded two codes per 32-bit operation
+int32 words (the K loop's loads pipelined for one or two tokens) and decoded two codes per 32-bit operation
 (:func:`~mla_compile.ops.triton.fp4_block_linear.fp4_block_sums`): at one token the decode, not memory, bounds a
 byte-at-a-time decode. Each 32-block's products are summed in float32 in one thread and scaled by its power of two;
 a program keeps ``[rows, blocks]`` partial sums and reduces them once after its K loop.
@@ -30,7 +30,7 @@ def _moe_fp4_gate_up_kernel(
     x_ptr, ids_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, h_ptr, limit,
     H, I, K,
     s_x, s_ids, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
-    LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     limit = tl.full([], limit, tl.float32)  # Inductor passes Python floats as fp64: the clamps would make acc fp64
     row = tl.program_id(0)
@@ -47,7 +47,7 @@ def _moe_fp4_gate_up_kernel(
     G: tl.constexpr = BLOCK_K // 32
     acc_g = tl.zeros([BLOCK_N, G], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, G], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         x = load_x_blocks(x_row, k0, H // 32, G)
         w, s = load_blocks(g_rows, gs_rows, n_ok, k0, H // 32, G)
         acc_g += fp4_block_sums(w, s, x)
@@ -67,7 +67,7 @@ def _moe_fp4_down_kernel(
     h_ptr, w_ptr, ids_ptr, dn_ptr, ds_ptr, out_ptr,
     H, I,
     s_h, s_w, s_ids, s_de, s_dh, s_dse, s_dsh, s_out,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -75,7 +75,7 @@ def _moe_fp4_down_kernel(
     h64 = offs_h.to(tl.int64)
     G: tl.constexpr = BLOCK_K // 32
     acc = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(K):
             e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
             a = load_x_blocks(h_ptr + (t * K + j) * s_h, k0, I // 32, G)
@@ -84,9 +84,12 @@ def _moe_fp4_down_kernel(
     tl.store(out_ptr + t * s_out + offs_h, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-# Launch parameters (a benchmark may swap them). ``block_k``: K values a program step (a multiple of 32);
-# ``waves``: the widest output tile (16, 8 or 4 rows) is taken that still gives every SM this many programs.
-CONFIG = dict(gate_up_k=512, down_k=512, waves=2, num_warps=4)
+# Launch parameters (a benchmark may swap them; BENCHMARKS.md runs 274-277). ``*_k``: K values a program step (a
+# multiple of 32); ``waves``: the widest output tile (16, 8 or 4 rows) is taken that still gives every SM this many
+# programs; ``stages``: the K loop's loads pipelined this deep for at most ``pipelined_tokens`` tokens, where memory
+# latency bounds the kernels; above, one stage (the staging's instructions cost more than the latency they hide once
+# the decode's arithmetic bounds the kernels).
+CONFIG = dict(gate_up_k=512, down_k=512, waves=2, num_warps=4, stages=3, pipelined_tokens=2)
 
 
 def _rows(programs_per_tile: int, width: int, device: torch.device) -> int:
@@ -114,18 +117,20 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     block_n = _rows(T * K, I, x.device)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    stages = CONFIG["stages"] if T <= CONFIG["pipelined_tokens"] else 1
     wrap_triton(_moe_fp4_gate_up_kernel)[(T * K, triton.cdiv(I, block_n))](
         x, ids, g, u, gs, us, h, limit, H, I, K,
         x.stride(0), ids.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
         us.stride(0), us.stride(1), h.stride(0),
-        LIMIT=swiglu_limit is not None, BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_k"], num_warps=CONFIG["num_warps"],
+        LIMIT=swiglu_limit is not None, BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_k"], STAGES=stages,
+        num_warps=CONFIG["num_warps"],
     )
     block_h = _rows(T, H, x.device)
     wrap_triton(_moe_fp4_down_kernel)[(T, triton.cdiv(H, block_h))](
         h, weights, ids, d, ds, out, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),
         out.stride(0),
-        K=K, BLOCK_H=block_h, BLOCK_K=CONFIG["down_k"], num_warps=CONFIG["num_warps"],
+        K=K, BLOCK_H=block_h, BLOCK_K=CONFIG["down_k"], STAGES=stages, num_warps=CONFIG["num_warps"],
     )
     return out
 
