@@ -106,8 +106,11 @@ def _acc(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _activation(g: Tensor, u: Tensor, dtype: torch.dtype) -> Tensor:
-    """``silu(g) * u`` rounded to ``dtype`` (the contract's ``a``), back in g's dtype."""
+def _activation(g: Tensor, u: Tensor, dtype: torch.dtype, limit: float | None = None) -> Tensor:
+    """``silu(g) * u`` rounded to ``dtype`` (the contract's ``a``), back in g's dtype; ``limit`` (V4's
+    ``swiglu_limit``, None: none) first clamps g to ``<= limit`` and u to ``[-limit, limit]``."""
+    if limit is not None:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     return (F.silu(g) * u).to(dtype).to(g.dtype)
 
 

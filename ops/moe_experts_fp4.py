@@ -26,12 +26,11 @@ the small-T path). "auto" on a GPU with both GPU-tested: ``triton`` up to :data:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, dequantize, fp4_block_linear
-from mla_compile.ops.moe_experts import _acc, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
+from mla_compile.ops.moe_experts import _acc, _activation, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
 from mla_compile.ops.select import resolve
 
@@ -73,13 +72,6 @@ def validate(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: 
                       down=down, down_scale=down_scale)
 
 
-def _glu(g: Tensor, u: Tensor, dtype: torch.dtype, limit: float | None) -> Tensor:
-    """``silu(g) * u`` (after the ``swiglu_limit`` clamp) rounded to ``dtype``, back in g's dtype."""
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return (F.silu(g) * u).to(dtype).to(g.dtype)
-
-
 @torch.library.custom_op("mla::moe_experts_fp4_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def moe_experts_fp4_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
                         up_scale: Tensor, down: Tensor, down_scale: Tensor, out_float32: bool,
@@ -93,8 +85,8 @@ def moe_experts_fp4_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, g
     xa = x.to(acc)
     out = torch.zeros(T, H, dtype=acc, device=x.device)
     for e in range(gate.shape[0]):
-        a = _glu(xa @ dequantize(gate[e], gate_scale[e], acc).T, xa @ dequantize(up[e], up_scale[e], acc).T,
-                 x.dtype, swiglu_limit)
+        a = _activation(xa @ dequantize(gate[e], gate_scale[e], acc).T, xa @ dequantize(up[e], up_scale[e], acc).T,
+                        x.dtype, swiglu_limit)
         out += combine[:, e:e + 1] * (a @ dequantize(down[e], down_scale[e], acc).T)
     return out.to(_out_dtype(x, out_float32))
 
@@ -120,8 +112,8 @@ def moe_experts_fp4_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate: Tenso
     validate(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
     order, offs = sort_by_expert(ids, gate.shape[0])
     xs = x[order // ids.shape[1]]
-    a = _glu(fp4_block_linear(xs, gate, gate_scale, offs=offs), fp4_block_linear(xs, up, up_scale, offs=offs),
-             x.dtype, swiglu_limit)
+    a = _activation(fp4_block_linear(xs, gate, gate_scale, offs=offs), fp4_block_linear(xs, up, up_scale, offs=offs),
+                    x.dtype, swiglu_limit)
     out = combine_sorted(fp4_block_linear(a, down, down_scale, offs=offs), order, weights)
     return out.to(_out_dtype(x, out_float32))
 

@@ -28,13 +28,12 @@ per (token, pick), dequantizing in registers: the small-T path). "auto" on a GPU
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp8_block_linear import BLOCK, dequantize, fp8_block_linear
-from mla_compile.ops.moe_experts import (FUSED_MAX_TOKENS_FP8, _acc, _out_dtype, check_token_mask, combine_sorted,
-                                         fused_or_grouped, sort_by_expert, zero_masked)
+from mla_compile.ops.moe_experts import (FUSED_MAX_TOKENS_FP8, _acc, _activation, _out_dtype, check_token_mask,
+                                         combine_sorted, fused_or_grouped, sort_by_expert, zero_masked)
 from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
 from mla_compile.ops.select import resolve
 
@@ -90,13 +89,6 @@ def validate(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: 
     check_token_mask(OP, x, token_mask)
 
 
-def _glu(g: Tensor, u: Tensor, dtype: torch.dtype, limit: float | None) -> Tensor:
-    """``silu(g) * u`` (after the ``swiglu_limit`` clamp) rounded to ``dtype``, back in g's dtype."""
-    if limit is not None:
-        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-    return (F.silu(g) * u).to(dtype).to(g.dtype)
-
-
 @torch.library.custom_op("mla::moe_experts_fp8_ref", mutates_args=(), tags=LAYOUT_TAGS)
 def moe_experts_fp8_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
                         up_scale: Tensor, down: Tensor, down_scale: Tensor, shared_gate: Tensor | None,
@@ -116,7 +108,7 @@ def moe_experts_fp8_ref(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, g
     xa = x.to(acc)
 
     def mlp(g, gs, u, us, d, ds):
-        a = _glu(xa @ dequantize(g, gs, acc).T, xa @ dequantize(u, us, acc).T, x.dtype, swiglu_limit)
+        a = _activation(xa @ dequantize(g, gs, acc).T, xa @ dequantize(u, us, acc).T, x.dtype, swiglu_limit)
         return a @ dequantize(d, ds, acc).T
 
     out = torch.zeros(T, H, dtype=acc, device=x.device)
@@ -155,12 +147,12 @@ def moe_experts_fp8_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate: Tenso
              shared_up, shared_up_scale, shared_down, shared_down_scale, token_mask)
     order, offs = sort_by_expert(ids, gate.shape[0])
     xs = x[order // ids.shape[1]]
-    a = _glu(fp8_block_linear(xs, gate, gate_scale, offs=offs), fp8_block_linear(xs, up, up_scale, offs=offs),
-             x.dtype, swiglu_limit)
+    a = _activation(fp8_block_linear(xs, gate, gate_scale, offs=offs), fp8_block_linear(xs, up, up_scale, offs=offs),
+                    x.dtype, swiglu_limit)
     out = combine_sorted(fp8_block_linear(a, down, down_scale, offs=offs), order, weights)
     if shared_gate is not None:
-        a = _glu(fp8_block_linear(x, shared_gate, shared_gate_scale), fp8_block_linear(x, shared_up, shared_up_scale),
-                 x.dtype, swiglu_limit)
+        a = _activation(fp8_block_linear(x, shared_gate, shared_gate_scale),
+                        fp8_block_linear(x, shared_up, shared_up_scale), x.dtype, swiglu_limit)
         out = out + fp8_block_linear(a, shared_down, shared_down_scale).float()
     return zero_masked(out, token_mask).to(_out_dtype(x, out_float32))
 
