@@ -117,8 +117,18 @@ def moe_case(T, E):
         bk.attempt(group, f"fp4 moe_experts_fp4 {name or 'auto'}",
                    lambda name=name: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=name), flops,
                    picks if name == "triton" else hit_bytes, note=f"{hit} experts hit")
-    if SWEEP:  # the fused kernels' launch parameters, each checked against the reference op
+    if SWEEP:  # the fused kernels' launch parameters and the grouped path's word decode, each checked against the
+        # reference op
         want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
+        tfp4.TILED_WORDS = True
+        try:
+            y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
+            err = float((y.double() - want.double()).norm() / want.double().norm())
+            bk.attempt(group, "fp4 moe_experts_fp4 grouped, TILED_WORDS",
+                       bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend="grouped")),
+                       flops, hit_bytes, note=f"rel err {err:.1e}")
+        finally:
+            tfp4.TILED_WORDS = False
         default = dict(tmoe.CONFIG)
         for gk, dk, waves, warps, stages in ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4),
                                              (256, 256, 2, 4, 4), (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2),

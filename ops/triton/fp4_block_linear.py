@@ -117,6 +117,23 @@ def fp4_block_sums(w, s, x):
 
 
 @triton.jit
+def e2m1_tile(w, scale):
+    """int32 words ``w [R, W]`` (8 codes each) and each word's block scale ``scale [R, W]`` (float32) -> the float32
+    weights ``[R, 8 W]`` in column order (word j's code i at column 8j + i): :func:`e2m1_pair`'s values times 2^14
+    and the scale (two multiplies: exact wherever the weight is a finite float32), interleaved in registers."""
+    v0, v4 = e2m1_pair(w, 0)
+    v1, v5 = e2m1_pair(w, 1)
+    v2, v6 = e2m1_pair(w, 2)
+    v3, v7 = e2m1_pair(w, 3)
+    r = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    R: tl.constexpr = w.shape[0]
+    W: tl.constexpr = w.shape[1]
+    r = tl.reshape(tl.permute(r, (0, 1, 4, 3, 2)), (R, 8 * W))  # the joins' last axis is code bit 2: reverse them
+    s8 = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, W, 8)), (R, 8 * W))
+    return r * F16_UNIT * s8
+
+
+@triton.jit
 def load_x_blocks(x_row, k0, n_blocks, G: tl.constexpr):
     """float32 ``[G, 4, 8]``: columns ``k0 + [0, 32 G)`` of the row at ``x_row`` (any float dtype) as ``G`` 32-blocks
     of 4 words of 8 (the layout :func:`fp4_block_sums` takes); blocks past ``n_blocks`` read 0."""
@@ -151,13 +168,13 @@ def _fp4_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WORDS: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
@@ -169,7 +186,7 @@ def _fp4_sorted_kernel(
     R, N, K, E,
     s_xm, s_we, s_wn, s_se, s_sn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
     ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
@@ -194,16 +211,22 @@ def _fp4_sorted_kernel(
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
     acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
 
 
 @triton.jit
 def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+          WORDS: tl.constexpr):
     """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``. A step
     loads x ``[BLOCK_M, BLOCK_K]`` (split into even / odd columns in registers), the packed bytes as
-    ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes."""
+    ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes.
+    ``WORDS`` (opt-in, :data:`TILED_WORDS`): ``w_base`` / ``s_wn`` in int32 words instead, the tile decoded by
+    :func:`e2m1_tile` (about half the instructions a weight on sm_90) and one dot over x as loaded."""
+    if WORDS:
+        return _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     G: tl.constexpr = BLOCK_K // 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -234,6 +257,34 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
         else:
             acc += tl.dot(x_even.to(tl.bfloat16), tl.trans(w_lo.to(tl.bfloat16)))
             acc += tl.dot(x_odd.to(tl.bfloat16), tl.trans(w_hi.to(tl.bfloat16)))
+    return acc
+
+
+@triton.jit
+def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """:func:`_tile` over int32 words (``w_base``, ``s_wn`` in words)."""
+    W: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, W)
+    n_ok = offs_n < N
+    x_rows = x_base + offs_m.to(tl.int64) * s_xm
+    w_rows = w_base + offs_n.to(tl.int64) * s_wn
+    s_rows = s_base + offs_n.to(tl.int64) * s_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        j = k0 // 8 + offs_j
+        ok = n_ok[:, None] & (j < K // 8)[None, :]
+        w = tl.load(w_rows[:, None] + j[None, :], mask=ok, other=0)
+        sbyte = tl.load(s_rows[:, None] + (j // 4)[None, :], mask=ok, other=127)
+        wt = e2m1_tile(w, _ue8m0(sbyte.to(tl.uint32)))
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(wt), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(tl.bfloat16), tl.trans(wt.to(tl.bfloat16)))
     return acc
 
 
@@ -277,6 +328,9 @@ def _fp4_gemv_kernel(
 # from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
 GEMV_ROWS = 4
 GEMV_ROWS_SORTED = 1
+# The tiled kernels' decode: False the byte-wise one (GPU-timed), True :func:`e2m1_tile` over int32 words (opt-in
+# until a GPU run times it: `bench_fp4_experts.py --sweep` compares the two)
+TILED_WORDS = False
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, STAGES=3, num_warps=4)
 
 
@@ -310,8 +364,13 @@ def _config(M: int, ieee: bool) -> dict:
     block_m = 16 if M <= 16 else (32 if ieee else 64)
     block_n = 32
     num_warps, num_stages = (8, 1) if ieee else (4, 3)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee,
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee, WORDS=TILED_WORDS,
                 num_warps=num_warps, num_stages=num_stages)
+
+
+def _tiled_weight(w: Tensor) -> Tensor:
+    """The packed codes as the tiled kernels read them: bytes, or int32 words under :data:`TILED_WORDS`."""
+    return as_words(w) if TILED_WORDS else w
 
 
 def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor) -> Tensor:
@@ -330,6 +389,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
         return y
     cu = torch.cat([offs.new_zeros(1), offs])
     cfg = _config(R // E, x.dtype != torch.bfloat16)  # tiles sized by the rows a group has on average
+    w = _tiled_weight(w)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
     wrap_triton(_fp4_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, 2 * half, E,
@@ -355,6 +415,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
     cfg = _config(M, x.dtype != torch.bfloat16)
+    w3 = _tiled_weight(w3)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
     wrap_triton(_fp4_linear_kernel)[grid](
         x3, w3, s3, y, M, N, 2 * half,

@@ -1,4 +1,4 @@
-"""The Triton ``mla::fp4_block_linear`` kernels (tiled GEMM and per-row GEMV, each on every case): under Triton's
+"""The Triton ``mla::fp4_block_linear`` kernels (tiled GEMM with either decode and per-row GEMV, each on every case): under Triton's
 CPU interpreter against the float64 model of the fp4 format (every code, both nibbles, ue8m0 extremes and NaN,
 odd shapes, grouped and sorted groups), and on a GPU (eager and compiled, DeepSeek-V4 expert shapes) against
 the same model."""
@@ -24,14 +24,17 @@ GEMV_CASES = [((1, 32), (1, 32)), ((3, 160), (70, 160)), ((2, 96), (3, 70, 96)),
 
 
 def _force(monkeypatch, path):
-    """Run the tiled ``tl.dot`` GEMM (GEMV_ROWS = 0) or the per-row GEMV (always) whatever the row count."""
+    """Run the tiled ``tl.dot`` GEMM (GEMV_ROWS = 0; "dot-words": its int32-word decode, TILED_WORDS) or the per-row
+    GEMV (always) whatever the row count."""
     from mla_compile.ops.triton import fp4_block_linear
 
-    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS", 0 if path == "dot" else 1 << 30)
-    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS_SORTED", 0 if path == "dot" else 1 << 30)
+    tiled = path.startswith("dot")
+    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS", 0 if tiled else 1 << 30)
+    monkeypatch.setattr(fp4_block_linear, "GEMV_ROWS_SORTED", 0 if tiled else 1 << 30)
+    monkeypatch.setattr(fp4_block_linear, "TILED_WORDS", path == "dot-words")
 
 
-@pytest.fixture(params=["dot", "gemv"])
+@pytest.fixture(params=["dot", "dot-words", "gemv"])
 def path(request, monkeypatch):
     """Both kernels on the case."""
     _force(monkeypatch, request.param)
@@ -40,7 +43,8 @@ def path(request, monkeypatch):
 
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("path,x_shape,w_shape", [("dot", *c) for c in CASES] + [("gemv", *c) for c in GEMV_CASES])
+@pytest.mark.parametrize("path,x_shape,w_shape", [(p, *c) for p in ("dot", "dot-words") for c in CASES]
+                         + [("gemv", *c) for c in GEMV_CASES])
 def test_interpreter_matches_float64(x_shape, w_shape, dtype, path, monkeypatch):
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
@@ -92,7 +96,8 @@ def test_interpreter_nan_scale(path):
 
 
 @interpret
-@pytest.mark.parametrize("path,dtype", [("dot", torch.float32), ("dot", torch.bfloat16), ("gemv", torch.float32)])
+@pytest.mark.parametrize("path,dtype", [("dot", torch.float32), ("dot", torch.bfloat16), ("dot-words", torch.float32),
+                                        ("dot-words", torch.bfloat16), ("gemv", torch.float32)])
 @pytest.mark.parametrize("offs", OFFS)
 def test_interpreter_sorted_groups(offs, dtype, path, monkeypatch):
     from mla_compile.ops.triton.fp4_block_linear import _launch_sorted

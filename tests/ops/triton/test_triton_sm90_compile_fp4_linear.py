@@ -11,11 +11,14 @@ from _triton_test_util import SM90_COMPILE, assert_fp32_under_fp64_floats
 pytestmark = SM90_COMPILE
 
 
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,N,K,E", [(1, 2048, 4096, 0), (64, 4096, 2048, 0), (16, 2048, 4096, 8)])
-def test_fp4_linear_compiles_for_sm90(M, N, K, E, dtype):
+def test_fp4_linear_compiles_for_sm90(M, N, K, E, dtype, words, monkeypatch):
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, fp4_block_linear
+
+    monkeypatch.setattr(fp4_block_linear, "TILED_WORDS", words)  # the tiled kernels' decode (M > 4)
 
     lead = (E,) if E else ()
     launches = _sm90.record(fp4_block_linear, fp4_block_linear._launch, torch.zeros(M, K, dtype=dtype),
@@ -29,10 +32,13 @@ def test_fp4_linear_compiles_for_sm90(M, N, K, E, dtype):
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
 
 
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fp4_sorted_groups_compile_for_sm90(dtype):
+def test_fp4_sorted_groups_compile_for_sm90(dtype, words, monkeypatch):
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, fp4_block_linear
+
+    monkeypatch.setattr(fp4_block_linear, "TILED_WORDS", words)
 
     E, N, K = 8, 4096, 2048
     offs = torch.arange(1, E + 1, dtype=torch.int32) * 16
