@@ -58,14 +58,16 @@ def _with_attr(module, name: str, value, run) -> None:
 
 def _triton_op_runs(g: torch.Generator) -> list:
     """Launches of the other ``triton_op`` kernels: fp8 / fp4 block linear, lightning index, sparse decode, V4
-    attention and compressor, fp8 experts. Inputs from the interpreter tests' builders (imported from the
+    attention and compressor, fp8 and fp4 experts. Inputs from the interpreter tests' builders (imported from the
     repository root), at tiny shapes: nothing runs, the analysis only needs valid shapes and dtypes."""
     sys.path.insert(1, str(Path(__file__).resolve().parents[3]))  # ``tests.ops...``; this folder is sys.path[0]
     from _sparse_test_util import float_paged, fp8_paged, fp8_width
-    from mla_compile.ops.triton import fp4_block_linear, fp8_block_linear, lightning_index, moe_experts_fp8
+    from mla_compile.ops.triton import fp4_block_linear, fp8_block_linear, lightning_index
+    from mla_compile.ops.triton import moe_experts_fp4, moe_experts_fp8
     from mla_compile.ops.triton import sparse_decode, v4_attention, v4_compress
     from tests.ops.test_fp4_block_linear import _weights as fp4_weights
     from tests.ops.test_fp8_block_linear import _weights as fp8_weights
+    from tests.ops.test_moe_experts_fp4 import make as moe_fp4_inputs
     from tests.ops.test_moe_experts_fp8 import make as moe_fp8_inputs
     from tests.ops.triton.test_triton_interpret_v4 import _case as v4_case
     from tests.ops.triton.test_triton_interpret_v4 import _compress_steps as compress_steps
@@ -140,6 +142,19 @@ def _triton_op_runs(g: torch.Generator) -> list:
         lambda: moe_experts_fp8._launch(*moe_fp8_inputs(3, 40, 24, 6, 3, 0, dtype=torch.bfloat16), True, 0.05,
                                         mask),
         lambda: moe_experts_fp8._launch(*moe_fp8_inputs(3, 40, 24, 6, 3, 0, dtype=torch.bfloat16), False, None),
+    ]
+    # fp4 experts: with the swiglu clamp (1 token: pipelined K loops) and without (3 tokens: one stage)
+    runs += [
+        lambda: moe_experts_fp4._launch(*moe_fp4_inputs(1, 64, 96, 6, 3, dtype=torch.bfloat16), True, 0.05),
+        lambda: moe_experts_fp4._launch(*moe_fp4_inputs(3, 64, 96, 6, 3, dtype=torch.bfloat16), False, None),
+    ]
+    # fp4 block linear's tiled kernels with the opt-in int32-word decode
+    runs += [
+        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", True, lambda: fp4_block_linear._launch(
+            torch.randn(20, 320, generator=g).to(**bf), *fp4_weights(33, 320))),
+        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", True, lambda: fp4_block_linear._launch_sorted(
+            torch.randn(23, 96, generator=g).to(**bf), *fp4_weights(4, 70, 96),
+            torch.tensor([5, 5, 17, 20], dtype=i32))),
     ]
     return runs
 

@@ -55,6 +55,8 @@ WRITES = {
     "_moe_fp8_down_kernel": ["out_ptr"],
     "_fp8_sorted_kernel": ["y_ptr"],
     "_fp4_sorted_kernel": ["y_ptr"],
+    "_moe_fp4_gate_up_kernel": ["h_ptr"],
+    "_moe_fp4_down_kernel": ["out_ptr"],
 }
 
 
