@@ -21,6 +21,9 @@
 #   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
 #            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path);
 #            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights
+#   fp4      bench_fp4_experts (V4-Flash's fp4 routed experts: mla::moe_experts_fp4 fused / grouped / auto against bf16
+#            torch._grouped_mm at 1, 8, 64, 256 tokens, with the fused kernels' launch sweep and the grouped path's opt-in
+#            int32-word decode, TILED_WORDS)
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
 #            then bench_parallel (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the
 #            machine holds; needs a multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
@@ -30,7 +33,7 @@
 set -u -o pipefail
 O=${OUT:-out}
 mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par" \
-    "$O/v4"
+    "$O/v4" "$O/fp4"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
@@ -83,6 +86,8 @@ fi
 [[ $PHASES == *,v4,* ]] && timeout 200 python3 benchmarks/bench_v4_decode.py --out "$O/v4" --regional-compile \
     --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 --weights "${V4_WEIGHTS:-float}" \
     > "$O/v4.log" 2>&1
+[[ $PHASES == *,fp4,* ]] && timeout 200 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,64,256 \
+    --linears 0 --sweep > "$O/fp4.log" 2>&1
 if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
@@ -111,6 +116,7 @@ if [[ $PHASES == *,v4,* ]]; then
     grep -E "^ours graph" "$O/v4/bench_v4_decode.txt"
     head -n 8 "$O/v4/critical_path_b1_c8192.txt"
 fi
+[[ $PHASES == *,fp4,* ]] && grep -E "moe_experts_fp4|TILED_WORDS|bf16" "$O/fp4/bench_fp4_experts.txt"
 if [[ $PHASES == *,parallel,* ]]; then
     echo "GPUs: $gpus; two-GPU tests: $(tail -n 1 "$O/par_tests.log")"
     tail -n 30 "$O/par/bench_parallel.txt"
@@ -118,4 +124,4 @@ fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4 fp4)
