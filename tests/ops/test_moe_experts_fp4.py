@@ -6,8 +6,6 @@ choice."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,18 +152,7 @@ def test_auto_on_cpu_is_the_reference():
 
 
 def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
-    """On an (assumed) sm_90 GPU with both backends GPU-tested, "auto" is the split: the fused kernels up to
-    FUSED_MAX_TOKENS_FP4 tokens, the grouped fp4 GEMMs above; without a GPU-tested fused kernel, grouped."""
-    from mla_compile.ops import select
     from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, auto_backend
-    from mla_compile.ops.registry import _TABLE, parse_split, split_part
+    from tests.ops.test_moe_experts_fp8 import check_auto_split
 
-    monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
-    table = _TABLE["moe_experts_fp4"]
-    for name in ("triton", "grouped"):
-        monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
-    tiers = parse_split(auto_backend("cuda", "bfloat16"))
-    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS_FP4) == "triton"
-    assert split_part(tiers, FUSED_MAX_TOKENS_FP4 + 1) == "grouped"
-    monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
-    assert auto_backend("cuda", "bfloat16") == "grouped"
+    check_auto_split(monkeypatch, "moe_experts_fp4", auto_backend, FUSED_MAX_TOKENS_FP4)

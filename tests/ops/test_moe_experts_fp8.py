@@ -174,20 +174,25 @@ def test_auto_on_cpu_is_the_reference():
     assert auto_backend("cpu", "bfloat16") == "reference"
 
 
-def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
-    """On an (assumed) H200 with both backends GPU-tested, "auto" is the split: the fused kernels up to
-    FUSED_MAX_TOKENS_FP8 tokens, the grouped fp8 GEMMs above; without a GPU-tested fused kernel, grouped."""
+def check_auto_split(monkeypatch, op: str, auto_backend, max_tokens: int) -> None:
+    """On an (assumed) sm_90 GPU with both of ``op``'s backends GPU-tested, its "auto" is the split: the fused
+    kernels up to ``max_tokens`` tokens, the grouped GEMMs above; without a GPU-tested fused kernel, grouped."""
     from mla_compile.ops import select
-    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS_FP8
-    from mla_compile.ops.moe_experts_fp8 import auto_backend
     from mla_compile.ops.registry import _TABLE, parse_split, split_part
 
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
-    table = _TABLE["moe_experts_fp8"]
+    table = _TABLE[op]
     for name in ("triton", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
     tiers = parse_split(auto_backend("cuda", "bfloat16"))
-    assert split_part(tiers, 1) == split_part(tiers, FUSED_MAX_TOKENS_FP8) == "triton"
-    assert split_part(tiers, FUSED_MAX_TOKENS_FP8 + 1) == "grouped"
+    assert split_part(tiers, 1) == split_part(tiers, max_tokens) == "triton"
+    assert split_part(tiers, max_tokens + 1) == "grouped"
     monkeypatch.setitem(table, "triton", dataclasses.replace(table["triton"], gpu_tested=False))
     assert auto_backend("cuda", "bfloat16") == "grouped"
+
+
+def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
+    from mla_compile.ops.moe_experts import FUSED_MAX_TOKENS_FP8
+    from mla_compile.ops.moe_experts_fp8 import auto_backend
+
+    check_auto_split(monkeypatch, "moe_experts_fp8", auto_backend, FUSED_MAX_TOKENS_FP8)
