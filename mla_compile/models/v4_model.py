@@ -361,11 +361,10 @@ class V4MoE(nn.Module):
         grouped = self.impl == "grouped" or (self.impl == "auto" and x.is_cuda and x.dtype == torch.bfloat16
                                              and hasattr(torch, "_grouped_mm"))
         experts = self.hf.experts
-        if getattr(experts, "is_fp8_block", False) and fp8_fused_refusal(experts) is None:
-            ex = experts  # weight-only SiLU fp8 experts: mla::moe_experts_fp8 (fused for few tokens, grouped above)
-            return moe_experts_fp8(x, weights.float(), ids, ex.gate_proj, ex.gate_proj_scale_inv, ex.up_proj,
-                                   ex.up_proj_scale_inv, ex.down_proj, ex.down_proj_scale_inv,
-                                   swiglu_limit=ex.swiglu_limit, out_float32=True)
+        if getattr(experts, "is_fp8_block", False) and fp8_fused_refusal(experts) is None:  # fused or grouped
+            return moe_experts_fp8(x, weights.float(), ids, experts.gate_proj, experts.gate_proj_scale_inv,
+                                   experts.up_proj, experts.up_proj_scale_inv, experts.down_proj,
+                                   experts.down_proj_scale_inv, swiglu_limit=experts.swiglu_limit, out_float32=True)
         if getattr(experts, "is_fp8_block", False) or getattr(experts, "is_fp4_block", False):
             return experts(x, weights, ids, grouped=grouped)  # FP8Experts / FP4Experts of a quantized checkpoint
         return (experts_grouped if grouped else experts_dense)(x, weights, ids, experts)
