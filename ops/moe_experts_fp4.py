@@ -100,7 +100,7 @@ def fake(x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale, out_
 moe_experts_fp4_ref.register_fake(fake)
 
 declare(OP, "reference", torch.ops.mla.moe_experts_fp4_ref, rank=100, devices=("any",), dtypes=FLOATS,
-        gpu_tested=False, note="plain torch, each expert dequantized and run on every token (the ground truth)")
+        gpu_tested=True, note="plain torch, each expert dequantized and run on every token (the ground truth)")
 
 
 @torch.library.custom_op("mla::moe_experts_fp4_grouped", mutates_args=(), tags=LAYOUT_TAGS)
