@@ -20,7 +20,8 @@ Backends: "reference" (plain torch, any device: one expert at a time dequantized
 (CUDA: tokens sorted by expert through ``mla::fp8_block_linear``'s sorted-groups form, each hit expert read
 once: the large-T path; its gate/up outputs are rounded to x's dtype before the activation, as
 ``FP8Experts`` rounds them), "triton" (ours, CUDA: reads only the routed experts' fp8 rows and their scales
-per (token, pick), dequantizing in registers: the small-T path). "auto" on a GPU with both GPU-tested:
+per (token, pick), dequantizing in registers: the small-T path; a routed pick of weight 0, as expert parallelism
+gives the other ranks' picks, reads nothing of its expert). "auto" on a GPU with both GPU-tested:
 ``triton`` up to :data:`~mla_compile.ops.moe_experts.FUSED_MAX_TOKENS_FP8` tokens, ``grouped`` above, inside one op
 (one graph serves every batch size); while they are not, "auto" runs "reference".
 """

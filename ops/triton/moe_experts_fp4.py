@@ -3,7 +3,9 @@
 Two kernels, as :mod:`mla_compile.ops.triton.moe_experts_fp8`'s: kernel 1 takes one (token, pick) row and
 ``BLOCK_N`` rows of its expert's gate and up projections, the clamp and ``silu(g) * u`` fused, and stores the
 activation (x's dtype); kernel 2 takes one token and ``BLOCK_H`` output columns and runs its picks' down rows, each
-weighted by its routing weight, the picks unrolled in a fixed order (deterministic). The packed codes are read as
+weighted by its routing weight, the picks unrolled in a fixed order (deterministic). A pick of weight 0 (expert
+parallelism gives the other ranks' picks weight 0 and expert 0) is skipped: kernel 1 returns before any load,
+kernel 2 masks its loads (no memory traffic; its arithmetic on zeros stays). The packed codes are read as
 int32 words (the K loop's loads pipelined for one or two tokens) and decoded two codes per 32-bit operation
 (:func:`~mla_compile.ops.triton.fp4_block_linear.fp4_block_sums`): at one token the decode, not memory, bounds a
 byte-at-a-time decode. Each 32-block's products are summed in float32 in one thread and scaled by its power of two;
@@ -27,14 +29,16 @@ from mla_compile.ops.triton.fp4_block_linear import as_words, fp4_block_sums, lo
 
 @triton.jit
 def _moe_fp4_gate_up_kernel(
-    x_ptr, ids_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, h_ptr, limit,
+    x_ptr, ids_ptr, wt_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, h_ptr, limit,
     H, I, K,
-    s_x, s_ids, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
+    s_x, s_ids, s_wt, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
     LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
     limit = tl.full([], limit, tl.float32)  # Inductor passes Python floats as fp64: the clamps would make acc fp64
     row = tl.program_id(0)
     t = (row // K).to(tl.int64)
+    if tl.load(wt_ptr + t * s_wt + row % K) == 0:  # a pick of weight 0 (another rank's, under expert parallelism)
+        return  # reads nothing; the down kernel never reads its activation row
     e = tl.load(ids_ptr + t * s_ids + row % K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -78,9 +82,11 @@ def _moe_fp4_down_kernel(
     for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(K):
             e = tl.load(ids_ptr + t * s_ids + j).to(tl.int64)
-            a = load_x_blocks(h_ptr + (t * K + j) * s_h, k0, I // 32, G)
-            w, s = load_blocks(dn_ptr + e * s_de + h64 * s_dh, ds_ptr + e * s_dse + h64 * s_dsh, h_ok, k0, I // 32, G)
-            acc += tl.load(w_ptr + t * s_w + j) * fp4_block_sums(w, s, a)
+            weight = tl.load(w_ptr + t * s_w + j)
+            blocks = tl.where(weight != 0, I // 32, 0)  # a pick of weight 0 loads nothing (its h row is unwritten)
+            a = load_x_blocks(h_ptr + (t * K + j) * s_h, k0, blocks, G)
+            w, s = load_blocks(dn_ptr + e * s_de + h64 * s_dh, ds_ptr + e * s_dse + h64 * s_dsh, h_ok, k0, blocks, G)
+            acc += weight * fp4_block_sums(w, s, a)
     tl.store(out_ptr + t * s_out + offs_h, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
@@ -119,8 +125,9 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     stages = CONFIG["stages"] if T <= CONFIG["pipelined_tokens"] else 1
     wrap_triton(_moe_fp4_gate_up_kernel)[(T * K, triton.cdiv(I, block_n))](
-        x, ids, g, u, gs, us, h, limit, H, I, K,
-        x.stride(0), ids.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
+        x, ids, weights, g, u, gs, us, h, limit, H, I, K,
+        x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
+        gs.stride(0), gs.stride(1),
         us.stride(0), us.stride(1), h.stride(0),
         LIMIT=swiglu_limit is not None, BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_k"], STAGES=stages,
         num_warps=CONFIG["num_warps"],

@@ -9,7 +9,9 @@ weight tile is loaded as raw bytes, bitcast to float8e4nv and widened to float32
 c // 128]``, folded into the activation (``sum_c w[n, c] * (x[c] * s[c])``: one scale gather per column, not per
 weight). For the shared slices (rows ``(j - k) * I + n`` of the shared weights) the launch picks ``BLOCK_N``
 dividing I, so their tiles never straddle a block either. With a token mask (``HAS_MASK``) a program of a masked
-token returns before any weight load (kernel 1 stores nothing, kernel 2 stores zeros).
+token returns before any weight load (kernel 1 stores nothing, kernel 2 stores zeros). A routed pick of weight 0
+(expert parallelism gives the other ranks' picks weight 0 and expert 0) reads no weights either: kernel 1 returns
+before any load, kernel 2 masks its loads.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
 
 @triton.jit
 def _moe_fp8_gate_up_kernel(
-    x_ptr, ids_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, sg_ptr, su_ptr, sgs_ptr, sus_ptr, h_ptr, mask_ptr, limit,
+    x_ptr, ids_ptr, wt_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, sg_ptr, su_ptr, sgs_ptr, sus_ptr, h_ptr, mask_ptr, limit,
     H, I, K, SLOTS,
-    s_x, s_ids, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_sg, s_su, s_sgs, s_sus, s_h,
+    s_x, s_ids, s_wt, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_sg, s_su, s_sgs, s_sus, s_h,
     LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     limit = tl.full([], limit, tl.float32)  # Inductor passes Python floats as fp64: the clamps would make acc fp64
@@ -40,6 +42,8 @@ def _moe_fp8_gate_up_kernel(
         if tl.load(mask_ptr + t) == 0:  # a padding token: no weight reads, its activation rows are never read
             return
     routed = j < K
+    if tl.load(wt_ptr + t.to(tl.int64) * s_wt + j, mask=routed, other=1.0) == 0:  # a routed pick of weight 0 (another
+        return  # rank's under expert parallelism): no weight reads, its activation row is never read
     e = tl.load(ids_ptr + t.to(tl.int64) * s_ids + j, mask=routed, other=0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     shared_row = (j - K).to(tl.int64) * I  # first row of shared slice j - k
@@ -103,13 +107,16 @@ def _moe_fp8_down_kernel(
                 weight = tl.load(w_ptr + t * s_w + j)
                 rows = dn_ptr + e * s_de + offs_h.to(tl.int64) * s_dh
                 scales = ds_ptr + e * s_dse + hb * s_dsh + k // 128
+                live = k < tl.where(weight != 0, I, 0)  # a pick of weight 0 loads nothing (its h row is unwritten)
             else:  # columns (j - k) * I + c of the shared down projection
                 weight = 1.0
                 rows = sd_ptr + (j - K) * I + offs_h.to(tl.int64) * s_sd
                 scales = sds_ptr + hb * s_sds + ((j - K) * I + k) // 128
-            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=k_ok, other=0.0).to(tl.float32)
-            a = a * tl.load(scales, mask=k_ok, other=0.0)
-            w = tl.load(rows[:, None] + k[None, :], mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                live = k_ok
+            a = tl.load(h_ptr + (t * SLOTS + j) * s_h + k, mask=live, other=0.0).to(tl.float32)
+            a = a * tl.load(scales, mask=live, other=0.0)
+            w = tl.load(rows[:, None] + k[None, :], mask=m & live[None, :], other=0).to(tl.float8e4nv, bitcast=True)
+            w = w.to(tl.float32)
             acc += weight * tl.sum(w * a[None, :], axis=1)
     tl.store(out_ptr + t * s_out + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
@@ -175,8 +182,9 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     block_n = _blocks(T * slots, I, x.device, divides=I if S else 0)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     _wrap(_moe_fp8_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
-        x, ids, g, u, gs, us, sg, su, sgs, sus, h, mask, limit, H, I, K, slots,
-        x.stride(0), ids.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
+        x, ids, weights, g, u, gs, us, sg, su, sgs, sus, h, mask, limit, H, I, K, slots,
+        x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
+        gs.stride(0), gs.stride(1),
         us.stride(0), us.stride(1), sg.stride(0), su.stride(0), sgs.stride(0), sus.stride(0), h.stride(0),
         LIMIT=swiglu_limit is not None, BLOCK_N=block_n,
         BLOCK_K=min(CONFIG["gate_up_tile"] // block_n // wide, _MAX_BLOCK_K), HAS_MASK=token_mask is not None,

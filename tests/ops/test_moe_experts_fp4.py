@@ -107,6 +107,28 @@ def test_interpreter_matches_float64_loop(T, H, I, E, k, limit, dtype, every_cod
     assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+def test_interpreter_skips_picks_of_weight_zero(monkeypatch):
+    """The fused kernels read nothing of a weight-0 pick's expert (its scales NaN here): the live picks' sum,
+    exactly 0 for a token with none."""
+    from mla_compile.ops.triton.moe_experts_fp4 import _launch
+    from tests.ops.test_moe_experts_fp8 import zero_picks
+    from tests.ops.test_moe_route import poison_empty
+
+    E = 6
+    args, dead = zero_picks(make(4, 64, 96, E, 3, dtype=torch.bfloat16, seed=11), E)
+    want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
+    poisoned = list(args)
+    for i in (4, 6, 8):  # gate, up and down scales: NaN for the last expert
+        poisoned[i] = poisoned[i].clone()
+        poisoned[i][E - 1] = 255
+    poison_empty(monkeypatch)
+    out = _launch(*poisoned, True, None)
+    assert not out.isnan().any() and rel(out, want) < 8e-3
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert dead.any() and not dead.all()
+
+
 def test_opcheck_and_fake():
     args = make()
     op = torch.ops.mla.moe_experts_fp4_ref

@@ -126,6 +126,43 @@ def test_interpreter_matches_float64_loop(T, H, I, E, k, S, limit, dtype, monkey
     assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def zero_picks(args, E, seed=1):
+    """``args`` (from :func:`make`) with about half the picks, and all of token 0's, given weight 0 and the last
+    expert, which no other pick uses (expert parallelism's picks of other ranks); returns them and the mask."""
+    args = list(args)
+    T, k = args[2].shape
+    dead = torch.rand(T, k, generator=torch.Generator().manual_seed(seed)) < 0.5
+    dead[0] = True
+    args[1], args[2] = args[1].clone(), args[2].clone()
+    args[1][dead] = 0
+    args[2][~dead] %= E - 1
+    args[2][dead] = E - 1
+    return tuple(args), dead
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("S", [0, 1])
+def test_interpreter_skips_picks_of_weight_zero(monkeypatch, S):
+    """The fused kernels read nothing of a routed weight-0 pick's expert (its scales NaN here): the live picks'
+    sum (and the shared experts', which every token keeps)."""
+    from mla_compile.ops.triton.moe_experts_fp8 import _launch
+    from tests.ops.test_moe_route import poison_empty
+
+    E = 6
+    args, dead = zero_picks(make(4, 136, 24, E, 3, S, dtype=torch.bfloat16, seed=11), E)
+    want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
+    poisoned = list(args)
+    for i in (4, 6, 8):  # gate, up and down scales: NaN for the last expert
+        poisoned[i] = poisoned[i].clone()
+        poisoned[i][E - 1] = float("nan")
+    poison_empty(monkeypatch)
+    out = _launch(*poisoned, True, None)
+    assert not out.isnan().any() and rel(out, want) < 8e-3
+    if S == 0:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert dead.any() and not dead.all()
+
+
 def test_opcheck_and_fake():
     from tests.ops.test_fp8_block_linear import OPCHECK_UTILS  # test_schema cannot perturb float8 on CPU
 
