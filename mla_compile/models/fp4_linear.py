@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.models.moe import _is_silu, combine_sorted, sort_by_expert
+from mla_compile.models.moe import _is_silu, combine_sorted, sort_by_expert, swiglu
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, as_bytes
 from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4
 
@@ -99,10 +99,7 @@ class FP4Experts(nn.Module):
                                     backend=self.backend)
 
     def _glu(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.swiglu_limit is not None:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        return self.act_fn(gate) * up
+        return swiglu(self.act_fn, gate, up, self.swiglu_limit)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool = False) -> Tensor:
         """``x [T, H]``, routing ``weights [T, k]`` (any float dtype: V4's router gives x's) and expert ``ids [T, k]``

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from mla_compile import ops
-from mla_compile.models.moe import combine_sorted, sort_by_expert
+from mla_compile.models.moe import combine_sorted, sort_by_expert, swiglu
 from mla_compile.ops.fp8_block_linear import BLOCK
 
 
@@ -88,10 +88,7 @@ class FP8Experts(nn.Module):
                                     act_quant=self.act_quant, offs=offs, backend=self.backend)
 
     def _glu(self, gate: Tensor, up: Tensor) -> Tensor:
-        if self.swiglu_limit is not None:
-            gate = gate.clamp(max=self.swiglu_limit)
-            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
-        return self.act_fn(gate) * up
+        return swiglu(self.act_fn, gate, up, self.swiglu_limit)
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor, grouped: bool = False) -> Tensor:
         """``x [T, H]``, routing ``weights [T, k]`` and expert ``ids [T, k]`` -> ``[T, H]`` float32."""

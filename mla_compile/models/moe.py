@@ -91,6 +91,14 @@ def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, do
     return combine_sorted(y, order, weights)
 
 
+def swiglu(act: nn.Module, gate: Tensor, up: Tensor, limit: float | None = None) -> Tensor:
+    """``act(gate) * up``; ``limit`` (DeepSeek-V4's ``swiglu_limit``, None: none) first clamps the gate to
+    ``<= limit`` and up to ``[-limit, limit]``. (The experts ops' own form, which also rounds: ``ops.moe_experts``.)"""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return act(gate) * up
+
+
 def _is_silu(act) -> bool:
     return act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 

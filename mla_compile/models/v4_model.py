@@ -30,7 +30,7 @@ from mla_compile import ops
 from mla_compile.backends import requested_for
 from mla_compile.models.attention import linears
 from mla_compile.models.consts import freeze, thaw
-from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert
+from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert, swiglu
 from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
@@ -292,8 +292,7 @@ def hyper_head(head: nn.Module, x: Tensor) -> Tensor:
 
 def _swiglu(h: Tensor, act, limit: float) -> Tensor:
     """V4's clamped SwiGLU of the fused ``[gate | up]`` projection: ``act(min(gate, l)) * clamp(up, -l, l)``."""
-    gate, up = h.chunk(2, dim=-1)
-    return act(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return swiglu(act, *h.chunk(2, dim=-1), limit)
 
 
 def shared_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
@@ -301,7 +300,7 @@ def shared_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
     :func:`~mla_compile.models.attention.linears` call (one GEMV launch for few rows on CUDA), the clamped SwiGLU,
     then the down projection through it too."""
     gate, up = linears(x, mlp.gate_proj, mlp.up_proj)
-    return linears(mlp.act_fn(gate.clamp(max=mlp.limit)) * up.clamp(min=-mlp.limit, max=mlp.limit), mlp.down_proj)[0]
+    return linears(swiglu(mlp.act_fn, gate, up, mlp.limit), mlp.down_proj)[0]
 
 
 def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
