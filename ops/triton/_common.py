@@ -25,6 +25,16 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def widest_tile(programs_per_tile: int, width: int, sms: int, waves: int, divides: int = 0) -> int:
+    """The widest output tile (16, 8 or 4 rows) over ``width`` rows that still gives each of ``sms`` SMs ``waves``
+    programs when each tile has ``programs_per_tile`` of them (the fused MoE kernels' GEMV tiles); halved until it
+    divides ``divides`` (when nonzero)."""
+    block = next((wide for wide in (16, 8) if programs_per_tile * triton.cdiv(width, wide) >= waves * sms), 4)
+    while divides and divides % block:
+        block //= 2
+    return block
+
+
 def check_config(where: str, config: dict | None, keys) -> dict:
     """``config`` as a dict (``{}`` for None); a ValueError naming ``where`` when it has keys outside ``keys``
     (a removed or misspelt launch flag is an error, not an ignored entry)."""

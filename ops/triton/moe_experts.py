@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.moe_experts import _out_dtype, validate
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, widest_tile
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 
@@ -288,10 +288,7 @@ def _tile(name: str, block: int) -> int:
 
 def _blocks(programs_per_tile: int, width: int, device: torch.device) -> int:
     """The widest tile (16, 8 or 4 outputs) that still gives every SM ``CONFIG["waves"]`` programs."""
-    for block in (16, 8):
-        if programs_per_tile * triton.cdiv(width, block) >= CONFIG["waves"] * num_sms(device):
-            return block
-    return 4
+    return widest_tile(programs_per_tile, width, num_sms(device), CONFIG["waves"])
 
 
 def launch_operands(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, shared_gate: Tensor | None,

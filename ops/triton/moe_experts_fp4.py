@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 from mla_compile.ops.fp4_block_linear import as_bytes
 from mla_compile.ops.moe_experts import _out_dtype
 from mla_compile.ops.moe_experts_fp4 import validate
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, widest_tile
 from mla_compile.ops.triton.fp4_block_linear import as_words, fp4_block_sums, load_blocks, load_x_blocks
 
 
@@ -98,14 +98,6 @@ def _moe_fp4_down_kernel(
 CONFIG = dict(gate_up_k=512, down_k=512, waves=2, num_warps=4, stages=3, pipelined_tokens=2)
 
 
-def _rows(programs_per_tile: int, width: int, device: torch.device) -> int:
-    """The widest tile (16, 8 or 4 rows) that still gives every SM ``CONFIG["waves"]`` programs."""
-    for wide in (16, 8):
-        if programs_per_tile * triton.cdiv(width, wide) >= CONFIG["waves"] * num_sms(device):
-            return wide
-    return 4
-
-
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
             up_scale: Tensor, down: Tensor, down_scale: Tensor, out_float32: bool,
             swiglu_limit: float | None) -> Tensor:
@@ -121,7 +113,7 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     gs, us, ds = (last_dim_contiguous(as_bytes(s)) for s in (gate_scale, up_scale, down_scale))
     ids, weights = ids.contiguous(), weights.float().contiguous()
     h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
-    block_n = _rows(T * K, I, x.device)
+    block_n = widest_tile(T * K, I, num_sms(x.device), CONFIG["waves"])
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     stages = CONFIG["stages"] if T <= CONFIG["pipelined_tokens"] else 1
     wrap_triton(_moe_fp4_gate_up_kernel)[(T * K, triton.cdiv(I, block_n))](
@@ -132,7 +124,7 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
         LIMIT=swiglu_limit is not None, BLOCK_N=block_n, BLOCK_K=CONFIG["gate_up_k"], STAGES=stages,
         num_warps=CONFIG["num_warps"],
     )
-    block_h = _rows(T, H, x.device)
+    block_h = widest_tile(T, H, num_sms(x.device), CONFIG["waves"])
     wrap_triton(_moe_fp4_down_kernel)[(T, triton.cdiv(H, block_h))](
         h, weights, ids, d, ds, out, H, I,
         h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),

@@ -24,7 +24,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.moe_experts import _out_dtype
 from mla_compile.ops.moe_experts_fp8 import validate
-from mla_compile.ops.triton._common import last_dim_contiguous, num_sms
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, widest_tile
 
 
 @triton.jit
@@ -131,14 +131,7 @@ _MAX_BLOCK_K = 1024
 def _blocks(programs_per_tile: int, width: int, device: torch.device, divides: int = 0) -> int:
     """The widest tile (16, 8 or 4 outputs) that still gives every SM ``CONFIG["waves"]`` programs; halved until
     it divides ``divides`` (when nonzero)."""
-    block = 4
-    for wide in (16, 8):
-        if programs_per_tile * triton.cdiv(width, wide) >= CONFIG["waves"] * num_sms(device):
-            block = wide
-            break
-    while divides and divides % block:
-        block //= 2
-    return block
+    return widest_tile(programs_per_tile, width, num_sms(device), CONFIG["waves"], divides)
 
 
 def _wrap(kernel):
@@ -184,8 +177,8 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     _wrap(_moe_fp8_gate_up_kernel)[(T * slots, triton.cdiv(I, block_n))](
         x, ids, weights, g, u, gs, us, sg, su, sgs, sus, h, mask, limit, H, I, K, slots,
         x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
-        gs.stride(0), gs.stride(1),
-        us.stride(0), us.stride(1), sg.stride(0), su.stride(0), sgs.stride(0), sus.stride(0), h.stride(0),
+        gs.stride(0), gs.stride(1), us.stride(0), us.stride(1), sg.stride(0), su.stride(0), sgs.stride(0),
+        sus.stride(0), h.stride(0),
         LIMIT=swiglu_limit is not None, BLOCK_N=block_n,
         BLOCK_K=min(CONFIG["gate_up_tile"] // block_n // wide, _MAX_BLOCK_K), HAS_MASK=token_mask is not None,
         num_warps=CONFIG["num_warps"],
