@@ -45,6 +45,12 @@ def _fp4(*shape):
     return packed, scale
 
 
+def rel_err(y, want) -> float:
+    """``||y - want|| / ||want||`` in float64: a swept config's check against the reference."""
+    y, want = y.double(), want.double()
+    return float((y - want).norm() / want.norm())
+
+
 def fp4_bytes(n, k):
     return n * k // 2 + n * k // 32
 
@@ -69,7 +75,7 @@ def linear_case(M, name, N, K):
             tfp4.GEMV_CONFIG = dict(BLOCK_N=bn, BLOCK_K=bkk, STAGES=3, num_warps=warps)
             try:
                 y = tfp4._launch(x, packed, scale).double()
-                err = float((y - want).norm() / want.norm())
+                err = rel_err(y, want)
                 bk.attempt(group, f"fp4 gemv BN{bn} BK{bkk} w{warps}",
                            bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K),
                            note=f"rel err {err:.1e}")
@@ -84,7 +90,7 @@ def linear_case(M, name, N, K):
             tfp4._config = lambda m, ieee, c=c: c
             try:
                 y = tfp4._launch(x, packed, scale).double()
-                err = float((y - want).norm() / want.norm())
+                err = rel_err(y, want)
                 bk.attempt(group, f"fp4 tiled BM{bm} BN{bn} BK{bkk} w{warps} s{stages}",
                            bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K),
                            note=f"rel err {err:.1e}")
@@ -123,7 +129,7 @@ def moe_case(T, E):
         tfp4.TILED_WORDS = True
         try:
             y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
-            err = float((y.double() - want.double()).norm() / want.double().norm())
+            err = rel_err(y, want)
             bk.attempt(group, "fp4 moe_experts_fp4 grouped, TILED_WORDS",
                        bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend="grouped")),
                        flops, hit_bytes, note=f"rel err {err:.1e}")
@@ -137,7 +143,7 @@ def moe_case(T, E):
                                pipelined_tokens=1 << 30)
             try:
                 y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="triton")
-                err = float((y.double() - want.double()).norm() / want.double().norm())
+                err = rel_err(y, want)
                 bk.attempt(group, f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}",
                            bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
                                                              backend="triton")),
