@@ -29,7 +29,7 @@ import mla_compile  # noqa: E402,F401
 from mla_compile.models.fp4_linear import FP4Experts  # noqa: E402
 from mla_compile.models.moe import experts_grouped  # noqa: E402
 from mla_compile.ops import fp4_block_linear, fp8_block_linear  # noqa: E402
-from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4  # noqa: E402
+from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, moe_experts_fp4  # noqa: E402
 from mla_compile.ops.triton import fp4_block_linear as tfp4  # noqa: E402
 from mla_compile.ops.triton import moe_experts_fp4 as tmoe  # noqa: E402
 
@@ -84,14 +84,17 @@ def linear_case(M, name, N, K):
     if SWEEP and M > tfp4.GEMV_ROWS:  # tiled-kernel configs (4 or 8 warps), each checked against the reference
         default = tfp4._config
         want = fp4_block_linear(x.float(), packed, scale, backend="reference").double()
-        for bm, bn, bkk, warps, stages in ((64, 32, 128, 4, 3), (64, 64, 256, 4, 3), (64, 128, 128, 8, 3),
-                                           (32, 64, 128, 4, 3), (64, 64, 128, 4, 4)):
-            c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, num_warps=warps, num_stages=stages)
-            tfp4._config = lambda m, ieee, c=c: c
+        for bm, bn, bkk, warps, stages, words in ((64, 32, 128, 4, 3, False), (64, 64, 256, 4, 3, False),
+                                                  (64, 128, 128, 8, 3, False), (32, 64, 128, 4, 3, False),
+                                                  (64, 64, 128, 4, 4, False), (64, 128, 128, 4, 3, True),
+                                                  (64, 64, 128, 4, 3, True), (16, 128, 128, 4, 3, True)):
+            c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, WORDS=words, F32=False, num_warps=warps,
+                     num_stages=stages)
+            tfp4._config = lambda m, ieee, device, c=c: c
             try:
                 y = tfp4._launch(x, packed, scale).double()
                 err = rel_err(y, want)
-                bk.attempt(group, f"fp4 tiled BM{bm} BN{bn} BK{bkk} w{warps} s{stages}",
+                bk.attempt(group, f"fp4 tiled BM{bm} BN{bn} BK{bkk} w{warps} s{stages}{' words' * words}",
                            bk.direct(lambda: tfp4._launch(x, packed, scale)), flops, fp4_bytes(N, K),
                            note=f"rel err {err:.1e}")
             finally:
@@ -126,19 +129,19 @@ def moe_case(T, E):
     if SWEEP:  # the fused kernels' launch parameters and the grouped path's word decode, each checked against the
         # reference op
         want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
-        tfp4.TILED_WORDS = True
+        tfp4.TILED_WORDS = not tfp4.TILED_WORDS  # the grouped path on the other decode of its tiled kernels
         try:
             y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
             err = rel_err(y, want)
-            bk.attempt(group, "fp4 moe_experts_fp4 grouped, TILED_WORDS",
+            bk.attempt(group, f"fp4 moe_experts_fp4 grouped, TILED_WORDS={tfp4.TILED_WORDS}",
                        bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend="grouped")),
                        flops, hit_bytes, note=f"rel err {err:.1e}")
         finally:
-            tfp4.TILED_WORDS = False
+            tfp4.TILED_WORDS = not tfp4.TILED_WORDS
         default = dict(tmoe.CONFIG)
-        for gk, dk, waves, warps, stages in ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4),
-                                             (256, 256, 2, 4, 4), (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2),
-                                             (512, 512, 1, 8, 3)):
+        fused = ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4), (256, 256, 2, 4, 4),
+                 (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2), (512, 512, 1, 8, 3))
+        for gk, dk, waves, warps, stages in fused if T <= FUSED_MAX_TOKENS_FP4 else ():
             tmoe.CONFIG.update(gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
                                pipelined_tokens=1 << 30)
             try:

@@ -1,13 +1,14 @@
 """Triton ``mla::fp4_block_linear``: a tiled GEMM over DeepSeek-V4's packed-fp4 weights (e2m1 + ue8m0 per 32).
 
-Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert). The K loop walks
-``BLOCK_K`` values a step: it loads the packed bytes as ``[BLOCK_N, BLOCK_K / 32, 16]`` and the rows' ue8m0 bytes
-as ``[BLOCK_N, BLOCK_K / 32]`` (one per 32 values, broadcast over the block), decodes both nibbles and the
-scale into float32 bit patterns in registers (exact: every ``e2m1 * 2^(s-127)`` is a float32), and runs two
-dots, the low nibbles against x's even columns and the high nibbles against its odd columns (x split in
-registers), so the packed layout is never interleaved. bf16 ``x`` runs the dots on bf16
-operands (the dequantized weights are exact in bf16: 2 significant bits, float32's exponent range), float32
-and float16 ``x`` in IEEE float32; the accumulator is float32.
+Each program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y = x @ W.T`` for one group (expert); the accumulator is
+float32. bf16 ``x`` (the model's case, :data:`TILED_WORDS`): the K loop loads ``BLOCK_K`` values a step as int32
+words (8 codes each) and one ue8m0 byte per row and 32-block, and decodes them straight into bfloat16 operands
+(:func:`e2m1_bf16_tile`: two codes per 32-bit operation, their bits placed in bfloat16's fields, one bfloat16
+multiply by the block's power of two; the weights times 2^-32, the accumulator scaled back), one dot a step.
+float32 and float16 ``x`` (and bf16 with :data:`TILED_WORDS` off): the packed bytes as ``[BLOCK_N, BLOCK_K / 32,
+16]``, both nibbles and the scale decoded into float32 bit patterns (exact: every ``e2m1 * 2^(s-127)`` is a
+float32), two dots, the low nibbles against x's even columns and the high nibbles against its odd columns (x split
+in registers), IEEE float32 for float32 / float16 ``x``, bf16 operands for bf16 ``x``.
 
 Few rows per weight (decode: one token per expert, or a handful) take the GEMV kernel instead: one program per
 row and ``BLOCK_N`` output columns, no ``tl.dot`` (whose 16-row minimum and operand shuffles cost more than the
@@ -116,21 +117,59 @@ def fp4_block_sums(w, s, x):
     return tl.sum(p, axis=2) * F16_UNIT * _ue8m0(s.to(tl.uint32))
 
 
+# The tiled kernels' bf16 word decode gives W * 2^-TILE_SHIFT; the accumulator is scaled back by 2^TILE_SHIFT
+TILE_SHIFT = tl.constexpr(32)
+TILE_UNIT = tl.constexpr(4294967296.0)  # 2^TILE_SHIFT
+BF16_NAN = tl.constexpr(0x7FC0)
+
+
 @triton.jit
-def e2m1_tile(w, scale):
-    """int32 words ``w [R, W]`` (8 codes each) and each word's block scale ``scale [R, W]`` (float32) -> the float32
-    weights ``[R, 8 W]`` in column order (word j's code i at column 8j + i): :func:`e2m1_pair`'s values times 2^14
-    and the scale (two multiplies: exact wherever the weight is a finite float32), interleaved in registers."""
-    v0, v4 = e2m1_pair(w, 0)
-    v1, v5 = e2m1_pair(w, 1)
-    v2, v6 = e2m1_pair(w, 2)
-    v3, v7 = e2m1_pair(w, 3)
-    r = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+def _bf16_pair(w, I: tl.constexpr, F32: tl.constexpr):
+    """Codes ``I`` and ``I + 4`` of int32 words ``w`` (as :func:`e2m1_pair`) -> two bfloat16 tensors: each code's
+    value * 2^-126. Exponent and mantissa bits land in bfloat16's lowest exponent bits and top mantissa bit, the
+    sign in its sign: ``2^(e - 127) * (1 + m/2)``, and for e = 0 the subnormal ``m * 2^-127``. ``F32``: the same
+    values as float32 (the bit patterns shifted up 16: Triton's CPU interpreter flushes bfloat16 subnormals)."""
+    if I == 0:
+        both = ((w << 6) & 0x01C001C0) | ((w << 12) & SIGN_BITS)
+    elif I == 1:
+        both = ((w << 2) & 0x01C001C0) | ((w << 8) & SIGN_BITS)
+    elif I == 2:
+        both = ((w >> 2) & 0x01C001C0) | ((w << 4) & SIGN_BITS)
+    else:
+        both = ((w >> 6) & 0x01C001C0) | (w & SIGN_BITS)
+    if F32:
+        lo = (both << 16).to(tl.float32, bitcast=True)
+        hi = (both & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = both.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (both >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def e2m1_bf16_tile(w, sbyte, F32: tl.constexpr):
+    """int32 words ``w [R, W]`` (8 codes each) and their 32-blocks' ue8m0 bytes ``sbyte [R, W / 4]`` (int32) ->
+    bfloat16 ``[R, 8 W]`` in column order (word j's code i at column 8j + i): the weights times 2^-TILE_SHIFT,
+    decoded in bfloat16 pairs (:func:`_bf16_pair`) and scaled by one bfloat16 multiply each (``2^(s - 1 -
+    TILE_SHIFT)``): the tiled ``tl.dot`` kernels' decode for bf16 x, without the float32 round trip. Exact for
+    scale bytes 34..160, where every scaled weight is a normal bfloat16 (|W| in [2^-94, 6 * 2^33]); below,
+    subnormal or 0; above, the factor is inf; byte 255 (NaN) gives NaN. ``F32``: decoded and scaled in float32
+    (the same exact products, for Triton's CPU interpreter: it flushes bfloat16 subnormals and multiplies bfloat16
+    tensors wrongly)."""
+    c0, c4 = _bf16_pair(w, 0, F32)
+    c1, c5 = _bf16_pair(w, 1, F32)
+    c2, c6 = _bf16_pair(w, 2, F32)
+    c3, c7 = _bf16_pair(w, 3, F32)
+    r = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)), tl.join(tl.join(c4, c5), tl.join(c6, c7)))
     R: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
     r = tl.reshape(tl.permute(r, (0, 1, 4, 3, 2)), (R, 8 * W))  # the joins' last axis is code bit 2: reverse them
-    s8 = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, W, 8)), (R, 8 * W))
-    return r * F16_UNIT * s8
+    bits = tl.where(sbyte == 255, BF16_NAN, tl.minimum(sbyte + (126 - TILE_SHIFT), 255) << 7)
+    if F32:
+        f = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        f = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return (r * tl.reshape(tl.broadcast_to(f[:, :, None], (R, W // 4, 32)), (R, 8 * W))).to(tl.bfloat16)
 
 
 @triton.jit
@@ -169,12 +208,13 @@ def _fp4_linear_kernel(
     M, N, K,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WORDS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
@@ -186,7 +226,7 @@ def _fp4_sorted_kernel(
     R, N, K, E,
     s_xm, s_we, s_wn, s_se, s_sn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    CHUNK: tl.constexpr, WORDS: tl.constexpr,
+    CHUNK: tl.constexpr, WORDS: tl.constexpr, F32: tl.constexpr,
 ):
     """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
     ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
@@ -211,22 +251,22 @@ def _fp4_sorted_kernel(
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
     acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
 
 
 @triton.jit
 def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-          WORDS: tl.constexpr):
+          WORDS: tl.constexpr, F32: tl.constexpr):
     """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``. A step
     loads x ``[BLOCK_M, BLOCK_K]`` (split into even / odd columns in registers), the packed bytes as
     ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes.
-    ``WORDS`` (opt-in, :data:`TILED_WORDS`): ``w_base`` / ``s_wn`` in int32 words instead, the tile decoded by
-    :func:`e2m1_tile` (about half the instructions a weight on sm_90) and one dot over x as loaded."""
+    ``WORDS`` (bf16 x, :data:`TILED_WORDS`): ``w_base`` / ``s_wn`` in int32 words instead, the tile decoded
+    by :func:`e2m1_bf16_tile` and one dot over x as loaded."""
     if WORDS:
         return _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+                           BLOCK_M, BLOCK_N, BLOCK_K, F32)
     G: tl.constexpr = BLOCK_K // 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -262,8 +302,9 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
 
 @triton.jit
 def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """:func:`_tile` over int32 words (``w_base``, ``s_wn`` in words)."""
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+    """:func:`_tile` over int32 words (``w_base``, ``s_wn`` in words) for bf16 x: the bfloat16 decode, the
+    accumulator scaled back by 2^TILE_SHIFT."""
     W: tl.constexpr = BLOCK_K // 8
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -279,13 +320,10 @@ def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s
         j = k0 // 8 + offs_j
         ok = n_ok[:, None] & (j < K // 8)[None, :]
         w = tl.load(w_rows[:, None] + j[None, :], mask=ok, other=0)
-        sbyte = tl.load(s_rows[:, None] + (j // 4)[None, :], mask=ok, other=127)
-        wt = e2m1_tile(w, _ue8m0(sbyte.to(tl.uint32)))
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(wt), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(tl.bfloat16), tl.trans(wt.to(tl.bfloat16)))
-    return acc
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < K // 32)[None, :], other=127)
+        acc += tl.dot(x, tl.trans(e2m1_bf16_tile(w, sbyte.to(tl.int32), F32)))
+    return acc * TILE_UNIT
 
 
 @triton.jit
@@ -328,9 +366,11 @@ def _fp4_gemv_kernel(
 # from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
 GEMV_ROWS = 4
 GEMV_ROWS_SORTED = 1
-# The tiled kernels' decode: False the byte-wise one (GPU-timed), True :func:`e2m1_tile` over int32 words (opt-in
-# until a GPU run times it: `bench_fp4_experts.py --sweep` compares the two)
-TILED_WORDS = False
+# The tiled kernels' decode for bf16 x: True :func:`e2m1_bf16_tile` over int32 words, False the byte-wise one
+# through float32 (`bench_fp4_experts.py --sweep` times the other one); float32 / float16 x always take the
+# byte-wise decode and IEEE float32 dots
+TILED_WORDS = True
+WORDS_BLOCK_N = 128  # the word decode's tile width: its per-step overheads spread over more weights
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, STAGES=3, num_warps=4)
 
 
@@ -357,20 +397,21 @@ def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | No
     wrap_triton(_fp4_gemv_kernel)[grid](x3, words, s3, grp, y, N, 2 * half, E, *args, SORTED=sorted_rows, **cfg)
 
 
-def _config(M: int, ieee: bool) -> dict:
+def _config(M: int, ieee: bool, device: torch.device) -> dict:
     """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles. BLOCK_N 32:
     twice the programs of 64 and the fastest bf16 tile at V4-Flash expert shapes on the H200 (BENCHMARKS.md,
     run 110's FP4 section)."""
     block_m = 16 if M <= 16 else (32 if ieee else 64)
-    block_n = 32
+    words = TILED_WORDS and not ieee
+    block_n = WORDS_BLOCK_N if words else 32
     num_warps, num_stages = (8, 1) if ieee else (4, 3)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee, WORDS=TILED_WORDS,
-                num_warps=num_warps, num_stages=num_stages)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64 if ieee else BLOCK_K, IEEE=ieee, WORDS=words,
+                F32=device.type != "cuda", num_warps=num_warps, num_stages=num_stages)
 
 
-def _tiled_weight(w: Tensor) -> Tensor:
-    """The packed codes as the tiled kernels read them: bytes, or int32 words under :data:`TILED_WORDS`."""
-    return as_words(w) if TILED_WORDS else w
+def _tiled_weight(w: Tensor, cfg: dict) -> Tensor:
+    """The packed codes as the tiled kernels read them: bytes, or int32 words for the word decode."""
+    return as_words(w) if cfg["WORDS"] else w
 
 
 def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor) -> Tensor:
@@ -388,8 +429,8 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
         _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
         return y
     cu = torch.cat([offs.new_zeros(1), offs])
-    cfg = _config(R // E, x.dtype != torch.bfloat16)  # tiles sized by the rows a group has on average
-    w = _tiled_weight(w)
+    cfg = _config(R // E, x.dtype != torch.bfloat16, x.device)  # tiles sized by the rows a group has on average
+    w = _tiled_weight(w, cfg)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
     wrap_triton(_fp4_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, 2 * half, E,
@@ -414,8 +455,8 @@ def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
         _launch_gemv(x3, w3, s3, y, None)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    cfg = _config(M, x.dtype != torch.bfloat16)
-    w3 = _tiled_weight(w3)
+    cfg = _config(M, x.dtype != torch.bfloat16, x.device)
+    w3 = _tiled_weight(w3, cfg)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
     wrap_triton(_fp4_linear_kernel)[grid](
         x3, w3, s3, y, M, N, 2 * half,

@@ -148,11 +148,11 @@ def _triton_op_runs(g: torch.Generator) -> list:
         lambda: moe_experts_fp4._launch(*moe_fp4_inputs(1, 64, 96, 6, 3, dtype=torch.bfloat16), True, 0.05),
         lambda: moe_experts_fp4._launch(*moe_fp4_inputs(3, 64, 96, 6, 3, dtype=torch.bfloat16), False, None),
     ]
-    # fp4 block linear's tiled kernels with the opt-in int32-word decode
+    # fp4 block linear's tiled kernels on bf16 x with the byte-wise decode (TILED_WORDS off; the runs above: words)
     runs += [
-        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", True, lambda: fp4_block_linear._launch(
+        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", False, lambda: fp4_block_linear._launch(
             torch.randn(20, 320, generator=g).to(**bf), *fp4_weights(33, 320))),
-        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", True, lambda: fp4_block_linear._launch_sorted(
+        lambda: _with_attr(fp4_block_linear, "TILED_WORDS", False, lambda: fp4_block_linear._launch_sorted(
             torch.randn(23, 96, generator=g).to(**bf), *fp4_weights(4, 70, 96),
             torch.tensor([5, 5, 17, 20], dtype=i32))),
     ]

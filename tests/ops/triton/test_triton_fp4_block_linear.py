@@ -58,15 +58,42 @@ def test_interpreter_matches_float64(x_shape, w_shape, dtype, path, monkeypatch)
     assert _rel(y, want) < (1e-6 if dtype == torch.float32 else 8e-3)
 
 
-@interpret
-def test_interpreter_every_code_and_nibble(path):
+def _every_code():
     """All 256 bytes across the rows (so every code sits in both nibbles), with scales 2^-3 .. 2^4."""
-    from mla_compile.ops.triton.fp4_block_linear import _launch
-
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(8, 32)
     scale = torch.arange(124, 132, dtype=torch.uint8)[:, None].expand(8, 2).contiguous()
-    x = torch.eye(64)
-    assert torch.equal(_launch(x, packed, scale).double(), dequantize_fp4_64(packed, scale).T)
+    return packed, scale
+
+
+@interpret
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreter_every_code_and_nibble(path, dtype):
+    """Every code exactly (bf16 holds each weight: two significant bits), through each decode."""
+    from mla_compile.ops.triton.fp4_block_linear import _launch
+
+    packed, scale = _every_code()
+    y = _launch(torch.eye(64, dtype=dtype), packed, scale)
+    assert torch.equal(y.double(), dequantize_fp4_64(packed, scale).T)
+
+
+@interpret
+def test_interpreter_word_decode_scale_range(monkeypatch):
+    """bf16 x on the word decode (weights times 2^-32 in bfloat16): exact for scale bytes 34..160, byte 255 (NaN)
+    gives NaN and bytes above 160 a non-finite output, never a wrong finite one."""
+    from mla_compile.ops.triton.fp4_block_linear import _launch
+
+    _force(monkeypatch, "dot-words")
+    torch.manual_seed(0)
+    for byte in (34, 60, 127, 160):
+        packed = torch.randint(0, 256, (5, 48), dtype=torch.uint8)
+        scale = torch.full((5, 3), byte, dtype=torch.uint8)
+        x = (torch.randn(17, 96) * 2.0 ** max(-100, min(100, 117 - byte))).bfloat16()
+        want = x.double() @ dequantize_fp4_64(packed, scale).T
+        assert _rel(_launch(x, packed, scale), want) < 8e-3, byte
+    scale[1] = 161
+    scale[3, 2] = 255
+    y = _launch(torch.randn(17, 96).bfloat16(), packed, scale)
+    assert not torch.isfinite(y[:, [1, 3]]).any() and torch.isfinite(y[:, [0, 2, 4]]).all()
 
 
 @interpret
@@ -86,12 +113,13 @@ def test_interpreter_ue8m0_extremes(byte, path):
 
 
 @interpret
-def test_interpreter_nan_scale(path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_interpreter_nan_scale(path, dtype):
     from mla_compile.ops.triton.fp4_block_linear import _launch
 
     packed = torch.full((3, 32), 0x22, dtype=torch.uint8)
     scale = torch.tensor([[127, 127], [127, 255], [120, 127]], dtype=torch.uint8)
-    y = _launch(torch.randn(2, 64), packed, scale)
+    y = _launch(torch.randn(20, 64).to(dtype), packed, scale)
     assert torch.isnan(y[:, 1]).all() and torch.isfinite(y[:, [0, 2]]).all()
 
 
@@ -158,3 +186,13 @@ def test_triton_extremes_on_gpu(byte, path):
     want = x.double() @ dequantize_fp4_64(packed, scale).T
     y = ops.fp4_block_linear(x.cuda(), packed.cuda(), scale.cuda(), backend="triton")
     assert _rel(y.cpu(), want) < 1e-5
+
+
+@pytest.mark.cuda
+@needs_triton
+def test_triton_every_code_on_gpu(path):
+    """Every code in bf16 on the GPU, exactly (the word decode's subnormal bfloat16 for code 0.5 not flushed)."""
+    packed, scale = _every_code()
+    y = ops.fp4_block_linear(torch.eye(64, dtype=torch.bfloat16, device="cuda"), packed.cuda(), scale.cuda(),
+                             backend="triton")
+    assert torch.equal(y.double().cpu(), dequantize_fp4_64(packed, scale).T)

@@ -26,6 +26,7 @@ def test_fp4_linear_compiles_for_sm90(M, N, K, E, dtype, words, monkeypatch):
                             torch.zeros(*lead, N, K // 32, dtype=torch.uint8))
     assert len(launches) == 1
     kernel, _, args, kwargs = launches[0]
+    kwargs = {**kwargs, "F32": False} if "F32" in kwargs else kwargs  # as on a GPU (CPU tensors: the interpreter's)
     compiled = _sm90.compile_sm90(kernel, args, kwargs)
     assert compiled.metadata.shared <= 232448
     if _sm90.cuobjdump() is not None:
@@ -46,6 +47,7 @@ def test_fp4_sorted_groups_compile_for_sm90(dtype, words, monkeypatch):
                             torch.zeros(E, N, K // 2, dtype=torch.uint8),
                             torch.zeros(E, N, K // 32, dtype=torch.uint8), offs)
     kernel, _, args, kwargs = launches[0]
+    kwargs = {**kwargs, "F32": False}
     compiled = _sm90.compile_sm90(kernel, args, kwargs)
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
