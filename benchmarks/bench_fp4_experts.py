@@ -138,6 +138,16 @@ def moe_case(T, E):
                        flops, hit_bytes, note=f"rel err {err:.1e}")
         finally:
             tfp4.TILED_WORDS = not tfp4.TILED_WORDS
+        if T * TOPK <= tfp4.GEMV_ROWS_SORTED * E:  # the grouped path's tiled kernels where it takes the GEMV
+            saved, tfp4.GEMV_ROWS_SORTED = tfp4.GEMV_ROWS_SORTED, 0
+            try:
+                y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
+                bk.attempt(group, "fp4 moe_experts_fp4 grouped, tiled (GEMV_ROWS_SORTED=0)",
+                           bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
+                                                             backend="grouped")),
+                           flops, hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
+            finally:
+                tfp4.GEMV_ROWS_SORTED = saved
         default = dict(tmoe.CONFIG)
         fused = ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4), (256, 256, 2, 4, 4),
                  (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2), (512, 512, 1, 8, 3))
