@@ -365,7 +365,7 @@ def _fp4_gemv_kernel(
 # average; each row re-reads its group's weights, so several rows per group go to the tiled kernel). Tiles
 # from an H200 sweep at V4-Flash expert shapes (benchmarks/bench_fp4_experts.py --sweep).
 GEMV_ROWS = 4
-GEMV_ROWS_SORTED = 1
+GEMV_ROWS_SORTED = 0.5
 # The tiled kernels' decode for bf16 x: True :func:`e2m1_bf16_tile` over int32 words, False the byte-wise one
 # through float32 (`bench_fp4_experts.py --sweep` times the other one); float32 / float16 x always take the
 # byte-wise decode and IEEE float32 dots
