@@ -149,6 +149,22 @@ def moe_case(T, E):
             finally:
                 tfp4.GEMV_ROWS_SORTED = saved
         default = dict(tmoe.CONFIG)
+        if T > FUSED_MAX_TOKENS_FP4:  # the grouped path's sorted tiled kernels (bf16 word decode) by tile config
+            default = tfp4._config
+            for bm, bn, bkk, warps, stages in ((16, 128, 128, 4, 3), (16, 128, 128, 8, 3), (16, 64, 256, 4, 3),
+                                               (16, 128, 256, 8, 3), (16, 256, 128, 8, 3), (32, 128, 128, 8, 3),
+                                               (16, 128, 128, 4, 4)):
+                c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, WORDS=True, F32=False, num_warps=warps,
+                         num_stages=stages)
+                tfp4._config = lambda m, ieee, device, c=c: c
+                try:
+                    y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
+                    bk.attempt(group, f"fp4 grouped sorted BM{bm} BN{bn} BK{bkk} w{warps} s{stages}",
+                               bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
+                                                                 backend="grouped")),
+                               flops, hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
+                finally:
+                    tfp4._config = default
         fused = ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4), (256, 256, 2, 4, 4),
                  (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2), (512, 512, 1, 8, 3))
         for gk, dk, waves, warps, stages in fused if T <= FUSED_MAX_TOKENS_FP4 else ():
