@@ -208,13 +208,13 @@ def _fp4_linear_kernel(
     M, N, K,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, WORDS: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32, EVEN_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y = y_ptr + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
@@ -226,7 +226,7 @@ def _fp4_sorted_kernel(
     R, N, K, E,
     s_xm, s_we, s_wn, s_se, s_sn, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    CHUNK: tl.constexpr, WORDS: tl.constexpr, F32: tl.constexpr,
+    CHUNK: tl.constexpr, WORDS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """Rows sorted by group; ``cu [E + 1]`` = ``[0, offs...]``. Program slot -> (group, row tile) by
     ``tiles_started``; slots past ``cu[E]`` write zeros (as the fp8 kernel)."""
@@ -251,14 +251,14 @@ def _fp4_sorted_kernel(
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
     acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, BLOCK_K, IEEE, WORDS, F32, EVEN_K)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
 
 
 @triton.jit
 def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-          WORDS: tl.constexpr, F32: tl.constexpr):
+          WORDS: tl.constexpr, F32: tl.constexpr, EVEN_K: tl.constexpr):
     """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``. A step
     loads x ``[BLOCK_M, BLOCK_K]`` (split into even / odd columns in registers), the packed bytes as
     ``[BLOCK_N, BLOCK_K / 32, 16]`` and one scale per row and 32-block, broadcast over the block's 16 bytes.
@@ -266,7 +266,7 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
     by :func:`e2m1_bf16_tile` and one dot over x as loaded."""
     if WORDS:
         return _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
-                           BLOCK_M, BLOCK_N, BLOCK_K, F32)
+                           BLOCK_M, BLOCK_N, BLOCK_K, F32, EVEN_K)
     G: tl.constexpr = BLOCK_K // 32
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -302,26 +302,31 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
 
 @triton.jit
 def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s_sn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
+                EVEN_K: tl.constexpr):
     """:func:`_tile` over int32 words (``w_base``, ``s_wn`` in words) for bf16 x: the bfloat16 decode, the
-    accumulator scaled back by 2^TILE_SHIFT."""
+    accumulator scaled back by 2^TILE_SHIFT. Rows past N read row N - 1 (the caller's store drops them), so the
+    weight loads carry no mask where ``EVEN_K`` (K a multiple of ``BLOCK_K``)."""
     W: tl.constexpr = BLOCK_K // 8
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    G: tl.constexpr = BLOCK_K // 32
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, W)
-    n_ok = offs_n < N
     x_rows = x_base + offs_m.to(tl.int64) * s_xm
-    w_rows = w_base + offs_n.to(tl.int64) * s_wn
-    s_rows = s_base + offs_n.to(tl.int64) * s_sn
+    w_rows = w_base + rows * s_wn
+    s_rows = s_base + rows * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        j = k0 // 8 + offs_j
-        ok = n_ok[:, None] & (j < K // 8)[None, :]
-        w = tl.load(w_rows[:, None] + j[None, :], mask=ok, other=0)
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        sbyte = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < K // 32)[None, :], other=127)
+        j = k0 // 8 + tl.arange(0, W)
+        g = k0 // 32 + tl.arange(0, G)
+        if EVEN_K:
+            x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows[:, None] + j[None, :])
+            sbyte = tl.load(s_rows[:, None] + g[None, :])
+        else:
+            x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            w = tl.load(w_rows[:, None] + j[None, :], mask=(j < K // 8)[None, :], other=0)
+            sbyte = tl.load(s_rows[:, None] + g[None, :], mask=(g < K // 32)[None, :], other=127)
         acc += tl.dot(x, tl.trans(e2m1_bf16_tile(w, sbyte.to(tl.int32), F32)))
     return acc * TILE_UNIT
 
@@ -432,6 +437,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
     cfg = _config(R // E, x.dtype != torch.bfloat16, x.device)  # tiles sized by the rows a group has on average
     w = _tiled_weight(w, cfg)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
+    cfg["EVEN_K"] = (2 * half) % cfg["BLOCK_K"] == 0
     wrap_triton(_fp4_sorted_kernel)[grid](
         x, w, s, cu, y, R, N, 2 * half, E,
         x.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), y.stride(0),
@@ -458,6 +464,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
     cfg = _config(M, x.dtype != torch.bfloat16, x.device)
     w3 = _tiled_weight(w3, cfg)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
+    cfg["EVEN_K"] = (2 * half) % cfg["BLOCK_K"] == 0
     wrap_triton(_fp4_linear_kernel)[grid](
         x3, w3, s3, y, M, N, 2 * half,
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(0), y.stride(1),

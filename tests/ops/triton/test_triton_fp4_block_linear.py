@@ -16,7 +16,7 @@ from tests.ops.test_fp4_block_linear import OFFS, _ref64, _rel, _sorted64, _weig
 from tests.ops.triton.conftest import INTERPRET
 
 CASES = [((7, 160), (70, 160)), ((1, 32), (1, 32)), ((17, 96), (130, 96)), ((5, 96), (3, 70, 96)),
-         ((3, 5, 96), (3, 70, 96)), ((20, 320), (33, 320))]
+         ((3, 5, 96), (3, 70, 96)), ((20, 320), (33, 320)), ((9, 256), (40, 256))]
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 
 
@@ -127,12 +127,13 @@ def test_interpreter_nan_scale(path, dtype):
 @pytest.mark.parametrize("path,dtype", [("dot", torch.float32), ("dot", torch.bfloat16), ("dot-words", torch.float32),
                                         ("dot-words", torch.bfloat16), ("gemv", torch.float32)])
 @pytest.mark.parametrize("offs", OFFS)
-def test_interpreter_sorted_groups(offs, dtype, path, monkeypatch):
+@pytest.mark.parametrize("K", [96, 256])
+def test_interpreter_sorted_groups(offs, dtype, path, K, monkeypatch):
     from mla_compile.ops.triton.fp4_block_linear import _launch_sorted
 
     _force(monkeypatch, path)
-    packed, scale = _weights(4, 70, 96)
-    x = torch.randn(23, 96).to(dtype)
+    packed, scale = _weights(4, 70, K)
+    x = torch.randn(23, K).to(dtype)
     offs = torch.tensor(offs, dtype=torch.int32)
     y = _launch_sorted(x, packed, scale, offs)
     want = _sorted64(x.float(), packed, scale, offs)
