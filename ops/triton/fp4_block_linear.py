@@ -305,13 +305,13 @@ def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
                 EVEN_K: tl.constexpr):
     """:func:`_tile` over int32 words (``w_base``, ``s_wn`` in words) for bf16 x: the bfloat16 decode, the
-    accumulator scaled back by 2^TILE_SHIFT. Rows past N read row N - 1 (the caller's store drops them), so the
-    weight loads carry no mask where ``EVEN_K`` (K a multiple of ``BLOCK_K``)."""
+    accumulator scaled back by 2^TILE_SHIFT. Weight rows past N read row N - 1 and x rows off ``m_ok`` read row 0
+    (the caller's store drops both), so the loads carry no mask where ``EVEN_K`` (K a multiple of ``BLOCK_K``)."""
     W: tl.constexpr = BLOCK_K // 8
     G: tl.constexpr = BLOCK_K // 32
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_base + offs_m.to(tl.int64) * s_xm
+    x_rows = x_base + tl.where(m_ok, offs_m, 0).to(tl.int64) * s_xm
     w_rows = w_base + rows * s_wn
     s_rows = s_base + rows * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -320,7 +320,7 @@ def _tile_words(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, s_xm, s_wn, s
         j = k0 // 8 + tl.arange(0, W)
         g = k0 // 32 + tl.arange(0, G)
         if EVEN_K:
-            x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None], other=0.0)
+            x = tl.load(x_rows[:, None] + k[None, :])
             w = tl.load(w_rows[:, None] + j[None, :])
             sbyte = tl.load(s_rows[:, None] + g[None, :])
         else:
