@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops.fp4_block_linear import as_bytes, validate
-from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
+from mla_compile.ops.triton._common import last_dim_contiguous, num_sms, tiles_started
 
 BLOCK_K = 128  # K values per loop step: 64 packed bytes, 4 scales per weight row
 
@@ -434,7 +434,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
         _launch_gemv(x, w, s, y, torch.searchsorted(offs, rows, right=True).to(torch.int32))
         return y
     cu = torch.cat([offs.new_zeros(1), offs])
-    cfg = _config(R // E, x.dtype != torch.bfloat16, x.device)  # tiles sized by the rows a group has on average
+    cfg = dict(_config(R // E, x.dtype != torch.bfloat16, x.device))  # tiles sized by the rows a group has on average
     w = _tiled_weight(w, cfg)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
     cfg["EVEN_K"] = (2 * half) % cfg["BLOCK_K"] == 0
@@ -461,7 +461,10 @@ def _launch(x: Tensor, weight: Tensor, weight_scale: Tensor) -> Tensor:
         _launch_gemv(x3, w3, s3, y, None)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    cfg = _config(M, x.dtype != torch.bfloat16, x.device)
+    cfg = dict(_config(M, x.dtype != torch.bfloat16, x.device))
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * E
+    if cfg["WORDS"] and tiles * triton.cdiv(N, cfg["BLOCK_N"]) < num_sms(x.device):
+        cfg["BLOCK_N"] = WORDS_BLOCK_N // 2  # a weight or two of few rows: more, narrower programs
     w3 = _tiled_weight(w3, cfg)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), E)
     cfg["EVEN_K"] = (2 * half) % cfg["BLOCK_K"] == 0
