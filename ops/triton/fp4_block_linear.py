@@ -403,9 +403,10 @@ def _launch_gemv(x3: Tensor, w3: Tensor, s3: Tensor, y: Tensor, grp: Tensor | No
 
 
 def _config(M: int, ieee: bool, device: torch.device) -> dict:
-    """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles. BLOCK_N 32:
-    twice the programs of 64 and the fastest bf16 tile at V4-Flash expert shapes on the H200 (BENCHMARKS.md,
-    run 110's FP4 section)."""
+    """Tiles and launch options; fp32 operands take twice the registers of bf16 ones: smaller tiles. The byte
+    decode's BLOCK_N 32: twice the programs of 64 and its fastest bf16 tile at V4-Flash expert shapes on the H200
+    (BENCHMARKS.md, run 110's FP4 section); the word decode's :data:`WORDS_BLOCK_N` (runs 279, 281). ``F32`` for
+    CPU tensors (Triton's interpreter)."""
     block_m = 16 if M <= 16 else (32 if ieee else 64)
     words = TILED_WORDS and not ieee
     block_n = WORDS_BLOCK_N if words else 32
