@@ -20,8 +20,9 @@ Shapes as ``mla::fp8_block_linear``: ``x [M, K]`` with a 2-D weight -> ``y [M, N
 weight, ``x [R, K]`` and ``offs [E]`` int32 cumulative row ends (rows ``[offs[e-1], offs[e])`` use group e)
 -> ``y [R, N]``, rows past ``offs[-1]`` get 0. ``y`` has x's dtype; the math runs in float32 (float64 for a
 float64 ``x``). Dequantized weights must be finite in float32 (``|W| <= 3.4e38``), as every real one is. With
-bf16 ``x`` the Triton backend's tiled kernels (more than 4 rows a weight) hold the weights in bfloat16, scaled by
-2^-32: exact for scale bytes 34..160 (``|W|`` in [2^-94, 6 * 2^33]), below that subnormal or 0, above it inf.
+bf16 ``x`` the Triton backend's tiled kernels (more rows a weight than its GEMV takes) hold the weights in
+bfloat16, scaled by 2^-32: exact for scale bytes 34..160 (``|W|`` in [2^-94, 6 * 2^33]), below that subnormal or
+0, above it inf.
 
 Backends: "reference" (any device, every form; dequantizes every weight it is given, so on a GPU only for
 tests), "triton" (CUDA, every form, the default there; the nibbles decoded and scaled in registers).
