@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -126,59 +127,34 @@ def moe_case(T, E):
         bk.attempt(group, f"fp4 moe_experts_fp4 {name or 'auto'}",
                    lambda name=name: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=name), flops,
                    picks if name == "triton" else hit_bytes, note=f"{hit} experts hit")
-    if SWEEP:  # the fused kernels' launch parameters and the grouped path's word decode, each checked against the
+    if SWEEP:  # the fused kernels' launch parameters and the grouped path's variants, each checked against the
         # reference op
         want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
-        tfp4.TILED_WORDS = not tfp4.TILED_WORDS  # the grouped path on the other decode of its tiled kernels
-        try:
-            y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
-            err = rel_err(y, want)
-            bk.attempt(group, f"fp4 moe_experts_fp4 grouped, TILED_WORDS={tfp4.TILED_WORDS}",
-                       bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend="grouped")),
-                       flops, hit_bytes, note=f"rel err {err:.1e}")
-        finally:
-            tfp4.TILED_WORDS = not tfp4.TILED_WORDS
+
+        def swept(label, backend):
+            y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend=backend)
+            bk.attempt(group, label,
+                       bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=backend)),
+                       flops, picks if backend == "triton" else hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
+
+        with mock.patch.object(tfp4, "TILED_WORDS", not tfp4.TILED_WORDS):  # the tiled kernels' other decode
+            swept(f"fp4 moe_experts_fp4 grouped, TILED_WORDS={tfp4.TILED_WORDS}", "grouped")
         if T * TOPK <= tfp4.GEMV_ROWS_SORTED * E:  # the grouped path's tiled kernels where it takes the GEMV
-            saved, tfp4.GEMV_ROWS_SORTED = tfp4.GEMV_ROWS_SORTED, 0
-            try:
-                y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
-                bk.attempt(group, "fp4 moe_experts_fp4 grouped, tiled (GEMV_ROWS_SORTED=0)",
-                           bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
-                                                             backend="grouped")),
-                           flops, hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
-            finally:
-                tfp4.GEMV_ROWS_SORTED = saved
-        default = dict(tmoe.CONFIG)
-        if T > FUSED_MAX_TOKENS_FP4:  # the grouped path's sorted tiled kernels (bf16 word decode) by tile config
-            default = tfp4._config
-            for bm, bn, bkk, warps, stages in ((16, 128, 128, 4, 3), (16, 128, 128, 8, 3), (16, 64, 256, 4, 3),
-                                               (16, 128, 256, 8, 3), (16, 256, 128, 8, 3), (32, 128, 128, 8, 3),
-                                               (16, 128, 128, 4, 4)):
-                c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, WORDS=True, F32=False, num_warps=warps,
-                         num_stages=stages)
-                tfp4._config = lambda m, ieee, device, c=c: c
-                try:
-                    y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="grouped")
-                    bk.attempt(group, f"fp4 grouped sorted BM{bm} BN{bn} BK{bkk} w{warps} s{stages}",
-                               bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
-                                                                 backend="grouped")),
-                               flops, hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
-                finally:
-                    tfp4._config = default
+            with mock.patch.object(tfp4, "GEMV_ROWS_SORTED", 0):
+                swept("fp4 moe_experts_fp4 grouped, tiled (GEMV_ROWS_SORTED=0)", "grouped")
+        sorted_tiles = ((16, 128, 128, 4, 3), (16, 128, 128, 8, 3), (16, 64, 256, 4, 3), (16, 128, 256, 8, 3),
+                        (16, 256, 128, 8, 3), (32, 128, 128, 8, 3), (16, 128, 128, 4, 4))
+        for bm, bn, bkk, warps, stages in sorted_tiles if T > FUSED_MAX_TOKENS_FP4 else ():  # bf16 word decode
+            c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bkk, IEEE=False, WORDS=True, F32=False, num_warps=warps,
+                     num_stages=stages)
+            with mock.patch.object(tfp4, "_config", lambda m, ieee, device, c=c: c):
+                swept(f"fp4 grouped sorted BM{bm} BN{bn} BK{bkk} w{warps} s{stages}", "grouped")
         fused = ((512, 512, 2, 4, 3), (512, 512, 2, 4, 1), (512, 512, 2, 4, 4), (256, 256, 2, 4, 4),
                  (512, 1024, 1, 4, 3), (1024, 1024, 1, 4, 2), (512, 512, 1, 8, 3))
         for gk, dk, waves, warps, stages in fused if T <= FUSED_MAX_TOKENS_FP4 else ():
-            tmoe.CONFIG.update(gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
-                               pipelined_tokens=1 << 30)
-            try:
-                y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="triton")
-                err = rel_err(y, want)
-                bk.attempt(group, f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}",
-                           bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0,
-                                                             backend="triton")),
-                           flops, picks, note=f"rel err {err:.1e}")
-            finally:
-                tmoe.CONFIG.update(default)
+            with mock.patch.dict(tmoe.CONFIG, gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
+                                 pipelined_tokens=1 << 30):
+                swept(f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}", "triton")
     fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()
     gate_up = torch.empty(E, 2 * INTER, HIDDEN, device=DEV, dtype=torch.bfloat16)
