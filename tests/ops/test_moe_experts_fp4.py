@@ -102,7 +102,8 @@ def test_interpreter_matches_float64_loop(T, H, I, E, k, limit, dtype, every_cod
     assert out.dtype == torch.float32 and not out.isnan().any()
     # half precision: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 2**-8)
     assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-    assert torch.equal(out, _launch(*args, True, limit)), "the combine must add the picks in one fixed order"
+    if H * I <= 32 * 32:  # the repeat on the smallest case (the GPU test repeats every case)
+        assert torch.equal(out, _launch(*args, True, limit)), "the combine must add the picks in one fixed order"
     low = _launch(*args, False, limit)
     assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
