@@ -2,8 +2,8 @@
 
 Contract. ``out[t] = sum_j weights[t, j] * down_e(silu(g) * u)`` with ``e = ids[t, j]``, ``g = gate_e(x[t])``,
 ``u = up_e(x[t])`` (a repeated id counts once per pick; the fused kernels skip a pick of weight 0, reading nothing
-of its expert: expert parallelism gives the other ranks' picks weight 0), the products and sums in float32 (float64 for a float64
-``x``), the activation ``silu(g) * u`` rounded to x's dtype before the down projection (as
+of its expert: expert parallelism gives the other ranks' picks weight 0), the products and sums in float32
+(float64 for a float64 ``x``), the activation ``silu(g) * u`` rounded to x's dtype before the down projection (as
 :mod:`mla_compile.ops.moe_experts_fp8`). Each weight is given as packed e2m1 codes and ue8m0 scales, standing
 for ``W[n, k] = e2m1[n, k] * 2^(scale[n, k // 32] - 127)`` (:mod:`mla_compile.ops.fp4_block_linear`'s format).
 Weight-only: the activation is never quantized. ``swiglu_limit`` (DeepSeek-V4; None clamps nothing): ``g`` is

@@ -113,16 +113,13 @@ def test_interpreter_skips_picks_of_weight_zero(monkeypatch):
     """The fused kernels read nothing of a weight-0 pick's expert (its scales NaN here): the live picks' sum,
     exactly 0 for a token with none."""
     from mla_compile.ops.triton.moe_experts_fp4 import _launch
-    from tests.ops.test_moe_experts_fp8 import zero_picks
+    from tests.ops.test_moe_experts_fp8 import poison_last_expert, zero_picks
     from tests.ops.test_moe_route import poison_empty
 
     E = 6
     args, dead = zero_picks(make(4, 64, 96, E, 3, dtype=torch.bfloat16, seed=11), E)
     want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
-    poisoned = list(args)
-    for i in (4, 6, 8):  # gate, up and down scales: NaN for the last expert
-        poisoned[i] = poisoned[i].clone()
-        poisoned[i][E - 1] = 255
+    poisoned = poison_last_expert(args, E, 255)  # ue8m0 byte 255: NaN scales
     poison_empty(monkeypatch)
     out = _launch(*poisoned, True, None)
     assert not out.isnan().any() and rel(out, want) < 8e-3

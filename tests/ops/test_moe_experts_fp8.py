@@ -140,6 +140,15 @@ def zero_picks(args, E, seed=1):
     return tuple(args), dead
 
 
+def poison_last_expert(args, E, value):
+    """``args`` with the last expert's gate, up and down scales (entries 4, 6, 8) set to ``value`` (NaN), copied."""
+    args = list(args)
+    for i in (4, 6, 8):
+        args[i] = args[i].clone()
+        args[i][E - 1] = value
+    return args
+
+
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("S", [0, 1])
 def test_interpreter_skips_picks_of_weight_zero(monkeypatch, S):
@@ -151,10 +160,7 @@ def test_interpreter_skips_picks_of_weight_zero(monkeypatch, S):
     E = 6
     args, dead = zero_picks(make(4, 136, 24, E, 3, S, dtype=torch.bfloat16, seed=11), E)
     want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
-    poisoned = list(args)
-    for i in (4, 6, 8):  # gate, up and down scales: NaN for the last expert
-        poisoned[i] = poisoned[i].clone()
-        poisoned[i][E - 1] = float("nan")
+    poisoned = poison_last_expert(args, E, float("nan"))
     poison_empty(monkeypatch)
     out = _launch(*poisoned, True, None)
     assert not out.isnan().any() and rel(out, want) < 8e-3

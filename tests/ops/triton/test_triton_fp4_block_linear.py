@@ -1,5 +1,5 @@
-"""The Triton ``mla::fp4_block_linear`` kernels (tiled GEMM with either decode and per-row GEMV, each on every case): under Triton's
-CPU interpreter against the float64 model of the fp4 format (every code, both nibbles, ue8m0 extremes and NaN,
+"""The Triton ``mla::fp4_block_linear`` kernels (tiled GEMM with either decode and per-row GEMV, each on every
+case): under Triton's CPU interpreter against the float64 model of the fp4 format (every code, both nibbles, ue8m0 extremes and NaN,
 odd shapes, grouped and sorted groups), and on a GPU (eager and compiled, DeepSeek-V4 expert shapes) against
 the same model."""
 

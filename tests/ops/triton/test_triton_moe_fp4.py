@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(importlib.util.find_spec("tri
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,H,I,E,k,limit,every_code", [(1, 1056, 160, 8, 6, None, True),
-                                                         (5, 96, 544, 5, 2, 0.05, False), (9, 64, 96, 6, 3, None, False)])
+@pytest.mark.parametrize("T,H,I,E,k,limit,every_code", [
+    (1, 1056, 160, 8, 6, None, True), (5, 96, 544, 5, 2, 0.05, False), (9, 64, 96, 6, 3, None, False)])
 def test_kernels_match_float64_loop(T, H, I, E, k, limit, every_code, dtype):
     args = make(T, H, I, E, k, dtype=dtype, seed=T + H, repeat=True, every_code=every_code)
     want = experts64(*args, round_to=dtype, limit=limit)
