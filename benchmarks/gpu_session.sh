@@ -86,7 +86,7 @@ fi
 [[ $PHASES == *,v4,* ]] && timeout 200 python3 benchmarks/bench_v4_decode.py --out "$O/v4" --regional-compile \
     --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 --weights "${V4_WEIGHTS:-float}" \
     > "$O/v4.log" 2>&1
-[[ $PHASES == *,fp4,* ]] && timeout 240 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,32,64,256 \
+[[ $PHASES == *,fp4,* ]] && timeout 240 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,16,24,64,256 \
     --linears 0 --sweep > "$O/fp4.log" 2>&1
 if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")

@@ -30,10 +30,11 @@ from mla_compile.lowerings._autotune import Candidate, hints
 OP_NAME = "mla::fp8_block_linear_autotune"
 SELECT_NAME = "mla_fp8_block_linear_autotune"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, split_k); 0 keeps the heuristic's value (ops/triton/fp8_block_linear.py:
-# _config: BLOCK_M 16 up to 16 rows else 64, BLOCK_N 64, 4 warps, 3 stages for 16-bit activations; split_k: K slices
-# until the launch has a few programs per SM). BLOCK_N divides 128 (a tile's rows share one weight-scale row).
+# _config: BLOCK_M 16 up to 16 rows else 64, BLOCK_N 64 (32 for up to 16 rows over at most 8192 columns), 4 warps,
+# 3 stages for 16-bit activations; split_k: K slices until the launch has a few programs per SM, summed in the
+# kernel). BLOCK_N divides 128 (a tile's rows share one weight-scale row).
 # Narrow column tiles give few-token calls more programs over N; wide row tiles read each weight tile once for
-# more tokens; split_k 1 (no slices) saves the float32 slice sum where the heuristic would split. Stage memory is
+# more tokens; split_k 1 (no slices) saves the float32 slice round trip where the heuristic would split. Stage memory is
 # at most 40 KB (BLOCK_M x 128 activation + BLOCK_N x 128 codes), three stages well inside an sm_90 SM. The sorted
 # groups kernel takes the first four fields (it does not split K).
 TRITON_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (

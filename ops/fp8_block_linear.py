@@ -131,12 +131,19 @@ from mla_compile.ops.triton import available as _triton_available  # noqa: E402
 
 def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
             offs: Tensor | None = None) -> Tensor:
-    import mla_compile.ops.triton.fp8_block_linear  # noqa: F401  (registers mla::fp8_block_linear_triton)
+    """Few rows whose launch splits K: ``mla::fp8_block_linear_serial_triton`` (the slices summed in the kernel, one
+    launch); everything else ``mla::fp8_block_linear_triton``. A static choice for a compiled graph (shapes, device)."""
+    from mla_compile.ops.triton import fp8_block_linear as kernels  # registers both ops
+
+    split = kernels.serial_split(x, weight) if offs is None else 0
+    if split:
+        return torch.ops.mla.fp8_block_linear_serial_triton(x, weight, weight_scale_inv, act_quant, split)
     return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant, offs)
 
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=True, kernels=("fp8_block_linear_triton", "_fp8_linear_kernel", "_fp8_sorted_kernel",
+        gpu_tested=True, kernels=("fp8_block_linear_triton", "fp8_block_linear_serial_triton", "_fp8_linear_kernel",
+                                  "_fp8_sorted_kernel",
                                   "fp8_block_linear_triton_config=triton (autotuned config)",
                                   "fp8_block_linear_sorted_triton_config=triton (autotuned config)"),
         note="ours: fp8 codes and block scales read directly")

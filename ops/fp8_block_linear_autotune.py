@@ -19,6 +19,7 @@ the heuristic's value.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -79,12 +80,14 @@ def fp8_block_linear_triton_config(x: Tensor, weight: Tensor, weight_scale_inv: 
                                    block_m: int, block_n: int, num_warps: int, num_stages: int,
                                    split_k: int) -> Tensor:
     """Our Triton fp8 linear (2-D or 3-D weight, no ``offs``) with explicit ``BLOCK_M``/``BLOCK_N``/``num_warps``/
-    ``num_stages`` and K slices ``split_k`` (0: the heuristic's value of each); ``BLOCK_N`` divides 128."""
+    ``num_stages`` and K slices ``split_k`` (0: the heuristic's value of each), summed in the kernel (a serial
+    split, as ``mla::fp8_block_linear_serial_triton``); ``BLOCK_N`` divides 128."""
     validate(x, weight, weight_scale_inv)
     _check_dtype(x)
     from mla_compile.ops.triton.fp8_block_linear import _launch
 
-    return _triton_launch(x, _launch, (x, weight, weight_scale_inv, act_quant, split_k or None), block_m, block_n,
+    launch = functools.partial(_launch, serial=True)
+    return _triton_launch(x, launch, (x, weight, weight_scale_inv, act_quant, split_k or None), block_m, block_n,
                           num_warps, num_stages)
 
 

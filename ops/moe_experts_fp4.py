@@ -37,7 +37,7 @@ from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
 # "auto" takes the fused kernels up to this many tokens, the grouped fp4 GEMMs above (BENCHMARKS.md)
-FUSED_MAX_TOKENS_FP4 = 32
+FUSED_MAX_TOKENS_FP4 = 16
 
 
 def _check_weight(name: str, w: Tensor, scale: Tensor, E: int, rows: int, cols: int) -> None:

@@ -16,22 +16,25 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from mla_compile.ops.fp8_block_linear import validate
+from mla_compile.ops._workspace import workspace
+from mla_compile.ops.fp8_block_linear import fake, validate
 from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
 
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr,
     M, N, K, KB, KB_PER, s_yk,
-    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym,
+    s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym, s_oe, s_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
 ):
     """Program (m tile x split, n tile, group). With ``SPLIT_K > 1`` split ``k`` sums 128-wide steps
-    ``[k * KB_PER, (k + 1) * KB_PER)`` into its own float32 slice of ``y`` (stride ``s_yk``); the caller adds the
-    slices (a fixed order: deterministic)."""
+    ``[k * KB_PER, (k + 1) * KB_PER)`` into its own float32 slice of ``y`` (stride ``s_yk``). Without ``SERIAL``
+    the caller adds the slices; with it the tile's last program to arrive (an acquire-release count on
+    ``count_ptr``, one int32 a tile, 0 on entry and left 0) adds them in slice order and stores ``out``: one
+    launch, and the sum does not depend on which program came last."""
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     pid_m = tl.program_id(0) // SPLIT_K
@@ -41,8 +44,20 @@ def _fp8_linear_kernel(
     acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
                 kb0, tl.minimum(kb0 + KB_PER, KB), s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y = y_ptr + split.to(tl.int64) * s_yk + e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    tl.store(y_ptr + split.to(tl.int64) * s_yk + tile, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if SERIAL:
+        tl.debug_barrier()  # every thread's slice stored before the program counts itself in (release, GPU scope)
+        count = count_ptr + (e * tl.num_programs(1) + pid_n) * (tl.num_programs(0) // SPLIT_K) + pid_m
+        arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the tile's last program: every slice is visible
+            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next call (stream order)
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in tl.static_range(SPLIT_K):
+                total += tl.load(y_ptr + k * s_yk + tile, mask=ok, other=0.0, volatile=True)
+            out = out_ptr + e * s_oe + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -125,19 +140,26 @@ def _wrap(kernel):
     return wrap_triton(kernel) if isinstance(kernel, (JITFunction, Autotuner)) else kernel
 
 
-def _config(M: int, ieee: bool) -> dict:
-    """Tiles and launch options. fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps
-    and one stage keep them from spilling (sm_90 compile at 2 stages: 144 B of stack)."""
+# Few-row dense launches over at most this many output columns (E * N) take 32-column tiles: twice the programs
+# over the weight (q_a, kv, the shared expert, V4's grouped o_a), where wide launches (q_b) keep 64.
+NARROW_COLS = 8192
+
+
+def _config(M: int, ieee: bool, cols: int | None = None) -> dict:
+    """Tiles and launch options; ``cols``: the output columns ``E * N`` of a dense launch (None: the sorted
+    kernel's). fp32 operands take twice the registers of bf16 ones: smaller tiles, more warps and one stage keep
+    them from spilling (sm_90 compile at 2 stages: 144 B of stack)."""
     block_m = 16 if M <= 16 else (32 if ieee else 64)
-    block_n = 32 if ieee else 64  # divides 128: a tile's rows share one weight-scale row
+    narrow = ieee or (M <= 16 and cols is not None and cols <= NARROW_COLS)
+    block_n = 32 if narrow else 64  # divides 128: a tile's rows share one weight-scale row
     num_warps, num_stages = (8, 1) if ieee else (4, 3)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
 
 
-def _config_with(M: int, ieee: bool, config: dict | None) -> dict:
+def _config_with(M: int, ieee: bool, config: dict | None, cols: int | None = None) -> dict:
     """:func:`_config` with the entries of ``config`` (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``) in
     its place; ``BLOCK_N`` must divide 128 (a tile's rows share one weight-scale row) and ``BLOCK_M`` be at least 16."""
-    cfg = _config(M, ieee)
+    cfg = _config(M, ieee, cols)
     cfg.update(config or {})
     if 128 % cfg["BLOCK_N"] or cfg["BLOCK_M"] < 16 or cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
         raise ValueError(f"mla.fp8_block_linear: Triton config needs BLOCK_N dividing 128 and BLOCK_M a power of two "
@@ -169,24 +191,61 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quan
 
 
 # Programs a launch should reach before K is split: a few per SM of an H100 / H200 (132 SMs), so a skinny
-# decode GEMM (M <= 16, N / 64 column tiles) streams its weight from every SM instead of a few.
+# decode GEMM (M <= 16, N / 32 or N / 64 column tiles) streams its weight from every SM instead of a few.
 _SPLIT_TARGET = 528
+# K is split only where a tile has at least _SPLIT_MIN_KB 128-wide steps, into slices of at least _SPLIT_STEPS: a
+# slice's sum and count cost a program about a microsecond, which a short K loop does not win back.
+_SPLIT_MIN_KB, _SPLIT_STEPS = 16, 4
 
 
 def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
     """How many K slices a launch of ``tiles`` output tiles over ``kb`` 128-wide K steps takes: 1 when the tiles
-    already fill the GPU, else enough slices to reach ``target`` programs, each slice at least two K steps."""
-    if tiles >= target // 2 or kb < 4:
+    already fill the GPU or K is short, else enough slices to reach ``target`` programs, each slice at least
+    ``_SPLIT_STEPS`` K steps."""
+    if tiles >= target // 2 or kb < _SPLIT_MIN_KB:
         return 1
-    return max(1, min(-(-target // tiles), kb // 2))
+    return max(1, min(-(-target // tiles), kb // _SPLIT_STEPS))
+
+
+def _split(M: int, E: int, N: int, K: int, cfg: dict, split: int | None) -> tuple[int, int]:
+    """``(split, kb_per)``: the K slices of a launch and the 128-wide K steps of each (no empty slice). ``split``
+    None: :func:`split_k`'s choice for M <= 16, else 1 (traced with a symbolic M, a choice that followed M would
+    guard on it and recompile per band of M; M <= 16 is a guard :func:`_config` already takes)."""
+    kb = triton.cdiv(K, 128)
+    if split is None:
+        split = split_k(triton.cdiv(N, cfg["BLOCK_N"]) * E, kb) if M <= 16 else 1
+    kb_per = triton.cdiv(kb, split)
+    return triton.cdiv(kb, kb_per), kb_per
+
+
+# Output tiles a serial-split launch may count (one int32 arrival counter each; a fixed size, so the buffer is never
+# replaced). :func:`split_k` splits only launches of fewer than ``_SPLIT_TARGET // 2`` tiles.
+MAX_SERIAL_TILES = 4096
+SERIAL_SPLIT = True  # few-row split launches sum their slices in the kernel (a benchmark may switch it off)
+
+
+def serial_split(x: Tensor, weight: Tensor) -> int:
+    """The K slices :func:`_launch` takes for ``x`` and a 2-D / 3-D ``weight`` where they are summed in the kernel
+    (``mla::fp8_block_linear_serial_triton``): more than 1 for CUDA half-precision or float32 ``x`` of at most 16 rows
+    whose launch :func:`split_k` splits, else 0."""
+    if not SERIAL_SPLIT or x.device.type != "cuda" or x.dtype == torch.float64:
+        return 0
+    *groups, N, K = weight.shape
+    E, M = (groups[0] if groups else 1), x.shape[-2]
+    if M > 16:
+        return 0
+    cfg = _config(M, x.dtype == torch.float32, E * N)
+    split, _ = _split(M, E, N, K, cfg, None)
+    return split if split > 1 and E * triton.cdiv(N, cfg["BLOCK_N"]) <= MAX_SERIAL_TILES else 0
 
 
 def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
-            split: int | None = None, config: dict | None = None) -> Tensor:
-    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices
-    (None: :func:`split_k`'s choice for M <= 16, else 1: traced with a symbolic M, a choice that followed M
-    would guard on it and recompile per band of M), summed in float32 in slice order; ``config`` overrides the
-    launch parameters (:func:`_config_with`)."""
+            split: int | None = None, config: dict | None = None, serial: bool = False) -> Tensor:
+    """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices (None:
+    :func:`_split`'s choice), summed in float32 in slice order: by the caller (a second kernel) or, with ``serial``
+    where the launch has at most ``MAX_SERIAL_TILES`` output tiles, by each tile's last program (one launch; the
+    kernel launched directly, so not from a traced triton_op);
+    ``config`` overrides the launch parameters (:func:`_config_with`)."""
     grouped = weight.dim() == 3
     w3 = weight if grouped else weight[None]
     s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
@@ -199,24 +258,27 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
         y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    cfg = _config_with(M, x.dtype == torch.float32, config)
-    kb = triton.cdiv(K, 128)
+    cfg = _config_with(M, x.dtype == torch.float32, config, E * N)
     m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
-    if split is None:  # only for M <= 16 (one row tile; a guard _config already takes): no new guard on M
-        split = split_k(n_tiles * E, kb) if M <= 16 else 1
-    kb_per = triton.cdiv(kb, split)
-    split = triton.cdiv(kb, kb_per)  # no empty slice
+    split, kb_per = _split(M, E, N, K, cfg, split)
+    serial = serial and split > 1 and E * m_tiles * n_tiles <= MAX_SERIAL_TILES
     if split == 1:
         y = torch.empty(1, E, M, N, dtype=x.dtype, device=x.device)
-    else:  # float32 slices, added below in a fixed order
+    else:  # float32 slices, added in a fixed order
         y = torch.empty(split, E, M, N, dtype=torch.float32, device=x.device)
+    out, count = y, y
+    if serial:
+        out = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+        count = workspace("fp8_block_linear-arrivals", x.device, 4 * MAX_SERIAL_TILES, zero=True).view(torch.int32)
     grid = (m_tiles * split, n_tiles, E)
-    _wrap(_fp8_linear_kernel)[grid](
-        x3, w3, s3, y, M, N, K, kb, kb_per, y.stride(0),
+    kernel = _fp8_linear_kernel if serial else _wrap(_fp8_linear_kernel)
+    kernel[grid](
+        x3, w3, s3, y, out, count, M, N, K, triton.cdiv(K, 128), kb_per, y.stride(0),
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
-        ACT_QUANT=act_quant, SPLIT_K=split, **cfg,
+        out.stride(0) if serial else 0, out.stride(1) if serial else 0,
+        ACT_QUANT=act_quant, SPLIT_K=split, SERIAL=serial, **cfg,
     )
-    y = y[0] if split == 1 else y.sum(0).to(x.dtype)
+    y = out if serial else (y[0] if split == 1 else y.sum(0).to(x.dtype))
     return y if grouped else y[0]
 
 
@@ -230,3 +292,20 @@ def fp8_block_linear_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
     if offs is not None:
         return _launch_sorted(x, weight, weight_scale_inv, act_quant, offs)
     return _launch(x, weight, weight_scale_inv, act_quant)
+
+
+@torch.library.custom_op("mla::fp8_block_linear_serial_triton", mutates_args=())
+def fp8_block_linear_serial_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
+                                   split: int) -> Tensor:
+    """``mla::fp8_block_linear`` for few rows and a 2-D / 3-D weight (contract of the ``_ref`` op), its K split in
+    ``split`` slices that each output tile's last program sums (:func:`_launch` with ``serial``): one launch where
+    the triton_op takes two. The arrival counters are a persistent zeroed buffer per device
+    (:func:`~mla_compile.ops._workspace.workspace`, allocated by the first call: a warm-up before any CUDA-graph
+    capture), so calls on one device must not run concurrently on two streams."""
+    validate(x, weight, weight_scale_inv)
+    return _launch(x, weight, weight_scale_inv, act_quant, split=split, serial=True)
+
+
+@fp8_block_linear_serial_triton.register_fake
+def _serial_fake(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool, split: int) -> Tensor:
+    return fake(x, weight, weight_scale_inv, act_quant)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mla_compile import ops
-from tests.ops.test_fp8_block_linear import OFFS, _ref64, _rel, _sorted64, _weights
+from tests.ops.test_fp8_block_linear import OFFS, OPCHECK_UTILS, _ref64, _rel, _sorted64, _weights
+from tests.ops.test_moe_route import poison_empty
 from tests.ops.triton.conftest import INTERPRET
 
 CASES = [((7, 300), (200, 300)), ((1, 128), (128, 128)), ((17, 64), (130, 64)), ((5, 150), (3, 70, 150)),
@@ -50,17 +51,51 @@ def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
     assert _rel(y32.double(), want) < 1e-6
 
 
-def test_split_k_choice():
-    from mla_compile.ops.triton.fp8_block_linear import split_k
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("x_shape,w_shape,split", [((3, 700), (70, 700), 3), ((1, 520), (130, 520), 2),
+                                                   ((17, 300), (3, 70, 300), 3), ((3, 5, 300), (3, 70, 300), 2)])
+def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split, monkeypatch):
+    """The serial split (each tile's last program adds the float32 slices in order) against float64, bf16 and
+    float32 x; every output written (NaN-poisoned allocations); the arrival counters back at 0 after the call, so a
+    second call gives the same result bit for bit."""
+    from mla_compile.ops.triton import fp8_block_linear as k
 
-    assert split_k(24, 56) == 22  # q_a at M=1: 24 column tiles -> 528 programs
-    assert split_k(9, 56) == 28  # kv_a: at most KB / 2 slices (two K steps each)
-    assert split_k(384, 12) == 1 and split_k(300, 56) == 1  # enough tiles already
-    assert split_k(2, 3) == 1  # too few K steps to split
+    codes, scale = _weights(*w_shape)
+    x = torch.randn(*x_shape).bfloat16()
+    want = _ref64(x.float(), codes, scale, False)
+    poison_empty(monkeypatch)
+    y = k._launch(x, codes, scale, False, split=split, serial=True)
+    assert y.shape == want.shape and y.dtype == torch.bfloat16
+    assert _rel(y.double(), want) < 8e-3
+    y32 = k._launch(x.float(), codes, scale, False, split=split, serial=True)
+    assert y32.dtype == torch.float32 and _rel(y32.double(), want) < 1e-6
+    count = k.workspace("fp8_block_linear-arrivals", x.device, 4 * k.MAX_SERIAL_TILES, zero=True)
+    assert count.numel() == 4 * k.MAX_SERIAL_TILES and not count.any()
+    assert torch.equal(k._launch(x, codes, scale, False, split=split, serial=True), y)
+    if len(x_shape) == 2 and len(w_shape) == 2:  # the custom op around it: fake, AOT dispatch, compiled
+        op = torch.ops.mla.fp8_block_linear_serial_triton
+        torch.library.opcheck(op, (x, codes, scale, False, split), test_utils=OPCHECK_UTILS)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x, codes, scale, False, split), y)
+
+
+def test_split_k_choice():
+    from mla_compile.ops.triton.fp8_block_linear import _config, split_k
+
+    assert split_k(48, 56) == 11  # V3's q_a at M=1: 48 column tiles of 32 -> 528 programs
+    assert split_k(32, 32) == 8 and split_k(16, 32) == 8  # V4's q_a, kv: at most KB / 4 slices (four K steps each)
+    assert split_k(128, 16) == 4 and split_k(256, 32) == 3  # V4's shared down (4 steps a slice), grouped o_a
+    assert split_k(384, 56) == 1 and split_k(264, 56) == 1  # enough tiles already
+    assert split_k(2, 15) == 1 and split_k(256, 8) == 1  # K too short to split (V4's indexer q_b)
     for tiles in range(1, 300):
         for kb in range(1, 130):
             s = split_k(tiles, kb)
-            assert 1 <= s and (s == 1 or 2 * s <= kb)
+            assert 1 <= s and (s == 1 or 4 * s <= kb)
+    # 32-column tiles for few rows over at most 8192 output columns, 64 above and for more rows
+    assert _config(1, False, 1024)["BLOCK_N"] == 32 and _config(16, False, 8 * 1024)["BLOCK_N"] == 32
+    assert _config(1, False, 32768)["BLOCK_N"] == 64 and _config(17, False, 1024)["BLOCK_N"] == 64
+    assert _config(64, False)["BLOCK_N"] == 64 and _config(1, True, 32768)["BLOCK_N"] == 32
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
@@ -108,6 +143,47 @@ def test_triton_on_gpu_matches_float64(x_shape, w_shape, act_quant):
     fn = torch.compile(lambda a: ops.fp8_block_linear(a, codes.cuda(), scale.cuda(), act_quant=act_quant,
                                                       backend="triton"), fullgraph=True)
     assert _rel(fn(x.cuda()).cpu(), want) < 4e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("x_shape,w_shape", [((1, 4096), (1024, 4096)), ((4, 2048), (4096, 2048)),
+                                             ((16, 4096), (3, 256, 4096)), ((1, 2100), (130, 2100))])
+def test_serial_split_on_gpu(x_shape, w_shape, act_quant):
+    """Few rows whose launch splits K take the serial op (one launch, the slices summed by each tile's last program):
+    against float64 eager, under opcheck, compiled (Inductor) and replayed in a CUDA graph on new inputs; equal to the
+    two-kernel split within float32 rounding; the arrival counters back at 0."""
+    from mla_compile.ops.triton import fp8_block_linear as k
+
+    codes, scale = (t.cuda() for t in _weights(*w_shape))
+    x = torch.randn(*x_shape).bfloat16().cuda()
+    split = k.serial_split(x, codes)
+    assert split > 1
+    want = _ref64(x.float().cpu(), codes.cpu(), scale.cpu(), act_quant)
+    y = ops.fp8_block_linear(x, codes, scale, act_quant=act_quant, backend="triton")
+    assert _rel(y.cpu(), want) < 4e-3
+    two = k._launch(x.float(), codes, scale, act_quant, split=split)
+    one = torch.ops.mla.fp8_block_linear_serial_triton(x.float(), codes, scale, act_quant, split)
+    assert _rel(one.cpu(), two.double().cpu()) < 1e-6
+    torch.library.opcheck(torch.ops.mla.fp8_block_linear_serial_triton, (x, codes, scale, act_quant, split),
+                          test_utils=OPCHECK_UTILS)
+    fn = torch.compile(lambda a: ops.fp8_block_linear(a, codes, scale, act_quant=act_quant, backend="triton"),
+                       fullgraph=True)
+    assert _rel(fn(x).cpu(), want) < 4e-3
+    static = x.clone()
+    fn(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    x2 = torch.randn(*x_shape).bfloat16().cuda()
+    static.copy_(x2)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert _rel(out.cpu(), _ref64(x2.float().cpu(), codes.cpu(), scale.cpu(), act_quant)) < 4e-3
+    count = k.workspace("fp8_block_linear-arrivals", x.device, 4 * k.MAX_SERIAL_TILES, zero=True)
+    torch.cuda.synchronize()
+    assert not count.any()
 
 
 @pytest.mark.cuda

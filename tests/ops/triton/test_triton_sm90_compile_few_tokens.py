@@ -157,3 +157,27 @@ def test_write_absorb_q_kernel_compiles_for_sm90(T, H, fp8):
     kernel, _, args, kwargs = launches[0]
     ptx = _sm90.compile_sm90(kernel, args, kwargs).asm["ptx"]
     assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,N,K,E", [(1, 1024, 4096, 0), (1, 4096, 2048, 0), (4, 1024, 4096, 8)])
+def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, monkeypatch):
+    """``mla::fp8_block_linear_serial_triton``'s launch at DeepSeek-V4-Flash projection shapes (q_a, the shared
+    expert's down, the grouped o_a): it splits K, compiles with the arrival count (an acquire-release atomic add,
+    the counter's reset) and the slices' volatile loads, and without spills."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, fp8_block_linear
+
+    launches: list = []
+    real = fp8_block_linear._fp8_linear_kernel
+    monkeypatch.setattr(fp8_block_linear, "_fp8_linear_kernel", _sm90.recorder(launches)(real))
+    lead = (E,) if E else ()
+    fp8_block_linear._launch(torch.zeros(M, K, dtype=dtype), torch.zeros(*lead, N, K, dtype=torch.float8_e4m3fn),
+                             torch.ones(*lead, N // 128, K // 128), False, serial=True)
+    (_, grid, args, kwargs), = launches
+    assert kwargs["SERIAL"] and kwargs["SPLIT_K"] > 1 and grid[0] == kwargs["SPLIT_K"]
+    compiled = _sm90.compile_sm90(real, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.") >= 2 and "ld.volatile" in ptx
+    if _sm90.cuobjdump() is not None:
+        assert _sm90.resources(compiled)["stack"] == 0, "register spills"
