@@ -22,8 +22,9 @@
 #            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path);
 #            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights
 #   fp4      bench_fp4_experts (V4-Flash's fp4 routed experts: mla::moe_experts_fp4 fused / grouped / auto against bf16
-#            torch._grouped_mm at 1, 8, 32, 64, 256 tokens, with the fused kernels' launch sweep to 32 tokens, the
-#            grouped path's sorted tiles above, and its tiled kernels' other decode, TILED_WORDS)
+#            torch._grouped_mm at 1, 8, 16, 24, 64, 256 tokens, with the fused kernels' launch sweep up to "auto"'s
+#            split (FUSED_MAX_TOKENS_FP4), the grouped path's sorted tiles above, and its tiled kernels' other decode,
+#            TILED_WORDS)
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
 #            then bench_parallel (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the
 #            machine holds; needs a multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
