@@ -20,6 +20,7 @@ from mla_compile.ops._workspace import workspace
 from mla_compile.ops.fp8_block_linear import fake, validate
 from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
+from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -28,13 +29,16 @@ def _fp8_linear_kernel(
     M, N, K, KB, KB_PER, s_yk,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym, s_oe, s_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr,
+    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (m tile x split, n tile, group). With ``SPLIT_K > 1`` split ``k`` sums 128-wide steps
     ``[k * KB_PER, (k + 1) * KB_PER)`` into its own float32 slice of ``y`` (stride ``s_yk``). Without ``SERIAL``
     the caller adds the slices; with it the tile's last program to arrive (an acquire-release count on
     ``count_ptr``, one int32 a tile, 0 on entry and left 0) adds them in slice order and stores ``out``: one
-    launch, and the sum does not depend on which program came last."""
+    launch, and the sum does not depend on which program came last. ``PDL``: launched with programmatic dependent
+    launch (``_pdl.py``); every program waits before it reads anything, so it only overlaps the kernel before."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     pid_m = tl.program_id(0) // SPLIT_K
@@ -277,6 +281,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
         out.stride(0) if serial else 0, out.stride(1) if serial else 0,
         ACT_QUANT=act_quant, SPLIT_K=split, SERIAL=serial, **cfg,
+        **launch_kwargs(x.device, eager_only=not serial),
     )
     y = out if serial else (y[0] if split == 1 else y.sum(0).to(x.dtype))
     return y if grouped else y[0]

@@ -159,18 +159,21 @@ def test_write_absorb_q_kernel_compiles_for_sm90(T, H, fp8):
     assert -1 < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents")
 
 
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,N,K,E", [(1, 1024, 4096, 0), (1, 4096, 2048, 0), (4, 1024, 4096, 8)])
-def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, monkeypatch):
+def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, pdl, monkeypatch):
     """``mla::fp8_block_linear_serial_triton``'s launch at DeepSeek-V4-Flash projection shapes (q_a, the shared
     expert's down, the grouped o_a): it splits K, compiles with the arrival count (an acquire-release atomic add,
-    the counter's reset) and the slices' volatile loads, and without spills."""
+    the counter's reset) and the slices' volatile loads, without spills, and with PDL (as an sm_90 device launches
+    it) waits before any global read."""
     import mla_compile  # noqa: F401
-    from mla_compile.ops.triton import _sm90, fp8_block_linear
+    from mla_compile.ops.triton import _pdl, _sm90, fp8_block_linear
 
     launches: list = []
     real = fp8_block_linear._fp8_linear_kernel
     monkeypatch.setattr(fp8_block_linear, "_fp8_linear_kernel", _sm90.recorder(launches)(real))
+    monkeypatch.setattr(fp8_block_linear, "launch_kwargs", lambda *a, **k: dict(_pdl.ON if pdl else _pdl.OFF))
     lead = (E,) if E else ()
     fp8_block_linear._launch(torch.zeros(M, K, dtype=dtype), torch.zeros(*lead, N, K, dtype=torch.float8_e4m3fn),
                              torch.ones(*lead, N // 128, K // 128), False, serial=True)
@@ -179,5 +182,6 @@ def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, monkeypatc
     compiled = _sm90.compile_sm90(real, args, kwargs)
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.") >= 2 and "ld.volatile" in ptx
+    assert_pdl_order(ptx, pdl, "_fp8_linear_kernel")
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
