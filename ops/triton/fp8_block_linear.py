@@ -18,6 +18,7 @@ from torch.library import triton_op, wrap_triton
 
 from mla_compile.ops._workspace import workspace
 from mla_compile.ops.fp8_block_linear import fake, validate
+from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
@@ -238,9 +239,8 @@ def serial_split(x: Tensor, weight: Tensor) -> int:
     E, M = (groups[0] if groups else 1), x.shape[-2]
     if M > 16:
         return 0
-    cfg = _config(M, x.dtype == torch.float32, E * N)
-    split, _ = _split(M, E, N, K, cfg, None)
-    return split if split > 1 and E * triton.cdiv(N, cfg["BLOCK_N"]) <= MAX_SERIAL_TILES else 0
+    split, _ = _split(M, E, N, K, _config(M, x.dtype == torch.float32, E * N), None)
+    return split if split > 1 else 0
 
 
 def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
@@ -299,7 +299,7 @@ def fp8_block_linear_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
     return _launch(x, weight, weight_scale_inv, act_quant)
 
 
-@torch.library.custom_op("mla::fp8_block_linear_serial_triton", mutates_args=())
+@torch.library.custom_op("mla::fp8_block_linear_serial_triton", mutates_args=(), tags=LAYOUT_TAGS)
 def fp8_block_linear_serial_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
                                    split: int) -> Tensor:
     """``mla::fp8_block_linear`` for few rows and a 2-D / 3-D weight (contract of the ``_ref`` op), its K split in
