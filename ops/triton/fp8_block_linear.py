@@ -21,6 +21,7 @@ from mla_compile.ops.fp8_block_linear import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous, tiles_started
 from mla_compile.ops.triton._fp8 import FP8_MAX, SCALE_FLOOR, e4m3_codes
+from mla_compile.ops.triton._pdl import OFF as PDL_OFF
 from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pdl_wait
 
 
@@ -37,7 +38,8 @@ def _fp8_linear_kernel(
     the caller adds the slices; with it the tile's last program to arrive (an acquire-release count on
     ``count_ptr``, one int32 a tile, 0 on entry and left 0) adds them in slice order and stores ``out``: one
     launch, and the sum does not depend on which program came last. ``PDL``: launched with programmatic dependent
-    launch (``_pdl.py``); every program waits before it reads anything, so it only overlaps the kernel before."""
+    launch (``_pdl.py``; launches of at most ``PDL_MAX_BYTES`` of codes); every program waits before it reads
+    anything, so it only overlaps the kernel before."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(1)
@@ -223,6 +225,10 @@ def _split(M: int, E: int, N: int, K: int, cfg: dict, split: int | None) -> tupl
     return triton.cdiv(kb, kb_per), kb_per
 
 
+# Launches whose weight codes are at most this many bytes take PDL where it runs (BENCHMARKS.md run 285: V4-Flash's
+# projections of 2-8 MB gained 0.6-0.8 us a call, those of 17-34 MB lost up to 3 us: the successor's programs,
+# started early and waiting, hold SM slots the long launch still needs).
+PDL_MAX_BYTES = 12 << 20
 # Output tiles a serial-split launch may count (one int32 arrival counter each; a fixed size, so the buffer is never
 # replaced). :func:`split_k` splits only launches of fewer than ``_SPLIT_TARGET // 2`` tiles.
 MAX_SERIAL_TILES = 4096
@@ -281,7 +287,7 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
         out.stride(0) if serial else 0, out.stride(1) if serial else 0,
         ACT_QUANT=act_quant, SPLIT_K=split, SERIAL=serial, **cfg,
-        **launch_kwargs(x.device, eager_only=not serial),
+        **(launch_kwargs(x.device, eager_only=not serial) if E * N * K <= PDL_MAX_BYTES else PDL_OFF),
     )
     y = out if serial else (y[0] if split == 1 else y.sum(0).to(x.dtype))
     return y if grouped else y[0]
