@@ -17,6 +17,7 @@ from mla_compile.ops import fused_kv_write as _fused_kv_write  # noqa: E402,F401
 from mla_compile.ops import absorb as _absorb  # noqa: E402,F401  (registers mla::absorb_q, mla::absorb_out)
 from mla_compile.ops.fp4_block_linear import fp4_block_linear
 from mla_compile.ops.fp8_block_linear import fp8_block_linear
+from mla_compile.ops.fp8_block_linear_pair import fp8_block_linear_pair
 from mla_compile.ops import fp8_block_linear_autotune as _fp8_block_linear_autotune  # noqa: E402,F401  (backend "autotune")
 from mla_compile.ops.fp8_cache import decode_fp8, gather_latent_cache_fp8, write_latent_cache_fp8
 from mla_compile.ops.gather import gather_latent_cache
@@ -47,7 +48,8 @@ __all__ = [
     "adapters", "backends_for", "checked_mode", "context_attention", "decode", "decode_absorb_out",
     "gather_latent_cache", "hc_pre", "hc_sinkhorn", "merge_attn_states", "prefill",
     "resolve", "set_checked_mode", "write_latent_cache",
-    "decode_fp8", "fp4_block_linear", "fp8_block_linear", "gather_latent_cache_fp8", "write_latent_cache_fp8",
+    "decode_fp8", "fp4_block_linear", "fp8_block_linear", "fp8_block_linear_pair", "gather_latent_cache_fp8",
+    "write_latent_cache_fp8",
     "moe_experts", "moe_experts_fp4", "moe_experts_fp8", "moe_gate_route", "moe_norm_gate_route", "moe_route", "skinny_linear",
     "skinny_norm_linear",
     "skinny_absorb_out", "skinny_absorb_q",

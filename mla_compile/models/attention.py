@@ -55,13 +55,27 @@ def half_kernel(op: str, x: Tensor, requested: str | None, *like: Tensor | None)
     return ops.resolve(op, x.device, requested, dtype=x.dtype).name
 
 
+def fp8_pair(x: Tensor, modules: tuple[nn.Module, ...]) -> bool:
+    """Whether ``modules`` are two plain fp8 block linears (``FP8BlockLinear``: no backend of their own, one
+    ``act_quant``) that ``mla::fp8_block_linear_pair`` runs in one launch for ``x``: CUDA half precision, where its
+    "auto" resolves to the Triton backend (GPU-tested). A static choice for a compiled graph."""
+    return (len(modules) == 2 and all(getattr(m, "is_fp8_linear", False) and m.backend is None for m in modules)
+            and modules[0].act_quant == modules[1].act_quant
+            and half_kernel("fp8_block_linear_pair", x, None) == "triton")
+
+
 def linears(x: Tensor, *modules: nn.Module) -> list[Tensor]:
     """``x`` through one or two linears that share it: ``[m(x) for m in modules]``. Plain bias-free ``nn.Linear``'s
     of x's half-precision dtype on CUDA (:func:`plain_linears`) run as one ``mla::skinny_linear`` (one launch; its
-    "auto" picks the GEMV kernel for few rows where that backend is GPU-tested); anything else (quantized or
-    sharded linears, CPU) runs each module. A static choice for a compiled graph (device, dtype and module types)."""
+    "auto" picks the GEMV kernel for few rows where that backend is GPU-tested), two plain fp8 block linears as one
+    ``mla::fp8_block_linear_pair`` where :func:`fp8_pair` holds; anything else (other quantized or sharded linears,
+    CPU) runs each module. A static choice for a compiled graph (device, dtype and module types)."""
     if cuda_half(x) and plain_linears(modules, x.dtype):
         return ops.skinny_linear(x, [m.weight for m in modules])
+    if fp8_pair(x, modules):
+        a, b = modules
+        return list(ops.fp8_block_linear_pair(x, (a.weight, a.weight_scale_inv), (b.weight, b.weight_scale_inv),
+                                              act_quant=a.act_quant))
     return [m(x) for m in modules]
 
 

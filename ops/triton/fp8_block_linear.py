@@ -27,11 +27,11 @@ from mla_compile.ops.triton._pdl import launch_kwargs, pdl_launch_dependents, pd
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, out_ptr, count_ptr,
-    M, N, K, KB, KB_PER, s_yk,
+    x_ptr, w_ptr, s_ptr, w2_ptr, s2_ptr, y_ptr, out_ptr, count_ptr,
+    M, N, N2, K, KB, KB_PER, s_yk,
     s_xe, s_xm, s_we, s_wn, s_se, s_sn, s_ye, s_ym, s_oe, s_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
-    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, PAIR: tl.constexpr,
 ):
     """Program (m tile x split, n tile, group). With ``SPLIT_K > 1`` split ``k`` sums 128-wide steps
     ``[k * KB_PER, (k + 1) * KB_PER)`` into its own float32 slice of ``y`` (stride ``s_yk``). Without ``SERIAL``
@@ -39,7 +39,9 @@ def _fp8_linear_kernel(
     ``count_ptr``, one int32 a tile, 0 on entry and left 0) adds them in slice order and stores ``out``: one
     launch, and the sum does not depend on which program came last. ``PDL``: launched with programmatic dependent
     launch (``_pdl.py``; launches of at most ``PDL_MAX_BYTES`` of codes); every program waits before it reads
-    anything, so it only overlaps the kernel before."""
+    anything, so it only overlaps the kernel before. ``PAIR`` (one group): the column tiles past ``cdiv(N, BLOCK_N)``
+    are a second weight's (``w2_ptr``/``s2_ptr``, ``[N2, K]`` with the first's strides), written to ``y``'s columns
+    ``N .. N + N2``."""
     pdl_wait(PDL)
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(1)
@@ -48,11 +50,20 @@ def _fp8_linear_kernel(
     split = tl.program_id(0) % SPLIT_K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     kb0 = split * KB_PER
-    acc = _tile(x_ptr + e * s_xe, w_ptr + e * s_we, s_ptr + e * s_se, offs_m, offs_m < M, pid_n, N, K,
+    w_base, s_base, local, n_lim, col0 = w_ptr + e * s_we, s_ptr + e * s_se, pid_n, N, 0
+    if PAIR:  # one group (e == 0): the tiles past the first weight's read the second
+        second = (pid_n >= tl.cdiv(N, BLOCK_N)).to(tl.int32)
+        local = pid_n - second * tl.cdiv(N, BLOCK_N)
+        n_lim = N + second * (N2 - N)
+        col0 = second * N
+        if second == 1:
+            w_base = w2_ptr
+            s_base = s2_ptr
+    acc = _tile(x_ptr + e * s_xe, w_base, s_base, offs_m, offs_m < M, local, n_lim, K,
                 kb0, tl.minimum(kb0 + KB_PER, KB), s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tile = e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + offs_n[None, :]
+    offs_n = local * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (offs_m < M)[:, None] & (offs_n < n_lim)[None, :]
+    tile = e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + (col0 + offs_n)[None, :]
     tl.store(y_ptr + split.to(tl.int64) * s_yk + tile, acc.to(y_ptr.dtype.element_ty), mask=ok)
     if SERIAL:
         tl.debug_barrier()  # every thread's slice stored before the program counts itself in (release, GPU scope)
@@ -63,7 +74,7 @@ def _fp8_linear_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in tl.static_range(SPLIT_K):
                 total += tl.load(y_ptr + k * s_yk + tile, mask=ok, other=0.0, volatile=True)
-            out = out_ptr + e * s_oe + offs_m.to(tl.int64)[:, None] * s_om + offs_n[None, :]
+            out = out_ptr + e * s_oe + offs_m.to(tl.int64)[:, None] * s_om + (col0 + offs_n)[None, :]
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -214,13 +225,14 @@ def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
     return max(1, min(-(-target // tiles), kb // _SPLIT_STEPS))
 
 
-def _split(M: int, E: int, N: int, K: int, cfg: dict, split: int | None) -> tuple[int, int]:
-    """``(split, kb_per)``: the K slices of a launch and the 128-wide K steps of each (no empty slice). ``split``
-    None: :func:`split_k`'s choice for M <= 16, else 1 (traced with a symbolic M, a choice that followed M would
-    guard on it and recompile per band of M; M <= 16 is a guard :func:`_config` already takes)."""
+def _split(M: int, tiles: int, K: int, split: int | None) -> tuple[int, int]:
+    """``(split, kb_per)``: the K slices of a launch of ``tiles`` output column tiles and the 128-wide K steps of each
+    (no empty slice). ``split`` None: :func:`split_k`'s choice for M <= 16, else 1 (traced with a symbolic M, a
+    choice that followed M would guard on it and recompile per band of M; M <= 16 is a guard :func:`_config` already
+    takes)."""
     kb = triton.cdiv(K, 128)
     if split is None:
-        split = split_k(triton.cdiv(N, cfg["BLOCK_N"]) * E, kb) if M <= 16 else 1
+        split = split_k(tiles, kb) if M <= 16 else 1
     kb_per = triton.cdiv(kb, split)
     return triton.cdiv(kb, kb_per), kb_per
 
@@ -245,17 +257,20 @@ def serial_split(x: Tensor, weight: Tensor) -> int:
     E, M = (groups[0] if groups else 1), x.shape[-2]
     if M > 16:
         return 0
-    split, _ = _split(M, E, N, K, _config(M, x.dtype == torch.float32, E * N), None)
+    cfg = _config(M, x.dtype == torch.float32, E * N)
+    split, _ = _split(M, E * triton.cdiv(N, cfg["BLOCK_N"]), K, None)
     return split if split > 1 else 0
 
 
 def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
-            split: int | None = None, config: dict | None = None, serial: bool = False) -> Tensor:
+            split: int | None = None, config: dict | None = None, serial: bool = False,
+            pair: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Kernel path (the interpreter on CPU tensors too); shapes as the op's contract. ``split``: K slices (None:
     :func:`_split`'s choice), summed in float32 in slice order: by the caller (a second kernel) or, with ``serial``
     where the launch has at most ``MAX_SERIAL_TILES`` output tiles, by each tile's last program (one launch; the
-    kernel launched directly, so not from a traced triton_op);
-    ``config`` overrides the launch parameters (:func:`_config_with`)."""
+    kernel launched directly, so not from a traced triton_op); ``config`` overrides the launch parameters
+    (:func:`_config_with`). ``pair``: a second 2-D weight and its scales ``([N2, K], [ceil(N2/128), ceil(K/128)])``
+    beside a 2-D ``weight``, in the same launch: ``[M, N + N2]``, the first weight's columns first."""
     grouped = weight.dim() == 3
     w3 = weight if grouped else weight[None]
     s3 = last_dim_contiguous(weight_scale_inv if grouped else weight_scale_inv[None])
@@ -264,30 +279,38 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     x3 = x if x.dim() == 3 else x[None]
     x3 = last_dim_contiguous(x3)
     w3 = last_dim_contiguous(w3).view(torch.uint8)  # raw codes: the interpreter has no float8 numpy dtype
-    if M * N == 0:
-        y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+    w2, s2, N2 = w3, s3, 0
+    if pair is not None:  # the kernel reads the second weight with the first's strides
+        assert not grouped, "a pair of 2-D weights"
+        w3, s3 = w3.contiguous(), s3.contiguous()
+        w2, s2 = pair[0].contiguous().view(torch.uint8), pair[1].contiguous()
+        N2 = w2.shape[0]
+    cols = N + N2
+    if M * cols == 0:
+        y = torch.empty(E, M, cols, dtype=x.dtype, device=x.device)
         return y if grouped else y[0]
     s_xe = x3.stride(0) if x3.shape[0] == E else 0  # a shared [M, K] activation for every group
-    cfg = _config_with(M, x.dtype == torch.float32, config, E * N)
-    m_tiles, n_tiles = triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"])
-    split, kb_per = _split(M, E, N, K, cfg, split)
+    cfg = _config_with(M, x.dtype == torch.float32, config, E * cols)
+    m_tiles = triton.cdiv(M, cfg["BLOCK_M"])
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"]) + triton.cdiv(N2, cfg["BLOCK_N"])
+    split, kb_per = _split(M, E * n_tiles, K, split)
     serial = serial and split > 1 and E * m_tiles * n_tiles <= MAX_SERIAL_TILES
     if split == 1:
-        y = torch.empty(1, E, M, N, dtype=x.dtype, device=x.device)
+        y = torch.empty(1, E, M, cols, dtype=x.dtype, device=x.device)
     else:  # float32 slices, added in a fixed order
-        y = torch.empty(split, E, M, N, dtype=torch.float32, device=x.device)
+        y = torch.empty(split, E, M, cols, dtype=torch.float32, device=x.device)
     out, count = y, y
     if serial:
-        out = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
+        out = torch.empty(E, M, cols, dtype=x.dtype, device=x.device)
         count = workspace("fp8_block_linear-arrivals", x.device, 4 * MAX_SERIAL_TILES, zero=True).view(torch.int32)
     grid = (m_tiles * split, n_tiles, E)
     kernel = _fp8_linear_kernel if serial else _wrap(_fp8_linear_kernel)
     kernel[grid](
-        x3, w3, s3, y, out, count, M, N, K, triton.cdiv(K, 128), kb_per, y.stride(0),
+        x3, w3, s3, w2, s2, y, out, count, M, N, N2, K, triton.cdiv(K, 128), kb_per, y.stride(0),
         s_xe, x3.stride(1), w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), y.stride(1), y.stride(2),
         out.stride(0) if serial else 0, out.stride(1) if serial else 0,
-        ACT_QUANT=act_quant, SPLIT_K=split, SERIAL=serial, **cfg,
-        **(launch_kwargs(x.device, eager_only=not serial) if E * N * K <= PDL_MAX_BYTES else PDL_OFF),
+        ACT_QUANT=act_quant, SPLIT_K=split, SERIAL=serial, PAIR=pair is not None, **cfg,
+        **(launch_kwargs(x.device, eager_only=not serial) if E * cols * K <= PDL_MAX_BYTES else PDL_OFF),
     )
     y = out if serial else (y[0] if split == 1 else y.sum(0).to(x.dtype))
     return y if grouped else y[0]
@@ -320,3 +343,24 @@ def fp8_block_linear_serial_triton(x: Tensor, weight: Tensor, weight_scale_inv: 
 @fp8_block_linear_serial_triton.register_fake
 def _serial_fake(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool, split: int) -> Tensor:
     return fake(x, weight, weight_scale_inv, act_quant)
+
+
+@torch.library.custom_op("mla::fp8_block_linear_pair_triton", mutates_args=(), tags=LAYOUT_TAGS)
+def fp8_block_linear_pair_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, weight2: Tensor,
+                                 weight2_scale_inv: Tensor, act_quant: bool) -> Tensor:
+    """``mla::fp8_block_linear_pair``'s two products side by side, ``[M, N_1 + N_2]`` (CUDA ``x`` of 16 or 32 bits):
+    one :func:`_launch` over both weights' column tiles, K split and summed in the kernel as the serial op does
+    where few rows need it. The backend splits the result into the two outputs (views)."""
+    from mla_compile.ops.fp8_block_linear_pair import validate as validate_pair
+
+    validate_pair(x, weight, weight_scale_inv, weight2, weight2_scale_inv)
+    return _launch(x, weight, weight_scale_inv, act_quant, serial=True, pair=(weight2, weight2_scale_inv))
+
+
+@fp8_block_linear_pair_triton.register_fake
+def _pair_fake(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, weight2: Tensor, weight2_scale_inv: Tensor,
+               act_quant: bool) -> Tensor:
+    from mla_compile.ops.fp8_block_linear_pair import validate as validate_pair
+
+    validate_pair(x, weight, weight_scale_inv, weight2, weight2_scale_inv)
+    return x.new_empty(x.shape[0], weight.shape[0] + weight2.shape[0])

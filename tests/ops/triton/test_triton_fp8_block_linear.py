@@ -80,6 +80,30 @@ def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split, mo
         assert torch.equal(compiled(x, codes, scale, False, split), y)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("M,N1,N2,K,split", [(3, 200, 70, 2100, None), (1, 1024, 512, 2048, None),
+                                             (2, 70, 200, 700, 3), (20, 130, 40, 300, None)])
+def test_interpreter_pair_matches_float64(M, N1, N2, K, split, monkeypatch):
+    """Two weights in one launch (``pair``): each output against float64, both with K split and summed in the
+    kernel (few rows) and whole (20 rows), ragged column tiles at the seam between the weights, NaN-poisoned
+    allocations; the custom op around it (fake, AOT dispatch)."""
+    from mla_compile.ops.triton import fp8_block_linear as k
+
+    c1, s1 = _weights(N1, K)
+    c2, s2 = _weights(N2, K, seed=1)
+    x = torch.randn(M, K).bfloat16()
+    poison_empty(monkeypatch)
+    y = k._launch(x, c1, s1, False, split=split, serial=True, pair=(c2, s2))
+    assert y.shape == (M, N1 + N2) and y.dtype == torch.bfloat16
+    assert _rel(y[:, :N1].double(), _ref64(x.float(), c1, s1, False)) < 8e-3
+    assert _rel(y[:, N1:].double(), _ref64(x.float(), c2, s2, False)) < 8e-3
+    y32 = k._launch(x.float(), c1, s1, True, split=split, serial=True, pair=(c2, s2))
+    assert _rel(y32[:, N1:].double(), _ref64(x.float(), c2, s2, True)) < 1e-6
+    if M == 3:
+        torch.library.opcheck(torch.ops.mla.fp8_block_linear_pair_triton, (x, c1, s1, c2, s2, False),
+                              test_utils=OPCHECK_UTILS)
+
+
 def test_split_k_choice():
     from mla_compile.ops.triton.fp8_block_linear import _config, split_k
 
@@ -184,6 +208,44 @@ def test_serial_split_on_gpu(x_shape, w_shape, act_quant):
     count = k.workspace("fp8_block_linear-arrivals", x.device, 4 * k.MAX_SERIAL_TILES, zero=True)
     torch.cuda.synchronize()
     assert not count.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("M,N1,N2,K", [(1, 1024, 512, 4096), (4, 2048, 2048, 4096), (16, 200, 70, 2100),
+                                       (64, 1024, 512, 4096)])
+def test_pair_on_gpu(M, N1, N2, K, act_quant):
+    """``mla::fp8_block_linear_pair``'s Triton backend (V4-Flash's q_a + kv and the shared expert's gate + up at
+    few tokens, ragged tiles, 64 rows unsplit) against float64, eager, compiled and replayed in a CUDA graph on new
+    inputs, outputs NaN-poisoned before the replay."""
+    c1, s1 = (t.cuda() for t in _weights(N1, K))
+    c2, s2 = (t.cuda() for t in _weights(N2, K, seed=1))
+
+    def want(x):
+        return (_ref64(x.float().cpu(), c1.cpu(), s1.cpu(), act_quant),
+                _ref64(x.float().cpu(), c2.cpu(), s2.cpu(), act_quant))
+
+    x = torch.randn(M, K).bfloat16().cuda()
+    for got, ref in zip(ops.fp8_block_linear_pair(x, (c1, s1), (c2, s2), act_quant=act_quant, backend="triton"),
+                        want(x)):
+        assert _rel(got.cpu(), ref) < 4e-3
+    torch.library.opcheck(torch.ops.mla.fp8_block_linear_pair_triton, (x, c1, s1, c2, s2, act_quant),
+                          test_utils=OPCHECK_UTILS)
+    fn = torch.compile(lambda a: ops.fp8_block_linear_pair(a, (c1, s1), (c2, s2), act_quant=act_quant,
+                                                           backend="triton"), fullgraph=True)
+    static = x.clone()
+    fn(static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(static)
+    x2 = torch.randn(M, K).bfloat16().cuda()
+    static.copy_(x2)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    for got, ref in zip(outs, want(x2)):
+        assert _rel(got.cpu(), ref) < 4e-3
 
 
 @pytest.mark.cuda

@@ -185,3 +185,27 @@ def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, pdl, monke
     assert_pdl_order(ptx, pdl and max(E, 1) * N * K <= fp8_block_linear.PDL_MAX_BYTES, "_fp8_linear_kernel")
     if _sm90.cuobjdump() is not None:
         assert _sm90.resources(compiled)["stack"] == 0, "register spills"
+
+
+@pytest.mark.parametrize("M,N1,N2", [(1, 1024, 512), (4, 2048, 2048), (64, 1024, 512)])
+def test_fp8_linear_pair_compiles_for_sm90(M, N1, N2, monkeypatch):
+    """``mla::fp8_block_linear_pair_triton``'s launch (V4-Flash's q_a + kv, the shared expert's gate + up; 64 rows
+    unsplit): the kernel with the second weight's tiles compiles for sm_90 without spills, the pair's column tiles
+    in one grid."""
+    import mla_compile  # noqa: F401
+    from mla_compile.ops.triton import _sm90, fp8_block_linear
+
+    launches: list = []
+    real = fp8_block_linear._fp8_linear_kernel
+    monkeypatch.setattr(fp8_block_linear, "_fp8_linear_kernel", _sm90.recorder(launches)(real))
+    monkeypatch.setattr(fp8_block_linear, "wrap_triton", _sm90.recorder(launches))
+    K = 4096
+    w = lambda n: torch.zeros(n, K, dtype=torch.float8_e4m3fn)  # noqa: E731
+    s = lambda n: torch.ones(n // 128, K // 128)  # noqa: E731
+    fp8_block_linear._launch(torch.zeros(M, K, dtype=torch.bfloat16), w(N1), s(N1), False, serial=True,
+                             pair=(w(N2), s(N2)))
+    (_, grid, args, kwargs), = launches
+    assert kwargs["PAIR"] and grid[1] == -(-N1 // kwargs["BLOCK_N"]) + -(-N2 // kwargs["BLOCK_N"])
+    compiled = _sm90.compile_sm90(real, args, kwargs)
+    if _sm90.cuobjdump() is not None:
+        assert _sm90.resources(compiled)["stack"] == 0, "register spills"
