@@ -212,7 +212,7 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quan
 # decode GEMM (M <= 16, N / 32 or N / 64 column tiles) streams its weight from every SM instead of a few.
 _SPLIT_TARGET = 528
 # K is split only where a tile has at least _SPLIT_MIN_KB 128-wide steps, into slices of at least _SPLIT_STEPS: a
-# slice's sum and count cost a program about a microsecond, which a short K loop does not win back.
+# slice's store, count and sum cost more than a short K loop wins back (BENCHMARKS.md, fifty-first session).
 _SPLIT_MIN_KB, _SPLIT_STEPS = 16, 4
 
 
@@ -237,21 +237,20 @@ def _split(M: int, tiles: int, K: int, split: int | None) -> tuple[int, int]:
     return triton.cdiv(kb, kb_per), kb_per
 
 
-# Launches whose weight codes are at most this many bytes take PDL where it runs (BENCHMARKS.md run 285: V4-Flash's
-# projections of 2-8 MB gained 0.6-0.8 us a call, those of 17-34 MB lost up to 3 us: the successor's programs,
-# started early and waiting, hold SM slots the long launch still needs).
+# Launches whose weight codes are at most this many bytes take PDL where it runs: short launches gain the overlap with
+# the kernel before, long ones lose more to the successor's programs, started early and waiting, holding SM slots
+# the launch still needs (BENCHMARKS.md, fifty-first session).
 PDL_MAX_BYTES = 12 << 20
 # Output tiles a serial-split launch may count (one int32 arrival counter each; a fixed size, so the buffer is never
 # replaced). :func:`split_k` splits only launches of fewer than ``_SPLIT_TARGET // 2`` tiles.
 MAX_SERIAL_TILES = 4096
-SERIAL_SPLIT = True  # few-row split launches sum their slices in the kernel (a benchmark may switch it off)
 
 
 def serial_split(x: Tensor, weight: Tensor) -> int:
     """The K slices :func:`_launch` takes for ``x`` and a 2-D / 3-D ``weight`` where they are summed in the kernel
     (``mla::fp8_block_linear_serial_triton``): more than 1 for CUDA half-precision or float32 ``x`` of at most 16 rows
     whose launch :func:`split_k` splits, else 0."""
-    if not SERIAL_SPLIT or x.device.type != "cuda" or x.dtype == torch.float64:
+    if x.device.type != "cuda" or x.dtype == torch.float64:
         return 0
     *groups, N, K = weight.shape
     E, M = (groups[0] if groups else 1), x.shape[-2]
