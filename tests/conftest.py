@@ -27,6 +27,10 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.torch_state import pin_device_constructors  # noqa: E402
+
+pin_device_constructors()  # before any test can monkeypatch torch.empty (see its docstring)
+
 # Set before any test module imports a kernel: @triton.jit reads it when a kernel is defined. On CPU the
 # interpreter runs the Triton tests on CPU tensors (tests/ops/triton/test_triton_interpret*.py, ...).
 if ("TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("triton") is not None

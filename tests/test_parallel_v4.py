@@ -71,7 +71,7 @@ def test_v4_nccl_dp_attention_ep2_on_two_gpus():
 
 
 def test_v4_other_layouts_are_refused():
-    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.app.v4_toy import toy_v4_config, toy_v4_model
     from mla_compile.models.model import patch
     from mla_compile.parallel import ParallelConfig
     from mla_compile.parallel.groups import Group, ParallelState
@@ -85,6 +85,6 @@ def test_v4_other_layouts_are_refused():
 
     state = ParallelState(ParallelConfig(tp=2, dp_attention=2, ep=2), 0, 2, torch.device("cpu"), *([group] * 6))
     with torch.device("meta"):
-        empty = transformers.DeepseekV4ForCausalLM(toy_v4_model(0).config)
+        empty = transformers.DeepseekV4ForCausalLM(toy_v4_config())
     with pytest.raises(ValueError, match="meta device: pass weights="):
         patch(empty, parallel=state)
