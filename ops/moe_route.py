@@ -1,12 +1,13 @@
 """``mla::moe_route``: DeepSeek's MoE routing, from router logits to ``(weights, expert ids)``.
 
 Contract. ``logits [T, E]`` float32 (float64 allowed: the reference then runs in float64) are the router's
-``x @ gate.weight.T``. Scores are ``sigmoid(logits)`` (``scoring="sigmoid"``, V3) or
-``softmax(logits)`` over E (``scoring="softmax"``, V2). The choice runs on ``scores + bias`` (``bias
-[E]``, V3's ``e_score_correction_bias``; absent: ``scores``). With ``num_group > 1`` the E experts form
-``num_group`` equal groups, each group scored by the sum of its two best choices (sigmoid) or its best
-choice (softmax, "group_limited_greedy"); only the experts of the ``topk_group`` best groups stay (the
-others get -inf (sigmoid) or 0 (softmax), as HF does). The ``top_k`` best remaining experts are picked;
+``x @ gate.weight.T``. Scores are ``sigmoid(logits)`` (``scoring="sigmoid"``, V3), ``sqrt(softplus(logits))``
+(``scoring="sqrtsoftplus"``, V4; softplus as torch's, linear above 20) or ``softmax(logits)`` over E
+(``scoring="softmax"``, V2). The choice runs on ``scores + bias`` (``bias [E]``, V3's and V4's
+``e_score_correction_bias``; absent: ``scores``). With ``num_group > 1`` the E experts form ``num_group`` equal
+groups, each group scored by the sum of its two best choices (sigmoid, sqrtsoftplus) or its best choice (softmax,
+"group_limited_greedy"); only the experts of the ``topk_group`` best groups stay (the others get -inf (sigmoid,
+sqrtsoftplus) or 0 (softmax), as HF does). The ``top_k`` best remaining experts are picked;
 their weights are the *unbiased* scores, divided by their sum (plus 1e-20) when ``renormalize``, then
 multiplied by ``scaling``. Returns ``(weights [T, top_k] float32 (float64 for float64 logits), ids
 [T, top_k] int32)``; the order of the k picks within a row is unspecified (the Triton kernel gives them
@@ -26,7 +27,7 @@ from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_route", "mla.moe_route")
-SCORINGS = ("sigmoid", "softmax")
+SCORINGS = ("sigmoid", "softmax", "sqrtsoftplus")
 MAX_EXPERTS = 1024
 
 
@@ -49,8 +50,8 @@ def validate(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, to
     if not 1 <= top_k <= kept:
         raise ValueError(f"{OP}: top_k must be in [1, {kept}] (the experts of the topk_group={topk_group} kept "
                          f"groups), got {top_k}")
-    if scoring == "sigmoid" and num_group > 1 and E // num_group < 2:
-        raise ValueError(f"{OP}: sigmoid group scores sum each group's two best experts: groups need >= 2 "
+    if scoring != "softmax" and num_group > 1 and E // num_group < 2:
+        raise ValueError(f"{OP}: {scoring} group scores sum each group's two best experts: groups need >= 2 "
                          f"experts, got {E // num_group}")
 
 
@@ -66,8 +67,8 @@ def route_math(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, 
                renormalize: bool, scaling: float) -> tuple[Tensor, Tensor]:
     """The contract in plain torch (traceable; static shapes): ``(weights [T, k], ids [T, k] int64)``."""
     T, E = logits.shape
-    if scoring == "sigmoid":
-        scores = logits.sigmoid()
+    if scoring != "softmax":
+        scores = logits.sigmoid() if scoring == "sigmoid" else torch.nn.functional.softplus(logits).sqrt()
         choice = scores if bias is None else scores + bias.to(scores.dtype)
         if num_group > 1:
             grouped = choice.view(T, num_group, E // num_group)

@@ -28,13 +28,14 @@ from torch import Tensor, nn
 
 from mla_compile import ops
 from mla_compile.backends import requested_for
-from mla_compile.models.attention import linears
+from mla_compile.models.attention import half_kernel, linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert, swiglu
 from mla_compile.models.region_schema import RegionalCompile, compile_region
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
+from mla_compile.ops.moe_gate_route import OP as GATE_ROUTE_OP
 from mla_compile.ops.select import parse_backend_spec
 from mla_compile.ops.v4_attention import compressed_slots, window_slots
 
@@ -306,7 +307,7 @@ def shared_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
 def experts_dense(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module) -> Tensor:
     """Every expert on every token, combined by a ``[T, E]`` routing matrix (exact, static shapes, any device)."""
     combine = torch.zeros(x.shape[0], experts.num_experts, dtype=weights.dtype, device=x.device)
-    combine = combine.scatter_add_(1, ids, weights)
+    combine = combine.scatter_add_(1, ids.long(), weights)
     h = torch.einsum("th,eih->eti", x, experts.gate_up_proj)
     y = torch.einsum("eti,ehi->eth", _swiglu(h, experts.act_fn, experts.limit), experts.down_proj)
     return torch.einsum("eth,te->th", y, combine.to(y.dtype))
@@ -322,6 +323,12 @@ def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module)
     return combine_sorted(y, order, weights)
 
 
+# The gate scorings whose mla::moe_gate_route kernel passed its CUDA tests on a GPU (V3's sigmoid). V4-Flash's
+# "sqrtsoftplus" joins once tests/ops/test_moe_gate_route.py's "v4" CUDA cases pass there; until then its layers
+# route in torch (a GEMV, the scores, torch.topk).
+FUSED_ROUTER_SCORINGS: tuple[str, ...] = ("sigmoid",)
+
+
 class V4MoE(nn.Module):
     """V4's MoE on static shapes: hash routing (``tid2eid[input_ids]``) or ``scoring_func`` top-k with the
     correction bias, normalised and scaled weights, experts with the ``swiglu_limit`` clamp (``impl``
@@ -330,21 +337,35 @@ class V4MoE(nn.Module):
     quantized checkpoint loaded as :class:`~mla_compile.models.fp8_linear.FP8Experts` run in
     ``mla::moe_experts_fp8`` where it serves them (weight-only SiLU, no backend of their own), else through their
     own forward, as :class:`~mla_compile.models.fp4_linear.FP4Experts` do (``mla::moe_experts_fp4``), clamp
-    included."""
+    included. ``scoring``: the config's ``scoring_func``; where it is one of :data:`FUSED_ROUTER_SCORINGS`, a
+    top-k layer's router GEMV and routing run as one ``mla::moe_gate_route`` on CUDA half precision (see
+    :meth:`route`)."""
 
-    def __init__(self, hf_moe: nn.Module, impl: str = "auto") -> None:
+    def __init__(self, hf_moe: nn.Module, impl: str = "auto", scoring: str | None = None) -> None:
         super().__init__()
         if impl not in ("auto", "dense", "grouped"):
             raise ValueError(f"impl must be 'auto', 'dense' or 'grouped', got {impl!r}")
         self.hf = hf_moe
         self.is_hash = hf_moe.is_hash
         self.impl = impl
+        self.scoring = scoring
+
+    def gate_route(self, x: Tensor) -> bool:
+        """Whether :meth:`route` runs ``mla::moe_gate_route`` (router GEMV and routing in one launch for few tokens,
+        float32 logits): a top-k layer of a scoring in :data:`FUSED_ROUTER_SCORINGS`, x and the gate's weight CUDA
+        half precision and that op's "auto" picking "triton". A constant of the graph."""
+        return (not self.is_hash and self.scoring in FUSED_ROUTER_SCORINGS
+                and half_kernel(GATE_ROUTE_OP, x, None, self.hf.gate.weight) == "triton")
 
     def route(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
         """``(weights [T, top_k], expert ids [T, top_k])`` of tokens ``x [T, hidden]``: the experts by
         ``tid2eid[input_ids]`` in a hash-routed layer, else the top-k of the gate's scores (the bias only picks),
-        the weights their normalised scores times ``routed_scaling_factor``, as the HF gate."""
+        the weights their normalised scores times ``routed_scaling_factor``, as the HF gate (where
+        :meth:`gate_route`: ``mla::moe_gate_route``'s float32 weights and int32 ids)."""
         g = self.hf.gate
+        if self.gate_route(x):
+            return ops.moe_gate_route(x, g.weight, g.top_k, bias=g.e_score_correction_bias, scoring=self.scoring,
+                                      renormalize=True, scaling=g.routed_scaling_factor)
         scores = g.score_fn(F.linear(x, g.weight))
         if self.is_hash:
             ids = g.tid2eid[input_ids].long()
@@ -391,7 +412,7 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
             if float(getattr(rot, f"{kind}_attention_scaling")) != 1.0:
                 raise NotImplementedError(f"DeepSeek-V4 rope '{kind}' with attention scaling != 1 is not supported")
         self.attn = nn.ModuleList(V4Attention(l.self_attn, self.config, backend) for l in self.model.layers)
-        self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl) for l in self.model.layers)
+        self.moe = nn.ModuleList(V4MoE(l.mlp, moe_impl, self.config.scoring_func) for l in self.model.layers)
         hc_backend = requested_for("hc_pre", backend)  # "hc_pre=triton" asks for the kernels by name
         for layer in self.model.layers:  # the mHC ops' epsilons as graph constants (see _hc_consts)
             for hc in (layer.attn_hc, layer.ffn_hc):

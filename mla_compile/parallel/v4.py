@@ -37,8 +37,9 @@ class ParallelV4MoE(V4MoE):
     HF block's ``experts`` hold this rank's experts only (float, or a quantized checkpoint's ``FP8Experts`` /
     ``FP4Experts``), global experts ``first`` on."""
 
-    def __init__(self, hf_moe: nn.Module, first: int, state: ParallelState, impl: str = "auto"):
-        super().__init__(hf_moe, impl)
+    def __init__(self, hf_moe: nn.Module, first: int, state: ParallelState, impl: str = "auto",
+                 scoring: str | None = None):
+        super().__init__(hf_moe, impl, scoring)
         self.first = first
         self.ep, self.dp = state.ep, state.dp
 
@@ -101,6 +102,7 @@ def shard_v4(hf_model: nn.Module, state: ParallelState, *, backend: str | None =
     del src  # its references to the full expert tensors
     _materialise_rest(hf_model, _Source(hf_model, weights, state.device), state.device)
     model = V4ForCausalLM(hf_model, backend=backend, moe_impl=moe_impl)
-    model.moe = nn.ModuleList(ParallelV4MoE(layer.mlp, e0, state, moe_impl) for layer in hf_model.model.layers)
+    model.moe = nn.ModuleList(ParallelV4MoE(layer.mlp, e0, state, moe_impl, hf_model.config.scoring_func)
+                              for layer in hf_model.model.layers)
     model.parallel_state = state
     return model

@@ -53,7 +53,7 @@ def _moe_gate_route_kernel(
     T, H, E, GROUP_SIZE, s_x, s_g, s_w, s_i, s_r, s_h, s_n, scaling, eps, CHUNK,
     ROWS: tl.constexpr, SLICE_E: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr, NORM: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     es = tl.program_id(0) * SLICE_E + tl.arange(0, SLICE_E)
@@ -93,7 +93,7 @@ def _moe_gate_route_kernel(
         ok = e < E
         z = tl.load(logits_ptr + r_idx[:, None] * E + e[None, :], mask=ok[None, :], other=0.0, volatile=True)
         weights, ids = _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS, BLOCK_E, BLOCK_G, BLOCK_K,
-                                   TOP_K, NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+                                   TOP_K, NUM_GROUP, TOPK_GROUP, SCORE, HAS_BIAS, RENORM)
         k_idx = tl.arange(0, BLOCK_K)[None, :]
         live = (r_idx[:, None] < T) & (k_idx < TOP_K)  # a one-token call writes one row
         tl.store(w_ptr + r_idx[:, None] * s_w + k_idx, weights, mask=live)

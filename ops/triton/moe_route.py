@@ -1,8 +1,8 @@
 """Triton ``mla::moe_route``: DeepSeek routing in one kernel, one program per token row.
 
-A program holds its row's E scores in registers (E <= 1024): sigmoid or softmax, the bias, the group
-scores (a masked max, and for sigmoid a second masked max past the first argmax), the ``topk_group``
-best groups and then the ``top_k`` best experts by repeated argmax (lowest index on ties), the weights
+A program holds its row's E scores in registers (E <= 1024): sigmoid, sqrt(softplus) or softmax, the bias, the
+group scores (a masked max, and for the per-expert scorings a second masked max past the first argmax), the
+``topk_group`` best groups and then the ``top_k`` best experts by repeated argmax (lowest index on ties), the weights
 gathered from the unbiased scores, renormalized and scaled. Picks are written best first.
 """
 
@@ -17,6 +17,8 @@ from torch.library import triton_op, wrap_triton
 from mla_compile.ops.moe_route import MAX_EXPERTS, OP, validate
 from mla_compile.ops.triton._common import last_dim_contiguous
 
+SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}  # the kernels' SCORE constexpr per scoring
+
 
 @triton.jit
 def _argmax_first(v, idx, BIG: tl.constexpr):
@@ -28,16 +30,18 @@ def _argmax_first(v, idx, BIG: tl.constexpr):
 @triton.jit
 def _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-                NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
                 RENORM: tl.constexpr):
     """``ROWS`` tokens' routing at once from their float32 logits ``z [ROWS, BLOCK_E]`` (experts ``e``, ``ok``:
     ``e < E``): ``(weights [ROWS, BLOCK_K] float32, ids [ROWS, BLOCK_K] int32)``, each row's first ``TOP_K``
     entries best first. Every step reduces along the experts of each row, so the rows share each reduction."""
     okr = ok[None, :]
     er = e[None, :]
-    if SIGMOID:
+    if SCORE == 1:  # sigmoid
         scores = 1.0 / (1.0 + tl.exp(-z))
-    else:
+    elif SCORE == 2:  # sqrt(softplus), softplus linear above 20 as torch's
+        scores = tl.sqrt(tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0)))))
+    else:  # softmax over the row
         z = tl.where(okr, z, float("-inf"))
         p = tl.exp(z - tl.max(z, axis=1)[:, None])
         scores = p / tl.sum(p, axis=1)[:, None]
@@ -54,7 +58,7 @@ def _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS: tl.constexpr,
             in_g = okr & (gid == g)
             v = tl.where(in_g, choice, float("-inf"))
             best = tl.max(v, axis=1)
-            if SIGMOID:  # the sum of the group's two best choices
+            if SCORE > 0:  # per-expert scores: the sum of the group's two best choices
                 first = _argmax_first(v, e, BLOCK_E)
                 best += tl.max(tl.where(er == first[:, None], float("-inf"), v), axis=1)
             g_scores = tl.where(g_idx == g, best[:, None], g_scores)
@@ -66,7 +70,7 @@ def _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS: tl.constexpr,
         for g in tl.static_range(NUM_GROUP):
             kept = tl.sum(tl.where(g_idx == g, keep_g, 0), axis=1)
             keep = tl.where((gid == g) & (kept[:, None] > 0), 1, keep)
-        fill = float("-inf") if SIGMOID else 0.0
+        fill = float("-inf") if SCORE > 0 else 0.0
         choice = tl.where(okr, tl.where(keep > 0, choice, fill), float("-inf"))
 
     k_idx = tl.arange(0, BLOCK_K)[None, :]
@@ -89,7 +93,7 @@ def _moe_route_kernel(
     logits_ptr, bias_ptr, w_ptr, ids_ptr,
     E, GROUP_SIZE, s_l, s_w, s_i, scaling,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORM: tl.constexpr,
 ):
     scaling = tl.full([], scaling, tl.float32)  # Inductor passes Python floats as fp64
@@ -98,7 +102,7 @@ def _moe_route_kernel(
     ok = e < E
     z = tl.load(logits_ptr + t * s_l + e, mask=ok, other=0.0).to(tl.float32)[None, :]
     weights, ids = _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, 1, BLOCK_E, BLOCK_G, BLOCK_K, TOP_K,
-                               NUM_GROUP, TOPK_GROUP, SIGMOID, HAS_BIAS, RENORM)
+                               NUM_GROUP, TOPK_GROUP, SCORE, HAS_BIAS, RENORM)
     k_idx = tl.arange(0, BLOCK_K)[None, :]
     k_ok = k_idx < TOP_K
     tl.store(w_ptr + t * s_w + k_idx, weights, mask=k_ok)
@@ -110,7 +114,7 @@ def route_meta(E: int, top_k: int, num_group: int, topk_group: int, scoring: str
     """The routing constexprs of :func:`_route_rows` for these routing constants."""
     return dict(BLOCK_E=triton.next_power_of_2(E), BLOCK_G=max(2, triton.next_power_of_2(num_group)),
                 BLOCK_K=max(2, triton.next_power_of_2(top_k)), TOP_K=top_k, NUM_GROUP=num_group,
-                TOPK_GROUP=topk_group, SIGMOID=scoring == "sigmoid", HAS_BIAS=has_bias, RENORM=renormalize)
+                TOPK_GROUP=topk_group, SCORE=SCORE_CODES[scoring], HAS_BIAS=has_bias, RENORM=renormalize)
 
 
 def _launch(logits: Tensor, bias: Tensor | None, top_k: int, num_group: int, topk_group: int, scoring: str,

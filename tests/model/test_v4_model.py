@@ -252,6 +252,40 @@ def test_grouped_experts_match_hf():
 
 
 @torch.no_grad()
+def test_fused_router_routes_as_hf(monkeypatch):
+    """``V4MoE.gate_route`` (``mla::moe_gate_route`` with the config's ``sqrtsoftplus`` scoring; here forced as on
+    a GPU where that scoring is verified, the op's "auto" running its reference on the CPU): the top-k layers take
+    it, the hash layer does not, and its float32 weights and int32 ids are the torch route's; the model's logits
+    then match HF."""
+    from mla_compile.models import v4_model
+
+    hf = toy_v4_model(11)
+    model = patch(hf)
+    x = torch.randn(5, hf.config.hidden_size)
+    ids_in = torch.randint(0, 96, (5,))
+    want = [m.route(x, ids_in) for m in model.moe]
+    assert all(m.scoring == "sqrtsoftplus" for m in model.moe) and not any(m.gate_route(x) for m in model.moe)
+    monkeypatch.setattr(v4_model, "FUSED_ROUTER_SCORINGS", ("sigmoid", "sqrtsoftplus"))
+    monkeypatch.setattr(v4_model, "half_kernel", lambda op, *a: "triton" if op == v4_model.GATE_ROUTE_OP else None)
+    assert [m.gate_route(x) for m in model.moe] == [not m.is_hash for m in model.moe]
+    assert any(m.is_hash for m in model.moe)
+    for m, (w_want, ids_want) in zip(model.moe, want):
+        w, ids = m.route(x, ids_in)
+        if m.is_hash:
+            continue
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32
+        order, order_want = ids.long().sort(-1), ids_want.sort(-1)
+        assert torch.equal(order.values, order_want.values)
+        torch.testing.assert_close(w.gather(1, order.indices), w_want.float().gather(1, order_want.indices))
+    ps = prompts(11, [9, 14])
+    seqs = V4Sequences(model, 2, 24, 4, fill=NAN)
+    tok, pos, meta = seqs.metadata([0, 1], ps)
+    meta.logits_indices = None
+    ref = torch.cat([hf(torch.tensor([p])).logits[0] for p in ps])
+    torch.testing.assert_close(model(tok, pos, meta), ref, **TOL)
+
+
+@torch.no_grad()
 def test_prefix_cache_hit_on_a_whole_sequence_ending_mid_window():
     """A new request whose prompt extends a served sequence (26 tokens: mid-window for CSA 4, HCA 8 and the
     sliding window 6) reuses its cache (shared blocks, copied partial blocks, copied compressor state) and

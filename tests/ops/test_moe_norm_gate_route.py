@@ -71,7 +71,7 @@ def test_reference_matches_float64(routing, dtype):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", ["v2-lite", "v3"])  # V4's scoring: test_moe_gate_route's kernel test
 @pytest.mark.parametrize("T,H", [(1, 200), (2, 1100), (2, 24)])
 def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     """One and two tokens; H past one gate tile and off it, and fewer columns than programs (24 < 64 experts: some

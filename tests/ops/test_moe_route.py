@@ -18,6 +18,8 @@ CASES = [
     (20, 5, 1, 1, "sigmoid", False, True, 1.5),    # no groups, no bias
     (8, 3, 1, 1, "softmax", False, False, 1.0),    # V2-Lite: greedy
     (40, 6, 8, 3, "softmax", False, False, 16.0),  # V2: group_limited_greedy, 5 experts a group
+    (32, 6, 1, 1, "sqrtsoftplus", True, True, 1.5),  # V4: sqrt(softplus) + bias, no groups
+    (24, 4, 4, 2, "sqrtsoftplus", False, False, 1.0),  # sqrt(softplus) with groups (two best a group)
 ]
 
 
@@ -28,6 +30,8 @@ def route64(logits, bias, top_k, num_group, topk_group, scoring, renormalize, sc
         E = len(z)
         if scoring == "sigmoid":
             s = [1 / (1 + math.exp(-v)) for v in z]
+        elif scoring == "sqrtsoftplus":
+            s = [math.sqrt(v if v > 20 else math.log1p(math.exp(v))) for v in z]
         else:
             m = max(z)
             p = [math.exp(v - m) for v in z]
@@ -35,7 +39,7 @@ def route64(logits, bias, top_k, num_group, topk_group, scoring, renormalize, sc
         c = [v + (float(bias[e]) if bias is not None else 0.0) for e, v in enumerate(s)]
         size = E // num_group
         groups = [sorted(c[g * size:(g + 1) * size], reverse=True) for g in range(num_group)]
-        g_score = [sum(v[:2]) if scoring == "sigmoid" else v[0] for v in groups]
+        g_score = [sum(v[:2]) if scoring != "softmax" else v[0] for v in groups]
         kept = sorted(range(num_group), key=lambda g: -g_score[g])[:topk_group] if num_group > 1 else [0]
         cand = [e for e in range(E) if e // size in kept]
         picks = sorted(cand, key=lambda e: -c[e])[:top_k]
@@ -80,7 +84,9 @@ def test_reference_matches_float64_math(case):
 
 
 def route_choice(z, bias, scoring):
-    s = z.double().sigmoid() if scoring == "sigmoid" else z.double().softmax(-1)
+    z = z.double()
+    s = {"sigmoid": z.sigmoid, "sqrtsoftplus": lambda: torch.nn.functional.softplus(z).sqrt()}.get(
+        scoring, lambda: z.softmax(-1))()
     return (s + (bias.double() if bias is not None else 0)).tolist()
 
 

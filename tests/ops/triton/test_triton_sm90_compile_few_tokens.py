@@ -27,8 +27,10 @@ def _no_spills(launches):
             assert _sm90.resources(compiled)["stack"] == 0, f"register spills in {kernel.fn.__name__}"
 
 
-# (E, H, top_k, num_group, topk_group, scoring, bias, renormalize, scaling): V2-Lite's gate, V3's routing at 2048
-ROUTINGS = [(64, 2048, 6, 1, 1, "softmax", False, False, 1.0), (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5)]
+# (E, H, top_k, num_group, topk_group, scoring, bias, renormalize, scaling): V2-Lite's gate, V3's routing at 2048,
+# V4-Flash's (sqrt(softplus) scores, hidden 4096)
+ROUTINGS = [(64, 2048, 6, 1, 1, "softmax", False, False, 1.0), (256, 2048, 8, 8, 4, "sigmoid", True, True, 2.5),
+            (256, 4096, 6, 1, 1, "sqrtsoftplus", True, True, 1.5)]
 
 
 @pytest.mark.parametrize("T", [1, 2])
