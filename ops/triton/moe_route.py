@@ -40,7 +40,10 @@ def _route_rows(z, e, ok, bias_ptr, E, GROUP_SIZE, scaling, ROWS: tl.constexpr,
     if SCORE == 1:  # sigmoid
         scores = 1.0 / (1.0 + tl.exp(-z))
     elif SCORE == 2:  # sqrt(softplus), softplus linear above 20 as torch's
-        scores = tl.sqrt(tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0)))))
+        ez = tl.exp(tl.minimum(z, 20.0))
+        u = 1.0 + ez  # log1p(ez) as log(u) * ez / (u - 1): accurate where ez is far below 1 (z very negative)
+        softplus = tl.where(u == 1.0, ez, tl.log(u) * (ez / (u - 1.0)))
+        scores = tl.sqrt(tl.where(z > 20.0, z, softplus))
     else:  # softmax over the row
         z = tl.where(okr, z, float("-inf"))
         p = tl.exp(z - tl.max(z, axis=1)[:, None])

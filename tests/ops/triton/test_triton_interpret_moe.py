@@ -29,7 +29,20 @@ def test_interpreter_matches_float64_math(case, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_interpreter_sqrtsoftplus_of_very_negative_and_large_logits():
+    """V4's scores where softplus is tiny (logits near -25: ``log(1 + e^z)`` in float32 would be 0 for every
+    expert, and the renormalized weights 0 / 0) and where it is linear (above 20): weights as float64's."""
+    from mla_compile.ops.triton.moe_route import _launch
+
+    logits, _ = _inputs(16, False, T=5, seed=3)
+    logits = logits - 25.0
+    logits[4] += 45.0  # around 20: both sides of softplus's linear threshold
+    w, ids = _launch(logits, None, 3, 1, 1, "sqrtsoftplus", True, 1.0)
+    _check(w, ids, route64(logits, None, 3, 1, 1, "sqrtsoftplus", True, 1.0), 2e-6)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax", "sqrtsoftplus"])
 def test_interpreter_nan_logits_still_give_expert_ids_in_range(scoring):
     """A NaN router row routes to garbage, but never to an expert id the experts kernel would read past E with."""
     from mla_compile.ops.triton.moe_route import _launch
