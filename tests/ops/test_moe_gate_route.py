@@ -68,16 +68,18 @@ def test_reference_matches_float64(routing, dtype):
     _check(w, ids, x, weight, b, routing, 1e-5)
 
 
-# The interpreted kernel cases: every (T, H) for V2-Lite's and V3's routings; V4's scoring at one shape (interpreting
-# 256 experts costs seconds a case; the routing code after the scores is V3's).
-INTERPRETED = [(r, T, H) for r in ("v2-lite", "v3") for T, H in ((1, 200), (2, 1100), (2, 24))] + [("v4", 2, 200)]
+# The interpreted kernel cases: every (T, H) for V2-Lite's routing; V3's within a gate tile and past it (H = 200);
+# V4's scoring at one shape (interpreting 256 experts costs seconds a case; the routing after the scores is V3's).
+INTERPRETED = [("v2-lite", 1, 200), ("v2-lite", 2, 1100), ("v2-lite", 2, 24), ("v3", 1, 200), ("v3", 2, 24),
+               ("v4", 2, 200)]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("routing,T,H", INTERPRETED)
 def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     """One and two tokens, H past one gate tile (1100 > 512 at 64 experts; 200 > 128 at 256) and off the tile;
-    outputs poisoned beforehand (every element must be written); picks best first; run-to-run equal."""
+    outputs poisoned beforehand (every element must be written); picks best first; run-to-run equal (at 64 experts:
+    each interpreted call at 256 takes ~10 s of CI; the slices test checks the counter every call leaves)."""
     from mla_compile.ops.triton import moe_gate_route as tmg
 
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]
@@ -90,8 +92,9 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     for t in range(T):
         picked = [route_choice(logits[t], b, scoring)[e] for e in ids[t].tolist()]
         assert picked == sorted(picked, reverse=True)
-    w2, ids2 = tmg._launch(x, weight, b, k, G, TG, scoring, renorm, scaling)
-    assert torch.equal(w, w2) and torch.equal(ids, ids2)
+    if routing == "v2-lite":
+        w2, ids2 = tmg._launch(x, weight, b, k, G, TG, scoring, renorm, scaling)
+        assert torch.equal(w, w2) and torch.equal(ids, ids2)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
