@@ -239,16 +239,23 @@ def subgroup_kept(rank, world):
     return {"kept": sub in _world.pg_map and both in _world.pg_map, "sums": (x.tolist(), y.tolist())}
 
 
-def destroy_owns_what_init_made(rank, world, store_path):
-    """``destroy`` after ``init`` on a default group the caller made (a FileStore at ``store_path``): the
-    subgroups init made (tp=world, dcp=1 with single-rank collectives: one real group a rank) are gone, the
-    default group stays and still sums; after ``init`` made the default group itself (env rendezvous),
-    ``destroy`` ends torch.distributed."""
+def destroy_owns_what_init_made(rank, world, store_path, init_makes_default):
+    """``destroy`` ends only what ``init`` made. ``init_makes_default`` False: after ``init`` on a default group the
+    caller made (a FileStore at ``store_path``), the subgroups init made (tp=world, dcp=1 with single-rank
+    collectives: one real group a rank) are gone, the default group stays and still sums. True: after ``init``
+    made the default group itself (env rendezvous), ``destroy`` ends torch.distributed. One case a process: gloo
+    torn down and made again in one process has failed its rendezvous now and then ("Connection closed by peer")."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
     from mla_compile.parallel import destroy
 
+    if init_makes_default:
+        init(ParallelConfig(tp=world), timeout=60)
+        res = {"made_default": dist.is_initialized()}
+        destroy()
+        res["ended"] = not dist.is_initialized()
+        return res
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     state = init(ParallelConfig(tp=world), single_rank_collectives=True, timeout=60)
     sub = state.dcp.group
@@ -258,10 +265,6 @@ def destroy_owns_what_init_made(rank, world, store_path):
     dist.all_reduce(x)
     res.update(sub_gone=sub not in _world.pg_map, default_kept=dist.is_initialized(), sum=x.tolist())
     dist.destroy_process_group()
-    init(ParallelConfig(tp=world), timeout=60)
-    res["made_default"] = dist.is_initialized()
-    destroy()
-    res["ended"] = not dist.is_initialized()
     return res
 
 

@@ -98,7 +98,7 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("routing", ["v2-lite", "v3"])  # V4's 256 experts route as V3's after the scores
 def test_interpreter_kernel_slices_agree_and_leave_the_counter_at_zero(routing, monkeypatch):
     """Any number of experts a program reads (1: a program per expert; 4; 16) gives the float64 model's picks, and
     every call leaves the arrival counter at 0 (the next call's last program is found by it)."""

@@ -72,11 +72,12 @@ def test_reference_matches_float64(routing, dtype):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("routing,T,H", [("v2-lite", 1, 200), ("v2-lite", 2, 1100), ("v2-lite", 2, 24),
-                                         ("v3", 1, 200), ("v3", 2, 24)])  # V4's scoring: test_moe_gate_route's
+                                         ("v3", 1, 200)])  # V4's scoring: test_moe_gate_route's
 def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
     """One and two tokens; H past one gate tile and off it, and fewer columns than programs (24 < 64 experts: some
     programs store no column); every output poisoned beforehand (each element must be written); run-to-run equal
-    (checked at 64 experts and H = 24 only: each interpreted call at 256 experts takes ~25 s of CI)."""
+    (checked at 64 experts and H = 24 only: each interpreted call at 256 experts takes ~25 s of CI; V3's routing
+    one case)."""
     from mla_compile.ops.triton import moe_gate_route as tmg
 
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]

@@ -68,8 +68,10 @@ VARIANTS = {"gemv": dict(gate_up_pipe=False, gate_up_dot=False, down_dot=False),
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("dtype,variant", [(torch.float32, "gemv"), *((torch.bfloat16, v) for v in VARIANTS)])
-@pytest.mark.parametrize("T,H,I,E,k,S", [(5, 40, 24, 6, 3, 2), (1, 64, 32, 8, 6, 0), (3, 300, 20, 5, 2, 1)])
+@pytest.mark.parametrize("T,H,I,E,k,S,dtype,variant", [
+    (*shape, dtype, variant) for shape in [(5, 40, 24, 6, 3, 2), (1, 64, 32, 8, 6, 0), (3, 300, 20, 5, 2, 1)]
+    for dtype, variant in [(torch.float32, "gemv"), *((torch.bfloat16, v) for v in VARIANTS)]
+    if not (variant == "down2" and shape[1] == 300)])  # the 2-row down GEMV over 300 columns: 150 programs a row
 def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, variant, monkeypatch):
     """bf16 x under every form; float32 x always takes the GEMV kernels (tl.dot would round it to tf32), whatever
     the config asks: :func:`test_interpreter_float32_keeps_the_gemv_kernels`."""
