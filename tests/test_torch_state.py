@@ -27,4 +27,3 @@ def test_meta_models_stay_on_meta_after_a_poisoned_empty(monkeypatch):
     finally:
         _device._device_constructors.cache_clear()
         pin_device_constructors()  # the real functions again, for the tests after this one
-
