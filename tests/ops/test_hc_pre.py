@@ -11,7 +11,7 @@ import torch
 from mla_compile import ops
 from tests.ops.test_hc_sinkhorn import sinkhorn64
 from tests.cuda_capture import capture
-from tests.ops.test_moe_route import poison_empty
+from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
 
 
@@ -115,12 +115,12 @@ def test_v4_toy_hyper_connection_equals_hf():
 @pytest.mark.parametrize("T,n,D,iters", CASES + [(2, 4, 1024, 20), (3, 8, 40, 4)])
 @pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                           (torch.bfloat16, torch.float32)])
-def test_interpreter_matches_float64_math(T, n, D, iters, dtype, wdtype, monkeypatch):
+def test_interpreter_matches_float64_math(T, n, D, iters, dtype, wdtype):
     from mla_compile.ops.triton.hc_pre import _launch
 
     args = make(T, n, D, seed=50 + T * n + D, dtype=dtype, wdtype=wdtype)
-    poison_empty(monkeypatch)
-    got = _launch(*args, iters, 1e-6, 1e-6)
+    with poisoned_empty():
+        got = _launch(*args, iters, 1e-6, 1e-6)
     tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: collapsed rounded to bf16
     _check(got, args, iters, 1e-6, 1e-6, tol)
 

@@ -12,7 +12,7 @@ import torch
 
 from mla_compile import ops
 from tests.cuda_capture import capture
-from tests.ops.test_moe_route import poison_empty
+from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
 
 def sinkhorn64(logits: torch.Tensor, iters: int, eps: float) -> list:
@@ -107,12 +107,13 @@ def test_compiled_equals_eager(backend, fresh_dynamo):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("T,n,iters,eps", CASES + [(33, 4, 20, 1e-6), (1, 8, 4, 1e-6), (3, 6, 9, 1e-6), (2, 1, 3, 1e-6)])
-def test_interpreter_matches_float64_math(T, n, iters, eps, monkeypatch):
+def test_interpreter_matches_float64_math(T, n, iters, eps):
     from mla_compile.ops.triton.hc_sinkhorn import _launch
 
     logits = _logits(T, n, seed=100 + T * n + iters)
-    poison_empty(monkeypatch)
-    _check(_launch(logits, iters, eps), logits, iters, eps, 2e-6)
+    with poisoned_empty():
+        got = _launch(logits, iters, eps)
+    _check(got, logits, iters, eps, 2e-6)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")

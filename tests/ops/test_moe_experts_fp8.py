@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 NAMES = ("x", "weights", "ids", "gate", "gate_scale", "up", "up_scale", "down", "down_scale", "shared_gate",
          "shared_gate_scale", "shared_up", "shared_up_scale", "shared_down", "shared_down_scale")
@@ -110,19 +111,17 @@ def test_reference_swiglu_limit():
     (5, 160, 20, 5, 2, 1, 0.05, torch.float32),  # the V4 clamp
     (1, 130, 18, 4, 2, 8, None, torch.bfloat16),  # 8 shared slices of 18 rows: tiles of 2 rows, blocks straddled
 ])
-def test_interpreter_matches_float64_loop(T, H, I, E, k, S, limit, dtype, monkeypatch):
+def test_interpreter_matches_float64_loop(T, H, I, E, k, S, limit, dtype):
     from mla_compile.ops.triton.moe_experts_fp8 import _launch
-    from tests.ops.test_moe_route import poison_empty
 
     args = make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     want = experts64(*args, round_to=dtype, limit=limit)
-    poison_empty(monkeypatch)
-    out = _launch(*args, True, limit)
+    with poisoned_empty():
+        out, again, low = _launch(*args, True, limit), _launch(*args, True, limit), _launch(*args, False, limit)
     assert out.dtype == torch.float32 and not out.isnan().any()
     # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
     assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-    assert torch.equal(out, _launch(*args, True, limit)), "the combine must add the picks in one fixed order"
-    low = _launch(*args, False, limit)
+    assert torch.equal(out, again), "the combine must add the picks in one fixed order"
     assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
@@ -151,18 +150,17 @@ def poison_last_expert(args, E, value):
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("S", [0, 1])
-def test_interpreter_skips_picks_of_weight_zero(monkeypatch, S):
+def test_interpreter_skips_picks_of_weight_zero(S):
     """The fused kernels read nothing of a routed weight-0 pick's expert (its scales NaN here): the live picks'
     sum (and the shared experts', which every token keeps)."""
     from mla_compile.ops.triton.moe_experts_fp8 import _launch
-    from tests.ops.test_moe_route import poison_empty
 
     E = 6
     args, dead = zero_picks(make(4, 136, 24, E, 3, S, dtype=torch.bfloat16, seed=11), E)
     want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
     poisoned = poison_last_expert(args, E, float("nan"))
-    poison_empty(monkeypatch)
-    out = _launch(*poisoned, True, None)
+    with poisoned_empty():
+        out = _launch(*poisoned, True, None)
     assert not out.isnan().any() and rel(out, want) < 8e-3
     if S == 0:
         assert torch.equal(out[0], torch.zeros_like(out[0]))

@@ -10,7 +10,8 @@ import torch
 
 from mla_compile import ops
 from mla_compile.ops.moe_gate_route import MAX_ROWS
-from tests.ops.test_moe_route import poison_empty, route64, route_choice
+from tests.ops.test_moe_route import route64, route_choice
+from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
 
 # name: (E, top_k, num_group, topk_group, scoring, bias, renormalize, scaling)
@@ -76,7 +77,7 @@ INTERPRETED = [("v2-lite", 1, 200), ("v2-lite", 2, 1100), ("v2-lite", 2, 24), ("
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("routing,T,H", INTERPRETED)
-def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
+def test_interpreter_kernel_matches_float64(routing, T, H):
     """One and two tokens, H past one gate tile (1100 > 512 at 64 experts; 200 > 128 at 256) and off the tile;
     outputs poisoned beforehand (every element must be written); picks best first; run-to-run equal (at 64 experts:
     interpreting 256 experts is slow; the slices test checks the counter every call leaves)."""
@@ -84,9 +85,8 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
 
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]
     x, weight, b = _inputs(routing, T, H, seed=T + H)
-    poison_empty(monkeypatch)
-    w, ids = tmg._launch(x, weight, b, k, G, TG, scoring, renorm, scaling)
-    monkeypatch.undo()
+    with poisoned_empty():
+        w, ids = tmg._launch(x, weight, b, k, G, TG, scoring, renorm, scaling)
     _check(w, ids, x, weight, b, routing, 2e-6)
     logits = x.double() @ weight.double().T
     for t in range(T):

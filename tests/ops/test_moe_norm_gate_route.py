@@ -13,7 +13,7 @@ import torch
 from mla_compile import ops
 from mla_compile.ops.moe_gate_route import MAX_ROWS
 from tests.ops.test_moe_gate_route import CUDA_CASES, ROUTINGS, _check, cuda_grid
-from tests.ops.test_moe_route import poison_empty
+from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
 
 EPS = 1e-6
@@ -73,7 +73,7 @@ def test_reference_matches_float64(routing, dtype):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("routing,T,H", [("v2-lite", 1, 200), ("v2-lite", 2, 1100), ("v2-lite", 2, 24),
                                          ("v3", 1, 200)])  # V4's scoring: test_moe_gate_route's
-def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
+def test_interpreter_kernel_matches_float64(routing, T, H):
     """One and two tokens; H past one gate tile and off it, and fewer columns than programs (24 < 64 experts: some
     programs store no column); every output poisoned beforehand (each element must be written); run-to-run equal
     (checked at 64 experts and H = 24 only: interpreting 256 experts is slow; V3's routing one case)."""
@@ -81,11 +81,8 @@ def test_interpreter_kernel_matches_float64(routing, T, H, monkeypatch):
 
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS[routing]
     x, r, nw, weight, b = _inputs(routing, T, H, seed=T + H)
-    poison_empty(monkeypatch)
-    nan_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_like(*a, **kw).fill_(float("nan")))
-    got = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
-    monkeypatch.undo()
+    with poisoned_empty(like=True):
+        got = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
     # the interpreter truncates float32 -> bf16 casts: h within 1 ulp, normed (two casts) within 2
     _check_all(got, x, r, nw, weight, b, routing, 1, 2, 2e-6, 1e-5)
     if H == 24 and routing == "v2-lite":
@@ -103,9 +100,8 @@ def test_interpreter_kernel_slices_cover_every_column(max_slice, monkeypatch):
     E, k, G, TG, scoring, _, renorm, scaling = ROUTINGS["v3"]
     x, r, nw, weight, b = _inputs("v3", 2, 300, seed=5)
     monkeypatch.setitem(tmg.CONFIG, "max_slice", max_slice)
-    nan_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: nan_like(*a, **kw).fill_(float("nan")))
-    got = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
+    with poisoned_empty(like=True):
+        got = tmg._launch_norm(x, r, nw, EPS, weight, b, k, G, TG, scoring, renorm, scaling)
     _check_all(got, x, r, nw, weight, b, "v3", 1, 2, 2e-6, 1e-5)
 
 

@@ -10,6 +10,7 @@ import torch
 from mla_compile import ops
 from mla_compile.ops.skinny_absorb import MAX_ROWS
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 
 def _case(T, H, N, V, C, R, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -58,7 +59,7 @@ def test_reference_matches_float64(dtype):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("H,N,V,C,R", [(3, 24, 20, 72, 8), (2, 160, 16, 600, 5)])
-def test_interpreter_kernels_match_float64(T, H, N, V, C, R, monkeypatch):
+def test_interpreter_kernels_match_float64(T, H, N, V, C, R):
     """Strided weight views; latent columns off the 64-column tile (72), past one latent step of absorb_out (600 >
     512) and past one nope step of absorb_q (160 > 128); value rows off the 16-row tile (20); a rope width off a
     power of two (5); outputs poisoned with NaN beforehand (every element must be written)."""
@@ -66,11 +67,9 @@ def test_interpreter_kernels_match_float64(T, H, N, V, C, R, monkeypatch):
 
     q_nope, w_uk, q_pe, out_lat, w_uv = _case(T, H, N, V, C, R, seed=T + N)
     assert not w_uk.is_contiguous() and not w_uv.is_contiguous()
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    q_abs = tsa.launch_q(q_nope, w_uk, q_pe)
-    out = tsa.launch_out(out_lat, w_uv)
-    monkeypatch.setattr(torch, "empty", real_empty)
+    with poisoned_empty():
+        q_abs = tsa.launch_q(q_nope, w_uk, q_pe)
+        out = tsa.launch_out(out_lat, w_uv)
     _check_q(q_abs, q_nope, w_uk, q_pe, 1e-2)  # bf16 outputs: one rounding of float32 sums
     _check_out(out, out_lat, w_uv, 1e-2)
     assert torch.equal(q_abs, tsa.launch_q(q_nope, w_uk, q_pe)) and torch.equal(out, tsa.launch_out(out_lat, w_uv))

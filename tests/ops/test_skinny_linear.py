@@ -8,6 +8,7 @@ import torch
 
 from mla_compile.ops.skinny_linear import MAX_ROWS, skinny_linear
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 
 def _case(M, K, Ns, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -67,11 +68,9 @@ def test_interpreter_kernel_matches_float64(M, K, Ns, form, monkeypatch):
     from mla_compile.ops.triton import skinny_linear as tsl
 
     _form(monkeypatch, form)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     x, ws = _case(M, K, Ns, seed=M + K)
-    outs = tsl._launch(x, ws)
-    monkeypatch.setattr(torch, "empty", real_empty)
+    with poisoned_empty():
+        outs = tsl._launch(x, ws)
     _check(outs, x, ws, 1e-2)  # bf16 outputs: one rounding of float32 sums
     again = tsl._launch(x, ws)
     assert all(torch.equal(a, b) for a, b in zip(outs, again))

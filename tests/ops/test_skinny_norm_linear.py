@@ -8,6 +8,7 @@ import torch
 
 from mla_compile.ops.skinny_norm_linear import MAX_ROWS, reference, skinny_norm_linear
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 EPS = 1e-6
 
@@ -82,18 +83,14 @@ def test_auto_takes_the_reference_until_the_kernel_is_gpu_tested():
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("M,K,Ns", [(1, 64, [12]), (2, 600, [40, 3]), (1, 300, [17, 33]), (2, 256, [16])])
-def test_interpreter_kernel_matches_float64(M, K, Ns, residual, monkeypatch):
+def test_interpreter_kernel_matches_float64(M, K, Ns, residual):
     """K off the 256-wide step (several steps: 600, a masked tail: 300), N off the 16-row tile, two weights in one
     launch, one row and two; outputs poisoned with NaN beforehand (every element must be written)."""
     from mla_compile.ops.triton import skinny_norm_linear as tsnl
 
-    real_empty, real_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_like(*a, **k).fill_(float("nan")))
     x, r, g, ws = _case(M, K, Ns, residual, seed=M + K)
-    got = tsnl._launch(x, r, g, EPS, ws)
-    monkeypatch.setattr(torch, "empty", real_empty)
-    monkeypatch.setattr(torch, "empty_like", real_like)
+    with poisoned_empty(like=True):
+        got = tsnl._launch(x, r, g, EPS, ws)
     _check(got, x, r, g, ws, 1e-2, h_ulps=1)  # bf16 outputs: one rounding of float32 sums
     again = tsnl._launch(x, r, g, EPS, ws)
     assert torch.equal(got[0], again[0]) and all(torch.equal(a, b) for a, b in zip(got[1], again[1]))
@@ -102,16 +99,14 @@ def test_interpreter_kernel_matches_float64(M, K, Ns, residual, monkeypatch):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("M,K", [(5, 300), (3, 4100)])
-def test_interpreter_many_rows_path_matches_float64(M, K, residual, monkeypatch):
+def test_interpreter_many_rows_path_matches_float64(M, K, residual):
     """More rows than the GEMV serves: the add + norm kernel (K past one 2048-wide block: 4100; a masked tail: 300)
     and ``F.linear``, outputs poisoned with NaN beforehand."""
     from mla_compile.ops.triton import skinny_norm_linear as tsnl
 
-    real_like = torch.empty_like
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_like(*a, **k).fill_(float("nan")))
     x, r, g, ws = _case(M, K, [24, 7], residual, seed=M + K)
-    got = tsnl._many_rows(x, r, g, EPS, ws)
-    monkeypatch.setattr(torch, "empty_like", real_like)
+    with poisoned_empty(like=True):
+        got = tsnl._many_rows(x, r, g, EPS, ws)
     _check(got, x, r, g, ws, 1e-2, h_ulps=1)
 
 

@@ -12,6 +12,7 @@ from mla_compile import ops
 from mla_compile.ops.fused_kv_write import rms_norm, rope
 from mla_compile.ops.write_absorb_q import MAX_ROWS
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 EPS = 1e-6
 
@@ -64,21 +65,18 @@ def test_reference_matches_float64(T, interleave):
     torch.testing.assert_close(flat[5, :64], args[2] * x / torch.sqrt((x * x).mean() + EPS), atol=1e-6, rtol=1e-6)
 
 
-def _run_interpreted(args, interleave, monkeypatch):
+def _run_interpreted(args, interleave):
     from mla_compile.ops.triton import write_absorb_q as twa
 
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    got = twa.launch(*args[:7], EPS, interleave, *args[7:])
-    monkeypatch.undo()
-    return got
+    with poisoned_empty():
+        return twa.launch(*args[:7], EPS, interleave, *args[7:])
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("T", [1, 2])
-def test_interpreter_one_launch_matches_the_reference(T, interleave, fp8, monkeypatch):
+def test_interpreter_one_launch_matches_the_reference(T, interleave, fp8):
     """The launch's cache rows equal the reference's (a float cache within one rounding: the interpreter truncates
     its casts; fp8 rows decoded), the untouched rows stay as they were, q_abs within bf16 of float64 (q_pe rotated)."""
     from mla_compile.ops.fp8_cache import dequantize_fp8_rows
@@ -87,7 +85,7 @@ def test_interpreter_one_launch_matches_the_reference(T, interleave, fp8, monkey
     ref_args = [a.clone() for a in args]
     want_q = ops.write_latent_cache_absorb_q(*ref_args[:7], EPS, interleave, *ref_args[7:], backend="reference")
     _, want64 = _want(args, interleave)
-    got = _run_interpreted(args, interleave, monkeypatch)
+    got = _run_interpreted(args, interleave)
     assert not got.isnan().any()
     torch.testing.assert_close(got.double(), want64, atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want_q.float(), atol=3e-2, rtol=2e-2)

@@ -9,6 +9,7 @@ import torch
 from _triton_test_util import paged_cache, sm90_compile
 
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 NAN = float("nan")
 interpret = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
@@ -63,10 +64,8 @@ def test_reduce_absorb_merges_random_partials(direct, tile, block_c, T, monkeypa
     w_uv = (torch.randn(H, 2 * V, dc, generator=gen) / 8).bfloat16()[:, V:]
     part = Split(out_rows, torch.full((rows,), NAN), o.reshape(-1).clone(), lse2.reshape(-1).clone(), splits, cap,
                  direct, rows)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(NAN))
-    got = da.reduce_absorb(part, w_uv, T)
-    monkeypatch.setattr(torch, "empty", real_empty)
+    with poisoned_empty():
+        got = da.reduce_absorb(part, w_uv, T)
     if direct:
         lat = out_rows.double()
     else:
@@ -89,7 +88,7 @@ def test_reduce_absorb_merges_random_partials(direct, tile, block_c, T, monkeypa
 @pytest.mark.parametrize("lens,s_q,config", [([37], 1, {"SPLITS": 3}), ([37, 0], 1, {"SPLITS": 3}),
                                              ([50], 2, {"SPLITS": 1}), ([20, 9], 1, None), ([0], 2, {"SPLITS": 2}),
                                              ([30, 0, 17, 64, 3], 1, None), ([41, 5, 0], 2, {"SPLITS": 2})])
-def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config, monkeypatch):
+def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config):
     """The Triton split kernel and the merge + W_UV launch: split (3), direct (1) and planned splits, an empty
     sequence (its rows 0), two queries of one sequence, 5 and 6 query rows (loops of 8); outputs poisoned
     beforehand; W_UV strided."""
@@ -97,10 +96,8 @@ def test_interpreter_triton_split_then_absorb_matches_float64(lens, s_q, config,
 
     H, dc, dr, V, bs = 4, 64, 16, 24, 16
     q, cache, table, seq_lens, w_uv = _case(lens, s_q, H, dc, dr, V, bs, seed=sum(lens) + s_q)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(NAN))
-    got = da.launch(q, cache, table, seq_lens, 0.1, dc, w_uv, "triton", config)
-    monkeypatch.undo()
+    with poisoned_empty():
+        got = da.launch(q, cache, table, seq_lens, 0.1, dc, w_uv, "triton", config)
     want = _want64(q, cache, table, seq_lens, w_uv, 0.1, dc)
     assert got.shape == want.shape and not got.isnan().any()
     for t in range(want.shape[0]):

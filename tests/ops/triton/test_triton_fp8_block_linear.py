@@ -10,7 +10,7 @@ import torch
 
 from mla_compile import ops
 from tests.ops.test_fp8_block_linear import OFFS, OPCHECK_UTILS, _ref64, _rel, _sorted64, _weights
-from tests.ops.test_moe_route import poison_empty
+from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
 
 CASES = [((7, 300), (200, 300)), ((1, 128), (128, 128)), ((17, 64), (130, 64)), ((5, 150), (3, 70, 150)),
@@ -54,7 +54,7 @@ def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("x_shape,w_shape,split", [((3, 700), (70, 700), 3), ((1, 520), (130, 520), 2),
                                                    ((17, 300), (3, 70, 300), 3), ((3, 5, 300), (3, 70, 300), 2)])
-def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split, monkeypatch):
+def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split):
     """The serial split (each tile's last program adds the float32 slices in order) against float64, bf16 and
     float32 x; every output written (NaN-poisoned allocations); the arrival counters back at 0 after the call, so a
     second call gives the same result bit for bit."""
@@ -63,15 +63,16 @@ def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split, mo
     codes, scale = _weights(*w_shape)
     x = torch.randn(*x_shape).bfloat16()
     want = _ref64(x.float(), codes, scale, False)
-    poison_empty(monkeypatch)
-    y = k._launch(x, codes, scale, False, split=split, serial=True)
+    with poisoned_empty():
+        y = k._launch(x, codes, scale, False, split=split, serial=True)
+        y32 = k._launch(x.float(), codes, scale, False, split=split, serial=True)
+        again = k._launch(x, codes, scale, False, split=split, serial=True)
     assert y.shape == want.shape and y.dtype == torch.bfloat16
     assert _rel(y.double(), want) < 8e-3
-    y32 = k._launch(x.float(), codes, scale, False, split=split, serial=True)
     assert y32.dtype == torch.float32 and _rel(y32.double(), want) < 1e-6
     count = k.workspace("fp8_block_linear-arrivals", x.device, 4 * k.MAX_SERIAL_TILES, zero=True)
     assert count.numel() == 4 * k.MAX_SERIAL_TILES and not count.any()
-    assert torch.equal(k._launch(x, codes, scale, False, split=split, serial=True), y)
+    assert torch.equal(again, y)
     if len(x_shape) == 2 and len(w_shape) == 2:  # the custom op around it: fake, AOT dispatch, compiled
         op = torch.ops.mla.fp8_block_linear_serial_triton
         torch.library.opcheck(op, (x, codes, scale, False, split), test_utils=OPCHECK_UTILS)
@@ -83,7 +84,7 @@ def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split, mo
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("M,N1,N2,K,split", [(3, 100, 70, 2100, None), (1, 256, 128, 2048, None),
                                              (2, 70, 200, 700, 3), (20, 130, 40, 300, None)])
-def test_interpreter_pair_matches_float64(M, N1, N2, K, split, monkeypatch):
+def test_interpreter_pair_matches_float64(M, N1, N2, K, split):
     """Two weights in one launch (``pair``): each output against float64, both with K split and summed in the
     kernel (few rows) and whole (20 rows), ragged column tiles at the seam between the weights, NaN-poisoned
     allocations; the custom op around it (fake, AOT dispatch)."""
@@ -92,12 +93,12 @@ def test_interpreter_pair_matches_float64(M, N1, N2, K, split, monkeypatch):
     c1, s1 = _weights(N1, K)
     c2, s2 = _weights(N2, K, seed=1)
     x = torch.randn(M, K).bfloat16()
-    poison_empty(monkeypatch)
-    y = k._launch(x, c1, s1, False, split=split, serial=True, pair=(c2, s2))
+    with poisoned_empty():
+        y = k._launch(x, c1, s1, False, split=split, serial=True, pair=(c2, s2))
+        y32 = k._launch(x.float(), c1, s1, True, split=split, serial=True, pair=(c2, s2))
     assert y.shape == (M, N1 + N2) and y.dtype == torch.bfloat16
     assert _rel(y[:, :N1].double(), _ref64(x.float(), c1, s1, False)) < 8e-3
     assert _rel(y[:, N1:].double(), _ref64(x.float(), c2, s2, False)) < 8e-3
-    y32 = k._launch(x.float(), c1, s1, True, split=split, serial=True, pair=(c2, s2))
     assert _rel(y32[:, N1:].double(), _ref64(x.float(), c2, s2, True)) < 1e-6
     if M == 20:
         torch.library.opcheck(torch.ops.mla.fp8_block_linear_pair_triton, (x, c1, s1, c2, s2, False),
