@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4
 from tests.checkpoints import dequantize_fp4_64, quantize_fp4
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 NAMES = ("x", "weights", "ids", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")
 
@@ -89,42 +90,40 @@ def test_reference_swiglu_limit():
     (3, 96, 544, 5, 2, 0.05, torch.float32, False),  # the V4 clamp; I over two steps of the down kernel
     (2, 32, 32, 4, 2, None, torch.float16, True),  # one block each way
 ])
-def test_interpreter_matches_float64_loop(T, H, I, E, k, limit, dtype, every_code, monkeypatch):
+def test_interpreter_matches_float64_loop(T, H, I, E, k, limit, dtype, every_code):
     from mla_compile.ops.triton.moe_experts_fp4 import _launch
-    from tests.ops.test_moe_route import poison_empty
 
     args = make(T, H, I, E, k, dtype=dtype, seed=T + H, repeat=True, every_code=every_code)
     want = experts64(*args, round_to=dtype, limit=limit)
     if limit is not None:
         assert rel(experts64(*args, round_to=dtype), want) > 1e-3, "the limit must bind"
-    poison_empty(monkeypatch)
-    out = _launch(*args, True, limit)
-    assert out.dtype == torch.float32 and not out.isnan().any()
-    # half precision: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 2**-8)
-    assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-    if H * I <= 32 * 32:  # the repeat on the smallest case (the GPU test repeats every case)
-        assert torch.equal(out, _launch(*args, True, limit)), "the combine must add the picks in one fixed order"
-    low = _launch(*args, False, limit)
-    assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with poisoned_empty():
+        out = _launch(*args, True, limit)
+        assert out.dtype == torch.float32 and not out.isnan().any()
+        # half precision: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 2**-8)
+        assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
+        if H * I <= 32 * 32:  # the repeat on the smallest case (the GPU test repeats every case)
+            assert torch.equal(out, _launch(*args, True, limit)), "the combine must add the picks in one fixed order"
+        low = _launch(*args, False, limit)
+        assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-def test_interpreter_skips_picks_of_weight_zero(monkeypatch):
+def test_interpreter_skips_picks_of_weight_zero():
     """The fused kernels read nothing of a weight-0 pick's expert (its scales NaN here): the live picks' sum,
     exactly 0 for a token with none."""
     from mla_compile.ops.triton.moe_experts_fp4 import _launch
     from tests.ops.test_moe_experts_fp8 import poison_last_expert, zero_picks
-    from tests.ops.test_moe_route import poison_empty
 
     E = 6
     args, dead = zero_picks(make(4, 64, 96, E, 3, dtype=torch.bfloat16, seed=11), E)
     want = experts64(*args, round_to=torch.bfloat16)  # the last expert clean here: weight 0 times a finite value
     poisoned = poison_last_expert(args, E, 255)  # ue8m0 byte 255: NaN scales
-    poison_empty(monkeypatch)
-    out = _launch(*poisoned, True, None)
-    assert not out.isnan().any() and rel(out, want) < 8e-3
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    assert dead.any() and not dead.all()
+    with poisoned_empty():
+        out = _launch(*poisoned, True, None)
+        assert not out.isnan().any() and rel(out, want) < 8e-3
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert dead.any() and not dead.all()
 
 
 def test_opcheck_and_fake():

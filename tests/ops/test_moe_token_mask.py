@@ -14,6 +14,7 @@ from mla_compile import ops
 from tests.ops import test_moe_experts as bf
 from tests.ops import test_moe_experts_fp8 as f8
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 
@@ -113,7 +114,6 @@ def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype,
     tiles (float32 x always takes the GEMV kernels)."""
     from mla_compile.ops.triton import moe_experts as kernels
     from mla_compile.ops.triton.moe_experts import _launch
-    from tests.ops.test_moe_route import poison_empty
 
     forms = {"gemv": dict(gate_up_pipe=False, gate_up_dot=False, down_dot=False),
              "dot": dict(gate_up_pipe=False, gate_up_dot=True, down_dot=True, dot_n=16, dot_k=16, down_h=16, down_k=16),
@@ -124,16 +124,16 @@ def test_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, dtype,
     args = bf.make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     mask = random_mask(T, seed=T)
     want = bf.experts64(*args, round_to=dtype)
-    poison_empty(monkeypatch)
-    unmasked = _launch(*args, True)
-    out = _launch(*args, True, mask)
-    check(out, unmasked, want, mask, 1e-6 if dtype == torch.float32 else 8e-3)
-    poisoned = _launch(*poison_masked(args, mask, (3, 4)), True, mask)
-    assert torch.equal(poisoned, out), "a masked token read an expert's weights or its x"
-    check_activations(activations(kernels, monkeypatch, lambda: _launch(*args, True, mask)), mask)
-    low = _launch(*poison_masked(args, mask, (3, 4)), False, mask)
-    assert low.dtype == dtype and torch.equal(low[~mask], torch.zeros_like(low[~mask]))
-    assert torch.equal(low[mask], _launch(*args, False)[mask])
+    with poisoned_empty():
+        unmasked = _launch(*args, True)
+        out = _launch(*args, True, mask)
+        check(out, unmasked, want, mask, 1e-6 if dtype == torch.float32 else 8e-3)
+        poisoned = _launch(*poison_masked(args, mask, (3, 4)), True, mask)
+        assert torch.equal(poisoned, out), "a masked token read an expert's weights or its x"
+        check_activations(activations(kernels, monkeypatch, lambda: _launch(*args, True, mask)), mask)
+        low = _launch(*poison_masked(args, mask, (3, 4)), False, mask)
+        assert low.dtype == dtype and torch.equal(low[~mask], torch.zeros_like(low[~mask]))
+        assert torch.equal(low[mask], _launch(*args, False)[mask])
 
 
 def test_opcheck_fake_split_and_compiled_call_with_a_mask():
@@ -191,19 +191,18 @@ def test_fp8_reference_masked_rows_are_zero_and_real_rows_unchanged(dtype):
 ])
 def test_fp8_interpreter_reads_no_weights_for_masked_tokens(T, H, I, E, k, S, limit, dtype, monkeypatch):
     from mla_compile.ops.triton.moe_experts_fp8 import _launch
-    from tests.ops.test_moe_route import poison_empty
 
     args = f8.make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     mask = random_mask(T, seed=T)
     want = f8.experts64(*args, round_to=dtype, limit=limit)
-    poison_empty(monkeypatch)
-    out = _launch(*args, True, limit, mask)
-    check(out, _launch(*args, True, limit), want, mask, 1e-6 if dtype == torch.float32 else 8e-3)
-    # the poisoned expert: NaN codes and NaN scales for gate, up and down
-    poisoned = _launch(*poison_masked(args, mask, (3, 4, 5, 6, 7, 8)), True, limit, mask)
-    assert torch.equal(poisoned, out), "a masked token read an expert's weights or its x"
-    from mla_compile.ops.triton import moe_experts_fp8 as kernels
-    check_activations(activations(kernels, monkeypatch, lambda: _launch(*args, True, limit, mask)), mask)
+    with poisoned_empty():
+        out = _launch(*args, True, limit, mask)
+        check(out, _launch(*args, True, limit), want, mask, 1e-6 if dtype == torch.float32 else 8e-3)
+        # the poisoned expert: NaN codes and NaN scales for gate, up and down
+        poisoned = _launch(*poison_masked(args, mask, (3, 4, 5, 6, 7, 8)), True, limit, mask)
+        assert torch.equal(poisoned, out), "a masked token read an expert's weights or its x"
+        from mla_compile.ops.triton import moe_experts_fp8 as kernels
+        check_activations(activations(kernels, monkeypatch, lambda: _launch(*args, True, limit, mask)), mask)
 
 
 def test_fp8_opcheck_fake_and_split_with_a_mask():

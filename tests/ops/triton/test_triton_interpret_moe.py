@@ -9,23 +9,24 @@ import pytest
 import torch
 
 from tests.ops.test_moe_experts import experts64, make, rel
-from tests.ops.test_moe_route import CASES, _check, _inputs, poison_empty, route64, route_choice
+from tests.ops.test_moe_route import CASES, _check, _inputs, route64, route_choice
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("case", CASES + [(64, 6, 1, 1, "softmax", False, False, 1.0),
                                           (256, 8, 8, 4, "sigmoid", True, True, 2.5)])
-def test_interpreter_matches_float64_math(case, monkeypatch):
+def test_interpreter_matches_float64_math(case):
     from mla_compile.ops.triton.moe_route import _launch
 
     E, k, G, TG, scoring, bias, renorm, scaling = case
     logits, b = _inputs(E, bias, T=5, seed=E)
-    poison_empty(monkeypatch)
-    w, ids = _launch(logits, b, k, G, TG, scoring, renorm, scaling)
-    _check(w, ids, route64(logits, b, k, G, TG, scoring, renorm, scaling), 2e-6)
-    best_first = [[route_choice(logits[t], b, scoring)[e] for e in ids[t].tolist()] for t in range(5)]
-    assert all(row == sorted(row, reverse=True) for row in best_first)
+    with poisoned_empty():
+        w, ids = _launch(logits, b, k, G, TG, scoring, renorm, scaling)
+        _check(w, ids, route64(logits, b, k, G, TG, scoring, renorm, scaling), 2e-6)
+        best_first = [[route_choice(logits[t], b, scoring)[e] for e in ids[t].tolist()] for t in range(5)]
+        assert all(row == sorted(row, reverse=True) for row in best_first)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
@@ -82,15 +83,15 @@ def test_interpreter_matches_float64_loop(T, H, I, E, k, S, dtype, variant, monk
         monkeypatch.setitem(moe_experts.CONFIG, key, value)
     args = make(T, H, I, E, k, S, dtype=dtype, seed=T + H, repeat=True)
     want = experts64(*args, round_to=dtype)
-    poison_empty(monkeypatch)
-    out = _launch(*args, True)
-    assert out.dtype == torch.float32 and not out.isnan().any()
-    # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
-    assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-    again = _launch(*args, True)
-    assert torch.equal(out, again), "the combine must add the picks in one fixed order"
-    low = _launch(*args, False)
-    assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with poisoned_empty():
+        out = _launch(*args, True)
+        assert out.dtype == torch.float32 and not out.isnan().any()
+        # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
+        assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3)
+        again = _launch(*args, True)
+        assert torch.equal(out, again), "the combine must add the picks in one fixed order"
+        low = _launch(*args, False)
+        assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.ops.test_moe_experts import experts64, make, rel
-from tests.ops.test_moe_route import poison_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 
@@ -36,21 +36,21 @@ def routed_case(T, H, I, E, k, S, dtype, seed):
     return x, w, ids, gu, dn, sg, su, sd
 
 
-def _check(args, dtype, monkeypatch):
+def _check(args, dtype):
     from mla_compile.ops.triton.moe_grouped import _launch
 
     clean = list(args)
     E = args[3].shape[0]
     clean[3], clean[4] = args[3][:E - 2], args[4][:E - 2]  # the reference never sees the unpicked NaN experts
     want = experts64(*clean, round_to=dtype)
-    poison_empty(monkeypatch)
-    out = _launch(*args, True)
-    assert out.dtype == torch.float32 and not out.isnan().any()
-    # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
-    assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out, want)
-    assert torch.equal(out, _launch(*args, True)), "two calls must give the same bits"
-    low = _launch(*args, False)
-    assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    with poisoned_empty():
+        out = _launch(*args, True)
+        assert out.dtype == torch.float32 and not out.isnan().any()
+        # bf16: the activation's rounding (the interpreter's float32 -> bf16 cast truncates: up to 1 ulp, 2**-8)
+        assert rel(out, want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out, want)
+        assert torch.equal(out, _launch(*args, True)), "two calls must give the same bits"
+        low = _launch(*args, False)
+        assert low.dtype == dtype and rel(low, want) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,52 +62,52 @@ def test_interpreter_matches_float64_loop_small_tiles(T, H, I, E, k, S, bm, dtyp
     from mla_compile.ops.triton import moe_grouped
 
     monkeypatch.setattr(moe_grouped, "CONFIG", dict(moe_grouped.CONFIG, **SMALL_TILES, block_m=bm))
-    _check(routed_case(T, H, I, E, k, S, dtype, seed=T + E), dtype, monkeypatch)
+    _check(routed_case(T, H, I, E, k, S, dtype, seed=T + E), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_interpreter_matches_float64_loop_default_config(dtype, monkeypatch):
+def test_interpreter_matches_float64_loop_default_config(dtype):
     """The default (sm_90) tiles, wider than these widths: one masked step."""
-    _check(routed_case(20, 72, 40, 9, 4, 2, dtype, seed=3), dtype, monkeypatch)
+    _check(routed_case(20, 72, 40, 9, 4, 2, dtype, seed=3), dtype)
 
 
-def test_interpreter_float16_and_int64_ids(monkeypatch):
+def test_interpreter_float16_and_int64_ids():
     x, w, ids, gu, dn, sg, su, sd = make(9, 40, 24, 5, 2, 1, dtype=torch.float16, seed=4, repeat=True)
     want = experts64(x, w, ids, gu, dn, sg, su, sd, round_to=torch.float16)
     from mla_compile.ops.triton.moe_grouped import _launch
 
-    poison_empty(monkeypatch)
-    out = _launch(x, w, ids.long(), gu, dn, sg, su, sd, True)
-    assert not out.isnan().any() and rel(out, want) < 2e-3, rel(out, want)
+    with poisoned_empty():
+        out = _launch(x, w, ids.long(), gu, dn, sg, su, sd, True)
+        assert not out.isnan().any() and rel(out, want) < 2e-3, rel(out, want)
 
 
 @pytest.mark.parametrize("T,k,E,bm", [(37, 3, 8, 16), (5, 6, 64, 16), (64, 6, 64, 32), (3, 2, 4, 64), (1, 1, 1, 16)])
-def test_block_layout(T, k, E, bm, monkeypatch):
+def test_block_layout(T, k, E, bm):
     """Every routed pair in exactly one used row; each block one expert (rows in token order within it: stable),
     its used rows a prefix; the experts' blocks in expert order; the unused blocks past the end empty."""
     from mla_compile.ops.triton.moe_grouped import align_blocks
 
     gen = torch.Generator().manual_seed(T * k + E)
     ids = torch.randint(0, E, (T, k), generator=gen, dtype=torch.int32)
-    poison_empty(monkeypatch)
-    rows, bexp, bcnt = align_blocks(ids, E, bm)
-    nb = bexp.shape[0]
-    assert nb * bm == rows.shape[0] and nb == -(-(T * k + min(E, T * k) * (bm - 1)) // bm)
-    flat = ids.reshape(-1).long()
-    seen = []
-    for b in range(nb):
-        used = int(bcnt[b])
-        assert 0 <= used <= bm
-        if used == 0:
-            assert int(bexp[b]) == E and all(int(c) == 0 for c in bcnt[b:]), "empty blocks only at the end"
-            break
-        e = int(bexp[b])
-        pairs = rows[b * bm: b * bm + used].long().tolist()
-        assert all(int(flat[p]) == e for p in pairs), (b, e, pairs)
-        seen += pairs
-        if used < bm:
-            assert b + 1 == nb or int(bcnt[b + 1]) == 0 or int(bexp[b + 1]) > e, "a partial block ends an expert"
-    assert seen == sorted(range(T * k), key=lambda p: (int(flat[p]), p)), "pairs by expert, stable"
+    with poisoned_empty():
+        rows, bexp, bcnt = align_blocks(ids, E, bm)
+        nb = bexp.shape[0]
+        assert nb * bm == rows.shape[0] and nb == -(-(T * k + min(E, T * k) * (bm - 1)) // bm)
+        flat = ids.reshape(-1).long()
+        seen = []
+        for b in range(nb):
+            used = int(bcnt[b])
+            assert 0 <= used <= bm
+            if used == 0:
+                assert int(bexp[b]) == E and all(int(c) == 0 for c in bcnt[b:]), "empty blocks only at the end"
+                break
+            e = int(bexp[b])
+            pairs = rows[b * bm: b * bm + used].long().tolist()
+            assert all(int(flat[p]) == e for p in pairs), (b, e, pairs)
+            seen += pairs
+            if used < bm:
+                assert b + 1 == nb or int(bcnt[b + 1]) == 0 or int(bexp[b + 1]) > e, "a partial block ends an expert"
+        assert seen == sorted(range(T * k), key=lambda p: (int(flat[p]), p)), "pairs by expert, stable"
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -170,11 +170,11 @@ def test_interpreter_token_mask(dtype, monkeypatch):
     w[~mask] = float("nan")
     real = mask.nonzero().squeeze(1)
     want = experts64(x[real], w[real], ids[real], gu[:E - 2], dn[:E - 2], sg, su, sd, round_to=dtype)
-    poison_empty(monkeypatch)
-    out = moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask)
-    assert (out[~mask] == 0).all() and not out.isnan().any()
-    assert rel(out[real], want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out[real], want)
-    assert torch.equal(out, moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask))
+    with poisoned_empty():
+        out = moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask)
+        assert (out[~mask] == 0).all() and not out.isnan().any()
+        assert rel(out[real], want) < (1e-6 if dtype == torch.float32 else 8e-3), rel(out[real], want)
+        assert torch.equal(out, moe_grouped._launch(x, w, ids, gu, dn, sg, su, sd, True, mask))
 
 
 @pytest.mark.parametrize("P,E,masked", [(1, 1, False), (300, 7, False), (600, 64, True), (257, 3, True)])
