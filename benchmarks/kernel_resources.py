@@ -7,7 +7,11 @@ the matrix instructions (HGMMA = wgmma, HMMA = mma.sync) and the global loads (L
 UTMALDG = TMA, LDG = synchronous loads into registers) off the cubin. No device time needed.
 
     python benchmarks/kernel_resources.py            # DeepSeek shapes, default configs
+    python benchmarks/kernel_resources.py --fp4      # V4-Flash's fp4 kernels: instructions a weight in the hot loop
     python benchmarks/kernel_resources.py --time     # CUDA: time the decode candidates (A/B, same run)
+
+``--fp4``: the fp4 decode kernels are bound by issue, not bytes, at few tokens, so the instructions their hot loop
+(the largest innermost SASS loop) issues per weight read is the figure to lower; it is counted here, without a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import triton
 
 import mla_compile  # noqa: F401  (registers the ops)
-from mla_compile.ops.triton import _sm90, cache_write, decode, gather, merge, prefill
+from mla_compile.ops.triton import _sm90, cache_write, decode, fp4_block_linear, gather, merge, moe_experts_fp4, prefill
 
 
 def report(launch) -> str:
@@ -33,6 +37,52 @@ def report(launch) -> str:
     shown = {k: v for k, v in consts.items() if k.isupper()}
     return (f"{kernel.__name__:24s} grid={tuple(grid)} {opts} regs={r['regs']} stack={r['stack']} "
             f"smem={r['smem']} {ops} {shown}")
+
+
+# Weights one program reads a step of its hot loop, from the launch's constexprs (the fp4 kernels of ``--fp4``)
+WEIGHTS_A_STEP = {
+    "_moe_fp4_gate_up_kernel": lambda c: 2 * c["BLOCK_N"] * c["BLOCK_K"],  # gate and up
+    "_moe_fp4_down_kernel": lambda c: c["K"] * c["BLOCK_H"] * c["BLOCK_K"],  # every pick, unrolled
+    "_fp4_gemv_kernel": lambda c: c["BLOCK_N"] * c["BLOCK_K"],
+    "_fp4_linear_kernel": lambda c: c["BLOCK_N"] * c["BLOCK_K"],
+}
+
+
+def hot_loop(launch) -> str:
+    """Compile one recorded launch for sm_90; one line on its largest innermost loop: instructions a step, weights a
+    thread a step (:data:`WEIGHTS_A_STEP`), instructions a weight and the most frequent opcodes."""
+    from collections import Counter
+
+    kernel, grid, args, kwargs = launch
+    compiled = _sm90.compile_sm90(kernel, args, kwargs)
+    (sass,) = _sm90._cuobjdump(compiled, "-sass")
+    loop = max(_sm90.innermost_loops(sass), key=len)
+    _, consts, _ = _sm90.signature(kernel, args, kwargs)
+    per_thread = WEIGHTS_A_STEP[kernel.__name__](consts) / (32 * compiled.metadata.num_warps)
+    top = " ".join(f"{op}={n}" for op, n in Counter(_sm90.opcode(t) for t in loop).most_common(8))
+    shown = {k: v for k, v in consts.items() if k.startswith(("BLOCK", "K", "STAGES", "WORDS"))}
+    return (f"{kernel.__name__:24s} grid={tuple(grid)} regs={_sm90.resources(compiled)['regs']} {shown}: "
+            f"{len(loop)} instructions a step, {per_thread:g} weights a thread, "
+            f"{len(loop) / per_thread:.2f} a weight; {top}")
+
+
+def fp4_launches() -> list:
+    """The fp4 kernels at V4-Flash's routed-expert dims (hidden 4096, width 2048, top-6) on 132 SMs: the fused
+    experts at 1 and 8 tokens, the fp4 linear's GEMV at one row and its tiled word decode at 16 and 64 rows."""
+    H, I, E, k = 4096, 2048, 8, 6
+    u8 = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
+    launches = []
+    for T in (1, 8):
+        launches += _sm90.record(moe_experts_fp4, moe_experts_fp4._launch, torch.zeros(T, H, dtype=torch.bfloat16),
+                                 torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32), u8(E, I, H // 2),
+                                 u8(E, I, H // 32), u8(E, I, H // 2), u8(E, I, H // 32), u8(E, H, I // 2),
+                                 u8(E, H, I // 32), True, 10.0, sms=132)
+    for M in (1, 16, 64):
+        recorded = _sm90.record(fp4_block_linear, fp4_block_linear._launch, torch.zeros(M, H, dtype=torch.bfloat16),
+                                u8(I, H // 2), u8(I, H // 32), sms=132)
+        launches += [(kernel, grid, args, {**kw, "F32": False} if "F32" in kw else kw)  # as on a GPU
+                     for kernel, grid, args, kw in recorded]
+    return launches
 
 
 # (B, H, L, config) for ``--time``: the previous defaults next to the current heuristic ({}) and the
@@ -111,7 +161,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--time", action="store_true", help="CUDA: time DECODE_CANDIDATES instead of compiling")
     ap.add_argument("--time-fp8", action="store_true", help="CUDA: time FP8_CANDIDATES (the fp8 cache)")
+    ap.add_argument("--fp4", action="store_true", help="the fp4 kernels' hot loops: instructions a weight")
     args = ap.parse_args()
+    if args.fp4:
+        for launch in fp4_launches():
+            print(hot_loop(launch), flush=True)
+        return
     if args.time or args.time_fp8:
         if args.time:
             time_decode()

@@ -147,18 +147,28 @@ def ptxas_infos(compiled) -> list[str]:
     return re.findall(r"\((C\d{4})\)", out.stdout + out.stderr)
 
 
-def spills_in_mma_loops(compiled) -> int:
-    """Spill instructions (``LDL`` / ``STL``) inside the innermost SASS loops that hold a ``wgmma`` (a backward
-    branch's range with an ``HGMMA`` and no such loop inside it): the hot loops, where a spill costs each iteration."""
-    (sass,) = _cuobjdump(compiled, "-sass")
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+def innermost_loops(sass: str, holding: str | None = None) -> list[list[str]]:
+    """The innermost loops of a SASS listing (cuobjdump ``-sass``), in address order: the ranges of backward branches
+    (those with an instruction containing ``holding``, when given) that hold no other such range, each as its
+    instructions (predicates kept, ``;`` dropped)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for at, text in ins:
         m = re.search(r"\bBRA\s+(?:\.U\.ANY\s+)?0x([0-9a-f]+)\s*$", text)
-        if m and int(m.group(1), 16) < at:
-            lo = int(m.group(1), 16)
-            if any("HGMMA" in t for a, t in ins if lo <= a <= at):
-                loops.append((lo, at))
+        lo = int(m.group(1), 16) if m else at
+        if lo < at and (holding is None or any(holding in t for a, t in ins if lo <= a <= at)):
+            loops.append((lo, at))
     inner = [(lo, hi) for lo, hi in loops if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in loops)]
-    return sum(1 for at, text in ins if re.match(r"\s*(LDL|STL)\b", text)
-               and any(lo <= at <= hi for lo, hi in inner))
+    return [[text for at, text in ins if lo <= at <= hi] for lo, hi in sorted(inner)]
+
+
+def opcode(instruction: str) -> str:
+    """A SASS instruction's opcode with its modifiers (``IMAD.SHL.U32``), its predicate (``@!P0``) dropped."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
+def spills_in_mma_loops(compiled) -> int:
+    """Spill instructions (``LDL`` / ``STL``) inside the innermost SASS loops that hold a ``wgmma`` (``HGMMA``): the
+    hot loops, where a spill costs each iteration."""
+    (sass,) = _cuobjdump(compiled, "-sass")
+    return sum(1 for loop in innermost_loops(sass, "HGMMA") for t in loop if re.match(r"\s*(LDL|STL)\b", t))
