@@ -11,8 +11,8 @@ import torch
 from mla_compile import ops
 from tests.ops.test_hc_sinkhorn import sinkhorn64
 from tests.cuda_capture import capture
-from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 
 def hc64(x, fn, base, scale, iters, norm_eps, hc_eps):

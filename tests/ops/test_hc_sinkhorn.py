@@ -12,8 +12,8 @@ import torch
 
 from mla_compile import ops
 from tests.cuda_capture import capture
-from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 def sinkhorn64(logits: torch.Tensor, iters: int, eps: float) -> list:
     """The contract token by token in float64 Python (lists of lists), independent of torch's kernels."""

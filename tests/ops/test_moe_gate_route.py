@@ -11,8 +11,8 @@ import torch
 from mla_compile import ops
 from mla_compile.ops.moe_gate_route import MAX_ROWS
 from tests.ops.test_moe_route import route64, route_choice
-from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 # name: (E, top_k, num_group, topk_group, scoring, bias, renormalize, scaling)
 ROUTINGS = {

@@ -13,8 +13,8 @@ import torch
 from mla_compile import ops
 from mla_compile.ops.moe_gate_route import MAX_ROWS
 from tests.ops.test_moe_gate_route import CUDA_CASES, ROUTINGS, _check, cuda_grid
-from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 EPS = 1e-6
 

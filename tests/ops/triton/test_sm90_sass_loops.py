@@ -10,7 +10,7 @@ from mla_compile.ops.triton._sm90 import innermost_loops, opcode
 
 def _listing(lines: list[str]) -> str:
     """cuobjdump-style lines, 16 bytes an instruction from address 0."""
-    return "\n".join(f"        /*{16 * i:04x}*/                   {text} ;   /* 0x000 */" for i, text in enumerate(lines))
+    return "\n".join(f"        /*{16 * i:04x}*/        {text} ;   /* 0x000 */" for i, text in enumerate(lines))
 
 
 # 0: MOV; 1-6: an outer loop (back to 1) around an inner loop 2-4 (back to 2) that holds an HGMMA; 7-9: a second

@@ -10,8 +10,8 @@ import torch
 
 from mla_compile import ops
 from tests.ops.test_fp8_block_linear import OFFS, OPCHECK_UTILS, _ref64, _rel, _sorted64, _weights
-from tests.poison import poisoned_empty
 from tests.ops.triton.conftest import INTERPRET
+from tests.poison import poisoned_empty
 
 CASES = [((7, 300), (200, 300)), ((1, 128), (128, 128)), ((17, 64), (130, 64)), ((5, 150), (3, 70, 150)),
          ((3, 5, 150), (3, 70, 150))]
