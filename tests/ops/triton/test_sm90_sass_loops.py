@@ -6,6 +6,7 @@ from __future__ import annotations
 from _triton_test_util import sm90_compile
 
 from mla_compile.ops.triton._sm90 import innermost_loops, opcode
+from tests import bench_module
 
 
 def _listing(lines: list[str]) -> str:
@@ -36,12 +37,8 @@ def test_fp4_hot_loop_line():
     """The fused fp4 experts' gate-up kernel at one token: its hot loop decodes (LOP3), widens (HADD2.F32) and
     multiplies (FFMA) every weight, so it issues more than 3 instructions a weight; far fewer than 50."""
     import re
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-    import kernel_resources
-
+    kernel_resources = bench_module.load("kernel_resources")
     launch = next(x for x in kernel_resources.fp4_launches() if x[0].__name__ == "_moe_fp4_gate_up_kernel")
     line = kernel_resources.hot_loop(launch)
     per_weight = float(re.search(r"([\d.]+) a weight", line).group(1))
