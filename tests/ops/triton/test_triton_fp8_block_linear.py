@@ -75,10 +75,11 @@ def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split):
     assert torch.equal(again, y)
     if len(x_shape) == 2 and len(w_shape) == 2:  # the custom op around it: fake, AOT dispatch, compiled
         op = torch.ops.mla.fp8_block_linear_serial_triton
-        torch.library.opcheck(op, (x, codes, scale, False, split), test_utils=OPCHECK_UTILS)
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")
-        assert torch.equal(compiled(x, codes, scale, False, split), y)
+        with poisoned_empty():
+            torch.library.opcheck(op, (x, codes, scale, False, split), test_utils=OPCHECK_UTILS)
+            torch._dynamo.reset()
+            compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")
+            assert torch.equal(compiled(x, codes, scale, False, split), y)
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
@@ -101,8 +102,9 @@ def test_interpreter_pair_matches_float64(M, N1, N2, K, split):
     assert _rel(y[:, N1:].double(), _ref64(x.float(), c2, s2, False)) < 8e-3
     assert _rel(y32[:, N1:].double(), _ref64(x.float(), c2, s2, True)) < 1e-6
     if M == 20:
-        torch.library.opcheck(torch.ops.mla.fp8_block_linear_pair_triton, (x, c1, s1, c2, s2, False),
-                              test_utils=OPCHECK_UTILS)
+        with poisoned_empty():
+            torch.library.opcheck(torch.ops.mla.fp8_block_linear_pair_triton, (x, c1, s1, c2, s2, False),
+                                  test_utils=OPCHECK_UTILS)
 
 
 def test_split_k_choice():
