@@ -6,9 +6,10 @@ V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1
 - one expert's GEMV / GEMM, gate (N 2048, K 4096) and down (N 4096, K 2048): fp4 Triton vs bf16 ``F.linear``
   and the fp8 block Triton kernel on the same weight;
 - the routed experts of one MoE layer, 256 experts top-6 (``--tokens``, default 1, 8, 64, 256):
-  ``mla::moe_experts_fp4`` fused ("triton": the picks' weights per (token, pick)), "grouped" (tokens sorted by
-  expert, each hit expert read once, through ``mla::fp4_block_linear``'s sorted groups) and "auto", against bf16
-  ``torch._grouped_mm`` (``moe.experts_grouped``); ``--sweep`` adds the fused kernels' launch parameters.
+  ``mla::moe_experts_fp4`` fused ("triton": the picks' weights per (token, pick); "gluon": the same on the tensor
+  cores), "grouped" (tokens sorted by expert, each hit expert read once, through ``mla::fp4_block_linear``'s sorted
+  groups) and "auto", against bf16 ``torch._grouped_mm`` (``moe.experts_grouped``); ``--sweep`` adds the fused
+  kernels' launch parameters (the Gluon kernels' rows and warps among them).
 Times per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s counts the weight bytes read
 (fp4: half a byte per weight plus a scale byte per 32). Writes ``bench_fp4_experts.json`` and ``.txt``.
 """
@@ -33,6 +34,7 @@ from mla_compile.ops import fp4_block_linear, fp8_block_linear  # noqa: E402
 from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, moe_experts_fp4  # noqa: E402
 from mla_compile.ops.triton import fp4_block_linear as tfp4  # noqa: E402
 from mla_compile.ops.triton import moe_experts_fp4 as tmoe  # noqa: E402
+from mla_compile.ops.triton import moe_experts_fp4_mma as tmma  # noqa: E402
 
 DEV, HIDDEN, INTER, TOPK = "cuda", 4096, 2048, 6
 SWEEP = False
@@ -123,10 +125,10 @@ def moe_case(T, E):
                note=f"{hit} experts hit")
     w = [getattr(fp4, p + s) for p in ("gate_proj", "up_proj", "down_proj") for s in ("", "_scale_inv")]
     picks = T * TOPK * (2 * fp4_bytes(INTER, HIDDEN) + fp4_bytes(HIDDEN, INTER))
-    for name in ("triton", "grouped", None):
+    for name in ("triton", "gluon", "grouped", None):
         bk.attempt(group, f"fp4 moe_experts_fp4 {name or 'auto'}",
                    lambda name=name: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=name), flops,
-                   picks if name == "triton" else hit_bytes, note=f"{hit} experts hit")
+                   picks if name in ("triton", "gluon") else hit_bytes, note=f"{hit} experts hit")
     if SWEEP:  # the fused kernels' launch parameters and the grouped path's variants, each checked against the
         # reference op
         want = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend="reference")
@@ -135,7 +137,8 @@ def moe_case(T, E):
             y = moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, out_float32=True, backend=backend)
             bk.attempt(group, label,
                        bk.direct(lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=backend)),
-                       flops, picks if backend == "triton" else hit_bytes, note=f"rel err {rel_err(y, want):.1e}")
+                       flops, picks if backend in ("triton", "gluon") else hit_bytes,
+                       note=f"rel err {rel_err(y, want):.1e}")
 
         with mock.patch.object(tfp4, "TILED_WORDS", not tfp4.TILED_WORDS):  # the tiled kernels' other decode
             swept(f"fp4 moe_experts_fp4 grouped, TILED_WORDS={tfp4.TILED_WORDS}", "grouped")
@@ -155,6 +158,10 @@ def moe_case(T, E):
             with mock.patch.dict(tmoe.CONFIG, gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
                                  pipelined_tokens=1 << 30):
                 swept(f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}", "triton")
+        for rows, gu_warps, dn_warps in ((16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 8, 8)):
+            if T <= FUSED_MAX_TOKENS_FP4:  # the Gluon mma kernels' rows a warp and warps a program
+                with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps):
+                    swept(f"fp4 gluon rows{rows} gate_up_w{gu_warps} down_w{dn_warps}", "gluon")
     fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()
     gate_up = torch.empty(E, 2 * INTER, HIDDEN, device=DEV, dtype=torch.bfloat16)

@@ -39,12 +39,16 @@ def report(launch) -> str:
             f"smem={r['smem']} {ops} {shown}")
 
 
-# Weights one program reads a step of its hot loop, from the launch's constexprs (the fp4 kernels of ``--fp4``)
+# Weights one program reads a step of its hot loop, from the launch's constexprs and warps (the fp4 kernels of
+# ``--fp4``)
 WEIGHTS_A_STEP = {
-    "_moe_fp4_gate_up_kernel": lambda c: 2 * c["BLOCK_N"] * c["BLOCK_K"],  # gate and up
-    "_moe_fp4_down_kernel": lambda c: c["K"] * c["BLOCK_H"] * c["BLOCK_K"],  # every pick, unrolled
-    "_fp4_gemv_kernel": lambda c: c["BLOCK_N"] * c["BLOCK_K"],
-    "_fp4_linear_kernel": lambda c: c["BLOCK_N"] * c["BLOCK_K"],
+    "_moe_fp4_gate_up_kernel": lambda c, w: 2 * c["BLOCK_N"] * c["BLOCK_K"],  # gate and up
+    "_moe_fp4_down_kernel": lambda c, w: c["K"] * c["BLOCK_H"] * c["BLOCK_K"],  # every pick, unrolled
+    "_fp4_gemv_kernel": lambda c, w: c["BLOCK_N"] * c["BLOCK_K"],
+    "_fp4_linear_kernel": lambda c, w: c["BLOCK_N"] * c["BLOCK_K"],
+    # one weight matrix (gate, up or a pick's down) a loop, two 128-column steps a warp, the warps splitting K
+    "_moe_fp4_mma_gate_up_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
+    "_moe_fp4_mma_down_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
 }
 
 
@@ -58,9 +62,10 @@ def hot_loop(launch) -> str:
     (sass,) = _sm90._cuobjdump(compiled, "-sass")
     loop = max(_sm90.innermost_loops(sass), key=len)
     _, consts, _ = _sm90.signature(kernel, args, kwargs)
-    per_thread = WEIGHTS_A_STEP[kernel.__name__](consts) / (32 * compiled.metadata.num_warps)
+    warps = compiled.metadata.num_warps
+    per_thread = WEIGHTS_A_STEP[kernel.__name__](consts, warps) / (32 * warps)
     top = " ".join(f"{op}={n}" for op, n in Counter(_sm90.opcode(t) for t in loop).most_common(8))
-    shown = {k: v for k, v in consts.items() if k.startswith(("BLOCK", "K", "STAGES", "WORDS"))}
+    shown = {k: v for k, v in consts.items() if k.startswith(("BLOCK", "K", "STAGES", "WORDS", "ROWS"))}
     return (f"{kernel.__name__:24s} grid={tuple(grid)} regs={_sm90.resources(compiled)['regs']} {shown}: "
             f"{len(loop)} instructions a step, {per_thread:g} weights a thread, "
             f"{len(loop) / per_thread:.2f} a weight; {top}")
@@ -68,15 +73,20 @@ def hot_loop(launch) -> str:
 
 def fp4_launches() -> list:
     """The fp4 kernels at V4-Flash's routed-expert dims (hidden 4096, width 2048, top-6) on 132 SMs: the fused
-    experts at 1 and 8 tokens, the fp4 linear's GEMV at one row and its tiled word decode at 16 and 64 rows."""
+    experts at 1 and 8 tokens (Triton, then the Gluon ``mma`` kernels at 1), the fp4 linear's GEMV at one row and its
+    tiled word decode at 16 and 64 rows."""
+    from mla_compile.ops.triton import moe_experts_fp4_mma
+
     H, I, E, k = 4096, 2048, 8, 6
     u8 = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
     launches = []
+    experts = lambda T: (torch.zeros(T, H, dtype=torch.bfloat16), torch.rand(T, k),  # noqa: E731
+                         torch.zeros(T, k, dtype=torch.int32), u8(E, I, H // 2), u8(E, I, H // 32), u8(E, I, H // 2),
+                         u8(E, I, H // 32), u8(E, H, I // 2), u8(E, H, I // 32), True, 10.0)
     for T in (1, 8):
-        launches += _sm90.record(moe_experts_fp4, moe_experts_fp4._launch, torch.zeros(T, H, dtype=torch.bfloat16),
-                                 torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32), u8(E, I, H // 2),
-                                 u8(E, I, H // 32), u8(E, I, H // 2), u8(E, I, H // 32), u8(E, H, I // 2),
-                                 u8(E, H, I // 32), True, 10.0, sms=132)
+        launches += _sm90.record(moe_experts_fp4, moe_experts_fp4._launch, *experts(T), sms=132)
+    launches += _sm90.record(moe_experts_fp4_mma, moe_experts_fp4_mma.launch, *experts(1),
+                             gluon=("_moe_fp4_mma_gate_up_kernel", "_moe_fp4_mma_down_kernel"))
     for M in (1, 16, 64):
         recorded = _sm90.record(fp4_block_linear, fp4_block_linear._launch, torch.zeros(M, H, dtype=torch.bfloat16),
                                 u8(I, H // 2), u8(I, H // 32), sms=132)

@@ -20,8 +20,10 @@ Backends: "reference" (plain torch, any device: one expert at a time dequantized
 expert read once: the large-T path; its gate / up outputs are rounded to x's dtype before the activation, as
 ``FP4Experts`` rounded them), "triton" (ours, CUDA: per (token, pick) the routed expert's gate and up rows in one
 kernel with the clamp and ``silu(g) * u``, then down with the weighted combine, the codes decoded in registers:
-the small-T path). "auto" on a GPU with both GPU-tested: ``triton`` up to :data:`FUSED_MAX_TOKENS_FP4` tokens,
-``grouped`` above, inside one op (one graph serves every batch size).
+the small-T path), "gluon" (ours, sm_90: the same two kernels with the products on the tensor cores, the codes
+decoded into ``mma``'s register operand; bf16 x; not yet GPU-tested). "auto" on a GPU with both GPU-tested:
+``triton`` up to :data:`FUSED_MAX_TOKENS_FP4` tokens, ``grouped`` above, inside one op (one graph serves every batch
+size).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch import Tensor
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, dequantize, fp4_block_linear
 from mla_compile.ops.moe_experts import _acc, _activation, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
-from mla_compile.ops.registry import FLOATS, HALF, LAYOUT_TAGS, declare, declare_op, declare_split_op, run_split_part
+from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, SM90, declare, declare_op, declare_split_op,
+                                      run_split_part)
 from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
@@ -148,7 +151,7 @@ def moe_experts_fp4(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_
                     up_scale: Tensor, down: Tensor, down_scale: Tensor, *, swiglu_limit: float | None = None,
                     out_float32: bool = False, backend: str | None = None) -> Tensor:
     """Routed fp4 experts of ``x [T, H]`` -> ``[T, H]``; shapes and math in the module docstring.
-    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton" or a split name."""
+    ``backend``: None/"auto" (:func:`auto_backend`), "reference", "grouped", "triton", "gluon" or a split name."""
     if backend in (None, "auto"):
         backend = auto_backend(str(x.device), str(x.dtype).replace("torch.", ""))
     impl = resolve(OP, x.device, backend, dtype=x.dtype)
@@ -169,3 +172,17 @@ declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=(tor
         package="triton", gpu_tested=True,
         kernels=("moe_experts_fp4_triton", "_moe_fp4_gate_up_kernel", "_moe_fp4_down_kernel"),
         note="ours: reads only the routed experts' fp4 rows and scales; gate+up+clamp+SiLU*up, then down+combine")
+
+
+def _gluon(*args) -> Tensor:
+    import mla_compile.ops.triton.moe_experts_fp4_mma  # noqa: F401  (registers mla::moe_experts_fp4_gluon)
+    return torch.ops.mla.moe_experts_fp4_gluon(*args)
+
+
+# Not yet run on a GPU (tests/ops/triton/test_triton_moe_fp4.py's "gluon" cases): "auto" skips it until they pass.
+declare(OP, "gluon", _gluon, rank=45, available=_triton_available, dtypes=(torch.bfloat16,), min_capability=SM90,
+        max_capability=SM90, package="triton", gpu_tested=False,
+        kernels=("moe_experts_fp4_gluon=gluon (opaque kernel)", "_moe_fp4_mma_gate_up_kernel",
+                 "_moe_fp4_mma_down_kernel"),
+        note="ours (Gluon, sm_90): as 'triton', the codes decoded straight into mma.sync's bf16 A operand and the "
+             "products on the tensor cores, the warps splitting K; bf16 x, H and I multiples of 1024 (else 'triton')")

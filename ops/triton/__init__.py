@@ -11,7 +11,8 @@ lower-level dialect, which Inductor cannot re-emit) behind a plain ``torch.libra
 ``decode_gluon_swap``, ``decode_gluon_ws`` and ``decode_gluon_seesaw`` (``mla::decode_gluon`` /
 ``mla::decode_gluon_ws`` / ``mla::decode_gluon_seesaw``, backends "gluon" / "gluon-ws" / "gluon-seesaw" of
 ``decode``) and the sm_90 prefills ``prefill_gluon`` / ``prefill_gluon_ws`` (backends "gluon" / "gluon-ws" of
-``prefill``). ``skinny_linear``, ``skinny_absorb`` and ``moe_gate_route`` sit behind plain custom ops
+``prefill``) and the fp4 experts' ``moe_experts_fp4_mma`` (``mla::moe_experts_fp4_gluon``, backend "gluon" of
+``moe_experts_fp4``). ``skinny_linear``, ``skinny_absorb`` and ``moe_gate_route`` sit behind plain custom ops
 too: their kernels serve a few rows, and the op chooses between the kernel and torch by the row count at run time
 (inside a ``triton_op`` that branch would be traced, and a dynamic-shape graph would guard on the row count).
 """

@@ -32,14 +32,20 @@ def recorder(launches: list) -> type:
     return Recorder
 
 
-def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwargs) -> list[tuple]:
-    """Run ``fn(*args, **kwargs)`` with ``module.wrap_triton`` replaced by a :func:`recorder` (and ``module.num_sms``
-    returning ``sms`` when given, e.g. an H200's 132; with ``pdl``, ``module.launch_kwargs`` giving the launch an
-    sm_90 device gets: PDL on); returns ``(kernel, grid, args, kwargs)`` per launch."""
+def record(module, fn, *args, sms: int | None = None, pdl: bool = False, gluon: tuple[str, ...] = (),
+           **kwargs) -> list[tuple]:
+    """Run ``fn(*args, **kwargs)`` with ``module.wrap_triton`` (where it has one) and the Gluon kernels named in
+    ``gluon`` (launched as ``kernel[grid](...)``) replaced by a :func:`recorder` (and ``module.num_sms`` returning
+    ``sms`` when given, e.g. an H200's 132; with ``pdl``, ``module.launch_kwargs`` giving the launch an sm_90 device
+    gets: PDL on); returns ``(kernel, grid, args, kwargs)`` per launch."""
     launches: list[tuple] = []
     Recorder = recorder(launches)
-    saved = module.wrap_triton, getattr(module, "num_sms", None), getattr(module, "launch_kwargs", None)
-    module.wrap_triton = Recorder
+    saved = getattr(module, "num_sms", None), getattr(module, "launch_kwargs", None)
+    kernels = {name: getattr(module, name) for name in gluon}
+    if hasattr(module, "wrap_triton"):
+        kernels["wrap_triton"] = module.wrap_triton
+    for name, kernel in kernels.items():
+        setattr(module, name, Recorder if name == "wrap_triton" else Recorder(kernel))
     if sms is not None:
         module.num_sms = lambda device: sms
     if pdl:
@@ -48,11 +54,12 @@ def record(module, fn, *args, sms: int | None = None, pdl: bool = False, **kwarg
     try:
         fn(*args, **kwargs)
     finally:
-        module.wrap_triton = saved[0]
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
         if sms is not None:
-            module.num_sms = saved[1]
+            module.num_sms = saved[0]
         if pdl:
-            module.launch_kwargs = saved[2]
+            module.launch_kwargs = saved[1]
     return launches
 
 
@@ -86,15 +93,17 @@ def signature(kernel, args, kwargs, floats: str = "fp32") -> tuple[dict, dict, d
 
 
 def compile_sm90(kernel, args, kwargs, floats: str = "fp32"):
-    """The sm_90 compile of one recorded launch (its constexprs, warps and stages; ``floats``: see
-    :func:`signature`)."""
+    """The sm_90 compile of one recorded launch, a Triton or a Gluon kernel (its constexprs, warps and stages;
+    ``floats``: see :func:`signature`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, consts, attrs = signature(kernel, args, kwargs, floats)
     opts = {k: kwargs[k] for k in OPTIONS if k in kwargs}
-    return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs),
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    return triton.compile(source(kernel, sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 

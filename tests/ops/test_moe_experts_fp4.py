@@ -175,3 +175,31 @@ def test_auto_on_a_gpu_splits_fused_and_grouped_by_tokens(monkeypatch):
     from tests.ops.test_moe_experts_fp8 import check_auto_split
 
     check_auto_split(monkeypatch, "moe_experts_fp4", auto_backend, FUSED_MAX_TOKENS_FP4)
+
+
+def test_gluon_operand_orders_agree():
+    """The Gluon kernels' K order (ops/triton/moe_experts_fp4_mma.py): a step's words decoded pair by pair (codes i
+    and i + 4 of each word joined, then the pairs of i = 0, 1 and 2, 3, then those) and reshaped / permuted by
+    ``A_ORDER`` put at each of A's 128 columns the same weight column that x's natural step permuted by ``X_ORDER``
+    puts there (the joins and reshapes as torch's stack and row-major views), and every column exactly once."""
+    pytest.importorskip("triton")
+    from mla_compile.ops.triton.moe_experts_fp4_mma import A_ORDER, X_ORDER
+
+    code = torch.arange(128).view(16, 8)  # [word, code]: column 8 j + i of the step
+    pair = [torch.stack([code[:, i], code[:, i + 4]], -1) for i in range(4)]
+    d = torch.stack([torch.stack([pair[0], pair[1]], -1), torch.stack([pair[2], pair[3]], -1)], -1)
+    a_cols = d.view(1, 1, 4, 4, 2, 2, 2).permute(*A_ORDER.value).reshape(128)
+    x_cols = torch.arange(128).view(1, 4, 4, 2, 2, 2).permute(*X_ORDER.value).reshape(128)
+    assert torch.equal(a_cols, x_cols)
+    assert torch.equal(a_cols.sort().values, torch.arange(128)) and not torch.equal(a_cols, torch.arange(128))
+
+
+def test_gluon_op_opcheck_and_fallback_on_cpu():
+    """``mla::moe_experts_fp4_gluon`` off the GPU: the fake and opcheck, and the reference's result."""
+    pytest.importorskip("triton")
+    import mla_compile.ops.triton.moe_experts_fp4_mma  # noqa: F401
+
+    args = make(dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.mla.moe_experts_fp4_gluon, (*args, True, 1.5))
+    want = call(args, out_float32=True, swiglu_limit=1.5, backend="reference")
+    assert torch.equal(torch.ops.mla.moe_experts_fp4_gluon(*args, True, 1.5), want)

@@ -1,0 +1,286 @@
+"""Gluon ``mla::moe_experts_fp4_gluon``: the fused fp4 experts of :mod:`~mla_compile.ops.triton.moe_experts_fp4`
+with the products on the tensor cores (``mma.sync``), each code decoded straight into the dot's register operand.
+
+The Triton kernels decode on the CUDA cores, widen every weight to float32 and issue one FMA per weight; at a few
+tokens that issue, not the bytes, bounds them (``benchmarks/kernel_resources.py --fp4``). Here:
+
+- A warp's step is 16 weight rows (``ROWS``: 16 or 32) x 128 columns, the A operand of ``mma.sync.m16n8k16``.
+  Each thread loads, for each of its rows (g and g + 8 of its lane group), 4 consecutive int32 words: one
+  32-block, so one ue8m0 scale. Each word's codes i and i + 4 (i < 4) sit 16 bits apart: one shift-and-mask
+  places both in bfloat16's fields (``fp4_block_linear._bf16_pair``'s placement: the value times 2^-126) and one
+  ``mul.bf16x2`` scales both by the block's power of two times 2^-``TILE_SHIFT`` (exact for scale bytes 34..160,
+  as ``e2m1_bf16_tile``); the 32-bit result is, as it stands, one register of the A fragment.
+- That puts the weights in a K order of its own (:data:`A_ORDER`): the register holding codes (i, i + 4) is where
+  ``mma`` wants columns (2c, 2c + 1). The dot is the same sum over a permuted K, so x is read in its natural order
+  (32 contiguous values a thread) and permuted in registers the same way (:data:`X_ORDER`, the B fragment).
+  ``convert_layout(..., assert_trivial=True)`` makes the compile fail if either ever needs a data exchange.
+- The warps of a program (``S``) split K: the dot is batched over them (warp w takes steps w, w + S, ...), and the
+  float32 partials are summed once after the loop. Each step's words are loaded one step ahead (the loop
+  unrolled twice, so the prefetch needs no register copies).
+- x's bf16 row is the B operand (n = 8, every column the same row; column 0 is kept); the accumulator is float32
+  and scaled back by 2^``TILE_SHIFT``.
+
+Kernel 1 (grid ``(T * k, I / ROWS)``): one (token, pick) row and ``ROWS`` rows of its expert's gate and up, the
+clamp and ``silu(g) * u``, the activation stored in x's dtype; a pick of weight 0 returns before any load.
+Kernel 2 (grid ``(T, H / ROWS)``): one token and ``ROWS`` output columns, its picks' down rows in a fixed order,
+each pick's dot weighted by its routing weight (a pick of weight 0 skipped: its activation row is never read).
+Serves bf16 x with ``H`` and ``I`` multiples of ``256 * S`` (:func:`eligible`); other calls run the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from mla_compile.ops.fp4_block_linear import as_bytes
+from mla_compile.ops.moe_experts import _out_dtype
+from mla_compile.ops.moe_experts_fp4 import fake, validate
+from mla_compile.ops.registry import LAYOUT_TAGS
+from mla_compile.ops.triton._common import last_dim_contiguous
+from mla_compile.ops.triton.fp4_block_linear import TILE_SHIFT, TILE_UNIT, as_words
+
+SIGN_BITS = gl.constexpr(-2147450880)  # 0x80008000 as int32: the sign bit of both bfloat16 halves
+STEP = gl.constexpr(128)  # K columns a warp's step: 16 words a row, 4 a thread
+# The decoded step [S, R, 16 words, c2, c0, c1] (word j = 4 t + a: t the lane's column group, a the thread's word;
+# code c = 4 c2 + 2 c1 + c0) reshaped to [S, R, t, a, c2, c0, c1] and permuted to A's column order
+# (a, c1, c0, t, c2): column 32 a + 16 c1 + 8 c0 + 2 t + c2 holds code 32 t + 8 a + c of the step.
+A_ORDER = gl.constexpr((0, 1, 3, 6, 5, 2, 4))
+# x's step in natural order [S, t, a, c2, c1, c0] permuted the same way (a, c1, c0, t, c2)
+X_ORDER = gl.constexpr((0, 2, 4, 5, 1, 3))
+# Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel.
+CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4)
+
+
+@gluon.constexpr_function
+def acc_layout(S, R):
+    """The accumulator ``[S, R, 8]``: warp w holds batch w (its K share), ``R / 16`` m16 tiles."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[S, 1, 1], instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def word_layout(S, R):
+    """The words ``[S, R, 16]`` of a step: lanes (t, g) hold rows g, g + 8 (and g + 16, g + 24 for R = 32) and words
+    4 t .. 4 t + 3 (one 16-byte load a row), in the register order that makes the decoded step A's layout."""
+    regs = [[0, 0, 1], [0, 0, 2], [0, 8, 0]] + ([[0, 16, 0]] if R == 32 else [])
+    lanes = [[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes,
+                                      warp_bases=[[1 << i, 0, 0] for i in range(S.bit_length() - 1)], block_bases=[],
+                                      shape=[S, R, 16])
+
+
+@gluon.constexpr_function
+def x_layout(S):
+    """x's step ``[S, 128]`` in natural order: lane t's 32 contiguous columns (the lane groups broadcast)."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+                                      lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
+                                      warp_bases=[[1 << i, 0] for i in range(S.bit_length() - 1)], block_bases=[],
+                                      shape=[S, STEP.value])
+
+
+@gluon.jit
+def _pair(w, f2, I: gl.constexpr):
+    """Codes ``I`` and ``I + 4`` of words ``w`` as one bfloat16 pair each (code I low), scaled by ``f2`` (the
+    scale factor in both halves): ``[..., 2]`` bfloat16."""
+    if I == 0:
+        both = ((w << 6) & 0x01C001C0) | ((w << 12) & SIGN_BITS)
+    elif I == 1:
+        both = ((w << 2) & 0x01C001C0) | ((w << 8) & SIGN_BITS)
+    elif I == 2:
+        both = ((w >> 2) & 0x01C001C0) | ((w << 4) & SIGN_BITS)
+    else:
+        both = ((w >> 6) & 0x01C001C0) | (w & SIGN_BITS)
+    both = gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [both, f2], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+    return gl.join(both.to(gl.int16).to(gl.bfloat16, bitcast=True),
+                   (both >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+
+
+@gluon.jit
+def _decode(w, f2, a_l: gl.constexpr):
+    """A step's words ``[S, R, 16]`` and their scale factors -> the A operand ``[S, R, 128]`` in :data:`A_ORDER`."""
+    d = gl.join(gl.join(_pair(w, f2, 0), _pair(w, f2, 1)), gl.join(_pair(w, f2, 2), _pair(w, f2, 3)))
+    S: gl.constexpr = w.shape[0]
+    R: gl.constexpr = w.shape[1]
+    d = gl.permute(gl.reshape(d, [S, R, 4, 4, 2, 2, 2]), A_ORDER.value)
+    return gl.convert_layout(gl.reshape(d, [S, R, STEP]), a_l, assert_trivial=True)
+
+
+@gluon.jit
+def _factor(s):
+    """ue8m0 bytes (int32) -> ``2^(s - 1 - TILE_SHIFT)`` as bfloat16 bits in both halves of an int32 (byte 255:
+    NaN; below byte 34 the factor is subnormal and the products inexact, as ``e2m1_bf16_tile``)."""
+    bits = gl.where(s == 255, 0x7FC0, gl.minimum(s + (126 - TILE_SHIFT), 255) << 7)
+    return bits | (bits << 16)
+
+
+@gluon.jit
+def _x_operand(x_row, q, sx, kx, b_l: gl.constexpr):
+    """x's columns of step ``q + sx`` (warp sx's) as the B operand ``[S, 128, 8]`` in :data:`A_ORDER`."""
+    S: gl.constexpr = sx.shape[0]
+    v = gl.load(x_row + (q + sx) * STEP + kx)
+    v = gl.reshape(gl.permute(gl.reshape(v, [S, 4, 4, 2, 2, 2]), X_ORDER.value), [S, STEP])
+    v = gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(2, b_l), assert_trivial=True), 2)
+    v, _ = gl.broadcast(v, gl.zeros([S, STEP, 8], gl.int8, b_l))
+    return v
+
+
+@gluon.jit
+def _rows_dot(acc, w_ptr, s_ptr, x_row, wj, sj, sx, kx, n_steps, S: gl.constexpr, a_l: gl.constexpr,
+              b_l: gl.constexpr):
+    """``acc += W x`` over all of K for the rows at ``w_ptr`` (word pointers of column 0 plus ``wj``) and their scale
+    bytes at ``s_ptr`` (plus ``sj``): ``n_steps`` steps a warp (even), the next step's words loaded a step ahead."""
+    w_a = gl.load(w_ptr + wj)
+    for c in range(0, n_steps, 2):
+        q = c * S
+        w_b = gl.load(w_ptr + (q + S) * 16 + wj)
+        f = _factor(gl.load(s_ptr + q * 4 + sj).to(gl.int32))
+        acc = mma_v2(_decode(w_a, f, a_l), _x_operand(x_row, q, sx, kx, b_l), acc)
+        w_a = gl.load(w_ptr + (q + 2 * S) * 16 + wj, mask=(wj >= 0) & (c + 2 < n_steps), other=0)
+        f = _factor(gl.load(s_ptr + (q + S) * 4 + sj).to(gl.int32))
+        acc = mma_v2(_decode(w_b, f, a_l), _x_operand(x_row, q + S, sx, kx, b_l), acc)
+    return acc
+
+
+@gluon.jit
+def _offsets(S: gl.constexpr, R: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr):
+    """``(r [1, R, 1], wj [S, 1, 16] words of warp w's first step, sj [S, 1, 16] their scale bytes, sx [S, 1], kx
+    [1, 128])`` in the step layouts."""
+    sw = gl.arange(0, S, gl.SliceLayout(1, gl.SliceLayout(2, w_l)))[:, None, None]
+    r = gl.arange(0, R, gl.SliceLayout(0, gl.SliceLayout(2, w_l)))[None, :, None]
+    j = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, w_l)))[None, None, :]
+    sx = gl.arange(0, S, gl.SliceLayout(1, x_l))[:, None]
+    kx = gl.arange(0, STEP, gl.SliceLayout(0, x_l))[None, :]
+    return r, sw * 16 + j, sw * 4 + j // 4, sx, kx
+
+
+@gluon.jit
+def _moe_fp4_mma_gate_up_kernel(
+    x_ptr, ids_ptr, wt_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, h_ptr, limit,
+    H, I, K,
+    s_x, s_ids, s_wt, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
+    LIMIT: gl.constexpr, ROWS: gl.constexpr,
+):
+    S: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = acc_layout(S, ROWS)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)
+    w_l: gl.constexpr = word_layout(S, ROWS)
+    x_l: gl.constexpr = x_layout(S)
+    limit = gl.full([], limit, gl.float32)
+    row = gl.program_id(0)
+    t = (row // K).to(gl.int64)
+    if gl.load(wt_ptr + t * s_wt + row % K) != 0:  # a pick of weight 0 (another rank's) reads nothing
+        e = gl.load(ids_ptr + t * s_ids + row % K).to(gl.int64)
+        n0 = gl.program_id(1) * ROWS
+        r, wj, sj, sx, kx = _offsets(S, ROWS, w_l, x_l)
+        n = (n0 + r).to(gl.int64)
+        x_row = x_ptr + t * s_x
+        n_steps = H // (STEP * S)
+        acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
+                          gs_ptr + e * s_gse + n * s_gsn, x_row, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+        acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
+                          us_ptr + e * s_use + n * s_usn, x_row, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+        gv = gl.sum(acc_g, axis=0) * TILE_UNIT
+        uv = gl.sum(acc_u, axis=0) * TILE_UNIT
+        if LIMIT:
+            gv = gl.minimum(gv, limit)
+            uv = gl.minimum(gl.maximum(uv, -limit), limit)
+        a = gv / (1.0 + gl.exp(-gv)) * uv
+        out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+        ro = n0 + gl.arange(0, ROWS, gl.SliceLayout(1, out_l))[:, None]
+        co = gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :]
+        gl.store(h_ptr + row.to(gl.int64) * s_h + ro + co, a.to(h_ptr.dtype.element_ty), mask=co == 0)
+
+
+@gluon.jit
+def _moe_fp4_mma_down_kernel(
+    h_ptr, w_ptr, ids_ptr, dn_ptr, ds_ptr, out_ptr,
+    I,
+    s_h, s_w, s_ids, s_de, s_dh, s_dse, s_dsh, s_out,
+    K: gl.constexpr, ROWS: gl.constexpr,
+):
+    S: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = acc_layout(S, ROWS)
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)
+    w_l: gl.constexpr = word_layout(S, ROWS)
+    x_l: gl.constexpr = x_layout(S)
+    t = gl.program_id(0).to(gl.int64)
+    n0 = gl.program_id(1) * ROWS
+    r, wj, sj, sx, kx = _offsets(S, ROWS, w_l, x_l)
+    n = (n0 + r).to(gl.int64)
+    n_steps = I // (STEP * S)
+    acc = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
+    for j in gl.static_range(K):
+        weight = gl.load(w_ptr + t * s_w + j)
+        if weight != 0:  # a pick of weight 0: its activation row was never written
+            e = gl.load(ids_ptr + t * s_ids + j).to(gl.int64)
+            part = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), dn_ptr + e * s_de + n * s_dh,
+                             ds_ptr + e * s_dse + n * s_dsh, h_ptr + (t * K + j) * s_h, wj, sj, sx, kx, n_steps, S,
+                             a_l, b_l)
+            acc += weight * part
+    y = gl.sum(acc, axis=0) * TILE_UNIT
+    out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    ro = n0 + gl.arange(0, ROWS, gl.SliceLayout(1, out_l))[:, None]
+    co = gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :]
+    gl.store(out_ptr + t * s_out + ro + co, y.to(out_ptr.dtype.element_ty), mask=co == 0)
+
+
+def eligible(x: Tensor, I: int) -> bool:
+    """Whether the Gluon kernels serve this call: bf16 x, ``H`` a multiple of ``256 *`` the gate-up kernel's warps
+    and ``I`` of ``256 *`` the down kernel's (two steps a warp a loop turn), both multiples of the rows a warp."""
+    H = x.shape[1]
+    rows = CONFIG["rows"]
+    return (x.dtype == torch.bfloat16 and H % (2 * STEP.value * CONFIG["gate_up_warps"]) == 0
+            and I % (2 * STEP.value * CONFIG["down_warps"]) == 0 and H % rows == 0 and I % rows == 0)
+
+
+def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor, up_scale: Tensor,
+           down: Tensor, down_scale: Tensor, out_float32: bool, swiglu_limit: float | None) -> Tensor:
+    """The two Gluon kernels on a validated, :func:`eligible` call."""
+    T, H = x.shape
+    K = ids.shape[1]
+    I = gate.shape[1]
+    out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
+    if T == 0:
+        return out
+    x = last_dim_contiguous(x)
+    g, u, d = as_words(gate), as_words(up), as_words(down)
+    gs, us, ds = (last_dim_contiguous(as_bytes(s)) for s in (gate_scale, up_scale, down_scale))
+    ids, weights = ids.contiguous(), weights.float().contiguous()
+    h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    rows = CONFIG["rows"]
+    limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    _moe_fp4_mma_gate_up_kernel[(T * K, I // rows)](
+        x, ids, weights, g, u, gs, us, h, limit, H, I, K,
+        x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
+        gs.stride(0), gs.stride(1), us.stride(0), us.stride(1), h.stride(0),
+        LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=CONFIG["gate_up_warps"],
+    )
+    _moe_fp4_mma_down_kernel[(T, H // rows)](
+        h, weights, ids, d, ds, out, I,
+        h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),
+        out.stride(0),
+        K=K, ROWS=rows, num_warps=CONFIG["down_warps"],
+    )
+    return out
+
+
+@torch.library.custom_op("mla::moe_experts_fp4_gluon", mutates_args=(), tags=LAYOUT_TAGS)
+def moe_experts_fp4_gluon(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
+                          up_scale: Tensor, down: Tensor, down_scale: Tensor, out_float32: bool,
+                          swiglu_limit: float | None) -> Tensor:
+    """Gluon ``mla::moe_experts_fp4`` (contract of the ``_ref`` op; an opaque call to Inductor): the kernels here
+    where :func:`eligible`, else ``mla::moe_experts_fp4_triton``."""
+    args = (x, weights, ids, gate, gate_scale, up, up_scale, down, down_scale)
+    validate(*args)
+    if x.device.type == "cuda" and eligible(x, gate.shape[1]):
+        return launch(*args, out_float32, swiglu_limit)
+    import mla_compile.ops.triton.moe_experts_fp4  # noqa: F401  (registers mla::moe_experts_fp4_triton)
+    return torch.ops.mla.moe_experts_fp4_triton(*args, out_float32, swiglu_limit)
+
+
+moe_experts_fp4_gluon.register_fake(fake)
