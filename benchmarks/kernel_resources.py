@@ -49,6 +49,8 @@ WEIGHTS_A_STEP = {
     # one weight matrix (gate, up or a pick's down) a loop, two 128-column steps a warp, the warps splitting K
     "_moe_fp4_mma_gate_up_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
     "_moe_fp4_mma_down_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
+    "_moe_fp4_mma_sorted_gate_up_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
+    "_moe_fp4_mma_sorted_down_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
 }
 
 
@@ -73,8 +75,8 @@ def hot_loop(launch) -> str:
 
 def fp4_launches() -> list:
     """The fp4 kernels at V4-Flash's routed-expert dims (hidden 4096, width 2048, top-6) on 132 SMs: the fused
-    experts at 1 and 8 tokens (Triton, then the Gluon ``mma`` kernels at 1), the fp4 linear's GEMV at one row and its
-    tiled word decode at 16 and 64 rows."""
+    experts at 1 and 8 tokens (Triton, then the Gluon ``mma`` kernels at 1 and, sorted by expert, 64), the fp4 linear's
+    GEMV at one row and its tiled word decode at 16 and 64 rows."""
     from mla_compile.ops.triton import moe_experts_fp4_mma
 
     H, I, E, k = 4096, 2048, 8, 6
@@ -85,8 +87,9 @@ def fp4_launches() -> list:
                          u8(E, I, H // 32), u8(E, H, I // 2), u8(E, H, I // 32), True, 10.0)
     for T in (1, 8):
         launches += _sm90.record(moe_experts_fp4, moe_experts_fp4._launch, *experts(T), sms=132)
-    launches += _sm90.record(moe_experts_fp4_mma, moe_experts_fp4_mma.launch, *experts(1),
-                             gluon=("_moe_fp4_mma_gate_up_kernel", "_moe_fp4_mma_down_kernel"))
+    for T in (1, 64):  # per (token, pick), then sorted by expert
+        launches += _sm90.record(moe_experts_fp4_mma, moe_experts_fp4_mma.launch, *experts(T),
+                                 gluon=tuple(n for n in dir(moe_experts_fp4_mma) if n.startswith("_moe_fp4_mma")))
     for M in (1, 16, 64):
         recorded = _sm90.record(fp4_block_linear, fp4_block_linear._launch, torch.zeros(M, H, dtype=torch.bfloat16),
                                 u8(I, H // 2), u8(I, H // 32), sms=132)

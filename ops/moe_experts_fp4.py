@@ -21,7 +21,8 @@ expert read once: the large-T path; its gate / up outputs are rounded to x's dty
 ``FP4Experts`` rounded them), "triton" (ours, CUDA: per (token, pick) the routed expert's gate and up rows in one
 kernel with the clamp and ``silu(g) * u``, then down with the weighted combine, the codes decoded in registers:
 the small-T path), "gluon" (ours, sm_90: the same two kernels with the products on the tensor cores, the codes
-decoded into ``mma``'s register operand; bf16 x; not yet GPU-tested). "auto" on a GPU with both GPU-tested:
+decoded into ``mma``'s register operand, and above 16 tokens their sorted-by-expert form; bf16 x; not yet
+GPU-tested). "auto" on a GPU with both GPU-tested:
 ``triton`` up to :data:`FUSED_MAX_TOKENS_FP4` tokens, ``grouped`` above, inside one op (one graph serves every batch
 size).
 """
@@ -183,6 +184,7 @@ def _gluon(*args) -> Tensor:
 declare(OP, "gluon", _gluon, rank=45, available=_triton_available, dtypes=(torch.bfloat16,), min_capability=SM90,
         max_capability=SM90, package="triton", gpu_tested=False,
         kernels=("moe_experts_fp4_gluon=gluon (opaque kernel)", "_moe_fp4_mma_gate_up_kernel",
-                 "_moe_fp4_mma_down_kernel"),
+                 "_moe_fp4_mma_down_kernel", "_moe_fp4_mma_sorted_gate_up_kernel", "_moe_fp4_mma_sorted_down_kernel"),
         note="ours (Gluon, sm_90): as 'triton', the codes decoded straight into mma.sync's bf16 A operand and the "
-             "products on the tensor cores, the warps splitting K; bf16 x, H and I multiples of 1024 (else 'triton')")
+             "products on the tensor cores, the warps splitting K, sorted by expert above 16 tokens; bf16 x, H and I "
+             "multiples of 1024 (else 'triton')")

@@ -17,13 +17,16 @@ tokens that issue, not the bytes, bounds them (``benchmarks/kernel_resources.py 
 - The warps of a program (``S``) split K: the dot is batched over them (warp w takes steps w, w + S, ...), and the
   float32 partials are summed once after the loop. Each step's words are loaded one step ahead (the loop
   unrolled twice, so the prefetch needs no register copies).
-- x's bf16 row is the B operand (n = 8, every column the same row; column 0 is kept); the accumulator is float32
-  and scaled back by 2^``TILE_SHIFT``.
+- The B operand is 8 bf16 rows of x (n = 8); the accumulator is float32 and scaled back by 2^``TILE_SHIFT``.
 
-Kernel 1 (grid ``(T * k, I / ROWS)``): one (token, pick) row and ``ROWS`` rows of its expert's gate and up, the
-clamp and ``silu(g) * u``, the activation stored in x's dtype; a pick of weight 0 returns before any load.
-Kernel 2 (grid ``(T, H / ROWS)``): one token and ``ROWS`` output columns, its picks' down rows in a fixed order,
-each pick's dot weighted by its routing weight (a pick of weight 0 skipped: its activation row is never read).
+Up to ``CONFIG["sorted_above"]`` tokens, per (token, pick), every column of the dot the token's row (column 0 kept):
+kernel 1 (grid ``(T * k, I / ROWS)``) takes one (token, pick) row and ``ROWS`` rows of its expert's gate and up, the
+clamp and ``silu(g) * u``, the activation stored in x's dtype; a pick of weight 0 returns before any load. Kernel 2
+(grid ``(T, H / ROWS)``) takes one token and ``ROWS`` output columns, its picks' down rows in a fixed order, each
+pick's dot weighted by its routing weight (a pick of weight 0 skipped: its activation row is never read).
+Above, over the (token, pick) rows sorted by expert (``sort_by_expert``): the same two steps a program per (expert,
+``ROWS`` rows), its rows 8 at a time as the dot's columns, so each hit expert's weights are read once for 8 rows; the
+down outputs float32 in sorted order, weighted and summed per token after (``combine_sorted``, deterministic).
 Serves bf16 x with ``H`` and ``I`` multiples of ``256 * S`` (:func:`eligible`); other calls run the Triton kernels.
 """
 
@@ -36,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mla_compile.ops.fp4_block_linear import as_bytes
-from mla_compile.ops.moe_experts import _out_dtype
+from mla_compile.ops.moe_experts import _out_dtype, combine_sorted, sort_by_expert
 from mla_compile.ops.moe_experts_fp4 import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton._common import last_dim_contiguous
@@ -48,10 +51,12 @@ STEP = gl.constexpr(128)  # K columns a warp's step: 16 words a row, 4 a thread
 # code c = 4 c2 + 2 c1 + c0) reshaped to [S, R, t, a, c2, c0, c1] and permuted to A's column order
 # (a, c1, c0, t, c2): column 32 a + 16 c1 + 8 c0 + 2 t + c2 holds code 32 t + 8 a + c of the step.
 A_ORDER = gl.constexpr((0, 1, 3, 6, 5, 2, 4))
-# x's step in natural order [S, t, a, c2, c1, c0] permuted the same way (a, c1, c0, t, c2)
-X_ORDER = gl.constexpr((0, 2, 4, 5, 1, 3))
-# Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel.
-CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4)
+# x's step in natural order [S, column, t, a, c2, c1, c0] permuted the same way (a, c1, c0, t, c2)
+X_ORDER = gl.constexpr((0, 1, 3, 5, 6, 2, 4))
+# Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel's pair;
+# above ``sorted_above`` tokens the sorted kernels (each hit expert's weights read once for 8 rows) instead of the
+# per-(token, pick) ones.
+CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=16)
 
 
 @gluon.constexpr_function
@@ -73,11 +78,12 @@ def word_layout(S, R):
 
 @gluon.constexpr_function
 def x_layout(S):
-    """x's step ``[S, 128]`` in natural order: lane t's 32 contiguous columns (the lane groups broadcast)."""
-    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
-                                      lane_bases=[[0, 32], [0, 64], [0, 0], [0, 0], [0, 0]],
-                                      warp_bases=[[1 << i, 0] for i in range(S.bit_length() - 1)], block_bases=[],
-                                      shape=[S, STEP.value])
+    """x's step ``[S, 8, 128]`` (the dot's 8 columns, each a row of x) in natural order: lane group g's column, lane
+    t's 32 contiguous values of it."""
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+                                      lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                      warp_bases=[[1 << i, 0, 0] for i in range(S.bit_length() - 1)],
+                                      block_bases=[], shape=[S, 8, STEP.value])
 
 
 @gluon.jit
@@ -117,81 +123,99 @@ def _factor(s):
 
 
 @gluon.jit
-def _x_operand(x_row, q, sx, kx, b_l: gl.constexpr):
-    """x's columns of step ``q + sx`` (warp sx's) as the B operand ``[S, 128, 8]`` in :data:`A_ORDER`."""
+def _x_operand(x_cols, col_ok, q, sx, kx, b_l: gl.constexpr):
+    """The rows at ``x_cols [1, 8, 1]`` (0 where not ``col_ok``), columns of step ``q + sx`` (warp sx's), as the B
+    operand ``[S, 128, 8]`` in :data:`A_ORDER`."""
     S: gl.constexpr = sx.shape[0]
-    v = gl.load(x_row + (q + sx) * STEP + kx)
-    v = gl.reshape(gl.permute(gl.reshape(v, [S, 4, 4, 2, 2, 2]), X_ORDER.value), [S, STEP])
-    v = gl.expand_dims(gl.convert_layout(v, gl.SliceLayout(2, b_l), assert_trivial=True), 2)
-    v, _ = gl.broadcast(v, gl.zeros([S, STEP, 8], gl.int8, b_l))
-    return v
+    v = gl.load(x_cols + (q + sx) * STEP + kx, mask=col_ok & (kx >= 0), other=0.0)
+    v = gl.reshape(gl.permute(gl.reshape(v, [S, 8, 4, 4, 2, 2, 2]), X_ORDER.value), [S, 8, STEP])
+    return gl.convert_layout(gl.permute(v, (0, 2, 1)), b_l, assert_trivial=True)
 
 
 @gluon.jit
-def _rows_dot(acc, w_ptr, s_ptr, x_row, wj, sj, sx, kx, n_steps, S: gl.constexpr, a_l: gl.constexpr,
+def _rows_dot(acc, w_ptr, s_ptr, x_cols, col_ok, wj, sj, sx, kx, n_steps, S: gl.constexpr, a_l: gl.constexpr,
               b_l: gl.constexpr):
-    """``acc += W x`` over all of K for the rows at ``w_ptr`` (word pointers of column 0 plus ``wj``) and their scale
-    bytes at ``s_ptr`` (plus ``sj``): ``n_steps`` steps a warp (even), the next step's words loaded a step ahead."""
+    """``acc += W X`` over all of K for the rows at ``w_ptr`` (word pointers of column 0 plus ``wj``) and their scale
+    bytes at ``s_ptr`` (plus ``sj``), X's 8 columns the rows at ``x_cols`` (:func:`_x_operand`): ``n_steps`` steps
+    a warp (even), the next step's words loaded a step ahead."""
     w_a = gl.load(w_ptr + wj)
     for c in range(0, n_steps, 2):
         q = c * S
         w_b = gl.load(w_ptr + (q + S) * 16 + wj)
         f = _factor(gl.load(s_ptr + q * 4 + sj).to(gl.int32))
-        acc = mma_v2(_decode(w_a, f, a_l), _x_operand(x_row, q, sx, kx, b_l), acc)
+        acc = mma_v2(_decode(w_a, f, a_l), _x_operand(x_cols, col_ok, q, sx, kx, b_l), acc)
         w_a = gl.load(w_ptr + (q + 2 * S) * 16 + wj, mask=(wj >= 0) & (c + 2 < n_steps), other=0)
         f = _factor(gl.load(s_ptr + (q + S) * 4 + sj).to(gl.int32))
-        acc = mma_v2(_decode(w_b, f, a_l), _x_operand(x_row, q + S, sx, kx, b_l), acc)
+        acc = mma_v2(_decode(w_b, f, a_l), _x_operand(x_cols, col_ok, q + S, sx, kx, b_l), acc)
     return acc
 
 
 @gluon.jit
 def _offsets(S: gl.constexpr, R: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr):
-    """``(r [1, R, 1], wj [S, 1, 16] words of warp w's first step, sj [S, 1, 16] their scale bytes, sx [S, 1], kx
-    [1, 128])`` in the step layouts."""
+    """``(r [1, R, 1], wj [S, 1, 16] words of warp w's first step, sj [S, 1, 16] their scale bytes, sx [S, 1, 1],
+    n [1, 8, 1] the dot's columns, kx [1, 1, 128])`` in the step layouts."""
     sw = gl.arange(0, S, gl.SliceLayout(1, gl.SliceLayout(2, w_l)))[:, None, None]
     r = gl.arange(0, R, gl.SliceLayout(0, gl.SliceLayout(2, w_l)))[None, :, None]
     j = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, w_l)))[None, None, :]
-    sx = gl.arange(0, S, gl.SliceLayout(1, x_l))[:, None]
-    kx = gl.arange(0, STEP, gl.SliceLayout(0, x_l))[None, :]
-    return r, sw * 16 + j, sw * 4 + j // 4, sx, kx
+    sx = gl.arange(0, S, gl.SliceLayout(1, gl.SliceLayout(2, x_l)))[:, None, None]
+    n = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, x_l)))[None, :, None]
+    kx = gl.arange(0, STEP, gl.SliceLayout(0, gl.SliceLayout(1, x_l)))[None, None, :]
+    return r, sw * 16 + j, sw * 4 + j // 4, sx, n, kx
+
+
+@gluon.jit
+def _swiglu(acc_g, acc_u, limit, LIMIT: gl.constexpr):
+    """The K split's gate and up partials summed and scaled back, clamped under ``LIMIT``: ``silu(g) * u [R, 8]``."""
+    gv = gl.sum(acc_g, axis=0) * TILE_UNIT
+    uv = gl.sum(acc_u, axis=0) * TILE_UNIT
+    if LIMIT:
+        gv = gl.minimum(gv, limit)
+        uv = gl.minimum(gl.maximum(uv, -limit), limit)
+    return gv / (1.0 + gl.exp(-gv)) * uv
+
+
+@gluon.jit
+def _out_index(n0, R: gl.constexpr, acc_l: gl.constexpr):
+    """``(rows [R, 1], columns [1, 8])`` of the summed accumulator ``[R, 8]``, rows from ``n0``."""
+    out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    return (n0 + gl.arange(0, R, gl.SliceLayout(1, out_l))[:, None],
+            gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :])
+
+
+@gluon.constexpr_function
+def operand_layout(S, R, index):
+    """The dot's operand ``index`` (0: A, the decoded weights; 1: B, x) of :func:`acc_layout`."""
+    return gl.DotOperandLayout(operand_index=index, parent=acc_layout(S, R), k_width=2)
 
 
 @gluon.jit
 def _moe_fp4_mma_gate_up_kernel(
     x_ptr, ids_ptr, wt_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, h_ptr, limit,
-    H, I, K,
+    H, K,
     s_x, s_ids, s_wt, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
     LIMIT: gl.constexpr, ROWS: gl.constexpr,
 ):
+    """Grid ``(T * K, I / ROWS)``: one (token, pick) row, ``ROWS`` rows of its expert's gate and up."""
     S: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = acc_layout(S, ROWS)
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)
-    w_l: gl.constexpr = word_layout(S, ROWS)
-    x_l: gl.constexpr = x_layout(S)
+    a_l: gl.constexpr = operand_layout(S, ROWS, 0)
+    b_l: gl.constexpr = operand_layout(S, ROWS, 1)
     limit = gl.full([], limit, gl.float32)
     row = gl.program_id(0)
     t = (row // K).to(gl.int64)
     if gl.load(wt_ptr + t * s_wt + row % K) != 0:  # a pick of weight 0 (another rank's) reads nothing
         e = gl.load(ids_ptr + t * s_ids + row % K).to(gl.int64)
         n0 = gl.program_id(1) * ROWS
-        r, wj, sj, sx, kx = _offsets(S, ROWS, w_l, x_l)
+        r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
         n = (n0 + r).to(gl.int64)
-        x_row = x_ptr + t * s_x
+        x_cols = x_ptr + t * s_x + 0 * col  # the token's row in every column of the dot
         n_steps = H // (STEP * S)
         acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
-                          gs_ptr + e * s_gse + n * s_gsn, x_row, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+                          gs_ptr + e * s_gse + n * s_gsn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
         acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
-                          us_ptr + e * s_use + n * s_usn, x_row, wj, sj, sx, kx, n_steps, S, a_l, b_l)
-        gv = gl.sum(acc_g, axis=0) * TILE_UNIT
-        uv = gl.sum(acc_u, axis=0) * TILE_UNIT
-        if LIMIT:
-            gv = gl.minimum(gv, limit)
-            uv = gl.minimum(gl.maximum(uv, -limit), limit)
-        a = gv / (1.0 + gl.exp(-gv)) * uv
-        out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-        ro = n0 + gl.arange(0, ROWS, gl.SliceLayout(1, out_l))[:, None]
-        co = gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :]
+                          us_ptr + e * s_use + n * s_usn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+        a = _swiglu(acc_g, acc_u, limit, LIMIT)
+        ro, co = _out_index(n0, ROWS, acc_l)
         gl.store(h_ptr + row.to(gl.int64) * s_h + ro + co, a.to(h_ptr.dtype.element_ty), mask=co == 0)
 
 
@@ -202,15 +226,14 @@ def _moe_fp4_mma_down_kernel(
     s_h, s_w, s_ids, s_de, s_dh, s_dse, s_dsh, s_out,
     K: gl.constexpr, ROWS: gl.constexpr,
 ):
+    """Grid ``(T, H / ROWS)``: one token, ``ROWS`` output columns, its picks' down rows weighted in a fixed order."""
     S: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = acc_layout(S, ROWS)
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=acc_l, k_width=2)
-    w_l: gl.constexpr = word_layout(S, ROWS)
-    x_l: gl.constexpr = x_layout(S)
+    a_l: gl.constexpr = operand_layout(S, ROWS, 0)
+    b_l: gl.constexpr = operand_layout(S, ROWS, 1)
     t = gl.program_id(0).to(gl.int64)
     n0 = gl.program_id(1) * ROWS
-    r, wj, sj, sx, kx = _offsets(S, ROWS, w_l, x_l)
+    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
     n = (n0 + r).to(gl.int64)
     n_steps = I // (STEP * S)
     acc = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
@@ -219,14 +242,94 @@ def _moe_fp4_mma_down_kernel(
         if weight != 0:  # a pick of weight 0: its activation row was never written
             e = gl.load(ids_ptr + t * s_ids + j).to(gl.int64)
             part = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), dn_ptr + e * s_de + n * s_dh,
-                             ds_ptr + e * s_dse + n * s_dsh, h_ptr + (t * K + j) * s_h, wj, sj, sx, kx, n_steps, S,
-                             a_l, b_l)
+                             ds_ptr + e * s_dse + n * s_dsh, h_ptr + (t * K + j) * s_h + 0 * col, col >= 0, wj, sj,
+                             sx, kx, n_steps, S, a_l, b_l)
             acc += weight * part
     y = gl.sum(acc, axis=0) * TILE_UNIT
-    out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    ro = n0 + gl.arange(0, ROWS, gl.SliceLayout(1, out_l))[:, None]
-    co = gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :]
+    ro, co = _out_index(n0, ROWS, acc_l)
     gl.store(out_ptr + t * s_out + ro + co, y.to(out_ptr.dtype.element_ty), mask=co == 0)
+
+
+@gluon.jit
+def _group(offs_ptr):
+    """``(start, end)``: the sorted rows of this program's expert (``program_id(0)``)."""
+    e = gl.program_id(0)
+    end = gl.load(offs_ptr + e)
+    start = gl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+    return start, end
+
+
+@gluon.jit
+def _live_rows(order_ptr, wt_ptr, r0, end, col):
+    """``(ok, pick)`` of sorted rows ``r0 + col``: the row exists and its routing weight is not 0, and its (token,
+    pick) index (``order``)."""
+    pick = gl.load(order_ptr + r0 + col, mask=r0 + col < end, other=0)
+    return (r0 + col < end) & (gl.load(wt_ptr + pick, mask=r0 + col < end, other=0.0) != 0), pick
+
+
+@gluon.jit
+def _moe_fp4_mma_sorted_gate_up_kernel(
+    x_ptr, order_ptr, wt_ptr, g_ptr, u_ptr, gs_ptr, us_ptr, offs_ptr, h_ptr, limit,
+    H, K,
+    s_x, s_ge, s_gn, s_ue, s_un, s_gse, s_gsn, s_use, s_usn, s_h,
+    LIMIT: gl.constexpr, ROWS: gl.constexpr,
+):
+    """Grid ``(E, I / ROWS)``: ``ROWS`` rows of expert e's gate and up over its sorted (token, pick) rows, 8 a dot
+    (each weight read once for up to 8 of them); an expert without live rows reads nothing (a row of routing weight 0
+    is left out and its ``h`` row unwritten). ``h`` in sorted order."""
+    S: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = acc_layout(S, ROWS)
+    a_l: gl.constexpr = operand_layout(S, ROWS, 0)
+    b_l: gl.constexpr = operand_layout(S, ROWS, 1)
+    limit = gl.full([], limit, gl.float32)
+    e = gl.program_id(0).to(gl.int64)
+    n0 = gl.program_id(1) * ROWS
+    start, end = _group(offs_ptr)
+    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
+    n = (n0 + r).to(gl.int64)
+    n_steps = H // (STEP * S)
+    ro, co = _out_index(n0, ROWS, acc_l)
+    for r0 in range(start, end, 8):
+        ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
+        if gl.sum(ok.to(gl.int32)) > 0:
+            x_cols = x_ptr + (pick // K) * s_x
+            acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
+                              gs_ptr + e * s_gse + n * s_gsn, x_cols, ok, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+            acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
+                              us_ptr + e * s_use + n * s_usn, x_cols, ok, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+            a = _swiglu(acc_g, acc_u, limit, LIMIT)
+            gl.store(h_ptr + (r0 + co).to(gl.int64) * s_h + ro, a.to(h_ptr.dtype.element_ty), mask=r0 + co < end)
+
+
+@gluon.jit
+def _moe_fp4_mma_sorted_down_kernel(
+    h_ptr, order_ptr, wt_ptr, dn_ptr, ds_ptr, offs_ptr, y_ptr,
+    I,
+    s_h, s_de, s_dh, s_dse, s_dsh, s_y,
+    ROWS: gl.constexpr,
+):
+    """Grid ``(E, H / ROWS)``: ``ROWS`` rows of expert e's down over its sorted activation rows, 8 a dot; ``y``
+    float32 in sorted order (weighted and summed per token after), 0 in a row of routing weight 0."""
+    S: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = acc_layout(S, ROWS)
+    a_l: gl.constexpr = operand_layout(S, ROWS, 0)
+    b_l: gl.constexpr = operand_layout(S, ROWS, 1)
+    e = gl.program_id(0).to(gl.int64)
+    n0 = gl.program_id(1) * ROWS
+    start, end = _group(offs_ptr)
+    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
+    n = (n0 + r).to(gl.int64)
+    n_steps = I // (STEP * S)
+    ro, co = _out_index(n0, ROWS, acc_l)
+    for r0 in range(start, end, 8):
+        ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
+        y = gl.zeros([ROWS, 8], gl.float32, gl.SliceLayout(0, acc_l))
+        if gl.sum(ok.to(gl.int32)) > 0:
+            acc = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), dn_ptr + e * s_de + n * s_dh,
+                            ds_ptr + e * s_dse + n * s_dsh, h_ptr + (r0 + col).to(gl.int64) * s_h, ok, wj, sj, sx,
+                            kx, n_steps, S, a_l, b_l)
+            y = gl.sum(acc, axis=0) * TILE_UNIT
+        gl.store(y_ptr + (r0 + co).to(gl.int64) * s_y + ro, y, mask=r0 + co < end)
 
 
 def eligible(x: Tensor, I: int) -> bool:
@@ -240,10 +343,11 @@ def eligible(x: Tensor, I: int) -> bool:
 
 def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor, up_scale: Tensor,
            down: Tensor, down_scale: Tensor, out_float32: bool, swiglu_limit: float | None) -> Tensor:
-    """The two Gluon kernels on a validated, :func:`eligible` call."""
+    """The Gluon kernels on a validated, :func:`eligible` call: per (token, pick) up to ``CONFIG["sorted_above"]``
+    tokens, over the rows sorted by expert above (each hit expert's weights read once for 8 rows)."""
     T, H = x.shape
     K = ids.shape[1]
-    I = gate.shape[1]
+    E, I, _ = gate.shape
     out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
     if T == 0:
         return out
@@ -254,18 +358,28 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
     h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
     rows = CONFIG["rows"]
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
+    gu = dict(LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=CONFIG["gate_up_warps"])
+    if T > CONFIG["sorted_above"]:
+        order, offs = sort_by_expert(ids, E)
+        _moe_fp4_mma_sorted_gate_up_kernel[(E, I // rows)](
+            x, order, weights, g, u, gs, us, offs, h, limit, H, K,
+            x.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
+            us.stride(0), us.stride(1), h.stride(0), **gu)
+        y = torch.empty(T * K, H, dtype=torch.float32, device=x.device)
+        _moe_fp4_mma_sorted_down_kernel[(E, H // rows)](
+            h, order, weights, d, ds, offs, y, I,
+            h.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1), y.stride(0),
+            ROWS=rows, num_warps=CONFIG["down_warps"])
+        return out.copy_(combine_sorted(y, order, weights))
     _moe_fp4_mma_gate_up_kernel[(T * K, I // rows)](
-        x, ids, weights, g, u, gs, us, h, limit, H, I, K,
+        x, ids, weights, g, u, gs, us, h, limit, H, K,
         x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
-        gs.stride(0), gs.stride(1), us.stride(0), us.stride(1), h.stride(0),
-        LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=CONFIG["gate_up_warps"],
-    )
+        gs.stride(0), gs.stride(1), us.stride(0), us.stride(1), h.stride(0), **gu)
     _moe_fp4_mma_down_kernel[(T, H // rows)](
         h, weights, ids, d, ds, out, I,
         h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),
         out.stride(0),
-        K=K, ROWS=rows, num_warps=CONFIG["down_warps"],
-    )
+        K=K, ROWS=rows, num_warps=CONFIG["down_warps"])
     return out
 
 

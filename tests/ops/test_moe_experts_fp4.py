@@ -189,7 +189,7 @@ def test_gluon_operand_orders_agree():
     pair = [torch.stack([code[:, i], code[:, i + 4]], -1) for i in range(4)]
     d = torch.stack([torch.stack([pair[0], pair[1]], -1), torch.stack([pair[2], pair[3]], -1)], -1)
     a_cols = d.view(1, 1, 4, 4, 2, 2, 2).permute(*A_ORDER.value).reshape(128)
-    x_cols = torch.arange(128).view(1, 4, 4, 2, 2, 2).permute(*X_ORDER.value).reshape(128)
+    x_cols = torch.arange(128).view(1, 1, 4, 4, 2, 2, 2).permute(*X_ORDER.value).reshape(128)
     assert torch.equal(a_cols, x_cols)
     assert torch.equal(a_cols.sort().values, torch.arange(128)) and not torch.equal(a_cols, torch.arange(128))
 

@@ -74,7 +74,9 @@ def test_v4_dims_against_the_reference_op(v4_args, T):
 
 # The Gluon kernels ("gluon", ops/triton/moe_experts_fp4_mma.py): dims they serve (H and I multiples of 1024)
 @pytest.mark.parametrize("T,H,I,E,k,limit,every_code", [
-    (1, 1024, 1024, 8, 6, None, True), (3, 2048, 1024, 5, 2, 0.05, False), (16, 1024, 2048, 9, 4, None, False)])
+    (1, 1024, 1024, 8, 6, None, True), (3, 2048, 1024, 5, 2, 0.05, False), (16, 1024, 2048, 9, 4, None, False),
+    # above CONFIG["sorted_above"] tokens: the sorted kernels (experts with 0, a few and more than 8 rows)
+    (40, 1024, 1024, 12, 3, 0.05, True), (17, 2048, 1024, 64, 6, None, False)])
 def test_gluon_kernels_match_float64_loop(T, H, I, E, k, limit, every_code):
     from mla_compile.ops.triton.moe_experts_fp4_mma import eligible
 
@@ -91,12 +93,14 @@ def test_gluon_kernels_match_float64_loop(T, H, I, E, k, limit, every_code):
     assert low.dtype == torch.bfloat16 and rel(low.cpu(), want) < 1e-2
 
 
-def test_gluon_kernels_skip_picks_of_weight_zero():
-    """A weight-0 pick's expert is never read (its scales NaN here): the live picks' sum, 0 for a token with none."""
+@pytest.mark.parametrize("T", [4, 24])
+def test_gluon_kernels_skip_picks_of_weight_zero(T):
+    """A weight-0 pick's expert is never read (its scales NaN here): the live picks' sum, 0 for a token with none;
+    per (token, pick) and sorted by expert."""
     from tests.ops.test_moe_experts_fp8 import poison_last_expert, zero_picks
 
     E = 6
-    args, dead = zero_picks(make(4, 1024, 1024, E, 3, dtype=torch.bfloat16, seed=11), E)
+    args, dead = zero_picks(make(T, 1024, 1024, E, 3, dtype=torch.bfloat16, seed=11), E)
     want = experts64(*args, round_to=torch.bfloat16)
     dev = tuple(a.to(DEV) for a in poison_last_expert(args, E, 255))  # ue8m0 byte 255: NaN scales
     poison_allocator(device=DEV)
@@ -114,7 +118,7 @@ def test_gluon_falls_back_off_its_dims():
     assert torch.equal(out, moe_experts_fp4(*dev, out_float32=True, backend="triton"))
 
 
-@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("T", [1, 8, 64])
 def test_gluon_v4_dims_compiled_and_graph_replay(v4_args, T):
     """V4-Flash's dims against the reference op: eager, compiled (the op opaque, fullgraph) and replayed from a
     CUDA graph with new inputs copied in."""

@@ -74,12 +74,14 @@ def test_fp4_experts_kernels_compile_for_sm90(T, dtype):
     assert_fp32_under_fp64_floats(*[launches[0][i] for i in (0, 2, 3)])  # the clamp's limit
 
 
+@pytest.mark.parametrize("T", [1, 64])
 @pytest.mark.parametrize("rows,warps", [(16, 4), (32, 4), (16, 8)])
-def test_fp4_experts_mma_kernels_compile_for_sm90(rows, warps, monkeypatch):
-    """The Gluon ``mma`` kernels of ``mla::moe_experts_fp4`` (backend "gluon") at V4-Flash dims: they compile (their
-    ``convert_layout(..., assert_trivial=True)`` fails the compile if the decoded weights or x's permuted columns
-    would need a data exchange to become the dot's operands), and where cuobjdump is bundled, their hot loop runs
-    ``mma.sync`` on operands that never leave registers: no spills, no shared-memory traffic."""
+def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, warps, monkeypatch):
+    """The Gluon ``mma`` kernels of ``mla::moe_experts_fp4`` (backend "gluon") at V4-Flash dims, per (token, pick) at
+    one token and over rows sorted by expert at 64: they compile (their ``convert_layout(..., assert_trivial=True)``
+    fails the compile if the decoded weights or x's permuted columns would need a data exchange to become the dot's
+    operands), and where cuobjdump is bundled, their hot loop runs ``mma.sync`` on operands that never leave
+    registers: no spills, no shared-memory traffic."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts_fp4_mma as m
 
@@ -88,12 +90,15 @@ def test_fp4_experts_mma_kernels_compile_for_sm90(rows, warps, monkeypatch):
     monkeypatch.setitem(m.CONFIG, "down_warps", warps)
     H, I, E, k = 4096, 2048, 8, 6
     b = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
-    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
     assert m.eligible(x, I)
-    launches = _sm90.record(m, m.launch, x, torch.rand(1, k), torch.zeros(1, k, dtype=torch.int32), b(E, I, H // 2),
+    kernels = ("_moe_fp4_mma_gate_up_kernel", "_moe_fp4_mma_down_kernel", "_moe_fp4_mma_sorted_gate_up_kernel",
+               "_moe_fp4_mma_sorted_down_kernel")
+    launches = _sm90.record(m, m.launch, x, torch.rand(T, k), torch.zeros(T, k, dtype=torch.int32), b(E, I, H // 2),
                             b(E, I, H // 32), b(E, I, H // 2), b(E, I, H // 32), b(E, H, I // 2), b(E, H, I // 32),
-                            True, 10.0, gluon=("_moe_fp4_mma_gate_up_kernel", "_moe_fp4_mma_down_kernel"))
-    assert [launch[1] for launch in launches] == [(k, I // rows), (1, H // rows)]
+                            True, 10.0, gluon=kernels)
+    grids = [(T * k, I // rows), (T, H // rows)] if T <= m.CONFIG["sorted_above"] else [(E, I // rows), (E, H // rows)]
+    assert [launch[1] for launch in launches] == grids
     for kernel, _, args, kwargs in launches:
         compiled = _sm90.compile_sm90(kernel, args, kwargs)
         if _sm90.cuobjdump() is None:
