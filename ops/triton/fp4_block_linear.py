@@ -124,11 +124,11 @@ BF16_NAN = tl.constexpr(0x7FC0)
 
 
 @triton.jit
-def _bf16_pair(w, I: tl.constexpr, F32: tl.constexpr):
-    """Codes ``I`` and ``I + 4`` of int32 words ``w`` (as :func:`e2m1_pair`) -> two bfloat16 tensors: each code's
-    value * 2^-126. Exponent and mantissa bits land in bfloat16's lowest exponent bits and top mantissa bit, the
-    sign in its sign: ``2^(e - 127) * (1 + m/2)``, and for e = 0 the subnormal ``m * 2^-127``. ``F32``: the same
-    values as float32 (the bit patterns shifted up 16: Triton's CPU interpreter flushes bfloat16 subnormals)."""
+def bf16_pair_bits(w, I: tl.constexpr):
+    """Codes ``I`` and ``I + 4`` of int32 words ``w`` (as :func:`e2m1_pair`) placed in bfloat16's fields, code I in
+    the low half and code I + 4 in the high half of each int32: exponent and mantissa bits in bfloat16's lowest
+    exponent bits and top mantissa bit, the sign in its sign (each half the code's value * 2^-126, see
+    :func:`_bf16_pair`). Also called from the Gluon fp4 kernels."""
     if I == 0:
         both = ((w << 6) & 0x01C001C0) | ((w << 12) & SIGN_BITS)
     elif I == 1:
@@ -137,6 +137,16 @@ def _bf16_pair(w, I: tl.constexpr, F32: tl.constexpr):
         both = ((w >> 2) & 0x01C001C0) | ((w << 4) & SIGN_BITS)
     else:
         both = ((w >> 6) & 0x01C001C0) | (w & SIGN_BITS)
+    return both
+
+
+@triton.jit
+def _bf16_pair(w, I: tl.constexpr, F32: tl.constexpr):
+    """Codes ``I`` and ``I + 4`` of int32 words ``w`` (as :func:`e2m1_pair`) -> two bfloat16 tensors: each code's
+    value * 2^-126. Exponent and mantissa bits land in bfloat16's lowest exponent bits and top mantissa bit, the
+    sign in its sign: ``2^(e - 127) * (1 + m/2)``, and for e = 0 the subnormal ``m * 2^-127``. ``F32``: the same
+    values as float32 (the bit patterns shifted up 16: Triton's CPU interpreter flushes bfloat16 subnormals)."""
+    both = bf16_pair_bits(w, I)
     if F32:
         lo = (both << 16).to(tl.float32, bitcast=True)
         hi = (both & -65536).to(tl.float32, bitcast=True)

@@ -98,6 +98,18 @@ def _moe_fp4_down_kernel(
 CONFIG = dict(gate_up_k=512, down_k=512, waves=2, num_warps=4, stages=3, pipelined_tokens=2)
 
 
+def kernel_operands(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
+                    up_scale: Tensor, down: Tensor, down_scale: Tensor):
+    """The fp4 experts kernels' views of a call's tensors: ``(x, weights, ids, (gate, up, down) words, their scale
+    bytes, h)``: x with a unit last stride, float32 weights and ids contiguous, the codes as int32 words
+    (:func:`~mla_compile.ops.triton.fp4_block_linear.as_words`), the scales as bytes, and the activation buffer
+    ``h [T * k, I]`` of x's dtype."""
+    words = tuple(as_words(w) for w in (gate, up, down))
+    scales = tuple(last_dim_contiguous(as_bytes(s)) for s in (gate_scale, up_scale, down_scale))
+    h = torch.empty(x.shape[0] * ids.shape[1], gate.shape[1], dtype=x.dtype, device=x.device)
+    return last_dim_contiguous(x), weights.float().contiguous(), ids.contiguous(), words, scales, h
+
+
 def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
             up_scale: Tensor, down: Tensor, down_scale: Tensor, out_float32: bool,
             swiglu_limit: float | None) -> Tensor:
@@ -108,11 +120,8 @@ def _launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: T
     out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
     if T == 0:
         return out
-    x = last_dim_contiguous(x)
-    g, u, d = as_words(gate), as_words(up), as_words(down)
-    gs, us, ds = (last_dim_contiguous(as_bytes(s)) for s in (gate_scale, up_scale, down_scale))
-    ids, weights = ids.contiguous(), weights.float().contiguous()
-    h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    x, weights, ids, (g, u, d), (gs, us, ds), h = kernel_operands(x, weights, ids, gate, gate_scale, up, up_scale,
+                                                                  down, down_scale)
     block_n = widest_tile(T * K, I, num_sms(x.device), CONFIG["waves"])
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     stages = CONFIG["stages"] if T <= CONFIG["pipelined_tokens"] else 1

@@ -38,14 +38,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mla_compile.ops.fp4_block_linear import as_bytes
 from mla_compile.ops.moe_experts import _out_dtype, combine_sorted, sort_by_expert
 from mla_compile.ops.moe_experts_fp4 import fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton._common import last_dim_contiguous
-from mla_compile.ops.triton.fp4_block_linear import TILE_SHIFT, TILE_UNIT, as_words
+from mla_compile.ops.triton.fp4_block_linear import TILE_SHIFT, TILE_UNIT, bf16_pair_bits
+from mla_compile.ops.triton.moe_experts_fp4 import kernel_operands
 
-SIGN_BITS = gl.constexpr(-2147450880)  # 0x80008000 as int32: the sign bit of both bfloat16 halves
 STEP = gl.constexpr(128)  # K columns a warp's step: 16 words a row, 4 a thread
 # The decoded step [S, R, 16 words, c2, c0, c1] (word j = 4 t + a: t the lane's column group, a the thread's word;
 # code c = 4 c2 + 2 c1 + c0) reshaped to [S, R, t, a, c2, c0, c1] and permuted to A's column order
@@ -90,16 +88,8 @@ def x_layout(S):
 def _pair(w, f2, I: gl.constexpr):
     """Codes ``I`` and ``I + 4`` of words ``w`` as one bfloat16 pair each (code I low), scaled by ``f2`` (the
     scale factor in both halves): ``[..., 2]`` bfloat16."""
-    if I == 0:
-        both = ((w << 6) & 0x01C001C0) | ((w << 12) & SIGN_BITS)
-    elif I == 1:
-        both = ((w << 2) & 0x01C001C0) | ((w << 8) & SIGN_BITS)
-    elif I == 2:
-        both = ((w >> 2) & 0x01C001C0) | ((w << 4) & SIGN_BITS)
-    else:
-        both = ((w >> 6) & 0x01C001C0) | (w & SIGN_BITS)
-    both = gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [both, f2], dtype=gl.int32,
-                                     is_pure=True, pack=1)
+    both = gl.inline_asm_elementwise("mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", [bf16_pair_bits(w, I), f2],
+                                     dtype=gl.int32, is_pure=True, pack=1)
     return gl.join(both.to(gl.int16).to(gl.bfloat16, bitcast=True),
                    (both >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
 
@@ -351,11 +341,8 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
     out = torch.empty(T, H, dtype=_out_dtype(x, out_float32), device=x.device)
     if T == 0:
         return out
-    x = last_dim_contiguous(x)
-    g, u, d = as_words(gate), as_words(up), as_words(down)
-    gs, us, ds = (last_dim_contiguous(as_bytes(s)) for s in (gate_scale, up_scale, down_scale))
-    ids, weights = ids.contiguous(), weights.float().contiguous()
-    h = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    x, weights, ids, (g, u, d), (gs, us, ds), h = kernel_operands(x, weights, ids, gate, gate_scale, up, up_scale,
+                                                                  down, down_scale)
     rows = CONFIG["rows"]
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     gu = dict(LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=CONFIG["gate_up_warps"])
@@ -393,7 +380,7 @@ def moe_experts_fp4_gluon(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor,
     validate(*args)
     if x.device.type == "cuda" and eligible(x, gate.shape[1]):
         return launch(*args, out_float32, swiglu_limit)
-    import mla_compile.ops.triton.moe_experts_fp4  # noqa: F401  (registers mla::moe_experts_fp4_triton)
+    # mla::moe_experts_fp4_triton is registered by the import of kernel_operands' module
     return torch.ops.mla.moe_experts_fp4_triton(*args, out_float32, swiglu_limit)
 
 
