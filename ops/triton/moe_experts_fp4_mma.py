@@ -141,16 +141,24 @@ def _rows_dot(acc, w_ptr, s_ptr, x_cols, col_ok, wj, sj, sx, kx, n_steps, S: gl.
 
 
 @gluon.jit
-def _offsets(S: gl.constexpr, R: gl.constexpr, w_l: gl.constexpr, x_l: gl.constexpr):
-    """``(r [1, R, 1], wj [S, 1, 16] words of warp w's first step, sj [S, 1, 16] their scale bytes, sx [S, 1, 1],
-    n [1, 8, 1] the dot's columns, kx [1, 1, 128])`` in the step layouts."""
+def _tile(cols, S: gl.constexpr, R: gl.constexpr):
+    """This program's ``R`` weight rows (``program_id(1)``) over ``cols`` columns, and its operands' offsets in the step
+    layouts: ``(n [1, R, 1] int64 rows, wj [S, 1, 16] words of warp w's first step, sj [S, 1, 16] their scale bytes,
+    sx [S, 1, 1], col [1, 8, 1] the dot's columns, kx [1, 1, 128], n_steps a warp, ro [R, 1] rows and co [1, 8]
+    columns of the summed accumulator)``."""
+    w_l: gl.constexpr = word_layout(S, R)
+    x_l: gl.constexpr = x_layout(S)
+    out_l: gl.constexpr = gl.SliceLayout(0, acc_layout(S, R))
+    n0 = gl.program_id(1) * R
     sw = gl.arange(0, S, gl.SliceLayout(1, gl.SliceLayout(2, w_l)))[:, None, None]
     r = gl.arange(0, R, gl.SliceLayout(0, gl.SliceLayout(2, w_l)))[None, :, None]
     j = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, w_l)))[None, None, :]
     sx = gl.arange(0, S, gl.SliceLayout(1, gl.SliceLayout(2, x_l)))[:, None, None]
-    n = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, x_l)))[None, :, None]
+    col = gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(2, x_l)))[None, :, None]
     kx = gl.arange(0, STEP, gl.SliceLayout(0, gl.SliceLayout(1, x_l)))[None, None, :]
-    return r, sw * 16 + j, sw * 4 + j // 4, sx, n, kx
+    ro = n0 + gl.arange(0, R, gl.SliceLayout(1, out_l))[:, None]
+    co = gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :]
+    return (n0 + r).to(gl.int64), sw * 16 + j, sw * 4 + j // 4, sx, col, kx, cols // (STEP * S), ro, co
 
 
 @gluon.jit
@@ -162,14 +170,6 @@ def _swiglu(acc_g, acc_u, limit, LIMIT: gl.constexpr):
         gv = gl.minimum(gv, limit)
         uv = gl.minimum(gl.maximum(uv, -limit), limit)
     return gv / (1.0 + gl.exp(-gv)) * uv
-
-
-@gluon.jit
-def _out_index(n0, R: gl.constexpr, acc_l: gl.constexpr):
-    """``(rows [R, 1], columns [1, 8])`` of the summed accumulator ``[R, 8]``, rows from ``n0``."""
-    out_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    return (n0 + gl.arange(0, R, gl.SliceLayout(1, out_l))[:, None],
-            gl.arange(0, 8, gl.SliceLayout(0, out_l))[None, :])
 
 
 @gluon.constexpr_function
@@ -195,17 +195,13 @@ def _moe_fp4_mma_gate_up_kernel(
     t = (row // K).to(gl.int64)
     if gl.load(wt_ptr + t * s_wt + row % K) != 0:  # a pick of weight 0 (another rank's) reads nothing
         e = gl.load(ids_ptr + t * s_ids + row % K).to(gl.int64)
-        n0 = gl.program_id(1) * ROWS
-        r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
-        n = (n0 + r).to(gl.int64)
+        n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(H, S, ROWS)
         x_cols = x_ptr + t * s_x + 0 * col  # the token's row in every column of the dot
-        n_steps = H // (STEP * S)
         acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
                           gs_ptr + e * s_gse + n * s_gsn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
         acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
                           us_ptr + e * s_use + n * s_usn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
         a = _swiglu(acc_g, acc_u, limit, LIMIT)
-        ro, co = _out_index(n0, ROWS, acc_l)
         gl.store(h_ptr + row.to(gl.int64) * s_h + ro + co, a.to(h_ptr.dtype.element_ty), mask=co == 0)
 
 
@@ -222,10 +218,7 @@ def _moe_fp4_mma_down_kernel(
     a_l: gl.constexpr = operand_layout(S, ROWS, 0)
     b_l: gl.constexpr = operand_layout(S, ROWS, 1)
     t = gl.program_id(0).to(gl.int64)
-    n0 = gl.program_id(1) * ROWS
-    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
-    n = (n0 + r).to(gl.int64)
-    n_steps = I // (STEP * S)
+    n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(I, S, ROWS)
     acc = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
     for j in gl.static_range(K):
         weight = gl.load(w_ptr + t * s_w + j)
@@ -236,7 +229,6 @@ def _moe_fp4_mma_down_kernel(
                              sx, kx, n_steps, S, a_l, b_l)
             acc += weight * part
     y = gl.sum(acc, axis=0) * TILE_UNIT
-    ro, co = _out_index(n0, ROWS, acc_l)
     gl.store(out_ptr + t * s_out + ro + co, y.to(out_ptr.dtype.element_ty), mask=co == 0)
 
 
@@ -273,12 +265,8 @@ def _moe_fp4_mma_sorted_gate_up_kernel(
     b_l: gl.constexpr = operand_layout(S, ROWS, 1)
     limit = gl.full([], limit, gl.float32)
     e = gl.program_id(0).to(gl.int64)
-    n0 = gl.program_id(1) * ROWS
     start, end = _group(offs_ptr)
-    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
-    n = (n0 + r).to(gl.int64)
-    n_steps = H // (STEP * S)
-    ro, co = _out_index(n0, ROWS, acc_l)
+    n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(H, S, ROWS)
     for r0 in range(start, end, 8):
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         if gl.sum(ok.to(gl.int32)) > 0:
@@ -305,12 +293,8 @@ def _moe_fp4_mma_sorted_down_kernel(
     a_l: gl.constexpr = operand_layout(S, ROWS, 0)
     b_l: gl.constexpr = operand_layout(S, ROWS, 1)
     e = gl.program_id(0).to(gl.int64)
-    n0 = gl.program_id(1) * ROWS
     start, end = _group(offs_ptr)
-    r, wj, sj, sx, col, kx = _offsets(S, ROWS, word_layout(S, ROWS), x_layout(S))
-    n = (n0 + r).to(gl.int64)
-    n_steps = I // (STEP * S)
-    ro, co = _out_index(n0, ROWS, acc_l)
+    n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(I, S, ROWS)
     for r0 in range(start, end, 8):
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         y = gl.zeros([ROWS, 8], gl.float32, gl.SliceLayout(0, acc_l))
