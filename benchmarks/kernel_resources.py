@@ -46,10 +46,10 @@ WEIGHTS_A_STEP = {
     "_moe_fp4_down_kernel": lambda c, w: c["K"] * c["BLOCK_H"] * c["BLOCK_K"],  # every pick, unrolled
     "_fp4_gemv_kernel": lambda c, w: c["BLOCK_N"] * c["BLOCK_K"],
     "_fp4_linear_kernel": lambda c, w: c["BLOCK_N"] * c["BLOCK_K"],
-    # one weight matrix (gate, up or a pick's down) a loop, two 128-column steps a warp, the warps splitting K
-    "_moe_fp4_mma_gate_up_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
+    # two 128-column steps a warp a loop, the warps splitting K: gate and up together, a pick's down alone
+    "_moe_fp4_mma_gate_up_kernel": lambda c, w: 2 * 2 * w * c["ROWS"] * 128,
     "_moe_fp4_mma_down_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
-    "_moe_fp4_mma_sorted_gate_up_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
+    "_moe_fp4_mma_sorted_gate_up_kernel": lambda c, w: 2 * 2 * w * c["ROWS"] * 128,
     "_moe_fp4_mma_sorted_down_kernel": lambda c, w: 2 * w * c["ROWS"] * 128,
 }
 

@@ -123,21 +123,32 @@ def _x_operand(x_cols, col_ok, q, sx, kx, b_l: gl.constexpr):
 
 
 @gluon.jit
-def _rows_dot(acc, w_ptr, s_ptr, x_cols, col_ok, wj, sj, sx, kx, n_steps, S: gl.constexpr, a_l: gl.constexpr,
-              b_l: gl.constexpr):
+def _rows_dot(acc, acc2, w_ptr, s_ptr, w2_ptr, s2_ptr, x_cols, col_ok, wj, sj, sx, kx, n_steps, S: gl.constexpr,
+              a_l: gl.constexpr, b_l: gl.constexpr, TWO: gl.constexpr):
     """``acc += W X`` over all of K for the rows at ``w_ptr`` (word pointers of column 0 plus ``wj``) and their scale
-    bytes at ``s_ptr`` (plus ``sj``), X's 8 columns the rows at ``x_cols`` (:func:`_x_operand`): ``n_steps`` steps
-    a warp (even), the next step's words loaded a step ahead."""
+    bytes at ``s_ptr`` (plus ``sj``), X's 8 columns the rows at ``x_cols`` (:func:`_x_operand`), and with ``TWO`` in
+    the same loop ``acc2 += W2 X`` (gate and up: x's operand made once a step, twice the words in flight):
+    ``n_steps`` steps a warp (even), each step's words loaded a step ahead. Returns ``(acc, acc2)``."""
     w_a = gl.load(w_ptr + wj)
+    if TWO:
+        v_a = gl.load(w2_ptr + wj)
     for c in range(0, n_steps, 2):
         q = c * S
+        more = (wj >= 0) & (c + 2 < n_steps)
         w_b = gl.load(w_ptr + (q + S) * 16 + wj)
-        f = _factor(gl.load(s_ptr + q * 4 + sj).to(gl.int32))
-        acc = mma_v2(_decode(w_a, f, a_l), _x_operand(x_cols, col_ok, q, sx, kx, b_l), acc)
-        w_a = gl.load(w_ptr + (q + 2 * S) * 16 + wj, mask=(wj >= 0) & (c + 2 < n_steps), other=0)
-        f = _factor(gl.load(s_ptr + (q + S) * 4 + sj).to(gl.int32))
-        acc = mma_v2(_decode(w_b, f, a_l), _x_operand(x_cols, col_ok, q + S, sx, kx, b_l), acc)
-    return acc
+        if TWO:
+            v_b = gl.load(w2_ptr + (q + S) * 16 + wj)
+        xb = _x_operand(x_cols, col_ok, q, sx, kx, b_l)
+        acc = mma_v2(_decode(w_a, _factor(gl.load(s_ptr + q * 4 + sj).to(gl.int32)), a_l), xb, acc)
+        w_a = gl.load(w_ptr + (q + 2 * S) * 16 + wj, mask=more, other=0)
+        if TWO:
+            acc2 = mma_v2(_decode(v_a, _factor(gl.load(s2_ptr + q * 4 + sj).to(gl.int32)), a_l), xb, acc2)
+            v_a = gl.load(w2_ptr + (q + 2 * S) * 16 + wj, mask=more, other=0)
+        xb = _x_operand(x_cols, col_ok, q + S, sx, kx, b_l)
+        acc = mma_v2(_decode(w_b, _factor(gl.load(s_ptr + (q + S) * 4 + sj).to(gl.int32)), a_l), xb, acc)
+        if TWO:
+            acc2 = mma_v2(_decode(v_b, _factor(gl.load(s2_ptr + (q + S) * 4 + sj).to(gl.int32)), a_l), xb, acc2)
+    return acc, acc2
 
 
 @gluon.jit
@@ -197,10 +208,10 @@ def _moe_fp4_mma_gate_up_kernel(
         e = gl.load(ids_ptr + t * s_ids + row % K).to(gl.int64)
         n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(H, S, ROWS)
         x_cols = x_ptr + t * s_x + 0 * col  # the token's row in every column of the dot
-        acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
-                          gs_ptr + e * s_gse + n * s_gsn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
-        acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
-                          us_ptr + e * s_use + n * s_usn, x_cols, col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+        zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
+        acc_g, acc_u = _rows_dot(zero, zero, g_ptr + e * s_ge + n * s_gn, gs_ptr + e * s_gse + n * s_gsn,
+                                 u_ptr + e * s_ue + n * s_un, us_ptr + e * s_use + n * s_usn, x_cols, col >= 0, wj, sj,
+                                 sx, kx, n_steps, S, a_l, b_l, True)
         a = _swiglu(acc_g, acc_u, limit, LIMIT)
         gl.store(h_ptr + row.to(gl.int64) * s_h + ro + co, a.to(h_ptr.dtype.element_ty), mask=co == 0)
 
@@ -224,9 +235,10 @@ def _moe_fp4_mma_down_kernel(
         weight = gl.load(w_ptr + t * s_w + j)
         if weight != 0:  # a pick of weight 0: its activation row was never written
             e = gl.load(ids_ptr + t * s_ids + j).to(gl.int64)
-            part = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), dn_ptr + e * s_de + n * s_dh,
-                             ds_ptr + e * s_dse + n * s_dsh, h_ptr + (t * K + j) * s_h + 0 * col, col >= 0, wj, sj,
-                             sx, kx, n_steps, S, a_l, b_l)
+            zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
+            w_rows, s_rows = dn_ptr + e * s_de + n * s_dh, ds_ptr + e * s_dse + n * s_dsh
+            part, _ = _rows_dot(zero, zero, w_rows, s_rows, w_rows, s_rows, h_ptr + (t * K + j) * s_h + 0 * col,
+                                col >= 0, wj, sj, sx, kx, n_steps, S, a_l, b_l, False)
             acc += weight * part
     y = gl.sum(acc, axis=0) * TILE_UNIT
     gl.store(out_ptr + t * s_out + ro + co, y.to(out_ptr.dtype.element_ty), mask=co == 0)
@@ -271,10 +283,10 @@ def _moe_fp4_mma_sorted_gate_up_kernel(
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         if gl.sum(ok.to(gl.int32)) > 0:
             x_cols = x_ptr + (pick // K) * s_x
-            acc_g = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), g_ptr + e * s_ge + n * s_gn,
-                              gs_ptr + e * s_gse + n * s_gsn, x_cols, ok, wj, sj, sx, kx, n_steps, S, a_l, b_l)
-            acc_u = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), u_ptr + e * s_ue + n * s_un,
-                              us_ptr + e * s_use + n * s_usn, x_cols, ok, wj, sj, sx, kx, n_steps, S, a_l, b_l)
+            zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
+            acc_g, acc_u = _rows_dot(zero, zero, g_ptr + e * s_ge + n * s_gn, gs_ptr + e * s_gse + n * s_gsn,
+                                     u_ptr + e * s_ue + n * s_un, us_ptr + e * s_use + n * s_usn, x_cols, ok, wj, sj,
+                                     sx, kx, n_steps, S, a_l, b_l, True)
             a = _swiglu(acc_g, acc_u, limit, LIMIT)
             gl.store(h_ptr + (r0 + co).to(gl.int64) * s_h + ro, a.to(h_ptr.dtype.element_ty), mask=r0 + co < end)
 
@@ -299,9 +311,10 @@ def _moe_fp4_mma_sorted_down_kernel(
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         y = gl.zeros([ROWS, 8], gl.float32, gl.SliceLayout(0, acc_l))
         if gl.sum(ok.to(gl.int32)) > 0:
-            acc = _rows_dot(gl.zeros([S, ROWS, 8], gl.float32, acc_l), dn_ptr + e * s_de + n * s_dh,
-                            ds_ptr + e * s_dse + n * s_dsh, h_ptr + (r0 + col).to(gl.int64) * s_h, ok, wj, sj, sx,
-                            kx, n_steps, S, a_l, b_l)
+            zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
+            w_rows, s_rows = dn_ptr + e * s_de + n * s_dh, ds_ptr + e * s_dse + n * s_dsh
+            acc, _ = _rows_dot(zero, zero, w_rows, s_rows, w_rows, s_rows, h_ptr + (r0 + col).to(gl.int64) * s_h, ok,
+                               wj, sj, sx, kx, n_steps, S, a_l, b_l, False)
             y = gl.sum(acc, axis=0) * TILE_UNIT
         gl.store(y_ptr + (r0 + co).to(gl.int64) * s_y + ro, y, mask=r0 + co < end)
 
