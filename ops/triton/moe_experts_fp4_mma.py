@@ -16,7 +16,7 @@ tokens that issue, not the bytes, bounds them (``benchmarks/kernel_resources.py 
   ``convert_layout(..., assert_trivial=True)`` makes the compile fail if either ever needs a data exchange.
 - The warps of a program (``S``) split K: the dot is batched over them (warp w takes steps w, w + S, ...), and the
   float32 partials are summed once after the loop. Each step's words are loaded one step ahead (the loop
-  unrolled twice, so the prefetch needs no register copies).
+  unrolled twice, so the prefetch needs no register copies); gate and up share the loop and x's operand.
 - The B operand is 8 bf16 rows of x (n = 8); the accumulator is float32 and scaled back by 2^``TILE_SHIFT``.
 
 Up to ``CONFIG["sorted_above"]`` tokens, per (token, pick), every column of the dot the token's row (column 0 kept):
