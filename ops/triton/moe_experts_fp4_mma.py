@@ -7,7 +7,7 @@ tokens that issue, not the bytes, bounds them (``benchmarks/kernel_resources.py 
 - A warp's step is 16 weight rows (``ROWS``: 16 or 32) x 128 columns, the A operand of ``mma.sync.m16n8k16``.
   Each thread loads, for each of its rows (g and g + 8 of its lane group), 4 consecutive int32 words: one
   32-block, so one ue8m0 scale. Each word's codes i and i + 4 (i < 4) sit 16 bits apart: one shift-and-mask
-  places both in bfloat16's fields (``fp4_block_linear._bf16_pair``'s placement: the value times 2^-126) and one
+  places both in bfloat16's fields (``fp4_block_linear.bf16_pair_bits``: the value times 2^-126) and one
   ``mul.bf16x2`` scales both by the block's power of two times 2^-``TILE_SHIFT`` (exact for scale bytes 34..160,
   as ``e2m1_bf16_tile``); the 32-bit result is, as it stands, one register of the A fragment.
 - That puts the weights in a K order of its own (:data:`A_ORDER`): the register holding codes (i, i + 4) is where
@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from mla_compile.ops.moe_experts import _out_dtype, combine_sorted, sort_by_expert
-from mla_compile.ops.moe_experts_fp4 import fake, validate
+from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton.fp4_block_linear import TILE_SHIFT, TILE_UNIT, bf16_pair_bits
 from mla_compile.ops.triton.moe_experts_fp4 import kernel_operands
@@ -52,9 +52,9 @@ A_ORDER = gl.constexpr((0, 1, 3, 6, 5, 2, 4))
 # x's step in natural order [S, column, t, a, c2, c1, c0] permuted the same way (a, c1, c0, t, c2)
 X_ORDER = gl.constexpr((0, 1, 3, 5, 6, 2, 4))
 # Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel's pair;
-# above ``sorted_above`` tokens the sorted kernels (each hit expert's weights read once for 8 rows) instead of the
-# per-(token, pick) ones.
-CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=16)
+# above ``sorted_above`` tokens (the op's fused / grouped split by default) the sorted kernels (each hit expert's
+# weights read once for 8 rows) instead of the per-(token, pick) ones.
+CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=FUSED_MAX_TOKENS_FP4)
 
 
 @gluon.constexpr_function
