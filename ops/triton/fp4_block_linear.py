@@ -157,6 +157,14 @@ def _bf16_pair(w, I: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
+def bf16_scale_bits(s):
+    """ue8m0 bytes ``s`` (int32) -> the bfloat16 bits (low 16 of an int32) of ``2^(s - 1 - TILE_SHIFT)``, the factor
+    that turns :func:`bf16_pair_bits`' values into the weights times 2^-TILE_SHIFT (byte 255: NaN; the exact range in
+    :func:`e2m1_bf16_tile`). Also called from the Gluon fp4 kernels."""
+    return tl.where(s == 255, BF16_NAN, tl.minimum(s + (126 - TILE_SHIFT), 255) << 7)
+
+
+@triton.jit
 def e2m1_bf16_tile(w, sbyte, F32: tl.constexpr):
     """int32 words ``w [R, W]`` (8 codes each) and their 32-blocks' ue8m0 bytes ``sbyte [R, W / 4]`` (int32) ->
     bfloat16 ``[R, 8 W]`` in column order (word j's code i at column 8j + i): the weights times 2^-TILE_SHIFT,
@@ -174,7 +182,7 @@ def e2m1_bf16_tile(w, sbyte, F32: tl.constexpr):
     R: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
     r = tl.reshape(tl.permute(r, (0, 1, 4, 3, 2)), (R, 8 * W))  # the joins' last axis is code bit 2: reverse them
-    bits = tl.where(sbyte == 255, BF16_NAN, tl.minimum(sbyte + (126 - TILE_SHIFT), 255) << 7)
+    bits = bf16_scale_bits(sbyte)
     if F32:
         f = (bits << 16).to(tl.float32, bitcast=True)
     else:

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from mla_compile.ops.moe_experts import _out_dtype, combine_sorted, sort_by_expert
 from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
-from mla_compile.ops.triton.fp4_block_linear import TILE_SHIFT, TILE_UNIT, bf16_pair_bits
+from mla_compile.ops.triton.fp4_block_linear import TILE_UNIT, bf16_pair_bits, bf16_scale_bits
 from mla_compile.ops.triton.moe_experts_fp4 import kernel_operands
 
 STEP = gl.constexpr(128)  # K columns a warp's step: 16 words a row, 4 a thread
@@ -108,7 +108,7 @@ def _decode(w, f2, a_l: gl.constexpr):
 def _factor(s):
     """ue8m0 bytes (int32) -> ``2^(s - 1 - TILE_SHIFT)`` as bfloat16 bits in both halves of an int32 (byte 255:
     NaN; below byte 34 the factor is subnormal and the products inexact, as ``e2m1_bf16_tile``)."""
-    bits = gl.where(s == 255, 0x7FC0, gl.minimum(s + (126 - TILE_SHIFT), 255) << 7)
+    bits = bf16_scale_bits(s)
     return bits | (bits << 16)
 
 
@@ -279,14 +279,14 @@ def _moe_fp4_mma_sorted_gate_up_kernel(
     e = gl.program_id(0).to(gl.int64)
     start, end = _group(offs_ptr)
     n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(H, S, ROWS)
+    g_rows, gs_rows = g_ptr + e * s_ge + n * s_gn, gs_ptr + e * s_gse + n * s_gsn
+    u_rows, us_rows = u_ptr + e * s_ue + n * s_un, us_ptr + e * s_use + n * s_usn
     for r0 in range(start, end, 8):
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         if gl.sum(ok.to(gl.int32)) > 0:
-            x_cols = x_ptr + (pick // K) * s_x
             zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
-            acc_g, acc_u = _rows_dot(zero, zero, g_ptr + e * s_ge + n * s_gn, gs_ptr + e * s_gse + n * s_gsn,
-                                     u_ptr + e * s_ue + n * s_un, us_ptr + e * s_use + n * s_usn, x_cols, ok, wj, sj,
-                                     sx, kx, n_steps, S, a_l, b_l, True)
+            acc_g, acc_u = _rows_dot(zero, zero, g_rows, gs_rows, u_rows, us_rows, x_ptr + (pick // K) * s_x, ok, wj,
+                                     sj, sx, kx, n_steps, S, a_l, b_l, True)
             a = _swiglu(acc_g, acc_u, limit, LIMIT)
             gl.store(h_ptr + (r0 + co).to(gl.int64) * s_h + ro, a.to(h_ptr.dtype.element_ty), mask=r0 + co < end)
 
@@ -307,12 +307,12 @@ def _moe_fp4_mma_sorted_down_kernel(
     e = gl.program_id(0).to(gl.int64)
     start, end = _group(offs_ptr)
     n, wj, sj, sx, col, kx, n_steps, ro, co = _tile(I, S, ROWS)
+    w_rows, s_rows = dn_ptr + e * s_de + n * s_dh, ds_ptr + e * s_dse + n * s_dsh
     for r0 in range(start, end, 8):
         ok, pick = _live_rows(order_ptr, wt_ptr, r0, end, col)
         y = gl.zeros([ROWS, 8], gl.float32, gl.SliceLayout(0, acc_l))
         if gl.sum(ok.to(gl.int32)) > 0:
             zero = gl.zeros([S, ROWS, 8], gl.float32, acc_l)
-            w_rows, s_rows = dn_ptr + e * s_de + n * s_dh, ds_ptr + e * s_dse + n * s_dsh
             acc, _ = _rows_dot(zero, zero, w_rows, s_rows, w_rows, s_rows, h_ptr + (r0 + col).to(gl.int64) * s_h, ok,
                                wj, sj, sx, kx, n_steps, S, a_l, b_l, False)
             y = gl.sum(acc, axis=0) * TILE_UNIT
