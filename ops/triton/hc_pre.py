@@ -7,9 +7,9 @@ and stores the partial dots and the partial sum of squares (the RMS norm folds i
 whole row, so ``rms(x) @ fn.T = (x @ fn.T) * rsqrt(mean(x^2) + eps)``).
 
 ``_hc_finish_kernel``, grid ``(T, D blocks)``, one warp: program ``(t, d)`` sums token t's partials, scales them by the
-norm, forms ``pre``, ``post`` and the ``n x n`` mixing logits (one-hot sums over the mixes: no register gather), runs
-the Sinkhorn rounds (the matrix a few threads' registers), and collapses ``BLOCK_D`` columns of the streams with
-``pre``; block 0 also stores ``post`` and ``comb``. Each program repeats the small work of its token: no third
+norm, forms ``pre``, ``post`` and the ``n x n`` mixing logits (one-hot sums over the mixes: no register gather; the
+logits as ``n * n`` scalars, so every Sinkhorn round runs within each thread, no shuffle), and collapses ``BLOCK_D``
+columns of the streams with ``pre``; block 0 also stores ``post`` and ``comb``. Each program repeats the small work of its token: no third
 launch. Python floats arrive as fp64 from Inductor's launches; the kernels cast them to fp32 first.
 """
 
@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 
 from mla_compile.ops.hc_pre import MAX_N, MAX_TOKENS, OP, fake, hc_pre_math, validate
 from mla_compile.ops.hc_sinkhorn import hc_sinkhorn
-from mla_compile.ops.triton.hc_sinkhorn import sinkhorn_rounds
+from mla_compile.ops.triton.hc_sinkhorn import sinkhorn_cells
 
 BLOCK_K = 512  # stream values a split-K program reads (fn: (2n + n*n) x BLOCK_K)
 BLOCK_D = 512  # columns of the collapse a finishing program writes
@@ -62,17 +62,18 @@ def _hc_finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, co
     sc = tl.load(scale_ptr + tl.where(m < N, 0, tl.where(m < 2 * N, 1, 2))).to(tl.float32)
     z = tl.sum(part, axis=0) * r * sc + tl.load(base_ptr + m, mask=m < M, other=0.0).to(tl.float32)
     i = tl.arange(0, NP)
-    # pre [NP] and the mixing logits [NP, NP] from z by one-hot sums (no gather from registers)
+    # pre [NP] from z by one-hot sums (no gather from registers)
     pre = tl.sum(tl.where(i[:, None] == m[None, :], z[None, :], 0.0), axis=1)
     pre = 1.0 / (1.0 + tl.exp(-pre)) + hc_eps
-    cell = 2 * N + i[:, None] * N + i[None, :]
-    ok = (i < N)[:, None] & (i < N)[None, :]
-    zc = tl.sum(tl.where(cell[:, :, None] == m[None, None, :], z[None, None, :], 0.0), axis=2)
-    c = sinkhorn_rounds(tl.where(ok, zc, float("-inf")), ok, ITERS, hc_eps, 1, 0)
+    zc = ()  # the mixing logits as N * N scalars, row-major: every Sinkhorn sum within a thread
+    for k in tl.static_range(N * N):
+        zc = zc + (tl.sum(tl.where(m == 2 * N + k, z, 0.0), axis=0),)
+    c = sinkhorn_cells(zc, N, ITERS, hc_eps)
     if blk == 0:
         post = 2.0 / (1.0 + tl.exp(-z))
         tl.store(post_ptr + t * N + (m - N), post, mask=(m >= N) & (m < 2 * N))
-        tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], c, mask=ok)
+        for k in tl.static_range(N * N):
+            tl.store(comb_ptr + t * N * N + k, c[k])
     d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     xs = tl.load(x_ptr + t * s_x + i[:, None] * D + d[None, :], mask=(i < N)[:, None] & d_ok[None, :],

@@ -1,12 +1,10 @@
 """Triton ``mla::hc_sinkhorn``: every Sinkhorn round of ``BLOCK_T`` tokens' mixing matrices in one kernel.
 
-A program is one warp over ``BLOCK_T`` (32) tokens, a token's ``[n, n]`` logits a thread's (the ``[BLOCK_T, NP, NP]``
-block's layout puts the 32 lanes on the tokens and both matrix dims in registers: ``NP`` the power of two at or above
-``n``; the padding holds 0 after the softmax, so it adds nothing to any sum). It takes the row softmax plus ``eps`` and
-runs the column and row normalisations, ``iters`` rounds, before one store: every sum is within a thread, no shuffle,
-shared memory or barrier (with the rows across warps each round's column sums go through shared memory and a
-barrier). torch.compile lowers the same math to two small kernels a round (each reads the whole
-previous matrix), so a 20-round mHC costs about 40 launches; here it is one.
+A program is one warp over ``BLOCK_T`` (32) tokens, one a lane: a token's ``n * n`` logits are ``n * n`` values of
+that lane (:func:`sinkhorn_cells` takes them as a tuple of cells, one ``[BLOCK_T]`` tensor each). It takes the row
+softmax plus ``eps`` and runs the column and row normalisations, ``iters`` rounds, before one store: every sum is
+within a thread, no shuffle, shared memory or barrier. torch.compile lowers the same math to two small kernels a
+round (each reads the whole previous matrix), so a 20-round mHC costs about 40 launches; here it is one.
 """
 
 from __future__ import annotations
@@ -23,34 +21,72 @@ BLOCK_T = 32  # tokens a program: one a lane of its one warp
 
 
 @triton.jit
-def sinkhorn_rounds(z, ok, ITERS, eps, ROW: tl.constexpr, COL: tl.constexpr):
-    """The Sinkhorn normalisation of logits ``z`` (-inf outside ``ok``) whose matrices' rows run along axis ``ROW``
-    and columns along ``COL``: a softmax along each row plus ``eps``, a column normalisation, then ``ITERS - 1``
-    rounds of row and column normalisation (each sum plus ``eps``); 0 outside ``ok``. Shared by this op's kernel
-    and ``mla::hc_pre``'s finishing kernel."""
-    m = tl.max(z, axis=ROW)
-    m = tl.where(m == float("-inf"), 0.0, m)  # rows of padding only: exp(-inf) = 0, no NaN
-    e = tl.exp(z - tl.expand_dims(m, ROW))
-    c = tl.where(ok, e / tl.expand_dims(tl.sum(e, axis=ROW), ROW) + eps, 0.0)
-    c = c / (tl.expand_dims(tl.sum(c, axis=COL), COL) + eps)
+def _divide_rows(c, N: tl.constexpr, eps):
+    """The cells ``c`` (a tuple of ``N * N``, row-major) divided by their row's sum plus ``eps`` (one reciprocal a
+    row, then products)."""
+    out = ()
+    for i in tl.static_range(N):
+        s = c[i * N]
+        for j in tl.static_range(1, N):
+            s = s + c[i * N + j]
+        r = 1.0 / (s + eps)
+        for j in tl.static_range(N):
+            out = out + (c[i * N + j] * r,)
+    return out
+
+
+@triton.jit
+def _divide_columns(c, N: tl.constexpr, eps):
+    """The cells ``c`` (a tuple of ``N * N``, row-major) divided by their column's sum plus ``eps`` (one reciprocal a
+    column, then products)."""
+    r = ()
+    for j in tl.static_range(N):
+        s = c[j]
+        for i in tl.static_range(1, N):
+            s = s + c[i * N + j]
+        r = r + (1.0 / (s + eps),)
+    out = ()
+    for k in tl.static_range(N * N):
+        out = out + (c[k] * r[k % N],)
+    return out
+
+
+@triton.jit
+def sinkhorn_cells(z, N: tl.constexpr, ITERS, eps):
+    """The Sinkhorn normalisation of ``N x N`` logits ``z``, a tuple of ``N * N`` cells (row-major), each a tensor of
+    one shape (e.g. one value a token, or a scalar): a softmax along each row plus ``eps``, a column normalisation,
+    then ``ITERS - 1`` rounds of row and column normalisation (each sum plus ``eps``); the cells in the same order.
+    Element-wise across the cells' shape, so every sum stays within a thread (no shuffle, shared memory or
+    barrier). Shared by this op's kernel and ``mla::hc_pre``'s finishing kernel."""
+    e = ()
+    for i in tl.static_range(N):
+        m = z[i * N]
+        for j in tl.static_range(1, N):
+            m = tl.maximum(m, z[i * N + j])
+        for j in tl.static_range(N):
+            e = e + (tl.exp(z[i * N + j] - m),)
+    e = _divide_rows(e, N, 0.0)
+    c = ()
+    for k in tl.static_range(N * N):
+        c = c + (e[k] + eps,)
+    c = _divide_columns(c, N, eps)
     for _ in range(ITERS - 1):
-        c = c / (tl.expand_dims(tl.sum(c, axis=ROW), ROW) + eps)
-        c = c / (tl.expand_dims(tl.sum(c, axis=COL), COL) + eps)
+        c = _divide_columns(_divide_rows(c, N, eps), N, eps)
     return c
 
 
 @triton.jit
-def _hc_sinkhorn_kernel(x_ptr, out_ptr, T, ITERS, eps, s_x, s_o, N: tl.constexpr, NP: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+def _hc_sinkhorn_kernel(x_ptr, out_ptr, T, ITERS, eps, s_x, s_o, N: tl.constexpr, BLOCK_T: tl.constexpr):
     eps = tl.full([], eps, tl.float32)  # Inductor passes Python floats as fp64: every round would run in fp64
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    i = tl.arange(0, NP)
-    ok = (t < T)[:, None, None] & (i < N)[None, :, None] & (i < N)[None, None, :]
-    cell = i[None, :, None] * N + i[None, None, :]
-    t64 = t.to(tl.int64)[:, None, None]
-    z = tl.load(x_ptr + t64 * s_x + cell, mask=ok, other=float("-inf"))
-    c = sinkhorn_rounds(z, ok, ITERS, eps, 2, 1)
-    tl.store(out_ptr + t64 * s_o + cell, c, mask=ok)
+    ok = t < T
+    t64 = t.to(tl.int64)
+    z = ()
+    for k in tl.static_range(N * N):
+        z = z + (tl.load(x_ptr + t64 * s_x + k, mask=ok, other=0.0).to(tl.float32),)
+    c = sinkhorn_cells(z, N, ITERS, eps)
+    for k in tl.static_range(N * N):
+        tl.store(out_ptr + t64 * s_o + k, c[k], mask=ok)
 
 
 def _launch(logits: Tensor, iters: int, eps: float) -> Tensor:
@@ -64,8 +100,7 @@ def _launch(logits: Tensor, iters: int, eps: float) -> Tensor:
         return out
     x = logits.contiguous()
     wrap_triton(_hc_sinkhorn_kernel)[(triton.cdiv(T, BLOCK_T),)](
-        x, out, T, iters, float(eps), x.stride(0), out.stride(0), N=n, NP=triton.next_power_of_2(n), BLOCK_T=BLOCK_T,
-        num_warps=1,
+        x, out, T, iters, float(eps), x.stride(0), out.stride(0), N=n, BLOCK_T=BLOCK_T, num_warps=1,
     )
     return out
 
