@@ -89,8 +89,6 @@ def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, weight2: Tensor
     return y[:, :weight.shape[0]], y[:, weight.shape[0]:]
 
 
-# Not yet run on a GPU (its CUDA tests: tests/ops/triton/test_triton_fp8_block_linear.py -k pair): "auto" skips it
-# until they pass there, and the model then runs the pair as two mla::fp8_block_linear calls.
 declare(OP, "triton", _triton, rank=50, available=_triton_available, dtypes=FLOATS, package="triton",
-        gpu_tested=False, kernels=("fp8_block_linear_pair_triton", "_fp8_linear_kernel"),
+        gpu_tested=True, kernels=("fp8_block_linear_pair_triton", "_fp8_linear_kernel"),
         note="ours: mla::fp8_block_linear's kernel over both weights' column tiles, one launch")

@@ -21,10 +21,9 @@ expert read once: the large-T path; its gate / up outputs are rounded to x's dty
 ``FP4Experts`` rounded them), "triton" (ours, CUDA: per (token, pick) the routed expert's gate and up rows in one
 kernel with the clamp and ``silu(g) * u``, then down with the weighted combine, the codes decoded in registers:
 the small-T path), "gluon" (ours, sm_90: the same two kernels with the products on the tensor cores, the codes
-decoded into ``mma``'s register operand, and above 16 tokens their sorted-by-expert form; bf16 x; not yet
-GPU-tested). "auto" on a GPU with both GPU-tested:
-``triton`` up to :data:`FUSED_MAX_TOKENS_FP4` tokens, ``grouped`` above, inside one op (one graph serves every batch
-size).
+decoded into ``mma``'s register operand, and above 16 tokens their sorted-by-expert form; bf16 x). "auto": "gluon"
+where it serves (faster than the other two at every token count timed, BENCHMARKS.md), else ``triton`` up to
+:data:`FUSED_MAX_TOKENS_FP4` tokens and ``grouped`` above, inside one op (one graph serves every batch size).
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from torch import Tensor
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, dequantize, fp4_block_linear
 from mla_compile.ops.moe_experts import _acc, _activation, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
-from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, SM90, declare, declare_op, declare_split_op,
-                                      run_split_part)
-from mla_compile.ops.select import resolve
+from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, SM90, backends_for, declare, declare_op,
+                                      declare_split_op, run_split_part)
+from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
 # "auto" takes the fused kernels up to this many tokens, the grouped fp4 GEMMs above (BENCHMARKS.md)
@@ -143,8 +142,13 @@ declare_split_op(OP, torch.ops.mla.moe_experts_fp4_split, "batch")
 
 
 def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts_fp4`` on ``device`` with x of ``dtype``: the fused kernels up to
-    ``FUSED_MAX_TOKENS_FP4`` tokens, grouped GEMMs above (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
+    """"auto" for ``mla::moe_experts_fp4`` on ``device`` with x of ``dtype``: "gluon" where it serves, else the fused
+    kernels up to ``FUSED_MAX_TOKENS_FP4`` tokens and grouped GEMMs above
+    (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
+    gluon = backends_for(OP).get("gluon")
+    if gluon is not None and why_not(gluon, facts_for(device, getattr(torch, dtype), need_lse=False)) is None \
+            and auto_skip(gluon) is None:
+        return "gluon"
     return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS_FP4)
 
 
@@ -180,9 +184,8 @@ def _gluon(*args) -> Tensor:
     return torch.ops.mla.moe_experts_fp4_gluon(*args)
 
 
-# Not yet run on a GPU (tests/ops/triton/test_triton_moe_fp4.py's "gluon" cases): "auto" skips it until they pass.
 declare(OP, "gluon", _gluon, rank=45, available=_triton_available, dtypes=(torch.bfloat16,), min_capability=SM90,
-        max_capability=SM90, package="triton", gpu_tested=False,
+        max_capability=SM90, package="triton", gpu_tested=True,
         kernels=("moe_experts_fp4_gluon=gluon (opaque kernel)", "_moe_fp4_mma_gate_up_kernel",
                  "_moe_fp4_mma_down_kernel", "_moe_fp4_mma_sorted_gate_up_kernel", "_moe_fp4_mma_sorted_down_kernel"),
         note="ours (Gluon, sm_90): as 'triton', the codes decoded straight into mma.sync's bf16 A operand and the "

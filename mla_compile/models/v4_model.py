@@ -323,10 +323,9 @@ def experts_grouped(x: Tensor, weights: Tensor, ids: Tensor, experts: nn.Module)
     return combine_sorted(y, order, weights)
 
 
-# The gate scorings whose mla::moe_gate_route kernel passed its CUDA tests on a GPU (V3's sigmoid). V4-Flash's
-# "sqrtsoftplus" joins once tests/ops/test_moe_gate_route.py's "v4" CUDA cases pass there; until then its layers
-# route in torch (a GEMV, the scores, torch.topk).
-FUSED_ROUTER_SCORINGS: tuple[str, ...] = ("sigmoid",)
+# The gate scorings whose mla::moe_gate_route kernel passed its CUDA tests on a GPU (V3's sigmoid, V4-Flash's
+# sqrtsoftplus); other scorings route in torch (a GEMV, the scores, torch.topk).
+FUSED_ROUTER_SCORINGS: tuple[str, ...] = ("sigmoid", "sqrtsoftplus")
 
 
 class V4MoE(nn.Module):
