@@ -279,9 +279,17 @@ def hyper_connection(hc: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hyper_mix(post: Tensor, comb: Tensor, block_out: Tensor, x: Tensor) -> Tensor:
-    """``post ⊗ block_out + comb^T x``: the n streams after a block."""
+    """``post ⊗ block_out + comb^T x``: the n streams ``[T, n, hidden]`` after a block, rounded as HF's block rounds
+    them (``post`` and ``comb`` to x's dtype, ``comb^T x`` summed in float32 (float64 for float64 x) and rounded, then
+    the sum). ``comb^T x`` is n multiply-adds over x's streams, not a batched GEMM of ``n x n`` matrices: under
+    Inductor the whole mix is one element-wise kernel."""
     dt = x.dtype
-    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+    acc = torch.promote_types(dt, torch.float32)
+    c = comb.to(dt).to(acc)
+    mixed = c[:, 0, :, None] * x[:, 0, None, :].to(acc)
+    for j in range(1, x.shape[-2]):
+        mixed = torch.addcmul(mixed, c[:, j, :, None], x[:, j, None, :].to(acc))
+    return post.to(dt).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed.to(dt)
 
 
 def hyper_head(head: nn.Module, x: Tensor) -> Tensor:
