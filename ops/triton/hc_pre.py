@@ -9,8 +9,8 @@ whole row, so ``rms(x) @ fn.T = (x @ fn.T) * rsqrt(mean(x^2) + eps)``).
 ``_hc_finish_kernel``, grid ``(T, D blocks)``, one warp: program ``(t, d)`` sums token t's partials, scales them by the
 norm, forms ``pre``, ``post`` and the ``n x n`` mixing logits (one-hot sums over the mixes: no register gather; the
 logits as ``n * n`` scalars, so every Sinkhorn round runs within each thread, no shuffle), and collapses ``BLOCK_D``
-columns of the streams with ``pre``; block 0 also stores ``post`` and ``comb``. Each program repeats the small work of its token: no third
-launch. Python floats arrive as fp64 from Inductor's launches; the kernels cast them to fp32 first.
+columns of the streams with ``pre``; block 0 also stores ``post`` and ``comb``. Each program repeats the small work of
+its token: no third launch. Python floats arrive as fp64 from Inductor's launches; the kernels cast them to fp32 first.
 """
 
 from __future__ import annotations
