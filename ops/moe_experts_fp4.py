@@ -22,8 +22,9 @@ expert read once: the large-T path; its gate / up outputs are rounded to x's dty
 kernel with the clamp and ``silu(g) * u``, then down with the weighted combine, the codes decoded in registers:
 the small-T path), "gluon" (ours, sm_90: the same two kernels with the products on the tensor cores, the codes
 decoded into ``mma``'s register operand, and above 16 tokens their sorted-by-expert form; bf16 x). "auto": "gluon"
-where it serves (faster than the other two at every token count timed, BENCHMARKS.md), else ``triton`` up to
-:data:`FUSED_MAX_TOKENS_FP4` tokens and ``grouped`` above, inside one op (one graph serves every batch size).
+where it serves up to :data:`GLUON_MAX_TOKENS_FP4` tokens (faster than the other two at every count timed there,
+BENCHMARKS.md), else ``triton`` up to :data:`FUSED_MAX_TOKENS_FP4`, and ``grouped`` above, inside one op (one graph
+serves every batch size).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
 # "auto" takes the fused kernels up to this many tokens, the grouped fp4 GEMMs above (BENCHMARKS.md)
 FUSED_MAX_TOKENS_FP4 = 16
+# ... and the Gluon kernels, where they serve, up to this many: the most tokens timed where they beat grouped. Above
+# 16 tokens they re-read each hit expert's weights every 8 of its rows (the grouped GEMMs: every 16-64), so with
+# tens of rows an expert the grouped tiles win again.
+GLUON_MAX_TOKENS_FP4 = 64
 
 
 def _check_weight(name: str, w: Tensor, scale: Tensor, E: int, rows: int, cols: int) -> None:
@@ -142,13 +147,13 @@ declare_split_op(OP, torch.ops.mla.moe_experts_fp4_split, "batch")
 
 
 def auto_backend(device: str, dtype: str) -> str:
-    """"auto" for ``mla::moe_experts_fp4`` on ``device`` with x of ``dtype``: "gluon" where it serves, else the fused
-    kernels up to ``FUSED_MAX_TOKENS_FP4`` tokens and grouped GEMMs above
+    """"auto" for ``mla::moe_experts_fp4`` on ``device`` with x of ``dtype``: the fused kernels ("gluon" where it
+    serves, up to ``GLUON_MAX_TOKENS_FP4`` tokens; else "triton", up to ``FUSED_MAX_TOKENS_FP4``), grouped GEMMs above
     (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
     gluon = backends_for(OP).get("gluon")
     if gluon is not None and why_not(gluon, facts_for(device, getattr(torch, dtype), need_lse=False)) is None \
             and auto_skip(gluon) is None:
-        return "gluon"
+        return fused_or_grouped(OP, device, dtype, GLUON_MAX_TOKENS_FP4, fused="gluon")
     return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS_FP4)
 
 

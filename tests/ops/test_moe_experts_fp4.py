@@ -171,23 +171,26 @@ def test_auto_on_cpu_is_the_reference():
 
 
 def test_auto_on_a_gpu_takes_gluon_where_it_serves_else_splits_fused_and_grouped(monkeypatch):
-    """On an (assumed) sm_90 GPU "auto" is "gluon" for bf16 x; where "gluon" does not serve (float16 x, another
-    architecture, not GPU-tested) the split of the fused kernels and the grouped GEMMs by tokens."""
+    """On an (assumed) sm_90 GPU "auto" for bf16 x is the split of "gluon" up to ``GLUON_MAX_TOKENS_FP4`` tokens and
+    the grouped GEMMs above; where "gluon" does not serve (float16 x, another architecture, not GPU-tested) the
+    split of the Triton fused kernels and the grouped GEMMs."""
     import dataclasses
 
     from mla_compile.ops import select
-    from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, auto_backend
-    from mla_compile.ops.registry import _TABLE
+    from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, GLUON_MAX_TOKENS_FP4, auto_backend
+    from mla_compile.ops.registry import _TABLE, parse_split, split_part
     from tests.ops.test_moe_experts_fp8 import check_auto_split
 
     table = _TABLE["moe_experts_fp4"]
     for name in ("gluon", "triton", "grouped"):
         monkeypatch.setitem(table, name, dataclasses.replace(table[name], available=lambda: True, gpu_tested=True))
     monkeypatch.setattr(select, "device_capability", lambda device=None: (9, 0))
-    assert auto_backend("cuda", "bfloat16") == "gluon"
-    assert auto_backend("cuda", "float16") not in ("gluon", "reference")
+    tiers = parse_split(auto_backend("cuda", "bfloat16"))
+    assert split_part(tiers, 1) == split_part(tiers, GLUON_MAX_TOKENS_FP4) == "gluon"
+    assert split_part(tiers, GLUON_MAX_TOKENS_FP4 + 1) == "grouped"
+    assert split_part(parse_split(auto_backend("cuda", "float16")), 1) == "triton"
     monkeypatch.setattr(select, "device_capability", lambda device=None: (10, 0))
-    assert auto_backend("cuda", "bfloat16") not in ("gluon", "reference")
+    assert split_part(parse_split(auto_backend("cuda", "bfloat16")), 1) == "triton"
     monkeypatch.setitem(table, "gluon", dataclasses.replace(table["gluon"], gpu_tested=False))
     check_auto_split(monkeypatch, "moe_experts_fp4", auto_backend, FUSED_MAX_TOKENS_FP4)
 
