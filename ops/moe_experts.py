@@ -222,19 +222,22 @@ declare_split_op(OP, torch.ops.mla.moe_experts_split, "batch")
 
 
 @torch.compiler.assume_constant_result
-def fused_or_grouped(op: str, device: str, dtype: str, max_tokens: int, fused: str = "triton") -> str:
+def fused_or_grouped(op: str, device: str, dtype: str, max_tokens: int,
+                     preferred: tuple[str, int] | None = None) -> str:
     """"auto" for an experts op ``op`` (``mla::moe_experts`` and its fp8 / fp4 siblings) on ``device`` with x of
-    ``dtype`` (names; a graph constant): the split ``fused`` up to ``max_tokens`` tokens / "triton-grouped" (where
+    ``dtype`` (names; a graph constant): the split "triton" up to ``max_tokens`` tokens / "triton-grouped" (where
     the op has it, else "grouped") above when both serve (the grouped one alone for ``max_tokens`` 0), else the
-    first usable backend ("reference" when none is)."""
+    first usable backend ("reference" when none is). ``preferred`` ``(name, tokens)``: a fused backend taken in
+    "triton"'s place, up to its own token count, where it serves."""
     facts = facts_for(device, getattr(torch, dtype), need_lse=False)
     table = backends_for(op)
     usable = [n for n in priority(op) if why_not(table[n], facts) is None and auto_skip(table[n]) is None]
     upper = next((n for n in ("triton-grouped", "grouped") if n in usable), None)
-    if upper is not None and max_tokens <= 0:
+    fused, tokens = preferred if preferred is not None and preferred[0] in usable else ("triton", max_tokens)
+    if upper is not None and tokens <= 0:
         return upper
     if fused in usable and upper is not None:
-        return declare_split(op, ((max_tokens, fused), (None, upper))).name
+        return declare_split(op, ((tokens, fused), (None, upper))).name
     return usable[0] if usable else "reference"
 
 

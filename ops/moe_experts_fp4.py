@@ -35,9 +35,9 @@ from torch import Tensor
 from mla_compile.ops._checks import INDEX_DTYPES, check_same_device, check_tensor
 from mla_compile.ops.fp4_block_linear import BLOCK, SCALE_DTYPES, WEIGHT_DTYPES, dequantize, fp4_block_linear
 from mla_compile.ops.moe_experts import _acc, _activation, _out_dtype, combine_sorted, fused_or_grouped, sort_by_expert
-from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, SM90, backends_for, declare, declare_op,
-                                      declare_split_op, run_split_part)
-from mla_compile.ops.select import auto_skip, facts_for, resolve, why_not
+from mla_compile.ops.registry import (FLOATS, HALF, LAYOUT_TAGS, SM90, declare, declare_op, declare_split_op,
+                                      run_split_part)
+from mla_compile.ops.select import resolve
 
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
 # "auto" takes the fused kernels up to this many tokens, the grouped fp4 GEMMs above (BENCHMARKS.md)
@@ -150,11 +150,7 @@ def auto_backend(device: str, dtype: str) -> str:
     """"auto" for ``mla::moe_experts_fp4`` on ``device`` with x of ``dtype``: the fused kernels ("gluon" where it
     serves, up to ``GLUON_MAX_TOKENS_FP4`` tokens; else "triton", up to ``FUSED_MAX_TOKENS_FP4``), grouped GEMMs above
     (:func:`~mla_compile.ops.moe_experts.fused_or_grouped`)."""
-    gluon = backends_for(OP).get("gluon")
-    if gluon is not None and why_not(gluon, facts_for(device, getattr(torch, dtype), need_lse=False)) is None \
-            and auto_skip(gluon) is None:
-        return fused_or_grouped(OP, device, dtype, GLUON_MAX_TOKENS_FP4, fused="gluon")
-    return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS_FP4)
+    return fused_or_grouped(OP, device, dtype, FUSED_MAX_TOKENS_FP4, preferred=("gluon", GLUON_MAX_TOKENS_FP4))
 
 
 def moe_experts_fp4(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor,
