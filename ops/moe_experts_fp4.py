@@ -42,10 +42,10 @@ from mla_compile.ops.select import resolve
 OP = declare_op("moe_experts_fp4", "mla.moe_experts_fp4")
 # "auto" takes the fused kernels up to this many tokens, the grouped fp4 GEMMs above (BENCHMARKS.md)
 FUSED_MAX_TOKENS_FP4 = 16
-# ... and the Gluon kernels, where they serve, up to this many: the most tokens timed where they beat grouped. Above
-# 16 tokens they re-read each hit expert's weights every 8 of its rows (the grouped GEMMs: every 16-64), so with
-# tens of rows an expert the grouped tiles win again.
-GLUON_MAX_TOKENS_FP4 = 64
+# ... and the Gluon kernels, where they serve, up to this many: the most tokens timed where they beat grouped (they
+# lose at twice this). Above 16 tokens they re-read each hit expert's weights every 8 of its rows (the grouped GEMMs:
+# every 16-64), so with tens of rows an expert the grouped tiles win again.
+GLUON_MAX_TOKENS_FP4 = 256
 
 
 def _check_weight(name: str, w: Tensor, scale: Tensor, E: int, rows: int, cols: int) -> None:
