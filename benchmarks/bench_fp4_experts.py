@@ -158,9 +158,11 @@ def moe_case(T, E):
             with mock.patch.dict(tmoe.CONFIG, gate_up_k=gk, down_k=dk, waves=waves, num_warps=warps, stages=stages,
                                  pipelined_tokens=1 << 30):
                 swept(f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}", "triton")
-        for rows, gu_warps, dn_warps in ((16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 8, 8)):
+        gluon = ((16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 8, 8), (32, 8, 4), (16, 2, 2), (32, 2, 2),
+                 (32, 4, 2), (16, 8, 4))
+        for rows, gu_warps, dn_warps in gluon:
             if T <= FUSED_MAX_TOKENS_FP4:  # the Gluon mma kernels' rows a warp and warps a program
-                with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps):
+                with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps, per_pick=()):
                     swept(f"fp4 gluon rows{rows} gate_up_w{gu_warps} down_w{dn_warps}", "gluon")
     fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()

@@ -53,8 +53,12 @@ A_ORDER = gl.constexpr((0, 1, 3, 6, 5, 2, 4))
 X_ORDER = gl.constexpr((0, 1, 3, 5, 6, 2, 4))
 # Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel's pair;
 # above ``sorted_above`` tokens (the op's fused / grouped split by default) the sorted kernels (each hit expert's
-# weights read once for 8 rows) instead of the per-(token, pick) ones.
-CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=FUSED_MAX_TOKENS_FP4)
+# weights read once for 8 rows) instead of the per-(token, pick) ones. ``per_pick``: ``(max tokens, rows, gate-up
+# warps, down warps)`` for the per-(token, pick) launches, the first entry whose bound holds the call's tokens (others,
+# and dims the entry does not fit, take the three above): one token's few programs split K over more warps, eight or
+# more tokens' many programs take wider tiles on fewer warps (timed: BENCHMARKS.md).
+CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=FUSED_MAX_TOKENS_FP4,
+              per_pick=((1, 16, 4, 8), (7, 16, 4, 4), (FUSED_MAX_TOKENS_FP4, 32, 2, 2)))
 
 
 @gluon.constexpr_function
@@ -319,13 +323,30 @@ def _moe_fp4_mma_sorted_down_kernel(
         gl.store(y_ptr + (r0 + co).to(gl.int64) * s_y + ro, y, mask=r0 + co < end)
 
 
+def _fits(H: int, I: int, rows: int, gate_up_warps: int, down_warps: int) -> bool:
+    """Whether the kernels take these launch parameters at these dims: ``H`` a multiple of ``256 *`` the gate-up
+    kernel's warps and ``I`` of ``256 *`` the down kernel's (two steps a warp a loop turn), both of the rows a warp."""
+    return (H % (2 * STEP.value * gate_up_warps) == 0 and I % (2 * STEP.value * down_warps) == 0 and H % rows == 0
+            and I % rows == 0)
+
+
+def tiles(tokens: int, H: int, I: int) -> tuple[int, int, int]:
+    """``(rows a warp, gate-up warps, down warps)`` of a launch over ``tokens`` tokens at dims ``H`` / ``I``: the
+    first ``CONFIG["per_pick"]`` entry holding the tokens where the kernels take it, else ``CONFIG``'s three."""
+    if tokens <= CONFIG["sorted_above"]:
+        for bound, *config in CONFIG["per_pick"]:
+            if tokens <= bound:
+                if _fits(H, I, *config):
+                    return tuple(config)
+                break
+    return CONFIG["rows"], CONFIG["gate_up_warps"], CONFIG["down_warps"]
+
+
 def eligible(x: Tensor, I: int) -> bool:
-    """Whether the Gluon kernels serve this call: bf16 x, ``H`` a multiple of ``256 *`` the gate-up kernel's warps
-    and ``I`` of ``256 *`` the down kernel's (two steps a warp a loop turn), both multiples of the rows a warp."""
-    H = x.shape[1]
-    rows = CONFIG["rows"]
-    return (x.dtype == torch.bfloat16 and H % (2 * STEP.value * CONFIG["gate_up_warps"]) == 0
-            and I % (2 * STEP.value * CONFIG["down_warps"]) == 0 and H % rows == 0 and I % rows == 0)
+    """Whether the Gluon kernels serve this call: bf16 x and dims :func:`_fits` takes at ``CONFIG``'s launch
+    parameters (the few-token ones of :func:`tiles` only where they fit too)."""
+    return x.dtype == torch.bfloat16 and _fits(x.shape[1], I, CONFIG["rows"], CONFIG["gate_up_warps"],
+                                               CONFIG["down_warps"])
 
 
 def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Tensor, up: Tensor, up_scale: Tensor,
@@ -340,9 +361,9 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
         return out
     x, weights, ids, (g, u, d), (gs, us, ds), h = kernel_operands(x, weights, ids, gate, gate_scale, up, up_scale,
                                                                   down, down_scale)
-    rows = CONFIG["rows"]
+    rows, gate_up_warps, down_warps = tiles(T, H, I)
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
-    gu = dict(LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=CONFIG["gate_up_warps"])
+    gu = dict(LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=gate_up_warps)
     if T > CONFIG["sorted_above"]:
         order, offs = sort_by_expert(ids, E)
         _moe_fp4_mma_sorted_gate_up_kernel[(E, I // rows)](
@@ -353,7 +374,7 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
         _moe_fp4_mma_sorted_down_kernel[(E, H // rows)](
             h, order, weights, d, ds, offs, y, I,
             h.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1), y.stride(0),
-            ROWS=rows, num_warps=CONFIG["down_warps"])
+            ROWS=rows, num_warps=down_warps)
         return out.copy_(combine_sorted(y, order, weights))
     _moe_fp4_mma_gate_up_kernel[(T * K, I // rows)](
         x, ids, weights, g, u, gs, us, h, limit, H, K,
@@ -363,7 +384,7 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
         h, weights, ids, d, ds, out, I,
         h.stride(0), weights.stride(0), ids.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1),
         out.stride(0),
-        K=K, ROWS=rows, num_warps=CONFIG["down_warps"])
+        K=K, ROWS=rows, num_warps=down_warps)
     return out
 
 

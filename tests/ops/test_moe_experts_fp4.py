@@ -212,6 +212,26 @@ def test_gluon_operand_orders_agree():
     assert torch.equal(a_cols.sort().values, torch.arange(128)) and not torch.equal(a_cols, torch.arange(128))
 
 
+def test_gluon_launch_parameters_by_token_count():
+    """The Gluon kernels' launch parameters: ``per_pick``'s entry for the tokens where the dims take it (one token's
+    8 down warps need I a multiple of 2048), ``CONFIG``'s own otherwise and above ``sorted_above`` (sorted kernels);
+    which calls the kernels serve does not depend on the token count."""
+    pytest.importorskip("triton")
+    from mla_compile.ops.triton.moe_experts_fp4_mma import CONFIG, eligible, tiles
+
+    base = (CONFIG["rows"], CONFIG["gate_up_warps"], CONFIG["down_warps"])
+    per_pick = {bound: tuple(c) for bound, *c in CONFIG["per_pick"]}
+    assert tiles(1, 4096, 2048) == per_pick[1] != base  # V4-Flash's dims
+    assert tiles(1, 1024, 1024) == base  # 8 down warps do not fit I = 1024
+    for T in range(2, CONFIG["sorted_above"] + 1):
+        bound = min(b for b in per_pick if b >= T)
+        assert tiles(T, 4096, 2048) == per_pick[bound] == tiles(T, 1024, 1024)
+    assert tiles(CONFIG["sorted_above"] + 1, 4096, 2048) == base
+    for T in (1, 8, 40):
+        x = torch.empty(T, 1024, dtype=torch.bfloat16)
+        assert eligible(x, 1024) and not eligible(x, 1056) and not eligible(x.float(), 1024)
+
+
 def test_gluon_op_opcheck_and_fallback_on_cpu():
     """``mla::moe_experts_fp4_gluon`` off the GPU: the fake and opcheck, and the reference's result."""
     pytest.importorskip("triton")
