@@ -9,7 +9,7 @@ V4-Flash expert shapes (hidden 4096, expert intermediate 2048), batch (tokens) 1
   ``mla::moe_experts_fp4`` fused ("triton": the picks' weights per (token, pick); "gluon": the same on the tensor
   cores), "grouped" (tokens sorted by expert, each hit expert read once, through ``mla::fp4_block_linear``'s sorted
   groups) and "auto", against bf16 ``torch._grouped_mm`` (``moe.experts_grouped``); ``--sweep`` adds the fused
-  kernels' launch parameters (the Gluon kernels' rows and warps among them).
+  kernels' launch parameters (the Gluon kernels' rows and warps among them, per pick and sorted).
 Times per call from a replayed CUDA graph (``bench_kernels.graph_ms``); GB/s counts the weight bytes read
 (fp4: half a byte per weight plus a scale byte per 32). Writes ``bench_fp4_experts.json`` and ``.txt``.
 """
@@ -160,10 +160,10 @@ def moe_case(T, E):
                 swept(f"fp4 fused gate_up_k{gk} down_k{dk} waves{waves} w{warps} s{stages}", "triton")
         gluon = ((16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 8, 8), (32, 8, 4), (16, 2, 2), (32, 2, 2),
                  (32, 4, 2), (16, 8, 4))
-        for rows, gu_warps, dn_warps in gluon:
-            if T <= FUSED_MAX_TOKENS_FP4:  # the Gluon mma kernels' rows a warp and warps a program
-                with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps, per_pick=()):
-                    swept(f"fp4 gluon rows{rows} gate_up_w{gu_warps} down_w{dn_warps}", "gluon")
+        for rows, gu_warps, dn_warps in gluon:  # the Gluon mma kernels' rows a warp and warps a program (per pick or
+            # sorted, as the token count takes them; CONFIG's own, the per-pick table off)
+            with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps, per_pick=()):
+                swept(f"fp4 gluon rows{rows} gate_up_w{gu_warps} down_w{dn_warps}", "gluon")
     fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()
     gate_up = torch.empty(E, 2 * INTER, HIDDEN, device=DEV, dtype=torch.bfloat16)
