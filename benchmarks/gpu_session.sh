@@ -20,7 +20,8 @@
 #            so the two rows compare
 #   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
 #            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path);
-#            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights
+#            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights; V4_FLAGS: more
+#            bench_v4_decode flags (e.g. --hc-one-launch: mla::hc_pre's opt-in one-launch kernel)
 #   fp4      bench_fp4_experts (V4-Flash's fp4 routed experts: mla::moe_experts_fp4 gluon / fused / grouped / auto
 #            against bf16 torch._grouped_mm at 1, 8, 16, 24, 64, 128, 256, 512 tokens (where the Gluon kernels stop
 #            winning: GLUON_MAX_TOKENS_FP4), with the fused kernels' launch sweep up to "auto"'s split
@@ -87,7 +88,7 @@ if [[ $PHASES == *,fusedstep,* ]]; then
 fi
 [[ $PHASES == *,v4,* ]] && timeout 200 python3 benchmarks/bench_v4_decode.py --out "$O/v4" --regional-compile \
     --impls "ours graph" --batches 1,64 --ctx 8192 --profile-replay --budget-s 170 --weights "${V4_WEIGHTS:-float}" \
-    > "$O/v4.log" 2>&1
+    ${V4_FLAGS:-} > "$O/v4.log" 2>&1
 [[ $PHASES == *,fp4,* ]] && timeout 300 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,16,24,64,128,256,512 \
     --linears 0 --sweep > "$O/fp4.log" 2>&1
 if [[ $PHASES == *,parallel,* ]]; then
