@@ -1,7 +1,8 @@
 """The mHC kernels compiled for sm_90 on the CPU (Triton's front end and bundled ptxas, no GPU): ``mla::hc_sinkhorn``
 at V4's 4 streams keeps a token's matrix in one thread (no shared memory: no cross-warp sums in the rounds), no
-width it takes spills; ``mla::hc_pre``'s two kernels (and its one-launch kernel) do not spill; with the Python floats typed fp64 (as Inductor's
-launches of user kernels type them) every kernel still computes in fp32. Marked ``sm90_compile``."""
+width it takes spills; ``mla::hc_pre``'s two kernels (and its one-launch kernel) do not spill; with the Python floats
+typed fp64 (as Inductor's launches of user kernels type them) every kernel still computes in fp32. Marked
+``sm90_compile``."""
 
 from __future__ import annotations
 
