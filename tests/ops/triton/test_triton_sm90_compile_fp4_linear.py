@@ -74,20 +74,26 @@ def test_fp4_experts_kernels_compile_for_sm90(T, dtype):
     assert_fp32_under_fp64_floats(*[launches[0][i] for i in (0, 2, 3)])  # the clamp's limit
 
 
+# (rows a warp, gate-up warps, down warps): every entry of the kernels' per-token-count table among them
+MMA_CONFIGS = [(16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 2, 2)]
+
+
 @pytest.mark.parametrize("T", [1, 64])
-@pytest.mark.parametrize("rows,warps", [(16, 4), (32, 4), (16, 8)])
-def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, warps, monkeypatch):
+@pytest.mark.parametrize("rows,gate_up_warps,down_warps", MMA_CONFIGS)
+def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, gate_up_warps, down_warps, monkeypatch):
     """The Gluon ``mma`` kernels of ``mla::moe_experts_fp4`` (backend "gluon") at V4-Flash dims, per (token, pick) at
-    one token and over rows sorted by expert at 64: they compile (their ``convert_layout(..., assert_trivial=True)``
-    fails the compile if the decoded weights or x's permuted columns would need a data exchange to become the dot's
-    operands), and where cuobjdump is bundled, their hot loop runs ``mma.sync`` on operands that never leave
-    registers: no spills, no shared-memory traffic."""
+    one token and over rows sorted by expert at 64, at each launch configuration the launcher may take: they compile
+    (their ``convert_layout(..., assert_trivial=True)`` fails the compile if the decoded weights or x's permuted
+    columns would need a data exchange to become the dot's operands), and where cuobjdump is bundled, their hot loop
+    runs ``mma.sync`` on operands that never leave registers: no spills, no shared-memory traffic."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts_fp4_mma as m
 
+    assert all(tuple(c) in MMA_CONFIGS for _, *c in m.CONFIG["per_pick"])
     monkeypatch.setitem(m.CONFIG, "rows", rows)
-    monkeypatch.setitem(m.CONFIG, "gate_up_warps", warps)
-    monkeypatch.setitem(m.CONFIG, "down_warps", warps)
+    monkeypatch.setitem(m.CONFIG, "gate_up_warps", gate_up_warps)
+    monkeypatch.setitem(m.CONFIG, "down_warps", down_warps)
+    monkeypatch.setitem(m.CONFIG, "per_pick", ())
     H, I, E, k = 4096, 2048, 8, 6
     b = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
     x = torch.zeros(T, H, dtype=torch.bfloat16)
