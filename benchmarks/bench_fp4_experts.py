@@ -162,7 +162,8 @@ def moe_case(T, E):
                  (32, 4, 2), (16, 8, 4))
         for rows, gu_warps, dn_warps in gluon:  # the Gluon mma kernels' rows a warp and warps a program (per pick or
             # sorted, as the token count takes them; CONFIG's own, the per-pick table off)
-            with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps, per_pick=()):
+            with mock.patch.dict(tmma.CONFIG, rows=rows, gate_up_warps=gu_warps, down_warps=dn_warps, per_pick=(),
+                                 sorted=()):
                 swept(f"fp4 gluon rows{rows} gate_up_w{gu_warps} down_w{dn_warps}", "gluon")
     fp4 = w = None  # the fp4 weights freed before the bf16 ones are made
     torch.cuda.empty_cache()

@@ -54,11 +54,12 @@ X_ORDER = gl.constexpr((0, 1, 3, 5, 6, 2, 4))
 # Launch parameters: rows a warp's dot (16 or 32), warps a program (K split among them) for each kernel's pair;
 # above ``sorted_above`` tokens (the op's fused / grouped split by default) the sorted kernels (each hit expert's
 # weights read once for 8 rows) instead of the per-(token, pick) ones. ``per_pick``: ``(max tokens, rows, gate-up
-# warps, down warps)`` for the per-(token, pick) launches, the first entry whose bound holds the call's tokens (others,
-# and dims the entry does not fit, take the three above): one token's few programs split K over more warps, eight or
-# more tokens' many programs take wider tiles on fewer warps (timed: BENCHMARKS.md).
+# warps, down warps)`` for the per-(token, pick) launches, the first entry whose bound holds the call's tokens;
+# ``sorted``: ``(rows, gate-up warps, down warps)`` of the sorted launches (``()``: the three above). Dims an entry
+# does not fit take the three above: one token's few programs split K over more warps, eight or more tokens' many
+# programs take wider tiles on fewer warps, the sorted kernels two warps a program (timed: BENCHMARKS.md).
 CONFIG = dict(rows=16, gate_up_warps=4, down_warps=4, sorted_above=FUSED_MAX_TOKENS_FP4,
-              per_pick=((1, 16, 4, 8), (7, 16, 4, 4), (FUSED_MAX_TOKENS_FP4, 32, 2, 2)))
+              per_pick=((1, 16, 4, 8), (7, 16, 4, 4), (FUSED_MAX_TOKENS_FP4, 32, 2, 2)), sorted=(16, 2, 2))
 
 
 @gluon.constexpr_function
@@ -332,13 +333,14 @@ def _fits(H: int, I: int, rows: int, gate_up_warps: int, down_warps: int) -> boo
 
 def tiles(tokens: int, H: int, I: int) -> tuple[int, int, int]:
     """``(rows a warp, gate-up warps, down warps)`` of a launch over ``tokens`` tokens at dims ``H`` / ``I``: the
-    first ``CONFIG["per_pick"]`` entry holding the tokens where the kernels take it, else ``CONFIG``'s three."""
-    if tokens <= CONFIG["sorted_above"]:
-        for bound, *config in CONFIG["per_pick"]:
-            if tokens <= bound:
-                if _fits(H, I, *config):
-                    return tuple(config)
-                break
+    first ``CONFIG["per_pick"]`` entry holding the tokens (``CONFIG["sorted"]`` above ``sorted_above``) where the
+    kernels take it, else ``CONFIG``'s three."""
+    if tokens > CONFIG["sorted_above"]:
+        config = CONFIG["sorted"]
+    else:
+        config = next((c for bound, *c in CONFIG["per_pick"] if tokens <= bound), ())
+    if config and _fits(H, I, *config):
+        return tuple(config)
     return CONFIG["rows"], CONFIG["gate_up_warps"], CONFIG["down_warps"]
 
 

@@ -214,8 +214,8 @@ def test_gluon_operand_orders_agree():
 
 def test_gluon_launch_parameters_by_token_count():
     """The Gluon kernels' launch parameters: ``per_pick``'s entry for the tokens where the dims take it (one token's
-    8 down warps need I a multiple of 2048), ``CONFIG``'s own otherwise and above ``sorted_above`` (sorted kernels);
-    which calls the kernels serve does not depend on the token count."""
+    8 down warps need I a multiple of 2048), ``CONFIG["sorted"]`` above ``sorted_above`` (the sorted kernels),
+    ``CONFIG``'s own otherwise; which calls the kernels serve does not depend on the token count."""
     pytest.importorskip("triton")
     from mla_compile.ops.triton.moe_experts_fp4_mma import CONFIG, eligible, tiles
 
@@ -226,7 +226,9 @@ def test_gluon_launch_parameters_by_token_count():
     for T in range(2, CONFIG["sorted_above"] + 1):
         bound = min(b for b in per_pick if b >= T)
         assert tiles(T, 4096, 2048) == per_pick[bound] == tiles(T, 1024, 1024)
-    assert tiles(CONFIG["sorted_above"] + 1, 4096, 2048) == base
+    above = CONFIG["sorted_above"] + 1
+    assert tiles(above, 4096, 2048) == tiles(256, 1024, 1024) == CONFIG["sorted"] != base
+    assert tiles(above, 4096, 256 * 3) == base  # 2 warps of 256 columns do not fit I = 768
     for T in (1, 8, 40):
         x = torch.empty(T, 1024, dtype=torch.bfloat16)
         assert eligible(x, 1024) and not eligible(x, 1056) and not eligible(x.float(), 1024)

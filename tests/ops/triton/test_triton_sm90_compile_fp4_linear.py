@@ -75,7 +75,7 @@ def test_fp4_experts_kernels_compile_for_sm90(T, dtype):
 
 
 # (rows a warp, gate-up warps, down warps): every entry of the kernels' per-token-count table among them
-MMA_CONFIGS = [(16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 2, 2)]
+MMA_CONFIGS = [(16, 4, 4), (32, 4, 4), (16, 8, 8), (16, 4, 8), (32, 2, 2), (16, 2, 2)]
 
 
 @pytest.mark.parametrize("T", [1, 64])
@@ -89,11 +89,12 @@ def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, gate_up_warps, down_w
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, moe_experts_fp4_mma as m
 
-    assert all(tuple(c) in MMA_CONFIGS for _, *c in m.CONFIG["per_pick"])
+    assert all(tuple(c) in MMA_CONFIGS for _, *c in m.CONFIG["per_pick"]) and m.CONFIG["sorted"] in MMA_CONFIGS
     monkeypatch.setitem(m.CONFIG, "rows", rows)
     monkeypatch.setitem(m.CONFIG, "gate_up_warps", gate_up_warps)
     monkeypatch.setitem(m.CONFIG, "down_warps", down_warps)
     monkeypatch.setitem(m.CONFIG, "per_pick", ())
+    monkeypatch.setitem(m.CONFIG, "sorted", ())
     H, I, E, k = 4096, 2048, 8, 6
     b = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
     x = torch.zeros(T, H, dtype=torch.bfloat16)
