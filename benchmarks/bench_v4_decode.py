@@ -558,8 +558,6 @@ def main(argv=None) -> int:
     p.add_argument("--profile-replay", action="store_true",
                    help="profile each 'ours graph' row's replays (kernels by GPU time and the critical path, as "
                         "bench_decode_step --profile-replay) to profile_replay_b{B}_c{ctx}.txt / critical_path_...")
-    p.add_argument("--hc-one-launch", action="store_true",
-                   help="mla::hc_pre's opt-in one-launch kernel (ops/triton/hc_pre.py ONE_LAUNCH) instead of its two")
     p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
     p.add_argument("--attn-backends", default="triton,flashmla",
                    help="backends --attention compares on CUDA (and 'triton-widths': the Triton kernel split from "
@@ -578,9 +576,6 @@ def main(argv=None) -> int:
         p.error(f"--weights {args.weights}: HF's model runs float weights only; pass --impls with ours' rows")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
-    if args.hc_one_launch:
-        from mla_compile.ops.triton import hc_pre as triton_hc_pre
-        triton_hc_pre.ONE_LAUNCH = True
     if args.attention:
         return attention_main(args, dev)
     dtype = run_dtype(args, dev)

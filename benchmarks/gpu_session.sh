@@ -21,7 +21,7 @@
 #   v4       bench_v4_decode (V4-Flash-dims slice: one sliding, CSA and HCA layer, bf16, ctx 8192) at B = 1 and 64, our
 #            compiled step replayed as a CUDA graph, regional, with --profile-replay (kernels and their critical path);
 #            V4_WEIGHTS=fp8|fp4 times V4-Flash's release formats instead of bf16 weights; V4_FLAGS: more
-#            bench_v4_decode flags (e.g. --hc-one-launch: mla::hc_pre's opt-in one-launch kernel)
+#            bench_v4_decode flags (e.g. --backend reference)
 #   fp4      bench_fp4_experts (V4-Flash's fp4 routed experts: mla::moe_experts_fp4 gluon / fused / grouped / auto
 #            against bf16 torch._grouped_mm at 1, 8, 16, 24, 64, 128, 256, 512 tokens (where the Gluon kernels stop
 #            winning: GLUON_MAX_TOKENS_FP4), with the fused kernels' launch sweep up to "auto"'s split

@@ -107,6 +107,6 @@ def _triton(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm
 
 declare(OP, "triton", _triton, rank=50, available=_triton_available,
         dtypes=(torch.bfloat16, torch.float16, torch.float32), package="triton", gpu_tested=True,
-        kernels=("hc_pre_triton", "_hc_mix_kernel", "_hc_finish_kernel", "_hc_pre_kernel"),
+        kernels=("hc_pre_triton", "_hc_mix_kernel", "_hc_finish_kernel"),
         note=f"ours: a split-K pass over fn, then norm, weights, Sinkhorn and collapse in one kernel (<= {MAX_TOKENS} "
              "tokens; more: the reference's math with hc_sinkhorn's kernel)")

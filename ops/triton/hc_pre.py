@@ -11,11 +11,6 @@ norm, forms ``pre``, ``post`` and the ``n x n`` mixing logits (one-hot sums over
 logits as ``n * n`` scalars, so every Sinkhorn round runs within each thread, no shuffle), and collapses ``BLOCK_D``
 columns of the streams with ``pre``; block 0 also stores ``post`` and ``comb``. Each program repeats the small work of
 its token: no third launch. Python floats arrive as fp64 from Inductor's launches; the kernels cast them to fp32 first.
-
-``_hc_pre_kernel`` (opt-in: ``ONE_LAUNCH``): the two in one launch of the first's grid; each program adds itself to
-its token's arrival count (acquire-release) after storing its partials, and the last to arrive finishes the token
-alone, every column block of the collapse in turn, then zeroes the count (a persistent zeroed buffer per device,
-``_workspace.workspace``: calls on one device must not run concurrently on two streams).
 """
 
 from __future__ import annotations
@@ -26,16 +21,12 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from mla_compile.ops._workspace import workspace
 from mla_compile.ops.hc_pre import MAX_N, MAX_TOKENS, OP, fake, hc_pre_math, validate
 from mla_compile.ops.hc_sinkhorn import hc_sinkhorn
 from mla_compile.ops.triton.hc_sinkhorn import sinkhorn_cells
 
 BLOCK_K = 512  # stream values a split-K program reads (fn: (2n + n*n) x BLOCK_K)
 BLOCK_D = 512  # columns of the collapse a finishing program writes
-# Both kernels as one launch (``_hc_pre_kernel``: a token's last split program finishes it, after an arrival count),
-# one launch a call fewer on the critical path; opt-in until timed on a GPU against the two launches
-ONE_LAUNCH = False
 
 
 @triton.jit
@@ -54,15 +45,14 @@ def _mix(x_ptr, fn_ptr, part_ptr, sq_ptr, s, t, K, M, SPLITS, s_x, s_fn, MP: tl.
 
 @triton.jit
 def _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps,
-             N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, VOLATILE: tl.constexpr):
+             N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
     """Token ``t``'s partials summed and normed: ``(z [MP], pre [NP], comb cells)``: the logits, ``pre`` and the
-    Sinkhorn-normalised ``n x n`` cells (``VOLATILE``: the partials read past L1, as another program stored them)."""
+    Sinkhorn-normalised ``n x n`` cells."""
     M = 2 * N + N * N
     m = tl.arange(0, MP)
     sp = tl.arange(0, SP)
-    part = tl.load(part_ptr + (t * SPLITS + sp[:, None]) * MP + m[None, :], mask=(sp < SPLITS)[:, None], other=0.0,
-                   volatile=VOLATILE)
-    sq = tl.sum(tl.load(sq_ptr + t * SPLITS + sp, mask=sp < SPLITS, other=0.0, volatile=VOLATILE), axis=0)
+    part = tl.load(part_ptr + (t * SPLITS + sp[:, None]) * MP + m[None, :], mask=(sp < SPLITS)[:, None], other=0.0)
+    sq = tl.sum(tl.load(sq_ptr + t * SPLITS + sp, mask=sp < SPLITS, other=0.0), axis=0)
     r = tl.math.rsqrt(sq / (N * D) + norm_eps)
     # each mix's scale (pre, post, comb) and bias
     sc = tl.load(scale_ptr + tl.where(m < N, 0, tl.where(m < 2 * N, 1, 2))).to(tl.float32)
@@ -115,35 +105,10 @@ def _hc_finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, co
     hc_eps = tl.full([], hc_eps, tl.float32)
     t = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    z, pre, c = _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps, N, NP, MP, SP,
-                         False)
+    z, pre, c = _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps, N, NP, MP, SP)
     if blk == 0:
         _store_mixes(post_ptr, comb_ptr, t, z, c, N, MP)
     _collapse(x_ptr, out_ptr, t, blk, pre, D, s_x, s_out, N, NP, BLOCK_D)
-
-
-@triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, count_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                   K, M, D, SPLITS, ITERS, norm_eps, hc_eps, s_x, s_fn, s_out,
-                   N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    """Both kernels in one launch (``ONE_LAUNCH``), grid ``(splits, T)``: each program its split of the mix; the last
-    of a token's programs to arrive (an acquire-release count) finishes the token: weights, Sinkhorn, every column of
-    the collapse, and zeroes the token's count again for the next call."""
-    norm_eps = tl.full([], norm_eps, tl.float32)  # Inductor passes Python floats as fp64
-    hc_eps = tl.full([], hc_eps, tl.float32)
-    s = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    _mix(x_ptr, fn_ptr, part_ptr, sq_ptr, s, t, K, M, SPLITS, s_x, s_fn, MP, BLOCK_K)
-    tl.debug_barrier()  # every thread's partials stored before the program counts itself in (release, GPU scope)
-    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLITS - 1:  # the token's last program: every split's partials are visible
-        tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")  # zero again for the next call (stream order)
-        z, pre, c = _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps, N, NP, MP,
-                             SP, True)
-        _store_mixes(post_ptr, comb_ptr, t, z, c, N, MP)
-        for blk in range(0, tl.cdiv(D, BLOCK_D)):
-            _collapse(x_ptr, out_ptr, t, blk, pre, D, s_x, s_out, N, NP, BLOCK_D)
 
 
 def _launch(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm_eps: float,
@@ -165,15 +130,6 @@ def _launch(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm
     splits = triton.cdiv(K, BLOCK_K)
     part = torch.empty(T, splits, mp, dtype=torch.float32, device=x.device)
     sq = torch.empty(T, splits, dtype=torch.float32, device=x.device)
-    if ONE_LAUNCH:
-        count = workspace("hc_pre-arrivals", x.device, 4 * max(T, MAX_TOKENS), zero=True).view(torch.int32)
-        wrap_triton(_hc_pre_kernel)[(splits, T)](
-            x, fn, part, sq, count, base.contiguous(), scale.contiguous(), post, comb, out, K, M, D, splits, iters,
-            float(norm_eps), float(hc_eps), x.stride(0), fn.stride(0), out.stride(0), N=n,
-            NP=triton.next_power_of_2(n), MP=mp, SP=triton.next_power_of_2(splits), BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D,
-            num_warps=4,
-        )
-        return post, comb, out
     wrap_triton(_hc_mix_kernel)[(splits, T)](
         x, fn, part, sq, K, M, splits, x.stride(0), fn.stride(0), MP=mp, BLOCK_K=BLOCK_K, num_warps=4,
     )

@@ -126,24 +126,6 @@ def test_interpreter_matches_float64_math(T, n, D, iters, dtype, wdtype):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("T,n,D,iters", [(3, 4, 1024, 20), (1, 4, 700, 20), (2, 3, 100, 1)])
-def test_interpreter_one_launch_matches_float64_math(T, n, D, iters, monkeypatch):
-    """The opt-in one-launch kernel (a token's last split program finishes it) against float64, twice in a row: the
-    arrival counts are back at 0 after each call."""
-    from mla_compile.ops._workspace import workspace
-    from mla_compile.ops.triton import hc_pre
-
-    monkeypatch.setattr(hc_pre, "ONE_LAUNCH", True)
-    args = make(T, n, D, seed=70 + T * n + D, dtype=torch.bfloat16)
-    for _ in range(2):
-        with poisoned_empty():
-            got = hc_pre._launch(*args, iters, 1e-6, 1e-6)
-        _check(got, args, iters, 1e-6, 1e-6, 8e-3)
-        counts = workspace("hc_pre-arrivals", torch.device("cpu"), 0).view(torch.int32)
-        assert counts.abs().sum() == 0 and counts.numel() >= T
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 def test_interpreter_bounds():
     from mla_compile.ops.triton.hc_pre import _launch
 
@@ -158,11 +140,7 @@ def test_interpreter_bounds():
 @pytest.mark.parametrize("T,n,D,dtype", [(1, 4, 4096, torch.bfloat16), (2, 4, 4096, torch.bfloat16),
                                          (64, 4, 4096, torch.bfloat16), (7, 4, 700, torch.float32),
                                          (300, 4, 256, torch.bfloat16)])
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_cuda_triton_matches_float64(T, n, D, dtype, one_launch, monkeypatch):
-    from mla_compile.ops.triton import hc_pre
-
-    monkeypatch.setattr(hc_pre, "ONE_LAUNCH", one_launch)
+def test_cuda_triton_matches_float64(T, n, D, dtype):
     args = make(T, n, D, seed=T + D, dtype=dtype, device="cuda")
     got = ops.hc_pre(*args, 20, 1e-6, 1e-6, backend="triton")
     _check(got, args, 20, 1e-6, 1e-6, 2e-6 if dtype == torch.float32 else 8e-3)
@@ -170,13 +148,9 @@ def test_cuda_triton_matches_float64(T, n, D, dtype, one_launch, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("one_launch", [False, True])
-def test_cuda_compiled_and_graph_replay(fresh_dynamo, one_launch, monkeypatch):
+def test_cuda_compiled_and_graph_replay(fresh_dynamo):
     """Compiled through the Triton backend with dynamic tokens, then a CUDA graph of the compiled call replayed on
-    new streams (the one-launch kernel's arrival counts back at 0 after every replay)."""
-    from mla_compile.ops.triton import hc_pre
-
-    monkeypatch.setattr(hc_pre, "ONE_LAUNCH", one_launch)
+    new streams."""
     x, fn, base, scale = make(40, 4, 1024, seed=8, dtype=torch.bfloat16, device="cuda")
     f = torch.compile(lambda a: ops.hc_pre(a, fn, base, scale, 20, 1e-6, 1e-6, backend="triton"), fullgraph=True,
                       dynamic=True)
@@ -189,7 +163,3 @@ def test_cuda_compiled_and_graph_replay(fresh_dynamo, one_launch, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         _check(outs, (rows, fn, base, scale), 20, 1e-6, 1e-6, 8e-3)
-    if one_launch:
-        from mla_compile.ops._workspace import workspace
-
-        assert workspace("hc_pre-arrivals", x.device, 0).view(torch.int32).abs().sum().item() == 0
