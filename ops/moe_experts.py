@@ -166,11 +166,15 @@ def sort_by_expert(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
 
 def combine_sorted(y: Tensor, order: Tensor, weights: Tensor) -> Tensor:
     """Sorted expert outputs ``y [T*k, H]`` back to tokens, weighted: ``[T, H]`` float32."""
-    T, k = weights.shape
     # back to (token, slot) order by a permutation, then a float32 sum over the k slots: deterministic
     # (an index_add_ would add in atomic order, so bf16 rounding and greedy tokens could vary run to run)
-    y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)
-    return torch.einsum("tkh,tk->th", y.float(), weights.float())
+    return combine_pairs(torch.empty_like(y).index_copy_(0, order, y), weights)
+
+
+def combine_pairs(y: Tensor, weights: Tensor) -> Tensor:
+    """Expert outputs ``y [T*k, H]`` in (token, slot) order, weighted and summed per token: ``[T, H]`` float32."""
+    T, k = weights.shape
+    return torch.einsum("tkh,tk->th", y.view(T, k, -1).float(), weights.float())
 
 
 def grouped_routed(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:

@@ -24,9 +24,10 @@ kernel 1 (grid ``(T * k, I / ROWS)``) takes one (token, pick) row and ``ROWS`` r
 clamp and ``silu(g) * u``, the activation stored in x's dtype; a pick of weight 0 returns before any load. Kernel 2
 (grid ``(T, H / ROWS)``) takes one token and ``ROWS`` output columns, its picks' down rows in a fixed order, each
 pick's dot weighted by its routing weight (a pick of weight 0 skipped: its activation row is never read).
-Above, over the (token, pick) rows sorted by expert (``sort_by_expert``): the same two steps a program per (expert,
-``ROWS`` rows), its rows 8 at a time as the dot's columns, so each hit expert's weights are read once for 8 rows; the
-down outputs float32 in sorted order, weighted and summed per token after (``combine_sorted``, deterministic).
+Above, over the (token, pick) rows sorted by expert (``sort_by_expert_triton``: one counting-sort launch): the same
+two steps a program per (expert, ``ROWS`` rows), its rows 8 at a time as the dot's columns, so each hit expert's
+weights are read once for 8 rows; the down outputs float32 at each row's own (token, pick) row, weighted and summed
+per token after (``combine_pairs``, deterministic).
 Serves bf16 x with ``H`` and ``I`` multiples of ``256 * S`` (:func:`eligible`); other calls run the Triton kernels.
 """
 
@@ -38,11 +39,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from mla_compile.ops.moe_experts import _out_dtype, combine_sorted, sort_by_expert
+from mla_compile.ops.moe_experts import _out_dtype, combine_pairs
 from mla_compile.ops.moe_experts_fp4 import FUSED_MAX_TOKENS_FP4, fake, validate
 from mla_compile.ops.registry import LAYOUT_TAGS
 from mla_compile.ops.triton.fp4_block_linear import TILE_UNIT, bf16_pair_bits, bf16_scale_bits
 from mla_compile.ops.triton.moe_experts_fp4 import kernel_operands
+from mla_compile.ops.triton.moe_grouped import sort_by_expert_triton
 
 STEP = gl.constexpr(128)  # K columns a warp's step: 16 words a row, 4 a thread
 # The decoded step [S, R, 16 words, c2, c0, c1] (word j = 4 t + a: t the lane's column group, a the thread's word;
@@ -304,7 +306,8 @@ def _moe_fp4_mma_sorted_down_kernel(
     ROWS: gl.constexpr,
 ):
     """Grid ``(E, H / ROWS)``: ``ROWS`` rows of expert e's down over its sorted activation rows, 8 a dot; ``y``
-    float32 in sorted order (weighted and summed per token after), 0 in a row of routing weight 0."""
+    float32 at each sorted row's own (token, pick) row (``order``; weighted and summed per token after), 0 in a row
+    of routing weight 0."""
     S: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = acc_layout(S, ROWS)
     a_l: gl.constexpr = operand_layout(S, ROWS, 0)
@@ -321,7 +324,8 @@ def _moe_fp4_mma_sorted_down_kernel(
             acc, _ = _rows_dot(zero, zero, w_rows, s_rows, w_rows, s_rows, h_ptr + (r0 + col).to(gl.int64) * s_h, ok,
                                wj, sj, sx, kx, n_steps, S, a_l, b_l, False)
             y = gl.sum(acc, axis=0) * TILE_UNIT
-        gl.store(y_ptr + (r0 + co).to(gl.int64) * s_y + ro, y, mask=r0 + co < end)
+        pair = gl.load(order_ptr + r0 + co, mask=r0 + co < end, other=0)  # the rows' (token, pick) indices
+        gl.store(y_ptr + pair.to(gl.int64) * s_y + ro, y, mask=r0 + co < end)
 
 
 def _fits(H: int, I: int, rows: int, gate_up_warps: int, down_warps: int) -> bool:
@@ -367,7 +371,7 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
     limit = 0.0 if swiglu_limit is None else float(swiglu_limit)
     gu = dict(LIMIT=swiglu_limit is not None, ROWS=rows, num_warps=gate_up_warps)
     if T > CONFIG["sorted_above"]:
-        order, offs = sort_by_expert(ids, E)
+        order, offs = sort_by_expert_triton(ids, E)
         _moe_fp4_mma_sorted_gate_up_kernel[(E, I // rows)](
             x, order, weights, g, u, gs, us, offs, h, limit, H, K,
             x.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1), gs.stride(0), gs.stride(1),
@@ -377,7 +381,7 @@ def launch(x: Tensor, weights: Tensor, ids: Tensor, gate: Tensor, gate_scale: Te
             h, order, weights, d, ds, offs, y, I,
             h.stride(0), d.stride(0), d.stride(1), ds.stride(0), ds.stride(1), y.stride(0),
             ROWS=rows, num_warps=down_warps)
-        return out.copy_(combine_sorted(y, order, weights))
+        return out.copy_(combine_pairs(y, weights))
     _moe_fp4_mma_gate_up_kernel[(T * K, I // rows)](
         x, ids, weights, g, u, gs, us, h, limit, H, K,
         x.stride(0), ids.stride(0), weights.stride(0), g.stride(0), g.stride(1), u.stride(0), u.stride(1),

@@ -279,6 +279,34 @@ def block_m(tokens: int, top_k: int, experts: int) -> int:
     return 16 if avg <= 16 else 32 if avg <= 32 else 64
 
 
+def counting_sort(ids: Tensor, num_experts: int, token_mask: Tensor | None = None,
+                  order_dtype: torch.dtype = torch.int32) -> tuple[Tensor, Tensor, Tensor]:
+    """``_moe_sort_kernel`` over the pairs of ``ids [T, k]`` (one launch, no host read): ``(order [T*k]``
+    (``order_dtype``), ``sorted_e [T*k] int32, offs [E (+1 with token_mask)] int32)``: the pairs sorted by expert
+    (stable), each sorted pair's expert and each segment's cumulative end; with ``token_mask [T]`` bool the picks of
+    tokens where it is False count as expert E, sorted last."""
+    T, k = ids.shape
+    pairs = T * k
+    has_mask = token_mask is not None
+    dev = ids.device
+    order = torch.empty(pairs, dtype=order_dtype, device=dev)
+    sorted_e = torch.empty(pairs, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts + has_mask, dtype=torch.int32, device=dev)
+    wrap_triton(_moe_sort_kernel)[(num_experts + has_mask,)](
+        ids.reshape(-1), token_mask.contiguous() if has_mask else ids, order, sorted_e, offs, pairs, k,
+        num_experts, HAS_MASK=has_mask, CHUNK=SORT_CHUNK, num_warps=4,
+    )
+    return order, sorted_e, offs
+
+
+def sort_by_expert_triton(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """:func:`~mla_compile.ops.moe_experts.sort_by_expert`'s contract (``(order [T*k] int64, offs [E] int32)``)
+    in one counting-sort launch instead of torch's scatter, radix sort and scan (Triton tensors: CUDA, or CPU under
+    Triton's interpreter)."""
+    order, _, offs = counting_sort(ids, num_experts, order_dtype=torch.int64)
+    return order, offs
+
+
 def align_blocks(ids: Tensor, num_experts: int, bm: int,
                  token_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The routed pairs of ``ids [T, k]`` in blocks of ``bm`` rows, one expert per block (device-side, no
@@ -289,15 +317,8 @@ def align_blocks(ids: Tensor, num_experts: int, bm: int,
     T, k = ids.shape
     pairs = T * k
     nb = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
-    has_mask = token_mask is not None  # a masked token's picks go to expert E, past the last one: dropped
     dev = ids.device
-    order = torch.empty(pairs, dtype=torch.int32, device=dev)
-    sorted_e = torch.empty(pairs, dtype=torch.int32, device=dev)
-    offs = torch.empty(num_experts + has_mask, dtype=torch.int32, device=dev)
-    wrap_triton(_moe_sort_kernel)[(num_experts + has_mask,)](
-        ids.reshape(-1), token_mask.contiguous() if has_mask else ids, order, sorted_e, offs, pairs, k,
-        num_experts, HAS_MASK=has_mask, CHUNK=SORT_CHUNK, num_warps=4,
-    )
+    order, sorted_e, offs = counting_sort(ids, num_experts, token_mask)
     rows = torch.empty(nb * bm, dtype=torch.int32, device=dev)
     bexp = torch.empty(nb, dtype=torch.int32, device=dev)
     bcnt = torch.empty(nb, dtype=torch.int32, device=dev)

@@ -199,6 +199,23 @@ def test_counting_sort_is_argsort_by_expert_stable(P, E, masked):
     assert torch.equal(offs.long(), torch.cumsum(torch.bincount(eff, minlength=n), 0))
 
 
+@pytest.mark.parametrize("T,k,E", [(1, 6, 256), (64, 6, 256), (37, 2, 5), (0, 6, 8)])
+def test_sort_by_expert_triton_equals_sort_by_expert(T, k, E):
+    """The counting-sort launch the Gluon fp4 experts sort with against ``sort_by_expert`` (torch's stable argsort):
+    the same order (int64) and segment ends, whatever the outputs held."""
+    from mla_compile.ops.moe_experts import sort_by_expert
+    from mla_compile.ops.triton.moe_grouped import sort_by_expert_triton
+
+    gen = torch.Generator().manual_seed(T * k + E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.empty(0, k)
+    ids = ids.to(torch.int32)
+    with poisoned_empty():
+        order, offs = sort_by_expert_triton(ids, E)
+    want_order, want_offs = sort_by_expert(ids, E)
+    assert order.dtype == torch.int64 and offs.dtype == torch.int32
+    assert torch.equal(order, want_order) and torch.equal(offs, want_offs)
+
+
 def test_token_mask_drops_the_masked_picks_from_the_blocks():
     from mla_compile.ops.triton.moe_grouped import align_blocks
 
