@@ -228,7 +228,7 @@ def test_gluon_launch_parameters_by_token_count():
         assert tiles(T, 4096, 2048) == per_pick[bound] == tiles(T, 1024, 1024)
     above = CONFIG["sorted_above"] + 1
     assert tiles(above, 4096, 2048) == tiles(256, 1024, 1024) == CONFIG["sorted"] != base
-    assert tiles(above, 4096, 256 * 3) == base  # 2 warps of 256 columns do not fit I = 768
+    assert tiles(above, 4096, 256 * 3) == base  # I = 768: not a multiple of 2 warps x 256 columns
     for T in (1, 8, 40):
         x = torch.empty(T, 1024, dtype=torch.bfloat16)
         assert eligible(x, 1024) and not eligible(x, 1056) and not eligible(x.float(), 1024)
