@@ -29,13 +29,15 @@ load) and their outputs are 0.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from mla_compile.ops.moe_experts import _out_dtype, validate
+from mla_compile.ops.moe_experts import _out_dtype, sort_by_expert, validate
 from mla_compile.ops.triton._common import pow2
 from mla_compile.ops.triton.moe_experts import launch_operands
 
@@ -301,8 +303,10 @@ def counting_sort(ids: Tensor, num_experts: int, token_mask: Tensor | None = Non
 
 def sort_by_expert_triton(ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """:func:`~mla_compile.ops.moe_experts.sort_by_expert`'s contract (``(order [T*k] int64, offs [E] int32)``)
-    in one counting-sort launch instead of torch's scatter, radix sort and scan (Triton tensors: CUDA, or CPU under
-    Triton's interpreter)."""
+    in one counting-sort launch instead of torch's scatter, radix sort and scan, where Triton runs the tensors (CUDA,
+    or CPU under Triton's interpreter); elsewhere ``sort_by_expert`` itself."""
+    if ids.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return sort_by_expert(ids, num_experts)
     order, _, offs = counting_sort(ids, num_experts, order_dtype=torch.int64)
     return order, offs
 

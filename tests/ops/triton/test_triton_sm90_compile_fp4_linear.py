@@ -87,7 +87,6 @@ def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, gate_up_warps, down_w
     columns would need a data exchange to become the dot's operands), and where cuobjdump is bundled, their hot loop
     runs ``mma.sync`` on operands that never leave registers: no spills, no shared-memory traffic."""
     import mla_compile  # noqa: F401
-    from mla_compile.ops.moe_experts import sort_by_expert
     from mla_compile.ops.triton import _sm90, moe_experts_fp4_mma as m
 
     assert all(tuple(c) in MMA_CONFIGS for _, *c in m.CONFIG["per_pick"]) and m.CONFIG["sorted"] in MMA_CONFIGS
@@ -96,7 +95,6 @@ def test_fp4_experts_mma_kernels_compile_for_sm90(T, rows, gate_up_warps, down_w
     monkeypatch.setitem(m.CONFIG, "down_warps", down_warps)
     monkeypatch.setitem(m.CONFIG, "per_pick", ())
     monkeypatch.setitem(m.CONFIG, "sorted", ())
-    monkeypatch.setattr(m, "sort_by_expert_triton", sort_by_expert)  # a Triton launch needs a driver: torch's sort
     H, I, E, k = 4096, 2048, 8, 6
     b = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
     x = torch.zeros(T, H, dtype=torch.bfloat16)
