@@ -14,9 +14,9 @@ Mapping: our token-row cache ``kv_cache [NB, BS, D]`` and entry cache ``comp_cac
 ``[NB * BS, 1, D]`` views (no copy; slot ``s`` is row ``s``). Each slot list becomes FlashMLA's index list:
 out-of-range slots turn into -1 (FlashMLA's prefill treats ``>= s_kv`` as invalid, its decode checks no
 bound; the Triton kernel masks them), padded with -1 to a multiple of :data:`TOPK_TILE`, and
-``topk_length`` = last valid column + 1 so trailing -1 tiles are skipped. When one list serves (a
-sliding layer's empty compressed list, or both lists on the same cache, concatenated) one call per head
-group applies the sink through ``attn_sink``; otherwise the window and the compressed lists are two calls,
+``topk_length`` = last valid column + 1 so trailing -1 tiles are skipped (one Triton launch a list on CUDA,
+``ops/triton/v4_finish.py``). When one list serves (a sliding layer's empty compressed list, or both lists on the
+same cache, side by side in one index list) one call per head group applies the sink through ``attn_sink``; otherwise the window and the compressed lists are two calls,
 merged by LSE in float32, and the sink is applied once on the merged result as
 ``out * sigmoid(lse - sink)``. Heads are zero-padded to 64 (H <= 64) or 128 (one call per 128 heads).
 Then rows with no valid slot get ``out = 0``, ``lse = -inf``, and the output's trailing ``rope_dim``
@@ -70,18 +70,29 @@ def flat_rows(name: str, cache: Tensor) -> Tensor:
     return cache.as_strided((nb * bs, 1, d), (cache.stride(1), d, 1))
 
 
-def sparse_indices(slots: Tensor, n_rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashMLA's index list for our slot list ``slots [T, L]`` over a cache of ``n_rows`` rows.
+def index_width(slots: int) -> int:
+    """The width of FlashMLA's index list for ``slots`` slots: the next positive multiple of :data:`TOPK_TILE`."""
+    return max(-(-slots // TOPK_TILE), 1) * TOPK_TILE
+
+
+def sparse_indices(slots: Tensor, n_rows: int, more: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashMLA's index list for our slot list ``slots [T, L]`` (with ``more [T, L2]``: the two side by side) over
+    a cache of ``n_rows`` rows.
 
     Returns ``indices [T, 1, Lp]`` int32 (slots outside ``[0, n_rows)`` -> -1, padded with -1 to a positive
     multiple of :data:`TOPK_TILE`), ``topk_length [T]`` int32 (last valid column + 1, 0 for none) and
-    ``live [T]`` bool (the row has a valid slot). Shapes only, no host read."""
-    T, L = slots.shape
+    ``live [T]`` bool (the row has a valid slot). Shapes only, no host read. One Triton launch on CUDA
+    (``ops/triton/v4_finish.py``), torch ops elsewhere."""
+    T = slots.shape[0]
+    L = slots.shape[1] + (0 if more is None else more.shape[1])
+    if slots.is_cuda and triton_available():
+        from mla_compile.ops.triton.v4_finish import sparse_indices_triton
+        return sparse_indices_triton(slots.contiguous(), n_rows, None if more is None else more.contiguous(),
+                                     index_width(L))
+    if more is not None:
+        slots = torch.cat([slots.to(more.dtype), more], dim=1)
     valid = (slots >= 0) & (slots < n_rows)
-    idx = torch.where(valid, slots, -1).to(torch.int32)
-    pad = -L % TOPK_TILE or (TOPK_TILE if L == 0 else 0)
-    if pad:
-        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
+    idx = torch.nn.functional.pad(torch.where(valid, slots, -1).to(torch.int32), (0, index_width(L) - L), value=-1)
     col = torch.arange(1, L + 1, device=slots.device, dtype=torch.int32)
     length = torch.where(valid, col, 0).amax(dim=1) if L else torch.zeros(T, dtype=torch.int32, device=slots.device)
     return idx.unsqueeze(1).contiguous(), length.to(torch.int32).contiguous(), valid.any(dim=1)
@@ -140,23 +151,23 @@ def flashmla_v4_attention_core(q: Tensor, kv_cache: Tensor, window_slots: Tensor
     check_dtype(OP, BACKEND, "comp_cache", comp_cache, DTYPES)
     check_value(OP, BACKEND, "head dim (q.shape[-1])", q.shape[-1], (HEAD_DIM,))
     T, H, D = q.shape
-    lists = [(kv_cache, window_slots, "kv_cache")] if window_slots.shape[1] else []
+    lists = [(kv_cache, window_slots, None, "kv_cache")] if window_slots.shape[1] else []
     if comp_slots.shape[1]:
         same = (comp_cache.data_ptr() == kv_cache.data_ptr() and comp_cache.shape == kv_cache.shape
                 and comp_cache.stride() == kv_cache.stride())
-        if same and lists:  # both lists index one cache: one call over the concatenated list
-            lists = [(kv_cache, torch.cat([window_slots.to(comp_slots.dtype), comp_slots], dim=1), "kv_cache")]
+        if same and lists:  # both lists index one cache: one call over the two lists side by side
+            lists = [(kv_cache, window_slots, comp_slots, "kv_cache")]
         else:
-            lists.append((comp_cache, comp_slots, "comp_cache"))
+            lists.append((comp_cache, comp_slots, None, "comp_cache"))
     if T * H == 0 or not lists:
         return q.new_zeros(T, H, D), q.new_full((T, H), float("-inf"), dtype=torch.float32)
     import flash_mla
 
     one = len(lists) == 1
     prepared = []
-    for cache, slots, name in lists:
+    for cache, slots, more, name in lists:
         kv = flat_rows(name, cache)
-        prepared.append((kv, *sparse_indices(slots, kv.shape[0])))
+        prepared.append((kv, *sparse_indices(slots, kv.shape[0], more)))
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     width, groups = head_groups(H)

@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-         torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+         torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 # SASS instructions counted by resources(): matrix (wgmma, mma.sync), spills, global loads (cp.async, TMA, plain)
 COUNTED = ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "UTMALDG", "LDG")

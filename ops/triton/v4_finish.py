@@ -1,4 +1,7 @@
-"""One launch for the boundary of the FlashMLA V4 attention adapter (``ops/adapters/flashmla_v4.py``).
+"""One launch for each boundary of the FlashMLA V4 attention adapter (``ops/adapters/flashmla_v4.py``).
+
+``sparse_indices_triton`` turns one slot list, or two side by side, into FlashMLA's index list, ``topk_length`` and
+each row's liveness (what the adapter's torch path does with about a dozen kernels a list).
 
 ``v4_finish_triton`` does what the adapter's torch path does with a dozen kernels: merge one or two partial
 results ``(out, lse)`` (natural log) over disjoint slot lists, where a part that is not live in a row
@@ -16,6 +19,43 @@ import triton.language as tl
 from torch import Tensor
 
 from mla_compile.ops.triton._common import pow2
+
+
+@triton.jit
+def _sparse_indices_kernel(a_ptr, b_ptr, idx_ptr, len_ptr, live_ptr, LA, LB, LP, n_rows, s_a, s_b,
+                           BLOCK: tl.constexpr):
+    """Row ``t``: columns ``[0, LA)`` from list a, ``[LA, LA + LB)`` from list b, -1 up to ``LP``; a slot outside
+    ``[0, n_rows)`` becomes -1. Stores the ``LP`` indices, the last valid column + 1 and whether there is one."""
+    t = tl.program_id(0).to(tl.int64)
+    last = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, LP, BLOCK):
+        col = c0 + tl.arange(0, BLOCK)
+        in_a = col < LA
+        in_b = (col >= LA) & (col < LA + LB)
+        slot = tl.load(a_ptr + t * s_a + col, mask=in_a, other=-1).to(tl.int64)
+        slot = tl.where(in_b, tl.load(b_ptr + t * s_b + (col - LA), mask=in_b, other=-1).to(tl.int64), slot)
+        valid = (slot >= 0) & (slot < n_rows)
+        tl.store(idx_ptr + t * LP + col, tl.where(valid, slot, -1).to(tl.int32), mask=col < LP)
+        last = tl.maximum(last, tl.where(valid, col + 1, 0))
+    length = tl.max(last, axis=0)
+    tl.store(len_ptr + t, length)
+    tl.store(live_ptr + t, (length > 0).to(tl.int8))
+
+
+def sparse_indices_triton(a: Tensor, n_rows: int, b: Tensor | None, padded: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(indices [T, 1, padded] int32, topk_length [T] int32, live [T] bool)`` of the slot lists ``a [T, LA]``
+    and ``b [T, LB]`` (None: none) side by side over a cache of ``n_rows`` rows, in one launch: the contract of
+    ``flashmla_v4.sparse_indices``, with ``padded`` its padded width (at least ``LA + LB``)."""
+    T, la = a.shape
+    lb = 0 if b is None else b.shape[1]
+    assert padded >= la + lb and a.stride(-1) == 1 and (b is None or b.stride(-1) == 1)
+    idx = torch.empty(T, 1, padded, dtype=torch.int32, device=a.device)
+    length = torch.empty(T, dtype=torch.int32, device=a.device)
+    live = torch.empty(T, dtype=torch.int8, device=a.device)
+    if T:
+        _sparse_indices_kernel[(T,)](a, a if b is None else b, idx, length, live, la, lb, padded, n_rows,
+                                     a.stride(0), 0 if b is None else b.stride(0), BLOCK=128, num_warps=4)
+    return idx, length, live.view(torch.bool)
 
 
 @triton.jit

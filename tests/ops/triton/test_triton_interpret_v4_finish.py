@@ -1,5 +1,5 @@
-"""The FlashMLA V4 adapter's boundary kernel (``ops/triton/v4_finish.py``) under Triton's CPU interpreter: the
-LSE merge of two partial results, the sink applied once, rows live in neither part, NaN / inf where a part is not
+"""The FlashMLA V4 adapter's boundary kernels (``ops/triton/v4_finish.py``) under Triton's CPU interpreter: the
+index lists against the torch path; the LSE merge of two partial results, the sink applied once, rows live in neither part, NaN / inf where a part is not
 live, strided inputs and output views, the rope back-rotation; against the adapter's torch path and, end to end
 through a fake ``flash_mla``, against the float64 reference of the paper's equations.
 
@@ -69,20 +69,50 @@ def test_finish_kernel_matches_the_torch_path(n_parts, sink_applied, D, rope):
     assert not got_out.isnan().any() and not got_lse.isnan().any()
 
 
+@pytest.mark.parametrize("T,la,lb,dtypes", [(5, 8, 0, (torch.int32, None)), (3, 130, 0, (torch.int64, None)),
+                                             (4, 0, 0, (torch.int32, None)), (6, 128, 512, (torch.int32, torch.int64)),
+                                             (2, 7, 20, (torch.int64, torch.int32)), (0, 4, 4, (torch.int32,) * 2)])
+def test_index_kernel_matches_the_torch_path(T, la, lb, dtypes):
+    """``sparse_indices_triton`` against the adapter's torch ``sparse_indices`` (lists side by side concatenated):
+    slots out of range either way, rows without a valid slot, lists of 0 / 130 / 640 slots, NaN-free -1 padding,
+    whatever the outputs held before."""
+    from mla_compile.ops.triton.v4_finish import sparse_indices_triton
+    from tests.poison import poisoned_empty
+
+    g = torch.Generator().manual_seed(T * 1000 + la + lb)
+    n_rows = 50
+    a = torch.randint(-3, n_rows + 4, (T, la), generator=g).to(dtypes[0])
+    b = None if dtypes[1] is None else torch.randint(-3, n_rows + 4, (T, lb), generator=g).to(dtypes[1])
+    if T > 1:
+        a[1] = -1  # a row with no valid slot (when b has none there either)
+        if b is not None:
+            b[1] = n_rows
+    want = fv4.sparse_indices(a, n_rows, b)
+    with poisoned_empty():
+        got = sparse_indices_triton(a, n_rows, b, fv4.index_width(la + (0 if b is None else lb)))
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    if T > 1:
+        assert not got[2][1] and got[1][1] == 0
+
+
 def test_adapter_with_the_kernel_matches_the_reference(monkeypatch):
-    """The whole adapter with its CUDA boundary (the kernel) against the float64 reference, through a fake
-    ``flash_mla`` (``tests/ops/adapters/conftest.py``): 130 heads (two groups, one padded), two caches."""
+    """The whole adapter with its CUDA boundaries (both kernels) against the float64 reference, through a fake
+    ``flash_mla`` (``tests/ops/adapters/conftest.py``): 130 heads (two groups, one padded), two caches, one cache
+    with both lists side by side, a sliding layer's one list."""
     import sys
 
-    from mla_compile.ops.triton.v4_finish import v4_finish_triton
+    from mla_compile.ops.triton.v4_finish import sparse_indices_triton, v4_finish_triton
     from tests.ops.adapters.conftest import Calls, make_flash_mla
     from tests.ops.adapters.test_flashmla_v4_contract import SCALE, _case, _check
 
     monkeypatch.setitem(sys.modules, "flash_mla", make_flash_mla(Calls()))
     monkeypatch.setattr(fv4, "finish", v4_finish_triton)
-    args = _case(21, 130)
-    out, lse = fv4.flashmla_v4_attention_core(*args, SCALE)
-    _check(out, lse, args)
-    q, kv, ws, comp, cs, sinks, pos, inv_freq = args
+    monkeypatch.setattr(fv4, "sparse_indices", lambda slots, n_rows, more=None: sparse_indices_triton(
+        slots, n_rows, more, fv4.index_width(slots.shape[1] + (0 if more is None else more.shape[1]))))
+    for args in (_case(21, 130), _case(22, 4, same_cache=True)):
+        out, lse = fv4.flashmla_v4_attention_core(*args, SCALE)
+        _check(out, lse, args)
+    q, kv, ws, comp, cs, sinks, pos, inv_freq = _case(21, 130)
     out, lse = fv4.flashmla_v4_attention_core(q, kv, ws, kv, cs[:, :0], sinks, pos, inv_freq, SCALE)
     _check(out, lse, (q, kv, ws, kv, cs[:, :0], sinks, pos, inv_freq))
