@@ -1,7 +1,8 @@
 """The FlashMLA V4 adapter's boundary kernels (``ops/triton/v4_finish.py``) under Triton's CPU interpreter: the
-index lists against the torch path; the LSE merge of two partial results, the sink applied once, rows live in neither part, NaN / inf where a part is not
-live, strided inputs and output views, the rope back-rotation; against the adapter's torch path and, end to end
-through a fake ``flash_mla``, against the float64 reference of the paper's equations.
+index lists against the torch path; the LSE merge of two partial results, the sink applied once, rows live in
+neither part, NaN / inf where a part is not live, strided inputs and output views, the rope back-rotation; against
+the adapter's torch path and, end to end through a fake ``flash_mla``, against the float64 reference of the paper's
+equations.
 
 Run with ``TRITON_INTERPRET=1`` (tests/conftest.py sets it without a GPU); skipped otherwise.
 """
