@@ -18,7 +18,8 @@ bound; the Triton kernel masks them), padded with -1 to a multiple of :data:`TOP
 ``ops/triton/v4_finish.py``). When one list serves (a sliding layer's empty compressed list, or both lists on the
 same cache, side by side in one index list) one call per head group applies the sink through ``attn_sink``;
 otherwise the window and the compressed lists are two calls, merged by LSE in float32, and the sink is applied
-once on the merged result as ``out * sigmoid(lse - sink)``. Heads are zero-padded to 64 (H <= 64) or 128 (one call per 128 heads).
+once on the merged result as ``out * sigmoid(lse - sink)``. Heads are zero-padded to 64 (H <= 64) or 128 (one
+call per 128 heads).
 Then rows with no valid slot get ``out = 0``, ``lse = -inf``, and the output's trailing ``rope_dim``
 channels are rotated back by ``-query_pos * inv_freq`` (interleaved pairs), in float32: one Triton launch
 per head group on CUDA (``ops/triton/v4_finish.py``), torch ops elsewhere.
