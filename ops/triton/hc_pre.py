@@ -30,9 +30,10 @@ BLOCK_D = 512  # columns of the collapse a finishing program writes
 
 
 @triton.jit
-def _mix(x_ptr, fn_ptr, part_ptr, sq_ptr, s, t, K, M, SPLITS, s_x, s_fn, MP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Split ``s`` of token ``t``: the partial dots of its ``BLOCK_K`` stream values with every row of ``fn`` and
-    their partial sum of squares, stored at ``part [t, s, :]`` and ``sq [t, s]``."""
+def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, K, M, SPLITS, s_x, s_fn,
+                   MP: tl.constexpr, BLOCK_K: tl.constexpr):
+    s = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     m = tl.arange(0, MP)
@@ -44,10 +45,13 @@ def _mix(x_ptr, fn_ptr, part_ptr, sq_ptr, s, t, K, M, SPLITS, s_x, s_fn, MP: tl.
 
 
 @triton.jit
-def _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps,
-             N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
-    """Token ``t``'s partials summed and normed: ``(z [MP], pre [NP], comb cells)``: the logits, ``pre`` and the
-    Sinkhorn-normalised ``n x n`` cells."""
+def _hc_finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
+                      D, SPLITS, ITERS, norm_eps, hc_eps, s_x, s_out,
+                      N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr):
+    norm_eps = tl.full([], norm_eps, tl.float32)  # Inductor passes Python floats as fp64
+    hc_eps = tl.full([], hc_eps, tl.float32)
+    t = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
     M = 2 * N + N * N
     m = tl.arange(0, MP)
     sp = tl.arange(0, SP)
@@ -64,51 +68,18 @@ def _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_ep
     zc = ()  # the mixing logits as N * N scalars, row-major: every Sinkhorn sum within a thread
     for k in tl.static_range(N * N):
         zc = zc + (tl.sum(tl.where(m == 2 * N + k, z, 0.0), axis=0),)
-    return z, pre, sinkhorn_cells(zc, N, ITERS, hc_eps)
-
-
-@triton.jit
-def _store_mixes(post_ptr, comb_ptr, t, z, c, N: tl.constexpr, MP: tl.constexpr):
-    """Token ``t``'s ``post`` (from the logits ``z``) and ``comb`` (the cells ``c``)."""
-    m = tl.arange(0, MP)
-    post = 2.0 / (1.0 + tl.exp(-z))
-    tl.store(post_ptr + t * N + (m - N), post, mask=(m >= N) & (m < 2 * N))
-    for k in tl.static_range(N * N):
-        tl.store(comb_ptr + t * N * N + k, c[k])
-
-
-@triton.jit
-def _collapse(x_ptr, out_ptr, t, blk, pre, D, s_x, s_out, N: tl.constexpr, NP: tl.constexpr,
-              BLOCK_D: tl.constexpr):
-    """Columns ``blk * BLOCK_D ..`` of token ``t``'s streams collapsed with ``pre``."""
-    i = tl.arange(0, NP)
+    c = sinkhorn_cells(zc, N, ITERS, hc_eps)
+    if blk == 0:
+        post = 2.0 / (1.0 + tl.exp(-z))
+        tl.store(post_ptr + t * N + (m - N), post, mask=(m >= N) & (m < 2 * N))
+        for k in tl.static_range(N * N):
+            tl.store(comb_ptr + t * N * N + k, c[k])
     d = blk * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     xs = tl.load(x_ptr + t * s_x + i[:, None] * D + d[None, :], mask=(i < N)[:, None] & d_ok[None, :],
                  other=0.0).to(tl.float32)
     col = tl.sum(tl.where((i < N)[:, None], pre[:, None] * xs, 0.0), axis=0)
     tl.store(out_ptr + t * s_out + d, col.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, K, M, SPLITS, s_x, s_fn,
-                   MP: tl.constexpr, BLOCK_K: tl.constexpr):
-    _mix(x_ptr, fn_ptr, part_ptr, sq_ptr, tl.program_id(0), tl.program_id(1).to(tl.int64), K, M, SPLITS, s_x, s_fn,
-         MP, BLOCK_K)
-
-
-@triton.jit
-def _hc_finish_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                      D, SPLITS, ITERS, norm_eps, hc_eps, s_x, s_out,
-                      N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr):
-    norm_eps = tl.full([], norm_eps, tl.float32)  # Inductor passes Python floats as fp64
-    hc_eps = tl.full([], hc_eps, tl.float32)
-    t = tl.program_id(0).to(tl.int64)
-    blk = tl.program_id(1)
-    z, pre, c = _weights(part_ptr, sq_ptr, base_ptr, scale_ptr, t, D, SPLITS, ITERS, norm_eps, hc_eps, N, NP, MP, SP)
-    if blk == 0:
-        _store_mixes(post_ptr, comb_ptr, t, z, c, N, MP)
-    _collapse(x_ptr, out_ptr, t, blk, pre, D, s_x, s_out, N, NP, BLOCK_D)
 
 
 def _launch(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm_eps: float,
