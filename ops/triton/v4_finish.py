@@ -132,7 +132,7 @@ def _v4_finish_kernel(oa_ptr, la_ptr, live_a_ptr, ob_ptr, lb_ptr, live_b_ptr, si
 
 def v4_finish_triton(parts: list[tuple[Tensor, Tensor, Tensor]], sinks: Tensor, sink_applied: bool, query_pos: Tensor,
                      inv_freq: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Write the finished result of ``parts`` (one or two ``(out [T, h, D], lse [T, h] natural log, live [T])``,
+    """Write the finished result of ``parts`` (one or two ``(out [T, h, D], lse [T, h] natural log, live [T] bool)``,
     any strides with a contiguous last dim) into ``out [T, h, D]`` and ``lse [T, h]`` float32 (views that may
     be strided); ``sinks [h]``; ``query_pos [T]``; ``inv_freq [rope_dim / 2]``."""
     T, h, D = out.shape
@@ -140,7 +140,7 @@ def v4_finish_triton(parts: list[tuple[Tensor, Tensor, Tensor]], sinks: Tensor, 
         return
     assert len(parts) in (1, 2) and out.stride(-1) == 1 and all(p[0].stride(-1) == 1 for p in parts)
     (oa, la, live_a), (ob, lb, live_b) = parts[0], parts[-1]
-    live_a, live_b = live_a.to(torch.int8), live_b.to(torch.int8)
+    live_a, live_b = live_a.view(torch.int8), live_b.view(torch.int8)  # bool bytes read as int8: no copy
     r2 = inv_freq.shape[0]
     dn = D - 2 * r2
     block_h = min(8, pow2(h, low=1))
