@@ -3,11 +3,16 @@
 ``torch.distributed._functional_collectives`` returns tensors that Inductor waits on (``_c10d_functional``
 ops in the graph, reorderable, capturable in CUDA graphs). A :class:`~mla_compile.parallel.groups.Group` of
 one rank has ``group is None``: the collective is skipped when the module is built, not at run time.
+
+Run eagerly over a gloo group (the CPU path), the same collectives are c10d's synchronous ones: torch's gloo
+backend corrupts the heap now and then under functional collectives left in flight (a native abort or
+segfault of the process; BENCHMARKS.md's CPU table), and not under the synchronous calls.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,9 +21,20 @@ from mla_compile import ops
 from mla_compile.parallel.groups import Group
 
 
+def _eager_gloo(group: Group) -> bool:
+    """Whether this call runs outside a trace on a gloo process group (see the module docstring)."""
+    return not torch.compiler.is_compiling() and dist.get_backend(group.group) == "gloo"
+
+
 def all_reduce(x: Tensor, group: Group) -> Tensor:
     """Sum ``x`` over ``group`` (identity for one rank)."""
-    return x if group.group is None else funcol.all_reduce(x, "sum", group.group)
+    if group.group is None:
+        return x
+    if _eager_gloo(group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group.group)
+        return out
+    return funcol.all_reduce(x, "sum", group.group)
 
 
 # torch 2.13 renamed all_gather_tensor (deprecated there) to all_gather_single; 2.11 has only the old name
@@ -32,7 +48,12 @@ def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
     ``gather_dim != 0`` through a helper Dynamo refuses to trace (a graph break under ``fullgraph``)."""
     if group.group is None:
         return x
-    out = _all_gather(x.contiguous(), 0, group.group)
+    x = x.contiguous()
+    if _eager_gloo(group):
+        out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group.group)
+    else:
+        out = _all_gather(x, 0, group.group)
     dim = dim % x.dim()
     return out if dim == 0 else torch.cat(out.chunk(group.size, 0), dim)
 
@@ -40,7 +61,13 @@ def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
 def all_to_all(x: Tensor, group: Group) -> Tensor:
     """``x [P * C, ...]``: block ``q`` of ``C`` rows goes to rank ``q``; returns the blocks received, block ``q``
     from rank ``q`` (equal splits: a static shape; identity for one rank)."""
-    return x if group.group is None else funcol.all_to_all_single(x.contiguous(), None, None, group.group)
+    if group.group is None:
+        return x
+    if _eager_gloo(group):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group.group)
+        return out
+    return funcol.all_to_all_single(x.contiguous(), None, None, group.group)
 
 
 class RowParallelLinear(nn.Module):
