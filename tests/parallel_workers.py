@@ -280,6 +280,18 @@ def groups_layout(rank, world, pconf):
     return out
 
 
+def eager_layer_collectives(rank, world):
+    """``parallel.layers``' collectives run eagerly over gloo on this rank's seeded inputs (a non-contiguous one
+    among them): each result's type name and value."""
+    from mla_compile.parallel import layers
+
+    state = init(ParallelConfig(tp=world), timeout=30)
+    x = torch.randn(world * 2, 5, 3, generator=torch.Generator().manual_seed(100 + rank)).transpose(1, 2)
+    outs = {"reduce": layers.all_reduce(x, state.tp), "gather0": layers.all_gather(x, 0, state.tp),
+            "gather_last": layers.all_gather(x, -1, state.tp), "to_all": layers.all_to_all(x.bfloat16(), state.tp)}
+    return {k: (type(v).__name__, v.clone()) for k, v in outs.items()}
+
+
 def split_paged_cache(rows, lens, world, rank, interleave, bs, spare=0):
     """This rank's paged cache of the sequences ``rows`` (``[len_b, D]`` each; ``lens`` their lengths), their
     tokens block-interleaved over ``world`` ranks: ``(cache, table, local_lens)``. The cache is NaN but for this

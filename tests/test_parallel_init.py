@@ -1,6 +1,7 @@
 """mla_compile.parallel.init: process groups, world-size checks, and errors (not hangs) on missing or dead peers."""
 
 import pytest
+import torch
 
 from mla_compile.parallel import ParallelConfig, init
 from tests import parallel_workers as w
@@ -76,6 +77,20 @@ def test_pool_workers_keep_the_subgroups_calls_destroy():
     # so a pool worker keeps every subgroup until it exits; the groups and the default group still work
     for r in run_ranks(w.subgroup_kept, 2):
         assert r == {"kept": True, "sums": ([3.0, 3.0], [7.0, 7.0])}, r
+
+
+def test_eager_collectives_over_gloo_are_settled_tensors_with_the_right_values():
+    # parallel/layers.py: eagerly over gloo the layers call c10d's synchronous collectives (torch's gloo corrupts
+    # the heap now and then with functional collectives in flight), so results are plain tensors, already there
+    xs = [torch.randn(4, 5, 3, generator=torch.Generator().manual_seed(100 + r)).transpose(1, 2).double()
+          for r in range(2)]
+    want = {"reduce": xs[0] + xs[1], "gather0": torch.cat(xs, 0), "gather_last": torch.cat(xs, -1)}
+    for rank, res in enumerate(run_ranks(w.eager_layer_collectives, 2)):
+        assert {k: name for k, (name, _) in res.items()} == dict.fromkeys(res, "Tensor"), res
+        for k, v in want.items():
+            torch.testing.assert_close(res[k][1].double(), v, rtol=1e-6, atol=1e-6)
+        blocks = [x.bfloat16()[2 * rank: 2 * rank + 2] for x in xs]  # rank q's block for this rank, in rank order
+        assert torch.equal(res["to_all"][1], torch.cat(blocks, 0))
 
 
 def test_groups_follow_the_rank_layout():
