@@ -24,6 +24,7 @@ import atexit
 import itertools
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -77,10 +78,12 @@ def _keep_subgroups(dist) -> None:
 def _serve(rank: int, world: int, port: int, jobs, results) -> None:
     """A pool worker: join the pool's default process group (rendezvous at ``port``), then run ``(seq, fn,
     args)`` jobs until ``None``, each as a fresh process would but on that group, keeping the subgroups jobs
-    make. A crash (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr (``faulthandler``)."""
+    make. A crash (SIGSEGV, glibc's abort) prints every thread's Python stack to stderr (``faulthandler``), and so
+    does SIGUSR1 (what a call past its deadline sends before it kills the workers)."""
     import faulthandler
 
     faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import random
@@ -112,6 +115,14 @@ def _serve(rank: int, world: int, port: int, jobs, results) -> None:
             except Exception:  # noqa: BLE001  (the result is already sent)
                 pass
     dist.destroy_process_group()
+
+
+def _dump_stacks(procs) -> None:
+    """Ask the live pool workers ``procs`` to print every thread's Python stack to stderr, one after the other."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(0.5)
 
 
 class _Pool:
@@ -171,7 +182,7 @@ def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
         q.put((seq, fn, args))
     deadline = time.monotonic() + timeout
     got: dict[int, object] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
     ok_pool = False
     try:
         while len(got) + len(errors) < world:
@@ -182,24 +193,27 @@ def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
                     codes = {r: p.exitcode for r, p in enumerate(pool.procs)}
                     killed = any(c is not None and c < 0 for c in codes.values())
                     raise (_WorkerKilled if killed else RuntimeError)(
-                        f"a pool worker exited (exit codes {codes}); ranks' errors before: {errors}") from None
+                        f"a pool worker exited (exit codes {codes}); ranks' errors before: {list(errors.values())}"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
-                                       f"{timeout} s") from None
+                    _dump_stacks(pool.procs)
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got) - set(errors))} did not finish "
+                                       f"within {timeout} s (their Python stacks: the captured stderr); the other "
+                                       f"ranks' errors: {list(errors.values())}") from None
                 continue
             if s != seq:
                 continue
             if ok:
                 got[rank] = out
             else:
-                errors.append(f"rank {rank}:\n{out}")
+                errors[rank] = f"rank {rank}:\n{out}"
         ok_pool = not errors
     finally:
         if not ok_pool:  # a rank may still sit in a collective: end this pool, the next call starts another
             _POOLS.pop(world, None)
             pool.close(kill=True)
     if errors:
-        raise RuntimeError("\n".join(errors))
+        raise RuntimeError("\n".join(errors.values()))
     return [got[r] for r in range(world)]
 
 

@@ -220,6 +220,15 @@ def crash_first(rank, world, marker, always):
     return rank, x.tolist()
 
 
+def hang_rank0(rank, world, hang):
+    """``hang``: rank 0 sleeps far past any test deadline (a hung rank) and the others raise; else the rank."""
+    if not hang:
+        return rank
+    if rank == 0:
+        time.sleep(600)
+    raise ValueError(f"rank {rank} gave up")
+
+
 def subgroup_kept(rank, world):
     """A subgroup made and destroyed by ``parallel.init`` / ``destroy`` (single-rank collectives: one group a
     rank) in a pool worker: still registered after ``destroy``; a group of both ranks made here still sums after

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mla_compile.parallel import ParallelConfig, init
+from tests import dist_helpers
 from tests import parallel_workers as w
 from tests.dist_helpers import run_ranks
 
@@ -70,6 +71,19 @@ def test_pool_runs_a_call_again_when_a_worker_dies_of_a_signal(tmp_path):
                                                                                           (1, [3.0, 3.0])]
     with pytest.warns(UserWarning, match="running it again"), pytest.raises(RuntimeError, match=r"exit codes .*-6"):
         run_ranks(w.crash_first, 2, str(tmp_path / "always"), True, timeout=60)
+
+
+def test_pool_call_past_its_deadline_prints_the_hung_ranks_stacks_and_the_others_errors(capfd):
+    # tests/dist_helpers.py: before killing the pool, a call past its deadline has every live worker print its
+    # threads' Python stacks (SIGUSR1, faulthandler) and names the errors other ranks sent meanwhile
+    old = dist_helpers._POOLS.pop(2, None)
+    if old is not None:
+        old.close(kill=True)
+    assert run_ranks(w.hang_rank0, 2, False) == [0, 1]  # a pool spawned here (writing to this test's stderr), up
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 10 s .*errors: .*rank 1 gave up"):
+        run_ranks(w.hang_rank0, 2, True, timeout=10)
+    assert "in hang_rank0" in capfd.readouterr().err
+    assert 2 not in dist_helpers._POOLS  # killed: the next call starts a new pool
 
 
 def test_pool_workers_keep_the_subgroups_calls_destroy():
