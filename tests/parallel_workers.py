@@ -252,8 +252,9 @@ def destroy_owns_what_init_made(rank, world, store_path, init_makes_default):
     """``destroy`` ends only what ``init`` made. ``init_makes_default`` False: after ``init`` on a default group the
     caller made (a FileStore at ``store_path``), the subgroups init made (tp=world, dcp=1 with single-rank
     collectives: one real group a rank) are gone, the default group stays and still sums. True: after ``init``
-    made the default group itself (env rendezvous), ``destroy`` ends torch.distributed. One case a process: gloo
-    torn down and made again in one process has failed its rendezvous now and then ("Connection closed by peer")."""
+    made the default group itself (env rendezvous), the group sums, then ``destroy`` ends torch.distributed. Every
+    rank runs a collective before ``destroy``: a rank that tears its group down at once can close its connections
+    while a peer still connects gloo's mesh ("Gloo connectFullMesh failed ... Connection closed by peer")."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
@@ -261,7 +262,9 @@ def destroy_owns_what_init_made(rank, world, store_path, init_makes_default):
 
     if init_makes_default:
         init(ParallelConfig(tp=world), timeout=60)
-        res = {"made_default": dist.is_initialized()}
+        x = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x)
+        res = {"made_default": dist.is_initialized(), "sum": x.tolist()}
         destroy()
         res["ended"] = not dist.is_initialized()
         return res

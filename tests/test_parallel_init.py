@@ -56,7 +56,7 @@ def test_dead_or_hung_peer_errors_instead_of_hanging(how):
 @pytest.mark.parametrize("init_makes_default", [False, True])
 def test_destroy_ends_only_the_groups_init_made(init_makes_default, tmp_path):
     # fresh processes: the pool's workers hold a default group of their own
-    want = ({"made_default": True, "ended": True} if init_makes_default else
+    want = ({"made_default": True, "sum": [3.0] * 3, "ended": True} if init_makes_default else
             {"sub_made": True, "sub_gone": True, "default_kept": True, "sum": [3.0] * 3})
     for r in run_ranks(w.destroy_owns_what_init_made, 2, str(tmp_path / "store"), init_makes_default, timeout=120,
                        fresh=True):
