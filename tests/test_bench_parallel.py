@@ -29,11 +29,12 @@ def _module():
 
 def test_bench_parallel_two_cpu_ranks_every_mode_matches_world1(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank's native crash prints its threads' Python stacks
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(SCRIPT),
            "--device", "cpu", "--tiny", "--batches", "1,3", "--modes", "tp,dp_ep,tp_dcp", "--out", str(tmp_path),
            "--timeout-s", "120"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-12000:]
     data = json.loads((tmp_path / "bench_parallel.json").read_text())
     assert len(data["runs"]) == 1
     info, rows = data["runs"][0]["info"], data["runs"][0]["rows"]
