@@ -3,15 +3,18 @@
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes with the ``torchrun`` environment variables set
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), calls ``fn(rank, world, *args)`` in each and returns
 the results in rank order. A rank that raises makes the call raise with its traceback; a rank still running
-at the deadline is killed (this launcher's own children only) and the call raises ``TimeoutError``.
+at the deadline prints its threads' Python stacks to stderr and is killed (this launcher's own children only),
+and the call raises ``TimeoutError`` naming it and the other ranks' errors.
 ``fn`` must be importable by name (a module-level function of an importable module).
 
 Calls reuse a pool of ``world`` worker processes kept for the session (spawning and importing torch,
 transformers and mla_compile costs seconds a call): each call gets a reset Dynamo and the RNG state of a fresh
 process. A pool's workers hold one default (gloo) process group for their life, made when the pool starts;
 a call's ``init`` reuses it, and a subgroup a call makes (``parallel.init``'s, ``DPStepSync``'s) is kept, not
-destroyed, until the worker exits: destroying gloo groups in a long-lived process crashes it natively after
-some cycles (torch's bug, reproduced without this repo's code: BENCHMARKS.md's CPU table). A call that fails or
+destroyed, until the worker exits: gloo groups destroyed in a long-lived process crashed it natively after
+some cycles (torch's bug, reproduced without this repo's code: BENCHMARKS.md's CPU table; the cause was found
+later, functional collectives left in flight on gloo, which ``parallel/layers.py`` no longer does eagerly, so
+keeping the subgroups is now a precaution). A call that fails or
 times out ends its pool (the next call starts a new one); a call whose worker dies of a signal (a native crash)
 is run once more on a new pool, with a warning naming the signal, and fails if that run fails too.
 ``fresh=True`` (and any call with ``env`` or ``expect_dead``) spawns its own processes, for tests whose ranks
@@ -41,6 +44,9 @@ def free_port() -> int:
 
 
 def _entry(fn, rank: int, world: int, port: int, results, env: dict, args: tuple, start) -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # what a call past its deadline sends (_timed_out)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
     import torch
@@ -117,12 +123,17 @@ def _serve(rank: int, world: int, port: int, jobs, results) -> None:
     dist.destroy_process_group()
 
 
-def _dump_stacks(procs) -> None:
-    """Ask the live pool workers ``procs`` to print every thread's Python stack to stderr, one after the other."""
+def _timed_out(procs, got: dict, errors: dict, timeout: float) -> TimeoutError:
+    """The error of a call past its deadline, after the live workers ``procs`` printed every thread's Python stack
+    to stderr, one after the other: the ranks that neither returned (``got``) nor raised (``errors``), and the
+    errors."""
     for p in procs:
         if p.is_alive():
             os.kill(p.pid, signal.SIGUSR1)
             time.sleep(0.5)
+    return TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(got) - set(errors))} did not finish within "
+                        f"{timeout} s (their Python stacks: the captured stderr); the other ranks' errors: "
+                        f"{list(errors.values())}")
 
 
 class _Pool:
@@ -196,10 +207,7 @@ def _run_pooled(fn, world: int, args: tuple, timeout: float) -> list:
                         f"a pool worker exited (exit codes {codes}); ranks' errors before: {list(errors.values())}"
                     ) from None
                 if time.monotonic() > deadline:
-                    _dump_stacks(pool.procs)
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got) - set(errors))} did not finish "
-                                       f"within {timeout} s (their Python stacks: the captured stderr); the other "
-                                       f"ranks' errors: {list(errors.values())}") from None
+                    raise _timed_out(pool.procs, got, errors, timeout) from None
                 continue
             if s != seq:
                 continue
@@ -238,7 +246,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
         p.start()
     deadline = time.monotonic() + timeout
     got: dict[int, object] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
     try:
         while len(got) + len(errors) < world:
             if all(not p.is_alive() for p in procs) and results.empty():
@@ -249,13 +257,12 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
                 rank, ok, out = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within "
-                                       f"{timeout} s") from None
+                    raise _timed_out(procs, got, errors, timeout) from None
                 continue
             if ok:
                 got[rank] = out
             else:
-                errors.append(f"rank {rank}:\n{out}")
+                errors[rank] = f"rank {rank}:\n{out}"
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
@@ -263,7 +270,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, env: dict | None = 
                 p.kill()
                 p.join()
     if errors:
-        raise RuntimeError("\n".join(errors))
+        raise RuntimeError("\n".join(errors.values()))
     missing = set(range(world)) - set(got) - set(expect_dead)
     if missing:
         codes = {r: procs[r].exitcode for r in missing}

@@ -76,9 +76,7 @@ def test_pool_runs_a_call_again_when_a_worker_dies_of_a_signal(tmp_path):
 def test_pool_call_past_its_deadline_prints_the_hung_ranks_stacks_and_the_others_errors(capfd):
     # tests/dist_helpers.py: before killing the pool, a call past its deadline has every live worker print its
     # threads' Python stacks (SIGUSR1, faulthandler) and names the errors other ranks sent meanwhile
-    old = dist_helpers._POOLS.pop(2, None)
-    if old is not None:
-        old.close(kill=True)
+    dist_helpers._close_pools()
     assert run_ranks(w.hang_rank0, 2, False) == [0, 1]  # a pool spawned here (writing to this test's stderr), up
     with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 5 s .*errors: .*rank 1 gave up"):
         run_ranks(w.hang_rank0, 2, True, timeout=5)
