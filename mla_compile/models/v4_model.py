@@ -126,14 +126,18 @@ def _rms(x: Tensor, eps: float) -> Tensor:
 
 def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
     """V4 RoPE: rotate the trailing ``2 * freqs.shape[-1]`` channels of ``x [T, ..., D]`` as interleaved
-    pairs by the angles ``freqs [T, rope_dim / 2]`` (float32 math, x's dtype out)."""
-    r = 2 * freqs.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (freqs.shape[-1],)
-    c, s = freqs.cos().view(shape), freqs.sin().view(shape)
-    nope, rope = x[..., : x.shape[-1] - r], x[..., x.shape[-1] - r:].float()
-    a, b = rope[..., 0::2], rope[..., 1::2]
-    rot = torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2)
-    return torch.cat([nope, rot.to(x.dtype)], dim=-1)
+    pairs by the angles ``freqs [T, rope_dim / 2]`` (HF's ``x cos + rotate_half(x) sin``, in float32 or x's wider
+    dtype; the leading channels unchanged; x's dtype out). One element-wise expression over all D channels (angle 0
+    on the leading ones: cos 1, sin 0; each channel's pair partner read through a flip), so that Inductor fuses it,
+    with a norm before it, into the norm's one kernel instead of a reduction, the rotation and the concatenation."""
+    D, half = x.shape[-1], freqs.shape[-1]
+    ang = F.pad(freqs.unsqueeze(-1).expand(*freqs.shape, 2).flatten(-2), (D - 2 * half, 0))
+    ang = ang.view((x.shape[0],) + (1,) * (x.dim() - 2) + (D,))
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    partner = xf.unflatten(-1, (D // 2, 2)).flip(-1).flatten(-2)  # (a, b) -> (b, a) in each pair
+    sin = ang.sin()
+    odd = torch.arange(D, device=x.device) % 2 == 1
+    return (xf * ang.cos() + partner * torch.where(odd, sin, -sin)).to(x.dtype)
 
 
 def _own_backend(op: str, backend: str | None) -> str:
