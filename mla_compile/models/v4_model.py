@@ -124,20 +124,30 @@ def _rms(x: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def rope_interleaved(x: Tensor, freqs: Tensor) -> Tensor:
-    """V4 RoPE: rotate the trailing ``2 * freqs.shape[-1]`` channels of ``x [T, ..., D]`` as interleaved
-    pairs by the angles ``freqs [T, rope_dim / 2]`` (HF's ``x cos + rotate_half(x) sin``, in float32 or x's wider
-    dtype; the leading channels unchanged; x's dtype out). One element-wise expression over all D channels (angle 0
-    on the leading ones: cos 1, sin 0; each channel's pair partner read through a flip), so that Inductor fuses it,
-    with a norm before it, into the norm's one kernel instead of a reduction, the rotation and the concatenation."""
-    D, half = x.shape[-1], freqs.shape[-1]
-    ang = F.pad(freqs.unsqueeze(-1).expand(*freqs.shape, 2).flatten(-2), (D - 2 * half, 0))
-    ang = ang.view((x.shape[0],) + (1,) * (x.dim() - 2) + (D,))
+def rope_rotation(positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """The rotation V4's RoPE applies at ``positions [T]``: ``[2, T, rope_dim / 2]`` float32, the cosines then the
+    sines of each pair's angle ``position * inv_freq`` (made once a step, outside the layers, so that no layer's
+    kernel evaluates them again per head and channel)."""
+    ang = positions.float()[:, None] * inv_freq.float()[None, :]
+    return torch.stack([ang.cos(), ang.sin()])
+
+
+def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
+    """V4 RoPE: rotate the trailing ``2 * rot.shape[-1]`` channels of ``x [T, ..., D]`` as interleaved pairs by
+    :func:`rope_rotation`'s ``rot [2, T, rope_dim / 2]`` (HF's ``x cos + rotate_half(x) sin``, in float32 or x's
+    wider dtype; the leading channels unchanged; x's dtype out). One element-wise expression over all D channels
+    (cos 1 and sin 0 on the leading ones; each channel's pair partner read through a flip), so that Inductor fuses
+    it, with a norm before it, into the norm's one kernel instead of a reduction, the rotation and the
+    concatenation."""
+    D, half = x.shape[-1], rot.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (D,)
+    both = rot.unsqueeze(-1).expand(*rot.shape, 2).flatten(-2)  # each pair's cos / sin on both its channels
+    cos = F.pad(both[0], (D - 2 * half, 0), value=1.0).view(shape)
+    sin = F.pad(both[1], (D - 2 * half, 0)).view(shape)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     partner = xf.unflatten(-1, (D // 2, 2)).flip(-1).flatten(-2)  # (a, b) -> (b, a) in each pair
-    sin = ang.sin()
     odd = torch.arange(D, device=x.device) % 2 == 1
-    return (xf * ang.cos() + partner * torch.where(odd, sin, -sin)).to(x.dtype)
+    return (xf * cos + partner * torch.where(odd, sin, -sin)).to(x.dtype)
 
 
 def _own_backend(op: str, backend: str | None) -> str:
@@ -183,34 +193,35 @@ class V4Attention(nn.Module):
         self.index_cache: Tensor | None = None
         self.state: dict[str, tuple[Tensor, Tensor]] = {}
 
-    def forward(self, x: Tensor, positions: Tensor, freqs: Tensor, inv_freq: Tensor, meta: V4Metadata) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, rot: Tensor, inv_freq: Tensor, meta: V4Metadata) -> Tensor:
         """``x [T, hidden]`` (after the input norm) -> ``[T, hidden]``: :meth:`project`, :meth:`write`, then
         :meth:`attend`."""
-        q, kv, comp_in, q_idx, w_idx = self.project(x, freqs)
+        q, kv, comp_in, q_idx, w_idx = self.project(x, rot)
         self.write(kv, comp_in, positions, inv_freq, meta)
         return self.attend(q, q_idx, w_idx, positions, inv_freq, meta)
 
-    def project(self, x: Tensor, freqs: Tensor) -> tuple:
+    def project(self, x: Tensor, rot: Tensor) -> tuple:
         """Every projection of ``x [T, hidden]`` (after the input norm) that the cache writes and the attention
         read, no cache access: ``(q [T, heads, head_dim] (normed, rotated), kv [T, head_dim] (normed, rotated),
         comp_in, q_idx, w_idx)``. ``comp_in``: the compressor's ``(kv, gate)`` projections, then (CSA) the indexer
         compressor's (an empty tuple in a sliding layer); ``q_idx [T, index_heads, index_head_dim]`` (rotated) and
-        ``w_idx [T, index_heads]``: the indexer's query and head weights (CSA; None elsewhere)."""
+        ``w_idx [T, index_heads]``: the indexer's query and head weights (CSA; None elsewhere). ``rot``:
+        :func:`rope_rotation` at the tokens' positions with the layer's ``rope_kind`` frequencies."""
         a = self.hf
         T = x.shape[0]
         q_a, kv = linears(x, a.q_a_proj, a.kv_proj)
         q_res = a.q_a_norm(q_a)
         ix = a.compressor.indexer if self.layer_type == CSA else None
         q, *q_ix = linears(q_res, a.q_b_proj, *(() if ix is None else (ix.q_b_proj,)))
-        q = rope_interleaved(_rms(q.view(T, self.num_heads, self.head_dim), thaw(self._eps)), freqs)
-        kv = rope_interleaved(a.kv_norm(kv), freqs)
+        q = rope_interleaved(_rms(q.view(T, self.num_heads, self.head_dim), thaw(self._eps)), rot)
+        kv = rope_interleaved(a.kv_norm(kv), rot)
         if self.layer_type == SLIDING:
             return q, kv, (), None, None
         c = a.compressor
         comp_in = tuple(linears(x, c.kv_proj, c.gate_proj))
         if self.layer_type == HCA:
             return q, kv, comp_in, None, None
-        q_idx = rope_interleaved(q_ix[0].view(T, ix.num_heads, ix.head_dim), freqs)
+        q_idx = rope_interleaved(q_ix[0].view(T, ix.num_heads, ix.head_dim), rot)
         return (q, kv, comp_in + tuple(linears(x, ix.kv_proj, ix.gate_proj)), q_idx,
                 linears(x, ix.scorer.weights_proj)[0])
 
@@ -501,8 +512,8 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
         m = self.model
         h = m.embed_tokens(input_ids)
         x = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        pos = positions.float()[:, None]
-        freqs = {"main": pos * self.main_inv_freq[None, :], "compress": pos * self.compress_inv_freq[None, :]}
+        rot = {"main": rope_rotation(positions, self.main_inv_freq),
+               "compress": rope_rotation(positions, self.compress_inv_freq)}
         inv = {"main": self.main_inv_freq, "compress": self.compress_inv_freq}
         if self.regional_compile:
             # a region's inputs may not alias each other (torch 2.11's invoke_subgraph refuses it) and a builder's
@@ -510,14 +521,14 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
             meta = meta.map_tensors(torch.clone)
             flat, ids, positions = meta.flat(), input_ids.clone(), positions.clone()
             for layer, attn, moe in zip(m.layers, self.attn, self.moe):
-                post, comb, q, kv, q_idx, w_idx, *comp_in = _attention_in(layer, attn, x, freqs[attn.rope_kind])
+                post, comb, q, kv, q_idx, w_idx, *comp_in = _attention_in(layer, attn, x, rot[attn.rope_kind])
                 attn.write(kv, tuple(comp_in), positions, inv[attn.rope_kind], meta)
                 x = _attention_out_and_moe(layer, attn, moe, x, post, comb, q, q_idx, w_idx, positions,
                                            inv[attn.rope_kind], ids, *flat)
             return self._head(x, meta)
         for layer, attn, moe in zip(m.layers, self.attn, self.moe):
             post, comb, collapsed = hyper_connection(layer.attn_hc, x)
-            out = attn(layer.input_layernorm(collapsed), positions, freqs[attn.rope_kind], inv[attn.rope_kind], meta)
+            out = attn(layer.input_layernorm(collapsed), positions, rot[attn.rope_kind], inv[attn.rope_kind], meta)
             x = hyper_mix(post, comb, out, x)
             post, comb, collapsed = hyper_connection(layer.ffn_hc, x)
             x = hyper_mix(post, comb, moe(layer.post_attention_layernorm(collapsed), input_ids), x)
@@ -532,11 +543,11 @@ class V4ForCausalLM(RegionalCompile, nn.Module):
 
 
 @compile_region
-def _attention_in(layer: nn.Module, attn: V4Attention, x: Tensor, freqs: Tensor) -> tuple:
+def _attention_in(layer: nn.Module, attn: V4Attention, x: Tensor, rot: Tensor) -> tuple:
     """A layer's first region: the attention's mHC weights and collapse of the streams ``x``, the input norm and
     :meth:`V4Attention.project`: ``(post, comb, q, kv, q_idx, w_idx, *comp_in)`` (no cache access)."""
     post, comb, collapsed = hyper_connection(layer.attn_hc, x)
-    q, kv, comp_in, q_idx, w_idx = attn.project(layer.input_layernorm(collapsed), freqs)
+    q, kv, comp_in, q_idx, w_idx = attn.project(layer.input_layernorm(collapsed), rot)
     return (post, comb, q, kv, q_idx, w_idx, *comp_in)
 
 

@@ -17,7 +17,7 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 from mla_compile import ops  # noqa: E402
 from mla_compile.app.v4_toy import toy_v4_model  # noqa: E402
 from mla_compile.models.model import patch  # noqa: E402
-from mla_compile.models.v4_model import shared_mlp  # noqa: E402
+from mla_compile.models.v4_model import rope_rotation, shared_mlp  # noqa: E402
 
 
 def _inputs(model, T: int, seed: int, dtype, device):
@@ -27,13 +27,13 @@ def _inputs(model, T: int, seed: int, dtype, device):
     return x.to(device, dtype), pos.to(device)
 
 
-def _freqs(model, attn, pos):
-    return pos.float()[:, None] * getattr(model, f"{attn.rope_kind}_inv_freq")[None, :]
+def _rot(model, attn, pos):
+    return rope_rotation(pos, getattr(model, f"{attn.rope_kind}_inv_freq"))
 
 
 def _outputs(model, layer: int, x, pos) -> list[torch.Tensor]:
     attn = model.attn[layer]
-    q, kv, comp_in, q_idx, w_idx = attn.project(x, _freqs(model, attn, pos))
+    q, kv, comp_in, q_idx, w_idx = attn.project(x, _rot(model, attn, pos))
     outs = [q, kv, *comp_in] + [t for t in (q_idx, w_idx) if t is not None]
     outs.append(shared_mlp(model.moe[layer].hf.shared_experts, x))
     return outs
@@ -47,7 +47,7 @@ def test_cpu_float_projections_equal_the_modules():
         mlp = model.moe[layer].hf.shared_experts
         torch.testing.assert_close(shared_mlp(mlp, x), mlp(x), rtol=0, atol=0)
         a = model.attn[layer].hf
-        q, kv, comp_in, _, w_idx = model.attn[layer].project(x, _freqs(model, model.attn[layer], pos))
+        q, kv, comp_in, _, w_idx = model.attn[layer].project(x, _rot(model, model.attn[layer], pos))
         assert q.shape == (3, a.num_heads, a.head_dim) and kv.shape == (3, a.head_dim)
         if w_idx is not None:
             torch.testing.assert_close(w_idx, a.compressor.indexer.scorer.weights_proj(x), rtol=0, atol=0)
