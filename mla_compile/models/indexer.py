@@ -19,7 +19,7 @@ from mla_compile import ops
 from mla_compile.models.config import MLAConfig
 from mla_compile.models.metadata import MLAMetadata, query_parts
 from mla_compile.ops._fp8_format import fp8_index_row_bytes
-from mla_compile.models.rope import apply_rope
+from mla_compile.models.rope import apply_rope_leading
 
 
 class MLAIndexer(nn.Module):
@@ -74,11 +74,11 @@ class MLAIndexer(nn.Module):
         (both rotated on their first ``qk_rope_head_dim`` dims), ``w [T, index_heads]`` (scaled head weights, float32;
         float64 for float64 x))."""
         c = self.config
-        T, Hi, d, r = x.shape[0], c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        T, Hi, d = x.shape[0], c.index_n_heads, c.index_head_dim
         q = self.wq_b(q_resid).view(T, Hi, d)
-        q = torch.cat([apply_rope(q[..., :r], cos, sin, False), q[..., r:]], dim=-1)
+        q = apply_rope_leading(q, cos, sin)
         k = self.k_norm(self.wk(x))
-        k = torch.cat([apply_rope(k[:, :r], cos, sin, False), k[:, r:]], dim=-1)
+        k = apply_rope_leading(k, cos, sin)
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # HF scores in float32
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(acc) * (Hi ** -0.5 * d ** -0.5)
         return q, k, w

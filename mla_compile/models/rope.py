@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -33,3 +34,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool) -> Tensor:
     else:
         x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def apply_rope_leading(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x [T, ..., D]`` with its first ``r = 2 * cos.shape[-1]`` channels rotated rotate-half (``[first half | second
+    half]``) by ``cos/sin [T, r/2]`` and the others unchanged: ``cat([apply_rope(x[..., :r], cos, sin, False),
+    x[..., r:]])``, the same values. For half and float32 x where ``r`` divides ``D``, one element-wise expression over
+    all D channels (cos 1 and sin 0 past ``r``; each channel's rotation partner read through a flip of half blocks),
+    which Inductor makes one kernel instead of a rotation, a cast and a concatenation; else that concatenation."""
+    D, half = x.shape[-1], cos.shape[-1]
+    r = 2 * half
+    if r == 0 or D % r or x.dtype == torch.float64:  # float64: the float32 rotation of apply_rope, as before
+        return torch.cat([apply_rope(x[..., :r], cos, sin, False), x[..., r:]], dim=-1)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (D,)
+
+    def widen(t: Tensor, fill: float) -> Tensor:  # [T, r/2] -> [T, D]: each value on both halves of the rope part
+        return F.pad(t.unsqueeze(-2).expand(t.shape[0], 2, half).flatten(-2), (0, D - r), value=fill).view(shape)
+
+    first = torch.arange(D, device=x.device) < half
+    xf = x.float()
+    partner = xf.unflatten(-1, (D // r, 2, half)).flip(-2).flatten(-3)  # [a | b] -> [b | a] in every r-block
+    s = widen(sin, 0.0)
+    return (xf * widen(cos, 1.0) + partner * torch.where(first, -s, s)).to(x.dtype)
