@@ -32,6 +32,7 @@ from mla_compile.models.attention import half_kernel, linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert, swiglu
 from mla_compile.models.region_schema import RegionalCompile, compile_region
+from mla_compile.models.rope import rope_cos_sin
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
@@ -127,9 +128,8 @@ def _rms(x: Tensor, eps: float) -> Tensor:
 def rope_rotation(positions: Tensor, inv_freq: Tensor) -> Tensor:
     """The rotation V4's RoPE applies at ``positions [T]``: ``[2, T, rope_dim / 2]`` float32, the cosines then the
     sines of each pair's angle ``position * inv_freq`` (made once a step, outside the layers, so that no layer's
-    kernel evaluates them again per head and channel)."""
-    ang = positions.float()[:, None] * inv_freq.float()[None, :]
-    return torch.stack([ang.cos(), ang.sin()])
+    kernel evaluates them again per head and channel): :func:`~mla_compile.models.rope.rope_cos_sin`'s pair."""
+    return torch.stack(rope_cos_sin(inv_freq, positions))
 
 
 def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
