@@ -131,13 +131,13 @@ from mla_compile.ops.triton import available as _triton_available  # noqa: E402
 
 def _triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
             offs: Tensor | None = None) -> Tensor:
-    """Few rows whose launch splits K: ``mla::fp8_block_linear_serial_triton`` (the slices summed in the kernel, one
-    launch); everything else ``mla::fp8_block_linear_triton``. A static choice for a compiled graph (shapes, device)."""
-    from mla_compile.ops.triton import fp8_block_linear as kernels  # registers both ops
+    """CUDA half-precision or float32 ``x`` over a 2-D / 3-D weight: ``mla::fp8_block_linear_serial_triton``, which
+    picks its K split from the call's rows at run time (a launch too small to fill the GPU splits K and sums the
+    slices in the kernel); sorted groups (``offs``) and the rest: ``mla::fp8_block_linear_triton``."""
+    import mla_compile.ops.triton.fp8_block_linear  # noqa: F401  (registers both ops)
 
-    split = kernels.serial_split(x, weight) if offs is None else 0
-    if split:
-        return torch.ops.mla.fp8_block_linear_serial_triton(x, weight, weight_scale_inv, act_quant, split)
+    if offs is None and x.device.type == "cuda" and x.dtype != torch.float64:
+        return torch.ops.mla.fp8_block_linear_serial_triton(x, weight, weight_scale_inv, act_quant, 0)
     return torch.ops.mla.fp8_block_linear_triton(x, weight, weight_scale_inv, act_quant, offs)
 
 

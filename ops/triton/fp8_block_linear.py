@@ -225,14 +225,18 @@ def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
     return max(1, min(-(-target // tiles), kb // _SPLIT_STEPS))
 
 
-def _split(M: int, tiles: int, K: int, split: int | None) -> tuple[int, int]:
-    """``(split, kb_per)``: the K slices of a launch of ``tiles`` output column tiles and the 128-wide K steps of each
-    (no empty slice). ``split`` None: :func:`split_k`'s choice for M <= 16, else 1 (traced with a symbolic M, a
-    choice that followed M would guard on it and recompile per band of M; M <= 16 is a guard :func:`_config` already
-    takes)."""
+def _split(M: int, m_tiles: int, tiles: int, K: int, split: int | None) -> tuple[int, int]:
+    """``(split, kb_per)``: the K slices of a launch of ``m_tiles`` row tiles by ``tiles`` output column tiles and the
+    128-wide K steps of each (no empty slice). ``split`` None: :func:`split_k`'s choice for all ``m_tiles * tiles``
+    programs where M is a number (a run-time launch: an opaque op's body, or eager); traced with a symbolic M, the
+    choice for M <= 16 (one row tile) and 1 above (a choice that followed M would guard on it and recompile per band
+    of M; M <= 16 is a guard :func:`_config` already takes)."""
     kb = triton.cdiv(K, 128)
     if split is None:
-        split = split_k(tiles, kb) if M <= 16 else 1
+        if isinstance(M, int):
+            split = split_k(m_tiles * tiles, kb)
+        else:
+            split = split_k(tiles, kb) if M <= 16 else 1
     kb_per = triton.cdiv(kb, split)
     return triton.cdiv(kb, kb_per), kb_per
 
@@ -247,17 +251,14 @@ MAX_SERIAL_TILES = 4096
 
 
 def serial_split(x: Tensor, weight: Tensor) -> int:
-    """The K slices :func:`_launch` takes for ``x`` and a 2-D / 3-D ``weight`` where they are summed in the kernel
-    (``mla::fp8_block_linear_serial_triton``): more than 1 for CUDA half-precision or float32 ``x`` of at most 16 rows
-    whose launch :func:`split_k` splits, else 0."""
+    """The K slices :func:`_launch` takes at run time for ``x`` and a 2-D / 3-D ``weight`` (more than 1 where its
+    output tiles are too few to fill the GPU and K is long: :func:`split_k`), else 0; 0 for CPU or float64 ``x``."""
     if x.device.type != "cuda" or x.dtype == torch.float64:
         return 0
     *groups, N, K = weight.shape
     E, M = (groups[0] if groups else 1), x.shape[-2]
-    if M > 16:
-        return 0
     cfg = _config(M, x.dtype == torch.float32, E * N)
-    split, _ = _split(M, E * triton.cdiv(N, cfg["BLOCK_N"]), K, None)
+    split, _ = _split(M, triton.cdiv(M, cfg["BLOCK_M"]), E * triton.cdiv(N, cfg["BLOCK_N"]), K, None)
     return split if split > 1 else 0
 
 
@@ -292,8 +293,10 @@ def _launch(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool
     cfg = _config_with(M, x.dtype == torch.float32, config, E * cols)
     m_tiles = triton.cdiv(M, cfg["BLOCK_M"])
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"]) + triton.cdiv(N2, cfg["BLOCK_N"])
-    split, kb_per = _split(M, E * n_tiles, K, split)
+    split, kb_per = _split(M, m_tiles, E * n_tiles, K, split)
     serial = serial and split > 1 and E * m_tiles * n_tiles <= MAX_SERIAL_TILES
+    if serial and cfg["BLOCK_M"] > 16 and "num_warps" not in (config or {}):
+        cfg["num_warps"] = 8  # the slices' sum beside a 64-row tile spills at 4 warps (sm_90 compile)
     if split == 1:
         y = torch.empty(1, E, M, cols, dtype=x.dtype, device=x.device)
     else:  # float32 slices, added in a fixed order
@@ -330,13 +333,14 @@ def fp8_block_linear_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
 @torch.library.custom_op("mla::fp8_block_linear_serial_triton", mutates_args=(), tags=LAYOUT_TAGS)
 def fp8_block_linear_serial_triton(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, act_quant: bool,
                                    split: int) -> Tensor:
-    """``mla::fp8_block_linear`` for few rows and a 2-D / 3-D weight (contract of the ``_ref`` op), its K split in
-    ``split`` slices that each output tile's last program sums (:func:`_launch` with ``serial``): one launch where
-    the triton_op takes two. The arrival counters are a persistent zeroed buffer per device
+    """``mla::fp8_block_linear`` for a 2-D / 3-D weight (contract of the ``_ref`` op), its K split in ``split``
+    slices (0: :func:`_split`'s choice for the call's rows, made here at run time, so a compiled graph takes no guard
+    on them) that each output tile's last program sums (:func:`_launch` with ``serial``): one launch where the
+    triton_op takes two. The arrival counters are a persistent zeroed buffer per device
     (:func:`~mla_compile.ops._workspace.workspace`, allocated by the first call: a warm-up before any CUDA-graph
     capture), so calls on one device must not run concurrently on two streams."""
     validate(x, weight, weight_scale_inv)
-    return _launch(x, weight, weight_scale_inv, act_quant, split=split, serial=True)
+    return _launch(x, weight, weight_scale_inv, act_quant, split=split or None, serial=True)
 
 
 @fp8_block_linear_serial_triton.register_fake

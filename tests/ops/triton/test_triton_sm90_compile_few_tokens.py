@@ -163,10 +163,11 @@ def test_write_absorb_q_kernel_compiles_for_sm90(T, H, fp8):
 
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("M,N,K,E", [(1, 1024, 4096, 0), (1, 4096, 2048, 0), (4, 1024, 4096, 8)])
+@pytest.mark.parametrize("M,N,K,E", [(1, 1024, 4096, 0), (1, 4096, 2048, 0), (4, 1024, 4096, 8),
+                                     (64, 1024, 4096, 0)])
 def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, pdl, monkeypatch):
-    """``mla::fp8_block_linear_serial_triton``'s launch at DeepSeek-V4-Flash projection shapes (q_a, the shared
-    expert's down, the grouped o_a): it splits K, compiles with the arrival count (an acquire-release atomic add,
+    """``mla::fp8_block_linear_serial_triton``'s launch at DeepSeek-V4-Flash projection shapes (q_a at 1 and 64
+    rows, the shared expert's down, the grouped o_a): it splits K (64 rows: one or two row tiles of each slice), compiles with the arrival count (an acquire-release atomic add,
     the counter's reset) and the slices' volatile loads, without spills; with PDL on (as an sm_90 device launches)
     the launches of at most ``PDL_MAX_BYTES`` of codes wait before any global read, the 32 MB o_a has no PDL."""
     import mla_compile  # noqa: F401
@@ -180,7 +181,7 @@ def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, pdl, monke
     fp8_block_linear._launch(torch.zeros(M, K, dtype=dtype), torch.zeros(*lead, N, K, dtype=torch.float8_e4m3fn),
                              torch.ones(*lead, N // 128, K // 128), False, serial=True)
     (_, grid, args, kwargs), = launches
-    assert kwargs["SERIAL"] and kwargs["SPLIT_K"] > 1 and grid[0] == kwargs["SPLIT_K"]
+    assert kwargs["SERIAL"] and kwargs["SPLIT_K"] > 1 and grid[0] == -(-M // kwargs["BLOCK_M"]) * kwargs["SPLIT_K"]
     compiled = _sm90.compile_sm90(real, args, kwargs)
     ptx = compiled.asm["ptx"]
     assert ptx.count("atom.") >= 2 and "ld.volatile" in ptx
@@ -192,7 +193,7 @@ def test_fp8_linear_serial_split_compiles_for_sm90(M, N, K, E, dtype, pdl, monke
 @pytest.mark.parametrize("M,N1,N2", [(1, 1024, 512), (4, 2048, 2048), (64, 1024, 512)])
 def test_fp8_linear_pair_compiles_for_sm90(M, N1, N2, monkeypatch):
     """``mla::fp8_block_linear_pair_triton``'s launch (V4-Flash's q_a + kv, the shared expert's gate + up; 64 rows
-    unsplit): the kernel with the second weight's tiles compiles for sm_90 without spills, the pair's column tiles
+    split too): the kernel with the second weight's tiles compiles for sm_90 without spills, the pair's column tiles
     in one grid."""
     import mla_compile  # noqa: F401
     from mla_compile.ops.triton import _sm90, fp8_block_linear
