@@ -214,6 +214,10 @@ _SPLIT_TARGET = 528
 # K is split only where a tile has at least _SPLIT_MIN_KB 128-wide steps, into slices of at least _SPLIT_STEPS: a
 # slice's store, count and sum cost more than a short K loop wins back (BENCHMARKS.md, fifty-first session).
 _SPLIT_MIN_KB, _SPLIT_STEPS = 16, 4
+# Launches of row tiles over 16 rows (a slice four times a 16-row tile's) split only up to this many programs before
+# the split: above it splitting lost (V4's grouped o_a at 17-64 rows, o_b and the shared down at 128; BENCHMARKS.md,
+# sixtieth session).
+_SPLIT_MAX_WIDE = 64
 
 
 def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
@@ -228,13 +232,15 @@ def split_k(tiles: int, kb: int, target: int = _SPLIT_TARGET) -> int:
 def _split(M: int, m_tiles: int, tiles: int, K: int, split: int | None) -> tuple[int, int]:
     """``(split, kb_per)``: the K slices of a launch of ``m_tiles`` row tiles by ``tiles`` output column tiles and the
     128-wide K steps of each (no empty slice). ``split`` None: :func:`split_k`'s choice for all ``m_tiles * tiles``
-    programs where M is a number (a run-time launch: an opaque op's body, or eager); traced with a symbolic M, the
-    choice for M <= 16 (one row tile) and 1 above (a choice that followed M would guard on it and recompile per band
-    of M; M <= 16 is a guard :func:`_config` already takes)."""
+    programs where M is a number (a run-time launch: an opaque op's body, or eager), above 16 rows only for at most
+    ``_SPLIT_MAX_WIDE`` programs; traced with a symbolic M, the choice for M <= 16 (one row tile) and 1 above (a
+    choice that followed M would guard on it and recompile per band of M; M <= 16 is a guard :func:`_config` already
+    takes)."""
     kb = triton.cdiv(K, 128)
     if split is None:
         if isinstance(M, int):
-            split = split_k(m_tiles * tiles, kb)
+            programs = m_tiles * tiles
+            split = split_k(programs, kb) if M <= 16 or programs <= _SPLIT_MAX_WIDE else 1
         else:
             split = split_k(tiles, kb) if M <= 16 else 1
     kb_per = triton.cdiv(kb, split)

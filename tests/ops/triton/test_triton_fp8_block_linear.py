@@ -127,8 +127,9 @@ def test_split_k_choice():
 
 def test_split_counts_every_row_tile_at_run_time_and_guards_no_new_band():
     """A run-time launch (an int M) splits K while all its programs (row tiles x column tiles) stay too few to fill
-    the GPU, so 64 rows over V4's q_a split as 1 row does and 4096 rows do not; traced with a symbolic M it splits for
-    one row tile only, and the only guard it leaves on M is the ``M <= 16`` band ``_config`` takes anyway."""
+    the GPU (over 16 rows: at most 64 programs), so 64 rows over V4's q_a split as 1 row does and 4096 rows do not;
+    traced with a symbolic M it splits for one row tile only, and the only guard it leaves on M is the ``M <= 16``
+    band ``_config`` takes anyway."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -136,6 +137,8 @@ def test_split_counts_every_row_tile_at_run_time_and_guards_no_new_band():
 
     assert _split(1, 1, 32, 4096, None) == (8, 4) == _split(64, 1, 32, 4096, None)  # q_a: 32 tiles, 32 K steps
     assert _split(128, 2, 32, 4096, None) == (8, 4) and _split(4096, 64, 16, 4096, None) == (1, 32)
+    assert _split(64, 1, 64, 8192, None) == (8, 8) and _split(128, 2, 64, 8192, None) == (1, 64)  # o_b: 64 programs
+    assert _split(1, 1, 256, 4096, None) == (3, 11) and _split(64, 1, 128, 4096, None) == (1, 32)  # grouped o_a
     assert _split(64, 1, 512, 1024, None) == (1, 8) and _split(64, 1, 16, 4096, 3) == (3, 11)  # q_b; given
     for hint, m_tiles_of, want in ((64, lambda m: -(-m // 64), 1), (8, lambda m: 1, 8)):
         env = ShapeEnv()
@@ -198,9 +201,9 @@ def test_triton_on_gpu_matches_float64(x_shape, w_shape, act_quant):
                                              ((16, 4096), (3, 256, 4096)), ((1, 2100), (130, 2100)),
                                              ((64, 4096), (1024, 4096)), ((40, 4096), (3, 256, 4096))])
 def test_serial_split_on_gpu(x_shape, w_shape, act_quant):
-    """Launches too small to fill the GPU (1 to 64 rows) split K in the serial op (one launch, the slices summed by each tile's last program):
-    against float64 eager, under opcheck, compiled (Inductor) and replayed in a CUDA graph on new inputs; equal to the
-    two-kernel split within float32 rounding; the arrival counters back at 0."""
+    """Launches too small to fill the GPU (1 to 64 rows) split K in the serial op (one launch, the slices summed by
+    each tile's last program): against float64 eager, under opcheck, compiled (Inductor) and replayed in a CUDA graph
+    on new inputs; equal to the two-kernel split within float32 rounding; the arrival counters back at 0."""
     from mla_compile.ops.triton import fp8_block_linear as k
 
     codes, scale = (t.cuda() for t in _weights(*w_shape))
