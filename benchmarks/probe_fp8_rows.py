@@ -1,11 +1,12 @@
 """Probe: ``mla::fp8_block_linear``'s Triton launch at V4-Flash's fp8 projection shapes for a few to a hundred rows
 (decode batches): K unsplit against K split in slices summed in the kernel (``serial``: the op's launch, its split
 chosen for the rows) and 32-column tiles each way, per row count. Weight sets rotate so the timed calls read from
-HBM, as a decode step's projections do; median of 10 replays of a CUDA graph of 20 calls; bf16 activations.
+HBM, as a decode step's projections do; median of 10 replays of a CUDA graph of up to 20 calls; bf16 activations.
 
     python benchmarks/probe_fp8_rows.py
 """
 import torch
+from bench_kernels import graph_ms  # this folder: on the path when run as a script
 import triton
 
 from mla_compile.ops.triton import fp8_block_linear as fl
@@ -18,24 +19,8 @@ SHAPES = (("q_a", 1, 1024, 4096), ("kv", 1, 512, 4096), ("q_b", 1, 32768, 1024),
 
 
 def t(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 20 * 1e3)
-    return sorted(ts)[5]
+    """Microseconds per call (``bench_kernels.graph_ms``: replays of a CUDA graph of a few calls)."""
+    return graph_ms(fn) * 1e3
 
 
 def main():
