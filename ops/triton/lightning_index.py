@@ -11,10 +11,10 @@ Half-precision queries over a half cache of the same dtype (or fp8) use the tens
 accumulation; everything else runs an IEEE float32 dot.
 
 The slot translation is the reference's own helper (``positions_to_slots`` in ``mla_compile.ops.sparse_index``).
-The top-k: for a static ``L <= TOPK_MAX_L`` and a few static rows, one program a query sorts the row's
-``select_topk`` keys (the score's order-preserving bits above the reversed position: unique, so equal scores resolve
-exactly as there) with Triton's bitonic top-k in registers, in place of ``torch.topk``'s radix select and its sort of
-the k winners; longer, more or symbolic rows use ``select_topk`` itself.
+The top-k: for a static ``L <= TOPK_ANY_L`` at any row count (and up to ``TOPK_MAX_L`` at a few static rows), one
+program a query sorts the row's ``select_topk`` keys (the score's order-preserving bits above the reversed position:
+unique, so equal scores resolve exactly as there) with Triton's bitonic top-k in registers, in place of
+``torch.topk``'s radix select and its sort of the k winners; other rows use ``select_topk`` itself.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from mla_compile.ops.triton._common import last_dim_contiguous, pow2
 
 _HALF = (torch.float16, torch.bfloat16)
 TOPK_MAX_L = 4096  # the longest static row the in-register top-k sorts (int64 keys: 8 a thread at 16 warps)
-TOPK_MAX_T = 8  # the most static rows it takes (a row costs a program ~torch.topk's whole call at L = 2048; BENCHMARKS)
+# Rows of at most TOPK_ANY_L take it at any row count, a symbolic one too (2-6x faster than torch.topk from 1 to 16384
+# rows); longer ones only at a static T <= TOPK_MAX_T (at 4096 entries it equals torch.topk there and, at 16 warps,
+# loses from ~1024 rows; BENCHMARKS.md, sixtieth session)
+TOPK_ANY_L = 2048
+TOPK_MAX_T = 8
 
 
 @triton.jit
@@ -49,21 +53,28 @@ def _topk_positions_kernel(s_ptr, o_ptr, L, K, s_s, s_o, BLOCK_L: tl.constexpr, 
     tl.store(o_ptr + t * s_o + offs, (L - 1) - (top & 0xFFFFFFFF), mask=offs < K)
 
 
+def kernel_sorts(T, L) -> bool:
+    """Whether :func:`topk_positions` sorts ``T`` rows of ``L`` scores in the kernel: a static ``0 < L <= TOPK_ANY_L``
+    at any ``T``, or a static ``L <= TOPK_MAX_L`` at a static ``T <= TOPK_MAX_T``. Never compares a symbolic size."""
+    if not isinstance(L, int) or L == 0:
+        return False
+    return L <= TOPK_ANY_L or (L <= TOPK_MAX_L and isinstance(T, int) and T <= TOPK_MAX_T)
+
+
 def topk_positions(scores: Tensor, topk: int, *, num_warps: int | None = None) -> Tensor:
-    """:func:`~mla_compile.ops.sparse_index.select_topk` of float32 ``scores [T, L]``: the kernel above for a static
-    ``L <= TOPK_MAX_L`` and a static ``T <= TOPK_MAX_T`` (the interpreter on CPU tensors too), else ``select_topk``
-    (a symbolic size is never read: no guard). One program sorts a row, so many rows are torch.topk's."""
+    """:func:`~mla_compile.ops.sparse_index.select_topk` of float32 ``scores [T, L]``: the kernel above (one program a
+    row; the interpreter on CPU tensors too) where :func:`kernel_sorts`, else ``select_topk``. No guard on a symbolic
+    size."""
     T, L = scores.shape
-    static = isinstance(L, int) and isinstance(T, int)
-    if not static or L > TOPK_MAX_L or T > TOPK_MAX_T or scores.dtype != torch.float32 or L == 0:
+    if scores.dtype != torch.float32 or not kernel_sorts(T, L):
         return select_topk(scores, topk)
     k = min(topk, L)
     out = torch.empty((T, k), dtype=torch.int64, device=scores.device)
-    if T == 0:
+    if isinstance(T, int) and T == 0:
         return out
     wrap_triton(_topk_positions_kernel)[(T,)](scores, out, L, k, scores.stride(0), out.stride(0),
                                              BLOCK_L=pow2(L), BLOCK_K=pow2(k),
-                                             num_warps=num_warps or (16 if L > 1024 else 4))
+                                             num_warps=num_warps or (16 if L > 1024 else 8))
     return out
 
 

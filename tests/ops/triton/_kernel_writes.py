@@ -102,10 +102,11 @@ def _triton_op_runs(g: torch.Generator) -> list:
     T, Hi, d, bs = 5, 4, 32, 16
     for cache in (torch.zeros(6, bs, d, **bf), torch.zeros(6, bs, d + 4, dtype=torch.uint8)):
         # torch.topk's selection here: the in-register top-k's output (recorded, never written) feeds torch indexing
-        runs.append(lambda c=cache: _with_attr(lightning_index, "TOPK_MAX_L", 0, lambda: lightning_index._launch(
-            torch.randn(T, Hi, d, generator=g).to(**bf), torch.rand(T, Hi, generator=g), c,
-            torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=i32), torch.tensor([20, 40], dtype=i32),
-            torch.tensor([0, 0, 1, 1, -1], dtype=i32), torch.tensor([18, 19, 38, 39, 0], dtype=i32), 8)))
+        runs.append(lambda c=cache: _with_attr(lightning_index, "TOPK_MAX_L", 0, lambda: _with_attr(
+            lightning_index, "TOPK_ANY_L", 0, lambda: lightning_index._launch(
+                torch.randn(T, Hi, d, generator=g).to(**bf), torch.rand(T, Hi, generator=g), c,
+                torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=i32), torch.tensor([20, 40], dtype=i32),
+                torch.tensor([0, 0, 1, 1, -1], dtype=i32), torch.tensor([18, 19, 38, 39, 0], dtype=i32), 8))))
     runs.append(lambda: lightning_index.topk_positions(torch.randn(3, 48, generator=g), 8))
     # sparse decode: bf16 and fp8 caches, one split (direct) and three (workspace + the reduce kernel)
     DC, DR, H = 128, 16, 16

@@ -178,9 +178,31 @@ def test_lightning_compiles_fullgraph_and_replays_in_cuda_graph(fresh_dynamo):
         assert torch.equal(out, want), f"replay with seq_lens shrunk by {shrink}"
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_topk_kernel_takes_any_row_count_up_to_2048_entries_and_never_guards():
+    """Which calls the in-register top-k sorts: rows of at most ``TOPK_ANY_L`` entries at any count, a symbolic one
+    too; longer rows (to ``TOPK_MAX_L``) only at a few static rows; a symbolic length never. The symbolic sizes leave
+    no guard."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mla_compile.ops.triton.lightning_index import TOPK_ANY_L, TOPK_MAX_L, TOPK_MAX_T, kernel_sorts
+
+    assert (TOPK_ANY_L, TOPK_MAX_L, TOPK_MAX_T) == (2048, 4096, 8)
+    assert kernel_sorts(1, 2048) and kernel_sorts(16384, 2048) and kernel_sorts(300, 1024)
+    assert kernel_sorts(8, 4096) and kernel_sorts(3, 3000) and not kernel_sorts(9, 4096)
+    assert not kernel_sorts(1, 4097) and not kernel_sorts(4, 0)
+    env = ShapeEnv()
+    T = env.create_symintnode(env.create_symbol(64, ConstantSource("T")), hint=64)
+    L = env.create_symintnode(env.create_symbol(1024, ConstantSource("L")), hint=1024)
+    assert kernel_sorts(T, 2048) and not kernel_sorts(T, 4096) and not kernel_sorts(1, L)
+    assert not env.guards
+
+
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("T,L,k", [(1, 2048, 512), (7, 4096, 2048), (8, 2048, 512), (3, 3000, 2048)])
+@pytest.mark.parametrize("T,L,k", [(1, 2048, 512), (7, 4096, 2048), (8, 2048, 512), (3, 3000, 2048), (64, 2048, 512),
+                                   (300, 1024, 512)])
 @pytest.mark.parametrize("num_warps", [None, 16])
 def test_topk_positions_equal_select_topk_on_cuda(T, L, k, num_warps):
     """The in-register top-k on the GPU: exactly ``select_topk``'s positions and order (ties, -inf rows and -0.0)."""
@@ -194,3 +216,28 @@ def test_topk_positions_equal_select_topk_on_cuda(T, L, k, num_warps):
     scores[-1, L // 3:] = float("-inf")
     scores = scores.to(DEVICE)
     torch.testing.assert_close(topk_positions(scores, k, num_warps=num_warps), select_topk(scores, k), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_topk_positions_compiled_over_a_symbolic_row_count(fresh_dynamo, monkeypatch):
+    """Compiled with a dynamic row count (a decode batch's) over 2048 entries, the kernel (never ``select_topk``)
+    serves every count from one graph: the positions equal ``select_topk``'s at 3, 64 and 200 rows, and another
+    count compiles nothing new."""
+    from mla_compile.ops.sparse_index import select_topk
+    from mla_compile.ops.triton import lightning_index as li
+
+    def refuse(*a):
+        raise AssertionError("select_topk called: the kernel should sort these rows")
+
+    monkeypatch.setattr(li, "select_topk", refuse)
+    fn = torch.compile(lambda s: li.topk_positions(s, 512), fullgraph=True)
+    gen = torch.Generator().manual_seed(11)
+    for T in (3, 64, 200):
+        scores = torch.randn(T, 2048, generator=gen)
+        scores[T // 2, 1000:] = float("-inf")
+        scores = scores.to(DEVICE)
+        torch._dynamo.mark_dynamic(scores, 0)
+        torch.testing.assert_close(fn(scores), select_topk(scores, 512), rtol=0, atol=0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        fn(torch.randn(17, 2048, device=DEVICE))
