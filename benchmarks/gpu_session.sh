@@ -11,7 +11,8 @@
 #            PERSIST, each with its output's TMA store and without, against FlashInfer)
 #   fp8      bench_fp8_sparse --quick (fp8 vs bf16 decode, sparse decode, the V3.2 indexer)
 #   fusions  bench_fusions (the decode step's opt-in fusions against the launches they replace)
-#   backends bench_backends --only decode (BK_ONLY: other ops) into a copy of the shipped timing file ("auto"
+#   backends bench_backends --only decode (BK_ONLY: other ops; BK_TIMEOUT: its seconds, default 240: decode alone fills
+#            most of them on an H200) into a copy of the shipped timing file ("auto"
 #            against the fastest, the adapters against the peers' direct calls, FlashMLA on the step schedule and
 #            scheduling per call)
 #   fusedstep the full-depth B=1 and B=8 rows (V2-Lite, 27 layers, regional + lowerings) without, then with the opt-in
@@ -78,7 +79,7 @@ fi
 [[ $PHASES == *,fusions,* ]] && timeout 150 python3 benchmarks/bench_fusions.py --out "$O/fus" > "$O/fus.log" 2>&1
 if [[ $PHASES == *,backends,* ]]; then
     cp ops/backend_timings/h200.json "$O/bk/h200.json"
-    timeout 240 python3 benchmarks/bench_backends.py --only "${BK_ONLY:-decode}" --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
+    timeout "${BK_TIMEOUT:-240}" python3 benchmarks/bench_backends.py --only "${BK_ONLY:-decode}" --out "$O/bk/h200.json" > "$O/bk.log" 2>&1
 fi
 if [[ $PHASES == *,fusedstep,* ]]; then
     step=(benchmarks/bench_decode_step.py --layers 27 --only ours --regional-compile --lowerings --warm-cache
