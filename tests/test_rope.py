@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mla_compile.models.rope import apply_rope, apply_rope_leading, default_inv_freq, rope_cos_sin
+from mla_compile.models.rope import apply_rope, apply_rope_leading, default_inv_freq, rope_cos_sin, rotate_part
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -51,3 +51,11 @@ def test_rope_on_the_leading_channels_matches_float64(shape, half, dtype):
     want = torch.cat([a * c - b * s, b * c + a * s, x[..., r:].double()], dim=-1)
     tol = dict(rtol=8e-3, atol=8e-3) if dtype == torch.bfloat16 else dict(rtol=0, atol=5e-6)  # a float32 rotation
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("D,half,interleave,leading", [(9, 2, True, False), (96, 32, False, True),
+                                                        (128, 32, False, False), (8, 8, True, True)])
+def test_rotate_part_refuses_layouts_it_cannot_turn(D, half, interleave, leading):
+    x, cs = torch.randn(2, D), torch.rand(2, half)
+    with pytest.raises(ValueError, match=f"x.shape\\[-1\\] = {D} with 2 \\* cos.shape\\[-1\\] = {2 * half}"):
+        rotate_part(x, cs, cs, interleave=interleave, leading=leading)

@@ -32,7 +32,7 @@ from mla_compile.models.attention import half_kernel, linears
 from mla_compile.models.consts import freeze, thaw
 from mla_compile.models.moe import combine_sorted, fp8_fused_refusal, sort_by_expert, swiglu
 from mla_compile.models.region_schema import RegionalCompile, compile_region
-from mla_compile.models.rope import rope_cos_sin
+from mla_compile.models.rope import rope_cos_sin, rotate_part
 from mla_compile.ops import hc_pre, hc_sinkhorn, v4_attention, v4_compress_write, v4_index_topk, write_index_cache
 from mla_compile.ops.hc_pre import hc_pre_math
 from mla_compile.ops.moe_experts_fp8 import moe_experts_fp8
@@ -135,19 +135,9 @@ def rope_rotation(positions: Tensor, inv_freq: Tensor) -> Tensor:
 def rope_interleaved(x: Tensor, rot: Tensor) -> Tensor:
     """V4 RoPE: rotate the trailing ``2 * rot.shape[-1]`` channels of ``x [T, ..., D]`` as interleaved pairs by
     :func:`rope_rotation`'s ``rot [2, T, rope_dim / 2]`` (HF's ``x cos + rotate_half(x) sin``, in float32 or x's
-    wider dtype; the leading channels unchanged; x's dtype out). One element-wise expression over all D channels
-    (cos 1 and sin 0 on the leading ones; each channel's pair partner read through a flip), so that Inductor fuses
-    it, with a norm before it, into the norm's one kernel instead of a reduction, the rotation and the
-    concatenation."""
-    D, half = x.shape[-1], rot.shape[-1]
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (D,)
-    both = rot.unsqueeze(-1).expand(*rot.shape, 2).flatten(-2)  # each pair's cos / sin on both its channels
-    cos = F.pad(both[0], (D - 2 * half, 0), value=1.0).view(shape)
-    sin = F.pad(both[1], (D - 2 * half, 0)).view(shape)
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    partner = xf.unflatten(-1, (D // 2, 2)).flip(-1).flatten(-2)  # (a, b) -> (b, a) in each pair
-    odd = torch.arange(D, device=x.device) % 2 == 1
-    return (xf * cos + partner * torch.where(odd, sin, -sin)).to(x.dtype)
+    wider dtype; the leading channels unchanged; x's dtype out): :func:`~mla_compile.models.rope.rotate_part`, one
+    element-wise expression that Inductor fuses with the norm before it."""
+    return rotate_part(x, rot[0], rot[1], interleave=True, leading=False)
 
 
 def _own_backend(op: str, backend: str | None) -> str:
