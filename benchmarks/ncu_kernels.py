@@ -2,7 +2,7 @@
 
     ncu --clock-control none --profile-from-start off -k regex:'KERNELS' --section SpeedOfLight \
         --section WarpStateStats --section ComputeWorkloadAnalysis --csv --page raw \
-        python benchmarks/ncu_kernels.py [--cases decode16,decode128,fp8,sparse,prefill,b1] > ncu.csv
+        python benchmarks/ncu_kernels.py [--cases decode16,decode128,fp8,sparse,prefill,b1,fp4moe,moe256] > ncu.csv
     python benchmarks/ncu_kernels.py --summarize ncu.csv        # the short table (no GPU needed)
 
     ncu ... -k regex:seesaw -c 1 --section SourceCounters --section WarpStateStats -o rep \
@@ -19,7 +19,10 @@ Shapes: ``decode16`` bf16 decode B=128 L=8192 H=16 (ours Gluon, FlashMLA); ``dec
 H=128 (ours Gluon 64-row, Gluon-ws, Gluon-seesaw, FlashMLA); ``short128`` B=66 L=64 H=128, one tile a program
 (Gluon-seesaw, FlashMLA); ``fp8`` fp8 decode B=128 L=4096 H=128 (gluon64, FlashMLA's fp8
 sparse kernel over the whole table); ``sparse`` top-2048 B=128 H=128 fp8 cache (gluon64, FlashMLA); ``prefill``
-causal 8 x 4096 H=128 qk192/v128 (Triton, TMA, Gluon, Gluon-ws, Gluon-ws ``PERSIST``); ``b1`` bf16 decode B=1 L=4096 H=16 (Gluon).
+causal 8 x 4096 H=128 qk192/v128 (Triton, TMA, Gluon, Gluon-ws, Gluon-ws ``PERSIST``); ``b1`` bf16 decode B=1 L=4096 H=16 (Gluon);
+``fp4moe`` V4-Flash's fp4 routed experts (256 experts top-6, hidden 4096, intermediate 2048) at 64 tokens (the Gluon
+kernels over the rows sorted by expert) and at 1 (per pick); ``moe256`` V2-Lite's bf16 routed + 2 shared experts
+(64 top-6, hidden 2048, intermediate 1408) at 256 tokens (the grouped Triton kernels, #28's largest batch).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 import sys
 
 KERNELS = ("decode_gluon|gluon64|sparse_decode_gluon|prefill_gluon|_prefill_tma_kernel|_prefill_kernel|"
-           "_decode_reduce|flash_fwd|sparse|mla")
+           "_decode_reduce|flash_fwd|sparse|mla|_moe_")
 SCALE = 1 / math.sqrt(192)
 PAGE, DC, D, W = 64, 512, 576, 656
 
@@ -96,7 +99,58 @@ def cases(names: list[str], dev: str = "cuda") -> list[tuple[str, object]]:
     if "b1" in names:
         q, c, t, n = _dense(1, 4096, 16, dev)
         out += [("b1 gluon", lambda a=(q, c, t, n): decode(*a, SCALE, backend="gluon"))]
+    if "fp4moe" in names:
+        out += [(f"fp4moe T={T}", call) for T, call in ((64, _fp4_experts(64, dev)), (1, _fp4_experts(1, dev)))]
+    if "moe256" in names:
+        out += [("moe256 grouped", _bf16_experts(256, dev))]
     return out
+
+
+def _routing(T: int, E: int, k: int, dev: str, seed: int):
+    """``(weights [T, k] float32, ids [T, k] int64)``: k distinct random experts a token."""
+    import torch
+
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    ids = torch.rand(T, E, device=dev, generator=gen).argsort(dim=-1)[:, :k].contiguous()
+    return torch.rand(T, k, device=dev, generator=gen), ids
+
+
+def _fp4_experts(T: int, dev: str, E: int = 256, H: int = 4096, I: int = 2048, k: int = 6, backend: str = "gluon"):
+    """One call of ``mla::moe_experts_fp4`` (``backend``) at V4-Flash's expert dims over ``T`` tokens: random packed
+    codes, scale bytes near 2^-7."""
+    import torch
+
+    from mla_compile.ops.moe_experts_fp4 import moe_experts_fp4
+
+    gen = torch.Generator(device=dev).manual_seed(T)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    weights, ids = _routing(T, E, k, dev, T)
+    w = []
+    for n, kk in ((I, H), (I, H), (H, I)):  # gate, up, down: packed codes then scales
+        w += [torch.randint(0, 256, (E, n, kk // 2), dtype=torch.uint8, device=dev, generator=gen),
+              torch.randint(117, 123, (E, n, kk // 32), dtype=torch.uint8, device=dev, generator=gen)]
+    return lambda: moe_experts_fp4(x, weights, ids, *w, swiglu_limit=10.0, backend=backend)
+
+
+def _bf16_experts(T: int, dev: str, E: int = 64, H: int = 2048, I: int = 1408, k: int = 6, shared: int = 2,
+                  backend: str = "grouped"):
+    """One call of ``mla::moe_experts`` (``backend``; "grouped": the grouped Triton kernels) at V2-Lite's dims over
+    ``T`` tokens, its shared experts folded in."""
+    import torch
+
+    from mla_compile.ops import moe_experts
+
+    gen = torch.Generator(device=dev).manual_seed(T)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+    weights, ids = _routing(T, E, k, dev, T)
+
+    def rand(*shape):
+        return (torch.randn(*shape, device=dev, generator=gen) * 0.02).bfloat16()
+
+    gate_up, down = rand(E, 2 * I, H), rand(E, H, I)
+    sg, su, sd = rand(shared * I, H), rand(shared * I, H), rand(H, shared * I)
+    return lambda: moe_experts(x, weights, ids, gate_up, down, shared_gate=sg, shared_up=su, shared_down=sd,
+                               backend=backend)
 
 
 def run(names: list[str]) -> None:
@@ -203,7 +257,7 @@ def source_summary(path: str, top: int = 40) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The command line (the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="decode16,decode128,fp8,sparse,prefill,b1")
+    ap.add_argument("--cases", default="decode16,decode128,fp8,sparse,prefill,b1,fp4moe,moe256")
     ap.add_argument("--summarize", metavar="CSV", help="print the short table of an ncu CSV (no GPU)")
     ap.add_argument("--print-regex", action="store_true", help="print the kernel-name regex for ncu's -k")
     ap.add_argument("--source", metavar="CSV", help="print the stall samples per instruction of an ncu source-page CSV")

@@ -74,3 +74,17 @@ def test_source_summary_ranks_instructions_by_stall_samples(tmp_path):
     assert [ln.split()[0] for ln in out[1:5]] == [rows[i][0] for i in sorted(range(4), key=lambda i: -samples[i])]
     per_op = out[-1]
     assert per_op.startswith("samples per opcode: LDG.E ")  # "@!P1" is the predicate, not the opcode
+
+
+def test_moe_cases_make_valid_calls():
+    """The ``fp4moe`` / ``moe256`` cases' operands pass their ops' checks: small dims through the reference backends
+    on the CPU give ``[T, H]`` finite outputs that depend on the routing."""
+    import torch
+
+    mod = _module()
+    fp4 = mod._fp4_experts(3, "cpu", E=8, H=256, I=128, k=2, backend="reference")()
+    bf16 = mod._bf16_experts(5, "cpu", E=8, H=64, I=32, k=2, shared=2, backend="reference")()
+    assert fp4.shape == (3, 256) and bf16.shape == (5, 64)
+    assert torch.isfinite(fp4).all() and torch.isfinite(bf16).all() and fp4.abs().sum() > 0 and bf16.abs().sum() > 0
+    weights, ids = mod._routing(5, 8, 2, "cpu", 0)
+    assert ids.shape == (5, 2) and (ids[:, 0] != ids[:, 1]).all() and weights.dtype == torch.float32
