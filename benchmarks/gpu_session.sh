@@ -28,6 +28,8 @@
 #            winning: GLUON_MAX_TOKENS_FP4), with the fused kernels' launch sweep up to "auto"'s split
 #            (FUSED_MAX_TOKENS_FP4), the grouped path's sorted tiles above, and its tiled kernels' other decode,
 #            TILED_WORDS)
+#   ncu      Nsight Compute counters of our kernels in ncu_kernels.py's NCU_CASES (default fp4moe,moe256: the MoE
+#            kernels behind V4's B=64 step and #28's B=256 step): duration, DRAM / SM / tensor-pipe %, top stalls
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
 #            then bench_parallel (TP, DP-attention + EP, TP + DCP at V3 dims) at the world sizes 1, 2, 4, 8 the
 #            machine holds; needs a multi-GPU kind (with TEST_PATHS=none SM90=0 the call has its whole time for them)
@@ -37,7 +39,7 @@
 set -u -o pipefail
 O=${OUT:-out}
 mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par" \
-    "$O/v4" "$O/fp4"
+    "$O/v4" "$O/fp4" "$O/ncu"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
@@ -92,6 +94,12 @@ fi
     ${V4_FLAGS:-} > "$O/v4.log" 2>&1
 [[ $PHASES == *,fp4,* ]] && timeout 300 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,16,24,64,128,256,512 \
     --linears 0 --sweep > "$O/fp4.log" 2>&1
+if [[ $PHASES == *,ncu,* ]]; then
+    timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
+        -k regex:"$(python3 benchmarks/ncu_kernels.py --print-regex)" --section SpeedOfLight --section WarpStateStats \
+        --section ComputeWorkloadAnalysis --csv --page raw \
+        python3 benchmarks/ncu_kernels.py --cases "${NCU_CASES:-fp4moe,moe256}" > "$O/ncu/ncu.csv" 2> "$O/ncu.log"
+fi
 if [[ $PHASES == *,parallel,* ]]; then
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     sizes=$(python3 -c "print(','.join(str(n) for n in (1, 2, 4, 8) if n <= max($gpus, 1)))")
@@ -119,8 +127,10 @@ fi
 if [[ $PHASES == *,v4,* ]]; then
     grep -E "^ours graph" "$O/v4/bench_v4_decode.txt"
     head -n 8 "$O/v4/critical_path_b1_c8192.txt"
+    head -n 12 "$O/v4/critical_path_b64_c8192.txt"
 fi
 [[ $PHASES == *,fp4,* ]] && grep -E "moe_experts_fp4|TILED_WORDS|bf16" "$O/fp4/bench_fp4_experts.txt"
+[[ $PHASES == *,ncu,* ]] && python3 benchmarks/ncu_kernels.py --summarize "$O/ncu/ncu.csv" && grep "^#" "$O/ncu.log"
 if [[ $PHASES == *,parallel,* ]]; then
     echo "GPUs: $gpus; two-GPU tests: $(tail -n 1 "$O/par_tests.log")"
     tail -n 30 "$O/par/bench_parallel.txt"
@@ -128,4 +138,4 @@ fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4 fp4)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4 fp4 ncu)
