@@ -907,6 +907,45 @@ def v4_dp_ep_equals_single(rank, world, compile_backend=None, regional=False):
     return res
 
 
+def v4_tp_ep_equals_single(rank, world, compile_backend=None, regional=False, dp=1):
+    """DeepSeek-V4 with its heads split over the ranks of each attention group (``ParallelConfig(tp=world,
+    dp_attention=dp, ep=world)``: ``dp`` groups of ``world / dp`` ranks) and the routed experts over all ranks: the
+    ranks of a group run the group's requests and their logits equal the unsharded model's; each rank keeps ``dp /
+    world`` of the heads (``q_b_proj`` rows, sinks, ``o_a_proj`` groups, ``o_b_proj`` columns) and ``1 / world`` of
+    the routed experts. ``compile_backend``: also the model compiled fullgraph (its breaks)."""
+    from mla_compile.app.v4_toy import toy_v4_model
+    from mla_compile.parallel.v4 import ParallelV4Attention, ParallelV4MoE
+
+    state = init(ParallelConfig(tp=world, dp_attention=dp, ep=world), timeout=60)
+    hf = toy_v4_model(5)
+    cfg = hf.config
+    ref = patch(copy.deepcopy(hf))
+    steps = _v4_steps(rank // (world // dp), cfg.vocab_size)  # the attention group's requests
+    want = _v4_run(ref, ref, steps)
+    model = patch(hf, parallel=state, regional_compile=regional)
+    got = _v4_run(model, model, steps)
+    a = model.attn[0]
+    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
+           "heads": [m.num_heads for m in model.attn], "all_heads": cfg.num_attention_heads,
+           "o_groups": [m.o_groups for m in model.attn], "all_groups": cfg.o_groups,
+           "shapes": [tuple(a.hf.q_b_proj.weight.shape), tuple(a.hf.o_b_proj.weight.shape),
+                      tuple(a.hf.o_a_proj.weight.shape), tuple(a.hf.sinks.shape)],
+           "full_shapes": [tuple(ref.attn[0].hf.q_b_proj.weight.shape), tuple(ref.attn[0].hf.o_b_proj.weight.shape),
+                           tuple(ref.attn[0].hf.o_a_proj.weight.shape), tuple(ref.attn[0].hf.sinks.shape)],
+           "local_experts": model.moe[-1].hf.experts.num_experts, "experts": cfg.n_routed_experts,
+           "all_parallel": all(isinstance(m, ParallelV4Attention) for m in model.attn)
+           and all(isinstance(m, ParallelV4MoE) for m in model.moe)}
+    if compile_backend is not None:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
+        res["compiled_err"] = _max_err(_v4_run(model, compiled, steps), want)
+        res["graph_breaks"] = dict(counters["graph_break"])
+    return res
+
+
 def v4_sharded_from_meta(rank, world):
     """DeepSeek-V4 built on the meta device and sharded (DP attention + EP) from a state dict: each rank's logits on
     its requests equal the single-process model's; nothing is left on meta; each rank holds half the experts."""
@@ -928,12 +967,15 @@ def v4_sharded_from_meta(rank, world):
             "local_experts": model.moe[0].hf.experts.num_experts, "experts": hf.config.n_routed_experts}
 
 
-def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
+def v4_dp_ep_quantized_equals_single(rank, world, kind, where, attn_tp=False):
     """As :func:`v4_dp_ep_equals_single` with the model loaded from a V4 checkpoint written by rank 0 under ``where``
     by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or "fp4" (packed e2m1 + ue8m0; fp8
     linears elsewhere: each rank keeps its experts quantized, ``FP8Experts`` / ``FP4Experts`` of half the experts),
     "float" (save_pretrained's per-expert keys) or "stacked" (the modules' ``[E, ...]`` expert tensors). Also which
-    experts' tensors the rank read (``experts_read``) and how the stacked ones were read (``stacked_reads``)."""
+    experts' tensors the rank read (``experts_read``) and how the stacked ones were read (``stacked_reads``).
+    ``attn_tp``: the heads split over the ranks instead (``ParallelConfig(tp=world, ep=world)``, the same requests on
+    every rank), over a toy whose grouped ``o_a_proj`` is fp8 too (128-row groups): the attention's fp8 weights
+    split with their block scales (``q_b``'s and ``o_b``'s halves inside one block here)."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -943,8 +985,12 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
     from mla_compile.models.fp8_linear import FP8Experts
     from tests.model.test_v4_checkpoint import _quantized_checkpoint
 
-    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
+    state = init(ParallelConfig(tp=world, ep=world) if attn_tp else
+                 ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
     root = Path(where) / "q"
+    overrides = {"moe_intermediate_size": 32} if kind == "fp4" else {}
+    if attn_tp:
+        overrides["o_lora_rank"] = 128
     if rank == 0:  # one writer (transformers' save_pretrained writes on the main process only)
         if kind in ("float", "stacked"):  # save_pretrained's per-expert keys, or the modules' stacked [E, ...] tensors
             from mla_compile.app.v4_toy import toy_v4_model
@@ -955,10 +1001,10 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
             if kind == "stacked":
                 _write(root, {k: v.clone() for k, v in hf.state_dict().items()}, root.parent / "src")
         else:
-            _quantized_checkpoint(root, kind, **({"moe_intermediate_size": 32} if kind == "fp4" else {}))
+            _quantized_checkpoint(root, kind, **overrides)
     dist.barrier()
     ref = from_pretrained(root, dtype=torch.float32)
-    steps = _v4_steps(rank, ref.config.vocab_size)
+    steps = _v4_steps(0 if attn_tp else rank, ref.config.vocab_size)
     want = _v4_run(ref, ref, steps)
     with _safetensors_reads() as reads:
         model = from_pretrained(root, dtype=torch.float32, parallel=state)
@@ -970,7 +1016,10 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where):
             "local_type": type(local).__name__, "local_experts": local.num_experts,
             "experts": ref.config.n_routed_experts, "first": model.moe[-1].first, "experts_read": sorted(picked),
             "stacked_reads": stacked,
-            "quantized": isinstance(local, {"fp4": FP4Experts, "fp8": FP8Experts}.get(kind, torch.nn.Module))}
+            "quantized": isinstance(local, {"fp4": FP4Experts, "fp8": FP8Experts}.get(kind, torch.nn.Module)),
+            "attn_types": sorted({type(getattr(model.attn[0].hf, p)).__name__ for p in ("q_b_proj", "o_a_proj",
+                                                                                     "o_b_proj")}),
+            "heads": model.attn[0].num_heads, "all_heads": ref.attn[0].num_heads}
 
 
 @contextlib.contextmanager
@@ -1019,10 +1068,11 @@ def _safetensors_reads():
         safetensors.safe_open = real
 
 
-def v4_dp_ep_on_device(rank, world):
-    """DeepSeek-V4 sharded (DP attention + EP) over NCCL, one GPU per rank (world size 1: real single-rank process
-    groups): each rank's logits equal the unsharded model's on its requests eagerly (float32), and the model compiled
-    by Inductor and its decode step captured in a CUDA graph and replayed give them again."""
+def v4_dp_ep_on_device(rank, world, attn_tp=False):
+    """DeepSeek-V4 sharded (DP attention + EP; ``attn_tp``: the heads split over the ranks instead) over NCCL, one GPU
+    per rank (world size 1: real single-rank process groups): each rank's logits equal the unsharded model's on its
+    requests eagerly (float32), and the model compiled by Inductor and its decode step captured in a CUDA graph and
+    replayed give them again."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -1030,12 +1080,12 @@ def v4_dp_ep_on_device(rank, world):
     from mla_compile.models.v4_model import V4Sequences
     from tests.cuda_capture import capture
 
-    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), single_rank_collectives=world == 1,
-                 timeout=120)
+    layout = dict(tp=world, ep=world) if attn_tp else dict(tp=world, dp_attention=world, ep=world)
+    state = init(ParallelConfig(**layout), single_rank_collectives=world == 1, timeout=120)
     dev = state.device
     hf = toy_v4_model(5).to(dev)
     ref = patch(copy.deepcopy(hf))
-    steps = _v4_steps(rank, hf.config.vocab_size)
+    steps = _v4_steps(0 if attn_tp else rank, hf.config.vocab_size)
     want = _v4_run(ref, ref, steps)
     model = patch(hf, parallel=state)
     res = {"backend": dist.get_backend(), "real_group": model.moe[0].ep.group is not None,

@@ -296,7 +296,8 @@ def patch(hf_model: nn.Module, *, backend: str | None = None, moe_impl: str = "a
     ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig` set up by ``mla_compile.parallel.init``, or
     the ``ParallelState`` it returned) shards the model for this rank instead:
     :func:`mla_compile.parallel.shard_model`, which takes ``parallel_options`` (``ep_dispatch``, ``weights``); a
-    DeepSeek-V4 model: :func:`mla_compile.parallel.v4.shard_v4` (data-parallel attention with expert parallelism).
+    DeepSeek-V4 model: :func:`mla_compile.parallel.v4.shard_v4` (data-parallel attention or split heads, with expert
+    parallelism).
 
     ``sparse="sink_window"`` (dense-attention V2/V3 models, unsharded or sharded: under DCP each rank attends over
     the sink + window tokens it holds, :class:`~mla_compile.parallel.attention.DCPAttention`) makes every layer's

@@ -122,7 +122,8 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
     passed to :func:`~mla_compile.models.model.patch`. ``parallel`` (a :class:`~mla_compile.parallel.ParallelConfig`
     or the state :func:`mla_compile.parallel.init` returned): this rank reads only its routed experts' tensors (the
     replicated weights whole; a stacked float experts tensor by its slice) straight onto the state's device, and
-    :func:`mla_compile.parallel.v4.shard_v4` wraps the model for data-parallel attention with expert parallelism.
+    :func:`mla_compile.parallel.v4.shard_v4` splits the heads where the attention groups have several ranks and wraps
+    the model for expert parallelism.
     ``kv_cache_dtype`` is not supported for V4
     (NotImplementedError: V4's caches are in the model's dtype).
     Raises :class:`~mla_compile.models.checkpoint.CheckpointError` naming the file and tensor for a broken checkpoint.
@@ -137,7 +138,7 @@ def load_v4(root: str | Path, *, device: torch.device | str | None = None, dtype
         from mla_compile.parallel import ParallelState, init
         from mla_compile.parallel.v4 import local_experts
         state = parallel if isinstance(parallel, ParallelState) else init(parallel)
-        keep = local_experts(state, config.n_routed_experts)  # refuses another layout before anything is read
+        keep = local_experts(state, config)  # refuses another layout before anything is read
         device = state.device  # this rank's part only, straight onto its device
     read_fp8_format(config, root)  # only DeepSeek's fp8 e4m3 128 x 128 blocks (or no quantization_config)
     declared = expert_dtype(config, root)

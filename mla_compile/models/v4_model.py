@@ -163,7 +163,7 @@ class V4Attention(nn.Module):
         self.layer_type = hf_attn.layer_type
         self.num_heads, self.head_dim = hf_attn.num_heads, hf_attn.head_dim
         self.window = config.sliding_window
-        self.o_groups = config.o_groups
+        self.o_groups = hf_attn.o_a_proj.n_groups  # config.o_groups, or a rank's share of them (head split)
         self._eps, self._scale = freeze(config.rms_norm_eps), freeze(hf_attn.scaling)  # constants (models/consts.py)
         self.rate = config.compress_rates[self.layer_type] if self.layer_type != SLIDING else 0
         comp = getattr(hf_attn, "compressor", None) if self.layer_type != SLIDING else None
