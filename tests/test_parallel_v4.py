@@ -18,21 +18,20 @@ if not hasattr(transformers, "DeepseekV4ForCausalLM"):
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("compile_backend,regional", [(None, False), ("aot_eager", False), ("aot_eager", True)])
+# each case checks the eager model too (the worker's "err"), so no eager-only case
+@pytest.mark.parametrize("compile_backend,regional", [("aot_eager", False), ("aot_eager", True)])
 def test_v4_dp_attention_ep2_each_rank_equals_single_process(compile_backend, regional):
     results = run_ranks(w.v4_dp_ep_equals_single, 2, compile_backend, regional, timeout=300)
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
         assert r["all_parallel"] and r["local_experts"] * 2 == r["experts"], r
-        if compile_backend is not None:
-            assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+        assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
-@pytest.mark.parametrize("compile_backend,regional", [(None, False), ("aot_eager", True)])
-def test_v4_attention_tp2_ep2_equals_single_process(compile_backend, regional):
+def test_v4_attention_tp2_ep2_equals_single_process():
     """``ParallelConfig(tp=2, ep=2)``: the heads split over both ranks (one attention group, the same requests), the
     output projection's partial sums all-reduced; the logits equal the single-process model's."""
-    results = run_ranks(w.v4_tp_ep_equals_single, 2, compile_backend, regional, timeout=300)
+    results = run_ranks(w.v4_tp_ep_equals_single, 2, "aot_eager", True, timeout=300)  # eager, then regional
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
         assert r["all_parallel"] and r["local_experts"] * 2 == r["experts"], r
@@ -41,8 +40,7 @@ def test_v4_attention_tp2_ep2_equals_single_process(compile_backend, regional):
         (qb, ob, oa, sinks), (qb_full, ob_full, oa_full, sinks_full) = r["shapes"], r["full_shapes"]
         assert qb == (qb_full[0] // 2, qb_full[1]) and ob == (ob_full[0], ob_full[1] // 2), r
         assert oa == (oa_full[0] // 2, oa_full[1]) and sinks == (sinks_full[0] // 2,), r
-        if compile_backend is not None:
-            assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
+        assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
 def test_v4_two_attention_groups_of_two_ranks_equal_single_process():
