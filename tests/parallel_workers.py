@@ -879,40 +879,12 @@ def _v4_run(model, run, steps) -> list[torch.Tensor]:
         return [seqs.step(run, [0, 1], chunks).clone() for chunks in steps]
 
 
-def v4_dp_ep_equals_single(rank, world, compile_backend=None, regional=False):
-    """DeepSeek-V4 under data-parallel attention + EP (``ParallelConfig(tp=world, dp_attention=world, ep=world)``):
-    each rank's logits on its own requests equal the unsharded model's on them; each rank keeps 1 / world of the
-    routed experts. ``compile_backend``: also the model compiled fullgraph (its breaks)."""
-    from mla_compile.app.v4_toy import toy_v4_model
-    from mla_compile.parallel.v4 import ParallelV4MoE
-
-    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
-    hf = toy_v4_model(5)
-    ref = patch(copy.deepcopy(hf))
-    steps = _v4_steps(rank, hf.config.vocab_size)
-    want = _v4_run(ref, ref, steps)
-    model = patch(hf, parallel=state, regional_compile=regional)
-    got = _v4_run(model, model, steps)
-    res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
-           "local_experts": model.moe[-1].hf.experts.num_experts, "experts": hf.config.n_routed_experts,
-           "all_parallel": all(isinstance(m, ParallelV4MoE) for m in model.moe)}
-    if compile_backend is not None:
-        from torch._dynamo.utils import counters
-
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(model, fullgraph=True, backend=compile_backend)
-        res["compiled_err"] = _max_err(_v4_run(model, compiled, steps), want)
-        res["graph_breaks"] = dict(counters["graph_break"])
-    return res
-
-
-def v4_tp_ep_equals_single(rank, world, compile_backend=None, regional=False, dp=1):
-    """DeepSeek-V4 with its heads split over the ranks of each attention group (``ParallelConfig(tp=world,
-    dp_attention=dp, ep=world)``: ``dp`` groups of ``world / dp`` ranks) and the routed experts over all ranks: the
-    ranks of a group run the group's requests and their logits equal the unsharded model's; each rank keeps ``dp /
-    world`` of the heads (``q_b_proj`` rows, sinks, ``o_a_proj`` groups, ``o_b_proj`` columns) and ``1 / world`` of
-    the routed experts. ``compile_backend``: also the model compiled fullgraph (its breaks)."""
+def v4_sharded_equals_single(rank, world, dp, compile_backend=None, regional=False):
+    """DeepSeek-V4 as ``ParallelConfig(tp=world, dp_attention=dp, ep=world)``: ``dp`` data-parallel attention groups
+    of ``world / dp`` ranks that split the heads, the routed experts over all ranks. The ranks of a group run the
+    group's requests and their logits equal the unsharded model's; each rank keeps ``dp / world`` of the heads
+    (``q_b_proj`` rows, sinks, ``o_a_proj`` groups, ``o_b_proj`` columns) and ``1 / world`` of the routed experts.
+    ``compile_backend``: also the model compiled fullgraph (its breaks)."""
     from mla_compile.app.v4_toy import toy_v4_model
     from mla_compile.parallel.v4 import ParallelV4Attention, ParallelV4MoE
 
@@ -924,17 +896,16 @@ def v4_tp_ep_equals_single(rank, world, compile_backend=None, regional=False, dp
     want = _v4_run(ref, ref, steps)
     model = patch(hf, parallel=state, regional_compile=regional)
     got = _v4_run(model, model, steps)
-    a = model.attn[0]
+    a, full = model.attn[0].hf, ref.attn[0].hf
+    shapes = lambda m: [tuple(m.q_b_proj.weight.shape), tuple(m.o_b_proj.weight.shape),  # noqa: E731
+                        tuple(m.o_a_proj.weight.shape), tuple(m.sinks.shape)]
     res = {"err": _max_err(got, want), "finite": all(bool(torch.isfinite(g).all()) for g in got),
            "heads": [m.num_heads for m in model.attn], "all_heads": cfg.num_attention_heads,
            "o_groups": [m.o_groups for m in model.attn], "all_groups": cfg.o_groups,
-           "shapes": [tuple(a.hf.q_b_proj.weight.shape), tuple(a.hf.o_b_proj.weight.shape),
-                      tuple(a.hf.o_a_proj.weight.shape), tuple(a.hf.sinks.shape)],
-           "full_shapes": [tuple(ref.attn[0].hf.q_b_proj.weight.shape), tuple(ref.attn[0].hf.o_b_proj.weight.shape),
-                           tuple(ref.attn[0].hf.o_a_proj.weight.shape), tuple(ref.attn[0].hf.sinks.shape)],
+           "shapes": shapes(a), "full_shapes": shapes(full),
            "local_experts": model.moe[-1].hf.experts.num_experts, "experts": cfg.n_routed_experts,
-           "all_parallel": all(isinstance(m, ParallelV4Attention) for m in model.attn)
-           and all(isinstance(m, ParallelV4MoE) for m in model.moe)}
+           "split_attention": all(isinstance(m, ParallelV4Attention) for m in model.attn),
+           "all_parallel": all(isinstance(m, ParallelV4MoE) for m in model.moe)}
     if compile_backend is not None:
         from torch._dynamo.utils import counters
 
@@ -968,8 +939,8 @@ def v4_sharded_from_meta(rank, world):
 
 
 def v4_dp_ep_quantized_equals_single(rank, world, kind, where, attn_tp=False):
-    """As :func:`v4_dp_ep_equals_single` with the model loaded from a V4 checkpoint written by rank 0 under ``where``
-    by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or "fp4" (packed e2m1 + ue8m0; fp8
+    """As :func:`v4_sharded_equals_single` (data-parallel attention) with the model loaded from a V4 checkpoint
+    written by rank 0 under ``where`` by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or "fp4" (packed e2m1 + ue8m0; fp8
     linears elsewhere: each rank keeps its experts quantized, ``FP8Experts`` / ``FP4Experts`` of half the experts),
     "float" (save_pretrained's per-expert keys) or "stacked" (the modules' ``[E, ...]`` expert tensors). Also which
     experts' tensors the rank read (``experts_read``) and how the stacked ones were read (``stacked_reads``).

@@ -21,20 +21,21 @@ TOL = 1e-5
 # each case checks the eager model too (the worker's "err"), so no eager-only case
 @pytest.mark.parametrize("compile_backend,regional", [("aot_eager", False), ("aot_eager", True)])
 def test_v4_dp_attention_ep2_each_rank_equals_single_process(compile_backend, regional):
-    results = run_ranks(w.v4_dp_ep_equals_single, 2, compile_backend, regional, timeout=300)
+    results = run_ranks(w.v4_sharded_equals_single, 2, 2, compile_backend, regional, timeout=300)
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
         assert r["all_parallel"] and r["local_experts"] * 2 == r["experts"], r
+        assert not r["split_attention"] and r["shapes"] == r["full_shapes"], r  # every rank all the heads
         assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
 def test_v4_attention_tp2_ep2_equals_single_process():
     """``ParallelConfig(tp=2, ep=2)``: the heads split over both ranks (one attention group, the same requests), the
     output projection's partial sums all-reduced; the logits equal the single-process model's."""
-    results = run_ranks(w.v4_tp_ep_equals_single, 2, "aot_eager", True, timeout=300)  # eager, then regional
+    results = run_ranks(w.v4_sharded_equals_single, 2, 1, "aot_eager", True, timeout=300)  # eager, then regional
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
-        assert r["all_parallel"] and r["local_experts"] * 2 == r["experts"], r
+        assert r["all_parallel"] and r["split_attention"] and r["local_experts"] * 2 == r["experts"], r
         assert r["heads"] == [r["all_heads"] // 2] * len(r["heads"]), r
         assert r["o_groups"] == [r["all_groups"] // 2] * len(r["o_groups"]), r
         (qb, ob, oa, sinks), (qb_full, ob_full, oa_full, sinks_full) = r["shapes"], r["full_shapes"]
@@ -47,10 +48,10 @@ def test_v4_two_attention_groups_of_two_ranks_equal_single_process():
     """``ParallelConfig(tp=4, dp_attention=2, ep=4)`` on 4 processes: two data-parallel attention groups with their
     own requests, each splitting the heads over its 2 ranks, one routed expert a rank; logits equal the unsharded
     model's on each group's requests."""
-    results = run_ranks(w.v4_tp_ep_equals_single, 4, None, False, 2, timeout=300)
+    results = run_ranks(w.v4_sharded_equals_single, 4, 2, timeout=300)
     for r in results:
         assert r["finite"] and r["err"] <= TOL, r
-        assert r["all_parallel"] and r["local_experts"] * 4 == r["experts"], r
+        assert r["all_parallel"] and r["split_attention"] and r["local_experts"] * 4 == r["experts"], r
         assert r["heads"] == [r["all_heads"] // 2] * len(r["heads"]), r
 
 
