@@ -394,6 +394,9 @@ GEMV_ROWS_SORTED = 0.5
 # byte-wise decode and IEEE float32 dots
 TILED_WORDS = True
 WORDS_BLOCK_N = 128  # the word decode's tile width: its per-step overheads spread over more weights
+# The sorted groups' word decode at 16-row tiles (groups of 16 rows or fewer on average): half as wide, twice as deep
+# per step; faster than the dense tile at 64 to 512 tokens over V4-Flash's 256 experts (BENCHMARKS.md run 301)
+SORTED_WORDS_TILE = dict(BLOCK_N=64, BLOCK_K=256)
 GEMV_CONFIG = dict(BLOCK_N=8, BLOCK_K=512, STAGES=3, num_warps=4)
 
 
@@ -454,6 +457,8 @@ def _launch_sorted(x: Tensor, weight: Tensor, weight_scale: Tensor, offs: Tensor
         return y
     cu = torch.cat([offs.new_zeros(1), offs])
     cfg = dict(_config(R // E, x.dtype != torch.bfloat16, x.device))  # tiles sized by the rows a group has on average
+    if cfg["WORDS"] and cfg["BLOCK_M"] == 16:
+        cfg.update(SORTED_WORDS_TILE)
     w = _tiled_weight(w, cfg)
     grid = (triton.cdiv(R, cfg["BLOCK_M"]) + E, triton.cdiv(N, cfg["BLOCK_N"]))
     cfg["EVEN_K"] = (2 * half) % cfg["BLOCK_K"] == 0
