@@ -299,11 +299,12 @@ def dp_fail_inside_model(rank, world, pconf, overlap, timeout_s, linger_s=0.0):
     return out
 
 
-def dp_v4_engine_equals_alone(rank, world, overlap):
-    """DeepSeek-V4 (the toy, float64) sharded as DP attention + EP over gloo: one Engine per attention group with
-    ``dp_sync``, each on its own trace of requests (greedy and seeded sampling, prompts longer than a step's budget,
-    one group idle at first): every request's tokens equal those of the unsharded model serving it alone; the ranks'
-    model calls match one for one (the MoE's all-gather needs the same token count everywhere)."""
+def dp_v4_engine_equals_alone(rank, world, overlap, dp=None):
+    """DeepSeek-V4 (the toy, float64) sharded as DP attention + EP over gloo (``dp`` attention groups, default one a
+    rank; fewer: each group's ranks split its heads and run the same engine): one Engine per rank with ``dp_sync``,
+    each group on its own trace of requests (greedy and seeded sampling, prompts longer than a step's budget, one group
+    idle at first): every request's tokens equal those of the unsharded model serving it alone; the ranks' model calls
+    match one for one (the MoE's all-gather needs the same token count everywhere)."""
     import random
 
     from mla_compile.app.v4_toy import toy_v4_model
@@ -313,8 +314,9 @@ def dp_v4_engine_equals_alone(rank, world, overlap):
     from tests.model.test_v4_engine import v4_engine
     from tests.model.test_v4_model import prompts
 
-    state = init(ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60, device="cpu")
-    group = rank
+    dp = dp or world
+    state = init(ParallelConfig(tp=world, dp_attention=dp, ep=world), timeout=60, device="cpu")
+    group = rank // (world // dp)
     hf = toy_v4_model(31).double()
     ref = patch(copy.deepcopy(hf))
     rng = random.Random(200 + group)

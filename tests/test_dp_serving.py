@@ -235,6 +235,20 @@ def test_deepseek_v4_two_attention_groups_serve_their_own_traces_as_each_request
     assert a["steps"] == b["steps"] and a["calls"] == b["calls"] and len(a["calls"]) >= 10
 
 
+def test_deepseek_v4_two_attention_groups_of_two_ranks_splitting_heads_four_processes():
+    """DeepSeek-V4 as tp=4, dp_attention=2, ep=4 under ``dp_sync``: each group's two ranks split its heads and run the
+    same engine on the group's trace; every request's tokens equal the unsharded model's alone."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+        pytest.skip("transformers has no DeepseekV4ForCausalLM")
+    res = run_ranks(w.dp_v4_engine_equals_alone, 4, False, 2, timeout=300)
+    for r in res:
+        assert r["same"], (r["got"], r["want"])
+        assert r["finished"] == r["requests"] and r["local_experts"] * 4 == 4
+    assert [r["group"] for r in res] == [0, 0, 1, 1]
+    assert all(r["steps"] == res[0]["steps"] and r["calls"] == res[0]["calls"] for r in res)
+
+
 def test_two_attention_groups_of_two_ranks_each_four_processes():
     """tp=4, dp_attention=2: each group's two ranks split its heads and run the same engine on the same trace."""
     pytest.importorskip("transformers")

@@ -44,17 +44,6 @@ def test_v4_attention_tp2_ep2_equals_single_process():
         assert r["compiled_err"] <= TOL and r["graph_breaks"] == {}, r
 
 
-def test_v4_two_attention_groups_of_two_ranks_equal_single_process():
-    """``ParallelConfig(tp=4, dp_attention=2, ep=4)`` on 4 processes: two data-parallel attention groups with their
-    own requests, each splitting the heads over its 2 ranks, one routed expert a rank; logits equal the unsharded
-    model's on each group's requests."""
-    results = run_ranks(w.v4_sharded_equals_single, 4, 2, timeout=300)
-    for r in results:
-        assert r["finite"] and r["err"] <= TOL, r
-        assert r["all_parallel"] and r["split_attention"] and r["local_experts"] * 4 == r["experts"], r
-        assert r["heads"] == [r["all_heads"] // 2] * len(r["heads"]), r
-
-
 @pytest.mark.parametrize("kind", ["fp8", "fp4", "float", "stacked"])
 def test_v4_checkpoint_dp_attention_ep2_reads_only_own_experts_and_equals_single_process(kind, tmp_path):
     """``from_pretrained(parallel=)``: each rank reads only its experts' tensors (DeepSeek's per-expert keys; a slice
