@@ -5,6 +5,7 @@
         [--profile-replay] [--weights float|fp8|fp4]
     python benchmarks/bench_v4_decode.py --device cpu --tiny --out /tmp/bv4      # CPU smoke test
     python benchmarks/bench_v4_decode.py --attention --out OUT_DIR [--attn-backends triton,flashmla]
+    torchrun --nproc-per-node P benchmarks/bench_v4_decode.py --parallel tp|dp --out OUT_DIR --impls "ours graph"
 
 The slice: hidden 4096, 64 heads of 512 (rope 64), q_lora 1024, o_groups 8 x 1024, 256 experts top-6
 (moe 2048, sqrtsoftplus; the first layer hash-routed), mHC 4 streams, window 128, CSA rate 4 with the
@@ -31,6 +32,13 @@ is left of ``--budget-s``. A step's time is the median over ``--iters`` of CUDA 
 cache bytes per sequence at each context and at 1M tokens (``mla_compile.models.v4_cache``). Writes
 ``bench_v4_decode.json`` / ``.txt`` under ``--out``; the text ends with a table of our compiled and graph steps
 against HF's, with the speedup.
+
+``--parallel`` (under ``torchrun``, ``P`` processes, one GPU each; ours' rows only): the slice sharded as
+``ParallelConfig(tp=P, ep=P)`` ("tp": every rank the whole batch, the heads split over the ranks) or ``tp=P,
+dp_attention=P, ep=P`` ("dp": every rank ``B / P`` of the sequences with all the heads; a batch ``P`` does not divide
+is skipped), the routed experts split whole over the ranks either way (``mla_compile.parallel.v4``). ``B`` is the
+global batch; a row's time is the slowest rank's median and its tokens/s ``B`` over it. Every rank builds the whole
+slice from the same seed before taking its part; rank 0 writes the files.
 
 ``--attention`` times the ``v4_attention`` op alone instead, per backend (our Triton kernel, FlashMLA's sparse
 kernel): one decode row per sequence at position ``ctx`` with V4-Flash dims (64 heads of 512, rope 64), for each
@@ -318,6 +326,26 @@ def hf_decode_bytes(a, batch: int, ctx: int, elem: int) -> int:
     return int(cache + attn + index)
 
 
+def agreed(state, value: float) -> float:
+    """Rank 0's ``value`` on every rank of ``state`` (itself without one): one decision (the budget) for all ranks."""
+    if state is None:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gathered_floats(value: float) -> list[float]:
+    """Every rank's ``value``, in rank order."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def timed(fn, dev: torch.device, warmup: int, iters: int) -> dict:
     """``{"ms": median of ``iters`` timed calls of ``fn`` (CUDA events on a GPU), "first_call_s": the first call
     alone (compile included)}``, after ``warmup`` calls."""
@@ -558,6 +586,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-replay", action="store_true",
                    help="profile each 'ours graph' row's replays (kernels by GPU time and the critical path, as "
                         "bench_decode_step --profile-replay) to profile_replay_b{B}_c{ctx}.txt / critical_path_...")
+    p.add_argument("--parallel", choices=("none", "tp", "dp"), default="none",
+                   help="under torchrun: heads split over the ranks (tp) or data-parallel attention (dp), EP "
+                        "either way")
     p.add_argument("--attention", action="store_true", help="time the v4_attention op per backend instead")
     p.add_argument("--attn-backends", default="triton,flashmla",
                    help="backends --attention compares on CUDA (and 'triton-widths': the Triton kernel split from "
@@ -574,10 +605,20 @@ def main(argv=None) -> int:
         p.error(f"--impls: unknown {bad}; choose from {', '.join(OURS_IMPLS + HF_IMPLS)}")
     if args.weights != "float" and any(i in HF_IMPLS for i in impls):
         p.error(f"--weights {args.weights}: HF's model runs float weights only; pass --impls with ours' rows")
+    if args.parallel != "none" and (args.attention or any(i in HF_IMPLS for i in impls)):
+        p.error("--parallel: ours' rows of the decode step only (no --attention, no hf rows in --impls)")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
     if args.attention:
         return attention_main(args, dev)
+    state, world, rank = None, 1, 0
+    if args.parallel != "none":
+        from mla_compile.parallel import ParallelConfig, init
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = dict(tp=world, ep=world) if args.parallel == "tp" else dict(tp=world, dp_attention=world, ep=world)
+        state = init(ParallelConfig(**layout), device=None if dev.type == "cuda" else dev)
+        dev, rank = state.device, state.rank
     dtype = run_dtype(args, dev)
     start = time.time()
     from mla_compile.models.model import patch
@@ -585,7 +626,8 @@ def main(argv=None) -> int:
 
     hf = build_model(args, dev, dtype)
     quantized_bytes = quantize_like_release(hf, args.weights, args.seed) if args.weights != "float" else 0
-    model = patch(hf, backend=args.backend, regional_compile=args.regional_compile)
+    model = patch(hf, backend=args.backend, regional_compile=args.regional_compile, parallel=state)
+    share = world if args.parallel == "dp" else 1  # the global batch over the data-parallel ranks
     layout = V4CacheLayout(V4Dims.from_hf(hf.config), "bf16")
     batches = [int(x) for x in args.batches.split(",")]
     ctxs = [int(x) for x in args.ctx.split(",")]
@@ -593,6 +635,7 @@ def main(argv=None) -> int:
     rows = []
     info = dict(args=vars(args), device=str(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
                 torch=torch.__version__, weights=args.weights, quantized_bytes=quantized_bytes,
+                parallel=args.parallel, world_size=world,
                 bytes_per_seq_1m=layout.sequence_bytes(1 << 20),
                 bytes_per_token=layout.model_bytes_per_token)
     backend = "inductor" if dev.type == "cuda" else "aot_eager"
@@ -613,14 +656,16 @@ def main(argv=None) -> int:
     seen: dict = {}  # impl -> (first_call_s, ms) of its last measured row: the HF budget guard's estimate
     elem = torch.empty((), dtype=dtype).element_size()
     for ctx in ctxs:
-        contexts = Contexts(args, model, max(batches), ctx, dev)
+        contexts = Contexts(args, model, max(max(batches) // share, 1), ctx, dev)
         for b in batches:
-            step_in = contexts.step(b, ids)
+            step_in = contexts.step(max(b // share, 1), ids)
             ref = None
             for impl in impls:
                 row = dict(impl=impl, batch=b, ctx=ctx, cache_bytes_per_seq=layout.sequence_bytes(ctx))
-                elapsed = time.time() - start
-                if elapsed > args.budget_s:
+                elapsed = agreed(state, time.time() - start)  # rank 0's clock decides for every rank
+                if b % share:
+                    row["skipped"] = f"batch {b} does not split over {share} data-parallel ranks"
+                elif elapsed > args.budget_s:
                     row["skipped"] = "time budget"
                 elif impl == "ours graph" and dev.type != "cuda":
                     row["skipped"] = "needs CUDA"
@@ -655,7 +700,7 @@ def main(argv=None) -> int:
                                 with torch.cuda.graph(graph):
                                     compiled(*step_in)
                                 row.update(timed(graph.replay, dev, args.warmup, args.iters))
-                                if args.profile_replay:
+                                if args.profile_replay and rank == 0:
                                     profile_graph(args, graph, f"_b{b}_c{ctx}")
                             else:
                                 if ref is None:
@@ -664,6 +709,9 @@ def main(argv=None) -> int:
                                 hf_row(impl, args, hf, hf if impl == "hf eager" else hf_compiled, model, contexts, b,
                                        ids, dev, ref, row, nxt, start + args.budget_s)
                                 seen[impl] = (row["first_call_s"], row["ms"])
+                        if state is not None:  # the slowest rank's step
+                            row["ms_ranks"] = gathered_floats(row["ms"])
+                            row["ms"] = max(row["ms_ranks"])
                         row["tok_s"] = b / (row["ms"] / 1e3)
                     except Exception as exc:  # keep measuring; the reason goes into the table
                         row["error"] = f"{type(exc).__name__}: {exc}"[:400]
@@ -675,13 +723,17 @@ def main(argv=None) -> int:
                 cell = row.get("skipped") or row.get("error") or f"{row['ms']:.3f} ms ({row['tok_s']:.0f} tok/s)"
                 if "rel_err_vs_ours_eager" in row:
                     cell += f"  first call {row['first_call_s']:.1f} s, logits rel. err. vs ours {err_cell(row)}"
-                print(f"[{time.time() - start:7.1f}s] {impl:14s} B={b:<4d} ctx={ctx:<7d} {cell}", flush=True)
-                with open(os.path.join(args.out, "bench_v4_decode.json"), "w") as f:
-                    json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
+                if rank == 0:
+                    print(f"[{time.time() - start:7.1f}s] {impl:14s} B={b:<4d} ctx={ctx:<7d} {cell}", flush=True)
+                    with open(os.path.join(args.out, "bench_v4_decode.json"), "w") as f:
+                        json.dump(dict(info=info, rows=rows), f, indent=1, default=str)
             del ref
         del contexts
+    if rank != 0:
+        return 0
+    where = "" if state is None else f", {args.parallel} over {world} ranks (B global)"
     lines = [f"V4 decode step ({info['device']}, {args.layers} x (sliding, CSA, HCA), backend {args.backend or 'default'}, "
-             f"weights {args.weights})",
+             f"weights {args.weights}{where})",
              f"cache bytes per token of context {layout.model_bytes_per_token:.0f}; "
              f"per sequence at 1M tokens {layout.sequence_bytes(1 << 20) / 2**30:.3f} GiB (bf16)"]
     if hf_compiled is not None:

@@ -28,6 +28,9 @@
 #            winning: GLUON_MAX_TOKENS_FP4), with the fused kernels' launch sweep up to "auto"'s split
 #            (FUSED_MAX_TOKENS_FP4), the grouped path's sorted tiles above, and its tiled kernels' other decode,
 #            TILED_WORDS)
+#   v4par    bench_v4_decode under torchrun on every GPU of the machine (a multi-GPU kind): the V4-Flash slice
+#            (V4_WEIGHTS, default fp4) sharded with its heads split (--parallel tp) and as data-parallel attention
+#            (--parallel dp), experts split whole either way, our compiled step replayed as a CUDA graph
 #   ncu      Nsight Compute counters of our kernels in ncu_kernels.py's NCU_CASES (default fp4moe,moe256: the MoE
 #            kernels behind V4's B=64 step and #28's B=256 step): duration, DRAM / SM / tensor-pipe %, top stalls
 #   parallel the two-GPU CUDA tests (-k two_gpus: DP-attention serving, TP2 + EP2 over NCCL, V4 DP attention + EP),
@@ -39,7 +42,7 @@
 set -u -o pipefail
 O=${OUT:-out}
 mkdir -p "$O/auto" "$O/tri" "$O/low" "$O/ker" "$O/dec" "$O/pre" "$O/fp8" "$O/fus" "$O/base" "$O/fused" "$O/bk" "$O/par" \
-    "$O/v4" "$O/fp4" "$O/ncu"
+    "$O/v4" "$O/fp4" "$O/ncu" "$O/v4tp" "$O/v4dp"
 FUSIONS=${FUSIONS:-decode_absorb_out=gluon}
 export PYTHONUNBUFFERED=1
 PHASES=",${PHASES:-lowered,kernels},"
@@ -94,6 +97,14 @@ fi
     ${V4_FLAGS:-} > "$O/v4.log" 2>&1
 [[ $PHASES == *,fp4,* ]] && timeout 300 python3 benchmarks/bench_fp4_experts.py --out "$O/fp4" --tokens 1,8,16,24,64,128,256,512 \
     --linears 0 --sweep > "$O/fp4.log" 2>&1
+if [[ $PHASES == *,v4par,* ]]; then
+    n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    for mode in tp dp; do
+        timeout 240 python3 -m torch.distributed.run --nproc-per-node "$n" benchmarks/bench_v4_decode.py \
+            --out "$O/v4$mode" --parallel "$mode" --regional-compile --impls "ours graph" --batches 1,64,256 \
+            --ctx 8192 --budget-s 200 --weights "${V4_WEIGHTS:-fp4}" > "$O/v4$mode.log" 2>&1
+    done
+fi
 if [[ $PHASES == *,ncu,* ]]; then
     timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
         -k regex:"$(python3 benchmarks/ncu_kernels.py --print-regex)" --section SpeedOfLight --section WarpStateStats \
@@ -130,6 +141,9 @@ if [[ $PHASES == *,v4,* ]]; then
     head -n 12 "$O/v4/critical_path_b64_c8192.txt"
 fi
 [[ $PHASES == *,fp4,* ]] && grep -E "moe_experts_fp4|TILED_WORDS|bf16" "$O/fp4/bench_fp4_experts.txt"
+if [[ $PHASES == *,v4par,* ]]; then
+    for mode in tp dp; do grep -E "^ours graph|V4 decode step" "$O/v4$mode/bench_v4_decode.txt"; done
+fi
 [[ $PHASES == *,ncu,* ]] && python3 benchmarks/ncu_kernels.py --summarize "$O/ncu/ncu.csv" && grep "^#" "$O/ncu.log"
 if [[ $PHASES == *,parallel,* ]]; then
     echo "GPUs: $gpus; two-GPU tests: $(tail -n 1 "$O/par_tests.log")"
@@ -138,4 +152,4 @@ fi
 # the summary: which test markers ran here (CI runs the rest: not cuda, the Triton tests interpreted)
 echo "tests run here: -m cuda: $(tail -n 1 "$O/pytest.log")"
 echo "tests run here: -m sm90_compile (TRITON_INTERPRET=0): $(tail -n 1 "$O/sm90_compile.log")"
-(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4 fp4 ncu)
+(cd "$O" && tar czf all.tgz --remove-files ./*.log auto tri low ker fp8 fus base fused par v4 fp4 ncu v4tp v4dp)

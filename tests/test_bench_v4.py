@@ -126,3 +126,30 @@ def test_row_errors_are_per_sequence():
     got = row_errors(out.float(), ref.float())
     assert got["rel_err_row_median"] == pytest.approx(float(want[2]), rel=1e-4)
     assert got["rel_err_row_max"] == pytest.approx(float(want[-1]), rel=1e-4) and want[-1] > 0.9
+
+
+@pytest.mark.skipif(not HAS_V4, reason="no DeepseekV4ForCausalLM")
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_bench_v4_decode_parallel_under_torchrun(tmp_path, mode):
+    """``torchrun --nproc-per-node 2 ... --parallel tp|dp`` on CPU (gloo): the slice sharded over 2 ranks, each row the
+    slowest rank's time with every rank's in ``ms_ranks``; under dp a global batch the ranks do not split is skipped
+    with the reason; rank 0 alone writes the files."""
+    import os
+
+    from tests.dist_helpers import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(ROOT / "benchmarks" / "bench_v4_decode.py"), "--device", "cpu", "--tiny", "--iters", "1",
+           "--out", str(tmp_path), "--parallel", mode, "--impls", "ours eager", "--ctx", "47", "--batches", "2,3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_v4_decode.json").read_text())
+    assert data["info"]["parallel"] == mode and data["info"]["world_size"] == 2
+    rows = {r["batch"]: r for r in data["rows"]}
+    assert len(rows[2]["ms_ranks"]) == 2 and rows[2]["ms"] == max(rows[2]["ms_ranks"]) > 0
+    if mode == "dp":
+        assert rows[3]["skipped"] == "batch 3 does not split over 2 data-parallel ranks"
+    else:
+        assert rows[3]["ms"] == max(rows[3]["ms_ranks"]) > 0
+    assert proc.stdout.count("V4 decode step (") == 1  # rank 0's table only
