@@ -26,7 +26,6 @@ checkpoint (straight onto its device); ``patch(meta_model, parallel=..., weights
 a state dict. Not yet: decode context parallelism.
 """
 
-
 from __future__ import annotations
 
 import torch

@@ -138,25 +138,28 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
           PDL: tl.constexpr):
     """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``, summed
-    over the 128-wide K steps ``[kb_start, kb_end)``. The first step's weight codes and scale are requested before
-    the PDL wait (``_pdl.py``: no kernel of a step writes weights; x, which the kernel before may write, after it),
-    so with ``PDL`` they stream in while that kernel ends; the wait and the trigger are this tile's (every program
-    of a launch calls it once)."""
+    over the 128-wide K steps ``[kb_start, kb_end)``. With ``PDL`` the first step's weight codes and scale are
+    requested before the wait (``_pdl.py``: no kernel of a step writes weights; x, which the kernel before may write,
+    after it), so they stream in while that kernel ends; the wait and the trigger are this tile's (every program of a
+    launch calls it once)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
     n_ok = offs_n < N
     x_rows = x_base + offs_m.to(tl.int64) * s_xm
     w_rows = w_base + offs_n.to(tl.int64) * s_wn
     s_row = s_base + (pid_n * BLOCK_N // 128) * s_sn
-    k = kb_start * 128 + offs_k
-    k_ok = (k < K) & (kb_start < kb_end)  # an empty range: a first step of zeros, adding 0
-    codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-    scale = tl.load(s_row + kb_start, mask=kb_start < kb_end, other=0.0)
-    pdl_wait(PDL)
-    pdl_launch_dependents(PDL)
-    acc = _step(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, codes, scale, k, k_ok, m_ok, BLOCK_M,
-                ACT_QUANT, IEEE)
-    for kb in range(kb_start + 1, kb_end):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = kb_start
+    if PDL:  # without PDL the loop's software pipeline requests the first steps together: no step taken out of it
+        k = kb_start * 128 + offs_k
+        k_ok = (k < K) & (kb_start < kb_end)  # an empty range: a first step of zeros, adding 0
+        codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        scale = tl.load(s_row + kb_start, mask=kb_start < kb_end, other=0.0)
+        pdl_wait(PDL)
+        pdl_launch_dependents(PDL)
+        acc = _step(acc, x_rows, codes, scale, k, k_ok, m_ok, BLOCK_M, ACT_QUANT, IEEE)
+        first = kb_start + 1
+    for kb in range(first, kb_end):
         k = kb * 128 + offs_k
         k_ok = k < K
         codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)

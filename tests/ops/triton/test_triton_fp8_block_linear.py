@@ -52,6 +52,32 @@ def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("x_shape,w_shape,split,serial", [((3, 700), (70, 700), None, False),
+                                                          ((3, 700), (70, 700), 3, True),
+                                                          ((5, 300), (3, 70, 300), 2, False),
+                                                          ((1, 520), (130, 520), 4, True)])
+def test_interpreter_pdl_launch_takes_its_first_step_before_the_wait(x_shape, w_shape, split, serial, act_quant,
+                                                                     monkeypatch):
+    """The launch an sm_90 device makes with PDL (``PDL=True``: each program's first K step's weights requested
+    before the wait, the rest in the loop), its wait and trigger stood in by no-ops (the interpreter has no
+    ``griddepcontrol``): dense, K split and serial split, against float64."""
+    import triton.language as tl
+
+    from mla_compile.ops.triton import fp8_block_linear as k
+
+    calls = []
+    for name in ("gdc_wait", "gdc_launch_dependents"):
+        monkeypatch.setattr(tl.extra.cuda, name, lambda *a, name=name, **kw: calls.append(name))
+    monkeypatch.setattr(k, "launch_kwargs", lambda *a, **kw: {"PDL": True})
+    codes, scale = _weights(*w_shape)
+    x = torch.randn(*x_shape)
+    y = k._launch(x, codes, scale, act_quant, split=split, serial=serial)
+    assert _rel(y.double(), _ref64(x, codes, scale, act_quant)) < 1e-6
+    assert calls[:2] == ["gdc_wait", "gdc_launch_dependents"] and len(calls) % 2 == 0  # each program: wait, trigger
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 @pytest.mark.parametrize("x_shape,w_shape,split", [((3, 700), (70, 700), 3), ((1, 520), (130, 520), 2),
                                                    ((17, 300), (3, 70, 300), 3), ((3, 5, 300), (3, 70, 300), 2)])
 def test_interpreter_serial_split_sums_in_the_kernel(x_shape, w_shape, split):
