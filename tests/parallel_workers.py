@@ -940,8 +940,9 @@ def v4_sharded_from_meta(rank, world):
 
 def v4_dp_ep_quantized_equals_single(rank, world, kind, where, attn_tp=False):
     """As :func:`v4_sharded_equals_single` (data-parallel attention) with the model loaded from a V4 checkpoint
-    written by rank 0 under ``where`` by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or "fp4" (packed e2m1 + ue8m0; fp8
-    linears elsewhere: each rank keeps its experts quantized, ``FP8Experts`` / ``FP4Experts`` of half the experts),
+    written by rank 0 under ``where`` by ``from_pretrained(parallel=...)``: ``kind`` "fp8" (e4m3 block experts) or
+    "fp4" (packed e2m1 + ue8m0; fp8 linears elsewhere: each rank keeps its experts quantized, ``FP8Experts`` /
+    ``FP4Experts`` of half the experts),
     "float" (save_pretrained's per-expert keys) or "stacked" (the modules' ``[E, ...]`` expert tensors). Also which
     experts' tensors the rank read (``experts_read``) and how the stacked ones were read (``stacked_reads``).
     ``attn_tp``: the heads split over the ranks instead (``ParallelConfig(tp=world, ep=world)``, the same requests on
