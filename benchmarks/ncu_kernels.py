@@ -20,9 +20,10 @@ H=128 (ours Gluon 64-row, Gluon-ws, Gluon-seesaw, FlashMLA); ``short128`` B=66 L
 (Gluon-seesaw, FlashMLA); ``fp8`` fp8 decode B=128 L=4096 H=128 (gluon64, FlashMLA's fp8
 sparse kernel over the whole table); ``sparse`` top-2048 B=128 H=128 fp8 cache (gluon64, FlashMLA); ``prefill``
 causal 8 x 4096 H=128 qk192/v128 (Triton, TMA, Gluon, Gluon-ws, Gluon-ws ``PERSIST``); ``b1`` bf16 decode B=1
-L=4096 H=16 (Gluon); ``fp4moe`` V4-Flash's fp4 routed experts (256 experts top-6, hidden 4096, intermediate 2048) at 64 tokens (the Gluon
-kernels over the rows sorted by expert) and at 1 (per pick); ``moe256`` V2-Lite's bf16 routed + 2 shared experts
-(64 top-6, hidden 2048, intermediate 1408) at 256 tokens (the grouped Triton kernels, #28's largest batch).
+L=4096 H=16 (Gluon); ``fp4moe`` V4-Flash's fp4 routed experts (256 experts top-6, hidden 4096, intermediate
+2048) at 64 tokens (the Gluon kernels over the rows sorted by expert) and at 1 (per pick); ``moe256`` V2-Lite's bf16
+routed + 2 shared experts (64 top-6, hidden 2048, intermediate 1408) at 256 tokens (the grouped Triton kernels, #28's
+largest batch).
 """
 
 from __future__ import annotations
