@@ -38,10 +38,12 @@ def _fp8_linear_kernel(
     the caller adds the slices; with it the tile's last program to arrive (an acquire-release count on
     ``count_ptr``, one int32 a tile, 0 on entry and left 0) adds them in slice order and stores ``out``: one
     launch, and the sum does not depend on which program came last. ``PDL``: launched with programmatic dependent
-    launch (``_pdl.py``; launches of at most ``PDL_MAX_BYTES`` of codes); every program requests its first weight
-    step, then waits (:func:`_tile`) before it reads x or writes anything, so it only overlaps the kernel before.
-    ``PAIR`` (one group): the column tiles past ``cdiv(N, BLOCK_N)`` are a second weight's (``w2_ptr``/``s2_ptr``,
-    ``[N2, K]`` with the first's strides), written to ``y``'s columns ``N .. N + N2``."""
+    launch (``_pdl.py``; launches of at most ``PDL_MAX_BYTES`` of codes); every program waits before it reads
+    anything, so it only overlaps the kernel before. ``PAIR`` (one group): the column tiles past ``cdiv(N, BLOCK_N)``
+    are a second weight's (``w2_ptr``/``s2_ptr``, ``[N2, K]`` with the first's strides), written to ``y``'s columns
+    ``N .. N + N2``."""
+    pdl_wait(PDL)
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
     pid_m = tl.program_id(0) // SPLIT_K
@@ -58,7 +60,7 @@ def _fp8_linear_kernel(
             w_base = w2_ptr
             s_base = s2_ptr
     acc = _tile(x_ptr + e * s_xe, w_base, s_base, offs_m, offs_m < M, local, n_lim, K,
-                kb0, tl.minimum(kb0 + KB_PER, KB), s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE, PDL)
+                kb0, tl.minimum(kb0 + KB_PER, KB), s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
     offs_n = local * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (offs_m < M)[:, None] & (offs_n < n_lim)[None, :]
     tile = e * s_ye + offs_m.to(tl.int64)[:, None] * s_ym + (col0 + offs_n)[None, :]
@@ -107,41 +109,15 @@ def _fp8_sorted_kernel(
     m_ok = offs_m < end
     e64 = e.to(tl.int64)
     acc = _tile(x_ptr, w_ptr + e64 * s_we, s_ptr + e64 * s_se, offs_m, m_ok, pid_n, N, K, 0, KB,
-                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE, False)
+                s_xm, s_wn, s_sn, BLOCK_M, BLOCK_N, ACT_QUANT, IEEE)
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok)
 
 
 @triton.jit
-def _step(acc, x_rows, codes, scale, k, k_ok, m_ok, BLOCK_M: tl.constexpr, ACT_QUANT: tl.constexpr,
-          IEEE: tl.constexpr):
-    """``acc`` plus one 128-wide K step: x's rows at columns ``k`` times the weight ``codes [BLOCK_N, 128]`` (e4m3
-    bytes) and their block ``scale``."""
-    x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-    w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if ACT_QUANT:
-        amax = tl.max(tl.abs(x), axis=1)
-        sx = tl.maximum(tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32)), SCALE_FLOOR)
-        quot = tl.math.div_rn(x, tl.broadcast_to(sx[:, None], (BLOCK_M, 128)))
-        quot = tl.minimum(tl.maximum(quot, -FP8_MAX), FP8_MAX)
-        x = e4m3_codes(quot).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if IEEE:
-        part = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # codes are exact in bf16; x was bf16 (or its fp8 codes)
-        part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    if ACT_QUANT:
-        return acc + part * (sx[:, None] * scale)
-    return acc + part * scale
-
-
-@triton.jit
 def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s_xm, s_wn, s_sn,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr,
-          PDL: tl.constexpr):
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_QUANT: tl.constexpr, IEEE: tl.constexpr):
     """float32 ``[BLOCK_M, BLOCK_N]`` tile of ``x @ W.T`` for rows ``offs_m`` and column tile ``pid_n``, summed
-    over the 128-wide K steps ``[kb_start, kb_end)``. With ``PDL`` the first step's weight codes and scale are
-    requested before the wait (``_pdl.py``: no kernel of a step writes weights; x, which the kernel before may write,
-    after it), so they stream in while that kernel ends; the wait and the trigger are this tile's (every program of a
-    launch calls it once)."""
+    over the 128-wide K steps ``[kb_start, kb_end)``."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
     n_ok = offs_n < N
@@ -149,21 +125,27 @@ def _tile(x_base, w_base, s_base, offs_m, m_ok, pid_n, N, K, kb_start, kb_end, s
     w_rows = w_base + offs_n.to(tl.int64) * s_wn
     s_row = s_base + (pid_n * BLOCK_N // 128) * s_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    first = kb_start
-    if PDL:  # without PDL the loop's software pipeline requests the first steps together: no step taken out of it
-        k = kb_start * 128 + offs_k
-        k_ok = (k < K) & (kb_start < kb_end)  # an empty range: a first step of zeros, adding 0
-        codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        scale = tl.load(s_row + kb_start, mask=kb_start < kb_end, other=0.0)
-        pdl_wait(PDL)
-        pdl_launch_dependents(PDL)
-        acc = _step(acc, x_rows, codes, scale, k, k_ok, m_ok, BLOCK_M, ACT_QUANT, IEEE)
-        first = kb_start + 1
-    for kb in range(first, kb_end):
+    for kb in range(kb_start, kb_end):
         k = kb * 128 + offs_k
         k_ok = k < K
+        x = tl.load(x_rows[:, None] + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         codes = tl.load(w_rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc = _step(acc, x_rows, codes, tl.load(s_row + kb), k, k_ok, m_ok, BLOCK_M, ACT_QUANT, IEEE)
+        w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = tl.load(s_row + kb)
+        if ACT_QUANT:
+            amax = tl.max(tl.abs(x), axis=1)
+            sx = tl.maximum(tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32)), SCALE_FLOOR)
+            quot = tl.math.div_rn(x, tl.broadcast_to(sx[:, None], (BLOCK_M, 128)))
+            quot = tl.minimum(tl.maximum(quot, -FP8_MAX), FP8_MAX)
+            x = e4m3_codes(quot).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if IEEE:
+            part = tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # codes are exact in bf16; x was bf16 (or its fp8 codes)
+            part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        if ACT_QUANT:
+            acc += part * (sx[:, None] * scale)
+        else:
+            acc += part * scale
     return acc
 
 

@@ -57,11 +57,11 @@ def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
                                                           ((3, 700), (70, 700), 3, True),
                                                           ((5, 300), (3, 70, 300), 2, False),
                                                           ((1, 520), (130, 520), 4, True)])
-def test_interpreter_pdl_launch_takes_its_first_step_before_the_wait(x_shape, w_shape, split, serial, act_quant,
+def test_interpreter_pdl_launch_matches_float64(x_shape, w_shape, split, serial, act_quant,
                                                                      monkeypatch):
-    """The launch an sm_90 device makes with PDL (``PDL=True``: each program's first K step's weights requested
-    before the wait, the rest in the loop), its wait and trigger stood in by no-ops (the interpreter has no
-    ``griddepcontrol``): dense, K split and serial split, against float64."""
+    """The launch an sm_90 device makes with PDL (``PDL=True``), its wait and trigger stood in by recorders (the
+    interpreter has no ``griddepcontrol``): dense, K split and serial split, against float64; every program waits,
+    then triggers."""
     import triton.language as tl
 
     from mla_compile.ops.triton import fp8_block_linear as k
