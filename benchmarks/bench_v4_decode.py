@@ -616,8 +616,8 @@ def main(argv=None) -> int:
         from mla_compile.parallel import ParallelConfig, init
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = dict(tp=world, ep=world) if args.parallel == "tp" else dict(tp=world, dp_attention=world, ep=world)
-        state = init(ParallelConfig(**layout), device=None if dev.type == "cuda" else dev)
+        dp = world if args.parallel == "dp" else 1  # "tp": one attention group splitting the heads
+        state = init(ParallelConfig(tp=world, dp_attention=dp, ep=world), device=None if dev.type == "cuda" else dev)
         dev, rank = state.device, state.rank
     dtype = run_dtype(args, dev)
     start = time.time()

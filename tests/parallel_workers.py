@@ -957,8 +957,7 @@ def v4_dp_ep_quantized_equals_single(rank, world, kind, where, attn_tp=False):
     from mla_compile.models.fp8_linear import FP8Experts
     from tests.model.test_v4_checkpoint import _quantized_checkpoint
 
-    state = init(ParallelConfig(tp=world, ep=world) if attn_tp else
-                 ParallelConfig(tp=world, dp_attention=world, ep=world), timeout=60)
+    state = init(ParallelConfig(tp=world, dp_attention=1 if attn_tp else world, ep=world), timeout=60)
     root = Path(where) / "q"
     overrides = {"moe_intermediate_size": 32} if kind == "fp4" else {}
     if attn_tp:
@@ -1052,8 +1051,8 @@ def v4_dp_ep_on_device(rank, world, attn_tp=False):
     from mla_compile.models.v4_model import V4Sequences
     from tests.cuda_capture import capture
 
-    layout = dict(tp=world, ep=world) if attn_tp else dict(tp=world, dp_attention=world, ep=world)
-    state = init(ParallelConfig(**layout), single_rank_collectives=world == 1, timeout=120)
+    state = init(ParallelConfig(tp=world, dp_attention=1 if attn_tp else world, ep=world),
+                 single_rank_collectives=world == 1, timeout=120)
     dev = state.device
     hf = toy_v4_model(5).to(dev)
     ref = patch(copy.deepcopy(hf))
