@@ -29,7 +29,7 @@ from mla_compile.ops.registry import FLOATS, LAYOUT_TAGS, declare, declare_op
 from mla_compile.ops.select import resolve
 
 OP = declare_op("hc_pre", "mla.hc_pre")
-MAX_TOKENS = 256  # the Triton backend's split-K pass reads fn from L2 once for every few tokens: past this, a GEMM
+MAX_TOKENS = 256  # the Triton backend's split-K pass reads fn once a token (from L2): past this, a GEMM
 MAX_N = 8  # the most streams the Triton kernels take (V4 has 4)
 
 

@@ -1,9 +1,8 @@
 """Triton ``mla::hc_pre``: a V4 hyper-connection before its block in two launches, for few tokens (more: the
 reference's math with ``mla::hc_sinkhorn``'s kernel, see :func:`hc_pre_triton`).
 
-``_hc_mix_kernel``, grid ``(splits, T / tokens)``: program ``(s, j)`` loads the same ``BLOCK_K`` columns of all
-``2n + n*n`` rows of ``fn`` once (in fn's dtype, converted in registers: no float32 copy of fn) and, for each of its
-``tokens`` tokens (1 for few tokens; :func:`mix_tokens`), reads those columns of the token's ``n*D`` stream values
+``_hc_mix_kernel``, grid ``(splits, T)``: program ``(s, t)`` reads ``BLOCK_K`` of token t's ``n*D`` stream values and
+the same columns of all ``2n + n*n`` rows of ``fn`` (in fn's dtype, converted in registers: no float32 copy of fn),
 and stores the partial dots and the partial sum of squares (the RMS norm folds in afterwards: it scales a token's
 whole row, so ``rms(x) @ fn.T = (x @ fn.T) * rsqrt(mean(x^2) + eps)``).
 
@@ -28,42 +27,21 @@ from mla_compile.ops.triton.hc_sinkhorn import sinkhorn_cells
 
 BLOCK_K = 512  # stream values a split-K program reads (fn: (2n + n*n) x BLOCK_K)
 BLOCK_D = 512  # columns of the collapse a finishing program writes
-MIX_PROGRAMS = 256  # about two split-K programs an SM (H100 / H200: 132): a launch above takes several tokens each
-MIX_MAX_TOKENS = 16
-MIX_MAX_ROWS = 32  # fn's padded rows a program holds across its tokens (V4's 4 streams: 24 -> 32; 8 warps, no spill)
 
 
 @triton.jit
-def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, M, SPLITS, TOKENS, s_x, s_fn,
-                   MP: tl.constexpr, BLOCK_K: tl.constexpr, MULTI: tl.constexpr):
+def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, K, M, SPLITS, s_x, s_fn,
+                   MP: tl.constexpr, BLOCK_K: tl.constexpr):
     s = tl.program_id(0)
-    t0 = tl.program_id(1).to(tl.int64) * TOKENS
+    t = tl.program_id(1).to(tl.int64)
     k = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = k < K
     m = tl.arange(0, MP)
-    w_ptrs = fn_ptr + m[:, None].to(tl.int64) * s_fn + k[None, :]
-    w_ok = (m < M)[:, None] & k_ok[None, :]
-    if MULTI:  # fn's columns loaded once for TOKENS tokens, held across them
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-        for t in range(t0, tl.minimum(t0 + TOKENS, T)):
-            xv = tl.load(x_ptr + t * s_x + k, mask=k_ok, other=0.0).to(tl.float32)
-            tl.store(part_ptr + (t * SPLITS + s) * MP + m, tl.sum(w * xv[None, :], axis=1))
-            tl.store(sq_ptr + t * SPLITS + s, tl.sum(xv * xv, axis=0))
-    else:  # one token: fn's tile streams through
-        xv = tl.load(x_ptr + t0 * s_x + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=w_ok, other=0.0).to(tl.float32)
-        tl.store(part_ptr + (t0 * SPLITS + s) * MP + m, tl.sum(w * xv[None, :], axis=1))
-        tl.store(sq_ptr + t0 * SPLITS + s, tl.sum(xv * xv, axis=0))
-
-
-def mix_tokens(T: int, splits: int, mp: int) -> int:
-    """Tokens one ``_hc_mix_kernel`` program takes for ``mp`` (padded) rows of fn: 1 while the ``splits x T`` programs
-    number at most ``MIX_PROGRAMS`` or fn's tile is too big to hold in registers (``mp > MIX_MAX_ROWS``), else enough
-    (up to ``MIX_MAX_TOKENS``) to bring them down to about that, so fn is read from L2 once for each program's tokens
-    rather than once a token."""
-    if mp > MIX_MAX_ROWS:
-        return 1
-    return max(1, min(MIX_MAX_TOKENS, splits * T // MIX_PROGRAMS))
+    xv = tl.load(x_ptr + t * s_x + k, mask=k_ok, other=0.0).to(tl.float32)
+    w = tl.load(fn_ptr + m[:, None].to(tl.int64) * s_fn + k[None, :], mask=(m < M)[:, None] & k_ok[None, :],
+                other=0.0).to(tl.float32)
+    tl.store(part_ptr + (t * SPLITS + s) * MP + m, tl.sum(w * xv[None, :], axis=1))
+    tl.store(sq_ptr + t * SPLITS + s, tl.sum(xv * xv, axis=0))
 
 
 @triton.jit
@@ -123,10 +101,8 @@ def _launch(x: Tensor, fn: Tensor, base: Tensor, scale: Tensor, iters: int, norm
     splits = triton.cdiv(K, BLOCK_K)
     part = torch.empty(T, splits, mp, dtype=torch.float32, device=x.device)
     sq = torch.empty(T, splits, dtype=torch.float32, device=x.device)
-    tokens = mix_tokens(T, splits, mp)
-    wrap_triton(_hc_mix_kernel)[(splits, triton.cdiv(T, tokens))](
-        x, fn, part, sq, T, K, M, splits, tokens, x.stride(0), fn.stride(0), MP=mp, BLOCK_K=BLOCK_K,
-        MULTI=tokens > 1, num_warps=8 if tokens > 1 else 4,  # fn's tile held across the tokens: 4 warps spill it
+    wrap_triton(_hc_mix_kernel)[(splits, T)](
+        x, fn, part, sq, K, M, splits, x.stride(0), fn.stride(0), MP=mp, BLOCK_K=BLOCK_K, num_warps=4,
     )
     wrap_triton(_hc_finish_kernel)[(T, triton.cdiv(D, BLOCK_D))](
         x, part, sq, base.contiguous(), scale.contiguous(), post, comb, out, D, splits, iters, float(norm_eps),

@@ -126,23 +126,6 @@ def test_interpreter_matches_float64_math(T, n, D, iters, dtype, wdtype):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
-@pytest.mark.parametrize("programs,T", [(4, 7), (8, 9)])
-def test_interpreter_mix_programs_take_several_tokens(programs, T, monkeypatch):
-    """Launches with more split-K programs than ``MIX_PROGRAMS`` give each program several tokens (fn's columns
-    loaded once for them; a last program with fewer): the same float64-close results, every output written."""
-    from mla_compile.ops.triton import hc_pre as k
-
-    monkeypatch.setattr(k, "MIX_PROGRAMS", programs)
-    n, D = 4, 256
-    tokens = k.mix_tokens(T, n * D // k.BLOCK_K, 32)
-    assert 1 < tokens < T and T % tokens and k.mix_tokens(T, n * D // k.BLOCK_K, 128) == 1
-    args = make(T, n, D, seed=90 + T, dtype=torch.bfloat16, wdtype=torch.float32)
-    with poisoned_empty():
-        got = k._launch(*args, 20, 1e-6, 1e-6)
-    _check(got, args, 20, 1e-6, 1e-6, 8e-3)
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 and an importable triton")
 def test_interpreter_bounds():
     from mla_compile.ops.triton.hc_pre import _launch
 
