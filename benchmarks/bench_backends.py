@@ -20,7 +20,8 @@ rows of the other ops are kept (its rows of these ops are replaced).
 ``v4_attention`` shapes: ``batch`` decode rows (one query row per sequence) at position 8192 with V4 dims (heads
 of 512, rope 64, window 128, CSA top-512 of the ctx / 4 entries, HCA all ctx / 128 entries, as
 ``bench_v4_decode.py --attention``), one shape per layer kind, ``context`` = the slots each row lists
-(:data:`V4_SLOTS`), the timing class the V4 model's calls name.
+(:data:`V4_SLOTS`), the timing class the V4 model's calls name; at 16, 32, 64 and 128 heads (a rank's share of
+V4-Flash's 64 or V4-Pro's 128 when tensor parallelism splits the heads, and the whole of each).
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ GRID: tuple[Shape, ...] = (
     *(Shape("sparse_decode", h, 128, 2048, cache) for h in (16, 128) for cache in ("bfloat16", "fp8")),
     *(Shape("prefill", h, n, L) for h in (16, 128) for n, L in ((8, 4096), (2, 1024))),
     *(Shape("merge", h, 1024, 1024) for h in (16, 128)),
-    # 64 heads: V4-Flash, 128: V4-Pro
-    *(Shape("v4_attention", h, b, slots) for h in (64, 128) for slots in V4_SLOTS.values() for b in (1, 8, 64, 256)),
+    # 64 heads: V4-Flash, 128: V4-Pro; 16 and 32: a rank's heads when tensor parallelism splits them (8 counts as 16)
+    *(Shape("v4_attention", h, b, slots) for h in (16, 32, 64, 128) for slots in V4_SLOTS.values()
+      for b in (1, 8, 64, 256)),
 )
 
 
