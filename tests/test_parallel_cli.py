@@ -33,7 +33,7 @@ def test_demo_rejects_a_layout_that_does_not_divide(capsys):
 def test_torchrun_generate_v4_dp_attention_ep_two_processes(tmp_path):
     """``torchrun ... generate --tp 2 --dp-attention 2 --ep 2`` on a tiny DeepSeek-V4 checkpoint: each rank reads its
     experts, both serve the prompt in lockstep, rank 0 prints the text the single-process model generates; the same
-    with the heads split (``--tp 2 --ep 2``); ``--tp 2`` alone is refused by name on both ranks."""
+    with the heads split (``--tp 2 --ep 2``); ``--tp 2`` alone is refused by name."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip("transformers has no DeepseekV4ForCausalLM")
@@ -65,11 +65,13 @@ def test_torchrun_generate_v4_dp_attention_ep_two_processes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout == want + "\n"
     assert "rank 0 of 2: ParallelConfig(tp=2, dp_attention=1, dcp=1, ep=2)" in proc.stderr
-    # a layout V4 does not shard (experts split within): both ranks stop with the error named, no traceback
+    # a layout V4 does not shard (experts split within): the ranks stop with the error named, no traceback. One rank
+    # or both print it: once one exits, torchrun ends the other, which may not have reached the check yet (every
+    # rank's refusal is tested in-process: tests/test_parallel_v4.py)
     bad = cmd[:i] + cmd[i + 4:]  # --tp 2 alone: no --dp-attention 2 --ep 2
     assert "--ep" not in bad and "--tp" in bad
     proc = subprocess.run(bad, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
-    assert proc.returncode != 0 and proc.stderr.count("generate: error: DeepSeek-V4 shards its routed experts") == 2
+    assert proc.returncode != 0 and proc.stderr.count("generate: error: DeepSeek-V4 shards its routed experts") in (1, 2)
     assert "NotImplementedError" not in proc.stderr  # reported, not raised (torchrun then reports the exit codes)
 
 
