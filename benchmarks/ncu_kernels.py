@@ -134,8 +134,9 @@ def _fp4_experts(T: int, dev: str, E: int = 256, H: int = 4096, I: int = 2048, k
 
 
 def _bf16_experts(T: int, dev: str, E: int = 64, H: int = 2048, I: int = 1408, k: int = 6, shared: int = 2,
-                  backend: str = "grouped"):
-    """One call of ``mla::moe_experts`` (``backend``; "grouped": the grouped Triton kernels) at V2-Lite's dims over
+                  backend: str = "triton-grouped"):
+    """One call of ``mla::moe_experts`` (``backend``; "triton-grouped": the grouped Triton kernels the full-depth step
+    takes at large batches; "grouped" would be torch's ``_grouped_mm``) at V2-Lite's dims over
     ``T`` tokens, its shared experts folded in."""
     import torch
 
