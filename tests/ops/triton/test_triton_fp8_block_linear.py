@@ -57,8 +57,7 @@ def test_interpreter_split_k_matches_float64(split, w_shape, act_quant):
                                                           ((3, 700), (70, 700), 3, True),
                                                           ((5, 300), (3, 70, 300), 2, False),
                                                           ((1, 520), (130, 520), 4, True)])
-def test_interpreter_pdl_launch_matches_float64(x_shape, w_shape, split, serial, act_quant,
-                                                                     monkeypatch):
+def test_interpreter_pdl_launch_matches_float64(x_shape, w_shape, split, serial, act_quant, monkeypatch):
     """The launch an sm_90 device makes with PDL (``PDL=True``), its wait and trigger stood in by recorders (the
     interpreter has no ``griddepcontrol``): dense, K split and serial split, against float64; every program waits,
     then triggers."""
